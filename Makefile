@@ -1,0 +1,37 @@
+# Two commands do all set-up on a fresh machine: `make demo` and `make test`.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install demo test lint model bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# The CPU build of torch lies on this machine's disk; installing it first keeps
+	# pip from fetching a multi-GB CUDA build for the `worker` extra.
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+model: install
+	$(BIN)/lorapool prepare-model
+
+demo: model
+	$(BIN)/lorapool demo
+
+test: model
+	$(BIN)/python -m pytest -q
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+bench: model
+	$(BIN)/lorapool bench engine
+
+clean:
+	rm -rf $(VENV) build *.egg-info

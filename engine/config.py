@@ -1,0 +1,77 @@
+"""EngineArgs: every engine option, validated once and passed down."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
+
+
+@dataclass
+class EngineArgs:
+    """Options of one engine (vLLM's names where vLLM has the option)."""
+
+    model: str
+    tokenizer: str | None = None
+    dtype: str = "auto"  # auto: float32 on CPU, the checkpoint's dtype on CUDA
+    device: str = "auto"  # auto: cuda when available
+    seed: int = 0
+    block_size: int = 16
+    kv_cache_memory: int | None = None  # bytes for the KV cache
+    gpu_memory_utilization: float = 0.9
+    num_kv_blocks: int | None = None  # overrides kv_cache_memory
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_logprobs: int = 20
+    enable_prefix_caching: bool = False
+    # multi-LoRA
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    lora_dtype: str = "auto"
+    adapter_roots: list[str] = field(default_factory=list)
+
+    def __post_init__(self):
+        _positive(self, "block_size", "max_num_seqs", "max_num_batched_tokens", "max_loras",
+                  "max_lora_rank")
+        if self.block_size not in (8, 16, 32, 64, 128):
+            raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128, got {self.block_size}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at "
+                             f"least max_num_seqs ({self.max_num_seqs})")
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be auto or one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        if self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least "
+                             f"max_loras ({self.max_loras})")
+        if self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
+
+    def resolve_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def resolve_dtype(self, device: torch.device, checkpoint_dtype: torch.dtype | None):
+        if self.dtype != "auto":
+            return _DTYPES[self.dtype]
+        if device.type == "cpu":
+            return torch.float32
+        return checkpoint_dtype if checkpoint_dtype in _DTYPES.values() else torch.bfloat16
+
+    def resolve_lora_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        return model_dtype if self.lora_dtype == "auto" else _DTYPES[self.lora_dtype]
+
+
+def _positive(args: EngineArgs, *names: str) -> None:
+    for name in names:
+        value = getattr(args, name)
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")

@@ -1,0 +1,192 @@
+"""Continuous batching with chunked prefill, plain Python.
+
+Every step spends a budget of ``max_num_batched_tokens``: first on the running
+sequences in arrival order (one token each when decoding, the next chunk of
+their prompt when prefilling), then on waiting sequences in arrival order.
+When the KV cache runs out of blocks the newest running sequence is preempted:
+its blocks are freed and it returns to the head of the queue, to be
+recomputed from its tokens later. Nothing is ever dropped; a sequence that
+could never fit was refused at ``add_request``.
+
+Adapters: a step runs at most ``max_loras`` distinct adapters (the base model,
+id 0, does not count). A waiting sequence whose adapter has no slot is
+skipped, so it does not block the others. It is not starved: once it has been
+skipped for S = ``starvation_steps`` steps, no adapter sequence behind it is
+admitted (base-model ones still are), so the running adapters drain and the
+first slot that frees is its own. Bound: with k distinct adapters waiting
+ahead of it, a sequence is admitted within (k + 1) * (S + D) steps, where D is
+the most steps a running sequence needs to finish (its remaining tokens, as
+every running sequence advances every step: max_num_batched_tokens >=
+max_num_seqs).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from lorapool.engine.block_manager import BlockManager
+from lorapool.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_loras: int | None = None  # None: adapters unlimited (LoRA disabled)
+    starvation_steps: int = 8
+
+    def __post_init__(self):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "starvation_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.max_loras is not None and self.max_loras < 1:
+            raise ValueError(f"max_loras must be at least 1, got {self.max_loras}")
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    start: int  # tokens of seq already in the cache before this step
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """This chunk reaches the end of the sequence's tokens: sample the next one."""
+        return self.start + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def lora_ids(self) -> set[int]:
+        """Distinct adapters in this step (0, the base model, excluded)."""
+        return {s.seq.lora_int_id for s in self.scheduled} - {0}
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_skipped: dict[int, int] = {}  # seq_id -> steps skipped for want of an adapter slot
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        if not out.preempted:
+            self._schedule_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            while not self.block_manager.can_allocate(seq, num_new):
+                victim = self.running[-1]
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+            if seq.status != SequenceStatus.RUNNING:
+                break
+            self._admit_tokens(seq, num_new, out)
+            budget -= num_new
+            i += 1
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        active = {s.lora_int_id for s in self.running} - {0}
+        blocked_new_adapters = False
+        for seq in list(self.waiting):
+            if budget == 0 or len(self.running) >= self.config.max_num_seqs:
+                break
+            if not self._adapter_fits(seq, active, blocked_new_adapters):
+                blocked_new_adapters |= self._note_skipped(seq)
+                continue
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            if not self.block_manager.can_allocate(seq, num_new):
+                break
+            self.waiting.remove(seq)
+            self.num_skipped.pop(seq.seq_id, None)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            self._admit_tokens(seq, num_new, out)
+            active.add(seq.lora_int_id)
+            active.discard(0)
+            budget -= num_new
+
+    def _adapter_fits(self, seq: Sequence, active: set[int], blocked: bool) -> bool:
+        lora_id = seq.lora_int_id
+        if lora_id == 0:
+            return True
+        if blocked:  # an older sequence is starving: let the running adapters drain
+            return False
+        limit = self.config.max_loras
+        return lora_id in active or limit is None or len(active) < limit
+
+    def _note_skipped(self, seq: Sequence) -> bool:
+        """Count a skip; True once the sequence is starving (blocks new adapters)."""
+        skipped = self.num_skipped.get(seq.seq_id, 0) + 1
+        self.num_skipped[seq.seq_id] = skipped
+        return skipped >= self.config.starvation_steps
+
+    def _admit_tokens(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> None:
+        out.blocks_to_copy += self.block_manager.allocate(seq, num_new)
+        out.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, num_new))
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.reset_for_recompute()
+        out.preempted.append(seq)
+        # Back to the head of the queue, ahead of everything that arrived later.
+        position = 0
+        while position < len(self.waiting) and self._older(self.waiting[position], seq):
+            position += 1
+        self.waiting.insert(position, seq)
+
+    @staticmethod
+    def _older(a: Sequence, b: Sequence) -> bool:
+        return (a.request.arrival_time, a.seq_id) < (b.request.arrival_time, b.seq_id)
+
+    def postprocess(self, out: SchedulerOutput) -> None:
+        """The step ran: the scheduled tokens are now in the cache."""
+        for item in out.scheduled:
+            item.seq.num_computed_tokens = item.start + item.num_new_tokens
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """``child`` starts running beside ``parent``, sharing its blocks."""
+        self.block_manager.fork(parent, child)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.status = SequenceStatus.RUNNING
+        self.running.insert(self.running.index(parent) + 1, child)
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove ``seq`` (finished or aborted) and free its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.num_skipped.pop(seq.seq_id, None)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED

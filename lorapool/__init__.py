@@ -1,0 +1,44 @@
+"""lorapool: many LoRA adapters over one base LLM, served by a Redis-queue worker pool.
+
+The data types are torch-free and imported eagerly. The engine and the
+producers are imported on first use, so that a web app that only submits
+jobs never imports torch.
+"""
+
+from importlib import import_module
+
+from lorapool.protocol import (
+    CompletionOutput,
+    Logprob,
+    LoRARequest,
+    RequestMetrics,
+    RequestOutput,
+    RequestOutputKind,
+    SamplingParams,
+)
+
+_LAZY = {
+    "LLM": "lorapool.engine.llm",
+    "LLMEngine": "lorapool.engine.llm_engine",
+    "EngineArgs": "lorapool.engine.config",
+    "Producer": "lorapool.producer",
+    "AsyncProducer": "lorapool.producer",
+}
+
+__all__ = [
+    "CompletionOutput",
+    "Logprob",
+    "LoRARequest",
+    "RequestMetrics",
+    "RequestOutput",
+    "RequestOutputKind",
+    "SamplingParams",
+    *_LAZY,
+]
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'lorapool' has no attribute {name!r}")
+    return getattr(import_module(module), name)

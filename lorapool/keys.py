@@ -1,0 +1,62 @@
+"""Every Redis key name lorapool uses, in one place.
+
+Per-request keys wrap the request id in a hash tag (``{...}``) so that all the
+keys of one request land in the same Redis Cluster slot.
+"""
+
+from dataclasses import dataclass
+
+DEFAULT_PREFIX = "lorapool"
+WORKERS_GROUP = "workers"
+AUDIT_GROUP = "audit"
+
+
+@dataclass(frozen=True)
+class Keys:
+    prefix: str = DEFAULT_PREFIX
+
+    def __post_init__(self):
+        if not self.prefix or any(c in self.prefix for c in "{} \n"):
+            raise ValueError(f"invalid key prefix {self.prefix!r}")
+
+    @property
+    def requests(self) -> str:
+        """Stream of jobs; consumer group ``workers``."""
+        return f"{self.prefix}:requests"
+
+    @property
+    def dead(self) -> str:
+        """Stream of dead-lettered jobs with their reason."""
+        return f"{self.prefix}:dead"
+
+    @property
+    def audit(self) -> str:
+        """Stream of final records for the audit writer; group ``audit``."""
+        return f"{self.prefix}:audit"
+
+    @property
+    def adapters(self) -> str:
+        """Hash: adapter name -> registry record."""
+        return f"{self.prefix}:adapters"
+
+    @property
+    def adapter_ids(self) -> str:
+        """Hash: adapter int id -> adapter name (keeps ids unique)."""
+        return f"{self.prefix}:adapter-ids"
+
+    @property
+    def workers(self) -> str:
+        """Hash: worker id -> heartbeat record."""
+        return f"{self.prefix}:workers"
+
+    def job(self, request_id: str) -> str:
+        """Idempotency marker and status of one job."""
+        return f"{self.prefix}:job:{{{request_id}}}"
+
+    def out(self, request_id: str) -> str:
+        """Chunk log (stream) and live channel (pub/sub) of one request."""
+        return f"{self.prefix}:out:{{{request_id}}}"
+
+    def abort(self, request_id: str) -> str:
+        """Abort flag of one request, read by whichever worker holds it."""
+        return f"{self.prefix}:abort:{{{request_id}}}"
