@@ -24,7 +24,7 @@ demo: model
 	$(BIN)/lorapool demo
 
 test: model
-	$(BIN)/python -m pytest -q
+	$(BIN)/pytest -q
 
 lint: install
 	$(BIN)/ruff check .
