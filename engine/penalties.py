@@ -1,0 +1,109 @@
+"""Logit penalties applied before temperature: repetition, frequency, presence, min_tokens.
+
+Semantics (vLLM's, which match transformers' and OpenAI's):
+  repetition (HF style, over prompt + output tokens): l > 0 -> l / r, else l * r
+  frequency  (OpenAI, over output tokens):            l -= f * count(token)
+  presence   (OpenAI, over output tokens):            l -= p * [token occurred]
+  min_tokens: while len(output) < min_tokens, EOS and stop_token_ids -> -inf
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from itertools import chain
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from lorapool.engine.sampler import SamplingRow
+
+
+def needs_penalties(row: SamplingRow) -> bool:
+    p = row.params
+    return (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0
+            or p.frequency_penalty != 0.0 or len(row.output_token_ids) < p.min_tokens)
+
+
+def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow],
+                    eos_token_ids: Sequence[int]) -> torch.Tensor:
+    """Return ``logits`` [S, V] with every row's penalties applied.
+
+    The input is never modified: a copy is made when some row has a penalty,
+    otherwise ``logits`` itself is returned.
+    """
+    if not any(needs_penalties(row) for row in rows):
+        return logits
+    x = logits.clone()
+    _repetition(x, [(i, r) for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0])
+    _frequency(x, [(i, r) for i, r in enumerate(rows) if r.params.frequency_penalty != 0.0])
+    _presence(x, [(i, r) for i, r in enumerate(rows) if r.params.presence_penalty != 0.0])
+    _min_tokens(x, rows, eos_token_ids)
+    return x
+
+
+def _flat_index(x: torch.Tensor, rows: list[int], token_lists: list[Sequence[int]]):
+    """(row index, token id) pairs of every token of every listed row, as tensors."""
+    counts = torch.tensor([len(t) for t in token_lists], dtype=torch.long)
+    row_idx = torch.repeat_interleave(torch.tensor(rows, dtype=torch.long), counts)
+    tok_idx = torch.tensor(list(chain.from_iterable(token_lists)), dtype=torch.long)
+    inside = tok_idx < x.shape[1]  # ids past the logits' vocab cannot be sampled anyway
+    if not bool(inside.all()):
+        row_idx, tok_idx = row_idx[inside], tok_idx[inside]
+    return row_idx.to(x.device), tok_idx.to(x.device)
+
+
+def _per_row(x: torch.Tensor, values: list[float]) -> torch.Tensor:
+    """A [S] tensor holding ``values`` at the given rows (others unused)."""
+    return torch.tensor(values, dtype=x.dtype, device=x.device)
+
+
+def _repetition(x: torch.Tensor, rows: list[tuple[int, SamplingRow]]) -> None:
+    if not rows:
+        return
+    tokens = [list(r.prompt_token_ids) + list(r.output_token_ids) for _, r in rows]
+    r_idx, t_idx = _flat_index(x, [i for i, _ in rows], tokens)
+    if r_idx.numel() == 0:
+        return
+    penalty = torch.ones(x.shape[0], dtype=x.dtype, device=x.device)
+    penalty[[i for i, _ in rows]] = _per_row(x, [r.params.repetition_penalty for _, r in rows])
+    # Duplicate (row, token) pairs all write the same value, computed from the original.
+    values, pen = x[r_idx, t_idx], penalty[r_idx]
+    x[r_idx, t_idx] = torch.where(values > 0, values / pen, values * pen)
+
+
+def _frequency(x: torch.Tensor, rows: list[tuple[int, SamplingRow]]) -> None:
+    if not rows:
+        return
+    r_idx, t_idx = _flat_index(x, [i for i, _ in rows], [r.output_token_ids for _, r in rows])
+    if r_idx.numel() == 0:
+        return
+    freq = torch.zeros(x.shape[0], dtype=x.dtype, device=x.device)
+    freq[[i for i, _ in rows]] = _per_row(x, [r.params.frequency_penalty for _, r in rows])
+    # accumulate=True: a token seen c times is lowered c times.
+    x.index_put_((r_idx, t_idx), -freq[r_idx], accumulate=True)
+
+
+def _presence(x: torch.Tensor, rows: list[tuple[int, SamplingRow]]) -> None:
+    if not rows:
+        return
+    r_idx, t_idx = _flat_index(x, [i for i, _ in rows], [r.output_token_ids for _, r in rows])
+    if r_idx.numel() == 0:
+        return
+    pres = torch.zeros(x.shape[0], dtype=x.dtype, device=x.device)
+    pres[[i for i, _ in rows]] = _per_row(x, [r.params.presence_penalty for _, r in rows])
+    x[r_idx, t_idx] = x[r_idx, t_idx] - pres[r_idx]
+
+
+def _min_tokens(x: torch.Tensor, rows: Sequence[SamplingRow],
+                eos_token_ids: Sequence[int]) -> None:
+    vocab = x.shape[1]
+    active, banned = [], []
+    for i, row in enumerate(rows):
+        if len(row.output_token_ids) < row.params.min_tokens:
+            ids = {t for t in chain(eos_token_ids, row.params.stop_token_ids) if 0 <= t < vocab}
+            active.append(i)
+            banned.append(sorted(ids))
+    if active:
+        r_idx, t_idx = _flat_index(x, active, banned)
+        x[r_idx, t_idx] = float("-inf")

@@ -1,0 +1,194 @@
+"""The next token of every running sequence, and the logprobs asked for.
+
+Per row (vLLM's semantics):
+  1. logprobs, when asked, are those of the raw model distribution
+     (log_softmax of the unprocessed logits);
+  2. penalties and min_tokens (``penalties.py``);
+  3. greedy rows (temperature < 1e-5) take the argmax;
+  4. the others: temperature, top-k, top-p, min-p (``warpers.py``), then a draw.
+
+The draw inverts the CDF of the processed distribution with one uniform
+number u in (0, 1] per row. A row whose request has a ``seed`` derives u only
+from (seed, seq_index, number of tokens generated so far): it samples the same
+tokens alone or in any batch, after recomputation, or on another worker that
+resumes it. Other rows take u from the sampler's own generator.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from lorapool.engine.penalties import apply_penalties
+from lorapool.engine.warpers import warp
+from lorapool.protocol import Logprob, SamplingParams
+
+_MASK64 = (1 << 64) - 1
+_BLOCK = 256  # the draw first picks a block of this many tokens, then a token in it
+_PROMPT_CHUNK = 512  # prompt positions per log_softmax, to bound memory
+
+
+@dataclass
+class SamplingRow:
+    """One sequence to sample a token for, this step."""
+
+    params: SamplingParams
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]  # generated so far (before this step)
+    seq_index: int = 0  # which of the request's n completions
+
+
+@dataclass
+class SampleResult:
+    token_id: int
+    logprob: float | None  # raw log-softmax of the chosen token; None unless asked
+    top_logprobs: dict[int, Logprob] | None  # chosen + top-`logprobs`, 1-based ranks
+
+
+class Sampler:
+    """Samples one token per row of a [S, V] logits tensor; never modifies it."""
+
+    def __init__(self, eos_token_ids: Iterable[int], seed: int = 0):
+        self.eos_token_ids = sorted(set(eos_token_ids))
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampleResult]:
+        if logits.dim() != 2 or logits.shape[0] != len(rows):
+            raise ValueError(f"logits {tuple(logits.shape)} do not match {len(rows)} rows")
+        if not rows:
+            return []
+        logits = logits.float()
+        raw = _raw_logprobs(logits, rows)
+        processed = apply_penalties(logits, rows, self.eos_token_ids)
+        tokens = self._sample(processed, rows, owned=processed is not logits)
+        return _results(tokens, raw, rows)
+
+    def _sample(self, x: torch.Tensor, rows: list[SamplingRow], owned: bool) -> torch.Tensor:
+        """The token of every row; ``owned``: x may be overwritten."""
+        greedy = [i for i, r in enumerate(rows) if r.params.greedy]
+        if len(greedy) == len(rows):
+            return x.argmax(dim=-1)
+        tokens = torch.empty(len(rows), dtype=torch.long, device=x.device)
+        if greedy:
+            idx = torch.tensor(greedy, dtype=torch.long, device=x.device)
+            tokens[idx] = x[idx].argmax(dim=-1)
+        sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
+        idx = torch.tensor(sampled, dtype=torch.long, device=x.device)
+        r = x[idx] if greedy else (x if owned else x.clone())
+        warp(r, [rows[i].params for i in sampled])
+        tokens[idx] = draw(r, self._uniforms([rows[i] for i in sampled]).to(x.device))
+        return tokens
+
+    def _uniforms(self, rows: list[SamplingRow]) -> torch.Tensor:
+        """One number in (0, 1] per row, float64 on the CPU."""
+        u = 1.0 - torch.rand(len(rows), dtype=torch.float64, generator=self.generator)
+        for i, row in enumerate(rows):
+            if row.params.seed is not None:
+                u[i] = seeded_uniform(row.params.seed, row.seq_index, len(row.output_token_ids))
+        return u
+
+
+def seeded_uniform(seed: int, seq_index: int, step: int) -> float:
+    """A number in (0, 1], a pure function of its arguments (splitmix64 mixing)."""
+    h = _mix(seed & _MASK64)
+    h = _mix(h ^ (seq_index & _MASK64))
+    h = _mix(h ^ (step & _MASK64))
+    return ((h >> 11) + 1) / float(1 << 53)
+
+
+def _mix(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def draw(r: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Sample from softmax(r) per row by inverting its CDF at ``u`` [R] in (0, 1].
+
+    Two levels keep the float error small: block sums pick a block of _BLOCK
+    tokens, then a float64 cumsum inside it picks the token. A token of
+    probability 0 (logit -inf) is never chosen. ``r`` is overwritten.
+    """
+    num_rows, vocab = r.shape
+    weights = r.sub_(r.amax(dim=-1, keepdim=True)).exp_()
+    pad = -vocab % _BLOCK
+    if pad:
+        weights = torch.nn.functional.pad(weights, (0, pad))
+    blocks = weights.view(num_rows, -1, _BLOCK)
+    ends = blocks.sum(dim=-1).double().cumsum(dim=-1)  # cdf at the end of each block
+    target = u.unsqueeze(1) * ends[:, -1:]
+    # The first block whose end reaches the target starts strictly below it.
+    block = torch.searchsorted(ends, target).clamp_(max=blocks.shape[1] - 1)
+    starts = torch.nn.functional.pad(ends, (1, 0))
+    rest = target - starts.gather(1, block)
+    inner = blocks[torch.arange(num_rows, device=r.device), block.squeeze(1)].double().cumsum(-1)
+    rest = torch.minimum(rest, inner[:, -1:])
+    token = torch.searchsorted(inner, rest).clamp_(max=_BLOCK - 1)
+    return (block * _BLOCK + token).squeeze(1)
+
+
+def _raw_logprobs(logits: torch.Tensor, rows: list[SamplingRow]):
+    """(row indices, their log_softmax) for the rows that asked for logprobs."""
+    asked = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+    if not asked:
+        return None
+    if len(asked) == len(rows):
+        return asked, logits.log_softmax(dim=-1)
+    idx = torch.tensor(asked, dtype=torch.long, device=logits.device)
+    return asked, logits[idx].log_softmax(dim=-1)
+
+
+def _results(tokens: torch.Tensor, raw, rows: list[SamplingRow]) -> list[SampleResult]:
+    token_list = tokens.tolist()
+    results = [SampleResult(t, None, None) for t in token_list]
+    if raw is None:
+        return results
+    asked, logprobs = raw
+    chosen = tokens[torch.tensor(asked, dtype=torch.long, device=tokens.device)]
+    dicts = logprob_dicts(logprobs, chosen, [rows[i].params.logprobs for i in asked])
+    for i, d in zip(asked, dicts):
+        results[i].logprob = d[token_list[i]].logprob
+        results[i].top_logprobs = d
+    return results
+
+
+def logprob_dicts(logprobs: torch.Tensor, chosen: torch.Tensor,
+                  ks: list[int]) -> list[dict[int, Logprob]]:
+    """Per row of ``logprobs`` [R, V]: the chosen token first, then the top ``ks[i]``.
+
+    Ranks are 1-based; the chosen token's rank counts the tokens at least as
+    likely as it (vLLM's convention).
+    """
+    chosen = chosen.unsqueeze(1)
+    chosen_lp = logprobs.gather(1, chosen)
+    ranks = (logprobs >= chosen_lp).sum(dim=-1).tolist()
+    top_k = max(ks)
+    top_values, top_ids = (logprobs.topk(top_k, dim=-1) if top_k else (None, None))
+    dicts = []
+    for i, (token, lp) in enumerate(zip(chosen.flatten().tolist(), chosen_lp.flatten().tolist())):
+        d = {token: Logprob(lp, ranks[i])}
+        if ks[i]:
+            ids, values = top_ids[i, :ks[i]].tolist(), top_values[i, :ks[i]].tolist()
+            for rank, (tid, value) in enumerate(zip(ids, values), start=1):
+                d.setdefault(tid, Logprob(value, rank))
+        dicts.append(d)
+    return dicts
+
+
+def prompt_logprobs(logits: torch.Tensor, prompt_token_ids: Sequence[int],
+                    k: int) -> list[dict[int, Logprob] | None]:
+    """Logprobs of the prompt: None for its first token, then per position the
+    actual prompt token and the top ``k``. ``logits`` [P, V]: row i predicts token i+1."""
+    result: list[dict[int, Logprob] | None] = [None]
+    num = len(prompt_token_ids) - 1
+    if num > logits.shape[0]:
+        raise ValueError(f"{logits.shape[0]} logits rows for {num + 1} prompt tokens")
+    targets = torch.tensor(list(prompt_token_ids[1:]), dtype=torch.long, device=logits.device)
+    for start in range(0, num, _PROMPT_CHUNK):
+        end = min(num, start + _PROMPT_CHUNK)
+        logprobs = logits[start:end].float().log_softmax(dim=-1)
+        result.extend(logprob_dicts(logprobs, targets[start:end], [k] * (end - start)))
+    return result
