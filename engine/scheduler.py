@@ -83,6 +83,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_skipped: dict[int, int] = {}  # seq_id -> steps skipped for want of an adapter slot
+        self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -158,6 +159,7 @@ class Scheduler:
         self.running.remove(seq)
         self.block_manager.free(seq)
         seq.reset_for_recompute()
+        self.num_preemptions += 1
         out.preempted.append(seq)
         # Back to the head of the queue, ahead of everything that arrived later.
         position = 0

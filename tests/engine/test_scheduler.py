@@ -114,7 +114,7 @@ def test_preemption_by_recompute_never_deadlocks_or_drops():
     sched = make_scheduler(num_blocks=12, block_size=4, max_num_batched_tokens=16)
     arrivals = {}
     seqs = []
-    for n in range(20):
+    for _n in range(20):
         seq = make_seq(rng.randint(1, 20), rng.randint(1, 20))
         seqs.append(seq)
         arrivals.setdefault(rng.randint(0, 30), []).append(seq)

@@ -1,0 +1,194 @@
+"""LLMEngine: vLLM's step-driven engine API over our scheduler and model runner."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from transformers import AutoTokenizer, GenerationConfig
+
+from lorapool.engine.block_manager import BlockManager
+from lorapool.engine.config import EngineArgs
+from lorapool.engine.input_processor import InputLimits, InputProcessor
+from lorapool.engine.model_runner import LogitsRows, ModelRunner
+from lorapool.engine.output_processor import OutputProcessor
+from lorapool.engine.sampler import Sampler, SamplingRow, prompt_logprobs
+from lorapool.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from lorapool.engine.sequence import Request, Sequence
+from lorapool.protocol import LoRARequest, RequestOutput, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    """Continuous-batching engine: ``add_request`` any time, ``step`` to advance all."""
+
+    def __init__(self, args: EngineArgs):
+        self.args = args
+        self.runner = ModelRunner(args)
+        self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model)
+        model_len = self.runner.max_model_len
+        self.max_model_len = min(args.max_model_len or model_len, model_len)
+        self.block_manager = BlockManager(self.runner.num_blocks, args.block_size)
+        self.scheduler = Scheduler(
+            SchedulerConfig(max_num_seqs=args.max_num_seqs,
+                            max_num_batched_tokens=args.max_num_batched_tokens,
+                            max_loras=args.max_loras if args.enable_lora else None),
+            self.block_manager)
+        self.eos_token_ids = _eos_token_ids(args.model, self.runner.hf_config, self.tokenizer)
+        self.sampler = Sampler(self.eos_token_ids, seed=args.seed)
+        self.inputs = InputProcessor(self.tokenizer, InputLimits(
+            vocab_size=self.runner.model.vocab_size, max_model_len=self.max_model_len,
+            kv_capacity_tokens=self.block_manager.capacity_tokens,
+            max_logprobs=args.max_logprobs, enable_lora=args.enable_lora))
+        self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
+        self.requests: dict[str, Request] = {}
+        self._seq_ids = itertools.count()
+        self._pending: list[RequestOutput] = []
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
+        return cls(engine_args)
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def add_request(self, request_id: str, prompt: str | dict[str, Any],
+                    params: SamplingParams | None = None, arrival_time: float | None = None,
+                    lora_request: LoRARequest | None = None, **kwargs: Any) -> None:
+        """Queue a request; raises ValueError naming the problem if it is invalid."""
+        if request_id in self.requests:
+            raise ValueError(f"request {request_id} is already running")
+        request = self.inputs.process(request_id, prompt, params, lora_request, arrival_time)
+        seq = Sequence(next(self._seq_ids), request, 0, request.prompt_token_ids)
+        request.seqs.append(seq)
+        self.outputs.start(seq)
+        self.scheduler.add(seq)
+        self.requests[request_id] = request
+
+    def abort_request(self, request_id: str | Iterable[str]) -> None:
+        """Stop requests now; each gets a final output with finish_reason 'abort'."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        for rid in ids:
+            request = self.requests.pop(rid, None)
+            if request is not None:
+                self._end_request(request, "abort")
+
+    def fail_request(self, request_id: str, error: str) -> None:
+        """End a request with finish_reason 'error' and the error text."""
+        request = self.requests.pop(request_id, None)
+        if request is not None:
+            request.error = error
+            self._end_request(request, "error")
+
+    def _end_request(self, request: Request, reason: str) -> None:
+        for seq in request.seqs:
+            if not seq.is_finished:
+                seq.finish_reason = seq.finish_reason or reason
+                self.scheduler.finish(seq)
+        output = self.outputs.make_output(request)
+        if output is not None:
+            self._pending.append(output)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests or self._pending)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled batch; returns the outputs of the requests that advanced."""
+        outputs, self._pending = self._pending, []
+        if not self.scheduler.has_unfinished():
+            return outputs
+        scheduled = self.scheduler.schedule()
+        if scheduled.is_empty:
+            return outputs
+        self._mark_scheduled(scheduled)
+        self.runner.copy_blocks(scheduled.blocks_to_copy)
+        batch, layout = self.runner.prepare(scheduled, self.block_manager)
+        logits = self.runner.execute(batch)
+        self.scheduler.postprocess(scheduled)
+        for request in self._process_logits(logits, layout):
+            outputs += self._collect(request)
+        return outputs
+
+    def _mark_scheduled(self, scheduled: SchedulerOutput) -> None:
+        now = time.time()
+        for item in scheduled.scheduled:
+            metrics = item.seq.request.metrics
+            if metrics.first_scheduled_time is None:
+                metrics.first_scheduled_time = now
+                metrics.time_in_queue = now - metrics.arrival_time
+
+    def _process_logits(self, logits: torch.Tensor, layout: list[LogitsRows]) -> list[Request]:
+        rows, targets, logit_rows = [], [], []
+        for entry in layout:
+            seq = entry.item.seq
+            if len(entry.prompt_rows):
+                self._prompt_logprobs(seq.request, entry, logits)
+            if entry.sample_row is None:
+                continue
+            num = seq.request.params.n if seq.request.needs_fork else 1
+            for i in range(num):
+                rows.append(SamplingRow(seq.request.params, seq.prompt_token_ids,
+                                        seq.output_token_ids, seq_index=seq.index + i))
+                targets.append((seq, i))
+                logit_rows.append(entry.sample_row)
+        if not rows:
+            return []
+        results = self.sampler(logits[logit_rows], rows)
+        touched = {}
+        for (seq, i), result in zip(targets, results):
+            target = self._fork(seq, i) if i else seq
+            self.outputs.append(target, result.token_id, result.logprob, result.top_logprobs)
+            touched[target.request.request_id] = target.request
+        return list(touched.values())
+
+    def _fork(self, parent: Sequence, index: int) -> Sequence:
+        request = parent.request
+        child = Sequence(next(self._seq_ids), request, index, request.prompt_token_ids)
+        request.seqs.append(child)
+        self.outputs.start(child)
+        self.scheduler.fork(parent, child)
+        return child
+
+    def _prompt_logprobs(self, request: Request, entry: LogitsRows, logits: torch.Tensor) -> None:
+        start, count = entry.item.start, len(entry.prompt_rows)
+        existing = request.prompt_logprobs or []
+        if len(existing) >= start + count + 1:
+            return  # computed before this sequence was preempted
+        ids = request.prompt_token_ids[start:start + count + 1]
+        chunk = logits[entry.prompt_rows.start:entry.prompt_rows.stop]
+        values = prompt_logprobs(chunk, ids, request.params.prompt_logprobs)
+        for position in values:
+            if position is not None:
+                self.outputs._decode_logprobs(position)
+        request.prompt_logprobs = existing + (values if start == 0 else values[1:])
+
+    def _collect(self, request: Request) -> list[RequestOutput]:
+        for seq in request.seqs:
+            if seq.finish_reason is not None and not seq.is_finished:
+                self.scheduler.finish(seq)
+        output = self.outputs.make_output(request)
+        if request.is_finished:
+            self.requests.pop(request.request_id, None)
+        return [] if output is None else [output]
+
+
+def _eos_token_ids(model: str, hf_config, tokenizer) -> set[int]:
+    """The generation config's EOS ids (what transformers' generate stops on)."""
+    try:
+        eos = GenerationConfig.from_pretrained(model).eos_token_id
+    except OSError:
+        eos = None
+    if eos is None:
+        eos = getattr(hf_config, "eos_token_id", None)
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    ids = eos if isinstance(eos, list) else [eos]
+    return {int(i) for i in ids if i is not None}

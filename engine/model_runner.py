@@ -1,0 +1,136 @@
+"""Runs one scheduled step through the model over the paged KV cache."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoConfig
+
+from lorapool.engine.batch import BatchMetadata
+from lorapool.engine.block_manager import BlockManager
+from lorapool.engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineArgs
+from lorapool.engine.loader import load_model
+from lorapool.engine.scheduler import ScheduledSeq, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class LogitsRows:
+    """Where one scheduled sequence's rows sit in the step's logits."""
+
+    item: ScheduledSeq
+    prompt_rows: range  # rows predicting prompt tokens start+1 .. (prompt logprobs)
+    sample_row: int | None  # row to sample the next token from
+
+
+class ModelRunner:
+    def __init__(self, args: EngineArgs):
+        self.device = args.resolve_device()
+        checkpoint_dtype = getattr(AutoConfig.from_pretrained(args.model), "dtype", None)
+        self.dtype = args.resolve_dtype(self.device, checkpoint_dtype)
+        self.model, self.hf_config = load_model(args.model, dtype=self.dtype, device=self.device)
+        self.block_size = args.block_size
+        self.num_blocks = self._num_blocks(args)
+        shape = (self.num_blocks, self.block_size, self.model.num_kv_heads, self.model.head_dim)
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=self.dtype, device=self.device),
+             torch.zeros(shape, dtype=self.dtype, device=self.device))
+            for _ in range(self.model.num_layers)
+        ]
+        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", self.num_blocks,
+                    self.block_size, self.num_blocks * self._block_bytes() / 2**20)
+
+    def _block_bytes(self) -> int:
+        per_token = 2 * self.model.num_layers * self.model.num_kv_heads * self.model.head_dim
+        return per_token * self.block_size * torch.finfo(self.dtype).bits // 8
+
+    def _num_blocks(self, args: EngineArgs) -> int:
+        if args.num_kv_blocks is not None:
+            return args.num_kv_blocks
+        budget = args.kv_cache_memory
+        if budget is None and self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = int(free - total * (1 - args.gpu_memory_utilization))
+        if budget is None:
+            budget = DEFAULT_CPU_KV_CACHE_BYTES
+        num_blocks = budget // self._block_bytes()
+        if num_blocks < 1:
+            raise ValueError(f"KV cache budget of {budget} bytes holds no block of "
+                             f"{self._block_bytes()} bytes")
+        return num_blocks
+
+    @property
+    def max_model_len(self) -> int:
+        return self.model.max_model_len
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        if not pairs:
+            return
+        src = torch.tensor([s for s, _ in pairs], device=self.device)
+        dst = torch.tensor([d for _, d in pairs], device=self.device)
+        for key_cache, value_cache in self.kv_caches:
+            key_cache[dst] = key_cache[src]
+            value_cache[dst] = value_cache[src]
+
+    def prepare(self, out: SchedulerOutput, block_manager: BlockManager,
+                lora_slot_of=None) -> tuple[BatchMetadata, list[LogitsRows]]:
+        """Pack the scheduled tokens into one flat batch.
+
+        ``lora_slot_of(seq) -> int`` gives each sequence's adapter slot (-1 base);
+        None means no adapters in this engine.
+        """
+        input_ids, positions, slots, lora_slots = [], [], [], []
+        seq_lens, starts, tables, logits_indices, layout = [], [0], [], [], []
+        for item in out.scheduled:
+            seq, begin, end = item.seq, item.start, item.start + item.num_new_tokens
+            first_token = len(input_ids)
+            input_ids += seq.token_ids[begin:end]
+            positions += range(begin, end)
+            slots += [block_manager.slot(seq, p) for p in range(begin, end)]
+            if lora_slot_of is not None:
+                lora_slots += [lora_slot_of(seq)] * (end - begin)
+            seq_lens.append(end)
+            starts.append(len(input_ids))
+            tables.append(seq.block_table)
+            layout.append(self._logits_rows(item, first_token, logits_indices))
+        max_blocks = max(len(t) for t in tables)
+        padded = [t + [0] * (max_blocks - len(t)) for t in tables]
+        batch = BatchMetadata(
+            input_ids=torch.tensor(input_ids, dtype=torch.long),
+            positions=torch.tensor(positions, dtype=torch.long),
+            slot_mapping=torch.tensor(slots, dtype=torch.long),
+            block_tables=torch.tensor(padded, dtype=torch.int32),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32),
+            logits_indices=torch.tensor(logits_indices, dtype=torch.long),
+            lora_slots=torch.tensor(lora_slots, dtype=torch.int32) if lora_slot_of else None,
+        )
+        return batch.to(self.device), layout
+
+    @staticmethod
+    def _logits_rows(item: ScheduledSeq, first_token: int, logits_indices: list[int]):
+        seq = item.seq
+        end = item.start + item.num_new_tokens
+        prompt_rows = range(len(logits_indices), len(logits_indices))
+        if seq.request.params.prompt_logprobs is not None and seq.request.seqs[0] is seq:
+            # position p predicts prompt token p + 1
+            last = min(end, seq.num_prompt_tokens - 1)
+            count = max(0, last - item.start)
+            prompt_rows = range(len(logits_indices), len(logits_indices) + count)
+            logits_indices += range(first_token, first_token + count)
+        sample_row = None
+        if item.samples:
+            sample_row = len(logits_indices)
+            logits_indices.append(first_token + item.num_new_tokens - 1)
+        return LogitsRows(item, prompt_rows, sample_row)
+
+    @torch.inference_mode()
+    def execute(self, batch: BatchMetadata) -> torch.Tensor:
+        """Forward the batch; returns float32 logits [S, vocab] for ``logits_indices``."""
+        hidden = self.model.forward(batch, self.kv_caches)
+        if batch.logits_indices.numel() == 0:
+            return hidden.new_empty((0, self.model.vocab_size), dtype=torch.float32)
+        return self.model.compute_logits(hidden[batch.logits_indices]).float()

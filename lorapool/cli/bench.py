@@ -1,0 +1,23 @@
+"""``lorapool bench NAME``: runs a benchmark script from benchmarks/ in a source checkout."""
+
+import runpy
+import sys
+from pathlib import Path
+
+import click
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+@click.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+@click.argument("name")
+@click.pass_context
+def bench(ctx, name):
+    """Run benchmarks/NAME.py (engine, kernels, audit_writer, ...) with the remaining options."""
+    script = BENCHMARKS / f"{name}.py"
+    if not script.is_file():
+        names = sorted(p.stem for p in BENCHMARKS.glob("*.py")) if BENCHMARKS.is_dir() else []
+        raise click.UsageError(f"no benchmark {name!r} in {BENCHMARKS} (have: {', '.join(names)}); "
+                               "benchmarks run from a source checkout")
+    sys.argv = [str(script), *ctx.args]
+    runpy.run_path(str(script), run_name="__main__")

@@ -1,0 +1,31 @@
+"""transformers as the oracle: greedy generation and log-softmax of a request run alone."""
+
+from functools import lru_cache
+
+import torch
+from transformers import AutoModelForCausalLM
+
+
+@lru_cache(maxsize=4)
+def hf_model(path: str):
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return model.eval()
+
+
+@torch.inference_mode()
+def hf_greedy(path, prompt_ids: list[int], max_new_tokens: int, eos_token_id=2) -> list[int]:
+    """transformers' generate, greedy, one request alone; the new token ids."""
+    model = hf_model(str(path))
+    input_ids = torch.tensor([prompt_ids])
+    out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
+                         max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
+                         pad_token_id=eos_token_id, min_new_tokens=0)
+    return out[0, len(prompt_ids):].tolist()
+
+
+@torch.inference_mode()
+def hf_log_softmax(path, token_ids: list[int]) -> torch.Tensor:
+    """[len(token_ids), vocab] log-probabilities of the next token after each position."""
+    model = hf_model(str(path))
+    logits = model(torch.tensor([token_ids])).logits[0].float()
+    return torch.log_softmax(logits, dim=-1)
