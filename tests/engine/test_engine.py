@@ -1,45 +1,14 @@
 """The engine end to end against transformers: greedy tokens, logprobs, streaming."""
 
-import random
 
 import pytest
 import torch
-from oracle import hf_greedy, hf_log_softmax
+from engine_runs import assert_matches_transformers, run_staggered, run_until_finished, workload
+from oracle import hf_log_softmax
 
 from lorapool import EngineArgs, LLMEngine, RequestOutputKind, SamplingParams
 
 ARCHS = ["llama", "llama3", "mistral", "qwen2", "qwen3"]
-
-
-def workload(seed: int, count: int, vocab: int, max_prompt: int = 300, max_out: int = 24):
-    rng = random.Random(seed)
-    lengths = [1, max_prompt] + [rng.randint(1, max_prompt) for _ in range(count - 2)]
-    prompts = [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
-    return [(p, rng.randint(1, max_out)) for p in prompts]
-
-
-def run_staggered(engine, requests, params_for=None, every: int = 2):
-    """Add request i at step i * every / 2 while stepping; returns final outputs by id."""
-    finals, step_no, pending = {}, 0, list(enumerate(requests))
-    while pending or engine.has_unfinished_requests():
-        while pending and pending[0][0] * every // 2 <= step_no:
-            i, (prompt, max_tokens) = pending.pop(0)
-            params = (params_for(i) if params_for else
-                      SamplingParams(temperature=0.0, max_tokens=max_tokens))
-            engine.add_request(f"req-{i}", {"prompt_token_ids": prompt}, params)
-        for out in engine.step():
-            if out.finished:
-                finals[out.request_id] = out
-        step_no += 1
-    return finals
-
-
-def assert_matches_transformers(path, engine, requests, every=2):
-    finals = run_staggered(engine, requests, every=every)
-    assert len(finals) == len(requests)
-    for i, (prompt, max_tokens) in enumerate(requests):
-        ours = finals[f"req-{i}"].outputs[0].token_ids
-        assert ours == hf_greedy(path, prompt, max_tokens), f"request {i} (prompt {len(prompt)})"
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -85,15 +54,6 @@ def test_logprobs_match_transformers_log_softmax(tiny_model_path):
     for pos in range(1, len(prompt)):
         lp = final.prompt_logprobs[pos][prompt[pos]].logprob
         assert lp == pytest.approx(expected[pos - 1, prompt[pos]].item(), abs=1e-4)
-
-
-def run_until_finished(engine):
-    finals = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                finals[out.request_id] = out
-    return finals
 
 
 def test_seeded_sampling_is_the_same_alone_and_in_a_busy_batch(tiny_model_path):

@@ -12,9 +12,19 @@ def hf_model(path: str):
     return model.eval()
 
 
+_GREEDY: dict[tuple, list[int]] = {}
+
+
 @torch.inference_mode()
 def hf_greedy(path, prompt_ids: list[int], max_new_tokens: int, eos_token_id=2) -> list[int]:
-    """transformers' generate, greedy, one request alone; the new token ids."""
+    """transformers' generate, greedy, one request alone; the new token ids (memoized)."""
+    key = (str(path), tuple(prompt_ids), max_new_tokens, eos_token_id)
+    if key not in _GREEDY:
+        _GREEDY[key] = _generate(path, prompt_ids, max_new_tokens, eos_token_id)
+    return list(_GREEDY[key])
+
+
+def _generate(path, prompt_ids: list[int], max_new_tokens: int, eos_token_id) -> list[int]:
     model = hf_model(str(path))
     input_ids = torch.tensor([prompt_ids])
     out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
