@@ -26,7 +26,8 @@ class InputProcessor:
         self.limits = limits
 
     def process(self, request_id: str, prompt: Any, params: SamplingParams | None,
-                lora_request: LoRARequest | None, arrival_time: float | None) -> Request:
+                lora_request: LoRARequest | None, arrival_time: float | None,
+                resume_token_ids: list[int] | None = None) -> Request:
         """A validated Request; raises ValueError naming the problem."""
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
@@ -38,9 +39,23 @@ class InputProcessor:
         self._check_lora(request_id, lora_request)
         text, token_ids = self._tokenize(request_id, prompt)
         max_tokens = self._max_tokens(request_id, params, len(token_ids))
+        resumed = self._check_resume(request_id, params, resume_token_ids, max_tokens)
         return Request(request_id=request_id, prompt=text, prompt_token_ids=token_ids,
                        params=params, lora_request=lora_request,
-                       arrival_time=arrival_time or time.time(), max_tokens=max_tokens)
+                       arrival_time=arrival_time or time.time(), max_tokens=max_tokens,
+                       resumed_token_ids=resumed)
+
+    def _check_resume(self, request_id: str, params: SamplingParams,
+                      token_ids: list[int] | None, max_tokens: int) -> list[int]:
+        if not token_ids:
+            return []
+        if params.n != 1:
+            raise ValueError(f"request {request_id}: only n=1 requests can resume, n={params.n}")
+        self._check_token_ids(request_id, list(token_ids))
+        if len(token_ids) >= max_tokens:
+            raise ValueError(f"request {request_id}: {len(token_ids)} resumed tokens leave none "
+                             f"of max_tokens={max_tokens} to generate")
+        return list(token_ids)
 
     def _check_params(self, request_id: str, params: SamplingParams) -> None:
         limit = self.limits.max_logprobs

@@ -27,11 +27,17 @@ class OutputProcessor:
         self.max_model_len = max_model_len
 
     def start(self, seq: Sequence) -> None:
-        """Give a new sequence its detokenizer (a forked one replays its first token)."""
+        """Give a new sequence its detokenizer.
+
+        A resumed sequence replays the tokens it already streamed (from another
+        worker) and counts their text as sent, so its stream goes on gaplessly.
+        """
         params = seq.request.params
         seq.detokenizer = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, params)
         if seq.num_output_tokens:
             seq.detokenizer.add_tokens(seq.output_token_ids, check_stop=False)
+            seq.sent_text = seq.detokenizer.take_delta(False)
+            seq.num_sent_tokens = seq.num_output_tokens
 
     def append(self, seq: Sequence, token_id: int, logprob: float | None,
                top_logprobs: dict[int, Logprob] | None) -> None:

@@ -103,6 +103,7 @@ class Request:
     prompt_logprobs: list | None = None
     num_cached_tokens: int = 0
     max_tokens: int = 16  # params.max_tokens resolved against the model length
+    resumed_token_ids: list[int] = field(default_factory=list)  # generated elsewhere, streamed
 
     def __post_init__(self):
         if self.metrics is None:
