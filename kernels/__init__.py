@@ -1,0 +1,76 @@
+"""Kernel ops with device dispatch.
+
+CUDA tensors go to the Triton kernels; CPU tensors to ``reference``, unless
+``TRITON_INTERPRET=1`` is set, in which case the Triton kernels run on the CPU
+under Triton's interpreter (used by the tests).
+
+The variable is read at every call, here and (through ``kernels.jit.Kernel``)
+by Triton when a kernel launches, never frozen at import. So the kernel tests
+set it for their own duration (a fixture in ``tests/kernels/conftest.py``)
+and the engine tests in the same pytest process keep the fast reference path.
+The Triton modules are imported on first use: a CPU-only install, where
+triton may be missing, never imports them.
+
+LoRA, per layer and (packed) projection with S slices, L adapter slots and
+the largest rank R:
+
+    lora_a: [S, L, R, H_in]   each slice's A, zero-padded to rank R
+    lora_b: [L, N, R]         the slices' B concatenated along N, the columns
+                              of ``out``, with each adapter's scaling folded in
+    mapping = LoRAMapping.from_slots(slot_of_each_token, device)  # once a step
+    y = lora_shrink(x, lora_a, mapping)                # [S, T, R] float32
+    lora_expand(y, lora_b, mapping, out, slice_widths)  # out[T, N] += y @ B^T
+"""
+
+import os
+
+import torch
+
+from lorapool.kernels import reference
+from lorapool.kernels.lora_mapping import LoRAMapping
+
+__all__ = ["LoRAMapping", "lora_expand", "lora_shrink", "paged_attention", "use_triton",
+           "write_kv_cache"]
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    """Whether ops on tensor ``t`` run as Triton kernels."""
+    return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def write_kv_cache(key, value, key_cache, value_cache, slot_mapping) -> None:
+    """See ``reference.write_kv_cache``."""
+    if use_triton(key):
+        from lorapool.kernels import attention_ops as impl
+    else:
+        impl = reference
+    impl.write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
+
+
+def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+                    scale: float) -> torch.Tensor:
+    """See ``reference.paged_attention``."""
+    if use_triton(query):
+        from lorapool.kernels import attention_ops as impl
+    else:
+        impl = reference
+    return impl.paged_attention(query, key_cache, value_cache, block_tables, seq_lens,
+                                query_start_loc, scale)
+
+
+def lora_shrink(x, lora_a, slots, scale: float = 1.0, out=None) -> torch.Tensor:
+    """See ``reference.lora_shrink``. ``slots`` is best a ``LoRAMapping`` built once per step."""
+    if use_triton(x):
+        from lorapool.kernels import lora_ops as impl
+    else:
+        impl = reference
+    return impl.lora_shrink(x, lora_a, slots, scale, out)
+
+
+def lora_expand(y, lora_b, slots, out, slice_widths=None) -> None:
+    """See ``reference.lora_expand``. ``slots`` is best a ``LoRAMapping`` built once per step."""
+    if use_triton(out):
+        from lorapool.kernels import lora_ops as impl
+    else:
+        impl = reference
+    impl.lora_expand(y, lora_b, slots, out, slice_widths)

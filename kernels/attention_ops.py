@@ -1,0 +1,292 @@
+"""Triton kernels over the paged KV cache: cache writes and causal attention.
+
+``paged_attention`` is one kernel for decode, prefill and prefill on top of a
+cached context (chunked prefill, prefix caching): a decode token is a query
+block of one token. A program owns a block of BLOCK_Q query tokens of one
+sequence and one KV head; its rows are the BLOCK_Q x GROUP query heads that
+share that KV head (GQA), so each K/V tile read from the cache serves all of
+them, and the rows fill the MMA tile even in decode. The program walks the
+sequence's block table up to its last query's position, BLOCK_N positions
+(one or more cache blocks) at a time, with an online softmax in fp32
+(flash-attention style), masking causally by absolute position. Programs
+find their sequence by binary search over ``query_start_loc``, so the grid
+comes from shapes alone: no device sync. Small decode batches also split
+each context over several programs (flash-decoding) and combine the parts.
+"""
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from lorapool.kernels.jit import (
+    FLOAT_DTYPES,
+    Kernel,
+    check_device,
+    check_dtype,
+    check_last_contiguous,
+    check_shape,
+    dot_dtype,
+    dot_precision,
+    next_pow2,
+    num_sms,
+)
+
+_INDEX_DTYPES = (torch.int32, torch.int64)
+_MAX_SPLITS = 32
+
+
+def _write_kv_kernel(
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, num_heads, head_size, block_size,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_cb, stride_cs, stride_ch, stride_vcb, stride_vcs, stride_vch,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot >= 0:  # a negative slot (padding) is skipped, never written out of bounds
+        blk = slot // block_size
+        off = slot % block_size
+        offs_h = tl.arange(0, BLOCK_H)[:, None]
+        offs_d = tl.arange(0, BLOCK_D)[None, :]
+        mask = (offs_h < num_heads) & (offs_d < head_size)
+        k = tl.load(k_ptr + t * stride_kt + offs_h * stride_kh + offs_d, mask=mask)
+        v = tl.load(v_ptr + t * stride_vt + offs_h * stride_vh + offs_d, mask=mask)
+        k_dst = k_cache_ptr + blk * stride_cb + off * stride_cs + offs_h * stride_ch + offs_d
+        v_dst = v_cache_ptr + blk * stride_vcb + off * stride_vcs + offs_h * stride_vch + offs_d
+        tl.store(k_dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _sequence_of(pid, qsl_ptr, num_seqs, BLOCK_Q: tl.constexpr):
+    """The sequence b owning query block pid: blocks [first(b), first(b + 1)) are b's."""
+    lo = pid * 0
+    hi = lo + num_seqs
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        first = tl.load(qsl_ptr + mid)
+        if BLOCK_Q > 1:
+            first = first // BLOCK_Q + mid
+        lo = tl.where(first <= pid, mid, lo)
+        hi = tl.where(first <= pid, hi, mid)
+    return lo
+
+
+@triton.jit
+def _attend(q, pos, table, k_cache_ptr, v_cache_ptr, kv_head, kv_lo, kv_hi, qk_scale,
+            offs_d, mask_d, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+            BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+            BLOCK_SIZE: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
+    """Online softmax of q's rows over cache positions [kv_lo, kv_hi): (acc, max, sum)."""
+    m_i = tl.full((BLOCK_M,), -1.0e30, tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    for start in range(kv_lo, kv_hi, BLOCK_N):
+        kv_pos = start + tl.arange(0, BLOCK_N)  # may span several cache blocks
+        kv_ok = kv_pos < kv_hi
+        blk = tl.load(table + kv_pos // BLOCK_SIZE, mask=kv_ok, other=0).to(tl.int64)
+        k_off = blk * stride_kb + (kv_pos % BLOCK_SIZE) * stride_ks + kv_head * stride_kh
+        v_off = blk * stride_vb + (kv_pos % BLOCK_SIZE) * stride_vs + kv_head * stride_vh
+        kv_mask = kv_ok[:, None] & mask_d[None, :]
+        k = tl.load(k_cache_ptr + k_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + v_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q.to(DOT_DTYPE), tl.trans(k.to(DOT_DTYPE)), input_precision=PRECISION)
+        s = tl.where(kv_pos[None, :] <= pos[:, None], s * qk_scale, -1.0e30)
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        pv = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=PRECISION)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+def _attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_ptr, block_tables_ptr, seq_lens_ptr,
+    qsl_ptr, num_seqs, num_tokens, num_heads, head_size, split_size, qk_scale,
+    stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_ot, stride_oh, stride_bt,
+    GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    b = _sequence_of(pid, qsl_ptr, num_seqs, BLOCK_Q)
+    q_start = tl.load(qsl_ptr + b)
+    q_len = tl.load(qsl_ptr + b + 1) - q_start
+    first_b = q_start
+    if BLOCK_Q > 1:
+        first_b = q_start // BLOCK_Q + b
+    q_block = (pid - first_b) * BLOCK_Q
+    if q_block < q_len:
+        ctx_len = tl.load(seq_lens_ptr + b)
+        rows = tl.arange(0, BLOCK_M)
+        q_idx = q_block + rows // GROUP
+        row_ok = (rows < BLOCK_Q * GROUP) & (q_idx < q_len)
+        pos = ctx_len - q_len + q_idx  # absolute position of each row's query
+        heads = kv_head * GROUP + rows % GROUP
+        tokens = (q_start + q_idx).to(tl.int64)
+        offs_d = tl.arange(0, BLOCK_D)
+        mask_d = offs_d < head_size
+        mask = row_ok[:, None] & mask_d[None, :]
+        q = tl.load(q_ptr + (tokens * stride_qt + heads * stride_qh)[:, None] + offs_d[None, :],
+                    mask=mask, other=0.0)
+        kv_lo = split * split_size
+        kv_hi = tl.minimum(ctx_len - q_len + tl.minimum(q_block + BLOCK_Q, q_len),
+                           kv_lo + split_size)
+        acc, m_i, l_i = _attend(
+            q, pos, block_tables_ptr + b.to(tl.int64) * stride_bt, k_cache_ptr, v_cache_ptr,
+            kv_head, kv_lo, kv_hi, qk_scale, offs_d, mask_d,
+            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+            BLOCK_M, BLOCK_D, BLOCK_N, BLOCK_SIZE, DOT_DTYPE, PRECISION)
+        if NUM_SPLITS == 1:
+            out = out_ptr + (tokens * stride_ot + heads * stride_oh)[:, None] + offs_d[None, :]
+            tl.store(out, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
+        else:  # partial results [NUM_SPLITS, T, H, D + 2]: acc, then max and sum
+            part = part_ptr + ((split * num_tokens + tokens) * num_heads + heads) * (head_size + 2)
+            tl.store(part[:, None] + offs_d[None, :], acc, mask=mask)
+            tl.store(part + head_size, m_i, mask=row_ok)
+            tl.store(part + head_size + 1, l_i, mask=row_ok)
+
+
+def _combine_kernel(
+    part_ptr, out_ptr, num_tokens, num_heads, head_size, stride_ot, stride_oh,
+    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """out[t, h] = sum_s 2^(m_s - m) acc_s / sum_s 2^(m_s - m) l_s over the splits s."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_s = offs_s < NUM_SPLITS
+    part = part_ptr + ((offs_s * num_tokens + t) * num_heads + h) * (head_size + 2)
+    m = tl.load(part + head_size, mask=mask_s, other=-1.0e30)
+    l = tl.load(part + head_size + 1, mask=mask_s, other=0.0)
+    w = tl.exp2(m - tl.max(m, axis=0))
+    mask = mask_s[:, None] & (offs_d < head_size)[None, :]
+    acc = tl.load(part[:, None] + offs_d[None, :], mask=mask, other=0.0)
+    out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
+             mask=offs_d < head_size)
+
+
+write_kv_kernel = Kernel(_write_kv_kernel)
+attention_kernel = Kernel(_attention_kernel)
+combine_kernel = Kernel(_combine_kernel)
+
+
+def write_kv_cache(key, value, key_cache, value_cache, slot_mapping) -> None:
+    """Triton ``reference.write_kv_cache``; a negative slot is skipped."""
+    _check_cache(key_cache, value_cache)
+    num_blocks, block_size, num_heads, head_size = key_cache.shape
+    check_shape("key", key, (None, num_heads, head_size))
+    check_shape("value", value, tuple(key.shape))
+    check_shape("slot_mapping", slot_mapping, (key.shape[0],))
+    check_dtype("key", key, FLOAT_DTYPES)
+    check_dtype("value", value, FLOAT_DTYPES)
+    check_dtype("slot_mapping", slot_mapping, _INDEX_DTYPES)
+    check_device(key_cache.device, key=key, value=value, slot_mapping=slot_mapping)
+    check_last_contiguous(key=key, value=value)
+    if key.shape[0] == 0:
+        return
+    write_kv_kernel[(key.shape[0],)](
+        key, value, key_cache, value_cache, slot_mapping, num_heads, head_size, block_size,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        *key_cache.stride()[:3], *value_cache.stride()[:3],
+        BLOCK_H=next_pow2(num_heads, 1), BLOCK_D=next_pow2(head_size, 1))
+
+
+def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+                    scale: float) -> torch.Tensor:
+    """Triton ``reference.paged_attention``: same arguments, shapes and result."""
+    _check_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc)
+    num_tokens, num_heads, head_size = query.shape
+    num_seqs, num_kv_heads, block_size = seq_lens.shape[0], key_cache.shape[2], key_cache.shape[1]
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(query)
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    block_q, block_m = _query_blocking(num_tokens, num_seqs, group)
+    num_q_blocks = num_tokens if block_q == 1 else num_tokens // block_q + num_seqs
+    block_n = max(32 if query.dtype == torch.float32 else 64, block_size)  # fp32: less smem
+    num_splits, split_size = _kv_splits(num_q_blocks * num_kv_heads, block_q,
+                                        block_tables.shape[1] * block_size, block_n, query.device)
+    part = query.new_empty(num_splits if num_splits > 1 else 0, num_tokens, num_heads,
+                           head_size + 2, dtype=torch.float32)
+    attention_kernel[(num_q_blocks, num_kv_heads, num_splits)](
+        query, key_cache, value_cache, out, part, block_tables, seq_lens, query_start_loc,
+        num_seqs, num_tokens, num_heads, head_size, split_size, float(scale) * math.log2(math.e),
+        query.stride(0), query.stride(1), *key_cache.stride()[:3], *value_cache.stride()[:3],
+        out.stride(0), out.stride(1), block_tables.stride(0),
+        GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_D=next_pow2(head_size),
+        BLOCK_N=block_n, BLOCK_SIZE=block_size, NUM_SPLITS=num_splits,
+        DOT_DTYPE=dot_dtype(query.dtype), PRECISION=dot_precision(query.dtype))
+    if num_splits > 1:
+        combine_kernel[(num_tokens, num_heads)](
+            part, out, num_tokens, num_heads, head_size, out.stride(0), out.stride(1),
+            NUM_SPLITS=num_splits, BLOCK_S=next_pow2(num_splits, 2),
+            BLOCK_D=next_pow2(head_size))
+    return out
+
+
+def _query_blocking(num_tokens: int, num_seqs: int, group: int) -> tuple[int, int]:
+    """(BLOCK_Q, BLOCK_M): one query per program in decode, a tile of them in prefill."""
+    if num_tokens <= num_seqs:
+        return 1, next_pow2(group)
+    block_m = next_pow2(group, 64)
+    return block_m // group, block_m
+
+
+def _kv_splits(num_programs: int, block_q: int, max_context: int, block_n: int,
+               device: torch.device) -> tuple[int, int]:
+    """(splits, positions per split) of each sequence's context (flash-decoding).
+
+    Decode has one program per token and KV head: too few to fill the device
+    for a small batch, and each walks the whole context. Splitting the context
+    over programs, whose partial softmax results a second kernel combines,
+    restores the parallelism. Prefill has enough query blocks; it never splits.
+    """
+    target = 2 * num_sms(device) if device.type == "cuda" else 16
+    splits = min(target // num_programs, triton.cdiv(max_context, 256), _MAX_SPLITS)
+    if block_q > 1 or splits < 2:
+        return 1, max_context
+    return splits, triton.cdiv(triton.cdiv(max_context, splits), block_n) * block_n
+
+
+def _check_cache(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
+    check_shape("key_cache", key_cache, (None, None, None, None))
+    check_shape("value_cache", value_cache, tuple(key_cache.shape))
+    check_dtype("key_cache", key_cache, FLOAT_DTYPES)
+    if value_cache.dtype != key_cache.dtype:
+        raise ValueError(f"value_cache has dtype {value_cache.dtype}, key_cache "
+                         f"{key_cache.dtype}")
+    check_device(key_cache.device, value_cache=value_cache)
+    check_last_contiguous(key_cache=key_cache, value_cache=value_cache)
+    if key_cache.shape[1] & (key_cache.shape[1] - 1):
+        raise ValueError(f"block size must be a power of two; got {key_cache.shape[1]}")
+
+
+def _check_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc):
+    _check_cache(key_cache, value_cache)
+    num_kv_heads, head_size = key_cache.shape[2:]
+    check_shape("query", query, (None, None, head_size))
+    if query.shape[1] % num_kv_heads:
+        raise ValueError(f"{query.shape[1]} query heads are not a multiple of "
+                         f"{num_kv_heads} KV heads")
+    check_dtype("query", query, (key_cache.dtype,))
+    check_shape("seq_lens", seq_lens, (None,))
+    check_shape("block_tables", block_tables, (seq_lens.shape[0], None))
+    check_shape("query_start_loc", query_start_loc, (seq_lens.shape[0] + 1,))
+    for name, t in (("block_tables", block_tables), ("seq_lens", seq_lens),
+                    ("query_start_loc", query_start_loc)):
+        check_dtype(name, t, _INDEX_DTYPES)
+    check_device(query.device, key_cache=key_cache, block_tables=block_tables,
+                 seq_lens=seq_lens, query_start_loc=query_start_loc)
+    check_last_contiguous(query=query, block_tables=block_tables)
+    if seq_lens.stride(0) != 1 or query_start_loc.stride(0) != 1:
+        raise ValueError("seq_lens and query_start_loc must be contiguous")

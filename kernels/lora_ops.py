@@ -1,0 +1,209 @@
+"""Triton kernels for mixed-adapter LoRA: shrink (x @ A^T) and expand (y @ B^T).
+
+One kernel per op serves prefill and decode alike. Tokens are grouped by
+adapter (``LoRAMapping``) and cut into tiles of ``block_m`` tokens of one
+adapter; a program owns one tile and gathers its token rows through the sort
+order. A prefill segment is then a run of full matrix tiles; a decode token
+alone with its adapter is a tile with one live row. Decode LoRA is bound by
+reading the adapter's weights, which a tile reads once for all its rows, as a
+gather-GEMV would; the unused MMA rows cost compute that a memory-bound call
+has to spare. So a second, GEMV-only kernel would add code without saving
+traffic (``benchmarks/kernels.py`` measures the distinct-adapter decode case
+that would show otherwise). Tokens with slot -1 are in no tile, so no program
+ever reads a weight for them, least of all the last slot's.
+
+Shrink splits the H_in reduction over SPLIT_K programs when the tiles alone
+would leave the device idle (decode); the partial sums meet by atomic adds in
+the zeroed fp32 output.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from lorapool.kernels.jit import (
+    FLOAT_DTYPES,
+    Kernel,
+    check_device,
+    check_dtype,
+    check_last_contiguous,
+    check_shape,
+    dot_dtype,
+    dot_precision,
+    next_pow2,
+    num_sms,
+)
+from lorapool.kernels.lora_mapping import LoRAMapping, as_mapping
+from lorapool.kernels.reference import slice_widths_of
+
+MAX_SLICES = 3
+
+
+@triton.jit
+def _tile(tiles_ptr, order_ptr, num_tiles, BLOCK_M: tl.constexpr):
+    """This program's tile: its slot, its token rows [BLOCK_M] and which of them exist."""
+    tile = tl.program_id(0)
+    start = tl.load(tiles_ptr + tile)
+    end = tl.load(tiles_ptr + num_tiles + tile)
+    slot = tl.load(tiles_ptr + 2 * num_tiles + tile)
+    offs_m = start + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < end
+    rows = tl.load(order_ptr + offs_m, mask=mask_m, other=0)
+    return slot, rows, mask_m
+
+
+def _shrink_kernel(
+    x_ptr, a_ptr, y_ptr, order_ptr, tiles_ptr, num_tiles, hidden, rank, scale,
+    stride_xt, stride_as, stride_al, stride_ar, stride_ys, stride_yt,
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+):
+    s = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    slot, rows, mask_m = _tile(tiles_ptr, order_ptr, num_tiles, BLOCK_M)
+    offs_r = tl.arange(0, BLOCK_R)
+    mask_r = offs_r < rank
+    x_rows = x_ptr + rows[:, None] * stride_xt
+    a_base = a_ptr + s * stride_as + slot * stride_al + offs_r[None, :] * stride_ar
+    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)  # y rows of the tile
+    for k0 in range(pid_k * BLOCK_K, hidden, BLOCK_K * SPLIT_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < hidden
+        x = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        a = tl.load(a_base + offs_k[:, None], mask=mask_k[:, None] & mask_r[None, :], other=0.0)
+        acc = tl.dot(x.to(DOT_DTYPE), a.to(DOT_DTYPE), acc, input_precision=PRECISION)
+    acc = acc * scale
+    y = y_ptr + s * stride_ys + rows[:, None] * stride_yt + offs_r[None, :]
+    mask = mask_m[:, None] & mask_r[None, :]
+    if SPLIT_K == 1:
+        tl.store(y, acc, mask=mask)
+    else:
+        tl.atomic_add(y, acc, mask=mask)
+
+
+def _expand_kernel(
+    y_ptr, b_ptr, out_ptr, order_ptr, tiles_ptr, num_tiles, rank, slice_ends,
+    stride_ys, stride_yt, stride_bl, stride_bn, stride_ot,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    NUM_SLICES: tl.constexpr, PRECISION: tl.constexpr,
+):
+    s = tl.program_id(1)
+    pid_n = tl.program_id(2)
+    # Columns [n_lo, n_hi) of out (and rows of B) belong to slice s.
+    n_lo = 0
+    n_hi = slice_ends[0]
+    for i in tl.static_range(1, NUM_SLICES):
+        n_lo = tl.where(s == i, slice_ends[i - 1], n_lo)
+        n_hi = tl.where(s == i, slice_ends[i], n_hi)
+    offs_n = n_lo + pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if n_lo + pid_n * BLOCK_N < n_hi:
+        slot, rows, mask_m = _tile(tiles_ptr, order_ptr, num_tiles, BLOCK_M)
+        mask_n = offs_n < n_hi
+        offs_r = tl.arange(0, BLOCK_R)
+        mask_r = offs_r < rank
+        y = tl.load(y_ptr + s * stride_ys + rows[:, None] * stride_yt + offs_r[None, :],
+                    mask=mask_m[:, None] & mask_r[None, :], other=0.0)
+        b = tl.load(b_ptr + slot * stride_bl + offs_n[None, :] * stride_bn + offs_r[:, None],
+                    mask=mask_r[:, None] & mask_n[None, :], other=0.0)
+        delta = tl.dot(y, b.to(tl.float32), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N]
+        out = out_ptr + rows[:, None] * stride_ot + offs_n[None, :]
+        mask = mask_m[:, None] & mask_n[None, :]
+        acc = tl.load(out, mask=mask, other=0.0).to(tl.float32) + delta
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+shrink_kernel = Kernel(_shrink_kernel)
+expand_kernel = Kernel(_expand_kernel)
+
+
+def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, slots, scale: float = 1.0,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """Triton ``reference.lora_shrink``: same arguments, shapes and result."""
+    _check_shrink(x, lora_a)
+    num_slices, num_slots, rank, hidden = lora_a.shape
+    mapping = as_mapping(slots, x.device)
+    _check_mapping(mapping, x, num_slots)
+    if out is None:
+        out = x.new_empty(num_slices, x.shape[0], rank, dtype=torch.float32)
+    _check_out(out, (num_slices, x.shape[0], rank), x.device)
+    out.zero_()
+    if mapping.num_tiles == 0:
+        return out
+    block_k = min(128, next_pow2(hidden))
+    split_k = _split_k(mapping.num_tiles * num_slices, triton.cdiv(hidden, block_k), x.device)
+    grid = (mapping.num_tiles, num_slices, split_k)
+    shrink_kernel[grid](
+        x, lora_a, out, mapping.order, mapping.tiles, mapping.num_tiles, hidden, rank,
+        float(scale), x.stride(0), lora_a.stride(0), lora_a.stride(1), lora_a.stride(2),
+        out.stride(0), out.stride(1),
+        BLOCK_M=mapping.block_m, BLOCK_R=next_pow2(rank), BLOCK_K=block_k,
+        SPLIT_K=split_k, DOT_DTYPE=dot_dtype(x.dtype), PRECISION=dot_precision(x.dtype))
+    return out
+
+
+def lora_expand(y: torch.Tensor, lora_b: torch.Tensor, slots, out: torch.Tensor,
+                slice_widths=None) -> None:
+    """Triton ``reference.lora_expand``: same arguments and in-place update."""
+    _check_expand(y, lora_b, out)
+    widths = slice_widths_of(y, lora_b, slice_widths)
+    if len(widths) > MAX_SLICES:
+        raise ValueError(f"at most {MAX_SLICES} slices are supported; got {len(widths)}")
+    mapping = as_mapping(slots, out.device)
+    _check_mapping(mapping, out, lora_b.shape[0])
+    if mapping.num_tiles == 0:
+        return
+    ends = tuple(sum(widths[:s + 1]) for s in range(len(widths)))
+    block_n = min(128, next_pow2(max(widths), 32))
+    grid = (mapping.num_tiles, len(widths), triton.cdiv(max(widths), block_n))
+    expand_kernel[grid](
+        y, lora_b, out, mapping.order, mapping.tiles, mapping.num_tiles, y.shape[2], ends,
+        y.stride(0), y.stride(1), lora_b.stride(0), lora_b.stride(1), out.stride(0),
+        BLOCK_M=mapping.block_m, BLOCK_N=block_n, BLOCK_R=next_pow2(y.shape[2]),
+        NUM_SLICES=len(widths), PRECISION=dot_precision(out.dtype))
+
+
+def _split_k(num_programs: int, num_k_blocks: int, device: torch.device) -> int:
+    """Splits the reduction until the programs roughly fill the device."""
+    target = num_sms(device) if device.type == "cuda" else 4
+    split = 1
+    while split < 8 and num_programs * split * 2 <= target and split * 2 <= num_k_blocks:
+        split *= 2
+    return split
+
+
+def _check_shrink(x: torch.Tensor, lora_a: torch.Tensor) -> None:
+    check_shape("x", x, (None, None))
+    check_shape("lora_a", lora_a, (None, None, None, x.shape[1]))
+    check_dtype("x", x, FLOAT_DTYPES)
+    if lora_a.dtype != x.dtype:
+        raise ValueError(f"lora_a has dtype {lora_a.dtype} but x has {x.dtype}")
+    check_device(x.device, lora_a=lora_a)
+    check_last_contiguous(x=x, lora_a=lora_a)
+
+
+def _check_expand(y: torch.Tensor, lora_b: torch.Tensor, out: torch.Tensor) -> None:
+    check_shape("y", y, (None, out.shape[0] if out.dim() == 2 else None, None))
+    check_shape("lora_b", lora_b, (None, None, y.shape[2]))
+    check_shape("out", out, (y.shape[1], lora_b.shape[1]))
+    check_dtype("y", y, (torch.float32,))
+    check_dtype("lora_b", lora_b, FLOAT_DTYPES)
+    check_dtype("out", out, FLOAT_DTYPES)
+    check_device(out.device, y=y, lora_b=lora_b)
+    check_last_contiguous(y=y, lora_b=lora_b, out=out)
+
+
+def _check_out(out: torch.Tensor, shape, device: torch.device) -> None:
+    check_shape("out", out, shape)
+    check_dtype("out", out, (torch.float32,))
+    check_device(device, out=out)
+    check_last_contiguous(out=out)
+
+
+def _check_mapping(mapping: LoRAMapping, t: torch.Tensor, num_slots: int) -> None:
+    if mapping.num_tokens != t.shape[0]:
+        raise ValueError(f"the LoRA mapping has {mapping.num_tokens} tokens, the batch "
+                         f"{t.shape[0]}")
+    if mapping.max_slot >= num_slots:
+        raise ValueError(f"LoRA slot {mapping.max_slot} is out of range: the weights "
+                         f"have {num_slots} slots")
+    check_device(t.device, mapping=mapping.order)

@@ -1,0 +1,204 @@
+"""Plain fp32 torch implementations of every kernel op.
+
+These are the specification the Triton kernels are tested against, and the
+path CPU tensors take. Shapes use T = tokens in the batch, B = sequences,
+H = heads, D = head size; for LoRA, S = slices of a packed projection, L =
+adapter slots, R = the largest rank.
+"""
+
+import torch
+import torch.nn.functional as F
+
+from lorapool.kernels.lora_mapping import LoRAMapping, as_mapping
+
+
+def write_kv_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Semantics: cache[slot[t] // block_size, slot[t] % block_size] = kv[t].
+
+    Args:
+        key, value: [T, H_kv, D]
+        key_cache, value_cache: [num_blocks, block_size, H_kv, D], updated in place.
+        slot_mapping: [T] int64, flat slot index of each token (all >= 0).
+    """
+    num_blocks, block_size, num_heads, head_size = key_cache.shape
+    flat_k = key_cache.view(num_blocks * block_size, num_heads, head_size)
+    flat_v = value_cache.view(num_blocks * block_size, num_heads, head_size)
+    flat_k.index_copy_(0, slot_mapping, key.to(key_cache.dtype))
+    flat_v.index_copy_(0, slot_mapping, value.to(value_cache.dtype))
+
+
+def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    # cache: [N, bs, H, D], block_table: [MB] -> [length, H, D]
+    block_size = cache.shape[1]
+    num_blocks = -(-length // block_size)
+    blocks = cache[block_table[:num_blocks].long()]
+    return blocks.reshape(-1, *cache.shape[2:])[:length]
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of each sequence's new tokens over its paged context.
+
+    Semantics: for sequence b with q_len new tokens and seq_lens[b] tokens in
+    all (its context, new tokens included, already written to the cache), new
+    token i sits at position p = seq_lens[b] - q_len + i and
+    out[t] = softmax(scale * q[t] @ K[b, :p + 1]^T) @ V[b, :p + 1].
+
+    Args:
+        query: [T, H_q, D], tokens of sequence b at query_start_loc[b]:query_start_loc[b + 1].
+        key_cache, value_cache: [num_blocks, block_size, H_kv, D]; H_q % H_kv == 0 (GQA).
+        block_tables: [B, max_blocks] int32, block ids of each sequence in order.
+        seq_lens: [B] int32, context length of each sequence including its new tokens.
+        query_start_loc: [B + 1] int32, cumulative new-token counts.
+    Returns:
+        [T, H_q, D] in query's dtype, computed in fp32.
+    """
+    out = torch.empty_like(query)
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    q_lens = [starts[b + 1] - starts[b] for b in range(len(lens))]
+    decode = [b for b, n in enumerate(q_lens) if n == 1]
+    if decode:
+        _decode_attention(query, key_cache, value_cache, block_tables, seq_lens,
+                          starts, decode, scale, out)
+    for b, q_len in enumerate(q_lens):
+        if q_len > 1:
+            s, e = starts[b], starts[b + 1]
+            k = _gather_context(key_cache, block_tables[b], lens[b])
+            v = _gather_context(value_cache, block_tables[b], lens[b])
+            out[s:e] = _prefill_attention(query[s:e], k, v, scale).to(out.dtype)
+    return out
+
+
+def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
+    # q: [Q, Hq, D], k/v: [L, Hkv, D]; the Q queries are the last Q positions of L.
+    q_len, ctx_len = q.shape[0], k.shape[0]
+    q4 = q.float().transpose(0, 1).unsqueeze(0)  # [1, Hq, Q, D]
+    k4 = k.float().transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
+    v4 = v.float().transpose(0, 1).unsqueeze(0)
+    if q_len == ctx_len:
+        o = F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        pos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)
+        mask = torch.arange(ctx_len, device=q.device)[None, :] <= pos[:, None]
+        o = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, scale=scale, enable_gqa=True)
+    return o[0].transpose(0, 1)  # [Q, Hq, D]
+
+
+def _decode_attention(query, key_cache, value_cache, block_tables, seq_lens, starts, rows,
+                      scale, out):
+    # One new token per sequence: gather every context at once, padded to the longest.
+    block_size, num_kv_heads, head_size = key_cache.shape[1:]
+    idx = torch.tensor(rows, device=query.device)
+    lens = seq_lens[idx].long()
+    num_blocks = -(-int(lens.max()) // block_size)
+    tables = block_tables[idx, :num_blocks].long()
+    k = key_cache[tables].reshape(len(rows), -1, num_kv_heads, head_size).float()  # [B, L, Hkv, D]
+    v = value_cache[tables].reshape(len(rows), -1, num_kv_heads, head_size).float()
+    token_idx = torch.tensor([starts[b] for b in rows], device=query.device)
+    q = query[token_idx].float()  # [B, Hq, D]
+    group = q.shape[1] // num_kv_heads
+    q = q.view(len(rows), num_kv_heads, group, head_size)
+    scores = torch.einsum("bhgd,blhd->bhgl", q, k) * scale
+    valid = torch.arange(k.shape[1], device=q.device)[None, :] < lens[:, None]  # [B, L]
+    scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    v = v.masked_fill(~valid[:, :, None, None], 0.0)  # unwritten slots may hold NaN
+    o = torch.einsum("bhgl,blhd->bhgd", probs, v).reshape(len(rows), -1, head_size)
+    out[token_idx] = o.to(out.dtype)
+
+
+def lora_shrink(
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    slots,
+    scale: float = 1.0,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Semantics: y[s, t] = scale * x[t] @ A[s, slot[t]]^T; y[s, t] = 0 where slot[t] == -1.
+
+    Args:
+        x: [T, H_in]
+        lora_a: [S, L, R, H_in], the A matrices of S slices (q/k/v or gate/up
+            stacked; S = 1 for a plain projection) for L adapter slots, padded
+            with zeros to the largest rank R.
+        slots: [T] integer tensor (or list) of adapter slots, -1 for none; or a
+            ``LoRAMapping`` built from them.
+        out: optional [S, T, R] float32 tensor to write y into.
+    Returns:
+        y: [S, T, R] float32.
+    """
+    num_slices, num_slots, rank, _ = lora_a.shape
+    mapping = as_mapping(slots, x.device)
+    _check_slots(mapping, num_slots)
+    y = out if out is not None else x.new_empty(num_slices, x.shape[0], rank, dtype=torch.float32)
+    y.zero_()
+    for slot, start, end in mapping.segments:
+        idx = mapping.token_indices(start, end)
+        a = lora_a[:, slot].float()  # [S, R, H_in]
+        y[:, idx] = scale * torch.matmul(x[idx].float(), a.transpose(1, 2))  # [S, n, R]
+    return y
+
+
+def lora_expand(
+    y: torch.Tensor,
+    lora_b: torch.Tensor,
+    slots,
+    out: torch.Tensor,
+    slice_widths=None,
+) -> None:
+    """Semantics: out[t, o_s : o_s + n_s] += y[s, t] @ B[slot[t], o_s : o_s + n_s]^T.
+
+    Slice s covers n_s = slice_widths[s] columns from o_s = sum(slice_widths[:s]),
+    in ``out`` and in the rows of B alike: B is the per-slice B matrices
+    [L, n_s, R] concatenated along their rows. Rows of tokens with slot -1 are
+    left untouched. The sum is taken in float32, then stored in out's dtype.
+
+    Args:
+        y: [S, T, R] float32, from ``lora_shrink``.
+        lora_b: [L, N, R] with N = sum(slice_widths); ranks below R zero-padded.
+        slots: [T] adapter slots (-1 for none), or a ``LoRAMapping``.
+        out: [T, N], updated in place.
+        slice_widths: S column counts; None means one slice of all N columns.
+    """
+    widths = slice_widths_of(y, lora_b, slice_widths)
+    mapping = as_mapping(slots, out.device)
+    _check_slots(mapping, lora_b.shape[0])
+    offsets = [sum(widths[:s]) for s in range(len(widths))]
+    for slot, start, end in mapping.segments:
+        idx = mapping.token_indices(start, end)
+        b = lora_b[slot].float()  # [N, R]
+        delta = torch.cat([y[s, idx] @ b[o:o + n].T for s, (o, n) in
+                           enumerate(zip(offsets, widths))], dim=1)  # [n_tok, N]
+        out[idx] = (out[idx].float() + delta).to(out.dtype)
+
+
+def slice_widths_of(y: torch.Tensor, lora_b: torch.Tensor, slice_widths) -> list[int]:
+    """The validated slice widths of an expand call."""
+    num_slices, total = y.shape[0], lora_b.shape[1]
+    widths = [total] if slice_widths is None else [int(w) for w in slice_widths]
+    if len(widths) != num_slices:
+        raise ValueError(f"y has {num_slices} slices but slice_widths gives {len(widths)}")
+    if sum(widths) != total or min(widths) <= 0:
+        raise ValueError(f"slice_widths {widths} must be positive and sum to lora_b's "
+                         f"{total} rows")
+    return widths
+
+
+def _check_slots(mapping: LoRAMapping, num_slots: int) -> None:
+    if mapping.max_slot >= num_slots:
+        raise ValueError(f"LoRA slot {mapping.max_slot} is out of range: the weights "
+                         f"have {num_slots} slots")

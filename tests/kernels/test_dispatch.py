@@ -1,0 +1,58 @@
+"""Dispatch: which path an op takes, and that interpreter mode never leaks out of a test."""
+
+import pytest
+import torch
+
+from lorapool import kernels
+from lorapool.kernels import attention_ops, lora_ops, reference
+
+triton = pytest.importorskip("triton", reason="Triton is not installed")
+
+
+def _fail(*args, **kwargs):
+    raise AssertionError("the Triton path was taken")
+
+
+def test_use_triton_reads_the_variable_at_call_time(monkeypatch):
+    cpu = torch.zeros(1)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert not kernels.use_triton(cpu)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert kernels.use_triton(cpu)
+
+
+def test_cpu_tensors_take_the_reference_without_the_interpreter(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    for module, names in ((lora_ops, ("lora_shrink", "lora_expand")),
+                          (attention_ops, ("write_kv_cache", "paged_attention"))):
+        for name in names:
+            monkeypatch.setattr(module, name, _fail)
+    x, a, b = torch.randn(3, 32), torch.randn(1, 2, 4, 32), torch.randn(2, 8, 4)
+    out, want = torch.zeros(3, 8), torch.zeros(3, 8)
+    kernels.lora_expand(kernels.lora_shrink(x, a, [0, -1, 1]), b, [0, -1, 1], out)
+    reference.lora_expand(reference.lora_shrink(x, a, [0, -1, 1]), b, [0, -1, 1], want)
+    torch.testing.assert_close(out, want)
+    cache = torch.zeros(2, 16, 1, 8)
+    kv = torch.randn(2, 1, 8)
+    kernels.write_kv_cache(kv, kv, cache, cache, torch.tensor([0, 1]))
+    q = torch.randn(2, 2, 8)
+    seq = (torch.tensor([[0]], dtype=torch.int32), torch.tensor([2], dtype=torch.int32),
+           torch.tensor([0, 2], dtype=torch.int32))
+    assert kernels.paged_attention(q, cache, cache, *seq, 0.3).shape == q.shape
+
+
+def test_interpreter_mode_is_set_by_the_fixture_only(triton_interpret):
+    assert kernels.use_triton(torch.zeros(1))
+    assert triton.knobs.runtime.interpret
+
+
+@pytest.mark.usefixtures("triton_interpret")
+def test_an_interpreted_launch_puts_the_compiled_helpers_back():
+    from triton.runtime.jit import JITFunction
+
+    x = torch.randn(4, 32)
+    lora_ops.lora_shrink(x, torch.randn(1, 2, 4, 32), [0, 1, 1, -1])
+    assert isinstance(triton.language.max, JITFunction)
+    assert isinstance(lora_ops._tile, JITFunction)
+    assert isinstance(attention_ops._attend, JITFunction)
+    assert True in lora_ops.shrink_kernel._forms
