@@ -1,0 +1,8 @@
+"""The client side of the queue: sync and asyncio producers and job handles (torch-free)."""
+
+from lorapool.producer.aio import AsyncJobHandle, AsyncProducer
+from lorapool.producer.client import JobHandle, Producer
+from lorapool.producer.registry import AdapterRegistry, describe_adapter
+
+__all__ = ["AdapterRegistry", "AsyncJobHandle", "AsyncProducer", "JobHandle", "Producer",
+           "describe_adapter"]

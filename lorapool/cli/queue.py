@@ -1,0 +1,158 @@
+"""Queue commands: ``worker``, ``submit``, ``abort``, ``status``, ``adapters``.
+
+Only ``worker`` imports the engine (and torch); the others are producer-side.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from lorapool.keys import DEFAULT_PREFIX
+
+redis_option = click.option("--redis-url", envvar="REDIS_URL", default=None,
+                            help="Redis URL (default: $REDIS_URL, else an embedded Redis)")
+prefix_option = click.option("--prefix", default=DEFAULT_PREFIX, show_default=True,
+                             help="key prefix")
+
+
+def _producer(redis_url, prefix):
+    from lorapool.producer import Producer
+
+    return Producer(redis_url, prefix=prefix)
+
+
+@click.command()
+@click.option("--model", required=True, help="model directory")
+@click.option("--dtype", default="auto", show_default=True)
+@click.option("--device", default="auto", show_default=True)
+@click.option("--max-num-seqs", default=256, show_default=True)
+@click.option("--max-num-batched-tokens", default=2048, show_default=True)
+@click.option("--max-model-len", type=int, default=None)
+@click.option("--enable-lora", is_flag=True)
+@click.option("--max-loras", default=1, show_default=True)
+@click.option("--max-lora-rank", default=16, show_default=True)
+@click.option("--name", default=None, help="worker name (default: host-pid-random)")
+@click.option("--lease", "lease_s", default=10.0, show_default=True, help="lease seconds")
+@click.option("--max-deliveries", default=3, show_default=True)
+@click.option("--drain-timeout", default=30.0, show_default=True)
+@click.option("--burst", is_flag=True, help="exit when the queue and the engine are empty")
+@redis_option
+@prefix_option
+def worker(model, dtype, device, max_num_seqs, max_num_batched_tokens, max_model_len,
+           enable_lora, max_loras, max_lora_rank, name, lease_s, max_deliveries,
+           drain_timeout, burst, redis_url, prefix):
+    """Serve the request stream with one engine."""
+    from lorapool.engine.config import EngineArgs
+    from lorapool.producer.client import connect
+    from lorapool.worker.config import WorkerConfig, default_name
+    from lorapool.worker.serve import serve
+
+    args = EngineArgs(model=model, dtype=dtype, device=device, max_num_seqs=max_num_seqs,
+                      max_num_batched_tokens=max_num_batched_tokens,
+                      max_model_len=max_model_len, enable_lora=enable_lora,
+                      max_loras=max_loras, max_lora_rank=max_lora_rank)
+    config = WorkerConfig(prefix=prefix, name=name or default_name(), lease_s=lease_s,
+                          max_deliveries=max_deliveries, drain_timeout_s=drain_timeout,
+                          burst=burst)
+    serve(args, config, connect(redis_url))
+
+
+@click.command()
+@click.argument("prompt")
+@click.option("--adapter", default=None, help="registered adapter name")
+@click.option("--max-tokens", default=64, show_default=True)
+@click.option("--temperature", default=0.0, show_default=True)
+@click.option("--seed", type=int, default=None)
+@click.option("--request-id", default=None)
+@click.option("--timeout", default=300.0, show_default=True)
+@redis_option
+@prefix_option
+def submit(prompt, adapter, max_tokens, temperature, seed, request_id, timeout, redis_url,
+           prefix):
+    """Submit PROMPT and stream the completion to the terminal."""
+    from lorapool.protocol import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed,
+                            output_kind="delta")
+    try:
+        job = _producer(redis_url, prefix).submit(prompt, params, adapter, request_id)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    click.echo(f"[{job.request_id}]", err=True)
+    final = None
+    for final in job.stream(timeout=timeout):
+        sys.stdout.write(final.outputs[0].text if final.outputs else "")
+        sys.stdout.flush()
+    if final is not None:
+        reason = final.outputs[0].finish_reason if final.outputs else None
+        click.echo(f"\n[{reason}; worker {final.worker}; adapter "
+                   f"{final.lora_request.name if final.lora_request else 'base'}"
+                   f"{'; error: ' + final.error if final.error else ''}]", err=True)
+
+
+@click.command()
+@click.argument("request_id")
+@redis_option
+@prefix_option
+def abort(request_id, redis_url, prefix):
+    """Abort REQUEST_ID on whichever worker holds it."""
+    _producer(redis_url, prefix).abort(request_id)
+    click.echo(f"abort requested for {request_id}")
+
+
+@click.command()
+@redis_option
+@prefix_option
+def status(redis_url, prefix):
+    """Workers, stream length, pending entries, lag and dead letters."""
+    from rich.console import Console
+
+    from lorapool.cli.queue_status import status_tables
+
+    console = Console()
+    for table in status_tables(_producer(redis_url, prefix)):
+        console.print(table)
+
+
+@click.group()
+def adapters():
+    """The adapter registry: add, list, remove."""
+
+
+@adapters.command("add")
+@click.argument("name")
+@click.argument("path", type=click.Path(exists=True, file_okay=False))
+@click.option("--id", "adapter_id", type=int, default=None, help="int id (default: next free)")
+@redis_option
+@prefix_option
+def adapters_add(name, path, adapter_id, redis_url, prefix):
+    """Register adapter NAME from the folder PATH (sha256 of its safetensors weights)."""
+    try:
+        record = _producer(redis_url, prefix).registry.add(name, path, adapter_id)
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(f"{record['name']}: id {record['id']}, rank {record['rank']}, "
+               f"sha256 {record['sha256'][:16]}…, {record['path']}")
+
+
+@adapters.command("list")
+@redis_option
+@prefix_option
+def adapters_list(redis_url, prefix):
+    """List registered adapters."""
+    for r in _producer(redis_url, prefix).registry.list():
+        click.echo(f"{r['id']:>4}  {r['name']:<24} rank {r['rank']:<4} "
+                   f"{r['sha256'][:16]}  {r['path']}")
+
+
+@adapters.command("remove")
+@click.argument("name")
+@redis_option
+@prefix_option
+def adapters_remove(name, redis_url, prefix):
+    """Remove adapter NAME from the registry."""
+    if not _producer(redis_url, prefix).registry.remove(name):
+        raise click.ClickException(f"no adapter named {name!r}")
+    click.echo(f"removed {name}")

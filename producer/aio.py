@@ -1,0 +1,129 @@
+"""The asyncio producer (redis.asyncio), for web apps: same API as ``Producer``, awaited."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from lorapool.keys import DEFAULT_PREFIX, Keys
+from lorapool.producer.client import ABORT_TTL_S, _block_ms, _deadline
+from lorapool.producer.job import SUBMIT_SCRIPT, OutputAssembler, build_job, per_prompt
+from lorapool.producer.registry import check_lora, decode_record
+from lorapool.protocol import LoRARequest, RequestOutput, RequestOutputKind, SamplingParams
+from lorapool.wire import DATA, decode_chunk, encode_job
+
+
+class AsyncJobHandle:
+    """One submitted request, for asyncio code."""
+
+    def __init__(self, producer: AsyncProducer, request_id: str,
+                 output_kind: RequestOutputKind | str = RequestOutputKind.CUMULATIVE,
+                 enqueued: bool = True):
+        self.producer = producer
+        self.request_id = request_id
+        self.output_kind = RequestOutputKind(output_kind)
+        self.enqueued = enqueued
+
+    async def chunks(self, after: int = -1, timeout: float | None = None) -> AsyncIterator:
+        """Chunks with seq > ``after`` until the final one (see ``JobHandle.chunks``)."""
+        key = self.producer.keys.out(self.request_id)
+        last, deadline = f"0-{after + 1}" if after >= 0 else "0-0", _deadline(timeout)
+        while True:
+            reply = await self.producer.redis.xread({key: last}, count=256,
+                                                    block=_block_ms(deadline))
+            for _, entries in reply:
+                for entry_id, fields in entries:
+                    last = entry_id
+                    chunk = decode_chunk(fields.get(DATA.encode()))
+                    yield chunk
+                    if chunk.finished:
+                        return
+            if not reply and deadline is not None and time.monotonic() >= deadline:
+                raise asyncio.TimeoutError(f"request {self.request_id}: no final output")
+
+    async def stream(self, after: int = -1,
+                     timeout: float | None = None) -> AsyncIterator[RequestOutput]:
+        """RequestOutputs in the job's ``output_kind`` (see ``JobHandle.stream``)."""
+        assembler = OutputAssembler(self.output_kind)
+        async for chunk in self.chunks(timeout=timeout):
+            output = assembler.feed(chunk)
+            if output is not None and chunk.seq > after:
+                yield output
+
+    async def result(self, timeout: float | None = None) -> RequestOutput:
+        """The final, cumulative RequestOutput."""
+        assembler = OutputAssembler(RequestOutputKind.FINAL_ONLY)
+        async for chunk in self.chunks(timeout=timeout):
+            output = assembler.feed(chunk)
+            if output is not None:
+                return output
+        raise RuntimeError(f"request {self.request_id}: chunk log ended without a final chunk")
+
+    async def abort(self) -> None:
+        await self.producer.abort(self.request_id)
+
+
+class AsyncProducer:
+    """Enqueues jobs from asyncio code; ``connection`` is a URL or a redis.asyncio client."""
+
+    def __init__(self, connection: str | aioredis.Redis, prefix: str = DEFAULT_PREFIX):
+        if isinstance(connection, str):
+            connection = aioredis.Redis.from_url(connection)
+        self.redis = connection
+        self.keys = Keys(prefix)
+        self._submit = self.redis.register_script(SUBMIT_SCRIPT)
+
+    async def resolve(self, requested: LoRARequest | str | None) -> LoRARequest | None:
+        if requested is None:
+            return None
+        name = requested if isinstance(requested, str) else requested.lora_name
+        record = decode_record(await self.redis.hget(self.keys.adapters, name))
+        return check_lora(requested, record)
+
+    async def submit(self, prompt: str | dict[str, Any], params: SamplingParams | None = None,
+                     lora_request: LoRARequest | str | None = None,
+                     request_id: str | None = None,
+                     metadata: dict[str, Any] | None = None) -> AsyncJobHandle:
+        """Enqueue one job (see ``Producer.submit``)."""
+        handles = await self.submit_many([prompt], params, [lora_request], [request_id],
+                                         metadata)
+        return handles[0]
+
+    async def submit_many(self, prompts: Sequence[str | dict[str, Any]],
+                          params: SamplingParams | list[SamplingParams] | None = None,
+                          lora_request: LoRARequest | str | None | list = None,
+                          request_ids: list[str | None] | None = None,
+                          metadata: dict[str, Any] | None = None) -> list[AsyncJobHandle]:
+        """Enqueue several jobs in one round trip, all validated first."""
+        count = len(prompts)
+        loras = [await self.resolve(x) for x in per_prompt(lora_request, count, "adapters")]
+        jobs = [build_job(p, sp, lora, rid, metadata) for p, sp, lora, rid in zip(
+            prompts, per_prompt(params, count, "params"), loras,
+            request_ids or [None] * count)]
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for job in jobs:
+                await self._submit(keys=[self.keys.job(job.request_id), self.keys.requests],
+                                   args=[encode_job(job), job.sampling_params.output_kind.value,
+                                         time.time()], client=pipe)
+            entries = await pipe.execute()
+        handles = []
+        for job, entry in zip(jobs, entries):
+            handle = (AsyncJobHandle(self, job.request_id, job.sampling_params.output_kind)
+                      if entry else await self.handle(job.request_id))
+            handle.enqueued = bool(entry)
+            handles.append(handle)
+        return handles
+
+    async def handle(self, request_id: str) -> AsyncJobHandle:
+        kind = await self.redis.hget(self.keys.job(request_id), "output_kind")
+        return AsyncJobHandle(self, request_id, kind.decode() if kind else "cumulative")
+
+    async def abort(self, request_id: str) -> None:
+        await self.redis.set(self.keys.abort(request_id), 1, ex=ABORT_TTL_S)
+
+    async def aclose(self) -> None:
+        await self.redis.aclose()

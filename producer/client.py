@@ -1,0 +1,162 @@
+"""The synchronous producer: submit jobs, stream and await their outputs."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import redis
+
+from lorapool.keys import DEFAULT_PREFIX, Keys
+from lorapool.producer.job import SUBMIT_SCRIPT, OutputAssembler, build_job, per_prompt
+from lorapool.producer.registry import AdapterRegistry
+from lorapool.protocol import LoRARequest, RequestOutput, RequestOutputKind, SamplingParams
+from lorapool.wire import DATA, decode_chunk, encode_job
+
+ABORT_TTL_S = 24 * 3600
+_BLOCK_MS = 1000
+
+
+def connect(url_or_connection: str | redis.Redis | None) -> redis.Redis:
+    """A client for a URL, an existing client, or (None) ``$REDIS_URL`` / embedded Redis."""
+    if isinstance(url_or_connection, redis.Redis):
+        return url_or_connection
+    if url_or_connection is None:
+        from lorapool.embedded import resolve_url
+
+        url_or_connection = resolve_url()
+    return redis.Redis.from_url(url_or_connection)
+
+
+def chunk_seq(entry_id: bytes | str) -> int:
+    """Chunk log entries have ids ``0-<seq + 1>``."""
+    text = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+    return int(text.split("-")[1]) - 1
+
+
+class JobHandle:
+    """One submitted request: stream its outputs, wait for the result, abort it."""
+
+    def __init__(self, producer: Producer, request_id: str,
+                 output_kind: RequestOutputKind | str = RequestOutputKind.CUMULATIVE,
+                 enqueued: bool = True):
+        self.producer = producer
+        self.request_id = request_id
+        self.output_kind = RequestOutputKind(output_kind)
+        self.enqueued = enqueued  # False: the id existed and nothing new was queued
+
+    def chunks(self, after: int = -1, timeout: float | None = None) -> Iterator[Any]:
+        """The request's chunks with seq > ``after``, in order, until the final one.
+
+        Reads the chunk log (the source of truth) with blocking XREAD, so a late
+        subscriber misses nothing. Raises TimeoutError after ``timeout`` seconds.
+        """
+        key = self.producer.keys.out(self.request_id)
+        last, deadline = f"0-{after + 1}" if after >= 0 else "0-0", _deadline(timeout)
+        while True:
+            block = _block_ms(deadline)
+            reply = self.producer.redis.xread({key: last}, count=256, block=block)
+            for _, entries in reply:
+                for entry_id, fields in entries:
+                    last = entry_id
+                    chunk = decode_chunk(fields.get(DATA.encode()))
+                    yield chunk
+                    if chunk.finished:
+                        return
+            if not reply and deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"request {self.request_id}: no final output in {timeout}s")
+
+    def stream(self, after: int = -1, timeout: float | None = None) -> Iterator[RequestOutput]:
+        """RequestOutputs in the job's ``output_kind``; ``after``: skip chunks up to that seq.
+
+        Started midway (``after`` = the last seq already seen), a cumulative
+        stream still carries everything from the beginning.
+        """
+        assembler = OutputAssembler(self.output_kind)
+        for chunk in self.chunks(timeout=timeout):
+            output = assembler.feed(chunk)
+            if output is not None and chunk.seq > after:
+                yield output
+
+    def result(self, timeout: float | None = None) -> RequestOutput:
+        """The final, cumulative RequestOutput (TimeoutError after ``timeout`` seconds)."""
+        assembler = OutputAssembler(RequestOutputKind.FINAL_ONLY)
+        for chunk in self.chunks(timeout=timeout):
+            output = assembler.feed(chunk)
+            if output is not None:
+                return output
+        raise RuntimeError(f"request {self.request_id}: chunk log ended without a final chunk")
+
+    def abort(self) -> None:
+        """Ask whichever worker holds the request to stop it (finish_reason 'abort')."""
+        self.producer.abort(self.request_id)
+
+    def status(self) -> str | None:
+        raw = self.producer.redis.hget(self.producer.keys.job(self.request_id), "status")
+        return None if raw is None else raw.decode()
+
+
+class Producer:
+    """Enqueues jobs on ``{p}:requests``; ``connection`` is a URL or a redis client."""
+
+    def __init__(self, connection: str | redis.Redis | None = None,
+                 prefix: str = DEFAULT_PREFIX):
+        self.redis = connect(connection)
+        self.keys = Keys(prefix)
+        self.registry = AdapterRegistry(self.redis, self.keys)
+        self._submit = self.redis.register_script(SUBMIT_SCRIPT)
+
+    def submit(self, prompt: str | dict[str, Any], params: SamplingParams | None = None,
+               lora_request: LoRARequest | str | None = None, request_id: str | None = None,
+               metadata: dict[str, Any] | None = None) -> JobHandle:
+        """Enqueue one job; a request id that exists returns its handle, enqueuing nothing.
+
+        Raises ValueError naming the problem (sampling params, prompt, unknown
+        adapter, colliding adapter id).
+        """
+        return self.submit_many([prompt], params, [lora_request], [request_id], metadata)[0]
+
+    def submit_many(self, prompts: Sequence[str | dict[str, Any]],
+                    params: SamplingParams | list[SamplingParams] | None = None,
+                    lora_request: LoRARequest | str | None | list = None,
+                    request_ids: list[str | None] | None = None,
+                    metadata: dict[str, Any] | None = None) -> list[JobHandle]:
+        """Enqueue several jobs in one round trip; all are validated before any is sent."""
+        count = len(prompts)
+        loras = [self.registry.resolve(x) for x in per_prompt(lora_request, count, "adapters")]
+        jobs = [build_job(p, sp, lora, rid, metadata) for p, sp, lora, rid in zip(
+            prompts, per_prompt(params, count, "params"), loras,
+            request_ids or [None] * count)]
+        with self.redis.pipeline(transaction=False) as pipe:
+            for job in jobs:
+                self._submit(keys=[self.keys.job(job.request_id), self.keys.requests],
+                             args=[encode_job(job), job.sampling_params.output_kind.value,
+                                   time.time()], client=pipe)
+            entries = pipe.execute()
+        return [self._handle_after_submit(job, entry) for job, entry in zip(jobs, entries)]
+
+    def _handle_after_submit(self, job, entry) -> JobHandle:
+        if entry:
+            return JobHandle(self, job.request_id, job.sampling_params.output_kind)
+        handle = self.handle(job.request_id)
+        handle.enqueued = False
+        return handle
+
+    def handle(self, request_id: str) -> JobHandle:
+        """The handle of an existing request (its output kind read from the job marker)."""
+        kind = self.redis.hget(self.keys.job(request_id), "output_kind")
+        return JobHandle(self, request_id, kind.decode() if kind else "cumulative")
+
+    def abort(self, request_id: str) -> None:
+        self.redis.set(self.keys.abort(request_id), 1, ex=ABORT_TTL_S)
+
+
+def _deadline(timeout: float | None) -> float | None:
+    return None if timeout is None else time.monotonic() + timeout
+
+
+def _block_ms(deadline: float | None) -> int:
+    if deadline is None:
+        return _BLOCK_MS
+    return max(1, min(_BLOCK_MS, int((deadline - time.monotonic()) * 1000)))

@@ -1,0 +1,149 @@
+"""The adapter registry in Redis: name -> id, path, sha256, rank, alpha, targets.
+
+``{p}:adapters`` maps a name to its orjson record; ``{p}:adapter-ids`` maps an
+int id to its name, which keeps ids unique. Torch-free: the sha256 is taken
+over the bytes of ``adapter_model.safetensors`` and the rest is read from
+``adapter_config.json``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import orjson
+import redis
+
+from lorapool.keys import Keys
+from lorapool.protocol import LoRARequest
+
+WEIGHTS_FILE = "adapter_model.safetensors"
+CONFIG_FILE = "adapter_config.json"
+
+
+def describe_adapter(path: str | Path) -> dict[str, Any]:
+    """Read an adapter folder: sha256 of its weights, rank, alpha, targets, base model."""
+    path = Path(path)
+    weights = path / WEIGHTS_FILE
+    if not weights.is_file():
+        raise ValueError(f"adapter folder {path} has no {WEIGHTS_FILE}")
+    digest = hashlib.sha256()
+    with weights.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    config = {}
+    if (path / CONFIG_FILE).is_file():
+        config = json.loads((path / CONFIG_FILE).read_text())
+    targets = config.get("target_modules") or []
+    return {"path": str(path.resolve()), "sha256": digest.hexdigest(),
+            "rank": int(config.get("r", 0)), "alpha": float(config.get("lora_alpha", 0)),
+            "target_modules": sorted(targets) if isinstance(targets, list) else [targets],
+            "base_model": config.get("base_model_name_or_path")}
+
+
+def lora_from_record(record: dict[str, Any]) -> LoRARequest:
+    return LoRARequest(record["name"], int(record["id"]), record["path"],
+                       record.get("base_model"))
+
+
+def check_lora(requested: LoRARequest | str, record: dict[str, Any] | None) -> LoRARequest:
+    """The LoRARequest to enqueue for ``requested`` given its registry record (or None).
+
+    Raises ValueError when the adapter is unknown or its id or path collides.
+    """
+    name = requested if isinstance(requested, str) else requested.lora_name
+    if record is None:
+        raise ValueError(f"unknown adapter {name!r}: register it with "
+                         f"`lorapool adapters add {name} PATH`")
+    if isinstance(requested, LoRARequest):
+        if requested.lora_int_id != record["id"]:
+            raise ValueError(f"adapter {name!r} has id {record['id']} in the registry, "
+                             f"not {requested.lora_int_id} (colliding adapter id)")
+        if requested.lora_path and str(Path(requested.lora_path).resolve()) != record["path"]:
+            raise ValueError(f"adapter {name!r} is registered with path {record['path']}, "
+                             f"not {requested.lora_path}")
+    return lora_from_record(record)
+
+
+def decode_record(raw: bytes | str | None) -> dict[str, Any] | None:
+    return None if raw is None else orjson.loads(raw)
+
+
+class AdapterRegistry:
+    """Adapters known to the pool (synchronous; the async producer reads the same keys)."""
+
+    def __init__(self, connection: redis.Redis, keys: Keys):
+        self.redis = connection
+        self.keys = keys
+
+    def get(self, name: str) -> dict[str, Any] | None:
+        return decode_record(self.redis.hget(self.keys.adapters, name))
+
+    def list(self) -> list[dict[str, Any]]:
+        records = [orjson.loads(v) for v in self.redis.hvals(self.keys.adapters)]
+        return sorted(records, key=lambda r: r["id"])
+
+    def resolve(self, requested: LoRARequest | str | None) -> LoRARequest | None:
+        """The registered LoRARequest for a name or LoRARequest; ValueError if unknown."""
+        if requested is None:
+            return None
+        name = requested if isinstance(requested, str) else requested.lora_name
+        return check_lora(requested, self.get(name))
+
+    def add(self, name: str, path: str | Path, adapter_id: int | None = None,
+            info: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Register an adapter; idempotent for the same name, id, path and weights.
+
+        Refuses (ValueError) a name registered with other weights, path or id,
+        and an id that another adapter holds.
+        """
+        info = info if info is not None else describe_adapter(path)
+        if adapter_id is not None and adapter_id < 1:
+            raise ValueError(f"adapter id must be >= 1, got {adapter_id}")
+        with self.redis.pipeline() as pipe:
+            while True:
+                try:
+                    return self._add_once(pipe, name, adapter_id, info)
+                except redis.WatchError:
+                    continue
+
+    def _add_once(self, pipe, name: str, adapter_id: int | None, info: dict) -> dict:
+        pipe.watch(self.keys.adapters, self.keys.adapter_ids)
+        existing = decode_record(pipe.hget(self.keys.adapters, name))
+        if existing is not None:
+            pipe.unwatch()
+            return _same_or_refuse(existing, adapter_id, info)
+        ids = {int(i): n.decode() for i, n in pipe.hgetall(self.keys.adapter_ids).items()}
+        new_id = adapter_id if adapter_id is not None else max(ids, default=0) + 1
+        if new_id in ids:
+            pipe.unwatch()
+            raise ValueError(f"adapter id {new_id} is already used by adapter {ids[new_id]!r}")
+        record = {"name": name, "id": new_id, **info}
+        pipe.multi()
+        pipe.hset(self.keys.adapters, name, orjson.dumps(record))
+        pipe.hset(self.keys.adapter_ids, new_id, name)
+        pipe.execute()
+        return record
+
+    def remove(self, name: str) -> bool:
+        record = self.get(name)
+        if record is None:
+            return False
+        with self.redis.pipeline() as pipe:
+            pipe.hdel(self.keys.adapters, name)
+            pipe.hdel(self.keys.adapter_ids, record["id"])
+            pipe.execute()
+        return True
+
+
+def _same_or_refuse(existing: dict, adapter_id: int | None, info: dict) -> dict:
+    name = existing["name"]
+    if adapter_id is not None and adapter_id != existing["id"]:
+        raise ValueError(f"adapter {name!r} is already registered with id {existing['id']}")
+    if (existing["path"], existing["sha256"]) != (info["path"], info["sha256"]):
+        raise ValueError(f"adapter {name!r} is already registered with other weights "
+                         f"({existing['path']}, sha256 {existing['sha256'][:12]}); remove it "
+                         f"first or register the new version under a new name")
+    return existing

@@ -1,0 +1,194 @@
+"""The queue path with an in-process worker: results, streams, bad input, abort, audit."""
+
+import asyncio
+import uuid
+
+import orjson
+import pytest
+import redis
+
+from lorapool.audit_db.record import record_from_dict
+from lorapool.producer import AsyncProducer, Producer
+from lorapool.protocol import LoRARequest, SamplingParams
+from lorapool.worker import Worker, WorkerConfig
+from lorapool.worker.serve import base_model_info
+
+pytestmark = pytest.mark.integration
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
+PROMPTS = ["hello world", "the cat sat on", "one two three", "a b c d e"]
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_path):
+    return str(tiny_model_path("llama"))
+
+
+@pytest.fixture(scope="module")
+def engine(model):
+    from lorapool.engine.config import EngineArgs
+    from lorapool.engine.llm_engine import LLMEngine
+
+    return LLMEngine.from_engine_args(EngineArgs(model=model, max_num_seqs=8,
+                                                 max_num_batched_tokens=512))
+
+
+@pytest.fixture
+def conn(redis_url):
+    connection = redis.Redis.from_url(redis_url)
+    yield connection
+    connection.close()
+
+
+@pytest.fixture
+def prefix(conn):
+    prefix = f"test-{uuid.uuid4().hex[:10]}"
+    yield prefix
+    for key in conn.scan_iter(f"{prefix}:*"):
+        conn.delete(key)
+
+
+@pytest.fixture
+def producer(conn, prefix):
+    return Producer(conn, prefix=prefix)
+
+
+def run_worker(engine, conn, prefix, model, **kw):
+    config = WorkerConfig(prefix=prefix, burst=True, lease_s=2, **kw)
+    worker = Worker(engine, conn, config, base_model_info(model))
+    worker.run()
+    return worker
+
+
+def reference(engine, prompts, params):
+    for i, p in enumerate(prompts):
+        engine.add_request(f"ref-{i}", p, params)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return [done[f"ref-{i}"] for i in range(len(prompts))]
+
+
+def test_results_equal_engine_and_audit(engine, conn, prefix, producer, model):
+    expected = reference(engine, PROMPTS, GREEDY)
+    handles = producer.submit_many(PROMPTS, GREEDY, metadata={"user": "u1"})
+    run_worker(engine, conn, prefix, model)
+    for handle, ref in zip(handles, expected):
+        got = handle.result(timeout=5)
+        assert got.outputs[0].token_ids == ref.outputs[0].token_ids
+        assert got.outputs[0].text == ref.outputs[0].text
+        assert got.prompt_token_ids == ref.prompt_token_ids and got.worker
+    records = [record_from_dict(orjson.loads(f[b"data"]))
+               for _, f in conn.xrange(producer.keys.audit)]
+    assert sorted(r.request_id for r in records) == sorted(h.request_id for h in handles)
+    assert all(r.metadata == {"user": "u1"} and r.adapter is None for r in records)
+    assert conn.xpending(producer.keys.requests, "workers")["pending"] == 0
+
+
+def test_idempotent_submit(engine, conn, prefix, producer, model):
+    first = producer.submit("hello", GREEDY, request_id="same")
+    again = producer.submit("other prompt", GREEDY, request_id="same")
+    assert first.enqueued and not again.enqueued
+    assert conn.xlen(producer.keys.requests) == 1
+    run_worker(engine, conn, prefix, model)
+    assert again.result(timeout=5).prompt == "hello"
+
+
+def test_late_and_midway_streams(engine, conn, prefix, producer, model):
+    handle = producer.submit("hello world", SamplingParams(temperature=0, max_tokens=10,
+                                                           output_kind="delta"))
+    worker = Worker(engine, conn, WorkerConfig(prefix=prefix, lease_s=2), base_model_info(model))
+    worker._ensure_group()
+    while len(conn.xrange(producer.keys.out(handle.request_id))) < 4:
+        worker.run_once()
+    seen = [o for _, o in zip(range(3), handle.stream(timeout=5))]
+    while handle.request_id in worker.held or engine.has_unfinished_requests():
+        worker.run_once()
+    rest = list(handle.stream(after=2, timeout=5))  # midway: what comes after seq 2
+    late = list(handle.stream(timeout=5))  # after the end: everything
+    assert [o.outputs[0].text for o in seen + rest] == [o.outputs[0].text for o in late]
+    tokens = [t for o in late for t in o.outputs[0].token_ids]
+    assert len(tokens) == 10 and late[-1].finished and rest
+    cumulative = producer.handle(handle.request_id)
+    cumulative.output_kind = "cumulative"
+    assert list(cumulative.stream(timeout=5))[-1].outputs[0].token_ids == tokens
+
+
+def _raw(conn, producer, data):
+    conn.xadd(producer.keys.requests, {"data": data})
+
+
+def test_bad_input(engine, conn, prefix, producer, model, tmp_path):
+    adapter = tmp_path / "ad"
+    adapter.mkdir()
+    (adapter / "adapter_model.safetensors").write_bytes(b"weights")
+    producer.registry.add("sql", adapter, adapter_id=5)
+    with pytest.raises(ValueError, match="already used by adapter 'sql'"):
+        producer.registry.add("other", adapter, adapter_id=5)
+    with pytest.raises(ValueError, match="unknown adapter 'nope'"):
+        producer.submit("hi", GREEDY, lora_request="nope")
+    with pytest.raises(ValueError, match="colliding adapter id"):
+        producer.submit("hi", GREEDY, lora_request=LoRARequest("sql", 6, str(adapter)))
+    params = SamplingParams()
+    params.top_p = 0.0
+    with pytest.raises(ValueError, match="top_p"):
+        producer.submit("hi", params)
+    _raw(conn, producer, b"{not json")
+    _raw(conn, producer, orjson.dumps({"v": 2, "request_id": "v2", "prompt": "x"}))
+    lora = {"lora_name": "ghost", "lora_int_id": 9, "lora_path": "/g"}
+    _raw(conn, producer, orjson.dumps({"v": 1, "request_id": "ghost", "prompt": "x",
+                                       "lora_request": lora}))
+    _raw(conn, producer, orjson.dumps({"v": 1, "request_id": "badp", "prompt": "x",
+                                       "sampling_params": {"temperature": -1}}))
+    long = producer.submit({"prompt_token_ids": [5] * 600}, GREEDY)
+    no_lora = producer.submit("hi", GREEDY, lora_request="sql")  # engine without LoRA
+    good = producer.submit("hello world", GREEDY)
+    run_worker(engine, conn, prefix, model)
+    assert good.result(timeout=5).outputs[0].finish_reason == "length"
+    errors = {rid: producer.handle(rid).result(timeout=5) for rid in ("v2", "ghost", "badp")}
+    assert "unknown wire version 2" in errors["v2"].error
+    assert "unknown adapter 'ghost'" in errors["ghost"].error
+    assert errors["ghost"].lora_request.adapter_id == 9
+    assert "temperature" in errors["badp"].error
+    final = long.result(timeout=5)
+    assert "600 tokens" in final.error and final.outputs[0].finish_reason == "error"
+    refused = no_lora.result(timeout=5)
+    assert "enable_lora" in refused.error and refused.lora_request.name == "sql"
+    reasons = [f[b"reason"].decode() for _, f in conn.xrange(producer.keys.dead)]
+    assert len(reasons) == 6 and any("not valid JSON" in r for r in reasons)
+    assert conn.xpending(producer.keys.requests, "workers")["pending"] == 0
+
+
+def test_abort(engine, conn, prefix, producer, model):
+    handle = producer.submit("hello", SamplingParams(temperature=0, max_tokens=200,
+                                                     ignore_eos=True))
+    worker = Worker(engine, conn, WorkerConfig(prefix=prefix, lease_s=2), base_model_info(model))
+    worker._ensure_group()
+    for _ in range(3):
+        worker.run_once()
+    handle.abort()
+    for _ in range(4):
+        worker.run_once()
+    final = handle.result(timeout=5)
+    assert final.outputs[0].finish_reason == "abort" and len(final.outputs[0].token_ids) < 10
+    assert not worker.held and not engine.has_unfinished_requests()
+
+
+def test_async_producer(engine, conn, prefix, model, redis_url):
+    async def submit():
+        producer = AsyncProducer(redis_url, prefix=prefix)
+        handles = await producer.submit_many(PROMPTS[:2], GREEDY)
+        await producer.aclose()
+        return [h.request_id for h in handles]
+
+    ids = asyncio.run(submit())
+    run_worker(engine, conn, prefix, model)
+
+    async def results():
+        producer = AsyncProducer(redis_url, prefix=prefix)
+        outs = [await (await producer.handle(rid)).result(timeout=5) for rid in ids]
+        await producer.aclose()
+        return outs
+
+    assert all(o.finished and len(o.outputs[0].token_ids) == 12 for o in asyncio.run(results()))

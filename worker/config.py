@@ -1,0 +1,41 @@
+"""WorkerConfig: every option of one queue worker, validated once."""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from dataclasses import dataclass, field
+
+from lorapool.keys import DEFAULT_PREFIX
+
+
+def default_name() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+@dataclass
+class WorkerConfig:
+    """How a worker talks to the queue (engine options live in EngineArgs)."""
+
+    prefix: str = DEFAULT_PREFIX
+    name: str = field(default_factory=default_name)
+    lease_s: float = 10.0  # an entry idle this long is claimable by another worker
+    max_deliveries: int = 3  # deliveries beyond this dead-letter the entry
+    block_ms: int = 100  # XREADGROUP BLOCK when the engine is idle
+    burst: bool = False  # return once the queue and the engine are empty
+    drain_timeout_s: float = 30.0  # first SIGTERM: finish in-flight work up to this long
+    result_ttl_s: int = 24 * 3600  # chunk logs and job markers expire this long after the end
+    heartbeat_s: float = 1.0
+
+    def __post_init__(self):
+        if self.lease_s <= 0:
+            raise ValueError(f"lease_s must be > 0, got {self.lease_s}")
+        if self.max_deliveries < 1:
+            raise ValueError(f"max_deliveries must be >= 1, got {self.max_deliveries}")
+        if self.block_ms < 1 or self.result_ttl_s < 1:
+            raise ValueError("block_ms and result_ttl_s must be positive")
+
+    @property
+    def lease_ms(self) -> int:
+        return int(self.lease_s * 1000)

@@ -1,0 +1,103 @@
+"""What a worker keeps per entry it holds, and how engine outputs become chunks."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from lorapool.protocol import RequestOutput, RequestOutputKind, SamplingParams
+from lorapool.wire import Chunk, Job, completion_wire
+
+
+@dataclass
+class Held:
+    """One request this worker runs: its entry, job, adapter record and stream position."""
+
+    entry_id: str
+    job: Job
+    adapter: dict[str, Any] | None = None  # registry record, None for the base model
+    seq: int = 0  # seq of the next chunk
+    total: int = 0  # tokens of all completions already in the log
+    offsets: dict[int, int] = field(default_factory=dict)  # per completion index
+    output: RequestOutput | None = None  # everything in the log so far (cumulative)
+    prompt_token_ids: list[int] | None = None  # the original prompt's tokens
+    resumed_tokens: int = 0  # tokens generated before this worker took over
+
+    @property
+    def request_id(self) -> str:
+        return self.job.request_id
+
+    @property
+    def lora_dict(self) -> dict[str, Any] | None:
+        lora = self.job.lora_request
+        return None if lora is None else lora.to_dict()
+
+    @property
+    def adapter_id(self) -> int:
+        lora = self.job.lora_request
+        return 0 if lora is None else lora.lora_int_id
+
+    def take(self, chunk: Chunk) -> None:
+        """Account a chunk that is (or already was) in the log."""
+        delta = chunk.to_output()
+        if chunk.prompt_token_ids is not None:
+            self.prompt_token_ids = list(chunk.prompt_token_ids)
+        if self.output is None:
+            self.output = copy.deepcopy(delta)
+        else:
+            self.output.add(copy.deepcopy(delta), aggregate=True)
+        for out in chunk.outputs:
+            self.offsets[out["index"]] = out.get("offset", 0) + len(out["token_ids"])
+        self.seq = chunk.seq + 1
+        self.total = chunk.offset + chunk.num_tokens
+
+
+def engine_params(params: SamplingParams) -> SamplingParams:
+    """The job's params as the engine runs them: deltas (the client rebuilds its kind)."""
+    return dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
+
+
+def resumed_token_ids(held: Held) -> list[int]:
+    """Tokens of ``held`` already in the chunk log: the engine continues after them."""
+    if held.output is None or not held.output.outputs:
+        return []
+    return list(held.output.outputs[0].token_ids)
+
+
+def make_chunk(held: Held, out: RequestOutput, worker: str) -> Chunk:
+    """The next chunk of ``held`` from one engine delta output."""
+    first, final = held.seq == 0, out.finished
+    outputs = [completion_wire(c, held.offsets.get(c.index, 0)) for c in out.outputs]
+    chunk = Chunk(request_id=held.request_id, seq=held.seq, offset=held.total, outputs=outputs,
+                  finished=final, adapter_id=held.adapter_id, error=out.error,
+                  lora_request=held.lora_dict if first or final else None)
+    if first:
+        chunk.prompt = held.job.prompt if held.job.prompt is not None else out.prompt
+        chunk.prompt_token_ids = list(out.prompt_token_ids or [])
+    if final:
+        chunk.worker = worker
+        chunk.metrics = _metrics(held, out)
+    return chunk
+
+
+def _metrics(held: Held, out: RequestOutput) -> dict[str, Any] | None:
+    if out.metrics is None:
+        return None
+    metrics = out.metrics.to_dict()
+    metrics["arrival_time"] = held.job.arrival_time
+    if held.prompt_token_ids is not None:
+        metrics["num_prompt_tokens"] = len(held.prompt_token_ids)
+    metrics["num_generated_tokens"] = held.total + sum(len(c.token_ids) for c in out.outputs)
+    return metrics
+
+
+def error_chunk(held: Held, error: str, worker: str) -> Chunk:
+    """A final chunk that fails ``held`` with ``error`` (carrying its adapter)."""
+    n = held.job.sampling_params.n
+    outputs = [{"index": i, "offset": held.offsets.get(i, 0), "text": "", "token_ids": [],
+                "finish_reason": "error", "stop_reason": None} for i in range(n)]
+    return Chunk(request_id=held.request_id, seq=held.seq, offset=held.total, outputs=outputs,
+                 finished=True, lora_request=held.lora_dict, adapter_id=held.adapter_id,
+                 worker=worker, error=error)

@@ -1,0 +1,295 @@
+"""The queue worker: one engine, fed from the ``workers`` consumer group.
+
+Loop: periodic upkeep (lease renewal, claiming abandoned entries, heartbeat)
+→ admit what the engine can take now → one engine step → one pipelined round
+trip appending every advanced request's chunk (fenced, see ``scripts.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from typing import Any
+
+import orjson
+import redis
+
+from lorapool.audit_db.record import record_from_output
+from lorapool.keys import WORKERS_GROUP, Keys
+from lorapool.producer.registry import check_lora, decode_record
+from lorapool.protocol import RequestOutput
+from lorapool.wire import DATA, Chunk, decode_job, encode_chunk
+from lorapool.worker import failover
+from lorapool.worker.config import WorkerConfig
+from lorapool.worker.held import Held, engine_params, error_chunk, make_chunk, resumed_token_ids
+from lorapool.worker.scripts import APPEND, RENEW
+
+logger = logging.getLogger(__name__)
+NOT_OWNER, DUPLICATE = -1, -2
+
+
+class Worker:
+    """Drives one ``LLMEngine`` from the request stream. ``base_model``: {"name", "sha256"}."""
+
+    def __init__(self, engine: Any, connection: redis.Redis, config: WorkerConfig,
+                 base_model: dict[str, str]):
+        self.engine = engine
+        self.redis = connection
+        self.config = config
+        self.keys = Keys(config.prefix)
+        self.name = config.name
+        self.base_model = base_model
+        self.held: dict[str, Held] = {}
+        self.draining = False
+        self.stopped = False
+        self.num_tokens = 0
+        self._append = connection.register_script(APPEND)
+        self._renew = connection.register_script(RENEW)
+        self._last = {"renew": 0.0, "claim": 0.0, "heartbeat": 0.0}
+        self._drain_deadline: float | None = None
+
+    # --- the loop --------------------------------------------------------------
+
+    def run(self) -> None:
+        """Serve until stopped (burst: until the queue and the engine are empty)."""
+        self._ensure_group()
+        self._install_signals()
+        logger.info("worker %s: serving %s", self.name, self.keys.requests)
+        try:
+            while not self.stopped:
+                self.run_once()
+        finally:
+            self.teardown()
+
+    def run_once(self) -> None:
+        """One iteration: upkeep, admission, one engine step, publishing."""
+        self._upkeep()
+        read = 0 if self.draining else self._admit()
+        if self.engine.has_unfinished_requests():
+            self._publish(self.engine.step())
+        elif self.draining or (self.config.burst and read == 0 and self._queue_empty()):
+            self.stopped = True
+        if self._drain_deadline is not None and time.monotonic() > self._drain_deadline:
+            logger.warning("worker %s: drain timeout, handing entries back", self.name)
+            self.hand_back()
+            self.stopped = True
+
+    def _ensure_group(self) -> None:
+        try:
+            self.redis.xgroup_create(self.keys.requests, WORKERS_GROUP, id="0", mkstream=True)
+        except redis.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    def _queue_empty(self) -> bool:
+        pending = self.redis.xpending(self.keys.requests, WORKERS_GROUP)
+        return pending["pending"] == 0 and not self.held
+
+    # --- admission -------------------------------------------------------------
+
+    def capacity(self) -> int:
+        """How many new requests the engine can take now (0 while some still wait)."""
+        if self.engine.scheduler.waiting:
+            return 0
+        return max(0, self.engine.args.max_num_seqs - self.engine.get_num_unfinished_requests())
+
+    def _admit(self) -> int:
+        count = self.capacity()
+        if count == 0:
+            return 0
+        block = None if self.engine.has_unfinished_requests() else self.config.block_ms
+        reply = self.redis.xreadgroup(WORKERS_GROUP, self.name, {self.keys.requests: ">"},
+                                      count=count, block=block)
+        entries = [e for _, stream_entries in reply or [] for e in stream_entries]
+        for entry_id, fields in entries:
+            self.start(entry_id.decode(), fields)
+        return len(entries)
+
+    def start(self, entry_id: str, fields: dict, log: list[Chunk] | None = None) -> None:
+        """Put one delivered entry into the engine, or fail it with a clear error."""
+        payload = (fields or {}).get(DATA.encode())
+        try:
+            job = decode_job(payload)
+        except ValueError as exc:
+            return self.dead_letter(entry_id, payload, str(exc), None)
+        if job.request_id in self.held:
+            return None
+        held = Held(entry_id, job)
+        for chunk in log or []:
+            held.take(chunk)
+        held.resumed_tokens = held.total
+        try:
+            self._add_to_engine(held)
+        except ValueError as exc:
+            return self.dead_letter(entry_id, payload, str(exc), held)
+        self.held[job.request_id] = held
+        return None
+
+    def _add_to_engine(self, held: Held) -> None:
+        job = held.job
+        if job.lora_request is not None:
+            record = decode_record(self.redis.hget(self.keys.adapters, job.lora_request.name))
+            check_lora(job.lora_request, record)
+            held.adapter = record
+        if held.total and job.sampling_params.n > 1:
+            raise ValueError(f"request {job.request_id}: cannot resume a request with n > 1 "
+                             f"after {held.total} tokens were streamed")
+        self.engine.add_request(job.request_id, job.engine_prompt,
+                                engine_params(job.sampling_params),
+                                arrival_time=job.arrival_time, lora_request=job.lora_request,
+                                resume_token_ids=resumed_token_ids(held))
+
+    # --- publishing --------------------------------------------------------------
+
+    def _publish(self, outputs: list[RequestOutput]) -> None:
+        """One pipelined round trip: every advanced request's chunk, fenced."""
+        sent = []
+        with self.redis.pipeline(transaction=False) as pipe:
+            for out in outputs:
+                held = self.held.get(out.request_id)
+                if held is None:
+                    continue  # lost to another worker, or already failed
+                chunk = make_chunk(held, out, self.name)
+                self._append_chunk(pipe, held, chunk)
+                sent.append((held, chunk))
+            results = pipe.execute() if sent else []
+        for (held, chunk), result in zip(sent, results):
+            self._after_append(held, chunk, result)
+
+    def _append_chunk(self, pipe, held: Held, chunk: Chunk, dead: bytes | None = None,
+                      reason: str = "") -> None:
+        audit = b""
+        if chunk.finished:
+            held.take(chunk)
+            if dead is None:
+                audit = orjson.dumps(self._audit_record(held))
+        rid = held.request_id
+        self._append(keys=[self.keys.requests, self.keys.out(rid), self.keys.abort(rid),
+                           self.keys.job(rid), self.keys.audit, self.keys.dead],
+                     args=[WORKERS_GROUP, held.entry_id, self.name, chunk.seq,
+                           encode_chunk(chunk), int(chunk.finished), audit,
+                           self.config.result_ttl_s, dead or b"", reason], client=pipe)
+
+    def _after_append(self, held: Held, chunk: Chunk, result: int) -> None:
+        rid = held.request_id
+        self.num_tokens += chunk.num_tokens
+        if result in (NOT_OWNER, DUPLICATE):
+            logger.warning("worker %s: lost %s (%s), dropping it", self.name, rid, result)
+            self._drop(rid)
+        elif chunk.finished:
+            self.held.pop(rid, None)
+        else:
+            held.take(chunk)
+            if result == 1:
+                self.engine.abort_request(rid)
+
+    def _drop(self, request_id: str) -> None:
+        self.held.pop(request_id, None)
+        self.engine.abort_request(request_id)
+
+    def _audit_record(self, held: Held) -> dict[str, Any]:
+        adapter = None
+        if held.adapter is not None:
+            keys = ("name", "id", "path", "sha256", "rank", "alpha", "target_modules",
+                    "base_model")
+            adapter = {k: held.adapter.get(k) for k in keys}
+        return record_from_output(held.output, worker=self.name, base_model=self.base_model,
+                                  adapter=adapter,
+                                  sampling_params=held.job.sampling_params.to_dict(),
+                                  metadata=held.job.metadata, error=held.output.error)
+
+    def dead_letter(self, entry_id: str, payload: bytes | None, reason: str,
+                    held: Held | None) -> None:
+        """Final error chunk (when the request is known), XACK and ``{p}:dead``, at once."""
+        logger.warning("worker %s: dead-lettering %s: %s", self.name, entry_id, reason)
+        if held is None:
+            held = failover.held_for_garbage(entry_id, payload)
+        if held is not None:
+            self.held.pop(held.request_id, None)
+        chunk = error_chunk(held, reason, self.name) if held else None
+        with self.redis.pipeline(transaction=False) as pipe:
+            if chunk is not None:
+                self._append_chunk(pipe, held, chunk, dead=payload or b"null", reason=reason)
+            else:
+                self._append(keys=[self.keys.requests, self.keys.out("-"), self.keys.abort("-"),
+                                   self.keys.job("-"), self.keys.audit, self.keys.dead],
+                             args=[WORKERS_GROUP, entry_id, self.name, -1, b"", 1, b"",
+                                   self.config.result_ttl_s, payload or b"null", reason],
+                             client=pipe)
+            pipe.execute()
+
+    # --- upkeep ------------------------------------------------------------------
+
+    def _due(self, what: str, every: float) -> bool:
+        now = time.monotonic()
+        if now - self._last[what] < every:
+            return False
+        self._last[what] = now
+        return True
+
+    def _upkeep(self) -> None:
+        if self._due("renew", self.config.lease_s / 3):
+            self.renew()
+        if not self.draining and self._due("claim", self.config.lease_s / 2):
+            failover.claim(self)
+        if self._due("heartbeat", self.config.heartbeat_s):
+            self.heartbeat()
+
+    def renew(self, idle_ms: int = 0) -> None:
+        """Renew the lease of every held entry; drop those lost; abort those asked to."""
+        if not self.held:
+            return
+        held = list(self.held.values())
+        lost = self._renew(keys=[self.keys.requests],
+                           args=[WORKERS_GROUP, self.name, idle_ms] + [h.entry_id for h in held])
+        lost = {x.decode() for x in lost}
+        flags = self.redis.exists(*[self.keys.abort(h.request_id) for h in held])
+        for h in held:
+            if h.entry_id in lost:
+                self._drop(h.request_id)
+        if flags:
+            failover.abort_flagged(self, held)
+
+    def heartbeat(self) -> None:
+        now = time.time()
+        elapsed = max(1e-6, now - self._last.get("tokens_at", now - 1))
+        self._last["tokens_at"] = now
+        record = {"name": self.name, "device": str(self.engine.args.resolve_device()),
+                  "model": self.base_model.get("name"), "updated": now,
+                  "running": len(self.engine.scheduler.running),
+                  "waiting": len(self.engine.scheduler.waiting),
+                  "held": len(self.held), "tokens_per_s": self.num_tokens / elapsed,
+                  "adapters": sorted({h.job.lora_request.name for h in self.held.values()
+                                      if h.job.lora_request}),
+                  "draining": self.draining}
+        self.num_tokens = 0
+        self.redis.hset(self.keys.workers, self.name, orjson.dumps(record))
+
+    # --- shutdown ----------------------------------------------------------------
+
+    def _install_signals(self) -> None:
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._on_sigterm)
+            signal.signal(signal.SIGINT, self._on_sigterm)
+
+    def _on_sigterm(self, signum, frame) -> None:
+        if not self.draining:
+            logger.info("worker %s: draining (again to hand entries back)", self.name)
+            self.draining = True
+            self._drain_deadline = time.monotonic() + self.config.drain_timeout_s
+        else:
+            self.hand_back()
+            self.stopped = True
+
+    def hand_back(self) -> None:
+        """Mark every held entry long idle so that another worker claims it at once."""
+        self.renew(idle_ms=self.config.lease_ms * 10)
+        self.held.clear()
+
+    def teardown(self) -> None:
+        if self.held:
+            self.hand_back()
+        self.redis.hdel(self.keys.workers, self.name)
+        logger.info("worker %s: stopped", self.name)
