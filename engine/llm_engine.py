@@ -14,6 +14,7 @@ from transformers import AutoTokenizer, GenerationConfig
 from lorapool.engine.block_manager import BlockManager
 from lorapool.engine.config import EngineArgs
 from lorapool.engine.input_processor import InputLimits, InputProcessor
+from lorapool.engine.lora.manager import LoRAManager
 from lorapool.engine.model_runner import LogitsRows, ModelRunner
 from lorapool.engine.output_processor import OutputProcessor
 from lorapool.engine.sampler import Sampler, SamplingRow, prompt_logprobs
@@ -49,6 +50,8 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
         self._pending: list[RequestOutput] = []
+        self.lora_manager = (LoRAManager(self.runner.model, args, self.runner.device,
+                                         self.runner.dtype) if args.enable_lora else None)
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
@@ -59,12 +62,20 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | dict[str, Any],
                     params: SamplingParams | None = None, arrival_time: float | None = None,
-                    lora_request: LoRARequest | None = None, **kwargs: Any) -> None:
-        """Queue a request; raises ValueError naming the problem if it is invalid."""
+                    lora_request: LoRARequest | None = None,
+                    resume_token_ids: list[int] | None = None, **kwargs: Any) -> None:
+        """Queue a request; raises ValueError naming the problem if it is invalid.
+
+        ``resume_token_ids``: tokens this request already generated and streamed
+        elsewhere (a failed-over worker); generation continues after them, and
+        seeded sampling continues as if it had never stopped.
+        """
         if request_id in self.requests:
             raise ValueError(f"request {request_id} is already running")
-        request = self.inputs.process(request_id, prompt, params, lora_request, arrival_time)
-        seq = Sequence(next(self._seq_ids), request, 0, request.prompt_token_ids)
+        request = self.inputs.process(request_id, prompt, params, lora_request, arrival_time,
+                                      resume_token_ids)
+        seq = Sequence(next(self._seq_ids), request, 0,
+                       request.prompt_token_ids + request.resumed_token_ids)
         request.seqs.append(seq)
         self.outputs.start(seq)
         self.scheduler.add(seq)
@@ -106,16 +117,51 @@ class LLMEngine:
         if not self.scheduler.has_unfinished():
             return outputs
         scheduled = self.scheduler.schedule()
+        if self.lora_manager is not None:
+            self._activate_loras(scheduled)
+            outputs, self._pending = outputs + self._pending, []
         if scheduled.is_empty:
             return outputs
         self._mark_scheduled(scheduled)
         self.runner.copy_blocks(scheduled.blocks_to_copy)
-        batch, layout = self.runner.prepare(scheduled, self.block_manager)
+        slot_of = self.lora_manager.slot_of if self.lora_manager is not None else None
+        batch, layout = self.runner.prepare(scheduled, self.block_manager, slot_of)
+        if self.lora_manager is not None:
+            self.lora_manager.set_step_for(scheduled, self.runner.device)
         logits = self.runner.execute(batch)
         self.scheduler.postprocess(scheduled)
         for request in self._process_logits(logits, layout):
             outputs += self._collect(request)
         return outputs
+
+    def _activate_loras(self, scheduled: SchedulerOutput) -> None:
+        """Adapters of the step into device slots; requests of one that fails to load fail."""
+        wanted = {item.seq.request.lora_request for item in scheduled.scheduled} - {None}
+        errors = self.lora_manager.activate(wanted)
+        if not errors:
+            return
+        for request in [r for r in self.requests.values() if r.lora_int_id in errors]:
+            self.fail_request(request.request_id, str(errors[request.lora_int_id]))
+        scheduled.scheduled = [s for s in scheduled.scheduled if s.seq.lora_int_id not in errors]
+
+    # --- adapters (vLLM's names) -------------------------------------------
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load and validate an adapter ahead of its requests; raises AdapterError."""
+        return self._loras().add_lora(lora_request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return self._loras().remove_lora(lora_id)
+
+    def pin_lora(self, lora_id: int) -> bool:
+        return self._loras().pin_lora(lora_id)
+
+    def list_loras(self) -> set[int]:
+        return self._loras().list_loras()
+
+    def _loras(self) -> LoRAManager:
+        if self.lora_manager is None:
+            raise ValueError("LoRA is not enabled: start the engine with enable_lora=True")
+        return self.lora_manager
 
     def _mark_scheduled(self, scheduled: SchedulerOutput) -> None:
         now = time.time()

@@ -10,9 +10,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from lorapool.engine.models import get_model_class
 from safetensors import safe_open
 from transformers import AutoConfig, PretrainedConfig
+
+from lorapool.engine.models import get_model_class
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

@@ -1,7 +1,8 @@
 """Model implementations and the registry of supported Hugging Face architectures."""
 
-from lorapool.engine.models.llama import LlamaForCausalLM
 from torch import nn
+
+from lorapool.engine.models.llama import LlamaForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,

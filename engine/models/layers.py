@@ -26,13 +26,17 @@ class PackedLinear(nn.Module):
             torch.empty(self.out_features, in_features, dtype=dtype), requires_grad=False
         )
         self.bias = None
+        self.lora = None  # a LoRALayer when the engine serves adapters on this projection
         if bias:
             self.bias = nn.Parameter(
                 torch.empty(self.out_features, dtype=dtype), requires_grad=False
             )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        out = F.linear(x, self.weight, self.bias)
+        if self.lora is not None:
+            out = self.lora.apply(x, out)
+        return out
 
     def slice_offsets(self, index: int) -> tuple[int, int]:
         """(start, end) rows of packed slice ``index`` in the weight."""

@@ -10,13 +10,13 @@ from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
+from lorapool import kernels
 from lorapool.engine.batch import BatchMetadata
 from lorapool.engine.models.args import ModelArgs
 from lorapool.engine.models.layers import PackedLinear, RMSNorm, load_param
 from lorapool.engine.models.rope import RotaryEmbedding, apply_rotary
-from torch import nn
-
-from lorapool import kernels
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 

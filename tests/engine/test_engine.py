@@ -117,3 +117,37 @@ def test_delta_stream_merges_to_final_only(tiny_model_path, prompt):
         assert merged.finished and merged.outputs[0].finish_reason == "length"
     assert final.outputs[0].text == engine.tokenizer.decode(final.outputs[0].token_ids,
                                                             skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("cut", [1, 7, 19])
+def test_resume_continues_a_seeded_stream_gaplessly(tiny_model_path, cut):
+    path = tiny_model_path("llama")
+    params = SamplingParams(temperature=0.9, seed=5, max_tokens=24, ignore_eos=True,
+                            output_kind=RequestOutputKind.DELTA)
+    prompt = "Ça coûte 5 € 🐱"
+    first = LLMEngine.from_engine_args(EngineArgs(model=str(path)))
+    first.add_request("r", prompt, params)
+    deltas = [out.outputs[0] for out in iter_outputs(first)]
+    tokens = [t for d in deltas for t in d.token_ids]
+    text = "".join(d.text for d in deltas)
+    streamed_text = "".join(d.text for d in deltas[:cut])  # what the client had at the cut
+
+    second = LLMEngine.from_engine_args(EngineArgs(model=str(path)))
+    second.add_request("r", prompt, params, resume_token_ids=tokens[:cut])
+    rest = [out.outputs[0] for out in iter_outputs(second)]
+    assert [t for d in rest for t in d.token_ids] == tokens[cut:]
+    assert streamed_text + "".join(d.text for d in rest) == text
+    assert rest[-1].finish_reason == "length"
+
+
+def iter_outputs(engine):
+    while engine.has_unfinished_requests():
+        yield from engine.step()
+
+
+def test_resume_is_validated(tiny_model_path):
+    engine = LLMEngine.from_engine_args(EngineArgs(model=str(tiny_model_path("llama"))))
+    with pytest.raises(ValueError, match="only n=1"):
+        engine.add_request("a", "x", SamplingParams(n=2), resume_token_ids=[5])
+    with pytest.raises(ValueError, match="leave none"):
+        engine.add_request("b", "x", SamplingParams(max_tokens=2), resume_token_ids=[5, 6])

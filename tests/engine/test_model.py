@@ -11,12 +11,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from lorapool.engine.batch import BatchMetadata
-from lorapool.engine.loader import load_model, weights_sha256
-from lorapool.engine.models.args import rope_settings, sliding_window
 from safetensors.torch import save_file
 from tiny_models import build_tiny_model
 from transformers import AutoModelForCausalLM, GPT2Config
+
+from lorapool.engine.batch import BatchMetadata
+from lorapool.engine.loader import load_model, weights_sha256
+from lorapool.engine.models.args import rope_settings, sliding_window
 
 ATOL = 1e-4
 NUM_BLOCKS = 64

@@ -3,9 +3,10 @@ import time
 
 import pytest
 import torch
-from lorapool.engine import prepare
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
+
+from lorapool.engine import prepare
 
 pytestmark = pytest.mark.slow
 

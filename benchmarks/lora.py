@@ -1,0 +1,212 @@
+"""Multi-LoRA benchmark: the engine benchmark's workload with adapters (issue 3).
+
+Sides, each in a subprocess of its own, SmolLM2 on the CPU by default:
+  base     the base model only, on an engine started with enable_lora=True
+  lora16   16 distinct adapters, requests spread uniformly, max_loras=16
+  peft     PEFT's mixed-adapter generate (``adapter_names=``) over the same 16
+           adapters, batches of 16, left-padded (as benchmarks/engine.py does)
+  skewed   200 registered adapters, max_loras=8, max_cpu_loras=32, adapter k
+           picked with weight 1.5^-k (each 1.5x as popular as the next)
+
+Adapters: rank 16 on all seven projections, random weights written directly
+as PEFT files. The 200 adapters of ``skewed`` are 200 directories (200 ids and
+paths) sharing 16 distinct weight files by hard link, to keep the disk use at
+16 adapters' worth; every load still reads and hashes its file.
+
+    python benchmarks/lora.py [--model DIR] [--requests 64] [--sides base,lora16,peft,skewed]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+RANK = 16
+
+
+def _engine_bench():
+    spec = importlib.util.spec_from_file_location("engine_bench",
+                                                  Path(__file__).with_name("engine.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def write_adapters(model: str, root: Path, num_distinct: int, num_dirs: int) -> list[str]:
+    """``num_dirs`` adapter directories over ``num_distinct`` weight files (hard links)."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    hidden, inter = config.hidden_size, config.intermediate_size
+    kv = config.num_key_value_heads * head_dim
+    shapes = {"q_proj": (hidden, config.num_attention_heads * head_dim), "k_proj": (hidden, kv),
+              "v_proj": (hidden, kv), "o_proj": (hidden, hidden), "gate_proj": (hidden, inter),
+              "up_proj": (hidden, inter), "down_proj": (inter, hidden)}
+    files = []
+    for i in range(num_distinct):
+        generator = torch.Generator().manual_seed(i)
+        tensors = {}
+        for layer in range(config.num_hidden_layers):
+            for name, (n_in, n_out) in shapes.items():
+                group = "self_attn" if name in TARGETS[:4] else "mlp"
+                key = f"base_model.model.model.layers.{layer}.{group}.{name}"
+                a = torch.randn(RANK, n_in, generator=generator)
+                b = torch.randn(n_out, RANK, generator=generator)
+                tensors[f"{key}.lora_A.weight"] = a * 0.02
+                tensors[f"{key}.lora_B.weight"] = b * 0.02
+        files.append(root / f"weights-{i}.safetensors")
+        save_file(tensors, str(files[-1]))
+    adapter_config = {"peft_type": "LORA", "r": RANK, "lora_alpha": 2 * RANK,
+                      "target_modules": TARGETS, "bias": "none", "task_type": "CAUSAL_LM"}
+    dirs = []
+    for i in range(num_dirs):
+        path = root / f"lora-{i}"
+        path.mkdir()
+        (path / "adapter_config.json").write_text(json.dumps(adapter_config))
+        os.link(files[i % num_distinct], path / "adapter_model.safetensors")
+        dirs.append(str(path))
+    return dirs
+
+
+def pick_adapters(side: str, num_requests: int, dirs: list[str]) -> list[int | None]:
+    if side == "base":
+        return [None] * num_requests
+    if side in ("lora16", "peft"):
+        return [i % 16 for i in range(num_requests)]
+    weights = [1.5 ** -k for k in range(len(dirs))]
+    return random.Random(1).choices(range(len(dirs)), weights=weights, k=num_requests)
+
+
+def run_engine(side: str, model: str, workload, dirs, threads: int) -> dict:
+    import torch
+
+    from lorapool import EngineArgs, LLMEngine, LoRARequest, SamplingParams
+
+    torch.set_num_threads(threads)
+    loras = dict(max_loras=8, max_cpu_loras=32) if side == "skewed" else dict(max_loras=16)
+    engine = LLMEngine.from_engine_args(EngineArgs(
+        model=model, max_num_seqs=64, max_num_batched_tokens=2048, enable_lora=True,
+        max_lora_rank=RANK, **loras))
+    picks = pick_adapters(side, len(workload), dirs)
+    start, wall_start = time.perf_counter(), time.time()
+    for i, ((prompt, out_len), k) in enumerate(zip(workload, picks)):
+        lora = None if k is None else LoRARequest(f"lora-{k}", k + 1, dirs[k])
+        params = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)
+        engine.add_request(str(i), {"prompt_token_ids": prompt}, params, arrival_time=wall_start,
+                           lora_request=lora)
+    ttfts, tokens = [], 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                tokens += len(out.outputs[0].token_ids)
+                ttfts.append(out.metrics.first_token_time - wall_start)
+    return _engine_bench().summary(tokens, time.perf_counter() - start, ttfts)
+
+
+def run_peft(model: str, workload, dirs, threads: int, batch_size: int = 16) -> dict:
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    bench = _engine_bench()
+    torch.set_num_threads(threads)
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    peft = PeftModel.from_pretrained(hf, dirs[0], adapter_name="lora-0")
+    for k in range(1, 16):
+        peft.load_adapter(dirs[k], adapter_name=f"lora-{k}")
+    pad = hf.generation_config.pad_token_id or hf.config.eos_token_id
+    pad = pad[0] if isinstance(pad, list) else pad
+    picks = pick_adapters("peft", len(workload), dirs)
+    start, ttfts, tokens = time.perf_counter(), [], 0
+    for b in range(0, len(workload), batch_size):
+        batch = workload[b:b + batch_size]
+        longest = max(len(p) for p, _ in batch)
+        ids = torch.tensor([[pad] * (longest - len(p)) + p for p, _ in batch])
+        mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p, _ in batch])
+        max_new = max(n for _, n in batch)
+        clock = bench.FirstTokenClock()
+        with torch.inference_mode():
+            peft.generate(input_ids=ids, attention_mask=mask, do_sample=False,
+                          max_new_tokens=max_new, min_new_tokens=max_new, pad_token_id=pad,
+                          streamer=clock, adapter_names=[f"lora-{k}" for k in
+                                                         picks[b:b + len(batch)]])
+        ttfts += [clock.first_token - start] * len(batch)
+        tokens += sum(n for _, n in batch)
+        bench.progress(b + len(batch), len(workload), start)
+    return bench.summary(tokens, time.perf_counter() - start, ttfts)
+
+
+def run_side(side: str, args, adapter_root: str) -> dict:
+    cmd = [sys.executable, __file__, "--side", side, "--model", args.model, "--requests",
+           str(args.requests), "--threads", str(args.threads), "--adapter-root", adapter_root]
+    result = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True)
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def ratios(results: dict) -> dict:
+    tps = {side: r["output_tokens_per_s"] for side, r in results.items()}
+    out = {}
+    if "base" in tps:
+        out.update({f"{side}_vs_base": round(tps[side] / tps["base"], 2)
+                    for side in ("lora16", "skewed") if side in tps})
+    if "lora16" in tps and "peft" in tps:
+        out["lora16_vs_peft"] = round(tps["lora16"] / tps["peft"], 2)
+    return out
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="model directory (default: SmolLM2)")
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--sides", default="base,lora16,peft,skewed")
+    parser.add_argument("--side", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--adapter-root", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--json", default=None, help="also write the results here")
+    args = parser.parse_args(argv)
+    if args.model is None:
+        from lorapool.settings import smollm2_dir
+        args.model = str(smollm2_dir())
+    if args.side:
+        return _child(args)
+    with tempfile.TemporaryDirectory(prefix="lorapool-bench-lora-") as root:
+        write_adapters(args.model, Path(root), num_distinct=16, num_dirs=200)
+        results = {}
+        for side in args.sides.split(","):
+            print(f"{side}:", file=sys.stderr)
+            results[side] = run_side(side, args, root)
+    results["ratios"] = ratios(results)
+    print(json.dumps(results, indent=2))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    return results
+
+
+def _child(args) -> dict:
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(args.model).vocab_size
+    workload = _engine_bench().make_workload(args.requests, vocab)
+    dirs = [str(Path(args.adapter_root) / f"lora-{i}") for i in range(200)]
+    if args.side == "peft":
+        result = run_peft(args.model, workload, dirs, args.threads)
+    else:
+        result = run_engine(args.side, args.model, workload, dirs, args.threads)
+    print(json.dumps(result))
+    return {}
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,214 @@
+"""Load and validate one PEFT LoRA adapter directory against the base model.
+
+An adapter directory holds ``adapter_config.json`` and
+``adapter_model.safetensors``. Pickle weights (``adapter_model.bin``) are
+never unpickled. Every rejection raises ``AdapterError`` whose message names
+the adapter and the reason.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from lorapool.protocol import LoRARequest
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+PICKLE_FILES = ("adapter_model.bin", "adapter_model.pt", "adapter_model.pth")
+
+# PEFT module name -> (our module, slice index in the packed projection)
+TARGETS = {
+    "q_proj": ("self_attn.qkv_proj", 0),
+    "k_proj": ("self_attn.qkv_proj", 1),
+    "v_proj": ("self_attn.qkv_proj", 2),
+    "o_proj": ("self_attn.o_proj", 0),
+    "gate_proj": ("mlp.gate_up_proj", 0),
+    "up_proj": ("mlp.gate_up_proj", 1),
+    "down_proj": ("mlp.down_proj", 0),
+}
+_KEY = re.compile(
+    r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+# Config keys whose non-default value changes the maths in ways we do not run.
+_UNSUPPORTED = {"use_dora": "DoRA", "modules_to_save": "modules_to_save",
+                "rank_pattern": "rank_pattern", "alpha_pattern": "alpha_pattern",
+                "layer_replication": "layer_replication", "use_qalora": "QALoRA"}
+
+
+class AdapterError(ValueError):
+    """An adapter cannot be used; the message names it and says why."""
+
+    def __init__(self, lora_request: LoRARequest, reason: str):
+        self.lora_request = lora_request
+        self.reason = reason
+        super().__init__(f"adapter {lora_request.lora_name!r} (id {lora_request.lora_int_id}, "
+                         f"path {lora_request.lora_path!r}): {reason}")
+
+
+@dataclass
+class LoRAAdapter:
+    """A validated adapter in CPU memory, scaling not yet applied."""
+
+    lora_request: LoRARequest
+    path: str  # resolved
+    rank: int
+    lora_alpha: float
+    use_rslora: bool
+    sha256: str
+    # (layer, PEFT module name) -> (A [r, in], B [out, r]), float32 on the CPU
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(repr=False)
+
+    @property
+    def scaling(self) -> float:
+        return self.lora_alpha / (math.sqrt(self.rank) if self.use_rslora else self.rank)
+
+    @property
+    def target_modules(self) -> list[str]:
+        return sorted({name for _, name in self.weights})
+
+
+@dataclass(frozen=True)
+class ModelShapes:
+    """What an adapter is validated against: layer count and (in, out) per PEFT module."""
+
+    num_layers: int
+    shapes: dict[str, tuple[int, int]]
+
+    @classmethod
+    def of(cls, model) -> ModelShapes:
+        layer = model.model.layers[0]
+        shapes = {}
+        for name, (module_name, index) in TARGETS.items():
+            module = layer.get_submodule(module_name)
+            shapes[name] = (module.in_features, module.output_sizes[index])
+        return cls(len(model.model.layers), shapes)
+
+
+def load_adapter(lora_request: LoRARequest, model: ModelShapes, max_rank: int,
+                 adapter_roots: list[str] | None = None) -> LoRAAdapter:
+    """Read, validate and return the adapter at ``lora_request.lora_path``."""
+    path = resolve_path(lora_request, adapter_roots or [])
+    config = _read_config(lora_request, path)
+    rank = _check_config(lora_request, config, max_rank)
+    weights_file = path / WEIGHTS_FILE
+    sha256 = file_sha256(weights_file)
+    weights = _read_weights(lora_request, weights_file)
+    pairs = _pair_weights(lora_request, weights, model, rank)
+    return LoRAAdapter(lora_request, str(path), rank, float(config.get("lora_alpha", 8)),
+                       bool(config.get("use_rslora", False)), sha256, pairs)
+
+
+def resolve_path(lora_request: LoRARequest, adapter_roots: list[str]) -> Path:
+    """The real directory of the adapter; inside one of ``adapter_roots`` when any are set."""
+    if not lora_request.lora_path:
+        raise AdapterError(lora_request, "no adapter path given")
+    path = Path(lora_request.lora_path).expanduser().resolve()  # follows symlinks and ..
+    if adapter_roots:
+        roots = [Path(r).expanduser().resolve() for r in adapter_roots]
+        if not any(path == root or path.is_relative_to(root) for root in roots):
+            raise AdapterError(lora_request, f"path resolves to {path}, outside the allowed "
+                                             f"adapter_roots {[str(r) for r in roots]}")
+    if not path.is_dir():
+        raise AdapterError(lora_request, f"adapter directory {path} does not exist")
+    if not (path / WEIGHTS_FILE).is_file():
+        if any((path / name).exists() for name in PICKLE_FILES):
+            raise AdapterError(lora_request, f"only pickle weights in {path}; they are never "
+                                             f"loaded: convert them to {WEIGHTS_FILE}")
+        raise AdapterError(lora_request, f"missing {WEIGHTS_FILE} in {path}")
+    return path
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _read_config(lora_request: LoRARequest, path: Path) -> dict:
+    file = path / CONFIG_FILE
+    if not file.is_file():
+        raise AdapterError(lora_request, f"missing {CONFIG_FILE} in {path}")
+    try:
+        config = json.loads(file.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise AdapterError(lora_request, f"{CONFIG_FILE} is not valid JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise AdapterError(lora_request, f"{CONFIG_FILE} is not a JSON object")
+    return config
+
+
+def _check_config(lora_request: LoRARequest, config: dict, max_rank: int) -> int:
+    peft_type = str(config.get("peft_type", "")).upper()
+    if peft_type != "LORA":
+        raise AdapterError(lora_request, f"PEFT type {config.get('peft_type')!r} is not "
+                                         f"supported, only LORA")
+    for key, what in _UNSUPPORTED.items():
+        if config.get(key):
+            raise AdapterError(lora_request, f"{what} ({key}={config[key]!r}) is not supported")
+    if config.get("bias", "none") != "none":
+        raise AdapterError(lora_request, f"bias={config['bias']!r} is not supported")
+    _check_targets(lora_request, config.get("target_modules"))
+    rank = config.get("r")
+    if not isinstance(rank, int) or rank < 1:
+        raise AdapterError(lora_request, f"rank r={rank!r} must be a positive int")
+    if rank > max_rank:
+        raise AdapterError(lora_request, f"rank {rank} exceeds max_lora_rank={max_rank}")
+    return rank
+
+
+def _check_targets(lora_request: LoRARequest, targets) -> None:
+    names = [targets] if isinstance(targets, str) else list(targets or [])
+    unknown = sorted(str(n) for n in names if n not in TARGETS)
+    if unknown or not names:
+        raise AdapterError(lora_request, f"unknown target modules {unknown or names}: "
+                                         f"supported are {sorted(TARGETS)}")
+
+
+def _read_weights(lora_request: LoRARequest, file: Path) -> dict[str, torch.Tensor]:
+    try:
+        with safe_open(file, framework="pt", device="cpu") as f:
+            return {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        raise AdapterError(lora_request, f"corrupt safetensors file {file.name}: {e}") from None
+
+
+def _pair_weights(lora_request, weights, model: ModelShapes, rank: int):
+    """(layer, module) -> (A, B) checked against the base model's shapes."""
+    found: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for key, tensor in weights.items():
+        match = _KEY.match(key)
+        if match is None or match.group(3) not in TARGETS:
+            raise AdapterError(lora_request, f"unsupported weight {key!r} (only lora_A/lora_B "
+                                             f"of {sorted(TARGETS)} are supported)")
+        layer, name, kind = int(match.group(1)), match.group(3), match.group(4)
+        if layer >= model.num_layers:
+            raise AdapterError(lora_request, f"weight {key!r} names layer {layer}; the base "
+                                             f"model has {model.num_layers} layers")
+        found.setdefault((layer, name), {})[kind] = tensor
+    if not found:
+        raise AdapterError(lora_request, f"{WEIGHTS_FILE} holds no LoRA weights")
+    return {k: _check_pair(lora_request, k, ab, model, rank) for k, ab in found.items()}
+
+
+def _check_pair(lora_request, key, ab, model: ModelShapes, rank: int):
+    layer, name = key
+    if set(ab) != {"A", "B"}:
+        raise AdapterError(lora_request, f"layer {layer} {name} lacks lora_"
+                                         f"{({'A', 'B'} - set(ab)).pop()}")
+    in_features, out_features = model.shapes[name]
+    a, b = ab["A"], ab["B"]
+    expected_a, expected_b = (rank, in_features), (out_features, rank)
+    if tuple(a.shape) != expected_a or tuple(b.shape) != expected_b:
+        raise AdapterError(lora_request, f"layer {layer} {name}: shapes A {tuple(a.shape)}, "
+                                         f"B {tuple(b.shape)} do not fit the base model "
+                                         f"(expected A {expected_a}, B {expected_b})")
+    return a.float(), b.float()

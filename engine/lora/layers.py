@@ -1,0 +1,77 @@
+"""LoRA on a packed projection: stacked per-slot weights and the shrink/expand update.
+
+Ranks: every slot's A and B are zero-padded to ``max_lora_rank`` in the
+buffers, and a step runs at the largest rank among the adapters *currently in
+a slot* (a view of the first ``rank`` columns, no copy). Padding costs
+(active_rank - r) extra multiply-adds per token and slice for an adapter of
+rank r; grouping by rank would save that at the price of one kernel launch per
+rank group and projection. With a handful of ranks in flight the padded
+single launch is the cheaper of the two on the GPU, and on the CPU the waste
+is bounded by the rank spread of the adapters resident at the same time.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lorapool import kernels
+from lorapool.kernels import LoRAMapping
+
+
+class LoRAStep:
+    """The per-step state every LoRA layer reads: token mapping and active rank."""
+
+    def __init__(self):
+        self.mapping: LoRAMapping | None = None
+        self.rank = 0
+
+    def set(self, mapping: LoRAMapping | None, rank: int) -> None:
+        self.mapping = mapping if mapping is not None and mapping.max_slot >= 0 else None
+        self.rank = rank
+
+
+class LoRALayer:
+    """The adapter weights of one ``PackedLinear`` for every device slot.
+
+    ``lora_a``: [S, L, R, H_in] (S packed slices, L slots, R = max_lora_rank);
+    ``lora_b``: [L, N, R], the slices' B matrices stacked along N = out_features,
+    with each adapter's scaling folded in. Slot rows of an adapter that does not
+    target a slice are zero.
+    """
+
+    def __init__(self, in_features: int, output_sizes: list[int], num_slots: int,
+                 max_rank: int, dtype: torch.dtype, device: torch.device, step: LoRAStep):
+        num_slices = len(output_sizes)
+        self.output_sizes = list(output_sizes)
+        self.offsets = [sum(output_sizes[:s]) for s in range(num_slices)]
+        self.lora_a = torch.zeros(num_slices, num_slots, max_rank, in_features,
+                                  dtype=dtype, device=device)
+        self.lora_b = torch.zeros(num_slots, sum(output_sizes), max_rank,
+                                  dtype=dtype, device=device)
+        self.step = step
+
+    def set_slot(self, slot: int, index: int, a: torch.Tensor, b: torch.Tensor,
+                 scaling: float) -> None:
+        """Write slice ``index`` of ``slot``: A [r, in], B [out, r] (B scaled here)."""
+        rank = a.shape[0]
+        start = self.offsets[index]
+        self.lora_a[index, slot].zero_()
+        self.lora_a[index, slot, :rank] = a.to(self.lora_a.dtype)
+        rows = self.lora_b[slot, start:start + b.shape[0]]
+        rows.zero_()
+        rows[:, :rank] = (b * scaling).to(self.lora_b.dtype)
+
+    def clear_slot(self, slot: int) -> None:
+        self.lora_a[:, slot].zero_()
+        self.lora_b[slot].zero_()
+
+    def apply(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """out[t] += x[t] @ A[slot[t]]^T @ B[slot[t]]^T per slice; base tokens untouched."""
+        mapping, rank = self.step.mapping, self.step.rank
+        if mapping is None or rank == 0:
+            return out
+        lora_a = self.lora_a[:, :, :rank]
+        lora_b = self.lora_b[:, :, :rank]
+        y = kernels.lora_shrink(x.to(lora_a.dtype), lora_a, mapping)
+        kernels.lora_expand(y, lora_b, mapping, out, self.output_sizes)
+        return out

@@ -1,0 +1,225 @@
+"""Adapters in two cache levels: a CPU LRU of loaded adapters and the device slots.
+
+- CPU: up to ``max_cpu_loras`` validated adapters (weights in float32), least
+  recently used dropped first; a dropped adapter is read from disk again when
+  next needed, and must still have the same weights (sha256).
+- Device: ``max_loras`` slots of stacked A/B buffers per targeted projection
+  (see ``layers.LoRALayer``). ``activate`` gives every adapter of a step a
+  slot, evicting the least recently used adapter that the step does not use.
+- Pinned adapters (at most ``max_cpu_loras``) never leave the CPU cache, and
+  keep their device slot unless a step needs it for one of its own adapters
+  and no unpinned adapter can make room: a step of at most ``max_loras``
+  adapters (the scheduler's limit) therefore always gets its slots.
+
+The registry remembers each adapter id's path and weights hash for the life
+of the engine (until ``remove_lora``): an id reused with another path or with
+other weights is refused.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Iterable
+
+import torch
+
+from lorapool.engine.config import EngineArgs
+from lorapool.engine.lora.adapter import (
+    TARGETS,
+    AdapterError,
+    LoRAAdapter,
+    ModelShapes,
+    load_adapter,
+    resolve_path,
+)
+from lorapool.engine.lora.layers import LoRALayer, LoRAStep
+from lorapool.kernels import LoRAMapping
+from lorapool.protocol import LoRARequest
+
+logger = logging.getLogger(__name__)
+
+
+class LoRAManager:
+    def __init__(self, model, args: EngineArgs, device: torch.device, dtype: torch.dtype):
+        self.max_loras, self.max_rank = args.max_loras, args.max_lora_rank
+        self.max_cpu_loras = args.max_cpu_loras
+        self.adapter_roots = list(args.adapter_roots)
+        self.shapes = ModelShapes.of(model)
+        self.step = LoRAStep()
+        self.layers = _attach_layers(model, args, device, args.resolve_lora_dtype(dtype),
+                                     self.step)
+        self.cpu: OrderedDict[int, LoRAAdapter] = OrderedDict()
+        self.registry: dict[int, tuple[str, str]] = {}  # id -> (resolved path, sha256)
+        self.raw_paths: dict[int, str] = {}  # id -> the lora_path it was loaded from
+        self.slots: list[int | None] = [None] * self.max_loras
+        self.slot_lru: OrderedDict[int, None] = OrderedDict()  # ids in slots, oldest first
+        self.slot_ranks: dict[int, int] = {}
+        self.pinned: set[int] = set()
+
+    # --- engine API -------------------------------------------------------
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load (and validate) into the CPU cache; raises AdapterError. True if newly loaded."""
+        if lora_request.lora_int_id in self.cpu:
+            self._check_same_path(lora_request)
+            self.cpu.move_to_end(lora_request.lora_int_id)
+            return False
+        self._load(lora_request)
+        return True
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Forget the adapter everywhere (slot, CPU cache, pin, registry)."""
+        known = lora_id in self.registry or lora_id in self.cpu
+        self._evict_slot(lora_id)
+        self.cpu.pop(lora_id, None)
+        self.pinned.discard(lora_id)
+        self.registry.pop(lora_id, None)
+        self.raw_paths.pop(lora_id, None)
+        return known
+
+    def pin_lora(self, lora_id: int) -> bool:
+        """Keep a loaded adapter in the CPU cache and, in preference, in its device slot."""
+        if len(self.pinned | {lora_id}) > self.max_cpu_loras:
+            raise ValueError(f"pinning adapter {lora_id} would pin more than "
+                             f"max_cpu_loras={self.max_cpu_loras} adapters")
+        if lora_id not in self.cpu:
+            raise ValueError(f"adapter id {lora_id} is not loaded: add_lora it first")
+        self.pinned.add(lora_id)
+        return True
+
+    def list_loras(self) -> set[int]:
+        """Ids of the adapters loaded in the CPU cache."""
+        return set(self.cpu)
+
+    def get_adapter(self, lora_id: int) -> LoRAAdapter | None:
+        return self.cpu.get(lora_id)
+
+    # --- per step ---------------------------------------------------------
+    def activate(self, lora_requests: Iterable[LoRARequest]) -> dict[int, AdapterError]:
+        """Give each adapter a device slot; returns {id: error} for those that failed."""
+        requests = {r.lora_int_id: r for r in lora_requests}
+        errors: dict[int, AdapterError] = {}
+        for lora_id, request in requests.items():
+            try:
+                self._activate_one(request, set(requests))
+            except AdapterError as e:
+                errors[lora_id] = e
+                logger.warning("%s", e)
+        return errors
+
+    def slot_of(self, seq) -> int:
+        """The device slot of a sequence's adapter; -1 for the base model."""
+        lora_id = seq.lora_int_id
+        if lora_id == 0:
+            return -1
+        return self.slots.index(lora_id)
+
+    def set_step_for(self, scheduled, device: torch.device) -> None:
+        """``set_step`` for a SchedulerOutput, tokens in the order ``prepare`` packs them."""
+        slots = []
+        for item in scheduled.scheduled:
+            slots += [self.slot_of(item.seq)] * item.num_new_tokens
+        self.set_step(slots, device)
+
+    def set_step(self, slots: list[int], device: torch.device) -> None:
+        """Set the token -> slot mapping every LoRA layer uses in the next forward."""
+        mapping = LoRAMapping.from_slots(slots, device) if any(s >= 0 for s in slots) else None
+        rank = max(self.slot_ranks.values(), default=0)
+        self.step.set(mapping, rank)
+
+    # --- internals --------------------------------------------------------
+    def _activate_one(self, request: LoRARequest, in_step: set[int]) -> None:
+        lora_id = request.lora_int_id
+        if lora_id in self.slot_lru:
+            self._check_same_path(request)
+            self.slot_lru.move_to_end(lora_id)
+            if lora_id in self.cpu:
+                self.cpu.move_to_end(lora_id)
+            return
+        adapter = self.cpu.get(lora_id)
+        if adapter is None:
+            adapter = self._load(request)
+        else:
+            self._check_same_path(request)
+            self.cpu.move_to_end(lora_id)
+        self._write_slot(self._free_slot(request, in_step), adapter)
+
+    def _load(self, request: LoRARequest) -> LoRAAdapter:
+        adapter = load_adapter(request, self.shapes, self.max_rank, self.adapter_roots)
+        known = self.registry.get(request.lora_int_id)
+        if known is not None and known[0] != adapter.path:
+            raise AdapterError(request, f"adapter id {request.lora_int_id} is already "
+                                        f"registered with path {known[0]}")
+        if known is not None and known[1] != adapter.sha256:
+            raise AdapterError(request, f"weights changed since adapter id "
+                                        f"{request.lora_int_id} was registered (sha256 "
+                                        f"{known[1][:12]}…, now {adapter.sha256[:12]}…)")
+        self.registry[request.lora_int_id] = (adapter.path, adapter.sha256)
+        self.raw_paths[request.lora_int_id] = request.lora_path
+        self.cpu[request.lora_int_id] = adapter
+        self._trim_cpu()
+        return adapter
+
+    def _check_same_path(self, request: LoRARequest) -> None:
+        known = self.registry[request.lora_int_id][0]
+        if self.raw_paths.get(request.lora_int_id) == request.lora_path:
+            return
+        path = str(resolve_path(request, self.adapter_roots))
+        if path != known:
+            raise AdapterError(request, f"adapter id {request.lora_int_id} is already "
+                                        f"registered with path {known}")
+
+    def _trim_cpu(self) -> None:
+        for lora_id in list(self.cpu):
+            if len(self.cpu) <= self.max_cpu_loras:
+                return
+            if lora_id not in self.pinned and lora_id not in self.slot_lru:
+                del self.cpu[lora_id]
+
+    def _free_slot(self, request: LoRARequest, in_step: set[int]) -> int:
+        if None in self.slots:
+            return self.slots.index(None)
+        # least recently used first, unpinned before pinned
+        candidates = sorted((i for i in self.slot_lru if i not in in_step),
+                            key=lambda i: i in self.pinned)
+        if not candidates:
+            raise AdapterError(request, f"no free device slot: the step uses more than "
+                                        f"max_loras={self.max_loras} adapters")
+        slot = self.slots.index(candidates[0])
+        self._evict_slot(candidates[0])
+        return slot
+
+    def _evict_slot(self, lora_id: int) -> None:
+        if lora_id not in self.slot_lru:
+            return
+        slot = self.slots.index(lora_id)
+        for layer in self.layers.values():
+            layer.clear_slot(slot)
+        self.slots[slot] = None
+        del self.slot_lru[lora_id]
+        self.slot_ranks.pop(lora_id, None)
+        self._trim_cpu()
+
+    def _write_slot(self, slot: int, adapter: LoRAAdapter) -> None:
+        lora_id = adapter.lora_request.lora_int_id
+        for layer in self.layers.values():
+            layer.clear_slot(slot)
+        for (layer_idx, name), (a, b) in adapter.weights.items():
+            module_name, index = TARGETS[name]
+            self.layers[(layer_idx, module_name)].set_slot(slot, index, a, b, adapter.scaling)
+        self.slots[slot] = lora_id
+        self.slot_lru[lora_id] = None
+        self.slot_ranks[lora_id] = adapter.rank
+
+
+def _attach_layers(model, args: EngineArgs, device, dtype, step: LoRAStep):
+    """A LoRALayer on every projection an adapter may target, hooked into the model."""
+    layers = {}
+    module_names = sorted({module for module, _ in TARGETS.values()})
+    for i, decoder_layer in enumerate(model.model.layers):
+        for name in module_names:
+            linear = decoder_layer.get_submodule(name)
+            linear.lora = LoRALayer(linear.in_features, linear.output_sizes, args.max_loras,
+                                    args.max_lora_rank, dtype, device, step)
+            layers[(i, name)] = linear.lora
+    return layers

@@ -1,0 +1,234 @@
+"""Loading and validating PEFT adapters: every rejection names the adapter and the reason."""
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from adapters import ALL_TARGETS, build_adapter
+from safetensors.torch import save_file
+
+from lorapool.engine.config import EngineArgs
+from lorapool.engine.loader import load_model
+from lorapool.engine.lora.adapter import AdapterError
+from lorapool.engine.lora.manager import LoRAManager
+from lorapool.protocol import LoRARequest
+
+
+@pytest.fixture(scope="module")
+def base(tiny_model_path):
+    return tiny_model_path("llama")
+
+
+@pytest.fixture(scope="module")
+def good(base, tmp_path_factory):
+    return build_adapter(base, tmp_path_factory.mktemp("good") / "sql", rank=8,
+                         targets=ALL_TARGETS, alpha=16)
+
+
+@pytest.fixture(scope="module")
+def model(base):
+    return load_model(base)[0]
+
+
+def manager(model, base, roots=(), **kw):
+    args = EngineArgs(model=str(base), enable_lora=True, max_loras=2, max_lora_rank=16,
+                      adapter_roots=[str(r) for r in roots], **kw)
+    return LoRAManager(model, args, torch.device("cpu"), torch.float32)
+
+
+def copy(good, tmp_path, name="copy"):
+    return shutil.copytree(good, tmp_path / name)
+
+
+def edit_config(path, **changes):
+    config = json.loads((path / "adapter_config.json").read_text())
+    config.update(changes)
+    (path / "adapter_config.json").write_text(json.dumps(config))
+
+
+def rejects(model, base, path, reason, lora_id=7, roots=()):
+    request = LoRARequest("bad-lora", lora_id, str(path))
+    with pytest.raises(AdapterError, match=reason) as info:
+        manager(model, base, roots).add_lora(request)
+    assert "'bad-lora'" in str(info.value) and info.value.lora_request is request
+
+
+def test_loads_good_adapter_with_identity(model, base, good):
+    m = manager(model, base)
+    assert m.add_lora(LoRARequest("sql", 1, str(good)))
+    adapter = m.get_adapter(1)
+    assert adapter.rank == 8 and adapter.scaling == 2.0 and len(adapter.sha256) == 64
+    assert adapter.target_modules == sorted(ALL_TARGETS)
+    assert m.list_loras() == {1}
+
+
+def test_missing_directory(model, base, tmp_path):
+    rejects(model, base, tmp_path / "nope", "does not exist")
+
+
+def test_missing_weights_file(model, base, good, tmp_path):
+    path = copy(good, tmp_path)
+    os.remove(path / "adapter_model.safetensors")
+    rejects(model, base, path, "missing adapter_model.safetensors")
+
+
+def test_missing_config(model, base, good, tmp_path):
+    path = copy(good, tmp_path)
+    os.remove(path / "adapter_config.json")
+    rejects(model, base, path, "missing adapter_config.json")
+
+
+def test_pickle_weights_never_loaded(model, base, good, tmp_path):
+    path = copy(good, tmp_path)
+    os.remove(path / "adapter_model.safetensors")
+    (path / "adapter_model.bin").write_bytes(b"\x80\x04not really a pickle")
+    rejects(model, base, path, "pickle weights")
+
+
+def test_corrupt_safetensors(model, base, good, tmp_path):
+    path = copy(good, tmp_path)
+    (path / "adapter_model.safetensors").write_bytes(b"\x10\x00\x00\x00garbage")
+    rejects(model, base, path, "corrupt safetensors")
+
+
+def test_path_outside_roots(model, base, good, tmp_path):
+    root = tmp_path / "root"
+    root.mkdir()
+    rejects(model, base, good, "outside the allowed adapter_roots", roots=[root])
+
+
+def test_dotdot_escape_from_roots(model, base, good, tmp_path):
+    root = tmp_path / "root"
+    root.mkdir()
+    copy(good, tmp_path, "outside")
+    rejects(model, base, root / ".." / "outside", "outside the allowed", roots=[root])
+
+
+def test_symlink_escape_from_roots(model, base, good, tmp_path):
+    root = tmp_path / "root"
+    root.mkdir()
+    (root / "link").symlink_to(good, target_is_directory=True)
+    rejects(model, base, root / "link", "outside the allowed", roots=[root])
+
+
+def test_inside_roots_is_accepted(model, base, good, tmp_path):
+    root = tmp_path / "root"
+    path = copy(good, root.parent, "root")
+    assert manager(model, base, [root]).add_lora(LoRARequest("ok", 1, str(path)))
+
+
+def test_rank_above_max(model, base, tmp_path):
+    path = build_adapter(base, tmp_path / "big", rank=32)
+    rejects(model, base, path, "rank 32 exceeds max_lora_rank=16")
+
+
+def test_unknown_target_modules(model, base, good, tmp_path):
+    path = copy(good, tmp_path)
+    edit_config(path, target_modules=["q_proj", "lm_head"])
+    rejects(model, base, path, "unknown target modules")
+
+
+def test_dora_rejected(model, base, good, tmp_path):
+    path = copy(good, tmp_path)
+    edit_config(path, use_dora=True)
+    rejects(model, base, path, "DoRA")
+
+
+def test_modules_to_save_rejected(model, base, good, tmp_path):
+    path = copy(good, tmp_path)
+    edit_config(path, modules_to_save=["lm_head"])
+    rejects(model, base, path, "modules_to_save")
+
+
+def test_non_lora_peft_type(model, base, good, tmp_path):
+    path = copy(good, tmp_path)
+    edit_config(path, peft_type="IA3")
+    rejects(model, base, path, "PEFT type 'IA3' is not supported")
+
+
+def test_shapes_that_do_not_fit(model, base, good, tmp_path):
+    path = copy(good, tmp_path)
+    key = "base_model.model.model.layers.0.self_attn.q_proj"
+    save_file({f"{key}.lora_A.weight": torch.zeros(8, 65),
+               f"{key}.lora_B.weight": torch.zeros(64, 8)},
+              str(path / "adapter_model.safetensors"))
+    rejects(model, base, path, "do not fit the base model")
+
+
+def test_layer_beyond_the_model(model, base, good, tmp_path):
+    path = copy(good, tmp_path)
+    key = "base_model.model.model.layers.9.self_attn.q_proj"
+    save_file({f"{key}.lora_A.weight": torch.zeros(8, 64),
+               f"{key}.lora_B.weight": torch.zeros(64, 8)},
+              str(path / "adapter_model.safetensors"))
+    rejects(model, base, path, "names layer 9")
+
+
+def test_same_id_different_path(model, base, good, tmp_path):
+    other = copy(good, tmp_path)
+    m = manager(model, base)
+    m.add_lora(LoRARequest("sql", 1, str(good)))
+    with pytest.raises(AdapterError, match="already registered with path"):
+        m.add_lora(LoRARequest("sql", 1, str(other)))
+
+
+def test_same_id_weights_changed_on_disk(model, base, good, tmp_path):
+    path = copy(good, tmp_path)
+    m = manager(model, base, max_cpu_loras=2)
+    m.add_lora(LoRARequest("sql", 1, str(path)))
+    m.add_lora(LoRARequest("b", 2, str(good)))
+    m.add_lora(LoRARequest("c", 3, str(copy(good, tmp_path, "c"))))  # 1 leaves the CPU cache
+    assert 1 not in m.list_loras()
+    build_adapter(base, path, rank=8, targets=ALL_TARGETS, alpha=16, seed=5)
+    errors = m.activate([LoRARequest("sql", 1, str(path))])
+    assert "weights changed" in str(errors[1])
+
+
+@pytest.fixture(scope="module")
+def six(base, tmp_path_factory):
+    root = tmp_path_factory.mktemp("six")
+    return [LoRARequest(f"l{i}", i, str(build_adapter(base, root / f"l{i}", seed=i)))
+            for i in range(1, 7)]
+
+
+def test_slots_evict_least_recently_used(model, base, six):
+    m = manager(model, base, max_cpu_loras=3)
+    assert not m.activate(six[:2])
+    assert m.slots == [1, 2]
+    assert not m.activate([six[0]])  # 1 used again: 2 is now the oldest
+    assert not m.activate([six[2]])
+    assert m.slots == [1, 3]
+    assert m.list_loras() == {1, 2, 3}
+    assert not m.activate([six[3]])  # CPU LRU drops 2, the oldest not in a slot
+    assert m.list_loras() == {1, 3, 4} and m.slots == [4, 3]
+
+
+def test_no_slot_for_more_adapters_than_slots_in_one_step(model, base, six):
+    errors = manager(model, base).activate(six[:3])
+    assert list(errors) == [3] and "no free device slot" in str(errors[3])
+
+
+def test_pinned_adapter_keeps_its_slot(model, base, six):
+    m = manager(model, base, max_cpu_loras=2)
+    m.add_lora(six[0])
+    m.pin_lora(1)
+    assert not m.activate([six[0]])
+    for request in six[1:5]:
+        assert not m.activate([request])
+    assert 1 in m.slots and 1 in m.list_loras()
+    m.add_lora(six[1])
+    m.pin_lora(2)
+    with pytest.raises(ValueError, match="more than max_cpu_loras=2"):
+        m.pin_lora(6)
+    assert not m.activate(six[2:4])  # a step of max_loras adapters still gets its slots
+    assert m.list_loras() >= {1, 2}
+
+
+def test_remove_lora_frees_slot_and_identity(model, base, six, good):
+    m = manager(model, base)
+    m.activate([six[0]])
+    assert m.remove_lora(1) and m.slots == [None, None] and m.list_loras() == set()
+    assert not m.remove_lora(1)
+    m.add_lora(LoRARequest("reused", 1, str(good)))  # the id may now name another adapter
