@@ -1,0 +1,154 @@
+"""Connecting to the audit database, and migrating it.
+
+SQLite (the default, a file) is opened in WAL mode with a busy timeout,
+``synchronous=FULL`` (a commit the writer acks is on disk) and foreign keys on;
+transactions start with an explicit ``BEGIN`` (``BEGIN IMMEDIATE`` for writes,
+which serializes writers). PostgreSQL goes through psycopg 3; ``schema`` puts
+the tables in that schema via ``search_path``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import orjson
+from sqlalchemy import Connection, Engine, create_engine, event, make_url, text
+
+from lorapool import settings
+
+DEFAULT_SQLITE_NAME = "audit.sqlite"
+VERSION_TABLE = "audit_alembic_version"
+MIGRATIONS_DIR = Path(__file__).parent / "migrations"
+# Advisory lock class for the chain; the object id is the hash of the schema.
+_CHAIN_LOCK_CLASS = 0x1A0D17
+
+
+def default_url() -> str:
+    """``$LORAPOOL_DB_URL``, else the SQLite file ``<cache dir>/audit.sqlite``."""
+    return settings.db_url() or f"sqlite:///{settings.cache_dir() / DEFAULT_SQLITE_NAME}"
+
+
+@dataclass(frozen=True)
+class DatabaseConfig:
+    """Where the audit tables live.
+
+    url: an SQLAlchemy URL (``sqlite:///file`` or ``postgresql+psycopg://...``);
+    None means :func:`default_url`. schema: PostgreSQL schema to use (must
+    exist); None means the server's default search_path.
+    """
+
+    url: str | None = None
+    schema: str | None = None
+    busy_timeout_ms: int = 30_000
+    connect_timeout_s: int = 10
+    echo: bool = False
+
+    @property
+    def resolved_url(self) -> str:
+        return self.url or default_url()
+
+
+def _dumps(value) -> str:
+    return orjson.dumps(value).decode()
+
+
+def create_audit_engine(config: DatabaseConfig | None = None) -> Engine:
+    """An Engine for the audit tables with this project's SQLite/PostgreSQL defaults."""
+    config = config or DatabaseConfig()
+    url = make_url(config.resolved_url)
+    kwargs = {"echo": config.echo, "json_serializer": _dumps, "json_deserializer": orjson.loads}
+    if url.get_backend_name() == "sqlite":
+        engine = create_engine(url, **kwargs)
+        _install_sqlite_events(engine, config.busy_timeout_ms)
+        return engine
+    connect_args = {"connect_timeout": config.connect_timeout_s}
+    if config.schema:
+        connect_args["options"] = f"-csearch_path={config.schema}"
+    return create_engine(url, pool_pre_ping=True, connect_args=connect_args, **kwargs)
+
+
+def _install_sqlite_events(engine: Engine, busy_timeout_ms: int) -> None:
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_connection, _record):
+        # Let SQLAlchemy, not the sqlite3 module, decide when transactions begin.
+        dbapi_connection.isolation_level = None
+        cursor = dbapi_connection.cursor()
+        cursor.execute(f"PRAGMA busy_timeout = {int(busy_timeout_ms)}")
+        cursor.execute("PRAGMA journal_mode = WAL")
+        cursor.execute("PRAGMA synchronous = FULL")
+        cursor.execute("PRAGMA foreign_keys = ON")
+        cursor.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(conn: Connection):
+        write = conn.get_execution_options().get("audit_write", False)
+        conn.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN")
+
+
+@contextlib.contextmanager
+def write_transaction(engine: Engine) -> Iterator[Connection]:
+    """A transaction that holds the audit write lock until it commits.
+
+    PostgreSQL: a transaction-scoped advisory lock per schema. SQLite:
+    ``BEGIN IMMEDIATE`` takes the database's write lock up front.
+    """
+    with engine.execution_options(audit_write=True).begin() as conn:
+        if conn.dialect.name == "postgresql":
+            conn.execute(
+                text("SELECT pg_advisory_xact_lock(:cls, hashtext(current_schema()))"),
+                {"cls": _CHAIN_LOCK_CLASS},
+            )
+        yield conn
+
+
+def _alembic_config(connection: Connection):
+    from alembic.config import Config
+
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS_DIR))
+    config.attributes["connection"] = connection
+    return config
+
+
+def _ensure_sqlite_dir(engine: Engine) -> None:
+    database = engine.url.database
+    if engine.dialect.name == "sqlite" and database and database != ":memory:":
+        Path(database).expanduser().parent.mkdir(parents=True, exist_ok=True)
+
+
+def migrate(engine: Engine, revision: str = "head") -> str | None:
+    """Upgrade the audit tables to ``revision``; returns the revision now current.
+
+    Runs under the audit write lock, so concurrent callers are safe. Creates the
+    SQLite file's folder when missing.
+    """
+    from alembic import command
+
+    _ensure_sqlite_dir(engine)
+    with write_transaction(engine) as conn:
+        command.upgrade(_alembic_config(conn), revision)
+    return current_revision(engine)
+
+
+def current_revision(engine: Engine) -> str | None:
+    """The migration revision the database is at (None: not migrated)."""
+    from alembic.runtime.migration import MigrationContext
+
+    with engine.connect() as conn:
+        context = MigrationContext.configure(conn, opts={"version_table": VERSION_TABLE})
+        return context.get_current_revision()
+
+
+def head_revision() -> str:
+    """The newest migration revision shipped with this package."""
+    from alembic.script import ScriptDirectory
+
+    return ScriptDirectory(str(MIGRATIONS_DIR)).get_current_head()
+
+
+def is_current(engine: Engine) -> bool:
+    """True when the database is migrated to the newest revision."""
+    return current_revision(engine) == head_revision()

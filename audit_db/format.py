@@ -1,0 +1,120 @@
+"""Rendering audit rows and usage as a table, JSON or CSV (used by the CLI)."""
+
+from __future__ import annotations
+
+import csv
+import io
+from collections.abc import Sequence
+from dataclasses import asdict, is_dataclass
+from datetime import datetime, timezone
+from typing import Any
+
+import orjson
+from rich.console import Console
+from rich.table import Table
+
+FORMATS = ("table", "json", "csv")
+_TEXT_WIDTH = 60
+_ROW_SUMMARY = (
+    ("request", "request_id"),
+    ("#", "completion_index"),
+    ("adapter", "adapter"),
+    ("weights", "adapter_sha256"),
+    ("tenant", "tenant"),
+    ("finish", "finish_reason"),
+    ("tokens", "num_output_tokens"),
+    ("arrival (UTC)", "arrival_time"),
+    ("text", "text"),
+)
+
+
+def _plain(item: Any) -> dict[str, Any]:
+    return asdict(item) if is_dataclass(item) else dict(item)
+
+
+def iso_time(value: float | None) -> str:
+    if value is None:
+        return ""
+    return datetime.fromtimestamp(value, timezone.utc).isoformat(timespec="milliseconds")
+
+
+def to_json(items: Sequence[Any]) -> str:
+    return orjson.dumps([_plain(i) for i in items], option=orjson.OPT_INDENT_2).decode()
+
+
+def _csv_value(value: Any) -> Any:
+    if isinstance(value, (list, dict)):
+        return orjson.dumps(value).decode()
+    return "" if value is None else value
+
+
+def to_csv(items: Sequence[Any]) -> str:
+    rows = [_plain(i) for i in items]
+    if not rows:
+        return ""
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=list(rows[0]), lineterminator="\n")
+    writer.writeheader()
+    for row in rows:
+        writer.writerow({k: _csv_value(v) for k, v in row.items()})
+    return out.getvalue()
+
+
+def _summary_cell(row: dict[str, Any], key: str) -> str:
+    if key == "adapter":
+        name = row.get("adapter_name")
+        return "(base model)" if name is None else f"{name} #{row['adapter_id']}"
+    if key == "adapter_sha256":
+        return (row.get(key) or "")[:12]
+    if key == "arrival_time":
+        return iso_time(row.get(key))[:23]
+    value = row.get(key)
+    text = "" if value is None else str(value)
+    return text if len(text) <= _TEXT_WIDTH else text[: _TEXT_WIDTH - 1] + "…"
+
+
+def rows_table(rows: Sequence[dict[str, Any]], title: str | None = None) -> Table:
+    """One line per completion, the columns a reviewer looks at first."""
+    table = Table(title=title)
+    for header, _key in _ROW_SUMMARY:
+        table.add_column(header, overflow="fold")
+    for row in rows:
+        table.add_row(*(_summary_cell(row, key) for _h, key in _ROW_SUMMARY))
+    return table
+
+
+def record_table(row: dict[str, Any]) -> Table:
+    """Every field of one audit row, one per line."""
+    table = Table(title=f"{row['request_id']} / completion {row['completion_index']}")
+    table.add_column("field", style="bold")
+    table.add_column("value", overflow="fold")
+    for key, value in row.items():
+        shown = iso_time(value) if key.endswith("_time") and key != "queue_time" else value
+        table.add_row(key, "" if shown is None else str(shown))
+    return table
+
+
+def usage_table(rows: Sequence[Any], title: str | None = None) -> Table:
+    table = Table(title=title)
+    headers = ("key", "requests", "prompt tok", "output tok", "errors", "p50 s", "p95 s")
+    for i, header in enumerate(headers):
+        table.add_column(header, justify="left" if i == 0 else "right")
+    for row in rows:
+        p50, p95 = ("" if v is None else f"{v:.3f}" for v in (row.latency_p50, row.latency_p95))
+        table.add_row(
+            row.key,
+            str(row.requests),
+            str(row.prompt_tokens),
+            str(row.completion_tokens),
+            str(row.errors),
+            p50,
+            p95,
+        )
+    return table
+
+
+def render(table: Table) -> str:
+    """A rich table as plain text (no colours), wide enough not to squeeze it."""
+    console = Console(file=io.StringIO(), width=200, color_system=None, record=True)
+    console.print(table)
+    return console.export_text()

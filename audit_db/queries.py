@@ -1,0 +1,210 @@
+"""Compliance queries over the audit tables.
+
+Rows come back as plain dicts: every ``completions`` column except the hash
+bookkeeping, plus the adapter's identity as ``adapter_name``, ``adapter_id``,
+``adapter_path``, ``adapter_sha256``, ``adapter_rank``, ``adapter_alpha``,
+``adapter_target_modules`` and ``adapter_base_model`` (all None for a
+base-model request). Time ranges apply to the request's ``arrival_time``
+(epoch seconds): ``since <= arrival_time < until``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import Engine, Select, case, func, or_, select
+
+from lorapool.audit_db.schema import adapters, completions
+
+BASE_MODEL_KEY = "(base model)"
+NO_TENANT_KEY = "(no tenant)"
+USAGE_GROUPS = ("adapter", "adapter_version", "tenant")
+
+_ADAPTER_COLUMNS = [
+    adapters.c.name.label("adapter_name"),
+    adapters.c.adapter_id.label("adapter_id"),
+    adapters.c.path.label("adapter_path"),
+    adapters.c.sha256.label("adapter_sha256"),
+    adapters.c.rank.label("adapter_rank"),
+    adapters.c.alpha.label("adapter_alpha"),
+    adapters.c.target_modules.label("adapter_target_modules"),
+    adapters.c.base_model.label("adapter_base_model"),
+]
+_ROW_COLUMNS = [c for c in completions.c if c.name not in ("adapter_pk", "prev_hash")]
+_JOINED = completions.outerjoin(adapters, completions.c.adapter_pk == adapters.c.pk)
+
+
+@dataclass(frozen=True)
+class SearchFilter:
+    """What :func:`search` looks for; every field left None matches anything.
+
+    adapter_sha256 matches as a prefix; text is a case-sensitive substring of
+    the output text; base_model_only selects requests run without an adapter.
+    """
+
+    adapter_name: str | None = None
+    adapter_id: int | None = None
+    adapter_sha256: str | None = None
+    base_model_only: bool = False
+    since: float | None = None
+    until: float | None = None
+    finish_reason: str | None = None
+    tenant: str | None = None
+    text: str | None = None
+    limit: int | None = 100
+
+
+@dataclass(frozen=True)
+class UsageRow:
+    """Usage of one adapter (or tenant) over a period.
+
+    requests: distinct request ids; prompt_tokens counted once per request;
+    completion_tokens summed over completions; errors: requests with an error
+    text or an "error" finish reason; latency: finished_time - arrival_time per
+    request, p50/p95 by linear interpolation (None when no request finished).
+    """
+
+    key: str
+    requests: int
+    prompt_tokens: int
+    completion_tokens: int
+    errors: int
+    latency_p50: float | None
+    latency_p95: float | None
+
+
+def _select() -> Select:
+    return select(*_ROW_COLUMNS, *_ADAPTER_COLUMNS).select_from(_JOINED)
+
+
+def _rows(engine: Engine, query: Select) -> list[dict[str, Any]]:
+    with engine.connect() as conn:
+        return [{str(k): v for k, v in row.items()} for row in conn.execute(query).mappings()]
+
+
+def get_request(engine: Engine, request_id: str) -> list[dict[str, Any]]:
+    """All audit rows of one request (one per completion), by completion index."""
+    query = (
+        _select()
+        .where(completions.c.request_id == request_id)
+        .order_by(completions.c.completion_index)
+    )
+    return _rows(engine, query)
+
+
+def _time_filters(since: float | None, until: float | None) -> list:
+    filters = []
+    if since is not None:
+        filters.append(completions.c.arrival_time >= since)
+    if until is not None:
+        filters.append(completions.c.arrival_time < until)
+    return filters
+
+
+def _contains(engine: Engine, needle: str):
+    """Case-sensitive substring test, the same on SQLite and PostgreSQL."""
+    fn = func.strpos if engine.dialect.name == "postgresql" else func.instr
+    return fn(completions.c.text, needle) > 0
+
+
+def _filters(engine: Engine, f: SearchFilter) -> list:
+    filters = _time_filters(f.since, f.until)
+    if f.adapter_name is not None:
+        filters.append(adapters.c.name == f.adapter_name)
+    if f.adapter_id is not None:
+        filters.append(adapters.c.adapter_id == f.adapter_id)
+    if f.adapter_sha256 is not None:
+        filters.append(adapters.c.sha256.startswith(f.adapter_sha256.lower(), autoescape=True))
+    if f.base_model_only:
+        filters.append(completions.c.adapter_pk.is_(None))
+    if f.finish_reason is not None:
+        filters.append(completions.c.finish_reason == f.finish_reason)
+    if f.tenant is not None:
+        filters.append(completions.c.tenant == f.tenant)
+    if f.text is not None:
+        filters.append(_contains(engine, f.text))
+    return filters
+
+
+def search(engine: Engine, f: SearchFilter) -> list[dict[str, Any]]:
+    """Audit rows matching every given filter, by arrival time, request, completion."""
+    query = (
+        _select()
+        .where(*_filters(engine, f))
+        .order_by(
+            completions.c.arrival_time, completions.c.request_id, completions.c.completion_index
+        )
+    )
+    if f.limit is not None:
+        query = query.limit(f.limit)
+    return _rows(engine, query)
+
+
+def _group_column(by: str):
+    if by == "adapter":
+        return func.coalesce(adapters.c.name, BASE_MODEL_KEY)
+    if by == "adapter_version":
+        version = adapters.c.name + "@" + func.substr(adapters.c.sha256, 1, 12)
+        return func.coalesce(version, BASE_MODEL_KEY)
+    if by == "tenant":
+        return func.coalesce(completions.c.tenant, NO_TENANT_KEY)
+    raise ValueError(f"usage groups by one of {USAGE_GROUPS}, not {by!r}")
+
+
+def _per_request(by: str, since: float | None, until: float | None) -> Select:
+    failed = or_(completions.c.error.is_not(None), completions.c.finish_reason == "error")
+    key = _group_column(by).label("group_key")
+    return (
+        select(
+            key,
+            completions.c.request_id,
+            func.max(completions.c.num_prompt_tokens),
+            func.sum(completions.c.num_output_tokens),
+            func.max(case((failed, 1), else_=0)),
+            func.max(completions.c.finished_time - completions.c.arrival_time),
+        )
+        .select_from(_JOINED)
+        .where(*_time_filters(since, until))
+        .group_by(key, completions.c.request_id)
+    )
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """The q-th percentile (0..100) by linear interpolation between sorted values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    position = (len(ordered) - 1) * q / 100.0
+    low, high = math.floor(position), math.ceil(position)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def _summarize(key: str, requests: Iterable[tuple]) -> UsageRow:
+    requests = list(requests)
+    latencies = [r[3] for r in requests if r[3] is not None]
+    return UsageRow(
+        key=key,
+        requests=len(requests),
+        prompt_tokens=sum(r[0] or 0 for r in requests),
+        completion_tokens=sum(r[1] or 0 for r in requests),
+        errors=sum(r[2] for r in requests),
+        latency_p50=percentile(latencies, 50),
+        latency_p95=percentile(latencies, 95),
+    )
+
+
+def usage(
+    engine: Engine, by: str = "adapter", since: float | None = None, until: float | None = None
+) -> list[UsageRow]:
+    """Usage per adapter name, adapter version ("name@sha256[:12]") or tenant, by key."""
+    groups: dict[str, list[tuple]] = defaultdict(list)
+    with engine.connect() as conn:
+        for key, _rid, prompt, output, failed, latency in conn.execute(
+            _per_request(by, since, until)
+        ):
+            groups[key].append((prompt, output, failed, latency))
+    return [_summarize(key, groups[key]) for key in sorted(groups)]

@@ -1,0 +1,317 @@
+"""The audit writer: ``{p}:audit`` (consumer group ``audit``) into the audit tables.
+
+Each batch is parsed, stored in one transaction (see store.py) and acked only
+after the commit. While the database is unreachable the writer retries the
+same batch with exponential backoff, acks nothing and says so in its log. A
+malformed record is moved to ``{p}:dead`` (``source=audit``, with the reason)
+and acked; a record the database rejects (e.g. a NUL character on
+PostgreSQL) is found by bisecting the batch and dead-lettered the same way.
+On start the writer first re-reads its own pending entries; every
+``claim_every_s`` it also claims entries that another consumer left pending
+for ``claim_idle_ms``. Redelivery is harmless: rows are keyed by
+(request id, completion index).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+
+import redis
+from sqlalchemy import Engine
+from sqlalchemy.exc import DataError, DBAPIError, IntegrityError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
+
+from lorapool.audit_db import store
+from lorapool.audit_db.database import is_current, migrate
+from lorapool.audit_db.record import RecordError, parse_record
+from lorapool.keys import AUDIT_GROUP, DEFAULT_PREFIX, Keys
+
+log = logging.getLogger(__name__)
+
+
+class SchemaNotReady(RuntimeError):
+    """The audit tables are missing or older than this code."""
+
+
+# Errors that mean "the database is not reachable or not ready": retry.
+RETRYABLE = (DBAPIError, PoolTimeout, store.ChainError, SchemaNotReady)
+# Errors that mean "the database refuses these rows": bisect and dead-letter.
+REJECTED = (IntegrityError, DataError)
+REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError)
+
+
+def default_consumer() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+@dataclass(frozen=True)
+class WriterConfig:
+    """How one audit writer consumes ``{p}:audit``."""
+
+    prefix: str = DEFAULT_PREFIX
+    consumer: str = field(default_factory=default_consumer)
+    batch_size: int = 500
+    block_ms: int = 1000
+    claim_idle_ms: int = 60_000
+    claim_every_s: float = 10.0
+    backoff_initial_s: float = 0.1
+    backoff_max_s: float = 10.0
+    migrate: bool = False  # run the migrations on start instead of waiting for them
+
+    def __post_init__(self):
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be at least 1, got {self.batch_size}")
+        if self.backoff_initial_s <= 0 or self.backoff_max_s < self.backoff_initial_s:
+            raise ValueError("backoff must satisfy 0 < backoff_initial_s <= backoff_max_s")
+
+
+@dataclass
+class WriterStats:
+    entries: int = 0
+    rows_written: int = 0
+    duplicates: int = 0
+    dead_lettered: int = 0
+    db_retries: int = 0
+
+
+@dataclass
+class _Item:
+    """One stream entry and the rows it became."""
+
+    entry_id: bytes | str
+    payload: bytes | str | None
+    rows: list[store.PreparedRow]
+
+
+class _Stopped(Exception):
+    pass
+
+
+class AuditWriter:
+    """Consumes ``{p}:audit`` into the audit database; see the module docstring.
+
+    ``connection`` is a redis-py client; ``engine`` comes from
+    ``create_audit_engine`` and may point at a database that is down (the
+    writer waits for it). ``run(burst=True)`` returns once nothing is left.
+    """
+
+    def __init__(self, connection: redis.Redis, engine: Engine, config: WriterConfig | None = None):
+        self.redis = connection
+        self.engine = engine
+        self.config = config or WriterConfig()
+        self.keys = Keys(self.config.prefix)
+        self.stats = WriterStats()
+        self._stopping = threading.Event()
+        self._own_pending = True
+        self._claim_cursor = "0-0"
+        self._next_claim = 0.0
+
+    # --- lifecycle -----------------------------------------------------------
+
+    def stop(self) -> None:
+        """Ask the writer to return after the batch in hand (thread- and signal-safe)."""
+        self._stopping.set()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping.is_set()
+
+    def run(self, burst: bool = False) -> WriterStats:
+        """Consume until :meth:`stop` (or, with ``burst``, until nothing is left)."""
+        name = self.config.consumer
+        log.info(
+            "audit writer %s: consuming %s into %s",
+            name,
+            self.keys.audit,
+            self.engine.url.render_as_string(hide_password=True),
+        )
+        try:
+            self._retry("create the consumer group", self.ensure_group)
+            self._retry("check the database schema", self._check_schema)
+            while not self.stopping:
+                if not self.step(block=not burst) and burst:
+                    break
+        except _Stopped:
+            pass
+        log.info("audit writer %s: stopped; %s", name, self.stats)
+        return self.stats
+
+    def ensure_group(self) -> None:
+        """Create the ``audit`` consumer group (from the stream's start) if missing."""
+        try:
+            self.redis.xgroup_create(self.keys.audit, AUDIT_GROUP, id="0", mkstream=True)
+        except redis.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    def _check_schema(self) -> None:
+        if self.config.migrate:
+            migrate(self.engine)
+        if not is_current(self.engine):
+            raise SchemaNotReady(
+                "the audit tables are not at the newest revision; run `lorapool audit migrate`"
+            )
+
+    # --- one batch -----------------------------------------------------------
+
+    def step(self, block: bool = True) -> int:
+        """Read, store and ack one batch; returns the number of entries handled."""
+        entries = self._retry("read from Redis", self._next_entries, block)
+        if not entries:
+            return 0
+        items = [item for item in map(self._parse, entries) if item is not None]
+        self._store(items)
+        self._retry("ack in Redis", self._ack, [i.entry_id for i in items])
+        self.stats.entries += len(entries)
+        return len(entries)
+
+    def _next_entries(self, block: bool) -> list:
+        if self._own_pending:
+            entries = self._read("0")
+            self._own_pending = bool(entries)
+            if entries:
+                return entries
+        if time.monotonic() >= self._next_claim:
+            entries = self._claim()
+            if entries:
+                return entries
+        return self._read(">", self.config.block_ms if block else None)
+
+    def _read(self, start: str, block_ms: int | None = None) -> list:
+        reply = self.redis.xreadgroup(
+            AUDIT_GROUP,
+            self.config.consumer,
+            {self.keys.audit: start},
+            count=self.config.batch_size,
+            block=block_ms,
+        )
+        return reply[0][1] if reply else []
+
+    def _claim(self) -> list:
+        """Take over entries other consumers left pending too long (one scan of the PEL)."""
+        while True:
+            cursor, entries = self.redis.xautoclaim(
+                self.keys.audit,
+                AUDIT_GROUP,
+                self.config.consumer,
+                self.config.claim_idle_ms,
+                self._claim_cursor,
+                count=self.config.batch_size,
+            )[:2]
+            self._claim_cursor = cursor
+            entries = [e for e in entries if e is not None and e[0] is not None]
+            if entries:
+                log.info(
+                    "audit writer %s: claimed %d stale entries", self.config.consumer, len(entries)
+                )
+                return entries
+            if cursor in ("0-0", b"0-0"):
+                self._next_claim = time.monotonic() + self.config.claim_every_s
+                return []
+
+    def _parse(self, entry) -> _Item | None:
+        entry_id, fields = entry
+        payload = (fields or {}).get(b"data", (fields or {}).get("data"))
+        if payload is None:
+            self._dead_letter(_Item(entry_id, None, []), "entry has no 'data' field")
+            return None
+        try:
+            return _Item(entry_id, payload, store.prepare(parse_record(payload)))
+        except RecordError as exc:
+            self._dead_letter(_Item(entry_id, payload, []), str(exc))
+            return None
+
+    # --- storing, with retries and bisection -----------------------------------
+
+    def _store(self, items: list[_Item]) -> None:
+        """Store the items' rows; rows the database rejects are dead-lettered."""
+        rows = [row for item in items for row in item.rows]
+        if not rows:
+            return
+        try:
+            written = self._retry("write to the database", store.append, self.engine, rows)
+        except REJECTED as exc:
+            if len(items) == 1:
+                self._dead_letter(items[0], f"rejected by the database: {exc.orig}")
+                return
+            middle = len(items) // 2
+            self._store(items[:middle])
+            self._store(items[middle:])
+            return
+        self.stats.rows_written += written
+        self.stats.duplicates += len(rows) - written
+
+    def _retry(self, what: str, fn, *args):
+        """Call ``fn`` until it succeeds, backing off while the DB or Redis is down."""
+        delay, attempts, since = self.config.backoff_initial_s, 0, time.monotonic()
+        while True:
+            try:
+                result = fn(*args)
+            except REJECTED:
+                raise
+            except RETRYABLE + REDIS_ERRORS as exc:
+                attempts += 1
+                self._log_failure(what, attempts, delay, exc)
+                if self._stopping.wait(delay):
+                    raise _Stopped() from None
+                delay = min(delay * 2, self.config.backoff_max_s)
+                continue
+            if attempts:
+                log.warning(
+                    "audit writer %s: could %s again after %d attempts (%.1fs)",
+                    self.config.consumer,
+                    what,
+                    attempts,
+                    time.monotonic() - since,
+                )
+            return result
+
+    def _log_failure(self, what: str, attempts: int, delay: float, exc: Exception) -> None:
+        if not isinstance(exc, REDIS_ERRORS):
+            self.stats.db_retries += 1
+        reason = str(getattr(exc, "orig", None) or exc).splitlines()[0]
+        level = logging.WARNING if attempts == 1 or attempts % 10 == 0 else logging.DEBUG
+        log.log(
+            level,
+            "audit writer %s: cannot %s (attempt %d, nothing acked, retrying in %.1fs): %s",
+            self.config.consumer,
+            what,
+            attempts,
+            delay,
+            reason,
+        )
+
+    # --- Redis writes ----------------------------------------------------------
+
+    def _ack(self, entry_ids: list) -> None:
+        if entry_ids:
+            self.redis.xack(self.keys.audit, AUDIT_GROUP, *entry_ids)
+
+    def _dead_letter(self, item: _Item, reason: str) -> None:
+        log.error(
+            "audit writer %s: dead-lettering entry %s: %s",
+            self.config.consumer,
+            item.entry_id,
+            reason,
+        )
+        fields = {
+            "source": "audit",
+            "stream": self.keys.audit,
+            "id": item.entry_id,
+            "reason": reason,
+            "data": item.payload or b"",
+        }
+
+        def move():
+            pipe = self.redis.pipeline(transaction=True)
+            pipe.xadd(self.keys.dead, fields)
+            pipe.xack(self.keys.audit, AUDIT_GROUP, item.entry_id)
+            pipe.execute()
+
+        self._retry("dead-letter an entry", move)
+        self.stats.dead_lettered += 1

@@ -1,0 +1,252 @@
+"""``lorapool audit ...`` (migrate, verify, queries) and ``lorapool audit-writer``.
+
+The database is ``--db-url`` / ``$LORAPOOL_DB_URL``, else the SQLite file
+``<cache dir>/audit.sqlite``; ``--schema`` / ``$LORAPOOL_DB_SCHEMA`` picks a
+PostgreSQL schema. Times (``--since``/``--until``) are epoch seconds, ISO 8601
+(UTC when no zone is given) or an age such as ``90s``, ``15m``, ``24h``, ``7d``.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import time
+from datetime import datetime, timezone
+
+import click
+from rich.console import Console
+
+_AGES = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def parse_time(value: str | None) -> float | None:
+    """Epoch seconds from an epoch number, ISO 8601 or an age ("24h" = a day ago)."""
+    if value is None:
+        return None
+    value = value.strip()
+    if value[-1:] in _AGES and value[:-1].replace(".", "", 1).isdigit():
+        return time.time() - float(value[:-1]) * _AGES[value[-1]]
+    try:
+        return float(value)
+    except ValueError:
+        pass
+    try:
+        moment = datetime.fromisoformat(value)
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not epoch seconds, ISO 8601 or an age") from None
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=timezone.utc)
+    return moment.timestamp()
+
+
+def _engine(ctx: click.Context):
+    from lorapool.audit_db import DatabaseConfig, create_audit_engine
+
+    url, schema = ctx.obj["db_url"], ctx.obj["schema"]
+    return create_audit_engine(DatabaseConfig(url=url, schema=schema))
+
+
+def _db_options(fn):
+    fn = click.option(
+        "--schema",
+        envvar="LORAPOOL_DB_SCHEMA",
+        default=None,
+        help="PostgreSQL schema holding the audit tables.",
+    )(fn)
+    return click.option(
+        "--db-url",
+        envvar="LORAPOOL_DB_URL",
+        default=None,
+        help="SQLAlchemy URL [default: SQLite file in the cache dir].",
+    )(fn)
+
+
+def _format_option(fn):
+    return click.option(
+        "--format",
+        "fmt",
+        type=click.Choice(["table", "json", "csv"]),
+        default="table",
+        show_default=True,
+    )(fn)
+
+
+@click.group()
+@_db_options
+@click.pass_context
+def audit(ctx: click.Context, db_url: str | None, schema: str | None):
+    """The audit trail: migrate, verify and query it."""
+    ctx.ensure_object(dict)
+    ctx.obj.update(db_url=db_url, schema=schema)
+
+
+@audit.command()
+@click.option("--revision", default="head", show_default=True)
+@click.pass_context
+def migrate(ctx: click.Context, revision: str):
+    """Create or upgrade the audit tables."""
+    from lorapool.audit_db import migrate as run_migrations
+
+    engine = _engine(ctx)
+    now = run_migrations(engine, revision)
+    click.echo(f"{engine.url.render_as_string(hide_password=True)}: at revision {now}")
+
+
+@audit.command()
+@click.pass_context
+def verify(ctx: click.Context):
+    """Walk the hash chain; exit 1 and name the first row that does not match."""
+    from lorapool.audit_db import verify_chain
+
+    report = verify_chain(_engine(ctx))
+    if not report.ok:
+        click.echo(f"FAILED at {report.first_bad.describe()}", err=True)
+        sys.exit(1)
+    click.echo(
+        f"OK: {report.num_rows} rows, {report.num_adapters} adapters; "
+        f"head seq={report.head_seq} hash={report.head_hash}"
+    )
+
+
+def _emit_rows(rows: list[dict], fmt: str, title: str) -> None:
+    from lorapool.audit_db import format as out
+
+    if fmt == "json":
+        click.echo(out.to_json(rows))
+    elif fmt == "csv":
+        click.echo(out.to_csv(rows), nl=False)
+    else:
+        Console().print(out.rows_table(rows, title=title))
+
+
+@audit.command("request")
+@click.argument("request_id")
+@_format_option
+@click.pass_context
+def request_cmd(ctx: click.Context, request_id: str, fmt: str):
+    """Every audit row of one request."""
+    from lorapool.audit_db import format as out
+    from lorapool.audit_db import get_request
+
+    rows = get_request(_engine(ctx), request_id)
+    if not rows:
+        raise click.ClickException(f"no audit rows for request {request_id!r}")
+    if fmt != "table":
+        _emit_rows(rows, fmt, request_id)
+        return
+    for row in rows:
+        Console().print(out.record_table(row))
+
+
+@audit.command()
+@click.option("--adapter", "adapter_name", help="Adapter name.")
+@click.option("--adapter-id", type=int, help="Adapter int id.")
+@click.option("--sha256", "adapter_sha256", help="Adapter weights hash (or a prefix).")
+@click.option("--base-model-only", is_flag=True, help="Only requests without an adapter.")
+@click.option("--since", help="From this time (inclusive).")
+@click.option("--until", help="Before this time.")
+@click.option("--finish-reason", type=click.Choice(["stop", "length", "abort", "error"]))
+@click.option("--tenant")
+@click.option("--text", help="Output text contains this (case-sensitive).")
+@click.option("--limit", type=int, default=100, show_default=True)
+@_format_option
+@click.pass_context
+def search(ctx: click.Context, fmt: str, since: str | None, until: str | None, **filters):
+    """Audit rows matching every given filter."""
+    from lorapool.audit_db import SearchFilter
+    from lorapool.audit_db import search as run_search
+
+    flt = SearchFilter(since=parse_time(since), until=parse_time(until), **filters)
+    _emit_rows(run_search(_engine(ctx), flt), fmt, "audit rows")
+
+
+@audit.command()
+@click.option(
+    "--by",
+    type=click.Choice(["adapter", "adapter_version", "tenant"]),
+    default="adapter",
+    show_default=True,
+)
+@click.option("--since", help="From this time (inclusive).")
+@click.option("--until", help="Before this time.")
+@_format_option
+@click.pass_context
+def usage(ctx: click.Context, by: str, since: str | None, until: str | None, fmt: str):
+    """Requests, tokens, errors and latency per adapter or tenant."""
+    from lorapool.audit_db import format as out
+    from lorapool.audit_db import usage as run_usage
+
+    rows = run_usage(_engine(ctx), by=by, since=parse_time(since), until=parse_time(until))
+    if fmt == "json":
+        click.echo(out.to_json(rows))
+    elif fmt == "csv":
+        click.echo(out.to_csv(rows), nl=False)
+    else:
+        Console().print(out.usage_table(rows, title=f"usage by {by}"))
+
+
+def _install_signals(writer) -> None:
+    def handle(signum, _frame):
+        if writer.stopping:  # second signal: stop now
+            raise KeyboardInterrupt
+        logging.getLogger(__name__).info("signal %s: finishing the current batch", signum)
+        writer.stop()
+
+    signal.signal(signal.SIGTERM, handle)
+    signal.signal(signal.SIGINT, handle)
+
+
+@click.command("audit-writer")
+@click.option("--redis-url", envvar="REDIS_URL", help="Redis holding {prefix}:audit.")
+@click.option("--prefix", default="lorapool", show_default=True, help="Redis key prefix.")
+@_db_options
+@click.option("--consumer", help="Consumer name [default: host-pid].")
+@click.option("--batch-size", type=int, default=500, show_default=True)
+@click.option(
+    "--claim-idle-ms",
+    type=int,
+    default=60_000,
+    show_default=True,
+    help="Claim other consumers' entries pending this long.",
+)
+@click.option("--migrate", "run_migrate", is_flag=True, help="Migrate the tables first.")
+@click.option("--burst", is_flag=True, help="Exit once the stream is drained.")
+@click.option("--log-level", default="INFO", show_default=True)
+def audit_writer(
+    redis_url,
+    prefix,
+    db_url,
+    schema,
+    consumer,
+    batch_size,
+    claim_idle_ms,
+    run_migrate,
+    burst,
+    log_level,
+):
+    """Consume {prefix}:audit into the audit database (acks after commit)."""
+    import redis
+
+    from lorapool.audit_db import AuditWriter, DatabaseConfig, WriterConfig, create_audit_engine
+
+    logging.basicConfig(
+        level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    if not redis_url:
+        raise click.UsageError("audit-writer needs Redis: pass --redis-url or set REDIS_URL")
+    engine = create_audit_engine(DatabaseConfig(url=db_url, schema=schema))
+    config = WriterConfig(
+        prefix=prefix,
+        batch_size=batch_size,
+        claim_idle_ms=claim_idle_ms,
+        migrate=run_migrate,
+        **({"consumer": consumer} if consumer else {}),
+    )
+    writer = AuditWriter(redis.Redis.from_url(redis_url), engine, config)
+    _install_signals(writer)
+    stats = writer.run(burst=burst)
+    click.echo(
+        f"rows written {stats.rows_written}, duplicates {stats.duplicates}, "
+        f"dead-lettered {stats.dead_lettered}, entries {stats.entries}"
+    )

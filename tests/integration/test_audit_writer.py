@@ -1,0 +1,256 @@
+"""The audit writer against real Redis and SQL (SQLite and PostgreSQL)."""
+
+import contextlib
+import logging
+import os
+import re
+import signal
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from sqlalchemy import make_url, text
+
+from lorapool.audit_db import (
+    AuditWriter,
+    DatabaseConfig,
+    WriterConfig,
+    create_audit_engine,
+    migrate,
+    verify_chain,
+)
+
+pytest_plugins = ["audit_fixtures"]
+pytestmark = pytest.mark.integration
+FAST = {"block_ms": 50, "backoff_initial_s": 0.02, "backoff_max_s": 0.2}
+
+
+def _writer(audit_redis, engine, **kw) -> AuditWriter:
+    config = WriterConfig(
+        prefix=audit_redis.prefix, consumer=kw.pop("consumer", "w-test"), **{**FAST, **kw}
+    )
+    return AuditWriter(audit_redis.conn, engine, config)
+
+
+@contextlib.contextmanager
+def _running(writer: AuditWriter):
+    thread = threading.Thread(target=writer.run, daemon=True)
+    thread.start()
+    try:
+        yield thread
+    finally:
+        writer.stop()
+        thread.join(10)
+        assert not thread.is_alive()
+
+
+@pytest.mark.parametrize("batch_size", [1, 500])
+def test_the_same_entry_three_times_gives_one_row(audit_target, audit_redis, batch_size):
+    from audit_fixtures import make_adapter, make_record
+
+    audit_redis.publish([make_record(1, adapter=make_adapter(), n=2)] * 3)
+    stats = _writer(audit_redis, audit_target.engine, batch_size=batch_size).run(burst=True)
+    assert audit_target.count() == 2
+    assert (stats.rows_written, stats.duplicates, stats.entries) == (2, 4, 3)
+    assert audit_redis.pending() == 0
+    assert verify_chain(audit_target.engine).ok
+
+
+def test_stale_pending_entries_of_a_dead_writer_are_reclaimed(audit_target, audit_redis):
+    from audit_fixtures import make_record
+
+    audit_redis.publish([make_record(i) for i in range(5)])
+    writer = _writer(audit_redis, audit_target.engine, claim_idle_ms=100)
+    writer.ensure_group()
+    audit_redis.conn.xreadgroup("audit", "crashed", {audit_redis.keys.audit: ">"}, count=5)
+    assert audit_redis.pending() == 5
+    time.sleep(0.2)
+    writer.run(burst=True)
+    assert audit_target.count() == 5 and audit_redis.pending() == 0
+
+
+def test_malformed_entries_are_dead_lettered(audit_target, audit_redis):
+    from audit_fixtures import make_record
+
+    bad_version = {**make_record(2), "v": 99}
+    audit_redis.publish([make_record(1), bad_version, make_record(3)])
+    audit_redis.conn.xadd(audit_redis.keys.audit, {"data": b"{not json"})
+    audit_redis.conn.xadd(audit_redis.keys.audit, {"other": b"x"})
+    stats = _writer(audit_redis, audit_target.engine).run(burst=True)
+    assert audit_target.count() == 2 and stats.dead_lettered == 3
+    dead = audit_redis.conn.xrange(audit_redis.keys.dead)
+    reasons = [fields[b"reason"].decode() for _id, fields in dead]
+    assert {fields[b"source"] for _id, fields in dead} == {b"audit"}
+    assert "unknown record version 99" in reasons[0]
+    assert "not valid JSON" in reasons[1] and "no 'data' field" in reasons[2]
+    assert audit_redis.pending() == 0
+
+
+def test_rows_the_database_rejects_are_dead_lettered(audit_target, audit_redis):
+    from audit_fixtures import make_record
+
+    nul = make_record(4, text_for=lambda i, k: "a\x00b")
+    audit_redis.publish(
+        [make_record(i) for i in range(4)] + [nul] + [make_record(i) for i in range(5, 10)]
+    )
+    stats = _writer(audit_redis, audit_target.engine, batch_size=10).run(burst=True)
+    if audit_target.kind == "postgresql":  # text cannot hold NUL there
+        assert audit_target.count() == 9 and stats.dead_lettered == 1
+        ((_id, fields),) = audit_redis.conn.xrange(audit_redis.keys.dead)
+        assert b"rejected by the database" in fields[b"reason"]
+    else:
+        assert audit_target.count() == 10 and stats.dead_lettered == 0
+    assert audit_redis.pending() == 0 and verify_chain(audit_target.engine).ok
+
+
+def _consumers(audit_redis) -> int:
+    try:
+        return len(audit_redis.conn.xinfo_consumers(audit_redis.keys.audit, "audit"))
+    except Exception:
+        return 0
+
+
+def _start_writer_process(audit_redis, audit_target, name):
+    args = [
+        sys.executable,
+        "-c",
+        "from lorapool.cli.main import main; main()",
+        "audit-writer",
+        "--redis-url",
+        audit_redis.url,
+        "--prefix",
+        audit_redis.prefix,
+        *audit_target.cli_args(),
+        "--consumer",
+        name,
+        "--batch-size",
+        "200",
+    ]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen(
+        args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    )
+
+
+def test_ten_thousand_records_through_two_writer_processes(audit_target, audit_redis):
+    from audit_fixtures import make_adapter, make_record, wait_for
+
+    procs = [_start_writer_process(audit_redis, audit_target, f"w{i}") for i in (1, 2)]
+    try:
+        assert wait_for(lambda: _consumers(audit_redis) == 2, timeout=60)
+        adapters = [None, make_adapter("a", 1), make_adapter("b", 2)]
+        audit_redis.publish(
+            [make_record(i, adapter=adapters[i % 3]) for i in range(10_000)], chunk=250
+        )
+        assert wait_for(lambda: audit_target.count() == 10_000, timeout=180, interval=0.2)
+        assert wait_for(lambda: audit_redis.pending() == 0, timeout=30)
+    finally:
+        for proc in procs:
+            proc.send_signal(signal.SIGTERM)
+        outputs = [proc.communicate(timeout=60)[0] for proc in procs]
+    written = [int(re.search(r"rows written (\d+)", out).group(1)) for out in outputs]
+    assert all(proc.returncode == 0 for proc in procs), outputs
+    assert sum(written) == 10_000 and min(written) > 0, written
+    report = verify_chain(audit_target.engine)
+    assert report.ok and report.num_rows == 10_000 and report.head_seq == 10_000
+
+
+def _pg_outage(audit_location, audit_redis, caplog):
+    """PostgreSQL behind a TCP proxy on a port of its own: the proxy is the outage."""
+    from audit_fixtures import TcpProxy, free_port
+
+    _kind, url, schema = audit_location
+    real = create_audit_engine(DatabaseConfig(url=url, schema=schema))
+    migrate(real)
+    target = make_url(url)
+    proxy = TcpProxy(free_port(), (target.host or "127.0.0.1", target.port or 5432))
+    proxied = target.set(host="127.0.0.1", port=proxy.port).render_as_string(False)
+    writer_engine = create_audit_engine(DatabaseConfig(url=proxied, schema=schema))
+    return real, writer_engine, proxy.start, proxy.stop
+
+
+def _sqlite_outage(audit_location, tmp_path):
+    """SQLite: first the file's folder is missing, later another connection holds the lock."""
+    path = tmp_path / "not-mounted-yet" / "audit.sqlite"
+    url = f"sqlite:///{path}"
+    real = create_audit_engine(DatabaseConfig(url=url))
+    writer_engine = create_audit_engine(DatabaseConfig(url=url, busy_timeout_ms=50))
+    locker = {}
+
+    def up():
+        if "conn" in locker:
+            locker.pop("conn").close()  # rolls back, releasing the lock
+        else:
+            migrate(real)
+
+    def down():
+        conn = sqlite3.connect(path, isolation_level=None)
+        conn.execute("BEGIN EXCLUSIVE")
+        locker["conn"] = conn
+
+    return real, writer_engine, up, down
+
+
+def _count(engine) -> int:
+    with engine.connect() as conn:
+        return conn.execute(text("SELECT count(*) FROM completions")).scalar()
+
+
+def test_database_down_then_back_loses_nothing(audit_location, audit_redis, caplog, tmp_path):
+    from audit_fixtures import make_record, wait_for
+
+    caplog.set_level(logging.WARNING, logger="lorapool.audit_db.writer")
+    if audit_location[0] == "postgresql":
+        real, engine, up, down = _pg_outage(audit_location, audit_redis, caplog)
+    else:
+        real, engine, up, down = _sqlite_outage(audit_location, tmp_path)
+    writer = _writer(audit_redis, engine, batch_size=50)
+    with _running(writer):
+        audit_redis.publish([make_record(i) for i in range(100)])
+        assert wait_for(lambda: writer.stats.db_retries >= 3)
+        up()
+        assert wait_for(lambda: _count(real) == 100)
+        down()
+        audit_redis.publish([make_record(i) for i in range(100, 200)])
+        assert wait_for(lambda: audit_redis.pending() > 0)
+        retries = writer.stats.db_retries
+        assert wait_for(lambda: writer.stats.db_retries >= retries + 3)
+        assert _count(real) == 100 and audit_redis.pending() > 0  # nothing acked meanwhile
+        up()
+        assert wait_for(lambda: _count(real) == 200 and audit_redis.pending() == 0)
+        down_logs = [r.getMessage() for r in caplog.records if "cannot" in r.getMessage()]
+    assert any("nothing acked" in m for m in down_logs)
+    assert verify_chain(real).ok
+    real.dispose()
+    engine.dispose()
+
+
+def test_a_writer_waits_for_the_migration(audit_location, audit_redis, caplog):
+    from audit_fixtures import make_record, wait_for
+
+    _kind, url, schema = audit_location
+    engine = create_audit_engine(DatabaseConfig(url=url, schema=schema))
+    audit_redis.publish([make_record(i) for i in range(10)])
+    writer = _writer(audit_redis, engine)
+    with _running(writer):
+        assert wait_for(lambda: writer.stats.db_retries >= 2)
+        assert any("lorapool audit migrate" in r.getMessage() for r in caplog.records)
+        migrator = create_audit_engine(DatabaseConfig(url=url, schema=schema))
+        migrate(migrator)
+        migrator.dispose()
+        assert wait_for(lambda: _count(engine) == 10 and audit_redis.pending() == 0)
+    engine.dispose()
+
+
+def test_a_writer_can_migrate_on_start(audit_location, audit_redis):
+    from audit_fixtures import make_record
+
+    _kind, url, schema = audit_location
+    engine = create_audit_engine(DatabaseConfig(url=url, schema=schema))
+    audit_redis.publish([make_record(i) for i in range(10)])
+    _writer(audit_redis, engine, migrate=True).run(burst=True)
+    assert _count(engine) == 10 and verify_chain(engine).ok
+    engine.dispose()
