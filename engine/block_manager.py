@@ -3,28 +3,51 @@
 Blocks are reference counted so that the n samples of one request share their
 prompt's blocks; a sequence about to write into a block it shares gets its own
 copy first (copy-on-write, reported as (src, dst) pairs for the model runner).
+
+Prefix caching (``enable_prefix_caching``): once a block is full, and its KV
+computed, it is named by a hash of (the previous block's hash, its token ids,
+the sequence's adapter id, 0 for the base model), so one adapter's KV never
+serves another adapter or the base. A new sequence starts from its longest
+run of cached full blocks (``acquire_prefix``). A freed block that has a hash
+keeps its KV and stays findable (evictable, least recently freed first) until
+a block is needed and no never-used one is left.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import hashlib
+from array import array
+from collections import OrderedDict, deque
 
 from lorapool.engine.sequence import Sequence
 
 
+def hash_block(prev: bytes | None, token_ids: list[int], lora_id: int) -> bytes:
+    """The name of a full block: chained over the blocks before it, per adapter."""
+    data = array("q", [lora_id, len(token_ids), *token_ids]).tobytes()
+    return hashlib.sha256((prev or b"") + data).digest()
+
+
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need at least one block of at least one token, got "
                              f"num_blocks={num_blocks}, block_size={block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_blocks
-        self.free_block_ids: deque[int] = deque(range(num_blocks))
+        self.free_block_ids: deque[int] = deque(range(num_blocks))  # hold no cached KV
+        self.evictable: OrderedDict[int, None] = OrderedDict()  # free, cached, oldest first
+        self.block_hashes: list[bytes | None] = [None] * num_blocks
+        self.block_loras: list[int] = [0] * num_blocks
+        self.hash_to_block: dict[bytes, int] = {}
+        self.num_queried_tokens = 0  # prompt tokens looked up in the cache
+        self.num_hit_tokens = 0  # of those, served from it
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_block_ids)
+        return len(self.free_block_ids) + len(self.evictable)
 
     @property
     def capacity_tokens(self) -> int:
@@ -62,7 +85,8 @@ class BlockManager:
 
     def free(self, seq: Sequence) -> None:
         """Return the blocks ``seq`` holds (shared blocks stay until their last holder frees)."""
-        for block_id in seq.block_table:
+        # Tail first: the tail of a prefix is the least likely to be shared, so evicted first.
+        for block_id in reversed(seq.block_table):
             self._release_block(block_id)
         seq.block_table = []
 
@@ -77,14 +101,94 @@ class BlockManager:
         block = seq.block_table[position // self.block_size]
         return block * self.block_size + position % self.block_size
 
+    # --- prefix caching ---------------------------------------------------
+    def acquire_prefix(self, seq: Sequence) -> int:
+        """Start a sequence holding no blocks from its cached prefix; returns its tokens.
+
+        Only full blocks before the last token match: the last token is always
+        computed, so that the step can sample from it.
+        """
+        if not self.enable_prefix_caching or seq.block_table:
+            return 0
+        blocks = self._cached_prefix(seq)
+        for block_id in blocks:
+            if self.ref_counts[block_id] == 0:
+                del self.evictable[block_id]
+            self.ref_counts[block_id] += 1
+        seq.block_table = blocks
+        seq.num_computed_tokens = len(blocks) * self.block_size
+        return seq.num_computed_tokens
+
+    def count_query(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Statistics: ``num_tokens`` of a new sequence were looked up, this many hit."""
+        if not self.enable_prefix_caching:
+            return
+        self.num_queried_tokens += num_tokens
+        self.num_hit_tokens += num_hit_tokens
+
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        blocks, prev, size = [], None, self.block_size
+        for i in range((seq.num_tokens - 1) // size):
+            prev = hash_block(prev, seq.token_ids[i * size:(i + 1) * size], seq.lora_int_id)
+            block_id = self.hash_to_block.get(prev)
+            if block_id is None:
+                break
+            blocks.append(block_id)
+        return blocks
+
+    def cache_blocks(self, seq: Sequence, start: int, end: int) -> None:
+        """Tokens ``start:end`` of ``seq`` were computed: name the blocks they filled."""
+        if not self.enable_prefix_caching:
+            return
+        size = self.block_size
+        for i in range(start // size, end // size):
+            block_id = seq.block_table[i]
+            if self.block_hashes[block_id] is not None:
+                continue  # came from the cache, or a sibling sequence named it
+            prev = self.block_hashes[seq.block_table[i - 1]] if i else None
+            if i and prev is None:
+                return  # the chain is broken (forget_adapter): name nothing after it
+            tokens = seq.token_ids[i * size:(i + 1) * size]
+            digest = hash_block(prev, tokens, seq.lora_int_id)
+            self.block_hashes[block_id] = digest
+            self.block_loras[block_id] = seq.lora_int_id
+            # Two sequences may compute the same block at once: the first one is found.
+            self.hash_to_block.setdefault(digest, block_id)
+
+    def forget_adapter(self, lora_id: int) -> None:
+        """Never serve cached KV of this adapter again (its id may come back as other weights)."""
+        for block_id, digest in enumerate(self.block_hashes):
+            if digest is not None and self.block_loras[block_id] == lora_id:
+                self._unname(block_id)
+                if block_id in self.evictable:
+                    del self.evictable[block_id]
+                    self.free_block_ids.append(block_id)
+
+    # --- blocks -----------------------------------------------------------
     def _take_block(self) -> int:
-        if not self.free_block_ids:
+        if self.free_block_ids:
+            block_id = self.free_block_ids.popleft()
+        elif self.evictable:
+            block_id, _ = self.evictable.popitem(last=False)
+            self._unname(block_id)
+        else:
             raise RuntimeError("KV cache out of blocks; the scheduler must check can_allocate")
-        block_id = self.free_block_ids.popleft()
         self.ref_counts[block_id] = 1
         return block_id
 
     def _release_block(self, block_id: int) -> None:
         self.ref_counts[block_id] -= 1
-        if self.ref_counts[block_id] == 0:
-            self.free_block_ids.append(block_id)
+        if self.ref_counts[block_id] > 0:
+            return
+        digest = self.block_hashes[block_id]
+        if digest is not None and self.hash_to_block.setdefault(digest, block_id) == block_id:
+            self.evictable[block_id] = None
+            return
+        self.block_hashes[block_id] = None  # a duplicate of a block that is still cached
+        self.free_block_ids.append(block_id)
+
+    def _unname(self, block_id: int) -> None:
+        digest = self.block_hashes[block_id]
+        if self.hash_to_block.get(digest) == block_id:
+            del self.hash_to_block[digest]
+        self.block_hashes[block_id] = None

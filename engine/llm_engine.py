@@ -34,7 +34,8 @@ class LLMEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model)
         model_len = self.runner.max_model_len
         self.max_model_len = min(args.max_model_len or model_len, model_len)
-        self.block_manager = BlockManager(self.runner.num_blocks, args.block_size)
+        self.block_manager = BlockManager(self.runner.num_blocks, args.block_size,
+                                          args.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_seqs=args.max_num_seqs,
                             max_num_batched_tokens=args.max_num_batched_tokens,
@@ -150,6 +151,7 @@ class LLMEngine:
         return self._loras().add_lora(lora_request)
 
     def remove_lora(self, lora_id: int) -> bool:
+        self.block_manager.forget_adapter(lora_id)  # the id may come back with other weights
         return self._loras().remove_lora(lora_id)
 
     def pin_lora(self, lora_id: int) -> bool:
@@ -170,6 +172,7 @@ class LLMEngine:
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = now
                 metrics.time_in_queue = now - metrics.arrival_time
+                item.seq.request.num_cached_tokens = item.start  # served by the prefix cache
 
     def _process_logits(self, logits: torch.Tensor, layout: list[LogitsRows]) -> list[Request]:
         rows, targets, logit_rows = [], [], []

@@ -6,7 +6,10 @@ their prompt when prefilling), then on waiting sequences in arrival order.
 When the KV cache runs out of blocks the newest running sequence is preempted:
 its blocks are freed and it returns to the head of the queue, to be
 recomputed from its tokens later. Nothing is ever dropped; a sequence that
-could never fit was refused at ``add_request``.
+could never fit was refused at ``add_request``. With prefix caching, a
+sequence admitted from the queue (new, or preempted) first takes its cached
+prefix (``BlockManager.acquire_prefix``) and only the rest costs budget; the
+blocks a step fills are named for reuse in ``postprocess``.
 
 Adapters: a step runs at most ``max_loras`` distinct adapters (the base model,
 id 0, does not count). A waiting sequence whose adapter has no slot is
@@ -124,8 +127,8 @@ class Scheduler:
             if not self._adapter_fits(seq, active, blocked_new_adapters):
                 blocked_new_adapters |= self._note_skipped(seq)
                 continue
-            num_new = min(seq.num_uncomputed_tokens, budget)
-            if not self.block_manager.can_allocate(seq, num_new):
+            num_new = self._start(seq, budget)
+            if num_new is None:
                 break
             self.waiting.remove(seq)
             self.num_skipped.pop(seq.seq_id, None)
@@ -135,6 +138,20 @@ class Scheduler:
             active.add(seq.lora_int_id)
             active.discard(0)
             budget -= num_new
+
+    def _start(self, seq: Sequence, budget: int) -> int | None:
+        """Its cached prefix and its first chunk's size; None, holding nothing, if no room."""
+        manager = self.block_manager
+        # prompt logprobs need every prompt position computed: no cache for those
+        wants_all = seq.request.params.prompt_logprobs is not None
+        cached = 0 if wants_all else manager.acquire_prefix(seq)
+        num_new = min(seq.num_uncomputed_tokens, budget)
+        if not manager.can_allocate(seq, num_new):
+            manager.free(seq)
+            seq.num_computed_tokens = 0
+            return None
+        manager.count_query(seq.num_tokens, cached)
+        return num_new
 
     def _adapter_fits(self, seq: Sequence, active: set[int], blocked: bool) -> bool:
         lora_id = seq.lora_int_id
@@ -174,7 +191,9 @@ class Scheduler:
     def postprocess(self, out: SchedulerOutput) -> None:
         """The step ran: the scheduled tokens are now in the cache."""
         for item in out.scheduled:
-            item.seq.num_computed_tokens = item.start + item.num_new_tokens
+            end = item.start + item.num_new_tokens
+            item.seq.num_computed_tokens = end
+            self.block_manager.cache_blocks(item.seq, item.start, end)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """``child`` starts running beside ``parent``, sharing its blocks."""

@@ -1,13 +1,14 @@
 """LoRA on a packed projection: stacked per-slot weights and the shrink/expand update.
 
 Ranks: every slot's A and B are zero-padded to ``max_lora_rank`` in the
-buffers, and a step runs at the largest rank among the adapters *currently in
-a slot* (a view of the first ``rank`` columns, no copy). Padding costs
-(active_rank - r) extra multiply-adds per token and slice for an adapter of
+buffers, and a step runs at the largest rank among the adapters *of that
+step's tokens* (a view of the first ``rank`` columns, no copy), so a rank-64
+adapter resident in a slot but idle costs a rank-8 step nothing. Padding costs
+(step_rank - r) extra multiply-adds per token and slice for an adapter of
 rank r; grouping by rank would save that at the price of one kernel launch per
 rank group and projection. With a handful of ranks in flight the padded
 single launch is the cheaper of the two on the GPU, and on the CPU the waste
-is bounded by the rank spread of the adapters resident at the same time.
+is bounded by the rank spread of the adapters in the same step.
 """
 
 from __future__ import annotations

@@ -123,9 +123,10 @@ class LoRAManager:
 
     def set_step(self, slots: list[int], device: torch.device) -> None:
         """Set the token -> slot mapping every LoRA layer uses in the next forward."""
-        mapping = LoRAMapping.from_slots(slots, device) if any(s >= 0 for s in slots) else None
-        rank = max(self.slot_ranks.values(), default=0)
-        self.step.set(mapping, rank)
+        used = {self.slots[s] for s in set(slots) if s >= 0}
+        mapping = LoRAMapping.from_slots(slots, device) if used else None
+        # pad to the largest rank of this step's adapters, not of every resident one
+        self.step.set(mapping, max((self.slot_ranks[i] for i in used), default=0))
 
     # --- internals --------------------------------------------------------
     def _activate_one(self, request: LoRARequest, in_step: set[int]) -> None:
