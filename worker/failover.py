@@ -79,7 +79,12 @@ def held_for_garbage(entry_id: str, payload: Any) -> Held | None:
         return None
     if not isinstance(rid, str) or not rid or any(c in rid for c in "{}"):
         return None
-    job = Job(rid, None, None, _params(data), _lora(data))
+    prompt, metadata = data.get("prompt"), data.get("metadata")
+    arrival = data.get("arrival_time")
+    job = Job(rid, prompt if isinstance(prompt, str) else None, None, _params(data),
+              _lora(data), metadata if isinstance(metadata, dict) else {})
+    if isinstance(arrival, (int, float)) and not isinstance(arrival, bool):
+        job.arrival_time = float(arrival)
     return Held(entry_id, job)
 
 

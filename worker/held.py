@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -98,6 +99,17 @@ def error_chunk(held: Held, error: str, worker: str) -> Chunk:
     n = held.job.sampling_params.n
     outputs = [{"index": i, "offset": held.offsets.get(i, 0), "text": "", "token_ids": [],
                 "finish_reason": "error", "stop_reason": None} for i in range(n)]
-    return Chunk(request_id=held.request_id, seq=held.seq, offset=held.total, outputs=outputs,
-                 finished=True, lora_request=held.lora_dict, adapter_id=held.adapter_id,
-                 worker=worker, error=error)
+    chunk = Chunk(request_id=held.request_id, seq=held.seq, offset=held.total,
+                  outputs=outputs, finished=True, lora_request=held.lora_dict,
+                  adapter_id=held.adapter_id, worker=worker, error=error,
+                  metrics=_error_metrics(held))
+    if held.seq == 0:
+        chunk.prompt, chunk.prompt_token_ids = held.job.prompt, held.job.prompt_token_ids
+    return chunk
+
+
+def _error_metrics(held: Held) -> dict[str, Any]:
+    """What is known of a request that failed: arrival, end and token counts."""
+    prompt = held.prompt_token_ids or held.job.prompt_token_ids or []
+    return {"arrival_time": held.job.arrival_time or time.time(), "finished_time": time.time(),
+            "num_prompt_tokens": len(prompt), "num_generated_tokens": held.total}

@@ -3,6 +3,30 @@
 Loop: periodic upkeep (lease renewal, claiming abandoned entries, heartbeat)
 → admit what the engine can take now → one engine step → one pipelined round
 trip appending every advanced request's chunk (fenced, see ``scripts.py``).
+
+Redis Cluster is not supported; use a standalone Redis (with replicas and
+Sentinel for failover). Left as a documented limitation rather than
+restructured: the atomicity the queue relies on spans keys of several hash
+slots. Per-request keys (``{p}:job:{id}``, ``{p}:out:{id}``,
+``{p}:abort:{id}``) share the slot of their ``{id}`` tag, but the shared
+streams and hashes (``{p}:requests``, ``{p}:audit``, ``{p}:dead``,
+``{p}:adapters``, ``{p}:adapter-ids``, ``{p}:workers``) each hash to a slot of
+their own. A cluster refuses, with CROSSSLOT, these commands:
+
+- ``APPEND`` (``scripts.py``) touches ``{p}:requests`` (XPENDING, XACK, XDEL),
+  the request's ``out``, ``abort`` and ``job`` keys, ``{p}:audit`` and
+  ``{p}:dead``: the final chunk, the ack and the audit record must be one
+  atomic step, so it cannot be split per slot without losing that guarantee;
+- the producer's ``SUBMIT_SCRIPT`` (``producer/job.py``): ``{p}:job:{id}`` and
+  ``{p}:requests`` (the idempotency marker and the entry together);
+- the registry's WATCH/MULTI over ``{p}:adapters`` and ``{p}:adapter-ids``;
+- ``renew``'s EXISTS and ``failover.abort_flagged``'s MGET over the abort
+  flags of many requests (these could be split per slot; the first two not).
+
+``RENEW`` (``{p}:requests`` only), XREADGROUP and XAUTOCLAIM are single-slot.
+Making it work would mean one hash tag for every key of a pool (a prefix such
+as ``{lorapool}``, which ``Keys`` refuses today): that puts the whole pool on
+one shard, which is a standalone Redis in all but name.
 """
 
 from __future__ import annotations
@@ -49,6 +73,7 @@ class Worker:
         self._renew = connection.register_script(RENEW)
         self._last = {"renew": 0.0, "claim": 0.0, "heartbeat": 0.0}
         self._drain_deadline: float | None = None
+        self._saved_signals: dict[int, Any] = {}
 
     # --- the loop --------------------------------------------------------------
 
@@ -72,7 +97,8 @@ class Worker:
         elif self.draining or (self.config.burst and read == 0 and self._queue_empty()):
             self.stopped = True
         if self._drain_deadline is not None and time.monotonic() > self._drain_deadline:
-            logger.warning("worker %s: drain timeout, handing entries back", self.name)
+            logger.warning("worker %s: stopping, handing %s entries back", self.name,
+                           len(self.held))
             self.hand_back()
             self.stopped = True
 
@@ -161,10 +187,9 @@ class Worker:
     def _append_chunk(self, pipe, held: Held, chunk: Chunk, dead: bytes | None = None,
                       reason: str = "") -> None:
         audit = b""
-        if chunk.finished:
+        if chunk.finished:  # every finished request, failed ones included, is audited
             held.take(chunk)
-            if dead is None:
-                audit = orjson.dumps(self._audit_record(held))
+            audit = orjson.dumps(self._audit_record(held))
         rid = held.request_id
         self._append(keys=[self.keys.requests, self.keys.out(rid), self.keys.abort(rid),
                            self.keys.job(rid), self.keys.audit, self.keys.dead],
@@ -208,6 +233,7 @@ class Worker:
             held = failover.held_for_garbage(entry_id, payload)
         if held is not None:
             self.held.pop(held.request_id, None)
+            self._find_adapter(held)
         chunk = error_chunk(held, reason, self.name) if held else None
         with self.redis.pipeline(transaction=False) as pipe:
             if chunk is not None:
@@ -219,6 +245,14 @@ class Worker:
                                    self.config.result_ttl_s, payload or b"null", reason],
                              client=pipe)
             pipe.execute()
+
+    def _find_adapter(self, held: Held) -> None:
+        """The registry record of a failed job's adapter, for its audit record, if it matches."""
+        lora = held.job.lora_request
+        if held.adapter is None and lora is not None:
+            record = decode_record(self.redis.hget(self.keys.adapters, lora.name))
+            if record is not None and record["id"] == lora.lora_int_id:
+                held.adapter = record
 
     # --- upkeep ------------------------------------------------------------------
 
@@ -271,17 +305,23 @@ class Worker:
 
     def _install_signals(self) -> None:
         if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, self._on_sigterm)
-            signal.signal(signal.SIGINT, self._on_sigterm)
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                self._saved_signals[signum] = signal.signal(signum, self._on_sigterm)
+
+    def _restore_signals(self) -> None:
+        for signum, handler in self._saved_signals.items():
+            signal.signal(signum, handler)
+        self._saved_signals.clear()
 
     def _on_sigterm(self, signum, frame) -> None:
+        """Only flags: the loop acts on them between steps, never inside a Redis call."""
         if not self.draining:
             logger.info("worker %s: draining (again to hand entries back)", self.name)
             self.draining = True
             self._drain_deadline = time.monotonic() + self.config.drain_timeout_s
         else:
-            self.hand_back()
-            self.stopped = True
+            logger.info("worker %s: handing entries back", self.name)
+            self._drain_deadline = 0.0  # the loop hands back and stops at once
 
     def hand_back(self) -> None:
         """Mark every held entry long idle so that another worker claims it at once."""
@@ -292,4 +332,5 @@ class Worker:
         if self.held:
             self.hand_back()
         self.redis.hdel(self.keys.workers, self.name)
+        self._restore_signals()
         logger.info("worker %s: stopped", self.name)

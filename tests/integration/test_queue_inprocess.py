@@ -157,6 +157,15 @@ def test_bad_input(engine, conn, prefix, producer, model, tmp_path):
     assert "enable_lora" in refused.error and refused.lora_request.name == "sql"
     reasons = [f[b"reason"].decode() for _, f in conn.xrange(producer.keys.dead)]
     assert len(reasons) == 6 and any("not valid JSON" in r for r in reasons)
+    records = {r.request_id: r for r in (record_from_dict(orjson.loads(f[b"data"]))
+                                         for _, f in conn.xrange(producer.keys.audit))}
+    failed = {"v2", "ghost", "badp", long.request_id, no_lora.request_id}
+    assert set(records) == failed | {good.request_id}  # every request id, errors included
+    for rid in failed:
+        assert records[rid].outputs[0].finish_reason == "error" and records[rid].error
+    assert "600 tokens" in records[long.request_id].error
+    assert records[no_lora.request_id].adapter.name == "sql"
+    assert records[long.request_id].metrics.num_prompt_tokens == 600
     assert conn.xpending(producer.keys.requests, "workers")["pending"] == 0
 
 

