@@ -1,4 +1,4 @@
-"""``lorapool demo``: the engine on SmolLM2 over a few chat prompts, streamed live."""
+"""``lorapool demo``: the full pipeline, or (``--engine-only``) the engine streaming live."""
 
 import click
 
@@ -11,18 +11,30 @@ PROMPTS = [
 
 @click.command()
 @click.option("--model", default=None, help="model directory (default: the prepared SmolLM2)")
-@click.option("--max-tokens", default=64, show_default=True)
-def demo(model, max_tokens):
-    """Stream a few chat completions from one continuous batch to the terminal."""
+@click.option("--max-tokens", default=48, show_default=True)
+@click.option("--engine-only", is_flag=True, help="only the in-process engine, no queue")
+def demo(model, max_tokens, engine_only):
+    """The pipeline: a producer, 2 workers over an embedded Redis, the audit table."""
     from rich.console import Console
+
+    from lorapool.settings import smollm2_dir
+
+    model = model or str(smollm2_dir())
+    if engine_only:
+        return engine_demo(model, max_tokens, Console())
+    from lorapool.cli.demo_pipeline import run_demo
+
+    return run_demo(model, max_tokens, Console())
+
+
+def engine_demo(model: str, max_tokens: int, console) -> None:
+    """Stream a few chat completions from one continuous batch to the terminal."""
     from rich.live import Live
     from rich.table import Table
 
     from lorapool import EngineArgs, LLMEngine, RequestOutputKind, SamplingParams
-    from lorapool.settings import smollm2_dir
 
-    console = Console()
-    engine = LLMEngine.from_engine_args(EngineArgs(model=model or str(smollm2_dir())))
+    engine = LLMEngine.from_engine_args(EngineArgs(model=model))
     tokenizer = engine.get_tokenizer()
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens,
                             output_kind=RequestOutputKind.DELTA)

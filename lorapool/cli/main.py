@@ -45,3 +45,7 @@ def cli():
 
 def main():
     cli()
+
+
+if __name__ == "__main__":
+    main()

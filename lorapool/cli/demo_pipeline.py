@@ -1,0 +1,180 @@
+"""The whole pipeline on embedded defaults: producer -> Redis -> 2 workers -> audit table.
+
+Uses ``$REDIS_URL`` when set, else an embedded Redis; ``$LORAPOOL_DB_URL``
+when set, else the default SQLite file. Works under its own key prefix, which
+it clears first, so it never touches another deployment's keys.
+"""
+
+from __future__ import annotations
+
+import itertools
+import signal
+import subprocess
+import sys
+import time
+
+from rich.console import Console
+from rich.table import Table
+
+PREFIX = "lorapool-demo"
+JOBS = [  # (prompt, adapter name or None for the base model)
+    ("My order arrived damaged. What should I do?", "support-bot"),
+    ("Write a SQL query that counts users per country.", "sql-writer"),
+    ("Write a short poem about the sea at night.", "poet"),
+    ("Explain what a message queue is in two sentences.", None),
+    ("How do I reset my password?", "support-bot"),
+    ("Select the ten most recent orders in SQL.", "sql-writer"),
+    ("A haiku about autumn leaves, please.", "poet"),
+    ("What is the capital of France?", None),
+]
+
+
+def lorapool_cmd(*args: str) -> list[str]:
+    """This interpreter's ``lorapool`` command (run it with ``cwd=child_cwd()``)."""
+    return [sys.executable, "-m", "lorapool.cli.main", *args]
+
+
+def child_cwd() -> str:
+    """Children start outside the checkout: on sys.path, its root would shadow packages."""
+    from lorapool.settings import cache_dir
+
+    return str(cache_dir())
+
+
+def run_demo(model: str, max_tokens: int, console: Console) -> None:
+    import redis
+
+    from lorapool.embedded import resolve_url
+    from lorapool.producer import Producer
+
+    url = resolve_url()
+    conn = redis.Redis.from_url(url)
+    for key in conn.scan_iter(f"{PREFIX}:*"):
+        conn.delete(key)
+    producer = Producer(conn, prefix=PREFIX)
+    register_adapters(producer, model, console)
+    workers = start_workers(url, model, console)
+    wait_ready(conn, producer.keys.workers, workers, console)
+    started = time.time()
+    handles = submit_jobs(producer, model, max_tokens, console)
+    stream_one(handles[2], JOBS[2][0], console, workers)
+    results = [h.result(timeout=900) for h in handles]
+    for proc in workers:
+        proc.send_signal(signal.SIGTERM)  # first SIGTERM: drain, then exit
+    for proc in workers:
+        proc.wait(timeout=300)
+    console.print(who_served_what(results))
+    console.print(f"{len(results)} jobs served in {time.time() - started:.1f}s by 2 workers.")
+    write_audit(url, console)
+    show_audit(results[2].request_id, started, console)
+
+
+def register_adapters(producer, model: str, console: Console) -> None:
+    from lorapool.engine.demo_adapters import ensure_demo_adapters
+    from lorapool.settings import cache_dir
+
+    for name, path in ensure_demo_adapters(model, cache_dir() / "demo-adapters").items():
+        record = producer.registry.add(name, path)
+        console.print(f"adapter [bold]{name}[/] registered: id {record['id']}, "
+                      f"sha256 {record['sha256'][:12]}…")
+
+
+def submit_jobs(producer, model: str, max_tokens: int, console: Console):
+    from transformers import AutoTokenizer
+
+    from lorapool import RequestOutputKind, SamplingParams
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                            output_kind=RequestOutputKind.DELTA)
+    tenants = itertools.cycle(["acme", "globex"])
+    handles = []
+    for prompt, adapter in JOBS:
+        chat = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                             tokenize=False, add_generation_prompt=True)
+        handles.append(producer.submit(chat, params, lora_request=adapter,
+                                       metadata={"tenant": next(tenants)}))
+    adapters = {a for _, a in JOBS} - {None}
+    console.print(f"submitted {len(handles)} jobs across {len(adapters)} adapters "
+                  "and the base model")
+    return handles
+
+
+def start_workers(url: str, model: str, console: Console) -> list[subprocess.Popen]:
+    from lorapool.settings import cache_dir
+
+    logs = cache_dir() / "demo-logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    console.print(f"starting 2 workers (each loads the model; logs in {logs})…")
+    procs = []
+    for name in ("a", "b"):
+        log = open(logs / f"worker-{name}.log", "w")  # noqa: SIM115 - the child owns it
+        procs.append(subprocess.Popen(
+            lorapool_cmd("worker", "--model", model, "--enable-lora", "--max-loras", "4",
+                         "--max-lora-rank", "16", "--redis-url", url, "--prefix", PREFIX,
+                         "--name", f"worker-{name}"),
+            stdout=log, stderr=subprocess.STDOUT, cwd=child_cwd()))
+    return procs
+
+
+def wait_ready(conn, workers_key: str, workers, console: Console, timeout=300) -> None:
+    """Until every worker has sent its first heartbeat (its model is loaded)."""
+    deadline = time.monotonic() + timeout
+    while conn.hlen(workers_key) < len(workers):
+        if any(w.poll() is not None for w in workers) or time.monotonic() > deadline:
+            raise RuntimeError("a worker did not start; see its log")
+        time.sleep(0.2)
+    console.print(f"{len(workers)} workers ready")
+
+
+def stream_one(handle, prompt: str, console: Console, workers) -> None:
+    """Print one job's tokens as its chunks arrive; fail fast if every worker died."""
+    console.rule(f"streaming {handle.request_id}")
+    console.print(f"[bold]user:[/] {prompt}")
+    console.print("[bold]assistant:[/] ", end="")
+    last = -1
+    while True:
+        try:
+            for chunk in handle.chunks(after=last, timeout=10):
+                last = chunk.seq
+                console.print(chunk.outputs[0]["text"], end="", highlight=False, soft_wrap=True)
+                if chunk.finished:
+                    adapter = (chunk.lora_request or {}).get("lora_name", "base model")
+                    console.print(f"\n[dim]({adapter}, served by {chunk.worker})[/]")
+                    console.rule()
+                    return
+        except TimeoutError:
+            if all(w.poll() is not None for w in workers):
+                raise RuntimeError("the workers exited before the job finished; "
+                                   "see their logs") from None
+
+
+def who_served_what(results) -> Table:
+    table = Table(title="who served what")
+    for column in ("request", "adapter", "worker", "tokens", "finish", "completion"):
+        table.add_column(column, overflow="fold" if column == "completion" else "ellipsis")
+    for out in results:
+        completion = out.outputs[0]
+        table.add_row(out.request_id[:8], out.lora_request.name if out.lora_request else "—",
+                      out.worker or "?", str(len(completion.token_ids)),
+                      completion.finish_reason or "", completion.text[:60].replace("\n", " "))
+    return table
+
+
+def write_audit(url: str, console: Console) -> None:
+    console.print("audit writer: draining the audit stream into the database…")
+    subprocess.run(lorapool_cmd("audit-writer", "--redis-url", url, "--prefix", PREFIX,
+                                "--migrate", "--burst", "--log-level", "WARNING"),
+                   check=True, cwd=child_cwd())
+
+
+def show_audit(request_id: str, since: float, console: Console) -> None:
+    from lorapool.audit_db import DatabaseConfig, create_audit_engine
+    from lorapool.audit_db import format as fmt
+    from lorapool.audit_db.queries import get_request, usage
+
+    engine = create_audit_engine(DatabaseConfig())
+    console.print(fmt.usage_table(usage(engine, by="adapter", since=since),
+                                  title="usage per adapter (this demo run)"))
+    for row in get_request(engine, request_id):
+        console.print(fmt.record_table(row))
