@@ -23,8 +23,13 @@ import time
 
 def make_workload(num_requests: int, vocab_size: int, seed: int = 0):
     rng = random.Random(seed)
-    return [([rng.randrange(100, vocab_size - 100) for _ in range(rng.randint(16, 512))],
-             rng.randint(16, 256)) for _ in range(num_requests)]
+    return [
+        (
+            [rng.randrange(100, vocab_size - 100) for _ in range(rng.randint(16, 512))],
+            rng.randint(16, 256),
+        )
+        for _ in range(num_requests)
+    ]
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -42,8 +47,9 @@ def run_lorapool(model: str, workload, threads: int) -> dict:
     from lorapool import EngineArgs, LLMEngine, SamplingParams
 
     torch.set_num_threads(threads)
-    engine = LLMEngine.from_engine_args(EngineArgs(model=model, max_num_seqs=64,
-                                                   max_num_batched_tokens=2048))
+    engine = LLMEngine.from_engine_args(
+        EngineArgs(model=model, max_num_seqs=64, max_num_batched_tokens=2048)
+    )
     start = time.perf_counter()
     wall_start = time.time()
     for i, (prompt, out_len) in enumerate(workload):
@@ -71,15 +77,22 @@ def run_transformers(model: str, workload, threads: int, batch_size: int = 16) -
     start = time.perf_counter()
     ttfts, tokens = [], 0
     for b in range(0, len(workload), batch_size):
-        batch = workload[b:b + batch_size]
+        batch = workload[b : b + batch_size]
         longest = max(len(p) for p, _ in batch)
         ids = torch.tensor([[pad] * (longest - len(p)) + p for p, _ in batch])
         mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p, _ in batch])
         max_new = max(n for _, n in batch)
         clock = FirstTokenClock()
         with torch.inference_mode():
-            hf.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new,
-                        min_new_tokens=max_new, pad_token_id=pad, streamer=clock)
+            hf.generate(
+                ids,
+                attention_mask=mask,
+                do_sample=False,
+                max_new_tokens=max_new,
+                min_new_tokens=max_new,
+                pad_token_id=pad,
+                streamer=clock,
+            )
         ttfts += [clock.first_token - start] * len(batch)
         tokens += sum(n for _, n in batch)
         progress(b + len(batch), len(workload), start)
@@ -106,22 +119,38 @@ class FirstTokenClock:
 
 
 def summary(tokens: int, seconds: float, ttfts: list[float]) -> dict:
-    return {"output_tokens": tokens, "seconds": round(seconds, 2),
-            "output_tokens_per_s": round(tokens / seconds, 1),
-            "ttft_p50_s": round(percentile(ttfts, 50), 3),
-            "ttft_p99_s": round(percentile(ttfts, 99), 3),
-            "peak_rss_mib": round(peak_rss_mib(), 1)}
+    return {
+        "output_tokens": tokens,
+        "seconds": round(seconds, 2),
+        "output_tokens_per_s": round(tokens / seconds, 1),
+        "ttft_p50_s": round(percentile(ttfts, 50), 3),
+        "ttft_p99_s": round(percentile(ttfts, 99), 3),
+        "peak_rss_mib": round(peak_rss_mib(), 1),
+    }
 
 
 def progress(done: int, total: int, start: float) -> None:
-    print(f"  {done}/{total} requests, {time.perf_counter() - start:.1f}s", file=sys.stderr,
-          flush=True)
+    print(
+        f"  {done}/{total} requests, {time.perf_counter() - start:.1f}s",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def run_side(side: str, model: str, num_requests: int, threads: int) -> dict:
     """Run one side in a fresh interpreter; returns its summary."""
-    cmd = [sys.executable, __file__, "--side", side, "--model", model,
-           "--requests", str(num_requests), "--threads", str(threads)]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--side",
+        side,
+        "--model",
+        model,
+        "--requests",
+        str(num_requests),
+        "--threads",
+        str(threads),
+    ]
     result = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True)
     return json.loads(result.stdout.strip().splitlines()[-1])
 
@@ -136,9 +165,11 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     if args.model is None:
         from lorapool.settings import smollm2_dir
+
         args.model = str(smollm2_dir())
     if args.side:
         from transformers import AutoConfig
+
         workload = make_workload(args.requests, AutoConfig.from_pretrained(args.model).vocab_size)
         runner = run_lorapool if args.side == "lorapool" else run_transformers
         print(json.dumps(runner(args.model, workload, args.threads)))
@@ -148,8 +179,9 @@ def main(argv=None) -> dict:
         print(f"{side}:", file=sys.stderr)
         results[side] = run_side(side, args.model, args.requests, args.threads)
     results["ratio_output_tokens_per_s"] = round(
-        results["lorapool"]["output_tokens_per_s"]
-        / results["transformers"]["output_tokens_per_s"], 2)
+        results["lorapool"]["output_tokens_per_s"] / results["transformers"]["output_tokens_per_s"],
+        2,
+    )
     print(json.dumps(results, indent=2))
     if args.json:
         with open(args.json, "w") as f:

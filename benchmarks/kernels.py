@@ -34,9 +34,16 @@ class Shape:
 
 SHAPES = {"smollm2": Shape(576, 9, 3, 64), "llama-8b": Shape(4096, 32, 8, 128)}
 # (memory GB/s, dense bf16 tensor TFLOP/s) by a part of the device name.
-PEAKS = {"H200": (4800, 989), "H100 PCIe": (2000, 756), "H100": (3350, 989),
-         "A100-SXM4-80GB": (2039, 312), "A100": (1555, 312), "L40S": (864, 362),
-         "A10G": (600, 125), "L4": (300, 121)}
+PEAKS = {
+    "H200": (4800, 989),
+    "H100 PCIe": (2000, 756),
+    "H100": (3350, 989),
+    "A100-SXM4-80GB": (2039, 312),
+    "A100": (1555, 312),
+    "L40S": (864, 362),
+    "A10G": (600, 125),
+    "L4": (300, 121),
+}
 DECODE_TOKENS = (1, 16, 64, 256)
 PREFILL_TOKENS = (2048, 4096, 8192)
 RANK, NUM_ADAPTERS, BLOCK_SIZE = 16, 8, 16
@@ -74,8 +81,9 @@ def _lora_rows(shape: Shape, tokens: int, dtype, popularity: str) -> list[Row]:
     dev, esize = DEVICE, torch.finfo(dtype).bits // 8
     widths = (shape.heads * shape.head_size, *(2 * [shape.kv_heads * shape.head_size]))
     adapters = tokens if popularity == "distinct" else NUM_ADAPTERS
-    slots = torch.randint(adapters, (tokens,)) if popularity == "uniform" else \
-        torch.randperm(adapters)
+    slots = (
+        torch.randint(adapters, (tokens,)) if popularity == "uniform" else torch.randperm(adapters)
+    )
     mapping = LoRAMapping.from_slots(slots, dev)
     active = len(mapping.segments)
     x = torch.randn(tokens, shape.hidden, device=dev, dtype=dtype)
@@ -84,18 +92,29 @@ def _lora_rows(shape: Shape, tokens: int, dtype, popularity: str) -> list[Row]:
     out = torch.randn(tokens, sum(widths), device=dev, dtype=dtype)
     y = reference.lora_shrink(x, a, mapping)
     case = f"{tokens} tok, {popularity} over {active}"
-    shrink_bytes = (tokens * shape.hidden + active * 3 * RANK * shape.hidden) * esize \
-        + 3 * tokens * RANK * 4
+    shrink_bytes = (
+        tokens * shape.hidden + active * 3 * RANK * shape.hidden
+    ) * esize + 3 * tokens * RANK * 4
     expand_bytes = 3 * tokens * RANK * 4 + (active * RANK + 2 * tokens) * sum(widths) * esize
     return [
-        _row("lora_shrink qkv", case, lambda: lora_ops.lora_shrink(x, a, mapping),
-             lambda: reference.lora_shrink(x, a, mapping), shrink_bytes / 1e9,
-             2 * tokens * shape.hidden * RANK * 3 / 1e9,
-             lambda: _close(lora_ops.lora_shrink(x, a, mapping), y, torch.float32)),
-        _row("lora_expand qkv", case, lambda: lora_ops.lora_expand(y, b, mapping, out, widths),
-             lambda: reference.lora_expand(y, b, mapping, out, widths), expand_bytes / 1e9,
-             2 * tokens * sum(widths) * RANK / 1e9,
-             lambda: _check_expand(y, b, mapping, widths, out, dtype)),
+        _row(
+            "lora_shrink qkv",
+            case,
+            lambda: lora_ops.lora_shrink(x, a, mapping),
+            lambda: reference.lora_shrink(x, a, mapping),
+            shrink_bytes / 1e9,
+            2 * tokens * shape.hidden * RANK * 3 / 1e9,
+            lambda: _close(lora_ops.lora_shrink(x, a, mapping), y, torch.float32),
+        ),
+        _row(
+            "lora_expand qkv",
+            case,
+            lambda: lora_ops.lora_expand(y, b, mapping, out, widths),
+            lambda: reference.lora_expand(y, b, mapping, out, widths),
+            expand_bytes / 1e9,
+            2 * tokens * sum(widths) * RANK / 1e9,
+            lambda: _check_expand(y, b, mapping, widths, out, dtype),
+        ),
     ]
 
 
@@ -112,7 +131,7 @@ def _attention_inputs(shape: Shape, q_lens: list[int], ctx_lens: list[int], dtyp
     perm = torch.randperm(sum(blocks), device=dev).int()
     tables = torch.zeros(len(blocks), max(blocks), dtype=torch.int32, device=dev)
     for i, start in enumerate(torch.tensor([0, *blocks]).cumsum(0)[:-1].tolist()):
-        tables[i, :blocks[i]] = perm[start:start + blocks[i]]
+        tables[i, : blocks[i]] = perm[start : start + blocks[i]]
     cache_shape = (sum(blocks), BLOCK_SIZE, shape.kv_heads, shape.head_size)
     k_cache = torch.randn(cache_shape, device=dev, dtype=dtype)
     v_cache = torch.randn(cache_shape, device=dev, dtype=dtype)
@@ -124,18 +143,25 @@ def _attention_inputs(shape: Shape, q_lens: list[int], ctx_lens: list[int], dtyp
 
 def _attention_row(shape: Shape, q_lens, ctx_lens, dtype, case: str) -> Row:
     args = _attention_inputs(shape, q_lens, ctx_lens, dtype)
-    esize, scale = torch.finfo(dtype).bits // 8, shape.head_size ** -0.5
+    esize, scale = torch.finfo(dtype).bits // 8, shape.head_size**-0.5
     kv_bytes = 2 * sum(ctx_lens) * shape.kv_heads * shape.head_size * esize
     qo_bytes = 2 * sum(q_lens) * shape.heads * shape.head_size * esize
     # Each query attends to its position + 1 keys: QK^T and PV, 2 FLOPs per MAC each.
     keys = sum(sum(c - q + i + 1 for i in range(q)) for q, c in zip(q_lens, ctx_lens))
     flops = 4 * keys * shape.heads * shape.head_size
-    return _row("paged_attention", case,
-                lambda: attention_ops.paged_attention(*args, scale),
-                lambda: reference.paged_attention(*args, scale),
-                (kv_bytes + qo_bytes) / 1e9, flops / 1e9,
-                lambda: _close(attention_ops.paged_attention(*args, scale),
-                               reference.paged_attention(*args, scale), dtype))
+    return _row(
+        "paged_attention",
+        case,
+        lambda: attention_ops.paged_attention(*args, scale),
+        lambda: reference.paged_attention(*args, scale),
+        (kv_bytes + qo_bytes) / 1e9,
+        flops / 1e9,
+        lambda: _close(
+            attention_ops.paged_attention(*args, scale),
+            reference.paged_attention(*args, scale),
+            dtype,
+        ),
+    )
 
 
 def _write_row(shape: Shape, tokens: int, dtype) -> Row:
@@ -150,10 +176,15 @@ def _write_row(shape: Shape, tokens: int, dtype) -> Row:
         reference.write_kv_cache(k, k, caches[2], caches[3], slots)
         return torch.equal(caches[0], caches[2])
 
-    return _row("write_kv_cache", f"{tokens} tok",
-                lambda: attention_ops.write_kv_cache(k, k, caches[0], caches[1], slots),
-                lambda: reference.write_kv_cache(k, k, caches[2], caches[3], slots),
-                4 * k.numel() * esize / 1e9, 0.0, check)
+    return _row(
+        "write_kv_cache",
+        f"{tokens} tok",
+        lambda: attention_ops.write_kv_cache(k, k, caches[0], caches[1], slots),
+        lambda: reference.write_kv_cache(k, k, caches[2], caches[3], slots),
+        4 * k.numel() * esize / 1e9,
+        0.0,
+        check,
+    )
 
 
 def _rows(shape: Shape, dtype) -> list[Row]:
@@ -163,8 +194,11 @@ def _rows(shape: Shape, dtype) -> list[Row]:
     rows += _lora_rows(shape, 64, dtype, "distinct")
     for seqs in DECODE_TOKENS:
         for ctx in (1024, 8192) if seqs <= 16 else (1024,):
-            rows.append(_attention_row(shape, [1] * seqs, [ctx] * seqs, dtype,
-                                       f"decode {seqs} seq x {ctx} ctx"))
+            rows.append(
+                _attention_row(
+                    shape, [1] * seqs, [ctx] * seqs, dtype, f"decode {seqs} seq x {ctx} ctx"
+                )
+            )
     for tokens in PREFILL_TOKENS:
         rows.append(_attention_row(shape, [tokens], [tokens], dtype, f"prefill {tokens} tok"))
     rows.append(_attention_row(shape, [2048], [6144], dtype, "prefill 2048 on 4096 cached"))
@@ -188,8 +222,10 @@ def _print(model: str, rows: list[Row], peaks: tuple[float, float]) -> None:
         bw = f"{100 * gbps / gbps_peak:.0f}%" if gbps_peak else "?"
         fl = f"{100 * tflops / tflops_peak:.1f}%" if tflops_peak else "?"
         flag = "" if r.ok else " **MISMATCH**"
-        print(f"| {r.op} | {r.case} | {r.ms * 1e3:.1f} | {gbps:.0f} | {bw} | {tflops:.2f} | "
-              f"{fl} | {r.ref_ms / r.ms:.1f}x{flag} |")
+        print(
+            f"| {r.op} | {r.case} | {r.ms * 1e3:.1f} | {gbps:.0f} | {bw} | {tflops:.2f} | "
+            f"{fl} | {r.ref_ms / r.ms:.1f}x{flag} |"
+        )
 
 
 def main(argv=None) -> int:
@@ -201,13 +237,18 @@ def main(argv=None) -> int:
     parser.add_argument("--json", help="also write the rows to this file")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        print("benchmarks/kernels.py needs a CUDA device: none is visible "
-              "(torch.cuda.is_available() is False). Nothing was measured.", file=sys.stderr)
+        print(
+            "benchmarks/kernels.py needs a CUDA device: none is visible "
+            "(torch.cuda.is_available() is False). Nothing was measured.",
+            file=sys.stderr,
+        )
         return 2
     torch.manual_seed(0)
     dtype, peaks = getattr(torch, args.dtype), _peaks(args)
-    print(f"{torch.cuda.get_device_name()}, {args.dtype}, peaks {peaks[0]:.0f} GB/s "
-          f"{peaks[1]:.0f} TFLOP/s; LoRA rank {RANK}, KV block size {BLOCK_SIZE}")
+    print(
+        f"{torch.cuda.get_device_name()}, {args.dtype}, peaks {peaks[0]:.0f} GB/s "
+        f"{peaks[1]:.0f} TFLOP/s; LoRA rank {RANK}, KV block size {BLOCK_SIZE}"
+    )
     results = {}
     for model in args.model or ["smollm2", "llama-8b"]:
         results[model] = _rows(SHAPES[model], dtype)

@@ -34,8 +34,9 @@ RANK = 16
 
 
 def _engine_bench():
-    spec = importlib.util.spec_from_file_location("engine_bench",
-                                                  Path(__file__).with_name("engine.py"))
+    spec = importlib.util.spec_from_file_location(
+        "engine_bench", Path(__file__).with_name("engine.py")
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -51,9 +52,15 @@ def write_adapters(model: str, root: Path, num_distinct: int, num_dirs: int) -> 
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     hidden, inter = config.hidden_size, config.intermediate_size
     kv = config.num_key_value_heads * head_dim
-    shapes = {"q_proj": (hidden, config.num_attention_heads * head_dim), "k_proj": (hidden, kv),
-              "v_proj": (hidden, kv), "o_proj": (hidden, hidden), "gate_proj": (hidden, inter),
-              "up_proj": (hidden, inter), "down_proj": (inter, hidden)}
+    shapes = {
+        "q_proj": (hidden, config.num_attention_heads * head_dim),
+        "k_proj": (hidden, kv),
+        "v_proj": (hidden, kv),
+        "o_proj": (hidden, hidden),
+        "gate_proj": (hidden, inter),
+        "up_proj": (hidden, inter),
+        "down_proj": (inter, hidden),
+    }
     files = []
     for i in range(num_distinct):
         generator = torch.Generator().manual_seed(i)
@@ -68,8 +75,14 @@ def write_adapters(model: str, root: Path, num_distinct: int, num_dirs: int) -> 
                 tensors[f"{key}.lora_B.weight"] = b * 0.02
         files.append(root / f"weights-{i}.safetensors")
         save_file(tensors, str(files[-1]))
-    adapter_config = {"peft_type": "LORA", "r": RANK, "lora_alpha": 2 * RANK,
-                      "target_modules": TARGETS, "bias": "none", "task_type": "CAUSAL_LM"}
+    adapter_config = {
+        "peft_type": "LORA",
+        "r": RANK,
+        "lora_alpha": 2 * RANK,
+        "target_modules": TARGETS,
+        "bias": "none",
+        "task_type": "CAUSAL_LM",
+    }
     dirs = []
     for i in range(num_dirs):
         path = root / f"lora-{i}"
@@ -85,7 +98,7 @@ def pick_adapters(side: str, num_requests: int, dirs: list[str]) -> list[int | N
         return [None] * num_requests
     if side in ("lora16", "peft"):
         return [i % 16 for i in range(num_requests)]
-    weights = [1.5 ** -k for k in range(len(dirs))]
+    weights = [1.5**-k for k in range(len(dirs))]
     return random.Random(1).choices(range(len(dirs)), weights=weights, k=num_requests)
 
 
@@ -96,16 +109,24 @@ def run_engine(side: str, model: str, workload, dirs, threads: int) -> dict:
 
     torch.set_num_threads(threads)
     loras = dict(max_loras=8, max_cpu_loras=32) if side == "skewed" else dict(max_loras=16)
-    engine = LLMEngine.from_engine_args(EngineArgs(
-        model=model, max_num_seqs=64, max_num_batched_tokens=2048, enable_lora=True,
-        max_lora_rank=RANK, **loras))
+    engine = LLMEngine.from_engine_args(
+        EngineArgs(
+            model=model,
+            max_num_seqs=64,
+            max_num_batched_tokens=2048,
+            enable_lora=True,
+            max_lora_rank=RANK,
+            **loras,
+        )
+    )
     picks = pick_adapters(side, len(workload), dirs)
     start, wall_start = time.perf_counter(), time.time()
     for i, ((prompt, out_len), k) in enumerate(zip(workload, picks)):
         lora = None if k is None else LoRARequest(f"lora-{k}", k + 1, dirs[k])
         params = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)
-        engine.add_request(str(i), {"prompt_token_ids": prompt}, params, arrival_time=wall_start,
-                           lora_request=lora)
+        engine.add_request(
+            str(i), {"prompt_token_ids": prompt}, params, arrival_time=wall_start, lora_request=lora
+        )
     ttfts, tokens = [], 0
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -131,17 +152,23 @@ def run_peft(model: str, workload, dirs, threads: int, batch_size: int = 16) -> 
     picks = pick_adapters("peft", len(workload), dirs)
     start, ttfts, tokens = time.perf_counter(), [], 0
     for b in range(0, len(workload), batch_size):
-        batch = workload[b:b + batch_size]
+        batch = workload[b : b + batch_size]
         longest = max(len(p) for p, _ in batch)
         ids = torch.tensor([[pad] * (longest - len(p)) + p for p, _ in batch])
         mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p, _ in batch])
         max_new = max(n for _, n in batch)
         clock = bench.FirstTokenClock()
         with torch.inference_mode():
-            peft.generate(input_ids=ids, attention_mask=mask, do_sample=False,
-                          max_new_tokens=max_new, min_new_tokens=max_new, pad_token_id=pad,
-                          streamer=clock, adapter_names=[f"lora-{k}" for k in
-                                                         picks[b:b + len(batch)]])
+            peft.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                do_sample=False,
+                max_new_tokens=max_new,
+                min_new_tokens=max_new,
+                pad_token_id=pad,
+                streamer=clock,
+                adapter_names=[f"lora-{k}" for k in picks[b : b + len(batch)]],
+            )
         ttfts += [clock.first_token - start] * len(batch)
         tokens += sum(n for _, n in batch)
         bench.progress(b + len(batch), len(workload), start)
@@ -149,8 +176,20 @@ def run_peft(model: str, workload, dirs, threads: int, batch_size: int = 16) -> 
 
 
 def run_side(side: str, args, adapter_root: str) -> dict:
-    cmd = [sys.executable, __file__, "--side", side, "--model", args.model, "--requests",
-           str(args.requests), "--threads", str(args.threads), "--adapter-root", adapter_root]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--side",
+        side,
+        "--model",
+        args.model,
+        "--requests",
+        str(args.requests),
+        "--threads",
+        str(args.threads),
+        "--adapter-root",
+        adapter_root,
+    ]
     result = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True)
     return json.loads(result.stdout.strip().splitlines()[-1])
 
@@ -159,8 +198,13 @@ def ratios(results: dict) -> dict:
     tps = {side: r["output_tokens_per_s"] for side, r in results.items()}
     out = {}
     if "base" in tps:
-        out.update({f"{side}_vs_base": round(tps[side] / tps["base"], 2)
-                    for side in ("lora16", "skewed") if side in tps})
+        out.update(
+            {
+                f"{side}_vs_base": round(tps[side] / tps["base"], 2)
+                for side in ("lora16", "skewed")
+                if side in tps
+            }
+        )
     if "lora16" in tps and "peft" in tps:
         out["lora16_vs_peft"] = round(tps["lora16"] / tps["peft"], 2)
     return out
@@ -178,6 +222,7 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     if args.model is None:
         from lorapool.settings import smollm2_dir
+
         args.model = str(smollm2_dir())
     if args.side:
         return _child(args)

@@ -56,15 +56,22 @@ def load_workload(model: str, num_requests: int, seed: int = 0):
 
 def progress(label: str, done: int, total: int, start: float) -> None:
     if done == total or done % max(1, total // 10) == 0:
-        print(f"  {label}: {done}/{total} requests, {time.perf_counter() - start:.1f}s",
-              file=sys.stderr, flush=True)
+        print(
+            f"  {label}: {done}/{total} requests, {time.perf_counter() - start:.1f}s",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def summary(tokens: int, seconds: float, ttfts: list[float], errors: int = 0) -> dict:
-    return {"output_tokens": tokens, "seconds": round(seconds, 3),
-            "output_tokens_per_s": round(tokens / seconds, 1),
-            "ttft_p50_ms": round(1000 * BENCH.percentile(ttfts, 50), 2),
-            "ttft_p99_ms": round(1000 * BENCH.percentile(ttfts, 99), 2), "errors": errors}
+    return {
+        "output_tokens": tokens,
+        "seconds": round(seconds, 3),
+        "output_tokens_per_s": round(tokens / seconds, 1),
+        "ttft_p50_ms": round(1000 * BENCH.percentile(ttfts, 50), 2),
+        "ttft_p99_ms": round(1000 * BENCH.percentile(ttfts, 99), 2),
+        "errors": errors,
+    }
 
 
 # --- in-process ------------------------------------------------------------------
@@ -76,8 +83,9 @@ def run_inprocess(model: str, workload, device: str, threads: int) -> dict:
     from lorapool import EngineArgs, LLMEngine, SamplingParams
 
     torch.set_num_threads(threads)
-    engine = LLMEngine.from_engine_args(EngineArgs(model=model, device=device, max_num_seqs=64,
-                                                   max_num_batched_tokens=2048))
+    engine = LLMEngine.from_engine_args(
+        EngineArgs(model=model, device=device, max_num_seqs=64, max_num_batched_tokens=2048)
+    )
     _drive(engine, load_workload(model, WARMUP, seed=1), SamplingParams, "warm-up")
     return _drive(engine, workload, SamplingParams, "in-process")
 
@@ -86,8 +94,9 @@ def _drive(engine, workload, params_class, label: str) -> dict:
     start, wall_start = time.perf_counter(), time.time()
     for i, (prompt, out_len) in enumerate(workload):
         params = params_class(temperature=0.0, max_tokens=out_len, ignore_eos=True)
-        engine.add_request(f"{label}-{i}", {"prompt_token_ids": prompt}, params,
-                           arrival_time=wall_start)
+        engine.add_request(
+            f"{label}-{i}", {"prompt_token_ids": prompt}, params, arrival_time=wall_start
+        )
     ttfts, tokens, done = [], 0, 0
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -101,11 +110,26 @@ def _drive(engine, workload, params_class, label: str) -> dict:
 
 def run_inprocess_side(model: str, num_requests: int, device: str, threads: int) -> dict:
     """The in-process side in a fresh interpreter (cwd outside the checkout)."""
-    code = ("import runpy, sys; sys.argv = sys.argv[1:]; "
-            "runpy.run_path(sys.argv[0], run_name='__main__')")
-    cmd = [sys.executable, "-c", code, str(HERE / "queue.py"), "--side", "inprocess",
-           "--model", model, "--requests", str(num_requests), "--device", device,
-           "--threads", str(threads)]
+    code = (
+        "import runpy, sys; sys.argv = sys.argv[1:]; "
+        "runpy.run_path(sys.argv[0], run_name='__main__')"
+    )
+    cmd = [
+        sys.executable,
+        "-c",
+        code,
+        str(HERE / "queue.py"),
+        "--side",
+        "inprocess",
+        "--model",
+        model,
+        "--requests",
+        str(num_requests),
+        "--device",
+        device,
+        "--threads",
+        str(threads),
+    ]
     with tempfile.TemporaryDirectory() as cwd:
         result = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True, cwd=cwd)
     return json.loads(result.stdout.strip().splitlines()[-1])
@@ -114,14 +138,34 @@ def run_inprocess_side(model: str, num_requests: int, device: str, threads: int)
 # --- through the queue --------------------------------------------------------------
 
 
-def start_workers(count: int, model: str, url: str, prefix: str, device: str, threads: int,
-                  cwd: str) -> list[subprocess.Popen]:
-    cmd = [sys.executable, "-c", "from lorapool.cli.main import main; main()", "worker",
-           "--model", model, "--device", device, "--redis-url", url, "--prefix", prefix,
-           "--max-num-seqs", "64", "--max-num-batched-tokens", "2048"]
+def start_workers(
+    count: int, model: str, url: str, prefix: str, device: str, threads: int, cwd: str
+) -> list[subprocess.Popen]:
+    cmd = [
+        sys.executable,
+        "-c",
+        "from lorapool.cli.main import main; main()",
+        "worker",
+        "--model",
+        model,
+        "--device",
+        device,
+        "--redis-url",
+        url,
+        "--prefix",
+        prefix,
+        "--max-num-seqs",
+        "64",
+        "--max-num-batched-tokens",
+        "2048",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    return [subprocess.Popen(cmd + ["--name", f"bench-{i}"], cwd=cwd, env=env,
-                             stderr=subprocess.DEVNULL) for i in range(count)]
+    return [
+        subprocess.Popen(
+            cmd + ["--name", f"bench-{i}"], cwd=cwd, env=env, stderr=subprocess.DEVNULL
+        )
+        for i in range(count)
+    ]
 
 
 def wait_workers(producer, workers, timeout: float = 600) -> None:
@@ -137,11 +181,9 @@ def wait_workers(producer, workers, timeout: float = 600) -> None:
 def submit(producer, workload, label: str):
     from lorapool.protocol import SamplingParams
 
-    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-              for _, n in workload]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in workload]
     ids = [f"{label}-{i}" for i in range(len(workload))]
-    producer.submit_many([{"prompt_token_ids": p} for p, _ in workload], params,
-                         request_ids=ids)
+    producer.submit_many([{"prompt_token_ids": p} for p, _ in workload], params, request_ids=ids)
     return ids
 
 
@@ -177,15 +219,17 @@ def run_queue(args, url: str, num_workers: int, workload) -> dict:
     prefix = f"bench-{uuid.uuid4().hex[:8]}"
     producer = Producer(url, prefix=prefix)
     with tempfile.TemporaryDirectory() as cwd:
-        workers = start_workers(num_workers, args.model, url, prefix, args.device,
-                                args.threads, cwd)
+        workers = start_workers(
+            num_workers, args.model, url, prefix, args.device, args.threads, cwd
+        )
         try:
             wait_workers(producer, workers)
             warm = load_workload(args.model, WARMUP * num_workers, seed=1)
             collect(producer, submit(producer, warm, "warm-up"), "warm-up", time.perf_counter())
             start = time.perf_counter()
-            result = collect(producer, submit(producer, workload, "queue"),
-                             f"{num_workers} worker(s)", start)
+            result = collect(
+                producer, submit(producer, workload, "queue"), f"{num_workers} worker(s)", start
+            )
         finally:
             stop(workers)
             for key in producer.redis.scan_iter(f"{prefix}:*"):
@@ -209,10 +253,12 @@ def stop(workers: list[subprocess.Popen]) -> None:
 def report(results: dict) -> dict:
     inproc, one, two = results["in_process"], results["queue_1_worker"], results["queue_2_workers"]
     results["throughput_ratio_queue_vs_in_process"] = round(
-        one["output_tokens_per_s"] / inproc["output_tokens_per_s"], 3)
+        one["output_tokens_per_s"] / inproc["output_tokens_per_s"], 3
+    )
     results["added_ttft_p50_ms"] = round(one["ttft_p50_ms"] - inproc["ttft_p50_ms"], 2)
     results["throughput_ratio_2_vs_1_worker"] = round(
-        two["output_tokens_per_s"] / one["output_tokens_per_s"], 3)
+        two["output_tokens_per_s"] / one["output_tokens_per_s"], 3
+    )
     return results
 
 
@@ -228,6 +274,7 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     if args.model is None:
         from lorapool.settings import smollm2_dir
+
         args.model = str(smollm2_dir())
     return args
 
@@ -242,8 +289,9 @@ def main(argv=None) -> dict:
 
     url = args.redis_url or resolve_url()
     print("in-process:", file=sys.stderr)
-    results = {"in_process": run_inprocess_side(args.model, args.requests, args.device,
-                                                args.threads)}
+    results = {
+        "in_process": run_inprocess_side(args.model, args.requests, args.device, args.threads)
+    }
     for count, name in ((1, "queue_1_worker"), (2, "queue_2_workers")):
         print(f"queue, {count} worker(s):", file=sys.stderr)
         results[name] = run_queue(args, url, count, workload)

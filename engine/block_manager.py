@@ -31,8 +31,10 @@ def hash_block(prev: bytes | None, token_ids: list[int], lora_id: int) -> bytes:
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
         if num_blocks < 1 or block_size < 1:
-            raise ValueError(f"need at least one block of at least one token, got "
-                             f"num_blocks={num_blocks}, block_size={block_size}")
+            raise ValueError(
+                f"need at least one block of at least one token, got "
+                f"num_blocks={num_blocks}, block_size={block_size}"
+            )
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -129,7 +131,7 @@ class BlockManager:
     def _cached_prefix(self, seq: Sequence) -> list[int]:
         blocks, prev, size = [], None, self.block_size
         for i in range((seq.num_tokens - 1) // size):
-            prev = hash_block(prev, seq.token_ids[i * size:(i + 1) * size], seq.lora_int_id)
+            prev = hash_block(prev, seq.token_ids[i * size : (i + 1) * size], seq.lora_int_id)
             block_id = self.hash_to_block.get(prev)
             if block_id is None:
                 break
@@ -148,7 +150,7 @@ class BlockManager:
             prev = self.block_hashes[seq.block_table[i - 1]] if i else None
             if i and prev is None:
                 return  # the chain is broken (forget_adapter): name nothing after it
-            tokens = seq.token_ids[i * size:(i + 1) * size]
+            tokens = seq.token_ids[i * size : (i + 1) * size]
             digest = hash_block(prev, tokens, seq.lora_int_id)
             self.block_hashes[block_id] = digest
             self.block_loras[block_id] = seq.lora_int_id

@@ -37,20 +37,30 @@ class EngineArgs:
     adapter_roots: list[str] = field(default_factory=list)
 
     def __post_init__(self):
-        _positive(self, "block_size", "max_num_seqs", "max_num_batched_tokens", "max_loras",
-                  "max_lora_rank")
+        _positive(
+            self,
+            "block_size",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "max_loras",
+            "max_lora_rank",
+        )
         if self.block_size not in (8, 16, 32, 64, 128):
             raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128, got {self.block_size}")
         if self.max_num_batched_tokens < self.max_num_seqs:
-            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at "
-                             f"least max_num_seqs ({self.max_num_seqs})")
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at "
+                f"least max_num_seqs ({self.max_num_seqs})"
+            )
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be auto or one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if self.max_cpu_loras is None:
             self.max_cpu_loras = self.max_loras
         if self.max_cpu_loras < self.max_loras:
-            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least "
-                             f"max_loras ({self.max_loras})")
+            raise ValueError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be at least "
+                f"max_loras ({self.max_loras})"
+            )
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
 

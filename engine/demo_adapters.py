@@ -26,13 +26,25 @@ def _shapes(config, module: str) -> tuple[int, int]:
     head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
     kv = config.num_key_value_heads * head_dim
     q = config.num_attention_heads * head_dim
-    return {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv),
-            "o_proj": (q, hidden), "gate_proj": (hidden, inter), "up_proj": (hidden, inter),
-            "down_proj": (inter, hidden)}[module]
+    return {
+        "q_proj": (hidden, q),
+        "k_proj": (hidden, kv),
+        "v_proj": (hidden, kv),
+        "o_proj": (q, hidden),
+        "gate_proj": (hidden, inter),
+        "up_proj": (hidden, inter),
+        "down_proj": (inter, hidden),
+    }[module]
 
 
-def write_adapter(model_dir: str | Path, out_dir: str | Path, rank: int,
-                  targets: tuple[str, ...], seed: int, std: float = 0.02) -> Path:
+def write_adapter(
+    model_dir: str | Path,
+    out_dir: str | Path,
+    rank: int,
+    targets: tuple[str, ...],
+    seed: int,
+    std: float = 0.02,
+) -> Path:
     """Write adapter_config.json + adapter_model.safetensors with seeded random A and B."""
     config = AutoConfig.from_pretrained(model_dir)
     generator = torch.Generator().manual_seed(seed)
@@ -49,12 +61,25 @@ def write_adapter(model_dir: str | Path, out_dir: str | Path, rank: int,
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, out / "adapter_model.safetensors")
-    (out / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank,
-        "target_modules": list(targets), "lora_dropout": 0.0, "bias": "none",
-        "base_model_name_or_path": str(model_dir), "use_rslora": False, "use_dora": False,
-        "modules_to_save": None, "fan_in_fan_out": False,
-    }, indent=2))
+    (out / "adapter_config.json").write_text(
+        json.dumps(
+            {
+                "peft_type": "LORA",
+                "task_type": "CAUSAL_LM",
+                "r": rank,
+                "lora_alpha": 2 * rank,
+                "target_modules": list(targets),
+                "lora_dropout": 0.0,
+                "bias": "none",
+                "base_model_name_or_path": str(model_dir),
+                "use_rslora": False,
+                "use_dora": False,
+                "modules_to_save": None,
+                "fan_in_fan_out": False,
+            },
+            indent=2,
+        )
+    )
     return out
 
 

@@ -35,8 +35,9 @@ def make_decode(tokenizer, params: SamplingParams) -> Callable[[list[int]], str]
     if not hasattr(tokenizer, "convert_ids_to_tokens"):  # a bare tokenizers.Tokenizer
         return lambda ids: tokenizer.decode(ids, skip_special_tokens=skip)
     spaces = params.spaces_between_special_tokens
-    return lambda ids: tokenizer.decode(ids, skip_special_tokens=skip,
-                                        spaces_between_special_tokens=spaces)
+    return lambda ids: tokenizer.decode(
+        ids, skip_special_tokens=skip, spaces_between_special_tokens=spaces
+    )
 
 
 class IncrementalDetokenizer:
@@ -68,8 +69,8 @@ class IncrementalDetokenizer:
         """The whole text so far, including a pending incomplete character."""
         if self.stop_reason is not None or self._read == len(self.token_ids):
             return self._text
-        window = self._decode(self.token_ids[self._prefix:])
-        return self._text + window[len(self._window_prefix()):]
+        window = self._decode(self.token_ids[self._prefix :])
+        return self._text + window[len(self._window_prefix()) :]
 
     @property
     def stopped(self) -> bool:
@@ -102,22 +103,22 @@ class IncrementalDetokenizer:
         else:
             text = self._text
             end = max(self._taken, len(text) - self._holdback)
-        delta = text[self._taken:end]
+        delta = text[self._taken : end]
         self._taken = end
         return delta
 
     def _window_prefix(self) -> str:
         if self._prefix_text is None:
-            self._prefix_text = self._decode(self.token_ids[self._prefix:self._read])
+            self._prefix_text = self._decode(self.token_ids[self._prefix : self._read])
         return self._prefix_text
 
     def _advance(self) -> int:
         """Settle what the newest token completes; the number of new characters."""
         prefix_text = self._window_prefix()
-        window = self._decode(self.token_ids[self._prefix:])
+        window = self._decode(self.token_ids[self._prefix :])
         if len(window) <= len(prefix_text) or window.endswith(REPLACEMENT_CHAR):
             return 0
-        new_text = window[len(prefix_text):]
+        new_text = window[len(prefix_text) :]
         self._text += new_text
         self._prefix, self._read = self._read, len(self.token_ids)
         self._prefix_text = None

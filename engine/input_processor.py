@@ -25,36 +25,52 @@ class InputProcessor:
         self.tokenizer = tokenizer
         self.limits = limits
 
-    def process(self, request_id: str, prompt: Any, params: SamplingParams | None,
-                lora_request: LoRARequest | None, arrival_time: float | None,
-                resume_token_ids: list[int] | None = None) -> Request:
+    def process(
+        self,
+        request_id: str,
+        prompt: Any,
+        params: SamplingParams | None,
+        lora_request: LoRARequest | None,
+        arrival_time: float | None,
+        resume_token_ids: list[int] | None = None,
+    ) -> Request:
         """A validated Request; raises ValueError naming the problem."""
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
-            raise ValueError(f"request {request_id}: params must be SamplingParams, "
-                             f"got {type(params).__name__}")
+            raise ValueError(
+                f"request {request_id}: params must be SamplingParams, got {type(params).__name__}"
+            )
         self._check_params(request_id, params)
         self._check_lora(request_id, lora_request)
         text, token_ids = self._tokenize(request_id, prompt)
         max_tokens = self._max_tokens(request_id, params, len(token_ids))
         resumed = self._check_resume(request_id, params, resume_token_ids, max_tokens)
-        return Request(request_id=request_id, prompt=text, prompt_token_ids=token_ids,
-                       params=params, lora_request=lora_request,
-                       arrival_time=arrival_time or time.time(), max_tokens=max_tokens,
-                       resumed_token_ids=resumed)
+        return Request(
+            request_id=request_id,
+            prompt=text,
+            prompt_token_ids=token_ids,
+            params=params,
+            lora_request=lora_request,
+            arrival_time=arrival_time or time.time(),
+            max_tokens=max_tokens,
+            resumed_token_ids=resumed,
+        )
 
-    def _check_resume(self, request_id: str, params: SamplingParams,
-                      token_ids: list[int] | None, max_tokens: int) -> list[int]:
+    def _check_resume(
+        self, request_id: str, params: SamplingParams, token_ids: list[int] | None, max_tokens: int
+    ) -> list[int]:
         if not token_ids:
             return []
         if params.n != 1:
             raise ValueError(f"request {request_id}: only n=1 requests can resume, n={params.n}")
         self._check_token_ids(request_id, list(token_ids))
         if len(token_ids) >= max_tokens:
-            raise ValueError(f"request {request_id}: {len(token_ids)} resumed tokens leave none "
-                             f"of max_tokens={max_tokens} to generate")
+            raise ValueError(
+                f"request {request_id}: {len(token_ids)} resumed tokens leave none "
+                f"of max_tokens={max_tokens} to generate"
+            )
         return list(token_ids)
 
     def _check_params(self, request_id: str, params: SamplingParams) -> None:
@@ -62,22 +78,29 @@ class InputProcessor:
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
             if value is not None and value > limit:
-                raise ValueError(f"request {request_id}: {name}={value} exceeds the limit "
-                                 f"max_logprobs={limit}")
+                raise ValueError(
+                    f"request {request_id}: {name}={value} exceeds the limit max_logprobs={limit}"
+                )
         bad = [t for t in params.stop_token_ids if not 0 <= t < self.limits.vocab_size]
         if bad:
-            raise ValueError(f"request {request_id}: stop_token_ids {bad} outside the "
-                             f"vocabulary of {self.limits.vocab_size} tokens")
+            raise ValueError(
+                f"request {request_id}: stop_token_ids {bad} outside the "
+                f"vocabulary of {self.limits.vocab_size} tokens"
+            )
 
     def _check_lora(self, request_id: str, lora_request: LoRARequest | None) -> None:
         if lora_request is None:
             return
         if not isinstance(lora_request, LoRARequest):
-            raise ValueError(f"request {request_id}: lora_request must be a LoRARequest, "
-                             f"got {type(lora_request).__name__}")
+            raise ValueError(
+                f"request {request_id}: lora_request must be a LoRARequest, "
+                f"got {type(lora_request).__name__}"
+            )
         if not self.limits.enable_lora:
-            raise ValueError(f"request {request_id}: adapter {lora_request.name!r} given but "
-                             f"the engine was started without enable_lora=True")
+            raise ValueError(
+                f"request {request_id}: adapter {lora_request.name!r} given but "
+                f"the engine was started without enable_lora=True"
+            )
 
     def _tokenize(self, request_id: str, prompt: Any) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -88,8 +111,10 @@ class InputProcessor:
         elif isinstance(prompt, Mapping) and "prompt" in prompt:
             return self._tokenize(request_id, prompt["prompt"])
         else:
-            raise ValueError(f"request {request_id}: prompt must be a string or "
-                             f"{{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
+            raise ValueError(
+                f"request {request_id}: prompt must be a string or "
+                f"{{'prompt_token_ids': [...]}}, got {type(prompt).__name__}"
+            )
         if not token_ids:
             raise ValueError(f"request {request_id}: the prompt is empty")
         return text, token_ids
@@ -98,20 +123,26 @@ class InputProcessor:
         vocab = self.limits.vocab_size
         bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"request {request_id}: prompt token ids {bad[:5]} are not in "
-                             f"the vocabulary of {vocab} tokens")
+            raise ValueError(
+                f"request {request_id}: prompt token ids {bad[:5]} are not in "
+                f"the vocabulary of {vocab} tokens"
+            )
 
     def _max_tokens(self, request_id: str, params: SamplingParams, prompt_len: int) -> int:
         max_len = self.limits.max_model_len
         if prompt_len >= max_len:
-            raise ValueError(f"request {request_id}: the prompt has {prompt_len} tokens; the "
-                             f"model's context is {max_len}, which leaves no room to generate")
+            raise ValueError(
+                f"request {request_id}: the prompt has {prompt_len} tokens; the "
+                f"model's context is {max_len}, which leaves no room to generate"
+            )
         room = max_len - prompt_len
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         needed = prompt_len + max_tokens
         capacity = self.limits.kv_capacity_tokens
         if needed > capacity:
-            raise ValueError(f"request {request_id}: {prompt_len} prompt tokens + {max_tokens} "
-                             f"max_tokens need {needed} KV cache slots; the cache holds only "
-                             f"{capacity} (raise kv_cache_memory or lower max_tokens)")
+            raise ValueError(
+                f"request {request_id}: {prompt_len} prompt tokens + {max_tokens} "
+                f"max_tokens need {needed} KV cache slots; the cache holds only "
+                f"{capacity} (raise kv_cache_memory or lower max_tokens)"
+            )
         return max_tokens

@@ -47,14 +47,19 @@ class LLM:
             ids.append(request_id)
         return self._run(ids)
 
-    def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
-             sampling_params: SamplingParams | None = None,
-             lora_request: LoRARequest | None = None) -> list[RequestOutput]:
+    def chat(
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: SamplingParams | None = None,
+        lora_request: LoRARequest | None = None,
+    ) -> list[RequestOutput]:
         """Apply the model's chat template to one or several conversations, then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tokenizer = self.get_tokenizer()
-        prompts = [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True)
-                   for c in conversations]
+        prompts = [
+            tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True)
+            for c in conversations
+        ]
         return self.generate(prompts, sampling_params, lora_request)
 
     def _run(self, ids: list[str]) -> list[RequestOutput]:

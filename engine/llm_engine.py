@@ -34,25 +34,38 @@ class LLMEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model)
         model_len = self.runner.max_model_len
         self.max_model_len = min(args.max_model_len or model_len, model_len)
-        self.block_manager = BlockManager(self.runner.num_blocks, args.block_size,
-                                          args.enable_prefix_caching)
+        self.block_manager = BlockManager(
+            self.runner.num_blocks, args.block_size, args.enable_prefix_caching
+        )
         self.scheduler = Scheduler(
-            SchedulerConfig(max_num_seqs=args.max_num_seqs,
-                            max_num_batched_tokens=args.max_num_batched_tokens,
-                            max_loras=args.max_loras if args.enable_lora else None),
-            self.block_manager)
+            SchedulerConfig(
+                max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                max_loras=args.max_loras if args.enable_lora else None,
+            ),
+            self.block_manager,
+        )
         self.eos_token_ids = _eos_token_ids(args.model, self.runner.hf_config, self.tokenizer)
         self.sampler = Sampler(self.eos_token_ids, seed=args.seed)
-        self.inputs = InputProcessor(self.tokenizer, InputLimits(
-            vocab_size=self.runner.model.vocab_size, max_model_len=self.max_model_len,
-            kv_capacity_tokens=self.block_manager.capacity_tokens,
-            max_logprobs=args.max_logprobs, enable_lora=args.enable_lora))
+        self.inputs = InputProcessor(
+            self.tokenizer,
+            InputLimits(
+                vocab_size=self.runner.model.vocab_size,
+                max_model_len=self.max_model_len,
+                kv_capacity_tokens=self.block_manager.capacity_tokens,
+                max_logprobs=args.max_logprobs,
+                enable_lora=args.enable_lora,
+            ),
+        )
         self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
         self._pending: list[RequestOutput] = []
-        self.lora_manager = (LoRAManager(self.runner.model, args, self.runner.device,
-                                         self.runner.dtype) if args.enable_lora else None)
+        self.lora_manager = (
+            LoRAManager(self.runner.model, args, self.runner.device, self.runner.dtype)
+            if args.enable_lora
+            else None
+        )
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
@@ -61,10 +74,16 @@ class LLMEngine:
     def get_tokenizer(self):
         return self.tokenizer
 
-    def add_request(self, request_id: str, prompt: str | dict[str, Any],
-                    params: SamplingParams | None = None, arrival_time: float | None = None,
-                    lora_request: LoRARequest | None = None,
-                    resume_token_ids: list[int] | None = None, **kwargs: Any) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | dict[str, Any],
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
+        resume_token_ids: list[int] | None = None,
+        **kwargs: Any,
+    ) -> None:
         """Queue a request; raises ValueError naming the problem if it is invalid.
 
         ``resume_token_ids``: tokens this request already generated and streamed
@@ -73,10 +92,12 @@ class LLMEngine:
         """
         if request_id in self.requests:
             raise ValueError(f"request {request_id} is already running")
-        request = self.inputs.process(request_id, prompt, params, lora_request, arrival_time,
-                                      resume_token_ids)
-        seq = Sequence(next(self._seq_ids), request, 0,
-                       request.prompt_token_ids + request.resumed_token_ids)
+        request = self.inputs.process(
+            request_id, prompt, params, lora_request, arrival_time, resume_token_ids
+        )
+        seq = Sequence(
+            next(self._seq_ids), request, 0, request.prompt_token_ids + request.resumed_token_ids
+        )
         request.seqs.append(seq)
         self.outputs.start(seq)
         self.scheduler.add(seq)
@@ -184,8 +205,14 @@ class LLMEngine:
                 continue
             num = seq.request.params.n if seq.request.needs_fork else 1
             for i in range(num):
-                rows.append(SamplingRow(seq.request.params, seq.prompt_token_ids,
-                                        seq.output_token_ids, seq_index=seq.index + i))
+                rows.append(
+                    SamplingRow(
+                        seq.request.params,
+                        seq.prompt_token_ids,
+                        seq.output_token_ids,
+                        seq_index=seq.index + i,
+                    )
+                )
                 targets.append((seq, i))
                 logit_rows.append(entry.sample_row)
         if not rows:
@@ -211,8 +238,8 @@ class LLMEngine:
         existing = request.prompt_logprobs or []
         if len(existing) >= start + count + 1:
             return  # computed before this sequence was preempted
-        ids = request.prompt_token_ids[start:start + count + 1]
-        chunk = logits[entry.prompt_rows.start:entry.prompt_rows.stop]
+        ids = request.prompt_token_ids[start : start + count + 1]
+        chunk = logits[entry.prompt_rows.start : entry.prompt_rows.stop]
         values = prompt_logprobs(chunk, ids, request.params.prompt_logprobs)
         for position in values:
             if position is not None:

@@ -36,12 +36,18 @@ class ModelRunner:
         self.num_blocks = self._num_blocks(args)
         shape = (self.num_blocks, self.block_size, self.model.num_kv_heads, self.model.head_dim)
         self.kv_caches = [
-            (torch.zeros(shape, dtype=self.dtype, device=self.device),
-             torch.zeros(shape, dtype=self.dtype, device=self.device))
+            (
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+            )
             for _ in range(self.model.num_layers)
         ]
-        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", self.num_blocks,
-                    self.block_size, self.num_blocks * self._block_bytes() / 2**20)
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%.1f MiB)",
+            self.num_blocks,
+            self.block_size,
+            self.num_blocks * self._block_bytes() / 2**20,
+        )
 
     def _block_bytes(self) -> int:
         per_token = 2 * self.model.num_layers * self.model.num_kv_heads * self.model.head_dim
@@ -58,8 +64,9 @@ class ModelRunner:
             budget = DEFAULT_CPU_KV_CACHE_BYTES
         num_blocks = budget // self._block_bytes()
         if num_blocks < 1:
-            raise ValueError(f"KV cache budget of {budget} bytes holds no block of "
-                             f"{self._block_bytes()} bytes")
+            raise ValueError(
+                f"KV cache budget of {budget} bytes holds no block of {self._block_bytes()} bytes"
+            )
         return num_blocks
 
     @property
@@ -75,8 +82,9 @@ class ModelRunner:
             key_cache[dst] = key_cache[src]
             value_cache[dst] = value_cache[src]
 
-    def prepare(self, out: SchedulerOutput, block_manager: BlockManager,
-                lora_slot_of=None) -> tuple[BatchMetadata, list[LogitsRows]]:
+    def prepare(
+        self, out: SchedulerOutput, block_manager: BlockManager, lora_slot_of=None
+    ) -> tuple[BatchMetadata, list[LogitsRows]]:
         """Pack the scheduled tokens into one flat batch.
 
         ``lora_slot_of(seq) -> int`` gives each sequence's adapter slot (-1 base);

@@ -39,8 +39,13 @@ class OutputProcessor:
             seq.sent_text = seq.detokenizer.take_delta(False)
             seq.num_sent_tokens = seq.num_output_tokens
 
-    def append(self, seq: Sequence, token_id: int, logprob: float | None,
-               top_logprobs: dict[int, Logprob] | None) -> None:
+    def append(
+        self,
+        seq: Sequence,
+        token_id: int,
+        logprob: float | None,
+        top_logprobs: dict[int, Logprob] | None,
+    ) -> None:
         """Add one sampled token to ``seq`` and decide whether it finished."""
         seq.append_token(token_id)
         if logprob is not None:

@@ -21,12 +21,17 @@ if TYPE_CHECKING:
 
 def needs_penalties(row: SamplingRow) -> bool:
     p = row.params
-    return (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0
-            or p.frequency_penalty != 0.0 or len(row.output_token_ids) < p.min_tokens)
+    return (
+        p.repetition_penalty != 1.0
+        or p.presence_penalty != 0.0
+        or p.frequency_penalty != 0.0
+        or len(row.output_token_ids) < p.min_tokens
+    )
 
 
-def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow],
-                    eos_token_ids: Sequence[int]) -> torch.Tensor:
+def apply_penalties(
+    logits: torch.Tensor, rows: Sequence[SamplingRow], eos_token_ids: Sequence[int]
+) -> torch.Tensor:
     """Return ``logits`` [S, V] with every row's penalties applied.
 
     The input is never modified: a copy is made when some row has a penalty,
@@ -95,8 +100,7 @@ def _presence(x: torch.Tensor, rows: list[tuple[int, SamplingRow]]) -> None:
     x[r_idx, t_idx] = x[r_idx, t_idx] - pres[r_idx]
 
 
-def _min_tokens(x: torch.Tensor, rows: Sequence[SamplingRow],
-                eos_token_ids: Sequence[int]) -> None:
+def _min_tokens(x: torch.Tensor, rows: Sequence[SamplingRow], eos_token_ids: Sequence[int]) -> None:
     vocab = x.shape[1]
     active, banned = [], []
     for i, row in enumerate(rows):

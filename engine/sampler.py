@@ -155,8 +155,9 @@ def _results(tokens: torch.Tensor, raw, rows: list[SamplingRow]) -> list[SampleR
     return results
 
 
-def logprob_dicts(logprobs: torch.Tensor, chosen: torch.Tensor,
-                  ks: list[int]) -> list[dict[int, Logprob]]:
+def logprob_dicts(
+    logprobs: torch.Tensor, chosen: torch.Tensor, ks: list[int]
+) -> list[dict[int, Logprob]]:
     """Per row of ``logprobs`` [R, V]: the chosen token first, then the top ``ks[i]``.
 
     Ranks are 1-based; the chosen token's rank counts the tokens at least as
@@ -166,20 +167,21 @@ def logprob_dicts(logprobs: torch.Tensor, chosen: torch.Tensor,
     chosen_lp = logprobs.gather(1, chosen)
     ranks = (logprobs >= chosen_lp).sum(dim=-1).tolist()
     top_k = max(ks)
-    top_values, top_ids = (logprobs.topk(top_k, dim=-1) if top_k else (None, None))
+    top_values, top_ids = logprobs.topk(top_k, dim=-1) if top_k else (None, None)
     dicts = []
     for i, (token, lp) in enumerate(zip(chosen.flatten().tolist(), chosen_lp.flatten().tolist())):
         d = {token: Logprob(lp, ranks[i])}
         if ks[i]:
-            ids, values = top_ids[i, :ks[i]].tolist(), top_values[i, :ks[i]].tolist()
+            ids, values = top_ids[i, : ks[i]].tolist(), top_values[i, : ks[i]].tolist()
             for rank, (tid, value) in enumerate(zip(ids, values), start=1):
                 d.setdefault(tid, Logprob(value, rank))
         dicts.append(d)
     return dicts
 
 
-def prompt_logprobs(logits: torch.Tensor, prompt_token_ids: Sequence[int],
-                    k: int) -> list[dict[int, Logprob] | None]:
+def prompt_logprobs(
+    logits: torch.Tensor, prompt_token_ids: Sequence[int], k: int
+) -> list[dict[int, Logprob] | None]:
     """Logprobs of the prompt: None for its first token, then per position the
     actual prompt token and the top ``k``. ``logits`` [P, V]: row i predicts token i+1."""
     result: list[dict[int, Logprob] | None] = [None]

@@ -49,7 +49,7 @@ class Sequence:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        return self.token_ids[self.num_prompt_tokens :]
 
     @property
     def num_output_tokens(self) -> int:
@@ -83,8 +83,10 @@ class Sequence:
         self.num_preemptions += 1
 
     def __repr__(self) -> str:
-        return (f"Sequence({self.request.request_id}#{self.index}, tokens={self.num_tokens}, "
-                f"computed={self.num_computed_tokens}, {self.status.value})")
+        return (
+            f"Sequence({self.request.request_id}#{self.index}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens}, {self.status.value})"
+        )
 
 
 @dataclass
@@ -107,8 +109,9 @@ class Request:
 
     def __post_init__(self):
         if self.metrics is None:
-            self.metrics = RequestMetrics(arrival_time=self.arrival_time,
-                                          num_prompt_tokens=len(self.prompt_token_ids))
+            self.metrics = RequestMetrics(
+                arrival_time=self.arrival_time, num_prompt_tokens=len(self.prompt_token_ids)
+            )
 
     @property
     def num_prompt_tokens(self) -> int:

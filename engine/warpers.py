@@ -26,16 +26,26 @@ def warp(r: torch.Tensor, params: Sequence[SamplingParams]) -> None:
     temps = [p.temperature for p in params]
     if any(t != 1.0 for t in temps):
         r.div_(torch.tensor(temps, dtype=r.dtype, device=r.device).unsqueeze(1))
-    _on_rows(r, [i for i, p in enumerate(params) if 0 < p.top_k < vocab],
-             lambda sub, idx: top_k(sub, [params[i].top_k for i in idx]))
-    _on_rows(r, [i for i, p in enumerate(params) if p.top_p < 1.0],
-             lambda sub, idx: top_p(sub, [params[i].top_p for i in idx]))
-    _on_rows(r, [i for i, p in enumerate(params) if p.min_p > 0.0],
-             lambda sub, idx: min_p(sub, [params[i].min_p for i in idx]))
+    _on_rows(
+        r,
+        [i for i, p in enumerate(params) if 0 < p.top_k < vocab],
+        lambda sub, idx: top_k(sub, [params[i].top_k for i in idx]),
+    )
+    _on_rows(
+        r,
+        [i for i, p in enumerate(params) if p.top_p < 1.0],
+        lambda sub, idx: top_p(sub, [params[i].top_p for i in idx]),
+    )
+    _on_rows(
+        r,
+        [i for i, p in enumerate(params) if p.min_p > 0.0],
+        lambda sub, idx: min_p(sub, [params[i].min_p for i in idx]),
+    )
 
 
-def _on_rows(r: torch.Tensor, idx: list[int],
-             fn: Callable[[torch.Tensor, list[int]], None]) -> None:
+def _on_rows(
+    r: torch.Tensor, idx: list[int], fn: Callable[[torch.Tensor, list[int]], None]
+) -> None:
     """Run the in-place ``fn`` on the rows ``idx`` of ``r`` only."""
     if not idx:
         return

@@ -29,8 +29,14 @@ import torch
 from lorapool.kernels import reference
 from lorapool.kernels.lora_mapping import LoRAMapping
 
-__all__ = ["LoRAMapping", "lora_expand", "lora_shrink", "paged_attention", "use_triton",
-           "write_kv_cache"]
+__all__ = [
+    "LoRAMapping",
+    "lora_expand",
+    "lora_shrink",
+    "paged_attention",
+    "use_triton",
+    "write_kv_cache",
+]
 
 
 def use_triton(t: torch.Tensor) -> bool:
@@ -47,15 +53,17 @@ def write_kv_cache(key, value, key_cache, value_cache, slot_mapping) -> None:
     impl.write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
 
 
-def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-                    scale: float) -> torch.Tensor:
+def paged_attention(
+    query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale: float
+) -> torch.Tensor:
     """See ``reference.paged_attention``."""
     if use_triton(query):
         from lorapool.kernels import attention_ops as impl
     else:
         impl = reference
-    return impl.paged_attention(query, key_cache, value_cache, block_tables, seq_lens,
-                                query_start_loc, scale)
+    return impl.paged_attention(
+        query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale
+    )
 
 
 def lora_shrink(x, lora_a, slots, scale: float = 1.0, out=None) -> torch.Tensor:

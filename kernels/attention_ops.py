@@ -38,10 +38,26 @@ _MAX_SPLITS = 32
 
 
 def _write_kv_kernel(
-    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, num_heads, head_size, block_size,
-    stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_cb, stride_cs, stride_ch, stride_vcb, stride_vcs, stride_vch,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    k_ptr,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    num_heads,
+    head_size,
+    block_size,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_vcb,
+    stride_vcs,
+    stride_vch,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -75,10 +91,31 @@ def _sequence_of(pid, qsl_ptr, num_seqs, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
-def _attend(q, pos, table, k_cache_ptr, v_cache_ptr, kv_head, kv_lo, kv_hi, qk_scale,
-            offs_d, mask_d, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-            BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-            BLOCK_SIZE: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
+def _attend(
+    q,
+    pos,
+    table,
+    k_cache_ptr,
+    v_cache_ptr,
+    kv_head,
+    kv_lo,
+    kv_hi,
+    qk_scale,
+    offs_d,
+    mask_d,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     """Online softmax of q's rows over cache positions [kv_lo, kv_hi): (acc, max, sum)."""
     m_i = tl.full((BLOCK_M,), -1.0e30, tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
@@ -105,13 +142,40 @@ def _attend(q, pos, table, k_cache_ptr, v_cache_ptr, kv_head, kv_lo, kv_hi, qk_s
 
 
 def _attention_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_ptr, block_tables_ptr, seq_lens_ptr,
-    qsl_ptr, num_seqs, num_tokens, num_heads, head_size, split_size, qk_scale,
-    stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-    stride_ot, stride_oh, stride_bt,
-    GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    part_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    qsl_ptr,
+    num_seqs,
+    num_tokens,
+    num_heads,
+    head_size,
+    split_size,
+    qk_scale,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    stride_bt,
+    GROUP: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -134,16 +198,40 @@ def _attention_kernel(
         offs_d = tl.arange(0, BLOCK_D)
         mask_d = offs_d < head_size
         mask = row_ok[:, None] & mask_d[None, :]
-        q = tl.load(q_ptr + (tokens * stride_qt + heads * stride_qh)[:, None] + offs_d[None, :],
-                    mask=mask, other=0.0)
+        q = tl.load(
+            q_ptr + (tokens * stride_qt + heads * stride_qh)[:, None] + offs_d[None, :],
+            mask=mask,
+            other=0.0,
+        )
         kv_lo = split * split_size
-        kv_hi = tl.minimum(ctx_len - q_len + tl.minimum(q_block + BLOCK_Q, q_len),
-                           kv_lo + split_size)
+        kv_hi = tl.minimum(
+            ctx_len - q_len + tl.minimum(q_block + BLOCK_Q, q_len), kv_lo + split_size
+        )
         acc, m_i, l_i = _attend(
-            q, pos, block_tables_ptr + b.to(tl.int64) * stride_bt, k_cache_ptr, v_cache_ptr,
-            kv_head, kv_lo, kv_hi, qk_scale, offs_d, mask_d,
-            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-            BLOCK_M, BLOCK_D, BLOCK_N, BLOCK_SIZE, DOT_DTYPE, PRECISION)
+            q,
+            pos,
+            block_tables_ptr + b.to(tl.int64) * stride_bt,
+            k_cache_ptr,
+            v_cache_ptr,
+            kv_head,
+            kv_lo,
+            kv_hi,
+            qk_scale,
+            offs_d,
+            mask_d,
+            stride_kb,
+            stride_ks,
+            stride_kh,
+            stride_vb,
+            stride_vs,
+            stride_vh,
+            BLOCK_M,
+            BLOCK_D,
+            BLOCK_N,
+            BLOCK_SIZE,
+            DOT_DTYPE,
+            PRECISION,
+        )
         if NUM_SPLITS == 1:
             out = out_ptr + (tokens * stride_ot + heads * stride_oh)[:, None] + offs_d[None, :]
             tl.store(out, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
@@ -155,8 +243,16 @@ def _attention_kernel(
 
 
 def _combine_kernel(
-    part_ptr, out_ptr, num_tokens, num_heads, head_size, stride_ot, stride_oh,
-    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    part_ptr,
+    out_ptr,
+    num_tokens,
+    num_heads,
+    head_size,
+    stride_ot,
+    stride_oh,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     """out[t, h] = sum_s 2^(m_s - m) acc_s / sum_s 2^(m_s - m) l_s over the splits s."""
     t = tl.program_id(0).to(tl.int64)
@@ -171,8 +267,11 @@ def _combine_kernel(
     mask = mask_s[:, None] & (offs_d < head_size)[None, :]
     acc = tl.load(part[:, None] + offs_d[None, :], mask=mask, other=0.0)
     out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
-    tl.store(out_ptr + t * stride_ot + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
-             mask=offs_d < head_size)
+    tl.store(
+        out_ptr + t * stride_ot + h * stride_oh + offs_d,
+        out.to(out_ptr.dtype.element_ty),
+        mask=offs_d < head_size,
+    )
 
 
 write_kv_kernel = Kernel(_write_kv_kernel)
@@ -195,14 +294,28 @@ def write_kv_cache(key, value, key_cache, value_cache, slot_mapping) -> None:
     if key.shape[0] == 0:
         return
     write_kv_kernel[(key.shape[0],)](
-        key, value, key_cache, value_cache, slot_mapping, num_heads, head_size, block_size,
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        *key_cache.stride()[:3], *value_cache.stride()[:3],
-        BLOCK_H=next_pow2(num_heads, 1), BLOCK_D=next_pow2(head_size, 1))
+        key,
+        value,
+        key_cache,
+        value_cache,
+        slot_mapping,
+        num_heads,
+        head_size,
+        block_size,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        *key_cache.stride()[:3],
+        *value_cache.stride()[:3],
+        BLOCK_H=next_pow2(num_heads, 1),
+        BLOCK_D=next_pow2(head_size, 1),
+    )
 
 
-def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-                    scale: float) -> torch.Tensor:
+def paged_attention(
+    query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale: float
+) -> torch.Tensor:
     """Triton ``reference.paged_attention``: same arguments, shapes and result."""
     _check_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc)
     num_tokens, num_heads, head_size = query.shape
@@ -214,23 +327,65 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query
     block_q, block_m = _query_blocking(num_tokens, num_seqs, group)
     num_q_blocks = num_tokens if block_q == 1 else num_tokens // block_q + num_seqs
     block_n = max(32 if query.dtype == torch.float32 else 64, block_size)  # fp32: less smem
-    num_splits, split_size = _kv_splits(num_q_blocks * num_kv_heads, block_q,
-                                        block_tables.shape[1] * block_size, block_n, query.device)
-    part = query.new_empty(num_splits if num_splits > 1 else 0, num_tokens, num_heads,
-                           head_size + 2, dtype=torch.float32)
+    num_splits, split_size = _kv_splits(
+        num_q_blocks * num_kv_heads,
+        block_q,
+        block_tables.shape[1] * block_size,
+        block_n,
+        query.device,
+    )
+    part = query.new_empty(
+        num_splits if num_splits > 1 else 0,
+        num_tokens,
+        num_heads,
+        head_size + 2,
+        dtype=torch.float32,
+    )
     attention_kernel[(num_q_blocks, num_kv_heads, num_splits)](
-        query, key_cache, value_cache, out, part, block_tables, seq_lens, query_start_loc,
-        num_seqs, num_tokens, num_heads, head_size, split_size, float(scale) * math.log2(math.e),
-        query.stride(0), query.stride(1), *key_cache.stride()[:3], *value_cache.stride()[:3],
-        out.stride(0), out.stride(1), block_tables.stride(0),
-        GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_D=next_pow2(head_size),
-        BLOCK_N=block_n, BLOCK_SIZE=block_size, NUM_SPLITS=num_splits,
-        DOT_DTYPE=dot_dtype(query.dtype), PRECISION=dot_precision(query.dtype))
+        query,
+        key_cache,
+        value_cache,
+        out,
+        part,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        num_seqs,
+        num_tokens,
+        num_heads,
+        head_size,
+        split_size,
+        float(scale) * math.log2(math.e),
+        query.stride(0),
+        query.stride(1),
+        *key_cache.stride()[:3],
+        *value_cache.stride()[:3],
+        out.stride(0),
+        out.stride(1),
+        block_tables.stride(0),
+        GROUP=group,
+        BLOCK_Q=block_q,
+        BLOCK_M=block_m,
+        BLOCK_D=next_pow2(head_size),
+        BLOCK_N=block_n,
+        BLOCK_SIZE=block_size,
+        NUM_SPLITS=num_splits,
+        DOT_DTYPE=dot_dtype(query.dtype),
+        PRECISION=dot_precision(query.dtype),
+    )
     if num_splits > 1:
         combine_kernel[(num_tokens, num_heads)](
-            part, out, num_tokens, num_heads, head_size, out.stride(0), out.stride(1),
-            NUM_SPLITS=num_splits, BLOCK_S=next_pow2(num_splits, 2),
-            BLOCK_D=next_pow2(head_size))
+            part,
+            out,
+            num_tokens,
+            num_heads,
+            head_size,
+            out.stride(0),
+            out.stride(1),
+            NUM_SPLITS=num_splits,
+            BLOCK_S=next_pow2(num_splits, 2),
+            BLOCK_D=next_pow2(head_size),
+        )
     return out
 
 
@@ -242,8 +397,9 @@ def _query_blocking(num_tokens: int, num_seqs: int, group: int) -> tuple[int, in
     return block_m // group, block_m
 
 
-def _kv_splits(num_programs: int, block_q: int, max_context: int, block_n: int,
-               device: torch.device) -> tuple[int, int]:
+def _kv_splits(
+    num_programs: int, block_q: int, max_context: int, block_n: int, device: torch.device
+) -> tuple[int, int]:
     """(splits, positions per split) of each sequence's context (flash-decoding).
 
     Decode has one program per token and KV head: too few to fill the device
@@ -263,8 +419,7 @@ def _check_cache(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
     check_shape("value_cache", value_cache, tuple(key_cache.shape))
     check_dtype("key_cache", key_cache, FLOAT_DTYPES)
     if value_cache.dtype != key_cache.dtype:
-        raise ValueError(f"value_cache has dtype {value_cache.dtype}, key_cache "
-                         f"{key_cache.dtype}")
+        raise ValueError(f"value_cache has dtype {value_cache.dtype}, key_cache {key_cache.dtype}")
     check_device(key_cache.device, value_cache=value_cache)
     check_last_contiguous(key_cache=key_cache, value_cache=value_cache)
     if key_cache.shape[1] & (key_cache.shape[1] - 1):
@@ -276,17 +431,26 @@ def _check_attention(query, key_cache, value_cache, block_tables, seq_lens, quer
     num_kv_heads, head_size = key_cache.shape[2:]
     check_shape("query", query, (None, None, head_size))
     if query.shape[1] % num_kv_heads:
-        raise ValueError(f"{query.shape[1]} query heads are not a multiple of "
-                         f"{num_kv_heads} KV heads")
+        raise ValueError(
+            f"{query.shape[1]} query heads are not a multiple of {num_kv_heads} KV heads"
+        )
     check_dtype("query", query, (key_cache.dtype,))
     check_shape("seq_lens", seq_lens, (None,))
     check_shape("block_tables", block_tables, (seq_lens.shape[0], None))
     check_shape("query_start_loc", query_start_loc, (seq_lens.shape[0] + 1,))
-    for name, t in (("block_tables", block_tables), ("seq_lens", seq_lens),
-                    ("query_start_loc", query_start_loc)):
+    for name, t in (
+        ("block_tables", block_tables),
+        ("seq_lens", seq_lens),
+        ("query_start_loc", query_start_loc),
+    ):
         check_dtype(name, t, _INDEX_DTYPES)
-    check_device(query.device, key_cache=key_cache, block_tables=block_tables,
-                 seq_lens=seq_lens, query_start_loc=query_start_loc)
+    check_device(
+        query.device,
+        key_cache=key_cache,
+        block_tables=block_tables,
+        seq_lens=seq_lens,
+        query_start_loc=query_start_loc,
+    )
     check_last_contiguous(query=query, block_tables=block_tables)
     if seq_lens.stride(0) != 1 or query_start_loc.stride(0) != 1:
         raise ValueError("seq_lens and query_start_loc must be contiguous")

@@ -73,8 +73,15 @@ def _interpretable_helpers(kernel_module) -> Iterator[None]:
     from triton.runtime import interpreter
 
     spaces = (tl, tl.standard, tl.random, kernel_module)
-    touched = (*spaces, tl.core, tl.math, tl.core.tensor, tl.core.dtype, tl.core.condition,
-               tl.core.tensor_descriptor_base)
+    touched = (
+        *spaces,
+        tl.core,
+        tl.math,
+        tl.core.tensor,
+        tl.core.dtype,
+        tl.core.condition,
+        tl.core.tensor_descriptor_base,
+    )
     saved = [(obj, dict(vars(obj))) for obj in touched]
     forms: dict[int, interpreter.InterpretedFunction] = {}
     for space in spaces:
@@ -154,5 +161,6 @@ def check_device(device: torch.device, **tensors: torch.Tensor) -> None:
 def check_last_contiguous(**tensors: torch.Tensor) -> None:
     for name, t in tensors.items():
         if t.numel() and t.stride(-1) != 1:
-            raise ValueError(f"{name} must be contiguous in its last dimension; "
-                             f"strides are {t.stride()}")
+            raise ValueError(
+                f"{name} must be contiguous in its last dimension; strides are {t.stride()}"
+            )

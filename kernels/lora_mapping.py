@@ -61,12 +61,14 @@ class LoRAMapping:
         meta = torch.cat([order, torch.tensor(tiles, dtype=torch.int64).reshape(-1)])
         meta = meta.to(device if device is not None else "cpu")
         num_tokens = slots.numel()
-        return cls(num_tokens=num_tokens,
-                   max_slot=int(values[-1]) if values.numel() else -1,
-                   segments=segments,
-                   order=meta[:num_tokens],
-                   tiles=meta[num_tokens:].view(3, -1),
-                   block_m=block_m)
+        return cls(
+            num_tokens=num_tokens,
+            max_slot=int(values[-1]) if values.numel() else -1,
+            segments=segments,
+            order=meta[:num_tokens],
+            tiles=meta[num_tokens:].view(3, -1),
+            block_m=block_m,
+        )
 
     @property
     def num_tiles(self) -> int:

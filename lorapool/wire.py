@@ -140,22 +140,45 @@ class Chunk:
     def to_output(self) -> RequestOutput:
         """This chunk as a delta RequestOutput (completion texts and tokens are deltas)."""
         lora = LoRARequest.from_dict(self.lora_request)
-        outs = [CompletionOutput(o["index"], o["text"], list(o["token_ids"]),
-                                 o.get("cumulative_logprob"),
-                                 logprobs_from_wire(o.get("logprobs")),
-                                 o.get("finish_reason"), o.get("stop_reason"), lora)
-                for o in self.outputs]
-        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, None, outs,
-                             self.finished, RequestMetrics.from_dict(self.metrics), lora,
-                             error=self.error, worker=self.worker)
+        outs = [
+            CompletionOutput(
+                o["index"],
+                o["text"],
+                list(o["token_ids"]),
+                o.get("cumulative_logprob"),
+                logprobs_from_wire(o.get("logprobs")),
+                o.get("finish_reason"),
+                o.get("stop_reason"),
+                lora,
+            )
+            for o in self.outputs
+        ]
+        return RequestOutput(
+            self.request_id,
+            self.prompt,
+            self.prompt_token_ids,
+            None,
+            outs,
+            self.finished,
+            RequestMetrics.from_dict(self.metrics),
+            lora,
+            error=self.error,
+            worker=self.worker,
+        )
 
 
 def completion_wire(c: CompletionOutput, offset: int) -> dict[str, Any]:
     """One completion's delta as it goes into a chunk."""
-    return {"index": c.index, "offset": offset, "text": c.text,
-            "token_ids": list(c.token_ids), "cumulative_logprob": c.cumulative_logprob,
-            "logprobs": logprobs_to_wire(c.logprobs), "finish_reason": c.finish_reason,
-            "stop_reason": c.stop_reason}
+    return {
+        "index": c.index,
+        "offset": offset,
+        "text": c.text,
+        "token_ids": list(c.token_ids),
+        "cumulative_logprob": c.cumulative_logprob,
+        "logprobs": logprobs_to_wire(c.logprobs),
+        "finish_reason": c.finish_reason,
+        "stop_reason": c.stop_reason,
+    }
 
 
 def encode_chunk(chunk: Chunk) -> bytes:
@@ -171,6 +194,7 @@ def decode_chunk(payload: bytes | str | None) -> Chunk:
     except TypeError as exc:
         raise ValueError(f"malformed chunk: {exc}") from None
     if not isinstance(chunk.outputs, list) or not all(
-            isinstance(o, dict) and "index" in o and "token_ids" in o for o in chunk.outputs):
+        isinstance(o, dict) and "index" in o and "token_ids" in o for o in chunk.outputs
+    ):
         _fail(f"malformed chunk {chunk.request_id}#{chunk.seq}: bad outputs")
     return chunk

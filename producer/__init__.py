@@ -4,5 +4,11 @@ from lorapool.producer.aio import AsyncJobHandle, AsyncProducer
 from lorapool.producer.client import JobHandle, Producer
 from lorapool.producer.registry import AdapterRegistry, describe_adapter
 
-__all__ = ["AdapterRegistry", "AsyncJobHandle", "AsyncProducer", "JobHandle", "Producer",
-           "describe_adapter"]
+__all__ = [
+    "AdapterRegistry",
+    "AsyncJobHandle",
+    "AsyncProducer",
+    "JobHandle",
+    "Producer",
+    "describe_adapter",
+]

@@ -20,9 +20,13 @@ from lorapool.wire import DATA, decode_chunk, encode_job
 class AsyncJobHandle:
     """One submitted request, for asyncio code."""
 
-    def __init__(self, producer: AsyncProducer, request_id: str,
-                 output_kind: RequestOutputKind | str = RequestOutputKind.CUMULATIVE,
-                 enqueued: bool = True):
+    def __init__(
+        self,
+        producer: AsyncProducer,
+        request_id: str,
+        output_kind: RequestOutputKind | str = RequestOutputKind.CUMULATIVE,
+        enqueued: bool = True,
+    ):
         self.producer = producer
         self.request_id = request_id
         self.output_kind = RequestOutputKind(output_kind)
@@ -33,8 +37,9 @@ class AsyncJobHandle:
         key = self.producer.keys.out(self.request_id)
         last, deadline = f"0-{after + 1}" if after >= 0 else "0-0", _deadline(timeout)
         while True:
-            reply = await self.producer.redis.xread({key: last}, count=256,
-                                                    block=_block_ms(deadline))
+            reply = await self.producer.redis.xread(
+                {key: last}, count=256, block=_block_ms(deadline)
+            )
             for _, entries in reply:
                 for entry_id, fields in entries:
                     last = entry_id
@@ -45,8 +50,9 @@ class AsyncJobHandle:
             if not reply and deadline is not None and time.monotonic() >= deadline:
                 raise asyncio.TimeoutError(f"request {self.request_id}: no final output")
 
-    async def stream(self, after: int = -1,
-                     timeout: float | None = None) -> AsyncIterator[RequestOutput]:
+    async def stream(
+        self, after: int = -1, timeout: float | None = None
+    ) -> AsyncIterator[RequestOutput]:
         """RequestOutputs in the job's ``output_kind`` (see ``JobHandle.stream``)."""
         assembler = OutputAssembler(self.output_kind)
         async for chunk in self.chunks(timeout=timeout):
@@ -84,36 +90,50 @@ class AsyncProducer:
         record = decode_record(await self.redis.hget(self.keys.adapters, name))
         return check_lora(requested, record)
 
-    async def submit(self, prompt: str | dict[str, Any], params: SamplingParams | None = None,
-                     lora_request: LoRARequest | str | None = None,
-                     request_id: str | None = None,
-                     metadata: dict[str, Any] | None = None) -> AsyncJobHandle:
+    async def submit(
+        self,
+        prompt: str | dict[str, Any],
+        params: SamplingParams | None = None,
+        lora_request: LoRARequest | str | None = None,
+        request_id: str | None = None,
+        metadata: dict[str, Any] | None = None,
+    ) -> AsyncJobHandle:
         """Enqueue one job (see ``Producer.submit``)."""
-        handles = await self.submit_many([prompt], params, [lora_request], [request_id],
-                                         metadata)
+        handles = await self.submit_many([prompt], params, [lora_request], [request_id], metadata)
         return handles[0]
 
-    async def submit_many(self, prompts: Sequence[str | dict[str, Any]],
-                          params: SamplingParams | list[SamplingParams] | None = None,
-                          lora_request: LoRARequest | str | None | list = None,
-                          request_ids: list[str | None] | None = None,
-                          metadata: dict[str, Any] | None = None) -> list[AsyncJobHandle]:
+    async def submit_many(
+        self,
+        prompts: Sequence[str | dict[str, Any]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+        lora_request: LoRARequest | str | None | list = None,
+        request_ids: list[str | None] | None = None,
+        metadata: dict[str, Any] | None = None,
+    ) -> list[AsyncJobHandle]:
         """Enqueue several jobs in one round trip, all validated first."""
         count = len(prompts)
         loras = [await self.resolve(x) for x in per_prompt(lora_request, count, "adapters")]
-        jobs = [build_job(p, sp, lora, rid, metadata) for p, sp, lora, rid in zip(
-            prompts, per_prompt(params, count, "params"), loras,
-            request_ids or [None] * count)]
+        jobs = [
+            build_job(p, sp, lora, rid, metadata)
+            for p, sp, lora, rid in zip(
+                prompts, per_prompt(params, count, "params"), loras, request_ids or [None] * count
+            )
+        ]
         async with self.redis.pipeline(transaction=False) as pipe:
             for job in jobs:
-                await self._submit(keys=[self.keys.job(job.request_id), self.keys.requests],
-                                   args=[encode_job(job), job.sampling_params.output_kind.value,
-                                         time.time()], client=pipe)
+                await self._submit(
+                    keys=[self.keys.job(job.request_id), self.keys.requests],
+                    args=[encode_job(job), job.sampling_params.output_kind.value, time.time()],
+                    client=pipe,
+                )
             entries = await pipe.execute()
         handles = []
         for job, entry in zip(jobs, entries):
-            handle = (AsyncJobHandle(self, job.request_id, job.sampling_params.output_kind)
-                      if entry else await self.handle(job.request_id))
+            handle = (
+                AsyncJobHandle(self, job.request_id, job.sampling_params.output_kind)
+                if entry
+                else await self.handle(job.request_id)
+            )
             handle.enqueued = bool(entry)
             handles.append(handle)
         return handles

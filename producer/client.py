@@ -38,9 +38,13 @@ def chunk_seq(entry_id: bytes | str) -> int:
 class JobHandle:
     """One submitted request: stream its outputs, wait for the result, abort it."""
 
-    def __init__(self, producer: Producer, request_id: str,
-                 output_kind: RequestOutputKind | str = RequestOutputKind.CUMULATIVE,
-                 enqueued: bool = True):
+    def __init__(
+        self,
+        producer: Producer,
+        request_id: str,
+        output_kind: RequestOutputKind | str = RequestOutputKind.CUMULATIVE,
+        enqueued: bool = True,
+    ):
         self.producer = producer
         self.request_id = request_id
         self.output_kind = RequestOutputKind(output_kind)
@@ -100,16 +104,20 @@ class JobHandle:
 class Producer:
     """Enqueues jobs on ``{p}:requests``; ``connection`` is a URL or a redis client."""
 
-    def __init__(self, connection: str | redis.Redis | None = None,
-                 prefix: str = DEFAULT_PREFIX):
+    def __init__(self, connection: str | redis.Redis | None = None, prefix: str = DEFAULT_PREFIX):
         self.redis = connect(connection)
         self.keys = Keys(prefix)
         self.registry = AdapterRegistry(self.redis, self.keys)
         self._submit = self.redis.register_script(SUBMIT_SCRIPT)
 
-    def submit(self, prompt: str | dict[str, Any], params: SamplingParams | None = None,
-               lora_request: LoRARequest | str | None = None, request_id: str | None = None,
-               metadata: dict[str, Any] | None = None) -> JobHandle:
+    def submit(
+        self,
+        prompt: str | dict[str, Any],
+        params: SamplingParams | None = None,
+        lora_request: LoRARequest | str | None = None,
+        request_id: str | None = None,
+        metadata: dict[str, Any] | None = None,
+    ) -> JobHandle:
         """Enqueue one job; a request id that exists returns its handle, enqueuing nothing.
 
         Raises ValueError naming the problem (sampling params, prompt, unknown
@@ -117,22 +125,30 @@ class Producer:
         """
         return self.submit_many([prompt], params, [lora_request], [request_id], metadata)[0]
 
-    def submit_many(self, prompts: Sequence[str | dict[str, Any]],
-                    params: SamplingParams | list[SamplingParams] | None = None,
-                    lora_request: LoRARequest | str | None | list = None,
-                    request_ids: list[str | None] | None = None,
-                    metadata: dict[str, Any] | None = None) -> list[JobHandle]:
+    def submit_many(
+        self,
+        prompts: Sequence[str | dict[str, Any]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+        lora_request: LoRARequest | str | None | list = None,
+        request_ids: list[str | None] | None = None,
+        metadata: dict[str, Any] | None = None,
+    ) -> list[JobHandle]:
         """Enqueue several jobs in one round trip; all are validated before any is sent."""
         count = len(prompts)
         loras = [self.registry.resolve(x) for x in per_prompt(lora_request, count, "adapters")]
-        jobs = [build_job(p, sp, lora, rid, metadata) for p, sp, lora, rid in zip(
-            prompts, per_prompt(params, count, "params"), loras,
-            request_ids or [None] * count)]
+        jobs = [
+            build_job(p, sp, lora, rid, metadata)
+            for p, sp, lora, rid in zip(
+                prompts, per_prompt(params, count, "params"), loras, request_ids or [None] * count
+            )
+        ]
         with self.redis.pipeline(transaction=False) as pipe:
             for job in jobs:
-                self._submit(keys=[self.keys.job(job.request_id), self.keys.requests],
-                             args=[encode_job(job), job.sampling_params.output_kind.value,
-                                   time.time()], client=pipe)
+                self._submit(
+                    keys=[self.keys.job(job.request_id), self.keys.requests],
+                    args=[encode_job(job), job.sampling_params.output_kind.value, time.time()],
+                    client=pipe,
+                )
             entries = pipe.execute()
         return [self._handle_after_submit(job, entry) for job, entry in zip(jobs, entries)]
 

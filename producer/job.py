@@ -22,22 +22,30 @@ return entry
 """
 
 
-def build_job(prompt: Any, params: SamplingParams | None, lora: LoRARequest | None,
-              request_id: str | None, metadata: dict | None) -> Job:
+def build_job(
+    prompt: Any,
+    params: SamplingParams | None,
+    lora: LoRARequest | None,
+    request_id: str | None,
+    metadata: dict | None,
+) -> Job:
     """A validated Job; ValueError naming the problem."""
     params = SamplingParams() if params is None else params
     if not isinstance(params, SamplingParams):
         raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
     params = SamplingParams.from_dict(params.to_dict())  # re-validates after any mutation
-    if request_id is not None and (not isinstance(request_id, str) or not request_id
-                                   or any(c in request_id for c in "{}")):
-        raise ValueError(f"request_id must be a non-empty string without braces, "
-                         f"got {request_id!r}")
+    if request_id is not None and (
+        not isinstance(request_id, str) or not request_id or any(c in request_id for c in "{}")
+    ):
+        raise ValueError(
+            f"request_id must be a non-empty string without braces, got {request_id!r}"
+        )
     if metadata is not None and not isinstance(metadata, dict):
         raise ValueError(f"metadata must be a dict, got {type(metadata).__name__}")
     text, ids = _prompt(prompt)
-    return Job(request_id or uuid.uuid4().hex, text, ids, params, lora,
-               dict(metadata or {}), time.time())
+    return Job(
+        request_id or uuid.uuid4().hex, text, ids, params, lora, dict(metadata or {}), time.time()
+    )
 
 
 def _prompt(prompt: Any) -> tuple[str | None, list[int] | None]:
@@ -47,14 +55,18 @@ def _prompt(prompt: Any) -> tuple[str | None, list[int] | None]:
         return prompt, None
     if isinstance(prompt, Mapping) and "prompt_token_ids" in prompt:
         ids = prompt["prompt_token_ids"]
-        if not isinstance(ids, (list, tuple)) or not ids or not all(
-                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+        if (
+            not isinstance(ids, (list, tuple))
+            or not ids
+            or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids)
+        ):
             raise ValueError("prompt_token_ids must be a non-empty list of token ids")
         return prompt.get("prompt"), list(ids)
     if isinstance(prompt, Mapping) and "prompt" in prompt:
         return _prompt(prompt["prompt"])
-    raise ValueError(f"prompt must be a string or {{'prompt_token_ids': [...]}}, "
-                     f"got {type(prompt).__name__}")
+    raise ValueError(
+        f"prompt must be a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}"
+    )
 
 
 def per_prompt(value: Any, count: int, what: str) -> list:

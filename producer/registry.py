@@ -37,15 +37,18 @@ def describe_adapter(path: str | Path) -> dict[str, Any]:
     if (path / CONFIG_FILE).is_file():
         config = json.loads((path / CONFIG_FILE).read_text())
     targets = config.get("target_modules") or []
-    return {"path": str(path.resolve()), "sha256": digest.hexdigest(),
-            "rank": int(config.get("r", 0)), "alpha": float(config.get("lora_alpha", 0)),
-            "target_modules": sorted(targets) if isinstance(targets, list) else [targets],
-            "base_model": config.get("base_model_name_or_path")}
+    return {
+        "path": str(path.resolve()),
+        "sha256": digest.hexdigest(),
+        "rank": int(config.get("r", 0)),
+        "alpha": float(config.get("lora_alpha", 0)),
+        "target_modules": sorted(targets) if isinstance(targets, list) else [targets],
+        "base_model": config.get("base_model_name_or_path"),
+    }
 
 
 def lora_from_record(record: dict[str, Any]) -> LoRARequest:
-    return LoRARequest(record["name"], int(record["id"]), record["path"],
-                       record.get("base_model"))
+    return LoRARequest(record["name"], int(record["id"]), record["path"], record.get("base_model"))
 
 
 def check_lora(requested: LoRARequest | str, record: dict[str, Any] | None) -> LoRARequest:
@@ -55,15 +58,20 @@ def check_lora(requested: LoRARequest | str, record: dict[str, Any] | None) -> L
     """
     name = requested if isinstance(requested, str) else requested.lora_name
     if record is None:
-        raise ValueError(f"unknown adapter {name!r}: register it with "
-                         f"`lorapool adapters add {name} PATH`")
+        raise ValueError(
+            f"unknown adapter {name!r}: register it with `lorapool adapters add {name} PATH`"
+        )
     if isinstance(requested, LoRARequest):
         if requested.lora_int_id != record["id"]:
-            raise ValueError(f"adapter {name!r} has id {record['id']} in the registry, "
-                             f"not {requested.lora_int_id} (colliding adapter id)")
+            raise ValueError(
+                f"adapter {name!r} has id {record['id']} in the registry, "
+                f"not {requested.lora_int_id} (colliding adapter id)"
+            )
         if requested.lora_path and str(Path(requested.lora_path).resolve()) != record["path"]:
-            raise ValueError(f"adapter {name!r} is registered with path {record['path']}, "
-                             f"not {requested.lora_path}")
+            raise ValueError(
+                f"adapter {name!r} is registered with path {record['path']}, "
+                f"not {requested.lora_path}"
+            )
     return lora_from_record(record)
 
 
@@ -92,8 +100,13 @@ class AdapterRegistry:
         name = requested if isinstance(requested, str) else requested.lora_name
         return check_lora(requested, self.get(name))
 
-    def add(self, name: str, path: str | Path, adapter_id: int | None = None,
-            info: dict[str, Any] | None = None) -> dict[str, Any]:
+    def add(
+        self,
+        name: str,
+        path: str | Path,
+        adapter_id: int | None = None,
+        info: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
         """Register an adapter; idempotent for the same name, id, path and weights.
 
         Refuses (ValueError) a name registered with other weights, path or id,
@@ -143,7 +156,9 @@ def _same_or_refuse(existing: dict, adapter_id: int | None, info: dict) -> dict:
     if adapter_id is not None and adapter_id != existing["id"]:
         raise ValueError(f"adapter {name!r} is already registered with id {existing['id']}")
     if (existing["path"], existing["sha256"]) != (info["path"], info["sha256"]):
-        raise ValueError(f"adapter {name!r} is already registered with other weights "
-                         f"({existing['path']}, sha256 {existing['sha256'][:12]}); remove it "
-                         f"first or register the new version under a new name")
+        raise ValueError(
+            f"adapter {name!r} is already registered with other weights "
+            f"({existing['path']}, sha256 {existing['sha256'][:12]}); remove it "
+            f"first or register the new version under a new name"
+        )
     return existing

@@ -26,9 +26,14 @@ def claim(worker: Worker) -> int:
     count = worker.capacity()
     if count == 0:
         return 0
-    reply = worker.redis.xautoclaim(worker.keys.requests, WORKERS_GROUP, worker.name,
-                                    min_idle_time=worker.config.lease_ms, start_id="0-0",
-                                    count=count)
+    reply = worker.redis.xautoclaim(
+        worker.keys.requests,
+        WORKERS_GROUP,
+        worker.name,
+        min_idle_time=worker.config.lease_ms,
+        start_id="0-0",
+        count=count,
+    )
     entries = [(i, f) for i, f in reply[1] if f]
     for entry_id, fields in entries:
         entry_id = entry_id.decode()
@@ -43,8 +48,9 @@ def claim(worker: Worker) -> int:
 
 
 def _deliveries(worker: Worker, entry_id: str) -> int:
-    info = worker.redis.xpending_range(worker.keys.requests, WORKERS_GROUP, min=entry_id,
-                                       max=entry_id, count=1)
+    info = worker.redis.xpending_range(
+        worker.keys.requests, WORKERS_GROUP, min=entry_id, max=entry_id, count=1
+    )
     return info[0]["times_delivered"] if info else 0
 
 
@@ -58,11 +64,14 @@ def read_log(worker: Worker, fields: dict) -> list[Chunk]:
         return []
 
 
-def _give_up(worker: Worker, entry_id: str, fields: dict, log: list[Chunk],
-             deliveries: int) -> None:
+def _give_up(
+    worker: Worker, entry_id: str, fields: dict, log: list[Chunk], deliveries: int
+) -> None:
     payload = fields.get(DATA.encode())
-    reason = (f"delivered {deliveries} times (max_deliveries={worker.config.max_deliveries}); "
-              f"the workers that took it stopped before finishing")
+    reason = (
+        f"delivered {deliveries} times (max_deliveries={worker.config.max_deliveries}); "
+        f"the workers that took it stopped before finishing"
+    )
     held = held_for_garbage(entry_id, payload)
     if held is not None:
         for chunk in log:
@@ -81,8 +90,14 @@ def held_for_garbage(entry_id: str, payload: Any) -> Held | None:
         return None
     prompt, metadata = data.get("prompt"), data.get("metadata")
     arrival = data.get("arrival_time")
-    job = Job(rid, prompt if isinstance(prompt, str) else None, None, _params(data),
-              _lora(data), metadata if isinstance(metadata, dict) else {})
+    job = Job(
+        rid,
+        prompt if isinstance(prompt, str) else None,
+        None,
+        _params(data),
+        _lora(data),
+        metadata if isinstance(metadata, dict) else {},
+    )
     if isinstance(arrival, (int, float)) and not isinstance(arrival, bool):
         job.arrival_time = float(arrival)
     return Held(entry_id, job)

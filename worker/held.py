@@ -71,9 +71,16 @@ def make_chunk(held: Held, out: RequestOutput, worker: str) -> Chunk:
     """The next chunk of ``held`` from one engine delta output."""
     first, final = held.seq == 0, out.finished
     outputs = [completion_wire(c, held.offsets.get(c.index, 0)) for c in out.outputs]
-    chunk = Chunk(request_id=held.request_id, seq=held.seq, offset=held.total, outputs=outputs,
-                  finished=final, adapter_id=held.adapter_id, error=out.error,
-                  lora_request=held.lora_dict if first or final else None)
+    chunk = Chunk(
+        request_id=held.request_id,
+        seq=held.seq,
+        offset=held.total,
+        outputs=outputs,
+        finished=final,
+        adapter_id=held.adapter_id,
+        error=out.error,
+        lora_request=held.lora_dict if first or final else None,
+    )
     if first:
         chunk.prompt = held.job.prompt if held.job.prompt is not None else out.prompt
         chunk.prompt_token_ids = list(out.prompt_token_ids or [])
@@ -97,12 +104,29 @@ def _metrics(held: Held, out: RequestOutput) -> dict[str, Any] | None:
 def error_chunk(held: Held, error: str, worker: str) -> Chunk:
     """A final chunk that fails ``held`` with ``error`` (carrying its adapter)."""
     n = held.job.sampling_params.n
-    outputs = [{"index": i, "offset": held.offsets.get(i, 0), "text": "", "token_ids": [],
-                "finish_reason": "error", "stop_reason": None} for i in range(n)]
-    chunk = Chunk(request_id=held.request_id, seq=held.seq, offset=held.total,
-                  outputs=outputs, finished=True, lora_request=held.lora_dict,
-                  adapter_id=held.adapter_id, worker=worker, error=error,
-                  metrics=_error_metrics(held))
+    outputs = [
+        {
+            "index": i,
+            "offset": held.offsets.get(i, 0),
+            "text": "",
+            "token_ids": [],
+            "finish_reason": "error",
+            "stop_reason": None,
+        }
+        for i in range(n)
+    ]
+    chunk = Chunk(
+        request_id=held.request_id,
+        seq=held.seq,
+        offset=held.total,
+        outputs=outputs,
+        finished=True,
+        lora_request=held.lora_dict,
+        adapter_id=held.adapter_id,
+        worker=worker,
+        error=error,
+        metrics=_error_metrics(held),
+    )
     if held.seq == 0:
         chunk.prompt, chunk.prompt_token_ids = held.job.prompt, held.job.prompt_token_ids
     return chunk
@@ -111,5 +135,9 @@ def error_chunk(held: Held, error: str, worker: str) -> Chunk:
 def _error_metrics(held: Held) -> dict[str, Any]:
     """What is known of a request that failed: arrival, end and token counts."""
     prompt = held.prompt_token_ids or held.job.prompt_token_ids or []
-    return {"arrival_time": held.job.arrival_time or time.time(), "finished_time": time.time(),
-            "num_prompt_tokens": len(prompt), "num_generated_tokens": held.total}
+    return {
+        "arrival_time": held.job.arrival_time or time.time(),
+        "finished_time": time.time(),
+        "num_prompt_tokens": len(prompt),
+        "num_generated_tokens": held.total,
+    }

@@ -57,8 +57,9 @@ NOT_OWNER, DUPLICATE = -1, -2
 class Worker:
     """Drives one ``LLMEngine`` from the request stream. ``base_model``: {"name", "sha256"}."""
 
-    def __init__(self, engine: Any, connection: redis.Redis, config: WorkerConfig,
-                 base_model: dict[str, str]):
+    def __init__(
+        self, engine: Any, connection: redis.Redis, config: WorkerConfig, base_model: dict[str, str]
+    ):
         self.engine = engine
         self.redis = connection
         self.config = config
@@ -97,8 +98,9 @@ class Worker:
         elif self.draining or (self.config.burst and read == 0 and self._queue_empty()):
             self.stopped = True
         if self._drain_deadline is not None and time.monotonic() > self._drain_deadline:
-            logger.warning("worker %s: stopping, handing %s entries back", self.name,
-                           len(self.held))
+            logger.warning(
+                "worker %s: stopping, handing %s entries back", self.name, len(self.held)
+            )
             self.hand_back()
             self.stopped = True
 
@@ -126,8 +128,9 @@ class Worker:
         if count == 0:
             return 0
         block = None if self.engine.has_unfinished_requests() else self.config.block_ms
-        reply = self.redis.xreadgroup(WORKERS_GROUP, self.name, {self.keys.requests: ">"},
-                                      count=count, block=block)
+        reply = self.redis.xreadgroup(
+            WORKERS_GROUP, self.name, {self.keys.requests: ">"}, count=count, block=block
+        )
         entries = [e for _, stream_entries in reply or [] for e in stream_entries]
         for entry_id, fields in entries:
             self.start(entry_id.decode(), fields)
@@ -160,12 +163,18 @@ class Worker:
             check_lora(job.lora_request, record)
             held.adapter = record
         if held.total and job.sampling_params.n > 1:
-            raise ValueError(f"request {job.request_id}: cannot resume a request with n > 1 "
-                             f"after {held.total} tokens were streamed")
-        self.engine.add_request(job.request_id, job.engine_prompt,
-                                engine_params(job.sampling_params),
-                                arrival_time=job.arrival_time, lora_request=job.lora_request,
-                                resume_token_ids=resumed_token_ids(held))
+            raise ValueError(
+                f"request {job.request_id}: cannot resume a request with n > 1 "
+                f"after {held.total} tokens were streamed"
+            )
+        self.engine.add_request(
+            job.request_id,
+            job.engine_prompt,
+            engine_params(job.sampling_params),
+            arrival_time=job.arrival_time,
+            lora_request=job.lora_request,
+            resume_token_ids=resumed_token_ids(held),
+        )
 
     # --- publishing --------------------------------------------------------------
 
@@ -184,18 +193,37 @@ class Worker:
         for (held, chunk), result in zip(sent, results):
             self._after_append(held, chunk, result)
 
-    def _append_chunk(self, pipe, held: Held, chunk: Chunk, dead: bytes | None = None,
-                      reason: str = "") -> None:
+    def _append_chunk(
+        self, pipe, held: Held, chunk: Chunk, dead: bytes | None = None, reason: str = ""
+    ) -> None:
         audit = b""
         if chunk.finished:  # every finished request, failed ones included, is audited
             held.take(chunk)
             audit = orjson.dumps(self._audit_record(held))
         rid = held.request_id
-        self._append(keys=[self.keys.requests, self.keys.out(rid), self.keys.abort(rid),
-                           self.keys.job(rid), self.keys.audit, self.keys.dead],
-                     args=[WORKERS_GROUP, held.entry_id, self.name, chunk.seq,
-                           encode_chunk(chunk), int(chunk.finished), audit,
-                           self.config.result_ttl_s, dead or b"", reason], client=pipe)
+        self._append(
+            keys=[
+                self.keys.requests,
+                self.keys.out(rid),
+                self.keys.abort(rid),
+                self.keys.job(rid),
+                self.keys.audit,
+                self.keys.dead,
+            ],
+            args=[
+                WORKERS_GROUP,
+                held.entry_id,
+                self.name,
+                chunk.seq,
+                encode_chunk(chunk),
+                int(chunk.finished),
+                audit,
+                self.config.result_ttl_s,
+                dead or b"",
+                reason,
+            ],
+            client=pipe,
+        )
 
     def _after_append(self, held: Held, chunk: Chunk, result: int) -> None:
         rid = held.request_id
@@ -217,16 +245,21 @@ class Worker:
     def _audit_record(self, held: Held) -> dict[str, Any]:
         adapter = None
         if held.adapter is not None:
-            keys = ("name", "id", "path", "sha256", "rank", "alpha", "target_modules",
-                    "base_model")
+            keys = ("name", "id", "path", "sha256", "rank", "alpha", "target_modules", "base_model")
             adapter = {k: held.adapter.get(k) for k in keys}
-        return record_from_output(held.output, worker=self.name, base_model=self.base_model,
-                                  adapter=adapter,
-                                  sampling_params=held.job.sampling_params.to_dict(),
-                                  metadata=held.job.metadata, error=held.output.error)
+        return record_from_output(
+            held.output,
+            worker=self.name,
+            base_model=self.base_model,
+            adapter=adapter,
+            sampling_params=held.job.sampling_params.to_dict(),
+            metadata=held.job.metadata,
+            error=held.output.error,
+        )
 
-    def dead_letter(self, entry_id: str, payload: bytes | None, reason: str,
-                    held: Held | None) -> None:
+    def dead_letter(
+        self, entry_id: str, payload: bytes | None, reason: str, held: Held | None
+    ) -> None:
         """Final error chunk (when the request is known), XACK and ``{p}:dead``, at once."""
         logger.warning("worker %s: dead-lettering %s: %s", self.name, entry_id, reason)
         if held is None:
@@ -239,11 +272,29 @@ class Worker:
             if chunk is not None:
                 self._append_chunk(pipe, held, chunk, dead=payload or b"null", reason=reason)
             else:
-                self._append(keys=[self.keys.requests, self.keys.out("-"), self.keys.abort("-"),
-                                   self.keys.job("-"), self.keys.audit, self.keys.dead],
-                             args=[WORKERS_GROUP, entry_id, self.name, -1, b"", 1, b"",
-                                   self.config.result_ttl_s, payload or b"null", reason],
-                             client=pipe)
+                self._append(
+                    keys=[
+                        self.keys.requests,
+                        self.keys.out("-"),
+                        self.keys.abort("-"),
+                        self.keys.job("-"),
+                        self.keys.audit,
+                        self.keys.dead,
+                    ],
+                    args=[
+                        WORKERS_GROUP,
+                        entry_id,
+                        self.name,
+                        -1,
+                        b"",
+                        1,
+                        b"",
+                        self.config.result_ttl_s,
+                        payload or b"null",
+                        reason,
+                    ],
+                    client=pipe,
+                )
             pipe.execute()
 
     def _find_adapter(self, held: Held) -> None:
@@ -276,8 +327,10 @@ class Worker:
         if not self.held:
             return
         held = list(self.held.values())
-        lost = self._renew(keys=[self.keys.requests],
-                           args=[WORKERS_GROUP, self.name, idle_ms] + [h.entry_id for h in held])
+        lost = self._renew(
+            keys=[self.keys.requests],
+            args=[WORKERS_GROUP, self.name, idle_ms] + [h.entry_id for h in held],
+        )
         lost = {x.decode() for x in lost}
         flags = self.redis.exists(*[self.keys.abort(h.request_id) for h in held])
         for h in held:
@@ -290,14 +343,20 @@ class Worker:
         now = time.time()
         elapsed = max(1e-6, now - self._last.get("tokens_at", now - 1))
         self._last["tokens_at"] = now
-        record = {"name": self.name, "device": str(self.engine.args.resolve_device()),
-                  "model": self.base_model.get("name"), "updated": now,
-                  "running": len(self.engine.scheduler.running),
-                  "waiting": len(self.engine.scheduler.waiting),
-                  "held": len(self.held), "tokens_per_s": self.num_tokens / elapsed,
-                  "adapters": sorted({h.job.lora_request.name for h in self.held.values()
-                                      if h.job.lora_request}),
-                  "draining": self.draining}
+        record = {
+            "name": self.name,
+            "device": str(self.engine.args.resolve_device()),
+            "model": self.base_model.get("name"),
+            "updated": now,
+            "running": len(self.engine.scheduler.running),
+            "waiting": len(self.engine.scheduler.waiting),
+            "held": len(self.held),
+            "tokens_per_s": self.num_tokens / elapsed,
+            "adapters": sorted(
+                {h.job.lora_request.name for h in self.held.values() if h.job.lora_request}
+            ),
+            "draining": self.draining,
+        }
         self.num_tokens = 0
         self.redis.hset(self.keys.workers, self.name, orjson.dumps(record))
 

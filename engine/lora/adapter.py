@@ -35,11 +35,17 @@ TARGETS = {
     "down_proj": ("mlp.down_proj", 0),
 }
 _KEY = re.compile(
-    r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+    r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$"
+)
 # Config keys whose non-default value changes the maths in ways we do not run.
-_UNSUPPORTED = {"use_dora": "DoRA", "modules_to_save": "modules_to_save",
-                "rank_pattern": "rank_pattern", "alpha_pattern": "alpha_pattern",
-                "layer_replication": "layer_replication", "use_qalora": "QALoRA"}
+_UNSUPPORTED = {
+    "use_dora": "DoRA",
+    "modules_to_save": "modules_to_save",
+    "rank_pattern": "rank_pattern",
+    "alpha_pattern": "alpha_pattern",
+    "layer_replication": "layer_replication",
+    "use_qalora": "QALoRA",
+}
 
 
 class AdapterError(ValueError):
@@ -48,8 +54,10 @@ class AdapterError(ValueError):
     def __init__(self, lora_request: LoRARequest, reason: str):
         self.lora_request = lora_request
         self.reason = reason
-        super().__init__(f"adapter {lora_request.lora_name!r} (id {lora_request.lora_int_id}, "
-                         f"path {lora_request.lora_path!r}): {reason}")
+        super().__init__(
+            f"adapter {lora_request.lora_name!r} (id {lora_request.lora_int_id}, "
+            f"path {lora_request.lora_path!r}): {reason}"
+        )
 
 
 @dataclass
@@ -91,8 +99,12 @@ class ModelShapes:
         return cls(len(model.model.layers), shapes)
 
 
-def load_adapter(lora_request: LoRARequest, model: ModelShapes, max_rank: int,
-                 adapter_roots: list[str] | None = None) -> LoRAAdapter:
+def load_adapter(
+    lora_request: LoRARequest,
+    model: ModelShapes,
+    max_rank: int,
+    adapter_roots: list[str] | None = None,
+) -> LoRAAdapter:
     """Read, validate and return the adapter at ``lora_request.lora_path``."""
     path = resolve_path(lora_request, adapter_roots or [])
     config = _read_config(lora_request, path)
@@ -101,8 +113,15 @@ def load_adapter(lora_request: LoRARequest, model: ModelShapes, max_rank: int,
     sha256 = file_sha256(weights_file)
     weights = _read_weights(lora_request, weights_file)
     pairs = _pair_weights(lora_request, weights, model, rank)
-    return LoRAAdapter(lora_request, str(path), rank, float(config.get("lora_alpha", 8)),
-                       bool(config.get("use_rslora", False)), sha256, pairs)
+    return LoRAAdapter(
+        lora_request,
+        str(path),
+        rank,
+        float(config.get("lora_alpha", 8)),
+        bool(config.get("use_rslora", False)),
+        sha256,
+        pairs,
+    )
 
 
 def resolve_path(lora_request: LoRARequest, adapter_roots: list[str]) -> Path:
@@ -113,14 +132,20 @@ def resolve_path(lora_request: LoRARequest, adapter_roots: list[str]) -> Path:
     if adapter_roots:
         roots = [Path(r).expanduser().resolve() for r in adapter_roots]
         if not any(path == root or path.is_relative_to(root) for root in roots):
-            raise AdapterError(lora_request, f"path resolves to {path}, outside the allowed "
-                                             f"adapter_roots {[str(r) for r in roots]}")
+            raise AdapterError(
+                lora_request,
+                f"path resolves to {path}, outside the allowed "
+                f"adapter_roots {[str(r) for r in roots]}",
+            )
     if not path.is_dir():
         raise AdapterError(lora_request, f"adapter directory {path} does not exist")
     if not (path / WEIGHTS_FILE).is_file():
         if any((path / name).exists() for name in PICKLE_FILES):
-            raise AdapterError(lora_request, f"only pickle weights in {path}; they are never "
-                                             f"loaded: convert them to {WEIGHTS_FILE}")
+            raise AdapterError(
+                lora_request,
+                f"only pickle weights in {path}; they are never "
+                f"loaded: convert them to {WEIGHTS_FILE}",
+            )
         raise AdapterError(lora_request, f"missing {WEIGHTS_FILE} in {path}")
     return path
 
@@ -149,8 +174,9 @@ def _read_config(lora_request: LoRARequest, path: Path) -> dict:
 def _check_config(lora_request: LoRARequest, config: dict, max_rank: int) -> int:
     peft_type = str(config.get("peft_type", "")).upper()
     if peft_type != "LORA":
-        raise AdapterError(lora_request, f"PEFT type {config.get('peft_type')!r} is not "
-                                         f"supported, only LORA")
+        raise AdapterError(
+            lora_request, f"PEFT type {config.get('peft_type')!r} is not supported, only LORA"
+        )
     for key, what in _UNSUPPORTED.items():
         if config.get(key):
             raise AdapterError(lora_request, f"{what} ({key}={config[key]!r}) is not supported")
@@ -169,8 +195,10 @@ def _check_targets(lora_request: LoRARequest, targets) -> None:
     names = [targets] if isinstance(targets, str) else list(targets or [])
     unknown = sorted(str(n) for n in names if n not in TARGETS)
     if unknown or not names:
-        raise AdapterError(lora_request, f"unknown target modules {unknown or names}: "
-                                         f"supported are {sorted(TARGETS)}")
+        raise AdapterError(
+            lora_request,
+            f"unknown target modules {unknown or names}: supported are {sorted(TARGETS)}",
+        )
 
 
 def _read_weights(lora_request: LoRARequest, file: Path) -> dict[str, torch.Tensor]:
@@ -187,12 +215,17 @@ def _pair_weights(lora_request, weights, model: ModelShapes, rank: int):
     for key, tensor in weights.items():
         match = _KEY.match(key)
         if match is None or match.group(3) not in TARGETS:
-            raise AdapterError(lora_request, f"unsupported weight {key!r} (only lora_A/lora_B "
-                                             f"of {sorted(TARGETS)} are supported)")
+            raise AdapterError(
+                lora_request,
+                f"unsupported weight {key!r} (only lora_A/lora_B "
+                f"of {sorted(TARGETS)} are supported)",
+            )
         layer, name, kind = int(match.group(1)), match.group(3), match.group(4)
         if layer >= model.num_layers:
-            raise AdapterError(lora_request, f"weight {key!r} names layer {layer}; the base "
-                                             f"model has {model.num_layers} layers")
+            raise AdapterError(
+                lora_request,
+                f"weight {key!r} names layer {layer}; the base model has {model.num_layers} layers",
+            )
         found.setdefault((layer, name), {})[kind] = tensor
     if not found:
         raise AdapterError(lora_request, f"{WEIGHTS_FILE} holds no LoRA weights")
@@ -202,13 +235,17 @@ def _pair_weights(lora_request, weights, model: ModelShapes, rank: int):
 def _check_pair(lora_request, key, ab, model: ModelShapes, rank: int):
     layer, name = key
     if set(ab) != {"A", "B"}:
-        raise AdapterError(lora_request, f"layer {layer} {name} lacks lora_"
-                                         f"{({'A', 'B'} - set(ab)).pop()}")
+        raise AdapterError(
+            lora_request, f"layer {layer} {name} lacks lora_{({'A', 'B'} - set(ab)).pop()}"
+        )
     in_features, out_features = model.shapes[name]
     a, b = ab["A"], ab["B"]
     expected_a, expected_b = (rank, in_features), (out_features, rank)
     if tuple(a.shape) != expected_a or tuple(b.shape) != expected_b:
-        raise AdapterError(lora_request, f"layer {layer} {name}: shapes A {tuple(a.shape)}, "
-                                         f"B {tuple(b.shape)} do not fit the base model "
-                                         f"(expected A {expected_a}, B {expected_b})")
+        raise AdapterError(
+            lora_request,
+            f"layer {layer} {name}: shapes A {tuple(a.shape)}, "
+            f"B {tuple(b.shape)} do not fit the base model "
+            f"(expected A {expected_a}, B {expected_b})",
+        )
     return a.float(), b.float()

@@ -40,25 +40,36 @@ class LoRALayer:
     target a slice are zero.
     """
 
-    def __init__(self, in_features: int, output_sizes: list[int], num_slots: int,
-                 max_rank: int, dtype: torch.dtype, device: torch.device, step: LoRAStep):
+    def __init__(
+        self,
+        in_features: int,
+        output_sizes: list[int],
+        num_slots: int,
+        max_rank: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        step: LoRAStep,
+    ):
         num_slices = len(output_sizes)
         self.output_sizes = list(output_sizes)
         self.offsets = [sum(output_sizes[:s]) for s in range(num_slices)]
-        self.lora_a = torch.zeros(num_slices, num_slots, max_rank, in_features,
-                                  dtype=dtype, device=device)
-        self.lora_b = torch.zeros(num_slots, sum(output_sizes), max_rank,
-                                  dtype=dtype, device=device)
+        self.lora_a = torch.zeros(
+            num_slices, num_slots, max_rank, in_features, dtype=dtype, device=device
+        )
+        self.lora_b = torch.zeros(
+            num_slots, sum(output_sizes), max_rank, dtype=dtype, device=device
+        )
         self.step = step
 
-    def set_slot(self, slot: int, index: int, a: torch.Tensor, b: torch.Tensor,
-                 scaling: float) -> None:
+    def set_slot(
+        self, slot: int, index: int, a: torch.Tensor, b: torch.Tensor, scaling: float
+    ) -> None:
         """Write slice ``index`` of ``slot``: A [r, in], B [out, r] (B scaled here)."""
         rank = a.shape[0]
         start = self.offsets[index]
         self.lora_a[index, slot].zero_()
         self.lora_a[index, slot, :rank] = a.to(self.lora_a.dtype)
-        rows = self.lora_b[slot, start:start + b.shape[0]]
+        rows = self.lora_b[slot, start : start + b.shape[0]]
         rows.zero_()
         rows[:, :rank] = (b * scaling).to(self.lora_b.dtype)
 

@@ -47,8 +47,7 @@ class LoRAManager:
         self.adapter_roots = list(args.adapter_roots)
         self.shapes = ModelShapes.of(model)
         self.step = LoRAStep()
-        self.layers = _attach_layers(model, args, device, args.resolve_lora_dtype(dtype),
-                                     self.step)
+        self.layers = _attach_layers(model, args, device, args.resolve_lora_dtype(dtype), self.step)
         self.cpu: OrderedDict[int, LoRAAdapter] = OrderedDict()
         self.registry: dict[int, tuple[str, str]] = {}  # id -> (resolved path, sha256)
         self.raw_paths: dict[int, str] = {}  # id -> the lora_path it was loaded from
@@ -80,8 +79,10 @@ class LoRAManager:
     def pin_lora(self, lora_id: int) -> bool:
         """Keep a loaded adapter in the CPU cache and, in preference, in its device slot."""
         if len(self.pinned | {lora_id}) > self.max_cpu_loras:
-            raise ValueError(f"pinning adapter {lora_id} would pin more than "
-                             f"max_cpu_loras={self.max_cpu_loras} adapters")
+            raise ValueError(
+                f"pinning adapter {lora_id} would pin more than "
+                f"max_cpu_loras={self.max_cpu_loras} adapters"
+            )
         if lora_id not in self.cpu:
             raise ValueError(f"adapter id {lora_id} is not loaded: add_lora it first")
         self.pinned.add(lora_id)
@@ -149,12 +150,17 @@ class LoRAManager:
         adapter = load_adapter(request, self.shapes, self.max_rank, self.adapter_roots)
         known = self.registry.get(request.lora_int_id)
         if known is not None and known[0] != adapter.path:
-            raise AdapterError(request, f"adapter id {request.lora_int_id} is already "
-                                        f"registered with path {known[0]}")
+            raise AdapterError(
+                request,
+                f"adapter id {request.lora_int_id} is already registered with path {known[0]}",
+            )
         if known is not None and known[1] != adapter.sha256:
-            raise AdapterError(request, f"weights changed since adapter id "
-                                        f"{request.lora_int_id} was registered (sha256 "
-                                        f"{known[1][:12]}…, now {adapter.sha256[:12]}…)")
+            raise AdapterError(
+                request,
+                f"weights changed since adapter id "
+                f"{request.lora_int_id} was registered (sha256 "
+                f"{known[1][:12]}…, now {adapter.sha256[:12]}…)",
+            )
         self.registry[request.lora_int_id] = (adapter.path, adapter.sha256)
         self.raw_paths[request.lora_int_id] = request.lora_path
         self.cpu[request.lora_int_id] = adapter
@@ -167,8 +173,9 @@ class LoRAManager:
             return
         path = str(resolve_path(request, self.adapter_roots))
         if path != known:
-            raise AdapterError(request, f"adapter id {request.lora_int_id} is already "
-                                        f"registered with path {known}")
+            raise AdapterError(
+                request, f"adapter id {request.lora_int_id} is already registered with path {known}"
+            )
 
     def _trim_cpu(self) -> None:
         for lora_id in list(self.cpu):
@@ -181,11 +188,14 @@ class LoRAManager:
         if None in self.slots:
             return self.slots.index(None)
         # least recently used first, unpinned before pinned
-        candidates = sorted((i for i in self.slot_lru if i not in in_step),
-                            key=lambda i: i in self.pinned)
+        candidates = sorted(
+            (i for i in self.slot_lru if i not in in_step), key=lambda i: i in self.pinned
+        )
         if not candidates:
-            raise AdapterError(request, f"no free device slot: the step uses more than "
-                                        f"max_loras={self.max_loras} adapters")
+            raise AdapterError(
+                request,
+                f"no free device slot: the step uses more than max_loras={self.max_loras} adapters",
+            )
         slot = self.slots.index(candidates[0])
         self._evict_slot(candidates[0])
         return slot
@@ -220,7 +230,14 @@ def _attach_layers(model, args: EngineArgs, device, dtype, step: LoRAStep):
     for i, decoder_layer in enumerate(model.model.layers):
         for name in module_names:
             linear = decoder_layer.get_submodule(name)
-            linear.lora = LoRALayer(linear.in_features, linear.output_sizes, args.max_loras,
-                                    args.max_lora_rank, dtype, device, step)
+            linear.lora = LoRALayer(
+                linear.in_features,
+                linear.output_sizes,
+                args.max_loras,
+                args.max_lora_rank,
+                dtype,
+                device,
+                step,
+            )
             layers[(i, name)] = linear.lora
     return layers

@@ -17,7 +17,9 @@ def bench(ctx, name):
     script = BENCHMARKS / f"{name}.py"
     if not script.is_file():
         names = sorted(p.stem for p in BENCHMARKS.glob("*.py")) if BENCHMARKS.is_dir() else []
-        raise click.UsageError(f"no benchmark {name!r} in {BENCHMARKS} (have: {', '.join(names)}); "
-                               "benchmarks run from a source checkout")
+        raise click.UsageError(
+            f"no benchmark {name!r} in {BENCHMARKS} (have: {', '.join(names)}); "
+            "benchmarks run from a source checkout"
+        )
     sys.argv = [str(script), *ctx.args]
     runpy.run_path(str(script), run_name="__main__")

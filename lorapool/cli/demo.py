@@ -36,8 +36,9 @@ def engine_demo(model: str, max_tokens: int, console) -> None:
 
     engine = LLMEngine.from_engine_args(EngineArgs(model=model))
     tokenizer = engine.get_tokenizer()
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens,
-                            output_kind=RequestOutputKind.DELTA)
+    params = SamplingParams(
+        temperature=0.0, max_tokens=max_tokens, output_kind=RequestOutputKind.DELTA
+    )
     texts, status = {}, {}
     for i, prompt in enumerate(PROMPTS):
         chat = [{"role": "user", "content": prompt}]
@@ -59,7 +60,7 @@ def engine_demo(model: str, max_tokens: int, console) -> None:
         while engine.has_unfinished_requests():
             for out in engine.step():
                 texts[out.request_id] += out.outputs[0].text
-                status[out.request_id] = (out.outputs[0].finish_reason or "streaming")
+                status[out.request_id] = out.outputs[0].finish_reason or "streaming"
             steps += 1
             live.update(render())
     console.print(f"{steps} engine steps, {len(PROMPTS)} requests batched together.")

@@ -75,8 +75,10 @@ def register_adapters(producer, model: str, console: Console) -> None:
 
     for name, path in ensure_demo_adapters(model, cache_dir() / "demo-adapters").items():
         record = producer.registry.add(name, path)
-        console.print(f"adapter [bold]{name}[/] registered: id {record['id']}, "
-                      f"sha256 {record['sha256'][:12]}…")
+        console.print(
+            f"adapter [bold]{name}[/] registered: id {record['id']}, "
+            f"sha256 {record['sha256'][:12]}…"
+        )
 
 
 def submit_jobs(producer, model: str, max_tokens: int, console: Console):
@@ -85,18 +87,22 @@ def submit_jobs(producer, model: str, max_tokens: int, console: Console):
     from lorapool import RequestOutputKind, SamplingParams
 
     tokenizer = AutoTokenizer.from_pretrained(model)
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens,
-                            output_kind=RequestOutputKind.DELTA)
+    params = SamplingParams(
+        temperature=0.0, max_tokens=max_tokens, output_kind=RequestOutputKind.DELTA
+    )
     tenants = itertools.cycle(["acme", "globex"])
     handles = []
     for prompt, adapter in JOBS:
-        chat = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                             tokenize=False, add_generation_prompt=True)
-        handles.append(producer.submit(chat, params, lora_request=adapter,
-                                       metadata={"tenant": next(tenants)}))
+        chat = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+        )
+        handles.append(
+            producer.submit(chat, params, lora_request=adapter, metadata={"tenant": next(tenants)})
+        )
     adapters = {a for _, a in JOBS} - {None}
-    console.print(f"submitted {len(handles)} jobs across {len(adapters)} adapters "
-                  "and the base model")
+    console.print(
+        f"submitted {len(handles)} jobs across {len(adapters)} adapters and the base model"
+    )
     return handles
 
 
@@ -109,11 +115,29 @@ def start_workers(url: str, model: str, console: Console) -> list[subprocess.Pop
     procs = []
     for name in ("a", "b"):
         log = open(logs / f"worker-{name}.log", "w")  # noqa: SIM115 - the child owns it
-        procs.append(subprocess.Popen(
-            lorapool_cmd("worker", "--model", model, "--enable-lora", "--max-loras", "4",
-                         "--max-lora-rank", "16", "--redis-url", url, "--prefix", PREFIX,
-                         "--name", f"worker-{name}"),
-            stdout=log, stderr=subprocess.STDOUT, cwd=child_cwd()))
+        procs.append(
+            subprocess.Popen(
+                lorapool_cmd(
+                    "worker",
+                    "--model",
+                    model,
+                    "--enable-lora",
+                    "--max-loras",
+                    "4",
+                    "--max-lora-rank",
+                    "16",
+                    "--redis-url",
+                    url,
+                    "--prefix",
+                    PREFIX,
+                    "--name",
+                    f"worker-{name}",
+                ),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=child_cwd(),
+            )
+        )
     return procs
 
 
@@ -145,8 +169,9 @@ def stream_one(handle, prompt: str, console: Console, workers) -> None:
                     return
         except TimeoutError:
             if all(w.poll() is not None for w in workers):
-                raise RuntimeError("the workers exited before the job finished; "
-                                   "see their logs") from None
+                raise RuntimeError(
+                    "the workers exited before the job finished; see their logs"
+                ) from None
 
 
 def who_served_what(results) -> Table:
@@ -155,17 +180,34 @@ def who_served_what(results) -> Table:
         table.add_column(column, overflow="fold" if column == "completion" else "ellipsis")
     for out in results:
         completion = out.outputs[0]
-        table.add_row(out.request_id[:8], out.lora_request.name if out.lora_request else "—",
-                      out.worker or "?", str(len(completion.token_ids)),
-                      completion.finish_reason or "", completion.text[:60].replace("\n", " "))
+        table.add_row(
+            out.request_id[:8],
+            out.lora_request.name if out.lora_request else "—",
+            out.worker or "?",
+            str(len(completion.token_ids)),
+            completion.finish_reason or "",
+            completion.text[:60].replace("\n", " "),
+        )
     return table
 
 
 def write_audit(url: str, console: Console) -> None:
     console.print("audit writer: draining the audit stream into the database…")
-    subprocess.run(lorapool_cmd("audit-writer", "--redis-url", url, "--prefix", PREFIX,
-                                "--migrate", "--burst", "--log-level", "WARNING"),
-                   check=True, cwd=child_cwd())
+    subprocess.run(
+        lorapool_cmd(
+            "audit-writer",
+            "--redis-url",
+            url,
+            "--prefix",
+            PREFIX,
+            "--migrate",
+            "--burst",
+            "--log-level",
+            "WARNING",
+        ),
+        check=True,
+        cwd=child_cwd(),
+    )
 
 
 def show_audit(request_id: str, since: float, console: Console) -> None:
@@ -174,7 +216,10 @@ def show_audit(request_id: str, since: float, console: Console) -> None:
     from lorapool.audit_db.queries import get_request, usage
 
     engine = create_audit_engine(DatabaseConfig())
-    console.print(fmt.usage_table(usage(engine, by="adapter", since=since),
-                                  title="usage per adapter (this demo run)"))
+    console.print(
+        fmt.usage_table(
+            usage(engine, by="adapter", since=since), title="usage per adapter (this demo run)"
+        )
+    )
     for row in get_request(engine, request_id):
         console.print(fmt.record_table(row))

@@ -11,10 +11,15 @@ import click
 
 from lorapool.keys import DEFAULT_PREFIX
 
-redis_option = click.option("--redis-url", envvar="REDIS_URL", default=None,
-                            help="Redis URL (default: $REDIS_URL, else an embedded Redis)")
-prefix_option = click.option("--prefix", default=DEFAULT_PREFIX, show_default=True,
-                             help="key prefix")
+redis_option = click.option(
+    "--redis-url",
+    envvar="REDIS_URL",
+    default=None,
+    help="Redis URL (default: $REDIS_URL, else an embedded Redis)",
+)
+prefix_option = click.option(
+    "--prefix", default=DEFAULT_PREFIX, show_default=True, help="key prefix"
+)
 
 
 def _producer(redis_url, prefix):
@@ -40,22 +45,49 @@ def _producer(redis_url, prefix):
 @click.option("--burst", is_flag=True, help="exit when the queue and the engine are empty")
 @redis_option
 @prefix_option
-def worker(model, dtype, device, max_num_seqs, max_num_batched_tokens, max_model_len,
-           enable_lora, max_loras, max_lora_rank, name, lease_s, max_deliveries,
-           drain_timeout, burst, redis_url, prefix):
+def worker(
+    model,
+    dtype,
+    device,
+    max_num_seqs,
+    max_num_batched_tokens,
+    max_model_len,
+    enable_lora,
+    max_loras,
+    max_lora_rank,
+    name,
+    lease_s,
+    max_deliveries,
+    drain_timeout,
+    burst,
+    redis_url,
+    prefix,
+):
     """Serve the request stream with one engine."""
     from lorapool.engine.config import EngineArgs
     from lorapool.producer.client import connect
     from lorapool.worker.config import WorkerConfig, default_name
     from lorapool.worker.serve import serve
 
-    args = EngineArgs(model=model, dtype=dtype, device=device, max_num_seqs=max_num_seqs,
-                      max_num_batched_tokens=max_num_batched_tokens,
-                      max_model_len=max_model_len, enable_lora=enable_lora,
-                      max_loras=max_loras, max_lora_rank=max_lora_rank)
-    config = WorkerConfig(prefix=prefix, name=name or default_name(), lease_s=lease_s,
-                          max_deliveries=max_deliveries, drain_timeout_s=drain_timeout,
-                          burst=burst)
+    args = EngineArgs(
+        model=model,
+        dtype=dtype,
+        device=device,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len,
+        enable_lora=enable_lora,
+        max_loras=max_loras,
+        max_lora_rank=max_lora_rank,
+    )
+    config = WorkerConfig(
+        prefix=prefix,
+        name=name or default_name(),
+        lease_s=lease_s,
+        max_deliveries=max_deliveries,
+        drain_timeout_s=drain_timeout,
+        burst=burst,
+    )
     serve(args, config, connect(redis_url))
 
 
@@ -69,13 +101,13 @@ def worker(model, dtype, device, max_num_seqs, max_num_batched_tokens, max_model
 @click.option("--timeout", default=300.0, show_default=True)
 @redis_option
 @prefix_option
-def submit(prompt, adapter, max_tokens, temperature, seed, request_id, timeout, redis_url,
-           prefix):
+def submit(prompt, adapter, max_tokens, temperature, seed, request_id, timeout, redis_url, prefix):
     """Submit PROMPT and stream the completion to the terminal."""
     from lorapool.protocol import SamplingParams
 
-    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed,
-                            output_kind="delta")
+    params = SamplingParams(
+        max_tokens=max_tokens, temperature=temperature, seed=seed, output_kind="delta"
+    )
     try:
         job = _producer(redis_url, prefix).submit(prompt, params, adapter, request_id)
     except ValueError as exc:
@@ -87,9 +119,12 @@ def submit(prompt, adapter, max_tokens, temperature, seed, request_id, timeout, 
         sys.stdout.flush()
     if final is not None:
         reason = final.outputs[0].finish_reason if final.outputs else None
-        click.echo(f"\n[{reason}; worker {final.worker}; adapter "
-                   f"{final.lora_request.name if final.lora_request else 'base'}"
-                   f"{'; error: ' + final.error if final.error else ''}]", err=True)
+        click.echo(
+            f"\n[{reason}; worker {final.worker}; adapter "
+            f"{final.lora_request.name if final.lora_request else 'base'}"
+            f"{'; error: ' + final.error if final.error else ''}]",
+            err=True,
+        )
 
 
 @click.command()
@@ -133,8 +168,10 @@ def adapters_add(name, path, adapter_id, redis_url, prefix):
         record = _producer(redis_url, prefix).registry.add(name, path, adapter_id)
     except ValueError as exc:
         raise click.ClickException(str(exc)) from None
-    click.echo(f"{record['name']}: id {record['id']}, rank {record['rank']}, "
-               f"sha256 {record['sha256'][:16]}…, {record['path']}")
+    click.echo(
+        f"{record['name']}: id {record['id']}, rank {record['rank']}, "
+        f"sha256 {record['sha256'][:16]}…, {record['path']}"
+    )
 
 
 @adapters.command("list")
@@ -143,8 +180,9 @@ def adapters_add(name, path, adapter_id, redis_url, prefix):
 def adapters_list(redis_url, prefix):
     """List registered adapters."""
     for r in _producer(redis_url, prefix).registry.list():
-        click.echo(f"{r['id']:>4}  {r['name']:<24} rank {r['rank']:<4} "
-                   f"{r['sha256'][:16]}  {r['path']}")
+        click.echo(
+            f"{r['id']:>4}  {r['name']:<24} rank {r['rank']:<4} {r['sha256'][:16]}  {r['path']}"
+        )
 
 
 @adapters.command("remove")

@@ -17,9 +17,15 @@ def worker_table(producer) -> Table:
     now = time.time()
     for raw in producer.redis.hvals(producer.keys.workers):
         w = orjson.loads(raw)
-        table.add_row(w["name"], w.get("device", "?"), ", ".join(w.get("adapters", [])) or "-",
-                      str(w.get("running", 0)), str(w.get("waiting", 0)),
-                      f"{w.get('tokens_per_s', 0):.1f}", f"{now - w.get('updated', now):.1f}s ago")
+        table.add_row(
+            w["name"],
+            w.get("device", "?"),
+            ", ".join(w.get("adapters", [])) or "-",
+            str(w.get("running", 0)),
+            str(w.get("waiting", 0)),
+            f"{w.get('tokens_per_s', 0):.1f}",
+            f"{now - w.get('updated', now):.1f}s ago",
+        )
     return table
 
 
@@ -28,10 +34,14 @@ def queue_table(producer) -> Table:
     table = Table(title="queue")
     for column in ("stream", "length", "pending", "lag", "dead letters"):
         table.add_column(column)
-    group = next((g for g in _groups(r, keys.requests) if g["name"] == WORKERS_GROUP.encode()),
-                 {})
-    table.add_row(keys.requests, str(r.xlen(keys.requests)), str(group.get("pending", 0)),
-                  str(group.get("lag", "-")), str(r.xlen(keys.dead)))
+    group = next((g for g in _groups(r, keys.requests) if g["name"] == WORKERS_GROUP.encode()), {})
+    table.add_row(
+        keys.requests,
+        str(r.xlen(keys.requests)),
+        str(group.get("pending", 0)),
+        str(group.get("lag", "-")),
+        str(r.xlen(keys.dead)),
+    )
     return table
 
 

@@ -30,7 +30,7 @@ def stream(tokenizer, ids, params, chunks=None, check_stop=True):
     chunks = chunks or [1] * len(ids)
     deltas, start = [], 0
     for size in chunks:
-        stop = detok.add_tokens(ids[start:start + size], check_stop=check_stop)
+        stop = detok.add_tokens(ids[start : start + size], check_stop=check_stop)
         start += size
         deltas.append(detok.take_delta(finished=stop is not None))
         if stop is not None:
@@ -170,8 +170,9 @@ def test_holdback_releases_text_that_cannot_start_a_stop(smollm2_tokenizer):
     detok.add_tokens(ids)
     assert detok.take_delta(finished=False) == "abcdefg"  # the last 3 characters wait
     assert detok.take_delta(finished=True) == "hij"
-    detok = IncrementalDetokenizer(tok, [], SamplingParams(stop=["1234"],
-                                                           include_stop_str_in_output=True))
+    detok = IncrementalDetokenizer(
+        tok, [], SamplingParams(stop=["1234"], include_stop_str_in_output=True)
+    )
     detok.add_tokens(ids)
     assert detok.take_delta(finished=False) == "abcdefghij"
 

@@ -1,6 +1,5 @@
 """The engine end to end against transformers: greedy tokens, logprobs, streaming."""
 
-
 import pytest
 import torch
 from engine_runs import assert_matches_transformers, run_staggered, run_until_finished, workload
@@ -25,8 +24,9 @@ def test_greedy_matches_with_preemption_and_chunked_prefill(tiny_model_path):
     engine = LLMEngine.from_engine_args(EngineArgs(model=str(path), num_kv_blocks=24))
     assert_matches_transformers(path, engine, requests, every=0)
     assert engine.scheduler.num_preemptions > 0
-    chunked = LLMEngine.from_engine_args(EngineArgs(model=str(path), max_num_batched_tokens=16,
-                                                    max_num_seqs=16))
+    chunked = LLMEngine.from_engine_args(
+        EngineArgs(model=str(path), max_num_batched_tokens=16, max_num_seqs=16)
+    )
     assert_matches_transformers(path, chunked, requests)
 
 
@@ -48,8 +48,8 @@ def test_logprobs_match_transformers_log_softmax(tiny_model_path):
         top5 = torch.topk(row, 5).indices.tolist()
         assert set(top5) <= set(top)
     assert completion.cumulative_logprob == pytest.approx(
-        sum(completion.logprobs[i][t].logprob for i, t in enumerate(completion.token_ids)),
-        abs=1e-4)
+        sum(completion.logprobs[i][t].logprob for i, t in enumerate(completion.token_ids)), abs=1e-4
+    )
     assert final.prompt_logprobs[0] is None and len(final.prompt_logprobs) == len(prompt)
     for pos in range(1, len(prompt)):
         lp = final.prompt_logprobs[pos][prompt[pos]].logprob
@@ -68,6 +68,7 @@ def test_seeded_sampling_is_the_same_alone_and_in_a_busy_batch(tiny_model_path):
 
     def params_for(i):
         return seeded if i == 5 else SamplingParams(temperature=1.0, max_tokens=requests[i][1])
+
     requests[5] = ([5, 6, 7, 8], 20)
     finals = run_staggered(busy, requests, params_for)
     assert finals["req-5"].outputs[0].token_ids == expected
@@ -92,11 +93,15 @@ def test_n_samples_share_the_prompt_and_differ(tiny_model_path):
 def test_delta_stream_merges_to_final_only(tiny_model_path, prompt):
     path = tiny_model_path("llama")
     outputs = {}
-    for kind in (RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY,
-                 RequestOutputKind.CUMULATIVE):
+    for kind in (
+        RequestOutputKind.DELTA,
+        RequestOutputKind.FINAL_ONLY,
+        RequestOutputKind.CUMULATIVE,
+    ):
         engine = LLMEngine.from_engine_args(EngineArgs(model=str(path)))
-        params = SamplingParams(temperature=0.8, seed=3, max_tokens=40, output_kind=kind,
-                                ignore_eos=True)
+        params = SamplingParams(
+            temperature=0.8, seed=3, max_tokens=40, output_kind=kind, ignore_eos=True
+        )
         engine.add_request("d", prompt, params)
         merged, count = None, 0
         while engine.has_unfinished_requests():
@@ -115,15 +120,17 @@ def test_delta_stream_merges_to_final_only(tiny_model_path, prompt):
         assert merged.outputs[0].text == final.outputs[0].text
         assert merged.outputs[0].token_ids == final.outputs[0].token_ids
         assert merged.finished and merged.outputs[0].finish_reason == "length"
-    assert final.outputs[0].text == engine.tokenizer.decode(final.outputs[0].token_ids,
-                                                            skip_special_tokens=True)
+    assert final.outputs[0].text == engine.tokenizer.decode(
+        final.outputs[0].token_ids, skip_special_tokens=True
+    )
 
 
 @pytest.mark.parametrize("cut", [1, 7, 19])
 def test_resume_continues_a_seeded_stream_gaplessly(tiny_model_path, cut):
     path = tiny_model_path("llama")
-    params = SamplingParams(temperature=0.9, seed=5, max_tokens=24, ignore_eos=True,
-                            output_kind=RequestOutputKind.DELTA)
+    params = SamplingParams(
+        temperature=0.9, seed=5, max_tokens=24, ignore_eos=True, output_kind=RequestOutputKind.DELTA
+    )
     prompt = "Ça coûte 5 € 🐱"
     first = LLMEngine.from_engine_args(EngineArgs(model=str(path)))
     first.add_request("r", prompt, params)

@@ -7,8 +7,9 @@ from lorapool import EngineArgs, LLMEngine, LoRARequest, SamplingParams
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_path):
-    return LLMEngine.from_engine_args(EngineArgs(model=str(tiny_model_path("llama")),
-                                                 max_logprobs=5))
+    return LLMEngine.from_engine_args(
+        EngineArgs(model=str(tiny_model_path("llama")), max_logprobs=5)
+    )
 
 
 BAD_PARAMS = [

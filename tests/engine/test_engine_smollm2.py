@@ -13,11 +13,15 @@ def requests():
     return workload(7, 16, 49152, max_prompt=300, max_out=12)
 
 
-@pytest.mark.parametrize("options", [
-    {},
-    {"num_kv_blocks": 24},  # sixteen requests at once need far more than 24 blocks
-    {"max_num_batched_tokens": 32, "max_num_seqs": 16},  # every prefill chunked
-], ids=["plain", "preemption", "chunked"])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"num_kv_blocks": 24},  # sixteen requests at once need far more than 24 blocks
+        {"max_num_batched_tokens": 32, "max_num_seqs": 16},  # every prefill chunked
+    ],
+    ids=["plain", "preemption", "chunked"],
+)
 def test_greedy_matches_transformers(smollm2_path, requests, options):
     engine = LLMEngine.from_engine_args(EngineArgs(model=str(smollm2_path), **options))
     every = 0 if "num_kv_blocks" in options else 2
@@ -31,10 +35,12 @@ def test_delta_stream_of_multibyte_text_merges_to_final(smollm2_path):
     merged = {}
     for kind in (RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY):
         engine = LLMEngine.from_engine_args(EngineArgs(model=str(smollm2_path)))
-        chat = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                                    tokenize=False, add_generation_prompt=True)
-        engine.add_request("m", chat, SamplingParams(temperature=0.7, seed=11, max_tokens=48,
-                                                     output_kind=kind))
+        chat = engine.tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+        )
+        engine.add_request(
+            "m", chat, SamplingParams(temperature=0.7, seed=11, max_tokens=48, output_kind=kind)
+        )
         while engine.has_unfinished_requests():
             for out in engine.step():
                 if kind in merged:

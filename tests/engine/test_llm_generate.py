@@ -18,9 +18,12 @@ def base(tiny_model_path):
 def loras(base, tmp_path_factory):
     root = tmp_path_factory.mktemp("generate-loras")
     specs = [(8, ["q_proj", "v_proj"]), (16, ALL_TARGETS), (4, ["gate_proj", "down_proj"])]
-    return [LoRARequest(f"g{i}", i + 1, str(build_adapter(base, root / f"g{i}", rank=r,
-                                                           targets=t, seed=20 + i)))
-            for i, (r, t) in enumerate(specs)]
+    return [
+        LoRARequest(
+            f"g{i}", i + 1, str(build_adapter(base, root / f"g{i}", rank=r, targets=t, seed=20 + i))
+        )
+        for i, (r, t) in enumerate(specs)
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -74,8 +77,9 @@ def test_steps_pad_to_the_rank_of_their_own_adapters(base, loras, monkeypatch):
     step = llm.llm_engine.lora_manager.step
     ranks = []
     original = step.set
-    monkeypatch.setattr(step, "set", lambda mapping, rank: ranks.append(rank) or
-                        original(mapping, rank))
+    monkeypatch.setattr(
+        step, "set", lambda mapping, rank: ranks.append(rank) or original(mapping, rank)
+    )
     llm.generate(PROMPTS[:1], params(), lora_request=loras[1])  # rank 16, stays in its slot
     ranks.clear()
     outputs = llm.generate(PROMPTS, params(), lora_request=[loras[0], None, loras[0], None])

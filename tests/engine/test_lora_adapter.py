@@ -23,8 +23,9 @@ def base(tiny_model_path):
 
 @pytest.fixture(scope="module")
 def good(base, tmp_path_factory):
-    return build_adapter(base, tmp_path_factory.mktemp("good") / "sql", rank=8,
-                         targets=ALL_TARGETS, alpha=16)
+    return build_adapter(
+        base, tmp_path_factory.mktemp("good") / "sql", rank=8, targets=ALL_TARGETS, alpha=16
+    )
 
 
 @pytest.fixture(scope="module")
@@ -33,8 +34,14 @@ def model(base):
 
 
 def manager(model, base, roots=(), **kw):
-    args = EngineArgs(model=str(base), enable_lora=True, max_loras=2, max_lora_rank=16,
-                      adapter_roots=[str(r) for r in roots], **kw)
+    args = EngineArgs(
+        model=str(base),
+        enable_lora=True,
+        max_loras=2,
+        max_lora_rank=16,
+        adapter_roots=[str(r) for r in roots],
+        **kw,
+    )
     return LoRAManager(model, args, torch.device("cpu"), torch.float32)
 
 
@@ -151,18 +158,20 @@ def test_non_lora_peft_type(model, base, good, tmp_path):
 def test_shapes_that_do_not_fit(model, base, good, tmp_path):
     path = copy(good, tmp_path)
     key = "base_model.model.model.layers.0.self_attn.q_proj"
-    save_file({f"{key}.lora_A.weight": torch.zeros(8, 65),
-               f"{key}.lora_B.weight": torch.zeros(64, 8)},
-              str(path / "adapter_model.safetensors"))
+    save_file(
+        {f"{key}.lora_A.weight": torch.zeros(8, 65), f"{key}.lora_B.weight": torch.zeros(64, 8)},
+        str(path / "adapter_model.safetensors"),
+    )
     rejects(model, base, path, "do not fit the base model")
 
 
 def test_layer_beyond_the_model(model, base, good, tmp_path):
     path = copy(good, tmp_path)
     key = "base_model.model.model.layers.9.self_attn.q_proj"
-    save_file({f"{key}.lora_A.weight": torch.zeros(8, 64),
-               f"{key}.lora_B.weight": torch.zeros(64, 8)},
-              str(path / "adapter_model.safetensors"))
+    save_file(
+        {f"{key}.lora_A.weight": torch.zeros(8, 64), f"{key}.lora_B.weight": torch.zeros(64, 8)},
+        str(path / "adapter_model.safetensors"),
+    )
     rejects(model, base, path, "names layer 9")
 
 
@@ -189,8 +198,10 @@ def test_same_id_weights_changed_on_disk(model, base, good, tmp_path):
 @pytest.fixture(scope="module")
 def six(base, tmp_path_factory):
     root = tmp_path_factory.mktemp("six")
-    return [LoRARequest(f"l{i}", i, str(build_adapter(base, root / f"l{i}", seed=i)))
-            for i in range(1, 7)]
+    return [
+        LoRARequest(f"l{i}", i, str(build_adapter(base, root / f"l{i}", seed=i)))
+        for i in range(1, 7)
+    ]
 
 
 def test_slots_evict_least_recently_used(model, base, six):

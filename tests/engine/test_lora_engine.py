@@ -21,10 +21,18 @@ SPECS = [
 
 
 def make_adapters(base, root, std=0.1):
-    return [LoRARequest(name, i + 1, str(build_adapter(base, root / name, rank=r, targets=t,
-                                                        alpha=a, use_rslora=rs, seed=i,
-                                                        std=std)))
-            for i, (name, r, t, a, rs) in enumerate(SPECS)]
+    return [
+        LoRARequest(
+            name,
+            i + 1,
+            str(
+                build_adapter(
+                    base, root / name, rank=r, targets=t, alpha=a, use_rslora=rs, seed=i, std=std
+                )
+            ),
+        )
+        for i, (name, r, t, a, rs) in enumerate(SPECS)
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -55,9 +63,12 @@ def run(engine, jobs, every=1, on_output=None):
     while pending or engine.has_unfinished_requests():
         while pending and pending[0][0] // every <= step_no:
             i, (prompt, max_tokens, lora) = pending.pop(0)
-            engine.add_request(f"req-{i}", {"prompt_token_ids": prompt},
-                               SamplingParams(temperature=0.0, max_tokens=max_tokens),
-                               lora_request=lora)
+            engine.add_request(
+                f"req-{i}",
+                {"prompt_token_ids": prompt},
+                SamplingParams(temperature=0.0, max_tokens=max_tokens),
+                lora_request=lora,
+            )
         for out in engine.step():
             if on_output:
                 on_output(out)
@@ -87,8 +98,11 @@ def test_mixed_batch_matches_peft_alone(base, loras):
     assert_matches_peft(base, jobs, finals)
     prompts = [tuple(job[0]) for job in jobs]
     common = max(prompts, key=prompts.count)  # the prompt every adapter and the base ran
-    shared = [tuple(finals[f"req-{i}"].outputs[0].token_ids)
-              for i, prompt in enumerate(prompts) if prompt == common]
+    shared = [
+        tuple(finals[f"req-{i}"].outputs[0].token_ids)
+        for i, prompt in enumerate(prompts)
+        if prompt == common
+    ]
     assert len(shared) == 9 and len(set(shared)) >= 6, "adapters barely change the output"
 
 
@@ -119,8 +133,13 @@ def test_two_slots_six_adapters_in_flight(base, loras):
 
 def test_unloadable_adapter_fails_only_its_requests(base, loras, tmp_path):
     broken = LoRARequest("broken-lora", 99, str(tmp_path / "missing"))
-    jobs = [([5, 6, 7], 6, loras[0]), ([8, 9], 6, broken), ([10, 11], 6, None),
-            ([12, 13, 14], 6, broken), ([15], 6, loras[1])]
+    jobs = [
+        ([5, 6, 7], 6, loras[0]),
+        ([8, 9], 6, broken),
+        ([10, 11], 6, None),
+        ([12, 13, 14], 6, broken),
+        ([15], 6, loras[1]),
+    ]
     engine = engine_for(base)
     finals = run(engine, jobs, every=1)
     for i in (1, 3):
@@ -149,8 +168,9 @@ def test_every_output_carries_the_request_lora_object(base, loras):
 def test_n_samples_share_the_lora_object(base, loras):
     engine = engine_for(base)
     lora = loras[1]
-    engine.add_request("n", "hello", SamplingParams(n=3, temperature=0.8, max_tokens=4, seed=1),
-                       lora_request=lora)
+    engine.add_request(
+        "n", "hello", SamplingParams(n=3, temperature=0.8, max_tokens=4, seed=1), lora_request=lora
+    )
     finals = run(engine, [])
     assert len(finals["n"].outputs) == 3
     assert all(c.lora_request is lora for c in finals["n"].outputs)
@@ -182,5 +202,6 @@ def test_base_requests_identical_with_lora_enabled(base, loras):
     a, b = run(plain, jobs), run(lora, mixed)
     for i in range(len(jobs)):
         assert a[f"req-{i}"].outputs[0].token_ids == b[f"req-{i}"].outputs[0].token_ids
-        assert (a[f"req-{i}"].outputs[0].cumulative_logprob == pytest.approx(
-                b[f"req-{i}"].outputs[0].cumulative_logprob, abs=1e-5))
+        assert a[f"req-{i}"].outputs[0].cumulative_logprob == pytest.approx(
+            b[f"req-{i}"].outputs[0].cumulative_logprob, abs=1e-5
+        )

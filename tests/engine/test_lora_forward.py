@@ -24,8 +24,10 @@ SPECS = [  # rank, targets, alpha, rslora
 def setup(tiny_model_path, tmp_path_factory):
     base = tiny_model_path("llama")
     root = tmp_path_factory.mktemp("adapters")
-    dirs = [build_adapter(base, root / f"a{i}", rank=r, targets=t, alpha=a, use_rslora=rs,
-                          seed=i) for i, (r, t, a, rs) in enumerate(SPECS)]
+    dirs = [
+        build_adapter(base, root / f"a{i}", rank=r, targets=t, alpha=a, use_rslora=rs, seed=i)
+        for i, (r, t, a, rs) in enumerate(SPECS)
+    ]
     return base, dirs
 
 
@@ -43,13 +45,14 @@ def prefill_batch(prompts: list[list[int]], block_size: int = 16) -> BatchMetada
         starts.append(len(ids))
     width = max(len(t) for t in tables)
     return BatchMetadata(
-        input_ids=torch.tensor(ids), positions=torch.tensor(pos),
+        input_ids=torch.tensor(ids),
+        positions=torch.tensor(pos),
         slot_mapping=torch.tensor(slots),
-        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables],
-                                  dtype=torch.int32),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
         seq_lens=torch.tensor(lens, dtype=torch.int32),
         query_start_loc=torch.tensor(starts, dtype=torch.int32),
-        logits_indices=torch.arange(len(ids)))
+        logits_indices=torch.arange(len(ids)),
+    )
 
 
 def run_ours(model, manager, prompts, lora_ids):
@@ -87,5 +90,6 @@ def test_mixed_batch_logits_match_peft(setup):
     starts = batch.query_start_loc.tolist()
     for i, (prompt, req) in enumerate(zip(prompts, lora_of)):
         expected = peft_logits(base, None if req is None else dirs[req.lora_int_id - 1], prompt)
-        torch.testing.assert_close(logits[starts[i]:starts[i + 1]], expected,
-                                   rtol=1e-4, atol=1e-4, msg=f"sequence {i}")
+        torch.testing.assert_close(
+            logits[starts[i] : starts[i + 1]], expected, rtol=1e-4, atol=1e-4, msg=f"sequence {i}"
+        )

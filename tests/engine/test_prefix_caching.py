@@ -20,8 +20,15 @@ _ids = itertools.count()
 
 def make_seq(tokens, lora_id=0, max_tokens=4):
     lora = LoRARequest(f"a{lora_id}", lora_id, "/x") if lora_id else None
-    request = Request(f"r{next(_ids)}", None, list(tokens), SamplingParams(max_tokens=max_tokens),
-                      lora_request=lora, arrival_time=next(_ids), max_tokens=max_tokens)
+    request = Request(
+        f"r{next(_ids)}",
+        None,
+        list(tokens),
+        SamplingParams(max_tokens=max_tokens),
+        lora_request=lora,
+        arrival_time=next(_ids),
+        max_tokens=max_tokens,
+    )
     seq = Sequence(next(_ids), request, 0, request.prompt_token_ids)
     request.seqs.append(seq)
     return seq
@@ -145,9 +152,14 @@ def test_scheduler_with_caching_under_pressure_frees_everything():
     manager = BlockManager(num_blocks=14, block_size=4, enable_prefix_caching=True)
     sched = Scheduler(SchedulerConfig(max_num_batched_tokens=16, max_loras=2), manager)
     prefix = list(range(50, 62))
-    seqs = [make_seq(prefix + [rng.randrange(3, 40) for _ in range(rng.randint(1, 6))],
-                     lora_id=rng.choice([0, 1, 2]), max_tokens=rng.randint(1, 8))
-            for _ in range(24)]
+    seqs = [
+        make_seq(
+            prefix + [rng.randrange(3, 40) for _ in range(rng.randint(1, 6))],
+            lora_id=rng.choice([0, 1, 2]),
+            max_tokens=rng.randint(1, 8),
+        )
+        for _ in range(24)
+    ]
     for seq in seqs:
         sched.add(seq)
     preempted = 0
@@ -177,14 +189,23 @@ def base(tiny_model_path):
 def loras(base, tmp_path_factory):
     root = tmp_path_factory.mktemp("prefix-loras")
     specs = [(8, ["q_proj", "v_proj"]), (16, ALL_TARGETS), (8, ["k_proj", "o_proj", "up_proj"])]
-    return [LoRARequest(f"p{i}", i + 1, str(build_adapter(base, root / f"p{i}", rank=r,
-                                                           targets=t, seed=10 + i)))
-            for i, (r, t) in enumerate(specs)]
+    return [
+        LoRARequest(
+            f"p{i}", i + 1, str(build_adapter(base, root / f"p{i}", rank=r, targets=t, seed=10 + i))
+        )
+        for i, (r, t) in enumerate(specs)
+    ]
 
 
 def engine_for(base, caching=True, **kw):
-    args = dict(model=str(base), enable_lora=True, max_loras=2, max_lora_rank=16,
-                block_size=8, enable_prefix_caching=caching)
+    args = dict(
+        model=str(base),
+        enable_lora=True,
+        max_loras=2,
+        max_lora_rank=16,
+        block_size=8,
+        enable_prefix_caching=caching,
+    )
     return LLMEngine.from_engine_args(EngineArgs(**{**args, **kw}))
 
 
@@ -194,9 +215,12 @@ def run(engine, jobs, every=1):
     while pending or engine.has_unfinished_requests():
         while pending and pending[0][0] // every <= step_no:
             i, (prompt, max_tokens, lora) = pending.pop(0)
-            engine.add_request(f"q{i}", {"prompt_token_ids": prompt},
-                               SamplingParams(temperature=0.0, max_tokens=max_tokens),
-                               lora_request=lora)
+            engine.add_request(
+                f"q{i}",
+                {"prompt_token_ids": prompt},
+                SamplingParams(temperature=0.0, max_tokens=max_tokens),
+                lora_request=lora,
+            )
         finals.update({o.request_id: o for o in engine.step() if o.finished})
         step_no += 1
     return [finals[f"q{i}"] for i in range(len(jobs))]
@@ -205,8 +229,14 @@ def run(engine, jobs, every=1):
 def test_outputs_identical_with_caching_on_and_off(base, loras):
     rng = random.Random(3)
     prefixes = [[rng.randrange(3, 512) for _ in range(n)] for n in (40, 27)]
-    jobs = [(rng.choice(prefixes) + [rng.randrange(3, 512) for _ in range(rng.randint(1, 9))],
-             rng.randint(2, 10), rng.choice([None, *loras])) for _ in range(18)]
+    jobs = [
+        (
+            rng.choice(prefixes) + [rng.randrange(3, 512) for _ in range(rng.randint(1, 9))],
+            rng.randint(2, 10),
+            rng.choice([None, *loras]),
+        )
+        for _ in range(18)
+    ]
     # 16 blocks of 8 tokens: about two requests at once, so sequences get preempted.
     kw = dict(num_kv_blocks=16, max_num_batched_tokens=64, max_num_seqs=8)
     cached_engine = engine_for(base, **kw)
@@ -218,8 +248,9 @@ def test_outputs_identical_with_caching_on_and_off(base, loras):
     assert sum(o.num_cached_tokens > 0 for o in on) >= 3
     assert all(o.num_cached_tokens == 0 for o in off)
     for out, (prompt, max_tokens, lora) in zip(on, jobs):
-        assert out.outputs[0].token_ids == peft_greedy(base, lora and lora.lora_path, prompt,
-                                                       max_tokens)
+        assert out.outputs[0].token_ids == peft_greedy(
+            base, lora and lora.lora_path, prompt, max_tokens
+        )
 
 
 def test_prompt_cached_under_one_adapter_is_recomputed_for_another(base, loras):
@@ -250,11 +281,18 @@ def test_prompt_logprobs_and_n_samples_with_caching(base, loras):
     engine = engine_for(base)
     prompt = list(range(300, 330))
     run(engine, [(prompt, 4, loras[1])])
-    engine.add_request("lp", {"prompt_token_ids": prompt},
-                       SamplingParams(temperature=0.0, max_tokens=4, prompt_logprobs=1),
-                       lora_request=loras[1])
-    engine.add_request("n", {"prompt_token_ids": prompt},
-                       SamplingParams(temperature=0.0, max_tokens=4, n=3), lora_request=loras[1])
+    engine.add_request(
+        "lp",
+        {"prompt_token_ids": prompt},
+        SamplingParams(temperature=0.0, max_tokens=4, prompt_logprobs=1),
+        lora_request=loras[1],
+    )
+    engine.add_request(
+        "n",
+        {"prompt_token_ids": prompt},
+        SamplingParams(temperature=0.0, max_tokens=4, n=3),
+        lora_request=loras[1],
+    )
     finals = {}
     while engine.has_unfinished_requests():
         finals.update({o.request_id: o for o in engine.step() if o.finished})

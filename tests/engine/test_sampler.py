@@ -83,9 +83,11 @@ def test_top_p_keeps_at_least_one_token():
 
 def test_repetition_penalty_matches_transformers():
     x = logits_for(3, 50)
-    rows = [row(prompt=[1, 4, 4, 9], output=[9, 11], repetition_penalty=1.3),
-            row(prompt=[3], output=[], repetition_penalty=0.7),
-            row(prompt=[1, 4], output=[20])]  # no penalty: untouched
+    rows = [
+        row(prompt=[1, 4, 4, 9], output=[9, 11], repetition_penalty=1.3),
+        row(prompt=[3], output=[], repetition_penalty=0.7),
+        row(prompt=[1, 4], output=[20]),
+    ]  # no penalty: untouched
     ours = apply_penalties(x, rows, [EOS])
     for i, r in enumerate(rows):
         ids = torch.tensor([list(r.prompt_token_ids) + list(r.output_token_ids)])
@@ -95,9 +97,10 @@ def test_repetition_penalty_matches_transformers():
 
 def test_presence_and_frequency_penalties_by_hand():
     x = logits_for(2, 30)
-    rows = [row(prompt=[1, 2, 3], output=[4, 4, 4, 7], presence_penalty=0.5,
-                frequency_penalty=0.25),
-            row(prompt=[4], output=[], presence_penalty=1.0, frequency_penalty=1.0)]
+    rows = [
+        row(prompt=[1, 2, 3], output=[4, 4, 4, 7], presence_penalty=0.5, frequency_penalty=0.25),
+        row(prompt=[4], output=[], presence_penalty=1.0, frequency_penalty=1.0),
+    ]
     ours = apply_penalties(x, rows, [EOS])
     expected = x.clone()
     expected[0, 4] -= 3 * 0.25 + 0.5
@@ -107,8 +110,13 @@ def test_presence_and_frequency_penalties_by_hand():
 
 def test_all_penalties_together_in_order():
     x = logits_for(1, 20)
-    r = row(prompt=[3, 5], output=[5, 5, 8], repetition_penalty=2.0, presence_penalty=0.5,
-            frequency_penalty=0.5)
+    r = row(
+        prompt=[3, 5],
+        output=[5, 5, 8],
+        repetition_penalty=2.0,
+        presence_penalty=0.5,
+        frequency_penalty=0.5,
+    )
     ours = apply_penalties(x, [r], [EOS])[0]
     expected = x[0].clone()
     for t in (3, 5, 8):
@@ -130,8 +138,12 @@ def test_penalties_never_modify_the_input_and_skip_rows_without_them():
 def test_greedy_is_argmax_of_the_penalized_logits():
     x = logits_for(4, 100)
     x[1, 17] = 50.0
-    rows = [row(temperature=0), row(temperature=0, output=[17], repetition_penalty=100.0),
-            row(temperature=1e-6), row(temperature=0, top_k=3, top_p=0.5)]
+    rows = [
+        row(temperature=0),
+        row(temperature=0, output=[17], repetition_penalty=100.0),
+        row(temperature=1e-6),
+        row(temperature=0, top_k=3, top_p=0.5),
+    ]
     tokens = [r.token_id for r in Sampler([EOS])(x, rows)]
     expected = apply_penalties(x, rows, [EOS]).argmax(-1).tolist()
     assert tokens == expected
@@ -140,9 +152,11 @@ def test_greedy_is_argmax_of_the_penalized_logits():
 
 def test_logprobs_are_the_raw_log_softmax():
     x = logits_for(3, 500, scale=4.0)
-    rows = [row(temperature=0.5, top_k=3, repetition_penalty=1.5, output=[1, 2], logprobs=5),
-            row(temperature=0),  # no logprobs asked
-            row(temperature=0, logprobs=0)]
+    rows = [
+        row(temperature=0.5, top_k=3, repetition_penalty=1.5, output=[1, 2], logprobs=5),
+        row(temperature=0),  # no logprobs asked
+        row(temperature=0, logprobs=0),
+    ]
     results = Sampler([EOS])(x, rows)
     expected = torch.log_softmax(x, dim=-1)
     for i in (0, 2):
@@ -179,8 +193,9 @@ def test_prompt_logprobs():
 def test_the_input_logits_are_never_modified():
     x = logits_for(3, 300)
     before = x.clone()
-    Sampler([EOS])(x, [row(temperature=0.5, top_p=0.8), row(temperature=1.0, min_p=0.2),
-                       row(temperature=0.7)])
+    Sampler([EOS])(
+        x, [row(temperature=0.5, top_p=0.8), row(temperature=1.0, min_p=0.2), row(temperature=0.7)]
+    )
     Sampler([EOS])(x[:1], [row(temperature=0.5)])
     assert torch.equal(x, before)
 
@@ -203,8 +218,13 @@ def test_seeded_rows_are_the_same_alone_and_in_any_batch():
         return [row(output=out, **params)]
 
     def busy(out):  # other rows, other params, the seeded row in the middle
-        return [row(temperature=0.8), row(temperature=0, output=[3]), row(output=out, **params),
-                row(temperature=1.2, top_k=5, seed=7), row(temperature=1.0, logprobs=2)]
+        return [
+            row(temperature=0.8),
+            row(temperature=0, output=[3]),
+            row(output=out, **params),
+            row(temperature=1.2, top_k=5, seed=7),
+            row(temperature=1.0, logprobs=2),
+        ]
 
     busy_logits = []
     for s, one in enumerate(alone_logits):
@@ -256,8 +276,11 @@ def test_min_tokens_masks_eos_and_stop_token_ids(temperature):
     x[:, 11] = 29.0
     x[:, 12] = 28.0
     p = dict(temperature=temperature, min_tokens=3, stop_token_ids=[11])
-    rows = [row(output=[5, 5], **p), row(output=[5, 5, 5], **p),
-            row(output=[5], ignore_eos=True, **p)]
+    rows = [
+        row(output=[5, 5], **p),
+        row(output=[5, 5, 5], **p),
+        row(output=[5], ignore_eos=True, **p),
+    ]
     tokens = [r.token_id for r in Sampler([EOS])(x, rows)]
     assert tokens[0] == 12  # EOS and the stop token are banned until 3 tokens
     assert tokens[1] == EOS  # min_tokens reached
@@ -285,11 +308,14 @@ def frequencies(sampler, x, rows_per_call, calls, params):
     return counts
 
 
-@pytest.mark.parametrize("params", [
-    dict(temperature=0.7),
-    dict(temperature=1.0, top_p=0.8),
-    dict(temperature=1.2, top_k=6, min_p=0.05),
-])
+@pytest.mark.parametrize(
+    "params",
+    [
+        dict(temperature=0.7),
+        dict(temperature=1.0, top_p=0.8),
+        dict(temperature=1.2, top_k=6, min_p=0.05),
+    ],
+)
 def test_sampled_frequencies_follow_the_processed_distribution(params):
     vocab, n = 300, 40_000
     x = logits_for(1, vocab, scale=1.5, seed=3)

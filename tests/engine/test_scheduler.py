@@ -15,10 +15,15 @@ _ids = itertools.count()
 
 def make_seq(prompt_len, max_tokens, lora_id=0, arrival=None):
     lora = LoRARequest(f"a{lora_id}", lora_id, "/x") if lora_id else None
-    request = Request(f"r{next(_ids)}", None, list(range(prompt_len)),
-                      SamplingParams(max_tokens=max_tokens), lora_request=lora,
-                      arrival_time=arrival if arrival is not None else next(_ids),
-                      max_tokens=max_tokens)
+    request = Request(
+        f"r{next(_ids)}",
+        None,
+        list(range(prompt_len)),
+        SamplingParams(max_tokens=max_tokens),
+        lora_request=lora,
+        arrival_time=arrival if arrival is not None else next(_ids),
+        max_tokens=max_tokens,
+    )
     seq = Sequence(next(_ids), request, 0, request.prompt_token_ids)
     request.seqs.append(seq)
     return seq
@@ -155,13 +160,13 @@ def test_abort_frees_blocks_wherever_the_sequence_is():
 
 
 def test_max_loras_per_step_and_starvation_bound():
-    sched = make_scheduler(num_blocks=400, max_num_seqs=16, max_num_batched_tokens=64,
-                           max_loras=2, starvation_steps=4)
+    sched = make_scheduler(
+        num_blocks=400, max_num_seqs=16, max_num_batched_tokens=64, max_loras=2, starvation_steps=4
+    )
     rng = random.Random(1)
     arrivals, seqs = {}, []
     for n in range(60):
-        seq = make_seq(rng.randint(2, 10), rng.randint(2, 12), lora_id=rng.randint(0, 6),
-                       arrival=n)
+        seq = make_seq(rng.randint(2, 10), rng.randint(2, 12), lora_id=rng.randint(0, 6), arrival=n)
         seqs.append(seq)
         arrivals.setdefault(n // 3, []).append(seq)
     first_run = {}

@@ -22,10 +22,11 @@ def model(tiny_model_path):
 @pytest.fixture(scope="module")
 def paths(model, tmp_path_factory):
     root = tmp_path_factory.mktemp("seed-adapters")
-    names = ["sql-lora", "python-lora", "cpp-lora", "java-lora", "creative-lora",
-             "compliance-lora"]
-    return {name: str(build_adapter(model, root / name, rank=8 + 4 * (i % 2), seed=i))
-            for i, name in enumerate(names)}
+    names = ["sql-lora", "python-lora", "cpp-lora", "java-lora", "creative-lora", "compliance-lora"]
+    return {
+        name: str(build_adapter(model, root / name, rank=8 + 4 * (i % 2), seed=i))
+        for i, name in enumerate(names)
+    }
 
 
 def test_example_1_basic_output(model, paths, capsys):
@@ -112,8 +113,7 @@ def test_example_5_multi_sampling(model, paths):
     engine = LLMEngine.from_engine_args(engine_args)
     lora_request = LoRARequest("creative-lora", 1, paths["creative-lora"])
     sampling_params = SamplingParams(n=5, temperature=0.8, max_tokens=128)
-    engine.add_request("multi-sample", "Write a story", sampling_params,
-                       lora_request=lora_request)
+    engine.add_request("multi-sample", "Write a story", sampling_params, lora_request=lora_request)
     finished = []
     while engine.has_unfinished_requests():
         outputs = engine.step()
@@ -137,8 +137,11 @@ def test_example_6_error_output_carries_its_adapter(model, tmp_path, capsys):
             for output in outputs:
                 if output.finished:
                     if output.outputs[0].finish_reason == "error":
-                        adapter_info = (f"with adapter {output.lora_request.name}"
-                                        if output.lora_request else "with base model")
+                        adapter_info = (
+                            f"with adapter {output.lora_request.name}"
+                            if output.lora_request
+                            else "with base model"
+                        )
                         print(f"Generation failed {adapter_info}")
                     else:
                         print(f"Success: {output.outputs[0].text}")
@@ -156,8 +159,7 @@ def test_example_7_audit_trail(model, paths, tmp_path, monkeypatch):
     audit_log = []
     lora_request = LoRARequest("compliance-lora", 1, paths["compliance-lora"])
     sampling_params = SamplingParams(max_tokens=128)
-    engine.add_request("audit-req-1", "Sensitive query", sampling_params,
-                       lora_request=lora_request)
+    engine.add_request("audit-req-1", "Sensitive query", sampling_params, lora_request=lora_request)
     while engine.has_unfinished_requests():
         outputs = engine.step()
         for output in outputs:

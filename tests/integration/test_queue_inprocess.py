@@ -28,8 +28,9 @@ def engine(model):
     from lorapool.engine.config import EngineArgs
     from lorapool.engine.llm_engine import LLMEngine
 
-    return LLMEngine.from_engine_args(EngineArgs(model=model, max_num_seqs=8,
-                                                 max_num_batched_tokens=512))
+    return LLMEngine.from_engine_args(
+        EngineArgs(model=model, max_num_seqs=8, max_num_batched_tokens=512)
+    )
 
 
 @pytest.fixture
@@ -79,8 +80,9 @@ def test_results_equal_engine_and_audit(engine, conn, prefix, producer, model):
         assert got.outputs[0].token_ids == ref.outputs[0].token_ids
         assert got.outputs[0].text == ref.outputs[0].text
         assert got.prompt_token_ids == ref.prompt_token_ids and got.worker
-    records = [record_from_dict(orjson.loads(f[b"data"]))
-               for _, f in conn.xrange(producer.keys.audit)]
+    records = [
+        record_from_dict(orjson.loads(f[b"data"])) for _, f in conn.xrange(producer.keys.audit)
+    ]
     assert sorted(r.request_id for r in records) == sorted(h.request_id for h in handles)
     assert all(r.metadata == {"user": "u1"} and r.adapter is None for r in records)
     assert conn.xpending(producer.keys.requests, "workers")["pending"] == 0
@@ -96,8 +98,9 @@ def test_idempotent_submit(engine, conn, prefix, producer, model):
 
 
 def test_late_and_midway_streams(engine, conn, prefix, producer, model):
-    handle = producer.submit("hello world", SamplingParams(temperature=0, max_tokens=10,
-                                                           output_kind="delta"))
+    handle = producer.submit(
+        "hello world", SamplingParams(temperature=0, max_tokens=10, output_kind="delta")
+    )
     worker = Worker(engine, conn, WorkerConfig(prefix=prefix, lease_s=2), base_model_info(model))
     worker._ensure_group()
     while len(conn.xrange(producer.keys.out(handle.request_id))) < 4:
@@ -137,10 +140,18 @@ def test_bad_input(engine, conn, prefix, producer, model, tmp_path):
     _raw(conn, producer, b"{not json")
     _raw(conn, producer, orjson.dumps({"v": 2, "request_id": "v2", "prompt": "x"}))
     lora = {"lora_name": "ghost", "lora_int_id": 9, "lora_path": "/g"}
-    _raw(conn, producer, orjson.dumps({"v": 1, "request_id": "ghost", "prompt": "x",
-                                       "lora_request": lora}))
-    _raw(conn, producer, orjson.dumps({"v": 1, "request_id": "badp", "prompt": "x",
-                                       "sampling_params": {"temperature": -1}}))
+    _raw(
+        conn,
+        producer,
+        orjson.dumps({"v": 1, "request_id": "ghost", "prompt": "x", "lora_request": lora}),
+    )
+    _raw(
+        conn,
+        producer,
+        orjson.dumps(
+            {"v": 1, "request_id": "badp", "prompt": "x", "sampling_params": {"temperature": -1}}
+        ),
+    )
     long = producer.submit({"prompt_token_ids": [5] * 600}, GREEDY)
     no_lora = producer.submit("hi", GREEDY, lora_request="sql")  # engine without LoRA
     good = producer.submit("hello world", GREEDY)
@@ -157,8 +168,12 @@ def test_bad_input(engine, conn, prefix, producer, model, tmp_path):
     assert "enable_lora" in refused.error and refused.lora_request.name == "sql"
     reasons = [f[b"reason"].decode() for _, f in conn.xrange(producer.keys.dead)]
     assert len(reasons) == 6 and any("not valid JSON" in r for r in reasons)
-    records = {r.request_id: r for r in (record_from_dict(orjson.loads(f[b"data"]))
-                                         for _, f in conn.xrange(producer.keys.audit))}
+    records = {
+        r.request_id: r
+        for r in (
+            record_from_dict(orjson.loads(f[b"data"])) for _, f in conn.xrange(producer.keys.audit)
+        )
+    }
     failed = {"v2", "ghost", "badp", long.request_id, no_lora.request_id}
     assert set(records) == failed | {good.request_id}  # every request id, errors included
     for rid in failed:
@@ -170,8 +185,9 @@ def test_bad_input(engine, conn, prefix, producer, model, tmp_path):
 
 
 def test_abort(engine, conn, prefix, producer, model):
-    handle = producer.submit("hello", SamplingParams(temperature=0, max_tokens=200,
-                                                     ignore_eos=True))
+    handle = producer.submit(
+        "hello", SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    )
     worker = Worker(engine, conn, WorkerConfig(prefix=prefix, lease_s=2), base_model_info(model))
     worker._ensure_group()
     for _ in range(3):

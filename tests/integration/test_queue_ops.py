@@ -89,7 +89,7 @@ def test_max_deliveries_dead_letters(engine, conn, prefix, producer, model, tmp_
     assert final.lora_request.name == "sql" and final.worker == "w-ops"
     dead = conn.xrange(producer.keys.dead)
     assert len(dead) == 1 and b"delivered 2 times" in dead[0][1][b"reason"]
-    (_, fields), = conn.xrange(producer.keys.audit)
+    ((_, fields),) = conn.xrange(producer.keys.audit)
     record = record_from_dict(orjson.loads(fields[b"data"]))
     assert record.request_id == handle.request_id and "max_deliveries" in record.error
     assert record.outputs[0].finish_reason == "error" and record.adapter.id == 4
@@ -117,11 +117,24 @@ def test_cli_adapters(redis_url, prefix, tmp_path):
 
 
 def test_cli_submit_streams(engine, conn, redis_url, prefix, producer, model, tmp_path):
-    cmd = [sys.executable, "-c", "from lorapool.cli.main import main; main()", "submit",
-           "hello world", "--max-tokens", "12", "--request-id", "cli-1",
-           "--redis-url", redis_url, "--prefix", prefix]
-    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    cmd = [
+        sys.executable,
+        "-c",
+        "from lorapool.cli.main import main; main()",
+        "submit",
+        "hello world",
+        "--max-tokens",
+        "12",
+        "--request-id",
+        "cli-1",
+        "--redis-url",
+        redis_url,
+        "--prefix",
+        prefix,
+    ]
+    proc = subprocess.Popen(
+        cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     deadline = time.monotonic() + 30
     while not conn.exists(producer.keys.job("cli-1")):
         assert time.monotonic() < deadline and proc.poll() is None, proc.stderr.read()
@@ -134,8 +147,9 @@ def test_cli_submit_streams(engine, conn, redis_url, prefix, producer, model, tm
 
 
 def test_cli_status_and_abort(engine, conn, redis_url, prefix, producer, model):
-    handle = producer.submit("hello", SamplingParams(temperature=0, max_tokens=200,
-                                                     ignore_eos=True))
+    handle = producer.submit(
+        "hello", SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    )
     producer.submit("waiting one", GREEDY)
     worker = worker_for(engine, conn, prefix, model, max_deliveries=2)
     worker.engine.args.max_num_seqs, saved = 1, worker.engine.args.max_num_seqs
@@ -179,9 +193,16 @@ if sys.argv[1] != "child":
 def test_embedded_redis_is_shared(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
     env["LORAPOOL_CACHE_DIR"] = str(tmp_path)
-    procs = [subprocess.Popen([sys.executable, "-c", SHARED, role, SHARED], cwd=tmp_path,
-                              env=env, stdout=subprocess.PIPE, text=True)
-             for role in ("parent", "alone", "alone")]  # started at the same moment
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", SHARED, role, SHARED],
+            cwd=tmp_path,
+            env=env,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for role in ("parent", "alone", "alone")
+    ]  # started at the same moment
     pids = [p.stdout.readline().split() for p in procs]
     parent_line = procs[0].stdout.readline().split()
     r = redis.Redis.from_url(resolve_in(tmp_path))

@@ -35,8 +35,9 @@ def engine(model):
     from lorapool.engine.config import EngineArgs
     from lorapool.engine.llm_engine import LLMEngine
 
-    return LLMEngine.from_engine_args(EngineArgs(model=model, max_num_seqs=16, enable_lora=True,
-                                                 max_loras=4, max_lora_rank=8))
+    return LLMEngine.from_engine_args(
+        EngineArgs(model=model, max_num_seqs=16, enable_lora=True, max_loras=4, max_lora_rank=8)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -44,10 +45,16 @@ def adapter_dirs(model, tmp_path_factory):
     from adapters import build_adapter
 
     root = tmp_path_factory.mktemp("pool-adapters")
-    targets = [("q_proj", "v_proj"), ("o_proj", "down_proj"), ("gate_proj", "up_proj"),
-               ("k_proj", "v_proj")]
-    return {f"ad{i}": build_adapter(model, root / f"ad{i}", rank=8, targets=t, seed=i, std=0.2)
-            for i, t in enumerate(targets)}
+    targets = [
+        ("q_proj", "v_proj"),
+        ("o_proj", "down_proj"),
+        ("gate_proj", "up_proj"),
+        ("k_proj", "v_proj"),
+    ]
+    return {
+        f"ad{i}": build_adapter(model, root / f"ad{i}", rank=8, targets=t, seed=i, std=0.2)
+        for i, t in enumerate(targets)
+    }
 
 
 @pytest.fixture
@@ -66,10 +73,28 @@ def prefix(conn):
 
 
 def start_worker(redis_url, prefix, model, tmp_path, *extra):
-    cmd = [sys.executable, "-c", "from lorapool.cli.main import main; main()", "worker",
-           "--model", model, "--prefix", prefix, "--redis-url", redis_url, "--lease", "2",
-           "--max-num-seqs", "8", "--enable-lora", "--max-loras", "4", "--max-lora-rank", "8",
-           *extra]
+    cmd = [
+        sys.executable,
+        "-c",
+        "from lorapool.cli.main import main; main()",
+        "worker",
+        "--model",
+        model,
+        "--prefix",
+        prefix,
+        "--redis-url",
+        redis_url,
+        "--lease",
+        "2",
+        "--max-num-seqs",
+        "8",
+        "--enable-lora",
+        "--max-loras",
+        "4",
+        "--max-lora-rank",
+        "8",
+        *extra,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     # cwd outside the checkout: the repo root on sys.path would shadow packages
     return subprocess.Popen(cmd, cwd=tmp_path, env=env, stderr=subprocess.DEVNULL)
@@ -100,8 +125,7 @@ Producer(url, prefix=prefix).submit_many(
 POOL = SamplingParams(temperature=0.0, max_tokens=16)
 
 
-def test_two_workers_two_producers(engine, conn, redis_url, prefix, model, adapter_dirs,
-                                   tmp_path):
+def test_two_workers_two_producers(engine, conn, redis_url, prefix, model, adapter_dirs, tmp_path):
     producer = Producer(conn, prefix=prefix)
     records = {n: producer.registry.add(n, d) for n, d in adapter_dirs.items()}
     names = ["base", *records]  # job i: names[i % 5]
@@ -110,8 +134,13 @@ def test_two_workers_two_producers(engine, conn, redis_url, prefix, model, adapt
     ids = [f"job-{i}" for i in range(40)]
     workers = [start_worker(redis_url, prefix, model, tmp_path) for _ in range(2)]
     _wait_workers(conn, prefix, 2)
-    procs = [subprocess.Popen([sys.executable, "-c", PRODUCE, redis_url, prefix, str(h), "2",
-                               ",".join(names)], cwd=tmp_path) for h in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", PRODUCE, redis_url, prefix, str(h), "2", ",".join(names)],
+            cwd=tmp_path,
+        )
+        for h in range(2)
+    ]
     assert [p.wait(60) for p in procs] == [0, 0]
     expected = reference(engine, prompts, POOL, loras)
     base = reference(engine, prompts, POOL)
@@ -135,8 +164,10 @@ def _wait_workers(conn, prefix, count, timeout=90):
 
 
 def _logs(conn, producer, ids):
-    return {rid: [decode_chunk(f[b"data"]) for _, f in conn.xrange(producer.keys.out(rid))]
-            for rid in ids}
+    return {
+        rid: [decode_chunk(f[b"data"]) for _, f in conn.xrange(producer.keys.out(rid))]
+        for rid in ids
+    }
 
 
 def _wait_partial(conn, producer, ids, at_least=5, timeout=60):
@@ -234,5 +265,7 @@ def test_second_sigterm_hands_back(engine, conn, redis_url, prefix, model, tmp_p
     assert time.monotonic() - handed_back < 60  # claimed at once, not after the lease
     _check_logs(conn, producer, ids, expected)
     assert conn.xpending(producer.keys.requests, "workers")["pending"] == 0
-    assert {decode_chunk(conn.xrevrange(producer.keys.out(r), count=1)[0][1][b"data"]).worker
-            for r in ids} == {"second"}
+    assert {
+        decode_chunk(conn.xrevrange(producer.keys.out(r), count=1)[0][1][b"data"]).worker
+        for r in ids
+    } == {"second"}

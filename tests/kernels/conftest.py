@@ -30,4 +30,3 @@ def triton_interpret(monkeypatch):
 @pytest.fixture
 def tolerances():
     return TOLERANCES
-

@@ -72,8 +72,9 @@ def _make(batch: Batch, seed: int = 0):
     v_cache = k_cache.clone()
     for b, (_, ctx) in enumerate(batch.seqs):
         k, v = (torch.randn(ctx, *shape[2:], generator=gen).to(batch.dtype) for _ in range(2))
-        reference.write_kv_cache(k, v, k_cache, v_cache, _slots(tables, b, 0, ctx,
-                                                                batch.block_size))
+        reference.write_kv_cache(
+            k, v, k_cache, v_cache, _slots(tables, b, 0, ctx, batch.block_size)
+        )
     q_lens = torch.tensor([q for q, _ in batch.seqs])
     qsl = torch.cat([torch.zeros(1, dtype=torch.int64), q_lens.cumsum(0)]).to(torch.int32)
     num_heads = batch.num_kv_heads * batch.group
@@ -86,7 +87,7 @@ def _make(batch: Batch, seed: int = 0):
 @pytest.mark.parametrize("batch", DECODE + PREFILL, ids=str)
 def test_paged_attention_matches_reference(batch, tolerances):
     args = _make(batch)
-    scale = batch.head_size ** -0.5
+    scale = batch.head_size**-0.5
     got = attention_ops.paged_attention(*args, scale)
     want = reference.paged_attention(*args, scale)
     assert not want.isnan().any()
@@ -103,18 +104,22 @@ class Write:
 
 
 @pytest.mark.usefixtures("triton_interpret")
-@pytest.mark.parametrize("case", [
-    Write(F32, F32, 16, 2, 64),
-    Write(F16, F16, 32, 3, 80),
-    Write(BF16, BF16, 16, 1, 128),
-    Write(F32, F16, 32, 4, 64),
-], ids=lambda c: f"{c.dtype}->{c.cache_dtype}-bs{c.block_size}-h{c.num_kv_heads}-d{c.head_size}")
+@pytest.mark.parametrize(
+    "case",
+    [
+        Write(F32, F32, 16, 2, 64),
+        Write(F16, F16, 32, 3, 80),
+        Write(BF16, BF16, 16, 1, 128),
+        Write(F32, F16, 32, 4, 64),
+    ],
+    ids=lambda c: f"{c.dtype}->{c.cache_dtype}-bs{c.block_size}-h{c.num_kv_heads}-d{c.head_size}",
+)
 def test_write_kv_cache_matches_reference(case):
     gen = torch.Generator().manual_seed(1)
     num_tokens, width = 37, case.num_kv_heads * case.head_size
     qkv = torch.randn(num_tokens, 4 * width, generator=gen).to(case.dtype)  # k, v are views
-    k = qkv[:, width:2 * width].view(num_tokens, case.num_kv_heads, case.head_size)
-    v = qkv[:, 3 * width:].view(num_tokens, case.num_kv_heads, case.head_size)
+    k = qkv[:, width : 2 * width].view(num_tokens, case.num_kv_heads, case.head_size)
+    v = qkv[:, 3 * width :].view(num_tokens, case.num_kv_heads, case.head_size)
     shape = (8, case.block_size, case.num_kv_heads, case.head_size)
     slots = torch.randperm(8 * case.block_size, generator=gen)[:num_tokens]
     caches = [torch.full(shape, float("nan"), dtype=case.cache_dtype) for _ in range(4)]
@@ -146,15 +151,18 @@ def _attention_args():
     return _make(Batch(((1, 20), (3, 9)), 2, 16, F32))
 
 
-@pytest.mark.parametrize("mutate, message", [
-    (lambda q, k, v, t, s, l: (q[:, :3], k, v, t, s, l), "not a multiple of"),
-    (lambda q, k, v, t, s, l: (q.half(), k, v, t, s, l), "query must have dtype"),
-    (lambda q, k, v, t, s, l: (q, k, v.half(), t, s, l), "value_cache has dtype"),
-    (lambda q, k, v, t, s, l: (q, k[:, :12], v[:, :12], t, s, l), "power of two"),
-    (lambda q, k, v, t, s, l: (q, k, v, t.float(), s, l), "block_tables must have dtype"),
-    (lambda q, k, v, t, s, l: (q, k, v, t, s, l[:2]), "query_start_loc must have shape"),
-    (lambda q, k, v, t, s, l: (q, k, v, t[:1], s, l), "block_tables must have shape"),
-])
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda q, k, v, t, s, l: (q[:, :3], k, v, t, s, l), "not a multiple of"),
+        (lambda q, k, v, t, s, l: (q.half(), k, v, t, s, l), "query must have dtype"),
+        (lambda q, k, v, t, s, l: (q, k, v.half(), t, s, l), "value_cache has dtype"),
+        (lambda q, k, v, t, s, l: (q, k[:, :12], v[:, :12], t, s, l), "power of two"),
+        (lambda q, k, v, t, s, l: (q, k, v, t.float(), s, l), "block_tables must have dtype"),
+        (lambda q, k, v, t, s, l: (q, k, v, t, s, l[:2]), "query_start_loc must have shape"),
+        (lambda q, k, v, t, s, l: (q, k, v, t[:1], s, l), "block_tables must have shape"),
+    ],
+)
 def test_paged_attention_rejects_bad_arguments(mutate, message):
     args = mutate(*_attention_args())
     with pytest.raises(ValueError, match=message):
@@ -171,12 +179,14 @@ def test_write_kv_cache_rejects_bad_arguments():
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(),
-                    reason="needs a CUDA device; the interpreter tests cover the kernels")
+@pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="needs a CUDA device; the interpreter tests cover the kernels",
+)
 @pytest.mark.parametrize("batch", [DECODE[1], DECODE[3], PREFILL[1], PREFILL[2]], ids=str)
 def test_cuda_kernels_match_cpu_reference(batch, tolerances):
     args = _make(batch)
-    scale = batch.head_size ** -0.5
+    scale = batch.head_size**-0.5
     got = kernels.paged_attention(*(a.cuda() for a in args), scale)
     want = reference.paged_attention(*args, scale)
     torch.testing.assert_close(got.cpu().float(), want.float(), **tolerances[batch.dtype])

@@ -44,8 +44,11 @@ def _compile_all(launches) -> None:
         compiler.compile(source, target=GPUTarget("cuda", 90, 32))
 
 
-@pytest.mark.parametrize("dtype, slots", [(BF16, [0, 1, -1, 1]), (BF16, [2] * 100 + [0]),
-                                          (F32, [0, 1])], ids=["decode", "prefill", "fp32"])
+@pytest.mark.parametrize(
+    "dtype, slots",
+    [(BF16, [0, 1, -1, 1]), (BF16, [2] * 100 + [0]), (F32, [0, 1])],
+    ids=["decode", "prefill", "fp32"],
+)
 def test_lora_kernels_compile(launches, dtype, slots):
     mapping = LoRAMapping.from_slots(slots)
     x = torch.zeros(len(slots), 576, dtype=dtype)
@@ -55,8 +58,9 @@ def test_lora_kernels_compile(launches, dtype, slots):
     _compile_all(launches)
 
 
-@pytest.mark.parametrize("q_lens, ctx_lens", [([1, 1], [1000, 5]), ([30, 1], [70, 9])],
-                         ids=["decode-split", "prefill"])
+@pytest.mark.parametrize(
+    "q_lens, ctx_lens", [([1, 1], [1000, 5]), ([30, 1], [70, 9])], ids=["decode-split", "prefill"]
+)
 def test_attention_kernels_compile(launches, q_lens, ctx_lens):
     cache = torch.zeros(80, 16, 3, 64, dtype=BF16)
     q = torch.zeros(sum(q_lens), 9, 64, dtype=BF16)
@@ -75,7 +79,10 @@ def test_kernels_compile_after_an_interpreted_launch(monkeypatch):
     lora_ops.lora_shrink(x, a, [0, 1, 1, -1])
     monkeypatch.delenv("TRITON_INTERPRET")
     captured = []
-    monkeypatch.setattr(Kernel, "__getitem__",
-                        lambda self, grid: lambda *args, **kw: captured.append((self, args, kw)))
+    monkeypatch.setattr(
+        Kernel,
+        "__getitem__",
+        lambda self, grid: lambda *args, **kw: captured.append((self, args, kw)),
+    )
     lora_ops.lora_shrink(x, a, [0, 1, 1, -1])
     _compile_all(captured)

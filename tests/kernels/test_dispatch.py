@@ -23,8 +23,10 @@ def test_use_triton_reads_the_variable_at_call_time(monkeypatch):
 
 def test_cpu_tensors_take_the_reference_without_the_interpreter(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    for module, names in ((lora_ops, ("lora_shrink", "lora_expand")),
-                          (attention_ops, ("write_kv_cache", "paged_attention"))):
+    for module, names in (
+        (lora_ops, ("lora_shrink", "lora_expand")),
+        (attention_ops, ("write_kv_cache", "paged_attention")),
+    ):
         for name in names:
             monkeypatch.setattr(module, name, _fail)
     x, a, b = torch.randn(3, 32), torch.randn(1, 2, 4, 32), torch.randn(2, 8, 4)
@@ -36,8 +38,11 @@ def test_cpu_tensors_take_the_reference_without_the_interpreter(monkeypatch):
     kv = torch.randn(2, 1, 8)
     kernels.write_kv_cache(kv, kv, cache, cache, torch.tensor([0, 1]))
     q = torch.randn(2, 2, 8)
-    seq = (torch.tensor([[0]], dtype=torch.int32), torch.tensor([2], dtype=torch.int32),
-           torch.tensor([0, 2], dtype=torch.int32))
+    seq = (
+        torch.tensor([[0]], dtype=torch.int32),
+        torch.tensor([2], dtype=torch.int32),
+        torch.tensor([0, 2], dtype=torch.int32),
+    )
     assert kernels.paged_attention(q, cache, cache, *seq, 0.3).shape == q.shape
 
 

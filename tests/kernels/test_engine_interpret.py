@@ -10,8 +10,11 @@ def _greedy(path, prompts, **engine_kw):
 
     engine = LLMEngine.from_engine_args(EngineArgs(model=str(path), **engine_kw))
     for i, (prompt, max_tokens) in enumerate(prompts):
-        engine.add_request(f"r{i}", {"prompt_token_ids": prompt},
-                           SamplingParams(temperature=0.0, max_tokens=max_tokens))
+        engine.add_request(
+            f"r{i}",
+            {"prompt_token_ids": prompt},
+            SamplingParams(temperature=0.0, max_tokens=max_tokens),
+        )
     finals = {}
     while engine.has_unfinished_requests():
         finals.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
@@ -22,8 +25,10 @@ def _greedy(path, prompts, **engine_kw):
 def test_greedy_outputs_unchanged_under_the_interpreter(tiny_model_path, monkeypatch, arch):
     path = tiny_model_path(arch)
     rng = random.Random(0)
-    prompts = [([rng.randrange(3, 512) for _ in range(n)], m) for n, m in
-               [(1, 6), (40, 8), (17, 5), (70, 4)]]
+    prompts = [
+        ([rng.randrange(3, 512) for _ in range(n)], m)
+        for n, m in [(1, 6), (40, 8), (17, 5), (70, 4)]
+    ]
     # Chunked prefill: prompts are split, so attention also runs over cached context.
     engine_kw = dict(block_size=16, max_num_batched_tokens=32, max_num_seqs=4)
     want = _greedy(path, prompts, **engine_kw)
@@ -39,34 +44,57 @@ def _greedy_lora_twice(path, jobs, **engine_kw):
     results = []
     for round_no in range(2):
         for i, (prompt, max_tokens, lora) in enumerate(jobs):
-            engine.add_request(f"r{round_no}-{i}", {"prompt_token_ids": prompt},
-                               SamplingParams(temperature=0.0, max_tokens=max_tokens),
-                               lora_request=lora)
+            engine.add_request(
+                f"r{round_no}-{i}",
+                {"prompt_token_ids": prompt},
+                SamplingParams(temperature=0.0, max_tokens=max_tokens),
+                lora_request=lora,
+            )
         finals = {}
         while engine.has_unfinished_requests():
             finals.update({o.request_id: o for o in engine.step() if o.finished})
-        results += [(finals[f"r{round_no}-{i}"].outputs[0].token_ids,
-                     finals[f"r{round_no}-{i}"].num_cached_tokens) for i in range(len(jobs))]
+        results += [
+            (
+                finals[f"r{round_no}-{i}"].outputs[0].token_ids,
+                finals[f"r{round_no}-{i}"].num_cached_tokens,
+            )
+            for i in range(len(jobs))
+        ]
     return results
 
 
-def test_mixed_adapter_batch_unchanged_under_the_interpreter(tiny_model_path, tmp_path,
-                                                             monkeypatch):
+def test_mixed_adapter_batch_unchanged_under_the_interpreter(
+    tiny_model_path, tmp_path, monkeypatch
+):
     from adapters import ALL_TARGETS, build_adapter
 
     from lorapool import LoRARequest
     from lorapool.kernels import lora_ops
 
     path = tiny_model_path("llama")
-    loras = [LoRARequest(f"i{n}", n + 1, str(build_adapter(path, tmp_path / f"i{n}", rank=r,
-                                                           targets=t, seed=n)))
-             for n, (r, t) in enumerate([(8, ["q_proj", "v_proj"]), (16, ALL_TARGETS)])]
+    loras = [
+        LoRARequest(
+            f"i{n}", n + 1, str(build_adapter(path, tmp_path / f"i{n}", rank=r, targets=t, seed=n))
+        )
+        for n, (r, t) in enumerate([(8, ["q_proj", "v_proj"]), (16, ALL_TARGETS)])
+    ]
     rng = random.Random(1)
     prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (3, 21, 12)]
-    jobs = [(prompts[0], 4, loras[0]), (prompts[1], 4, None), (prompts[1], 3, loras[1]),
-            (prompts[2], 4, loras[1])]
-    engine_kw = dict(block_size=8, max_num_batched_tokens=16, max_num_seqs=4, enable_lora=True,
-                     max_loras=2, max_lora_rank=16, enable_prefix_caching=True)
+    jobs = [
+        (prompts[0], 4, loras[0]),
+        (prompts[1], 4, None),
+        (prompts[1], 3, loras[1]),
+        (prompts[2], 4, loras[1]),
+    ]
+    engine_kw = dict(
+        block_size=8,
+        max_num_batched_tokens=16,
+        max_num_seqs=4,
+        enable_lora=True,
+        max_loras=2,
+        max_lora_rank=16,
+        enable_prefix_caching=True,
+    )
     want = _greedy_lora_twice(path, jobs, **engine_kw)
     assert want[5][1] == 16  # the second round's long prompt came from the cache
     launches = []

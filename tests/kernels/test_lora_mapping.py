@@ -24,8 +24,10 @@ def test_long_segments_are_cut_into_tiles_of_block_m():
 
 
 def test_tensor_list_and_empty_inputs():
-    assert LoRAMapping.from_slots(torch.tensor([3, 1])).segments == \
-        LoRAMapping.from_slots([3, 1]).segments
+    assert (
+        LoRAMapping.from_slots(torch.tensor([3, 1])).segments
+        == LoRAMapping.from_slots([3, 1]).segments
+    )
     empty = LoRAMapping.from_slots([])
     assert empty.num_tiles == 0 and empty.max_slot == -1
     only_base = LoRAMapping.from_slots([-1, -1])

@@ -30,8 +30,10 @@ class Case:
 
     def __str__(self):
         dtype = str(self.dtype).removeprefix("torch.")
-        return (f"{dtype}-h{self.hidden}-t{self.num_tokens}+{self.prefill}-{self.popularity}"
-                f"-w{'_'.join(map(str, self.widths))}-base{self.base_share}")
+        return (
+            f"{dtype}-h{self.hidden}-t{self.num_tokens}+{self.prefill}-{self.popularity}"
+            f"-w{'_'.join(map(str, self.widths))}-base{self.base_share}"
+        )
 
 
 CASES = [
@@ -55,15 +57,20 @@ def _slots(case: Case, num_slots: int, gen: torch.Generator) -> torch.Tensor:
     elif case.popularity == "identical":
         slots = torch.full((n,), num_slots - 1)
     else:
-        weights = {"uniform": torch.ones(num_slots),
-                   "zipf": 1.0 / torch.arange(1, num_slots + 1).float() ** 1.2,
-                   "skewed": torch.tensor([20.0] + [1.0] * (num_slots - 1))}[case.popularity]
-        slots = torch.multinomial(weights, n, replacement=True, generator=gen) if n else \
-            torch.zeros(0, dtype=torch.int64)
+        weights = {
+            "uniform": torch.ones(num_slots),
+            "zipf": 1.0 / torch.arange(1, num_slots + 1).float() ** 1.2,
+            "skewed": torch.tensor([20.0] + [1.0] * (num_slots - 1)),
+        }[case.popularity]
+        slots = (
+            torch.multinomial(weights, n, replacement=True, generator=gen)
+            if n
+            else torch.zeros(0, dtype=torch.int64)
+        )
     base = torch.rand(n, generator=gen) < case.base_share
     slots = torch.where(base, -1, slots)
     prefill = torch.full((case.prefill,), int(torch.randint(num_slots, (1,), generator=gen)))
-    return torch.cat([slots[: n // 2], prefill, slots[n // 2:]])  # prefill mid-batch
+    return torch.cat([slots[: n // 2], prefill, slots[n // 2 :]])  # prefill mid-batch
 
 
 def _rank_mask(num_slots: int, max_rank: int) -> torch.Tensor:
@@ -76,7 +83,7 @@ def _weights(case: Case, num_slots: int, gen: torch.Generator):
     max_rank = max(RANKS)
     mask = _rank_mask(num_slots, max_rank)
     a = torch.randn(len(case.widths), num_slots, max_rank, case.hidden, generator=gen)
-    a = a * mask[None, :, :, None] / case.hidden ** 0.5
+    a = a * mask[None, :, :, None] / case.hidden**0.5
     b = torch.randn(num_slots, sum(case.widths), max_rank, generator=gen) * 0.1
     b = b * mask[:, None, :]
     return a.to(case.dtype), b.to(case.dtype)
@@ -142,28 +149,34 @@ def _error_batch():
     return _batch(case, num_slots=3)
 
 
-@pytest.mark.parametrize("mutate, message", [
-    (lambda x, a, b, s, o: (x[:, :32], a, b, s, o), "lora_a must have shape"),
-    (lambda x, a, b, s, o: (x.half(), a, b, s, o), "lora_a has dtype"),
-    (lambda x, a, b, s, o: (x, a, b, torch.tensor([0, 1, 3, -1]), o), "slot 3 is out of range"),
-    (lambda x, a, b, s, o: (x, a, b, s[:3], o), "the LoRA mapping has 3 tokens"),
-    (lambda x, a, b, s, o: (x.t().contiguous().t(), a, b, s, o), "contiguous in its last"),
-    (lambda x, a, b, s, o: (x.int(), a, b, s, o), "x must have dtype"),
-])
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda x, a, b, s, o: (x[:, :32], a, b, s, o), "lora_a must have shape"),
+        (lambda x, a, b, s, o: (x.half(), a, b, s, o), "lora_a has dtype"),
+        (lambda x, a, b, s, o: (x, a, b, torch.tensor([0, 1, 3, -1]), o), "slot 3 is out of range"),
+        (lambda x, a, b, s, o: (x, a, b, s[:3], o), "the LoRA mapping has 3 tokens"),
+        (lambda x, a, b, s, o: (x.t().contiguous().t(), a, b, s, o), "contiguous in its last"),
+        (lambda x, a, b, s, o: (x.int(), a, b, s, o), "x must have dtype"),
+    ],
+)
 def test_shrink_rejects_bad_arguments(mutate, message):
     x, a, b, slots, out = mutate(*_error_batch())
     with pytest.raises(ValueError, match=message):
         lora_ops.lora_shrink(x, a, slots)
 
 
-@pytest.mark.parametrize("widths, mutate, message", [
-    ((16, 8), lambda y, b, o: (y, b, o[:, :20]), "out must have shape"),
-    ((16, 4), lambda y, b, o: (y, b, o), "must be positive and sum to"),
-    ((24,), lambda y, b, o: (y, b, o), "y has 2 slices"),
-    ((16, 8), lambda y, b, o: (y.half(), b, o), "y must have dtype"),
-    ((16, 8), lambda y, b, o: (y, b[:, :, :7], o), "lora_b must have shape"),
-    ((8, 8, 4, 4), lambda y, b, o: (y[:1].expand(4, -1, -1), b, o), "at most 3 slices"),
-])
+@pytest.mark.parametrize(
+    "widths, mutate, message",
+    [
+        ((16, 8), lambda y, b, o: (y, b, o[:, :20]), "out must have shape"),
+        ((16, 4), lambda y, b, o: (y, b, o), "must be positive and sum to"),
+        ((24,), lambda y, b, o: (y, b, o), "y has 2 slices"),
+        ((16, 8), lambda y, b, o: (y.half(), b, o), "y must have dtype"),
+        ((16, 8), lambda y, b, o: (y, b[:, :, :7], o), "lora_b must have shape"),
+        ((8, 8, 4, 4), lambda y, b, o: (y[:1].expand(4, -1, -1), b, o), "at most 3 slices"),
+    ],
+)
 def test_expand_rejects_bad_arguments(widths, mutate, message):
     x, a, b, slots, out = _error_batch()
     y = reference.lora_shrink(x, a, slots)
@@ -173,8 +186,10 @@ def test_expand_rejects_bad_arguments(widths, mutate, message):
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(),
-                    reason="needs a CUDA device; the interpreter tests cover the kernels")
+@pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="needs a CUDA device; the interpreter tests cover the kernels",
+)
 @pytest.mark.parametrize("case", [CASES[2], CASES[5], CASES[8]], ids=str)
 def test_cuda_kernels_match_cpu_reference(case, tolerances):
     x, a, b, slots, out = _batch(case)

@@ -11,14 +11,29 @@ _MODELS: dict[str, dict] = {}  # base path -> {"model": PeftModel, "loaded": {di
 ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def build_adapter(base_path, out_dir, *, rank: int = 8, targets=("q_proj", "v_proj"),
-                  alpha: float | None = None, use_rslora: bool = False, seed: int = 0,
-                  std: float = 0.1, **config_kw) -> Path:
+def build_adapter(
+    base_path,
+    out_dir,
+    *,
+    rank: int = 8,
+    targets=("q_proj", "v_proj"),
+    alpha: float | None = None,
+    use_rslora: bool = False,
+    seed: int = 0,
+    std: float = 0.1,
+    **config_kw,
+) -> Path:
     """Save a PEFT LoRA adapter with seeded random A and B (B non-zero) to ``out_dir``."""
     base = AutoModelForCausalLM.from_pretrained(str(base_path), dtype=torch.float32)
-    config = LoraConfig(r=rank, lora_alpha=rank if alpha is None else alpha,
-                        target_modules=list(targets), use_rslora=use_rslora,
-                        lora_dropout=0.0, task_type="CAUSAL_LM", **config_kw)
+    config = LoraConfig(
+        r=rank,
+        lora_alpha=rank if alpha is None else alpha,
+        target_modules=list(targets),
+        use_rslora=use_rslora,
+        lora_dropout=0.0,
+        task_type="CAUSAL_LM",
+        **config_kw,
+    )
     model = get_peft_model(base, config)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -31,20 +46,26 @@ def build_adapter(base_path, out_dir, *, rank: int = 8, targets=("q_proj", "v_pr
 
 
 @torch.inference_mode()
-def peft_greedy(base_path, adapter_dir, prompt_ids: list[int], max_new_tokens: int,
-                eos_token_id=2) -> list[int]:
+def peft_greedy(
+    base_path, adapter_dir, prompt_ids: list[int], max_new_tokens: int, eos_token_id=2
+) -> list[int]:
     """PEFT's generate, greedy, one request alone (``adapter_dir`` None: base model)."""
     model = _peft_model(str(base_path), None if adapter_dir is None else str(adapter_dir))
     input_ids = torch.tensor([prompt_ids])
-    kwargs = dict(attention_mask=torch.ones_like(input_ids), do_sample=False,
-                  max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
-                  pad_token_id=eos_token_id, min_new_tokens=0)
+    kwargs = dict(
+        attention_mask=torch.ones_like(input_ids),
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=eos_token_id,
+        pad_token_id=eos_token_id,
+        min_new_tokens=0,
+    )
     if adapter_dir is None:
         with model.disable_adapter():
             out = model.generate(input_ids=input_ids, **kwargs)
     else:
         out = model.generate(input_ids=input_ids, **kwargs)
-    return out[0, len(prompt_ids):].tolist()
+    return out[0, len(prompt_ids) :].tolist()
 
 
 def _peft_model(base_path: str, adapter_dir: str | None):

@@ -20,8 +20,11 @@ def run_staggered(engine, requests, params_for=None, every: int = 2):
     while pending or engine.has_unfinished_requests():
         while pending and pending[0][0] * every // 2 <= step_no:
             i, (prompt, max_tokens) = pending.pop(0)
-            params = (params_for(i) if params_for else
-                      SamplingParams(temperature=0.0, max_tokens=max_tokens))
+            params = (
+                params_for(i)
+                if params_for
+                else SamplingParams(temperature=0.0, max_tokens=max_tokens)
+            )
             engine.add_request(f"req-{i}", {"prompt_token_ids": prompt}, params)
         for out in engine.step():
             if out.finished:

@@ -27,10 +27,16 @@ def hf_greedy(path, prompt_ids: list[int], max_new_tokens: int, eos_token_id=2) 
 def _generate(path, prompt_ids: list[int], max_new_tokens: int, eos_token_id) -> list[int]:
     model = hf_model(str(path))
     input_ids = torch.tensor([prompt_ids])
-    out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
-                         max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
-                         pad_token_id=eos_token_id, min_new_tokens=0)
-    return out[0, len(prompt_ids):].tolist()
+    out = model.generate(
+        input_ids,
+        attention_mask=torch.ones_like(input_ids),
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=eos_token_id,
+        pad_token_id=eos_token_id,
+        min_new_tokens=0,
+    )
+    return out[0, len(prompt_ids) :].tolist()
 
 
 @torch.inference_mode()

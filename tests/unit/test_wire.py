@@ -9,35 +9,64 @@ from lorapool.wire import Chunk, decode_chunk, decode_job, encode_chunk, encode_
 
 
 def _chunk(seq, tokens, text, finished=False):
-    out = {"index": 0, "offset": seq * 2, "text": text, "token_ids": tokens,
-           "finish_reason": "length" if finished else None}
+    out = {
+        "index": 0,
+        "offset": seq * 2,
+        "text": text,
+        "token_ids": tokens,
+        "finish_reason": "length" if finished else None,
+    }
     lora = {"lora_name": "a", "lora_int_id": 3, "lora_path": "/a", "base_model_name": None}
-    return Chunk("r1", seq, seq * 2, [out], finished, lora if seq == 0 or finished else None,
-                 adapter_id=3, prompt_token_ids=[1, 2] if seq == 0 else None)
+    return Chunk(
+        "r1",
+        seq,
+        seq * 2,
+        [out],
+        finished,
+        lora if seq == 0 or finished else None,
+        adapter_id=3,
+        prompt_token_ids=[1, 2] if seq == 0 else None,
+    )
 
 
 def test_job_round_trip():
-    job = build_job({"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=4, seed=7),
-                    LoRARequest("a", 3, "/a"), "r1", {"user": "u"})
+    job = build_job(
+        {"prompt_token_ids": [1, 2, 3]},
+        SamplingParams(max_tokens=4, seed=7),
+        LoRARequest("a", 3, "/a"),
+        "r1",
+        {"user": "u"},
+    )
     back = decode_job(encode_job(job))
     assert back.request_id == "r1" and back.prompt_token_ids == [1, 2, 3]
     assert back.sampling_params == job.sampling_params
     assert back.lora_request.adapter_id == 3 and back.metadata == {"user": "u"}
 
 
-@pytest.mark.parametrize("payload, message", [
-    (b"{nope", "not valid JSON"),
-    (None, "no 'data' field"),
-    (b"[1]", "expected an object"),
-    (orjson.dumps({"v": 2, "request_id": "x"}), "unknown wire version 2"),
-    (orjson.dumps({"v": 1, "request_id": ""}), "request_id"),
-    (orjson.dumps({"v": 1, "request_id": "x"}), "needs prompt"),
-    (orjson.dumps({"v": 1, "request_id": "x", "prompt_token_ids": ["a"]}), "list of integers"),
-    (orjson.dumps({"v": 1, "request_id": "x", "prompt": "p",
-                   "sampling_params": {"top_p": 0}}), "top_p"),
-    (orjson.dumps({"v": 1, "request_id": "x", "prompt": "p",
-                   "sampling_params": {"bogus": 1}}), "bogus"),
-])
+@pytest.mark.parametrize(
+    "payload, message",
+    [
+        (b"{nope", "not valid JSON"),
+        (None, "no 'data' field"),
+        (b"[1]", "expected an object"),
+        (orjson.dumps({"v": 2, "request_id": "x"}), "unknown wire version 2"),
+        (orjson.dumps({"v": 1, "request_id": ""}), "request_id"),
+        (orjson.dumps({"v": 1, "request_id": "x"}), "needs prompt"),
+        (orjson.dumps({"v": 1, "request_id": "x", "prompt_token_ids": ["a"]}), "list of integers"),
+        (
+            orjson.dumps(
+                {"v": 1, "request_id": "x", "prompt": "p", "sampling_params": {"top_p": 0}}
+            ),
+            "top_p",
+        ),
+        (
+            orjson.dumps(
+                {"v": 1, "request_id": "x", "prompt": "p", "sampling_params": {"bogus": 1}}
+            ),
+            "bogus",
+        ),
+    ],
+)
 def test_bad_jobs_name_the_problem(payload, message):
     with pytest.raises(ValueError, match=message):
         decode_job(payload)
@@ -61,11 +90,14 @@ def test_chunk_round_trip_and_version():
         decode_chunk(orjson.dumps({**chunk.to_dict(), "v": 9}))
 
 
-@pytest.mark.parametrize("kind, expected", [
-    ("delta", [("ab", False), ("cd", True)]),
-    ("cumulative", [("ab", False), ("abcd", True)]),
-    ("final_only", [("abcd", True)]),
-])
+@pytest.mark.parametrize(
+    "kind, expected",
+    [
+        ("delta", [("ab", False), ("cd", True)]),
+        ("cumulative", [("ab", False), ("abcd", True)]),
+        ("final_only", [("abcd", True)]),
+    ],
+)
 def test_assembler_kinds(kind, expected):
     assembler = OutputAssembler(kind)
     got = [assembler.feed(c) for c in (_chunk(0, [5, 6], "ab"), _chunk(1, [7, 8], "cd", True))]
