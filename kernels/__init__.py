@@ -47,7 +47,7 @@ def use_triton(t: torch.Tensor) -> bool:
 def write_kv_cache(key, value, key_cache, value_cache, slot_mapping) -> None:
     """See ``reference.write_kv_cache``."""
     if use_triton(key):
-        from lorapool.kernels import attention_ops as impl
+        from lorapool.kernels import kv_cache_ops as impl
     else:
         impl = reference
     impl.write_kv_cache(key, value, key_cache, value_cache, slot_mapping)

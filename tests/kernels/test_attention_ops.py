@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from lorapool import kernels
-from lorapool.kernels import attention_ops, reference
+from lorapool.kernels import attention_ops, kv_cache_ops, reference
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 
@@ -123,7 +123,7 @@ def test_write_kv_cache_matches_reference(case):
     shape = (8, case.block_size, case.num_kv_heads, case.head_size)
     slots = torch.randperm(8 * case.block_size, generator=gen)[:num_tokens]
     caches = [torch.full(shape, float("nan"), dtype=case.cache_dtype) for _ in range(4)]
-    attention_ops.write_kv_cache(k, v, caches[0], caches[1], slots)
+    kv_cache_ops.write_kv_cache(k, v, caches[0], caches[1], slots)
     reference.write_kv_cache(k, v, caches[2], caches[3], slots)
     torch.testing.assert_close(caches[0], caches[2], equal_nan=True, rtol=0, atol=0)
     torch.testing.assert_close(caches[1], caches[3], equal_nan=True, rtol=0, atol=0)
@@ -173,9 +173,9 @@ def test_write_kv_cache_rejects_bad_arguments():
     k = torch.randn(3, 2, 16)
     cache = torch.zeros(2, 16, 2, 16)
     with pytest.raises(ValueError, match="key must have shape"):
-        attention_ops.write_kv_cache(k[:, :1], k, cache, cache, torch.arange(3))
+        kv_cache_ops.write_kv_cache(k[:, :1], k, cache, cache, torch.arange(3))
     with pytest.raises(ValueError, match="slot_mapping must have dtype"):
-        attention_ops.write_kv_cache(k, k, cache, cache, torch.arange(3.0))
+        kv_cache_ops.write_kv_cache(k, k, cache, cache, torch.arange(3.0))
 
 
 @pytest.mark.cuda

@@ -8,7 +8,7 @@ to its launch, which is captured and compiled exactly as it would be issued.
 import pytest
 import torch
 
-from lorapool.kernels import LoRAMapping, attention_ops, lora_ops
+from lorapool.kernels import LoRAMapping, attention_ops, kv_cache_ops, lora_ops
 from lorapool.kernels.jit import Kernel
 
 triton = pytest.importorskip("triton", reason="Triton is not installed")
@@ -68,7 +68,7 @@ def test_attention_kernels_compile(launches, q_lens, ctx_lens):
     seq_lens = torch.tensor(ctx_lens, dtype=torch.int32)
     qsl = torch.tensor([0, *q_lens]).cumsum(0).int()
     attention_ops.paged_attention(q, cache, cache, tables, seq_lens, qsl, 0.125)
-    attention_ops.write_kv_cache(q[:, :3], q[:, 3:6], cache, cache, torch.arange(len(q)))
+    kv_cache_ops.write_kv_cache(q[:, :3], q[:, 3:6], cache, cache, torch.arange(len(q)))
     _compile_all(launches)
 
 

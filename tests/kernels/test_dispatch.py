@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from lorapool import kernels
-from lorapool.kernels import attention_ops, lora_ops, reference
+from lorapool.kernels import attention_ops, kv_cache_ops, lora_ops, reference
 
 triton = pytest.importorskip("triton", reason="Triton is not installed")
 
@@ -25,7 +25,8 @@ def test_cpu_tensors_take_the_reference_without_the_interpreter(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     for module, names in (
         (lora_ops, ("lora_shrink", "lora_expand")),
-        (attention_ops, ("write_kv_cache", "paged_attention")),
+        (attention_ops, ("paged_attention",)),
+        (kv_cache_ops, ("write_kv_cache",)),
     ):
         for name in names:
             monkeypatch.setattr(module, name, _fail)
