@@ -1,14 +1,12 @@
 """The queue path with an in-process worker: results, streams, bad input, abort, audit."""
 
 import asyncio
-import uuid
 
 import orjson
 import pytest
-import redis
 
 from lorapool.audit_db.record import record_from_dict
-from lorapool.producer import AsyncProducer, Producer
+from lorapool.producer import AsyncProducer
 from lorapool.protocol import LoRARequest, SamplingParams
 from lorapool.worker import Worker, WorkerConfig
 from lorapool.worker.serve import base_model_info
@@ -19,11 +17,6 @@ PROMPTS = ["hello world", "the cat sat on", "one two three", "a b c d e"]
 
 
 @pytest.fixture(scope="module")
-def model(tiny_model_path):
-    return str(tiny_model_path("llama"))
-
-
-@pytest.fixture(scope="module")
 def engine(model):
     from lorapool.engine.config import EngineArgs
     from lorapool.engine.llm_engine import LLMEngine
@@ -31,26 +24,6 @@ def engine(model):
     return LLMEngine.from_engine_args(
         EngineArgs(model=model, max_num_seqs=8, max_num_batched_tokens=512)
     )
-
-
-@pytest.fixture
-def conn(redis_url):
-    connection = redis.Redis.from_url(redis_url)
-    yield connection
-    connection.close()
-
-
-@pytest.fixture
-def prefix(conn):
-    prefix = f"test-{uuid.uuid4().hex[:10]}"
-    yield prefix
-    for key in conn.scan_iter(f"{prefix}:*"):
-        conn.delete(key)
-
-
-@pytest.fixture
-def producer(conn, prefix):
-    return Producer(conn, prefix=prefix)
 
 
 def run_worker(engine, conn, prefix, model, **kw):

@@ -9,10 +9,8 @@ import signal
 import subprocess
 import sys
 import time
-import uuid
 
 import pytest
-import redis
 
 from lorapool.producer import Producer
 from lorapool.producer.registry import lora_from_record
@@ -23,11 +21,6 @@ from lorapool.worker.serve import base_model_info
 
 pytestmark = pytest.mark.integration
 LONG = SamplingParams(temperature=0.0, max_tokens=240, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def model(tiny_model_path):
-    return str(tiny_model_path("llama"))
 
 
 @pytest.fixture(scope="module")
@@ -55,21 +48,6 @@ def adapter_dirs(model, tmp_path_factory):
         f"ad{i}": build_adapter(model, root / f"ad{i}", rank=8, targets=t, seed=i, std=0.2)
         for i, t in enumerate(targets)
     }
-
-
-@pytest.fixture
-def conn(redis_url):
-    connection = redis.Redis.from_url(redis_url)
-    yield connection
-    connection.close()
-
-
-@pytest.fixture
-def prefix(conn):
-    prefix = f"test-{uuid.uuid4().hex[:10]}"
-    yield prefix
-    for key in conn.scan_iter(f"{prefix}:*"):
-        conn.delete(key)
 
 
 def start_worker(redis_url, prefix, model, tmp_path, *extra):
