@@ -19,7 +19,7 @@ from lorapool.engine.model_runner import LogitsRows, ModelRunner
 from lorapool.engine.output_processor import OutputProcessor
 from lorapool.engine.sampler import Sampler, SamplingRow, prompt_logprobs
 from lorapool.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from lorapool.engine.sequence import Request, Sequence
+from lorapool.engine.sequence import Request, Sequence, SequenceStatus
 from lorapool.protocol import LoRARequest, RequestOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -119,6 +119,14 @@ class LLMEngine:
             self._end_request(request, "error")
 
     def _end_request(self, request: Request, reason: str) -> None:
+        while len(request.seqs) < request.params.n:  # samples that never forked end too
+            child = Sequence(
+                next(self._seq_ids), request, len(request.seqs), request.prompt_token_ids
+            )
+            self.outputs.start(child)
+            child.status = SequenceStatus.FINISHED
+            child.finish_reason = reason
+            request.seqs.append(child)
         for seq in request.seqs:
             if not seq.is_finished:
                 seq.finish_reason = seq.finish_reason or reason

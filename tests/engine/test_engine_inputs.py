@@ -73,3 +73,16 @@ def test_abort_gives_a_final_abort_output(engine):
     assert outs[0].finished and outs[0].outputs[0].finish_reason == "abort"
     assert not engine.has_unfinished_requests()
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+@pytest.mark.parametrize("when", ["before-any-step", "after-fork"])
+def test_ending_an_n_request_ends_every_sample(engine, when):
+    engine.add_request("n3", "three samples", SamplingParams(n=3, seed=2, max_tokens=40))
+    if when == "after-fork":
+        engine.step()
+        assert len(engine.requests["n3"].seqs) == 3
+    engine.abort_request("n3")
+    (final,) = engine.step()
+    assert final.finished and [c.index for c in final.outputs] == [0, 1, 2]
+    assert {c.finish_reason for c in final.outputs} == {"abort"}
+    assert not engine.has_unfinished_requests()
