@@ -8,7 +8,7 @@ alone with its adapter is a tile with one live row. Decode LoRA is bound by
 reading the adapter's weights, which a tile reads once for all its rows, as a
 gather-GEMV would; the unused MMA rows cost compute that a memory-bound call
 has to spare. So a second, GEMV-only kernel would add code without saving
-traffic (``benchmarks/kernels.py`` measures the distinct-adapter decode case
+traffic (``benchmarks/kernel_ops.py`` measures the distinct-adapter decode case
 that would show otherwise). Tokens with slot -1 are in no tile, so no program
 ever reads a weight for them, least of all the last slot's.
 

@@ -7,6 +7,9 @@ from pathlib import Path
 import click
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+# Scripts whose plain name would shadow a module when run (python benchmarks/X.py puts
+# benchmarks/ first on sys.path): the stdlib's queue, Hugging Face's kernels.
+SCRIPTS = {"queue": "queue_path", "kernels": "kernel_ops"}
 
 
 @click.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
@@ -14,7 +17,7 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 @click.pass_context
 def bench(ctx, name):
     """Run benchmarks/NAME.py (engine, kernels, audit_writer, ...) with the remaining options."""
-    script = BENCHMARKS / f"{name}.py"
+    script = BENCHMARKS / f"{SCRIPTS.get(name, name)}.py"
     if not script.is_file():
         names = sorted(p.stem for p in BENCHMARKS.glob("*.py")) if BENCHMARKS.is_dir() else []
         raise click.UsageError(

@@ -118,7 +118,7 @@ def run_inprocess_side(model: str, num_requests: int, device: str, threads: int)
         sys.executable,
         "-c",
         code,
-        str(HERE / "queue.py"),
+        str(HERE / "queue_path.py"),
         "--side",
         "inprocess",
         "--model",

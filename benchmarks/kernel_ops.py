@@ -8,7 +8,7 @@ run on the same GPU. Each kernel's output is first checked against the
 reference. Bytes are the least traffic an op needs (every input read once,
 every output written once); FLOPs count multiply-adds as two.
 
-    .venv/bin/python benchmarks/kernels.py [--model smollm2 --model llama-8b]
+    .venv/bin/python benchmarks/kernel_ops.py [--model smollm2 --model llama-8b]
         [--dtype bfloat16] [--peak-gbps 3350 --peak-tflops 989] [--json out.json]
 """
 
@@ -238,7 +238,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print(
-            "benchmarks/kernels.py needs a CUDA device: none is visible "
+            "benchmarks/kernel_ops.py needs a CUDA device: none is visible "
             "(torch.cuda.is_available() is False). Nothing was measured.",
             file=sys.stderr,
         )
