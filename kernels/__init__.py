@@ -54,16 +54,23 @@ def write_kv_cache(key, value, key_cache, value_cache, slot_mapping) -> None:
 
 
 def paged_attention(
-    query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale: float
+    query,
+    key_cache,
+    value_cache,
+    block_tables,
+    seq_lens,
+    query_start_loc,
+    scale: float,
+    finite_cache: bool = False,
 ) -> torch.Tensor:
-    """See ``reference.paged_attention``."""
+    """See ``reference.paged_attention``; the Triton kernel masks its loads, so it
+    needs no ``finite_cache`` promise."""
+    args = (query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale)
     if use_triton(query):
-        from lorapool.kernels import attention_ops as impl
-    else:
-        impl = reference
-    return impl.paged_attention(
-        query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale
-    )
+        from lorapool.kernels import attention_ops
+
+        return attention_ops.paged_attention(*args)
+    return reference.paged_attention(*args, finite_cache=finite_cache)
 
 
 def lora_shrink(x, lora_a, slots, scale: float = 1.0, out=None) -> torch.Tensor:

@@ -37,7 +37,7 @@ def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int)
     # cache: [N, bs, H, D], block_table: [MB] -> [length, H, D]
     block_size = cache.shape[1]
     num_blocks = -(-length // block_size)
-    blocks = cache[block_table[:num_blocks].long()]
+    blocks = cache.index_select(0, block_table[:num_blocks].long())
     return blocks.reshape(-1, *cache.shape[2:])[:length]
 
 
@@ -49,6 +49,7 @@ def paged_attention(
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     scale: float,
+    finite_cache: bool = False,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its paged context.
 
@@ -63,6 +64,10 @@ def paged_attention(
         block_tables: [B, max_blocks] int32, block ids of each sequence in order.
         seq_lens: [B] int32, context length of each sequence including its new tokens.
         query_start_loc: [B + 1] int32, cumulative new-token counts.
+        finite_cache: the caller guarantees every cache slot holds a finite value
+            (the engine zero-fills its cache and writes only finite K/V), so slots
+            past a sequence's length need not be zeroed before the masked softmax.
+            A speed option for the CPU path: the result is the same.
     Returns:
         [T, H_q, D] in query's dtype, computed in fp32.
     """
@@ -73,7 +78,16 @@ def paged_attention(
     decode = [b for b, n in enumerate(q_lens) if n == 1]
     if decode:
         _decode_attention(
-            query, key_cache, value_cache, block_tables, seq_lens, starts, decode, scale, out
+            query,
+            key_cache,
+            value_cache,
+            block_tables,
+            seq_lens,
+            starts,
+            decode,
+            scale,
+            out,
+            finite_cache,
         )
     for b, q_len in enumerate(q_lens):
         if q_len > 1:
@@ -100,27 +114,35 @@ def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
 
 
 def _decode_attention(
-    query, key_cache, value_cache, block_tables, seq_lens, starts, rows, scale, out
+    query, key_cache, value_cache, block_tables, seq_lens, starts, rows, scale, out, finite_cache
 ):
     # One new token per sequence: gather every context at once, padded to the longest.
+    # index_select gathers blocks about twice as fast as advanced indexing, and SDPA
+    # reads the gathered K/V through strides, without the copies an einsum makes.
     block_size, num_kv_heads, head_size = key_cache.shape[1:]
     idx = torch.tensor(rows, device=query.device)
     lens = seq_lens[idx].long()
     num_blocks = -(-int(lens.max()) // block_size)
-    tables = block_tables[idx, :num_blocks].long()
-    k = key_cache[tables].reshape(len(rows), -1, num_kv_heads, head_size).float()  # [B, L, Hkv, D]
-    v = value_cache[tables].reshape(len(rows), -1, num_kv_heads, head_size).float()
+    # Padding entries of shorter tables (any value, -1 included) only feed masked positions.
+    flat = block_tables[idx, :num_blocks].reshape(-1).long().clamp_(min=0)
+    shape = (len(rows), num_blocks * block_size, num_kv_heads, head_size)
+    k = key_cache.index_select(0, flat).view(shape).float()  # [B, L, Hkv, D]
+    v = value_cache.index_select(0, flat).view(shape).float()
+    valid = torch.arange(shape[1], device=query.device)[None, :] < lens[:, None]  # [B, L]
+    if not finite_cache:  # NaN in a masked slot would still poison the softmax and P @ V
+        k.masked_fill_(~valid[:, :, None, None], 0.0)
+        v.masked_fill_(~valid[:, :, None, None], 0.0)
     token_idx = torch.tensor([starts[b] for b in rows], device=query.device)
-    q = query[token_idx].float()  # [B, Hq, D]
-    group = q.shape[1] // num_kv_heads
-    q = q.view(len(rows), num_kv_heads, group, head_size)
-    scores = torch.einsum("bhgd,blhd->bhgl", q, k) * scale
-    valid = torch.arange(k.shape[1], device=q.device)[None, :] < lens[:, None]  # [B, L]
-    scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    v = v.masked_fill(~valid[:, :, None, None], 0.0)  # unwritten slots may hold NaN
-    o = torch.einsum("bhgl,blhd->bhgd", probs, v).reshape(len(rows), -1, head_size)
-    out[token_idx] = o.to(out.dtype)
+    q = query[token_idx].float()[:, :, None, :]  # [B, Hq, 1, D]
+    o = F.scaled_dot_product_attention(
+        q,
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        attn_mask=valid[:, None, None, :],
+        scale=scale,
+        enable_gqa=True,
+    )
+    out[token_idx] = o[:, :, 0].to(out.dtype)
 
 
 def lora_shrink(
