@@ -50,11 +50,27 @@ def run_lorapool(model: str, workload, threads: int) -> dict:
     engine = LLMEngine.from_engine_args(
         EngineArgs(model=model, max_num_seqs=64, max_num_batched_tokens=2048)
     )
-    start = time.perf_counter()
-    wall_start = time.time()
-    for i, (prompt, out_len) in enumerate(workload):
-        params = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)
-        engine.add_request(str(i), {"prompt_token_ids": prompt}, params, arrival_time=wall_start)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in workload]
+    return summary(*drive(engine, workload, params))
+
+
+def drive(engine, workload, params, loras=None, label="", report=None):
+    """Add every request at once, step until all finish: (output tokens, seconds, TTFTs).
+
+    ``params`` and ``loras`` have one entry per request; ``report(done, total,
+    start)`` shows progress (default: one line per finished request).
+    """
+    report = report or progress
+    loras = loras or [None] * len(workload)
+    start, wall_start = time.perf_counter(), time.time()
+    for i, ((prompt, _), p, lora) in enumerate(zip(workload, params, loras)):
+        engine.add_request(
+            f"{label}{i}",
+            {"prompt_token_ids": prompt},
+            p,
+            arrival_time=wall_start,
+            lora_request=lora,
+        )
     ttfts, tokens, done = [], 0, 0
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -62,8 +78,24 @@ def run_lorapool(model: str, workload, threads: int) -> dict:
                 done += 1
                 tokens += len(out.outputs[0].token_ids)
                 ttfts.append(out.metrics.first_token_time - out.metrics.arrival_time)
-                progress(done, len(workload), start)
-    return summary(tokens, time.perf_counter() - start, ttfts)
+                report(done, len(workload), start)
+    return tokens, time.perf_counter() - start, ttfts
+
+
+def pad_token_id(hf) -> int:
+    """The pad id transformers' generate should use for ``hf``."""
+    pad = hf.generation_config.pad_token_id or hf.config.eos_token_id
+    return pad[0] if isinstance(pad, list) else pad
+
+
+def padded_batch(batch, pad: int):
+    """Left-padded input ids and attention mask of a batch, and its longest output."""
+    import torch
+
+    longest = max(len(p) for p, _ in batch)
+    ids = torch.tensor([[pad] * (longest - len(p)) + p for p, _ in batch])
+    mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p, _ in batch])
+    return ids, mask, max(n for _, n in batch)
 
 
 def run_transformers(model: str, workload, threads: int, batch_size: int = 16) -> dict:
@@ -72,16 +104,12 @@ def run_transformers(model: str, workload, threads: int, batch_size: int = 16) -
 
     torch.set_num_threads(threads)
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
-    pad = hf.generation_config.pad_token_id or hf.config.eos_token_id
-    pad = pad[0] if isinstance(pad, list) else pad
+    pad = pad_token_id(hf)
     start = time.perf_counter()
     ttfts, tokens = [], 0
     for b in range(0, len(workload), batch_size):
         batch = workload[b : b + batch_size]
-        longest = max(len(p) for p, _ in batch)
-        ids = torch.tensor([[pad] * (longest - len(p)) + p for p, _ in batch])
-        mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p, _ in batch])
-        max_new = max(n for _, n in batch)
+        ids, mask, max_new = padded_batch(batch, pad)
         clock = FirstTokenClock()
         with torch.inference_mode():
             hf.generate(

@@ -23,6 +23,7 @@ import importlib.util
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -44,51 +45,18 @@ def _engine_bench():
 
 def write_adapters(model: str, root: Path, num_distinct: int, num_dirs: int) -> list[str]:
     """``num_dirs`` adapter directories over ``num_distinct`` weight files (hard links)."""
-    import torch
-    from safetensors.torch import save_file
-    from transformers import AutoConfig
+    from lorapool.engine.demo_adapters import write_adapter
 
-    config = AutoConfig.from_pretrained(model)
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    hidden, inter = config.hidden_size, config.intermediate_size
-    kv = config.num_key_value_heads * head_dim
-    shapes = {
-        "q_proj": (hidden, config.num_attention_heads * head_dim),
-        "k_proj": (hidden, kv),
-        "v_proj": (hidden, kv),
-        "o_proj": (hidden, hidden),
-        "gate_proj": (hidden, inter),
-        "up_proj": (hidden, inter),
-        "down_proj": (inter, hidden),
-    }
-    files = []
-    for i in range(num_distinct):
-        generator = torch.Generator().manual_seed(i)
-        tensors = {}
-        for layer in range(config.num_hidden_layers):
-            for name, (n_in, n_out) in shapes.items():
-                group = "self_attn" if name in TARGETS[:4] else "mlp"
-                key = f"base_model.model.model.layers.{layer}.{group}.{name}"
-                a = torch.randn(RANK, n_in, generator=generator)
-                b = torch.randn(n_out, RANK, generator=generator)
-                tensors[f"{key}.lora_A.weight"] = a * 0.02
-                tensors[f"{key}.lora_B.weight"] = b * 0.02
-        files.append(root / f"weights-{i}.safetensors")
-        save_file(tensors, str(files[-1]))
-    adapter_config = {
-        "peft_type": "LORA",
-        "r": RANK,
-        "lora_alpha": 2 * RANK,
-        "target_modules": TARGETS,
-        "bias": "none",
-        "task_type": "CAUSAL_LM",
-    }
+    distinct = [
+        write_adapter(model, root / f"distinct-{i}", RANK, tuple(TARGETS), seed=i)
+        for i in range(num_distinct)
+    ]
     dirs = []
     for i in range(num_dirs):
-        path = root / f"lora-{i}"
+        source, path = distinct[i % num_distinct], root / f"lora-{i}"
         path.mkdir()
-        (path / "adapter_config.json").write_text(json.dumps(adapter_config))
-        os.link(files[i % num_distinct], path / "adapter_model.safetensors")
+        shutil.copyfile(source / "adapter_config.json", path / "adapter_config.json")
+        os.link(source / "adapter_model.safetensors", path / "adapter_model.safetensors")
         dirs.append(str(path))
     return dirs
 
@@ -120,20 +88,10 @@ def run_engine(side: str, model: str, workload, dirs, threads: int) -> dict:
         )
     )
     picks = pick_adapters(side, len(workload), dirs)
-    start, wall_start = time.perf_counter(), time.time()
-    for i, ((prompt, out_len), k) in enumerate(zip(workload, picks)):
-        lora = None if k is None else LoRARequest(f"lora-{k}", k + 1, dirs[k])
-        params = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)
-        engine.add_request(
-            str(i), {"prompt_token_ids": prompt}, params, arrival_time=wall_start, lora_request=lora
-        )
-    ttfts, tokens = [], 0
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                tokens += len(out.outputs[0].token_ids)
-                ttfts.append(out.metrics.first_token_time - wall_start)
-    return _engine_bench().summary(tokens, time.perf_counter() - start, ttfts)
+    loras = [None if k is None else LoRARequest(f"lora-{k}", k + 1, dirs[k]) for k in picks]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in workload]
+    bench = _engine_bench()
+    return bench.summary(*bench.drive(engine, workload, params, loras))
 
 
 def run_peft(model: str, workload, dirs, threads: int, batch_size: int = 16) -> dict:
@@ -147,16 +105,12 @@ def run_peft(model: str, workload, dirs, threads: int, batch_size: int = 16) -> 
     peft = PeftModel.from_pretrained(hf, dirs[0], adapter_name="lora-0")
     for k in range(1, 16):
         peft.load_adapter(dirs[k], adapter_name=f"lora-{k}")
-    pad = hf.generation_config.pad_token_id or hf.config.eos_token_id
-    pad = pad[0] if isinstance(pad, list) else pad
+    pad = bench.pad_token_id(hf)
     picks = pick_adapters("peft", len(workload), dirs)
     start, ttfts, tokens = time.perf_counter(), [], 0
     for b in range(0, len(workload), batch_size):
         batch = workload[b : b + batch_size]
-        longest = max(len(p) for p, _ in batch)
-        ids = torch.tensor([[pad] * (longest - len(p)) + p for p, _ in batch])
-        mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p, _ in batch])
-        max_new = max(n for _, n in batch)
+        ids, mask, max_new = bench.padded_batch(batch, pad)
         clock = bench.FirstTokenClock()
         with torch.inference_mode():
             peft.generate(

@@ -91,21 +91,12 @@ def run_inprocess(model: str, workload, device: str, threads: int) -> dict:
 
 
 def _drive(engine, workload, params_class, label: str) -> dict:
-    start, wall_start = time.perf_counter(), time.time()
-    for i, (prompt, out_len) in enumerate(workload):
-        params = params_class(temperature=0.0, max_tokens=out_len, ignore_eos=True)
-        engine.add_request(
-            f"{label}-{i}", {"prompt_token_ids": prompt}, params, arrival_time=wall_start
-        )
-    ttfts, tokens, done = [], 0, 0
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done += 1
-                tokens += len(out.outputs[0].token_ids)
-                ttfts.append(out.metrics.first_token_time - out.metrics.arrival_time)
-                progress(label, done, len(workload), start)
-    return summary(tokens, time.perf_counter() - start, ttfts)
+    params = [params_class(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in workload]
+
+    def report(done, total, start):
+        progress(label, done, total, start)
+
+    return summary(*BENCH.drive(engine, workload, params, label=f"{label}-", report=report))
 
 
 def run_inprocess_side(model: str, num_requests: int, device: str, threads: int) -> dict:
