@@ -111,6 +111,7 @@ def _expand_kernel(
     stride_yt,
     stride_bl,
     stride_bn,
+    stride_br,
     stride_ot,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -138,7 +139,7 @@ def _expand_kernel(
             other=0.0,
         )
         b = tl.load(
-            b_ptr + slot * stride_bl + offs_n[None, :] * stride_bn + offs_r[:, None],
+            b_ptr + slot * stride_bl + offs_n[None, :] * stride_bn + offs_r[:, None] * stride_br,
             mask=mask_r[:, None] & mask_n[None, :],
             other=0.0,
         )
@@ -228,6 +229,7 @@ def lora_expand(
         y.stride(1),
         lora_b.stride(0),
         lora_b.stride(1),
+        lora_b.stride(2),
         out.stride(0),
         BLOCK_M=mapping.block_m,
         BLOCK_N=block_n,
@@ -264,7 +266,7 @@ def _check_expand(y: torch.Tensor, lora_b: torch.Tensor, out: torch.Tensor) -> N
     check_dtype("lora_b", lora_b, FLOAT_DTYPES)
     check_dtype("out", out, FLOAT_DTYPES)
     check_device(out.device, y=y, lora_b=lora_b)
-    check_last_contiguous(y=y, lora_b=lora_b, out=out)
+    check_last_contiguous(y=y, out=out)  # lora_b: any strides
 
 
 def _check_out(out: torch.Tensor, shape, device: torch.device) -> None:
