@@ -20,18 +20,22 @@ the largest rank R:
     mapping = LoRAMapping.from_slots(slot_of_each_token, device)  # once a step
     y = lora_shrink(x, lora_a, mapping)                # [S, T, R] float32
     lora_expand(y, lora_b, mapping, out, slice_widths)  # out[T, N] += y @ B^T
+
+or both at once, as the engine does: ``lora_linear(x, lora_a, lora_b, mapping,
+out, slice_widths)``, which on the CPU runs the fused plan of ``lora_cpu``.
 """
 
 import os
 
 import torch
 
-from lorapool.kernels import reference
+from lorapool.kernels import lora_cpu, reference
 from lorapool.kernels.lora_mapping import LoRAMapping
 
 __all__ = [
     "LoRAMapping",
     "lora_expand",
+    "lora_linear",
     "lora_shrink",
     "paged_attention",
     "use_triton",
@@ -89,3 +93,47 @@ def lora_expand(y, lora_b, slots, out, slice_widths=None) -> None:
     else:
         impl = reference
     impl.lora_expand(y, lora_b, slots, out, slice_widths)
+
+
+def lora_linear(x, lora_a, lora_b, mapping: LoRAMapping, out, slice_widths=None) -> None:
+    """``lora_expand(lora_shrink(x, lora_a, mapping), lora_b, mapping, out, slice_widths)``.
+
+    On CUDA (or under the interpreter) the two Triton kernels; on the CPU the
+    fused path of ``lora_cpu``, planned once per step from the mapping.
+    """
+    if use_triton(x):
+        from lorapool.kernels import lora_ops
+
+        y = lora_ops.lora_shrink(x, lora_a, mapping)
+        lora_ops.lora_expand(y, lora_b, mapping, out, slice_widths)
+        return
+    _check_lora_linear(x, lora_a, lora_b, mapping, out)
+    widths = [out.shape[1]] if slice_widths is None else [int(w) for w in slice_widths]
+    if len(widths) != lora_a.shape[0] or sum(widths) != lora_b.shape[1] or min(widths) <= 0:
+        raise ValueError(
+            f"slice_widths {widths} must be {lora_a.shape[0]} positive widths "
+            f"summing to lora_b's {lora_b.shape[1]} rows"
+        )
+    lora_cpu.lora_linear(x, lora_a, lora_b, mapping.cpu_plan, out, widths)
+
+
+def _check_lora_linear(x, lora_a, lora_b, mapping: LoRAMapping, out) -> None:
+    num_slices, num_slots, rank, hidden = lora_a.shape
+    if x.dim() != 2 or x.shape[1] != hidden:
+        raise ValueError(f"x has shape {tuple(x.shape)}; lora_a wants [T, {hidden}]")
+    if lora_b.dim() != 3 or lora_b.shape[0] != num_slots or lora_b.shape[2] != rank:
+        raise ValueError(
+            f"lora_b has shape {tuple(lora_b.shape)}; lora_a wants [{num_slots}, N, {rank}]"
+        )
+    if tuple(out.shape) != (x.shape[0], lora_b.shape[1]):
+        raise ValueError(
+            f"out has shape {tuple(out.shape)}; want ({x.shape[0]}, {lora_b.shape[1]})"
+        )
+    if mapping.num_tokens != x.shape[0]:
+        raise ValueError(
+            f"the LoRA mapping has {mapping.num_tokens} tokens, the batch {x.shape[0]}"
+        )
+    if mapping.max_slot >= num_slots:
+        raise ValueError(
+            f"LoRA slot {mapping.max_slot} is out of range: the weights have {num_slots} slots"
+        )

@@ -9,15 +9,15 @@ LoRA projection of every layer in a step, so it is computed once, on the host
 to the device in a single copy.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
 
+from lorapool.kernels.lora_cpu import CpuPlan, plan
+
 # Rows of a tile in the LoRA kernels, by the longest run of tokens of one adapter.
 _BLOCK_M_STEPS = (16, 32, 64)
-# The CPU reference batches segments up to this many tokens (decode) into one matmul.
-_GRID_MAX_TOKENS = 16
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,7 @@ class LoRAMapping:
         tiles: [3, num_tiles] int64 rows (start, end, slot): each tile is
             ``order[start:min(start + block_m, end)]``, all of one slot.
         block_m: rows per tile.
+        host_slots: the slot of each token, on the host (the CPU path plans from it).
     """
 
     num_tokens: int
@@ -41,6 +42,7 @@ class LoRAMapping:
     order: torch.Tensor
     tiles: torch.Tensor
     block_m: int
+    host_slots: tuple[int, ...] = field(default=(), compare=False, repr=False)
 
     @classmethod
     def from_slots(cls, slots, device: torch.device | str | None = None) -> "LoRAMapping":
@@ -71,6 +73,7 @@ class LoRAMapping:
             order=meta[:num_tokens],
             tiles=meta[num_tokens:].view(3, -1),
             block_m=block_m,
+            host_slots=tuple(slots.tolist()),
         )
 
     @property
@@ -86,47 +89,9 @@ class LoRAMapping:
         return self.order[start:end]
 
     @cached_property
-    def long_segments(self) -> tuple[tuple[int, int, int], ...]:
-        """Segments of more than _GRID_MAX_TOKENS tokens (prefill): one matmul each."""
-        return tuple(seg for seg in self.segments if seg[2] - seg[1] > _GRID_MAX_TOKENS)
-
-    @cached_property
-    def grid(self) -> "SegmentGrid | None":
-        """The other segments as one padded grid, for one batched matmul (CPU path)."""
-        short = [seg for seg in self.segments if seg[2] - seg[1] <= _GRID_MAX_TOKENS]
-        return SegmentGrid.from_segments(short, self.order) if short else None
-
-
-@dataclass(frozen=True)
-class SegmentGrid:
-    """Short segments padded to a [G, M] grid of token indices.
-
-    Attributes:
-        slots: [G] int64, the adapter slot of each row.
-        tokens: [G, M] int64 token indices; padding repeats the row's first token.
-        valid: [G, M] bool, False on padding.
-        flat: [n] int64, ``tokens[valid]``: every token of the grid once.
-    """
-
-    slots: torch.Tensor
-    tokens: torch.Tensor
-    valid: torch.Tensor
-    flat: torch.Tensor
-
-    @classmethod
-    def from_segments(cls, segments, order: torch.Tensor) -> "SegmentGrid":
-        width = max(end - start for _, start, end in segments)
-        host = order.tolist()
-        tokens, valid = [], []
-        for _, start, end in segments:
-            row = host[start:end]
-            tokens.append(row + [row[0]] * (width - len(row)))
-            valid.append([True] * len(row) + [False] * (width - len(row)))
-        device = order.device
-        tokens_t = torch.tensor(tokens, dtype=torch.int64, device=device)
-        valid_t = torch.tensor(valid, dtype=torch.bool, device=device)
-        slots = torch.tensor([slot for slot, _, _ in segments], dtype=torch.int64, device=device)
-        return cls(slots, tokens_t, valid_t, tokens_t[valid_t])
+    def cpu_plan(self) -> CpuPlan:
+        """How the CPU path runs this step's LoRA update (``lora_cpu``); built once."""
+        return plan(list(self.host_slots))
 
 
 def as_mapping(slots, device: torch.device) -> LoRAMapping:

@@ -170,15 +170,10 @@ def lora_shrink(
     _check_slots(mapping, num_slots)
     y = out if out is not None else x.new_empty(num_slices, x.shape[0], rank, dtype=torch.float32)
     y.zero_()
-    for slot, start, end in mapping.long_segments:
+    for slot, start, end in mapping.segments:
         idx = mapping.token_indices(start, end)
         a = lora_a[:, slot].float()  # [S, R, H_in]
         y[:, idx] = scale * torch.matmul(x[idx].float(), a.transpose(1, 2))  # [S, n, R]
-    grid = mapping.grid  # the short segments (decode tokens): one batched matmul
-    if grid is not None:
-        a = lora_a[:, grid.slots].float()  # [S, G, R, H_in]
-        xs = x[grid.tokens].float()  # [G, M, H_in]
-        y[:, grid.flat] = scale * torch.matmul(xs, a.transpose(-1, -2))[:, grid.valid]
     return y
 
 
@@ -207,25 +202,13 @@ def lora_expand(
     mapping = as_mapping(slots, out.device)
     _check_slots(mapping, lora_b.shape[0])
     offsets = [sum(widths[:s]) for s in range(len(widths))]
-    for slot, start, end in mapping.long_segments:
+    for slot, start, end in mapping.segments:
         idx = mapping.token_indices(start, end)
         b = lora_b[slot].float()  # [N, R]
         delta = torch.cat(
             [y[s, idx] @ b[o : o + n].T for s, (o, n) in enumerate(zip(offsets, widths))], dim=1
         )  # [n_tok, N]
         out[idx] = (out[idx].float() + delta).to(out.dtype)
-    grid = mapping.grid  # the short segments (decode tokens): one batched matmul per slice
-    if grid is not None:
-        b = lora_b[grid.slots].float()  # [G, N, R]
-        ys = y[:, grid.tokens]  # [S, G, M, R]
-        delta = torch.cat(
-            [
-                ys[s] @ b[:, o : o + n].transpose(1, 2)
-                for s, (o, n) in enumerate(zip(offsets, widths))
-            ],
-            dim=-1,
-        )  # [G, M, N]
-        out[grid.flat] = (out[grid.flat].float() + delta[grid.valid]).to(out.dtype)
 
 
 def slice_widths_of(y: torch.Tensor, lora_b: torch.Tensor, slice_widths) -> list[int]:

@@ -34,10 +34,15 @@ class LoRAStep:
 class LoRALayer:
     """The adapter weights of one ``PackedLinear`` for every device slot.
 
-    ``lora_a``: [S, L, R, H_in] (S packed slices, L slots, R = max_lora_rank);
-    ``lora_b``: [L, N, R], the slices' B matrices stacked along N = out_features,
-    with each adapter's scaling folded in. Slot rows of an adapter that does not
-    target a slice are zero.
+    ``lora_a``: [L, S, R, H_in] (L slots, S packed slices, R = max_lora_rank),
+    slot-major so that one slot's slices are one matrix for the CPU path; the
+    kernels get it as an [S, L, R, H_in] view.
+    ``lora_b``: [L, R, N], the slices' B matrices stacked along N = out_features,
+    each transposed, with the adapter's scaling folded in; the kernels get it
+    as an [L, N, R] view. Stored rank-major so that a slot's B^T is a plain
+    [R, N] matrix: on the CPU the expand then streams it about 3x faster than
+    from [N, R] rows of R floats (benchmarks/RESULTS.md, "CPU LoRA"). Entries
+    of an adapter that does not target a slice are zero.
     """
 
     def __init__(
@@ -54,10 +59,10 @@ class LoRALayer:
         self.output_sizes = list(output_sizes)
         self.offsets = [sum(output_sizes[:s]) for s in range(num_slices)]
         self.lora_a = torch.zeros(
-            num_slices, num_slots, max_rank, in_features, dtype=dtype, device=device
+            num_slots, num_slices, max_rank, in_features, dtype=dtype, device=device
         )
         self.lora_b = torch.zeros(
-            num_slots, sum(output_sizes), max_rank, dtype=dtype, device=device
+            num_slots, max_rank, sum(output_sizes), dtype=dtype, device=device
         )
         self.step = step
 
@@ -67,14 +72,14 @@ class LoRALayer:
         """Write slice ``index`` of ``slot``: A [r, in], B [out, r] (B scaled here)."""
         rank = a.shape[0]
         start = self.offsets[index]
-        self.lora_a[index, slot].zero_()
-        self.lora_a[index, slot, :rank] = a.to(self.lora_a.dtype)
-        rows = self.lora_b[slot, start : start + b.shape[0]]
-        rows.zero_()
-        rows[:, :rank] = (b * scaling).to(self.lora_b.dtype)
+        self.lora_a[slot, index].zero_()
+        self.lora_a[slot, index, :rank] = a.to(self.lora_a.dtype)
+        cols = self.lora_b[slot, :, start : start + b.shape[0]]
+        cols.zero_()
+        cols[:rank] = (b * scaling).T.to(self.lora_b.dtype)
 
     def clear_slot(self, slot: int) -> None:
-        self.lora_a[:, slot].zero_()
+        self.lora_a[slot].zero_()
         self.lora_b[slot].zero_()
 
     def apply(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -82,8 +87,7 @@ class LoRALayer:
         mapping, rank = self.step.mapping, self.step.rank
         if mapping is None or rank == 0:
             return out
-        lora_a = self.lora_a[:, :, :rank]
-        lora_b = self.lora_b[:, :, :rank]
-        y = kernels.lora_shrink(x.to(lora_a.dtype), lora_a, mapping)
-        kernels.lora_expand(y, lora_b, mapping, out, self.output_sizes)
+        lora_a = self.lora_a[:, :, :rank].transpose(0, 1)
+        lora_b = self.lora_b[:, :rank].transpose(1, 2)
+        kernels.lora_linear(x.to(lora_a.dtype), lora_a, lora_b, mapping, out, self.output_sizes)
         return out
