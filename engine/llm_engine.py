@@ -14,7 +14,7 @@ from transformers import AutoTokenizer, GenerationConfig
 from lorapool.engine.block_manager import BlockManager
 from lorapool.engine.config import EngineArgs
 from lorapool.engine.input_processor import InputLimits, InputProcessor
-from lorapool.engine.lora.manager import LoRAManager
+from lorapool.engine.lora.manager import LoRAManager, adapter_key
 from lorapool.engine.model_runner import LogitsRows, ModelRunner
 from lorapool.engine.output_processor import OutputProcessor
 from lorapool.engine.sampler import Sampler, SamplingRow, prompt_logprobs
@@ -166,13 +166,17 @@ class LLMEngine:
 
     def _activate_loras(self, scheduled: SchedulerOutput) -> None:
         """Adapters of the step into device slots; requests of one that fails to load fail."""
-        wanted = {item.seq.request.lora_request for item in scheduled.scheduled} - {None}
-        errors = self.lora_manager.activate(wanted)
+        wanted = [item.seq.request.lora_request for item in scheduled.scheduled]
+        errors = self.lora_manager.activate(r for r in wanted if r is not None)
         if not errors:
             return
-        for request in [r for r in self.requests.values() if r.lora_int_id in errors]:
-            self.fail_request(request.request_id, str(errors[request.lora_int_id]))
-        scheduled.scheduled = [s for s in scheduled.scheduled if s.seq.lora_int_id not in errors]
+        for request in list(self.requests.values()):
+            error = request.lora_request and errors.get(adapter_key(request.lora_request))
+            if error:
+                self.fail_request(request.request_id, str(error))
+        scheduled.scheduled = [
+            s for s in scheduled.scheduled if s.seq.request.request_id in self.requests
+        ]
 
     # --- adapters (vLLM's names) -------------------------------------------
     def add_lora(self, lora_request: LoRARequest) -> bool:

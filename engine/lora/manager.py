@@ -40,6 +40,14 @@ from lorapool.protocol import LoRARequest
 logger = logging.getLogger(__name__)
 
 
+AdapterKey = tuple[int, str]
+
+
+def adapter_key(lora_request: LoRARequest) -> AdapterKey:
+    """What a request names: the adapter id and the path it gave for it."""
+    return lora_request.lora_int_id, lora_request.lora_path
+
+
 class LoRAManager:
     def __init__(self, model, args: EngineArgs, device: torch.device, dtype: torch.dtype):
         self.max_loras, self.max_rank = args.max_loras, args.max_lora_rank
@@ -96,15 +104,21 @@ class LoRAManager:
         return self.cpu.get(lora_id)
 
     # --- per step ---------------------------------------------------------
-    def activate(self, lora_requests: Iterable[LoRARequest]) -> dict[int, AdapterError]:
-        """Give each adapter a device slot; returns {id: error} for those that failed."""
-        requests = {r.lora_int_id: r for r in lora_requests}
-        errors: dict[int, AdapterError] = {}
-        for lora_id, request in requests.items():
+    def activate(self, lora_requests: Iterable[LoRARequest]) -> dict[AdapterKey, AdapterError]:
+        """Give each adapter a device slot; returns the errors of those that failed.
+
+        Errors are keyed by (lora_int_id, lora_path): LoRARequests compare by id
+        alone, so two requests naming one id with two paths are two keys here,
+        and the second is refused without failing the first.
+        """
+        requests = {adapter_key(r): r for r in lora_requests}
+        in_step = {r.lora_int_id for r in requests.values()}
+        errors: dict[AdapterKey, AdapterError] = {}
+        for key, request in requests.items():
             try:
-                self._activate_one(request, set(requests))
+                self._activate_one(request, in_step)
             except AdapterError as e:
-                errors[lora_id] = e
+                errors[key] = e
                 logger.warning("%s", e)
         return errors
 

@@ -6,9 +6,10 @@ import shutil
 
 import pytest
 import torch
-from adapters import ALL_TARGETS, build_adapter
+from adapters import ALL_TARGETS, build_adapter, peft_greedy
 from safetensors.torch import save_file
 
+from lorapool import LLMEngine, SamplingParams
 from lorapool.engine.config import EngineArgs
 from lorapool.engine.loader import load_model
 from lorapool.engine.lora.adapter import AdapterError
@@ -192,7 +193,7 @@ def test_same_id_weights_changed_on_disk(model, base, good, tmp_path):
     assert 1 not in m.list_loras()
     build_adapter(base, path, rank=8, targets=ALL_TARGETS, alpha=16, seed=5)
     errors = m.activate([LoRARequest("sql", 1, str(path))])
-    assert "weights changed" in str(errors[1])
+    assert "weights changed" in str(errors[1, str(path)])
 
 
 @pytest.fixture(scope="module")
@@ -218,7 +219,19 @@ def test_slots_evict_least_recently_used(model, base, six):
 
 def test_no_slot_for_more_adapters_than_slots_in_one_step(model, base, six):
     errors = manager(model, base).activate(six[:3])
-    assert list(errors) == [3] and "no free device slot" in str(errors[3])
+    key = (3, six[2].lora_path)
+    assert list(errors) == [key] and "no free device slot" in str(errors[key])
+
+
+def test_one_id_with_two_paths_in_one_step_refuses_the_second(model, base, good, tmp_path):
+    """LoRARequests compare by id: the step must still see both paths."""
+    first = LoRARequest("sql", 1, str(good))
+    second = LoRARequest("sql-copy", 1, str(copy(good, tmp_path)))
+    m = manager(model, base)
+    errors = m.activate([first, second])
+    assert list(errors) == [(1, second.lora_path)]
+    assert "already registered with path" in str(errors[1, second.lora_path])
+    assert m.slots == [1, None] and m.registry[1][0] == str(good.resolve())
 
 
 def test_pinned_adapter_keeps_its_slot(model, base, six):
@@ -243,3 +256,78 @@ def test_remove_lora_frees_slot_and_identity(model, base, six, good):
     assert m.remove_lora(1) and m.slots == [None, None] and m.list_loras() == set()
     assert not m.remove_lora(1)
     m.add_lora(LoRARequest("reused", 1, str(good)))  # the id may now name another adapter
+
+
+def test_every_rejection_fails_only_its_own_requests(base, good, tmp_path):
+    """One engine, one stream of requests: each kind of bad adapter ends its own
+    requests with an error naming it and the reason; the others match PEFT."""
+    root = tmp_path / "root"
+    root.mkdir()
+    inside = LoRARequest("good", 1, str(copy(good, root, "good")))
+    outside = copy(good, tmp_path, "outside")
+    (root / "link").symlink_to(outside, target_is_directory=True)
+    bad = {  # path -> the reason its error must give
+        root / "nope": "does not exist",
+        root / ".." / "outside": "outside the allowed adapter_roots",
+        root / "link": "outside the allowed adapter_roots",
+        build_adapter(base, root / "r32", rank=32): "rank 32 exceeds max_lora_rank=16",
+    }
+    for name, reason, damage in DAMAGES:
+        path = copy(good, root, name)
+        damage(path)
+        bad[path] = reason
+    failing = [
+        (LoRARequest(f"bad-{i}", i + 2, str(p)), why) for i, (p, why) in enumerate(bad.items())
+    ]
+    same_id = LoRARequest("same-id", 1, str(copy(good, root, "same-id")))
+    failing.append((same_id, "adapter id 1 is already registered with path"))
+    jobs = [([5, 6, 7], 6, inside, None), ([8, 9], 6, None, None)]
+    for request, why in failing:
+        jobs += [([10, 11], 4, request, why), ([12], 6, inside, None), ([13, 14], 5, None, None)]
+
+    args = dict(max_loras=2, max_lora_rank=16, adapter_roots=[str(root)])
+    engine = LLMEngine.from_engine_args(EngineArgs(model=str(base), enable_lora=True, **args))
+    finals = {}
+    for i, (prompt, max_tokens, request, _) in enumerate(jobs):  # one arrival a step
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+        engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, params, lora_request=request)
+        finals.update((out.request_id, out) for out in engine.step() if out.finished)
+    while engine.has_unfinished_requests():
+        finals.update((out.request_id, out) for out in engine.step() if out.finished)
+
+    assert len(finals) == len(jobs)
+    for i, (prompt, max_tokens, request, why) in enumerate(jobs):
+        out = finals[f"r{i}"]
+        if why is None:
+            want = peft_greedy(base, request and request.lora_path, prompt, max_tokens)
+            assert out.error is None and out.outputs[0].token_ids == want
+        else:
+            assert out.outputs[0].finish_reason == "error" and out.lora_request is request
+            assert f"'{request.lora_name}'" in out.error and why in out.error, out.error
+
+
+WEIGHTS = "adapter_model.safetensors"
+
+
+def _to_pickle(path):
+    os.remove(path / WEIGHTS)
+    (path / "adapter_model.bin").write_bytes(b"\x80\x04not really a pickle")
+
+
+def _wrong_shapes(path):
+    key = "base_model.model.model.layers.0.self_attn.q_proj"
+    a, b = torch.zeros(8, 65), torch.zeros(64, 8)
+    save_file({f"{key}.lora_A.weight": a, f"{key}.lora_B.weight": b}, str(path / WEIGHTS))
+
+
+# name, the reason its error must give, how a copy of a good adapter is damaged
+DAMAGES = [
+    ("nofile", "missing adapter_model.safetensors", lambda p: os.remove(p / WEIGHTS)),
+    ("pickle", "pickle weights", _to_pickle),
+    ("corrupt", "corrupt safetensors", lambda p: (p / WEIGHTS).write_bytes(b"\x10\0\0\0!")),
+    ("lmhead", "unknown target modules", lambda p: edit_config(p, target_modules=["lm_head"])),
+    ("dora", "DoRA", lambda p: edit_config(p, use_dora=True)),
+    ("save", "modules_to_save", lambda p: edit_config(p, modules_to_save=["lm_head"])),
+    ("ia3", "PEFT type 'IA3'", lambda p: edit_config(p, peft_type="IA3")),
+    ("shape", "do not fit the base model", _wrong_shapes),
+]
