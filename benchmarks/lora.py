@@ -1,12 +1,18 @@
 """Multi-LoRA benchmark: the engine benchmark's workload with adapters (issue 3).
 
-Sides, each in a subprocess of its own, SmolLM2 on the CPU by default:
+Sides, SmolLM2 on the CPU by default:
   base     the base model only, on an engine started with enable_lora=True
   lora16   16 distinct adapters, requests spread uniformly, max_loras=16
-  peft     PEFT's mixed-adapter generate (``adapter_names=``) over the same 16
-           adapters, batches of 16, left-padded (as benchmarks/engine.py does)
   skewed   200 registered adapters, max_loras=8, max_cpu_loras=32, adapter k
            picked with weight 1.5^-k (each 1.5x as popular as the next)
+  peft     PEFT's mixed-adapter generate (``adapter_names=``) over the same 16
+           adapters, batches of 16, left-padded (as benchmarks/engine.py does)
+
+The engine sides run in one subprocess, in lockstep: one step of each engine
+in turn, each side's clock counting only its own steps. This machine's speed
+drifts by 10-20% from minute to minute (other tenants), enough to swing the
+ratio of two runs made one after the other from 0.72 to 0.90; stepped in
+turn, the sides see the same drift. PEFT runs alone in a subprocess of its own.
 
 Adapters: rank 16 on all seven projections, random weights written directly
 as PEFT files. The 200 adapters of ``skewed`` are 200 directories (200 ids and
@@ -70,12 +76,13 @@ def pick_adapters(side: str, num_requests: int, dirs: list[str]) -> list[int | N
     return random.Random(1).choices(range(len(dirs)), weights=weights, k=num_requests)
 
 
-def run_engine(side: str, model: str, workload, dirs, threads: int) -> dict:
-    import torch
+ENGINE_SIDES = ("base", "lora16", "skewed")
 
+
+def make_engine(side: str, model: str, workload, dirs):
+    """An engine for ``side`` with the workload's requests and adapters: (engine, params, loras)."""
     from lorapool import EngineArgs, LLMEngine, LoRARequest, SamplingParams
 
-    torch.set_num_threads(threads)
     loras = dict(max_loras=8, max_cpu_loras=32) if side == "skewed" else dict(max_loras=16)
     engine = LLMEngine.from_engine_args(
         EngineArgs(
@@ -90,8 +97,44 @@ def run_engine(side: str, model: str, workload, dirs, threads: int) -> dict:
     picks = pick_adapters(side, len(workload), dirs)
     loras = [None if k is None else LoRARequest(f"lora-{k}", k + 1, dirs[k]) for k in picks]
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in workload]
+    return engine, params, loras
+
+
+def run_engines(sides: list[str], model: str, workload, dirs, threads: int) -> dict:
+    """The engine sides in lockstep (see the module doc); a summary per side."""
+    import torch
+
+    torch.set_num_threads(threads)
     bench = _engine_bench()
-    return bench.summary(*bench.drive(engine, workload, params, loras))
+    engines = {}
+    for side in sides:
+        engine, params, loras = make_engine(side, model, workload, dirs)
+        for i, ((prompt, _), p, lora) in enumerate(zip(workload, params, loras)):
+            engine.add_request(str(i), {"prompt_token_ids": prompt}, p, lora_request=lora)
+        engines[side] = engine
+    clock = dict.fromkeys(sides, 0.0)
+    first_token = {side: {} for side in sides}
+    tokens = dict.fromkeys(sides, 0)
+    while engines:
+        for side, engine in list(engines.items()):
+            start = time.perf_counter()
+            outputs = engine.step()
+            clock[side] += time.perf_counter() - start
+            for out in outputs:
+                if out.outputs[0].token_ids:
+                    first_token[side].setdefault(out.request_id, clock[side])
+                if out.finished:
+                    tokens[side] += len(out.outputs[0].token_ids)
+            if not engine.has_unfinished_requests():
+                del engines[side]
+                print(f"  {side}: done, {clock[side]:.1f}s", file=sys.stderr, flush=True)
+    results = {}
+    for side in sides:
+        ttfts = list(first_token[side].values())
+        results[side] = bench.summary(tokens[side], clock[side], ttfts)
+        del results[side]["peak_rss_mib"]  # the process holds every side's engine
+    results["engines_peak_rss_mib"] = round(bench.peak_rss_mib(), 1)
+    return results
 
 
 def run_peft(model: str, workload, dirs, threads: int, batch_size: int = 16) -> dict:
@@ -129,12 +172,13 @@ def run_peft(model: str, workload, dirs, threads: int, batch_size: int = 16) -> 
     return bench.summary(tokens, time.perf_counter() - start, ttfts)
 
 
-def run_side(side: str, args, adapter_root: str) -> dict:
+def run_child(what: str, args, adapter_root: str) -> dict:
+    """Runs ``what`` (peft, or a comma-separated list of engine sides) in a fresh interpreter."""
     cmd = [
         sys.executable,
         __file__,
         "--side",
-        side,
+        what,
         "--model",
         args.model,
         "--requests",
@@ -149,7 +193,7 @@ def run_side(side: str, args, adapter_root: str) -> dict:
 
 
 def ratios(results: dict) -> dict:
-    tps = {side: r["output_tokens_per_s"] for side, r in results.items()}
+    tps = {side: r["output_tokens_per_s"] for side, r in results.items() if isinstance(r, dict)}
     out = {}
     if "base" in tps:
         out.update(
@@ -180,12 +224,17 @@ def main(argv=None) -> dict:
         args.model = str(smollm2_dir())
     if args.side:
         return _child(args)
+    sides = args.sides.split(",")
+    engine_sides = [side for side in sides if side in ENGINE_SIDES]
     with tempfile.TemporaryDirectory(prefix="lorapool-bench-lora-") as root:
         write_adapters(args.model, Path(root), num_distinct=16, num_dirs=200)
         results = {}
-        for side in args.sides.split(","):
-            print(f"{side}:", file=sys.stderr)
-            results[side] = run_side(side, args, root)
+        if engine_sides:
+            print(f"{', '.join(engine_sides)} (lockstep):", file=sys.stderr)
+            results.update(run_child(",".join(engine_sides), args, root))
+        if "peft" in sides:
+            print("peft:", file=sys.stderr)
+            results["peft"] = run_child("peft", args, root)
     results["ratios"] = ratios(results)
     print(json.dumps(results, indent=2))
     if args.json:
@@ -202,7 +251,7 @@ def _child(args) -> dict:
     if args.side == "peft":
         result = run_peft(args.model, workload, dirs, args.threads)
     else:
-        result = run_engine(args.side, args.model, workload, dirs, args.threads)
+        result = run_engines(args.side.split(","), args.model, workload, dirs, args.threads)
     print(json.dumps(result))
     return {}
 
