@@ -19,7 +19,7 @@ and shared by every projection of every layer:
   whenever that range is at most twice the number of slots in use; only a
   sparse set of slots is gathered, since a gather writes the weights out and
   reads them a second time. B is read as [R, N] matrices (rank-major
-  storage): from [N, R] rows of R floats the expand ran about 3x slower.
+  storage), a few percent faster than [N, R] rows of R floats.
 
 Grid padding, and rows of slots in a range that have no token this step, are
 computed and then dropped: only real tokens' rows reach ``out``. So a slot

@@ -40,9 +40,10 @@ class LoRALayer:
     ``lora_b``: [L, R, N], the slices' B matrices stacked along N = out_features,
     each transposed, with the adapter's scaling folded in; the kernels get it
     as an [L, N, R] view. Stored rank-major so that a slot's B^T is a plain
-    [R, N] matrix: on the CPU the expand then streams it about 3x faster than
-    from [N, R] rows of R floats (benchmarks/RESULTS.md, "CPU LoRA"). Entries
-    of an adapter that does not target a slice are zero.
+    [R, N] matrix: the CPU expand reads it a few percent faster than [N, R]
+    rows of R floats (benchmarks/RESULTS.md, "CPU LoRA"), and a Triton tile
+    loads it contiguously along N. Entries of an adapter that does not target
+    a slice are zero.
     """
 
     def __init__(
