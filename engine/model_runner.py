@@ -11,6 +11,7 @@ from transformers import AutoConfig
 from lorapool.engine.batch import BatchMetadata
 from lorapool.engine.block_manager import BlockManager
 from lorapool.engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineArgs
+from lorapool.engine.host_allocator import tune_host_allocator
 from lorapool.engine.loader import load_model
 from lorapool.engine.scheduler import ScheduledSeq, SchedulerOutput
 
@@ -29,6 +30,8 @@ class LogitsRows:
 class ModelRunner:
     def __init__(self, args: EngineArgs):
         self.device = args.resolve_device()
+        if self.device.type == "cpu":
+            tune_host_allocator()  # steps reuse their memory instead of page-faulting it in
         checkpoint_dtype = getattr(AutoConfig.from_pretrained(args.model), "dtype", None)
         self.dtype = args.resolve_dtype(self.device, checkpoint_dtype)
         self.model, self.hf_config = load_model(args.model, dtype=self.dtype, device=self.device)
@@ -36,11 +39,7 @@ class ModelRunner:
         self.num_blocks = self._num_blocks(args)
         shape = (self.num_blocks, self.block_size, self.model.num_kv_heads, self.model.head_dim)
         self.kv_caches = [
-            (
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-            )
-            for _ in range(self.model.num_layers)
+            (self._zeros(shape), self._zeros(shape)) for _ in range(self.model.num_layers)
         ]
         logger.info(
             "KV cache: %d blocks of %d tokens (%.1f MiB)",
@@ -48,6 +47,9 @@ class ModelRunner:
             self.block_size,
             self.num_blocks * self._block_bytes() / 2**20,
         )
+
+    def _zeros(self, shape) -> torch.Tensor:
+        return torch.zeros(shape, dtype=self.dtype, device=self.device)
 
     def _block_bytes(self) -> int:
         per_token = 2 * self.model.num_layers * self.model.num_kv_heads * self.model.head_dim
