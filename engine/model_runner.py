@@ -39,7 +39,11 @@ class ModelRunner:
         self.num_blocks = self._num_blocks(args)
         shape = (self.num_blocks, self.block_size, self.model.num_kv_heads, self.model.head_dim)
         self.kv_caches = [
-            (self._zeros(shape), self._zeros(shape)) for _ in range(self.model.num_layers)
+            (
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+            )
+            for _ in range(self.model.num_layers)
         ]
         logger.info(
             "KV cache: %d blocks of %d tokens (%.1f MiB)",
@@ -47,9 +51,6 @@ class ModelRunner:
             self.block_size,
             self.num_blocks * self._block_bytes() / 2**20,
         )
-
-    def _zeros(self, shape) -> torch.Tensor:
-        return torch.zeros(shape, dtype=self.dtype, device=self.device)
 
     def _block_bytes(self) -> int:
         per_token = 2 * self.model.num_layers * self.model.num_kv_heads * self.model.head_dim
