@@ -8,6 +8,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from lorapool.kernels import AttentionPlan
+
 
 @dataclass
 class BatchMetadata:
@@ -32,6 +34,8 @@ class BatchMetadata:
     """[S] int64, indices into the T tokens whose logits are computed."""
     lora_slots: torch.Tensor | None = None
     """[T] int32, adapter slot of each token; -1 means the base model."""
+    attention_plan: AttentionPlan | None = None
+    """The CPU attention's gathers and masks, built once for every layer of the step."""
 
     @property
     def num_tokens(self) -> int:
@@ -42,9 +46,12 @@ class BatchMetadata:
         return self.seq_lens.shape[0]
 
     def to(self, device: torch.device | str) -> "BatchMetadata":
-        """A copy with every tensor on ``device`` (copies are non-blocking)."""
+        """A copy with every tensor on ``device`` (copies are non-blocking), and no
+        attention plan (it holds host tensors: build it on the copy if needed)."""
         moved = {}
         for field in fields(self):
             value = getattr(self, field.name)
-            moved[field.name] = None if value is None else value.to(device, non_blocking=True)
+            if isinstance(value, torch.Tensor):
+                value = value.to(device, non_blocking=True)
+            moved[field.name] = value if field.name != "attention_plan" else None
         return BatchMetadata(**moved)

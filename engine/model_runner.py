@@ -8,12 +8,14 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoConfig
 
+from lorapool import kernels
 from lorapool.engine.batch import BatchMetadata
 from lorapool.engine.block_manager import BlockManager
 from lorapool.engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineArgs
 from lorapool.engine.host_allocator import tune_host_allocator
 from lorapool.engine.loader import load_model
 from lorapool.engine.scheduler import ScheduledSeq, SchedulerOutput
+from lorapool.kernels import AttentionPlan
 
 logger = logging.getLogger(__name__)
 
@@ -119,7 +121,12 @@ class ModelRunner:
             logits_indices=torch.tensor(logits_indices, dtype=torch.long),
             lora_slots=torch.tensor(lora_slots, dtype=torch.int32) if lora_slot_of else None,
         )
-        return batch.to(self.device), layout
+        batch = batch.to(self.device)
+        if not kernels.use_triton(batch.input_ids):  # the CPU attention plans once a step
+            batch.attention_plan = AttentionPlan.build(
+                batch.block_tables, batch.seq_lens, batch.query_start_loc, self.block_size
+            )
+        return batch, layout
 
     @staticmethod
     def _logits_rows(item: ScheduledSeq, first_token: int, logits_indices: list[int]):

@@ -30,9 +30,11 @@ import os
 import torch
 
 from lorapool.kernels import lora_cpu, reference
+from lorapool.kernels.attention_plan import AttentionPlan
 from lorapool.kernels.lora_mapping import LoRAMapping
 
 __all__ = [
+    "AttentionPlan",
     "LoRAMapping",
     "lora_expand",
     "lora_linear",
@@ -66,15 +68,16 @@ def paged_attention(
     query_start_loc,
     scale: float,
     finite_cache: bool = False,
+    plan: AttentionPlan | None = None,
 ) -> torch.Tensor:
     """See ``reference.paged_attention``; the Triton kernel masks its loads, so it
-    needs no ``finite_cache`` promise."""
+    needs no ``finite_cache`` promise, and plans on the device, so it ignores ``plan``."""
     args = (query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale)
     if use_triton(query):
         from lorapool.kernels import attention_ops
 
         return attention_ops.paged_attention(*args)
-    return reference.paged_attention(*args, finite_cache=finite_cache)
+    return reference.paged_attention(*args, finite_cache=finite_cache, plan=plan)
 
 
 def lora_shrink(x, lora_a, slots, scale: float = 1.0, out=None) -> torch.Tensor:

@@ -9,6 +9,7 @@ adapter slots, R = the largest rank.
 import torch
 import torch.nn.functional as F
 
+from lorapool.kernels.attention_plan import AttentionPlan, DecodeGroup
 from lorapool.kernels.lora_mapping import LoRAMapping, as_mapping
 
 
@@ -50,6 +51,7 @@ def paged_attention(
     query_start_loc: torch.Tensor,
     scale: float,
     finite_cache: bool = False,
+    plan: AttentionPlan | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its paged context.
 
@@ -68,33 +70,25 @@ def paged_attention(
             (the engine zero-fills its cache and writes only finite K/V), so slots
             past a sequence's length need not be zeroed before the masked softmax.
             A speed option for the CPU path: the result is the same.
+        plan: ``AttentionPlan.build`` of the three batch tensors above, when the
+            caller built it once for several calls (the layers of a step).
     Returns:
         [T, H_q, D] in query's dtype, computed in fp32.
     """
+    block_size = key_cache.shape[1]
+    if plan is None:
+        plan = AttentionPlan.build(block_tables, seq_lens, query_start_loc, block_size)
+    elif plan.block_size != block_size:
+        raise ValueError(f"the plan is for blocks of {plan.block_size}, the cache has {block_size}")
     out = torch.empty_like(query)
-    starts = query_start_loc.tolist()
-    lens = seq_lens.tolist()
-    q_lens = [starts[b + 1] - starts[b] for b in range(len(lens))]
-    decode = [b for b, n in enumerate(q_lens) if n == 1]
-    for rows in _length_groups(decode, lens, key_cache.shape[1]):
-        _decode_attention(
-            query,
-            key_cache,
-            value_cache,
-            block_tables,
-            seq_lens,
-            starts,
-            rows,
-            scale,
-            out,
-            finite_cache,
+    for group in plan.decode:
+        _decode_attention(query, key_cache, value_cache, group, scale, out, finite_cache)
+    for seq in plan.prefill:
+        k = _gather_context(key_cache, seq.blocks, seq.length)
+        v = _gather_context(value_cache, seq.blocks, seq.length)
+        out[seq.start : seq.end] = _prefill_attention(query[seq.start : seq.end], k, v, scale).to(
+            out.dtype
         )
-    for b, q_len in enumerate(q_lens):
-        if q_len > 1:
-            s, e = starts[b], starts[b + 1]
-            k = _gather_context(key_cache, block_tables[b], lens[b])
-            v = _gather_context(value_cache, block_tables[b], lens[b])
-            out[s:e] = _prefill_attention(query[s:e], k, v, scale).to(out.dtype)
     return out
 
 
@@ -113,64 +107,29 @@ def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
     return o[0].transpose(0, 1)  # [Q, Hq, D]
 
 
-# A decode group pads every context to its longest; a context shorter than this
-# share of the longest starts a group of its own.
-_GROUP_MIN_SHARE = 0.8
-
-
-def _length_groups(rows: list[int], lens: list[int], block_size: int) -> list[list[int]]:
-    """Decode rows in groups of similar context length, longest first.
-
-    Each group is gathered and padded to its longest context; a row joins the
-    current group while its context needs more than ``_GROUP_MIN_SHARE`` of
-    the group's blocks, so padding is at most a fifth of what a group gathers.
-    One group padded to the batch's longest context gathers about twice the
-    real contexts when lengths are spread evenly; on 64 contexts of 47 to 543
-    tokens (SmolLM2's heads, 30 layers) the grouped gathers and SDPA calls took
-    150 ms against 271 ms, with shares of 0.75 to 0.85 alike and both 0.5 and
-    0.95 slower (more padding, more calls).
-    """
-    groups: list[list[int]] = []
-    longest = 0
-    for b in sorted(rows, key=lambda b: -lens[b]):
-        num_blocks = -(-lens[b] // block_size)
-        if not groups or num_blocks <= _GROUP_MIN_SHARE * longest:
-            groups.append([])
-            longest = num_blocks
-        groups[-1].append(b)
-    return groups
-
-
 def _decode_attention(
-    query, key_cache, value_cache, block_tables, seq_lens, starts, rows, scale, out, finite_cache
+    query, key_cache, value_cache, group: DecodeGroup, scale: float, out, finite_cache: bool
 ):
-    # One new token per sequence: gather every context at once, padded to the longest.
+    # One new token per sequence: gather the group's contexts at once, padded to its longest.
     # index_select gathers blocks about twice as fast as advanced indexing, and SDPA
     # reads the gathered K/V through strides, without the copies an einsum makes.
     block_size, num_kv_heads, head_size = key_cache.shape[1:]
-    idx = torch.tensor(rows, device=query.device)
-    lens = seq_lens[idx].long()
-    num_blocks = -(-int(lens.max()) // block_size)
-    # Padding entries of shorter tables (any value, -1 included) only feed masked positions.
-    flat = block_tables[idx, :num_blocks].reshape(-1).long().clamp_(min=0)
-    shape = (len(rows), num_blocks * block_size, num_kv_heads, head_size)
-    k = key_cache.index_select(0, flat).view(shape).float()  # [B, L, Hkv, D]
-    v = value_cache.index_select(0, flat).view(shape).float()
-    valid = torch.arange(shape[1], device=query.device)[None, :] < lens[:, None]  # [B, L]
+    shape = (len(group.tokens), group.num_blocks * block_size, num_kv_heads, head_size)
+    k = key_cache.index_select(0, group.blocks).view(shape).float()  # [n, L, Hkv, D]
+    v = value_cache.index_select(0, group.blocks).view(shape).float()
     if not finite_cache:  # NaN in a masked slot would still poison the softmax and P @ V
-        k.masked_fill_(~valid[:, :, None, None], 0.0)
-        v.masked_fill_(~valid[:, :, None, None], 0.0)
-    token_idx = torch.tensor([starts[b] for b in rows], device=query.device)
-    q = query[token_idx].float()[:, :, None, :]  # [B, Hq, 1, D]
+        k.masked_fill_(~group.valid[:, :, None, None], 0.0)
+        v.masked_fill_(~group.valid[:, :, None, None], 0.0)
+    q = query[group.tokens].float()[:, :, None, :]  # [n, Hq, 1, D]
     o = F.scaled_dot_product_attention(
         q,
         k.transpose(1, 2),
         v.transpose(1, 2),
-        attn_mask=valid[:, None, None, :],
+        attn_mask=group.valid[:, None, None, :],
         scale=scale,
         enable_gqa=True,
     )
-    out[token_idx] = o[:, :, 0].to(out.dtype)
+    out[group.tokens] = o[:, :, 0].to(out.dtype)
 
 
 def lora_shrink(

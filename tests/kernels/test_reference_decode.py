@@ -3,12 +3,12 @@
 import pytest
 import torch
 
-from lorapool.kernels import reference
+from lorapool.kernels import AttentionPlan, reference
 
 
 def _naive(query, key_cache, value_cache, table, length, scale):
     # query: [Hq, D]; one sequence's context read block by block, softmax written out
-    block_size, kv_heads = key_cache.shape[1], key_cache.shape[2]
+    kv_heads = key_cache.shape[2]
     k = torch.cat([key_cache[int(b)] for b in table])[:length].double()  # [L, Hkv, D]
     v = torch.cat([value_cache[int(b)] for b in table])[:length].double()
     group = query.shape[0] // kv_heads
@@ -40,17 +40,14 @@ def test_decode_rows_of_spread_lengths_match_per_sequence_attention(finite_cache
     query = torch.randn(len(lens), kv_heads * group, head_size, generator=gen)
     starts = torch.arange(len(lens) + 1, dtype=torch.int32)
     scale = head_size**-0.5
-    out = reference.paged_attention(
-        query,
-        key_cache,
-        value_cache,
-        tables,
-        torch.tensor(lens, dtype=torch.int32),
-        starts,
-        scale,
-        finite_cache=finite_cache,
-    )
-    assert len(reference._length_groups(list(range(len(lens))), lens, block_size)) > 3
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    plan = AttentionPlan.build(tables, seq_lens, starts, block_size)
+    assert len(plan.decode) > 3
+    args = (query, key_cache, value_cache, tables, seq_lens, starts, scale)
+    out = reference.paged_attention(*args, finite_cache=finite_cache)
+    # a plan built once and passed in, as the engine does for its layers, gives the same
+    planned = reference.paged_attention(*args, finite_cache=finite_cache, plan=plan)
+    torch.testing.assert_close(planned, out, rtol=0, atol=0)
     for b, n in enumerate(lens):
         expected = _naive(query[b], key_cache, value_cache, tables[b, : counts[b]], n, scale)
         torch.testing.assert_close(out[b], expected, rtol=1e-5, atol=1e-5)
