@@ -117,7 +117,7 @@ def lora_linear(x, lora_a, lora_b, mapping: LoRAMapping, out, slice_widths=None)
             f"slice_widths {widths} must be {lora_a.shape[0]} positive widths "
             f"summing to lora_b's {lora_b.shape[1]} rows"
         )
-    lora_cpu.lora_linear(x, lora_a, lora_b, mapping.cpu_plan, out, widths)
+    lora_cpu.lora_linear(x, lora_cpu.SlotWeights.of(lora_a, lora_b, widths), mapping.cpu_plan, out)
 
 
 def _check_lora_linear(x, lora_a, lora_b, mapping: LoRAMapping, out) -> None:

@@ -112,61 +112,81 @@ def _grid(short: dict[int, list[int]]) -> SlotGrid:
     )
 
 
-def lora_linear(
-    x: torch.Tensor,
-    lora_a: torch.Tensor,
-    lora_b: torch.Tensor,
-    cpu_plan: CpuPlan,
-    out: torch.Tensor,
-    widths: list[int],
-) -> None:
-    """out += the LoRA update of x (shapes as in ``reference.lora_shrink/expand``).
+@dataclass(frozen=True)
+class SlotWeights:
+    """One projection's adapter weights as the CPU path reads them.
 
-    Any strides are correct; fastest with ``lora_a`` a view of slot-major
-    [L, S, R, H_in] storage and ``lora_b`` a view of [L, R, N] storage, as
-    the engine keeps them (``engine/lora/layers.py``).
+    Built once per layer and step rank by the engine (``LoRALayer``), or per
+    call by ``kernels.lora_linear``, so that a call does no layout work.
+
+    Attributes:
+        a: [S, L, R, H_in], each slice's A.
+        merged: [L, S * R, H_in], the same A as one matrix per slot, a view when
+            each slot's slices lie together in memory (the engine's buffers at
+            full rank), else None.
+        b: [L, R, N], each slot's B^T (a view of rank-major storage is fastest).
+        slices: (offset, width) of each slice's columns in ``out`` and ``b``.
     """
-    slices = _slices(widths)
-    merged = _slot_major(lora_a)  # [L, S * R, H_in] view, or None
-    b_t = lora_b.transpose(1, 2)  # [L, R, N]
+
+    a: torch.Tensor
+    merged: torch.Tensor | None
+    b: torch.Tensor
+    slices: tuple[tuple[int, int], ...]
+
+    @classmethod
+    def of(cls, lora_a: torch.Tensor, lora_b: torch.Tensor, widths) -> SlotWeights:
+        """From ``lora_a`` [S, L, R, H_in] and ``lora_b`` [L, N, R] (the kernels' shapes)."""
+        offsets = [sum(widths[:s]) for s in range(len(widths))]
+        return cls(lora_a, _slot_major(lora_a), lora_b.transpose(1, 2), tuple(zip(offsets, widths)))
+
+
+def lora_linear(x: torch.Tensor, weights: SlotWeights, cpu_plan: CpuPlan, out: torch.Tensor):
+    """out += the LoRA update of x (the semantics in the module doc).
+
+    Any strides are correct; fastest with the engine's layout (slot-major A,
+    rank-major B, see ``engine/lora/layers.py``).
+    """
     for slot, start, end in cpu_plan.runs:
-        _run(x[start:end], lora_a, merged, b_t[slot], slot, out[start:end], slices)
+        _run(x[start:end], weights, slot, out[start:end])
     if cpu_plan.grid is not None:
-        _grid_update(x, lora_a, merged, b_t, cpu_plan.grid, out, slices)
+        _grid_update(x, weights, cpu_plan.grid, out)
 
 
-def _run(xs, lora_a, merged, b_t, slot: int, rows: torch.Tensor, slices) -> None:
+def _run(xs, w: SlotWeights, slot: int, rows: torch.Tensor) -> None:
     """One adapter's run of tokens: ``rows += (xs @ A^T) @ B^T`` per slice, in place."""
-    num_slices, _, rank, _ = lora_a.shape
-    xs, b_t = xs.float(), b_t.float()  # [n, H_in], [R, N]
-    if merged is not None:  # one matmul for every slice
-        y = xs @ merged[slot].float().T  # [n, S * R]
-        ys = [y[:, s * rank : (s + 1) * rank] for s in range(num_slices)]
+    rank = w.a.shape[2]
+    xs, b_t = _f32(xs), _f32(w.b[slot])  # [n, H_in], [R, N]
+    if w.merged is not None:  # one matmul for every slice
+        y = xs @ _f32(w.merged[slot]).T  # [n, S * R]
+        ys = [y[:, s * rank : (s + 1) * rank] for s in range(len(w.slices))]
     else:
-        ys = list(torch.matmul(xs, lora_a[:, slot].float().transpose(1, 2)))
+        ys = list(torch.matmul(xs, _f32(w.a[:, slot]).transpose(1, 2)))
     if rows.dtype == torch.float32:
-        for y_s, (o, n) in zip(ys, slices):
+        for y_s, (o, n) in zip(ys, w.slices):
             rows[:, o : o + n].addmm_(y_s, b_t[:, o : o + n])
         return
-    delta = torch.cat([y_s @ b_t[:, o : o + n] for y_s, (o, n) in zip(ys, slices)], 1)
+    delta = torch.cat([y_s @ b_t[:, o : o + n] for y_s, (o, n) in zip(ys, w.slices)], 1)
     rows.copy_(rows.float() + delta)
 
 
-def _grid_update(x, lora_a, merged, b_t, grid: SlotGrid, out, slices) -> None:
+def _grid_update(x, w: SlotWeights, grid: SlotGrid, out) -> None:
     """The grid's tokens: gather x, shrink and expand as batched matmuls over the
     grid's rows, then add the real cells into ``out``."""
-    num_slices, _, rank, hidden = lora_a.shape
-    g, m = grid.num_rows, grid.width
-    xs = x.index_select(0, grid.tokens).float().view(g, m, hidden)
-    if merged is not None:  # one matmul for all slices; A on the left streams it fastest
-        y = torch.bmm(grid.weights(merged, 0).float(), xs.transpose(1, 2)).transpose(1, 2)
+    num_slices, _, rank, hidden = w.a.shape
+    xs = _f32(x.index_select(0, grid.tokens)).view(grid.num_rows, grid.width, hidden)
+    if w.merged is not None:  # one matmul for all slices; A on the left streams it fastest
+        y = torch.bmm(_f32(grid.weights(w.merged, 0)), xs.transpose(1, 2)).transpose(1, 2)
         ys = [y[:, :, s * rank : (s + 1) * rank] for s in range(num_slices)]  # [G, M, R]
     else:
-        a = grid.weights(lora_a, 1).float()  # [S, G, R, H_in]
+        a = _f32(grid.weights(w.a, 1))  # [S, G, R, H_in]
         ys = [torch.bmm(xs, a[s].transpose(1, 2)) for s in range(num_slices)]
-    b_t = grid.weights(b_t, 0).float()  # [G, R, N]
-    parts = [torch.bmm(y_s, b_t[:, :, o : o + n]) for y_s, (o, n) in zip(ys, slices)]
-    delta = (parts[0] if num_slices == 1 else torch.cat(parts, -1)).view(g * m, -1)
+    b_t = _f32(grid.weights(w.b, 0))  # [G, R, N]
+    if num_slices == 1:
+        delta = torch.bmm(ys[0], b_t)
+    else:
+        parts = [torch.bmm(y_s, b_t[:, :, o : o + n]) for y_s, (o, n) in zip(ys, w.slices)]
+        delta = torch.cat(parts, -1)
+    delta = delta.view(grid.num_rows * grid.width, -1)
     if grid.cells is not None:
         delta = delta.index_select(0, grid.cells)
     if out.dtype == torch.float32:
@@ -176,9 +196,8 @@ def _grid_update(x, lora_a, merged, b_t, grid: SlotGrid, out, slices) -> None:
         out.index_copy_(0, grid.targets, summed.to(out.dtype))
 
 
-def _slices(widths: list[int]) -> list[tuple[int, int]]:
-    """(offset, width) of each slice."""
-    return [(sum(widths[:s]), w) for s, w in enumerate(widths)]
+def _f32(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.float32 else t.float()
 
 
 def _slot_major(lora_a: torch.Tensor) -> torch.Tensor | None:

@@ -16,7 +16,8 @@ from __future__ import annotations
 import torch
 
 from lorapool import kernels
-from lorapool.kernels import LoRAMapping
+from lorapool.kernels import LoRAMapping, lora_cpu
+from lorapool.kernels.lora_cpu import SlotWeights
 
 
 class LoRAStep:
@@ -66,6 +67,7 @@ class LoRALayer:
             num_slots, max_rank, sum(output_sizes), dtype=dtype, device=device
         )
         self.step = step
+        self._cpu_weights: dict[int, SlotWeights] = {}  # views of the buffers, by step rank
 
     def set_slot(
         self, slot: int, index: int, a: torch.Tensor, b: torch.Tensor, scaling: float
@@ -88,7 +90,20 @@ class LoRALayer:
         mapping, rank = self.step.mapping, self.step.rank
         if mapping is None or rank == 0:
             return out
-        lora_a = self.lora_a[:, :, :rank].transpose(0, 1)
-        lora_b = self.lora_b[:, :rank].transpose(1, 2)
-        kernels.lora_linear(x.to(lora_a.dtype), lora_a, lora_b, mapping, out, self.output_sizes)
+        x = x.to(self.lora_a.dtype)
+        if kernels.use_triton(x):
+            lora_a = self.lora_a[:, :, :rank].transpose(0, 1)
+            lora_b = self.lora_b[:, :rank].transpose(1, 2)
+            kernels.lora_linear(x, lora_a, lora_b, mapping, out, self.output_sizes)
+        else:  # the layout work of a call done once per rank: 120 calls a step add up
+            lora_cpu.lora_linear(x, self._cpu_weights_at(rank), mapping.cpu_plan, out)
         return out
+
+    def _cpu_weights_at(self, rank: int) -> SlotWeights:
+        weights = self._cpu_weights.get(rank)
+        if weights is None:
+            lora_a = self.lora_a[:, :, :rank].transpose(0, 1)
+            lora_b = self.lora_b[:, :rank].transpose(1, 2)
+            weights = SlotWeights.of(lora_a, lora_b, self.output_sizes)
+            self._cpu_weights[rank] = weights
+        return weights
