@@ -84,8 +84,8 @@ class LlamaMLP(nn.Module):
         self.down_proj = PackedLinear(inter, [args.hidden_size], args.mlp_bias, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # views of a tensor of our own
+        return self.down_proj(F.silu(gate, inplace=True).mul_(up))
 
 
 class LlamaDecoderLayer(nn.Module):
