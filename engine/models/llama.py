@@ -174,8 +174,9 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits [S, vocab_size] in fp32 for hidden states [S, hidden_size]."""
-        return self.lm_head(hidden).float()
+        """Logits [S, vocab_size] in fp32 for hidden states [S, hidden_size], row-major
+        (the sampler works along rows)."""
+        return self.lm_head(hidden).float().contiguous()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face checkpoint tensors in; raise if any weight is left unset."""
