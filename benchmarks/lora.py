@@ -8,11 +8,15 @@ Sides, SmolLM2 on the CPU by default:
   peft     PEFT's mixed-adapter generate (``adapter_names=``) over the same 16
            adapters, batches of 16, left-padded (as benchmarks/engine.py does)
 
-The engine sides run in one subprocess, in lockstep: one step of each engine
-in turn, each side's clock counting only its own steps. This machine's speed
-drifts by 10-20% from minute to minute (other tenants), enough to swing the
-ratio of two runs made one after the other from 0.72 to 0.90; stepped in
-turn, the sides see the same drift. PEFT runs alone in a subprocess of its own.
+All sides run in one subprocess, in lockstep, each side's clock counting only
+its own work. This machine's speed drifts by 10-20% from minute to minute
+(other tenants), enough to swing the ratio of two runs made one after the
+other from 0.72 to 0.90 (and lora16 against a PEFT run made before it from
+3.6x to 4.3x); in lockstep, the sides see the same drift. The engines take a
+step each in turn. PEFT's generate calls its streamer after every step; there,
+every 5 s of PEFT's own time, the engines are stepped until their share of
+output tokens catches up with PEFT's share of generate steps, so all sides
+cross the run at the same pace.
 
 Adapters: rank 16 on all seven projections, random weights written directly
 as PEFT files. The 200 adapters of ``skewed`` are 200 directories (200 ids and
@@ -100,61 +104,121 @@ def make_engine(side: str, model: str, workload, dirs):
     return engine, params, loras
 
 
-def run_engines(sides: list[str], model: str, workload, dirs, threads: int) -> dict:
-    """The engine sides in lockstep (see the module doc); a summary per side."""
-    import torch
+class EngineSides:
+    """The engine sides stepped in turn, one step each a round; each side's clock
+    counts only its own steps."""
 
-    torch.set_num_threads(threads)
-    bench = _engine_bench()
-    engines = {}
-    for side in sides:
-        engine, params, loras = make_engine(side, model, workload, dirs)
-        for i, ((prompt, _), p, lora) in enumerate(zip(workload, params, loras)):
-            engine.add_request(str(i), {"prompt_token_ids": prompt}, p, lora_request=lora)
-        engines[side] = engine
-    clock = dict.fromkeys(sides, 0.0)
-    first_token = {side: {} for side in sides}
-    tokens = dict.fromkeys(sides, 0)
-    while engines:
-        for side, engine in list(engines.items()):
+    def __init__(self, sides: list[str], model: str, workload, dirs):
+        self.engines = {}
+        for side in sides:
+            engine, params, loras = make_engine(side, model, workload, dirs)
+            for i, ((prompt, _), p, lora) in enumerate(zip(workload, params, loras)):
+                engine.add_request(str(i), {"prompt_token_ids": prompt}, p, lora_request=lora)
+            self.engines[side] = engine
+        self.sides = list(sides)
+        self.total = len(sides) * sum(n for _, n in workload)
+        self.clock = dict.fromkeys(sides, 0.0)
+        self.first_token = {side: {} for side in sides}
+        self.emitted = {side: {} for side in sides}  # request id -> tokens so far
+        self.tokens = dict.fromkeys(sides, 0)
+
+    def unfinished(self) -> bool:
+        return bool(self.engines)
+
+    def progress(self) -> float:
+        """The share of all sides' output tokens produced so far."""
+        return sum(sum(e.values()) for e in self.emitted.values()) / self.total
+
+    def round(self) -> None:
+        for side, engine in list(self.engines.items()):
             start = time.perf_counter()
             outputs = engine.step()
-            clock[side] += time.perf_counter() - start
+            self.clock[side] += time.perf_counter() - start
             for out in outputs:
                 if out.outputs[0].token_ids:
-                    first_token[side].setdefault(out.request_id, clock[side])
+                    self.first_token[side].setdefault(out.request_id, self.clock[side])
+                self.emitted[side][out.request_id] = len(out.outputs[0].token_ids)
                 if out.finished:
-                    tokens[side] += len(out.outputs[0].token_ids)
+                    self.tokens[side] += len(out.outputs[0].token_ids)
             if not engine.has_unfinished_requests():
-                del engines[side]
-                print(f"  {side}: done, {clock[side]:.1f}s", file=sys.stderr, flush=True)
-    results = {}
-    for side in sides:
-        ttfts = list(first_token[side].values())
-        results[side] = bench.summary(tokens[side], clock[side], ttfts)
-        del results[side]["peak_rss_mib"]  # the process holds every side's engine
-    results["engines_peak_rss_mib"] = round(bench.peak_rss_mib(), 1)
-    return results
+                del self.engines[side]
+                print(f"  {side}: done, {self.clock[side]:.1f}s", file=sys.stderr, flush=True)
+
+    def results(self, bench) -> dict:
+        results = {}
+        for side in self.sides:
+            ttfts = list(self.first_token[side].values())
+            results[side] = bench.summary(self.tokens[side], self.clock[side], ttfts)
+            del results[side]["peak_rss_mib"]  # the process holds every side
+        return results
 
 
-def run_peft(model: str, workload, dirs, threads: int, batch_size: int = 16) -> dict:
+# PEFT hands its turn to the engines once per this many seconds of its own
+# time. Each hand-over leaves the side that resumes with cold caches: handing
+# over after every step (PEFT's steps are small and Python-bound) slowed PEFT
+# by a tenth while the engines' times did not move.
+SLICE_S = 5.0
+
+
+class PeftStreamer:
+    """generate()'s streamer for one PEFT batch: notes on ``clock`` when the
+    batch's first tokens exist and calls ``after_step(steps so far)`` after
+    every step."""
+
+    def __init__(self, clock, after_step):
+        self.steps = -1  # put() comes once with the prompt, then once a step
+        self.clock = clock
+        self.after_step = after_step
+        self.first_token = None
+
+    def put(self, value) -> None:
+        self.steps += 1
+        if self.steps == 1:
+            self.first_token = self.clock()
+        if self.steps >= 1:
+            self.after_step(self.steps)
+
+    def end(self) -> None:
+        pass
+
+
+def run_peft(model: str, workload, dirs, engines: EngineSides | None, batch_size: int = 16):
+    """PEFT's mixed-adapter generate over the workload; every ``SLICE_S`` of
+    PEFT's time, the engines (if any) are stepped until their share of output
+    tokens catches up with PEFT's share of generate steps. PEFT's summary."""
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     bench = _engine_bench()
-    torch.set_num_threads(threads)
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
     peft = PeftModel.from_pretrained(hf, dirs[0], adapter_name="lora-0")
     for k in range(1, 16):
         peft.load_adapter(dirs[k], adapter_name=f"lora-{k}")
     pad = bench.pad_token_id(hf)
     picks = pick_adapters("peft", len(workload), dirs)
-    start, ttfts, tokens = time.perf_counter(), [], 0
-    for b in range(0, len(workload), batch_size):
-        batch = workload[b : b + batch_size]
+    batches = [workload[b : b + batch_size] for b in range(0, len(workload), batch_size)]
+    total_steps = sum(max(n for _, n in batch) for batch in batches)
+    start = time.perf_counter()
+    steps_done, elsewhere, handed_over = 0, 0.0, 0.0  # elsewhere: seconds in engine steps
+
+    def own_clock() -> float:
+        return time.perf_counter() - start - elsewhere
+
+    def after_step(batch_steps: int) -> None:
+        nonlocal elsewhere, handed_over
+        if engines is None or own_clock() - handed_over < SLICE_S:
+            return
+        handed_over, turn = own_clock(), time.perf_counter()
+        target = (steps_done + batch_steps) / total_steps
+        while engines.unfinished() and engines.progress() < target:
+            engines.round()
+        elsewhere += time.perf_counter() - turn
+
+    ttfts, tokens = [], 0
+    for b, batch in enumerate(batches):
         ids, mask, max_new = bench.padded_batch(batch, pad)
-        clock = bench.FirstTokenClock()
+        streamer = PeftStreamer(own_clock, after_step)
         with torch.inference_mode():
             peft.generate(
                 input_ids=ids,
@@ -163,22 +227,43 @@ def run_peft(model: str, workload, dirs, threads: int, batch_size: int = 16) -> 
                 max_new_tokens=max_new,
                 min_new_tokens=max_new,
                 pad_token_id=pad,
-                streamer=clock,
-                adapter_names=[f"lora-{k}" for k in picks[b : b + len(batch)]],
+                streamer=streamer,
+                adapter_names=[f"lora-{k}" for k in picks[b * batch_size :][: len(batch)]],
             )
-        ttfts += [clock.first_token - start] * len(batch)
+        ttfts += [streamer.first_token] * len(batch)
+        steps_done += max_new
         tokens += sum(n for _, n in batch)
-        bench.progress(b + len(batch), len(workload), start)
-    return bench.summary(tokens, time.perf_counter() - start, ttfts)
+        bench.progress(b * batch_size + len(batch), len(workload), start + elsewhere)
+    return bench.summary(tokens, own_clock(), ttfts)
 
 
-def run_child(what: str, args, adapter_root: str) -> dict:
-    """Runs ``what`` (peft, or a comma-separated list of engine sides) in a fresh interpreter."""
+def run_sides(sides: list[str], model: str, workload, dirs, threads: int) -> dict:
+    """Every side in one process, in lockstep (see the module doc); a summary per side."""
+    import torch
+
+    torch.set_num_threads(threads)
+    bench = _engine_bench()
+    engine_sides = [side for side in sides if side in ENGINE_SIDES]
+    engines = EngineSides(engine_sides, model, workload, dirs) if engine_sides else None
+    results = {}
+    if "peft" in sides:
+        results["peft"] = run_peft(model, workload, dirs, engines)
+        print(f"  peft: done, {results['peft']['seconds']:.1f}s", file=sys.stderr, flush=True)
+    while engines and engines.unfinished():
+        engines.round()
+    if engines:
+        results.update(engines.results(bench))
+    results["peak_rss_mib"] = round(bench.peak_rss_mib(), 1)
+    return results
+
+
+def run_child(args, adapter_root: str) -> dict:
+    """Runs the sides in a fresh interpreter."""
     cmd = [
         sys.executable,
         __file__,
         "--side",
-        what,
+        args.sides,
         "--model",
         args.model,
         "--requests",
@@ -224,17 +309,13 @@ def main(argv=None) -> dict:
         args.model = str(smollm2_dir())
     if args.side:
         return _child(args)
-    sides = args.sides.split(",")
-    engine_sides = [side for side in sides if side in ENGINE_SIDES]
+    unknown = set(args.sides.split(",")) - {*ENGINE_SIDES, "peft"}
+    if unknown:
+        parser.error(f"unknown sides {sorted(unknown)}; known: {', '.join(ENGINE_SIDES)}, peft")
     with tempfile.TemporaryDirectory(prefix="lorapool-bench-lora-") as root:
         write_adapters(args.model, Path(root), num_distinct=16, num_dirs=200)
-        results = {}
-        if engine_sides:
-            print(f"{', '.join(engine_sides)} (lockstep):", file=sys.stderr)
-            results.update(run_child(",".join(engine_sides), args, root))
-        if "peft" in sides:
-            print("peft:", file=sys.stderr)
-            results["peft"] = run_child("peft", args, root)
+        print(f"{args.sides} (lockstep):", file=sys.stderr)
+        results = run_child(args, root)
     results["ratios"] = ratios(results)
     print(json.dumps(results, indent=2))
     if args.json:
@@ -248,11 +329,7 @@ def _child(args) -> dict:
     vocab = AutoConfig.from_pretrained(args.model).vocab_size
     workload = _engine_bench().make_workload(args.requests, vocab)
     dirs = [str(Path(args.adapter_root) / f"lora-{i}") for i in range(200)]
-    if args.side == "peft":
-        result = run_peft(args.model, workload, dirs, args.threads)
-    else:
-        result = run_engines(args.side.split(","), args.model, workload, dirs, args.threads)
-    print(json.dumps(result))
+    print(json.dumps(run_sides(args.side.split(","), args.model, workload, dirs, args.threads)))
     return {}
 
 
