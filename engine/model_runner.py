@@ -12,7 +12,6 @@ from lorapool import kernels
 from lorapool.engine.batch import BatchMetadata
 from lorapool.engine.block_manager import BlockManager
 from lorapool.engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineArgs
-from lorapool.engine.host_allocator import tune_host_allocator
 from lorapool.engine.loader import load_model
 from lorapool.engine.scheduler import ScheduledSeq, SchedulerOutput
 from lorapool.kernels import AttentionPlan
@@ -32,8 +31,6 @@ class LogitsRows:
 class ModelRunner:
     def __init__(self, args: EngineArgs):
         self.device = args.resolve_device()
-        if self.device.type == "cpu":
-            tune_host_allocator()  # steps reuse their memory instead of page-faulting it in
         checkpoint_dtype = getattr(AutoConfig.from_pretrained(args.model), "dtype", None)
         self.dtype = args.resolve_dtype(self.device, checkpoint_dtype)
         self.model, self.hf_config = load_model(args.model, dtype=self.dtype, device=self.device)
