@@ -84,10 +84,10 @@ def length_groups(rows: list[int], lens: list[int], block_size: int) -> list[lis
     current group while its context needs more than ``GROUP_MIN_SHARE`` of
     the group's blocks, so padding is at most a fifth of what a group gathers.
     One group padded to the batch's longest context gathers about twice the
-    real contexts when lengths are spread evenly; on 64 contexts of 47 to 543
-    tokens (SmolLM2's heads, 30 layers) the grouped gathers and SDPA calls took
-    150 ms against 271 ms, with shares of 0.75 to 0.85 alike and both 0.5 and
-    0.95 slower (more padding, more calls).
+    real contexts when lengths are spread evenly: a SmolLM2 decode step of 64
+    sequences (prompts of 16 to 512 tokens) takes 321 ms grouped against 415 ms
+    as one group (benchmarks/RESULTS.md, "CPU engine"). A lower share
+    pads more, a higher one makes more, smaller calls.
     """
     groups: list[list[int]] = []
     longest = 0

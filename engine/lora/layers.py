@@ -42,7 +42,7 @@ class LoRALayer:
     each transposed, with the adapter's scaling folded in; the kernels get it
     as an [L, N, R] view. Stored rank-major so that a slot's B^T is a plain
     [R, N] matrix: the CPU expand reads it a few percent faster than [N, R]
-    rows of R floats (benchmarks/RESULTS.md, "CPU LoRA"), and a Triton tile
+    rows of R floats (benchmarks/RESULTS.md, "CPU engine"), and a Triton tile
     loads it contiguously along N. Entries of an adapter that does not target
     a slice are zero.
     """

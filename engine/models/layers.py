@@ -10,8 +10,8 @@ from torch import nn
 
 # On the CPU, a product of at most this many tokens (a decode step) is computed
 # as (W @ x^T)^T, whose result is a column-major view: MKL streams the weight
-# through that form 10-25% faster than through x @ W^T (benchmarks/RESULTS.md,
-# "Skinny linear"). From about 512 tokens on, x @ W^T is as fast or faster.
+# through that form faster than through x @ W^T; from about 512 tokens on,
+# x @ W^T is as fast or faster (benchmarks/RESULTS.md, "CPU engine").
 SKINNY_TOKENS = 256
 
 
