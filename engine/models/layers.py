@@ -8,8 +8,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# On the CPU, a product of at most this many tokens (a decode step) is computed
-# as (W @ x^T)^T, whose result is a column-major view: MKL streams the weight
+from lorapool import kernels
+
+# On the CPU path, a product of at most this many tokens (a decode step) is
+# computed as (W @ x^T)^T, whose result is a column-major view (the Triton kernels,
+# on CUDA or interpreted, take row-major tensors only): MKL streams the weight
 # through that form faster than through x @ W^T; from about 512 tokens on,
 # x @ W^T is as fast or faster (benchmarks/RESULTS.md, "CPU engine").
 SKINNY_TOKENS = 256
@@ -39,7 +42,7 @@ class PackedLinear(nn.Module):
             )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and x.shape[0] <= SKINNY_TOKENS and x.device.type == "cpu":
+        if x.dim() == 2 and x.shape[0] <= SKINNY_TOKENS and not kernels.use_triton(x):
             if self.bias is None:
                 out = torch.mm(self.weight, x.t()).t()
             else:
