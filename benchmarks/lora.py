@@ -120,7 +120,6 @@ class EngineSides:
         self.clock = dict.fromkeys(sides, 0.0)
         self.first_token = {side: {} for side in sides}
         self.emitted = {side: {} for side in sides}  # request id -> tokens so far
-        self.tokens = dict.fromkeys(sides, 0)
 
     def unfinished(self) -> bool:
         return bool(self.engines)
@@ -138,8 +137,6 @@ class EngineSides:
                 if out.outputs[0].token_ids:
                     self.first_token[side].setdefault(out.request_id, self.clock[side])
                 self.emitted[side][out.request_id] = len(out.outputs[0].token_ids)
-                if out.finished:
-                    self.tokens[side] += len(out.outputs[0].token_ids)
             if not engine.has_unfinished_requests():
                 del self.engines[side]
                 print(f"  {side}: done, {self.clock[side]:.1f}s", file=sys.stderr, flush=True)
@@ -148,7 +145,8 @@ class EngineSides:
         results = {}
         for side in self.sides:
             ttfts = list(self.first_token[side].values())
-            results[side] = bench.summary(self.tokens[side], self.clock[side], ttfts)
+            tokens = sum(self.emitted[side].values())  # every request has finished
+            results[side] = bench.summary(tokens, self.clock[side], ttfts)
             del results[side]["peak_rss_mib"]  # the process holds every side
         return results
 
@@ -218,7 +216,7 @@ def run_peft(model: str, workload, dirs, engines: EngineSides | None, batch_size
     ttfts, tokens = [], 0
     for b, batch in enumerate(batches):
         ids, mask, max_new = bench.padded_batch(batch, pad)
-        streamer = PeftStreamer(own_clock, after_step)
+        streamer, first = PeftStreamer(own_clock, after_step), b * batch_size
         with torch.inference_mode():
             peft.generate(
                 input_ids=ids,
@@ -228,12 +226,12 @@ def run_peft(model: str, workload, dirs, engines: EngineSides | None, batch_size
                 min_new_tokens=max_new,
                 pad_token_id=pad,
                 streamer=streamer,
-                adapter_names=[f"lora-{k}" for k in picks[b * batch_size :][: len(batch)]],
+                adapter_names=[f"lora-{k}" for k in picks[first : first + len(batch)]],
             )
         ttfts += [streamer.first_token] * len(batch)
         steps_done += max_new
         tokens += sum(n for _, n in batch)
-        bench.progress(b * batch_size + len(batch), len(workload), start + elsewhere)
+        bench.progress(first + len(batch), len(workload), start + elsewhere)
     return bench.summary(tokens, own_clock(), ttfts)
 
 

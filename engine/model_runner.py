@@ -14,7 +14,6 @@ from lorapool.engine.block_manager import BlockManager
 from lorapool.engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineArgs
 from lorapool.engine.loader import load_model
 from lorapool.engine.scheduler import ScheduledSeq, SchedulerOutput
-from lorapool.kernels import AttentionPlan
 
 logger = logging.getLogger(__name__)
 
@@ -120,7 +119,7 @@ class ModelRunner:
         )
         batch = batch.to(self.device)
         if not kernels.use_triton(batch.input_ids):  # the CPU attention plans once a step
-            batch.attention_plan = AttentionPlan.build(
+            batch.attention_plan = kernels.AttentionPlan.build(
                 batch.block_tables, batch.seq_lens, batch.query_start_loc, self.block_size
             )
         return batch, layout

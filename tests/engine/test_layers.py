@@ -16,10 +16,13 @@ def test_packed_linear_matches_f_linear(tokens, bias):
     if bias:
         layer.bias.data.copy_(torch.randn(128, generator=gen))
     x = torch.randn(tokens, 96, generator=gen)
+    expected = F.linear(x, layer.weight, layer.bias)
     out = layer(x)
     assert out.shape == (tokens, 128)
-    torch.testing.assert_close(out, F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
-    # The result takes in-place updates (a LoRA delta) like a plain tensor.
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    # The result takes a LoRA delta in place (index_add_ on rows) as F.linear's does.
     rows = torch.arange(0, tokens, 2)
-    expected = out.clone().index_add_(0, rows, torch.ones(len(rows), 128))
-    torch.testing.assert_close(out.index_add_(0, rows, torch.ones(len(rows), 128)), expected)
+    delta = torch.randn(len(rows), 128, generator=gen)
+    torch.testing.assert_close(
+        out.index_add_(0, rows, delta), expected.index_add_(0, rows, delta), rtol=1e-5, atol=1e-5
+    )
