@@ -17,12 +17,16 @@ SCRIPTS = {"queue": "queue_path", "kernels": "kernel_ops"}
 @click.pass_context
 def bench(ctx, name):
     """Run benchmarks/NAME.py (engine, kernels, audit_writer, ...) with the remaining options."""
+    if not (BENCHMARKS.is_dir() and (BENCHMARKS.parent / "pyproject.toml").is_file()):
+        raise click.UsageError(
+            "benchmarks need a source checkout of lorapool: they are scripts in its "
+            "benchmarks/ folder, which an installed package does not carry. Clone the "
+            "repository and run `lorapool bench NAME` (or python benchmarks/NAME.py) there."
+        )
     script = BENCHMARKS / f"{SCRIPTS.get(name, name)}.py"
     if not script.is_file():
-        names = sorted(p.stem for p in BENCHMARKS.glob("*.py")) if BENCHMARKS.is_dir() else []
-        raise click.UsageError(
-            f"no benchmark {name!r} in {BENCHMARKS} (have: {', '.join(names)}); "
-            "benchmarks run from a source checkout"
-        )
+        command_of = {script: command for command, script in SCRIPTS.items()}
+        names = sorted(command_of.get(p.stem, p.stem) for p in BENCHMARKS.glob("*.py"))
+        raise click.UsageError(f"no benchmark {name!r} in {BENCHMARKS} (have: {', '.join(names)})")
     sys.argv = [str(script), *ctx.args]
     runpy.run_path(str(script), run_name="__main__")

