@@ -9,6 +9,9 @@ Torch-free (SQLAlchemy, redis, orjson only). The pieces:
 - :mod:`.writer`: the stream consumer;
 - :mod:`.verify`: walking the hash chain;
 - :mod:`.queries`: compliance queries.
+
+May import: SQLAlchemy, alembic, redis, orjson and ``lorapool``'s torch-free modules;
+never torch (checked by ``tests/unit/test_import_rules.py``).
 """
 
 from lorapool.audit_db.database import (

@@ -23,6 +23,8 @@ the largest rank R:
 
 or both at once, as the engine does: ``lora_linear(x, lora_a, lora_b, mapping,
 out, slice_widths)``, which on the CPU runs the fused plan of ``lora_cpu``.
+
+May import: torch and triton only (the Triton modules lazily); never the engine.
 """
 
 import os

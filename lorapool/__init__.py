@@ -3,6 +3,9 @@
 The data types are torch-free and imported eagerly. The engine and the
 producers are imported on first use, so that a web app that only submits
 jobs never imports torch.
+
+May import: the standard library and orjson (the data types); the engine and
+producers only lazily, through ``__getattr__``. The CLI lives in ``cli/``.
 """
 
 from importlib import import_module

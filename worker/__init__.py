@@ -1,4 +1,8 @@
-"""The queue worker: drives one engine from the ``workers`` consumer group."""
+"""The queue worker: drives one engine from the ``workers`` consumer group.
+
+May import: the engine, redis, orjson, ``lorapool.audit_db.record`` (to build audit records)
+and the producer's registry helpers; never SQLAlchemy sessions or the CLI.
+"""
 
 from lorapool.worker.config import WorkerConfig
 from lorapool.worker.worker import Worker

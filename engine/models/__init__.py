@@ -1,4 +1,7 @@
-"""Model implementations and the registry of supported Hugging Face architectures."""
+"""Model implementations and the registry of supported Hugging Face architectures.
+
+May import: torch, transformers (configs), the engine's layers and ``lorapool.kernels``.
+"""
 
 from torch import nn
 

@@ -1,0 +1,96 @@
+"""DESIGN.md's import rules, checked on what each module really imports.
+
+Each check imports the modules in a fresh interpreter and reads ``sys.modules``:
+a producer must import without torch, the audit trail never imports torch, the
+scheduler and block manager are plain Python, and the torch-free data types of
+``lorapool/`` need only the standard library and orjson.
+"""
+
+import ast
+import importlib.util
+import pkgutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import tomllib
+
+ROOT = Path(__file__).resolve().parents[2]
+GPU_STACK = {"torch", "triton", "transformers", "safetensors", "tokenizers", "numpy"}
+
+PROBE = """
+import importlib, sys
+for name in sys.argv[1:]:
+    importlib.import_module(name)
+print(" ".join(sorted({m.split(".")[0] for m in sys.modules} - set(sys.stdlib_module_names))))
+"""
+
+
+def imported(modules: list[str]) -> set[str]:
+    """Top-level non-stdlib modules loaded by importing ``modules`` in a fresh interpreter."""
+    run = subprocess.run(
+        [sys.executable, "-c", PROBE, *modules], capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 0, run.stderr
+    return set(run.stdout.split())
+
+
+def submodules(package: str, skip: tuple[str, ...] = ()) -> list[str]:
+    module = __import__(package, fromlist=["__path__"])
+    names = [package]
+    for info in pkgutil.walk_packages(module.__path__, prefix=f"{package}."):
+        if not any(info.name.startswith(f"{package}.{s}") for s in skip):
+            names.append(info.name)
+    return names
+
+
+def test_the_data_types_need_only_the_standard_library_and_orjson():
+    modules = [m for m in submodules("lorapool", skip=("cli", "embedded")) if m.count(".") <= 1]
+    assert {"lorapool.protocol", "lorapool.wire", "lorapool.keys"} <= set(modules)
+    extra = imported(modules) - {"lorapool", "orjson", "_distutils_hack"}
+    assert not {m for m in extra if not m.startswith("_")}, extra
+
+
+def test_producers_import_without_torch_or_sqlalchemy():
+    loaded = imported(submodules("lorapool.producer"))
+    assert "redis" in loaded  # the probe really imported the producers
+    assert not loaded & (GPU_STACK | {"sqlalchemy"})
+
+
+def test_the_audit_trail_never_imports_torch():
+    loaded = imported(submodules("lorapool.audit_db", skip=("migrations",)))
+    assert "sqlalchemy" in loaded
+    assert not loaded & GPU_STACK
+
+
+@pytest.mark.parametrize("module", ["scheduler", "block_manager", "sequence"])
+def test_scheduling_is_plain_python(module):
+    assert not imported([f"lorapool.engine.{module}"]) & (GPU_STACK | {"redis", "sqlalchemy"})
+
+
+PACKAGES = [
+    "lorapool",
+    "lorapool.cli",
+    "lorapool.engine",
+    "lorapool.engine.models",
+    "lorapool.engine.lora",
+    "lorapool.kernels",
+    "lorapool.worker",
+    "lorapool.producer",
+    "lorapool.audit_db",
+]
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_each_folder_says_what_it_is_for_and_what_it_may_import(package):
+    # Read, not imported: the engine's packages need torch, this test does not.
+    path = Path(importlib.util.find_spec(package).origin)
+    docstring = ast.get_docstring(ast.parse(path.read_text()))
+    assert docstring, f"{path} has no docstring"
+    assert "may import" in docstring.lower(), f"{path}: say what the folder may import"
+
+
+def test_every_package_of_the_distribution_is_checked():
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert set(PACKAGES) == set(pyproject["tool"]["setuptools"]["packages"])
