@@ -55,7 +55,7 @@ def _engine_bench():
 
 def write_adapters(model: str, root: Path, num_distinct: int, num_dirs: int) -> list[str]:
     """``num_dirs`` adapter directories over ``num_distinct`` weight files (hard links)."""
-    from lorapool.engine.demo_adapters import write_adapter
+    from lorapool.cli.demo_adapters import write_adapter
 
     distinct = [
         write_adapter(model, root / f"distinct-{i}", RANK, tuple(TARGETS), seed=i)

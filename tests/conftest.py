@@ -18,7 +18,7 @@ except ImportError:  # a producer-only install has no torch
 @pytest.fixture(scope="session")
 def smollm2_path():
     """The prepared SmolLM2-135M-Instruct directory (made once, then cached)."""
-    from lorapool.engine.prepare import prepare_smollm2
+    from lorapool.cli.prepare import prepare_smollm2
 
     return prepare_smollm2(progress=False)
 

@@ -70,7 +70,7 @@ def run_demo(model: str, max_tokens: int, console: Console) -> None:
 
 
 def register_adapters(producer, model: str, console: Console) -> None:
-    from lorapool.engine.demo_adapters import ensure_demo_adapters
+    from lorapool.cli.demo_adapters import ensure_demo_adapters
     from lorapool.settings import cache_dir
 
     for name, path in ensure_demo_adapters(model, cache_dir() / "demo-adapters").items():

