@@ -12,11 +12,19 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 SCRIPTS = {"queue": "queue_path", "kernels": "kernel_ops"}
 
 
-@click.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
-@click.argument("name")
+@click.command(
+    context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
+    add_help_option=False,  # `bench NAME --help` is the script's help, not this command's
+)
+@click.argument("name", required=False)
 @click.pass_context
 def bench(ctx, name):
-    """Run benchmarks/NAME.py (engine, kernels, audit_writer, ...) with the remaining options."""
+    """Run benchmarks/NAME.py (engine, kernels, audit_writer, ...) with the remaining options.
+
+    `lorapool bench NAME --help` prints the script's own options."""
+    if name in (None, "--help", "-h"):
+        click.echo(ctx.get_help())
+        ctx.exit(0 if name else 2)
     if not (BENCHMARKS.is_dir() and (BENCHMARKS.parent / "pyproject.toml").is_file()):
         raise click.UsageError(
             "benchmarks need a source checkout of lorapool: they are scripts in its "

@@ -118,3 +118,12 @@ def test_bench_lists_its_benchmarks_by_command_name(tmp_path):
     assert run.returncode == 2
     listed = run.stderr.split("have: ")[1]
     assert "queue" in listed and "queue_path" not in listed
+
+
+def test_bench_name_help_is_the_scripts_own_help(tmp_path):
+    run = lorapool(tmp_path, set(), "bench", "cpu_micro", "--help")
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.startswith("usage: cpu_micro.py")
+    assert "{step,linear,lora}" in run.stdout
+    own = lorapool(tmp_path, set(), "bench", "--help")
+    assert own.returncode == 0 and "Usage: lorapool bench" in own.stdout
