@@ -254,7 +254,7 @@ def paged_attention(
     block_q, block_m = _query_blocking(num_tokens, num_seqs, group)
     num_q_blocks = num_tokens if block_q == 1 else num_tokens // block_q + num_seqs
     block_n = max(32 if query.dtype == torch.float32 else 64, block_size)  # fp32: less smem
-    num_splits, split_size = _kv_splits(
+    num_splits, split_size = kv_splits(
         num_q_blocks * num_kv_heads,
         block_q,
         block_tables.shape[1] * block_size,
@@ -324,7 +324,7 @@ def _query_blocking(num_tokens: int, num_seqs: int, group: int) -> tuple[int, in
     return block_m // group, block_m
 
 
-def _kv_splits(
+def kv_splits(
     num_programs: int, block_q: int, max_context: int, block_n: int, device: torch.device
 ) -> tuple[int, int]:
     """(splits, positions per split) of each sequence's context (flash-decoding).

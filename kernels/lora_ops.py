@@ -173,7 +173,7 @@ def lora_shrink(
     if mapping.num_tiles == 0:
         return out
     block_k = min(128, next_pow2(hidden))
-    split_k = _split_k(mapping.num_tiles * num_slices, triton.cdiv(hidden, block_k), x.device)
+    split_k = split_k_factor(mapping.num_tiles * num_slices, triton.cdiv(hidden, block_k), x.device)
     grid = (mapping.num_tiles, num_slices, split_k)
     shrink_kernel[grid](
         x,
@@ -239,7 +239,7 @@ def lora_expand(
     )
 
 
-def _split_k(num_programs: int, num_k_blocks: int, device: torch.device) -> int:
+def split_k_factor(num_programs: int, num_k_blocks: int, device: torch.device) -> int:
     """Splits the reduction until the programs roughly fill the device."""
     target = num_sms(device) if device.type == "cuda" else 4
     split = 1

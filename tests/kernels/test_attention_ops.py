@@ -141,10 +141,10 @@ def test_write_kv_cache_skips_negative_slots():
 
 def test_only_small_decode_batches_split_the_context():
     cpu = torch.device("cpu")
-    assert attention_ops._kv_splits(4, 1, 1024, 64, cpu) == (4, 256)
-    assert attention_ops._kv_splits(2, 1, 736, 64, cpu) == (3, 256)
-    assert attention_ops._kv_splits(4, 1, 128, 64, cpu)[0] == 1  # short contexts
-    assert attention_ops._kv_splits(2, 21, 1024, 64, cpu)[0] == 1  # prefill
+    assert attention_ops.kv_splits(4, 1, 1024, 64, cpu) == (4, 256)
+    assert attention_ops.kv_splits(2, 1, 736, 64, cpu) == (3, 256)
+    assert attention_ops.kv_splits(4, 1, 128, 64, cpu)[0] == 1  # short contexts
+    assert attention_ops.kv_splits(2, 21, 1024, 64, cpu)[0] == 1  # prefill
 
 
 def _attention_args():

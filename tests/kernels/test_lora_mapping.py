@@ -41,6 +41,6 @@ def test_rejects_slots_below_minus_one():
 
 def test_split_k_only_when_tiles_leave_the_device_idle():
     cpu = torch.device("cpu")
-    assert lora_ops._split_k(1, 12, cpu) == 4
-    assert lora_ops._split_k(1, 2, cpu) == 2
-    assert lora_ops._split_k(8, 12, cpu) == 1
+    assert lora_ops.split_k_factor(1, 12, cpu) == 4
+    assert lora_ops.split_k_factor(1, 2, cpu) == 2
+    assert lora_ops.split_k_factor(8, 12, cpu) == 1
