@@ -23,8 +23,11 @@ model: install
 demo: model
 	$(BIN)/lorapool demo
 
+# Triton picks compiled or interpreted once per process: the kernel tests that launch
+# kernels on the CPU run in a second process started with TRITON_INTERPRET=1.
 test: model
 	$(BIN)/pytest -q
+	TRITON_INTERPRET=1 $(BIN)/pytest -q tests/kernels -m interpret
 
 lint: install
 	$(BIN)/ruff check .

@@ -4,10 +4,11 @@ CUDA tensors go to the Triton kernels; CPU tensors to ``reference``, unless
 ``TRITON_INTERPRET=1`` is set, in which case the Triton kernels run on the CPU
 under Triton's interpreter (used by the tests).
 
-The variable is read at every call, here and (through ``kernels.jit.Kernel``)
-by Triton when a kernel launches, never frozen at import. So the kernel tests
-set it for their own duration (a fixture in ``tests/kernels/conftest.py``)
-and the engine tests in the same pytest process keep the fast reference path.
+The dispatch reads the variable at every call, but Triton's own choice between
+compiling and interpreting is made once per process (``kernels.jit``): a process
+that is to run the kernels on the CPU must have the variable set when it starts.
+The kernel tests run in such a process of their own (``make test`` starts it);
+within it, a test that unsets the variable takes the reference path.
 The Triton modules are imported on first use: a CPU-only install, where
 triton may be missing, never imports them.
 

@@ -1,111 +1,47 @@
-"""Triton kernels that choose compiled or interpreted form at launch time.
+"""Triton kernels, compiled or interpreted as the whole process is: helpers for the kernel modules.
 
 Triton decides between compiling a kernel and interpreting it when
-``@triton.jit`` decorates the function: it reads ``TRITON_INTERPRET`` through
-``triton.knobs.runtime.interpret`` once, at decoration (triton 3.x,
-``triton/runtime/jit.py``). A module decorated at import time would therefore
-freeze the mode of the whole process: importing it while the kernel tests
-have ``TRITON_INTERPRET=1`` set would make every later CUDA call interpret,
-and importing it first without the variable would make the interpreter tests
-try to compile for a GPU that is not there.
-
-``Kernel`` keeps the plain Python function and builds its jitted form per
-launch mode, the first time that mode is launched: ``triton.jit`` runs at
-launch time, so the knob is read then. Together with the dispatch in
-``lorapool.kernels`` (which also reads ``TRITON_INTERPRET`` at call time), the
-kernel tests set the variable for their own duration only (a pytest fixture)
-and every other test in the same process keeps the CPU reference.
-
-Jitted functions that a kernel calls (``tl.max``, ``tl.sum``, ``tl.zeros`` of
-triton.language, the kernel module's own ``@triton.jit`` helpers) are frozen
-at import, normally in compiled form, which the interpreter cannot call. For
-an interpreted launch ``Kernel`` swaps in interpreted forms of them and puts
-the originals back afterwards (``_interpretable_helpers``). A process that
-imports triton with ``TRITON_INTERPRET=1`` already set interprets throughout.
+``@triton.jit`` decorates the function, reading ``TRITON_INTERPRET`` then
+(``triton.knobs.runtime.interpret``); its own jitted helpers (``tl.max``,
+``tl.sum``, ...) are decorated when triton is imported. So the mode belongs
+to the process: one started with ``TRITON_INTERPRET=1`` interprets every
+kernel on the CPU (the kernel tests run in such a process of their own), any
+other compiles for the GPU. Nothing here switches it afterwards or touches
+Triton's internals; ``Kernel`` refuses a launch in the other mode, with an error
+that says how to choose it, instead of failing somewhere inside Triton.
 """
 
-import sys
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
-from inspect import ismodule
+from collections.abc import Sequence
 
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.jit import JITFunction
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-class Kernel:
-    """A Triton kernel launched as ``kernel[grid](*args)``, compiled or interpreted."""
+def interpreting() -> bool:
+    """Whether Triton runs kernels in its interpreter (now, as the environment says)."""
+    return bool(triton.knobs.runtime.interpret)
 
-    def __init__(self, fn: Callable) -> None:
+
+class Kernel:
+    """A Triton kernel launched as ``kernel[grid](*args)``; jitted once, in the process's mode."""
+
+    def __init__(self, fn) -> None:
         self.fn = fn
-        self._forms: dict[bool, object] = {}
+        self.interpreted = interpreting()
+        self.jitted = triton.jit(fn)
 
     def __getitem__(self, grid):
-        interpret = bool(triton.knobs.runtime.interpret)
-        form = self._forms.get(interpret)
-        if form is None:
-            form = self._forms[interpret] = triton.jit(self.fn)
-        if not interpret:
-            return form[grid]
-
-        def launch(*args, **kwargs):
-            with _interpretable_helpers(sys.modules[self.fn.__module__]):
-                return form[grid](*args, **kwargs)
-
-        return launch
-
-
-@contextmanager
-def _interpretable_helpers(kernel_module) -> Iterator[None]:
-    """Interpreted forms of the jitted functions a kernel can reach, for one launch.
-
-    The interpreter also leaves things behind that break later compilation:
-    it copies its own globals into the namespace of each function it runs (as
-    if ``from __future__ import annotations`` were there), and a call from one
-    jitted function to another patches ``triton.language`` with interpreter
-    builtins that are never put back. Everything such a launch can touch is
-    saved before and restored after it.
-    """
-    from triton.runtime import interpreter
-
-    spaces = (tl, tl.standard, tl.random, kernel_module)
-    touched = (
-        *spaces,
-        tl.core,
-        tl.math,
-        tl.core.tensor,
-        tl.core.dtype,
-        tl.core.condition,
-        tl.core.tensor_descriptor_base,
-    )
-    saved = [(obj, dict(vars(obj))) for obj in touched]
-    forms: dict[int, interpreter.InterpretedFunction] = {}
-    for space in spaces:
-        for name, f in list(vars(space).items()):
-            if isinstance(f, JITFunction):
-                form = forms.setdefault(id(f), interpreter.InterpretedFunction(f.fn))
-                setattr(space, name, form)
-        for name, value in vars(interpreter).items():
-            if name not in vars(space):  # what the interpreter would add, now and gone after
-                setattr(space, name, value)
-    try:
-        yield
-    finally:
-        for obj, attrs in saved:
-            _restore(obj, attrs)
-
-
-def _restore(obj, attrs: dict) -> None:
-    current = vars(obj)
-    for name in [n for n, v in current.items() if n not in attrs and not ismodule(v)]:
-        delattr(obj, name)  # submodules imported meanwhile stay
-    for name, value in attrs.items():
-        if current.get(name) is not value:
-            setattr(obj, name, value)
+        if interpreting() != self.interpreted:
+            mode = "interpreted" if self.interpreted else "compiled"
+            raise RuntimeError(
+                f"Triton kernel {self.fn.__name__} was jitted {mode} when its module was imported, "
+                "and TRITON_INTERPRET has changed since. Triton's mode is chosen per process: "
+                "set TRITON_INTERPRET=1 before the process starts to run the kernels on the CPU."
+            )
+        return self.jitted[grid]
 
 
 def dot_precision(dtype: torch.dtype) -> str:
@@ -124,7 +60,7 @@ def dot_dtype(dtype: torch.dtype):
     integers in ``tl.dot``, so under the interpreter bf16 operands go in as
     float32 (exact) instead.
     """
-    if dtype == torch.bfloat16 and triton.knobs.runtime.interpret:
+    if dtype == torch.bfloat16 and interpreting():
         return tl.float32
     return {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}.get(dtype, tl.float32)
 

@@ -1,5 +1,9 @@
 """Dispatch: which path an op takes, and that interpreter mode never leaks out of a test."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -53,12 +57,37 @@ def test_interpreter_mode_is_set_by_the_fixture_only(triton_interpret):
 
 
 @pytest.mark.usefixtures("triton_interpret")
-def test_an_interpreted_launch_puts_the_compiled_helpers_back():
-    from triton.runtime.jit import JITFunction
-
+def test_the_interpreting_process_runs_every_kernel_interpreted():
     x, lora_a = torch.randn(4, 32), torch.randn(1, 2, 4, 32)
     interpreted = lora_ops.lora_shrink(x, lora_a, [0, 1, 1, -1])
     torch.testing.assert_close(interpreted, reference.lora_shrink(x, lora_a, [0, 1, 1, -1]))
+    for kernel in (lora_ops.shrink_kernel, attention_ops.attention_kernel):
+        assert kernel.interpreted
+
+
+def test_a_launch_after_the_mode_changed_is_refused_and_says_why(monkeypatch):
+    """This process compiles; setting the variable now cannot make it interpret."""
+    assert not lora_ops.shrink_kernel.interpreted
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with pytest.raises(RuntimeError, match="jitted compiled.*chosen per process"):
+        lora_ops.lora_shrink(torch.randn(4, 32), torch.randn(1, 2, 4, 32), [0, 1, 1, -1])
+
+
+def test_an_interpreting_process_leaves_this_one_compiling():
+    """The interpreter runs in a process of its own; Triton's helpers here stay compiled."""
+    from triton.runtime.jit import JITFunction
+
+    code = (
+        "import torch\n"
+        "from lorapool.kernels import lora_ops, reference\n"
+        "x, a = torch.randn(4, 32), torch.randn(1, 2, 4, 32)\n"
+        "torch.testing.assert_close(lora_ops.lora_shrink(x, a, [0, 1, -1, 1]),\n"
+        "                           reference.lora_shrink(x, a, [0, 1, -1, 1]))\n"
+        "print('interpreted', lora_ops.shrink_kernel.interpreted)\n"
+    )
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "interpreted True"
     assert isinstance(triton.language.max, JITFunction)
     assert isinstance(lora_ops._tile, JITFunction)
-    assert isinstance(attention_ops._attend, JITFunction)

@@ -4,6 +4,8 @@ import random
 
 import pytest
 
+pytestmark = pytest.mark.interpret
+
 
 def _greedy(path, prompts, **engine_kw):
     from lorapool import EngineArgs, LLMEngine, SamplingParams
