@@ -94,6 +94,24 @@ def record_table(row: dict[str, Any]) -> Table:
     return table
 
 
+def conflicts_table(rows: Sequence[dict[str, Any]]) -> Table:
+    """One line per conflict: the key, where the refused record came from, both digests."""
+    table = Table(title=f"{len(rows)} conflicts")
+    for header in ("pool", "request", "#", "entry", "detected (UTC)", "stored", "refused"):
+        table.add_column(header, overflow="fold")
+    for row in rows:
+        table.add_row(
+            row["pool"],
+            row["request_id"],
+            str(row["completion_index"]),
+            row["source"] or "",
+            iso_time(row["detected_at"])[:23],
+            row["stored_digest"][:12],
+            row["refused_digest"][:12],
+        )
+    return table
+
+
 def usage_table(rows: Sequence[Any], title: str | None = None) -> Table:
     table = Table(title=title)
     headers = ("key", "requests", "prompt tok", "output tok", "errors", "p50 s", "p95 s")

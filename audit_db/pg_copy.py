@@ -4,8 +4,9 @@ Per row, COPY costs a fraction of a pipelined INSERT on both sides of the wire;
 the final ``INSERT ... SELECT ... ON CONFLICT DO NOTHING`` keeps the same
 idempotency as the generic path. The staging table is a temporary table that
 lives for one transaction (``ON COMMIT DROP``), so it always matches the
-current ``completions`` columns. Driver errors are re-raised as SQLAlchemy's
-(``DataError`` for a value PostgreSQL cannot store, e.g. a NUL character).
+current ``completions`` columns. COPY bypasses SQLAlchemy's types, so text
+columns are escaped here as :class:`ExactText` does. Driver errors are re-raised as SQLAlchemy's
+(``DataError`` for a value PostgreSQL cannot store).
 """
 
 from __future__ import annotations
@@ -16,17 +17,25 @@ import orjson
 from sqlalchemy import Connection
 from sqlalchemy.exc import DBAPIError
 
+from lorapool.audit_db import exact_text
 from lorapool.audit_db.schema import JSONValue, completions
 
 STAGING = "audit_completions_staging"
 _COLUMNS = [str(c.name) for c in completions.columns]
 _JSON_COLUMNS = {str(c.name) for c in completions.columns if isinstance(c.type, JSONValue)}
+_TEXT_COLUMNS = {
+    str(c.name) for c in completions.columns if isinstance(c.type, exact_text.ExactText)
+}
 _COLUMN_LIST = ", ".join(_COLUMNS)
 
 
 def _cell(column: str, value: Any) -> Any:
-    if value is not None and column in _JSON_COLUMNS:
+    if value is None:
+        return None
+    if column in _JSON_COLUMNS:
         return orjson.dumps(value).decode()
+    if column in _TEXT_COLUMNS:
+        return exact_text.encode(value)
     return value
 
 
@@ -51,6 +60,6 @@ def copy_insert(conn: Connection, rows: list[dict[str, Any]]) -> int:
     _copy(conn, rows)
     result = conn.exec_driver_sql(
         f"INSERT INTO completions ({_COLUMN_LIST}) SELECT {_COLUMN_LIST} FROM {STAGING} "
-        "ON CONFLICT (request_id, completion_index) DO NOTHING"
+        "ON CONFLICT (pool, request_id, completion_index) DO NOTHING"
     )
     return result.rowcount

@@ -18,7 +18,8 @@ from typing import Any
 
 from sqlalchemy import Engine, Select, case, func, or_, select
 
-from lorapool.audit_db.schema import adapters, completions
+from lorapool.audit_db import exact_text
+from lorapool.audit_db.schema import adapters, completions, conflicts
 
 BASE_MODEL_KEY = "(base model)"
 NO_TENANT_KEY = "(no tenant)"
@@ -43,9 +44,11 @@ class SearchFilter:
     """What :func:`search` looks for; every field left None matches anything.
 
     adapter_sha256 matches as a prefix; text is a case-sensitive substring of
-    the output text; base_model_only selects requests run without an adapter.
+    the output text (any code point, NUL included); base_model_only selects
+    requests run without an adapter; pool is the Redis prefix.
     """
 
+    pool: str | None = None
     adapter_name: str | None = None
     adapter_id: int | None = None
     adapter_sha256: str | None = None
@@ -86,13 +89,15 @@ def _rows(engine: Engine, query: Select) -> list[dict[str, Any]]:
         return [{str(k): v for k, v in row.items()} for row in conn.execute(query).mappings()]
 
 
-def get_request(engine: Engine, request_id: str) -> list[dict[str, Any]]:
-    """All audit rows of one request (one per completion), by completion index."""
+def get_request(engine: Engine, request_id: str, pool: str | None = None) -> list[dict[str, Any]]:
+    """All audit rows of one request (one per completion; of every pool unless ``pool``)."""
     query = (
         _select()
         .where(completions.c.request_id == request_id)
-        .order_by(completions.c.completion_index)
+        .order_by(completions.c.pool, completions.c.completion_index)
     )
+    if pool is not None:
+        query = query.where(completions.c.pool == pool)
     return _rows(engine, query)
 
 
@@ -106,13 +111,19 @@ def _time_filters(since: float | None, until: float | None) -> list:
 
 
 def _contains(engine: Engine, needle: str):
-    """Case-sensitive substring test, the same on SQLite and PostgreSQL."""
+    """Case-sensitive substring test on the stored (escaped) text, both dialects.
+
+    Exact unless ``exact_text.needs_recheck(needle)``; then a superset, which
+    :func:`search` narrows down.
+    """
     fn = func.strpos if engine.dialect.name == "postgresql" else func.instr
-    return fn(completions.c.text, needle) > 0
+    return fn(completions.c.text, exact_text.encode(needle)) > 0
 
 
 def _filters(engine: Engine, f: SearchFilter) -> list:
     filters = _time_filters(f.since, f.until)
+    if f.pool is not None:
+        filters.append(completions.c.pool == f.pool)
     if f.adapter_name is not None:
         filters.append(adapters.c.name == f.adapter_name)
     if f.adapter_id is not None:
@@ -139,8 +150,20 @@ def search(engine: Engine, f: SearchFilter) -> list[dict[str, Any]]:
             completions.c.arrival_time, completions.c.request_id, completions.c.completion_index
         )
     )
-    if f.limit is not None:
+    recheck = f.text is not None and exact_text.needs_recheck(f.text)
+    if f.limit is not None and not recheck:
         query = query.limit(f.limit)
+    rows = _rows(engine, query)
+    if recheck:
+        rows = [r for r in rows if f.text in r["text"]][: f.limit]
+    return rows
+
+
+def list_conflicts(engine: Engine, pool: str | None = None) -> list[dict[str, Any]]:
+    """Every recorded conflict (oldest first): the key, both digests, the refused row."""
+    query = select(conflicts).order_by(conflicts.c.pk)
+    if pool is not None:
+        query = query.where(conflicts.c.pool == pool)
     return _rows(engine, query)
 
 

@@ -1,9 +1,11 @@
 """The audit record: one finished request, as a worker puts it on ``{p}:audit``.
 
 A stream entry's field ``data`` holds the orjson of :meth:`AuditRecord.to_dict`
-(``"v": 1``). :func:`parse_record` validates it and raises :class:`RecordError`
-with a readable reason for anything malformed; the writer dead-letters those.
-:func:`record_from_output` builds the dict from a finished ``RequestOutput``.
+(``"v": 1``) plus ``"sig"``, the worker's signature (:func:`sign_record`).
+:func:`parse_record` checks the signature and validates the rest, and raises
+:class:`RecordError` with a readable reason for anything unsigned, wrongly
+signed or malformed; the writer dead-letters those. :func:`record_from_output`
+builds the dict from a finished ``RequestOutput``.
 """
 
 from __future__ import annotations
@@ -13,7 +15,10 @@ from typing import Any
 
 import orjson
 
+from lorapool import signing
+
 RECORD_VERSION = 1
+SIGNATURE_DOMAIN = "lorapool audit record v1"
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
@@ -239,12 +244,45 @@ def record_from_dict(data: Any) -> AuditRecord:
     )
 
 
-def parse_record(payload: bytes | str) -> AuditRecord:
-    """Decode and validate the ``data`` field of one ``{p}:audit`` entry."""
+def _signature(data: dict[str, Any], key: bytes, pool: str) -> str:
+    unsigned = {k: v for k, v in data.items() if k != "sig"}
+    body = orjson.dumps(unsigned, option=orjson.OPT_SORT_KEYS)
+    return signing.mac(key, SIGNATURE_DOMAIN, pool.encode(), body)
+
+
+def sign_record(data: dict[str, Any], key: bytes, pool: str) -> dict[str, Any]:
+    """``data`` with ``"sig"``: HMAC-SHA256 of its canonical JSON, for one pool.
+
+    The pool (Redis prefix) is signed too, so a record signed for one pool is
+    refused by the writer of another.
+    """
+    return {**data, "sig": _signature(data, key, pool)}
+
+
+def check_signature(data: Any, key: bytes, pool: str) -> None:
+    """Raise :class:`RecordError` unless ``data`` was signed with ``key`` for ``pool``."""
+    sig = data.get("sig") if isinstance(data, dict) else None
+    if sig is None:
+        raise RecordError("unsigned record: no 'sig' field (not written by a worker with the key)")
+    if not isinstance(sig, str) or not signing.same(sig, _signature(data, key, pool)):
+        raise RecordError(
+            f"bad signature: the record was not signed with the audit key for pool {pool!r} "
+            "(forged, altered after signing, or signed for another pool)"
+        )
+
+
+def parse_record(
+    payload: bytes | str, key: bytes | None = None, pool: str | None = None
+) -> AuditRecord:
+    """Decode, authenticate (when ``key`` is given) and validate one ``{p}:audit`` entry."""
     try:
         data = orjson.loads(payload)
     except orjson.JSONDecodeError as exc:
         raise RecordError(f"not valid JSON: {exc}") from None
+    if key is not None:
+        if pool is None:
+            raise ValueError("checking a signature needs the pool")
+        check_signature(data, key, pool)
     return record_from_dict(data)
 
 

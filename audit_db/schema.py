@@ -2,8 +2,14 @@
 
 ``adapters``: one row per adapter version, keyed by ``fingerprint`` (sha256 of
 its identity fields). ``completions``: one row per CompletionOutput, in hash
-chain order: ``seq`` is the chain position (1, 2, ...), ``row_hash`` =
-sha256(prev_hash, canonical row). Both tables are append-only.
+chain order: ``seq`` is the chain position (1, 2, ...), ``row_hash`` chains it
+to the row before (see chain.py); ``(pool, request_id, completion_index)`` is
+unique (``pool`` is the Redis prefix; NULL on rows written before it was
+recorded). ``conflicts``: a record that disagreed with the row already stored
+for its key, kept instead of being dropped. ``audit_meta``: facts about the
+chain (``keyed_from_seq``: the first row chained with the audit key). Every
+table is append-only. Free text goes through :class:`ExactText`, which keeps
+NUL bytes and every other code point.
 """
 
 from typing import Any
@@ -24,6 +30,8 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.types import TypeDecorator
+
+from lorapool.audit_db.exact_text import ExactText
 
 # INTEGER PRIMARY KEY is SQLite's rowid alias; BIGINT elsewhere.
 BigId = BigInteger().with_variant(Integer(), "sqlite")
@@ -62,14 +70,14 @@ adapters = Table(
     metadata,
     Column("pk", BigId, primary_key=True, autoincrement=True),
     Column("fingerprint", String(64), nullable=False, unique=True),
-    Column("name", String, nullable=False),
+    Column("name", ExactText(), nullable=False),
     Column("adapter_id", Integer, nullable=False),
-    Column("path", String, nullable=False),
-    Column("sha256", String, nullable=False),
+    Column("path", ExactText(), nullable=False),
+    Column("sha256", ExactText(), nullable=False),
     Column("rank", Integer, nullable=False),
     Column("alpha", Double, nullable=False),
     Column("target_modules", JSONValue(), nullable=False),
-    Column("base_model", String, nullable=True),
+    Column("base_model", ExactText(), nullable=True),
     Column("first_seen", Double, nullable=False),
     Index("ix_adapters_name", "name"),
     Index("ix_adapters_sha256", "sha256"),
@@ -80,15 +88,16 @@ completions = Table(
     "completions",
     metadata,
     Column("seq", BigId, primary_key=True, autoincrement=False),
-    Column("request_id", String, nullable=False),
+    Column("pool", ExactText(), nullable=True),
+    Column("request_id", ExactText(), nullable=False),
     Column("completion_index", Integer, nullable=False),
     Column("adapter_pk", BigId, ForeignKey("adapters.pk"), nullable=True),
-    Column("base_model_name", String, nullable=False),
-    Column("base_model_sha256", String, nullable=False),
-    Column("prompt", Text, nullable=True),
+    Column("base_model_name", ExactText(), nullable=False),
+    Column("base_model_sha256", ExactText(), nullable=False),
+    Column("prompt", ExactText(), nullable=True),
     Column("prompt_token_ids", JSONValue(), nullable=False),
     Column("num_prompt_tokens", Integer, nullable=False),
-    Column("text", Text, nullable=False),
+    Column("text", ExactText(), nullable=False),
     Column("token_ids", JSONValue(), nullable=False),
     Column("num_output_tokens", Integer, nullable=False),
     Column("finish_reason", String(16), nullable=False),
@@ -96,22 +105,44 @@ completions = Table(
     Column("cumulative_logprob", Double, nullable=True),
     Column("sampling_params", JSONValue(), nullable=False),
     Column("request_metadata", JSONValue(), nullable=False),
-    Column("tenant", String, nullable=True),
-    Column("worker", String, nullable=False),
+    Column("tenant", ExactText(), nullable=True),
+    Column("worker", ExactText(), nullable=False),
     Column("arrival_time", Double, nullable=False),
     Column("first_scheduled_time", Double, nullable=True),
     Column("first_token_time", Double, nullable=True),
     Column("last_token_time", Double, nullable=True),
     Column("finished_time", Double, nullable=True),
     Column("queue_time", Double, nullable=True),
-    Column("error", Text, nullable=True),
+    Column("error", ExactText(), nullable=True),
     Column("written_at", Double, nullable=False),
     Column("prev_hash", String(64), nullable=False),
     Column("row_hash", String(64), nullable=False),
-    UniqueConstraint("request_id", "completion_index", name="uq_completions_request"),
+    UniqueConstraint("pool", "request_id", "completion_index", name="uq_completions_pool_request"),
     Index("ix_completions_adapter_pk", "adapter_pk"),
     Index("ix_completions_tenant", "tenant"),
     Index("ix_completions_arrival_time", "arrival_time"),
+)
+
+conflicts = Table(
+    "conflicts",
+    metadata,
+    Column("pk", BigId, primary_key=True, autoincrement=True),
+    Column("pool", ExactText(), nullable=False),
+    Column("request_id", ExactText(), nullable=False),
+    Column("completion_index", Integer, nullable=False),
+    Column("stored_digest", String(64), nullable=False),
+    Column("refused_digest", String(64), nullable=False),
+    Column("refused_row", JSONValue(), nullable=False),
+    Column("source", ExactText(), nullable=True),
+    Column("detected_at", Double, nullable=False),
+    Index("ix_conflicts_request", "pool", "request_id"),
+)
+
+audit_meta = Table(
+    "audit_meta",
+    metadata,
+    Column("name", String(64), primary_key=True),
+    Column("value", String, nullable=False),
 )
 
 # Columns covered by a completion's row hash, in a fixed order (the adapter

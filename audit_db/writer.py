@@ -1,15 +1,19 @@
 """The audit writer: ``{p}:audit`` (consumer group ``audit``) into the audit tables.
 
-Each batch is parsed, stored in one transaction (see store.py) and acked only
-after the commit. While the database is unreachable the writer retries the
-same batch with exponential backoff, acks nothing and says so in its log. A
+Each batch is authenticated (every record must carry a worker's signature made
+with the audit key for this pool, see ``record.sign_record``), parsed, stored
+in one transaction (see store.py) and acked only after the commit. While the
+database is unreachable the writer retries the same batch with exponential
+backoff, acks nothing and says so in its log. An unsigned, wrongly signed or
 malformed record is moved to ``{p}:dead`` (``source=audit``, with the reason)
-and acked; a record the database rejects (e.g. a NUL character on
-PostgreSQL) is found by bisecting the batch and dead-lettered the same way.
+and acked; a record the database rejects is found by bisecting the batch and
+dead-lettered the same way. A record that
+contradicts the stored row for its (pool, request, completion) is kept in the
+``conflicts`` table and logged as an error (``lorapool audit conflicts``).
 On start the writer first re-reads its own pending entries; every
 ``claim_every_s`` it also claims entries that another consumer left pending
 for ``claim_idle_ms``. Redelivery is harmless: rows are keyed by
-(request id, completion index).
+(pool, request id, completion index), and an identical row is skipped.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from sqlalchemy import Engine
 from sqlalchemy.exc import DataError, DBAPIError, IntegrityError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
+from lorapool import signing
 from lorapool.audit_db import store
 from lorapool.audit_db.database import is_current, migrate
 from lorapool.audit_db.record import RecordError, parse_record
@@ -62,8 +67,12 @@ class WriterConfig:
     backoff_initial_s: float = 0.1
     backoff_max_s: float = 10.0
     migrate: bool = False  # run the migrations on start instead of waiting for them
+    # the audit key (default: from the environment); None only with insecure_no_key
+    audit_key: bytes | None = field(default_factory=signing.key_from_env, repr=False)
+    insecure_no_key: bool = field(default_factory=signing.insecure_from_env)
 
     def __post_init__(self):
+        signing.require_key(self.audit_key, self.insecure_no_key)
         if self.batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, got {self.batch_size}")
         if self.backoff_initial_s <= 0 or self.backoff_max_s < self.backoff_initial_s:
@@ -76,6 +85,7 @@ class WriterStats:
     rows_written: int = 0
     duplicates: int = 0
     dead_lettered: int = 0
+    conflicts: int = 0
     db_retries: int = 0
 
 
@@ -156,6 +166,14 @@ class AuditWriter:
             raise SchemaNotReady(
                 "the audit tables are not at the newest revision; run `lorapool audit migrate`"
             )
+        if self.config.audit_key is None:
+            with self.engine.connect() as conn:
+                start = store.keyed_from(conn)
+            if start is not None:
+                raise store.KeyedChainError(
+                    f"the audit chain is keyed from row {start} and this writer has no audit "
+                    "key: refusing to write (set LORAPOOL_AUDIT_KEY or LORAPOOL_AUDIT_KEY_FILE)"
+                )
 
     # --- one batch -----------------------------------------------------------
 
@@ -220,8 +238,11 @@ class AuditWriter:
         if payload is None:
             self._dead_letter(_Item(entry_id, None, []), "entry has no 'data' field")
             return None
+        pool, key = self.config.prefix, self.config.audit_key
+        source = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
         try:
-            return _Item(entry_id, payload, store.prepare(parse_record(payload)))
+            record = parse_record(payload, key=key, pool=pool)
+            return _Item(entry_id, payload, store.prepare(record, pool, source=source))
         except RecordError as exc:
             self._dead_letter(_Item(entry_id, payload, []), str(exc))
             return None
@@ -234,7 +255,9 @@ class AuditWriter:
         if not rows:
             return
         try:
-            written = self._retry("write to the database", store.append, self.engine, rows)
+            result = self._retry(
+                "write to the database", store.append, self.engine, rows, self.config.audit_key
+            )
         except REJECTED as exc:
             if len(items) == 1:
                 self._dead_letter(items[0], f"rejected by the database: {exc.orig}")
@@ -243,8 +266,20 @@ class AuditWriter:
             self._store(items[:middle])
             self._store(items[middle:])
             return
-        self.stats.rows_written += written
-        self.stats.duplicates += len(rows) - written
+        self.stats.rows_written += result.written
+        self.stats.duplicates += result.duplicates
+        self.stats.conflicts += len(result.conflicts)
+        for conflict in result.conflicts:
+            pool, request_id, index = conflict.row.key
+            log.error(
+                "audit writer %s: CONFLICT for pool %r request %r completion %d: entry %s "
+                "differs from the stored row; kept in the conflicts table",
+                self.config.consumer,
+                pool,
+                request_id,
+                index,
+                conflict.row.source,
+            )
 
     def _retry(self, what: str, fn, *args):
         """Call ``fn`` until it succeeds, backing off while the DB or Redis is down."""

@@ -34,7 +34,13 @@ from lorapool.audit_db import (
     migrate,
     verify_chain,
 )
+from lorapool.audit_db.record import sign_record
 from lorapool.keys import Keys
+from lorapool.signing import key_from_env
+
+# Records are signed as a worker signs them (the writer checks every signature):
+# with $LORAPOOL_AUDIT_KEY when set, else a benchmark key.
+KEY = key_from_env() or b"lorapool-benchmark-audit-key-0123456789"
 
 WORDS = "select from where the adapter answered with a short and polite reply".split()  # noqa: SIM905
 
@@ -55,50 +61,49 @@ def _adapter(i: int) -> dict | None:
     }
 
 
-def make_record(i: int, run: str) -> bytes:
+def make_record(i: int, run: str, pool: str) -> bytes:
     now = time.time()
     text_out = " ".join(WORDS[(i + j) % len(WORDS)] for j in range(40))
-    return orjson.dumps(
-        {
-            "v": 1,
-            "request_id": f"{run}-{i}",
-            "prompt": text_out[:300] + "?",
-            "prompt_token_ids": list(range(i % 7, i % 7 + 64)),
-            "sampling_params": {"temperature": 0.7, "top_p": 0.9, "max_tokens": 64, "n": 1},
-            "metadata": {"tenant": f"tenant-{i % 5}"},
-            "worker": "bench-worker",
-            "base_model": {"name": "SmolLM2-135M-Instruct", "sha256": "e" * 64},
-            "adapter": _adapter(i),
-            "metrics": {
-                "arrival_time": now - 2,
-                "first_scheduled_time": now - 1.9,
-                "first_token_time": now - 1.8,
-                "last_token_time": now,
-                "finished_time": now,
-                "queue_time": 0.1,
-                "num_prompt_tokens": 64,
-                "num_generated_tokens": 64,
-            },
-            "outputs": [
-                {
-                    "index": 0,
-                    "text": text_out,
-                    "token_ids": list(range(i, i + 64)),
-                    "cumulative_logprob": -12.5,
-                    "finish_reason": "length",
-                    "stop_reason": None,
-                }
-            ],
-            "error": None,
-        }
-    )
+    record = {
+        "v": 1,
+        "request_id": f"{run}-{i}",
+        "prompt": text_out[:300] + "?",
+        "prompt_token_ids": list(range(i % 7, i % 7 + 64)),
+        "sampling_params": {"temperature": 0.7, "top_p": 0.9, "max_tokens": 64, "n": 1},
+        "metadata": {"tenant": f"tenant-{i % 5}"},
+        "worker": "bench-worker",
+        "base_model": {"name": "SmolLM2-135M-Instruct", "sha256": "e" * 64},
+        "adapter": _adapter(i),
+        "metrics": {
+            "arrival_time": now - 2,
+            "first_scheduled_time": now - 1.9,
+            "first_token_time": now - 1.8,
+            "last_token_time": now,
+            "finished_time": now,
+            "queue_time": 0.1,
+            "num_prompt_tokens": 64,
+            "num_generated_tokens": 64,
+        },
+        "outputs": [
+            {
+                "index": 0,
+                "text": text_out,
+                "token_ids": list(range(i, i + 64)),
+                "cumulative_logprob": -12.5,
+                "finish_reason": "length",
+                "stop_reason": None,
+            }
+        ],
+        "error": None,
+    }
+    return orjson.dumps(sign_record(record, KEY, pool))
 
 
 def fill(conn: redis.Redis, keys: Keys, count: int, run: str) -> None:
     for start in range(0, count, 2000):
         pipe = conn.pipeline(transaction=False)
         for i in range(start, min(start + 2000, count)):
-            pipe.xadd(keys.audit, {"data": make_record(i, run)})
+            pipe.xadd(keys.audit, {"data": make_record(i, run, keys.prefix)})
         pipe.execute()
 
 
@@ -121,7 +126,12 @@ def drain(label: str, conn, config: DatabaseConfig, keys: Keys, args) -> float:
         AuditWriter(
             conn,
             engine,
-            WriterConfig(prefix=keys.prefix, consumer=f"bench-{k}", batch_size=args.batch_size),
+            WriterConfig(
+                prefix=keys.prefix,
+                consumer=f"bench-{k}",
+                batch_size=args.batch_size,
+                audit_key=KEY,
+            ),
         )
         for k, engine in enumerate(engines)
     ]
@@ -137,7 +147,7 @@ def drain(label: str, conn, config: DatabaseConfig, keys: Keys, args) -> float:
         thread.join()
     elapsed = time.perf_counter() - start
     done.set()
-    report = verify_chain(engines[0])
+    report = verify_chain(engines[0], key=KEY)
     rows = sum(w.stats.rows_written for w in writers)
     assert rows == args.records and report.ok and report.num_rows == rows, (rows, report)
     for engine in engines:

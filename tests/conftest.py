@@ -7,6 +7,13 @@ import os
 
 import pytest
 
+# Audit records are signed; workers and writers refuse to start without a key.
+# Every test (and every process a test starts) uses this one unless it says otherwise.
+TEST_AUDIT_KEY = "lorapool-test-audit-key-0123456789abcdef"
+os.environ["LORAPOOL_AUDIT_KEY"] = TEST_AUDIT_KEY
+os.environ.pop("LORAPOOL_AUDIT_KEY_FILE", None)
+os.environ.pop("LORAPOOL_AUDIT_INSECURE", None)
+
 try:
     import torch
 

@@ -7,6 +7,7 @@ import socket
 import uuid
 from dataclasses import dataclass, field
 
+from lorapool import signing
 from lorapool.keys import DEFAULT_PREFIX
 
 
@@ -27,6 +28,9 @@ class WorkerConfig:
     drain_timeout_s: float = 30.0  # first SIGTERM: finish in-flight work up to this long
     result_ttl_s: int = 24 * 3600  # chunk logs and job markers expire this long after the end
     heartbeat_s: float = 1.0
+    # signs audit records (default: from the environment, see lorapool.signing)
+    audit_key: bytes | None = field(default_factory=signing.key_from_env, repr=False)
+    insecure_no_key: bool = field(default_factory=signing.insecure_from_env)
 
     def __post_init__(self):
         if self.lease_s <= 0:

@@ -40,7 +40,8 @@ from typing import Any
 import orjson
 import redis
 
-from lorapool.audit_db.record import record_from_output
+from lorapool import signing
+from lorapool.audit_db.record import record_from_output, sign_record
 from lorapool.keys import WORKERS_GROUP, Keys
 from lorapool.producer.registry import check_lora, decode_record
 from lorapool.protocol import RequestOutput
@@ -55,11 +56,16 @@ NOT_OWNER, DUPLICATE = -1, -2
 
 
 class Worker:
-    """Drives one ``LLMEngine`` from the request stream. ``base_model``: {"name", "sha256"}."""
+    """Drives one ``LLMEngine`` from the request stream. ``base_model``: {"name", "sha256"}.
+
+    Refuses to start (AuditKeyError) without an audit key to sign audit records
+    with, unless ``config.insecure_no_key``.
+    """
 
     def __init__(
         self, engine: Any, connection: redis.Redis, config: WorkerConfig, base_model: dict[str, str]
     ):
+        signing.require_key(config.audit_key, config.insecure_no_key)
         self.engine = engine
         self.redis = connection
         self.config = config
@@ -247,7 +253,7 @@ class Worker:
         if held.adapter is not None:
             keys = ("name", "id", "path", "sha256", "rank", "alpha", "target_modules", "base_model")
             adapter = {k: held.adapter.get(k) for k in keys}
-        return record_from_output(
+        record = record_from_output(
             held.output,
             worker=self.name,
             base_model=self.base_model,
@@ -256,6 +262,9 @@ class Worker:
             metadata=held.job.metadata,
             error=held.output.error,
         )
+        if self.config.audit_key is None:  # --insecure-no-key: the writer cannot check it
+            return record
+        return sign_record(record, self.config.audit_key, self.config.prefix)
 
     def dead_letter(
         self, entry_id: str, payload: bytes | None, reason: str, held: Held | None

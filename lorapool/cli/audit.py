@@ -1,6 +1,9 @@
-"""``lorapool audit ...`` (migrate, verify, queries) and ``lorapool audit-writer``.
+"""``lorapool audit ...`` (migrate, verify, head, queries, conflicts, roles, keygen)
+and ``lorapool audit-writer``.
 
-The database is ``--db-url`` / ``$LORAPOOL_DB_URL``, else the SQLite file
+The audit key is ``$LORAPOOL_AUDIT_KEY`` or the file ``$LORAPOOL_AUDIT_KEY_FILE``
+(see ``lorapool.signing``); verify and the writer need it. The database is
+``--db-url`` / ``$LORAPOOL_DB_URL``, else the SQLite file
 ``<cache dir>/audit.sqlite``; ``--schema`` / ``$LORAPOOL_DB_SCHEMA`` picks a
 PostgreSQL schema. Times (``--since``/``--until``) are epoch seconds, ISO 8601
 (UTC when no zone is given) or an age such as ``90s``, ``15m``, ``24h``, ``7d``.
@@ -62,6 +65,28 @@ def _db_options(fn):
     )(fn)
 
 
+def _insecure_option(fn):
+    return click.option(
+        "--insecure-no-key",
+        "insecure",
+        is_flag=True,
+        envvar="LORAPOOL_AUDIT_INSECURE",
+        help="Run without the audit key (nothing is authenticated).",
+    )(fn)
+
+
+def _key(insecure: bool) -> bytes | None:
+    """The audit key from the environment, or a usage error saying how to give one."""
+    from lorapool import signing
+
+    try:
+        key = signing.key_from_env()
+        signing.require_key(key, insecure)
+    except signing.AuditKeyError as exc:
+        raise click.UsageError(str(exc)) from None
+    return key
+
+
 def _format_option(fn):
     return click.option(
         "--format",
@@ -93,20 +118,81 @@ def migrate(ctx: click.Context, revision: str):
     click.echo(f"{engine.url.render_as_string(hide_password=True)}: at revision {now}")
 
 
-@audit.command()
-@click.pass_context
-def verify(ctx: click.Context):
-    """Walk the hash chain; exit 1 and name the first row that does not match."""
-    from lorapool.audit_db import verify_chain
+def _verified(ctx: click.Context, insecure: bool, head_file=None):
+    from lorapool.audit_db.verify import Head, HeadError, verify_chain
 
-    report = verify_chain(_engine(ctx))
+    head = None
+    if head_file is not None:
+        try:
+            head = Head.from_json(head_file.read())
+        except HeadError as exc:
+            raise click.BadParameter(str(exc), param_hint="--head") from None
+    report = verify_chain(_engine(ctx), key=_key(insecure), head=head, insecure=insecure)
     if not report.ok:
-        click.echo(f"FAILED at {report.first_bad.describe()}", err=True)
+        click.echo(f"FAILED: {report.describe_failure()}", err=True)
         sys.exit(1)
+    return report
+
+
+@audit.command()
+@click.option(
+    "--head",
+    "head_file",
+    type=click.File("rb"),
+    help="A head exported earlier (`audit head`): the chain must still reach it.",
+)
+@_insecure_option
+@click.pass_context
+def verify(ctx: click.Context, head_file, insecure: bool):
+    """Walk the hash chain; exit 1 and name the first row that does not match.
+
+    With --head, also fail when rows were cut from the tail or the chain was
+    rewritten since that head was exported.
+    """
+    report = _verified(ctx, insecure, head_file)
     click.echo(
         f"OK: {report.num_rows} rows, {report.num_adapters} adapters; "
         f"head seq={report.head_seq} hash={report.head_hash}"
     )
+
+
+@audit.command()
+@click.option("--output", "-o", type=click.File("wb"), default="-", help="Where to write it.")
+@_insecure_option
+@click.pass_context
+def head(ctx: click.Context, output, insecure: bool):
+    """Verify the chain, then export its head (JSON) to keep outside the database.
+
+    `audit verify --head FILE` later proves that no row up to it was cut or rewritten.
+    """
+    report = _verified(ctx, insecure)
+    output.write(report.head().to_json() + b"\n")
+
+
+@audit.command()
+@click.option("--pool", help="Only this pool (Redis prefix).")
+@_format_option
+@click.pass_context
+def conflicts(ctx: click.Context, pool: str | None, fmt: str):
+    """Records refused because they contradict the stored row for their key; exit 1 if any."""
+    from lorapool.audit_db import format as out
+    from lorapool.audit_db.queries import list_conflicts
+
+    rows = list_conflicts(_engine(ctx), pool=pool)
+    if fmt == "table":
+        Console().print(out.conflicts_table(rows))
+    else:
+        _emit_rows(rows, fmt, "conflicts")
+    if rows:
+        sys.exit(1)
+
+
+@audit.command()
+def keygen():
+    """Print a fresh audit key (put it in a file and point LORAPOOL_AUDIT_KEY_FILE at it)."""
+    from lorapool import signing
+
+    click.echo(signing.new_key())
 
 
 def _emit_rows(rows: list[dict], fmt: str, title: str) -> None:
@@ -122,14 +208,15 @@ def _emit_rows(rows: list[dict], fmt: str, title: str) -> None:
 
 @audit.command("request")
 @click.argument("request_id")
+@click.option("--pool", help="Only this pool (Redis prefix) [default: every pool].")
 @_format_option
 @click.pass_context
-def request_cmd(ctx: click.Context, request_id: str, fmt: str):
+def request_cmd(ctx: click.Context, request_id: str, pool: str | None, fmt: str):
     """Every audit row of one request."""
     from lorapool.audit_db import format as out
     from lorapool.audit_db import get_request
 
-    rows = get_request(_engine(ctx), request_id)
+    rows = get_request(_engine(ctx), request_id, pool=pool)
     if not rows:
         raise click.ClickException(f"no audit rows for request {request_id!r}")
     if fmt != "table":
@@ -140,6 +227,7 @@ def request_cmd(ctx: click.Context, request_id: str, fmt: str):
 
 
 @audit.command()
+@click.option("--pool", help="Pool (Redis prefix).")
 @click.option("--adapter", "adapter_name", help="Adapter name.")
 @click.option("--adapter-id", type=int, help="Adapter int id.")
 @click.option("--sha256", "adapter_sha256", help="Adapter weights hash (or a prefix).")
@@ -212,6 +300,7 @@ def _install_signals(writer) -> None:
 )
 @click.option("--migrate", "run_migrate", is_flag=True, help="Migrate the tables first.")
 @click.option("--burst", is_flag=True, help="Exit once the stream is drained.")
+@_insecure_option
 @click.option("--log-level", default="INFO", show_default=True)
 def audit_writer(
     redis_url,
@@ -223,6 +312,7 @@ def audit_writer(
     claim_idle_ms,
     run_migrate,
     burst,
+    insecure,
     log_level,
 ):
     """Consume {prefix}:audit into the audit database (acks after commit)."""
@@ -235,9 +325,12 @@ def audit_writer(
     )
     if not redis_url:
         raise click.UsageError("audit-writer needs Redis: pass --redis-url or set REDIS_URL")
+    key = _key(insecure)
     engine = create_audit_engine(DatabaseConfig(url=db_url, schema=schema))
     config = WriterConfig(
         prefix=prefix,
+        audit_key=key,
+        insecure_no_key=insecure,
         batch_size=batch_size,
         claim_idle_ms=claim_idle_ms,
         migrate=run_migrate,
@@ -248,5 +341,6 @@ def audit_writer(
     stats = writer.run(burst=burst)
     click.echo(
         f"rows written {stats.rows_written}, duplicates {stats.duplicates}, "
-        f"dead-lettered {stats.dead_lettered}, entries {stats.entries}"
+        f"conflicts {stats.conflicts}, dead-lettered {stats.dead_lettered}, "
+        f"entries {stats.entries}"
     )

@@ -1,8 +1,9 @@
 """The whole pipeline on embedded defaults: producer -> Redis -> 2 workers -> audit table.
 
 Uses ``$REDIS_URL`` when set, else an embedded Redis; ``$LORAPOOL_DB_URL``
-when set, else the default SQLite file. Works under its own key prefix, which
-it clears first, so it never touches another deployment's keys.
+when set, else the default SQLite file; the audit key from the environment when
+set, else a key file it makes once in the cache dir (``audit.key``). Works under
+its own key prefix, which it clears first, so it never touches another deployment's keys.
 """
 
 from __future__ import annotations
@@ -41,12 +42,28 @@ def child_cwd() -> str:
     return str(cache_dir())
 
 
+def ensure_audit_key(console: Console) -> None:
+    """Give the demo's workers and writer an audit key: the environment's, else the cache's."""
+    import os
+
+    from lorapool import signing
+    from lorapool.settings import cache_dir
+
+    if signing.key_from_env() is not None:
+        return
+    path = cache_dir() / "audit.key"
+    signing.write_key_file(path)
+    os.environ[signing.KEY_FILE_ENV] = str(path)  # children inherit it
+    console.print(f"audit key: {path} (audit records are signed with it)")
+
+
 def run_demo(model: str, max_tokens: int, console: Console) -> None:
     import redis
 
     from lorapool.embedded import resolve_url
     from lorapool.producer import Producer
 
+    ensure_audit_key(console)
     url = resolve_url()
     conn = redis.Redis.from_url(url)
     for key in conn.scan_iter(f"{PREFIX}:*"):

@@ -43,6 +43,12 @@ def _producer(redis_url, prefix):
 @click.option("--max-deliveries", default=3, show_default=True)
 @click.option("--drain-timeout", default=30.0, show_default=True)
 @click.option("--burst", is_flag=True, help="exit when the queue and the engine are empty")
+@click.option(
+    "--insecure-no-key",
+    is_flag=True,
+    envvar="LORAPOOL_AUDIT_INSECURE",
+    help="run without an audit key: audit records go out unsigned",
+)
 @redis_option
 @prefix_option
 def worker(
@@ -60,15 +66,21 @@ def worker(
     max_deliveries,
     drain_timeout,
     burst,
+    insecure_no_key,
     redis_url,
     prefix,
 ):
-    """Serve the request stream with one engine."""
+    """Serve the request stream with one engine.
+
+    Audit records are signed with $LORAPOOL_AUDIT_KEY (or the key in
+    $LORAPOOL_AUDIT_KEY_FILE); without one the worker refuses to start.
+    """
     from lorapool.engine.config import EngineArgs
     from lorapool.producer.client import connect
     from lorapool.worker.config import WorkerConfig, default_name
     from lorapool.worker.serve import serve
 
+    key_options = _audit_key(insecure_no_key)  # refuse before loading anything
     args = EngineArgs(
         model=model,
         dtype=dtype,
@@ -87,8 +99,21 @@ def worker(
         max_deliveries=max_deliveries,
         drain_timeout_s=drain_timeout,
         burst=burst,
+        **key_options,
     )
     serve(args, config, connect(redis_url))
+
+
+def _audit_key(insecure: bool) -> dict:
+    """WorkerConfig's audit key options, or a usage error saying how to give a key."""
+    from lorapool import signing
+
+    try:
+        key = signing.key_from_env()
+        signing.require_key(key, insecure)
+    except signing.AuditKeyError as exc:
+        raise click.UsageError(str(exc)) from None
+    return {"audit_key": key, "insecure_no_key": insecure}
 
 
 @click.command()

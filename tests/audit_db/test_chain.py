@@ -53,7 +53,7 @@ def test_prepare_makes_one_row_per_completion():
     from audit_fixtures import make_adapter, make_record
 
     rows = prepare(record_from_dict(make_record(3, adapter=make_adapter(), n=3)), now=5.0)
-    assert [r.key for r in rows] == [("req-3", 0), ("req-3", 1), ("req-3", 2)]
+    assert [r.key for r in rows] == [("lorapool", "req-3", k) for k in range(3)]
     assert {r.adapter["fingerprint"] for r in rows} == {rows[0].adapter["fingerprint"]}
     assert rows[1].values["tenant"] == "acme" and rows[1].values["num_output_tokens"] == 3
     assert rows[0].body == row_body(rows[0].values, rows[0].adapter["fingerprint"])
@@ -66,7 +66,7 @@ def test_a_request_without_outputs_still_gets_a_row(error, reason):
     data = make_record(4, error=error)
     data["outputs"] = []
     (row,) = prepare(record_from_dict(data))
-    assert row.key == ("req-4", 0)
+    assert row.key == ("lorapool", "req-4", 0)
     assert row.values["finish_reason"] == reason and row.values["text"] == ""
 
 

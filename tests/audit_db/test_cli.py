@@ -10,6 +10,7 @@ import pytest
 from click.testing import CliRunner
 from sqlalchemy import text
 
+from lorapool import signing
 from lorapool.audit_db import DatabaseConfig, append_records, create_audit_engine
 from lorapool.audit_db.queries import percentile
 from lorapool.audit_db.record import record_from_dict
@@ -37,13 +38,13 @@ def seeded(db_url):
     records = [
         make_record(i, adapter=make_adapter() if i % 2 else None, n=1 + i % 2) for i in range(6)
     ]
-    append_records(engine, [record_from_dict(r) for r in records])
+    append_records(engine, [record_from_dict(r) for r in records], key=signing.key_from_env())
     yield engine
     engine.dispose()
 
 
 def test_migrate_creates_the_file_and_is_repeatable(db_url, tmp_path):
-    assert "at revision 0001" in _invoke(db_url, "migrate").output
+    assert "at revision 0002" in _invoke(db_url, "migrate").output
     assert (tmp_path / "sub" / "audit.sqlite").exists()
     assert _invoke(db_url, "migrate").exit_code == 0
 

@@ -6,6 +6,7 @@ import pytest
 from sqlalchemy import select, text
 from sqlalchemy.exc import DBAPIError
 
+from lorapool import signing
 from lorapool.audit_db import append_records, verify_chain
 from lorapool.audit_db.chain import link, row_body
 from lorapool.audit_db.record import record_from_dict
@@ -13,6 +14,7 @@ from lorapool.audit_db.schema import completions
 
 pytest_plugins = ["audit_fixtures"]
 pytestmark = pytest.mark.integration
+KEY = signing.key_from_env()  # the test key tests/conftest.py sets
 
 
 def _seed(target, count=50):
@@ -20,7 +22,7 @@ def _seed(target, count=50):
 
     adapters = [None, make_adapter("a", 1), make_adapter("b", 2)]
     records = [make_record(i, adapter=adapters[i % 3], n=1 + i % 2) for i in range(count)]
-    append_records(target.engine, [record_from_dict(r) for r in records])
+    append_records(target.engine, [record_from_dict(r) for r in records], key=KEY)
 
 
 def _bypassing_triggers(target, *statements):
@@ -74,7 +76,7 @@ def test_truncate_is_rejected_on_postgresql(audit_target):
 
 def test_an_untouched_chain_verifies(audit_target):
     _seed(audit_target)
-    report = verify_chain(audit_target.engine)
+    report = verify_chain(audit_target.engine, key=KEY)
     assert report.ok and report.num_rows == 75 and report.num_adapters == 2
     assert report.head_seq == 75 and len(report.head_hash) == 64
 
@@ -89,7 +91,7 @@ def test_changed_output_text_is_named(audit_target):
             {"t": "something the model never said"},
         ),
     )
-    bad = verify_chain(audit_target.engine).first_bad
+    bad = verify_chain(audit_target.engine, key=KEY).first_bad
     assert (bad.table, bad.key, bad.request_id, bad.completion_index) == (
         "completions",
         seq,
@@ -99,7 +101,7 @@ def test_changed_output_text_is_named(audit_target):
     assert "does not match its row_hash" in bad.reason
 
 
-def test_rehashing_a_changed_row_breaks_the_next_link(audit_target):
+def test_rehashing_a_changed_row_with_the_key_breaks_the_next_link(audit_target):
     _seed(audit_target)
     seq = _seq_of(audit_target, "req-20", 0)
     with audit_target.engine.connect() as conn:
@@ -112,7 +114,7 @@ def test_rehashing_a_changed_row_breaks_the_next_link(audit_target):
         fingerprint = conn.execute(
             text("SELECT fingerprint FROM adapters WHERE pk = :pk"), {"pk": row["adapter_pk"]}
         ).scalar_one()
-    forged_hash = link(row["prev_hash"], seq, row_body(row, fingerprint))
+    forged_hash = link(row["prev_hash"], seq, row_body(row, fingerprint), KEY)
     _bypassing_triggers(
         audit_target,
         (
@@ -120,14 +122,14 @@ def test_rehashing_a_changed_row_breaks_the_next_link(audit_target):
             {"h": forged_hash, "s": seq},
         ),
     )
-    bad = verify_chain(audit_target.engine).first_bad
+    bad = verify_chain(audit_target.engine, key=KEY).first_bad
     assert bad.key == seq + 1 and "prev_hash" in bad.reason
 
 
 def test_a_deleted_row_is_named(audit_target):
     _seed(audit_target)
     _bypassing_triggers(audit_target, ("DELETE FROM completions WHERE seq = 30", {}))
-    bad = verify_chain(audit_target.engine).first_bad
+    bad = verify_chain(audit_target.engine, key=KEY).first_bad
     assert bad.key == 31 and "missing" in bad.reason
 
 
@@ -136,7 +138,7 @@ def test_a_changed_adapter_is_named(audit_target):
     _bypassing_triggers(
         audit_target, ("UPDATE adapters SET sha256 = :h WHERE name = 'b'", {"h": "0" * 64})
     )
-    bad = verify_chain(audit_target.engine).first_bad
+    bad = verify_chain(audit_target.engine, key=KEY).first_bad
     assert bad.table == "adapters" and "fingerprint" in bad.reason
 
 
@@ -149,12 +151,12 @@ def test_concurrent_appends_keep_the_chain_valid(audit_target):
             records = [
                 make_record(i, adapter=make_adapter("c", 3)) for i in range(start, start + 20)
             ]
-            append_records(audit_target.engine, [record_from_dict(r) for r in records])
+            append_records(audit_target.engine, [record_from_dict(r) for r in records], key=KEY)
 
     threads = [threading.Thread(target=work, args=(t * 1000,)) for t in range(4)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
-    report = verify_chain(audit_target.engine)
+    report = verify_chain(audit_target.engine, key=KEY)
     assert report.ok and report.num_rows == 800

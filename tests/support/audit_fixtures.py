@@ -23,7 +23,9 @@ import pytest
 import redis
 from sqlalchemy import Engine, create_engine, text
 
+from lorapool import signing
 from lorapool.audit_db import DatabaseConfig, create_audit_engine, migrate
+from lorapool.audit_db.record import sign_record
 from lorapool.keys import Keys
 
 BASE_MODEL = {"name": "SmolLM2-135M-Instruct", "sha256": "b" * 64}
@@ -104,12 +106,15 @@ class AuditRedis:
     def keys(self) -> Keys:
         return Keys(self.prefix)
 
-    def publish(self, records: list[dict], chunk: int = 1000) -> list:
-        """XADD each record to ``{p}:audit``; returns the entry ids."""
+    def publish(self, records: list[dict], chunk: int = 1000, signed: bool = True) -> list:
+        """XADD each record to ``{p}:audit`` (signed, as a worker does); returns the entry ids."""
+        key = signing.key_from_env()
         ids = []
         for start in range(0, len(records), chunk):
             pipe = self.conn.pipeline(transaction=False)
             for record in records[start : start + chunk]:
+                if signed:
+                    record = sign_record(record, key, self.prefix)
                 pipe.xadd(self.keys.audit, {"data": orjson.dumps(record)})
             ids.extend(pipe.execute())
         return ids
