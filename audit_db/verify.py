@@ -159,8 +159,8 @@ def _bad(row, reason: str) -> BadRow:
     return BadRow("completions", row["seq"], row["request_id"], row["completion_index"], reason)
 
 
-def _key_problem(key: bytes | None, start: int | None, num_rows: int, insecure: bool) -> str | None:
-    if key is None and start is not None and not insecure:
+def _key_problem(key: bytes | None, start: int | None, num_rows: int) -> str | None:
+    if key is None and start is not None:
         return f"rows from seq {start} are keyed: verifying them needs the audit key"
     if key is not None and start is None and num_rows:
         return (
@@ -190,13 +190,12 @@ def verify_chain(
     key: bytes | None = None,
     head: Head | None = None,
     page_size: int = 2000,
-    insecure: bool = False,
 ) -> VerifyReport:
     """Walk the whole chain; returns a report naming the first bad row, if any.
 
-    ``key``: the audit key (rows from ``keyed_from_seq`` on are checked with
-    it; without it they fail unless ``insecure``, which skips their link check).
-    ``head``: an earlier export; the chain must still reach it with its hash.
+    ``key``: the audit key; rows from ``keyed_from_seq`` on are checked with it
+    (without it the report fails, saying the key is needed). ``head``: an
+    earlier export; the chain must still reach it with its hash.
     """
     with engine.connect() as conn:
         start = keyed_from(conn)
@@ -204,8 +203,8 @@ def verify_chain(
         num_rows, seq, prev, at_head = 0, 0, GENESIS, {}
         for row in _pages(conn, page_size):
             keyed = start is not None and row["seq"] >= start
-            if keyed and key is None and insecure:
-                reason = None
+            if keyed and key is None:
+                reason = None  # cannot be checked: the report says the key is needed
             else:
                 reason = _check_row(row, seq + 1, prev, fingerprints, key if keyed else None)
             if reason is not None and first_bad is None:
@@ -215,5 +214,5 @@ def verify_chain(
             if head is not None and seq == head.seq:
                 at_head[seq] = prev
     report = VerifyReport(num_rows, len(fingerprints), seq, prev, first_bad, start)
-    problem = _key_problem(key, start, num_rows, insecure) or _head_problem(head, report, at_head)
+    problem = _key_problem(key, start, num_rows) or _head_problem(head, report, at_head)
     return VerifyReport(num_rows, len(fingerprints), seq, prev, first_bad, start, problem)

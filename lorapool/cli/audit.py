@@ -127,7 +127,7 @@ def _verified(ctx: click.Context, insecure: bool, head_file=None):
             head = Head.from_json(head_file.read())
         except HeadError as exc:
             raise click.BadParameter(str(exc), param_hint="--head") from None
-    report = verify_chain(_engine(ctx), key=_key(insecure), head=head, insecure=insecure)
+    report = verify_chain(_engine(ctx), key=_key(insecure), head=head)
     if not report.ok:
         click.echo(f"FAILED: {report.describe_failure()}", err=True)
         sys.exit(1)
@@ -185,6 +185,45 @@ def conflicts(ctx: click.Context, pool: str | None, fmt: str):
         _emit_rows(rows, fmt, "conflicts")
     if rows:
         sys.exit(1)
+
+
+@audit.command()
+@click.option("--owner", default="lorapool_owner", show_default=True, help="Owning role.")
+@click.option("--writer", default="lorapool_writer", show_default=True, help="Writer role.")
+@click.option("--reader", default="lorapool_reader", show_default=True, help="Reader role.")
+@click.option("--owner-password", envvar="LORAPOOL_OWNER_PASSWORD", help="Set its password.")
+@click.option("--writer-password", envvar="LORAPOOL_WRITER_PASSWORD", help="Set its password.")
+@click.option("--reader-password", envvar="LORAPOOL_READER_PASSWORD", help="Set its password.")
+@click.option(
+    "--apply",
+    "do_apply",
+    is_flag=True,
+    help="Run it (as --db-url's role, a superuser) and migrate as the owner; else print it.",
+)
+@click.pass_context
+def roles(ctx: click.Context, do_apply: bool, **names):
+    """PostgreSQL roles: an owner that migrates, a writer that can only insert and read.
+
+    The schema is --schema (default lorapool_audit). Prints the SQL, or with
+    --apply creates the roles and schema, migrates as the owner and grants the
+    writer SELECT and INSERT only (no trigger or DDL rights). Re-run after an upgrade.
+    """
+    from lorapool.audit_db import DatabaseConfig
+    from lorapool.audit_db.roles import Roles, apply_roles, role_sql
+
+    try:
+        spec = Roles(schema=ctx.obj["schema"] or "lorapool_audit", **names)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+    if not do_apply:
+        for statement in role_sql(spec):
+            click.echo(statement if statement.startswith("--") else statement + ";")
+        return
+    revision = apply_roles(DatabaseConfig(url=ctx.obj["db_url"]), spec)
+    click.echo(
+        f"schema {spec.schema} at revision {revision}: owner {spec.owner}, "
+        f"writer {spec.writer} (SELECT, INSERT), reader {spec.reader} (SELECT)"
+    )
 
 
 @audit.command()

@@ -106,3 +106,26 @@ def test_every_finished_request_has_its_rows(
     assert rows["abort"][0]["finish_reason"] == "abort"
     assert rows["too-long"][0]["finish_reason"] == "error"
     assert "600 tokens" in rows["too-long"][0]["error"]
+
+
+def test_a_worker_without_an_audit_key_refuses_to_start(lora_engine, conn, prefix, monkeypatch):
+    from lorapool import signing
+
+    monkeypatch.delenv(signing.KEY_ENV)
+    with pytest.raises(signing.AuditKeyError, match="no audit key"):
+        Worker(lora_engine, conn, WorkerConfig(prefix=prefix), {"name": "m", "sha256": "0"})
+    assert not conn.exists(f"{prefix}:requests")  # refused before touching Redis
+
+
+def test_nul_bytes_through_a_real_worker_are_audited_exactly(
+    audit_target, lora_engine, conn, prefix, producer, model
+):
+    handle = producer.submit("hello\x00world", GREEDY, metadata={"tenant": "t\x00"})
+    Worker(lora_engine, conn, WorkerConfig(prefix=prefix, burst=True), base_model_info(model)).run()
+    result = handle.result(timeout=10)
+    stats = AuditWriter(conn, audit_target.engine, WriterConfig(prefix=prefix)).run(burst=True)
+    assert (stats.rows_written, stats.dead_lettered) == (1, 0)
+    (row,) = get_request(audit_target.engine, handle.request_id, pool=prefix)
+    assert row["prompt"] == "hello\x00world" and row["tenant"] == "t\x00"
+    assert row["text"] == result.outputs[0].text
+    assert row["token_ids"] == result.outputs[0].token_ids
