@@ -2,13 +2,15 @@
 
 Torch-free (SQLAlchemy, redis, orjson only). The pieces:
 
-- :mod:`.record`: the ``{p}:audit`` record (parse, validate, build from a
-  finished RequestOutput);
+- :mod:`.record`: the ``{p}:audit`` record (sign, check the signature, parse,
+  validate, build from a finished RequestOutput); the key is ``lorapool.signing``'s;
 - :mod:`.database`: engines with SQLite/PostgreSQL defaults, migrations;
-- :mod:`.store`: the one append path (hash-chained, idempotent);
+- :mod:`.exact_text`: text stored exactly (NUL and every code point);
+- :mod:`.store`: the one append path (keyed hash chain, idempotent, conflicts kept);
 - :mod:`.writer`: the stream consumer;
-- :mod:`.verify`: walking the hash chain;
-- :mod:`.queries`: compliance queries.
+- :mod:`.verify`: walking the hash chain, against an exported head;
+- :mod:`.queries`: compliance queries and conflicts;
+- :mod:`.roles`: PostgreSQL roles (owner, insert-only writer, reader).
 
 May import: SQLAlchemy, alembic, redis, orjson and ``lorapool``'s torch-free modules;
 never torch (checked by ``tests/unit/test_import_rules.py``).
@@ -22,7 +24,14 @@ from lorapool.audit_db.database import (
     head_revision,
     migrate,
 )
-from lorapool.audit_db.queries import SearchFilter, UsageRow, get_request, search, usage
+from lorapool.audit_db.queries import (
+    SearchFilter,
+    UsageRow,
+    get_request,
+    list_conflicts,
+    search,
+    usage,
+)
 from lorapool.audit_db.record import (
     AuditRecord,
     RecordError,
@@ -30,9 +39,10 @@ from lorapool.audit_db.record import (
     parse_record,
     record_from_dict,
     record_from_output,
+    sign_record,
 )
 from lorapool.audit_db.store import append_records
-from lorapool.audit_db.verify import BadRow, VerifyReport, verify_chain
+from lorapool.audit_db.verify import BadRow, Head, VerifyReport, verify_chain
 from lorapool.audit_db.writer import AuditWriter, WriterConfig, WriterStats
 
 __all__ = [
@@ -40,6 +50,7 @@ __all__ = [
     "AuditWriter",
     "BadRow",
     "DatabaseConfig",
+    "Head",
     "RecordError",
     "SearchFilter",
     "UsageRow",
@@ -53,11 +64,13 @@ __all__ = [
     "encode_record",
     "get_request",
     "head_revision",
+    "list_conflicts",
     "migrate",
     "parse_record",
     "record_from_dict",
     "record_from_output",
     "search",
+    "sign_record",
     "usage",
     "verify_chain",
 ]

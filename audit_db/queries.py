@@ -94,7 +94,9 @@ def get_request(engine: Engine, request_id: str, pool: str | None = None) -> lis
     query = (
         _select()
         .where(completions.c.request_id == request_id)
-        .order_by(completions.c.pool, completions.c.completion_index)
+        .order_by(  # rows from before pools were recorded (NULL) first, on both dialects
+            completions.c.pool.is_not(None), completions.c.pool, completions.c.completion_index
+        )
     )
     if pool is not None:
         query = query.where(completions.c.pool == pool)

@@ -334,3 +334,36 @@ def test_the_writer_role_can_insert_and_read_only(writer_role, audit_redis, stat
     with refused, engine.begin() as conn:
         conn.execute(text(statement))
     assert target.count() == 3 and verify_chain(engine, key=KEY).ok
+
+
+# --- upgrading a database written before 0002 ---------------------------------------
+
+
+def test_rows_written_before_the_upgrade_still_verify(audit_location, audit_redis):
+    """0001 rows (no pool, unkeyed chain) stay valid; new rows are keyed after them."""
+    from audit_fixtures import make_adapter, make_record
+
+    from lorapool.audit_db import migrate
+    from lorapool.audit_db.store import chain_head, prepare
+
+    kind, url, schema = audit_location
+    engine = create_audit_engine(DatabaseConfig(url=url, schema=schema))
+    migrate(engine, "0001")
+    old = [prepare(record_from_dict(make_record(i)))[0] for i in range(3)]
+    with engine.begin() as conn:  # as the 0001 code wrote them
+        prev = GENESIS
+        for seq, row in enumerate(old, start=1):
+            values = {k: v for k, v in row.values.items() if k != "pool"}
+            row_hash = link(prev, seq, row_body({**values, "pool": None}, None))
+            values.update(seq=seq, adapter_pk=None, prev_hash=prev, row_hash=row_hash)
+            conn.execute(completions.insert(), values)
+            prev = row_hash
+    migrate(engine)
+    target_rows = [record_from_dict(make_record(i, adapter=make_adapter())) for i in (1, 9)]
+    assert append_records(engine, target_rows, pool="p", key=KEY) == 2  # req-1 again: new pool
+    report = verify_chain(engine, key=KEY)
+    assert report.ok and report.num_rows == 5 and report.keyed_from == 4
+    with engine.connect() as conn:
+        assert chain_head(conn)[0] == 5
+    assert [r["pool"] for r in get_request(engine, "req-1")] == [None, "p"]
+    engine.dispose()
