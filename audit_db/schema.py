@@ -117,7 +117,7 @@ completions = Table(
     Column("written_at", Double, nullable=False),
     Column("prev_hash", String(64), nullable=False),
     Column("row_hash", String(64), nullable=False),
-    UniqueConstraint("pool", "request_id", "completion_index", name="uq_completions_pool_request"),
+    UniqueConstraint("request_id", "completion_index", "pool", name="uq_completions_pool_request"),
     Index("ix_completions_adapter_pk", "adapter_pk"),
     Index("ix_completions_tenant", "tenant"),
     Index("ix_completions_arrival_time", "arrival_time"),

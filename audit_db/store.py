@@ -197,7 +197,10 @@ def _stored_digests(conn: Connection, rows: list[PreparedRow]) -> dict[tuple, st
     query = (
         select(completions, adapters.c.fingerprint)
         .select_from(completions.outerjoin(adapters, completions.c.adapter_pk == adapters.c.pk))
-        .where(completions.c.request_id.in_(sorted({k[1] for k in wanted})))
+        .where(  # request_id leads the unique index: an index lookup
+            completions.c.request_id.in_(sorted({k[1] for k in wanted})),
+            completions.c.pool.in_(sorted({k[0] for k in wanted})),
+        )
     )
     stored = {}
     for row in conn.execute(query).mappings():

@@ -83,7 +83,7 @@ def _pool_in_key(dialect: str) -> None:
         batch.add_column(sa.Column("pool", sa.Text, nullable=True))
         batch.drop_constraint("uq_completions_request", type_="unique")
         batch.create_unique_constraint(
-            "uq_completions_pool_request", ["pool", "request_id", "completion_index"]
+            "uq_completions_pool_request", ["request_id", "completion_index", "pool"]
         )
     if dialect == "sqlite":
         _append_only(dialect, "completions")
