@@ -151,6 +151,9 @@ def start_workers(
         "2048",
     ]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    if not (env.get("LORAPOOL_AUDIT_KEY") or env.get("LORAPOOL_AUDIT_KEY_FILE")):
+        # workers refuse to start without a key to sign audit records with
+        env["LORAPOOL_AUDIT_KEY"] = "lorapool-benchmark-audit-key-0123456789"
     return [
         subprocess.Popen(
             cmd + ["--name", f"bench-{i}"], cwd=cwd, env=env, stderr=subprocess.DEVNULL
