@@ -75,3 +75,17 @@ def test_another_key_or_another_pool_does_not_verify():
         check_signature(copy.deepcopy(signed), b"j" * 40, "pool-a")
     with pytest.raises(RecordError, match="for pool 'pool-b'"):
         check_signature(copy.deepcopy(signed), KEY, "pool-b")
+
+
+def test_the_worker_command_refuses_without_a_key_before_loading_anything(monkeypatch, tmp_path):
+    from click.testing import CliRunner
+
+    from lorapool.cli.queue import worker
+
+    monkeypatch.delenv(signing.KEY_ENV)
+    args = ["--model", str(tmp_path / "no-model"), "--redis-url", "redis://127.0.0.1:1/0"]
+    result = CliRunner().invoke(worker, args)
+    assert result.exit_code == 2 and "no audit key" in result.output
+    monkeypatch.setenv(signing.INSECURE_ENV, "1")  # past the key check, then the model fails
+    result = CliRunner().invoke(worker, args)
+    assert result.exit_code != 0 and "no audit key" not in result.output
