@@ -159,12 +159,13 @@ def _bad(row, reason: str) -> BadRow:
     return BadRow("completions", row["seq"], row["request_id"], row["completion_index"], reason)
 
 
-def _key_problem(key: bytes | None, start: int | None, num_rows: int) -> str | None:
+def _key_problem(key: bytes | None, start: int | None, last_seq: int) -> str | None:
     if key is None and start is not None:
         return f"rows from seq {start} are keyed: verifying them needs the audit key"
-    if key is not None and start is None and num_rows:
+    # keyed_from past the end would leave a re-chained table with nothing keyed to check
+    if key is not None and last_seq and (start is None or start > last_seq):
         return (
-            f"none of the {num_rows} rows is keyed (written without the audit key, or the "
+            f"none of the {last_seq} rows is keyed (written without the audit key, or the "
             "table was re-chained without it)"
         )
     return None
@@ -214,5 +215,5 @@ def verify_chain(
             if head is not None and seq == head.seq:
                 at_head[seq] = prev
     report = VerifyReport(num_rows, len(fingerprints), seq, prev, first_bad, start)
-    problem = _key_problem(key, start, num_rows) or _head_problem(head, report, at_head)
+    problem = _key_problem(key, start, seq) or _head_problem(head, report, at_head)
     return VerifyReport(num_rows, len(fingerprints), seq, prev, first_bad, start, problem)

@@ -250,6 +250,19 @@ def test_a_re_chained_table_fails_verify(audit_target, audit_redis, tmp_path, ke
     assert result.exit_code == 1 and "does not have the exported head's hash" in result.output
 
 
+def test_moving_the_keyed_start_past_the_end_does_not_hide_a_re_chain(audit_target, audit_redis):
+    _seed(audit_target, audit_redis)
+    _rechain(audit_target, None)
+    with audit_target.engine.begin() as conn:  # as the owner: meta rewritten
+        if audit_target.kind == "postgresql":
+            conn.execute(text("ALTER TABLE audit_meta DISABLE TRIGGER USER"))
+        else:
+            conn.execute(text("DROP TRIGGER audit_meta_no_update"))
+        conn.execute(text("UPDATE audit_meta SET value = '1000'"))
+    result = _cli(audit_target, "verify")
+    assert result.exit_code == 1 and "none of the 12 rows is keyed" in result.output
+
+
 def test_verify_without_the_key_refuses(audit_target, audit_redis, monkeypatch):
     _seed(audit_target, audit_redis, 3)
     monkeypatch.delenv(signing.KEY_ENV)
