@@ -1,5 +1,5 @@
-"""``lorapool audit ...`` (migrate, verify, head, queries, conflicts, roles, keygen)
-and ``lorapool audit-writer``.
+"""``lorapool audit ...``: migrate, verify, head, queries, conflicts, roles, keygen
+(``lorapool audit-writer`` is in ``audit_writer.py``).
 
 The audit key is ``$LORAPOOL_AUDIT_KEY`` or the file ``$LORAPOOL_AUDIT_KEY_FILE``
 (see ``lorapool.signing``); verify and the writer need it. The database is
@@ -11,8 +11,6 @@ PostgreSQL schema. Times (``--since``/``--until``) are epoch seconds, ISO 8601
 
 from __future__ import annotations
 
-import logging
-import signal
 import sys
 import time
 from datetime import datetime, timezone
@@ -50,7 +48,7 @@ def _engine(ctx: click.Context):
     return create_audit_engine(DatabaseConfig(url=url, schema=schema))
 
 
-def _db_options(fn):
+def db_options(fn):
     fn = click.option(
         "--schema",
         envvar="LORAPOOL_DB_SCHEMA",
@@ -65,7 +63,7 @@ def _db_options(fn):
     )(fn)
 
 
-def _insecure_option(fn):
+def insecure_option(fn):
     return click.option(
         "--insecure-no-key",
         "insecure",
@@ -75,7 +73,7 @@ def _insecure_option(fn):
     )(fn)
 
 
-def _key(insecure: bool) -> bytes | None:
+def audit_key(insecure: bool) -> bytes | None:
     """The audit key from the environment, or a usage error saying how to give one."""
     from lorapool import signing
 
@@ -98,7 +96,7 @@ def _format_option(fn):
 
 
 @click.group()
-@_db_options
+@db_options
 @click.pass_context
 def audit(ctx: click.Context, db_url: str | None, schema: str | None):
     """The audit trail: migrate, verify and query it."""
@@ -127,7 +125,7 @@ def _verified(ctx: click.Context, insecure: bool, head_file=None):
             head = Head.from_json(head_file.read())
         except HeadError as exc:
             raise click.BadParameter(str(exc), param_hint="--head") from None
-    report = verify_chain(_engine(ctx), key=_key(insecure), head=head)
+    report = verify_chain(_engine(ctx), key=audit_key(insecure), head=head)
     if not report.ok:
         click.echo(f"FAILED: {report.describe_failure()}", err=True)
         sys.exit(1)
@@ -141,7 +139,7 @@ def _verified(ctx: click.Context, insecure: bool, head_file=None):
     type=click.File("rb"),
     help="A head exported earlier (`audit head`): the chain must still reach it.",
 )
-@_insecure_option
+@insecure_option
 @click.pass_context
 def verify(ctx: click.Context, head_file, insecure: bool):
     """Walk the hash chain; exit 1 and name the first row that does not match.
@@ -158,7 +156,7 @@ def verify(ctx: click.Context, head_file, insecure: bool):
 
 @audit.command()
 @click.option("--output", "-o", type=click.File("wb"), default="-", help="Where to write it.")
-@_insecure_option
+@insecure_option
 @click.pass_context
 def head(ctx: click.Context, output, insecure: bool):
     """Verify the chain, then export its head (JSON) to keep outside the database.
@@ -311,75 +309,3 @@ def usage(ctx: click.Context, by: str, since: str | None, until: str | None, fmt
         click.echo(out.to_csv(rows), nl=False)
     else:
         Console().print(out.usage_table(rows, title=f"usage by {by}"))
-
-
-def _install_signals(writer) -> None:
-    def handle(signum, _frame):
-        if writer.stopping:  # second signal: stop now
-            raise KeyboardInterrupt
-        logging.getLogger(__name__).info("signal %s: finishing the current batch", signum)
-        writer.stop()
-
-    signal.signal(signal.SIGTERM, handle)
-    signal.signal(signal.SIGINT, handle)
-
-
-@click.command("audit-writer")
-@click.option("--redis-url", envvar="REDIS_URL", help="Redis holding {prefix}:audit.")
-@click.option("--prefix", default="lorapool", show_default=True, help="Redis key prefix.")
-@_db_options
-@click.option("--consumer", help="Consumer name [default: host-pid].")
-@click.option("--batch-size", type=int, default=500, show_default=True)
-@click.option(
-    "--claim-idle-ms",
-    type=int,
-    default=60_000,
-    show_default=True,
-    help="Claim other consumers' entries pending this long.",
-)
-@click.option("--migrate", "run_migrate", is_flag=True, help="Migrate the tables first.")
-@click.option("--burst", is_flag=True, help="Exit once the stream is drained.")
-@_insecure_option
-@click.option("--log-level", default="INFO", show_default=True)
-def audit_writer(
-    redis_url,
-    prefix,
-    db_url,
-    schema,
-    consumer,
-    batch_size,
-    claim_idle_ms,
-    run_migrate,
-    burst,
-    insecure,
-    log_level,
-):
-    """Consume {prefix}:audit into the audit database (acks after commit)."""
-    import redis
-
-    from lorapool.audit_db import AuditWriter, DatabaseConfig, WriterConfig, create_audit_engine
-
-    logging.basicConfig(
-        level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    if not redis_url:
-        raise click.UsageError("audit-writer needs Redis: pass --redis-url or set REDIS_URL")
-    key = _key(insecure)
-    engine = create_audit_engine(DatabaseConfig(url=db_url, schema=schema))
-    config = WriterConfig(
-        prefix=prefix,
-        audit_key=key,
-        insecure_no_key=insecure,
-        batch_size=batch_size,
-        claim_idle_ms=claim_idle_ms,
-        migrate=run_migrate,
-        **({"consumer": consumer} if consumer else {}),
-    )
-    writer = AuditWriter(redis.Redis.from_url(redis_url), engine, config)
-    _install_signals(writer)
-    stats = writer.run(burst=burst)
-    click.echo(
-        f"rows written {stats.rows_written}, duplicates {stats.duplicates}, "
-        f"conflicts {stats.conflicts}, dead-lettered {stats.dead_lettered}, "
-        f"entries {stats.entries}"
-    )

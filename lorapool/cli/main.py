@@ -15,7 +15,7 @@ COMMANDS = {
     "demo": "lorapool.cli.demo:demo",
     "bench": "lorapool.cli.bench:bench",
     "audit": "lorapool.cli.audit:audit",
-    "audit-writer": "lorapool.cli.audit:audit_writer",
+    "audit-writer": "lorapool.cli.audit_writer:audit_writer",
     "worker": "lorapool.cli.queue:worker",
     "submit": "lorapool.cli.queue:submit",
     "abort": "lorapool.cli.queue:abort",

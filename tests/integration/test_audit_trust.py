@@ -32,7 +32,8 @@ from lorapool.audit_db import (
 from lorapool.audit_db.chain import GENESIS, link, row_body
 from lorapool.audit_db.record import record_from_dict, sign_record
 from lorapool.audit_db.schema import adapters, completions
-from lorapool.cli.audit import audit, audit_writer
+from lorapool.cli.audit import audit
+from lorapool.cli.audit_writer import audit_writer
 
 pytest_plugins = ["audit_fixtures"]
 pytestmark = pytest.mark.integration

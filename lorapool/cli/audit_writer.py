@@ -1,0 +1,82 @@
+"""``lorapool audit-writer``: consume ``{prefix}:audit`` into the audit database."""
+
+from __future__ import annotations
+
+import logging
+import signal
+
+import click
+
+from lorapool.cli.audit import audit_key, db_options, insecure_option
+
+
+def _install_signals(writer) -> None:
+    def handle(signum, _frame):
+        if writer.stopping:  # second signal: stop now
+            raise KeyboardInterrupt
+        logging.getLogger(__name__).info("signal %s: finishing the current batch", signum)
+        writer.stop()
+
+    signal.signal(signal.SIGTERM, handle)
+    signal.signal(signal.SIGINT, handle)
+
+
+@click.command("audit-writer")
+@click.option("--redis-url", envvar="REDIS_URL", help="Redis holding {prefix}:audit.")
+@click.option("--prefix", default="lorapool", show_default=True, help="Redis key prefix.")
+@db_options
+@click.option("--consumer", help="Consumer name [default: host-pid].")
+@click.option("--batch-size", type=int, default=500, show_default=True)
+@click.option(
+    "--claim-idle-ms",
+    type=int,
+    default=60_000,
+    show_default=True,
+    help="Claim other consumers' entries pending this long.",
+)
+@click.option("--migrate", "run_migrate", is_flag=True, help="Migrate the tables first.")
+@click.option("--burst", is_flag=True, help="Exit once the stream is drained.")
+@insecure_option
+@click.option("--log-level", default="INFO", show_default=True)
+def audit_writer(
+    redis_url,
+    prefix,
+    db_url,
+    schema,
+    consumer,
+    batch_size,
+    claim_idle_ms,
+    run_migrate,
+    burst,
+    insecure,
+    log_level,
+):
+    """Consume {prefix}:audit into the audit database (acks after commit)."""
+    import redis
+
+    from lorapool.audit_db import AuditWriter, DatabaseConfig, WriterConfig, create_audit_engine
+
+    logging.basicConfig(
+        level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    if not redis_url:
+        raise click.UsageError("audit-writer needs Redis: pass --redis-url or set REDIS_URL")
+    key = audit_key(insecure)
+    engine = create_audit_engine(DatabaseConfig(url=db_url, schema=schema))
+    config = WriterConfig(
+        prefix=prefix,
+        audit_key=key,
+        insecure_no_key=insecure,
+        batch_size=batch_size,
+        claim_idle_ms=claim_idle_ms,
+        migrate=run_migrate,
+        **({"consumer": consumer} if consumer else {}),
+    )
+    writer = AuditWriter(redis.Redis.from_url(redis_url), engine, config)
+    _install_signals(writer)
+    stats = writer.run(burst=burst)
+    click.echo(
+        f"rows written {stats.rows_written}, duplicates {stats.duplicates}, "
+        f"conflicts {stats.conflicts}, dead-lettered {stats.dead_lettered}, "
+        f"entries {stats.entries}"
+    )
