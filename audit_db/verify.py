@@ -149,7 +149,8 @@ def _check_row(
         if key is not None:
             return (
                 "content does not match its row_hash under the audit key (row changed after "
-                "it was written, or the table was re-chained without the key)"
+                "it was written, the table was re-chained without the key, or this is not "
+                "the key it was written with)"
             )
         return "content does not match its row_hash (row changed after it was written)"
     return None
