@@ -317,8 +317,10 @@ def writer_role(audit_location):
         with admin.begin() as conn:
             conn.execute(text(f"DROP SCHEMA IF EXISTS {spec.schema} CASCADE"))
             for role in (spec.owner, spec.writer, spec.reader):
-                conn.execute(text(f"DROP OWNED BY {role}"))
-                conn.execute(text(f"DROP ROLE {role}"))
+                exists = text("SELECT 1 FROM pg_roles WHERE rolname = :r")
+                if conn.execute(exists, {"r": role}).scalar():  # made even if --apply failed
+                    conn.execute(text(f"DROP OWNED BY {role}"))
+                    conn.execute(text(f"DROP ROLE {role}"))
         admin.dispose()
 
 
