@@ -7,6 +7,8 @@ to and from plain dicts (``to_dict`` / ``from_dict``) that orjson serializes.
 from __future__ import annotations
 
 import enum
+import math
+import os
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -49,47 +51,76 @@ class SamplingParams:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self):
+        self.verify()
+
+    def verify(self) -> None:
+        """Normalize and check every field: FieldError (a ValueError) naming the bad one.
+
+        Runs at construction; producers run it again before they enqueue, so a
+        field changed after construction is checked too.
+        """
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        _check(
+            self.stop is None or isinstance(self.stop, (list, tuple)),
+            "sampling_params.stop must be a string or a list of strings, "
+            f"got {short_repr(self.stop)}",
+        )
+        _check(
+            self.stop_token_ids is None or isinstance(self.stop_token_ids, (list, tuple)),
+            "sampling_params.stop_token_ids must be a list of token ids, "
+            f"got {short_repr(self.stop_token_ids)}",
+        )
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
-        self.output_kind = RequestOutputKind(self.output_kind)
+        try:
+            self.output_kind = RequestOutputKind(self.output_kind)
+        except ValueError:
+            kinds = ", ".join(k.value for k in RequestOutputKind)
+            raise FieldError(
+                f"sampling_params.output_kind must be one of {kinds}, "
+                f"got {short_repr(self.output_kind)}"
+            ) from None
         self._verify()
 
     def _verify(self) -> None:
-        _check(isinstance(self.n, int) and self.n >= 1, f"n must be at least 1, got {self.n}")
-        _check(self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}")
-        _check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
-        _check(
-            self.top_k == -1 or self.top_k >= 1,
-            f"top_k must be -1 (disabled) or at least 1, got {self.top_k}",
-        )
-        _check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}")
-        _check(
-            -2.0 <= self.presence_penalty <= 2.0,
-            f"presence_penalty must be in [-2, 2], got {self.presence_penalty}",
-        )
-        _check(
-            -2.0 <= self.frequency_penalty <= 2.0,
-            f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}",
-        )
+        _int_field("n", self.n, lo=1)
+        _real_field("temperature", self.temperature, lo=0.0)
+        _real_field("top_p", self.top_p, lo=0.0, hi=1.0)
+        _check(self.top_p > 0.0, "sampling_params.top_p must be in (0, 1], got 0.0")
+        _int_field("top_k", self.top_k, lo=-1)
+        _check(self.top_k != 0, "sampling_params.top_k must be -1 (disabled) or at least 1, got 0")
+        _real_field("min_p", self.min_p, lo=0.0, hi=1.0)
+        _int_field("seed", self.seed, lo=SEED_MIN, hi=SEED_MAX, optional=True)
+        _real_field("presence_penalty", self.presence_penalty, lo=-2.0, hi=2.0)
+        _real_field("frequency_penalty", self.frequency_penalty, lo=-2.0, hi=2.0)
+        _real_field("repetition_penalty", self.repetition_penalty, lo=0.0)
         _check(
             self.repetition_penalty > 0.0,
-            f"repetition_penalty must be > 0, got {self.repetition_penalty}",
+            f"sampling_params.repetition_penalty must be > 0, got {self.repetition_penalty}",
         )
-        _check(
-            self.max_tokens is None or self.max_tokens >= 1,
-            f"max_tokens must be at least 1, got {self.max_tokens}",
-        )
-        _check(self.min_tokens >= 0, f"min_tokens must be >= 0, got {self.min_tokens}")
+        _int_field("max_tokens", self.max_tokens, lo=1, optional=True)
+        _int_field("min_tokens", self.min_tokens, lo=0)
         _check(
             self.max_tokens is None or self.min_tokens <= self.max_tokens,
-            f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
+            f"sampling_params.min_tokens ({self.min_tokens}) must not exceed "
+            f"max_tokens ({self.max_tokens})",
         )
         for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(self, name)
-            _check(value is None or value >= 0, f"{name} must be >= 0, got {value}")
-        _check(all(s for s in self.stop), "stop strings must not be empty")
+            _int_field(name, getattr(self, name), lo=0, optional=True)
+        for name in _BOOL_FIELDS:
+            _check(
+                isinstance(getattr(self, name), bool),
+                f"sampling_params.{name} must be true or false, "
+                f"got {short_repr(getattr(self, name))}",
+            )
+        for i, stop in enumerate(self.stop):
+            _check(
+                isinstance(stop, str) and stop != "",
+                f"sampling_params.stop[{i}] must be a non-empty string, got {short_repr(stop)}",
+            )
+        for i, token in enumerate(self.stop_token_ids):
+            _int_field(f"stop_token_ids[{i}]", token, lo=0, hi=INT32_MAX)
 
     @property
     def greedy(self) -> bool:
@@ -102,15 +133,71 @@ class SamplingParams:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SamplingParams:
+        _check(
+            isinstance(data, dict),
+            f"sampling_params must be an object, got {short_repr(data)}",
+        )
         known = {f.name for f in fields(cls)}
-        unknown = set(data) - known
-        _check(not unknown, f"unknown sampling parameter(s): {', '.join(sorted(unknown))}")
+        unknown = sorted(map(str, set(data) - known))
+        _check(not unknown, f"unknown sampling parameter(s): {short_repr(', '.join(unknown))}")
         return cls(**data)
+
+
+class FieldError(ValueError):
+    """A field of a job of the wrong type or out of range; the message names it and its value."""
+
+
+MAX_LORA_NAME = 1024
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed takes
+INT32_MAX = 2**31 - 1
+_BOOL_FIELDS = (
+    "ignore_eos",
+    "include_stop_str_in_output",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+)
 
 
 def _check(ok: bool, message: str) -> None:
     if not ok:
-        raise ValueError(message)
+        raise FieldError(message)
+
+
+def short_repr(value: Any, limit: int = 60) -> str:
+    """A value for an error message: its repr, cut short (prompts can be megabytes)."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({type(value).__name__})"
+
+
+def is_int(value: Any) -> bool:
+    """An integer that is not a bool (JSON true is not a count)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _int_field(name: str, value: Any, lo: int, hi: int | None = None, optional=False) -> None:
+    if value is None and optional:
+        return
+    _check(is_int(value), f"sampling_params.{name} must be an integer, got {short_repr(value)}")
+    _check(
+        value >= lo and (hi is None or value <= hi),
+        f"sampling_params.{name} must be "
+        + (f"at least {lo}" if hi is None else f"in [{lo}, {hi}]")
+        + f", got {value}",
+    )
+
+
+def _real_field(name: str, value: Any, lo: float, hi: float | None = None) -> None:
+    _check(
+        (is_int(value) and abs(value) <= 2**53)
+        or (isinstance(value, float) and math.isfinite(value)),
+        f"sampling_params.{name} must be a finite number, got {short_repr(value)}",
+    )
+    _check(
+        value >= lo and (hi is None or value <= hi),
+        f"sampling_params.{name} must be "
+        + (f">= {lo}" if hi is None else f"in [{lo}, {hi}]")
+        + f", got {value}",
+    )
 
 
 @dataclass(eq=False)
@@ -123,13 +210,33 @@ class LoRARequest:
     base_model_name: str | None = None
 
     def __post_init__(self):
+        self.verify()
+
+    def verify(self) -> None:
+        """FieldError (a ValueError) naming the field when one has the wrong type or range."""
+        name = self.lora_name
         _check(
-            isinstance(self.lora_int_id, int) and self.lora_int_id >= 1,
-            f"LoRARequest {self.lora_name!r}: lora_int_id must be an int >= 1, "
-            f"got {self.lora_int_id!r}",
+            isinstance(name, str) and 0 < len(name) <= MAX_LORA_NAME and "\x00" not in name,
+            f"lora_request.lora_name must be a non-empty string of at most {MAX_LORA_NAME} "
+            f"characters without NUL, got {short_repr(name)}",
         )
-        _check(bool(self.lora_name), "LoRARequest: lora_name must not be empty")
-        self.lora_path = str(self.lora_path)
+        _check(
+            is_int(self.lora_int_id) and 1 <= self.lora_int_id <= INT32_MAX,
+            f"LoRARequest {name!r}: lora_request.lora_int_id must be an int in [1, {INT32_MAX}], "
+            f"got {short_repr(self.lora_int_id)}",
+        )
+        if isinstance(self.lora_path, os.PathLike):
+            self.lora_path = os.fspath(self.lora_path)
+        _check(
+            isinstance(self.lora_path, str) and "\x00" not in self.lora_path,
+            "lora_request.lora_path must be a string without NUL, "
+            f"got {short_repr(self.lora_path)}",
+        )
+        _check(
+            self.base_model_name is None or isinstance(self.base_model_name, str),
+            "lora_request.base_model_name must be a string, "
+            f"got {short_repr(self.base_model_name)}",
+        )
 
     @property
     def name(self) -> str:
@@ -154,7 +261,15 @@ class LoRARequest:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> LoRARequest | None:
-        return None if data is None else cls(**data)
+        if data is None:
+            return None
+        _check(isinstance(data, dict), f"lora_request must be an object, got {short_repr(data)}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(map(str, set(data) - known))
+        _check(not unknown, f"unknown lora_request field(s): {short_repr(', '.join(unknown))}")
+        missing = [k for k in ("lora_name", "lora_int_id") if k not in data]
+        _check(not missing, f"lora_request needs {' and '.join(missing)}")
+        return cls(**data)
 
 
 @dataclass
@@ -374,6 +489,7 @@ def _append_completion(mine: CompletionOutput, nxt: CompletionOutput) -> None:
 
 __all__ = [
     "FINISH_REASONS",
+    "FieldError",
     "WIRE_VERSION",
     "CompletionOutput",
     "Logprob",

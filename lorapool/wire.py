@@ -7,6 +7,7 @@ naming the problem (workers dead-letter such entries). Torch-free.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,14 +15,18 @@ from typing import Any
 import orjson
 
 from lorapool.protocol import (
+    INT32_MAX,
     WIRE_VERSION,
     CompletionOutput,
+    FieldError,
     LoRARequest,
     RequestMetrics,
     RequestOutput,
     SamplingParams,
+    is_int,
     logprobs_from_wire,
     logprobs_to_wire,
+    short_repr,
 )
 
 DATA = "data"  # the stream entry field holding the record
@@ -82,34 +87,141 @@ def encode_job(job: Job) -> bytes:
     return orjson.dumps(job.to_dict())
 
 
-def decode_job(payload: bytes | str | None) -> Job:
-    """A validated Job; ValueError naming the problem when malformed."""
-    data = _loads(payload, "job")
+DEFAULT_MAX_PROMPT_BYTES = 1 << 20
+DEFAULT_MAX_N = 128
+MAX_METADATA_BYTES = 64 << 10
+MAX_REQUEST_ID = 256
+_JOB_FIELDS = frozenset(
+    ("v", "request_id", "prompt", "prompt_token_ids", "sampling_params")
+    + ("lora_request", "metadata", "arrival_time")
+)
+
+
+@dataclass(frozen=True)
+class JobLimits:
+    """Sizes a deployment accepts; producers check them at submit, workers at decode.
+
+    max_prompt_bytes: the prompt's UTF-8 text plus 4 bytes per prompt token id.
+    max_n: completions per request (each one holds its own KV blocks).
+    """
+
+    max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES
+    max_n: int = DEFAULT_MAX_N
+
+    def __post_init__(self):
+        for name in ("max_prompt_bytes", "max_n"):
+            value = getattr(self, name)
+            if not is_int(value) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def decode_job(payload: bytes | str | None, limits: JobLimits | None = None) -> Job:
+    """A validated Job from a stream entry's payload; ValueError naming the problem."""
+    return job_from_dict(_loads(payload, "job"), limits)
+
+
+def job_from_dict(data: Any, limits: JobLimits | None = None) -> Job:
+    """The one validation boundary of a job: producers (at submit) and workers use it.
+
+    Checks the type and range of every field; raises FieldError (a ValueError)
+    naming the field and its value.
+    """
+    limits = limits or JobLimits()
+    _field(isinstance(data, dict), f"a job must be an object, got {short_repr(data)}")
+    unknown = sorted(map(str, set(data) - _JOB_FIELDS))
+    _field(not unknown, f"unknown job field(s): {short_repr(', '.join(unknown))}")
+    version = data.get("v", WIRE_VERSION)
+    _field(
+        version == WIRE_VERSION,
+        f"unknown wire version {short_repr(version)} in job (this build speaks {WIRE_VERSION})",
+    )
     rid = data.get("request_id")
-    if not isinstance(rid, str) or not rid:
-        _fail("malformed job: request_id must be a non-empty string")
-    prompt, ids = data.get("prompt"), data.get("prompt_token_ids")
-    if ids is None and not isinstance(prompt, str):
-        _fail(f"malformed job {rid}: needs prompt (a string) or prompt_token_ids")
-    if ids is not None and not (isinstance(ids, list) and all(_is_int(t) for t in ids)):
-        _fail(f"malformed job {rid}: prompt_token_ids must be a list of integers")
-    params = data.get("sampling_params") or {}
-    if not isinstance(params, dict):
-        _fail(f"malformed job {rid}: sampling_params must be an object")
+    _field(
+        isinstance(rid, str) and 0 < len(rid) <= MAX_REQUEST_ID and not _BAD_ID.intersection(rid),
+        f"request_id must be a non-empty string of at most {MAX_REQUEST_ID} characters "
+        f"without braces or NUL, got {short_repr(rid)}",
+    )
+    where = f"job {rid}: "
     try:
-        sampling = SamplingParams.from_dict(params)
+        prompt, ids = _job_prompt(data.get("prompt"), data.get("prompt_token_ids"), limits)
+        params = data.get("sampling_params")
+        sampling = SamplingParams.from_dict({} if params is None else params)
+        _field(
+            sampling.n <= limits.max_n,
+            f"sampling_params.n must be at most {limits.max_n} (max_n), got {sampling.n}",
+        )
         lora = LoRARequest.from_dict(data.get("lora_request"))
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"invalid job {rid}: {exc}") from None
-    metadata = data.get("metadata") or {}
-    if not isinstance(metadata, dict):
-        _fail(f"malformed job {rid}: metadata must be an object")
-    arrival = data.get("arrival_time") or time.time()
+        metadata = _metadata(data.get("metadata"))
+        arrival = data.get("arrival_time")
+        if arrival is None:
+            arrival = time.time()
+        _field(
+            (is_int(arrival) and 0 <= arrival < 2**53)
+            or (isinstance(arrival, float) and math.isfinite(arrival) and arrival >= 0),
+            f"arrival_time must be a finite number >= 0 (seconds), got {short_repr(arrival)}",
+        )
+    except TypeError as exc:  # a constructor given the wrong shape
+        raise FieldError(f"{where}{exc}") from None
+    except FieldError as exc:
+        raise FieldError(f"{where}{exc}") from None
     return Job(rid, prompt, ids, sampling, lora, metadata, float(arrival))
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+_BAD_ID = frozenset("{}\x00")
+
+
+def _field(ok: bool, message: str) -> None:
+    if not ok:
+        raise FieldError(message)
+
+
+def _job_prompt(prompt: Any, ids: Any, limits: JobLimits) -> tuple[str | None, list[int] | None]:
+    _field(
+        prompt is None or isinstance(prompt, str),
+        f"prompt must be a string, got {short_repr(prompt)}",
+    )
+    if ids is None:
+        _field(bool(prompt), "the job needs a non-empty prompt or prompt_token_ids")
+    else:
+        _field(
+            isinstance(ids, list) and len(ids) > 0,
+            f"prompt_token_ids must be a non-empty list of token ids, got {short_repr(ids)}",
+        )
+        for i, token in enumerate(ids):
+            _field(
+                is_int(token) and 0 <= token <= INT32_MAX,
+                f"prompt_token_ids[{i}] must be a token id (an integer >= 0), "
+                f"got {short_repr(token)}",
+            )
+    size = 4 * len(ids or ())
+    if prompt:
+        try:
+            size += len(prompt.encode("utf-8"))
+        except UnicodeEncodeError as exc:
+            raise FieldError(
+                f"prompt is not valid Unicode text ({exc.reason} at position {exc.start})"
+            ) from None
+    _field(
+        size <= limits.max_prompt_bytes,
+        f"the prompt is {size} bytes, over the limit of {limits.max_prompt_bytes} "
+        "(max_prompt_bytes)",
+    )
+    return prompt, None if ids is None else list(ids)
+
+
+def _metadata(metadata: Any) -> dict[str, Any]:
+    if metadata is None:
+        return {}
+    _field(isinstance(metadata, dict), f"metadata must be an object, got {short_repr(metadata)}")
+    try:
+        size = len(orjson.dumps(metadata))
+    except orjson.JSONEncodeError as exc:
+        raise FieldError(f"metadata must be JSON with string keys: {exc}") from None
+    _field(
+        size <= MAX_METADATA_BYTES,
+        f"metadata is {size} bytes encoded, over the limit of {MAX_METADATA_BYTES}",
+    )
+    return metadata
 
 
 @dataclass

@@ -14,7 +14,14 @@ from lorapool.producer.client import ABORT_TTL_S, _block_ms, _deadline
 from lorapool.producer.job import SUBMIT_SCRIPT, OutputAssembler, build_job, per_prompt
 from lorapool.producer.registry import check_lora, decode_record
 from lorapool.protocol import LoRARequest, RequestOutput, RequestOutputKind, SamplingParams
-from lorapool.wire import DATA, decode_chunk, encode_job
+from lorapool.wire import (
+    DATA,
+    DEFAULT_MAX_N,
+    DEFAULT_MAX_PROMPT_BYTES,
+    JobLimits,
+    decode_chunk,
+    encode_job,
+)
 
 
 class AsyncJobHandle:
@@ -76,7 +83,15 @@ class AsyncJobHandle:
 class AsyncProducer:
     """Enqueues jobs from asyncio code; ``connection`` is a URL or a redis.asyncio client."""
 
-    def __init__(self, connection: str | aioredis.Redis, prefix: str = DEFAULT_PREFIX):
+    def __init__(
+        self,
+        connection: str | aioredis.Redis,
+        prefix: str = DEFAULT_PREFIX,
+        max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES,
+        max_n: int = DEFAULT_MAX_N,
+    ):
+        """Jobs over ``max_prompt_bytes`` or ``max_n`` are refused at submit (workers check too)."""
+        self.limits = JobLimits(max_prompt_bytes, max_n)
         if isinstance(connection, str):
             connection = aioredis.Redis.from_url(connection)
         self.redis = connection
@@ -114,7 +129,7 @@ class AsyncProducer:
         count = len(prompts)
         loras = [await self.resolve(x) for x in per_prompt(lora_request, count, "adapters")]
         jobs = [
-            build_job(p, sp, lora, rid, metadata)
+            build_job(p, sp, lora, rid, metadata, self.limits)
             for p, sp, lora, rid in zip(
                 prompts, per_prompt(params, count, "params"), loras, request_ids or [None] * count
             )

@@ -12,7 +12,14 @@ from lorapool.keys import DEFAULT_PREFIX, Keys
 from lorapool.producer.job import SUBMIT_SCRIPT, OutputAssembler, build_job, per_prompt
 from lorapool.producer.registry import AdapterRegistry
 from lorapool.protocol import LoRARequest, RequestOutput, RequestOutputKind, SamplingParams
-from lorapool.wire import DATA, decode_chunk, encode_job
+from lorapool.wire import (
+    DATA,
+    DEFAULT_MAX_N,
+    DEFAULT_MAX_PROMPT_BYTES,
+    JobLimits,
+    decode_chunk,
+    encode_job,
+)
 
 ABORT_TTL_S = 24 * 3600
 _BLOCK_MS = 1000
@@ -104,7 +111,15 @@ class JobHandle:
 class Producer:
     """Enqueues jobs on ``{p}:requests``; ``connection`` is a URL or a redis client."""
 
-    def __init__(self, connection: str | redis.Redis | None = None, prefix: str = DEFAULT_PREFIX):
+    def __init__(
+        self,
+        connection: str | redis.Redis | None = None,
+        prefix: str = DEFAULT_PREFIX,
+        max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES,
+        max_n: int = DEFAULT_MAX_N,
+    ):
+        """Jobs over ``max_prompt_bytes`` or ``max_n`` are refused at submit (workers check too)."""
+        self.limits = JobLimits(max_prompt_bytes, max_n)
         self.redis = connect(connection)
         self.keys = Keys(prefix)
         self.registry = AdapterRegistry(self.redis, self.keys)
@@ -137,7 +152,7 @@ class Producer:
         count = len(prompts)
         loras = [self.registry.resolve(x) for x in per_prompt(lora_request, count, "adapters")]
         jobs = [
-            build_job(p, sp, lora, rid, metadata)
+            build_job(p, sp, lora, rid, metadata, self.limits)
             for p, sp, lora, rid in zip(
                 prompts, per_prompt(params, count, "params"), loras, request_ids or [None] * count
             )

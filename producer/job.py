@@ -8,8 +8,14 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
-from lorapool.protocol import LoRARequest, RequestOutput, RequestOutputKind, SamplingParams
-from lorapool.wire import Chunk, Job
+from lorapool.protocol import (
+    FieldError,
+    LoRARequest,
+    RequestOutput,
+    RequestOutputKind,
+    SamplingParams,
+)
+from lorapool.wire import Chunk, Job, JobLimits, job_from_dict
 
 # Enqueue a job only if its request id is new: the marker and the entry together.
 # KEYS: job marker, requests stream. ARGV: payload, output kind, now.
@@ -28,43 +34,43 @@ def build_job(
     lora: LoRARequest | None,
     request_id: str | None,
     metadata: dict | None,
+    limits: JobLimits | None = None,
 ) -> Job:
-    """A validated Job; ValueError naming the problem."""
+    """A validated Job, by the workers' own check (``job_from_dict``).
+
+    Raises FieldError (a ValueError) naming the field and the value.
+    """
     params = SamplingParams() if params is None else params
     if not isinstance(params, SamplingParams):
-        raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
-    params = SamplingParams.from_dict(params.to_dict())  # re-validates after any mutation
-    if request_id is not None and (
-        not isinstance(request_id, str) or not request_id or any(c in request_id for c in "{}")
-    ):
-        raise ValueError(
-            f"request_id must be a non-empty string without braces, got {request_id!r}"
-        )
-    if metadata is not None and not isinstance(metadata, dict):
-        raise ValueError(f"metadata must be a dict, got {type(metadata).__name__}")
+        raise FieldError(f"params must be SamplingParams, got {type(params).__name__}")
+    params.verify()  # fields may have been changed after construction
+    if lora is not None:
+        if not isinstance(lora, LoRARequest):
+            raise FieldError(f"lora_request must be a LoRARequest, got {type(lora).__name__}")
+        lora.verify()
     text, ids = _prompt(prompt)
-    return Job(
-        request_id or uuid.uuid4().hex, text, ids, params, lora, dict(metadata or {}), time.time()
-    )
+    data = {
+        "request_id": uuid.uuid4().hex if request_id is None else request_id,
+        "prompt": text,
+        "prompt_token_ids": ids,
+        "sampling_params": params.to_dict(),
+        "lora_request": None if lora is None else lora.to_dict(),
+        "metadata": metadata,
+        "arrival_time": time.time(),
+    }
+    return job_from_dict(data, limits)
 
 
-def _prompt(prompt: Any) -> tuple[str | None, list[int] | None]:
-    if isinstance(prompt, str):
-        if not prompt:
-            raise ValueError("the prompt is empty")
-        return prompt, None
+def _prompt(prompt: Any) -> tuple[Any, Any]:
+    """Text and token ids of the prompt forms vLLM takes (job_from_dict checks them)."""
     if isinstance(prompt, Mapping) and "prompt_token_ids" in prompt:
         ids = prompt["prompt_token_ids"]
-        if (
-            not isinstance(ids, (list, tuple))
-            or not ids
-            or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids)
-        ):
-            raise ValueError("prompt_token_ids must be a non-empty list of token ids")
-        return prompt.get("prompt"), list(ids)
+        return prompt.get("prompt"), list(ids) if isinstance(ids, tuple) else ids
     if isinstance(prompt, Mapping) and "prompt" in prompt:
         return _prompt(prompt["prompt"])
-    raise ValueError(
+    if isinstance(prompt, str):
+        return prompt, None
+    raise FieldError(
         f"prompt must be a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}"
     )
 

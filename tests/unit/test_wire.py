@@ -51,8 +51,11 @@ def test_job_round_trip():
         (b"[1]", "expected an object"),
         (orjson.dumps({"v": 2, "request_id": "x"}), "unknown wire version 2"),
         (orjson.dumps({"v": 1, "request_id": ""}), "request_id"),
-        (orjson.dumps({"v": 1, "request_id": "x"}), "needs prompt"),
-        (orjson.dumps({"v": 1, "request_id": "x", "prompt_token_ids": ["a"]}), "list of integers"),
+        (orjson.dumps({"v": 1, "request_id": "x"}), "needs a non-empty prompt"),
+        (
+            orjson.dumps({"v": 1, "request_id": "x", "prompt_token_ids": ["a"]}),
+            r"prompt_token_ids\[0\]",
+        ),
         (
             orjson.dumps(
                 {"v": 1, "request_id": "x", "prompt": "p", "sampling_params": {"top_p": 0}}
