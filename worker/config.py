@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from lorapool import signing
 from lorapool.keys import DEFAULT_PREFIX
+from lorapool.wire import DEFAULT_MAX_N, DEFAULT_MAX_PROMPT_BYTES, JobLimits
 
 
 def default_name() -> str:
@@ -28,6 +29,8 @@ class WorkerConfig:
     drain_timeout_s: float = 30.0  # first SIGTERM: finish in-flight work up to this long
     result_ttl_s: int = 24 * 3600  # chunk logs and job markers expire this long after the end
     heartbeat_s: float = 1.0
+    max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES  # larger prompts are refused
+    max_n: int = DEFAULT_MAX_N  # completions per request
     # signs audit records (default: from the environment, see lorapool.signing)
     audit_key: bytes | None = field(default_factory=signing.key_from_env, repr=False)
     insecure_no_key: bool = field(default_factory=signing.insecure_from_env)
@@ -39,6 +42,12 @@ class WorkerConfig:
             raise ValueError(f"max_deliveries must be >= 1, got {self.max_deliveries}")
         if self.block_ms < 1 or self.result_ttl_s < 1:
             raise ValueError("block_ms and result_ttl_s must be positive")
+        self.limits  # noqa: B018 - JobLimits checks max_prompt_bytes and max_n
+
+    @property
+    def limits(self) -> JobLimits:
+        """What a job may ask for: the producers' check, run again on every entry."""
+        return JobLimits(self.max_prompt_bytes, self.max_n)
 
     @property
     def lease_ms(self) -> int:

@@ -44,8 +44,8 @@ from lorapool import signing
 from lorapool.audit_db.record import record_from_output, sign_record
 from lorapool.keys import WORKERS_GROUP, Keys
 from lorapool.producer.registry import check_lora, decode_record
-from lorapool.protocol import RequestOutput
-from lorapool.wire import DATA, Chunk, decode_job, encode_chunk
+from lorapool.protocol import FieldError, RequestOutput
+from lorapool.wire import DATA, Chunk, decode_job, encode_chunk, encode_job
 from lorapool.worker import failover
 from lorapool.worker.config import WorkerConfig
 from lorapool.worker.held import Held, engine_params, error_chunk, make_chunk, resumed_token_ids
@@ -53,6 +53,14 @@ from lorapool.worker.scripts import APPEND, RENEW
 
 logger = logging.getLogger(__name__)
 NOT_OWNER, DUPLICATE = -1, -2
+# Redis away: the run loop rides these out; every other error fails one request.
+REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)
+
+
+def _reason(exc: BaseException) -> str:
+    """An exception as a dead letter's reason: its type unless it is a plain ValueError."""
+    text = str(exc) or type(exc).__name__
+    return text if type(exc) in (ValueError, FieldError) else f"{type(exc).__name__}: {text}"
 
 
 class Worker:
@@ -100,7 +108,7 @@ class Worker:
         self._upkeep()
         read = 0 if self.draining else self._admit()
         if self.engine.has_unfinished_requests():
-            self._publish(self.engine.step())
+            self._step()
         elif self.draining or (self.config.burst and read == 0 and self._queue_empty()):
             self.stopped = True
         if self._drain_deadline is not None and time.monotonic() > self._drain_deadline:
@@ -143,22 +151,28 @@ class Worker:
         return len(entries)
 
     def start(self, entry_id: str, fields: dict, log: list[Chunk] | None = None) -> None:
-        """Put one delivered entry into the engine, or fail it with a clear error."""
+        """Put one delivered entry into the engine, or fail it alone with a clear error.
+
+        Any exception but Redis being away (the loop rides that out) fails this
+        request only: final error chunk, dead letter, audit record.
+        """
         payload = (fields or {}).get(DATA.encode())
+        held = None
         try:
-            job = decode_job(payload)
-        except ValueError as exc:
-            return self.dead_letter(entry_id, payload, str(exc), None)
-        if job.request_id in self.held:
-            return None
-        held = Held(entry_id, job)
-        for chunk in log or []:
-            held.take(chunk)
-        held.resumed_tokens = held.total
-        try:
+            job = decode_job(payload, self.config.limits)
+            if job.request_id in self.held:
+                return None
+            held = Held(entry_id, job)
+            for chunk in log or []:
+                held.take(chunk)
+            held.resumed_tokens = held.total
             self._add_to_engine(held)
-        except ValueError as exc:
-            return self.dead_letter(entry_id, payload, str(exc), held)
+        except REDIS_DOWN:
+            raise
+        except Exception as exc:  # noqa: BLE001 - one bad job must not end the worker
+            if held is not None:
+                self._abort_in_engine(held.request_id)
+            return self.dead_letter(entry_id, payload, _reason(exc), held)
         self.held[job.request_id] = held
         return None
 
@@ -181,6 +195,24 @@ class Worker:
             lora_request=job.lora_request,
             resume_token_ids=resumed_token_ids(held),
         )
+
+    def _step(self) -> None:
+        """One engine step and its chunks; a step that raises fails only its requests."""
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:  # noqa: BLE001 - the worker and the other requests go on
+            logger.exception("worker %s: engine step failed", self.name)
+            self._fail_step(f"engine step failed: {_reason(exc)}")
+            return
+        self._publish(outputs)
+
+    def _fail_step(self, reason: str) -> None:
+        """Fail the requests the failed step held (all running ones), freeing their state."""
+        running = {seq.request.request_id for seq in self.engine.scheduler.running}
+        failed = [h for rid, h in self.held.items() if rid in running] or list(self.held.values())
+        for held in failed:
+            self._abort_in_engine(held.request_id)
+            self.dead_letter(held.entry_id, encode_job(held.job), reason, held)
 
     # --- publishing --------------------------------------------------------------
 
@@ -248,6 +280,13 @@ class Worker:
         self.held.pop(request_id, None)
         self.engine.abort_request(request_id)
 
+    def _abort_in_engine(self, request_id: str) -> None:
+        """Free whatever a request that failed half-way into the engine left there."""
+        try:
+            self.engine.abort_request(request_id)
+        except Exception:  # noqa: BLE001 - it may never have got in
+            logger.debug("worker %s: %s was not in the engine", self.name, request_id)
+
     def _audit_record(self, held: Held) -> dict[str, Any]:
         adapter = None
         if held.adapter is not None:
@@ -269,49 +308,62 @@ class Worker:
     def dead_letter(
         self, entry_id: str, payload: bytes | None, reason: str, held: Held | None
     ) -> None:
-        """Final error chunk (when the request is known), XACK and ``{p}:dead``, at once."""
+        """Final error chunk (when the request is known), XACK and ``{p}:dead``, at once.
+
+        Total: whatever the entry holds, it ends acknowledged and dead-lettered
+        (only Redis being away raises). The dead letter keeps the payload only
+        when no audit record keeps the prompt (see ``failover.dead_payload``).
+        """
         logger.warning("worker %s: dead-lettering %s: %s", self.name, entry_id, reason)
-        if held is None:
-            held = failover.held_for_garbage(entry_id, payload)
-        if held is not None:
-            self.held.pop(held.request_id, None)
-            self._find_adapter(held)
-        chunk = error_chunk(held, reason, self.name) if held else None
-        with self.redis.pipeline(transaction=False) as pipe:
-            if chunk is not None:
-                self._append_chunk(pipe, held, chunk, dead=payload or b"null", reason=reason)
-            else:
-                self._append(
-                    keys=[
-                        self.keys.requests,
-                        self.keys.out("-"),
-                        self.keys.abort("-"),
-                        self.keys.job("-"),
-                        self.keys.audit,
-                        self.keys.dead,
-                    ],
-                    args=[
-                        WORKERS_GROUP,
-                        entry_id,
-                        self.name,
-                        -1,
-                        b"",
-                        1,
-                        b"",
-                        self.config.result_ttl_s,
-                        payload or b"null",
-                        reason,
-                    ],
-                    client=pipe,
-                )
-            pipe.execute()
+        try:
+            if held is None:
+                held = failover.held_for_garbage(entry_id, payload, self.config.limits)
+            if held is not None:
+                self.held.pop(held.request_id, None)
+                self._find_adapter(held)
+                chunk = error_chunk(held, reason, self.name)
+                dead = failover.dead_payload(payload, audited=True)
+                with self.redis.pipeline(transaction=False) as pipe:
+                    self._append_chunk(pipe, held, chunk, dead=dead, reason=reason)
+                    pipe.execute()
+                return
+        except REDIS_DOWN:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the dead-letter path must not raise
+            logger.exception("worker %s: no error output for %s", self.name, entry_id)
+            reason = f"{reason} (and its error output could not be written: {_reason(exc)})"
+        self._append(
+            keys=[
+                self.keys.requests,
+                self.keys.out("-"),
+                self.keys.abort("-"),
+                self.keys.job("-"),
+                self.keys.audit,
+                self.keys.dead,
+            ],
+            args=[
+                WORKERS_GROUP,
+                entry_id,
+                self.name,
+                -1,
+                b"",
+                1,
+                b"",
+                self.config.result_ttl_s,
+                failover.dead_payload(payload, audited=False),
+                reason,
+            ],
+        )
 
     def _find_adapter(self, held: Held) -> None:
         """The registry record of a failed job's adapter, for its audit record, if it matches."""
         lora = held.job.lora_request
         if held.adapter is None and lora is not None:
-            record = decode_record(self.redis.hget(self.keys.adapters, lora.name))
-            if record is not None and record["id"] == lora.lora_int_id:
+            try:
+                record = decode_record(self.redis.hget(self.keys.adapters, lora.name))
+            except ValueError:  # a damaged registry record: audit the request without it
+                return
+            if record is not None and record.get("id") == lora.lora_int_id:
                 held.adapter = record
 
     # --- upkeep ------------------------------------------------------------------

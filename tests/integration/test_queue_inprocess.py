@@ -139,8 +139,18 @@ def test_bad_input(engine, conn, prefix, producer, model, tmp_path):
     assert "600 tokens" in final.error and final.outputs[0].finish_reason == "error"
     refused = no_lora.result(timeout=5)
     assert "enable_lora" in refused.error and refused.lora_request.name == "sql"
-    reasons = [f[b"reason"].decode() for _, f in conn.xrange(producer.keys.dead)]
-    assert len(reasons) == 6 and any("not valid JSON" in r for r in reasons)
+    reasons = sorted(f[b"reason"].decode() for _, f in conn.xrange(producer.keys.dead))
+    expected = [
+        "job badp: sampling_params.temperature must be >= 0.0, got -1",
+        f"request {long.request_id}: the prompt has 600 tokens",
+        "malformed job: not valid JSON",
+        "unknown adapter 'ghost'",
+        "unknown wire version 2",
+        "enable_lora",
+    ]
+    assert len(reasons) == len(expected)
+    for text in expected:  # one dead letter per bad job, each with its own reason
+        assert sum(text in r for r in reasons) == 1, (text, reasons)
     records = {
         r.request_id: r
         for r in (

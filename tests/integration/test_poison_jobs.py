@@ -1,0 +1,252 @@
+"""Poison jobs fail alone: the worker goes on, the other jobs' tokens do not change.
+
+Issue 14 point 1, against a real Redis: each poison job that crashed workers
+is a named case (raw ``XADD`` of the wire record, as a hostile producer would),
+an engine step that raises fails only the requests it held, and a worker
+process is fed arbitrary JSON and mutations of valid jobs (hypothesis) next
+to valid jobs. The oracle for the valid jobs is the same engine run without
+the garbage.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import subprocess
+import sys
+import time
+import uuid
+
+import orjson
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from lorapool.audit_db.record import record_from_dict
+from lorapool.producer import Producer
+from lorapool.protocol import SamplingParams
+from lorapool.wire import decode_chunk, job_from_dict
+from lorapool.worker import Worker, WorkerConfig
+from lorapool.worker.serve import base_model_info
+
+pytestmark = pytest.mark.integration
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
+GOOD_PROMPTS = ["hello world", "the cat sat on"]
+
+
+@pytest.fixture(scope="module")
+def engine(model):
+    from lorapool.engine.config import EngineArgs
+    from lorapool.engine.llm_engine import LLMEngine
+
+    return LLMEngine.from_engine_args(
+        EngineArgs(model=model, max_num_seqs=8, max_num_batched_tokens=512)
+    )
+
+
+@pytest.fixture(scope="module")
+def expected(engine):
+    """The good prompts' tokens, run alone on the engine: the oracle."""
+    for i, prompt in enumerate(GOOD_PROMPTS):
+        engine.add_request(f"solo-{i}", prompt, GREEDY)
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    return [done[f"solo-{i}"].outputs[0].token_ids for i in range(len(GOOD_PROMPTS))]
+
+
+def run_worker(engine, conn, prefix, model) -> Worker:
+    worker = Worker(
+        engine, conn, WorkerConfig(prefix=prefix, burst=True, lease_s=2), base_model_info(model)
+    )
+    worker.run()
+    return worker
+
+
+def _job(rid: str, **changes) -> dict:
+    job = {
+        "v": 1,
+        "request_id": rid,
+        "prompt": "poison",
+        "sampling_params": {"temperature": 0.0, "max_tokens": 4},
+    }
+    for key, value in changes.items():
+        if key.startswith("sp_"):
+            job["sampling_params"][key[3:]] = value
+        else:
+            job[key] = value
+    return job
+
+
+# The poison jobs of issue 14 point 1, as raw XADDs: (job changes, what the reason names)
+POISON = {
+    "seed_string": ({"sp_seed": "abc"}, "sampling_params.seed must be an integer, got 'abc'"),
+    "top_k_float": ({"sp_top_k": 2.5}, "sampling_params.top_k must be an integer, got 2.5"),
+    "logprobs_float": ({"sp_logprobs": 2.5}, "sampling_params.logprobs must be an integer"),
+    "stop_not_strings": ({"sp_stop": [1]}, r"sampling_params.stop\[0\] must be a non-empty"),
+    "stop_token_ids_strings": ({"sp_stop_token_ids": ["a"]}, r"stop_token_ids\[0\]"),
+    "seed_2_pow_70": ({"sp_seed": float(2**70)}, "sampling_params.seed must be an integer"),
+    "arrival_time_list": ({"arrival_time": [1]}, "arrival_time must be a finite number"),
+    "lora_name_list": (
+        {"lora_request": {"lora_name": [1], "lora_int_id": 1}},
+        "lora_request.lora_name must be a non-empty string",
+    ),
+    "logprobs_over_engine_limit": ({"sp_logprobs": 10**6}, "max_logprobs"),
+    "token_outside_vocabulary": ({"prompt_token_ids": [10**6]}, "vocabulary"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(POISON))
+def test_poison_job_fails_alone(case, engine, expected, conn, prefix, model):
+    changes, reason = POISON[case]
+    producer = Producer(conn, prefix=prefix)
+    before = producer.submit(GOOD_PROMPTS[0], GREEDY)
+    conn.xadd(producer.keys.requests, {"data": orjson.dumps(_job("poison", **changes))})
+    after = producer.submit(GOOD_PROMPTS[1], GREEDY)
+    run_worker(engine, conn, prefix, model)
+    assert before.result(timeout=5).outputs[0].token_ids == expected[0]
+    assert after.result(timeout=5).outputs[0].token_ids == expected[1]
+    [(_, dead)] = conn.xrange(producer.keys.dead)
+    assert re.search(reason, dead[b"reason"].decode())
+    payload = _job("poison", **changes)
+    assert orjson.loads(dead[b"data"]) == {  # the audit record keeps the prompt, not this
+        "sha256": hashlib.sha256(orjson.dumps(payload)).hexdigest(),
+        "bytes": len(orjson.dumps(payload)),
+    }
+    failed = producer.handle("poison").result(timeout=5)  # the client learns why
+    assert failed.outputs[0].finish_reason == "error" and re.search(reason, failed.error)
+    audit = [
+        record_from_dict(orjson.loads(f[b"data"])) for _, f in conn.xrange(producer.keys.audit)
+    ]
+    assert {r.request_id for r in audit} == {before.request_id, after.request_id, "poison"}
+    assert conn.xpending(producer.keys.requests, "workers")["pending"] == 0
+
+
+def test_dead_letter_path_survives_an_unreadable_adapter_record(engine, conn, prefix, model):
+    """The issue's pool-down case: the dead-letter path itself must not raise."""
+    producer = Producer(conn, prefix=prefix)
+    conn.hset(producer.keys.adapters, "ghost", b"\xff not a record")
+    lora = {"lora_name": "ghost", "lora_int_id": 3}
+    conn.xadd(producer.keys.requests, {"data": orjson.dumps(_job("g", lora_request=lora))})
+    conn.xadd(producer.keys.requests, {"data": b'{"v": 1, "request_id": {"a": 1}}'})
+    good = producer.submit(GOOD_PROMPTS[0], GREEDY)
+    run_worker(engine, conn, prefix, model)
+    assert good.result(timeout=5).outputs[0].finish_reason == "length"
+    assert conn.xlen(producer.keys.dead) == 2
+    assert producer.handle("g").result(timeout=5).outputs[0].finish_reason == "error"
+    assert conn.xpending(producer.keys.requests, "workers")["pending"] == 0
+
+
+def test_engine_step_that_raises_fails_only_its_requests(model, conn, prefix, expected):
+    from lorapool.engine.config import EngineArgs
+    from lorapool.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine.from_engine_args(EngineArgs(model=model, max_num_seqs=2))
+    execute, calls = engine.runner.execute, []
+
+    def failing_third_step(batch):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("device-side assert triggered")
+        return execute(batch)
+
+    engine.runner.execute = failing_third_step
+    producer = Producer(conn, prefix=prefix)
+    held = producer.submit_many(["a victim", "another victim"], GREEDY)
+    later = producer.submit_many(GOOD_PROMPTS, GREEDY)  # waits in Redis: max_num_seqs=2
+    run_worker(engine, conn, prefix, model)
+    for handle in held:
+        out = handle.result(timeout=5)
+        assert out.outputs[0].finish_reason == "error"
+        assert "engine step failed: RuntimeError: device-side assert" in out.error
+    assert [h.result(timeout=5).outputs[0].token_ids for h in later] == expected
+    assert not engine.has_unfinished_requests()
+    assert conn.xlen(producer.keys.audit) == 4
+    assert conn.xpending(producer.keys.requests, "workers")["pending"] == 0
+
+
+# --- a worker process fed arbitrary JSON next to valid jobs (hypothesis) --------------
+
+json_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**63), max_value=2**64 - 1)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=12),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3)
+    ),
+    max_leaves=8,
+)
+FIELDS = ["v", "request_id", "prompt", "prompt_token_ids", "sampling_params", "lora_request"]
+FIELDS += ["metadata", "arrival_time", "extra"]
+PARAMS = sorted(SamplingParams.__dataclass_fields__)
+
+
+@st.composite
+def garbage(draw) -> bytes:
+    """Random JSON of any shape, or a valid job with fields replaced by random JSON."""
+    if draw(st.booleans()):
+        return orjson.dumps(draw(json_values))
+    job = _job(f"g-{uuid.uuid4().hex[:8]}")
+    for _ in range(draw(st.integers(1, 3))):
+        if draw(st.booleans()) and isinstance(job["sampling_params"], dict):
+            job["sampling_params"][draw(st.sampled_from(PARAMS))] = draw(json_values)
+        else:
+            job[draw(st.sampled_from(FIELDS))] = draw(json_values)
+    return orjson.dumps(job)
+
+
+@pytest.fixture(scope="module")
+def worker_process(model, redis_url, tmp_path_factory):
+    prefix = f"test-{uuid.uuid4().hex[:10]}"
+    log = tmp_path_factory.mktemp("poison") / "worker.log"
+    cmd = [sys.executable, "-c", "from lorapool.cli.main import main; main()", "worker"]
+    cmd += ["--model", model, "--prefix", prefix, "--redis-url", redis_url, "--lease", "5"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, cwd=log.parent, env=env, stdout=out, stderr=out)
+    yield proc, prefix, log
+    proc.terminate()
+    proc.wait(30)
+    import redis
+
+    conn = redis.Redis.from_url(redis_url)
+    for key in conn.scan_iter(f"{prefix}:*"):
+        conn.delete(key)
+
+
+@settings(
+    max_examples=12,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(st.lists(garbage(), min_size=1, max_size=6))
+def test_worker_process_survives_arbitrary_records(worker_process, conn, expected, payloads):
+    proc, prefix, log = worker_process
+    producer = Producer(conn, prefix=prefix)
+    ids = [conn.xadd(producer.keys.requests, {"data": p}).decode() for p in payloads[:3]]
+    good = producer.submit_many(GOOD_PROMPTS, GREEDY)
+    ids += [conn.xadd(producer.keys.requests, {"data": p}).decode() for p in payloads[3:]]
+    results = [h.result(timeout=60).outputs[0].token_ids for h in good]
+    assert results == expected
+    deadline = time.monotonic() + 60
+    while conn.xpending(producer.keys.requests, "workers")["pending"] or conn.xlen(
+        producer.keys.requests
+    ):
+        assert proc.poll() is None, log.read_text()[-3000:]
+        assert time.monotonic() < deadline, "garbage entries still pending"
+        time.sleep(0.05)
+    assert proc.poll() is None, log.read_text()[-3000:]
+    dead = {f[b"entry"].decode(): f[b"reason"].decode() for _, f in conn.xrange(producer.keys.dead)}
+    for entry_id, payload in zip(ids, payloads[:3] + payloads[3:]):
+        if entry_id in dead:
+            assert dead[entry_id]
+            continue
+        try:  # not dead-lettered: only a job the boundary accepts may complete
+            rid = job_from_dict(orjson.loads(payload)).request_id
+        except ValueError as exc:
+            raise AssertionError(f"refused job {payload!r} was not dead-lettered: {exc}") from None
+        final = decode_chunk(conn.xrevrange(producer.keys.out(rid), count=1)[0][1][b"data"])
+        assert final.finished
