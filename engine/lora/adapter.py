@@ -248,4 +248,20 @@ def _check_pair(lora_request, key, ab, model: ModelShapes, rank: int):
             f"B {tuple(b.shape)} do not fit the base model "
             f"(expected A {expected_a}, B {expected_b})",
         )
+    for kind, tensor in (("A", a), ("B", b)):
+        if not torch.isfinite(tensor).all():
+            raise AdapterError(
+                lora_request,
+                f"layer {layer} {name} lora_{kind} holds {_non_finite(tensor)}; "
+                "the weights must be finite",
+            )
     return a.float(), b.float()
+
+
+def _non_finite(tensor: torch.Tensor) -> str:
+    counts = {
+        "NaN": int(tensor.isnan().sum()),
+        "+Inf": int(tensor.isposinf().sum()),
+        "-Inf": int(tensor.isneginf().sum()),
+    }
+    return ", ".join(f"{n} {what}" for what, n in counts.items() if n)

@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 import torch
-from adapters import ALL_TARGETS, build_adapter, peft_greedy
+from adapters import ALL_TARGETS, build_adapter, peft_greedy, set_weight
 from safetensors.torch import save_file
 
 from lorapool import LLMEngine, SamplingParams
@@ -174,6 +174,24 @@ def test_layer_beyond_the_model(model, base, good, tmp_path):
         str(path / "adapter_model.safetensors"),
     )
     rejects(model, base, path, "names layer 9")
+
+
+@pytest.mark.parametrize(
+    "key, value, what",
+    [
+        ("layers.1.mlp.down_proj.lora_B", float("nan"), "1 NaN"),
+        ("layers.0.self_attn.q_proj.lora_A", float("inf"), r"1 \+Inf"),
+        ("layers.1.self_attn.v_proj.lora_B", float("-inf"), "1 -Inf"),
+    ],
+)
+def test_non_finite_weights(model, base, good, tmp_path, key, value, what):
+    path = copy(good, tmp_path)
+    set_weight(path, key, value)
+    layer, name = key.split(".")[1], key.split(".")[-2]
+    kind = key.split(".")[-1]
+    rejects(
+        model, base, path, f"layer {layer} {name} {kind} holds {what}; the weights must be finite"
+    )
 
 
 def test_same_id_different_path(model, base, good, tmp_path):

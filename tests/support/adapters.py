@@ -5,6 +5,7 @@ from pathlib import Path
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 _MODELS: dict[str, dict] = {}  # base path -> {"model": PeftModel, "loaded": {dir: name}}
@@ -43,6 +44,16 @@ def build_adapter(
     out_dir = Path(out_dir)
     model.save_pretrained(out_dir, safe_serialization=True)
     return out_dir
+
+
+def set_weight(adapter_dir, key: str, value: float, index=(0, 0)) -> str:
+    """Write ``value`` into one element of the first weight whose name holds ``key``."""
+    file = str(Path(adapter_dir) / "adapter_model.safetensors")
+    weights = load_file(file)
+    name = next(n for n in sorted(weights) if key in n)
+    weights[name][index] = value
+    save_file(weights, file)
+    return name
 
 
 @torch.inference_mode()
