@@ -34,7 +34,7 @@ from lorapool import signing
 from lorapool.audit_db import store
 from lorapool.audit_db.database import is_current, migrate
 from lorapool.audit_db.record import RecordError, parse_record
-from lorapool.keys import AUDIT_GROUP, DEFAULT_PREFIX, Keys
+from lorapool.keys import AUDIT_GROUP, DEAD_MAX_LEN, DEFAULT_PREFIX, Keys
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +67,7 @@ class WriterConfig:
     backoff_initial_s: float = 0.1
     backoff_max_s: float = 10.0
     migrate: bool = False  # run the migrations on start instead of waiting for them
+    dead_max_len: int = DEAD_MAX_LEN  # {p}:dead keeps about this many entries
     # the audit key (default: from the environment); None only with insecure_no_key
     audit_key: bytes | None = field(default_factory=signing.key_from_env, repr=False)
     insecure_no_key: bool = field(default_factory=signing.insecure_from_env)
@@ -324,8 +325,12 @@ class AuditWriter:
     # --- Redis writes ----------------------------------------------------------
 
     def _ack(self, entry_ids: list) -> None:
+        """Ack and delete committed entries: the table keeps them, Redis need not."""
         if entry_ids:
-            self.redis.xack(self.keys.audit, AUDIT_GROUP, *entry_ids)
+            pipe = self.redis.pipeline(transaction=True)
+            pipe.xack(self.keys.audit, AUDIT_GROUP, *entry_ids)
+            pipe.xdel(self.keys.audit, *entry_ids)
+            pipe.execute()
 
     def _dead_letter(self, item: _Item, reason: str) -> None:
         log.error(
@@ -344,8 +349,9 @@ class AuditWriter:
 
         def move():
             pipe = self.redis.pipeline(transaction=True)
-            pipe.xadd(self.keys.dead, fields)
+            pipe.xadd(self.keys.dead, fields, maxlen=self.config.dead_max_len, approximate=True)
             pipe.xack(self.keys.audit, AUDIT_GROUP, item.entry_id)
+            pipe.xdel(self.keys.audit, item.entry_id)
             pipe.execute()
 
         self._retry("dead-letter an entry", move)

@@ -9,6 +9,9 @@ from dataclasses import dataclass
 DEFAULT_PREFIX = "lorapool"
 WORKERS_GROUP = "workers"
 AUDIT_GROUP = "audit"
+# {p}:dead keeps about this many entries (XADD MAXLEN ~): a dead-lettered request's
+# error record also reaches the audit table, so trimming loses only the raw payload.
+DEAD_MAX_LEN = 10_000
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,7 @@ class Job:
     lora_request: LoRARequest | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
     arrival_time: float = field(default_factory=time.time)
+    result_ttl_s: int | None = None  # None: the worker's --result-ttl
 
     @property
     def engine_prompt(self) -> str | dict[str, Any]:
@@ -61,6 +62,7 @@ class Job:
             "lora_request": None if self.lora_request is None else self.lora_request.to_dict(),
             "metadata": self.metadata,
             "arrival_time": self.arrival_time,
+            **({} if self.result_ttl_s is None else {"result_ttl_s": self.result_ttl_s}),
         }
 
 
@@ -91,9 +93,10 @@ DEFAULT_MAX_PROMPT_BYTES = 1 << 20
 DEFAULT_MAX_N = 128
 MAX_METADATA_BYTES = 64 << 10
 MAX_REQUEST_ID = 256
+MAX_RESULT_TTL_S = 366 * 24 * 3600
 _JOB_FIELDS = frozenset(
     ("v", "request_id", "prompt", "prompt_token_ids", "sampling_params")
-    + ("lora_request", "metadata", "arrival_time")
+    + ("lora_request", "metadata", "arrival_time", "result_ttl_s")
 )
 
 
@@ -160,11 +163,17 @@ def job_from_dict(data: Any, limits: JobLimits | None = None) -> Job:
             or (isinstance(arrival, float) and math.isfinite(arrival) and arrival >= 0),
             f"arrival_time must be a finite number >= 0 (seconds), got {short_repr(arrival)}",
         )
+        ttl = data.get("result_ttl_s")
+        _field(
+            ttl is None or (is_int(ttl) and 1 <= ttl <= MAX_RESULT_TTL_S),
+            f"result_ttl_s must be an integer in [1, {MAX_RESULT_TTL_S}] (seconds), "
+            f"got {short_repr(ttl)}",
+        )
     except TypeError as exc:  # a constructor given the wrong shape
         raise FieldError(f"{where}{exc}") from None
     except FieldError as exc:
         raise FieldError(f"{where}{exc}") from None
-    return Job(rid, prompt, ids, sampling, lora, metadata, float(arrival))
+    return Job(rid, prompt, ids, sampling, lora, metadata, float(arrival), ttl)
 
 
 _BAD_ID = frozenset("{}\x00")

@@ -89,9 +89,15 @@ class AsyncProducer:
         prefix: str = DEFAULT_PREFIX,
         max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES,
         max_n: int = DEFAULT_MAX_N,
+        result_ttl_s: int | None = None,
     ):
-        """Jobs over ``max_prompt_bytes`` or ``max_n`` are refused at submit (workers check too)."""
+        """Jobs over ``max_prompt_bytes`` or ``max_n`` are refused at submit (workers check too).
+
+        ``result_ttl_s``: how long a finished job's outputs stay readable (as
+        RQ's ``result_ttl``); None leaves it to the workers' ``--result-ttl``.
+        """
         self.limits = JobLimits(max_prompt_bytes, max_n)
+        self.result_ttl_s = result_ttl_s
         if isinstance(connection, str):
             connection = aioredis.Redis.from_url(connection)
         self.redis = connection
@@ -129,7 +135,7 @@ class AsyncProducer:
         count = len(prompts)
         loras = [await self.resolve(x) for x in per_prompt(lora_request, count, "adapters")]
         jobs = [
-            build_job(p, sp, lora, rid, metadata, self.limits)
+            build_job(p, sp, lora, rid, metadata, self.limits, self.result_ttl_s)
             for p, sp, lora, rid in zip(
                 prompts, per_prompt(params, count, "params"), loras, request_ids or [None] * count
             )

@@ -117,9 +117,15 @@ class Producer:
         prefix: str = DEFAULT_PREFIX,
         max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES,
         max_n: int = DEFAULT_MAX_N,
+        result_ttl_s: int | None = None,
     ):
-        """Jobs over ``max_prompt_bytes`` or ``max_n`` are refused at submit (workers check too)."""
+        """Jobs over ``max_prompt_bytes`` or ``max_n`` are refused at submit (workers check too).
+
+        ``result_ttl_s``: how long a finished job's outputs stay readable (as
+        RQ's ``result_ttl``); None leaves it to the workers' ``--result-ttl``.
+        """
         self.limits = JobLimits(max_prompt_bytes, max_n)
+        self.result_ttl_s = result_ttl_s
         self.redis = connect(connection)
         self.keys = Keys(prefix)
         self.registry = AdapterRegistry(self.redis, self.keys)
@@ -152,7 +158,7 @@ class Producer:
         count = len(prompts)
         loras = [self.registry.resolve(x) for x in per_prompt(lora_request, count, "adapters")]
         jobs = [
-            build_job(p, sp, lora, rid, metadata, self.limits)
+            build_job(p, sp, lora, rid, metadata, self.limits, self.result_ttl_s)
             for p, sp, lora, rid in zip(
                 prompts, per_prompt(params, count, "params"), loras, request_ids or [None] * count
             )

@@ -35,6 +35,7 @@ def build_job(
     request_id: str | None,
     metadata: dict | None,
     limits: JobLimits | None = None,
+    result_ttl_s: int | None = None,
 ) -> Job:
     """A validated Job, by the workers' own check (``job_from_dict``).
 
@@ -57,6 +58,7 @@ def build_job(
         "lora_request": None if lora is None else lora.to_dict(),
         "metadata": metadata,
         "arrival_time": time.time(),
+        "result_ttl_s": result_ttl_s,
     }
     return job_from_dict(data, limits)
 

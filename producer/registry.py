@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -17,10 +19,39 @@ import orjson
 import redis
 
 from lorapool.keys import Keys
-from lorapool.protocol import LoRARequest
+from lorapool.protocol import INT32_MAX, LoRARequest, is_int, short_repr
 
 WEIGHTS_FILE = "adapter_model.safetensors"
 CONFIG_FILE = "adapter_config.json"
+NAME_PATTERN = re.compile(r"[A-Za-z0-9._-]{1,128}")
+ROOTS_ENV = "LORAPOOL_ADAPTER_ROOTS"  # directories, separated by os.pathsep
+
+
+def roots_from_env() -> list[str]:
+    return [r for r in os.environ.get(ROOTS_ENV, "").split(os.pathsep) if r]
+
+
+def check_name(name: Any) -> str:
+    """An adapter name: 1 to 128 of ``A-Z a-z 0-9 . _ -``; ValueError otherwise."""
+    if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
+        raise ValueError(
+            f"adapter name {short_repr(name)} is not 1 to 128 characters of "
+            "letters, digits, '.', '_' and '-'"
+        )
+    return name
+
+
+def check_inside_roots(path: str | Path, roots: list[str]) -> Path:
+    """The real path of ``path`` (symlinks and '..' resolved), refused outside ``roots``."""
+    real = Path(path).expanduser().resolve()
+    if roots:
+        resolved = [Path(r).expanduser().resolve() for r in roots]
+        if not any(real == root or root in real.parents for root in resolved):
+            raise ValueError(
+                f"adapter path {path} (really {real}) is outside the adapter roots "
+                f"{', '.join(map(str, resolved))}"
+            )
+    return real
 
 
 def describe_adapter(path: str | Path) -> dict[str, Any]:
@@ -82,9 +113,12 @@ def decode_record(raw: bytes | str | None) -> dict[str, Any] | None:
 class AdapterRegistry:
     """Adapters known to the pool (synchronous; the async producer reads the same keys)."""
 
-    def __init__(self, connection: redis.Redis, keys: Keys):
+    def __init__(self, connection: redis.Redis, keys: Keys, roots: list[str] | None = None):
+        """``roots``: register only adapters inside these directories (default:
+        ``$LORAPOOL_ADAPTER_ROOTS``; none given, any directory)."""
         self.redis = connection
         self.keys = keys
+        self.roots = roots_from_env() if roots is None else list(roots)
 
     def get(self, name: str) -> dict[str, Any] | None:
         return decode_record(self.redis.hget(self.keys.adapters, name))
@@ -110,11 +144,14 @@ class AdapterRegistry:
         """Register an adapter; idempotent for the same name, id, path and weights.
 
         Refuses (ValueError) a name registered with other weights, path or id,
-        and an id that another adapter holds.
+        an id that another adapter holds, a name outside ``[A-Za-z0-9._-]{1,128}``
+        and a path (after symlinks) outside the registry's roots.
         """
+        check_name(name)
+        path = check_inside_roots(path, self.roots)
         info = info if info is not None else describe_adapter(path)
-        if adapter_id is not None and adapter_id < 1:
-            raise ValueError(f"adapter id must be >= 1, got {adapter_id}")
+        if adapter_id is not None and not (is_int(adapter_id) and 1 <= adapter_id <= INT32_MAX):
+            raise ValueError(f"adapter id must be an integer in [1, {INT32_MAX}], got {adapter_id}")
         with self.redis.pipeline() as pipe:
             while True:
                 try:

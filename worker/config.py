@@ -8,7 +8,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from lorapool import signing
-from lorapool.keys import DEFAULT_PREFIX
+from lorapool.keys import DEAD_MAX_LEN, DEFAULT_PREFIX
 from lorapool.wire import DEFAULT_MAX_N, DEFAULT_MAX_PROMPT_BYTES, JobLimits
 
 
@@ -27,7 +27,9 @@ class WorkerConfig:
     block_ms: int = 100  # XREADGROUP BLOCK when the engine is idle
     burst: bool = False  # return once the queue and the engine are empty
     drain_timeout_s: float = 30.0  # first SIGTERM: finish in-flight work up to this long
-    result_ttl_s: int = 24 * 3600  # chunk logs and job markers expire this long after the end
+    # chunk logs and job markers expire this long after the end (a job may set its own)
+    result_ttl_s: int = 24 * 3600
+    dead_max_len: int = DEAD_MAX_LEN  # {p}:dead keeps about this many entries
     heartbeat_s: float = 1.0
     max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES  # larger prompts are refused
     max_n: int = DEFAULT_MAX_N  # completions per request
@@ -40,8 +42,8 @@ class WorkerConfig:
             raise ValueError(f"lease_s must be > 0, got {self.lease_s}")
         if self.max_deliveries < 1:
             raise ValueError(f"max_deliveries must be >= 1, got {self.max_deliveries}")
-        if self.block_ms < 1 or self.result_ttl_s < 1:
-            raise ValueError("block_ms and result_ttl_s must be positive")
+        if self.block_ms < 1 or self.result_ttl_s < 1 or self.dead_max_len < 1:
+            raise ValueError("block_ms, result_ttl_s and dead_max_len must be positive")
         self.limits  # noqa: B018 - JobLimits checks max_prompt_bytes and max_n
 
     @property

@@ -10,7 +10,7 @@ out of order.
 
 # KEYS: requests, out, abort, job, audit, dead
 # ARGV: group, entry, consumer, seq (-1: no chunk), chunk, final (0/1), audit ('' none),
-#       ttl, dead ('' none), reason
+#       ttl, dead ('' none), reason, dead stream's MAXLEN (approximate)
 # Returns -1 (not the owner), -2 (seq already in the log), else 1 if abort is asked, 0.
 APPEND = """
 local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 1)
@@ -27,8 +27,8 @@ if ARGV[6] == '1' then
   redis.call('XDEL', KEYS[1], ARGV[2])
   if ARGV[7] ~= '' then redis.call('XADD', KEYS[5], '*', 'data', ARGV[7]) end
   if ARGV[9] ~= '' then
-    redis.call('XADD', KEYS[6], '*', 'data', ARGV[9], 'reason', ARGV[10],
-               'entry', ARGV[2], 'worker', ARGV[3])
+    redis.call('XADD', KEYS[6], 'MAXLEN', '~', ARGV[11], '*', 'data', ARGV[9],
+               'reason', ARGV[10], 'entry', ARGV[2], 'worker', ARGV[3])
   end
   if seq >= 0 then
     redis.call('EXPIRE', KEYS[2], ARGV[8])

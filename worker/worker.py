@@ -256,9 +256,10 @@ class Worker:
                 encode_chunk(chunk),
                 int(chunk.finished),
                 audit,
-                self.config.result_ttl_s,
+                held.job.result_ttl_s or self.config.result_ttl_s,
                 dead or b"",
                 reason,
+                self.config.dead_max_len,
             ],
             client=pipe,
         )
@@ -352,6 +353,7 @@ class Worker:
                 self.config.result_ttl_s,
                 failover.dead_payload(payload, audited=False),
                 reason,
+                self.config.dead_max_len,
             ],
         )
 

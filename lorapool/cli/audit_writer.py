@@ -8,6 +8,7 @@ import signal
 import click
 
 from lorapool.cli.audit import audit_key, db_options, insecure_option
+from lorapool.keys import DEAD_MAX_LEN
 
 
 def _install_signals(writer) -> None:
@@ -34,6 +35,13 @@ def _install_signals(writer) -> None:
     show_default=True,
     help="Claim other consumers' entries pending this long.",
 )
+@click.option(
+    "--dead-max-len",
+    type=click.IntRange(min=1),
+    default=DEAD_MAX_LEN,
+    show_default=True,
+    help="Entries {prefix}:dead keeps (approximately).",
+)
 @click.option("--migrate", "run_migrate", is_flag=True, help="Migrate the tables first.")
 @click.option("--burst", is_flag=True, help="Exit once the stream is drained.")
 @insecure_option
@@ -46,6 +54,7 @@ def audit_writer(
     consumer,
     batch_size,
     claim_idle_ms,
+    dead_max_len,
     run_migrate,
     burst,
     insecure,
@@ -69,6 +78,7 @@ def audit_writer(
         insecure_no_key=insecure,
         batch_size=batch_size,
         claim_idle_ms=claim_idle_ms,
+        dead_max_len=dead_max_len,
         migrate=run_migrate,
         **({"consumer": consumer} if consumer else {}),
     )

@@ -9,7 +9,8 @@ import sys
 
 import click
 
-from lorapool.keys import DEFAULT_PREFIX
+from lorapool.keys import DEAD_MAX_LEN, DEFAULT_PREFIX
+from lorapool.wire import DEFAULT_MAX_N, DEFAULT_MAX_PROMPT_BYTES
 
 redis_option = click.option(
     "--redis-url",
@@ -38,6 +39,52 @@ def _producer(redis_url, prefix):
 @click.option("--enable-lora", is_flag=True)
 @click.option("--max-loras", default=1, show_default=True)
 @click.option("--max-lora-rank", default=16, show_default=True)
+@click.option(
+    "--max-cpu-loras", type=int, default=None, help="adapters kept in memory [default: max-loras]"
+)
+@click.option(
+    "--adapter-root",
+    "adapter_roots",
+    multiple=True,
+    type=click.Path(exists=True, file_okay=False),
+    help="load adapters only from inside this directory (repeatable)",
+)
+@click.option(
+    "--kv-cache-memory",
+    type=int,
+    default=None,
+    help="bytes for the KV cache [default: 1 GiB on CPU, a share of free memory on GPU]",
+)
+@click.option("--enable-prefix-caching", is_flag=True)
+@click.option(
+    "--max-n",
+    default=DEFAULT_MAX_N,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="most completions per request",
+)
+@click.option(
+    "--max-prompt-bytes",
+    default=DEFAULT_MAX_PROMPT_BYTES,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="larger prompts are refused",
+)
+@click.option(
+    "--result-ttl",
+    "result_ttl_s",
+    default=24 * 3600,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="seconds a finished job's outputs stay in Redis (a job may set its own)",
+)
+@click.option(
+    "--dead-max-len",
+    default=DEAD_MAX_LEN,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="entries {prefix}:dead keeps (approximately)",
+)
 @click.option("--name", default=None, help="worker name (default: host-pid-random)")
 @click.option("--lease", "lease_s", default=10.0, show_default=True, help="lease seconds")
 @click.option("--max-deliveries", default=3, show_default=True)
@@ -61,6 +108,14 @@ def worker(
     enable_lora,
     max_loras,
     max_lora_rank,
+    max_cpu_loras,
+    adapter_roots,
+    kv_cache_memory,
+    enable_prefix_caching,
+    max_n,
+    max_prompt_bytes,
+    result_ttl_s,
+    dead_max_len,
     name,
     lease_s,
     max_deliveries,
@@ -91,6 +146,10 @@ def worker(
         enable_lora=enable_lora,
         max_loras=max_loras,
         max_lora_rank=max_lora_rank,
+        max_cpu_loras=max_cpu_loras,
+        adapter_roots=list(adapter_roots),
+        kv_cache_memory=kv_cache_memory,
+        enable_prefix_caching=enable_prefix_caching,
     )
     config = WorkerConfig(
         prefix=prefix,
@@ -99,6 +158,10 @@ def worker(
         max_deliveries=max_deliveries,
         drain_timeout_s=drain_timeout,
         burst=burst,
+        max_n=max_n,
+        max_prompt_bytes=max_prompt_bytes,
+        result_ttl_s=result_ttl_s,
+        dead_max_len=dead_max_len,
         **key_options,
     )
     serve(args, config, connect(redis_url))
@@ -185,12 +248,22 @@ def adapters():
 @click.argument("name")
 @click.argument("path", type=click.Path(exists=True, file_okay=False))
 @click.option("--id", "adapter_id", type=int, default=None, help="int id (default: next free)")
+@click.option(
+    "--adapter-root",
+    "adapter_roots",
+    multiple=True,
+    help="refuse PATH outside this directory (repeatable; default: $LORAPOOL_ADAPTER_ROOTS)",
+)
 @redis_option
 @prefix_option
-def adapters_add(name, path, adapter_id, redis_url, prefix):
+def adapters_add(name, path, adapter_id, adapter_roots, redis_url, prefix):
     """Register adapter NAME from the folder PATH (sha256 of its safetensors weights)."""
+    from lorapool.producer.registry import AdapterRegistry
+
     try:
-        record = _producer(redis_url, prefix).registry.add(name, path, adapter_id)
+        producer = _producer(redis_url, prefix)
+        registry = AdapterRegistry(producer.redis, producer.keys, list(adapter_roots) or None)
+        record = registry.add(name, path, adapter_id)
     except ValueError as exc:
         raise click.ClickException(str(exc)) from None
     click.echo(
