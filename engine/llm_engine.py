@@ -183,6 +183,14 @@ class LLMEngine:
         """Load and validate an adapter ahead of its requests; raises AdapterError."""
         return self._loras().add_lora(lora_request)
 
+    def expect_lora_weights(self, lora_request: LoRARequest, sha256: str) -> None:
+        """Load ``lora_request`` only if its weights have this sha256 (e.g. the registry's).
+
+        A load that finds other weights fails that adapter's requests with an
+        AdapterError saying the weights changed since registration.
+        """
+        self._loras().expect(lora_request, sha256)
+
     def remove_lora(self, lora_id: int) -> bool:
         self.block_manager.forget_adapter(lora_id)  # the id may come back with other weights
         return self._loras().remove_lora(lora_id)

@@ -4,8 +4,6 @@ Only safetensors are read; pickle checkpoints (``*.bin``, ``*.pt``) are
 refused, never unpickled.
 """
 
-import hashlib
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,10 +12,9 @@ from safetensors import safe_open
 from transformers import AutoConfig, PretrainedConfig
 
 from lorapool.engine.models import get_model_class
+from lorapool.identity import safetensors_files, weights_sha256
 
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
-PICKLE_PATTERNS = ("*.bin", "*.pt", "*.pth", "*.ckpt")
+__all__ = ["iter_weights", "load_model", "safetensors_files", "weights_sha256"]
 
 
 def load_model(
@@ -37,35 +34,9 @@ def load_model(
     return model.eval(), config
 
 
-def safetensors_files(path: str | Path) -> list[Path]:
-    """The checkpoint's safetensors files, sorted by name."""
-    path = Path(path)
-    if (path / INDEX_FILE).is_file():
-        weight_map = json.loads((path / INDEX_FILE).read_text())["weight_map"]
-        return [path / name for name in sorted(set(weight_map.values()))]
-    if (path / SINGLE_FILE).is_file():
-        return [path / SINGLE_FILE]
-    if any(next(path.glob(pattern), None) for pattern in PICKLE_PATTERNS):
-        raise ValueError(
-            f"{path} holds only pickle checkpoints (*.bin/*.pt), which are never "
-            "loaded; convert the weights to safetensors"
-        )
-    raise FileNotFoundError(f"no {SINGLE_FILE} or {INDEX_FILE} in {path}")
-
-
 def iter_weights(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) for every tensor in the files, read on the CPU one at a time."""
     for file in files:
         with safe_open(file, framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a Mapping
                 yield name, f.get_tensor(name)
-
-
-def weights_sha256(path: str | Path) -> str:
-    """Hex sha256 over the bytes of the safetensors files, taken in sorted name order."""
-    digest = hashlib.sha256()
-    for file in safetensors_files(path):
-        with open(file, "rb") as f:
-            while chunk := f.read(1 << 20):
-                digest.update(chunk)
-    return digest.hexdigest()

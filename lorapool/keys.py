@@ -48,6 +48,11 @@ class Keys:
         return f"{self.prefix}:adapter-ids"
 
     @property
+    def model(self) -> str:
+        """The pool's base model: {"name", "sha256"} of the first worker (SET NX)."""
+        return f"{self.prefix}:model"
+
+    @property
     def workers(self) -> str:
         """Hash: worker id -> heartbeat record."""
         return f"{self.prefix}:workers"

@@ -8,7 +8,6 @@ over the bytes of ``adapter_model.safetensors`` and the rest is read from
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -18,10 +17,11 @@ from typing import Any
 import orjson
 import redis
 
+from lorapool.identity import ADAPTER_WEIGHTS, adapter_sha256
 from lorapool.keys import Keys
 from lorapool.protocol import INT32_MAX, LoRARequest, is_int, short_repr
 
-WEIGHTS_FILE = "adapter_model.safetensors"
+WEIGHTS_FILE = ADAPTER_WEIGHTS
 CONFIG_FILE = "adapter_config.json"
 NAME_PATTERN = re.compile(r"[A-Za-z0-9._-]{1,128}")
 ROOTS_ENV = "LORAPOOL_ADAPTER_ROOTS"  # directories, separated by os.pathsep
@@ -60,17 +60,13 @@ def describe_adapter(path: str | Path) -> dict[str, Any]:
     weights = path / WEIGHTS_FILE
     if not weights.is_file():
         raise ValueError(f"adapter folder {path} has no {WEIGHTS_FILE}")
-    digest = hashlib.sha256()
-    with weights.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
     config = {}
     if (path / CONFIG_FILE).is_file():
         config = json.loads((path / CONFIG_FILE).read_text())
     targets = config.get("target_modules") or []
     return {
         "path": str(path.resolve()),
-        "sha256": digest.hexdigest(),
+        "sha256": adapter_sha256(path),
         "rank": int(config.get("r", 0)),
         "alpha": float(config.get("lora_alpha", 0)),
         "target_modules": sorted(targets) if isinstance(targets, list) else [targets],

@@ -5,6 +5,6 @@ and the producer's registry helpers; never SQLAlchemy sessions or the CLI.
 """
 
 from lorapool.worker.config import WorkerConfig
-from lorapool.worker.worker import Worker
+from lorapool.worker.worker import ModelMismatchError, Worker
 
-__all__ = ["Worker", "WorkerConfig"]
+__all__ = ["ModelMismatchError", "Worker", "WorkerConfig"]

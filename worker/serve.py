@@ -2,25 +2,19 @@
 
 from __future__ import annotations
 
-import hashlib
 import logging
-from pathlib import Path
 
 import redis
 
+from lorapool.identity import model_identity
+from lorapool.keys import Keys
 from lorapool.worker.config import WorkerConfig
-from lorapool.worker.worker import Worker
+from lorapool.worker.worker import Worker, claim_model
 
 
 def base_model_info(model: str) -> dict[str, str]:
-    """{"name", "sha256"}: the sha256 over the model's safetensors files, in name order."""
-    path = Path(model)
-    digest = hashlib.sha256()
-    for weights in sorted(path.glob("*.safetensors")):
-        with weights.open("rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                digest.update(block)
-    return {"name": path.name or str(path), "sha256": digest.hexdigest()}
+    """{"name", "sha256"} of the model directory (``lorapool.identity.model_identity``)."""
+    return model_identity(model)
 
 
 def serve(engine_args, config: WorkerConfig, connection: redis.Redis) -> Worker:
@@ -28,7 +22,9 @@ def serve(engine_args, config: WorkerConfig, connection: redis.Redis) -> Worker:
     from lorapool.engine.llm_engine import LLMEngine
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    base_model = base_model_info(engine_args.model)
+    claim_model(connection, Keys(config.prefix), base_model)  # before loading anything
     engine = LLMEngine.from_engine_args(engine_args)
-    worker = Worker(engine, connection, config, base_model_info(engine_args.model))
+    worker = Worker(engine, connection, config, base_model)
     worker.run()
     return worker

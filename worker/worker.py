@@ -57,6 +57,30 @@ NOT_OWNER, DUPLICATE = -1, -2
 REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)
 
 
+class ModelMismatchError(RuntimeError):
+    """A worker's base model differs from the one its pool serves."""
+
+
+def claim_model(connection: redis.Redis, keys: Keys, base_model: dict[str, str]) -> None:
+    """Claim the pool for this base model, or refuse (ModelMismatchError) another one.
+
+    The first worker of a pool records its model (``{p}:model``, SET NX); a
+    worker whose weights differ would answer the pool's requests with another
+    model, so it refuses to start, naming both.
+    """
+    mine = orjson.dumps(base_model)
+    connection.set(keys.model, mine, nx=True)
+    pool = orjson.loads(connection.get(keys.model) or mine)
+    if pool.get("sha256") != base_model["sha256"]:
+        raise ModelMismatchError(
+            f"pool {keys.prefix!r} serves base model {pool.get('name')!r} "
+            f"(sha256 {str(pool.get('sha256'))[:12]}…) and this worker has "
+            f"{base_model['name']!r} (sha256 {base_model['sha256'][:12]}…): start it "
+            f"on another --prefix, or delete {keys.model} once no worker of the old "
+            "model runs"
+        )
+
+
 def _reason(exc: BaseException) -> str:
     """An exception as a dead letter's reason: its type unless it is a plain ValueError."""
     text = str(exc) or type(exc).__name__
@@ -94,6 +118,7 @@ class Worker:
 
     def run(self) -> None:
         """Serve until stopped (burst: until the queue and the engine are empty)."""
+        self.check_model()
         self._ensure_group()
         self._install_signals()
         logger.info("worker %s: serving %s", self.name, self.keys.requests)
@@ -124,6 +149,10 @@ class Worker:
         except redis.ResponseError as exc:
             if "BUSYGROUP" not in str(exc):
                 raise
+
+    def check_model(self) -> None:
+        """Refuse to serve a pool of another base model (see ``claim_model``)."""
+        claim_model(self.redis, self.keys, self.base_model)
 
     def _queue_empty(self) -> bool:
         pending = self.redis.xpending(self.keys.requests, WORKERS_GROUP)
@@ -182,6 +211,7 @@ class Worker:
             record = decode_record(self.redis.hget(self.keys.adapters, job.lora_request.name))
             check_lora(job.lora_request, record)
             held.adapter = record
+            self.engine.expect_lora_weights(job.lora_request, record["sha256"])
         if held.total and job.sampling_params.n > 1:
             raise ValueError(
                 f"request {job.request_id}: cannot resume a request with n > 1 "

@@ -8,7 +8,6 @@ the adapter and the reason.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import re
@@ -18,10 +17,11 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from lorapool.identity import ADAPTER_WEIGHTS, adapter_sha256
 from lorapool.protocol import LoRARequest
 
 CONFIG_FILE = "adapter_config.json"
-WEIGHTS_FILE = "adapter_model.safetensors"
+WEIGHTS_FILE = ADAPTER_WEIGHTS
 PICKLE_FILES = ("adapter_model.bin", "adapter_model.pt", "adapter_model.pth")
 
 # PEFT module name -> (our module, slice index in the packed projection)
@@ -110,7 +110,7 @@ def load_adapter(
     config = _read_config(lora_request, path)
     rank = _check_config(lora_request, config, max_rank)
     weights_file = path / WEIGHTS_FILE
-    sha256 = file_sha256(weights_file)
+    sha256 = adapter_sha256(path)
     weights = _read_weights(lora_request, weights_file)
     pairs = _pair_weights(lora_request, weights, model, rank)
     return LoRAAdapter(
@@ -148,14 +148,6 @@ def resolve_path(lora_request: LoRARequest, adapter_roots: list[str]) -> Path:
             )
         raise AdapterError(lora_request, f"missing {WEIGHTS_FILE} in {path}")
     return path
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _read_config(lora_request: LoRARequest, path: Path) -> dict:

@@ -58,6 +58,7 @@ class LoRAManager:
         self.layers = _attach_layers(model, args, device, args.resolve_lora_dtype(dtype), self.step)
         self.cpu: OrderedDict[int, LoRAAdapter] = OrderedDict()
         self.registry: dict[int, tuple[str, str]] = {}  # id -> (resolved path, sha256)
+        self.expected: dict[int, str] = {}  # id -> sha256 its weights must have (the pool's)
         self.raw_paths: dict[int, str] = {}  # id -> the lora_path it was loaded from
         self.slots: list[int | None] = [None] * self.max_loras
         self.slot_lru: OrderedDict[int, None] = OrderedDict()  # ids in slots, oldest first
@@ -162,6 +163,14 @@ class LoRAManager:
 
     def _load(self, request: LoRARequest) -> LoRAAdapter:
         adapter = load_adapter(request, self.shapes, self.max_rank, self.adapter_roots)
+        expected = self.expected.get(request.lora_int_id)
+        if expected is not None and expected != adapter.sha256:
+            raise AdapterError(
+                request,
+                f"weights changed since registration (registered sha256 {expected[:12]}…, "
+                f"the file now has {adapter.sha256[:12]}…); register the new weights "
+                "under a new name",
+            )
         known = self.registry.get(request.lora_int_id)
         if known is not None and known[0] != adapter.path:
             raise AdapterError(
@@ -180,6 +189,21 @@ class LoRAManager:
         self.cpu[request.lora_int_id] = adapter
         self._trim_cpu()
         return adapter
+
+    def expect(self, request: LoRARequest, sha256: str) -> None:
+        """Refuse to load ``request``'s adapter unless its weights have this sha256.
+
+        Raises AdapterError at once when it is already loaded with other weights
+        (its id was registered again with new ones: ``remove_lora`` it first).
+        """
+        loaded = self.registry.get(request.lora_int_id)
+        if loaded is not None and loaded[1] != sha256:
+            raise AdapterError(
+                request,
+                f"adapter id {request.lora_int_id} is loaded with other weights (sha256 "
+                f"{loaded[1][:12]}…) than the registered {sha256[:12]}…",
+            )
+        self.expected[request.lora_int_id] = sha256
 
     def _check_same_path(self, request: LoRARequest) -> None:
         known = self.registry[request.lora_int_id][0]

@@ -164,7 +164,12 @@ def worker(
         dead_max_len=dead_max_len,
         **key_options,
     )
-    serve(args, config, connect(redis_url))
+    from lorapool.worker.worker import ModelMismatchError
+
+    try:
+        serve(args, config, connect(redis_url))
+    except ModelMismatchError as exc:
+        raise click.ClickException(str(exc)) from None
 
 
 def _audit_key(insecure: bool) -> dict:

@@ -1,0 +1,125 @@
+"""Identity (issue 14 point 6): one base model per pool, adapter weights as registered.
+
+The oracle for the hashes is hashlib over the files' bytes; the refusals are
+checked on real Redis, with a worker process for the second base model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import orjson
+import pytest
+
+from lorapool.audit_db.record import record_from_dict
+from lorapool.identity import adapter_sha256, model_identity, weights_sha256
+from lorapool.producer import Producer
+from lorapool.producer.registry import describe_adapter
+from lorapool.protocol import SamplingParams
+from lorapool.worker import ModelMismatchError, Worker, WorkerConfig
+
+pytestmark = pytest.mark.integration
+GREEDY = SamplingParams(temperature=0.0, max_tokens=4)
+
+
+def _sha(*files) -> str:
+    digest = hashlib.sha256()
+    for file in files:
+        digest.update(Path(file).read_bytes())
+    return digest.hexdigest()
+
+
+@pytest.fixture(scope="module")
+def other_model(tiny_model_path):
+    """Same shape as ``model``, other weights."""
+    return str(tiny_model_path("llama", seed=7))
+
+
+@pytest.fixture(scope="module")
+def lora_engine(model):
+    from lorapool.engine.config import EngineArgs
+    from lorapool.engine.llm_engine import LLMEngine
+
+    args = EngineArgs(model=model, max_num_seqs=8, enable_lora=True, max_loras=2, max_lora_rank=8)
+    return LLMEngine.from_engine_args(args)
+
+
+def test_one_identity_everywhere(model, tiny_model_path, tmp_path, lora_engine, conn, prefix):
+    """Registry, engine, worker and audit record name the same sha256: the files' bytes."""
+    from adapters import build_adapter
+
+    from lorapool.engine.lora.adapter import load_adapter
+
+    sharded = tiny_model_path("llama", shard=True)
+    files = sorted(sharded.glob("*.safetensors"))
+    assert len(files) > 1 and weights_sha256(sharded) == _sha(*files)
+    assert model_identity(model)["sha256"] == _sha(f"{model}/model.safetensors")
+    adapter = build_adapter(model, tmp_path / "ad", rank=4)
+    expected = _sha(adapter / "adapter_model.safetensors")
+    producer = Producer(conn, prefix=prefix)
+    record = producer.registry.add("ad", adapter)
+    assert record["sha256"] == describe_adapter(adapter)["sha256"] == expected
+    assert adapter_sha256(adapter) == expected
+    loaded = load_adapter(producer.registry.resolve("ad"), lora_engine.lora_manager.shapes, 8)
+    assert loaded.sha256 == expected
+    handle = producer.submit("hello", GREEDY, lora_request="ad")
+    Worker(lora_engine, conn, WorkerConfig(prefix=prefix, burst=True), model_identity(model)).run()
+    assert handle.result(timeout=5).outputs[0].finish_reason == "length"
+    ((_, fields),) = conn.xrange(producer.keys.audit)
+    audit = record_from_dict(orjson.loads(fields[b"data"]))
+    assert audit.adapter.sha256 == expected
+    assert audit.base_model.sha256 == model_identity(model)["sha256"]
+
+
+def test_second_base_model_refuses_to_start(
+    model, other_model, lora_engine, conn, prefix, redis_url, tmp_path
+):
+    first = WorkerConfig(prefix=prefix, burst=True)
+    Worker(lora_engine, conn, first, model_identity(model)).run()  # claims the pool
+    with pytest.raises(ModelMismatchError) as error:
+        Worker(lora_engine, conn, first, model_identity(other_model)).run()
+    message = str(error.value)
+    assert model_identity(model)["sha256"][:12] in message
+    assert model_identity(other_model)["sha256"][:12] in message
+    cmd = [sys.executable, "-c", "from lorapool.cli.main import main; main()", "worker"]
+    cmd += ["--model", other_model, "--prefix", prefix, "--redis-url", redis_url, "--burst"]
+    proc = subprocess.run(
+        cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120, env=os.environ
+    )
+    assert proc.returncode == 1
+    assert "serves base model" in proc.stderr and model_identity(other_model)["name"] in proc.stderr
+    assert conn.hlen(f"{prefix}:workers") == 0
+
+
+def test_weights_changed_after_registration_fail_their_requests(model, conn, prefix, tmp_path):
+    from adapters import build_adapter
+
+    from lorapool.engine.config import EngineArgs
+    from lorapool.engine.llm_engine import LLMEngine
+
+    producer = Producer(conn, prefix=prefix)
+    kept = producer.registry.add("kept", build_adapter(model, tmp_path / "kept", rank=4, seed=1))
+    swapped = build_adapter(model, tmp_path / "swapped", rank=4, seed=2)
+    producer.registry.add("swapped", swapped)
+    other = build_adapter(model, tmp_path / "other", rank=4, seed=3)
+    shutil.copy(other / "adapter_model.safetensors", swapped / "adapter_model.safetensors")
+    handles = {
+        "swapped": producer.submit("hello", GREEDY, lora_request="swapped"),
+        "kept": producer.submit("hello", GREEDY, lora_request="kept"),
+        "base": producer.submit("hello", GREEDY),
+    }
+    args = EngineArgs(model=model, max_num_seqs=8, enable_lora=True, max_loras=2, max_lora_rank=8)
+    engine = LLMEngine.from_engine_args(args)  # a fresh worker: nothing loaded yet
+    Worker(engine, conn, WorkerConfig(prefix=prefix, burst=True), model_identity(model)).run()
+    failed = handles["swapped"].result(timeout=5)
+    assert failed.outputs[0].finish_reason == "error"
+    assert "weights changed since registration" in failed.error and "'swapped'" in failed.error
+    for name in ("kept", "base"):
+        assert handles[name].result(timeout=5).outputs[0].finish_reason == "length"
+    assert kept["sha256"] != _sha(swapped / "adapter_model.safetensors")
+    assert conn.xpending(producer.keys.requests, "workers")["pending"] == 0
