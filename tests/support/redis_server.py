@@ -1,0 +1,78 @@
+"""A private redis-server for tests that stop, kill or measure it.
+
+Runs on a free port in a temporary directory, with AOF (``appendfsync
+always``) so that a restart after SIGKILL keeps every acknowledged write.
+``pause``/``resume`` send SIGSTOP/SIGCONT (a stalled server), ``kill`` sends
+SIGKILL and ``start`` brings it back on the same port and directory.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import redis
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class RedisServer:
+    def __init__(self, directory: Path, port: int | None = None):
+        self.binary = shutil.which("redis-server")
+        if self.binary is None:
+            raise RuntimeError("redis-server is not on PATH")
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.port = port or free_port()
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, timeout: float = 10.0) -> RedisServer:
+        cmd = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1"]
+        cmd += ["--dir", str(self.directory), "--save", "", "--appendonly", "yes"]
+        cmd += ["--appendfsync", "always", "--logfile", "redis.log"]
+        self.process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = redis.Redis(port=self.port, socket_timeout=1)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                if client.ping():
+                    break
+            except (redis.ConnectionError, redis.BusyLoadingError):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"redis-server on {self.port} did not start") from None
+                time.sleep(0.05)
+        client.close()
+        return self
+
+    def pause(self) -> None:
+        os.kill(self.process.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        os.kill(self.process.pid, signal.SIGCONT)
+
+    def kill(self) -> None:
+        """SIGKILL: no shutdown, no final save (the AOF holds what was acknowledged)."""
+        self.process.kill()
+        self.process.wait(10)
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.resume()
+            self.process.terminate()
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.kill()
