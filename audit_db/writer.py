@@ -290,6 +290,15 @@ class AuditWriter:
                 result = fn(*args)
             except REJECTED:
                 raise
+            except redis.ResponseError as exc:
+                if "NOGROUP" not in str(exc):
+                    raise
+                log.warning(  # Redis came back without its data: start the group again
+                    "audit writer %s: the consumer group is gone, creating it",
+                    self.config.consumer,
+                )
+                self._retry("create the consumer group", self.ensure_group)
+                continue
             except RETRYABLE + REDIS_ERRORS as exc:
                 attempts += 1
                 self._log_failure(what, attempts, delay, exc)

@@ -57,6 +57,10 @@ class Keys:
         """Hash: worker id -> heartbeat record."""
         return f"{self.prefix}:workers"
 
+    def alive(self, worker: str) -> str:
+        """A worker's liveness flag: expires a few heartbeats after its last one."""
+        return f"{self.prefix}:alive:{worker}"
+
     def job(self, request_id: str) -> str:
         """Idempotency marker and status of one job."""
         return f"{self.prefix}:job:{{{request_id}}}"

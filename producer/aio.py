@@ -9,6 +9,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
+from lorapool.connection import connect_async
 from lorapool.keys import DEFAULT_PREFIX, Keys
 from lorapool.producer.client import ABORT_TTL_S, _block_ms, _deadline
 from lorapool.producer.job import SUBMIT_SCRIPT, OutputAssembler, build_job, per_prompt
@@ -99,7 +100,7 @@ class AsyncProducer:
         self.limits = JobLimits(max_prompt_bytes, max_n)
         self.result_ttl_s = result_ttl_s
         if isinstance(connection, str):
-            connection = aioredis.Redis.from_url(connection)
+            connection = connect_async(connection)
         self.redis = connection
         self.keys = Keys(prefix)
         self._submit = self.redis.register_script(SUBMIT_SCRIPT)

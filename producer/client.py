@@ -8,6 +8,7 @@ from typing import Any
 
 import redis
 
+from lorapool import connection
 from lorapool.keys import DEFAULT_PREFIX, Keys
 from lorapool.producer.job import SUBMIT_SCRIPT, OutputAssembler, build_job, per_prompt
 from lorapool.producer.registry import AdapterRegistry
@@ -26,14 +27,17 @@ _BLOCK_MS = 1000
 
 
 def connect(url_or_connection: str | redis.Redis | None) -> redis.Redis:
-    """A client for a URL, an existing client, or (None) ``$REDIS_URL`` / embedded Redis."""
+    """A client for a URL, an existing client, or (None) ``$REDIS_URL`` / embedded Redis.
+
+    A URL gets lorapool's retry and health-check options (``lorapool.connection``).
+    """
     if isinstance(url_or_connection, redis.Redis):
         return url_or_connection
     if url_or_connection is None:
         from lorapool.embedded import resolve_url
 
         url_or_connection = resolve_url()
-    return redis.Redis.from_url(url_or_connection)
+    return connection.connect(url_or_connection)
 
 
 def chunk_seq(entry_id: bytes | str) -> int:

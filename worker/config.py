@@ -31,6 +31,7 @@ class WorkerConfig:
     result_ttl_s: int = 24 * 3600
     dead_max_len: int = DEAD_MAX_LEN  # {p}:dead keeps about this many entries
     heartbeat_s: float = 1.0
+    alive_ttl_s: int = 5  # status drops a worker this long after its last heartbeat
     max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES  # larger prompts are refused
     max_n: int = DEFAULT_MAX_N  # completions per request
     # signs audit records (default: from the environment, see lorapool.signing)
@@ -40,6 +41,11 @@ class WorkerConfig:
     def __post_init__(self):
         if self.lease_s <= 0:
             raise ValueError(f"lease_s must be > 0, got {self.lease_s}")
+        if self.alive_ttl_s < 1 or self.alive_ttl_s <= self.heartbeat_s:
+            raise ValueError(
+                f"alive_ttl_s ({self.alive_ttl_s}) must be a whole number of seconds "
+                f"above heartbeat_s ({self.heartbeat_s})"
+            )
         if self.max_deliveries < 1:
             raise ValueError(f"max_deliveries must be >= 1, got {self.max_deliveries}")
         if self.block_ms < 1 or self.result_ttl_s < 1 or self.dead_max_len < 1:

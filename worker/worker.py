@@ -53,6 +53,7 @@ from lorapool.worker.scripts import APPEND, RENEW
 
 logger = logging.getLogger(__name__)
 NOT_OWNER, DUPLICATE = -1, -2
+BACKOFF_S = (0.1, 5.0)  # first and longest wait between tries while Redis is away
 # Redis away: the run loop rides these out; every other error fails one request.
 REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)
 
@@ -112,6 +113,9 @@ class Worker:
         self._renew = connection.register_script(RENEW)
         self._last = {"renew": 0.0, "claim": 0.0, "heartbeat": 0.0}
         self._drain_deadline: float | None = None
+        self._unsent: list[tuple[Held, Chunk, bytes]] = []  # chunks of the last step
+        self._away_since: float | None = None  # Redis unreachable since (monotonic)
+        self._backoff_s = BACKOFF_S[0]
         self._saved_signals: dict[int, Any] = {}
 
     # --- the loop --------------------------------------------------------------
@@ -119,17 +123,55 @@ class Worker:
     def run(self) -> None:
         """Serve until stopped (burst: until the queue and the engine are empty)."""
         self.check_model()
-        self._ensure_group()
+        self.ensure_group()
         self._install_signals()
         logger.info("worker %s: serving %s", self.name, self.keys.requests)
         try:
             while not self.stopped:
-                self.run_once()
+                self.run_guarded()
         finally:
             self.teardown()
 
+    def run_guarded(self) -> None:
+        """``run_once``, riding out Redis being away (a stall, a restart): never exits on it.
+
+        The iteration that failed is repeated once Redis answers: chunks not yet
+        appended are sent again before the engine steps on (see ``_send``); a
+        consumer group lost with a restart that kept no data is created again.
+        """
+        try:
+            self.run_once()
+        except REDIS_DOWN as exc:
+            self._redis_away(exc)
+            return
+        except redis.ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise
+            logger.warning("worker %s: the consumer group is gone, creating it", self.name)
+            self.ensure_group()
+            return
+        if self._away_since is not None:
+            logger.warning(
+                "worker %s: Redis is back after %.1fs",
+                self.name,
+                time.monotonic() - self._away_since,
+            )
+            self._away_since, self._backoff_s = None, BACKOFF_S[0]
+
+    def _redis_away(self, exc: Exception) -> None:
+        if self._away_since is None:
+            self._away_since = time.monotonic()
+            logger.warning("worker %s: Redis unreachable (%s), retrying", self.name, exc)
+        if self._drain_deadline is not None and time.monotonic() > self._drain_deadline:
+            logger.warning("worker %s: stopping while Redis is away", self.name)
+            self.stopped = True  # the entries it held return to others after the lease
+            return
+        time.sleep(self._backoff_s)
+        self._backoff_s = min(self._backoff_s * 2, BACKOFF_S[1])
+
     def run_once(self) -> None:
         """One iteration: upkeep, admission, one engine step, publishing."""
+        self._send()  # chunks of the last step that did not reach Redis
         self._upkeep()
         read = 0 if self.draining else self._admit()
         if self.engine.has_unfinished_requests():
@@ -143,7 +185,8 @@ class Worker:
             self.hand_back()
             self.stopped = True
 
-    def _ensure_group(self) -> None:
+    def ensure_group(self) -> None:
+        """Create the ``workers`` consumer group (and the stream) unless it exists."""
         try:
             self.redis.xgroup_create(self.keys.requests, WORKERS_GROUP, id="0", mkstream=True)
         except redis.ResponseError as exc:
@@ -247,27 +290,48 @@ class Worker:
     # --- publishing --------------------------------------------------------------
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
-        """One pipelined round trip: every advanced request's chunk, fenced."""
-        sent = []
+        """Every advanced request's chunk, built once, then sent (see ``_send``)."""
+        for out in outputs:
+            held = self.held.get(out.request_id)
+            if held is None:
+                continue  # lost to another worker, or already failed
+            chunk = make_chunk(held, out, self.name)
+            self._unsent.append((held, chunk, self._final_audit(held, chunk)))
+        self._send()
+
+    def _send(self) -> None:
+        """One pipelined round trip appending the unsent chunks, fenced.
+
+        If Redis goes away, they stay unsent and the next iteration sends the
+        same chunks again before the engine steps: a chunk whose first send did
+        land comes back DUPLICATE (or, finished, NOT_OWNER: already acked).
+        """
+        if not self._unsent:
+            return
         with self.redis.pipeline(transaction=False) as pipe:
-            for out in outputs:
-                held = self.held.get(out.request_id)
-                if held is None:
-                    continue  # lost to another worker, or already failed
-                chunk = make_chunk(held, out, self.name)
-                self._append_chunk(pipe, held, chunk)
-                sent.append((held, chunk))
-            results = pipe.execute() if sent else []
-        for (held, chunk), result in zip(sent, results):
+            for held, chunk, audit in self._unsent:
+                self._append_chunk(pipe, held, chunk, audit)
+            results = pipe.execute()
+        sent, self._unsent = self._unsent, []
+        for (held, chunk, _), result in zip(sent, results):
             self._after_append(held, chunk, result)
 
+    def _final_audit(self, held: Held, chunk: Chunk) -> bytes:
+        """The audit record of a final chunk (every finished request, failed ones too)."""
+        if not chunk.finished:
+            return b""
+        held.take(chunk)
+        return orjson.dumps(self._audit_record(held))
+
     def _append_chunk(
-        self, pipe, held: Held, chunk: Chunk, dead: bytes | None = None, reason: str = ""
+        self,
+        pipe,
+        held: Held,
+        chunk: Chunk,
+        audit: bytes,
+        dead: bytes | None = None,
+        reason: str = "",
     ) -> None:
-        audit = b""
-        if chunk.finished:  # every finished request, failed ones included, is audited
-            held.take(chunk)
-            audit = orjson.dumps(self._audit_record(held))
         rid = held.request_id
         self._append(
             keys=[
@@ -295,10 +359,14 @@ class Worker:
         )
 
     def _after_append(self, held: Held, chunk: Chunk, result: int) -> None:
+        """Account an append. While this worker owns the entry, nobody else appends to
+        its log, so DUPLICATE means this chunk already landed (a send repeated after a
+        broken connection, by redis-py or by ``_send``)."""
         rid = held.request_id
         self.num_tokens += chunk.num_tokens
-        if result in (NOT_OWNER, DUPLICATE):
-            logger.warning("worker %s: lost %s (%s), dropping it", self.name, rid, result)
+        if result == NOT_OWNER:
+            if not chunk.finished:
+                logger.warning("worker %s: lost %s to another worker, dropping it", self.name, rid)
             self._drop(rid)
         elif chunk.finished:
             self.held.pop(rid, None)
@@ -355,7 +423,8 @@ class Worker:
                 chunk = error_chunk(held, reason, self.name)
                 dead = failover.dead_payload(payload, audited=True)
                 with self.redis.pipeline(transaction=False) as pipe:
-                    self._append_chunk(pipe, held, chunk, dead=dead, reason=reason)
+                    audit = self._final_audit(held, chunk)
+                    self._append_chunk(pipe, held, chunk, audit, dead=dead, reason=reason)
                     pipe.execute()
                 return
         except REDIS_DOWN:
@@ -433,6 +502,8 @@ class Worker:
             failover.abort_flagged(self, held)
 
     def heartbeat(self) -> None:
+        """The worker's record for ``status``, and ``{p}:alive:{name}``, which expires
+        ``alive_ttl_s`` after the last heartbeat (a killed worker drops out of ``status``)."""
         now = time.time()
         elapsed = max(1e-6, now - self._last.get("tokens_at", now - 1))
         self._last["tokens_at"] = now
@@ -451,7 +522,10 @@ class Worker:
             "draining": self.draining,
         }
         self.num_tokens = 0
-        self.redis.hset(self.keys.workers, self.name, orjson.dumps(record))
+        with self.redis.pipeline(transaction=False) as pipe:
+            pipe.hset(self.keys.workers, self.name, orjson.dumps(record))
+            pipe.set(self.keys.alive(self.name), 1, ex=self.config.alive_ttl_s)
+            pipe.execute()
 
     # --- shutdown ----------------------------------------------------------------
 
@@ -481,8 +555,14 @@ class Worker:
         self.held.clear()
 
     def teardown(self) -> None:
-        if self.held:
-            self.hand_back()
-        self.redis.hdel(self.keys.workers, self.name)
         self._restore_signals()
+        try:
+            if self.held:
+                self.hand_back()
+            self.redis.hdel(self.keys.workers, self.name)
+            self.redis.delete(self.keys.alive(self.name))
+        except REDIS_DOWN as exc:  # its entries return to others after the lease
+            logger.warning(
+                "worker %s: stopped without saying so, Redis is away (%s)", self.name, exc
+            )
         logger.info("worker %s: stopped", self.name)

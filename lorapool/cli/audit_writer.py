@@ -8,6 +8,7 @@ import signal
 import click
 
 from lorapool.cli.audit import audit_key, db_options, insecure_option
+from lorapool.connection import connect
 from lorapool.keys import DEAD_MAX_LEN
 
 
@@ -61,8 +62,6 @@ def audit_writer(
     log_level,
 ):
     """Consume {prefix}:audit into the audit database (acks after commit)."""
-    import redis
-
     from lorapool.audit_db import AuditWriter, DatabaseConfig, WriterConfig, create_audit_engine
 
     logging.basicConfig(
@@ -82,7 +81,7 @@ def audit_writer(
         migrate=run_migrate,
         **({"consumer": consumer} if consumer else {}),
     )
-    writer = AuditWriter(redis.Redis.from_url(redis_url), engine, config)
+    writer = AuditWriter(connect(redis_url), engine, config)
     _install_signals(writer)
     stats = writer.run(burst=burst)
     click.echo(

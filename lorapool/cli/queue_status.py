@@ -15,8 +15,7 @@ def worker_table(producer) -> Table:
     for column in ("name", "device", "adapters", "running", "waiting", "tokens/s", "seen"):
         table.add_column(column)
     now = time.time()
-    for raw in producer.redis.hvals(producer.keys.workers):
-        w = orjson.loads(raw)
+    for w in live_workers(producer.redis, producer.keys):
         table.add_row(
             w["name"],
             w.get("device", "?"),
@@ -27,6 +26,20 @@ def worker_table(producer) -> Table:
             f"{now - w.get('updated', now):.1f}s ago",
         )
     return table
+
+
+def live_workers(r, keys) -> list[dict]:
+    """Heartbeat records of the workers whose ``{p}:alive:{name}`` has not expired.
+
+    Records of workers that stopped without saying so (killed) are removed.
+    """
+    records = {name.decode(): orjson.loads(raw) for name, raw in r.hgetall(keys.workers).items()}
+    names = sorted(records)
+    alive = r.mget([keys.alive(n) for n in names]) if names else []
+    dead = [n for n, flag in zip(names, alive) if flag is None]
+    if dead:
+        r.hdel(keys.workers, *dead)
+    return [records[n] for n, flag in zip(names, alive) if flag is not None]
 
 
 def queue_table(producer) -> Table:

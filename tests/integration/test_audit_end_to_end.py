@@ -65,7 +65,7 @@ def test_every_finished_request_has_its_rows(
         WorkerConfig(prefix=prefix, lease_s=2, burst=True),
         base_model_info(model),
     )
-    worker._ensure_group()
+    worker.ensure_group()
     for _ in range(3):
         worker.run_once()
     jobs["abort"].abort()

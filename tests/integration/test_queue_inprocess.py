@@ -75,7 +75,7 @@ def test_late_and_midway_streams(engine, conn, prefix, producer, model):
         "hello world", SamplingParams(temperature=0, max_tokens=10, output_kind="delta")
     )
     worker = Worker(engine, conn, WorkerConfig(prefix=prefix, lease_s=2), base_model_info(model))
-    worker._ensure_group()
+    worker.ensure_group()
     while len(conn.xrange(producer.keys.out(handle.request_id))) < 4:
         worker.run_once()
     seen = [o for _, o in zip(range(3), handle.stream(timeout=5))]
@@ -172,7 +172,7 @@ def test_abort(engine, conn, prefix, producer, model):
         "hello", SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
     )
     worker = Worker(engine, conn, WorkerConfig(prefix=prefix, lease_s=2), base_model_info(model))
-    worker._ensure_group()
+    worker.ensure_group()
     for _ in range(3):
         worker.run_once()
     handle.abort()

@@ -41,7 +41,7 @@ def fake_adapter(path, content=b"weights"):
 def worker_for(engine, conn, prefix, model, **kw):
     config = WorkerConfig(prefix=prefix, **{"lease_s": 2, "name": "w-ops", **kw})
     worker = Worker(engine, conn, config, base_model_info(model))
-    worker._ensure_group()
+    worker.ensure_group()
     return worker
 
 

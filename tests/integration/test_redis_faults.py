@@ -1,0 +1,174 @@
+"""Redis faults (issue 14 point 3): a 15 s stall, and SIGKILL + restart with AOF.
+
+Two worker processes and an audit writer process serve 30 jobs on a private
+redis-server; in the middle Redis is stopped (SIGSTOP for 15 s) or killed and
+restarted on its AOF. Nobody restarts anything by hand: every process must
+still be running afterwards, every job must end exactly once (one final
+chunk, a gap-free chunk log, one audit row per job) with the tokens of the
+same engine run in-process, and ``status`` must drop a killed worker within
+its heartbeat TTL.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import redis
+from redis_server import RedisServer
+from sqlalchemy import create_engine, text
+
+from lorapool.cli.queue_status import live_workers
+from lorapool.keys import Keys
+from lorapool.producer import Producer
+from lorapool.protocol import SamplingParams
+from lorapool.wire import decode_chunk
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+PARAMS = SamplingParams(temperature=0.0, max_tokens=96, ignore_eos=True)
+PROMPTS = [f"job {i} counts" for i in range(30)]
+CLI = [sys.executable, "-c", "from lorapool.cli.main import main; main()"]
+
+
+@pytest.fixture(scope="module")
+def expected(model):
+    from lorapool.engine.config import EngineArgs
+    from lorapool.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine.from_engine_args(EngineArgs(model=model, max_num_seqs=30))
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(str(i), prompt, PARAMS)
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+    return [done[str(i)] for i in range(len(PROMPTS))]
+
+
+class Pool:
+    """A private Redis, 2 worker processes and an audit writer process."""
+
+    def __init__(self, model, tmp_path):
+        self.server = RedisServer(tmp_path / "redis").start()
+        self.tmp = tmp_path
+        self.db = f"sqlite:///{tmp_path / 'audit.db'}"
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        worker = [*CLI, "worker", "--model", model, "--redis-url", self.server.url]
+        worker += ["--lease", "3", "--max-num-seqs", "2"]
+        self.workers = [self._start(worker, f"worker{i}", env) for i in range(2)]
+        writer = [*CLI, "audit-writer", "--redis-url", self.server.url, "--db-url", self.db]
+        self.writer = self._start([*writer, "--migrate"], "writer", env)
+        self.conn = redis.Redis.from_url(self.server.url)
+        deadline = time.monotonic() + 120
+        while len(live_workers(self.conn, Keys())) < 2:
+            self.check_alive()
+            assert time.monotonic() < deadline, "workers did not start"
+            time.sleep(0.2)
+
+    def _start(self, cmd, name, env):
+        log = open(self.tmp / f"{name}.log", "wb")  # noqa: SIM115 - closed in stop()
+        return subprocess.Popen(cmd, cwd=self.tmp, env=env, stdout=log, stderr=log)
+
+    def check_alive(self):
+        for name, proc in [("worker0", self.workers[0]), ("worker1", self.workers[1])] + [
+            ("writer", self.writer)
+        ]:
+            if proc.poll() is not None:
+                log = (self.tmp / f"{name}.log").read_text()[-4000:]
+                raise AssertionError(f"{name} exited with {proc.returncode}:\n{log}")
+
+    def finished(self, producer, handles) -> int:
+        count = 0
+        for h in handles:
+            last = self.conn.xrevrange(producer.keys.out(h.request_id), count=1)
+            count += bool(last) and decode_chunk(last[0][1][b"data"]).finished
+        return count
+
+    def stop(self):
+        for proc in [*self.workers, self.writer]:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in [*self.workers, self.writer]:
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        self.server.stop()
+
+
+@pytest.fixture
+def pool(model, tmp_path):
+    pool = Pool(model, tmp_path)
+    yield pool
+    pool.stop()
+
+
+def _check_exactly_once(pool, producer, handles, expected):
+    for handle, tokens in zip(handles, expected):
+        log = [
+            decode_chunk(f[b"data"])
+            for _, f in pool.conn.xrange(producer.keys.out(handle.request_id))
+        ]
+        assert [c.seq for c in log] == list(range(len(log)))  # no gap, no duplicate
+        assert [c.finished for c in log].count(True) == 1 and log[-1].finished
+        assert handle.result(timeout=5).outputs[0].token_ids == tokens
+    deadline = time.monotonic() + 60
+    db = create_engine(pool.db)
+    while True:  # the writer drains what the workers audited
+        with db.connect() as conn:
+            rows = conn.execute(
+                text("SELECT request_id, COUNT(*) FROM completions GROUP BY request_id")
+            ).all()
+        if len(rows) == len(handles) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert dict(rows) == {h.request_id: 1 for h in handles}
+    assert pool.conn.xpending(producer.keys.requests, "workers")["pending"] == 0
+
+
+@pytest.mark.parametrize("fault", ["stall_15s", "kill_and_restart"])
+def test_pool_rides_out_redis_fault(pool, expected, fault):
+    producer = Producer(pool.server.url)
+    handles = producer.submit_many(PROMPTS, PARAMS)
+    deadline = time.monotonic() + 120
+    while pool.finished(producer, handles) < 4:  # in the middle: some done, most not
+        pool.check_alive()
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    if fault == "stall_15s":
+        pool.server.pause()
+        time.sleep(15)
+        pool.server.resume()
+    else:
+        pool.server.kill()
+        time.sleep(3)
+        pool.server.start()
+    assert pool.finished(producer, handles) < len(handles)  # the fault hit running jobs
+    deadline = time.monotonic() + 180
+    while pool.finished(producer, handles) < len(handles):
+        pool.check_alive()
+        assert time.monotonic() < deadline, "jobs did not complete after the fault"
+        time.sleep(0.2)
+    pool.check_alive()
+    _check_exactly_once(pool, producer, handles, expected)
+    pool.check_alive()
+    if fault == "kill_and_restart":  # longer than redis-py's retries: the loops took over
+        for name in ("worker0", "worker1"):
+            log = (pool.tmp / f"{name}.log").read_text()
+            assert "Redis unreachable" in log and "Redis is back after" in log, log[-3000:]
+        assert "retrying in" in (pool.tmp / "writer.log").read_text()
+
+
+def test_status_drops_a_killed_worker(pool):
+    keys = Keys()
+    assert len(live_workers(pool.conn, keys)) == 2
+    pool.workers[0].kill()
+    pool.workers[0].wait(10)
+    killed_at = time.monotonic()
+    while len(live_workers(pool.conn, keys)) == 2:
+        assert time.monotonic() - killed_at < 5 + 2, "status still lists the killed worker"
+        time.sleep(0.2)
+    assert len(pool.conn.hkeys(keys.workers)) == 1  # its record was pruned as well
