@@ -173,8 +173,8 @@ def head(ctx: click.Context, output, insecure: bool):
 @click.pass_context
 def conflicts(ctx: click.Context, pool: str | None, fmt: str):
     """Records refused because they contradict the stored row for their key; exit 1 if any."""
-    from lorapool.audit_db import format as out
     from lorapool.audit_db.queries import list_conflicts
+    from lorapool.cli import audit_format as out
 
     rows = list_conflicts(_engine(ctx), pool=pool)
     if fmt == "table":
@@ -233,7 +233,7 @@ def keygen():
 
 
 def _emit_rows(rows: list[dict], fmt: str, title: str) -> None:
-    from lorapool.audit_db import format as out
+    from lorapool.cli import audit_format as out
 
     if fmt == "json":
         click.echo(out.to_json(rows))
@@ -250,8 +250,8 @@ def _emit_rows(rows: list[dict], fmt: str, title: str) -> None:
 @click.pass_context
 def request_cmd(ctx: click.Context, request_id: str, pool: str | None, fmt: str):
     """Every audit row of one request."""
-    from lorapool.audit_db import format as out
     from lorapool.audit_db import get_request
+    from lorapool.cli import audit_format as out
 
     rows = get_request(_engine(ctx), request_id, pool=pool)
     if not rows:
@@ -299,8 +299,8 @@ def search(ctx: click.Context, fmt: str, since: str | None, until: str | None, *
 @click.pass_context
 def usage(ctx: click.Context, by: str, since: str | None, until: str | None, fmt: str):
     """Requests, tokens, errors and latency per adapter or tenant."""
-    from lorapool.audit_db import format as out
     from lorapool.audit_db import usage as run_usage
+    from lorapool.cli import audit_format as out
 
     rows = run_usage(_engine(ctx), by=by, since=parse_time(since), until=parse_time(until))
     if fmt == "json":

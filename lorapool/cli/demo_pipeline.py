@@ -229,8 +229,8 @@ def write_audit(url: str, console: Console) -> None:
 
 def show_audit(request_id: str, since: float, console: Console) -> None:
     from lorapool.audit_db import DatabaseConfig, create_audit_engine
-    from lorapool.audit_db import format as fmt
     from lorapool.audit_db.queries import get_request, usage
+    from lorapool.cli import audit_format as fmt
 
     engine = create_audit_engine(DatabaseConfig())
     console.print(

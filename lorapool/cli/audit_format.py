@@ -1,4 +1,4 @@
-"""Rendering audit rows and usage as a table, JSON or CSV (used by the CLI)."""
+"""Rendering audit rows and usage as a table, JSON or CSV for `lorapool audit` (rich)."""
 
 from __future__ import annotations
 
