@@ -34,6 +34,7 @@ from lorapool import signing
 from lorapool.audit_db import store
 from lorapool.audit_db.database import is_current, migrate
 from lorapool.audit_db.record import RecordError, parse_record
+from lorapool.connection import ensure_group
 from lorapool.keys import AUDIT_GROUP, DEAD_MAX_LEN, DEFAULT_PREFIX, Keys
 
 log = logging.getLogger(__name__)
@@ -154,11 +155,7 @@ class AuditWriter:
 
     def ensure_group(self) -> None:
         """Create the ``audit`` consumer group (from the stream's start) if missing."""
-        try:
-            self.redis.xgroup_create(self.keys.audit, AUDIT_GROUP, id="0", mkstream=True)
-        except redis.ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise
+        ensure_group(self.redis, self.keys.audit, AUDIT_GROUP)
 
     def _check_schema(self) -> None:
         if self.config.migrate:

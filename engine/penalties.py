@@ -41,8 +41,8 @@ def apply_penalties(
         return logits
     x = logits.clone()
     _repetition(x, [(i, r) for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0])
-    _frequency(x, [(i, r) for i, r in enumerate(rows) if r.params.frequency_penalty != 0.0])
-    _presence(x, [(i, r) for i, r in enumerate(rows) if r.params.presence_penalty != 0.0])
+    for name in ("frequency_penalty", "presence_penalty"):
+        _subtract(x, [(i, r) for i, r in enumerate(rows) if getattr(r.params, name) != 0.0], name)
     _min_tokens(x, rows, eos_token_ids)
     return x
 
@@ -77,27 +77,23 @@ def _repetition(x: torch.Tensor, rows: list[tuple[int, SamplingRow]]) -> None:
     x[r_idx, t_idx] = torch.where(values > 0, values / pen, values * pen)
 
 
-def _frequency(x: torch.Tensor, rows: list[tuple[int, SamplingRow]]) -> None:
+def _subtract(x: torch.Tensor, rows: list[tuple[int, SamplingRow]], name: str) -> None:
+    """Lower each generated token's logit by the row's ``name`` penalty.
+
+    frequency_penalty: once per occurrence (``index_put_`` with accumulate: a
+    token seen c times is lowered c times); presence_penalty: once per token.
+    """
     if not rows:
         return
     r_idx, t_idx = _flat_index(x, [i for i, _ in rows], [r.output_token_ids for _, r in rows])
     if r_idx.numel() == 0:
         return
-    freq = torch.zeros(x.shape[0], dtype=x.dtype, device=x.device)
-    freq[[i for i, _ in rows]] = _per_row(x, [r.params.frequency_penalty for _, r in rows])
-    # accumulate=True: a token seen c times is lowered c times.
-    x.index_put_((r_idx, t_idx), -freq[r_idx], accumulate=True)
-
-
-def _presence(x: torch.Tensor, rows: list[tuple[int, SamplingRow]]) -> None:
-    if not rows:
-        return
-    r_idx, t_idx = _flat_index(x, [i for i, _ in rows], [r.output_token_ids for _, r in rows])
-    if r_idx.numel() == 0:
-        return
-    pres = torch.zeros(x.shape[0], dtype=x.dtype, device=x.device)
-    pres[[i for i, _ in rows]] = _per_row(x, [r.params.presence_penalty for _, r in rows])
-    x[r_idx, t_idx] = x[r_idx, t_idx] - pres[r_idx]
+    penalty = torch.zeros(x.shape[0], dtype=x.dtype, device=x.device)
+    penalty[[i for i, _ in rows]] = _per_row(x, [getattr(r.params, name) for _, r in rows])
+    if name == "frequency_penalty":
+        x.index_put_((r_idx, t_idx), -penalty[r_idx], accumulate=True)
+    else:  # duplicate (row, token) pairs all write the same value
+        x[r_idx, t_idx] = x[r_idx, t_idx] - penalty[r_idx]
 
 
 def _min_tokens(x: torch.Tensor, rows: Sequence[SamplingRow], eos_token_ids: Sequence[int]) -> None:

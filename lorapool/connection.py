@@ -44,3 +44,12 @@ def connect_async(url: str, **overrides: Any):
     from redis.asyncio.retry import Retry
 
     return Redis.from_url(url, **{**connection_options(Retry), **overrides})
+
+
+def ensure_group(connection: redis.Redis, stream: str, group: str) -> None:
+    """Create ``group`` on ``stream`` (and the stream), reading from its start, unless it exists."""
+    try:
+        connection.xgroup_create(stream, group, id="0", mkstream=True)
+    except redis.ResponseError as exc:
+        if "BUSYGROUP" not in str(exc):
+            raise

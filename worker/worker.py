@@ -42,6 +42,7 @@ import redis
 
 from lorapool import signing
 from lorapool.audit_db.record import record_from_output, sign_record
+from lorapool.connection import ensure_group
 from lorapool.keys import WORKERS_GROUP, Keys
 from lorapool.producer.registry import check_lora, decode_record
 from lorapool.protocol import FieldError, RequestOutput
@@ -187,11 +188,7 @@ class Worker:
 
     def ensure_group(self) -> None:
         """Create the ``workers`` consumer group (and the stream) unless it exists."""
-        try:
-            self.redis.xgroup_create(self.keys.requests, WORKERS_GROUP, id="0", mkstream=True)
-        except redis.ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise
+        ensure_group(self.redis, self.keys.requests, WORKERS_GROUP)
 
     def check_model(self) -> None:
         """Refuse to serve a pool of another base model (see ``claim_model``)."""
