@@ -237,6 +237,9 @@ class LLMEngine:
                 logit_rows.append(entry.sample_row)
         if not rows:
             return []
+        rows, targets, logit_rows = self._drop_non_finite(logits, rows, targets, logit_rows)
+        if not rows:
+            return []
         results = self.sampler(logits[logit_rows], rows)
         touched = {}
         for (seq, i), result in zip(targets, results):
@@ -244,6 +247,27 @@ class LLMEngine:
             self.outputs.append(target, result.token_id, result.logprob, result.top_logprobs)
             touched[target.request.request_id] = target.request
         return list(touched.values())
+
+    def _drop_non_finite(self, logits, rows, targets, logit_rows):
+        """Fail, alone, each request whose logits hold NaN or Inf; keep the others' rows.
+
+        Such logits come from the request's own data (an adapter whose activations
+        overflow, say); sampling them would emit garbage tokens as if nothing happened.
+        """
+        finite = torch.isfinite(logits[logit_rows]).all(dim=-1).tolist()
+        if all(finite):
+            return rows, targets, logit_rows
+        bad = {seq.request.request_id for (seq, _), ok in zip(targets, finite) if not ok}
+        for request_id in bad:
+            request = self.requests.get(request_id)
+            done = 0 if request is None else sum(len(s.output_token_ids) for s in request.seqs)
+            self.fail_request(
+                request_id,
+                f"request {request_id}: the model's logits became non-finite (NaN or Inf) "
+                f"after {done} generated tokens; its adapter or input overflows in this dtype",
+            )
+        keep = [i for i, (seq, _) in enumerate(targets) if seq.request.request_id not in bad]
+        return [rows[i] for i in keep], [targets[i] for i in keep], [logit_rows[i] for i in keep]
 
     def _fork(self, parent: Sequence, index: int) -> Sequence:
         request = parent.request

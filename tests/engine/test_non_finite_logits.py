@@ -1,0 +1,78 @@
+"""A request whose logits turn non-finite ends alone with finish_reason "error".
+
+The adapter's weights are finite (so the load check passes) but so large that
+its activations overflow float32; the other requests of the batch, and of the
+next batch, must produce the tokens they produce alone (the oracle: the same
+engine running each clean request by itself).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from adapters import build_adapter
+from safetensors.torch import load_file, save_file
+
+from lorapool import EngineArgs, LLMEngine, LoRARequest, SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+PROMPTS = [[5, 17, 99, 3], [40, 41, 42, 43, 44, 45], [7] * 9]
+
+
+@pytest.fixture(scope="module")
+def base(tiny_model_path):
+    return tiny_model_path("llama")
+
+
+@pytest.fixture(scope="module")
+def adapters(base, tmp_path_factory):
+    root = tmp_path_factory.mktemp("overflow")
+    clean = build_adapter(base, root / "clean", rank=4, seed=1)
+    huge = build_adapter(
+        base, root / "huge", rank=4, seed=2, targets=("gate_proj", "up_proj", "down_proj")
+    )
+    file = str(Path(huge) / "adapter_model.safetensors")
+    scale = {"lora_A": 100.0, "lora_B": 1e38}  # every weight finite; the MLP overflows
+    weights = {
+        n: t * scale["lora_B" if "lora_B" in n else "lora_A"] for n, t in load_file(file).items()
+    }
+    save_file(weights, file)
+    return LoRARequest("clean", 1, str(clean)), LoRARequest("huge", 2, str(huge))
+
+
+def engine(base):
+    return LLMEngine.from_engine_args(
+        EngineArgs(model=str(base), enable_lora=True, max_loras=2, max_lora_rank=8)
+    )
+
+
+def run(llm, jobs):
+    for rid, prompt, lora in jobs:
+        llm.add_request(rid, {"prompt_token_ids": prompt}, GREEDY, lora_request=lora)
+    done = {}
+    while llm.has_unfinished_requests():
+        done.update({o.request_id: o for o in llm.step() if o.finished})
+    return done
+
+
+def test_overflowing_adapter_fails_alone(base, adapters):
+    clean, huge = adapters
+    solo_engine = engine(base)
+    solo = {
+        f"{i}-{lora}": run(solo_engine, [("x", p, lora)])["x"].outputs[0].token_ids
+        for i, p in enumerate(PROMPTS)
+        for lora in (None, clean)
+    }
+    llm = engine(base)
+    mixed = [(f"{i}-{lora}", p, lora) for i, p in enumerate(PROMPTS) for lora in (None, clean)]
+    done = run(llm, [*mixed, ("bad", PROMPTS[0], huge)])
+    bad = done["bad"]
+    assert bad.outputs[0].finish_reason == "error"
+    assert "non-finite (NaN or Inf)" in bad.error
+    for rid, _, _ in mixed:
+        assert done[rid].outputs[0].token_ids == solo[rid], rid
+    again = run(llm, mixed)  # the next batch reuses the blocks the failed request freed
+    for rid, _, _ in mixed:
+        assert again[rid].outputs[0].token_ids == solo[rid], rid
+    assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
