@@ -67,24 +67,29 @@ def resumed_token_ids(held: Held) -> list[int]:
     return list(held.output.outputs[0].token_ids)
 
 
-def make_chunk(held: Held, out: RequestOutput, worker: str) -> Chunk:
-    """The next chunk of ``held`` from one engine delta output."""
-    first, final = held.seq == 0, out.finished
-    outputs = [completion_wire(c, held.offsets.get(c.index, 0)) for c in out.outputs]
-    chunk = Chunk(
+def _next_chunk(held: Held, outputs: list[dict[str, Any]], finished: bool, **fields) -> Chunk:
+    """The chunk at ``held``'s position: the adapter in full on the first and the last."""
+    lora = held.lora_dict if held.seq == 0 or finished else None
+    return Chunk(
         request_id=held.request_id,
         seq=held.seq,
         offset=held.total,
         outputs=outputs,
-        finished=final,
+        finished=finished,
         adapter_id=held.adapter_id,
-        error=out.error,
-        lora_request=held.lora_dict if first or final else None,
+        lora_request=lora,
+        **fields,
     )
-    if first:
+
+
+def make_chunk(held: Held, out: RequestOutput, worker: str) -> Chunk:
+    """The next chunk of ``held`` from one engine delta output."""
+    outputs = [completion_wire(c, held.offsets.get(c.index, 0)) for c in out.outputs]
+    chunk = _next_chunk(held, outputs, out.finished, error=out.error)
+    if held.seq == 0:
         chunk.prompt = held.job.prompt if held.job.prompt is not None else out.prompt
         chunk.prompt_token_ids = list(out.prompt_token_ids or [])
-    if final:
+    if out.finished:
         chunk.worker = worker
         chunk.metrics = _metrics(held, out)
     return chunk
@@ -115,17 +120,8 @@ def error_chunk(held: Held, error: str, worker: str) -> Chunk:
         }
         for i in range(n)
     ]
-    chunk = Chunk(
-        request_id=held.request_id,
-        seq=held.seq,
-        offset=held.total,
-        outputs=outputs,
-        finished=True,
-        lora_request=held.lora_dict,
-        adapter_id=held.adapter_id,
-        worker=worker,
-        error=error,
-        metrics=_error_metrics(held),
+    chunk = _next_chunk(
+        held, outputs, True, worker=worker, error=error, metrics=_error_metrics(held)
     )
     if held.seq == 0:
         chunk.prompt, chunk.prompt_token_ids = held.job.prompt, held.job.prompt_token_ids
