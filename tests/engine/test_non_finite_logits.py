@@ -38,7 +38,16 @@ def adapters(base, tmp_path_factory):
         n: t * scale["lora_B" if "lora_B" in n else "lora_A"] for n, t in load_file(file).items()
     }
     save_file(weights, file)
-    return LoRARequest("clean", 1, str(clean)), LoRARequest("huge", 2, str(huge))
+    nan = build_adapter(base, root / "nan", rank=4, seed=3)
+    file = str(Path(nan) / "adapter_model.safetensors")
+    weights = load_file(file)
+    next(t for n, t in sorted(weights.items()) if "lora_B" in n)[0, 0] = float("nan")
+    save_file(weights, file)
+    return (
+        LoRARequest("clean", 1, str(clean)),
+        LoRARequest("huge", 2, str(huge)),
+        LoRARequest("nan", 3, str(nan)),
+    )
 
 
 def engine(base):
@@ -56,8 +65,10 @@ def run(llm, jobs):
     return done
 
 
-def test_overflowing_adapter_fails_alone(base, adapters):
-    clean, huge = adapters
+def test_overflowing_and_nan_adapters_fail_alone(base, adapters):
+    """The issue's acceptance batch: an adapter whose finite weights overflow (it runs and
+    fails) and one with NaN weights (refused at load), next to clean requests."""
+    clean, huge, nan = adapters
     solo_engine = engine(base)
     solo = {
         f"{i}-{lora}": run(solo_engine, [("x", p, lora)])["x"].outputs[0].token_ids
@@ -66,10 +77,12 @@ def test_overflowing_adapter_fails_alone(base, adapters):
     }
     llm = engine(base)
     mixed = [(f"{i}-{lora}", p, lora) for i, p in enumerate(PROMPTS) for lora in (None, clean)]
-    done = run(llm, [*mixed, ("bad", PROMPTS[0], huge)])
+    done = run(llm, [*mixed, ("bad", PROMPTS[0], huge), ("nan", PROMPTS[1], nan)])
     bad = done["bad"]
     assert bad.outputs[0].finish_reason == "error"
     assert "non-finite (NaN or Inf)" in bad.error
+    refused = done["nan"]
+    assert refused.outputs[0].finish_reason == "error" and "'nan'" in refused.error
     for rid, _, _ in mixed:
         assert done[rid].outputs[0].token_ids == solo[rid], rid
     again = run(llm, mixed)  # the next batch reuses the blocks the failed request freed
