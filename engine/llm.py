@@ -9,7 +9,8 @@ from typing import Any
 
 from lorapool.engine.config import EngineArgs
 from lorapool.engine.llm_engine import LLMEngine
-from lorapool.protocol import LoRARequest, RequestOutput, RequestOutputKind, SamplingParams
+from lorapool.outputs import RequestOutput
+from lorapool.protocol import LoRARequest, RequestOutputKind, SamplingParams
 
 Prompt = str | dict[str, Any]
 

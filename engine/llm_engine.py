@@ -20,7 +20,8 @@ from lorapool.engine.output_processor import OutputProcessor
 from lorapool.engine.sampler import Sampler, SamplingRow, prompt_logprobs
 from lorapool.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from lorapool.engine.sequence import Request, Sequence, SequenceStatus
-from lorapool.protocol import LoRARequest, RequestOutput, SamplingParams
+from lorapool.outputs import RequestOutput
+from lorapool.protocol import LoRARequest, SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -12,12 +12,8 @@ from collections.abc import Iterable
 
 from lorapool.engine.detokenizer import IncrementalDetokenizer
 from lorapool.engine.sequence import Request, Sequence
-from lorapool.protocol import (
-    CompletionOutput,
-    Logprob,
-    RequestOutput,
-    RequestOutputKind,
-)
+from lorapool.outputs import CompletionOutput, Logprob, RequestOutput
+from lorapool.protocol import RequestOutputKind
 
 
 class OutputProcessor:

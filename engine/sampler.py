@@ -23,7 +23,8 @@ import torch
 
 from lorapool.engine.penalties import apply_penalties
 from lorapool.engine.warpers import warp
-from lorapool.protocol import Logprob, SamplingParams
+from lorapool.outputs import Logprob
+from lorapool.protocol import SamplingParams
 
 _MASK64 = (1 << 64) - 1
 _BLOCK = 256  # the draw first picks a block of this many tokens, then a token in it

@@ -13,7 +13,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from lorapool.protocol import LoRARequest, RequestMetrics, SamplingParams
+from lorapool.outputs import RequestMetrics
+from lorapool.protocol import LoRARequest, SamplingParams
 
 
 class SequenceStatus(str, enum.Enum):

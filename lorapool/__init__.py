@@ -10,15 +10,8 @@ producers only lazily, through ``__getattr__``. The CLI lives in ``cli/``.
 
 from importlib import import_module
 
-from lorapool.protocol import (
-    CompletionOutput,
-    Logprob,
-    LoRARequest,
-    RequestMetrics,
-    RequestOutput,
-    RequestOutputKind,
-    SamplingParams,
-)
+from lorapool.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from lorapool.protocol import LoRARequest, RequestOutputKind, SamplingParams
 
 _LAZY = {
     "LLM": "lorapool.engine.llm",

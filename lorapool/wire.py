@@ -14,18 +14,20 @@ from typing import Any
 
 import orjson
 
+from lorapool.outputs import (
+    CompletionOutput,
+    RequestMetrics,
+    RequestOutput,
+    logprobs_from_wire,
+    logprobs_to_wire,
+)
 from lorapool.protocol import (
     INT32_MAX,
     WIRE_VERSION,
-    CompletionOutput,
     FieldError,
     LoRARequest,
-    RequestMetrics,
-    RequestOutput,
     SamplingParams,
     is_int,
-    logprobs_from_wire,
-    logprobs_to_wire,
     short_repr,
 )
 

@@ -11,10 +11,11 @@ import redis.asyncio as aioredis
 
 from lorapool.connection import connect_async
 from lorapool.keys import DEFAULT_PREFIX, Keys
+from lorapool.outputs import RequestOutput
 from lorapool.producer.client import ABORT_TTL_S, _block_ms, _deadline
 from lorapool.producer.job import SUBMIT_SCRIPT, OutputAssembler, build_job, per_prompt
 from lorapool.producer.registry import check_lora, decode_record
-from lorapool.protocol import LoRARequest, RequestOutput, RequestOutputKind, SamplingParams
+from lorapool.protocol import LoRARequest, RequestOutputKind, SamplingParams
 from lorapool.wire import (
     DATA,
     DEFAULT_MAX_N,

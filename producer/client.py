@@ -10,9 +10,10 @@ import redis
 
 from lorapool import connection
 from lorapool.keys import DEFAULT_PREFIX, Keys
+from lorapool.outputs import RequestOutput
 from lorapool.producer.job import SUBMIT_SCRIPT, OutputAssembler, build_job, per_prompt
 from lorapool.producer.registry import AdapterRegistry
-from lorapool.protocol import LoRARequest, RequestOutput, RequestOutputKind, SamplingParams
+from lorapool.protocol import LoRARequest, RequestOutputKind, SamplingParams
 from lorapool.wire import (
     DATA,
     DEFAULT_MAX_N,

@@ -8,13 +8,8 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
-from lorapool.protocol import (
-    FieldError,
-    LoRARequest,
-    RequestOutput,
-    RequestOutputKind,
-    SamplingParams,
-)
+from lorapool.outputs import RequestOutput
+from lorapool.protocol import FieldError, LoRARequest, RequestOutputKind, SamplingParams
 from lorapool.wire import Chunk, Job, JobLimits, job_from_dict
 
 # Enqueue a job only if its request id is new: the marker and the entry together.

@@ -8,7 +8,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from lorapool.protocol import RequestOutput, RequestOutputKind, SamplingParams
+from lorapool.outputs import RequestOutput
+from lorapool.protocol import RequestOutputKind, SamplingParams
 from lorapool.wire import Chunk, Job, completion_wire
 
 

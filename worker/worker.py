@@ -44,8 +44,9 @@ from lorapool import signing
 from lorapool.audit_db.record import record_from_output, sign_record
 from lorapool.connection import ensure_group
 from lorapool.keys import WORKERS_GROUP, Keys
+from lorapool.outputs import RequestOutput
 from lorapool.producer.registry import check_lora, decode_record
-from lorapool.protocol import FieldError, RequestOutput
+from lorapool.protocol import FieldError
 from lorapool.wire import DATA, Chunk, decode_job, encode_chunk, encode_job
 from lorapool.worker import failover
 from lorapool.worker.config import WorkerConfig
