@@ -17,6 +17,8 @@ from typing import Any
 import redis
 from redis.backoff import ExponentialBackoff
 
+# Redis away (a stall, a restart): loops ride these out; other errors are the caller's.
+REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)
 SOCKET_TIMEOUT_S = 10.0  # above every blocking read's BLOCK (worker 0.1 s, client 1 s)
 RETRIES = 3
 

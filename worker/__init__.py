@@ -5,6 +5,7 @@ and the producer's registry helpers; never SQLAlchemy sessions or the CLI.
 """
 
 from lorapool.worker.config import WorkerConfig
-from lorapool.worker.worker import ModelMismatchError, Worker
+from lorapool.worker.pool import ModelMismatchError
+from lorapool.worker.worker import Worker
 
 __all__ = ["ModelMismatchError", "Worker", "WorkerConfig"]

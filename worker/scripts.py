@@ -6,7 +6,65 @@ name away, so a paused worker that wakes up can neither append nor renew.
 Chunk log entry ids are ``0-<seq + 1>``, and an append whose seq is not past
 the log's last one is refused, so a log never holds a duplicate or a gap-filler
 out of order.
+
+Redis Cluster is not supported; use a standalone Redis (with replicas and
+Sentinel for failover). Left as a documented limitation rather than
+restructured: the atomicity the queue relies on spans keys of several hash
+slots. Per-request keys (``{p}:job:{id}``, ``{p}:out:{id}``,
+``{p}:abort:{id}``) share the slot of their ``{id}`` tag, but the shared
+streams and hashes (``{p}:requests``, ``{p}:audit``, ``{p}:dead``,
+``{p}:adapters``, ``{p}:adapter-ids``, ``{p}:workers``) each hash to a slot of
+their own. A cluster refuses, with CROSSSLOT, these commands:
+
+- ``APPEND`` touches ``{p}:requests`` (XPENDING, XACK, XDEL),
+  the request's ``out``, ``abort`` and ``job`` keys, ``{p}:audit`` and
+  ``{p}:dead``: the final chunk, the ack and the audit record must be one
+  atomic step, so it cannot be split per slot without losing that guarantee;
+- the producer's ``SUBMIT_SCRIPT`` (``producer/job.py``): ``{p}:job:{id}`` and
+  ``{p}:requests`` (the idempotency marker and the entry together);
+- the registry's WATCH/MULTI over ``{p}:adapters`` and ``{p}:adapter-ids``;
+- ``renew``'s EXISTS and ``failover.abort_flagged``'s MGET over the abort
+  flags of many requests (these could be split per slot; the first two not).
+
+``RENEW`` (``{p}:requests`` only), XREADGROUP and XAUTOCLAIM are single-slot.
+Making it work would mean one hash tag for every key of a pool (a prefix such
+as ``{lorapool}``, which ``Keys`` refuses today): that puts the whole pool on
+one shard, which is a standalone Redis in all but name.
 """
+
+from lorapool.keys import WORKERS_GROUP, Keys
+
+
+def append_call(
+    keys: Keys,
+    request_id: str,
+    entry_id: str,
+    consumer: str,
+    *,
+    seq: int,
+    chunk: bytes,
+    final: bool,
+    audit: bytes,
+    ttl_s: int,
+    dead: bytes,
+    reason: str,
+    dead_max_len: int,
+) -> dict:
+    """The keys and args of one APPEND call (seq -1, request id "-": no chunk, only the
+    ack and the dead letter)."""
+    return {
+        "keys": [
+            keys.requests,
+            keys.out(request_id),
+            keys.abort(request_id),
+            keys.job(request_id),
+            keys.audit,
+            keys.dead,
+        ],
+        "args": [WORKERS_GROUP, entry_id, consumer, seq, chunk, int(final), audit, ttl_s]
+        + [dead, reason, dead_max_len],
+    }
+
 
 # KEYS: requests, out, abort, job, audit, dead
 # ARGV: group, entry, consumer, seq (-1: no chunk), chunk, final (0/1), audit ('' none),

@@ -9,7 +9,8 @@ import redis
 from lorapool.identity import model_identity
 from lorapool.keys import Keys
 from lorapool.worker.config import WorkerConfig
-from lorapool.worker.worker import Worker, claim_model
+from lorapool.worker.pool import claim_model
+from lorapool.worker.worker import Worker
 
 
 def base_model_info(model: str) -> dict[str, str]:

@@ -2,31 +2,8 @@
 
 Loop: periodic upkeep (lease renewal, claiming abandoned entries, heartbeat)
 → admit what the engine can take now → one engine step → one pipelined round
-trip appending every advanced request's chunk (fenced, see ``scripts.py``).
-
-Redis Cluster is not supported; use a standalone Redis (with replicas and
-Sentinel for failover). Left as a documented limitation rather than
-restructured: the atomicity the queue relies on spans keys of several hash
-slots. Per-request keys (``{p}:job:{id}``, ``{p}:out:{id}``,
-``{p}:abort:{id}``) share the slot of their ``{id}`` tag, but the shared
-streams and hashes (``{p}:requests``, ``{p}:audit``, ``{p}:dead``,
-``{p}:adapters``, ``{p}:adapter-ids``, ``{p}:workers``) each hash to a slot of
-their own. A cluster refuses, with CROSSSLOT, these commands:
-
-- ``APPEND`` (``scripts.py``) touches ``{p}:requests`` (XPENDING, XACK, XDEL),
-  the request's ``out``, ``abort`` and ``job`` keys, ``{p}:audit`` and
-  ``{p}:dead``: the final chunk, the ack and the audit record must be one
-  atomic step, so it cannot be split per slot without losing that guarantee;
-- the producer's ``SUBMIT_SCRIPT`` (``producer/job.py``): ``{p}:job:{id}`` and
-  ``{p}:requests`` (the idempotency marker and the entry together);
-- the registry's WATCH/MULTI over ``{p}:adapters`` and ``{p}:adapter-ids``;
-- ``renew``'s EXISTS and ``failover.abort_flagged``'s MGET over the abort
-  flags of many requests (these could be split per slot; the first two not).
-
-``RENEW`` (``{p}:requests`` only), XREADGROUP and XAUTOCLAIM are single-slot.
-Making it work would mean one hash tag for every key of a pool (a prefix such
-as ``{lorapool}``, which ``Keys`` refuses today): that puts the whole pool on
-one shard, which is a standalone Redis in all but name.
+trip appending every advanced request's chunk (fenced; see ``scripts.py``, also
+for why Redis Cluster is not supported).
 """
 
 from __future__ import annotations
@@ -41,53 +18,22 @@ import orjson
 import redis
 
 from lorapool import signing
-from lorapool.audit_db.record import record_from_output, sign_record
-from lorapool.connection import ensure_group
+from lorapool.connection import REDIS_DOWN, ensure_group
 from lorapool.keys import WORKERS_GROUP, Keys
 from lorapool.outputs import RequestOutput
 from lorapool.producer.registry import check_lora, decode_record
-from lorapool.protocol import FieldError
 from lorapool.wire import DATA, Chunk, decode_job, encode_chunk, encode_job
-from lorapool.worker import failover
+from lorapool.worker import dead_letter, failover
+from lorapool.worker.audit import final_audit
 from lorapool.worker.config import WorkerConfig
-from lorapool.worker.held import Held, engine_params, error_chunk, make_chunk, resumed_token_ids
-from lorapool.worker.scripts import APPEND, RENEW
+from lorapool.worker.dead_letter import reason_of
+from lorapool.worker.held import Held, engine_params, make_chunk, resumed_token_ids
+from lorapool.worker.pool import claim_model, heartbeat_record
+from lorapool.worker.scripts import APPEND, RENEW, append_call
 
 logger = logging.getLogger(__name__)
 NOT_OWNER, DUPLICATE = -1, -2
 BACKOFF_S = (0.1, 5.0)  # first and longest wait between tries while Redis is away
-# Redis away: the run loop rides these out; every other error fails one request.
-REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)
-
-
-class ModelMismatchError(RuntimeError):
-    """A worker's base model differs from the one its pool serves."""
-
-
-def claim_model(connection: redis.Redis, keys: Keys, base_model: dict[str, str]) -> None:
-    """Claim the pool for this base model, or refuse (ModelMismatchError) another one.
-
-    The first worker of a pool records its model (``{p}:model``, SET NX); a
-    worker whose weights differ would answer the pool's requests with another
-    model, so it refuses to start, naming both.
-    """
-    mine = orjson.dumps(base_model)
-    connection.set(keys.model, mine, nx=True)
-    pool = orjson.loads(connection.get(keys.model) or mine)
-    if pool.get("sha256") != base_model["sha256"]:
-        raise ModelMismatchError(
-            f"pool {keys.prefix!r} serves base model {pool.get('name')!r} "
-            f"(sha256 {str(pool.get('sha256'))[:12]}…) and this worker has "
-            f"{base_model['name']!r} (sha256 {base_model['sha256'][:12]}…): start it "
-            f"on another --prefix, or delete {keys.model} once no worker of the old "
-            "model runs"
-        )
-
-
-def _reason(exc: BaseException) -> str:
-    """An exception as a dead letter's reason: its type unless it is a plain ValueError."""
-    text = str(exc) or type(exc).__name__
-    return text if type(exc) in (ValueError, FieldError) else f"{type(exc).__name__}: {text}"
 
 
 class Worker:
@@ -124,7 +70,7 @@ class Worker:
 
     def run(self) -> None:
         """Serve until stopped (burst: until the queue and the engine are empty)."""
-        self.check_model()
+        claim_model(self.redis, self.keys, self.base_model)  # or ModelMismatchError
         self.ensure_group()
         self._install_signals()
         logger.info("worker %s: serving %s", self.name, self.keys.requests)
@@ -191,10 +137,6 @@ class Worker:
         """Create the ``workers`` consumer group (and the stream) unless it exists."""
         ensure_group(self.redis, self.keys.requests, WORKERS_GROUP)
 
-    def check_model(self) -> None:
-        """Refuse to serve a pool of another base model (see ``claim_model``)."""
-        claim_model(self.redis, self.keys, self.base_model)
-
     def _queue_empty(self) -> bool:
         pending = self.redis.xpending(self.keys.requests, WORKERS_GROUP)
         return pending["pending"] == 0 and not self.held
@@ -242,7 +184,7 @@ class Worker:
         except Exception as exc:  # noqa: BLE001 - one bad job must not end the worker
             if held is not None:
                 self._abort_in_engine(held.request_id)
-            return self.dead_letter(entry_id, payload, _reason(exc), held)
+            return self.dead_letter(entry_id, payload, reason_of(exc), held)
         self.held[job.request_id] = held
         return None
 
@@ -273,7 +215,7 @@ class Worker:
             outputs = self.engine.step()
         except Exception as exc:  # noqa: BLE001 - the worker and the other requests go on
             logger.exception("worker %s: engine step failed", self.name)
-            self._fail_step(f"engine step failed: {_reason(exc)}")
+            self._fail_step(f"engine step failed: {reason_of(exc)}")
             return
         self._publish(outputs)
 
@@ -294,7 +236,7 @@ class Worker:
             if held is None:
                 continue  # lost to another worker, or already failed
             chunk = make_chunk(held, out, self.name)
-            self._unsent.append((held, chunk, self._final_audit(held, chunk)))
+            self._unsent.append((held, chunk, final_audit(self, held, chunk)))
         self._send()
 
     def _send(self) -> None:
@@ -314,13 +256,6 @@ class Worker:
         for (held, chunk, _), result in zip(sent, results):
             self._after_append(held, chunk, result)
 
-    def _final_audit(self, held: Held, chunk: Chunk) -> bytes:
-        """The audit record of a final chunk (every finished request, failed ones too)."""
-        if not chunk.finished:
-            return b""
-        held.take(chunk)
-        return orjson.dumps(self._audit_record(held))
-
     def _append_chunk(
         self,
         pipe,
@@ -330,31 +265,21 @@ class Worker:
         dead: bytes | None = None,
         reason: str = "",
     ) -> None:
-        rid = held.request_id
-        self._append(
-            keys=[
-                self.keys.requests,
-                self.keys.out(rid),
-                self.keys.abort(rid),
-                self.keys.job(rid),
-                self.keys.audit,
-                self.keys.dead,
-            ],
-            args=[
-                WORKERS_GROUP,
-                held.entry_id,
-                self.name,
-                chunk.seq,
-                encode_chunk(chunk),
-                int(chunk.finished),
-                audit,
-                held.job.result_ttl_s or self.config.result_ttl_s,
-                dead or b"",
-                reason,
-                self.config.dead_max_len,
-            ],
-            client=pipe,
+        call = append_call(
+            self.keys,
+            held.request_id,
+            held.entry_id,
+            self.name,
+            seq=chunk.seq,
+            chunk=encode_chunk(chunk),
+            final=chunk.finished,
+            audit=audit,
+            ttl_s=held.job.result_ttl_s or self.config.result_ttl_s,
+            dead=dead or b"",
+            reason=reason,
+            dead_max_len=self.config.dead_max_len,
         )
+        self._append(**call, client=pipe)
 
     def _after_append(self, held: Held, chunk: Chunk, result: int) -> None:
         """Account an append. While this worker owns the entry, nobody else appends to
@@ -384,86 +309,11 @@ class Worker:
         except Exception:  # noqa: BLE001 - it may never have got in
             logger.debug("worker %s: %s was not in the engine", self.name, request_id)
 
-    def _audit_record(self, held: Held) -> dict[str, Any]:
-        adapter = None
-        if held.adapter is not None:
-            keys = ("name", "id", "path", "sha256", "rank", "alpha", "target_modules", "base_model")
-            adapter = {k: held.adapter.get(k) for k in keys}
-        record = record_from_output(
-            held.output,
-            worker=self.name,
-            base_model=self.base_model,
-            adapter=adapter,
-            sampling_params=held.job.sampling_params.to_dict(),
-            metadata=held.job.metadata,
-            error=held.output.error,
-        )
-        if self.config.audit_key is None:  # --insecure-no-key: the writer cannot check it
-            return record
-        return sign_record(record, self.config.audit_key, self.config.prefix)
-
     def dead_letter(
         self, entry_id: str, payload: bytes | None, reason: str, held: Held | None
     ) -> None:
-        """Final error chunk (when the request is known), XACK and ``{p}:dead``, at once.
-
-        Total: whatever the entry holds, it ends acknowledged and dead-lettered
-        (only Redis being away raises). The dead letter keeps the payload only
-        when no audit record keeps the prompt (see ``failover.dead_payload``).
-        """
-        logger.warning("worker %s: dead-lettering %s: %s", self.name, entry_id, reason)
-        try:
-            if held is None:
-                held = failover.held_for_garbage(entry_id, payload, self.config.limits)
-            if held is not None:
-                self.held.pop(held.request_id, None)
-                self._find_adapter(held)
-                chunk = error_chunk(held, reason, self.name)
-                dead = failover.dead_payload(payload, audited=True)
-                with self.redis.pipeline(transaction=False) as pipe:
-                    audit = self._final_audit(held, chunk)
-                    self._append_chunk(pipe, held, chunk, audit, dead=dead, reason=reason)
-                    pipe.execute()
-                return
-        except REDIS_DOWN:
-            raise
-        except Exception as exc:  # noqa: BLE001 - the dead-letter path must not raise
-            logger.exception("worker %s: no error output for %s", self.name, entry_id)
-            reason = f"{reason} (and its error output could not be written: {_reason(exc)})"
-        self._append(
-            keys=[
-                self.keys.requests,
-                self.keys.out("-"),
-                self.keys.abort("-"),
-                self.keys.job("-"),
-                self.keys.audit,
-                self.keys.dead,
-            ],
-            args=[
-                WORKERS_GROUP,
-                entry_id,
-                self.name,
-                -1,
-                b"",
-                1,
-                b"",
-                self.config.result_ttl_s,
-                failover.dead_payload(payload, audited=False),
-                reason,
-                self.config.dead_max_len,
-            ],
-        )
-
-    def _find_adapter(self, held: Held) -> None:
-        """The registry record of a failed job's adapter, for its audit record, if it matches."""
-        lora = held.job.lora_request
-        if held.adapter is None and lora is not None:
-            try:
-                record = decode_record(self.redis.hget(self.keys.adapters, lora.name))
-            except ValueError:  # a damaged registry record: audit the request without it
-                return
-            if record is not None and record.get("id") == lora.lora_int_id:
-                held.adapter = record
+        """Fail an entry for good: see ``dead_letter.dead_letter``."""
+        dead_letter.dead_letter(self, entry_id, payload, reason, held)
 
     # --- upkeep ------------------------------------------------------------------
 
@@ -502,24 +352,7 @@ class Worker:
     def heartbeat(self) -> None:
         """The worker's record for ``status``, and ``{p}:alive:{name}``, which expires
         ``alive_ttl_s`` after the last heartbeat (a killed worker drops out of ``status``)."""
-        now = time.time()
-        elapsed = max(1e-6, now - self._last.get("tokens_at", now - 1))
-        self._last["tokens_at"] = now
-        record = {
-            "name": self.name,
-            "device": str(self.engine.args.resolve_device()),
-            "model": self.base_model.get("name"),
-            "updated": now,
-            "running": len(self.engine.scheduler.running),
-            "waiting": len(self.engine.scheduler.waiting),
-            "held": len(self.held),
-            "tokens_per_s": self.num_tokens / elapsed,
-            "adapters": sorted(
-                {h.job.lora_request.name for h in self.held.values() if h.job.lora_request}
-            ),
-            "draining": self.draining,
-        }
-        self.num_tokens = 0
+        record = heartbeat_record(self)
         with self.redis.pipeline(transaction=False) as pipe:
             pipe.hset(self.keys.workers, self.name, orjson.dumps(record))
             pipe.set(self.keys.alive(self.name), 1, ex=self.config.alive_ttl_s)

@@ -164,7 +164,7 @@ def worker(
         dead_max_len=dead_max_len,
         **key_options,
     )
-    from lorapool.worker.worker import ModelMismatchError
+    from lorapool.worker.pool import ModelMismatchError
 
     try:
         serve(args, config, connect(redis_url))

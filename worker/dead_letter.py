@@ -1,0 +1,165 @@
+"""Failing an entry for good: its error output, audit record and dead letter, at once.
+
+Total: whatever an entry holds (any JSON, or none), it ends acknowledged and
+dead-lettered; only Redis being away raises (the worker's loop rides that out).
+A request whose id can be read also gets a final error chunk and an audit
+record, carrying what could be read of it (``held_for_garbage``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+from lorapool.connection import REDIS_DOWN
+from lorapool.producer.registry import decode_record
+from lorapool.protocol import FieldError, LoRARequest, SamplingParams, is_int
+from lorapool.wire import MAX_METADATA_BYTES, MAX_REQUEST_ID, Job, JobLimits
+from lorapool.worker.audit import final_audit
+from lorapool.worker.held import Held, error_chunk
+from lorapool.worker.scripts import append_call
+
+if TYPE_CHECKING:
+    from lorapool.worker.worker import Worker
+
+logger = logging.getLogger(__name__)
+
+
+def reason_of(exc: BaseException) -> str:
+    """An exception as a dead letter's reason: its type unless it is a plain ValueError."""
+    text = str(exc) or type(exc).__name__
+    return text if type(exc) in (ValueError, FieldError) else f"{type(exc).__name__}: {text}"
+
+
+def dead_letter(
+    worker: Worker, entry_id: str, payload: bytes | None, reason: str, held: Held | None
+) -> None:
+    """Final error chunk (when the request is known), XACK and ``{p}:dead``, at once.
+
+    The dead letter keeps the payload only when no audit record keeps the
+    prompt (see ``dead_payload``).
+    """
+    logger.warning("worker %s: dead-lettering %s: %s", worker.name, entry_id, reason)
+    try:
+        if held is None:
+            held = held_for_garbage(entry_id, payload, worker.config.limits)
+        if held is not None:
+            worker.held.pop(held.request_id, None)
+            find_adapter(worker, held)
+            chunk = error_chunk(held, reason, worker.name)
+            dead = dead_payload(payload, audited=True)
+            with worker.redis.pipeline(transaction=False) as pipe:
+                audit = final_audit(worker, held, chunk)
+                worker._append_chunk(pipe, held, chunk, audit, dead=dead, reason=reason)
+                pipe.execute()
+            return
+    except REDIS_DOWN:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the dead-letter path must not raise
+        logger.exception("worker %s: no error output for %s", worker.name, entry_id)
+        reason = f"{reason} (and its error output could not be written: {reason_of(exc)})"
+    call = append_call(
+        worker.keys,
+        "-",
+        entry_id,
+        worker.name,
+        seq=-1,
+        chunk=b"",
+        final=True,
+        audit=b"",
+        ttl_s=worker.config.result_ttl_s,
+        dead=dead_payload(payload, audited=False),
+        reason=reason,
+        dead_max_len=worker.config.dead_max_len,
+    )
+    worker._append(**call)
+
+
+def find_adapter(worker: Worker, held: Held) -> None:
+    """The registry record of a failed job's adapter, for its audit record, if it matches."""
+    lora = held.job.lora_request
+    if held.adapter is None and lora is not None:
+        try:
+            record = decode_record(worker.redis.hget(worker.keys.adapters, lora.name))
+        except ValueError:  # a damaged registry record: audit the request without it
+            return
+        if record is not None and record.get("id") == lora.lora_int_id:
+            held.adapter = record
+
+
+def held_for_garbage(entry_id: str, payload: Any, limits: JobLimits) -> Held | None:
+    """A Held for an entry that failed validation, if its request id can be read.
+
+    Total: any payload gives a Held or None. Fields that do not pass are left
+    out (a default SamplingParams, no adapter, no metadata, no oversized prompt),
+    so the request's error output and audit record carry what could be read.
+    """
+    try:
+        return _held_for_garbage(entry_id, payload, limits)
+    except Exception:  # noqa: BLE001 - the dead-letter path must not raise
+        logger.exception("no request could be read from %s", entry_id)
+        return None
+
+
+def _held_for_garbage(entry_id: str, payload: Any, limits: JobLimits) -> Held | None:
+    try:
+        data = orjson.loads(payload)
+        rid = data["request_id"]
+    except (orjson.JSONDecodeError, KeyError, TypeError):
+        return None
+    if not isinstance(rid, str) or not rid or len(rid) > MAX_REQUEST_ID:
+        return None
+    if any(c in rid for c in "{}\x00"):
+        return None
+    prompt, metadata = data.get("prompt"), data.get("metadata")
+    if not isinstance(prompt, str) or len(prompt) > limits.max_prompt_bytes:
+        prompt = None
+    if not isinstance(metadata, dict) or len(orjson.dumps(metadata)) > MAX_METADATA_BYTES:
+        metadata = {}
+    job = Job(rid, prompt, None, _params(data, limits), _lora(data), metadata)
+    arrival = data.get("arrival_time")
+    if isinstance(arrival, float) and math.isfinite(arrival) and arrival >= 0:
+        job.arrival_time = arrival
+    elif is_int(arrival) and 0 <= arrival < 2**53:
+        job.arrival_time = float(arrival)
+    return Held(entry_id, job)
+
+
+def _params(data: dict, limits: JobLimits) -> SamplingParams:
+    try:
+        params = SamplingParams.from_dict(data.get("sampling_params") or {})
+    except (TypeError, ValueError):
+        return SamplingParams()
+    return params if params.n <= limits.max_n else SamplingParams()
+
+
+def _lora(data: dict) -> LoRARequest | None:
+    try:
+        return LoRARequest.from_dict(data.get("lora_request"))
+    except (TypeError, ValueError):
+        return None
+
+
+MAX_DEAD_PAYLOAD = 64 << 10
+
+
+def dead_payload(payload: Any, audited: bool) -> bytes:
+    """What a dead letter keeps of an entry's payload.
+
+    When an audit record was written for the request it keeps the prompt, so
+    the dead letter keeps only the payload's sha256 and length; otherwise the
+    payload itself up to 64 KiB (beyond that, its sha256, length and head).
+    """
+    if payload is None:
+        return b"null"
+    raw = payload if isinstance(payload, bytes) else str(payload).encode("utf-8", "replace")
+    if not audited and len(raw) <= MAX_DEAD_PAYLOAD:
+        return raw
+    summary = {"sha256": hashlib.sha256(raw).hexdigest(), "bytes": len(raw)}
+    if not audited:
+        summary["head"] = raw[:1024].decode("utf-8", "replace")
+    return orjson.dumps(summary)

@@ -1,0 +1,60 @@
+"""What a worker tells its pool: which base model it serves, and that it is alive."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import orjson
+import redis
+
+from lorapool.keys import Keys
+
+if TYPE_CHECKING:
+    from lorapool.worker.worker import Worker
+
+
+class ModelMismatchError(RuntimeError):
+    """A worker's base model differs from the one its pool serves."""
+
+
+def claim_model(connection: redis.Redis, keys: Keys, base_model: dict[str, str]) -> None:
+    """Claim the pool for this base model, or refuse (ModelMismatchError) another one.
+
+    The first worker of a pool records its model (``{p}:model``, SET NX); a
+    worker whose weights differ would answer the pool's requests with another
+    model, so it refuses to start, naming both.
+    """
+    mine = orjson.dumps(base_model)
+    connection.set(keys.model, mine, nx=True)
+    pool = orjson.loads(connection.get(keys.model) or mine)
+    if pool.get("sha256") != base_model["sha256"]:
+        raise ModelMismatchError(
+            f"pool {keys.prefix!r} serves base model {pool.get('name')!r} "
+            f"(sha256 {str(pool.get('sha256'))[:12]}…) and this worker has "
+            f"{base_model['name']!r} (sha256 {base_model['sha256'][:12]}…): start it "
+            f"on another --prefix, or delete {keys.model} once no worker of the old "
+            "model runs"
+        )
+
+
+def heartbeat_record(worker: Worker) -> dict[str, Any]:
+    """The worker's row of ``lorapool status`` (and resets its token counter)."""
+    now = time.time()
+    elapsed = max(1e-6, now - worker._last.get("tokens_at", now - 1))
+    worker._last["tokens_at"] = now
+    held = worker.held.values()
+    record = {
+        "name": worker.name,
+        "device": str(worker.engine.args.resolve_device()),
+        "model": worker.base_model.get("name"),
+        "updated": now,
+        "running": len(worker.engine.scheduler.running),
+        "waiting": len(worker.engine.scheduler.waiting),
+        "held": len(worker.held),
+        "tokens_per_s": worker.num_tokens / elapsed,
+        "adapters": sorted({h.job.lora_request.name for h in held if h.job.lora_request}),
+        "draining": worker.draining,
+    }
+    worker.num_tokens = 0
+    return record
