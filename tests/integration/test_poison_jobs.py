@@ -94,6 +94,7 @@ POISON = {
     ),
     "logprobs_over_engine_limit": ({"sp_logprobs": 10**6}, "max_logprobs"),
     "token_outside_vocabulary": ({"prompt_token_ids": [10**6]}, "vocabulary"),
+    "prompt_10_mb": ({"prompt": "x" * (10 << 20)}, "over the limit of 1048576"),
 }
 
 
@@ -116,6 +117,12 @@ def test_poison_job_fails_alone(case, engine, expected, conn, prefix, model):
     }
     failed = producer.handle("poison").result(timeout=5)  # the client learns why
     assert failed.outputs[0].finish_reason == "error" and re.search(reason, failed.error)
+    kept = sum(
+        len(f[b"data"])
+        for key in (producer.keys.out("poison"), producer.keys.audit)
+        for _, f in conn.xrange(key)
+    )
+    assert kept < 64 << 10  # an oversized prompt is not copied into the log or the audit
     audit = [
         record_from_dict(orjson.loads(f[b"data"])) for _, f in conn.xrange(producer.keys.audit)
     ]
