@@ -3,49 +3,62 @@
 Workers, producers and the audit writer connect through ``connect`` (sync) or
 ``connect_async``: redis-py retries a command that failed on a broken
 connection (ConnectionError, TimeoutError, a server still loading its AOF)
-with exponential backoff, reconnecting each time; a health check pings a
-connection idle for ``health_check_interval`` seconds before reuse; TCP
-keepalive notices a peer that vanished. What outlasts the retries (an outage
-of more than a few seconds) reaches the caller, whose loop backs off and goes
-on: see ``Worker.run`` and ``AuditWriter.run``.
+with jittered exponential backoff, reconnecting each time; a health check
+pings a connection idle for ``health_check_interval`` seconds before reuse; TCP
+keepalive notices a peer that vanished. A producer's call retries long enough
+to span a restart (``RETRIES``); workers and the audit writer retry only a
+blip (``LOOP_RETRIES``): what outlasts that reaches their loops, which back off
+and go on, logging it (see ``Worker.run_guarded`` and ``AuditWriter._retry``).
 """
 
 from __future__ import annotations
 
 from typing import Any
+from urllib.parse import urlsplit
 
 import redis
-from redis.backoff import ExponentialBackoff
+from redis.backoff import EqualJitterBackoff
 
 # Redis away (a stall, a restart): loops ride these out; other errors are the caller's.
 REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)
 SOCKET_TIMEOUT_S = 10.0  # above every blocking read's BLOCK (worker 0.1 s, client 1 s)
-RETRIES = 3
+# Producers: waits of 0.2, 0.4, 0.8, 1.6, 2, 2 s (half of each jittered): 3.5 to 7 s of
+# refused connections, a restart; in a stall each try also waits SOCKET_TIMEOUT_S.
+RETRIES = 6
+# Workers and the audit writer: a blip only; their loops back off, log and heed SIGTERM.
+LOOP_RETRIES = 2
 
 
-def connection_options(retry_class: type = redis.retry.Retry) -> dict[str, Any]:
-    """Keyword arguments of ``Redis.from_url`` shared by all of lorapool's clients."""
-    return {
-        "retry": retry_class(ExponentialBackoff(cap=2.0, base=0.05), RETRIES),
+def connection_options(
+    url: str = "redis://", retries: int = RETRIES, retry_class: type = redis.retry.Retry
+) -> dict[str, Any]:
+    """Keyword arguments of ``Redis.from_url(url)`` shared by all of lorapool's clients.
+
+    TCP keepalive only for TCP URLs: a unix socket connection refuses the option.
+    """
+    options = {
+        "retry": retry_class(EqualJitterBackoff(cap=2.0, base=0.1), retries),
         "retry_on_error": [redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError],
         "health_check_interval": 10,
-        "socket_keepalive": True,
         "socket_timeout": SOCKET_TIMEOUT_S,
         "socket_connect_timeout": 5.0,
     }
+    if urlsplit(url).scheme in ("redis", "rediss"):
+        options["socket_keepalive"] = True
+    return options
 
 
-def connect(url: str, **overrides: Any) -> redis.Redis:
+def connect(url: str, retries: int = RETRIES, **overrides: Any) -> redis.Redis:
     """A client of ``url`` with lorapool's retry, health-check and timeout options."""
-    return redis.Redis.from_url(url, **{**connection_options(), **overrides})
+    return redis.Redis.from_url(url, **{**connection_options(url, retries), **overrides})
 
 
-def connect_async(url: str, **overrides: Any):
+def connect_async(url: str, retries: int = RETRIES, **overrides: Any):
     """The asyncio client of ``url`` with the same options."""
     from redis.asyncio import Redis
     from redis.asyncio.retry import Retry
 
-    return Redis.from_url(url, **{**connection_options(Retry), **overrides})
+    return Redis.from_url(url, **{**connection_options(url, retries, Retry), **overrides})
 
 
 def ensure_group(connection: redis.Redis, stream: str, group: str) -> None:

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
 
-from lorapool.connection import connect_async
+from lorapool.connection import REDIS_DOWN, connect_async
 from lorapool.keys import DEFAULT_PREFIX, Keys
 from lorapool.outputs import RequestOutput
 from lorapool.producer.client import ABORT_TTL_S, _block_ms, _deadline
@@ -24,6 +25,8 @@ from lorapool.wire import (
     decode_chunk,
     encode_job,
 )
+
+logger = logging.getLogger(__name__)
 
 
 class AsyncJobHandle:
@@ -46,9 +49,7 @@ class AsyncJobHandle:
         key = self.producer.keys.out(self.request_id)
         last, deadline = f"0-{after + 1}" if after >= 0 else "0-0", _deadline(timeout)
         while True:
-            reply = await self.producer.redis.xread(
-                {key: last}, count=256, block=_block_ms(deadline)
-            )
+            reply = await self._read(key, last, deadline)
             for _, entries in reply:
                 for entry_id, fields in entries:
                     last = entry_id
@@ -58,6 +59,17 @@ class AsyncJobHandle:
                         return
             if not reply and deadline is not None and time.monotonic() >= deadline:
                 raise asyncio.TimeoutError(f"request {self.request_id}: no final output")
+
+    async def _read(self, key: str, last, deadline: float | None) -> list:
+        """One blocking XREAD, riding out Redis being away (see ``JobHandle._read``)."""
+        try:
+            return await self.producer.redis.xread(
+                {key: last}, count=256, block=_block_ms(deadline)
+            )
+        except REDIS_DOWN as exc:
+            logger.warning("request %s: Redis unreachable (%s), waiting", self.request_id, exc)
+            await asyncio.sleep(_block_ms(deadline) / 1000)
+            return []
 
     async def stream(
         self, after: int = -1, timeout: float | None = None

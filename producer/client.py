@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -23,11 +24,14 @@ from lorapool.wire import (
     encode_job,
 )
 
+logger = logging.getLogger(__name__)
 ABORT_TTL_S = 24 * 3600
 _BLOCK_MS = 1000
 
 
-def connect(url_or_connection: str | redis.Redis | None) -> redis.Redis:
+def connect(
+    url_or_connection: str | redis.Redis | None, retries: int = connection.RETRIES
+) -> redis.Redis:
     """A client for a URL, an existing client, or (None) ``$REDIS_URL`` / embedded Redis.
 
     A URL gets lorapool's retry and health-check options (``lorapool.connection``).
@@ -38,7 +42,7 @@ def connect(url_or_connection: str | redis.Redis | None) -> redis.Redis:
         from lorapool.embedded import resolve_url
 
         url_or_connection = resolve_url()
-    return connection.connect(url_or_connection)
+    return connection.connect(url_or_connection, retries)
 
 
 def chunk_seq(entry_id: bytes | str) -> int:
@@ -71,8 +75,7 @@ class JobHandle:
         key = self.producer.keys.out(self.request_id)
         last, deadline = f"0-{after + 1}" if after >= 0 else "0-0", _deadline(timeout)
         while True:
-            block = _block_ms(deadline)
-            reply = self.producer.redis.xread({key: last}, count=256, block=block)
+            reply = self._read(key, last, deadline)
             for _, entries in reply:
                 for entry_id, fields in entries:
                     last = entry_id
@@ -82,6 +85,16 @@ class JobHandle:
                         return
             if not reply and deadline is not None and time.monotonic() >= deadline:
                 raise TimeoutError(f"request {self.request_id}: no final output in {timeout}s")
+
+    def _read(self, key: str, last, deadline: float | None) -> list:
+        """One blocking XREAD; Redis away past the client's retries reads as nothing new,
+        so a wait rides out a stall or a restart until its deadline."""
+        try:
+            return self.producer.redis.xread({key: last}, count=256, block=_block_ms(deadline))
+        except connection.REDIS_DOWN as exc:
+            logger.warning("request %s: Redis unreachable (%s), waiting", self.request_id, exc)
+            time.sleep(_block_ms(deadline) / 1000)
+            return []
 
     def stream(self, after: int = -1, timeout: float | None = None) -> Iterator[RequestOutput]:
         """RequestOutputs in the job's ``output_kind``; ``after``: skip chunks up to that seq.

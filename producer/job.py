@@ -13,9 +13,16 @@ from lorapool.protocol import FieldError, LoRARequest, RequestOutputKind, Sampli
 from lorapool.wire import Chunk, Job, JobLimits, job_from_dict
 
 # Enqueue a job only if its request id is new: the marker and the entry together.
+# The same call sent again (redis-py retries one whose reply was lost) finds its own
+# marker ('submitted' is this call's clock reading) and returns its entry.
 # KEYS: job marker, requests stream. ARGV: payload, output kind, now.
 SUBMIT_SCRIPT = """
-if redis.call('EXISTS', KEYS[1]) == 1 then return false end
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  if redis.call('HGET', KEYS[1], 'submitted') == ARGV[3] then
+    return redis.call('HGET', KEYS[1], 'entry')
+  end
+  return false
+end
 local entry = redis.call('XADD', KEYS[2], '*', 'data', ARGV[1])
 redis.call('HSET', KEYS[1], 'status', 'queued', 'entry', entry,
            'output_kind', ARGV[2], 'submitted', ARGV[3])

@@ -8,7 +8,7 @@ import signal
 import click
 
 from lorapool.cli.audit import audit_key, db_options, insecure_option
-from lorapool.connection import connect
+from lorapool.connection import LOOP_RETRIES, connect
 from lorapool.keys import DEAD_MAX_LEN
 
 
@@ -81,7 +81,7 @@ def audit_writer(
         migrate=run_migrate,
         **({"consumer": consumer} if consumer else {}),
     )
-    writer = AuditWriter(connect(redis_url), engine, config)
+    writer = AuditWriter(connect(redis_url, LOOP_RETRIES), engine, config)
     _install_signals(writer)
     stats = writer.run(burst=burst)
     click.echo(

@@ -58,14 +58,13 @@ def ensure_audit_key(console: Console) -> None:
 
 
 def run_demo(model: str, max_tokens: int, console: Console) -> None:
-    import redis
-
+    from lorapool.connection import connect
     from lorapool.embedded import resolve_url
     from lorapool.producer import Producer
 
     ensure_audit_key(console)
     url = resolve_url()
-    conn = redis.Redis.from_url(url)
+    conn = connect(url)
     for key in conn.scan_iter(f"{PREFIX}:*"):
         conn.delete(key)
     producer = Producer(conn, prefix=PREFIX)

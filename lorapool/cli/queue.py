@@ -130,6 +130,7 @@ def worker(
     Audit records are signed with $LORAPOOL_AUDIT_KEY (or the key in
     $LORAPOOL_AUDIT_KEY_FILE); without one the worker refuses to start.
     """
+    from lorapool.connection import LOOP_RETRIES
     from lorapool.engine.config import EngineArgs
     from lorapool.producer.client import connect
     from lorapool.worker.config import WorkerConfig, default_name
@@ -167,7 +168,7 @@ def worker(
     from lorapool.worker.pool import ModelMismatchError
 
     try:
-        serve(args, config, connect(redis_url))
+        serve(args, config, connect(redis_url, retries=LOOP_RETRIES))
     except ModelMismatchError as exc:
         raise click.ClickException(str(exc)) from None
 

@@ -6,7 +6,9 @@ restarted on its AOF. Nobody restarts anything by hand: every process must
 still be running afterwards, every job must end exactly once (one final
 chunk, a gap-free chunk log, one audit row per job) with the tokens of the
 same engine run in-process, and ``status`` must drop a killed worker within
-its heartbeat TTL.
+its heartbeat TTL. A producer submits two more jobs while Redis is away, and
+another waits on every result across the fault. One pool serves all the tests
+of this module (each fault's jobs are its own), so the processes start once.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -30,7 +33,7 @@ from lorapool.wire import decode_chunk
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 PARAMS = SamplingParams(temperature=0.0, max_tokens=96, ignore_eos=True)
-PROMPTS = [f"job {i} counts" for i in range(30)]
+PROMPTS = [f"job {i} counts" for i in range(32)]  # the last 2: submitted during the fault
 CLI = [sys.executable, "-c", "from lorapool.cli.main import main; main()"]
 
 
@@ -99,9 +102,9 @@ class Pool:
         self.server.stop()
 
 
-@pytest.fixture
-def pool(model, tmp_path):
-    pool = Pool(model, tmp_path)
+@pytest.fixture(scope="module")
+def pool(model, tmp_path_factory):
+    pool = Pool(model, tmp_path_factory.mktemp("pool"))
     yield pool
     pool.stop()
 
@@ -117,35 +120,64 @@ def _check_exactly_once(pool, producer, handles, expected):
         assert handle.result(timeout=5).outputs[0].token_ids == tokens
     deadline = time.monotonic() + 60
     db = create_engine(pool.db)
+    ids = {h.request_id for h in handles}
     while True:  # the writer drains what the workers audited
         with db.connect() as conn:
             rows = conn.execute(
                 text("SELECT request_id, COUNT(*) FROM completions GROUP BY request_id")
             ).all()
+        rows = {rid: count for rid, count in rows if rid in ids}
         if len(rows) == len(handles) or time.monotonic() > deadline:
             break
         time.sleep(0.5)
-    assert dict(rows) == {h.request_id: 1 for h in handles}
+    assert rows == {rid: 1 for rid in ids}
     assert pool.conn.xpending(producer.keys.requests, "workers")["pending"] == 0
+
+
+def _wait_all(handles, results: dict) -> None:
+    """A producer waiting on every result across the fault (its reads must ride it out)."""
+    try:
+        results["outputs"] = [h.result(timeout=240).outputs[0].token_ids for h in handles]
+    except Exception as exc:  # noqa: BLE001 - reported by the test
+        results["error"] = repr(exc)
+
+
+def _submit_late(url, fault, handles: list) -> None:
+    """Two more jobs submitted while Redis is away (the client's retries carry them)."""
+    try:
+        ids = [f"{fault}-late-{i}" for i in range(2)]
+        handles.extend(Producer(url).submit_many(PROMPTS[30:], PARAMS, request_ids=ids))
+    except Exception as exc:  # noqa: BLE001 - reported by the test
+        handles.append(repr(exc))
 
 
 @pytest.mark.parametrize("fault", ["stall_15s", "kill_and_restart"])
 def test_pool_rides_out_redis_fault(pool, expected, fault):
     producer = Producer(pool.server.url)
-    handles = producer.submit_many(PROMPTS, PARAMS)
+    ids = [f"{fault}-{i}" for i in range(30)]
+    handles = producer.submit_many(PROMPTS[:30], PARAMS, request_ids=ids)
+    results, late = {}, []
+    waiter = threading.Thread(target=_wait_all, args=(list(handles), results))
+    waiter.start()
     deadline = time.monotonic() + 120
     while pool.finished(producer, handles) < 4:  # in the middle: some done, most not
         pool.check_alive()
         assert time.monotonic() < deadline
         time.sleep(0.05)
+    submitter = threading.Thread(target=_submit_late, args=(pool.server.url, fault, late))
     if fault == "stall_15s":
         pool.server.pause()
+        submitter.start()
         time.sleep(15)
         pool.server.resume()
     else:
         pool.server.kill()
+        submitter.start()
         time.sleep(3)
         pool.server.start()
+    submitter.join(60)
+    assert len(late) == 2 and all(h.enqueued for h in late), late  # each queued once
+    handles += late
     assert pool.finished(producer, handles) < len(handles)  # the fault hit running jobs
     deadline = time.monotonic() + 180
     while pool.finished(producer, handles) < len(handles):
@@ -154,6 +186,8 @@ def test_pool_rides_out_redis_fault(pool, expected, fault):
         time.sleep(0.2)
     pool.check_alive()
     _check_exactly_once(pool, producer, handles, expected)
+    waiter.join(30)
+    assert results.get("outputs") == expected[:30], results.get("error")
     pool.check_alive()
     if fault == "kill_and_restart":  # longer than redis-py's retries: the loops took over
         for name in ("worker0", "worker1"):
