@@ -173,7 +173,7 @@ def test_pool_rides_out_redis_fault(pool, expected, fault):
     else:
         pool.server.kill()
         submitter.start()
-        time.sleep(3)
+        time.sleep(2)  # past the loops' retries (< 0.6 s), within a producer's (> 3.5 s)
         pool.server.start()
     submitter.join(60)
     assert len(late) == 2 and all(h.enqueued for h in late), late  # each queued once
