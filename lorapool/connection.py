@@ -13,11 +13,15 @@ and go on, logging it (see ``Worker.run_guarded`` and ``AuditWriter._retry``).
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 from urllib.parse import urlsplit
 
 import redis
+from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import EqualJitterBackoff
+
+logger = logging.getLogger(__name__)
 
 # Redis away (a stall, a restart): loops ride these out; other errors are the caller's.
 REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)
@@ -29,8 +33,52 @@ RETRIES = 6
 LOOP_RETRIES = 2
 
 
+def _failure_logger(retries: int):
+    """Logs a call's first failed try as a warning, the others at debug level."""
+    tries = []
+
+    def log(error: Exception) -> None:
+        tries.append(error)
+        level = logging.WARNING if len(tries) == 1 else logging.DEBUG
+        logger.log(
+            level,
+            "Redis call failed, retrying (up to %d times): %s: %s",
+            retries,
+            type(error).__name__,
+            error,
+        )
+
+    return log
+
+
+class LoggedRetry(redis.retry.Retry):
+    """redis-py's Retry that logs failed tries: a stall it rides out shows in the log."""
+
+    def call_with_retry(self, do, fail, is_retryable=None, with_failure_count=False):
+        log = _failure_logger(self.get_retries())
+
+        def logged(error, *count):
+            log(error)
+            return fail(error, *count)
+
+        return super().call_with_retry(do, logged, is_retryable, with_failure_count)
+
+
+class LoggedAsyncRetry(AsyncRetry):
+    """``LoggedRetry`` for redis.asyncio clients."""
+
+    async def call_with_retry(self, do, fail, is_retryable=None, with_failure_count=False):
+        log = _failure_logger(self.get_retries())
+
+        async def logged(error, *count):
+            log(error)
+            return await fail(error, *count)
+
+        return await super().call_with_retry(do, logged, is_retryable, with_failure_count)
+
+
 def connection_options(
-    url: str = "redis://", retries: int = RETRIES, retry_class: type = redis.retry.Retry
+    url: str = "redis://", retries: int = RETRIES, retry_class: type = LoggedRetry
 ) -> dict[str, Any]:
     """Keyword arguments of ``Redis.from_url(url)`` shared by all of lorapool's clients.
 
@@ -56,9 +104,9 @@ def connect(url: str, retries: int = RETRIES, **overrides: Any) -> redis.Redis:
 def connect_async(url: str, retries: int = RETRIES, **overrides: Any):
     """The asyncio client of ``url`` with the same options."""
     from redis.asyncio import Redis
-    from redis.asyncio.retry import Retry
 
-    return Redis.from_url(url, **{**connection_options(url, retries, Retry), **overrides})
+    options = connection_options(url, retries, LoggedAsyncRetry)
+    return Redis.from_url(url, **{**options, **overrides})
 
 
 def ensure_group(connection: redis.Redis, stream: str, group: str) -> None:

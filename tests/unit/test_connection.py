@@ -25,10 +25,30 @@ def test_keepalive_on_tcp_only():
     assert "socket_keepalive" not in connect("unix:///x.sock").connection_pool.connection_kwargs
 
 
-def test_retries_are_bounded():
-    """A refused connection is retried with backoff (0.1-0.2 s, then 0.2-0.4 s), then raises."""
+def test_retries_are_bounded_and_logged(caplog):
+    """A refused connection is retried with backoff (0.1-0.2 s, then 0.2-0.4 s), then raises;
+    the first failed try is a warning, the others debug."""
+    caplog.set_level("DEBUG", logger="lorapool.connection")
     client = connect(f"redis://127.0.0.1:{free_port()}/0", retries=LOOP_RETRIES)
     started = time.monotonic()
     with pytest.raises(redis.ConnectionError):
         client.ping()
     assert 0.3 <= time.monotonic() - started <= 1.0
+    failed = [r for r in caplog.records if r.name == "lorapool.connection"]
+    assert [r.levelname for r in failed] == ["WARNING"] + ["DEBUG"] * LOOP_RETRIES
+    assert "Connection refused" in failed[0].getMessage()
+
+
+def test_async_retries_are_logged(caplog):
+    caplog.set_level("DEBUG", logger="lorapool.connection")
+
+    async def ping():
+        client = connect_async(f"redis://127.0.0.1:{free_port()}/0", retries=1)
+        try:
+            with pytest.raises(redis.ConnectionError):
+                await client.ping()
+        finally:
+            await client.aclose()
+
+    asyncio.run(ping())
+    assert len([r for r in caplog.records if r.name == "lorapool.connection"]) == 2
