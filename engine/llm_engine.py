@@ -1,4 +1,23 @@
-"""LLMEngine: vLLM's step-driven engine API over our scheduler and model runner."""
+"""LLMEngine: vLLM's step-driven engine API over our scheduler and model runner.
+
+Isolation (what one request's data can do to another's output): nothing.
+
+- Adapter weights holding NaN or Inf are refused at load (``lora.adapter``:
+  AdapterError naming the adapter and tensor); its requests fail, others run.
+- Attention reads only positions inside each sequence's own context: block
+  tails, padding entries of a block table and freed blocks (which keep what
+  their last request wrote, NaN and Inf included) are selected away, never
+  multiplied by a zero mask, in the reference (``kernels.reference``) and in
+  the Triton kernel (``kernels.attention_ops``).
+- A request whose logits turn non-finite (finite weights that overflow, say)
+  ends alone with finish_reason "error" and a message saying so
+  (``_drop_non_finite``); its blocks are freed and the step's other rows are
+  sampled as usual.
+
+Tested in tests/engine/test_non_finite_logits.py (the whole cache filled with
+NaN or Inf; an overflowing and a NaN adapter next to clean requests, which equal
+their solo runs in that batch and the next) and tests/kernels/test_attention_ops.py.
+"""
 
 from __future__ import annotations
 

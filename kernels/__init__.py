@@ -70,17 +70,16 @@ def paged_attention(
     seq_lens,
     query_start_loc,
     scale: float,
-    finite_cache: bool = False,
     plan: AttentionPlan | None = None,
 ) -> torch.Tensor:
-    """See ``reference.paged_attention``; the Triton kernel masks its loads, so it
-    needs no ``finite_cache`` promise, and plans on the device, so it ignores ``plan``."""
+    """See ``reference.paged_attention``; the Triton kernel plans on the device, so it
+    ignores ``plan``."""
     args = (query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale)
     if use_triton(query):
         from lorapool.kernels import attention_ops
 
         return attention_ops.paged_attention(*args)
-    return reference.paged_attention(*args, finite_cache=finite_cache, plan=plan)
+    return reference.paged_attention(*args, plan=plan)
 
 
 def lora_shrink(x, lora_a, slots, scale: float = 1.0, out=None) -> torch.Tensor:

@@ -12,6 +12,11 @@ sequence's block table up to its last query's position, BLOCK_N positions
 find their sequence by binary search over ``query_start_loc``, so the grid
 comes from shapes alone: no device sync. Small decode batches also split
 each context over several programs (flash-decoding) and combine the parts.
+
+A program reads only positions inside its sequence's context (loads past it
+are masked, so never read), and selects masked scores and probabilities away
+rather than multiplying them by zero: whatever other slots hold, a freed
+block's NaN or Inf included, cannot reach the result.
 """
 
 import math
@@ -92,10 +97,11 @@ def _attend(
         k = tl.load(k_cache_ptr + k_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + v_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         s = tl.dot(q.to(DOT_DTYPE), tl.trans(k.to(DOT_DTYPE)), input_precision=PRECISION)
-        s = tl.where(kv_pos[None, :] <= pos[:, None], s * qk_scale, -1.0e30)
+        seen = kv_ok[None, :] & (kv_pos[None, :] <= pos[:, None])  # [BLOCK_M, BLOCK_N]
+        s = tl.where(seen, s * qk_scale, -1.0e30)
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        p = tl.where(seen, tl.exp2(s - m_new[:, None]), 0.0)  # exactly 0 where unseen
         l_i = l_i * alpha + tl.sum(p, axis=1)
         pv = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=PRECISION)
         acc = acc * alpha[:, None] + pv

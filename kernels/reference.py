@@ -50,7 +50,6 @@ def paged_attention(
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     scale: float,
-    finite_cache: bool = False,
     plan: AttentionPlan | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its paged context.
@@ -60,16 +59,17 @@ def paged_attention(
     token i sits at position p = seq_lens[b] - q_len + i and
     out[t] = softmax(scale * q[t] @ K[b, :p + 1]^T) @ V[b, :p + 1].
 
+    Only those positions count: any other cache slot (the tail of a last block,
+    a padding entry of a block table, a freed block) may hold anything, NaN and
+    Inf included, and leaves the result unchanged; padding is selected away,
+    never multiplied by a zero.
+
     Args:
         query: [T, H_q, D], tokens of sequence b at query_start_loc[b]:query_start_loc[b + 1].
         key_cache, value_cache: [num_blocks, block_size, H_kv, D]; H_q % H_kv == 0 (GQA).
         block_tables: [B, max_blocks] int32, block ids of each sequence in order.
         seq_lens: [B] int32, context length of each sequence including its new tokens.
         query_start_loc: [B + 1] int32, cumulative new-token counts.
-        finite_cache: the caller guarantees every cache slot holds a finite value
-            (the engine zero-fills its cache and writes only finite K/V), so slots
-            past a sequence's length need not be zeroed before the masked softmax.
-            A speed option for the CPU path: the result is the same.
         plan: ``AttentionPlan.build`` of the three batch tensors above, when the
             caller built it once for several calls (the layers of a step).
     Returns:
@@ -82,7 +82,7 @@ def paged_attention(
         raise ValueError(f"the plan is for blocks of {plan.block_size}, the cache has {block_size}")
     out = torch.empty_like(query)
     for group in plan.decode:
-        _decode_attention(query, key_cache, value_cache, group, scale, out, finite_cache)
+        _decode_attention(query, key_cache, value_cache, group, scale, out)
     for seq in plan.prefill:
         k = _gather_context(key_cache, seq.blocks, seq.length)
         v = _gather_context(value_cache, seq.blocks, seq.length)
@@ -107,9 +107,7 @@ def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
     return o[0].transpose(0, 1)  # [Q, Hq, D]
 
 
-def _decode_attention(
-    query, key_cache, value_cache, group: DecodeGroup, scale: float, out, finite_cache: bool
-):
+def _decode_attention(query, key_cache, value_cache, group: DecodeGroup, scale: float, out):
     # One new token per sequence: gather the group's contexts at once, padded to its longest.
     # index_select gathers blocks about twice as fast as advanced indexing, and SDPA
     # reads the gathered K/V through strides, without the copies an einsum makes.
@@ -117,9 +115,10 @@ def _decode_attention(
     shape = (len(group.tokens), group.num_blocks * block_size, num_kv_heads, head_size)
     k = key_cache.index_select(0, group.blocks).view(shape).float()  # [n, L, Hkv, D]
     v = value_cache.index_select(0, group.blocks).view(shape).float()
-    if not finite_cache:  # NaN in a masked slot would still poison the softmax and P @ V
-        k.masked_fill_(~group.valid[:, :, None, None], 0.0)
-        v.masked_fill_(~group.valid[:, :, None, None], 0.0)
+    # Padding slots may hold another request's NaN or Inf (a freed block), which
+    # the mask alone does not stop: 0 * NaN is NaN in the softmax and in P @ V.
+    k.masked_fill_(~group.valid[:, :, None, None], 0.0)
+    v.masked_fill_(~group.valid[:, :, None, None], 0.0)
     q = query[group.tokens].float()[:, :, None, :]  # [n, Hq, 1, D]
     o = F.scaled_dot_product_attention(
         q,

@@ -70,7 +70,6 @@ class LlamaAttention(nn.Module):
             batch.seq_lens,
             batch.query_start_loc,
             self.scale,
-            finite_cache=True,  # the model runner zero-fills the cache; we write finite K/V
             plan=batch.attention_plan,
         )
         return self.o_proj(out.view(num_tokens, self.num_heads * self.head_dim))

@@ -89,3 +89,19 @@ def test_overflowing_and_nan_adapters_fail_alone(base, adapters):
     for rid, _, _ in mixed:
         assert again[rid].outputs[0].token_ids == solo[rid], rid
     assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
+
+
+@pytest.mark.parametrize("poison", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_what_free_cache_blocks_hold_never_reaches_a_request(base, poison):
+    """A freed block keeps whatever its last request wrote (NaN, Inf): decode padding
+    and block tails must not read it. The engine's whole cache is filled with it first."""
+    jobs = [(f"r{i}", p, None) for i, p in enumerate(PROMPTS)]
+    want = run(engine(base), jobs)
+    llm = engine(base)
+    for key_cache, value_cache in llm.runner.kv_caches:
+        key_cache.fill_(poison)
+        value_cache.fill_(poison)
+    got = run(llm, jobs)
+    for rid, _, _ in jobs:
+        assert got[rid].outputs[0].token_ids == want[rid].outputs[0].token_ids, rid
+        assert got[rid].outputs[0].finish_reason == "length"

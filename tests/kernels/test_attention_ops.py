@@ -1,8 +1,8 @@
 """Paged KV cache writes and paged attention: Triton kernels against the reference.
 
 Caches start full of NaN, so a kernel that reads a slot no token was written
-to (the tail of a last block, a padding block-table entry, the last block,
-which no sequence owns) shows up as NaN in the output.
+to (the tail of a last block, a padding block-table entry, blocks 0 and the
+last, which no sequence owns) shows up as NaN in the output.
 """
 
 from dataclasses import dataclass
@@ -48,10 +48,11 @@ PREFILL = [
 
 
 def _tables(batch: Batch, gen: torch.Generator):
-    """Random block tables, padded with -1; the last cache block belongs to no one."""
+    """Random block tables, padded with -1; blocks 0 (a freed block that padding
+    may gather) and the last belong to no one."""
     counts = [-(-ctx // batch.block_size) for _, ctx in batch.seqs]
     num_blocks = sum(counts) + 2
-    perm = torch.randperm(num_blocks - 1, generator=gen).tolist()
+    perm = (torch.randperm(num_blocks - 2, generator=gen) + 1).tolist()
     tables = torch.full((len(counts), max(counts) + 1), -1, dtype=torch.int32)
     for b, n in enumerate(counts):
         tables[b, :n] = torch.tensor(perm[:n], dtype=torch.int32)
@@ -92,6 +93,44 @@ def test_paged_attention_matches_reference(batch, tolerances):
     want = reference.paged_attention(*args, scale)
     assert not want.isnan().any()
     torch.testing.assert_close(got.float(), want.float(), **tolerances[batch.dtype])
+
+
+# Decode rows padded to the longest of their group, and prefill beside decode.
+POISONED = [
+    Batch(((1, 100), (1, 90), (1, 83), (1, 3)), 2, 16, F32),
+    Batch(((20, 70), (1, 64), (1, 60)), 3, 16, F32),
+]
+POISONS = [float("nan"), float("inf"), float("-inf")]
+
+
+def _poisoned(batch: Batch, fill: float):
+    """The arguments of ``_make`` twice: free slots zero (clean), then set to ``fill``."""
+    q, k_cache, v_cache, *rest = _make(batch)
+    free = k_cache.isnan()  # written slots hold randn, never NaN
+    clean = [c.masked_fill(free, 0.0) for c in (k_cache, v_cache)]
+    poisoned = [c.masked_fill(free, fill) for c in (k_cache, v_cache)]
+    return (q, *clean, *rest), (q, *poisoned, *rest)
+
+
+@pytest.mark.parametrize("fill", POISONS, ids=str)
+@pytest.mark.parametrize("batch", POISONED, ids=str)
+def test_reference_ignores_what_free_slots_hold(batch, fill):
+    clean, poisoned = _poisoned(batch, fill)
+    scale = batch.head_size**-0.5
+    want = reference.paged_attention(*clean, scale)
+    torch.testing.assert_close(reference.paged_attention(*poisoned, scale), want, rtol=0, atol=0)
+
+
+@pytest.mark.usefixtures("triton_interpret")
+@pytest.mark.parametrize("fill", POISONS, ids=str)
+@pytest.mark.parametrize("batch", POISONED, ids=str)
+def test_kernel_ignores_what_free_slots_hold(batch, fill, tolerances):
+    clean, poisoned = _poisoned(batch, fill)
+    scale = batch.head_size**-0.5
+    got = attention_ops.paged_attention(*poisoned, scale)
+    torch.testing.assert_close(got, attention_ops.paged_attention(*clean, scale), rtol=0, atol=0)
+    want = reference.paged_attention(*clean, scale)
+    torch.testing.assert_close(got, want, **tolerances[batch.dtype])
 
 
 @dataclass(frozen=True)

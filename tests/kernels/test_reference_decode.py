@@ -17,17 +17,16 @@ def _naive(query, key_cache, value_cache, table, length, scale):
     return torch.einsum("hl,lhd->hd", scores.softmax(-1), v).float()
 
 
-@pytest.mark.parametrize("finite_cache", [True, False])
-def test_decode_rows_of_spread_lengths_match_per_sequence_attention(finite_cache):
+@pytest.mark.parametrize("fill", [0.0, float("nan"), float("inf")])
+def test_decode_rows_of_spread_lengths_match_per_sequence_attention(fill):
     gen = torch.Generator().manual_seed(3)
     block_size, kv_heads, head_size, group = 16, 3, 32, 3
     # lengths from 1 to 700 in no order: several length groups, single rows among them
     lens = [700, 1, 17, 650, 40, 333, 16, 15, 512, 100, 99, 2, 300, 690, 64, 65]
     counts = [-(-n // block_size) for n in lens]
     num_blocks = sum(counts) + 1
-    fill = 0.0 if finite_cache else float("nan")  # blocks past a length, and padding
     shape = (num_blocks, block_size, kv_heads, head_size)
-    key_cache, value_cache = torch.full(shape, fill), torch.full(shape, fill)
+    key_cache, value_cache = torch.full(shape, fill), torch.full(shape, fill)  # unwritten slots
     perm = torch.randperm(num_blocks - 1, generator=gen).tolist()
     tables = torch.full((len(lens), max(counts)), num_blocks - 1, dtype=torch.int32)
     for b, (n, c) in enumerate(zip(lens, counts)):
@@ -44,9 +43,9 @@ def test_decode_rows_of_spread_lengths_match_per_sequence_attention(finite_cache
     plan = AttentionPlan.build(tables, seq_lens, starts, block_size)
     assert len(plan.decode) > 3
     args = (query, key_cache, value_cache, tables, seq_lens, starts, scale)
-    out = reference.paged_attention(*args, finite_cache=finite_cache)
+    out = reference.paged_attention(*args)
     # a plan built once and passed in, as the engine does for its layers, gives the same
-    planned = reference.paged_attention(*args, finite_cache=finite_cache, plan=plan)
+    planned = reference.paged_attention(*args, plan=plan)
     torch.testing.assert_close(planned, out, rtol=0, atol=0)
     for b, n in enumerate(lens):
         expected = _naive(query[b], key_cache, value_cache, tables[b, : counts[b]], n, scale)
