@@ -272,22 +272,11 @@ class LoRARequest:
         return cls(**data)
 
 
-_MOVED = {  # the output types live in lorapool.outputs; these names still resolve here
-    "CompletionOutput",
-    "Logprob",
-    "PromptLogprobs",
-    "RequestMetrics",
-    "RequestOutput",
-    "SampleLogprobs",
-    "logprobs_from_wire",
-    "logprobs_to_wire",
-}
-
-
 def __getattr__(name: str) -> Any:
-    if name in _MOVED:
-        from lorapool import outputs
+    """The output types live in lorapool.outputs; their names still resolve here."""
+    from lorapool import outputs
 
+    if name in outputs.__all__:
         return getattr(outputs, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 

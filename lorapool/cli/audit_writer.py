@@ -8,6 +8,7 @@ import signal
 import click
 
 from lorapool.cli.audit import audit_key, db_options, insecure_option
+from lorapool.cli.queue import count_option
 from lorapool.connection import LOOP_RETRIES, connect
 from lorapool.keys import DEAD_MAX_LEN
 
@@ -36,13 +37,7 @@ def _install_signals(writer) -> None:
     show_default=True,
     help="Claim other consumers' entries pending this long.",
 )
-@click.option(
-    "--dead-max-len",
-    type=click.IntRange(min=1),
-    default=DEAD_MAX_LEN,
-    show_default=True,
-    help="Entries {prefix}:dead keeps (approximately).",
-)
+@count_option("--dead-max-len", DEAD_MAX_LEN, "Entries {prefix}:dead keeps (approximately).")
 @click.option("--migrate", "run_migrate", is_flag=True, help="Migrate the tables first.")
 @click.option("--burst", is_flag=True, help="Exit once the stream is drained.")
 @insecure_option

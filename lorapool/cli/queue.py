@@ -23,6 +23,14 @@ prefix_option = click.option(
 )
 
 
+def count_option(flag: str, default: int, help: str, dest: str | None = None):
+    """An option taking a positive integer, its default shown."""
+    names = (flag, dest) if dest else (flag,)
+    return click.option(
+        *names, default=default, show_default=True, type=click.IntRange(min=1), help=help
+    )
+
+
 def _producer(redis_url, prefix):
     from lorapool.producer import Producer
 
@@ -56,35 +64,15 @@ def _producer(redis_url, prefix):
     help="bytes for the KV cache [default: 1 GiB on CPU, a share of free memory on GPU]",
 )
 @click.option("--enable-prefix-caching", is_flag=True)
-@click.option(
-    "--max-n",
-    default=DEFAULT_MAX_N,
-    show_default=True,
-    type=click.IntRange(min=1),
-    help="most completions per request",
-)
-@click.option(
-    "--max-prompt-bytes",
-    default=DEFAULT_MAX_PROMPT_BYTES,
-    show_default=True,
-    type=click.IntRange(min=1),
-    help="larger prompts are refused",
-)
-@click.option(
+@count_option("--max-n", DEFAULT_MAX_N, "most completions per request")
+@count_option("--max-prompt-bytes", DEFAULT_MAX_PROMPT_BYTES, "larger prompts are refused")
+@count_option(
     "--result-ttl",
+    24 * 3600,
+    "seconds a finished job's outputs stay in Redis (a job may set its own)",
     "result_ttl_s",
-    default=24 * 3600,
-    show_default=True,
-    type=click.IntRange(min=1),
-    help="seconds a finished job's outputs stay in Redis (a job may set its own)",
 )
-@click.option(
-    "--dead-max-len",
-    default=DEAD_MAX_LEN,
-    show_default=True,
-    type=click.IntRange(min=1),
-    help="entries {prefix}:dead keeps (approximately)",
-)
+@count_option("--dead-max-len", DEAD_MAX_LEN, "entries {prefix}:dead keeps (approximately)")
 @click.option("--name", default=None, help="worker name (default: host-pid-random)")
 @click.option("--lease", "lease_s", default=10.0, show_default=True, help="lease seconds")
 @click.option("--max-deliveries", default=3, show_default=True)

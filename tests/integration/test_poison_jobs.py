@@ -22,6 +22,7 @@ import orjson
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from json_strategies import json_values as any_json
 
 from lorapool.audit_db.record import record_from_dict
 from lorapool.producer import Producer
@@ -175,17 +176,7 @@ def test_engine_step_that_raises_fails_only_its_requests(model, conn, prefix, ex
 
 # --- a worker process fed arbitrary JSON next to valid jobs (hypothesis) --------------
 
-json_values = st.recursive(
-    st.none()
-    | st.booleans()
-    | st.integers(min_value=-(2**63), max_value=2**64 - 1)
-    | st.floats(allow_nan=False, allow_infinity=False)
-    | st.text(max_size=12),
-    lambda inner: (
-        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3)
-    ),
-    max_leaves=8,
-)
+json_values = any_json(text_size=12, width=3, leaves=8)
 FIELDS = ["v", "request_id", "prompt", "prompt_token_ids", "sampling_params", "lora_request"]
 FIELDS += ["metadata", "arrival_time", "extra"]
 PARAMS = sorted(SamplingParams.__dataclass_fields__)

@@ -15,6 +15,7 @@ import orjson
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from json_strategies import json_values as any_json
 
 from lorapool.producer.job import build_job
 from lorapool.protocol import FieldError, LoRARequest, SamplingParams
@@ -170,17 +171,7 @@ def test_valid_unicode_and_nul_in_prompt_pass():
 
 # --- property: arbitrary JSON only ever yields a Job or a ValueError -----------------
 
-json_values = st.recursive(
-    st.none()
-    | st.booleans()
-    | st.integers(min_value=-(2**63), max_value=2**64 - 1)
-    | st.floats(allow_nan=False, allow_infinity=False)
-    | st.text(max_size=20),
-    lambda inner: (
-        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
-    ),
-    max_leaves=12,
-)
+json_values = any_json()
 param_names = st.sampled_from(sorted(SamplingParams.__dataclass_fields__) + ["bogus"])
 job_fields = st.sampled_from(sorted(VALID) + ["extra"])
 
