@@ -32,7 +32,10 @@ from lorapool.audit_db.queries import (
     search,
     usage,
 )
-from lorapool.audit_db.record import (
+from lorapool.audit_db.store import append_records
+from lorapool.audit_db.verify import BadRow, Head, VerifyReport, verify_chain
+from lorapool.audit_db.writer import AuditWriter, WriterConfig, WriterStats
+from lorapool.audit_record import (
     AuditRecord,
     RecordError,
     encode_record,
@@ -41,9 +44,6 @@ from lorapool.audit_db.record import (
     record_from_output,
     sign_record,
 )
-from lorapool.audit_db.store import append_records
-from lorapool.audit_db.verify import BadRow, Head, VerifyReport, verify_chain
-from lorapool.audit_db.writer import AuditWriter, WriterConfig, WriterStats
 
 __all__ = [
     "AuditRecord",

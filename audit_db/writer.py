@@ -33,7 +33,7 @@ from sqlalchemy.exc import TimeoutError as PoolTimeout
 from lorapool import signing
 from lorapool.audit_db import store
 from lorapool.audit_db.database import is_current, migrate
-from lorapool.audit_db.record import RecordError, parse_record
+from lorapool.audit_record import RecordError, parse_record
 from lorapool.connection import ensure_group
 from lorapool.keys import AUDIT_GROUP, DEAD_MAX_LEN, DEFAULT_PREFIX, Keys
 

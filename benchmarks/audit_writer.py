@@ -34,7 +34,7 @@ from lorapool.audit_db import (
     migrate,
     verify_chain,
 )
-from lorapool.audit_db.record import sign_record
+from lorapool.audit_record import sign_record
 from lorapool.keys import Keys
 from lorapool.signing import key_from_env
 

@@ -1,6 +1,6 @@
 """The queue worker: drives one engine from the ``workers`` consumer group.
 
-May import: the engine, redis, orjson, ``lorapool.audit_db.record`` (to build audit records)
+May import: the engine, redis, orjson, ``lorapool.audit_record`` (to build audit records)
 and the producer's registry helpers; never SQLAlchemy sessions or the CLI.
 """
 

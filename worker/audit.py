@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from lorapool.audit_db.record import record_from_output, sign_record
+from lorapool.audit_record import record_from_output, sign_record
 from lorapool.wire import Chunk
 from lorapool.worker.held import Held
 

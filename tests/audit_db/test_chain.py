@@ -3,8 +3,8 @@
 import pytest
 
 from lorapool.audit_db.chain import GENESIS, adapter_fingerprint, canonical, link, row_body
-from lorapool.audit_db.record import RecordError, record_from_dict
 from lorapool.audit_db.store import adapter_row, prepare
+from lorapool.audit_record import RecordError, record_from_dict
 
 pytest_plugins = ["audit_fixtures"]
 

@@ -13,7 +13,7 @@ from sqlalchemy import text
 from lorapool import signing
 from lorapool.audit_db import DatabaseConfig, append_records, create_audit_engine
 from lorapool.audit_db.queries import percentile
-from lorapool.audit_db.record import record_from_dict
+from lorapool.audit_record import record_from_dict
 from lorapool.cli.audit import audit, parse_time
 
 pytest_plugins = ["audit_fixtures"]

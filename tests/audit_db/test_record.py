@@ -6,7 +6,7 @@ import orjson
 import pytest
 
 from lorapool import CompletionOutput, RequestMetrics, RequestOutput
-from lorapool.audit_db.record import (
+from lorapool.audit_record import (
     RecordError,
     encode_record,
     parse_record,

@@ -9,8 +9,8 @@ from sqlalchemy.exc import DBAPIError
 from lorapool import signing
 from lorapool.audit_db import append_records, verify_chain
 from lorapool.audit_db.chain import link, row_body
-from lorapool.audit_db.record import record_from_dict
 from lorapool.audit_db.schema import completions
+from lorapool.audit_record import record_from_dict
 
 pytest_plugins = ["audit_fixtures"]
 pytestmark = pytest.mark.integration

@@ -30,8 +30,8 @@ from lorapool.audit_db import (
     verify_chain,
 )
 from lorapool.audit_db.chain import GENESIS, link, row_body
-from lorapool.audit_db.record import record_from_dict, sign_record
 from lorapool.audit_db.schema import adapters, completions
+from lorapool.audit_record import record_from_dict, sign_record
 from lorapool.cli.audit import audit
 from lorapool.cli.audit_writer import audit_writer
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from lorapool.audit_db.record import record_from_dict
+from lorapool.audit_record import record_from_dict
 from lorapool.identity import adapter_sha256, model_identity, weights_sha256
 from lorapool.producer import Producer
 from lorapool.producer.registry import describe_adapter

@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from json_strategies import json_values as any_json
 
-from lorapool.audit_db.record import record_from_dict
+from lorapool.audit_record import record_from_dict
 from lorapool.producer import Producer
 from lorapool.protocol import SamplingParams
 from lorapool.wire import decode_chunk, job_from_dict

@@ -5,7 +5,7 @@ import asyncio
 import orjson
 import pytest
 
-from lorapool.audit_db.record import record_from_dict
+from lorapool.audit_record import record_from_dict
 from lorapool.producer import AsyncProducer
 from lorapool.protocol import LoRARequest, SamplingParams
 from lorapool.worker import Worker, WorkerConfig

@@ -13,7 +13,7 @@ import pytest
 import redis
 from click.testing import CliRunner
 
-from lorapool.audit_db.record import record_from_dict
+from lorapool.audit_record import record_from_dict
 from lorapool.cli.main import cli
 from lorapool.keys import WORKERS_GROUP
 from lorapool.protocol import SamplingParams
