@@ -161,6 +161,25 @@ class LLMEngine:
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
 
+    # --- what a queue worker drives besides add/step/abort (worker.engine_api) ---
+    def capacity(self) -> int:
+        """How many new requests to take now: 0 while some still wait for a batch slot."""
+        if self.scheduler.waiting:
+            return 0
+        return max(0, self.args.max_num_seqs - len(self.requests))
+
+    def request_counts(self) -> tuple[int, int]:
+        """(running, waiting) sequences."""
+        return len(self.scheduler.running), len(self.scheduler.waiting)
+
+    def running_request_ids(self) -> set[str]:
+        """The requests in the running batch (those a failed step may have touched)."""
+        return {seq.request.request_id for seq in self.scheduler.running}
+
+    @property
+    def device_name(self) -> str:
+        return str(self.args.resolve_device())
+
     def step(self) -> list[RequestOutput]:
         """Run one scheduled batch; returns the outputs of the requests that advanced."""
         outputs, self._pending = self._pending, []

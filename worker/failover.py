@@ -28,7 +28,7 @@ def claim(worker: Worker) -> int:
     An entry delivered more than ``max_deliveries`` times is dead-lettered and
     its client gets a final error output.
     """
-    count = worker.capacity()
+    count = worker.engine.capacity()
     if count == 0:
         return 0
     reply = worker.redis.xautoclaim(

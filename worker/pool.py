@@ -44,13 +44,14 @@ def heartbeat_record(worker: Worker) -> dict[str, Any]:
     elapsed = max(1e-6, now - worker._last.get("tokens_at", now - 1))
     worker._last["tokens_at"] = now
     held = worker.held.values()
+    running, waiting = worker.engine.request_counts()
     record = {
         "name": worker.name,
-        "device": str(worker.engine.args.resolve_device()),
+        "device": worker.engine.device_name,
         "model": worker.base_model.get("name"),
         "updated": now,
-        "running": len(worker.engine.scheduler.running),
-        "waiting": len(worker.engine.scheduler.waiting),
+        "running": running,
+        "waiting": waiting,
         "held": len(worker.held),
         "tokens_per_s": worker.num_tokens / elapsed,
         "adapters": sorted({h.job.lora_request.name for h in held if h.job.lora_request}),

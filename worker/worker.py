@@ -27,6 +27,7 @@ from lorapool.worker import dead_letter, failover
 from lorapool.worker.audit import final_audit
 from lorapool.worker.config import WorkerConfig
 from lorapool.worker.dead_letter import reason_of
+from lorapool.worker.engine_api import EngineInterface
 from lorapool.worker.held import Held, engine_params, make_chunk, resumed_token_ids
 from lorapool.worker.pool import claim_model, heartbeat_record
 from lorapool.worker.scripts import APPEND, RENEW, append_call
@@ -44,7 +45,11 @@ class Worker:
     """
 
     def __init__(
-        self, engine: Any, connection: redis.Redis, config: WorkerConfig, base_model: dict[str, str]
+        self,
+        engine: EngineInterface,
+        connection: redis.Redis,
+        config: WorkerConfig,
+        base_model: dict[str, str],
     ):
         signing.require_key(config.audit_key, config.insecure_no_key)
         self.engine = engine
@@ -143,14 +148,8 @@ class Worker:
 
     # --- admission -------------------------------------------------------------
 
-    def capacity(self) -> int:
-        """How many new requests the engine can take now (0 while some still wait)."""
-        if self.engine.scheduler.waiting:
-            return 0
-        return max(0, self.engine.args.max_num_seqs - self.engine.get_num_unfinished_requests())
-
     def _admit(self) -> int:
-        count = self.capacity()
+        count = self.engine.capacity()
         if count == 0:
             return 0
         block = None if self.engine.has_unfinished_requests() else self.config.block_ms
@@ -221,7 +220,7 @@ class Worker:
 
     def _fail_step(self, reason: str) -> None:
         """Fail the requests the failed step held (all running ones), freeing their state."""
-        running = {seq.request.request_id for seq in self.engine.scheduler.running}
+        running = self.engine.running_request_ids()
         failed = [h for rid, h in self.held.items() if rid in running] or list(self.held.values())
         for held in failed:
             self._abort_in_engine(held.request_id)
