@@ -17,10 +17,11 @@ ADAPTER_FIELDS = ("name", "id", "path", "sha256", "rank", "alpha", "target_modul
 
 
 def final_audit(worker: Worker, held: Held, chunk: Chunk) -> bytes:
-    """The audit record of a final chunk (every finished request, failed ones too), else b""."""
+    """The audit record of a final chunk (every finished request, failed ones too), else b"".
+
+    ``held`` has taken ``chunk`` already: the record holds the whole output."""
     if not chunk.finished:
         return b""
-    held.take(chunk)
     return orjson.dumps(audit_record(worker, held))
 
 
@@ -28,14 +29,15 @@ def audit_record(worker: Worker, held: Held) -> dict[str, Any]:
     adapter = None
     if held.adapter is not None:
         adapter = {k: held.adapter.get(k) for k in ADAPTER_FIELDS}
+    output = held.output()
     record = record_from_output(
-        held.output,
+        output,
         worker=worker.name,
         base_model=worker.base_model,
         adapter=adapter,
         sampling_params=held.job.sampling_params.to_dict(),
         metadata=held.job.metadata,
-        error=held.output.error,
+        error=output.error,
     )
     if worker.config.audit_key is None:  # --insecure-no-key: the writer cannot check it
         return record

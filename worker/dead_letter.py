@@ -52,6 +52,7 @@ def dead_letter(
             find_adapter(worker, held)
             chunk = error_chunk(held, reason, worker.name)
             dead = dead_payload(payload, audited=True)
+            held.take(chunk)
             with worker.redis.pipeline(transaction=False) as pipe:
                 audit = final_audit(worker, held, chunk)
                 worker._append_chunk(pipe, held, chunk, audit, dead=dead, reason=reason)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import time
 from dataclasses import dataclass, field
@@ -11,6 +10,33 @@ from typing import Any
 from lorapool.outputs import RequestOutput
 from lorapool.protocol import RequestOutputKind, SamplingParams
 from lorapool.wire import Chunk, Job, completion_wire
+
+
+class _Completion:
+    """One completion's part of the log: pieces appended per chunk, joined once."""
+
+    __slots__ = ("index", "token_ids", "text", "logprobs", "last")
+
+    def __init__(self, index: int):
+        self.index, self.token_ids, self.text = index, [], []
+        self.logprobs: list | None = None
+        self.last: dict[str, Any] = {}
+
+    def add(self, out: dict[str, Any]) -> None:
+        self.token_ids += out["token_ids"]
+        self.text.append(out["text"])
+        if out.get("logprobs") is not None:
+            self.logprobs = (self.logprobs or []) + out["logprobs"]
+        self.last = out
+
+    def wire(self, offset: int) -> dict[str, Any]:
+        return {
+            **self.last,
+            "offset": offset,
+            "text": "".join(self.text),
+            "token_ids": self.token_ids,
+            "logprobs": self.logprobs,
+        }
 
 
 @dataclass
@@ -23,9 +49,12 @@ class Held:
     seq: int = 0  # seq of the next chunk
     total: int = 0  # tokens of all completions already in the log
     offsets: dict[int, int] = field(default_factory=dict)  # per completion index
-    output: RequestOutput | None = None  # everything in the log so far (cumulative)
+    prompt: str | None = None  # the first chunk's
     prompt_token_ids: list[int] | None = None  # the original prompt's tokens
     resumed_tokens: int = 0  # tokens generated before this worker took over
+    completions: dict[int, _Completion] = field(default_factory=dict)
+    first: Chunk | None = None  # the first chunk in the log
+    last: Chunk | None = None  # the latest
 
     @property
     def request_id(self) -> str:
@@ -42,18 +71,41 @@ class Held:
         return 0 if lora is None else lora.lora_int_id
 
     def take(self, chunk: Chunk) -> None:
-        """Account a chunk that is (or already was) in the log."""
-        delta = chunk.to_output()
+        """Account a chunk that is in (or on its way to) the log: O(its tokens), no copies
+        of what came before."""
+        if self.first is None:
+            self.first = chunk
         if chunk.prompt_token_ids is not None:
-            self.prompt_token_ids = list(chunk.prompt_token_ids)
-        if self.output is None:
-            self.output = copy.deepcopy(delta)
-        else:
-            self.output.add(copy.deepcopy(delta), aggregate=True)
+            self.prompt, self.prompt_token_ids = chunk.prompt, list(chunk.prompt_token_ids)
         for out in chunk.outputs:
-            self.offsets[out["index"]] = out.get("offset", 0) + len(out["token_ids"])
+            index = out["index"]
+            self.completions.setdefault(index, _Completion(index)).add(out)
+            self.offsets[index] = out.get("offset", 0) + len(out["token_ids"])
+        self.last = chunk
         self.seq = chunk.seq + 1
         self.total = chunk.offset + chunk.num_tokens
+
+    def output(self) -> RequestOutput | None:
+        """Everything in the log so far as one cumulative RequestOutput (built on call:
+        once per request, at its end)."""
+        if self.first is None:
+            return None
+        last = self.last
+        whole = Chunk(
+            request_id=self.request_id,
+            seq=last.seq,
+            offset=0,
+            outputs=[c.wire(0) for _, c in sorted(self.completions.items())],
+            finished=last.finished,
+            lora_request=last.lora_request or self.first.lora_request,
+            adapter_id=last.adapter_id,
+            metrics=last.metrics,
+            worker=last.worker,
+            error=last.error,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+        )
+        return whole.to_output()
 
 
 def engine_params(params: SamplingParams) -> SamplingParams:
@@ -63,9 +115,8 @@ def engine_params(params: SamplingParams) -> SamplingParams:
 
 def resumed_token_ids(held: Held) -> list[int]:
     """Tokens of ``held`` already in the chunk log: the engine continues after them."""
-    if held.output is None or not held.output.outputs:
-        return []
-    return list(held.output.outputs[0].token_ids)
+    first = held.completions.get(0)
+    return [] if first is None else list(first.token_ids)
 
 
 def _next_chunk(held: Held, outputs: list[dict[str, Any]], finished: bool, **fields) -> Chunk:

@@ -1,9 +1,16 @@
 """The queue worker: one engine, fed from the ``workers`` consumer group.
 
 Loop: periodic upkeep (lease renewal, claiming abandoned entries, heartbeat)
-→ admit what the engine can take now → one engine step → one pipelined round
-trip appending every advanced request's chunk (fenced; see ``scripts.py``, also
-for why Redis Cluster is not supported).
+→ admit what the engine can take now → one engine step → its chunks handed to
+the sender thread, which appends them (fenced; see ``scripts.py``, also for why
+Redis Cluster is not supported) in one pipelined round trip while the engine
+runs its next step.
+
+Coalescing: a step's chunks go out at once when the previous round trip is
+done; when it is not, they wait and merge with the next steps' (one chunk per
+request), and once ``MAX_BEHIND`` steps wait, the engine waits for Redis. So a
+token reaches Redis at most ``MAX_BEHIND`` steps plus one round trip after its
+step, and a slow Redis slows the engine instead of piling up chunks.
 """
 
 from __future__ import annotations
@@ -31,10 +38,12 @@ from lorapool.worker.engine_api import EngineInterface
 from lorapool.worker.held import Held, engine_params, make_chunk, resumed_token_ids
 from lorapool.worker.pool import claim_model, heartbeat_record
 from lorapool.worker.scripts import APPEND, RENEW, append_call
+from lorapool.worker.sender import Sender
 
 logger = logging.getLogger(__name__)
 NOT_OWNER, DUPLICATE = -1, -2
 BACKOFF_S = (0.1, 5.0)  # first and longest wait between tries while Redis is away
+MAX_BEHIND = 4  # steps whose chunks may wait for the round trip on its way
 
 
 class Worker:
@@ -66,7 +75,11 @@ class Worker:
         self._renew = connection.register_script(RENEW)
         self._last = {"renew": 0.0, "claim": 0.0, "heartbeat": 0.0}
         self._drain_deadline: float | None = None
-        self._unsent: list[tuple[Held, Chunk, bytes]] = []  # chunks of the last step
+        # engine outputs not yet handed to the sender, per request, and their steps
+        self._pending: dict[str, list[RequestOutput]] = {}
+        self._pending_steps = 0
+        self._retry: list | None = None  # a batch whose send failed: sent again first
+        self._sender = Sender(self._send_batch, self.name)
         self._away_since: float | None = None  # Redis unreachable since (monotonic)
         self._backoff_s = BACKOFF_S[0]
         self._saved_signals: dict[int, Any] = {}
@@ -88,9 +101,9 @@ class Worker:
     def run_guarded(self) -> None:
         """``run_once``, riding out Redis being away (a stall, a restart): never exits on it.
 
-        The iteration that failed is repeated once Redis answers: chunks not yet
-        appended are sent again before the engine steps on (see ``_send``); a
-        consumer group lost with a restart that kept no data is created again.
+        The iteration that failed is repeated once Redis answers: a batch of
+        chunks whose send failed is sent again before any other (see ``_flush``);
+        a consumer group lost with a restart that kept no data is created again.
         """
         try:
             self.run_once()
@@ -124,12 +137,14 @@ class Worker:
 
     def run_once(self) -> None:
         """One iteration: upkeep, admission, one engine step, publishing."""
-        self._send()  # chunks of the last step that did not reach Redis
+        idle = not self.engine.has_unfinished_requests()
+        self._flush(wait=idle)  # all out before admission blocks on an idle engine
         self._upkeep()
         read = 0 if self.draining else self._admit()
         if self.engine.has_unfinished_requests():
             self._step()
         elif self.draining or (self.config.burst and read == 0 and self._queue_empty()):
+            self._flush(wait=True)
             self.stopped = True
         if self._drain_deadline is not None and time.monotonic() > self._drain_deadline:
             logger.warning(
@@ -220,6 +235,7 @@ class Worker:
 
     def _fail_step(self, reason: str) -> None:
         """Fail the requests the failed step held (all running ones), freeing their state."""
+        self._flush(wait=True)  # their chunks so far, before their error chunks
         running = self.engine.running_request_ids()
         failed = [h for rid, h in self.held.items() if rid in running] or list(self.held.values())
         for held in failed:
@@ -229,31 +245,79 @@ class Worker:
     # --- publishing --------------------------------------------------------------
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
-        """Every advanced request's chunk, built once, then sent (see ``_send``)."""
+        """Queue a step's outputs for the sender (see the module's docstring)."""
         for out in outputs:
-            held = self.held.get(out.request_id)
+            if out.request_id in self.held:  # else lost to another worker, or failed
+                self._pending.setdefault(out.request_id, []).append(out)
+        self._pending_steps += 1
+        self._flush(wait=False)
+
+    def flush(self) -> None:
+        """Until every chunk of the steps so far is in Redis (``run`` does this whenever
+        the engine is idle; code stepping a worker with ``run_once`` may need it)."""
+        self._flush(wait=True)
+
+    def _flush(self, wait: bool) -> None:
+        """Apply what the sender finished; hand it the pending chunks if it is free.
+
+        ``wait``: until every chunk so far is in Redis. Without it, waits only
+        when ``MAX_BEHIND`` steps are pending. A failed send raises here, on the
+        worker's thread, and its batch is sent again first.
+        """
+        self._collect()
+        if not self._sender.idle:
+            if not wait and self._pending_steps < MAX_BEHIND:
+                return
+            self._sender.wait()
+            self._collect()
+        if self._retry is not None:
+            batch, self._retry = self._retry, None
+            self._sender.hand(batch)
+            self._sender.wait()
+            self._collect()
+        batch = self._build_batch()
+        self._pending_steps = 0
+        if batch:
+            self._sender.hand(batch)
+        if wait and not self._sender.idle:
+            self._sender.wait()
+            self._collect()
+
+    def _build_batch(self) -> list[tuple[Held, Chunk, bytes]]:
+        """One chunk per pending request (its steps' outputs merged), taken into its Held."""
+        batch = []
+        for rid, outs in self._pending.items():
+            held = self.held.get(rid)
             if held is None:
-                continue  # lost to another worker, or already failed
+                continue
+            out = outs[0]
+            for later in outs[1:]:
+                out.add(later, aggregate=True)
             chunk = make_chunk(held, out, self.name)
-            self._unsent.append((held, chunk, final_audit(self, held, chunk)))
-        self._send()
+            held.take(chunk)
+            batch.append((held, chunk, final_audit(self, held, chunk)))
+        self._pending = {}
+        return batch
 
-    def _send(self) -> None:
-        """One pipelined round trip appending the unsent chunks, fenced.
+    def _collect(self) -> None:
+        """Results of finished sends, applied; a send's failure raised (batch kept)."""
+        for batch, results in self._sender.take_done():
+            if isinstance(results, BaseException):
+                self._retry = batch
+                raise results
+            for (held, chunk, _), result in zip(batch, results):
+                self._after_append(held, chunk, result)
 
-        If Redis goes away, they stay unsent and the next iteration sends the
-        same chunks again before the engine steps: a chunk whose first send did
+    def _send_batch(self, batch: list[tuple[Held, Chunk, bytes]]) -> list:
+        """One pipelined round trip appending a batch, fenced (on the sender's thread).
+
+        A batch sent again after Redis went away: a chunk whose first send did
         land comes back DUPLICATE (or, finished, NOT_OWNER: already acked).
         """
-        if not self._unsent:
-            return
         with self.redis.pipeline(transaction=False) as pipe:
-            for held, chunk, audit in self._unsent:
+            for held, chunk, audit in batch:
                 self._append_chunk(pipe, held, chunk, audit)
-            results = pipe.execute()
-        sent, self._unsent = self._unsent, []
-        for (held, chunk, _), result in zip(sent, results):
-            self._after_append(held, chunk, result)
+            return pipe.execute()
 
     def _append_chunk(
         self,
@@ -281,24 +345,25 @@ class Worker:
         self._append(**call, client=pipe)
 
     def _after_append(self, held: Held, chunk: Chunk, result: int) -> None:
-        """Account an append. While this worker owns the entry, nobody else appends to
-        its log, so DUPLICATE means this chunk already landed (a send repeated after a
-        broken connection, by redis-py or by ``_send``)."""
+        """Account an append (``held`` took the chunk when it was built). While this
+        worker owns the entry, nobody else appends to its log, so DUPLICATE means this
+        chunk already landed (a send repeated after a broken connection)."""
         rid = held.request_id
         self.num_tokens += chunk.num_tokens
+        if self.held.get(rid) is not held:
+            return  # dropped or failed meanwhile
         if result == NOT_OWNER:
             if not chunk.finished:
                 logger.warning("worker %s: lost %s to another worker, dropping it", self.name, rid)
             self._drop(rid)
         elif chunk.finished:
             self.held.pop(rid, None)
-        else:
-            held.take(chunk)
-            if result == 1:
-                self.engine.abort_request(rid)
+        elif result == 1:
+            self.engine.abort_request(rid)
 
     def _drop(self, request_id: str) -> None:
         self.held.pop(request_id, None)
+        self._pending.pop(request_id, None)
         self.engine.abort_request(request_id)
 
     def _abort_in_engine(self, request_id: str) -> None:
@@ -380,7 +445,9 @@ class Worker:
             self._drain_deadline = 0.0  # the loop hands back and stops at once
 
     def hand_back(self) -> None:
-        """Mark every held entry long idle so that another worker claims it at once."""
+        """Mark every held entry long idle so that another worker claims it at once
+        (after the chunks of its last steps are in its log)."""
+        self._flush(wait=True)
         self.renew(idle_ms=self.config.lease_ms * 10)
         self.held.clear()
 
@@ -395,4 +462,5 @@ class Worker:
             logger.warning(
                 "worker %s: stopped without saying so, Redis is away (%s)", self.name, exc
             )
+        self._sender.close()
         logger.info("worker %s: stopped", self.name)

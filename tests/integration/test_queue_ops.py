@@ -141,6 +141,7 @@ def test_cli_status_and_abort(engine, conn, redis_url, prefix, producer, model):
         assert code == 0 and f"abort requested for {handle.request_id}" in out
         for _ in range(3):
             worker.run_once()
+        worker.flush()  # the last step's chunks may still wait for the round trip before
     finally:
         worker.engine.args.max_num_seqs = saved
     final = handle.result(timeout=5)
