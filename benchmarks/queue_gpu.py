@@ -183,8 +183,15 @@ class StandInEngine:
 
 
 def workload(num_requests: int, max_tokens: int, label: str) -> list[tuple[str, list[int], int]]:
+    """16-token prompts; outputs spread over max_tokens/2 .. 3*max_tokens/2, so requests
+    finish and start every step, as in a serving pool (not in waves)."""
+    low = max(1, max_tokens // 2)
     return [
-        (f"{label}-{i}", [(i * 7 + k) % VOCAB for k in range(16)], max_tokens)
+        (
+            f"{label}-{i}",
+            [(i * 7 + k) % VOCAB for k in range(16)],
+            low + (i * 37) % (max_tokens + 1),
+        )
         for i in range(num_requests)
     ]
 
@@ -288,7 +295,8 @@ def run_queue(url: str, sequences: int, step_ms: float, jobs) -> dict[str, Any]:
             while (done := conn.xlen(keys.audit)) < len(jobs):
                 if worker.poll() is not None:
                     raise RuntimeError("the worker exited")
-                if streaming is None and done >= len(jobs) // 4:  # mid-run, logs are full
+                if streaming is None and done >= len(jobs) // 4:
+                    # mid-run: the requests after the finished ones are the running ones
                     streaming = chunk_log_bytes(conn, [keys.out(r) for r in ids[done:][:64]])
                 time.sleep(0.1)
             redis_cpu, seconds = redis_cpu_s(conn) - cpu0, time.perf_counter() - t0

@@ -21,7 +21,7 @@ from lorapool.protocol import FieldError, LoRARequest, SamplingParams, is_int
 from lorapool.wire import MAX_METADATA_BYTES, MAX_REQUEST_ID, Job, JobLimits
 from lorapool.worker.audit import final_audit
 from lorapool.worker.held import Held, error_chunk
-from lorapool.worker.scripts import append_call
+from lorapool.worker.scripts import Append
 
 if TYPE_CHECKING:
     from lorapool.worker.worker import Worker
@@ -53,31 +53,16 @@ def dead_letter(
             chunk = error_chunk(held, reason, worker.name)
             dead = dead_payload(payload, audited=True)
             held.take(chunk)
-            with worker.redis.pipeline(transaction=False) as pipe:
-                audit = final_audit(worker, held, chunk)
-                worker._append_chunk(pipe, held, chunk, audit, dead=dead, reason=reason)
-                pipe.execute()
+            audit = final_audit(worker, held, chunk)
+            worker.append([worker.append_item(held, chunk, audit, dead, reason)])
             return
     except REDIS_DOWN:
         raise
     except Exception as exc:  # noqa: BLE001 - the dead-letter path must not raise
         logger.exception("worker %s: no error output for %s", worker.name, entry_id)
         reason = f"{reason} (and its error output could not be written: {reason_of(exc)})"
-    call = append_call(
-        worker.keys,
-        "-",
-        entry_id,
-        worker.name,
-        seq=-1,
-        chunk=b"",
-        final=True,
-        audit=b"",
-        ttl_s=worker.config.result_ttl_s,
-        dead=dead_payload(payload, audited=False),
-        reason=reason,
-        dead_max_len=worker.config.dead_max_len,
-    )
-    worker._append(**call)
+    dead = dead_payload(payload, audited=False)
+    worker.append([Append("-", entry_id, -1, b"", True, dead=dead, reason=reason)])
 
 
 def find_adapter(worker: Worker, held: Held) -> None:

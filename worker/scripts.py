@@ -17,7 +17,7 @@ streams and hashes (``{p}:requests``, ``{p}:audit``, ``{p}:dead``,
 their own. A cluster refuses, with CROSSSLOT, these commands:
 
 - ``APPEND`` touches ``{p}:requests`` (XPENDING, XACK, XDEL),
-  the request's ``out``, ``abort`` and ``job`` keys, ``{p}:audit`` and
+  the requests' ``out``, ``abort`` and ``job`` keys, ``{p}:audit`` and
   ``{p}:dead``: the final chunk, the ack and the audit record must be one
   atomic step, so it cannot be split per slot without losing that guarantee;
 - the producer's ``SUBMIT_SCRIPT`` (``producer/job.py``): ``{p}:job:{id}`` and
@@ -32,71 +32,87 @@ as ``{lorapool}``, which ``Keys`` refuses today): that puts the whole pool on
 one shard, which is a standalone Redis in all but name.
 """
 
+from typing import NamedTuple
+
 from lorapool.keys import WORKERS_GROUP, Keys
 
-
-def append_call(
-    keys: Keys,
-    request_id: str,
-    entry_id: str,
-    consumer: str,
-    *,
-    seq: int,
-    chunk: bytes,
-    final: bool,
-    audit: bytes,
-    ttl_s: int,
-    dead: bytes,
-    reason: str,
-    dead_max_len: int,
-) -> dict:
-    """The keys and args of one APPEND call (seq -1, request id "-": no chunk, only the
-    ack and the dead letter)."""
-    return {
-        "keys": [
-            keys.requests,
-            keys.out(request_id),
-            keys.abort(request_id),
-            keys.job(request_id),
-            keys.audit,
-            keys.dead,
-        ],
-        "args": [WORKERS_GROUP, entry_id, consumer, seq, chunk, int(final), audit, ttl_s]
-        + [dead, reason, dead_max_len],
-    }
+NOT_OWNER, DUPLICATE = -1, -2  # APPEND's results besides 0 and 1 (abort asked)
 
 
-# KEYS: requests, out, abort, job, audit, dead
-# ARGV: group, entry, consumer, seq (-1: no chunk), chunk, final (0/1), audit ('' none),
-#       ttl, dead ('' none), reason, dead stream's MAXLEN (approximate)
-# Returns -1 (not the owner), -2 (seq already in the log), else 1 if abort is asked, 0.
+class Append(NamedTuple):
+    """One entry's part of an APPEND call: a chunk (seq -1: none), and at the end the ack,
+    the audit record and (failed) the dead letter."""
+
+    request_id: str  # "-" with seq -1: an entry whose request is unknown
+    entry_id: str
+    seq: int
+    chunk: bytes
+    final: bool
+    audit: bytes = b""
+    ttl_s: int = 0
+    dead: bytes = b""
+    reason: str = ""
+
+
+def append_call(keys: Keys, consumer: str, dead_max_len: int, items: list[Append]) -> dict:
+    """The keys and args of one APPEND call for ``items`` (any number, one round trip)."""
+    call_keys = [keys.requests, keys.audit, keys.dead]
+    args: list = [WORKERS_GROUP, consumer, dead_max_len]
+    for item in items:
+        rid = item.request_id
+        call_keys += [keys.out(rid), keys.abort(rid), keys.job(rid)]
+        args += [item.entry_id, item.seq, item.chunk, int(item.final), item.audit, item.ttl_s]
+        args += [item.dead, item.reason]
+    return {"keys": call_keys, "args": args}
+
+
+# KEYS: requests, audit, dead, then per item: out, abort, job
+# ARGV: group, consumer, dead stream's MAXLEN (approximate), then per item: entry,
+#       seq (-1: no chunk), chunk, final (0/1), audit ('' none), ttl, dead ('' none), reason
+# Returns per item: -1 (not the owner), -2 (seq already in the log), else 1 if abort is
+# asked, 0.
 APPEND = """
-local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 1)
-if #p == 0 or p[1][2] ~= ARGV[3] then return -1 end
-local seq = tonumber(ARGV[4])
-if seq >= 0 then
-  local last = redis.call('XREVRANGE', KEYS[2], '+', '-', 'COUNT', 1)
-  if #last > 0 and tonumber(string.match(last[1][1], '-(%d+)$')) > seq then return -2 end
-  redis.call('XADD', KEYS[2], '0-' .. (seq + 1), 'data', ARGV[5])
-  redis.call('PUBLISH', KEYS[2], ARGV[5])
-end
-if ARGV[6] == '1' then
-  redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
-  redis.call('XDEL', KEYS[1], ARGV[2])
-  if ARGV[7] ~= '' then redis.call('XADD', KEYS[5], '*', 'data', ARGV[7]) end
-  if ARGV[9] ~= '' then
-    redis.call('XADD', KEYS[6], 'MAXLEN', '~', ARGV[11], '*', 'data', ARGV[9],
-               'reason', ARGV[10], 'entry', ARGV[2], 'worker', ARGV[3])
+local results = {}
+for i = 0, (#ARGV - 3) / 8 - 1 do
+  local a, k = 3 + i * 8, 3 + i * 3
+  local entry, seq, final = ARGV[a + 1], tonumber(ARGV[a + 2]), ARGV[a + 4] == '1'
+  local audit, ttl, dead = ARGV[a + 5], ARGV[a + 6], ARGV[a + 7]
+  local out, abort, job = KEYS[k + 1], KEYS[k + 2], KEYS[k + 3]
+  local result = 0
+  local p = redis.call('XPENDING', KEYS[1], ARGV[1], entry, entry, 1)
+  if #p == 0 or p[1][2] ~= ARGV[2] then
+    result = -1
+  elseif seq >= 0 and (function()
+      local last = redis.call('XREVRANGE', out, '+', '-', 'COUNT', 1)
+      return #last > 0 and tonumber(string.match(last[1][1], '-(%d+)$')) > seq
+    end)() then
+    result = -2
+  else
+    if seq >= 0 then
+      redis.call('XADD', out, '0-' .. (seq + 1), 'data', ARGV[a + 3])
+      redis.call('PUBLISH', out, ARGV[a + 3])
+    end
+    if final then
+      redis.call('XACK', KEYS[1], ARGV[1], entry)
+      redis.call('XDEL', KEYS[1], entry)
+      if audit ~= '' then redis.call('XADD', KEYS[2], '*', 'data', audit) end
+      if dead ~= '' then
+        redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[3], '*', 'data', dead,
+                   'reason', ARGV[a + 8], 'entry', entry, 'worker', ARGV[2])
+      end
+      if seq >= 0 then
+        redis.call('EXPIRE', out, ttl)
+        redis.call('HSET', job, 'status', dead ~= '' and 'failed' or 'finished')
+        redis.call('EXPIRE', job, ttl)
+        redis.call('DEL', abort)
+      end
+    else
+      result = redis.call('EXISTS', abort)
+    end
   end
-  if seq >= 0 then
-    redis.call('EXPIRE', KEYS[2], ARGV[8])
-    redis.call('HSET', KEYS[4], 'status', ARGV[9] ~= '' and 'failed' or 'finished')
-    redis.call('EXPIRE', KEYS[4], ARGV[8])
-    redis.call('DEL', KEYS[3])
-  end
-  return 0
+  results[i + 1] = result
 end
-return redis.call('EXISTS', KEYS[3])
+return results
 """
 
 # KEYS: requests. ARGV: group, consumer, idle_ms (0: renew), entry ids...

@@ -37,11 +37,10 @@ from lorapool.worker.dead_letter import reason_of
 from lorapool.worker.engine_api import EngineInterface
 from lorapool.worker.held import Held, engine_params, make_chunk, resumed_token_ids
 from lorapool.worker.pool import claim_model, heartbeat_record
-from lorapool.worker.scripts import APPEND, RENEW, append_call
+from lorapool.worker.scripts import APPEND, NOT_OWNER, RENEW, Append, append_call
 from lorapool.worker.sender import Sender
 
 logger = logging.getLogger(__name__)
-NOT_OWNER, DUPLICATE = -1, -2
 BACKOFF_S = (0.1, 5.0)  # first and longest wait between tries while Redis is away
 MAX_BEHIND = 4  # steps whose chunks may wait for the round trip on its way
 
@@ -309,40 +308,32 @@ class Worker:
                 self._after_append(held, chunk, result)
 
     def _send_batch(self, batch: list[tuple[Held, Chunk, bytes]]) -> list:
-        """One pipelined round trip appending a batch, fenced (on the sender's thread).
+        """One APPEND call for a whole batch, fenced (on the sender's thread).
 
         A batch sent again after Redis went away: a chunk whose first send did
         land comes back DUPLICATE (or, finished, NOT_OWNER: already acked).
         """
-        with self.redis.pipeline(transaction=False) as pipe:
-            for held, chunk, audit in batch:
-                self._append_chunk(pipe, held, chunk, audit)
-            return pipe.execute()
+        return self.append([self.append_item(h, c, a) for h, c, a in batch])
 
-    def _append_chunk(
-        self,
-        pipe,
-        held: Held,
-        chunk: Chunk,
-        audit: bytes,
-        dead: bytes | None = None,
-        reason: str = "",
-    ) -> None:
-        call = append_call(
-            self.keys,
+    def append(self, items: list[Append]) -> list[int]:
+        """One APPEND call (``scripts.APPEND``); its result per item."""
+        return self._append(**append_call(self.keys, self.name, self.config.dead_max_len, items))
+
+    def append_item(
+        self, held: Held, chunk: Chunk, audit: bytes, dead: bytes = b"", reason: str = ""
+    ) -> Append:
+        ttl_s = held.job.result_ttl_s or self.config.result_ttl_s
+        return Append(
             held.request_id,
             held.entry_id,
-            self.name,
-            seq=chunk.seq,
-            chunk=encode_chunk(chunk),
-            final=chunk.finished,
-            audit=audit,
-            ttl_s=held.job.result_ttl_s or self.config.result_ttl_s,
-            dead=dead or b"",
-            reason=reason,
-            dead_max_len=self.config.dead_max_len,
+            chunk.seq,
+            encode_chunk(chunk),
+            chunk.finished,
+            audit,
+            ttl_s,
+            dead,
+            reason,
         )
-        self._append(**call, client=pipe)
 
     def _after_append(self, held: Held, chunk: Chunk, result: int) -> None:
         """Account an append (``held`` took the chunk when it was built). While this
