@@ -13,7 +13,8 @@ One run, per step time:
   ``Worker`` around the stand-in) → chunk logs; then every log is read back and
   checked token for token against ``token_of``.
 
-Reported: full-batch steps/s of both and their ratio; worker CPU per token (the
+Reported: steady-state steps/s of both (first to last full-batch step) and their
+ratio, and the same for tokens/s (a batch left part empty shows there); worker CPU per token (the
 worker process's CPU minus the stand-in's own, both per token, over full-batch
 steps); Redis CPU per token (``INFO cpu`` from submission done to the last final
 record, divided by all tokens); bytes Redis keeps per token in the chunk logs.
@@ -165,17 +166,22 @@ class StandInEngine:
 
     # --- what the benchmark reads -------------------------------------------------
     def full_batch_stats(self) -> dict[str, float]:
-        """Steps/s, tokens and CPU seconds over the steps that ran a full batch."""
-        full = [s for s in self.steps if s[3] >= self.max_num_seqs]
+        """Steady state: every step from the first to the last that ran a full batch
+        (while the queue still had work). Steps/s, tokens/s, CPU seconds and how full
+        the batch was on average (requests admitted a step late show there)."""
+        full = [i for i, s in enumerate(self.steps) if s[3] >= self.max_num_seqs]
         if len(full) < 3:
             return {"steps": len(full), "steps_per_s": 0.0, "tokens": 0, "cpu_s": 0.0}
-        # from the first full step's start to the last full step's start: n-1 intervals
-        span = full[-1][0] - full[0][0]
+        first, last = full[0], full[-1]
+        span = self.steps[last][0] - self.steps[first][0]
+        tokens = sum(s[3] for s in self.steps[first + 1 : last + 1])
         return {
-            "steps": len(full),
-            "steps_per_s": (len(full) - 1) / span,
-            "tokens": sum(s[3] for s in full[1:]),
-            "cpu_s": full[-1][2] - full[0][2],
+            "steps": last - first,
+            "steps_per_s": (last - first) / span,
+            "tokens_per_s": tokens / span,
+            "occupancy": tokens / ((last - first) * self.max_num_seqs),
+            "tokens": tokens,
+            "cpu_s": self.steps[last][2] - self.steps[first][2],
         }
 
 
@@ -313,6 +319,8 @@ def run_queue(url: str, sequences: int, step_ms: float, jobs) -> dict[str, Any]:
     tokens = sum(n for _, _, n in jobs)
     return {
         "steps_per_s": stats["steps_per_s"],
+        "steady_tokens_per_s": stats["tokens_per_s"],
+        "occupancy": stats["occupancy"],
         "worker_cpu_us_per_token": 1e6 * stats["cpu_s"] / max(1, stats["tokens"]),
         "redis_cpu_us_per_token": 1e6 * redis_cpu / tokens,
         "tokens_per_s": tokens / seconds,
@@ -352,6 +360,7 @@ def main(argv=None) -> dict:
         queue = run_queue(args.redis_url, args.sequences, step_ms, jobs)
         peer_cpu = 1e6 * peer["cpu_s"] / max(1, peer["tokens"])
         queue["ratio"] = queue["steps_per_s"] / peer["steps_per_s"]
+        queue["token_ratio"] = queue["steady_tokens_per_s"] / peer["tokens_per_s"]
         queue["stand_in_cpu_us_per_token"] = peer_cpu
         queue["worker_cpu_us_per_token"] -= peer_cpu
         queue["in_process_steps_per_s"] = peer["steps_per_s"]

@@ -4,8 +4,9 @@ Fencing: a worker writes for an entry only while XPENDING names it as the
 entry's consumer. Another worker that claims the entry (XAUTOCLAIM) takes that
 name away, so a paused worker that wakes up can neither append nor renew.
 Chunk log entry ids are ``0-<seq + 1>``, and an append whose seq is not past
-the log's last one is refused, so a log never holds a duplicate or a gap-filler
-out of order.
+the log's last one is refused (XADD refuses an id not above the stream's last;
+no read of the log), so a log never holds a duplicate or a gap-filler out of
+order.
 
 Redis Cluster is not supported; use a standalone Redis (with replicas and
 Sentinel for failover). Left as a documented limitation rather than
@@ -82,14 +83,14 @@ for i = 0, (#ARGV - 3) / 8 - 1 do
   local p = redis.call('XPENDING', KEYS[1], ARGV[1], entry, entry, 1)
   if #p == 0 or p[1][2] ~= ARGV[2] then
     result = -1
-  elseif seq >= 0 and (function()
-      local last = redis.call('XREVRANGE', out, '+', '-', 'COUNT', 1)
-      return #last > 0 and tonumber(string.match(last[1][1], '-(%d+)$')) > seq
-    end)() then
+  elseif seq >= 0 and not pcall(redis.call, 'XADD', out, '0-' .. (seq + 1), 'data', ARGV[a + 3])
+  then
+    -- refused: the log's last id is 0-(seq + 1) or later (anything else is not a stream
+    -- of ours: it is checked below and fails the whole call, as any error would)
+    redis.call('XLEN', out)
     result = -2
   else
     if seq >= 0 then
-      redis.call('XADD', out, '0-' .. (seq + 1), 'data', ARGV[a + 3])
       redis.call('PUBLISH', out, ARGV[a + 3])
     end
     if final then

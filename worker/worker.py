@@ -77,7 +77,7 @@ class Worker:
         # engine outputs not yet handed to the sender, per request, and their steps
         self._pending: dict[str, list[RequestOutput]] = {}
         self._pending_steps = 0
-        self._retry: list | None = None  # a batch whose send failed: sent again first
+        self._retry: tuple | None = None  # a batch whose send failed: sent again first
         self._sender = Sender(self._send_batch, self.name)
         self._away_since: float | None = None  # Redis unreachable since (monotonic)
         self._backoff_s = BACKOFF_S[0]
@@ -163,14 +163,22 @@ class Worker:
     # --- admission -------------------------------------------------------------
 
     def _admit(self) -> int:
+        """Read new entries while the engine is idle (blocking up to ``block_ms``); a
+        busy engine's are read by the sender, with its appends (see ``_flush``)."""
+        if self.engine.has_unfinished_requests():
+            return 0
         count = self.engine.capacity()
         if count == 0:
             return 0
-        block = None if self.engine.has_unfinished_requests() else self.config.block_ms
+        return self._start_read(self._read_entries(count, self.config.block_ms))
+
+    def _read_entries(self, count: int, block: int | None) -> list:
         reply = self.redis.xreadgroup(
             WORKERS_GROUP, self.name, {self.keys.requests: ">"}, count=count, block=block
         )
-        entries = [e for _, stream_entries in reply or [] for e in stream_entries]
+        return [e for _, stream_entries in reply or [] for e in stream_entries]
+
+    def _start_read(self, entries: list) -> int:
         for entry_id, fields in entries:
             self.start(entry_id.decode(), fields)
         return len(entries)
@@ -276,8 +284,11 @@ class Worker:
             self._collect()
         batch = self._build_batch()
         self._pending_steps = 0
-        if batch:
-            self._sender.hand(batch)
+        # new entries for the slots the engine has free, read in the same trip
+        read = 0 if self.draining or not self.engine.has_unfinished_requests() else None
+        read = self.engine.capacity() if read is None else read
+        if batch or read:
+            self._sender.hand((batch, read))
         if wait and not self._sender.idle:
             self._sender.wait()
             self._collect()
@@ -300,20 +311,25 @@ class Worker:
 
     def _collect(self) -> None:
         """Results of finished sends, applied; a send's failure raised (batch kept)."""
-        for batch, results in self._sender.take_done():
+        for (batch, _), results in self._sender.take_done():
             if isinstance(results, BaseException):
-                self._retry = batch
+                self._retry = (batch, 0)  # a read lost with it is claimed after the lease
                 raise results
-            for (held, chunk, _), result in zip(batch, results):
+            appended, entries = results
+            for (held, chunk, _), result in zip(batch, appended):
                 self._after_append(held, chunk, result)
+            self._start_read(entries)
 
-    def _send_batch(self, batch: list[tuple[Held, Chunk, bytes]]) -> list:
-        """One APPEND call for a whole batch, fenced (on the sender's thread).
+    def _send_batch(self, job: tuple[list[tuple[Held, Chunk, bytes]], int]) -> tuple:
+        """One APPEND call for a whole batch, fenced, then a read of up to ``read`` new
+        entries (on the sender's thread): (results of the appends, entries read).
 
         A batch sent again after Redis went away: a chunk whose first send did
         land comes back DUPLICATE (or, finished, NOT_OWNER: already acked).
         """
-        return self.append([self.append_item(h, c, a) for h, c, a in batch])
+        batch, read = job
+        appended = self.append([self.append_item(h, c, a) for h, c, a in batch]) if batch else []
+        return appended, self._read_entries(read, None) if read else []
 
     def append(self, items: list[Append]) -> list[int]:
         """One APPEND call (``scripts.APPEND``); its result per item."""
