@@ -175,7 +175,13 @@ class StandInEngine:
         first, last = full[0], full[-1]
         span = self.steps[last][0] - self.steps[first][0]
         tokens = sum(s[3] for s in self.steps[first + 1 : last + 1])
+        gaps = sorted(
+            self.steps[i + 1][0] - self.steps[i][1] for i in range(first, last)
+        )  # the worker's time between one step's end and the next one's start
         return {
+            "gap_ms_p50": 1000 * gaps[len(gaps) // 2],
+            "gap_ms_p99": 1000 * gaps[int(len(gaps) * 0.99)],
+            "gap_ms_mean": 1000 * sum(gaps) / len(gaps),
             "steps": last - first,
             "steps_per_s": (last - first) / span,
             "tokens_per_s": tokens / span,
@@ -320,6 +326,7 @@ def run_queue(url: str, sequences: int, step_ms: float, jobs) -> dict[str, Any]:
     return {
         "steps_per_s": stats["steps_per_s"],
         "steady_tokens_per_s": stats["tokens_per_s"],
+        "gap_ms": [round(stats[f"gap_ms_{k}"], 2) for k in ("p50", "p99", "mean")],
         "occupancy": stats["occupancy"],
         "worker_cpu_us_per_token": 1e6 * stats["cpu_s"] / max(1, stats["tokens"]),
         "redis_cpu_us_per_token": 1e6 * redis_cpu / tokens,
