@@ -5,11 +5,19 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from lorapool.outputs import RequestOutput
 from lorapool.protocol import RequestOutputKind, SamplingParams
 from lorapool.wire import Chunk, Job, completion_wire
+
+
+class Position(NamedTuple):
+    """Where a chunk goes: its seq, the tokens before it, each completion's offset."""
+
+    seq: int
+    total: int
+    offsets: list[int]  # in the order of the output's completions
 
 
 class _Completion:
@@ -70,18 +78,40 @@ class Held:
         lora = self.job.lora_request
         return 0 if lora is None else lora.lora_int_id
 
-    def take(self, chunk: Chunk) -> None:
-        """Account a chunk that is in (or on its way to) the log: O(its tokens), no copies
-        of what came before."""
+    def advance(self, out: RequestOutput) -> Position:
+        """The position of the next chunk, for engine output ``out``; moves past it."""
+        offsets, tokens = [], 0
+        for c in out.outputs:
+            before = self.offsets.get(c.index, 0)
+            offsets.append(before)
+            self.offsets[c.index] = before + len(c.token_ids)
+            tokens += len(c.token_ids)
+        position = Position(self.seq, self.total, offsets)
+        self.seq += 1
+        self.total += tokens
+        return position
+
+    def keep(self, chunk: Chunk) -> None:
+        """Keep what ``chunk`` holds for the whole output: O(its tokens), no copies of
+        what came before. (The sender's thread does this, in chunk order.)"""
         if self.first is None:
             self.first = chunk
         if chunk.prompt_token_ids is not None:
             self.prompt, self.prompt_token_ids = chunk.prompt, list(chunk.prompt_token_ids)
         for out in chunk.outputs:
             index = out["index"]
-            self.completions.setdefault(index, _Completion(index)).add(out)
-            self.offsets[index] = out.get("offset", 0) + len(out["token_ids"])
+            completion = self.completions.get(index)
+            if completion is None:
+                completion = self.completions[index] = _Completion(index)
+            completion.add(out)
         self.last = chunk
+
+    def take(self, chunk: Chunk) -> None:
+        """Account a chunk already in the log (replayed on resume, or an error chunk):
+        keep it and move past it."""
+        self.keep(chunk)
+        for out in chunk.outputs:
+            self.offsets[out["index"]] = out.get("offset", 0) + len(out["token_ids"])
         self.seq = chunk.seq + 1
         self.total = chunk.offset + chunk.num_tokens
 
@@ -134,27 +164,37 @@ def _next_chunk(held: Held, outputs: list[dict[str, Any]], finished: bool, **fie
     )
 
 
-def make_chunk(held: Held, out: RequestOutput, worker: str) -> Chunk:
-    """The next chunk of ``held`` from one engine delta output."""
-    outputs = [completion_wire(c, held.offsets.get(c.index, 0)) for c in out.outputs]
-    chunk = _next_chunk(held, outputs, out.finished, error=out.error)
-    if held.seq == 0:
+def make_chunk(held: Held, out: RequestOutput, worker: str, position: Position) -> Chunk:
+    """The chunk of ``held`` at ``position`` (``Held.advance``) from one engine delta."""
+    outputs = [completion_wire(c, off) for c, off in zip(out.outputs, position.offsets)]
+    first, finished = position.seq == 0, out.finished
+    chunk = Chunk(
+        request_id=held.request_id,
+        seq=position.seq,
+        offset=position.total,
+        outputs=outputs,
+        finished=finished,
+        adapter_id=held.adapter_id,
+        lora_request=held.lora_dict if first or finished else None,
+        error=out.error,
+    )
+    if first:
         chunk.prompt = held.job.prompt if held.job.prompt is not None else out.prompt
         chunk.prompt_token_ids = list(out.prompt_token_ids or [])
-    if out.finished:
+    if finished:
         chunk.worker = worker
-        chunk.metrics = _metrics(held, out)
+        chunk.metrics = _metrics(held, out, position.total)
     return chunk
 
 
-def _metrics(held: Held, out: RequestOutput) -> dict[str, Any] | None:
+def _metrics(held: Held, out: RequestOutput, before: int) -> dict[str, Any] | None:
     if out.metrics is None:
         return None
     metrics = out.metrics.to_dict()
     metrics["arrival_time"] = held.job.arrival_time
     if held.prompt_token_ids is not None:
         metrics["num_prompt_tokens"] = len(held.prompt_token_ids)
-    metrics["num_generated_tokens"] = held.total + sum(len(c.token_ids) for c in out.outputs)
+    metrics["num_generated_tokens"] = before + sum(len(c.token_ids) for c in out.outputs)
     return metrics
 
 

@@ -19,6 +19,7 @@ import logging
 import signal
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -35,7 +36,7 @@ from lorapool.worker.audit import final_audit
 from lorapool.worker.config import WorkerConfig
 from lorapool.worker.dead_letter import reason_of
 from lorapool.worker.engine_api import EngineInterface
-from lorapool.worker.held import Held, engine_params, make_chunk, resumed_token_ids
+from lorapool.worker.held import Held, Position, engine_params, make_chunk, resumed_token_ids
 from lorapool.worker.pool import claim_model, heartbeat_record
 from lorapool.worker.scripts import APPEND, NOT_OWNER, RENEW, Append, append_call
 from lorapool.worker.sender import Sender
@@ -43,6 +44,15 @@ from lorapool.worker.sender import Sender
 logger = logging.getLogger(__name__)
 BACKOFF_S = (0.1, 5.0)  # first and longest wait between tries while Redis is away
 MAX_BEHIND = 4  # steps whose chunks may wait for the round trip on its way
+
+
+@dataclass
+class _Trip:
+    """One round trip of the sender: chunks to append, then entries to read."""
+
+    outputs: list[tuple[Held, RequestOutput, Position]]
+    read: int  # new entries to read after the appends (free slots of the engine)
+    sent: list | None = None  # (held, chunk, APPEND item), built on the first try
 
 
 class Worker:
@@ -77,7 +87,7 @@ class Worker:
         # engine outputs not yet handed to the sender, per request, and their steps
         self._pending: dict[str, list[RequestOutput]] = {}
         self._pending_steps = 0
-        self._retry: tuple | None = None  # a batch whose send failed: sent again first
+        self._retry: _Trip | None = None  # a trip whose send failed: sent again first
         self._sender = Sender(self._send_batch, self.name)
         self._away_since: float | None = None  # Redis unreachable since (monotonic)
         self._backoff_s = BACKOFF_S[0]
@@ -278,8 +288,8 @@ class Worker:
             self._sender.wait()
             self._collect()
         if self._retry is not None:
-            batch, self._retry = self._retry, None
-            self._sender.hand(batch)
+            trip, self._retry = self._retry, None
+            self._sender.hand(trip)
             self._sender.wait()
             self._collect()
         batch = self._build_batch()
@@ -288,13 +298,14 @@ class Worker:
         read = 0 if self.draining or not self.engine.has_unfinished_requests() else None
         read = self.engine.capacity() if read is None else read
         if batch or read:
-            self._sender.hand((batch, read))
+            self._sender.hand(_Trip(batch, read))
         if wait and not self._sender.idle:
             self._sender.wait()
             self._collect()
 
-    def _build_batch(self) -> list[tuple[Held, Chunk, bytes]]:
-        """One chunk per pending request (its steps' outputs merged), taken into its Held."""
+    def _build_batch(self) -> list[tuple[Held, RequestOutput, Position]]:
+        """One output per pending request (its steps' outputs merged) and the position
+        of its chunk; the sender builds and encodes the chunks off this thread."""
         batch = []
         for rid, outs in self._pending.items():
             held = self.held.get(rid)
@@ -303,33 +314,44 @@ class Worker:
             out = outs[0]
             for later in outs[1:]:
                 out.add(later, aggregate=True)
-            chunk = make_chunk(held, out, self.name)
-            held.take(chunk)
-            batch.append((held, chunk, final_audit(self, held, chunk)))
+            batch.append((held, out, held.advance(out)))
         self._pending = {}
         return batch
 
     def _collect(self) -> None:
-        """Results of finished sends, applied; a send's failure raised (batch kept)."""
-        for (batch, _), results in self._sender.take_done():
+        """Results of finished sends, applied; a send's failure raised (trip kept)."""
+        for trip, results in self._sender.take_done():
             if isinstance(results, BaseException):
-                self._retry = (batch, 0)  # a read lost with it is claimed after the lease
+                trip.read = 0  # entries a lost read delivered are claimed after the lease
+                self._retry = trip
                 raise results
             appended, entries = results
-            for (held, chunk, _), result in zip(batch, appended):
-                self._after_append(held, chunk, result)
+            for (held, chunk, _), result in zip(trip.sent, appended):
+                if result == 0 and not chunk.finished:
+                    self.num_tokens += chunk.num_tokens
+                else:
+                    self._after_append(held, chunk, result)
             self._start_read(entries)
 
-    def _send_batch(self, job: tuple[list[tuple[Held, Chunk, bytes]], int]) -> tuple:
-        """One APPEND call for a whole batch, fenced, then a read of up to ``read`` new
-        entries (on the sender's thread): (results of the appends, entries read).
+    def _send_batch(self, trip: _Trip) -> tuple[list[int], list]:
+        """On the sender's thread: the trip's chunks built, kept and encoded (once: a
+        trip sent again after Redis went away is not built twice), one APPEND call for
+        all of them, fenced, then a read of up to ``trip.read`` new entries. Returns
+        (the appends' results, the entries read).
 
-        A batch sent again after Redis went away: a chunk whose first send did
-        land comes back DUPLICATE (or, finished, NOT_OWNER: already acked).
+        A trip sent again: a chunk whose first send did land comes back DUPLICATE
+        (or, finished, NOT_OWNER: already acked).
         """
-        batch, read = job
-        appended = self.append([self.append_item(h, c, a) for h, c, a in batch]) if batch else []
-        return appended, self._read_entries(read, None) if read else []
+        if trip.sent is None:
+            trip.sent = [self._build(held, out, pos) for held, out, pos in trip.outputs]
+        items = [item for _, _, item in trip.sent]
+        appended = self.append(items) if items else []
+        return appended, self._read_entries(trip.read, None) if trip.read else []
+
+    def _build(self, held: Held, out: RequestOutput, position: Position) -> tuple:
+        chunk = make_chunk(held, out, self.name, position)
+        held.keep(chunk)
+        return held, chunk, self.append_item(held, chunk, final_audit(self, held, chunk))
 
     def append(self, items: list[Append]) -> list[int]:
         """One APPEND call (``scripts.APPEND``); its result per item."""
@@ -352,7 +374,7 @@ class Worker:
         )
 
     def _after_append(self, held: Held, chunk: Chunk, result: int) -> None:
-        """Account an append (``held`` took the chunk when it was built). While this
+        """Account an append (``held`` advanced past it when it was built). While this
         worker owns the entry, nobody else appends to its log, so DUPLICATE means this
         chunk already landed (a send repeated after a broken connection)."""
         rid = held.request_id
