@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -228,10 +229,15 @@ def serve_worker(args) -> None:
 
     from lorapool.worker import Worker, WorkerConfig
 
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     engine = StandInEngine(args.sequences, args.step_ms / 1000)
-    config = WorkerConfig(prefix=args.prefix, name=args.name, audit_key=AUDIT_KEY.encode())
+    config = WorkerConfig(
+        prefix=args.prefix, name=args.name, audit_key=AUDIT_KEY.encode(), lease_s=args.lease_s
+    )
     worker = Worker(engine, redis.Redis.from_url(args.redis_url), config, BASE_MODEL)
     worker.run()
+    if not args.stats:
+        return
     stats = engine.full_batch_stats()
     stats["step_end"] = [s[1] for s in engine.steps]  # perf_counter (same clock host-wide)
     stats["first_step"] = engine.first_step
@@ -351,6 +357,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--prefix", help=argparse.SUPPRESS)
     parser.add_argument("--name", help=argparse.SUPPRESS)
     parser.add_argument("--stats", help=argparse.SUPPRESS)
+    parser.add_argument("--lease-s", type=float, default=10.0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.serve_worker:
         args.step_ms = args.step_ms[0]
