@@ -183,6 +183,7 @@ class StandInEngine:
             "gap_ms_p50": 1000 * gaps[len(gaps) // 2],
             "gap_ms_p99": 1000 * gaps[int(len(gaps) * 0.99)],
             "gap_ms_mean": 1000 * sum(gaps) / len(gaps),
+            "step_ms_mean": 1000 * sum(s[1] - s[0] for s in self.steps[first:last]) / len(gaps),
             "steps": last - first,
             "steps_per_s": (last - first) / span,
             "tokens_per_s": tokens / span,
@@ -333,6 +334,7 @@ def run_queue(url: str, sequences: int, step_ms: float, jobs) -> dict[str, Any]:
         "steps_per_s": stats["steps_per_s"],
         "steady_tokens_per_s": stats["tokens_per_s"],
         "gap_ms": [round(stats[f"gap_ms_{k}"], 2) for k in ("p50", "p99", "mean")],
+        "step_ms_mean": stats["step_ms_mean"],
         "occupancy": stats["occupancy"],
         "worker_cpu_us_per_token": 1e6 * stats["cpu_s"] / max(1, stats["tokens"]),
         "redis_cpu_us_per_token": 1e6 * redis_cpu / tokens,
@@ -378,6 +380,7 @@ def main(argv=None) -> dict:
         queue["stand_in_cpu_us_per_token"] = peer_cpu
         queue["worker_cpu_us_per_token"] -= peer_cpu
         queue["in_process_steps_per_s"] = peer["steps_per_s"]
+        queue["step_ms"] = [round(peer["step_ms_mean"], 2), round(queue.pop("step_ms_mean"), 2)]
         results[f"{step_ms:g}ms"] = queue
         print(
             "  queue: "

@@ -14,7 +14,6 @@ from lorapool.wire import (
     decode_chunk,
 )
 from lorapool.worker import dead_letter
-from lorapool.worker.held import Held
 
 if TYPE_CHECKING:
     from lorapool.worker.worker import Worker
@@ -85,11 +84,3 @@ def _give_up(
         logger.exception("worker %s: unreadable chunk log of %s", worker.name, entry_id)
         held = dead_letter.held_for_garbage(entry_id, payload, worker.config.limits)
     worker.dead_letter(entry_id, payload, reason, held)
-
-
-def abort_flagged(worker: Worker, held: list[Held]) -> None:
-    """Abort, in the engine, every held request whose abort flag is set."""
-    flags = worker.redis.mget([worker.keys.abort(h.request_id) for h in held])
-    for h, flag in zip(held, flags):
-        if flag is not None and h.request_id in worker.held:
-            worker.engine.abort_request(h.request_id)

@@ -24,8 +24,8 @@ their own. A cluster refuses, with CROSSSLOT, these commands:
 - the producer's ``SUBMIT_SCRIPT`` (``producer/job.py``): ``{p}:job:{id}`` and
   ``{p}:requests`` (the idempotency marker and the entry together);
 - the registry's WATCH/MULTI over ``{p}:adapters`` and ``{p}:adapter-ids``;
-- ``renew``'s EXISTS and ``failover.abort_flagged``'s MGET over the abort
-  flags of many requests (these could be split per slot; the first two not).
+- ``renew``'s MGET over the abort flags of many requests (it could be split per
+  slot; the first two not).
 
 ``RENEW`` (``{p}:requests`` only), XREADGROUP and XAUTOCLAIM are single-slot.
 Making it work would mean one hash tag for every key of a pool (a prefix such

@@ -19,7 +19,7 @@ import logging
 import signal
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
@@ -52,6 +52,7 @@ class _Trip:
 
     outputs: list[tuple[Held, RequestOutput, Position]]
     read: int  # new entries to read after the appends (free slots of the engine)
+    extra: list = field(default_factory=list)  # (call on the sender, apply on the worker)
     sent: list | None = None  # (held, chunk, APPEND item), built on the first try
 
 
@@ -88,6 +89,7 @@ class Worker:
         self._pending: dict[str, list[RequestOutput]] = {}
         self._pending_steps = 0
         self._retry: _Trip | None = None  # a trip whose send failed: sent again first
+        self._extra: list = []  # upkeep calls for the next trip (see ``_upkeep``)
         self._sender = Sender(self._send_batch, self.name)
         self._away_since: float | None = None  # Redis unreachable since (monotonic)
         self._backoff_s = BACKOFF_S[0]
@@ -297,8 +299,9 @@ class Worker:
         # new entries for the slots the engine has free, read in the same trip
         read = 0 if self.draining or not self.engine.has_unfinished_requests() else None
         read = self.engine.capacity() if read is None else read
-        if batch or read:
-            self._sender.hand(_Trip(batch, read))
+        if batch or read or self._extra:
+            self._sender.hand(_Trip(batch, read, self._extra))
+            self._extra = []
         if wait and not self._sender.idle:
             self._sender.wait()
             self._collect()
@@ -325,13 +328,16 @@ class Worker:
                 trip.read = 0  # entries a lost read delivered are claimed after the lease
                 self._retry = trip
                 raise results
-            appended, entries = results
+            appended, entries, extra = results
             for (held, chunk, _), result in zip(trip.sent, appended):
                 if result == 0 and not chunk.finished:
                     self.num_tokens += chunk.num_tokens
                 else:
                     self._after_append(held, chunk, result)
             self._start_read(entries)
+            for (_, apply), result in zip(trip.extra, extra):
+                if apply is not None:
+                    apply(result)
 
     def _send_batch(self, trip: _Trip) -> tuple[list[int], list]:
         """On the sender's thread: the trip's chunks built, kept and encoded (once: a
@@ -340,13 +346,14 @@ class Worker:
         (the appends' results, the entries read).
 
         A trip sent again: a chunk whose first send did land comes back DUPLICATE
-        (or, finished, NOT_OWNER: already acked).
+        (or, finished, NOT_OWNER: already acked). Then the trip's upkeep calls.
         """
         if trip.sent is None:
             trip.sent = [self._build(held, out, pos) for held, out, pos in trip.outputs]
         items = [item for _, _, item in trip.sent]
         appended = self.append(items) if items else []
-        return appended, self._read_entries(trip.read, None) if trip.read else []
+        entries = self._read_entries(trip.read, None) if trip.read else []
+        return appended, entries, [call() for call, _ in trip.extra]
 
     def _build(self, held: Held, out: RequestOutput, position: Position) -> tuple:
         chunk = make_chunk(held, out, self.name, position)
@@ -418,34 +425,56 @@ class Worker:
         return True
 
     def _upkeep(self) -> None:
-        if self._due("renew", self.config.lease_s / 3):
-            self.renew()
+        """Lease renewal, claims, heartbeat. While the engine runs, renewal and heartbeat
+        ride the sender's next round trip (``_extra``): no Redis call of theirs waits on
+        the engine's thread."""
+        busy = self.engine.has_unfinished_requests()
+        if self._due("renew", self.config.lease_s / 3) and self.held:
+            held = list(self.held.values())
+            if busy:
+                call = lambda: self._renew_lost_and_flags(held, 0)  # noqa: E731
+                self._extra.append((call, lambda result: self._apply_renew(held, *result)))
+            else:
+                self._apply_renew(held, *self._renew_lost_and_flags(held, 0))
         if not self.draining and self._due("claim", self.config.lease_s / 2):
             failover.claim(self)
         if self._due("heartbeat", self.config.heartbeat_s):
-            self.heartbeat()
+            if busy:
+                record = heartbeat_record(self)
+                self._extra.append((lambda: self._send_heartbeat(record), None))
+            else:
+                self.heartbeat()
 
     def renew(self, idle_ms: int = 0) -> None:
         """Renew the lease of every held entry; drop those lost; abort those asked to."""
-        if not self.held:
-            return
-        held = list(self.held.values())
+        if self.held:
+            held = list(self.held.values())
+            self._apply_renew(held, *self._renew_lost_and_flags(held, idle_ms))
+
+    def _renew_lost_and_flags(self, held: list[Held], idle_ms: int) -> tuple[set, list]:
+        """RENEW (fenced) for ``held``: the entries lost, and each one's abort flag."""
         lost = self._renew(
             keys=[self.keys.requests],
             args=[WORKERS_GROUP, self.name, idle_ms] + [h.entry_id for h in held],
         )
-        lost = {x.decode() for x in lost}
-        flags = self.redis.exists(*[self.keys.abort(h.request_id) for h in held])
-        for h in held:
+        flags = self.redis.mget([self.keys.abort(h.request_id) for h in held])
+        return {x.decode() for x in lost}, flags
+
+    def _apply_renew(self, held: list[Held], lost: set, flags: list) -> None:
+        for h, flag in zip(held, flags):
+            if self.held.get(h.request_id) is not h:
+                continue  # finished, failed or dropped meanwhile
             if h.entry_id in lost:
                 self._drop(h.request_id)
-        if flags:
-            failover.abort_flagged(self, held)
+            elif flag is not None:
+                self.engine.abort_request(h.request_id)
 
     def heartbeat(self) -> None:
         """The worker's record for ``status``, and ``{p}:alive:{name}``, which expires
         ``alive_ttl_s`` after the last heartbeat (a killed worker drops out of ``status``)."""
-        record = heartbeat_record(self)
+        self._send_heartbeat(heartbeat_record(self))
+
+    def _send_heartbeat(self, record: dict) -> None:
         with self.redis.pipeline(transaction=False) as pipe:
             pipe.hset(self.keys.workers, self.name, orjson.dumps(record))
             pipe.set(self.keys.alive(self.name), 1, ex=self.config.alive_ttl_s)
