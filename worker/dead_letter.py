@@ -54,7 +54,8 @@ def dead_letter(
             dead = dead_payload(payload, audited=True)
             held.take(chunk)
             audit = final_audit(worker, held, chunk)
-            worker.append([worker.append_item(held, chunk, audit, dead, reason)])
+            publisher = worker.publisher
+            publisher.append([publisher.append_item(held, chunk, audit, dead, reason)])
             return
     except REDIS_DOWN:
         raise
@@ -62,7 +63,7 @@ def dead_letter(
         logger.exception("worker %s: no error output for %s", worker.name, entry_id)
         reason = f"{reason} (and its error output could not be written: {reason_of(exc)})"
     dead = dead_payload(payload, audited=False)
-    worker.append([Append("-", entry_id, -1, b"", True, dead=dead, reason=reason)])
+    worker.publisher.append([Append("-", entry_id, -1, b"", True, dead=dead, reason=reason)])
 
 
 def find_adapter(worker: Worker, held: Held) -> None:

@@ -1,16 +1,10 @@
 """The queue worker: one engine, fed from the ``workers`` consumer group.
 
 Loop: periodic upkeep (lease renewal, claiming abandoned entries, heartbeat)
-→ admit what the engine can take now → one engine step → its chunks handed to
-the sender thread, which appends them (fenced; see ``scripts.py``, also for why
-Redis Cluster is not supported) in one pipelined round trip while the engine
-runs its next step.
-
-Coalescing: a step's chunks go out at once when the previous round trip is
-done; when it is not, they wait and merge with the next steps' (one chunk per
-request), and once ``MAX_BEHIND`` steps wait, the engine waits for Redis. So a
-token reaches Redis at most ``MAX_BEHIND`` steps plus one round trip after its
-step, and a slow Redis slows the engine instead of piling up chunks.
+→ admit what the engine can take now → one engine step → its outputs handed to
+the publisher (``publisher.py``), whose sender thread appends them (fenced; see
+``scripts.py``, also for why Redis Cluster is not supported) in one round trip
+while the engine runs its next step.
 """
 
 from __future__ import annotations
@@ -19,7 +13,6 @@ import logging
 import signal
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
@@ -30,30 +23,18 @@ from lorapool.connection import REDIS_DOWN, ensure_group
 from lorapool.keys import WORKERS_GROUP, Keys
 from lorapool.outputs import RequestOutput
 from lorapool.producer.registry import check_lora, decode_record
-from lorapool.wire import DATA, Chunk, decode_job, encode_chunk, encode_job
+from lorapool.wire import DATA, Chunk, decode_job, encode_job
 from lorapool.worker import dead_letter, failover
-from lorapool.worker.audit import final_audit
 from lorapool.worker.config import WorkerConfig
 from lorapool.worker.dead_letter import reason_of
 from lorapool.worker.engine_api import EngineInterface
-from lorapool.worker.held import Held, Position, engine_params, make_chunk, resumed_token_ids
+from lorapool.worker.held import Held, engine_params, resumed_token_ids
 from lorapool.worker.pool import claim_model, heartbeat_record
-from lorapool.worker.scripts import APPEND, NOT_OWNER, RENEW, Append, append_call
-from lorapool.worker.sender import Sender
+from lorapool.worker.publisher import Publisher
+from lorapool.worker.scripts import RENEW
 
 logger = logging.getLogger(__name__)
 BACKOFF_S = (0.1, 5.0)  # first and longest wait between tries while Redis is away
-MAX_BEHIND = 4  # steps whose chunks may wait for the round trip on its way
-
-
-@dataclass
-class _Trip:
-    """One round trip of the sender: chunks to append, then entries to read."""
-
-    outputs: list[tuple[Held, RequestOutput, Position]]
-    read: int  # new entries to read after the appends (free slots of the engine)
-    extra: list = field(default_factory=list)  # (call on the sender, apply on the worker)
-    sent: list | None = None  # (held, chunk, APPEND item), built on the first try
 
 
 class Worker:
@@ -81,16 +62,10 @@ class Worker:
         self.draining = False
         self.stopped = False
         self.num_tokens = 0
-        self._append = connection.register_script(APPEND)
         self._renew = connection.register_script(RENEW)
         self._last = {"renew": 0.0, "claim": 0.0, "heartbeat": 0.0}
         self._drain_deadline: float | None = None
-        # engine outputs not yet handed to the sender, per request, and their steps
-        self._pending: dict[str, list[RequestOutput]] = {}
-        self._pending_steps = 0
-        self._retry: _Trip | None = None  # a trip whose send failed: sent again first
-        self._extra: list = []  # upkeep calls for the next trip (see ``_upkeep``)
-        self._sender = Sender(self._send_batch, self.name)
+        self.publisher = Publisher(self)
         self._away_since: float | None = None  # Redis unreachable since (monotonic)
         self._backoff_s = BACKOFF_S[0]
         self._saved_signals: dict[int, Any] = {}
@@ -149,13 +124,13 @@ class Worker:
     def run_once(self) -> None:
         """One iteration: upkeep, admission, one engine step, publishing."""
         idle = not self.engine.has_unfinished_requests()
-        self._flush(wait=idle)  # all out before admission blocks on an idle engine
+        self.publisher.flush(wait=idle)  # all out before admission blocks on an idle engine
         self._upkeep()
         read = 0 if self.draining else self._admit()
         if self.engine.has_unfinished_requests():
             self._step()
         elif self.draining or (self.config.burst and read == 0 and self._queue_empty()):
-            self._flush(wait=True)
+            self.publisher.flush(wait=True)
             self.stopped = True
         if self._drain_deadline is not None and time.monotonic() > self._drain_deadline:
             logger.warning(
@@ -254,7 +229,7 @@ class Worker:
 
     def _fail_step(self, reason: str) -> None:
         """Fail the requests the failed step held (all running ones), freeing their state."""
-        self._flush(wait=True)  # their chunks so far, before their error chunks
+        self.publisher.flush(wait=True)  # their chunks so far, before their error chunks
         running = self.engine.running_request_ids()
         failed = [h for rid, h in self.held.items() if rid in running] or list(self.held.values())
         for held in failed:
@@ -264,142 +239,16 @@ class Worker:
     # --- publishing --------------------------------------------------------------
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
-        """Queue a step's outputs for the sender (see the module's docstring)."""
-        for out in outputs:
-            if out.request_id in self.held:  # else lost to another worker, or failed
-                self._pending.setdefault(out.request_id, []).append(out)
-        self._pending_steps += 1
-        self._flush(wait=False)
+        self.publisher.publish(outputs)
 
     def flush(self) -> None:
         """Until every chunk of the steps so far is in Redis (``run`` does this whenever
         the engine is idle; code stepping a worker with ``run_once`` may need it)."""
-        self._flush(wait=True)
-
-    def _flush(self, wait: bool) -> None:
-        """Apply what the sender finished; hand it the pending chunks if it is free.
-
-        ``wait``: until every chunk so far is in Redis. Without it, waits only
-        when ``MAX_BEHIND`` steps are pending. A failed send raises here, on the
-        worker's thread, and its batch is sent again first.
-        """
-        self._collect()
-        if not self._sender.idle:
-            if not wait and self._pending_steps < MAX_BEHIND:
-                return
-            self._sender.wait()
-            self._collect()
-        if self._retry is not None:
-            trip, self._retry = self._retry, None
-            self._sender.hand(trip)
-            self._sender.wait()
-            self._collect()
-        batch = self._build_batch()
-        self._pending_steps = 0
-        # new entries for the slots the engine has free, read in the same trip
-        read = 0 if self.draining or not self.engine.has_unfinished_requests() else None
-        read = self.engine.capacity() if read is None else read
-        if batch or read or self._extra:
-            self._sender.hand(_Trip(batch, read, self._extra))
-            self._extra = []
-        if wait and not self._sender.idle:
-            self._sender.wait()
-            self._collect()
-
-    def _build_batch(self) -> list[tuple[Held, RequestOutput, Position]]:
-        """One output per pending request (its steps' outputs merged) and the position
-        of its chunk; the sender builds and encodes the chunks off this thread."""
-        batch = []
-        for rid, outs in self._pending.items():
-            held = self.held.get(rid)
-            if held is None:
-                continue
-            out = outs[0]
-            for later in outs[1:]:
-                out.add(later, aggregate=True)
-            batch.append((held, out, held.advance(out)))
-        self._pending = {}
-        return batch
-
-    def _collect(self) -> None:
-        """Results of finished sends, applied; a send's failure raised (trip kept)."""
-        for trip, results in self._sender.take_done():
-            if isinstance(results, BaseException):
-                trip.read = 0  # entries a lost read delivered are claimed after the lease
-                self._retry = trip
-                raise results
-            appended, entries, extra = results
-            for (held, chunk, _), result in zip(trip.sent, appended):
-                if result == 0 and not chunk.finished:
-                    self.num_tokens += chunk.num_tokens
-                else:
-                    self._after_append(held, chunk, result)
-            self._start_read(entries)
-            for (_, apply), result in zip(trip.extra, extra):
-                if apply is not None:
-                    apply(result)
-
-    def _send_batch(self, trip: _Trip) -> tuple[list[int], list]:
-        """On the sender's thread: the trip's chunks built, kept and encoded (once: a
-        trip sent again after Redis went away is not built twice), one APPEND call for
-        all of them, fenced, then a read of up to ``trip.read`` new entries. Returns
-        (the appends' results, the entries read).
-
-        A trip sent again: a chunk whose first send did land comes back DUPLICATE
-        (or, finished, NOT_OWNER: already acked). Then the trip's upkeep calls.
-        """
-        if trip.sent is None:
-            trip.sent = [self._build(held, out, pos) for held, out, pos in trip.outputs]
-        items = [item for _, _, item in trip.sent]
-        appended = self.append(items) if items else []
-        entries = self._read_entries(trip.read, None) if trip.read else []
-        return appended, entries, [call() for call, _ in trip.extra]
-
-    def _build(self, held: Held, out: RequestOutput, position: Position) -> tuple:
-        chunk = make_chunk(held, out, self.name, position)
-        held.keep(chunk)
-        return held, chunk, self.append_item(held, chunk, final_audit(self, held, chunk))
-
-    def append(self, items: list[Append]) -> list[int]:
-        """One APPEND call (``scripts.APPEND``); its result per item."""
-        return self._append(**append_call(self.keys, self.name, self.config.dead_max_len, items))
-
-    def append_item(
-        self, held: Held, chunk: Chunk, audit: bytes, dead: bytes = b"", reason: str = ""
-    ) -> Append:
-        ttl_s = held.job.result_ttl_s or self.config.result_ttl_s
-        return Append(
-            held.request_id,
-            held.entry_id,
-            chunk.seq,
-            encode_chunk(chunk),
-            chunk.finished,
-            audit,
-            ttl_s,
-            dead,
-            reason,
-        )
-
-    def _after_append(self, held: Held, chunk: Chunk, result: int) -> None:
-        """Account an append (``held`` advanced past it when it was built). While this
-        worker owns the entry, nobody else appends to its log, so DUPLICATE means this
-        chunk already landed (a send repeated after a broken connection)."""
-        rid = held.request_id
-        self.num_tokens += chunk.num_tokens
-        if self.held.get(rid) is not held:
-            return  # dropped or failed meanwhile
-        if result == NOT_OWNER:
-            if not chunk.finished:
-                logger.warning("worker %s: lost %s to another worker, dropping it", self.name, rid)
-            self._drop(rid)
-        elif chunk.finished:
-            self.held.pop(rid, None)
-        elif result == 1:
-            self.engine.abort_request(rid)
+        self.publisher.flush(wait=True)
 
     def _drop(self, request_id: str) -> None:
         self.held.pop(request_id, None)
-        self._pending.pop(request_id, None)
+        self.publisher.pending.pop(request_id, None)
         self.engine.abort_request(request_id)
 
     def _abort_in_engine(self, request_id: str) -> None:
@@ -433,7 +282,7 @@ class Worker:
             held = list(self.held.values())
             if busy:
                 call = lambda: self._renew_lost_and_flags(held, 0)  # noqa: E731
-                self._extra.append((call, lambda result: self._apply_renew(held, *result)))
+                self.publisher.extra.append((call, lambda result: self._apply_renew(held, *result)))
             else:
                 self._apply_renew(held, *self._renew_lost_and_flags(held, 0))
         if not self.draining and self._due("claim", self.config.lease_s / 2):
@@ -441,7 +290,7 @@ class Worker:
         if self._due("heartbeat", self.config.heartbeat_s):
             if busy:
                 record = heartbeat_record(self)
-                self._extra.append((lambda: self._send_heartbeat(record), None))
+                self.publisher.extra.append((lambda: self._send_heartbeat(record), None))
             else:
                 self.heartbeat()
 
@@ -505,7 +354,7 @@ class Worker:
     def hand_back(self) -> None:
         """Mark every held entry long idle so that another worker claims it at once
         (after the chunks of its last steps are in its log)."""
-        self._flush(wait=True)
+        self.publisher.flush(wait=True)
         self.renew(idle_ms=self.config.lease_ms * 10)
         self.held.clear()
 
@@ -520,5 +369,5 @@ class Worker:
             logger.warning(
                 "worker %s: stopped without saying so, Redis is away (%s)", self.name, exc
             )
-        self._sender.close()
+        self.publisher.close()
         logger.info("worker %s: stopped", self.name)

@@ -1,0 +1,196 @@
+"""From engine outputs to chunk logs: positions on the worker's thread, the rest on the
+sender's (``sender.py``), one APPEND call per round trip.
+
+Coalescing: a step's chunks go out at once when the previous round trip is
+done; when it is not, they wait and merge with the next steps' (one chunk per
+request), and once ``MAX_BEHIND`` steps wait, the engine waits for Redis. So a
+token reaches Redis at most ``MAX_BEHIND`` steps plus one round trip after its
+step, and a slow Redis slows the engine instead of piling up chunks. The round
+trip also reads new entries for the engine's free slots and carries the
+worker's lease renewal and heartbeat (``extra``): while the engine runs, no
+Redis call waits on its thread.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from lorapool.outputs import RequestOutput
+from lorapool.wire import Chunk, encode_chunk
+from lorapool.worker.audit import final_audit
+from lorapool.worker.held import Held, Position, make_chunk
+from lorapool.worker.scripts import APPEND, NOT_OWNER, Append, append_call
+from lorapool.worker.sender import Sender
+
+if TYPE_CHECKING:
+    from lorapool.worker.worker import Worker
+
+logger = logging.getLogger(__name__)
+MAX_BEHIND = 4  # steps whose chunks may wait for the round trip on its way
+
+
+@dataclass
+class _Trip:
+    """One round trip of the sender: chunks to append, then entries to read."""
+
+    outputs: list[tuple[Held, RequestOutput, Position]]
+    read: int  # new entries to read after the appends (free slots of the engine)
+    extra: list = field(default_factory=list)  # (call on the sender, apply on the worker)
+    sent: list | None = None  # (held, chunk, APPEND item), built on the first try
+
+
+class Publisher:
+    """The worker's chunks on their way to Redis; all state but the sender's is touched
+    by the worker's thread only."""
+
+    def __init__(self, worker: Worker):
+        self.worker = worker
+        # engine outputs not yet handed to the sender, per request, and their steps
+        self.pending: dict[str, list[RequestOutput]] = {}
+        self.pending_steps = 0
+        self.retry: _Trip | None = None  # a trip whose send failed: sent again first
+        self.extra: list = []  # upkeep calls for the next trip (see ``Worker._upkeep``)
+        self._script = worker.redis.register_script(APPEND)
+        self._sender = Sender(self._send_trip, worker.name)
+
+    def close(self) -> None:
+        self._sender.close()
+
+    def publish(self, outputs: list[RequestOutput]) -> None:
+        """Queue a step's outputs for the sender (see the module's docstring)."""
+        for out in outputs:
+            if out.request_id in self.worker.held:  # else lost to another worker, or failed
+                self.pending.setdefault(out.request_id, []).append(out)
+        self.pending_steps += 1
+        self.flush(wait=False)
+
+    def flush(self, wait: bool) -> None:
+        """Apply what the sender finished; hand it the pending chunks if it is free.
+
+        ``wait``: until every chunk so far is in Redis. Without it, waits only
+        when ``MAX_BEHIND`` steps are pending. A failed send raises here, on the
+        worker's thread, and its batch is sent again first.
+        """
+        self._collect()
+        if not self._sender.idle:
+            if not wait and self.pending_steps < MAX_BEHIND:
+                return
+            self._sender.wait()
+            self._collect()
+        if self.retry is not None:
+            trip, self.retry = self.retry, None
+            self._sender.hand(trip)
+            self._sender.wait()
+            self._collect()
+        batch = self._build_batch()
+        self.pending_steps = 0
+        # new entries for the slots the engine has free, read in the same trip
+        read = (
+            0 if self.worker.draining or not self.worker.engine.has_unfinished_requests() else None
+        )
+        read = self.worker.engine.capacity() if read is None else read
+        if batch or read or self.extra:
+            self._sender.hand(_Trip(batch, read, self.extra))
+            self.extra = []
+        if wait and not self._sender.idle:
+            self._sender.wait()
+            self._collect()
+
+    def _build_batch(self) -> list[tuple[Held, RequestOutput, Position]]:
+        """One output per pending request (its steps' outputs merged) and the position
+        of its chunk; the sender builds and encodes the chunks off this thread."""
+        batch = []
+        for rid, outs in self.pending.items():
+            held = self.worker.held.get(rid)
+            if held is None:
+                continue
+            out = outs[0]
+            for later in outs[1:]:
+                out.add(later, aggregate=True)
+            batch.append((held, out, held.advance(out)))
+        self.pending = {}
+        return batch
+
+    def _collect(self) -> None:
+        """Results of finished sends, applied; a send's failure raised (trip kept)."""
+        for trip, results in self._sender.take_done():
+            if isinstance(results, BaseException):
+                trip.read = 0  # entries a lost read delivered are claimed after the lease
+                self.retry = trip
+                raise results
+            appended, entries, extra = results
+            for (held, chunk, _), result in zip(trip.sent, appended):
+                if result == 0 and not chunk.finished:
+                    self.worker.num_tokens += chunk.num_tokens
+                else:
+                    self._after_append(held, chunk, result)
+            self.worker._start_read(entries)
+            for (_, apply), result in zip(trip.extra, extra):
+                if apply is not None:
+                    apply(result)
+
+    def _send_trip(self, trip: _Trip) -> tuple[list[int], list]:
+        """On the sender's thread: the trip's chunks built, kept and encoded (once: a
+        trip sent again after Redis went away is not built twice), one APPEND call for
+        all of them, fenced, then a read of up to ``trip.read`` new entries. Returns
+        (the appends' results, the entries read).
+
+        A trip sent again: a chunk whose first send did land comes back DUPLICATE
+        (or, finished, NOT_OWNER: already acked). Then the trip's upkeep calls.
+        """
+        if trip.sent is None:
+            trip.sent = [self._build(held, out, pos) for held, out, pos in trip.outputs]
+        items = [item for _, _, item in trip.sent]
+        appended = self.append(items) if items else []
+        entries = self.worker._read_entries(trip.read, None) if trip.read else []
+        return appended, entries, [call() for call, _ in trip.extra]
+
+    def _build(self, held: Held, out: RequestOutput, position: Position) -> tuple:
+        chunk = make_chunk(held, out, self.worker.name, position)
+        held.keep(chunk)
+        return held, chunk, self.append_item(held, chunk, final_audit(self.worker, held, chunk))
+
+    def append(self, items: list[Append]) -> list[int]:
+        """One APPEND call (``scripts.APPEND``); its result per item."""
+        return self._script(
+            **append_call(
+                self.worker.keys, self.worker.name, self.worker.config.dead_max_len, items
+            )
+        )
+
+    def append_item(
+        self, held: Held, chunk: Chunk, audit: bytes, dead: bytes = b"", reason: str = ""
+    ) -> Append:
+        ttl_s = held.job.result_ttl_s or self.worker.config.result_ttl_s
+        return Append(
+            held.request_id,
+            held.entry_id,
+            chunk.seq,
+            encode_chunk(chunk),
+            chunk.finished,
+            audit,
+            ttl_s,
+            dead,
+            reason,
+        )
+
+    def _after_append(self, held: Held, chunk: Chunk, result: int) -> None:
+        """Account an append (``held`` advanced past it when it was built). While this
+        worker owns the entry, nobody else appends to its log, so DUPLICATE means this
+        chunk already landed (a send repeated after a broken connection)."""
+        rid = held.request_id
+        self.worker.num_tokens += chunk.num_tokens
+        if self.worker.held.get(rid) is not held:
+            return  # dropped or failed meanwhile
+        if result == NOT_OWNER:
+            if not chunk.finished:
+                logger.warning(
+                    "worker %s: lost %s to another worker, dropping it", self.worker.name, rid
+                )
+            self.worker._drop(rid)
+        elif chunk.finished:
+            self.worker.held.pop(rid, None)
+        elif result == 1:
+            self.worker.engine.abort_request(rid)
