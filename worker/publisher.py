@@ -87,10 +87,9 @@ class Publisher:
         batch = self._build_batch()
         self.pending_steps = 0
         # new entries for the slots the engine has free, read in the same trip
-        read = (
-            0 if self.worker.draining or not self.worker.engine.has_unfinished_requests() else None
-        )
-        read = self.worker.engine.capacity() if read is None else read
+        engine = self.worker.engine
+        busy = engine.has_unfinished_requests() and not self.worker.draining
+        read = engine.capacity() if busy else 0
         if batch or read or self.extra:
             self._sender.hand(_Trip(batch, read, self.extra))
             self.extra = []
