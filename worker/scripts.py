@@ -73,6 +73,19 @@ def append_call(keys: Keys, consumer: str, dead_max_len: int, items: list[Append
 # Returns per item: -1 (not the owner), -2 (seq already in the log), else 1 if abort is
 # asked, 0.
 APPEND = """
+-- XADD of a chunk: true, or false when the log already holds this seq (XADD refuses an
+-- id not above the stream's last). Any other refusal (out of memory, a key that is not
+-- a stream) fails the whole call, so the worker sends the trip again.
+local function add_chunk(out, seq, chunk)
+  local ok, err = pcall(redis.call, 'XADD', out, '0-' .. (seq + 1), 'data', chunk)
+  if ok then return true end
+  local text = type(err) == 'table' and err.err or tostring(err)
+  if string.find(text, 'equal or smaller than the target stream top item', 1, true) then
+    return false
+  end
+  return error(err)
+end
+
 local results = {}
 for i = 0, (#ARGV - 3) / 8 - 1 do
   local a, k = 3 + i * 8, 3 + i * 3
@@ -83,11 +96,7 @@ for i = 0, (#ARGV - 3) / 8 - 1 do
   local p = redis.call('XPENDING', KEYS[1], ARGV[1], entry, entry, 1)
   if #p == 0 or p[1][2] ~= ARGV[2] then
     result = -1
-  elseif seq >= 0 and not pcall(redis.call, 'XADD', out, '0-' .. (seq + 1), 'data', ARGV[a + 3])
-  then
-    -- refused: the log's last id is 0-(seq + 1) or later (anything else is not a stream
-    -- of ours: it is checked below and fails the whole call, as any error would)
-    redis.call('XLEN', out)
+  elseif seq >= 0 and not add_chunk(out, seq, ARGV[a + 3]) then
     result = -2
   else
     if seq >= 0 then

@@ -35,6 +35,8 @@ from lorapool.worker.scripts import RENEW
 
 logger = logging.getLogger(__name__)
 BACKOFF_S = (0.1, 5.0)  # first and longest wait between tries while Redis is away
+# Redis's refusal from inside a script (redis-py makes the plain one OutOfMemoryError)
+OUT_OF_MEMORY = "OOM command not allowed"
 
 
 class Worker:
@@ -87,9 +89,11 @@ class Worker:
     def run_guarded(self) -> None:
         """``run_once``, riding out Redis being away (a stall, a restart): never exits on it.
 
-        The iteration that failed is repeated once Redis answers: a batch of
-        chunks whose send failed is sent again before any other (see ``_flush``);
-        a consumer group lost with a restart that kept no data is created again.
+        The iteration that failed is repeated once Redis answers: a trip of
+        chunks whose send failed is sent again before any other (see
+        ``Publisher.flush``); a consumer group lost with a restart that kept no
+        data is created again. A Redis out of memory (maxmemory, noeviction)
+        refuses writes: the same as away, until an operator makes room.
         """
         try:
             self.run_once()
@@ -97,6 +101,9 @@ class Worker:
             self._redis_away(exc)
             return
         except redis.ResponseError as exc:
+            if isinstance(exc, redis.OutOfMemoryError) or OUT_OF_MEMORY in str(exc):
+                self._redis_away(exc, "is out of memory")
+                return
             if "NOGROUP" not in str(exc):
                 raise
             logger.warning("worker %s: the consumer group is gone, creating it", self.name)
@@ -110,10 +117,10 @@ class Worker:
             )
             self._away_since, self._backoff_s = None, BACKOFF_S[0]
 
-    def _redis_away(self, exc: Exception) -> None:
+    def _redis_away(self, exc: Exception, what: str = "unreachable") -> None:
         if self._away_since is None:
             self._away_since = time.monotonic()
-            logger.warning("worker %s: Redis unreachable (%s), retrying", self.name, exc)
+            logger.warning("worker %s: Redis %s (%s), retrying", self.name, what, exc)
         if self._drain_deadline is not None and time.monotonic() > self._drain_deadline:
             logger.warning("worker %s: stopping while Redis is away", self.name)
             self.stopped = True  # the entries it held return to others after the lease
@@ -240,11 +247,6 @@ class Worker:
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
         self.publisher.publish(outputs)
-
-    def flush(self) -> None:
-        """Until every chunk of the steps so far is in Redis (``run`` does this whenever
-        the engine is idle; code stepping a worker with ``run_once`` may need it)."""
-        self.publisher.flush(wait=True)
 
     def _drop(self, request_id: str) -> None:
         self.held.pop(request_id, None)

@@ -1,0 +1,102 @@
+"""The APPEND script against real Redis servers: fencing, duplicates, and a refused
+write (out of memory, a key of another type) failing the call instead of passing for
+a duplicate; and a worker that rides out a Redis out of memory without losing a token.
+"""
+
+import logging
+import time
+
+import pytest
+import redis
+from redis_server import RedisServer
+from standin import load
+
+from lorapool.keys import WORKERS_GROUP, Keys
+from lorapool.producer import Producer
+from lorapool.protocol import SamplingParams
+from lorapool.wire import DATA, decode_chunk
+from lorapool.worker import Worker, WorkerConfig
+from lorapool.worker.scripts import APPEND, DUPLICATE, NOT_OWNER, Append, append_call
+
+pytestmark = pytest.mark.integration
+
+
+def owned_entry(conn, keys: Keys, consumer: str) -> str:
+    conn.xgroup_create(keys.requests, WORKERS_GROUP, id="0", mkstream=True)
+    entry = conn.xadd(keys.requests, {"data": "{}"}).decode()
+    conn.xreadgroup(WORKERS_GROUP, consumer, {keys.requests: ">"})
+    return entry
+
+
+def append(conn, keys, consumer, *items):
+    script = conn.register_script(APPEND)
+    return script(**append_call(keys, consumer, 100, list(items)))
+
+
+def test_fenced_by_owner_and_by_seq(conn, prefix):
+    keys = Keys(prefix)
+    entry = owned_entry(conn, keys, "w")
+    chunk = Append("r", entry, 0, b"c0", False)
+    assert append(conn, keys, "w", chunk) == [0]
+    assert append(conn, keys, "w", chunk) == [DUPLICATE]  # a trip sent again
+    assert append(conn, keys, "other", chunk._replace(seq=1)) == [NOT_OWNER]
+    conn.set(keys.abort("r"), 1)
+    assert append(conn, keys, "w", chunk._replace(seq=1, chunk=b"c1")) == [1]  # abort asked
+    assert [f[b"data"] for _, f in conn.xrange(keys.out("r"))] == [b"c0", b"c1"]
+
+
+@pytest.fixture
+def private_redis(tmp_path):
+    server = RedisServer(tmp_path / "redis").start()
+    yield server
+    server.stop()
+
+
+def test_a_refused_write_fails_the_call_instead_of_passing_for_a_duplicate(private_redis):
+    conn, keys = redis.Redis.from_url(private_redis.url), Keys("t")
+    entry = owned_entry(conn, keys, "w")
+    assert append(conn, keys, "w", Append("r", entry, 0, b"c0", False)) == [0]
+    conn.config_set("maxmemory", 1)  # every write refused (noeviction)
+    with pytest.raises(redis.ResponseError, match="OOM"):
+        append(conn, keys, "w", Append("r", entry, 1, b"c1", False))
+    conn.config_set("maxmemory", 0)
+    conn.set(keys.out("s"), "not a stream")
+    with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
+        append(conn, keys, "w", Append("s", entry, 0, b"c0", False))
+    assert conn.xlen(keys.out("r")) == 1
+
+
+def test_worker_rides_out_redis_out_of_memory(private_redis, caplog):
+    bench = load()
+    conn, prefix = redis.Redis.from_url(private_redis.url), "oom"
+    producer = Producer(private_redis.url, prefix=prefix)
+    ids = [f"m{i}" for i in range(4)]
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    producer.submit_many([{"prompt_token_ids": [1, 2]}] * 4, params, request_ids=ids)
+    config = WorkerConfig(prefix=prefix, name="w", audit_key=bench.AUDIT_KEY.encode())
+    worker = Worker(bench.StandInEngine(8, 0.001), conn, config, bench.BASE_MODEL)
+    worker.ensure_group()
+    keys = producer.keys
+    while conn.xlen(keys.out(ids[0])) < 5:
+        worker.run_guarded()
+    conn.config_set("maxmemory", 1)
+    with caplog.at_level(logging.WARNING, logger="lorapool.worker.worker"):
+        deadline = time.monotonic() + 1.5
+        while time.monotonic() < deadline:
+            worker.run_guarded()  # never raises
+    assert "Redis is out of memory" in caplog.text
+    with pytest.raises(redis.OutOfMemoryError):  # a producer is told, nothing is queued
+        producer.submit({"prompt_token_ids": [1]}, params, request_id="late")
+    conn.config_set("maxmemory", 0)
+    deadline = time.monotonic() + 30
+    assert conn.xlen(keys.requests) == len(ids)
+    while conn.xlen(keys.audit) < len(ids):
+        assert time.monotonic() < deadline, "requests did not finish after Redis had room"
+        worker.run_guarded()
+    for rid in ids:
+        chunks = [decode_chunk(f[DATA.encode()]) for _, f in conn.xrange(keys.out(rid))]
+        assert [c.seq for c in chunks] == list(range(len(chunks)))
+        tokens = [t for c in chunks for o in c.outputs for t in o["token_ids"]]
+        assert tokens == [bench.token_of(rid, k) for k in range(30)]
+        assert sum(c.finished for c in chunks) == 1
+    worker.teardown()
