@@ -34,7 +34,9 @@ class _Completion:
         self.token_ids += out["token_ids"]
         self.text.append(out["text"])
         if out.get("logprobs") is not None:
-            self.logprobs = (self.logprobs or []) + out["logprobs"]
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs += out["logprobs"]
         self.last = out
 
     def wire(self, offset: int) -> dict[str, Any]:

@@ -1,10 +1,12 @@
-"""The worker's appends, sent on a thread of their own while the engine steps on.
+"""The worker's round trips to Redis, made on a thread of their own while the engine
+steps on.
 
-One batch is on its way at a time, in the order handed over: chunk ``seq`` order
+One trip is on its way at a time, in the order handed over: chunk ``seq`` order
 per request, and so the fencing of ``scripts.APPEND``, is as if sent inline. The
-worker hands a batch over only when the previous one is done (``idle``), and
-applies the results on its own thread (``take_done``): every piece of state a
-result changes is the worker's, touched by one thread.
+publisher hands a trip over only when the previous one is done (``idle``) and
+applies the results on the worker's thread (``take_done``). The sender's thread
+touches a request's ``Held`` only to keep the chunks it builds (``Held.keep``);
+the worker's thread reads that part only while the sender is idle.
 """
 
 from __future__ import annotations
@@ -15,33 +17,33 @@ from typing import Any
 
 
 class Sender:
-    def __init__(self, send: Callable[[list], list], name: str):
+    def __init__(self, send: Callable[[Any], Any], name: str):
         self._send = send
         self._cond = threading.Condition()
-        self._batch: list | None = None  # handed over, its send not finished
-        self._done: list[tuple[list, Any]] = []  # (batch, results or the exception)
+        self._trip: Any = None  # the trip handed over, until its send is finished
+        self._done: list[tuple[Any, Any]] = []  # (trip, results or the exception)
         self._closed = False
         self._thread = threading.Thread(target=self._run, name=f"sender-{name}", daemon=True)
 
     @property
     def idle(self) -> bool:
-        return self._batch is None
+        return self._trip is None
 
-    def hand(self, batch: list) -> None:
+    def hand(self, trip: Any) -> None:
         with self._cond:
-            if self._batch is not None:
-                raise RuntimeError("a batch is still on its way")
-            self._batch = batch
+            if self._trip is not None:
+                raise RuntimeError("a trip is still on its way")
+            self._trip = trip
             self._cond.notify_all()
-        if self._thread.ident is None:  # started with the first batch
+        if self._thread.ident is None:  # started with the first trip
             self._thread.start()
 
     def wait(self) -> None:
-        """Until the batch on its way is sent (or failed)."""
+        """Until the trip on its way is sent (or failed)."""
         with self._cond:
-            self._cond.wait_for(lambda: self._batch is None)
+            self._cond.wait_for(lambda: self._trip is None)
 
-    def take_done(self) -> list[tuple[list, Any]]:
+    def take_done(self) -> list[tuple[Any, Any]]:
         with self._cond:
             done, self._done = self._done, []
         return done
@@ -56,15 +58,15 @@ class Sender:
     def _run(self) -> None:
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._batch is not None or self._closed)
-                if self._batch is None:
+                self._cond.wait_for(lambda: self._trip is not None or self._closed)
+                if self._trip is None:
                     return
-                batch = self._batch
+                trip = self._trip
             try:
-                result: Any = self._send(batch)
+                result: Any = self._send(trip)
             except BaseException as exc:  # noqa: BLE001 - handed to the worker's thread
                 result = exc
             with self._cond:
-                self._done.append((batch, result))
-                self._batch = None
+                self._done.append((trip, result))
+                self._trip = None
                 self._cond.notify_all()

@@ -8,7 +8,6 @@ worker made which part; each request has exactly one final chunk and one audit
 record; nothing stays pending.
 """
 
-import importlib.util
 import signal
 import subprocess
 import sys
@@ -16,21 +15,14 @@ import time
 from pathlib import Path
 
 import pytest
+from standin import BENCH, load
 
 from lorapool.producer import Producer
 from lorapool.protocol import SamplingParams
 from lorapool.wire import DATA, decode_chunk
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "queue_gpu.py"
 REQUESTS, LEASE_S = 10_000, 1.0
-
-
-def _bench():
-    spec = importlib.util.spec_from_file_location("lorapool_bench_queue_gpu", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def start(redis_url, prefix, name, logs: Path):
@@ -50,7 +42,7 @@ def wait_for(condition, timeout, what):
 
 
 def test_ten_thousand_requests_through_a_kill_and_a_stop(redis_url, conn, prefix, tmp_path):
-    bench = _bench()
+    bench = load()
     producer = Producer(redis_url, prefix=prefix)
     keys = producer.keys
     # 4-16 tokens; every 50th 400, so that the stopped worker wakes while the spare still
