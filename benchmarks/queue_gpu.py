@@ -265,7 +265,7 @@ def chunk_log_bytes(conn, keys) -> tuple[int, int]:
     for key in keys:
         total_bytes += conn.memory_usage(key, samples=0) or 0
         for _, fields in conn.xrange(key):
-            total_tokens += decode_chunk(fields[DATA.encode()]).num_tokens
+            total_tokens += decode_chunk(fields[DATA.encode()], key).num_tokens
     return total_bytes, total_tokens
 
 
@@ -277,7 +277,7 @@ def check_streams(conn, keys, jobs) -> int:
     for rid, _, max_tokens in jobs:
         tokens, finals = [], 0
         for _, fields in conn.xrange(keys.out(rid)):
-            chunk = decode_chunk(fields[DATA.encode()])
+            chunk = decode_chunk(fields[DATA.encode()], rid)
             for out in chunk.outputs:
                 tokens += out["token_ids"]
             finals += chunk.finished

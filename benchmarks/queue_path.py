@@ -194,7 +194,7 @@ def collect(producer, ids: list[str], label: str, start: float) -> dict:
             key = key.decode()
             for entry_id, fields in entries:
                 last[key] = entry_id
-                chunk = decode_chunk(fields[DATA.encode()])
+                chunk = decode_chunk(fields[DATA.encode()], key)
                 tokens += chunk.num_tokens
                 if chunk.num_tokens and key not in first_token:
                     first_token[key] = now - start

@@ -1,6 +1,7 @@
 """Wire records on the queue: jobs on ``{p}:requests`` and chunks on ``{p}:out:<id>``.
 
-Both are orjson in a stream entry's field ``data`` with ``"v": 1``. Decoding
+Both are orjson in a stream entry's field ``data``: a job with ``"v": 1``, a chunk
+in the compact form described at ``encode_chunk`` (version 2). Decoding
 validates everything a worker or a client relies on and raises ValueError
 naming the problem (workers dead-letter such entries). Torch-free.
 """
@@ -72,7 +73,10 @@ def _fail(message: str) -> None:
     raise ValueError(message)
 
 
-def _loads(payload: bytes | str | None, what: str) -> dict[str, Any]:
+def _loads(
+    payload: bytes | str | None, what: str, speaks: int = WIRE_VERSION, implied: Any = None
+) -> dict[str, Any]:
+    """The record's JSON object, of version ``speaks`` (``implied`` when it names none)."""
     if payload is None:
         _fail(f"malformed {what}: no {DATA!r} field")
     try:
@@ -81,9 +85,9 @@ def _loads(payload: bytes | str | None, what: str) -> dict[str, Any]:
         raise ValueError(f"malformed {what}: not valid JSON ({exc})") from None
     if not isinstance(data, dict):
         _fail(f"malformed {what}: expected an object, got {type(data).__name__}")
-    version = data.get("v")
-    if version != WIRE_VERSION:
-        _fail(f"unknown wire version {version!r} in {what} (this build speaks {WIRE_VERSION})")
+    version = data.get("v", implied)
+    if version != speaks:
+        _fail(f"unknown wire version {version!r} in {what} (this build speaks {speaks})")
     return data
 
 
@@ -256,10 +260,6 @@ class Chunk:
     def num_tokens(self) -> int:
         return sum(len(o["token_ids"]) for o in self.outputs)
 
-    def to_dict(self) -> dict[str, Any]:
-        data = {"v": WIRE_VERSION, **self.__dict__}
-        return {k: v for k, v in data.items() if v is not None}
-
     def to_output(self) -> RequestOutput:
         """This chunk as a delta RequestOutput (completion texts and tokens are deltas)."""
         lora = LoRARequest.from_dict(self.lora_request)
@@ -304,20 +304,87 @@ def completion_wire(c: CompletionOutput, offset: int) -> dict[str, Any]:
     }
 
 
+# A chunk on the wire is compact (most of a GPU worker's Redis memory is chunk logs):
+# short keys, and only what says something. Record: s seq, o offset (omitted: 0),
+# c completions, f finished (1; omitted: not), a adapter id (omitted: 0), and on the
+# first or final chunk lora, m metrics, w worker, e error, p prompt, pi prompt ids.
+# Completion: i index (omitted: 0), o offset (omitted: the chunk's), t text,
+# k token ids, l logprobs, c cumulative logprob, f finish reason, r stop reason
+# (the last four omitted when null). The request id is the key's or channel's.
+CHUNK_VERSION = 2
+_CHUNK_KEYS = (
+    ("lora_request", "lora"),
+    ("metrics", "m"),
+    ("worker", "w"),
+    ("error", "e"),
+    ("prompt", "p"),
+    ("prompt_token_ids", "pi"),
+)
+_COMPLETION_KEYS = (
+    ("logprobs", "l"),
+    ("cumulative_logprob", "c"),
+    ("finish_reason", "f"),
+    ("stop_reason", "r"),
+)
+
+
 def encode_chunk(chunk: Chunk) -> bytes:
-    return orjson.dumps(chunk.to_dict())
+    return orjson.dumps(chunk_record(chunk))
 
 
-def decode_chunk(payload: bytes | str | None) -> Chunk:
-    """A validated Chunk; ValueError naming the problem when malformed."""
-    data = _loads(payload, "chunk")
-    data.pop("v")
+def chunk_record(chunk: Chunk) -> dict[str, Any]:
+    """The compact record of ``chunk`` (see above)."""
+    record: dict[str, Any] = {"s": chunk.seq}
+    if chunk.offset:
+        record["o"] = chunk.offset
+    record["c"] = [_compact(out, chunk.offset) for out in chunk.outputs]
+    if chunk.finished:
+        record["f"] = 1
+    if chunk.adapter_id:
+        record["a"] = chunk.adapter_id
+    for name, key in _CHUNK_KEYS:
+        value = getattr(chunk, name)
+        if value is not None:
+            record[key] = value
+    return record
+
+
+def _compact(out: dict[str, Any], offset: int) -> dict[str, Any]:
+    record = {"t": out["text"], "k": out["token_ids"]}
+    if out["index"]:
+        record["i"] = out["index"]
+    if out.get("offset", offset) != offset:
+        record["o"] = out["offset"]
+    for name, key in _COMPLETION_KEYS:
+        value = out.get(name)
+        if value is not None:
+            record[key] = value
+    return record
+
+
+def decode_chunk(payload: bytes | str | None, request_id: str = "") -> Chunk:
+    """A validated Chunk of request ``request_id``; ValueError naming the problem when
+    malformed."""
+    data = _loads(payload, "chunk", CHUNK_VERSION, CHUNK_VERSION)
     try:
-        chunk = Chunk(**data)
-    except TypeError as exc:
-        raise ValueError(f"malformed chunk: {exc}") from None
-    if not isinstance(chunk.outputs, list) or not all(
-        isinstance(o, dict) and "index" in o and "token_ids" in o for o in chunk.outputs
-    ):
-        _fail(f"malformed chunk {chunk.request_id}#{chunk.seq}: bad outputs")
+        seq, offset = data["s"], data.get("o", 0)
+        _field(is_int(seq) and is_int(offset), "seq and offset must be integers")
+        outputs = [_expand(out, offset) for out in data["c"]]
+        chunk = Chunk(request_id, seq, offset, outputs, bool(data.get("f", 0)))
+        chunk.adapter_id = data.get("a", 0)
+        for name, key in _CHUNK_KEYS:
+            setattr(chunk, name, data.get(key))
+    except (KeyError, TypeError, AttributeError, FieldError) as exc:
+        raise ValueError(f"malformed chunk of {request_id!r}: {exc!r}") from None
     return chunk
+
+
+def _expand(record: dict[str, Any], offset: int) -> dict[str, Any]:
+    """A completion's compact record as the Chunk holds it."""
+    text, ids = record["t"], record["k"]
+    _field(isinstance(text, str) and isinstance(ids, list), "bad completion text or ids")
+    out = {"index": record.get("i", 0), "offset": record.get("o", offset)}
+    out["text"], out["token_ids"] = text, ids
+    for name, key in _COMPLETION_KEYS:
+        out[name] = record.get(key)
+    return out

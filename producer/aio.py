@@ -10,19 +10,18 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
+from lorapool.chunk_log import RESULT_FIELD, Cursor, OutputAssembler
 from lorapool.connection import REDIS_DOWN, connect_async
 from lorapool.keys import DEFAULT_PREFIX, Keys
 from lorapool.outputs import RequestOutput
 from lorapool.producer.client import ABORT_TTL_S, _block_ms, _deadline
-from lorapool.producer.job import SUBMIT_SCRIPT, OutputAssembler, build_job, per_prompt
+from lorapool.producer.job import SUBMIT_SCRIPT, build_job, per_prompt
 from lorapool.producer.registry import check_lora, decode_record
 from lorapool.protocol import LoRARequest, RequestOutputKind, SamplingParams
 from lorapool.wire import (
-    DATA,
     DEFAULT_MAX_N,
     DEFAULT_MAX_PROMPT_BYTES,
     JobLimits,
-    decode_chunk,
     encode_job,
 )
 
@@ -46,25 +45,45 @@ class AsyncJobHandle:
 
     async def chunks(self, after: int = -1, timeout: float | None = None) -> AsyncIterator:
         """Chunks with seq > ``after`` until the final one (see ``JobHandle.chunks``)."""
-        key = self.producer.keys.out(self.request_id)
-        last, deadline = f"0-{after + 1}" if after >= 0 else "0-0", _deadline(timeout)
-        while True:
-            reply = await self._read(key, last, deadline)
-            for _, entries in reply:
-                for entry_id, fields in entries:
-                    last = entry_id
-                    chunk = decode_chunk(fields.get(DATA.encode()))
+        cursor, deadline = Cursor(self.request_id, after), _deadline(timeout)
+        reply, result = await self._poll(cursor)
+        while not cursor.done:
+            if reply:
+                for _, entries in reply:
+                    for chunk in cursor.take(entries):
+                        yield chunk
+            elif result is not None:
+                for chunk in cursor.rest(result):
                     yield chunk
-                    if chunk.finished:
-                        return
-            if not reply and deadline is not None and time.monotonic() >= deadline:
+                return
+            elif deadline is not None and time.monotonic() >= deadline:
                 raise asyncio.TimeoutError(f"request {self.request_id}: no final output")
+            if not cursor.done:
+                reply = await self._read(cursor, deadline)
+                reply, result = (reply, None) if reply else await self._poll(cursor)
 
-    async def _read(self, key: str, last, deadline: float | None) -> list:
+    async def _poll(self, cursor: Cursor) -> tuple[list, bytes | None]:
+        """The log past ``cursor`` and, if the log is gone, the final record (see
+        ``JobHandle._poll``)."""
+        keys, rid = self.producer.keys, self.request_id
+        try:
+            async with self.producer.redis.pipeline(transaction=False) as pipe:
+                pipe.xread({keys.out(rid): cursor.last}, count=256)
+                pipe.exists(keys.out(rid))
+                pipe.hget(keys.job(rid), RESULT_FIELD)
+                reply, exists, result = await pipe.execute()
+        except REDIS_DOWN as exc:
+            logger.warning("request %s: Redis unreachable (%s), waiting", rid, exc)
+            await asyncio.sleep(_block_ms(None) / 1000)
+            return [], None
+        return reply, None if exists else result
+
+    async def _read(self, cursor: Cursor, deadline: float | None) -> list:
         """One blocking XREAD, riding out Redis being away (see ``JobHandle._read``)."""
+        key = self.producer.keys.out(self.request_id)
         try:
             return await self.producer.redis.xread(
-                {key: last}, count=256, block=_block_ms(deadline)
+                {key: cursor.last}, count=256, block=_block_ms(deadline)
             )
         except REDIS_DOWN as exc:
             logger.warning("request %s: Redis unreachable (%s), waiting", self.request_id, exc)

@@ -10,17 +10,16 @@ from typing import Any
 import redis
 
 from lorapool import connection
+from lorapool.chunk_log import RESULT_FIELD, Cursor, OutputAssembler
 from lorapool.keys import DEFAULT_PREFIX, Keys
 from lorapool.outputs import RequestOutput
-from lorapool.producer.job import SUBMIT_SCRIPT, OutputAssembler, build_job, per_prompt
+from lorapool.producer.job import SUBMIT_SCRIPT, build_job, per_prompt
 from lorapool.producer.registry import AdapterRegistry
 from lorapool.protocol import LoRARequest, RequestOutputKind, SamplingParams
 from lorapool.wire import (
-    DATA,
     DEFAULT_MAX_N,
     DEFAULT_MAX_PROMPT_BYTES,
     JobLimits,
-    decode_chunk,
     encode_job,
 )
 
@@ -70,27 +69,49 @@ class JobHandle:
         """The request's chunks with seq > ``after``, in order, until the final one.
 
         Reads the chunk log (the source of truth) with blocking XREAD, so a late
-        subscriber misses nothing. Raises TimeoutError after ``timeout`` seconds.
+        subscriber misses nothing; once the log is compacted, the rest comes from the
+        final record as one chunk (``LogCompacted`` if the reader started midway and
+        so cannot tell where the rest begins). TimeoutError after ``timeout`` seconds.
         """
-        key = self.producer.keys.out(self.request_id)
-        last, deadline = f"0-{after + 1}" if after >= 0 else "0-0", _deadline(timeout)
-        while True:
-            reply = self._read(key, last, deadline)
-            for _, entries in reply:
-                for entry_id, fields in entries:
-                    last = entry_id
-                    chunk = decode_chunk(fields.get(DATA.encode()))
-                    yield chunk
-                    if chunk.finished:
-                        return
-            if not reply and deadline is not None and time.monotonic() >= deadline:
+        cursor, deadline = Cursor(self.request_id, after), _deadline(timeout)
+        reply, result = self._poll(cursor)
+        while not cursor.done:
+            if reply:
+                for _, entries in reply:
+                    yield from cursor.take(entries)
+            elif result is not None:
+                yield from cursor.rest(result)
+                return
+            elif deadline is not None and time.monotonic() >= deadline:
                 raise TimeoutError(f"request {self.request_id}: no final output in {timeout}s")
+            if not cursor.done:
+                reply = self._read(cursor, deadline)
+                reply, result = (reply, None) if reply else self._poll(cursor)
 
-    def _read(self, key: str, last, deadline: float | None) -> list:
+    def _poll(self, cursor: Cursor) -> tuple[list, bytes | None]:
+        """What the log holds past ``cursor`` now, and the final record if the log is
+        gone (compacted), in one round trip."""
+        keys, rid = self.producer.keys, self.request_id
+        try:
+            with self.producer.redis.pipeline(transaction=False) as pipe:
+                pipe.xread({keys.out(rid): cursor.last}, count=256)
+                pipe.exists(keys.out(rid))
+                pipe.hget(keys.job(rid), RESULT_FIELD)
+                reply, exists, result = pipe.execute()
+        except connection.REDIS_DOWN as exc:
+            logger.warning("request %s: Redis unreachable (%s), waiting", rid, exc)
+            time.sleep(_BLOCK_MS / 1000)
+            return [], None
+        return reply, None if exists else result
+
+    def _read(self, cursor: Cursor, deadline: float | None) -> list:
         """One blocking XREAD; Redis away past the client's retries reads as nothing new,
         so a wait rides out a stall or a restart until its deadline."""
+        key = self.producer.keys.out(self.request_id)
         try:
-            return self.producer.redis.xread({key: last}, count=256, block=_block_ms(deadline))
+            return self.producer.redis.xread(
+                {key: cursor.last}, count=256, block=_block_ms(deadline)
+            )
         except connection.REDIS_DOWN as exc:
             logger.warning("request %s: Redis unreachable (%s), waiting", self.request_id, exc)
             time.sleep(_block_ms(deadline) / 1000)

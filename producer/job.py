@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import copy
 import time
 import uuid
 from collections.abc import Mapping
 from typing import Any
 
-from lorapool.outputs import RequestOutput
-from lorapool.protocol import FieldError, LoRARequest, RequestOutputKind, SamplingParams
-from lorapool.wire import Chunk, Job, JobLimits, job_from_dict
+from lorapool.protocol import FieldError, LoRARequest, SamplingParams
+from lorapool.wire import Job, JobLimits, job_from_dict
 
 # Enqueue a job only if its request id is new: the marker and the entry together.
 # The same call sent again (redis-py retries one whose reply was lost) finds its own
@@ -86,38 +84,3 @@ def per_prompt(value: Any, count: int, what: str) -> list:
             raise ValueError(f"{len(value)} {what} for {count} prompts")
         return value
     return [value] * count
-
-
-class OutputAssembler:
-    """Turns delta chunks into the RequestOutputs of one ``output_kind``."""
-
-    def __init__(self, kind: RequestOutputKind | str):
-        self.kind = RequestOutputKind(kind)
-        self.total: RequestOutput | None = None
-        self.lora: LoRARequest | None = None
-        self.prompt: tuple = (None, None)
-
-    def feed(self, chunk: Chunk) -> RequestOutput | None:
-        """The output to yield for this chunk, or None (FINAL_ONLY before the end)."""
-        delta = chunk.to_output()
-        self._fill(delta, chunk)
-        if self.total is None:
-            self.total = copy.deepcopy(delta)
-        else:
-            self.total.add(copy.deepcopy(delta), aggregate=True)
-        if self.kind == RequestOutputKind.DELTA:
-            return delta
-        if self.kind == RequestOutputKind.FINAL_ONLY and not chunk.finished:
-            return None
-        return copy.deepcopy(self.total)
-
-    def _fill(self, delta: RequestOutput, chunk: Chunk) -> None:
-        """Carry the full adapter and the prompt of the first chunk into every output."""
-        if chunk.lora_request is not None:
-            self.lora = delta.lora_request
-        if chunk.prompt_token_ids is not None:
-            self.prompt = (chunk.prompt, chunk.prompt_token_ids)
-        delta.lora_request = self.lora
-        delta.prompt, delta.prompt_token_ids = self.prompt
-        for c in delta.outputs:
-            c.lora_request = self.lora

@@ -27,9 +27,13 @@ class WorkerConfig:
     block_ms: int = 100  # XREADGROUP BLOCK when the engine is idle
     burst: bool = False  # return once the queue and the engine are empty
     drain_timeout_s: float = 30.0  # first SIGTERM: finish in-flight work up to this long
-    # chunk logs and job markers expire this long after the end (a job may set its own)
+    # job markers with the whole output expire this long after the end (a job may set
+    # its own)
     result_ttl_s: int = 24 * 3600
     dead_max_len: int = DEAD_MAX_LEN  # {p}:dead keeps about this many entries
+    # a finished request's chunk log stays this long for readers following it; the
+    # whole output stays, compacted into one record, for result_ttl_s
+    log_grace_s: int = 60
     heartbeat_s: float = 1.0
     alive_ttl_s: int = 5  # status drops a worker this long after its last heartbeat
     max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES  # larger prompts are refused
@@ -48,8 +52,8 @@ class WorkerConfig:
             )
         if self.max_deliveries < 1:
             raise ValueError(f"max_deliveries must be >= 1, got {self.max_deliveries}")
-        if self.block_ms < 1 or self.result_ttl_s < 1 or self.dead_max_len < 1:
-            raise ValueError("block_ms, result_ttl_s and dead_max_len must be positive")
+        if min(self.block_ms, self.result_ttl_s, self.dead_max_len, self.log_grace_s) < 1:
+            raise ValueError("block_ms, result_ttl_s, dead_max_len, log_grace_s must be > 0")
         self.limits  # noqa: B018 - JobLimits checks max_prompt_bytes and max_n
 
     @property

@@ -63,7 +63,7 @@ def read_log(worker: Worker, fields: dict) -> list[Chunk]:
     try:
         rid = orjson.loads(fields.get(DATA.encode()))["request_id"]
         entries = worker.redis.xrange(worker.keys.out(rid))
-        return [decode_chunk(f.get(DATA.encode())) for _, f in entries]
+        return [decode_chunk(f.get(DATA.encode()), rid) for _, f in entries]
     except (ValueError, KeyError, TypeError):
         return []
 

@@ -120,10 +120,16 @@ class Held:
     def output(self) -> RequestOutput | None:
         """Everything in the log so far as one cumulative RequestOutput (built on call:
         once per request, at its end)."""
+        whole = self.whole()
+        return None if whole is None else whole.to_output()
+
+    def whole(self) -> Chunk | None:
+        """Everything in the log so far as one chunk from offset 0: the record a
+        finished request's log is compacted into."""
         if self.first is None:
             return None
         last = self.last
-        whole = Chunk(
+        return Chunk(
             request_id=self.request_id,
             seq=last.seq,
             offset=0,
@@ -137,7 +143,6 @@ class Held:
             prompt=self.prompt,
             prompt_token_ids=self.prompt_token_ids,
         )
-        return whole.to_output()
 
 
 def engine_params(params: SamplingParams) -> SamplingParams:

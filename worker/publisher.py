@@ -153,16 +153,18 @@ class Publisher:
 
     def append(self, items: list[Append]) -> list[int]:
         """One APPEND call (``scripts.APPEND``); its result per item."""
-        return self._script(
-            **append_call(
-                self.worker.keys, self.worker.name, self.worker.config.dead_max_len, items
-            )
+        config = self.worker.config
+        call = append_call(
+            self.worker.keys, self.worker.name, config.dead_max_len, config.log_grace_s, items
         )
+        return self._script(**call)
 
     def append_item(
         self, held: Held, chunk: Chunk, audit: bytes, dead: bytes = b"", reason: str = ""
     ) -> Append:
+        """``held`` has kept ``chunk``: a final one carries the whole output too."""
         ttl_s = held.job.result_ttl_s or self.worker.config.result_ttl_s
+        result = encode_chunk(held.whole()) if chunk.finished else b""
         return Append(
             held.request_id,
             held.entry_id,
@@ -173,6 +175,7 @@ class Publisher:
             ttl_s,
             dead,
             reason,
+            result,
         )
 
     def _after_append(self, held: Held, chunk: Chunk, result: int) -> None:

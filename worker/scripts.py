@@ -53,23 +53,27 @@ class Append(NamedTuple):
     ttl_s: int = 0
     dead: bytes = b""
     reason: str = ""
+    result: bytes = b""  # final: the whole output, kept in the job's hash
 
 
-def append_call(keys: Keys, consumer: str, dead_max_len: int, items: list[Append]) -> dict:
+def append_call(
+    keys: Keys, consumer: str, dead_max_len: int, log_grace_s: int, items: list[Append]
+) -> dict:
     """The keys and args of one APPEND call for ``items`` (any number, one round trip)."""
     call_keys = [keys.requests, keys.audit, keys.dead]
-    args: list = [WORKERS_GROUP, consumer, dead_max_len]
+    args: list = [WORKERS_GROUP, consumer, dead_max_len, log_grace_s]
     for item in items:
         rid = item.request_id
         call_keys += [keys.out(rid), keys.abort(rid), keys.job(rid)]
         args += [item.entry_id, item.seq, item.chunk, int(item.final), item.audit, item.ttl_s]
-        args += [item.dead, item.reason]
+        args += [item.dead, item.reason, item.result]
     return {"keys": call_keys, "args": args}
 
 
 # KEYS: requests, audit, dead, then per item: out, abort, job
-# ARGV: group, consumer, dead stream's MAXLEN (approximate), then per item: entry,
-#       seq (-1: no chunk), chunk, final (0/1), audit ('' none), ttl, dead ('' none), reason
+# ARGV: group, consumer, dead stream's MAXLEN (approximate), the log's grace after the
+#       final chunk (s), then per item: entry, seq (-1: no chunk), chunk, final (0/1),
+#       audit ('' none), ttl, dead ('' none), reason, result (the whole output, final)
 # Returns per item: -1 (not the owner), -2 (seq already in the log), else 1 if abort is
 # asked, 0.
 APPEND = """
@@ -87,8 +91,8 @@ local function add_chunk(out, seq, chunk)
 end
 
 local results = {}
-for i = 0, (#ARGV - 3) / 8 - 1 do
-  local a, k = 3 + i * 8, 3 + i * 3
+for i = 0, (#ARGV - 4) / 9 - 1 do
+  local a, k = 4 + i * 9, 3 + i * 3
   local entry, seq, final = ARGV[a + 1], tonumber(ARGV[a + 2]), ARGV[a + 4] == '1'
   local audit, ttl, dead = ARGV[a + 5], ARGV[a + 6], ARGV[a + 7]
   local out, abort, job = KEYS[k + 1], KEYS[k + 2], KEYS[k + 3]
@@ -111,8 +115,11 @@ for i = 0, (#ARGV - 3) / 8 - 1 do
                    'reason', ARGV[a + 8], 'entry', entry, 'worker', ARGV[2])
       end
       if seq >= 0 then
-        redis.call('EXPIRE', out, ttl)
-        redis.call('HSET', job, 'status', dead ~= '' and 'failed' or 'finished')
+        -- compaction: the whole output in the job's hash; the log only for a grace,
+        -- for readers following it
+        redis.call('EXPIRE', out, math.min(tonumber(ttl), tonumber(ARGV[4])))
+        redis.call('HSET', job, 'status', dead ~= '' and 'failed' or 'finished',
+                   'result', ARGV[a + 9])
         redis.call('EXPIRE', job, ttl)
         redis.call('DEL', abort)
       end

@@ -73,6 +73,13 @@ def _producer(redis_url, prefix):
     "result_ttl_s",
 )
 @count_option("--dead-max-len", DEAD_MAX_LEN, "entries {prefix}:dead keeps (approximately)")
+@count_option(
+    "--log-grace",
+    60,
+    "seconds a finished request's chunk log stays for readers following it (the whole "
+    "output stays, as one record, for --result-ttl)",
+    "log_grace_s",
+)
 @click.option("--name", default=None, help="worker name (default: host-pid-random)")
 @click.option("--lease", "lease_s", default=10.0, show_default=True, help="lease seconds")
 @click.option("--max-deliveries", default=3, show_default=True)
@@ -104,6 +111,7 @@ def worker(
     max_prompt_bytes,
     result_ttl_s,
     dead_max_len,
+    log_grace_s,
     name,
     lease_s,
     max_deliveries,
@@ -151,6 +159,7 @@ def worker(
         max_prompt_bytes=max_prompt_bytes,
         result_ttl_s=result_ttl_s,
         dead_max_len=dead_max_len,
+        log_grace_s=log_grace_s,
         **key_options,
     )
     from lorapool.worker.pool import ModelMismatchError

@@ -30,7 +30,7 @@ def owned_entry(conn, keys: Keys, consumer: str) -> str:
 
 def append(conn, keys, consumer, *items):
     script = conn.register_script(APPEND)
-    return script(**append_call(keys, consumer, 100, list(items)))
+    return script(**append_call(keys, consumer, 100, 60, list(items)))
 
 
 def test_fenced_by_owner_and_by_seq(conn, prefix):
@@ -94,7 +94,7 @@ def test_worker_rides_out_redis_out_of_memory(private_redis, caplog):
         assert time.monotonic() < deadline, "requests did not finish after Redis had room"
         worker.run_guarded()
     for rid in ids:
-        chunks = [decode_chunk(f[DATA.encode()]) for _, f in conn.xrange(keys.out(rid))]
+        chunks = [decode_chunk(f[DATA.encode()], rid) for _, f in conn.xrange(keys.out(rid))]
         assert [c.seq for c in chunks] == list(range(len(chunks)))
         tokens = [t for c in chunks for o in c.outputs for t in o["token_ids"]]
         assert tokens == [bench.token_of(rid, k) for k in range(30)]

@@ -103,13 +103,20 @@ def test_result_ttl_of_worker_and_of_job(engine, conn, prefix, model):
     params = SamplingParams(temperature=0.0, max_tokens=2)
     default = Producer(conn, prefix=prefix).submit("hello", params)
     short = Producer(conn, prefix=prefix, result_ttl_s=5).submit("hello", params)
-    config = WorkerConfig(prefix=prefix, burst=True, result_ttl_s=600)
+    config = WorkerConfig(prefix=prefix, burst=True, result_ttl_s=600, log_grace_s=30)
     Worker(engine, conn, config, base_model_info(model)).run()
     keys = Producer(conn, prefix=prefix).keys
     for handle, ttl in ((default, 600), (short, 5)):
-        assert handle.result(timeout=5).finished
-        for key in (keys.out(handle.request_id), keys.job(handle.request_id)):
-            assert ttl - 2 <= conn.ttl(key) <= ttl
+        result = handle.result(timeout=5)
+        assert result.finished
+        # the whole output, compacted, stays for the ttl; the chunk log for the grace
+        assert ttl - 2 <= conn.ttl(keys.job(handle.request_id)) <= ttl
+        assert min(ttl, 30) - 2 <= conn.ttl(keys.out(handle.request_id)) <= min(ttl, 30)
+        conn.delete(keys.out(handle.request_id))  # the grace over: one record is left
+        again = handle.result(timeout=5)
+        assert again.outputs[0].token_ids == result.outputs[0].token_ids
+        assert (again.outputs[0].text, again.prompt) == (result.outputs[0].text, result.prompt)
+        assert again.metrics == result.metrics and again.worker == result.worker
 
 
 def test_n_over_the_cap_is_refused_at_submit(conn, prefix):

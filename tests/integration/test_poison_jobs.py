@@ -246,5 +246,5 @@ def test_worker_process_survives_arbitrary_records(worker_process, conn, expecte
             rid = job_from_dict(orjson.loads(payload)).request_id
         except ValueError as exc:
             raise AssertionError(f"refused job {payload!r} was not dead-lettered: {exc}") from None
-        final = decode_chunk(conn.xrevrange(producer.keys.out(rid), count=1)[0][1][b"data"])
+        final = decode_chunk(conn.xrevrange(producer.keys.out(rid), count=1)[0][1][b"data"], rid)
         assert final.finished

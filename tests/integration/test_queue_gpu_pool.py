@@ -84,7 +84,7 @@ def test_ten_thousand_requests_through_a_kill_and_a_stop(redis_url, conn, prefix
     finishers = set()
     wrong = []
     for rid, max_tokens in jobs:
-        chunks = [decode_chunk(f[DATA.encode()]) for _, f in conn.xrange(keys.out(rid))]
+        chunks = [decode_chunk(f[DATA.encode()], rid) for _, f in conn.xrange(keys.out(rid))]
         tokens = [t for c in chunks for o in c.outputs for t in o["token_ids"]]
         finals = sum(c.finished for c in chunks)
         seqs = [c.seq for c in chunks]

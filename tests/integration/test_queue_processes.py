@@ -143,7 +143,7 @@ def _wait_workers(conn, prefix, count, timeout=90):
 
 def _logs(conn, producer, ids):
     return {
-        rid: [decode_chunk(f[b"data"]) for _, f in conn.xrange(producer.keys.out(rid))]
+        rid: [decode_chunk(f[b"data"], rid) for _, f in conn.xrange(producer.keys.out(rid))]
         for rid in ids
     }
 
@@ -244,6 +244,6 @@ def test_second_sigterm_hands_back(engine, conn, redis_url, prefix, model, tmp_p
     _check_logs(conn, producer, ids, expected)
     assert conn.xpending(producer.keys.requests, "workers")["pending"] == 0
     assert {
-        decode_chunk(conn.xrevrange(producer.keys.out(r), count=1)[0][1][b"data"]).worker
+        decode_chunk(conn.xrevrange(producer.keys.out(r), count=1)[0][1][b"data"], r).worker
         for r in ids
     } == {"second"}

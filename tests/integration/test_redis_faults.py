@@ -87,7 +87,7 @@ class Pool:
         count = 0
         for h in handles:
             last = self.conn.xrevrange(producer.keys.out(h.request_id), count=1)
-            count += bool(last) and decode_chunk(last[0][1][b"data"]).finished
+            count += bool(last) and decode_chunk(last[0][1][b"data"], h.request_id).finished
         return count
 
     def stop(self):
@@ -112,7 +112,7 @@ def pool(model, tmp_path_factory):
 def _check_exactly_once(pool, producer, handles, expected):
     for handle, tokens in zip(handles, expected):
         log = [
-            decode_chunk(f[b"data"])
+            decode_chunk(f[b"data"], handle.request_id)
             for _, f in pool.conn.xrange(producer.keys.out(handle.request_id))
         ]
         assert [c.seq for c in log] == list(range(len(log)))  # no gap, no duplicate

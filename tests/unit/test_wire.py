@@ -3,9 +3,10 @@
 import orjson
 import pytest
 
-from lorapool.producer.job import OutputAssembler, build_job
+from lorapool.chunk_log import OutputAssembler
+from lorapool.producer.job import build_job
 from lorapool.protocol import LoRARequest, SamplingParams
-from lorapool.wire import Chunk, decode_chunk, decode_job, encode_chunk, encode_job
+from lorapool.wire import Chunk, chunk_record, decode_chunk, decode_job, encode_chunk, encode_job
 
 
 def _chunk(seq, tokens, text, finished=False):
@@ -14,7 +15,10 @@ def _chunk(seq, tokens, text, finished=False):
         "offset": seq * 2,
         "text": text,
         "token_ids": tokens,
+        "cumulative_logprob": None,
+        "logprobs": None,
         "finish_reason": "length" if finished else None,
+        "stop_reason": None,
     }
     lora = {"lora_name": "a", "lora_int_id": 3, "lora_path": "/a", "base_model_name": None}
     return Chunk(
@@ -88,9 +92,9 @@ def test_build_job_validates():
 
 def test_chunk_round_trip_and_version():
     chunk = _chunk(0, [5, 6], "ab")
-    assert decode_chunk(encode_chunk(chunk)) == chunk
+    assert decode_chunk(encode_chunk(chunk), chunk.request_id) == chunk
     with pytest.raises(ValueError, match="unknown wire version"):
-        decode_chunk(orjson.dumps({**chunk.to_dict(), "v": 9}))
+        decode_chunk(orjson.dumps({**chunk_record(chunk), "v": 9}))
 
 
 @pytest.mark.parametrize(

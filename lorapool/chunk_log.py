@@ -1,0 +1,144 @@
+"""A request's output as readers see it: the chunk log while it streams, the one final
+record once it is compacted, and the accumulator that turns chunks into RequestOutputs.
+
+A worker appends one chunk per step (or per few steps, under load) to the stream
+``{p}:out:<id>``. When the request finishes, the same atomic call stores the whole
+output as one compact record in the job's hash (field ``result``) and lets the log
+expire after a short grace, so a reader that is following the stream reads the final
+chunk from it, and a reader that comes later reads everything in one HGET. Torch-free.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+
+from lorapool.outputs import CompletionOutput, RequestOutput
+from lorapool.protocol import RequestOutputKind
+from lorapool.wire import DATA, Chunk, decode_chunk
+
+RESULT_FIELD = "result"  # the job hash's field holding the compacted output
+_DATA = DATA.encode()
+
+
+class LogCompacted(LookupError):
+    """The log was compacted before this reader could place itself in it."""
+
+
+class Cursor:
+    """Where one reader is in one request's output: the last entry read and, per
+    completion, the tokens and characters it has been given (to cut the rest out of
+    the final record when the log is gone)."""
+
+    def __init__(self, request_id: str, after: int = -1):
+        self.request_id = request_id
+        self.last = f"0-{after + 1}" if after >= 0 else "0-0"
+        self.seq = after
+        self.placed = after < 0  # knows every offset since the start
+        self.given: dict[int, tuple[int, int]] = {}  # index -> (tokens, characters)
+        self.done = False
+
+    def take(self, entries: list) -> Iterator[Chunk]:
+        """Chunks of stream ``entries`` (after this cursor), in order, to the final one."""
+        for entry_id, fields in entries:
+            if self.done:
+                return
+            self.last = entry_id
+            chunk = decode_chunk(fields.get(_DATA), self.request_id)
+            self._give(chunk)
+            yield chunk
+
+    def rest(self, payload: bytes | str) -> Iterator[Chunk]:
+        """What the final record ``payload`` holds past this cursor, as one chunk."""
+        whole = decode_chunk(payload, self.request_id)
+        if whole.seq <= self.seq:
+            self.done = True
+            return
+        if not self.placed:
+            raise LogCompacted(
+                f"request {self.request_id}: its chunk log was compacted; read the whole "
+                f"output (result()) instead of the chunks after {self.seq}"
+            )
+        rest = dataclasses.replace(whole, outputs=[self._cut(o) for o in whole.outputs])
+        rest.offset = sum(tokens for tokens, _ in self.given.values())
+        if self.seq >= 0:  # the first chunk's prompt is not repeated
+            rest.prompt = rest.prompt_token_ids = None
+        self._give(rest)
+        yield rest
+
+    def _give(self, chunk: Chunk) -> None:
+        self.seq, self.done = chunk.seq, chunk.finished
+        for out in chunk.outputs:
+            tokens, chars = self.given.get(out["index"], (0, 0))
+            self.given[out["index"]] = (tokens + len(out["token_ids"]), chars + len(out["text"]))
+
+    def _cut(self, out: dict[str, Any]) -> dict[str, Any]:
+        tokens, chars = self.given.get(out["index"], (0, 0))
+        logprobs = out.get("logprobs")
+        return {
+            **out,
+            "offset": tokens,
+            "text": out["text"][chars:],
+            "token_ids": out["token_ids"][tokens:],
+            "logprobs": None if logprobs is None else logprobs[tokens:],
+        }
+
+
+class OutputAssembler:
+    """Turns delta chunks into the RequestOutputs of one ``output_kind``.
+
+    Per chunk it appends the delta to each completion (no copies of what came
+    before); a cumulative output is built from those, copying only the flat text
+    and id lists (a memcpy each), never deep-copying earlier outputs."""
+
+    def __init__(self, kind: RequestOutputKind | str):
+        self.kind = RequestOutputKind(kind)
+        self.completions: dict[int, CompletionOutput] = {}
+        self.lora = None
+        self.prompt: tuple = (None, None)
+
+    def feed(self, chunk: Chunk) -> RequestOutput | None:
+        """The output to yield for this chunk, or None (FINAL_ONLY before the end)."""
+        delta = chunk.to_output()
+        self._fill(delta, chunk)
+        for completion in delta.outputs:
+            self._add(completion)
+        if self.kind == RequestOutputKind.DELTA:
+            return delta
+        if self.kind == RequestOutputKind.FINAL_ONLY and not chunk.finished:
+            return None
+        delta.outputs = [_snapshot(c) for _, c in sorted(self.completions.items())]
+        return delta
+
+    def _fill(self, delta: RequestOutput, chunk: Chunk) -> None:
+        """Carry the full adapter and the prompt of the first chunk into every output."""
+        if chunk.lora_request is not None:
+            self.lora = delta.lora_request
+        if chunk.prompt_token_ids is not None:
+            self.prompt = (chunk.prompt, chunk.prompt_token_ids)
+        delta.lora_request = self.lora
+        delta.prompt, delta.prompt_token_ids = self.prompt
+        for c in delta.outputs:
+            c.lora_request = self.lora
+
+    def _add(self, delta: CompletionOutput) -> None:
+        total = self.completions.get(delta.index)
+        if total is None:
+            self.completions[delta.index] = _snapshot(delta)
+            return
+        total.text += delta.text
+        total.token_ids += delta.token_ids
+        if delta.logprobs is not None:
+            if total.logprobs is None:
+                total.logprobs = []
+            total.logprobs += delta.logprobs
+        total.cumulative_logprob = delta.cumulative_logprob
+        total.finish_reason, total.stop_reason = delta.finish_reason, delta.stop_reason
+        total.lora_request = delta.lora_request
+
+
+def _snapshot(c: CompletionOutput) -> CompletionOutput:
+    """A copy of ``c`` whose lists later appends do not reach."""
+    logprobs = None if c.logprobs is None else list(c.logprobs)
+    return dataclasses.replace(c, token_ids=list(c.token_ids), logprobs=logprobs)
