@@ -269,6 +269,16 @@ def chunk_log_bytes(conn, keys) -> tuple[int, int]:
     return total_bytes, total_tokens
 
 
+def finished_bytes(conn, keys, ids) -> tuple[int, int]:
+    """(bytes, record bytes) of finished requests: MEMORY USAGE of their job hashes
+    summed, and the compacted records' lengths summed."""
+    from lorapool.chunk_log import RESULT_FIELD
+
+    memory = sum(conn.memory_usage(keys.job(rid), samples=0) or 0 for rid in ids)
+    records = sum(conn.hstrlen(keys.job(rid), RESULT_FIELD) for rid in ids)
+    return memory, records
+
+
 def check_streams(conn, keys, jobs) -> int:
     """Every log read back equals the stand-in's output exactly; returns mismatches."""
     from lorapool.wire import DATA, decode_chunk
@@ -323,7 +333,7 @@ def run_queue(url: str, sequences: int, step_ms: float, jobs) -> dict[str, Any]:
             worker.wait(120)
             stats = json.loads(stats_file.read_text())
             bad = check_streams(conn, keys, jobs)
-            finished = chunk_log_bytes(conn, [keys.out(r) for r in ids[:64]])
+            finished = finished_bytes(conn, keys, ids[:64])
         finally:
             if worker.poll() is None:
                 worker.kill()
@@ -340,7 +350,10 @@ def run_queue(url: str, sequences: int, step_ms: float, jobs) -> dict[str, Any]:
         "redis_cpu_us_per_token": 1e6 * redis_cpu / tokens,
         "tokens_per_s": tokens / seconds,
         "streaming_bytes_per_token": (streaming[0] / max(1, streaming[1])) if streaming else None,
+        # what a finished request keeps once its log's grace is over: the job's hash
+        # holding the compacted record (and the submit marker), against the record
         "finished_bytes_per_request": finished[0] / 64,
+        "final_record_bytes": finished[1] / 64,
         "mismatched_streams": bad,
     }
 
