@@ -3,7 +3,8 @@
 Runs requests of 8 and 64 output tokens through the real worker (SmolLM2 on
 this machine's device) and reports, per request: the queued entry on
 ``{p}:requests`` and its job marker while it waits, then what stays after it
-finished until the result TTL (chunk log and marker), and the audit record
+finished: the chunk log for the log's grace, the job marker holding the whole output
+(compacted) until the result TTL, and the audit record
 on ``{p}:audit`` until the writer has committed it.
 
     lorapool bench redis_memory [--model DIR] [--redis-url URL]
@@ -58,7 +59,8 @@ def measure(conn, model: str, tokens: int, count: int = 8) -> dict:
             "chunk_log_bytes": round(sum(logs) / count),
             "finished_marker_bytes": round(sum(markers) / count),
             "audit_record_bytes": round(stream_entry_bytes(conn, producer.keys.audit)),
-            "kept_until_ttl_bytes": round((sum(logs) + sum(markers)) / count),
+            "kept_for_grace_bytes": round((sum(logs) + sum(markers)) / count),
+            "kept_until_ttl_bytes": round(sum(markers) / count),
         }
     finally:
         for key in conn.scan_iter(f"{prefix}:*"):
