@@ -176,6 +176,19 @@ class LLMEngine:
         """The requests in the running batch (those a failed step may have touched)."""
         return {seq.request.request_id for seq in self.scheduler.running}
 
+    def kv_cache_usage(self) -> float:
+        """Share (0..1) of the KV cache's blocks held by requests (for metrics)."""
+        return 1.0 - self.block_manager.num_free_blocks / self.block_manager.num_blocks
+
+    def lora_state(self) -> dict[str, Any]:
+        """Adapter names in device slots and in the CPU cache, and the slot count."""
+        loras = self.lora_manager
+        if loras is None:
+            return {"device": [], "cpu": [], "max_loras": 0}
+        names = {i: a.lora_request.lora_name for i, a in loras.cpu.items()}
+        device = [names[i] for i in loras.slot_lru if i in names]
+        return {"device": device, "cpu": list(names.values()), "max_loras": loras.max_loras}
+
     @property
     def device_name(self) -> str:
         return str(self.args.resolve_device())

@@ -41,6 +41,10 @@ class WorkerConfig:
     # signs audit records (default: from the environment, see lorapool.signing)
     audit_key: bytes | None = field(default_factory=signing.key_from_env, repr=False)
     insecure_no_key: bool = field(default_factory=signing.insecure_from_env)
+    metrics_port: int | None = None  # serve Prometheus metrics here (0: any free port)
+    metrics_addr: str = "0.0.0.0"
+    metrics_max_adapters: int = 32  # series per adapter-labelled metric, `other` included
+    metrics_vllm_names: bool = False  # also vLLM's gauge names (vllm:num_requests_running…)
 
     def __post_init__(self):
         if self.lease_s <= 0:
@@ -54,6 +58,8 @@ class WorkerConfig:
             raise ValueError(f"max_deliveries must be >= 1, got {self.max_deliveries}")
         if min(self.block_ms, self.result_ttl_s, self.dead_max_len, self.log_grace_s) < 1:
             raise ValueError("block_ms, result_ttl_s, dead_max_len, log_grace_s must be > 0")
+        if self.metrics_max_adapters < 2:
+            raise ValueError(f"metrics_max_adapters must be >= 2, got {self.metrics_max_adapters}")
         self.limits  # noqa: B018 - JobLimits checks max_prompt_bytes and max_n
 
     @property

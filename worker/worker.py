@@ -29,6 +29,7 @@ from lorapool.worker.config import WorkerConfig
 from lorapool.worker.dead_letter import reason_of
 from lorapool.worker.engine_api import EngineInterface
 from lorapool.worker.held import Held, engine_params, resumed_token_ids
+from lorapool.worker.metrics import worker_metrics
 from lorapool.worker.pool import claim_model, heartbeat_record
 from lorapool.worker.publisher import Publisher
 from lorapool.worker.scripts import RENEW
@@ -68,6 +69,7 @@ class Worker:
         self._last = {"renew": 0.0, "claim": 0.0, "heartbeat": 0.0}
         self._drain_deadline: float | None = None
         self.publisher = Publisher(self)
+        self.metrics = worker_metrics(config, engine, base_model)
         self._away_since: float | None = None  # Redis unreachable since (monotonic)
         self._backoff_s = BACKOFF_S[0]
         self._saved_signals: dict[int, Any] = {}
@@ -79,6 +81,7 @@ class Worker:
         claim_model(self.redis, self.keys, self.base_model)  # or ModelMismatchError
         self.ensure_group()
         self._install_signals()
+        self.metrics.serve()
         logger.info("worker %s: serving %s", self.name, self.keys.requests)
         try:
             while not self.stopped:
@@ -201,6 +204,7 @@ class Worker:
                 self._abort_in_engine(held.request_id)
             return self.dead_letter(entry_id, payload, reason_of(exc), held)
         self.held[job.request_id] = held
+        self.metrics.admitted(held)
         return None
 
     def _add_to_engine(self, held: Held) -> None:
@@ -232,6 +236,7 @@ class Worker:
             logger.exception("worker %s: engine step failed", self.name)
             self._fail_step(f"engine step failed: {reason_of(exc)}")
             return
+        self.metrics.stepped(outputs, self.held)
         self._publish(outputs)
 
     def _fail_step(self, reason: str) -> None:
@@ -265,6 +270,7 @@ class Worker:
     ) -> None:
         """Fail an entry for good: see ``dead_letter.dead_letter``."""
         dead_letter.dead_letter(self, entry_id, payload, reason, held)
+        self.metrics.failed(held)
 
     # --- upkeep ------------------------------------------------------------------
 
@@ -372,4 +378,5 @@ class Worker:
                 "worker %s: stopped without saying so, Redis is away (%s)", self.name, exc
             )
         self.publisher.close()
+        self.metrics.close()
         logger.info("worker %s: stopped", self.name)

@@ -85,6 +85,10 @@ def _producer(redis_url, prefix):
 @click.option("--max-deliveries", default=3, show_default=True)
 @click.option("--drain-timeout", default=30.0, show_default=True)
 @click.option("--burst", is_flag=True, help="exit when the queue and the engine are empty")
+@click.option("--metrics-port", type=int, default=None, help="serve Prometheus /metrics here")
+@click.option("--metrics-addr", default="0.0.0.0", show_default=True)
+@count_option("--metrics-max-adapters", 32, "series per adapter-labelled metric ('other' too)")
+@click.option("--metrics-vllm-names", is_flag=True, help="also vLLM's gauge names")
 @click.option(
     "--insecure-no-key",
     is_flag=True,
@@ -117,6 +121,10 @@ def worker(
     max_deliveries,
     drain_timeout,
     burst,
+    metrics_port,
+    metrics_addr,
+    metrics_max_adapters,
+    metrics_vllm_names,
     insecure_no_key,
     redis_url,
     prefix,
@@ -160,6 +168,10 @@ def worker(
         result_ttl_s=result_ttl_s,
         dead_max_len=dead_max_len,
         log_grace_s=log_grace_s,
+        metrics_port=metrics_port,
+        metrics_addr=metrics_addr,
+        metrics_max_adapters=metrics_max_adapters,
+        metrics_vllm_names=metrics_vllm_names,
         **key_options,
     )
     from lorapool.worker.pool import ModelMismatchError

@@ -1,0 +1,115 @@
+"""The pool's gauges for Prometheus, read from Redis on each scrape (torch-free).
+
+``PoolCollector`` is what ``lorapool exporter`` serves (and what a gateway can
+register next to its own metrics). Each scrape reads, in one pipelined round
+trip plus the two ``XINFO GROUPS``:
+
+- ``lorapool_queue_length``: entries in ``{p}:requests`` (XLEN);
+- ``lorapool_queue_pending``: delivered to a worker, not yet acknowledged;
+- ``lorapool_queue_lag``: the ``workers`` group's lag as Redis reports it, the
+  entries no worker has taken yet: the autoscaling signal. NaN when Redis
+  reports it unknown (an undelivered entry was deleted; lorapool never does);
+- ``lorapool_dead_letters``: entries in ``{p}:dead``;
+- ``lorapool_workers_live``: workers whose liveness flag has not expired;
+- ``lorapool_audit_backlog``: audit records not yet committed by a writer
+  (the ``audit`` group's lag plus its pending entries);
+- ``lorapool_redis_up``: 0 when Redis did not answer (the others are then absent).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterator
+
+import redis
+from prometheus_client.core import GaugeMetricFamily
+
+from lorapool.keys import AUDIT_GROUP, WORKERS_GROUP, Keys
+
+logger = logging.getLogger(__name__)
+
+
+def group_info(connection: redis.Redis, stream: str, group: str) -> dict | None:
+    """``XINFO GROUPS stream``'s record of ``group``; None when the stream or group is absent."""
+    try:
+        groups = connection.xinfo_groups(stream)
+    except redis.ResponseError:  # no such key
+        return None
+    wanted = group.encode()
+    return next((g for g in groups if g["name"] in (group, wanted)), None)
+
+
+def lag_of(group: dict | None, length: int) -> float:
+    """The group's lag (NaN when Redis says unknown); the whole stream without a group."""
+    if group is None:
+        return float(length)
+    lag = group.get("lag")
+    return math.nan if lag is None else float(lag)
+
+
+class PoolCollector:
+    """A custom collector: the pool-wide gauges of one key prefix, read on scrape."""
+
+    def __init__(self, connection: redis.Redis, keys: Keys):
+        self.redis = connection
+        self.keys = keys
+
+    def describe(self) -> list:
+        return []  # collected on scrape only: registering must not call Redis
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        try:
+            values = self.read()
+        except redis.RedisError as exc:  # away, out of memory, refused: say so, do not fail
+            logger.warning("exporter: Redis did not answer (%s)", exc)
+            yield _gauge("lorapool_redis_up", "1 when Redis answered the scrape", 0)
+            return
+        yield _gauge("lorapool_redis_up", "1 when Redis answered the scrape", 1)
+        for name, (doc, value) in values.items():
+            yield _gauge(name, doc, value)
+
+    def read(self) -> dict[str, tuple[str, float]]:
+        """Metric name -> (help, value), read from Redis now."""
+        r, keys = self.redis, self.keys
+        with r.pipeline(transaction=False) as pipe:
+            pipe.xlen(keys.requests)
+            pipe.xlen(keys.dead)
+            pipe.xlen(keys.audit)
+            pipe.hkeys(keys.workers)
+            length, dead, audit_length, names = pipe.execute()
+        workers = group_info(r, keys.requests, WORKERS_GROUP)
+        audit = group_info(r, keys.audit, AUDIT_GROUP)
+        return {
+            "lorapool_queue_length": ("entries in the request stream", length),
+            "lorapool_queue_pending": (
+                "entries delivered to a worker and not yet acknowledged",
+                0 if workers is None else workers["pending"],
+            ),
+            "lorapool_queue_lag": (
+                "entries no worker has taken yet (the consumer group's lag; NaN: unknown)",
+                lag_of(workers, length),
+            ),
+            "lorapool_dead_letters": ("entries in the dead-letter stream", dead),
+            "lorapool_workers_live": ("workers with a live heartbeat", self._live(names)),
+            "lorapool_audit_backlog": (
+                "audit records not yet committed to SQL",
+                _backlog(audit, audit_length),
+            ),
+        }
+
+    def _live(self, names: list[bytes]) -> int:
+        if not names:
+            return 0
+        flags = self.redis.mget([self.keys.alive(n.decode()) for n in names])
+        return sum(flag is not None for flag in flags)
+
+
+def _backlog(group: dict | None, length: int) -> float:
+    if group is None:
+        return float(length)
+    return lag_of(group, length) + group["pending"]
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, value=value)
