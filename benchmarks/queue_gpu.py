@@ -13,11 +13,10 @@ One run, per step time:
   ``Worker`` around the stand-in) → chunk logs; then every log is read back and
   checked token for token against ``token_of``.
 
-Reported: steady-state steps/s of both (first to last full-batch step) and their
-ratio, and the same for tokens/s (a batch left part empty shows there); worker CPU per token (the
-worker process's CPU minus the stand-in's own, both per token, over full-batch
-steps); Redis CPU per token (``INFO cpu`` from submission done to the last final
-record, divided by all tokens); bytes Redis keeps per token in the chunk logs.
+Reported: steady-state steps/s and tokens/s of both (first to last full-batch step)
+and their ratios; worker CPU per token (the worker process's minus the stand-in's own,
+over full-batch steps); Redis CPU per token (``INFO cpu``, submission done to the last
+final record); bytes Redis keeps per token streaming, and per finished request.
 
     lorapool bench queue-path [--sequences 256] [--step-ms 33 16.7] [--json out.json]
 
@@ -193,9 +192,6 @@ class StandInEngine:
         }
 
 
-# --- the peer: the stand-in alone ---------------------------------------------------
-
-
 def workload(num_requests: int, max_tokens: int, label: str) -> list[tuple[str, list[int], int]]:
     """16-token prompts; outputs spread over max_tokens/2 .. 3*max_tokens/2, so requests
     finish and start every step, as in a serving pool (not in waves)."""
@@ -219,9 +215,6 @@ def run_inprocess(sequences: int, step_s: float, jobs) -> dict[str, float]:
     while engine.has_unfinished_requests():
         engine.step()
     return engine.full_batch_stats()
-
-
-# --- the worker process -------------------------------------------------------------
 
 
 def serve_worker(args) -> None:
@@ -253,8 +246,7 @@ def start_worker(url: str, prefix: str, sequences: int, step_ms: float, stats: P
 
 
 def redis_cpu_s(conn) -> float:
-    info = conn.info("cpu")
-    return info["used_cpu_sys"] + info["used_cpu_user"]
+    return sum(conn.info("cpu")[k] for k in ("used_cpu_sys", "used_cpu_user"))
 
 
 def chunk_log_bytes(conn, keys) -> tuple[int, int]:
@@ -270,13 +262,9 @@ def chunk_log_bytes(conn, keys) -> tuple[int, int]:
 
 
 def finished_bytes(conn, keys, ids) -> tuple[int, int]:
-    """(bytes, record bytes) of finished requests: MEMORY USAGE of their job hashes
-    summed, and the compacted records' lengths summed."""
-    from lorapool.chunk_log import RESULT_FIELD
-
+    """(MEMORY USAGE of finished requests' job hashes, their compacted records' bytes)."""
     memory = sum(conn.memory_usage(keys.job(rid), samples=0) or 0 for rid in ids)
-    records = sum(conn.hstrlen(keys.job(rid), RESULT_FIELD) for rid in ids)
-    return memory, records
+    return memory, sum(conn.hstrlen(keys.job(rid), "result") for rid in ids)
 
 
 def check_streams(conn, keys, jobs) -> int:
@@ -350,8 +338,7 @@ def run_queue(url: str, sequences: int, step_ms: float, jobs) -> dict[str, Any]:
         "redis_cpu_us_per_token": 1e6 * redis_cpu / tokens,
         "tokens_per_s": tokens / seconds,
         "streaming_bytes_per_token": (streaming[0] / max(1, streaming[1])) if streaming else None,
-        # what a finished request keeps once its log's grace is over: the job's hash
-        # holding the compacted record (and the submit marker), against the record
+        # kept once the log's grace is over: the job hash with the record, vs the record
         "finished_bytes_per_request": finished[0] / 64,
         "final_record_bytes": finished[1] / 64,
         "mismatched_streams": bad,

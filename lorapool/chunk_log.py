@@ -41,13 +41,20 @@ class Cursor:
 
     def take(self, entries: list) -> Iterator[Chunk]:
         """Chunks of stream ``entries`` (after this cursor), in order, to the final one."""
-        for entry_id, fields in entries:
-            if self.done:
-                return
-            self.last = entry_id
+        for _, fields in entries:
             chunk = decode_chunk(fields.get(_DATA), self.request_id)
-            self._give(chunk)
-            yield chunk
+            if self.accepts(chunk):
+                self._give(chunk)
+                yield chunk
+
+    def accepts(self, chunk: Chunk) -> bool:
+        """Whether ``chunk`` is the next one (not one already given, nor past a gap)."""
+        return not self.done and chunk.seq == self.seq + 1
+
+    def give(self, chunk: Chunk) -> Chunk:
+        """Move past ``chunk``, the next one (``accepts``)."""
+        self._give(chunk)
+        return chunk
 
     def rest(self, payload: bytes | str) -> Iterator[Chunk]:
         """What the final record ``payload`` holds past this cursor, as one chunk."""
@@ -69,6 +76,7 @@ class Cursor:
 
     def _give(self, chunk: Chunk) -> None:
         self.seq, self.done = chunk.seq, chunk.finished
+        self.last = f"0-{chunk.seq + 1}"  # a chunk's entry id in the log
         for out in chunk.outputs:
             tokens, chars = self.given.get(out["index"], (0, 0))
             self.given[out["index"]] = (tokens + len(out["token_ids"]), chars + len(out["text"]))

@@ -10,11 +10,12 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from lorapool.chunk_log import RESULT_FIELD, Cursor, OutputAssembler
-from lorapool.connection import REDIS_DOWN, connect_async
+from lorapool.chunk_log import OutputAssembler
+from lorapool.connection import connect_async
+from lorapool.follower import Follower
 from lorapool.keys import DEFAULT_PREFIX, Keys
 from lorapool.outputs import RequestOutput
-from lorapool.producer.client import ABORT_TTL_S, _block_ms, _deadline
+from lorapool.producer.client import ABORT_TTL_S, _deadline
 from lorapool.producer.job import SUBMIT_SCRIPT, build_job, per_prompt
 from lorapool.producer.registry import check_lora, decode_record
 from lorapool.protocol import LoRARequest, RequestOutputKind, SamplingParams
@@ -44,51 +45,25 @@ class AsyncJobHandle:
         self.enqueued = enqueued
 
     async def chunks(self, after: int = -1, timeout: float | None = None) -> AsyncIterator:
-        """Chunks with seq > ``after`` until the final one (see ``JobHandle.chunks``)."""
-        cursor, deadline = Cursor(self.request_id, after), _deadline(timeout)
-        reply, result = await self._poll(cursor)
-        while not cursor.done:
-            if reply:
-                for _, entries in reply:
-                    for chunk in cursor.take(entries):
-                        yield chunk
-            elif result is not None:
-                for chunk in cursor.rest(result):
-                    yield chunk
-                return
-            elif deadline is not None and time.monotonic() >= deadline:
-                raise asyncio.TimeoutError(f"request {self.request_id}: no final output")
-            if not cursor.done:
-                reply = await self._read(cursor, deadline)
-                reply, result = (reply, None) if reply else await self._poll(cursor)
-
-    async def _poll(self, cursor: Cursor) -> tuple[list, bytes | None]:
-        """The log past ``cursor`` and, if the log is gone, the final record (see
-        ``JobHandle._poll``)."""
-        keys, rid = self.producer.keys, self.request_id
+        """Chunks with seq > ``after`` until the final one, through the producer's
+        ``Follower`` (one connection for all the handles it follows; see
+        ``JobHandle.chunks`` for the order and the compacted log)."""
+        chunks = self.producer.follower.follow(self.request_id, after)
+        deadline = _deadline(timeout)
         try:
-            async with self.producer.redis.pipeline(transaction=False) as pipe:
-                pipe.xread({keys.out(rid): cursor.last}, count=256)
-                pipe.exists(keys.out(rid))
-                pipe.hget(keys.job(rid), RESULT_FIELD)
-                reply, exists, result = await pipe.execute()
-        except REDIS_DOWN as exc:
-            logger.warning("request %s: Redis unreachable (%s), waiting", rid, exc)
-            await asyncio.sleep(_block_ms(None) / 1000)
-            return [], None
-        return reply, None if exists else result
-
-    async def _read(self, cursor: Cursor, deadline: float | None) -> list:
-        """One blocking XREAD, riding out Redis being away (see ``JobHandle._read``)."""
-        key = self.producer.keys.out(self.request_id)
-        try:
-            return await self.producer.redis.xread(
-                {key: cursor.last}, count=256, block=_block_ms(deadline)
-            )
-        except REDIS_DOWN as exc:
-            logger.warning("request %s: Redis unreachable (%s), waiting", self.request_id, exc)
-            await asyncio.sleep(_block_ms(deadline) / 1000)
-            return []
+            while True:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                try:
+                    chunk = await asyncio.wait_for(chunks.__anext__(), left)
+                except StopAsyncIteration:
+                    return
+                except asyncio.TimeoutError:
+                    raise asyncio.TimeoutError(
+                        f"request {self.request_id}: no final output in {timeout}s"
+                    ) from None
+                yield chunk
+        finally:
+            await chunks.aclose()
 
     async def stream(
         self, after: int = -1, timeout: float | None = None
@@ -136,6 +111,7 @@ class AsyncProducer:
         self.redis = connection
         self.keys = Keys(prefix)
         self._submit = self.redis.register_script(SUBMIT_SCRIPT)
+        self.follower = Follower(self.redis, self.keys)
 
     async def resolve(self, requested: LoRARequest | str | None) -> LoRARequest | None:
         if requested is None:
@@ -200,4 +176,5 @@ class AsyncProducer:
         await self.redis.set(self.keys.abort(request_id), 1, ex=ABORT_TTL_S)
 
     async def aclose(self) -> None:
+        await self.follower.close()
         await self.redis.aclose()

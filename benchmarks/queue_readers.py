@@ -1,0 +1,151 @@
+"""Readers at GPU step rates: what following many streams costs Redis, and how soon a
+client sees a step's tokens.
+
+The real Worker around ``queue_gpu``'s engine stand-in (a process) streams
+``--requests`` requests while one asyncio client follows all of them, three ways in
+the same run:
+
+- ``none``: nobody reads (the worker's own Redis CPU: the peer to subtract);
+- ``xread``: one blocking XREAD per request (what ``AsyncJobHandle`` did before);
+- ``follower``: ``AsyncProducer``'s ``Follower``, one Pub/Sub connection for all.
+
+Reported per way: Redis CPU per delivered chunk beyond ``none``'s (``INFO cpu``), and
+the latency from the end of the engine step that made a chunk's last token to the
+client holding it (p50 / p99), from the stand-in's step-end times
+(``time.perf_counter``, one clock for every process on the host).
+
+    lorapool bench queue_readers [--requests 256] [--step-ms 25] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import json
+import os
+import signal
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+_spec = importlib.util.spec_from_file_location(
+    "queue_gpu", Path(__file__).with_name("queue_gpu.py")
+)
+gpu = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(gpu)
+
+
+async def follow(producer, ids, way: str, received: list) -> None:
+    """Read every request's chunks ``way``; (request, last token position, time) each."""
+
+    async def by_follower(rid):
+        async for chunk in (await producer.handle(rid)).chunks(timeout=300):
+            received.append((rid, chunk.offset + chunk.num_tokens - 1, time.perf_counter()))
+
+    async def by_xread(rid):
+        from lorapool.wire import DATA, decode_chunk
+
+        key, last, done = producer.keys.out(rid), "0-0", False
+        while not done:
+            for _, entries in await producer.redis.xread({key: last}, count=256, block=1000):
+                now = time.perf_counter()
+                for entry_id, fields in entries:
+                    last = entry_id
+                    chunk = decode_chunk(fields[DATA.encode()], rid)
+                    received.append((rid, chunk.offset + chunk.num_tokens - 1, now))
+                    done = chunk.finished
+
+    read = by_follower if way == "follower" else by_xread
+    await asyncio.gather(*(read(rid) for rid in ids))
+
+
+async def run_way(url: str, way: str, args, jobs) -> dict:
+    import redis
+    import redis.asyncio as aioredis
+
+    from lorapool.producer import AsyncProducer
+    from lorapool.protocol import SamplingParams
+
+    prefix = f"bench-read-{uuid.uuid4().hex[:8]}"
+    pool = aioredis.ConnectionPool.from_url(url, max_connections=len(jobs) + 16)
+    producer = AsyncProducer(aioredis.Redis(connection_pool=pool), prefix=prefix)
+    conn = redis.Redis.from_url(url)
+    received: list = []
+    with tempfile.TemporaryDirectory() as tmp:
+        stats_file = Path(tmp) / "stats.json"
+        worker = gpu.start_worker(url, prefix, args.sequences, args.step_ms, stats_file)
+        try:
+            while not conn.hlen(producer.keys.workers):
+                time.sleep(0.05)
+            ids = [rid for rid, _, _ in jobs]
+            cpu0 = gpu.redis_cpu_s(conn)
+            await producer.submit_many(
+                [{"prompt_token_ids": p} for _, p, _ in jobs],
+                [SamplingParams(max_tokens=n, ignore_eos=True) for _, _, n in jobs],
+                request_ids=ids,
+            )
+            if way == "none":
+                while conn.xlen(producer.keys.audit) < len(jobs):
+                    await asyncio.sleep(0.05)
+            else:
+                await follow(producer, ids, way, received)
+            redis_cpu = gpu.redis_cpu_s(conn) - cpu0
+            worker.send_signal(signal.SIGTERM)
+            worker.wait(120)
+            stats = json.loads(stats_file.read_text())
+        finally:
+            if worker.poll() is None:
+                worker.kill()
+            await producer.aclose()
+            for key in conn.scan_iter(f"{prefix}:*", count=1000):
+                conn.delete(key)
+    return {"redis_cpu_s": redis_cpu, **latencies(received, stats)}
+
+
+def latencies(received: list, stats: dict) -> dict:
+    """Step end of each chunk's last token (first step + position) to its receipt."""
+    ends, first = stats["step_end"], stats["first_step"]
+    lat = sorted(1000 * (t - ends[first[rid] + pos]) for rid, pos, t in received)
+    if not lat:
+        return {"chunks": 0}
+    return {
+        "chunks": len(lat),
+        "latency_ms_p50": round(lat[len(lat) // 2], 2),
+        "latency_ms_p99": round(lat[int(len(lat) * 0.99)], 2),
+    }
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=256)
+    parser.add_argument("--sequences", type=int, default=256)
+    parser.add_argument("--step-ms", type=float, default=25.0)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--ways", nargs="+", default=["none", "xread", "follower"])
+    parser.add_argument(
+        "--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
+    )
+    parser.add_argument("--json", help="also write the results here")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("LORAPOOL_AUDIT_KEY", gpu.AUDIT_KEY)
+    results = {}
+    for way in args.ways:
+        jobs = gpu.workload(args.requests, args.max_tokens, f"{way}-{uuid.uuid4().hex[:4]}")
+        results[way] = asyncio.run(run_way(args.redis_url, way, args, jobs))
+        print(way, results[way], flush=True)
+    base = results.get("none", {}).get("redis_cpu_s")
+    for way, result in results.items():
+        if way != "none" and base is not None and result.get("chunks"):
+            result["reader_redis_cpu_us_per_chunk"] = round(
+                1e6 * (result["redis_cpu_s"] - base) / result["chunks"], 2
+            )
+    print(json.dumps(results, indent=2))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,162 @@
+"""One connection that follows many requests' outputs (asyncio): the live channel for
+speed, the chunk log for exactness.
+
+The worker appends each chunk to the request's log and publishes the same bytes on its
+channel in one atomic call. A follower subscribes to the channels of the requests it
+follows on one Pub/Sub connection; when it starts following a request (once the
+subscription is confirmed) and whenever a chunk arrives past a gap, it reads the
+missing chunks from the log, so every reader gets every chunk once, in order, even
+if Pub/Sub dropped some (a reconnect, a slow consumer). A request that stays quiet for
+``poll_s`` has its log polled (then at doubling intervals up to ``MAX_QUIET_S`` while it
+waits in the queue), which also finds a lost final chunk or a compacted log's record.
+
+Used by ``AsyncProducer`` (and so by the gateway); a single ``JobHandle`` reads with
+blocking XREAD instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+from lorapool.chunk_log import RESULT_FIELD, Cursor
+from lorapool.connection import REDIS_DOWN
+from lorapool.keys import Keys
+from lorapool.wire import Chunk, decode_chunk
+
+logger = logging.getLogger(__name__)
+MAX_FILLS = 8  # log reads in flight at once (each holds a pooled connection)
+MAX_QUIET_S = 8.0  # a request quiet this long has its log polled no more often
+
+
+class _Followed:
+    """One request being followed: its cursor, what arrived live, and the subscribe
+    confirmation."""
+
+    def __init__(self, request_id: str, after: int):
+        self.cursor = Cursor(request_id, after)
+        self.live: asyncio.Queue[bytes] = asyncio.Queue()
+        self.subscribed = asyncio.Event()
+
+
+class Follower:
+    """Follows any number of requests of one pool on one Pub/Sub connection."""
+
+    def __init__(self, redis, keys: Keys, poll_s: float = 1.0):
+        self.redis, self.keys, self.poll_s = redis, keys, poll_s
+        self.followed: dict[bytes, list[_Followed]] = {}  # channel -> its readers
+        self.pubsub = None
+        self.task: asyncio.Task | None = None
+        self.num_live = self.num_filled = 0  # chunks given from the channel / the log
+        self.lock = asyncio.Lock()  # one Pub/Sub command at a time on its connection
+        self.fills = asyncio.Semaphore(MAX_FILLS)
+
+    async def follow(self, request_id: str, after: int = -1) -> AsyncIterator[Chunk]:
+        """Chunks of ``request_id`` with seq > ``after``, in order, until the final one."""
+        channel = self.keys.out(request_id).encode()
+        followed = _Followed(request_id, after)
+        readers = self.followed.setdefault(channel, [])
+        readers.append(followed)
+        try:
+            if len(readers) == 1:
+                await self._subscribe(channel, followed)
+            async for chunk in self._chunks(followed):
+                yield chunk
+        finally:
+            readers.remove(followed)
+            if not readers:
+                del self.followed[channel]
+                await self._command(self.pubsub.unsubscribe, channel)
+
+    async def close(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+            await asyncio.gather(self.task, return_exceptions=True)
+        if self.pubsub is not None:
+            await self.pubsub.aclose()
+
+    async def _subscribe(self, channel: bytes, followed: _Followed) -> None:
+        if self.pubsub is None:
+            self.pubsub = self.redis.pubsub()
+        await self._command(self.pubsub.subscribe, channel)
+        if self.task is None or self.task.done():
+            self.task = asyncio.get_running_loop().create_task(self._listen())
+        try:  # a confirmation lost to a broken connection: the log polls cover it
+            await asyncio.wait_for(followed.subscribed.wait(), self.poll_s)
+        except asyncio.TimeoutError:
+            logger.warning("follower: no subscribe confirmation for %s", channel.decode())
+
+    async def _chunks(self, followed: _Followed) -> AsyncIterator[Chunk]:
+        cursor, quiet = followed.cursor, self.poll_s
+        for chunk in await self._fill(cursor):  # what came before the subscription
+            yield chunk
+        while not cursor.done:
+            try:
+                payload = await asyncio.wait_for(followed.live.get(), quiet)
+            except asyncio.TimeoutError:
+                payload = None
+            if payload is not None:
+                chunk, quiet = decode_chunk(payload, cursor.request_id), self.poll_s
+                if cursor.accepts(chunk):
+                    self.num_live += 1
+                    yield cursor.give(chunk)
+                    continue
+                if chunk.seq <= cursor.seq:
+                    continue  # given already, from the log
+            filled = await self._fill(cursor)  # a gap, or quiet for a while
+            for chunk in filled:
+                yield chunk
+            if payload is None and not filled:  # still queued: poll less and less often
+                quiet = min(MAX_QUIET_S, 2 * quiet)
+
+    async def _fill(self, cursor: Cursor) -> list[Chunk]:
+        """The chunks past ``cursor`` in the log, or the rest of the final record once
+        the log is compacted; none while Redis is away."""
+        key, job = self.keys.out(cursor.request_id), self.keys.job(cursor.request_id)
+        try:
+            async with self.fills, self.redis.pipeline(transaction=False) as pipe:
+                pipe.xrange(key, f"({cursor.last}", "+")
+                pipe.exists(key)
+                pipe.hget(job, RESULT_FIELD)
+                entries, exists, result = await pipe.execute()
+        except REDIS_DOWN as exc:
+            logger.warning("follower: Redis unreachable (%s), waiting", exc)
+            return []
+        chunks = []
+        if entries:
+            chunks = list(cursor.take(entries))
+        elif not exists and result is not None:
+            chunks = list(cursor.rest(result))
+        self.num_filled += len(chunks)
+        return chunks
+
+    async def _listen(self) -> None:
+        """Hands each live chunk to the request it belongs to; resubscribes after a
+        broken connection (the requests' log polls fill what was missed)."""
+        while True:
+            try:
+                message = await self.pubsub.get_message(timeout=self.poll_s)
+            except REDIS_DOWN as exc:
+                logger.warning("follower: Pub/Sub connection lost (%s), resubscribing", exc)
+                await asyncio.sleep(self.poll_s)
+                await self._command(self.pubsub.subscribe, *self.followed)
+                continue
+            if message is None:
+                continue
+            for followed in self.followed.get(message["channel"], ()):
+                if message["type"] == "subscribe":
+                    followed.subscribed.set()
+                elif message["type"] == "message":
+                    followed.live.put_nowait(message["data"])
+
+    async def _command(self, command, *channels: bytes) -> None:
+        """A (un)subscribe on the Pub/Sub connection; Redis away is logged (the log
+        polls cover what it misses)."""
+        if not channels:
+            return
+        try:
+            async with self.lock:
+                await command(*channels)
+        except REDIS_DOWN as exc:
+            logger.warning("follower: Redis unreachable (%s)", exc)
