@@ -15,6 +15,7 @@ from typing import Any
 
 import orjson
 
+from lorapool.messages import check_messages, utf8_size
 from lorapool.outputs import (
     CompletionOutput,
     RequestMetrics,
@@ -47,10 +48,13 @@ class Job:
     metadata: dict[str, Any] = field(default_factory=dict)
     arrival_time: float = field(default_factory=time.time)
     result_ttl_s: int | None = None  # None: the worker's --result-ttl
+    # a chat: [{"role", "content"}, ...]; the worker applies the model's chat template
+    messages: list[dict[str, str]] | None = None
 
     @property
     def engine_prompt(self) -> str | dict[str, Any]:
-        """What ``LLMEngine.add_request`` takes as its prompt."""
+        """What ``LLMEngine.add_request`` takes as its prompt (for a chat, see
+        ``lorapool.worker.prompt``)."""
         if self.prompt_token_ids is not None:
             return {"prompt_token_ids": self.prompt_token_ids, "prompt": self.prompt}
         return self.prompt
@@ -66,6 +70,7 @@ class Job:
             "metadata": self.metadata,
             "arrival_time": self.arrival_time,
             **({} if self.result_ttl_s is None else {"result_ttl_s": self.result_ttl_s}),
+            **({} if self.messages is None else {"messages": self.messages}),
         }
 
 
@@ -102,7 +107,7 @@ MAX_REQUEST_ID = 256
 MAX_RESULT_TTL_S = 366 * 24 * 3600
 _JOB_FIELDS = frozenset(
     ("v", "request_id", "prompt", "prompt_token_ids", "sampling_params")
-    + ("lora_request", "metadata", "arrival_time", "result_ttl_s")
+    + ("lora_request", "metadata", "arrival_time", "result_ttl_s", "messages")
 )
 
 
@@ -152,7 +157,10 @@ def job_from_dict(data: Any, limits: JobLimits | None = None) -> Job:
     )
     where = f"job {rid}: "
     try:
-        prompt, ids = _job_prompt(data.get("prompt"), data.get("prompt_token_ids"), limits)
+        messages = check_messages(data.get("messages"), limits.max_prompt_bytes)
+        prompt, ids = _job_prompt(
+            data.get("prompt"), data.get("prompt_token_ids"), limits, messages is not None
+        )
         params = data.get("sampling_params")
         sampling = SamplingParams.from_dict({} if params is None else params)
         _field(
@@ -179,7 +187,7 @@ def job_from_dict(data: Any, limits: JobLimits | None = None) -> Job:
         raise FieldError(f"{where}{exc}") from None
     except FieldError as exc:
         raise FieldError(f"{where}{exc}") from None
-    return Job(rid, prompt, ids, sampling, lora, metadata, float(arrival), ttl)
+    return Job(rid, prompt, ids, sampling, lora, metadata, float(arrival), ttl, messages)
 
 
 _BAD_ID = frozenset("{}\x00")
@@ -190,13 +198,19 @@ def _field(ok: bool, message: str) -> None:
         raise FieldError(message)
 
 
-def _job_prompt(prompt: Any, ids: Any, limits: JobLimits) -> tuple[str | None, list[int] | None]:
+def _job_prompt(prompt: Any, ids: Any, limits: JobLimits, chat: bool = False) -> tuple:
     _field(
         prompt is None or isinstance(prompt, str),
         f"prompt must be a string, got {short_repr(prompt)}",
     )
+    if chat:
+        _field(
+            prompt is None and ids is None,
+            "a job has either messages or a prompt (prompt_token_ids), not both",
+        )
+        return None, None
     if ids is None:
-        _field(bool(prompt), "the job needs a non-empty prompt or prompt_token_ids")
+        _field(bool(prompt), "the job needs a non-empty prompt, prompt_token_ids or messages")
     else:
         _field(
             isinstance(ids, list) and len(ids) > 0,
@@ -210,12 +224,7 @@ def _job_prompt(prompt: Any, ids: Any, limits: JobLimits) -> tuple[str | None, l
             )
     size = 4 * len(ids or ())
     if prompt:
-        try:
-            size += len(prompt.encode("utf-8"))
-        except UnicodeEncodeError as exc:
-            raise FieldError(
-                f"prompt is not valid Unicode text ({exc.reason} at position {exc.start})"
-            ) from None
+        size += utf8_size(prompt, "prompt")
     _field(
         size <= limits.max_prompt_bytes,
         f"the prompt is {size} bytes, over the limit of {limits.max_prompt_bytes} "

@@ -49,7 +49,7 @@ def build_job(
         if not isinstance(lora, LoRARequest):
             raise FieldError(f"lora_request must be a LoRARequest, got {type(lora).__name__}")
         lora.verify()
-    text, ids = _prompt(prompt)
+    text, ids, messages = _prompt(prompt)
     data = {
         "request_id": uuid.uuid4().hex if request_id is None else request_id,
         "prompt": text,
@@ -59,21 +59,26 @@ def build_job(
         "metadata": metadata,
         "arrival_time": time.time(),
         "result_ttl_s": result_ttl_s,
+        "messages": messages,
     }
     return job_from_dict(data, limits)
 
 
-def _prompt(prompt: Any) -> tuple[Any, Any]:
-    """Text and token ids of the prompt forms vLLM takes (job_from_dict checks them)."""
+def _prompt(prompt: Any) -> tuple[Any, Any, Any]:
+    """Text, token ids and chat messages of the prompt forms vLLM takes, and
+    ``{"messages": [...]}`` for a chat (job_from_dict checks them)."""
+    if isinstance(prompt, Mapping) and "messages" in prompt:
+        return None, None, prompt["messages"]
     if isinstance(prompt, Mapping) and "prompt_token_ids" in prompt:
         ids = prompt["prompt_token_ids"]
-        return prompt.get("prompt"), list(ids) if isinstance(ids, tuple) else ids
+        return prompt.get("prompt"), list(ids) if isinstance(ids, tuple) else ids, None
     if isinstance(prompt, Mapping) and "prompt" in prompt:
         return _prompt(prompt["prompt"])
     if isinstance(prompt, str):
-        return prompt, None
+        return prompt, None, None
     raise FieldError(
-        f"prompt must be a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}"
+        "prompt must be a string, {'prompt_token_ids': [...]} or {'messages': [...]}, "
+        f"got {type(prompt).__name__}"
     )
 
 

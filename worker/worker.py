@@ -31,6 +31,7 @@ from lorapool.worker.engine_api import EngineInterface
 from lorapool.worker.held import Held, engine_params, resumed_token_ids
 from lorapool.worker.metrics import worker_metrics
 from lorapool.worker.pool import claim_model, heartbeat_record
+from lorapool.worker.prompt import engine_prompt
 from lorapool.worker.publisher import Publisher
 from lorapool.worker.scripts import RENEW
 
@@ -221,7 +222,7 @@ class Worker:
             )
         self.engine.add_request(
             job.request_id,
-            job.engine_prompt,
+            engine_prompt(job, self.engine),
             engine_params(job.sampling_params),
             arrival_time=job.arrival_time,
             lora_request=job.lora_request,

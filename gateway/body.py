@@ -1,0 +1,31 @@
+"""Request bodies: read up to the configured size (413 past it), parsed as JSON (400)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from fastapi import Request
+
+from lorapool.gateway.errors import APIError
+
+
+async def read_json(request: Request, limit: int) -> Any:
+    """The body's JSON value; 413 when it is over ``limit`` bytes, whatever its
+    Content-Length says; 400 when it is not JSON."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise _too_large(limit)
+    body = bytearray()
+    async for part in request.stream():
+        body += part
+        if len(body) > limit:
+            raise _too_large(limit)
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise APIError(400, f"the request body is not valid JSON: {exc}") from None
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(413, f"the request body is over {limit} bytes", code="request_too_large")

@@ -1,0 +1,47 @@
+"""The gateway's one validated configuration."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lorapool.keys import DEFAULT_PREFIX
+from lorapool.wire import DEFAULT_MAX_N, DEFAULT_MAX_PROMPT_BYTES
+
+# A request body may hold a whole prompt (max_prompt_bytes) JSON-escaped: up to 6
+# bytes a character for control characters, plus the other fields.
+BODY_OVERHEAD = 64 << 10
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    """redis_url: the pool's Redis; prefix: its key prefix.
+
+    max_prompt_bytes, max_n: refused at submit as the workers would (413, 400).
+    max_body_bytes: larger bodies get 413 before they are parsed (default: room for
+    a max_prompt_bytes prompt, escaped). max_prompts: prompts in one completions call.
+    result_timeout_s: how long a non-streaming call waits for its result (then 504,
+    and the job is aborted). redis_retries: retries of a Redis call before 503.
+    """
+
+    redis_url: str
+    prefix: str = DEFAULT_PREFIX
+    max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES
+    max_n: int = DEFAULT_MAX_N
+    max_body_bytes: int | None = None
+    max_prompts: int = 128
+    result_timeout_s: float = 600.0
+    redis_retries: int = 2
+
+    def __post_init__(self):
+        for name in ("max_prompt_bytes", "max_n", "max_prompts", "redis_retries"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+        if not self.result_timeout_s > 0:
+            raise ValueError(f"result_timeout_s must be > 0, got {self.result_timeout_s!r}")
+
+    @property
+    def body_limit(self) -> int:
+        if self.max_body_bytes is not None:
+            return self.max_body_bytes
+        return 6 * self.max_prompt_bytes + BODY_OVERHEAD

@@ -1,0 +1,70 @@
+"""Errors in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``.
+
+The job boundary (``wire.job_from_dict``) raises FieldError naming a job field
+(``sampling_params.seed must be ...``); ``field_error`` turns it into a 400 that
+names the request's own parameter, or a 413 for a prompt over the size limit.
+"""
+
+from __future__ import annotations
+
+import re
+from http import HTTPStatus
+
+from fastapi.responses import ORJSONResponse
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "service_unavailable",
+    504: "timeout",
+}
+_FIELD = re.compile(r"(?:sampling_params\.|lora_request\.)?([a-z_]+)")
+
+
+class APIError(Exception):
+    """An HTTP error the client sees in OpenAI's shape."""
+
+    def __init__(
+        self, status: int, message: str, param: str | None = None, code: str | None = None
+    ):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def response(self) -> ORJSONResponse:
+        kind = _TYPES.get(self.status) or HTTPStatus(self.status).phrase.lower().replace(" ", "_")
+        body = {"message": self.message, "type": kind, "param": self.param, "code": self.code}
+        return ORJSONResponse({"error": body}, status_code=self.status)
+
+
+def bad_request(message: str, param: str | None) -> APIError:
+    return APIError(400, message, param)
+
+
+def model_not_found(model: str) -> APIError:
+    return APIError(404, f"The model {model!r} does not exist", "model", code="model_not_found")
+
+
+def field_error(
+    exc: ValueError, request_id: str = "", names: dict[str, str] | None = None
+) -> APIError:
+    """The APIError of a FieldError from the job boundary.
+
+    ``names`` maps a job field to the request's parameter that set it (chat's
+    ``top_logprobs`` sets ``logprobs``); the job's request id is cut from the message.
+    """
+    message = str(exc).removeprefix(f"job {request_id}: ") if request_id else str(exc)
+    if "over the limit of" in message and "max_prompt_bytes" in message:
+        return APIError(413, message, "prompt", code="prompt_too_large")
+    match = _FIELD.match(message)
+    field = match.group(1) if match else None
+    if field == "prompt_token_ids":
+        field = "prompt"
+    param = (names or {}).get(field, field)
+    prefix = f"sampling_params.{field}"
+    if message.startswith(prefix) and param:
+        message = param + message[len(prefix) :]
+    return APIError(400, message, param)

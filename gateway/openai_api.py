@@ -1,0 +1,110 @@
+"""OpenAI-compatible endpoints: ``GET /v1/models``, ``POST /v1/completions`` and
+``POST /v1/chat/completions`` (``model``: an adapter of the registry or the base model).
+
+Non-streaming calls wait for each job's final output; ``stream=true`` sends OpenAI's
+SSE chunks read from the jobs' chunk logs, ending with ``data: [DONE]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import ORJSONResponse, StreamingResponse
+
+from lorapool.gateway.body import read_json
+from lorapool.gateway.errors import APIError
+from lorapool.gateway.openai_format import Shape
+from lorapool.gateway.params import Parsed, parse_chat, parse_completion
+from lorapool.gateway.pool import Pool
+from lorapool.gateway.streams import DONE, merged_chunks, sse
+
+router = APIRouter(prefix="/v1", tags=["OpenAI-compatible"])
+
+
+def pool_of(request: Request) -> Pool:
+    return request.app.state.pool
+
+
+@router.get("/models", summary="The base model and every registered adapter")
+async def list_models(request: Request) -> ORJSONResponse:
+    """OpenAI's model list: the pool's base model, then each adapter with ``parent`` (the
+    base model), ``root`` (its path) and lorapool's ``adapter_id`` and weights ``sha256``."""
+    view = pool_of(request).view
+    base = await view.base_model()
+    base_name = base["name"] if base else None
+    data = []
+    if base is not None:
+        data.append(_model_card(base_name, None, base_name, sha256=base.get("sha256")))
+    for record in await view.adapters():
+        card = _model_card(record["name"], base_name, record["path"], sha256=record["sha256"])
+        card["adapter_id"] = record["id"]
+        data.append(card)
+    return ORJSONResponse({"object": "list", "data": data})
+
+
+def _model_card(name: str, parent: str | None, root: str, sha256: str | None) -> dict[str, Any]:
+    return {
+        "id": name,
+        "object": "model",
+        "created": 0,
+        "owned_by": "lorapool",
+        "root": root,
+        "parent": parent,
+        "sha256": sha256,
+    }
+
+
+@router.post("/completions", summary="Text completions (OpenAI's API)")
+async def completions(request: Request):
+    pool = pool_of(request)
+    parsed = parse_completion(
+        await read_json(request, pool.config.body_limit), pool.config.max_prompts
+    )
+    return await _generate(pool, parsed, "completion")
+
+
+@router.post("/chat/completions", summary="Chat completions (OpenAI's API)")
+async def chat_completions(request: Request):
+    pool = pool_of(request)
+    parsed = parse_chat(await read_json(request, pool.config.body_limit))
+    return await _generate(pool, parsed, "chat")
+
+
+async def _generate(pool: Pool, parsed: Parsed, kind: str):
+    lora = await pool.resolve_model(parsed.model)
+    handles = await pool.submit(
+        parsed.prompts, parsed.params, lora, None, parsed.metadata, parsed.names
+    )
+    shape = Shape(kind, handles[0].request_id, parsed.model, parsed.params.n)
+    if not parsed.stream:
+        return ORJSONResponse(shape.response(await pool.results(handles)))
+    events = _stream(shape, handles, parsed.include_usage)
+    return StreamingResponse(events, media_type="text/event-stream", headers=NO_BUFFERING)
+
+
+NO_BUFFERING = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+async def _stream(shape: Shape, handles: list, include_usage: bool) -> AsyncIterator[bytes]:
+    """The jobs' chunks as OpenAI stream chunks; an error ends the stream with an error
+    event and ``[DONE]``."""
+    prompt_tokens = completion_tokens = 0
+    if shape.chat:
+        yield sse(shape.role_chunk(range(len(handles) * shape.n), include_usage))
+    try:
+        async for job, chunk in merged_chunks(handles):
+            if chunk.error:
+                raise APIError(500 if "engine step" in chunk.error else 400, chunk.error)
+            prompt_tokens += len(chunk.prompt_token_ids or ())
+            completion_tokens += chunk.num_tokens
+            event = shape.delta_chunk(job, chunk, include_usage)
+            if event is not None:
+                yield sse(event)
+    except APIError as exc:
+        yield sse({"error": {"message": exc.message, "type": "server_error", "code": exc.status}})
+    else:
+        if include_usage:
+            yield sse(shape.usage_chunk(prompt_tokens, completion_tokens))
+    yield DONE

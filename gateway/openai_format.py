@@ -1,0 +1,109 @@
+"""lorapool's outputs in OpenAI's response shapes: completions, chat completions, their
+stream chunks and ``usage``."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from lorapool.gateway.errors import APIError
+from lorapool.outputs import RequestOutput
+from lorapool.wire import Chunk
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def check_failed(output: RequestOutput | Chunk) -> None:
+    """A request that failed on its worker: 500 for an engine fault, else 400 with the
+    worker's message (a prompt too long for the model, a token outside its vocabulary)."""
+    error = output.error
+    if error:
+        status = 500 if error.startswith("engine step failed") else 400
+        raise APIError(status, error)
+
+
+class Shape:
+    """One response's identity and the shape of its choices (completion or chat)."""
+
+    def __init__(self, kind: str, request_id: str, model: str, n: int):
+        self.chat = kind == "chat"
+        self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{request_id}"
+        self.model, self.n, self.created = model, n, int(time.time())
+
+    def _head(self, chunk: bool) -> dict[str, Any]:
+        kind = "chat.completion" if self.chat else "text_completion"
+        if chunk and self.chat:
+            kind += ".chunk"
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+
+    def response(self, outputs: list[RequestOutput]) -> dict[str, Any]:
+        """The whole non-streaming response of one job per prompt."""
+        choices, prompt_tokens, completion_tokens = [], 0, 0
+        for i, output in enumerate(outputs):
+            check_failed(output)
+            prompt_tokens += len(output.prompt_token_ids or ())
+            for c in output.outputs:
+                completion_tokens += len(c.token_ids)
+                choices.append(self._choice(i * self.n + c.index, c.text, c.finish_reason))
+        choices.sort(key=lambda c: c["index"])
+        return {
+            **self._head(False),
+            "choices": choices,
+            "usage": usage(prompt_tokens, completion_tokens),
+        }
+
+    def _choice(self, index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": index, "logprobs": None, "finish_reason": finish_reason}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        return choice
+
+    def role_chunk(self, indexes: range, with_usage: bool) -> dict[str, Any]:
+        """Chat streams open with the assistant's role for every choice."""
+        choices = [
+            {
+                "index": i,
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": None,
+                "finish_reason": None,
+            }
+            for i in indexes
+        ]
+        return self._chunk(choices, with_usage)
+
+    def delta_chunk(self, job: int, chunk: Chunk, with_usage: bool) -> dict[str, Any] | None:
+        """The stream chunk of one job's delta (None when it says nothing new)."""
+        choices = []
+        for out in chunk.outputs:
+            if not out["text"] and out.get("finish_reason") is None:
+                continue
+            index, reason = job * self.n + out["index"], out.get("finish_reason")
+            choice: dict[str, Any] = {"index": index, "logprobs": None, "finish_reason": reason}
+            if self.chat:
+                choice["delta"] = {"content": out["text"]} if out["text"] else {}
+            else:
+                choice["text"] = out["text"]
+            choices.append(choice)
+        return self._chunk(choices, with_usage) if choices else None
+
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+        """The last chunk when ``stream_options.include_usage``: no choices, the usage."""
+        return {
+            **self._head(True),
+            "choices": [],
+            "usage": usage(prompt_tokens, completion_tokens),
+        }
+
+    def _chunk(self, choices: list, with_usage: bool) -> dict[str, Any]:
+        chunk = {**self._head(True), "choices": choices}
+        if with_usage:
+            chunk["usage"] = None
+        return chunk

@@ -1,0 +1,186 @@
+"""An OpenAI request body as lorapool's job fields: prompts, SamplingParams, metadata.
+
+Only the parameters listed here are accepted (an unknown one is a 400 naming it);
+their types and ranges are checked by the job boundary (``SamplingParams`` and
+``wire.job_from_dict``), never here, so HTTP and Python clients meet one check.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from lorapool.gateway.errors import bad_request, field_error
+from lorapool.protocol import FieldError, SamplingParams, short_repr
+
+# request parameter -> SamplingParams field, the same name unless said
+SAMPLING = {
+    name: name
+    for name in (
+        "n",
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "stop",
+        "seed",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "min_tokens",
+        "ignore_eos",
+        "stop_token_ids",
+        "skip_special_tokens",
+        "include_stop_str_in_output",
+        "spaces_between_special_tokens",
+    )
+}
+COMMON = {"model", "stream", "stream_options", "user"}
+# accepted when null or at their default, refused otherwise (naming them)
+INERT = {"logit_bias": None, "best_of": None, "suffix": None, "echo": False, "tools": None}
+COMPLETIONS = COMMON | set(SAMPLING) | {"prompt", "logprobs"}
+CHAT = COMMON | set(SAMPLING) | {"messages", "logprobs", "top_logprobs", "max_completion_tokens"}
+MAX_USER = 256
+
+
+@dataclass
+class Parsed:
+    """What one OpenAI request asks for."""
+
+    model: str
+    prompts: list[Any]  # each a str, {"prompt_token_ids": [...]} or {"messages": [...]}
+    params: SamplingParams
+    stream: bool = False
+    include_usage: bool = False
+    metadata: dict[str, Any] = field(default_factory=dict)
+    names: dict[str, str] = field(default_factory=dict)  # job field -> request parameter
+
+
+def _require_object(body: Any) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise bad_request(f"the request body must be a JSON object, got {short_repr(body)}", None)
+    return body
+
+
+def _check_known(body: dict[str, Any], known: set[str]) -> None:
+    for name, value in body.items():
+        if name in INERT:
+            if value != INERT[name] and value is not None:
+                raise bad_request(f"{name} is not supported, got {short_repr(value)}", name)
+        elif name not in known:
+            raise bad_request(f"unknown parameter {short_repr(name)}", str(name))
+
+
+def _common(body: dict[str, Any]) -> tuple[str, bool, bool, dict[str, Any]]:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad_request(f"model must be a non-empty string, got {short_repr(model)}", "model")
+    stream = body.get("stream") or False
+    if not isinstance(stream, bool):
+        raise bad_request(f"stream must be true or false, got {short_repr(stream)}", "stream")
+    options = body.get("stream_options") or {}
+    usage = options.get("include_usage", False) if isinstance(options, dict) else None
+    if not isinstance(usage, bool) or set(options) - {"include_usage"}:
+        raise bad_request(
+            "stream_options must be {'include_usage': true|false}, "
+            f"got {short_repr(body.get('stream_options'))}",
+            "stream_options",
+        )
+    user = body.get("user")
+    if user is not None and not (isinstance(user, str) and len(user) <= MAX_USER):
+        raise bad_request(f"user must be a string of at most {MAX_USER} characters", "user")
+    return model, stream, usage, {} if user is None else {"user": user}
+
+
+def _sampling(body: dict[str, Any], extra: dict[str, Any], names: dict[str, str]) -> SamplingParams:
+    values = {SAMPLING[k]: v for k, v in body.items() if k in SAMPLING and v is not None}
+    values.update(extra)
+    try:
+        return SamplingParams(**values)
+    except FieldError as exc:
+        raise field_error(exc, names=names) from None
+
+
+def parse_completion(body: Any, max_prompts: int) -> Parsed:
+    """POST /v1/completions: prompt (a string, token ids, or a batch of either)."""
+    body = _require_object(body)
+    _check_known(body, COMPLETIONS)
+    model, stream, usage, metadata = _common(body)
+    prompts = _prompts(body.get("prompt"), max_prompts)
+    logprobs = body.get("logprobs")
+    extra = {} if logprobs is None else {"logprobs": logprobs}
+    params = _sampling(body, extra, {})
+    return Parsed(model, prompts, params, stream, usage, metadata)
+
+
+def _prompts(prompt: Any, max_prompts: int) -> list[Any]:
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt, list) and prompt and all(_is_token(t) for t in prompt):
+        return [{"prompt_token_ids": prompt}]
+    if isinstance(prompt, list) and 0 < len(prompt) <= max_prompts:
+        return [p if isinstance(p, str) else {"prompt_token_ids": p} for p in prompt]
+    raise bad_request(
+        "prompt must be a string, a list of token ids, or a list of 1 to "
+        f"{max_prompts} of either, got {short_repr(prompt)}",
+        "prompt",
+    )
+
+
+def _is_token(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def parse_chat(body: Any) -> Parsed:
+    """POST /v1/chat/completions: messages, the template applied by the worker."""
+    body = _require_object(body)
+    _check_known(body, CHAT)
+    model, stream, usage, metadata = _common(body)
+    names = {"logprobs": "top_logprobs", "max_tokens": "max_completion_tokens"}
+    extra = _chat_logprobs(body)
+    if body.get("max_completion_tokens") is not None:
+        extra["max_tokens"] = body["max_completion_tokens"]
+    else:
+        names.pop("max_tokens")
+    if "max_tokens" not in extra and body.get("max_tokens") is None:
+        extra["max_tokens"] = None  # OpenAI's chat default: up to the context length
+    params = _sampling(body, extra, names)
+    messages = [_message(i, m) for i, m in enumerate(_message_list(body.get("messages")))]
+    return Parsed(model, [{"messages": messages}], params, stream, usage, metadata, names)
+
+
+def _chat_logprobs(body: dict[str, Any]) -> dict[str, Any]:
+    wanted, top = body.get("logprobs"), body.get("top_logprobs")
+    if wanted is not None and not isinstance(wanted, bool):
+        raise bad_request(f"logprobs must be true or false, got {short_repr(wanted)}", "logprobs")
+    if top is not None and not wanted:
+        raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
+    return {"logprobs": 0 if top is None else top} if wanted else {}
+
+
+def _message_list(messages: Any) -> list[Any]:
+    if not isinstance(messages, list) or not messages:
+        raise bad_request(
+            f"messages must be a non-empty list, got {short_repr(messages)}", "messages"
+        )
+    return messages
+
+
+def _message(i: int, message: Any) -> Any:
+    """One message as the job carries it: content parts of type text joined, null
+    fields dropped (the job boundary checks the rest)."""
+    if not isinstance(message, dict):
+        return message
+    message = {k: v for k, v in message.items() if v is not None}
+    content = message.get("content")
+    if isinstance(content, list):
+        texts = [
+            p.get("text") if isinstance(p, dict) and p.get("type") == "text" else p for p in content
+        ]
+        if not all(isinstance(t, str) for t in texts):
+            raise bad_request(
+                f"messages[{i}].content parts must be of type text", f"messages[{i}].content"
+            )
+        message["content"] = "".join(texts)
+    return message

@@ -1,0 +1,82 @@
+"""The gateway's way into the pool: model names, submission and Redis being away.
+
+One ``Pool`` per process, made at startup: an ``AsyncProducer`` (submits, handles)
+and a ``PoolView`` (reads) on one connection. Every Redis call of a request goes
+through here or through a handle it returned.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from lorapool.connection import connect_async
+from lorapool.gateway.config import GatewayConfig
+from lorapool.gateway.errors import APIError, field_error, model_not_found
+from lorapool.producer import AsyncJobHandle, AsyncProducer
+from lorapool.producer.pool_view import PoolView
+from lorapool.producer.registry import NAME_PATTERN, lora_from_record
+from lorapool.protocol import FieldError, LoRARequest, SamplingParams
+
+
+class Pool:
+    """The pool as the gateway's routes see it."""
+
+    def __init__(self, config: GatewayConfig):
+        self.config = config
+        connection = connect_async(config.redis_url, retries=config.redis_retries)
+        self.producer = AsyncProducer(
+            connection, config.prefix, config.max_prompt_bytes, config.max_n
+        )
+        self.view = PoolView(self.producer)
+
+    async def close(self) -> None:
+        await self.producer.aclose()
+
+    async def resolve_model(self, model: str) -> LoRARequest | None:
+        """The LoRARequest ``model`` names (None: the base model), or 404 model_not_found."""
+        base = await self.view.base_model()
+        if base is not None and model == base.get("name"):
+            return None
+        if not NAME_PATTERN.fullmatch(model):
+            if "\x00" in model or len(model) > 1024:
+                raise APIError(400, "model must be a model or adapter name", "model")
+            raise model_not_found(model)
+        record = await self.view.adapter(model)
+        if record is None:
+            raise model_not_found(model)
+        return lora_from_record(record)
+
+    async def submit(
+        self,
+        prompts: list[Any],
+        params: SamplingParams,
+        lora: LoRARequest | None,
+        request_ids: list[str | None] | None = None,
+        metadata: dict[str, Any] | None = None,
+        names: dict[str, str] | None = None,
+    ) -> list[AsyncJobHandle]:
+        """Enqueue one job per prompt; a FieldError becomes a 400 (or 413) naming the
+        request's parameter."""
+        try:
+            return await self.producer.submit_many(
+                prompts, params, lora, request_ids, metadata or None
+            )
+        except FieldError as exc:
+            rid = str(exc).split(":", 1)[0].removeprefix("job ")
+            raise field_error(exc, rid, names) from None
+        except ValueError as exc:  # the adapter left the registry meanwhile
+            if "unknown adapter" in str(exc) and lora is not None:
+                raise model_not_found(lora.lora_name) from None
+            raise APIError(400, str(exc)) from None
+
+    async def results(self, handles: list[AsyncJobHandle]) -> list:
+        """The final RequestOutput of each handle; 504 (and the jobs aborted) past the
+        configured wait."""
+        timeout = self.config.result_timeout_s
+        try:
+            return await asyncio.gather(*(h.result(timeout=timeout) for h in handles))
+        except (asyncio.TimeoutError, TimeoutError):
+            for handle in handles:
+                await handle.abort()
+            raise APIError(504, f"no result within {timeout:g}s; the request was aborted") from None

@@ -1,0 +1,67 @@
+"""Server-sent events: the framing, and several jobs' chunks merged into one stream."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+
+from lorapool.producer import AsyncJobHandle
+from lorapool.wire import Chunk
+
+DONE = b"data: [DONE]\n\n"
+
+
+def sse(data: Any, event: str | None = None, event_id: int | None = None) -> bytes:
+    """One SSE event; ``data`` is JSON-encoded (no raw newlines can reach the frame)."""
+    head = b""
+    if event_id is not None:
+        head += b"id: %d\n" % event_id
+    if event is not None:
+        head += b"event: " + event.encode() + b"\n"
+    return head + b"data: " + orjson.dumps(data) + b"\n\n"
+
+
+async def merged_chunks(handles: list[AsyncJobHandle]) -> AsyncIterator[tuple[int, Chunk]]:
+    """(handle index, chunk) of every handle as they come, each handle's in order,
+    until every one has given its final chunk. Unfinished jobs are aborted when the
+    reader goes away (the client disconnected)."""
+    if len(handles) == 1:
+        async for chunk in guarded(handles[0]):
+            yield 0, chunk
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    tasks = [asyncio.create_task(_feed(i, h, queue)) for i, h in enumerate(handles)]
+    try:
+        for _ in handles:
+            while (item := await queue.get()) is not None:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def _feed(index: int, handle: AsyncJobHandle, queue: asyncio.Queue) -> None:
+    try:
+        async for chunk in guarded(handle):
+            await queue.put((index, chunk))
+    except Exception as exc:  # noqa: BLE001 - handed to the reader
+        await queue.put(exc)
+    await queue.put(None)
+
+
+async def guarded(handle: AsyncJobHandle, after: int = -1) -> AsyncIterator[Chunk]:
+    """The handle's chunks after seq ``after``; the job is aborted if the reader stops
+    before the final one."""
+    finished = False
+    try:
+        async for chunk in handle.chunks(after=after):
+            finished = chunk.finished
+            yield chunk
+    finally:
+        if not finished:
+            await asyncio.shield(handle.abort())

@@ -1,0 +1,59 @@
+"""``lorapool serve``: the HTTP gateway (OpenAI-compatible and job APIs) under uvicorn."""
+
+from __future__ import annotations
+
+import click
+
+from lorapool.cli.queue import count_option, prefix_option, redis_option
+from lorapool.wire import DEFAULT_MAX_N, DEFAULT_MAX_PROMPT_BYTES
+
+
+@click.command()
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535))
+@count_option("--max-n", DEFAULT_MAX_N, "most completions per request")
+@count_option("--max-prompt-bytes", DEFAULT_MAX_PROMPT_BYTES, "larger prompts get 413")
+@click.option(
+    "--max-body-bytes",
+    type=click.IntRange(min=1),
+    default=None,
+    help="larger request bodies get 413 (default: room for the largest prompt)",
+)
+@click.option(
+    "--result-timeout",
+    default=600.0,
+    show_default=True,
+    help="seconds a non-streaming call waits for its result",
+)
+@click.option("--log-level", default="info", show_default=True)
+@redis_option
+@prefix_option
+def serve(
+    host,
+    port,
+    max_n,
+    max_prompt_bytes,
+    max_body_bytes,
+    result_timeout,
+    log_level,
+    redis_url,
+    prefix,
+):
+    """Serve the pool over HTTP: /v1/completions, /v1/chat/completions, /v1/models,
+    /healthz, /readyz; OpenAPI docs at /docs."""
+    import uvicorn
+
+    from lorapool.embedded import resolve_url
+    from lorapool.gateway import GatewayConfig, create_app
+
+    config = GatewayConfig(
+        redis_url=redis_url or resolve_url(),
+        prefix=prefix,
+        max_prompt_bytes=max_prompt_bytes,
+        max_n=max_n,
+        max_body_bytes=max_body_bytes,
+        result_timeout_s=result_timeout,
+    )
+    uvicorn.run(
+        create_app(config), host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5
+    )

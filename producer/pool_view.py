@@ -1,0 +1,76 @@
+"""What an asyncio client may ask of a pool besides submitting: is Redis there, which
+base model and adapters it serves, which workers are alive, where a job stands.
+
+The gateway's read side: it names no Redis key itself (``lorapool.keys`` owns them,
+``producer/`` reads them). Torch-free.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+from lorapool.chunk_log import RESULT_FIELD
+from lorapool.keys import WORKERS_GROUP
+from lorapool.producer.aio import AsyncProducer
+
+
+class PoolView:
+    """Read-only questions about the pool of an ``AsyncProducer`` (same connection)."""
+
+    def __init__(self, producer: AsyncProducer):
+        self.redis = producer.redis
+        self.keys = producer.keys
+
+    async def ping(self) -> bool:
+        """True when Redis answers (raises redis's ConnectionError when it does not)."""
+        return bool(await self.redis.ping())
+
+    async def base_model(self) -> dict[str, Any] | None:
+        """{"name", "sha256"} of the pool's base model; None before any worker started."""
+        raw = await self.redis.get(self.keys.model)
+        return None if raw is None else orjson.loads(raw)
+
+    async def adapters(self) -> list[dict[str, Any]]:
+        """Every registry record (name, id, path, sha256, rank, ...), by adapter id."""
+        records = [orjson.loads(v) for v in await self.redis.hvals(self.keys.adapters)]
+        return sorted(records, key=lambda r: r["id"])
+
+    async def adapter(self, name: str) -> dict[str, Any] | None:
+        raw = await self.redis.hget(self.keys.adapters, name)
+        return None if raw is None else orjson.loads(raw)
+
+    async def live_workers(self) -> list[dict[str, Any]]:
+        """Heartbeat records of the workers whose liveness flag has not expired."""
+        records = {
+            n.decode(): orjson.loads(raw)
+            for n, raw in (await self.redis.hgetall(self.keys.workers)).items()
+        }
+        names = sorted(records)
+        alive = await self.redis.mget([self.keys.alive(n) for n in names]) if names else []
+        return [records[n] for n, flag in zip(names, alive) if flag is not None]
+
+    async def job_state(self, request_id: str) -> dict[str, Any] | None:
+        """A job's ``status`` (queued, finished, failed), whether its output has begun
+        (``started``) and whether its final record is in; None for an unknown id."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.hmget(self.keys.job(request_id), "status", RESULT_FIELD)
+            pipe.exists(self.keys.out(request_id))
+            (status, result), log = await pipe.execute()
+        if status is None:
+            return None
+        return {"status": status.decode(), "started": bool(log or result), "final": bool(result)}
+
+    async def backlog(self) -> int:
+        """Entries of the request stream not yet delivered to any worker (the group's lag;
+        the stream's length when Redis cannot say)."""
+        try:
+            groups = await self.redis.xinfo_groups(self.keys.requests)
+        except Exception:  # noqa: BLE001 - no stream yet
+            return 0
+        for group in groups:
+            if group["name"] in (WORKERS_GROUP, WORKERS_GROUP.encode()):
+                lag = group.get("lag")
+                return int(lag) if lag is not None else int(group.get("pending", 0))
+        return int(await self.redis.xlen(self.keys.requests))

@@ -1,0 +1,102 @@
+"""Hostile request bodies sent raw: each gets a 400 (or 413) in OpenAI's error shape
+naming the parameter, nothing reaches a worker, and the pool keeps serving."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.integration
+BASE = {"model": "ad-qv", "prompt": "hello", "max_tokens": 2}
+CHAT = {"model": "ad-qv", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+COMPLETION_CASES = [
+    ({"prompt": 5}, "prompt"),
+    ({"prompt": [[1, 2], "x", 3.5]}, "prompt"),
+    ({"prompt": [-1, 2]}, "prompt"),
+    ({"prompt": [2**40]}, "prompt"),
+    ({"prompt": []}, "prompt"),
+    ({"max_tokens": "10"}, "max_tokens"),
+    ({"max_tokens": 10**30}, "max_tokens"),
+    ({"temperature": -0.5}, "temperature"),
+    ({"top_p": 2}, "top_p"),
+    ({"stop": [1]}, "stop"),
+    ({"stop": "\x00" * 0}, "stop"),
+    ({"seed": 2**70}, "seed"),
+    ({"n": 10**6}, "n"),
+    ({"logprobs": True}, "logprobs"),
+    ({"ignore_eos": "yes"}, "ignore_eos"),
+    ({"stream": "yes"}, "stream"),
+    ({"stream_options": {"include_usage": 1}}, "stream_options"),
+    ({"user": 7}, "user"),
+    ({"model": 3}, "model"),
+    ({"model": "ad\x00qv"}, "model"),
+    ({"model": ""}, "model"),
+    ({"frobnicate": 1}, "frobnicate"),
+    ({"suffix": "x"}, "suffix"),
+]
+CHAT_CASES = [
+    ({"messages": "hi"}, "messages"),
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "user"}]}, "messages"),
+    ({"messages": [{"role": 5, "content": "x"}]}, "messages"),
+    ({"messages": [{"role": "us\x00er", "content": "x"}]}, "messages"),
+    ({"messages": [{"role": "user", "content": "x", "extra": 1}]}, "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
+    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"logprobs": 3}, "logprobs"),
+    ({"max_completion_tokens": -1}, "max_completion_tokens"),
+]
+
+
+def _error(response: httpx.Response, status: int = 400) -> dict:
+    assert response.status_code == status, response.text
+    return response.json()["error"]
+
+
+@pytest.mark.parametrize(("change", "param"), COMPLETION_CASES)
+def test_completion_field_is_named(gateway, change, param):
+    body = {**BASE, **change}
+    if change.get("stop") == "":
+        body["stop"] = [""]
+    error = _error(httpx.post(f"{gateway}/v1/completions", json=body, timeout=30))
+    assert error["param"] == param and error["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize(("change", "param"), CHAT_CASES)
+def test_chat_field_is_named(gateway, change, param):
+    error = _error(httpx.post(f"{gateway}/v1/chat/completions", json={**CHAT, **change}))
+    assert error["param"].startswith(param), error
+
+
+def test_not_json_and_not_an_object(gateway):
+    raw = httpx.post(f"{gateway}/v1/completions", content=b"\x00{", timeout=30)
+    assert "not valid JSON" in _error(raw)["message"]
+    assert _error(httpx.post(f"{gateway}/v1/completions", json=[1, 2]))["param"] is None
+
+
+@pytest.mark.parametrize("number", [b"1e400", b"-1e400", b"NaN", b"1" * 5000])
+def test_overflowing_numbers(gateway, number):
+    body = b'{"model": "ad-qv", "prompt": "x", "temperature": ' + number + b"}"
+    response = httpx.post(f"{gateway}/v1/completions", content=body, timeout=30)
+    assert response.status_code == 400, response.text
+
+
+def test_oversized_prompt_and_body(gateway):
+    big = {**BASE, "prompt": "x" * ((1 << 20) + 1)}
+    assert _error(httpx.post(f"{gateway}/v1/completions", json=big), 413)["param"] == "prompt"
+    huge = b'{"prompt": "' + b"y" * (8 << 20) + b'"}'
+    assert _error(httpx.post(f"{gateway}/v1/completions", content=huge), 413)
+
+
+def test_nul_bytes_in_text_are_text(gateway, client):
+    """NUL is a character like any other in a prompt or a stop string: served."""
+    body = {**BASE, "prompt": "a\x00b", "stop": ["\x00"], "temperature": 0}
+    response = httpx.post(f"{gateway}/v1/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+
+
+def test_the_pool_serves_after_all_that(client, worker):
+    done = client.completions.create(model="ad-qv", prompt="still there?", max_tokens=3)
+    assert done.usage.completion_tokens >= 1
+    assert worker.poll() is None

@@ -1,0 +1,119 @@
+"""The OpenAI-compatible endpoints with the official ``openai`` client against a real
+pool: the oracle is the engine's own ``LLM.generate`` / ``LLM.chat`` in this process,
+with the same LoRARequest as the registry's."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from lorapool.producer.registry import lora_from_record
+from lorapool.protocol import SamplingParams
+
+pytestmark = pytest.mark.integration
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+PROMPT = "The quick brown fox"
+CHAT = [
+    {"role": "system", "content": "You answer briefly."},
+    {"role": "user", "content": "Where does the lazy dog sleep?"},
+]
+
+
+def greedy(**kw):
+    return {"temperature": 0.0, "max_tokens": 12, "extra_body": {"ignore_eos": True}, **kw}
+
+
+def test_health_and_readiness(gateway):
+    assert httpx.get(f"{gateway}/healthz").json() == {"status": "ok"}
+    ready = httpx.get(f"{gateway}/readyz").json()
+    assert ready["status"] == "ready" and ready["workers"] == 1
+
+
+def test_models_lists_base_and_adapters(client, registry, base_name):
+    models = {m.id: m for m in client.models.list().data}
+    assert set(models) == {base_name, *registry}
+    assert models[base_name].parent is None
+    for name, record in registry.items():
+        card = models[name].model_dump()
+        assert card["parent"] == base_name
+        assert card["root"] == record["path"]
+        assert card["sha256"] == record["sha256"] and len(card["sha256"]) == 64
+        assert card["adapter_id"] == record["id"]
+
+
+@pytest.mark.parametrize("adapter", ["ad-qv", "ad-mlp", None])
+def test_completion_equals_generate(client, llm, registry, base_name, adapter):
+    lora = None if adapter is None else lora_from_record(registry[adapter])
+    [want] = llm.generate([PROMPT], GREEDY, lora_request=lora)
+    got = client.completions.create(model=adapter or base_name, prompt=PROMPT, **greedy())
+    assert got.choices[0].text == want.outputs[0].text
+    assert got.choices[0].finish_reason == "length"
+    assert got.usage.completion_tokens == len(want.outputs[0].token_ids) == 12
+    assert got.usage.prompt_tokens == len(want.prompt_token_ids)
+    assert got.usage.total_tokens == got.usage.prompt_tokens + 12
+
+
+def test_chat_equals_llm_chat(client, llm, registry):
+    lora = lora_from_record(registry["ad-qv"])
+    [want] = llm.chat(CHAT, GREEDY, lora_request=lora)
+    got = client.chat.completions.create(model="ad-qv", messages=CHAT, **greedy())
+    assert got.choices[0].message.role == "assistant"
+    assert got.choices[0].message.content == want.outputs[0].text
+    assert got.usage.prompt_tokens == len(want.prompt_token_ids)
+    assert got.usage.completion_tokens == len(want.outputs[0].token_ids)
+
+
+def test_batch_of_prompts_with_token_ids(client, llm, registry):
+    lora = lora_from_record(registry["ad-mlp"])
+    ids = llm.get_tokenizer().encode("Hello there")
+    want = llm.generate(["Once upon", {"prompt_token_ids": ids}], GREEDY, lora_request=lora)
+    got = client.completions.create(model="ad-mlp", prompt=["Once upon", ids], **greedy())
+    assert [c.index for c in got.choices] == [0, 1]
+    assert [c.text for c in got.choices] == [w.outputs[0].text for w in want]
+    assert got.usage.prompt_tokens == sum(len(w.prompt_token_ids) for w in want)
+
+
+def test_streamed_completion_joins_to_the_whole(client):
+    whole = client.completions.create(model="ad-qv", prompt=PROMPT, **greedy())
+    stream = client.completions.create(
+        model="ad-qv", prompt=PROMPT, stream=True, stream_options={"include_usage": True},
+        **greedy(),
+    )  # fmt: skip
+    chunks = list(stream)
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_streamed_chat_joins_to_the_whole(client):
+    whole = client.chat.completions.create(model="ad-mlp", messages=CHAT, **greedy())
+    chunks = list(
+        client.chat.completions.create(model="ad-mlp", messages=CHAT, stream=True, **greedy())
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert text == whole.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert all(c.usage is None for c in chunks)  # not asked for
+
+
+def test_unknown_model_is_not_found(client):
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.completions.create(model="nope", prompt=PROMPT, max_tokens=2)
+    assert caught.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=CHAT)
+
+
+@pytest.mark.parametrize(
+    ("param", "value"),
+    [("top_k", 2.5), ("seed", "abc"), ("temperature", -1), ("n", 0), ("max_tokens", 2**70)],
+)
+def test_bad_parameter_names_it(client, param, value):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model="ad-qv", prompt=PROMPT, extra_body={param: value})
+    assert caught.value.body["param"] == param
+    assert param in caught.value.body["message"]
