@@ -1,0 +1,121 @@
+"""The autoscaling signal: KEDA's redis-streams scaler (lag mode) read against the real Redis.
+
+``keda_lag`` follows what KEDA's scaler does (kedacore/keda,
+pkg/scalers/redis_streams_scaler.go, read at 8b4f083, 2026-08): it needs Redis 7+
+(INFO's redis_version), answers 0 when the stream does not exist, the group's
+``lag`` from XINFO GROUPS when the group exists, and XLEN when it does not; the
+scaler is active when that count is above ``activationLagCount`` (default 0), and
+the HPA it feeds wants ``ceil(count / lagCount)`` replicas (an AverageValue target).
+Where Redis answers a nil lag (unknown), KEDA's client reads it as 0: a backlog
+would look empty, so lorapool must never make the lag unknown.
+"""
+
+import math
+import time
+
+import pytest
+
+from lorapool.connection import ensure_group
+from lorapool.keys import WORKERS_GROUP
+from lorapool.protocol import SamplingParams
+from lorapool.worker import Worker, WorkerConfig
+from lorapool.worker.serve import base_model_info
+
+pytestmark = pytest.mark.integration
+UNKNOWN = "unknown"  # a nil lag: KEDA would read 0
+
+
+def keda_lag(conn, stream: str, group: str):
+    """The count KEDA's lag mode reads, or UNKNOWN where Redis answers nil."""
+    major = int(conn.info("server")["redis_version"].split(".")[0])
+    assert major >= 7, "KEDA's lag mode needs Redis 7+"
+    if not conn.exists(stream):
+        return 0
+    for info in conn.xinfo_groups(stream):
+        if info["name"].decode() == group:
+            return UNKNOWN if info["lag"] is None else info["lag"]
+    return conn.xlen(stream)
+
+
+def keda_active(count: int, activation_lag_count: int = 0) -> bool:
+    return count > activation_lag_count
+
+
+def keda_replicas(count: int, lag_count: int) -> int:
+    return math.ceil(count / lag_count)
+
+
+def test_five_jobs_without_workers_read_five_and_activate(conn, producer):
+    stream = producer.keys.requests
+    assert keda_lag(conn, stream, WORKERS_GROUP) == 0 and not keda_active(0)
+    producer.submit_many([f"job {i}" for i in range(5)], SamplingParams(max_tokens=4))
+    assert keda_lag(conn, stream, WORKERS_GROUP) == 5  # XLEN, or the group's lag
+    ensure_group(conn, stream, WORKERS_GROUP)  # as the first worker does
+    count = keda_lag(conn, stream, WORKERS_GROUP)
+    assert count == 5 and keda_active(count) and keda_replicas(count, lag_count=4) == 2
+
+
+def test_deleting_an_undelivered_entry_makes_the_lag_unknown(conn, producer):
+    """The negative control: what lorapool must never do."""
+    stream = producer.keys.requests
+    ensure_group(conn, stream, WORKERS_GROUP)
+    producer.submit_many([f"job {i}" for i in range(5)], SamplingParams(max_tokens=4))
+    conn.xreadgroup(WORKERS_GROUP, "c1", {stream: ">"}, count=2)
+    conn.xdel(stream, conn.xrange(stream)[3][0])
+    assert keda_lag(conn, stream, WORKERS_GROUP) == UNKNOWN
+
+
+@pytest.fixture(scope="module")
+def engines(model):
+    from lorapool.engine.config import EngineArgs
+    from lorapool.engine.llm_engine import LLMEngine
+
+    args = EngineArgs(model=model, max_num_seqs=3, max_num_batched_tokens=512)
+    return LLMEngine.from_engine_args(args), LLMEngine.from_engine_args(args)
+
+
+def _worker(engine, conn, prefix, model, name):
+    config = WorkerConfig(prefix=prefix, name=name, lease_s=1, block_ms=10)
+    worker = Worker(engine, conn, config, base_model_info(model))
+    worker.ensure_group()
+    return worker
+
+
+# Found by this test: the worker's APPEND script XDELs a request's entry when it finishes
+# (worker/scripts.py). Redis 7 reports the group's lag as nil while the most recently
+# delivered entry is deleted and an earlier delivered one is still in the stream (a short
+# request finishing before a long one taken before it), until the next read moves the
+# group past it; KEDA reads that nil as 0. Deleting only from the head (XTRIM MINID up
+# to the oldest pending entry) keeps the lag known. Not strict: the window is a few ms.
+@pytest.mark.xfail(reason="APPEND's XDEL of a finished entry can make the lag nil", strict=False)
+def test_lag_is_never_unknown_through_aborts_dead_letters_and_a_failover(
+    engines, conn, prefix, producer, model
+):
+    stream = producer.keys.requests
+    seen = []
+
+    def step(worker, times=1):
+        for _ in range(times):
+            worker.run_once()
+            seen.append(keda_lag(conn, stream, WORKERS_GROUP))
+
+    first, spare = (_worker(e, conn, prefix, model, n) for e, n in zip(engines, "ab"))
+    lengths = [30, 4, 12, 4, 20, 6, 8, 4, 16, 4]
+    handles = [
+        producer.submit(f"job {i}", SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+        for i, n in enumerate(lengths)
+    ]
+    conn.xadd(stream, {"data": b"{not json"})  # dead-lettered by whoever reads it
+    step(first, 6)
+    handles[0].abort()
+    step(first, 6)
+    assert first.held  # the first worker "dies" holding entries: no teardown
+    deadline = time.monotonic() + 60
+    while not all(h.status() in ("finished", "failed") for h in handles):
+        assert time.monotonic() < deadline
+        step(spare)
+        time.sleep(0.01)
+    assert conn.xlen(producer.keys.dead) == 1
+    assert handles[0].result(timeout=5).outputs[0].finish_reason == "abort"
+    assert UNKNOWN not in seen, f"lag unknown at {seen.count(UNKNOWN)} of {len(seen)} reads"
+    assert seen[-1] == 0
