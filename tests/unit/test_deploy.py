@@ -1,0 +1,129 @@
+"""deploy/'s Kubernetes manifests, checked offline.
+
+Core resources validate (strictly: no unknown fields) against the Kubernetes
+schemas bundled by kubernetes-validate; KEDA's ScaledObject, a CRD without a
+bundled schema, gets a structural check of the fields KEDA's redis-streams
+scaler reads. Every ``--option`` a container passes must appear in
+``lorapool <command> --help``, and the worker's drain must fit its grace period.
+"""
+
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from lorapool.cli.main import cli
+from lorapool.keys import DEFAULT_PREFIX, WORKERS_GROUP, Keys
+
+kubernetes_validate = pytest.importorskip("kubernetes_validate")
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+K8S_VERSION = "1.33.0"
+# what KEDA's redis-streams trigger reads (keda.sh/docs/scalers/redis-streams)
+KEDA_REDIS_STREAMS = {
+    "address", "host", "port", "usernameFromEnv", "passwordFromEnv", "stream",
+    "consumerGroup", "pendingEntriesCount", "streamLength", "lagCount",
+    "activationLagCount", "enableTLS", "unsafeSsl", "databaseIndex",
+    "addressFromEnv", "hostFromEnv", "portFromEnv",
+}  # fmt: skip
+
+
+def resources() -> list[dict]:
+    docs = []
+    for path in sorted(DEPLOY.glob("*.yaml")):
+        docs += [d for d in yaml.safe_load_all(path.read_text()) if d]
+    return docs
+
+
+def by_kind(kind: str) -> list[dict]:
+    return [r for r in resources() if r["kind"] == kind]
+
+
+def containers() -> list[dict]:
+    return [c for d in by_kind("Deployment") for c in d["spec"]["template"]["spec"]["containers"]]
+
+
+def options(container: dict) -> dict[str, str | None]:
+    """``--name`` -> value (None for a flag) of a container's arguments."""
+    found = {}
+    for arg in container.get("args", []):
+        name, _, value = arg.partition("=")
+        if name.startswith("--"):
+            found[name] = value or None
+    return found
+
+
+def worker() -> dict:
+    return next(c for c in containers() if c["command"][1:] == ["worker"])
+
+
+def test_the_manifests_are_there():
+    kinds = {r["kind"] for r in resources()}
+    assert {"Deployment", "Service", "ScaledObject", "HorizontalPodAutoscaler"} <= kinds
+    commands = {tuple(c["command"]) for c in containers()}
+    for command in ("worker", "serve", "audit-writer", "exporter"):
+        assert ("lorapool", command) in commands
+
+
+@pytest.mark.parametrize("resource", [r for r in resources() if r["kind"] != "ScaledObject"],
+                         ids=lambda r: f"{r['kind']}/{r['metadata']['name']}")  # fmt: skip
+def test_core_resources_validate_against_the_kubernetes_schemas(resource):
+    kubernetes_validate.validate(resource, K8S_VERSION, strict=True)
+
+
+def test_an_invalid_manifest_is_refused():
+    """The check is real: a misspelt field of a Deployment fails it."""
+    broken = by_kind("Deployment")[0]
+    broken["spec"]["replica"] = broken["spec"].pop("replicas")
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(broken, K8S_VERSION, strict=True)
+
+
+@pytest.mark.parametrize("container", containers(), ids=lambda c: c["name"])
+def test_every_option_exists(container):
+    result = CliRunner().invoke(cli, [*container["command"][1:], "--help"])
+    assert result.exit_code == 0, result.output
+    known = set(re.findall(r"--[a-z][a-z0-9-]*", result.output))
+    assert set(options(container)) <= known, set(options(container)) - known
+
+
+def test_the_worker_drains_within_its_grace_period():
+    deployment = _worker_deployment()
+    drain = float(options(worker())["--drain-timeout"])
+    pre_stop = worker()["lifecycle"]["preStop"]["exec"]["command"]
+    assert pre_stop[-1] == f"kill -TERM 1; sleep {drain:g}"  # first SIGTERM: drain
+    assert deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > drain
+    assert worker()["resources"]["limits"]["nvidia.com/gpu"] == 1
+
+
+def _containers_of(deployment: dict) -> list[dict]:
+    return deployment["spec"]["template"]["spec"]["containers"]
+
+
+def test_keda_scales_the_worker_on_the_groups_lag_by_its_batch_capacity():
+    (scaled,) = by_kind("ScaledObject")
+    assert scaled["apiVersion"] == "keda.sh/v1alpha1"
+    spec = scaled["spec"]
+    assert spec["scaleTargetRef"]["name"] == _worker_deployment()["metadata"]["name"]
+    (trigger,) = spec["triggers"]
+    meta = trigger["metadata"]
+    assert trigger["type"] == "redis-streams" and set(meta) <= KEDA_REDIS_STREAMS
+    prefix = options(worker()).get("--prefix", DEFAULT_PREFIX)
+    assert meta["stream"] == Keys(prefix).requests and meta["consumerGroup"] == WORKERS_GROUP
+    assert meta["lagCount"] == options(worker())["--max-num-seqs"]  # strings, as KEDA wants
+    assert all(isinstance(v, str) for v in meta.values())
+    assert int(meta["activationLagCount"]) >= 0
+
+
+def test_the_hpa_reads_the_exporters_lag_gauge():
+    (hpa,) = by_kind("HorizontalPodAutoscaler")
+    assert hpa["spec"]["scaleTargetRef"]["name"] == _worker_deployment()["metadata"]["name"]
+    (metric,) = hpa["spec"]["metrics"]
+    assert metric["external"]["metric"]["name"] == "lorapool_queue_lag"
+    assert metric["external"]["target"]["averageValue"] == options(worker())["--max-num-seqs"]
+
+
+def _worker_deployment() -> dict:
+    return next(d for d in by_kind("Deployment") if worker() in _containers_of(d))
