@@ -11,7 +11,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 
 from lorapool.connection import REDIS_DOWN
-from lorapool.gateway import health, openai_api
+from lorapool.gateway import health, jobs, openai_api
 from lorapool.gateway.config import GatewayConfig
 from lorapool.gateway.errors import APIError
 from lorapool.gateway.pool import Pool
@@ -31,6 +31,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     app = FastAPI(title="lorapool gateway", version="1", lifespan=lifespan)
     app.include_router(health.router)
     app.include_router(openai_api.router)
+    app.include_router(jobs.router)
     _install_errors(app)
     return app
 

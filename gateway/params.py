@@ -184,3 +184,16 @@ def _message(i: int, message: Any) -> Any:
             )
         message["content"] = "".join(texts)
     return message
+
+
+def parse_job(body: Any) -> tuple[Parsed, str | None]:
+    """POST /v1/jobs: one prompt (as /v1/completions) or one chat (as /v1/chat/completions),
+    and optionally the client's own ``request_id``."""
+    body = _require_object(body)
+    if "stream" in body:
+        raise bad_request("a job streams through GET /v1/jobs/{id}/events", "stream")
+    core = {k: v for k, v in body.items() if k != "request_id"}
+    parsed = parse_chat(core) if "messages" in core else parse_completion(core, 1)
+    if len(parsed.prompts) != 1:
+        raise bad_request("a job has one prompt", "prompt")
+    return parsed, body.get("request_id")

@@ -8,6 +8,7 @@ through here or through a handle it returned.
 from __future__ import annotations
 
 import asyncio
+import uuid
 from typing import Any
 
 from lorapool.connection import connect_async
@@ -58,17 +59,19 @@ class Pool:
     ) -> list[AsyncJobHandle]:
         """Enqueue one job per prompt; a FieldError becomes a 400 (or 413) naming the
         request's parameter."""
+        ids = [rid or uuid.uuid4().hex for rid in request_ids or [None] * len(prompts)]
         try:
-            return await self.producer.submit_many(
-                prompts, params, lora, request_ids, metadata or None
-            )
+            return await self.producer.submit_many(prompts, params, lora, ids, metadata or None)
         except FieldError as exc:
-            rid = str(exc).split(":", 1)[0].removeprefix("job ")
+            rid = next((r for r in ids if str(exc).startswith(f"job {r}: ")), "")
             raise field_error(exc, rid, names) from None
         except ValueError as exc:  # the adapter left the registry meanwhile
             if "unknown adapter" in str(exc) and lora is not None:
                 raise model_not_found(lora.lora_name) from None
             raise APIError(400, str(exc)) from None
+
+    async def handle(self, request_id: str) -> AsyncJobHandle:
+        return await self.producer.handle(request_id)
 
     async def results(self, handles: list[AsyncJobHandle]) -> list:
         """The final RequestOutput of each handle; 504 (and the jobs aborted) past the

@@ -54,13 +54,15 @@ async def _feed(index: int, handle: AsyncJobHandle, queue: asyncio.Queue) -> Non
     await queue.put(None)
 
 
-async def guarded(handle: AsyncJobHandle, after: int = -1) -> AsyncIterator[Chunk]:
+async def guarded(
+    handle: AsyncJobHandle, after: int = -1, abort: bool = True
+) -> AsyncIterator[Chunk]:
     """The handle's chunks after seq ``after``; the job is aborted if the reader stops
-    before the final one."""
-    finished = False
+    before the final one (unless not ``abort``: a job's events reader may come back)."""
+    finished = not abort
     try:
         async for chunk in handle.chunks(after=after):
-            finished = chunk.finished
+            finished = finished or chunk.finished
             yield chunk
     finally:
         if not finished:

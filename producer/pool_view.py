@@ -53,14 +53,20 @@ class PoolView:
 
     async def job_state(self, request_id: str) -> dict[str, Any] | None:
         """A job's ``status`` (queued, finished, failed), whether its output has begun
-        (``started``) and whether its final record is in; None for an unknown id."""
+        (``started``), whether its final record is in (``final``) and its chunk log is
+        still there (``log``: not yet compacted); None for an unknown id."""
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.hmget(self.keys.job(request_id), "status", RESULT_FIELD)
             pipe.exists(self.keys.out(request_id))
             (status, result), log = await pipe.execute()
         if status is None:
             return None
-        return {"status": status.decode(), "started": bool(log or result), "final": bool(result)}
+        return {
+            "status": status.decode(),
+            "started": bool(log or result),
+            "final": bool(result),
+            "log": bool(log),
+        }
 
     async def backlog(self) -> int:
         """Entries of the request stream not yet delivered to any worker (the group's lag;

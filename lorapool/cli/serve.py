@@ -40,7 +40,8 @@ def serve(
     prefix,
 ):
     """Serve the pool over HTTP: /v1/completions, /v1/chat/completions, /v1/models,
-    /healthz, /readyz; OpenAPI docs at /docs."""
+    /v1/jobs (asynchronous jobs and their events), /healthz, /readyz; OpenAPI docs at
+    /docs."""
     import uvicorn
 
     from lorapool.embedded import resolve_url

@@ -44,6 +44,7 @@ def start_worker(redis_url: str, prefix: str, model: str, cwd) -> subprocess.Pop
     cmd = lorapool_cmd(
         "worker", "--model", model, "--prefix", prefix, "--redis-url", redis_url,
         "--max-num-seqs", "8", "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8",
+        "--lease", "2",  # abort flags are read with each renewal (a third of the lease)
     )  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     # cwd outside the checkout: the repo root on sys.path would shadow packages

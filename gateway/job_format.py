@@ -1,0 +1,90 @@
+"""The bodies of the job API: a job's status name, its result and its chunk events."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lorapool.gateway.openai_format import usage
+from lorapool.outputs import RequestOutput
+from lorapool.wire import Chunk
+
+
+def state_name(state: dict[str, Any], output: RequestOutput | None) -> str:
+    """queued, running, finished, failed or aborted (every completion ended by abort)."""
+    if output is None:
+        return "running" if state["started"] else "queued"
+    if output.error or state["status"] == "failed":
+        return "failed"
+    if output.outputs and all(c.finish_reason == "abort" for c in output.outputs):
+        return "aborted"
+    return "finished"
+
+
+def adapter_identity(output: RequestOutput, record: dict | None) -> dict[str, Any] | None:
+    """Name, id and path of the adapter that ran the job, and its weights' sha256 (from
+    the registry record of that name and id)."""
+    lora = output.lora_request
+    if lora is None:
+        return None
+    same = record is not None and record.get("id") == lora.lora_int_id
+    return {
+        "name": lora.lora_name,
+        "id": lora.lora_int_id,
+        "path": lora.lora_path,
+        "sha256": record.get("sha256") if same else None,
+    }
+
+
+def job_body(
+    job_id: str,
+    status: str,
+    output: RequestOutput,
+    adapter: dict | None,
+    base: dict | None,
+) -> dict[str, Any]:
+    """GET /v1/jobs/{id} of a final job."""
+    completion_tokens = sum(len(c.token_ids) for c in output.outputs)
+    identity = adapter_identity(output, adapter)
+    result = {
+        "outputs": [
+            {
+                "index": c.index,
+                "text": c.text,
+                "token_ids": list(c.token_ids),
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+            }
+            for c in output.outputs
+        ],
+        "prompt": output.prompt,
+        "prompt_token_ids": output.prompt_token_ids,
+        "usage": usage(len(output.prompt_token_ids or ()), completion_tokens),
+        "adapter": identity,
+        "base_model": base,
+        "worker": output.worker,
+        "error": output.error,
+    }
+    model = identity["name"] if identity else (base or {}).get("name")
+    return {"id": job_id, "object": "job", "status": status, "model": model, "result": result}
+
+
+def chunk_event(chunk: Chunk) -> dict[str, Any]:
+    """One chunk as the events stream sends it (its seq is the event id)."""
+    event: dict[str, Any] = {
+        "seq": chunk.seq,
+        "outputs": [
+            {
+                "index": o["index"],
+                "text": o["text"],
+                "token_ids": o["token_ids"],
+                "finish_reason": o.get("finish_reason"),
+            }
+            for o in chunk.outputs
+        ],
+        "finished": chunk.finished,
+    }
+    for name in ("error", "worker", "lora_request"):
+        value = getattr(chunk, name)
+        if value is not None:
+            event[name] = value
+    return event

@@ -1,0 +1,140 @@
+"""Asynchronous jobs, for web apps that must not hold a connection open:
+
+- ``POST /v1/jobs`` → 202, the job id and ``Location``; ``Idempotency-Key`` (or the
+  body's ``request_id``) makes a retried submit find the job it made;
+- ``GET /v1/jobs/{id}`` → queued (with the backlog), running, finished, failed or
+  aborted, and the result once final, with the adapter's full identity and the worker;
+- ``GET /v1/jobs/{id}/events`` → SSE of the job's chunks, event id = chunk seq, so an
+  EventSource reconnecting with ``Last-Event-ID`` resumes without gaps or repeats;
+- ``DELETE /v1/jobs/{id}`` → asks the worker holding it to abort it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Header, Request
+from fastapi.responses import ORJSONResponse, StreamingResponse
+
+from lorapool.gateway.body import read_json
+from lorapool.gateway.errors import APIError, bad_request
+from lorapool.gateway.job_format import chunk_event, job_body, state_name
+from lorapool.gateway.params import parse_job
+from lorapool.gateway.pool import Pool
+from lorapool.gateway.streams import guarded, sse
+
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+NO_BUFFERING = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def _pool(request: Request) -> Pool:
+    return request.app.state.pool
+
+
+def idempotent_id(key: str) -> str:
+    """The request id an Idempotency-Key stands for: the same key, the same job."""
+    return "idem-" + hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()[:40]
+
+
+@router.post("", status_code=202, summary="Submit a job; 202 with its id and Location")
+async def submit_job(
+    request: Request, idempotency_key: str | None = Header(default=None, max_length=256)
+) -> ORJSONResponse:
+    pool = _pool(request)
+    parsed, request_id = parse_job(await read_json(request, pool.config.body_limit))
+    if idempotency_key is not None:
+        if request_id is not None:
+            raise bad_request("give either request_id or Idempotency-Key", "request_id")
+        request_id = idempotent_id(idempotency_key)
+    lora = await pool.resolve_model(parsed.model)
+    [handle] = await pool.submit(
+        parsed.prompts, parsed.params, lora, [request_id], parsed.metadata, parsed.names
+    )
+    body = {"id": handle.request_id, "object": "job", "model": parsed.model}
+    body["status"] = "queued" if handle.enqueued else await _status(pool, handle.request_id)
+    location = f"/v1/jobs/{handle.request_id}"
+    return ORJSONResponse(body, status_code=202, headers={"Location": location})
+
+
+async def _state(pool: Pool, job_id: str) -> dict:
+    valid = 0 < len(job_id) <= 256 and not set("{}\x00") & set(job_id)
+    state = await pool.view.job_state(job_id) if valid else None
+    if state is None:
+        raise APIError(404, f"no job {job_id!r}", "id", code="job_not_found")
+    return state
+
+
+async def _status(pool: Pool, job_id: str) -> str:
+    state = await _state(pool, job_id)
+    if not state["final"]:
+        return state_name(state, None)
+    return state_name(state, await (await pool.handle(job_id)).result())
+
+
+@router.get("/{job_id}", summary="A job's status, and its result once final")
+async def get_job(request: Request, job_id: str) -> ORJSONResponse:
+    pool = _pool(request)
+    state = await _state(pool, job_id)
+    if not state["final"]:
+        body = {"id": job_id, "object": "job", "status": state_name(state, None)}
+        if not state["started"]:
+            body["backlog"] = await pool.view.backlog()
+        return ORJSONResponse(body)
+    output = await (await pool.handle(job_id)).result(timeout=pool.config.result_timeout_s)
+    adapter = None
+    if output.lora_request is not None:
+        adapter = await pool.view.adapter(output.lora_request.lora_name)
+    base = await pool.view.base_model()
+    return ORJSONResponse(job_body(job_id, state_name(state, output), output, adapter, base))
+
+
+@router.get("/{job_id}/events", summary="The job's chunks as server-sent events")
+async def job_events(
+    request: Request, job_id: str, last_event_id: str | None = Header(default=None)
+) -> StreamingResponse:
+    """Event ``chunk`` per chunk, id = its seq; the stream ends after the final one. A
+    reconnect with ``Last-Event-ID: n`` gets the chunks after seq n."""
+    pool = _pool(request)
+    after = -1
+    if last_event_id is not None:
+        if not last_event_id.isdigit() or len(last_event_id) > 18:
+            raise bad_request("Last-Event-ID must be a chunk seq number", "Last-Event-ID")
+        after = int(last_event_id)
+    state = await _state(pool, job_id)
+    handle = await pool.handle(job_id)
+    return StreamingResponse(
+        _events(handle, after, state), media_type="text/event-stream", headers=NO_BUFFERING
+    )
+
+
+async def _events(handle, after: int, state: dict) -> AsyncIterator[bytes]:
+    """A final job is read from its first chunk (a reader placed at the final seq would
+    wait for the log's compaction to learn that nothing follows); once its log is
+    compacted, the rest of an output cannot be cut at a seq: an ``error`` event says so."""
+    yield b"retry: 1000\n\n"
+    start = -1 if state["final"] else after
+    try:
+        async for chunk in guarded(handle, start, abort=False):
+            if chunk.seq <= after:
+                continue
+            if after >= 0 and start < after and not state["log"]:
+                raise LookupError(f"the chunk log of {handle.request_id} was compacted")
+            yield sse(chunk_event(chunk), "chunk", chunk.seq)
+    except LookupError as exc:  # compacted before this reader got its place
+        message = f"{exc}; GET /v1/jobs/{handle.request_id} has the whole result"
+        yield sse({"message": message, "id": handle.request_id}, "error")
+
+
+@router.delete("/{job_id}", summary="Abort a job")
+async def abort_job(request: Request, job_id: str) -> ORJSONResponse:
+    """202 while the worker holding it is asked to stop it (finish_reason ``abort``);
+    200 with its status when it is already final."""
+    pool = _pool(request)
+    state = await _state(pool, job_id)
+    if state["final"]:
+        return ORJSONResponse(
+            {"id": job_id, "object": "job", "status": await _status(pool, job_id)}
+        )
+    await (await pool.handle(job_id)).abort()
+    return ORJSONResponse({"id": job_id, "object": "job", "status": "aborting"}, status_code=202)

@@ -1,0 +1,169 @@
+"""The asynchronous job API over HTTP against a real pool: the oracle for results is
+the Producer (the Python client of the same pool), for events the job's own result."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import httpx
+import orjson
+import pytest
+
+from lorapool.protocol import SamplingParams
+
+pytestmark = pytest.mark.integration
+BODY = {"model": "ad-qv", "prompt": "Once upon a time", "max_tokens": 24, "temperature": 0}
+
+
+def submit(gateway: str, body: dict, **headers) -> httpx.Response:
+    return httpx.post(f"{gateway}/v1/jobs", json=body, headers=headers, timeout=30)
+
+
+def poll(gateway: str, job_id: str, timeout: float = 120) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        job = httpx.get(f"{gateway}/v1/jobs/{job_id}", timeout=30).json()
+        if job["status"] not in ("queued", "running"):
+            return job
+        assert time.monotonic() < deadline, job
+        time.sleep(0.1)
+
+
+def read_events(gateway: str, job_id: str, last_event_id: str | None = None) -> list:
+    """(event id, event name, data) of every event until the server ends the stream."""
+    headers = {} if last_event_id is None else {"Last-Event-ID": last_event_id}
+    events, current = [], {}
+    with httpx.stream(
+        "GET", f"{gateway}/v1/jobs/{job_id}/events", headers=headers, timeout=120
+    ) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        for line in response.iter_lines():
+            if not line:
+                if "data" in current:
+                    events.append((current.get("id"), current.get("event"), current["data"]))
+                current = {}
+                continue
+            field, _, value = line.partition(": ")
+            current[field] = orjson.loads(value) if field == "data" else value
+    return events
+
+
+def test_submit_poll_result_equals_the_producers(gateway, producer):
+    response = submit(gateway, BODY)
+    assert response.status_code == 202
+    job_id = response.json()["id"]
+    assert response.headers["location"] == f"/v1/jobs/{job_id}"
+    job = poll(gateway, job_id)
+    want = producer.submit(
+        "Once upon a time", SamplingParams(max_tokens=24, temperature=0), lora_request="ad-qv"
+    ).result(timeout=120)
+    assert job["status"] == "finished" and job["model"] == "ad-qv"
+    [out] = job["result"]["outputs"]
+    assert out["text"] == want.outputs[0].text
+    assert out["token_ids"] == want.outputs[0].token_ids
+    assert job["result"]["prompt_token_ids"] == want.prompt_token_ids
+    assert job["result"]["usage"]["completion_tokens"] == len(want.outputs[0].token_ids)
+    assert job["result"]["worker"] == want.worker
+
+
+def test_result_names_the_adapter_and_its_weights(gateway, registry):
+    job = poll(gateway, submit(gateway, {**BODY, "model": "ad-mlp"}).json()["id"])
+    record = registry["ad-mlp"]
+    assert job["result"]["adapter"] == {
+        "name": "ad-mlp",
+        "id": record["id"],
+        "path": record["path"],
+        "sha256": record["sha256"],
+    }
+
+
+def test_a_chat_job(gateway, client):
+    messages = [{"role": "user", "content": "Tell me a story"}]
+    body = {"model": "ad-qv", "messages": messages, "max_tokens": 10, "temperature": 0}
+    job = poll(gateway, submit(gateway, body).json()["id"])
+    chat = client.chat.completions.create(
+        model="ad-qv", messages=messages, max_tokens=10, temperature=0
+    )
+    assert job["result"]["outputs"][0]["text"] == chat.choices[0].message.content
+
+
+def test_idempotency_key_gives_one_job(gateway, producer):
+    key = f"order-{uuid.uuid4()}"
+    first = submit(gateway, BODY, **{"Idempotency-Key": key})
+    second = submit(gateway, BODY, **{"Idempotency-Key": key})
+    assert first.status_code == second.status_code == 202
+    assert first.json()["id"] == second.json()["id"]
+    assert poll(gateway, first.json()["id"])["status"] == "finished"
+    third = submit(gateway, BODY, **{"Idempotency-Key": key})
+    assert third.json()["id"] == first.json()["id"] and third.json()["status"] == "finished"
+    own = f"mine-{uuid.uuid4().hex}"
+    assert submit(gateway, {**BODY, "request_id": own}).json()["id"] == own
+    assert submit(gateway, {**BODY, "request_id": own}).json()["id"] == own
+
+
+def test_events_resume_from_the_middle_with_exactly_the_rest(gateway):
+    body = {**BODY, "max_tokens": 40, "ignore_eos": True}
+    job_id = submit(gateway, body).json()["id"]
+    events = read_events(gateway, job_id)
+    assert [e[1] for e in events] == ["chunk"] * len(events)
+    assert [int(e[0]) for e in events] == list(range(len(events)))
+    assert len(events) >= 3, "too few chunks to resume from the middle"
+    job = poll(gateway, job_id)
+    texts = "".join(o["text"] for _, _, data in events for o in data["outputs"])
+    assert texts == job["result"]["outputs"][0]["text"]
+    assert events[-1][2]["finished"] and not any(e[2]["finished"] for e in events[:-1])
+    middle = len(events) // 2
+    rest = read_events(gateway, job_id, last_event_id=events[middle][0])
+    assert rest == events[middle + 1 :]
+    assert read_events(gateway, job_id, last_event_id=events[-1][0]) == []
+
+
+def test_delete_aborts_a_running_job(gateway):
+    body = {**BODY, "max_tokens": 480, "ignore_eos": True}
+    job_id = submit(gateway, body).json()["id"]
+    deadline = time.monotonic() + 60
+    while httpx.get(f"{gateway}/v1/jobs/{job_id}").json()["status"] != "running":
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    response = httpx.delete(f"{gateway}/v1/jobs/{job_id}")
+    assert response.status_code == 202 and response.json()["status"] == "aborting"
+    job = poll(gateway, job_id)
+    assert job["status"] == "aborted"
+    [out] = job["result"]["outputs"]
+    assert out["finish_reason"] == "abort" and 0 < len(out["token_ids"]) < 480
+    again = httpx.delete(f"{gateway}/v1/jobs/{job_id}")
+    assert again.status_code == 200 and again.json()["status"] == "aborted"
+
+
+@pytest.mark.parametrize("job_id", ["no-such-job", "a{b}", "x" * 300])
+def test_unknown_jobs_are_not_found(gateway, job_id):
+    for method in ("GET", "DELETE"):
+        response = httpx.request(method, f"{gateway}/v1/jobs/{job_id}")
+        assert response.status_code == 404
+        assert response.json()["error"]["code"] == "job_not_found"
+    assert httpx.get(f"{gateway}/v1/jobs/{job_id}/events").status_code == 404
+
+
+@pytest.mark.parametrize(
+    ("body", "headers", "param"),
+    [
+        ({**BODY, "request_id": "a{b"}, {}, "request_id"),
+        ({**BODY, "request_id": 5}, {}, "request_id"),
+        ({**BODY, "request_id": "x"}, {"Idempotency-Key": "k"}, "request_id"),
+        ({**BODY, "stream": True}, {}, "stream"),
+        ({**BODY, "prompt": ["a", "b"]}, {}, "prompt"),
+        ({**BODY, "top_k": "3"}, {}, "top_k"),
+    ],
+)
+def test_bad_job_submissions_name_the_field(gateway, body, headers, param):
+    response = submit(gateway, body, **headers)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+
+
+def test_bad_last_event_id(gateway):
+    job_id = submit(gateway, BODY).json()["id"]
+    response = httpx.get(f"{gateway}/v1/jobs/{job_id}/events", headers={"Last-Event-ID": "x"})
+    assert response.status_code == 400
