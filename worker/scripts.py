@@ -17,7 +17,7 @@ streams and hashes (``{p}:requests``, ``{p}:audit``, ``{p}:dead``,
 ``{p}:adapters``, ``{p}:adapter-ids``, ``{p}:workers``) each hash to a slot of
 their own. A cluster refuses, with CROSSSLOT, these commands:
 
-- ``APPEND`` touches ``{p}:requests`` (XPENDING, XACK, XDEL),
+- ``APPEND`` touches ``{p}:requests`` (XPENDING, XACK, XTRIM),
   the requests' ``out``, ``abort`` and ``job`` keys, ``{p}:audit`` and
   ``{p}:dead``: the final chunk, the ack and the audit record must be one
   atomic step, so it cannot be split per slot without losing that guarantee;
@@ -90,7 +90,27 @@ local function add_chunk(out, seq, chunk)
   return error(err)
 end
 
-local results = {}
+-- Drops the entries every worker is done with from the head of the requests stream:
+-- those before the oldest pending one (or, none pending, up to the last delivered).
+-- XDEL of a finished entry instead would leave a tombstone at or past the group's
+-- last-delivered id whenever a short request ends before a longer one taken earlier,
+-- and Redis then reports the group's lag, the autoscaling signal, as unknown.
+local function trim_done(stream, group)
+  local minid = redis.call('XPENDING', stream, group)[2]
+  if not minid then
+    for _, fields in ipairs(redis.call('XINFO', 'GROUPS', stream)) do
+      local info = {}
+      for j = 1, #fields, 2 do info[fields[j]] = fields[j + 1] end
+      if info['name'] == group then
+        local ms, seq = string.match(info['last-delivered-id'], '(%d+)-(%d+)')
+        minid = ms .. '-' .. string.format('%d', tonumber(seq) + 1)
+      end
+    end
+  end
+  if minid then redis.call('XTRIM', stream, 'MINID', '=', minid) end
+end
+
+local results, finished = {}, false
 for i = 0, (#ARGV - 4) / 9 - 1 do
   local a, k = 4 + i * 9, 3 + i * 3
   local entry, seq, final = ARGV[a + 1], tonumber(ARGV[a + 2]), ARGV[a + 4] == '1'
@@ -108,7 +128,7 @@ for i = 0, (#ARGV - 4) / 9 - 1 do
     end
     if final then
       redis.call('XACK', KEYS[1], ARGV[1], entry)
-      redis.call('XDEL', KEYS[1], entry)
+      finished = true
       if audit ~= '' then redis.call('XADD', KEYS[2], '*', 'data', audit) end
       if dead ~= '' then
         redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[3], '*', 'data', dead,
@@ -129,6 +149,7 @@ for i = 0, (#ARGV - 4) / 9 - 1 do
   end
   results[i + 1] = result
 end
+if finished then trim_done(KEYS[1], ARGV[1]) end
 return results
 """
 

@@ -81,13 +81,12 @@ def _worker(engine, conn, prefix, model, name):
     return worker
 
 
-# Found by this test: the worker's APPEND script XDELs a request's entry when it finishes
-# (worker/scripts.py). Redis 7 reports the group's lag as nil while the most recently
-# delivered entry is deleted and an earlier delivered one is still in the stream (a short
-# request finishing before a long one taken before it), until the next read moves the
-# group past it; KEDA reads that nil as 0. Deleting only from the head (XTRIM MINID up
-# to the oldest pending entry) keeps the lag known. Not strict: the window is a few ms.
-@pytest.mark.xfail(reason="APPEND's XDEL of a finished entry can make the lag nil", strict=False)
+# Found by this test: the worker's APPEND script used to XDEL a request's entry when it
+# finished. Redis 7 reports the group's lag as nil while the most recently delivered
+# entry is deleted and an earlier delivered one is still in the stream (a short request
+# finishing before a long one taken before it), and KEDA reads that nil as 0. APPEND now
+# trims the stream from its head (XTRIM MINID up to the oldest pending entry), which
+# keeps the lag known.
 def test_lag_is_never_unknown_through_aborts_dead_letters_and_a_failover(
     engines, conn, prefix, producer, model
 ):

@@ -46,8 +46,9 @@ def submodules(package: str, skip: tuple[str, ...] = ()) -> list[str]:
 
 
 def test_the_data_types_need_only_the_standard_library_and_orjson():
-    # these talk to Redis (redis-py is theirs; pool_metrics serves Prometheus too)
-    clients = ("cli", "embedded", "connection", "pool_metrics")
+    # these talk to Redis (redis-py is theirs; pool_metrics serves Prometheus too;
+    # follower follows chunk logs and channels)
+    clients = ("cli", "embedded", "connection", "pool_metrics", "follower")
     modules = [m for m in submodules("lorapool", skip=clients) if m.count(".") <= 1]
     assert {"lorapool.protocol", "lorapool.wire", "lorapool.keys", "lorapool.identity"} <= set(
         modules
