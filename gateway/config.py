@@ -21,6 +21,8 @@ class GatewayConfig:
     a max_prompt_bytes prompt, escaped). max_prompts: prompts in one completions call.
     result_timeout_s: how long a non-streaming call waits for its result (then 504,
     and the job is aborted). redis_retries: retries of a Redis call before 503.
+    max_backlog: submits get 429 (with Retry-After: retry_after_s) while this many
+    entries of the request stream wait for a worker (None: no bound).
     """
 
     redis_url: str
@@ -31,6 +33,8 @@ class GatewayConfig:
     max_prompts: int = 128
     result_timeout_s: float = 600.0
     redis_retries: int = 2
+    max_backlog: int | None = None
+    retry_after_s: int = 1
 
     def __post_init__(self):
         for name in ("max_prompt_bytes", "max_n", "max_prompts", "redis_retries"):

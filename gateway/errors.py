@@ -29,15 +29,21 @@ class APIError(Exception):
     """An HTTP error the client sees in OpenAI's shape."""
 
     def __init__(
-        self, status: int, message: str, param: str | None = None, code: str | None = None
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
     ):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers
 
     def response(self) -> ORJSONResponse:
         kind = _TYPES.get(self.status) or HTTPStatus(self.status).phrase.lower().replace(" ", "_")
         body = {"message": self.message, "type": kind, "param": self.param, "code": self.code}
-        return ORJSONResponse({"error": body}, status_code=self.status)
+        return ORJSONResponse({"error": body}, status_code=self.status, headers=self.headers)
 
 
 def bad_request(message: str, param: str | None) -> APIError:

@@ -58,7 +58,8 @@ class Pool:
         names: dict[str, str] | None = None,
     ) -> list[AsyncJobHandle]:
         """Enqueue one job per prompt; a FieldError becomes a 400 (or 413) naming the
-        request's parameter."""
+        request's parameter; 429 while the backlog is at its bound."""
+        await self.check_backlog()
         ids = [rid or uuid.uuid4().hex for rid in request_ids or [None] * len(prompts)]
         try:
             return await self.producer.submit_many(prompts, params, lora, ids, metadata or None)
@@ -69,6 +70,18 @@ class Pool:
             if "unknown adapter" in str(exc) and lora is not None:
                 raise model_not_found(lora.lora_name) from None
             raise APIError(400, str(exc)) from None
+
+    async def check_backlog(self) -> None:
+        """429 with Retry-After while ``max_backlog`` entries wait for a worker: a pool
+        whose workers are stopped or saturated refuses work instead of piling it up."""
+        bound = self.config.max_backlog
+        if bound is not None and await self.view.backlog() >= bound:
+            raise APIError(
+                429,
+                f"the pool's backlog is at its bound ({bound} waiting jobs); retry later",
+                code="backlog_full",
+                headers={"Retry-After": str(self.config.retry_after_s)},
+            )
 
     async def handle(self, request_id: str) -> AsyncJobHandle:
         return await self.producer.handle(request_id)

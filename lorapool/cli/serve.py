@@ -25,6 +25,12 @@ from lorapool.wire import DEFAULT_MAX_N, DEFAULT_MAX_PROMPT_BYTES
     show_default=True,
     help="seconds a non-streaming call waits for its result",
 )
+@click.option(
+    "--max-backlog",
+    type=click.IntRange(min=1),
+    default=None,
+    help="submits get 429 while this many jobs wait for a worker (default: no bound)",
+)
 @click.option("--log-level", default="info", show_default=True)
 @redis_option
 @prefix_option
@@ -35,6 +41,7 @@ def serve(
     max_prompt_bytes,
     max_body_bytes,
     result_timeout,
+    max_backlog,
     log_level,
     redis_url,
     prefix,
@@ -54,6 +61,7 @@ def serve(
         max_n=max_n,
         max_body_bytes=max_body_bytes,
         result_timeout_s=result_timeout,
+        max_backlog=max_backlog,
     )
     uvicorn.run(
         create_app(config), host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5

@@ -117,3 +117,15 @@ def test_bad_parameter_names_it(client, param, value):
         client.completions.create(model="ad-qv", prompt=PROMPT, extra_body={param: value})
     assert caught.value.body["param"] == param
     assert param in caught.value.body["message"]
+
+
+def test_a_client_that_leaves_a_stream_aborts_its_job(client, producer):
+    stream = client.completions.create(
+        model="ad-qv", prompt=PROMPT, stream=True, max_tokens=480, extra_body={"ignore_eos": True}
+    )
+    first = next(iter(stream))
+    stream.close()
+    request_id = first.id.removeprefix("cmpl-")
+    result = producer.handle(request_id).result(timeout=60)
+    assert result.outputs[0].finish_reason == "abort"
+    assert len(result.outputs[0].token_ids) < 480

@@ -1,0 +1,91 @@
+"""Operations without a worker: Redis unreachable (503), backlog bound (429), the
+OpenAPI description. Each test runs its own gateway process (no torch, quick)."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+from gateway_procs import free_port, start_gateway, stop, wait_until
+
+pytestmark = pytest.mark.integration
+JOB = {"model": "base", "prompt": "hello", "max_tokens": 2}
+
+
+@pytest.fixture
+def gateway_on(tmp_path):
+    """Factory: the URL of a gateway started with these arguments, once it answers."""
+    procs = []
+
+    def start(redis_url: str, prefix: str, *extra: str) -> str:
+        port = free_port()
+        procs.append(start_gateway(redis_url, prefix, port, tmp_path, *extra))
+        url = f"http://127.0.0.1:{port}"
+
+        def up() -> bool:
+            try:
+                return httpx.get(f"{url}/healthz", timeout=2).status_code == 200
+            except httpx.TransportError:
+                return False
+
+        wait_until(up, "the gateway answering", timeout=60)
+        return url
+
+    yield start
+    for proc in procs:
+        stop(proc)
+
+
+def test_redis_unreachable_is_503(gateway_on):
+    url = gateway_on(f"redis://127.0.0.1:{free_port()}/0", "nowhere")
+    assert httpx.get(f"{url}/healthz").status_code == 200
+    ready = httpx.get(f"{url}/readyz", timeout=30)
+    assert ready.status_code == 503 and "unreachable" in ready.json()["reason"]
+    started = time.monotonic()
+    response = httpx.post(f"{url}/v1/completions", json=JOB, timeout=30)
+    assert response.status_code == 503, response.text
+    assert response.json()["error"]["code"] == "redis_unavailable"
+    assert time.monotonic() - started < 10
+    assert httpx.get(f"{url}/v1/models", timeout=30).status_code == 503
+
+
+def test_backlog_bound_gives_429_and_keeps_what_was_accepted(
+    gateway_on, redis_url, prefix, conn, base_name
+):
+    """No worker on this prefix: two jobs wait, the third is refused, none is lost."""
+    backlog_prefix = f"{prefix}-backlog"
+    conn.set(f"{backlog_prefix}:model", b'{"name": "base", "sha256": "0"}')
+    url = gateway_on(redis_url, backlog_prefix, "--max-backlog", "2")
+    try:
+        ids = [httpx.post(f"{url}/v1/jobs", json=JOB).json()["id"] for _ in range(2)]
+        refused = httpx.post(f"{url}/v1/jobs", json=JOB)
+        assert refused.status_code == 429
+        assert refused.headers["retry-after"] == "1"
+        assert refused.json()["error"]["code"] == "backlog_full"
+        assert httpx.post(f"{url}/v1/completions", json=JOB).status_code == 429
+        ready = httpx.get(f"{url}/readyz")
+        assert ready.status_code == 503 and "no live worker" in ready.json()["reason"]
+        for job_id in ids:
+            job = httpx.get(f"{url}/v1/jobs/{job_id}").json()
+            assert job["status"] == "queued" and job["backlog"] == 2
+        assert conn.xlen(f"{backlog_prefix}:requests") == 2
+    finally:
+        for key in conn.scan_iter(f"{backlog_prefix}:*"):
+            conn.delete(key)
+
+
+def test_openapi_describes_every_endpoint(gateway):
+    paths = httpx.get(f"{gateway}/openapi.json").json()["paths"]
+    for path in (
+        "/healthz",
+        "/readyz",
+        "/v1/models",
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/jobs",
+        "/v1/jobs/{job_id}",
+        "/v1/jobs/{job_id}/events",
+    ):
+        assert path in paths
+    assert httpx.get(f"{gateway}/docs").status_code == 200

@@ -1,0 +1,55 @@
+"""Processes of the gateway's tests: a worker and ``lorapool serve``, started as a user
+would start them, on a free port of 127.0.0.1."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+
+def lorapool_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-c", "from lorapool.cli.main import main; main()", *args]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(check, what: str, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"{what} did not happen in {timeout}s"
+        time.sleep(0.1)
+
+
+def start_worker(redis_url: str, prefix: str, model: str, cwd) -> subprocess.Popen:
+    cmd = lorapool_cmd(
+        "worker", "--model", model, "--prefix", prefix, "--redis-url", redis_url,
+        "--max-num-seqs", "8", "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8",
+        "--lease", "2",  # abort flags are read with each renewal (a third of the lease)
+    )  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # cwd outside the checkout: the repo root on sys.path would shadow packages
+    return subprocess.Popen(cmd, cwd=cwd, env=env, stderr=subprocess.DEVNULL)
+
+
+def start_gateway(redis_url: str, prefix: str, port: int, cwd, *extra: str) -> subprocess.Popen:
+    cmd = lorapool_cmd(
+        "serve", "--port", str(port), "--prefix", prefix, "--redis-url", redis_url,
+        "--log-level", "warning", *extra,
+    )  # fmt: skip
+    return subprocess.Popen(cmd, cwd=cwd)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
