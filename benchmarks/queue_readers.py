@@ -11,7 +11,8 @@ the same run:
 
 Reported per way: Redis CPU per delivered chunk beyond ``none``'s (``INFO cpu``), and
 the latency from the end of the engine step that made a chunk's last token to the
-client holding it (p50 / p99), from the stand-in's step-end times
+client holding it (p50 / p99; the readers start following just before the submit),
+from the stand-in's step-end times
 (``time.perf_counter``, one clock for every process on the host).
 
     lorapool bench queue_readers [--requests 256] [--step-ms 25] [--json out.json]
@@ -41,7 +42,7 @@ async def follow(producer, ids, way: str, received: list) -> None:
     """Read every request's chunks ``way``; (request, last token position, time) each."""
 
     async def by_follower(rid):
-        async for chunk in (await producer.handle(rid)).chunks(timeout=300):
+        async for chunk in (await producer.handle(rid)).chunks():
             received.append((rid, chunk.offset + chunk.num_tokens - 1, time.perf_counter()))
 
     async def by_xread(rid):
@@ -81,16 +82,19 @@ async def run_way(url: str, way: str, args, jobs) -> dict:
                 time.sleep(0.05)
             ids = [rid for rid, _, _ in jobs]
             cpu0 = gpu.redis_cpu_s(conn)
+            reading = None
+            if way != "none":  # readers follow first, as a gateway that submits then reads
+                reading = asyncio.ensure_future(follow(producer, ids, way, received))
+                await asyncio.sleep(0.5)
             await producer.submit_many(
                 [{"prompt_token_ids": p} for _, p, _ in jobs],
                 [SamplingParams(max_tokens=n, ignore_eos=True) for _, _, n in jobs],
                 request_ids=ids,
             )
-            if way == "none":
-                while conn.xlen(producer.keys.audit) < len(jobs):
-                    await asyncio.sleep(0.05)
-            else:
-                await follow(producer, ids, way, received)
+            while reading is None and conn.xlen(producer.keys.audit) < len(jobs):
+                await asyncio.sleep(0.05)
+            if reading is not None:
+                await reading
             redis_cpu = gpu.redis_cpu_s(conn) - cpu0
             worker.send_signal(signal.SIGTERM)
             worker.wait(120)

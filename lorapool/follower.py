@@ -92,10 +92,7 @@ class Follower:
         for chunk in await self._fill(cursor):  # what came before the subscription
             yield chunk
         while not cursor.done:
-            try:
-                payload = await asyncio.wait_for(followed.live.get(), quiet)
-            except asyncio.TimeoutError:
-                payload = None
+            payload = await _next(followed.live, quiet)
             if payload is not None:
                 chunk, quiet = decode_chunk(payload, cursor.request_id), self.poll_s
                 if cursor.accepts(chunk):
@@ -160,3 +157,14 @@ class Follower:
                 await command(*channels)
         except REDIS_DOWN as exc:
             logger.warning("follower: Redis unreachable (%s)", exc)
+
+
+async def _next(live: asyncio.Queue, timeout: float) -> bytes | None:
+    """The next live payload, or None after ``timeout`` (no timer when one is waiting:
+    a burst of a step's chunks costs no task per chunk)."""
+    if not live.empty():
+        return live.get_nowait()
+    try:
+        return await asyncio.wait_for(live.get(), timeout)
+    except asyncio.TimeoutError:
+        return None

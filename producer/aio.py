@@ -49,6 +49,10 @@ class AsyncJobHandle:
         ``Follower`` (one connection for all the handles it follows; see
         ``JobHandle.chunks`` for the order and the compacted log)."""
         chunks = self.producer.follower.follow(self.request_id, after)
+        if timeout is None:
+            async for chunk in chunks:
+                yield chunk
+            return
         deadline = _deadline(timeout)
         try:
             while True:
