@@ -12,11 +12,14 @@
 from __future__ import annotations
 
 import hashlib
+import uuid
 from collections.abc import AsyncIterator
+from typing import Annotated
 
-from fastapi import APIRouter, Header, Request
+from fastapi import APIRouter, Depends, Header, Request
 from fastapi.responses import ORJSONResponse, StreamingResponse
 
+from lorapool.gateway.auth import Principal, require
 from lorapool.gateway.body import read_json
 from lorapool.gateway.errors import APIError, bad_request
 from lorapool.gateway.job_format import chunk_event, job_body, state_name
@@ -25,6 +28,7 @@ from lorapool.gateway.pool import Pool
 from lorapool.gateway.streams import guarded, sse
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+Submitter = Annotated[Principal, Depends(require("submit"))]
 NO_BUFFERING = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -39,7 +43,9 @@ def idempotent_id(key: str) -> str:
 
 @router.post("", status_code=202, summary="Submit a job; 202 with its id and Location")
 async def submit_job(
-    request: Request, idempotency_key: str | None = Header(default=None, max_length=256)
+    request: Request,
+    caller: Submitter,
+    idempotency_key: str | None = Header(default=None, max_length=256),
 ) -> ORJSONResponse:
     pool = _pool(request)
     parsed, request_id = parse_job(await read_json(request, pool.config.body_limit))
@@ -47,13 +53,16 @@ async def submit_job(
         if request_id is not None:
             raise bad_request("give either request_id or Idempotency-Key", "request_id")
         request_id = idempotent_id(idempotency_key)
-    lora = await pool.resolve_model(parsed.model)
+    lora = await pool.resolve_model(parsed.model, caller)
+    job_id = caller.job_id(request_id or uuid.uuid4().hex)
+    metadata = {**parsed.metadata, **caller.metadata()}
     [handle] = await pool.submit(
-        parsed.prompts, parsed.params, lora, [request_id], parsed.metadata, parsed.names
+        parsed.prompts, parsed.params, lora, [job_id], metadata, parsed.names
     )
-    body = {"id": handle.request_id, "object": "job", "model": parsed.model}
+    external = caller.external_id(handle.request_id)
+    body = {"id": external, "object": "job", "model": parsed.model}
     body["status"] = "queued" if handle.enqueued else await _status(pool, handle.request_id)
-    location = f"/v1/jobs/{handle.request_id}"
+    location = f"/v1/jobs/{external}"
     return ORJSONResponse(body, status_code=202, headers={"Location": location})
 
 
@@ -61,7 +70,7 @@ async def _state(pool: Pool, job_id: str) -> dict:
     valid = 0 < len(job_id) <= 256 and not set("{}\x00") & set(job_id)
     state = await pool.view.job_state(job_id) if valid else None
     if state is None:
-        raise APIError(404, f"no job {job_id!r}", "id", code="job_not_found")
+        raise APIError(404, "no such job", "id", code="job_not_found")
     return state
 
 
@@ -73,11 +82,12 @@ async def _status(pool: Pool, job_id: str) -> str:
 
 
 @router.get("/{job_id}", summary="A job's status, and its result once final")
-async def get_job(request: Request, job_id: str) -> ORJSONResponse:
+async def get_job(request: Request, job_id: str, caller: Submitter) -> ORJSONResponse:
     pool = _pool(request)
+    external, job_id = job_id, caller.job_id(job_id)
     state = await _state(pool, job_id)
     if not state["final"]:
-        body = {"id": job_id, "object": "job", "status": state_name(state, None)}
+        body = {"id": external, "object": "job", "status": state_name(state, None)}
         if not state["started"]:
             body["backlog"] = await pool.view.backlog()
         return ORJSONResponse(body)
@@ -86,12 +96,15 @@ async def get_job(request: Request, job_id: str) -> ORJSONResponse:
     if output.lora_request is not None:
         adapter = await pool.view.adapter(output.lora_request.lora_name)
     base = await pool.view.base_model()
-    return ORJSONResponse(job_body(job_id, state_name(state, output), output, adapter, base))
+    return ORJSONResponse(job_body(external, state_name(state, output), output, adapter, base))
 
 
 @router.get("/{job_id}/events", summary="The job's chunks as server-sent events")
 async def job_events(
-    request: Request, job_id: str, last_event_id: str | None = Header(default=None)
+    request: Request,
+    job_id: str,
+    caller: Submitter,
+    last_event_id: str | None = Header(default=None),
 ) -> StreamingResponse:
     """Event ``chunk`` per chunk, id = its seq; the stream ends after the final one. A
     reconnect with ``Last-Event-ID: n`` gets the chunks after seq n."""
@@ -101,8 +114,8 @@ async def job_events(
         if not last_event_id.isdigit() or len(last_event_id) > 18:
             raise bad_request("Last-Event-ID must be a chunk seq number", "Last-Event-ID")
         after = int(last_event_id)
-    state = await _state(pool, job_id)
-    handle = await pool.handle(job_id)
+    state = await _state(pool, caller.job_id(job_id))
+    handle = await pool.handle(caller.job_id(job_id))
     return StreamingResponse(
         _events(handle, after, state), media_type="text/event-stream", headers=NO_BUFFERING
     )
@@ -127,14 +140,14 @@ async def _events(handle, after: int, state: dict) -> AsyncIterator[bytes]:
 
 
 @router.delete("/{job_id}", summary="Abort a job")
-async def abort_job(request: Request, job_id: str) -> ORJSONResponse:
+async def abort_job(request: Request, job_id: str, caller: Submitter) -> ORJSONResponse:
     """202 while the worker holding it is asked to stop it (finish_reason ``abort``);
     200 with its status when it is already final."""
     pool = _pool(request)
+    external, job_id = job_id, caller.job_id(job_id)
     state = await _state(pool, job_id)
+    body = {"id": external, "object": "job"}
     if state["final"]:
-        return ORJSONResponse(
-            {"id": job_id, "object": "job", "status": await _status(pool, job_id)}
-        )
+        return ORJSONResponse({**body, "status": await _status(pool, job_id)})
     await (await pool.handle(job_id)).abort()
-    return ORJSONResponse({"id": job_id, "object": "job", "status": "aborting"}, status_code=202)
+    return ORJSONResponse({**body, "status": "aborting"}, status_code=202)

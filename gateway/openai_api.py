@@ -7,12 +7,14 @@ SSE chunks read from the jobs' chunk logs, ending with ``data: [DONE]``.
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import ORJSONResponse, StreamingResponse
 
+from lorapool.gateway.auth import Principal, require
 from lorapool.gateway.body import read_json
 from lorapool.gateway.errors import APIError
 from lorapool.gateway.openai_format import Shape
@@ -21,6 +23,7 @@ from lorapool.gateway.pool import Pool
 from lorapool.gateway.streams import DONE, merged_chunks, sse
 
 router = APIRouter(prefix="/v1", tags=["OpenAI-compatible"])
+Submitter = Annotated[Principal, Depends(require("submit"))]
 
 
 def pool_of(request: Request) -> Pool:
@@ -28,7 +31,9 @@ def pool_of(request: Request) -> Pool:
 
 
 @router.get("/models", summary="The base model and every registered adapter")
-async def list_models(request: Request) -> ORJSONResponse:
+async def list_models(
+    request: Request, caller: Annotated[Principal, Depends(require())]
+) -> ORJSONResponse:
     """OpenAI's model list: the pool's base model, then each adapter with ``parent`` (the
     base model), ``root`` (its path) and lorapool's ``adapter_id`` and weights ``sha256``."""
     view = pool_of(request).view
@@ -38,6 +43,8 @@ async def list_models(request: Request) -> ORJSONResponse:
     if base is not None:
         data.append(_model_card(base_name, None, base_name, sha256=base.get("sha256")))
     for record in await view.adapters():
+        if not caller.may_use(record["name"]):
+            continue
         card = _model_card(record["name"], base_name, record["path"], sha256=record["sha256"])
         card["adapter_id"] = record["id"]
         data.append(card)
@@ -57,26 +64,26 @@ def _model_card(name: str, parent: str | None, root: str, sha256: str | None) ->
 
 
 @router.post("/completions", summary="Text completions (OpenAI's API)")
-async def completions(request: Request):
+async def completions(request: Request, caller: Submitter):
     pool = pool_of(request)
     parsed = parse_completion(
         await read_json(request, pool.config.body_limit), pool.config.max_prompts
     )
-    return await _generate(pool, parsed, "completion")
+    return await _generate(pool, parsed, "completion", caller)
 
 
 @router.post("/chat/completions", summary="Chat completions (OpenAI's API)")
-async def chat_completions(request: Request):
+async def chat_completions(request: Request, caller: Submitter):
     pool = pool_of(request)
     parsed = parse_chat(await read_json(request, pool.config.body_limit))
-    return await _generate(pool, parsed, "chat")
+    return await _generate(pool, parsed, "chat", caller)
 
 
-async def _generate(pool: Pool, parsed: Parsed, kind: str):
-    lora = await pool.resolve_model(parsed.model)
-    handles = await pool.submit(
-        parsed.prompts, parsed.params, lora, None, parsed.metadata, parsed.names
-    )
+async def _generate(pool: Pool, parsed: Parsed, kind: str, caller: Principal):
+    lora = await pool.resolve_model(parsed.model, caller)
+    ids = [caller.job_id(uuid.uuid4().hex) for _ in parsed.prompts]
+    metadata = {**parsed.metadata, **caller.metadata()}
+    handles = await pool.submit(parsed.prompts, parsed.params, lora, ids, metadata, parsed.names)
     shape = Shape(kind, handles[0].request_id, parsed.model, parsed.params.n)
     if not parsed.stream:
         return ORJSONResponse(shape.response(await pool.results(handles)))

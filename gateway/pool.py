@@ -12,6 +12,7 @@ import uuid
 from typing import Any
 
 from lorapool.connection import connect_async
+from lorapool.gateway.auth import OPEN, Principal
 from lorapool.gateway.config import GatewayConfig
 from lorapool.gateway.errors import APIError, field_error, model_not_found
 from lorapool.producer import AsyncJobHandle, AsyncProducer
@@ -34,8 +35,9 @@ class Pool:
     async def close(self) -> None:
         await self.producer.aclose()
 
-    async def resolve_model(self, model: str) -> LoRARequest | None:
-        """The LoRARequest ``model`` names (None: the base model), or 404 model_not_found."""
+    async def resolve_model(self, model: str, caller: Principal = OPEN) -> LoRARequest | None:
+        """The LoRARequest ``model`` names (None: the base model), or 404 model_not_found
+        (also for an adapter the caller's tenant may not use)."""
         base = await self.view.base_model()
         if base is not None and model == base.get("name"):
             return None
@@ -43,7 +45,7 @@ class Pool:
             if "\x00" in model or len(model) > 1024:
                 raise APIError(400, "model must be a model or adapter name", "model")
             raise model_not_found(model)
-        record = await self.view.adapter(model)
+        record = await self.view.adapter(model) if caller.may_use(model) else None
         if record is None:
             raise model_not_found(model)
         return lora_from_record(record)

@@ -57,6 +57,11 @@ class Keys:
         """Hash: worker id -> heartbeat record."""
         return f"{self.prefix}:workers"
 
+    @property
+    def api_keys(self) -> str:
+        """Hash: API key id -> its record (tenant, role, sha256 of the key; never the key)."""
+        return f"{self.prefix}:api-keys"
+
     def alive(self, worker: str) -> str:
         """A worker's liveness flag: expires a few heartbeats after its last one."""
         return f"{self.prefix}:alive:{worker}"

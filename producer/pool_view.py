@@ -14,6 +14,7 @@ import orjson
 from lorapool.chunk_log import RESULT_FIELD
 from lorapool.keys import WORKERS_GROUP
 from lorapool.producer.aio import AsyncProducer
+from lorapool.producer.api_keys import authenticate
 
 
 class PoolView:
@@ -40,6 +41,10 @@ class PoolView:
     async def adapter(self, name: str) -> dict[str, Any] | None:
         raw = await self.redis.hget(self.keys.adapters, name)
         return None if raw is None else orjson.loads(raw)
+
+    async def api_key(self, key: str) -> dict[str, Any] | None:
+        """The record (tenant, role, adapters) of an API key; None if unknown or revoked."""
+        return await authenticate(self.redis, self.keys, key)
 
     async def live_workers(self) -> list[dict[str, Any]]:
         """Heartbeat records of the workers whose liveness flag has not expired."""

@@ -23,6 +23,7 @@ COMMANDS = {
     "exporter": "lorapool.cli.exporter:exporter",
     "adapters": "lorapool.cli.queue:adapters",
     "serve": "lorapool.cli.serve:serve",
+    "keys": "lorapool.cli.keys:keys",
 }
 
 # top-level module -> the extra of pyproject.toml that installs it

@@ -31,6 +31,13 @@ from lorapool.wire import DEFAULT_MAX_N, DEFAULT_MAX_PROMPT_BYTES
     default=None,
     help="submits get 429 while this many jobs wait for a worker (default: no bound)",
 )
+@click.option(
+    "--auth/--no-auth",
+    default=True,
+    show_default=True,
+    help="require an API key (lorapool keys add) on every /v1 route; --no-auth trusts "
+    "the network and knows no tenants",
+)
 @click.option("--log-level", default="info", show_default=True)
 @redis_option
 @prefix_option
@@ -42,6 +49,7 @@ def serve(
     max_body_bytes,
     result_timeout,
     max_backlog,
+    auth,
     log_level,
     redis_url,
     prefix,
@@ -62,6 +70,7 @@ def serve(
         max_body_bytes=max_body_bytes,
         result_timeout_s=result_timeout,
         max_backlog=max_backlog,
+        auth=auth,
     )
     uvicorn.run(
         create_app(config), host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5

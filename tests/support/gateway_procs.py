@@ -38,10 +38,12 @@ def start_worker(redis_url: str, prefix: str, model: str, cwd) -> subprocess.Pop
     return subprocess.Popen(cmd, cwd=cwd, env=env, stderr=subprocess.DEVNULL)
 
 
-def start_gateway(redis_url: str, prefix: str, port: int, cwd, *extra: str) -> subprocess.Popen:
+def start_gateway(
+    redis_url: str, prefix: str, port: int, cwd, *extra: str, auth: bool = False
+) -> subprocess.Popen:
     cmd = lorapool_cmd(
         "serve", "--port", str(port), "--prefix", prefix, "--redis-url", redis_url,
-        "--log-level", "warning", *extra,
+        "--log-level", "warning", *extra, *(() if auth else ("--no-auth",)),
     )  # fmt: skip
     return subprocess.Popen(cmd, cwd=cwd)
 

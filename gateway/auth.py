@@ -1,0 +1,88 @@
+"""Who is calling: an API key (``Authorization: Bearer lp_...``) names a tenant and a
+role; routes declare the role they need. No key or an unknown one → 401, a key
+without the role → 403.
+
+Tenants never see each other's jobs: a job's request id is the tenant's name, ``~``
+and the id the client sees, so another tenant's id names a job that does not exist
+(404, revealing nothing). The tenant and key id go into the job's metadata, and so
+into its audit row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+
+from lorapool.gateway.errors import APIError
+
+
+@dataclass(frozen=True)
+class Principal:
+    """The caller: tenant, role, key id and the adapters it may use (None: all)."""
+
+    tenant: str | None = None
+    role: str | None = None
+    key_id: str | None = None
+    adapters: frozenset[str] | None = None
+
+    def job_id(self, external: str) -> str:
+        """The request id of the client's job id ``external``."""
+        return external if self.tenant is None else f"{self.tenant}~{external}"
+
+    def external_id(self, request_id: str) -> str:
+        return request_id if self.tenant is None else request_id.split("~", 1)[1]
+
+    def may_use(self, adapter: str) -> bool:
+        return self.adapters is None or adapter in self.adapters
+
+    def metadata(self) -> dict[str, Any]:
+        if self.tenant is None:
+            return {}
+        return {"tenant": self.tenant, "key_id": self.key_id}
+
+
+OPEN = Principal()  # auth off: one trusted network, no tenants
+
+
+def require(*roles: str) -> Callable:
+    """A dependency: the caller, if its key has one of ``roles`` (any role if none)."""
+
+    async def caller(request: Request) -> Principal:
+        pool = request.app.state.pool
+        if not pool.config.auth:
+            return OPEN
+        record = await _record(request)
+        if roles and record["role"] not in roles:
+            raise APIError(
+                403,
+                f"this key's role ({record['role']}) may not do this; it needs "
+                + " or ".join(roles),
+                code="forbidden",
+            )
+        adapters = record.get("adapters")
+        return Principal(
+            record["tenant"],
+            record["role"],
+            record["id"],
+            None if adapters is None else frozenset(adapters),
+        )
+
+    return caller
+
+
+async def _record(request: Request) -> dict[str, Any]:
+    header = request.headers.get("authorization", "")
+    scheme, _, key = header.partition(" ")
+    if scheme.lower() != "bearer" or not key.strip():
+        raise _unauthorized("no API key: send Authorization: Bearer <key>")
+    record = await request.app.state.pool.view.api_key(key.strip())
+    if record is None:
+        raise _unauthorized("invalid API key")
+    return record
+
+
+def _unauthorized(message: str) -> APIError:
+    return APIError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})

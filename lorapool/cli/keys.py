@@ -1,0 +1,61 @@
+"""``lorapool keys add/list/revoke``: the gateway's API keys (stored hashed)."""
+
+from __future__ import annotations
+
+import click
+
+from lorapool.cli.queue import prefix_option, redis_option
+
+
+def _api_keys(redis_url, prefix):
+    from lorapool.producer import Producer
+    from lorapool.producer.api_keys import ApiKeys
+
+    producer = Producer(redis_url, prefix=prefix)
+    return ApiKeys(producer.redis, producer.keys)
+
+
+@click.group()
+def keys():
+    """API keys of the gateway: each names a tenant and a role."""
+
+
+@keys.command("add")
+@click.argument("tenant")
+@click.option(
+    "--role", type=click.Choice(["submit", "audit", "admin"]), default="submit", show_default=True
+)
+@click.option(
+    "--adapter", "adapters", multiple=True, help="limit the tenant to this adapter (repeatable)"
+)
+@redis_option
+@prefix_option
+def keys_add(tenant, role, adapters, redis_url, prefix):
+    """Make a key for TENANT; the key is printed once (only its sha256 is stored)."""
+    try:
+        record, key = _api_keys(redis_url, prefix).add(tenant, role, list(adapters) or None)
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(f"key id {record['id']} for tenant {tenant!r}, role {role}:", err=True)
+    click.echo(key)
+
+
+@keys.command("list")
+@redis_option
+@prefix_option
+def keys_list(redis_url, prefix):
+    """Key ids, tenants, roles and adapter limits (never the keys)."""
+    for r in _api_keys(redis_url, prefix).list():
+        adapters = ", ".join(r["adapters"]) if r["adapters"] is not None else "all adapters"
+        click.echo(f"{r['id']}  {r['tenant']:<24} {r['role']:<7} {adapters}")
+
+
+@keys.command("revoke")
+@click.argument("key_id")
+@redis_option
+@prefix_option
+def keys_revoke(key_id, redis_url, prefix):
+    """Revoke the key KEY_ID: the gateway refuses it from its next request."""
+    if not _api_keys(redis_url, prefix).revoke(key_id):
+        raise click.ClickException(f"no key with id {key_id!r}")
+    click.echo(f"revoked {key_id}")

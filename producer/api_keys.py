@@ -1,0 +1,104 @@
+"""API keys of the gateway: each maps to a tenant and a role, stored hashed in Redis.
+
+A key reads ``lp_<id>_<secret>``; ``{p}:api-keys`` maps the id to a record with the
+tenant, the role, the adapters the tenant may use (None: all) and the sha256 of the
+whole key, compared in constant time. The key itself is shown once, at ``add``.
+Torch-free.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import re
+import secrets
+import time
+from typing import Any
+
+import orjson
+
+from lorapool.keys import Keys
+from lorapool.producer.registry import check_name
+from lorapool.protocol import short_repr
+
+ROLES = ("submit", "audit", "admin")
+TENANT_PATTERN = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+_KEY_PATTERN = re.compile(r"lp_([0-9a-f]{16})_[A-Za-z0-9_-]{43}")
+
+
+def key_sha256(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def check_tenant(tenant: Any) -> str:
+    if not isinstance(tenant, str) or not TENANT_PATTERN.fullmatch(tenant):
+        raise ValueError(
+            f"tenant {short_repr(tenant)} is not 1 to 64 letters, digits, '.', '_' and '-'"
+        )
+    return tenant
+
+
+def new_record(
+    tenant: str, role: str, adapters: list[str] | None = None
+) -> tuple[dict[str, Any], str]:
+    """A new key's record and the key (shown once; only its sha256 is stored)."""
+    check_tenant(tenant)
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
+    adapters = None if adapters is None else sorted({check_name(a) for a in adapters})
+    key_id = secrets.token_hex(8)
+    key = f"lp_{key_id}_{secrets.token_urlsafe(32)}"
+    record = {
+        "id": key_id,
+        "tenant": tenant,
+        "role": role,
+        "adapters": adapters,
+        "sha256": key_sha256(key),
+        "created": time.time(),
+    }
+    return record, key
+
+
+def matching_record(key: str, raw: bytes | None) -> dict[str, Any] | None:
+    """The record ``raw`` if ``key`` is the key it was made for, else None."""
+    if raw is None:
+        return None
+    record = orjson.loads(raw)
+    return record if hmac.compare_digest(record["sha256"], key_sha256(key)) else None
+
+
+def key_id_of(key: str) -> str | None:
+    """The id part of a well-formed key; None for anything else."""
+    match = _KEY_PATTERN.fullmatch(key)
+    return match.group(1) if match else None
+
+
+class ApiKeys:
+    """Add, list and revoke keys (synchronous: the CLI's side)."""
+
+    def __init__(self, connection, keys: Keys):
+        self.redis = connection
+        self.keys = keys
+
+    def add(
+        self, tenant: str, role: str, adapters: list[str] | None = None
+    ) -> tuple[dict[str, Any], str]:
+        record, key = new_record(tenant, role, adapters)
+        self.redis.hset(self.keys.api_keys, record["id"], orjson.dumps(record))
+        return record, key
+
+    def list(self) -> list[dict[str, Any]]:
+        records = [orjson.loads(v) for v in self.redis.hvals(self.keys.api_keys)]
+        return sorted(records, key=lambda r: (r["tenant"], r["created"]))
+
+    def revoke(self, key_id: str) -> bool:
+        return bool(self.redis.hdel(self.keys.api_keys, key_id))
+
+
+async def authenticate(connection, keys: Keys, key: str) -> dict[str, Any] | None:
+    """The record of ``key`` (an asyncio Redis client's read), None when unknown or
+    revoked."""
+    key_id = key_id_of(key)
+    if key_id is None:
+        return None
+    return matching_record(key, await connection.hget(keys.api_keys, key_id))

@@ -1,0 +1,159 @@
+"""API keys, roles and tenants against a gateway with auth on (no worker: jobs stay
+queued, which is all these checks need). Every /v1 endpoint is tried with no key, a
+malformed, unknown and revoked key (401), a key of the wrong role (403) and another
+tenant's job id (404): the answer reveals nothing of the job."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from gateway_procs import free_port, start_gateway, stop, wait_until
+
+from lorapool.keys import Keys
+from lorapool.producer.api_keys import ApiKeys
+from lorapool.wire import decode_job
+
+pytestmark = pytest.mark.integration
+JOB = {"model": "ad-a", "prompt": "hello", "max_tokens": 2}
+CHAT = {"model": "ad-a", "messages": [{"role": "user", "content": "x"}]}
+ENDPOINTS = [
+    ("GET", "/v1/models", None),
+    ("POST", "/v1/completions", JOB),
+    ("POST", "/v1/chat/completions", CHAT),
+    ("POST", "/v1/jobs", JOB),
+    ("GET", "/v1/jobs/{id}", None),
+    ("GET", "/v1/jobs/{id}/events", None),
+    ("DELETE", "/v1/jobs/{id}", None),
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def api_keys(conn, prefix, tmp_path_factory, producer):
+    conn.set(f"{prefix}:model", b'{"name": "base", "sha256": "00"}')
+    root = tmp_path_factory.mktemp("fake-adapters")
+    for i, name in enumerate(("ad-a", "ad-b")):
+        info = {"path": str(root / name), "sha256": f"{i}" * 64, "rank": 8, "alpha": 8.0}
+        producer.registry.add(name, root / name, info={**info, "target_modules": []})
+    store = ApiKeys(conn, Keys(prefix))
+    made = {
+        "acme": store.add("acme", "submit"),
+        "globex": store.add("globex", "submit", ["ad-a"]),
+        "auditor": store.add("acme", "audit"),
+        "revoked": store.add("acme", "submit"),
+    }
+    store.revoke(made["revoked"][0]["id"])
+    return {name: key for name, (_, key) in made.items()} | {
+        f"{name}-id": record["id"] for name, (record, _) in made.items()
+    }
+
+
+@pytest.fixture(scope="module")
+def secure(redis_url, prefix, api_keys, tmp_path_factory):
+    port = free_port()
+    proc = start_gateway(redis_url, prefix, port, tmp_path_factory.mktemp("gw"), auth=True)
+    url = f"http://127.0.0.1:{port}"
+
+    def up() -> bool:
+        try:
+            return httpx.get(f"{url}/healthz", timeout=2).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    wait_until(up, "the gateway answering", timeout=60)
+    yield url
+    stop(proc)
+
+
+def call(url, method, path, body=None, key=None, job_id="x"):
+    headers = {} if key is None else {"Authorization": f"Bearer {key}"}
+    return httpx.request(
+        method, url + path.replace("{id}", job_id), json=body, headers=headers, timeout=30
+    )
+
+
+def acme_job(secure, api_keys) -> str:
+    response = call(secure, "POST", "/v1/jobs", JOB, api_keys["acme"])
+    assert response.status_code == 202, response.text
+    return response.json()["id"]
+
+
+@pytest.mark.parametrize(("method", "path", "body"), ENDPOINTS)
+@pytest.mark.parametrize("key", [None, "nope", "lp_0123456789abcdef_" + "x" * 43, "revoked"])
+def test_no_valid_key_is_401(secure, api_keys, method, path, body, key):
+    job_id = acme_job(secure, api_keys)
+    response = call(secure, method, path, body, api_keys.get(key, key), job_id)
+    assert response.status_code == 401, response.text
+    assert response.headers["www-authenticate"] == "Bearer"
+    assert job_id not in response.text and "hello" not in response.text
+
+
+@pytest.mark.parametrize(("method", "path", "body"), ENDPOINTS[1:])
+def test_a_key_without_the_role_is_403(secure, api_keys, method, path, body):
+    job_id = acme_job(secure, api_keys)
+    response = call(secure, method, path, body, api_keys["auditor"], job_id)
+    assert response.status_code == 403, response.text
+    assert job_id not in response.text
+
+
+@pytest.mark.parametrize(("method", "path", "body"), ENDPOINTS[4:])
+def test_another_tenants_job_is_not_found(secure, api_keys, producer, method, path, body):
+    job_id = acme_job(secure, api_keys)
+    response = call(secure, method, path, body, api_keys["globex"], job_id)
+    assert response.status_code == 404, response.text
+    assert response.json()["error"] == {
+        "message": "no such job", "type": "not_found_error", "param": "id",
+        "code": "job_not_found",
+    }  # fmt: skip
+    assert (
+        call(secure, "GET", "/v1/jobs/{id}", None, api_keys["acme"], job_id).json()["status"]
+        == "queued"
+    )
+    assert not producer.redis.exists(producer.keys.abort(f"acme~{job_id}"))
+
+
+def test_the_job_carries_tenant_and_key_id(secure, api_keys, conn, prefix):
+    job_id = acme_job(secure, api_keys)
+    entries = conn.xrange(f"{prefix}:requests")
+    jobs = [decode_job(fields[b"data"]) for _, fields in entries]
+    [job] = [j for j in jobs if j.request_id == f"acme~{job_id}"]
+    assert job.metadata == {"tenant": "acme", "key_id": api_keys["acme-id"]}
+
+
+def test_the_same_client_id_in_two_tenants_is_two_jobs(secure, api_keys):
+    body = {**JOB, "request_id": "order-1"}
+    first = call(secure, "POST", "/v1/jobs", body, api_keys["acme"])
+    second = call(secure, "POST", "/v1/jobs", body, api_keys["globex"])
+    assert first.json()["id"] == second.json()["id"] == "order-1"
+    assert first.json()["status"] == second.json()["status"] == "queued"
+    assert first.headers["location"] == "/v1/jobs/order-1"
+
+
+def test_a_tenant_sees_and_uses_only_its_adapters(secure, api_keys):
+    models = call(secure, "GET", "/v1/models", key=api_keys["globex"]).json()["data"]
+    assert [m["id"] for m in models] == ["base", "ad-a"]
+    every = call(secure, "GET", "/v1/models", key=api_keys["auditor"]).json()["data"]
+    assert [m["id"] for m in every] == ["base", "ad-a", "ad-b"]
+    refused = call(secure, "POST", "/v1/jobs", {**JOB, "model": "ad-b"}, api_keys["globex"])
+    assert refused.status_code == 404 and refused.json()["error"]["code"] == "model_not_found"
+
+
+def test_operations_need_no_key(secure):
+    assert httpx.get(f"{secure}/healthz").status_code == 200
+    assert httpx.get(f"{secure}/readyz").status_code == 503  # no worker, but it answers
+
+
+def test_keys_cli_add_list_revoke(secure, redis_url, prefix):
+    from click.testing import CliRunner
+
+    from lorapool.cli.keys import keys
+
+    where = ["--redis-url", redis_url, "--prefix", prefix]
+    added = CliRunner().invoke(keys, ["add", "initech", "--role", "submit", *where])
+    assert added.exit_code == 0, added.output
+    key = added.output.strip().splitlines()[-1]
+    key_id = key.split("_")[1]
+    listed = CliRunner().invoke(keys, ["list", *where])
+    assert key_id in listed.output and key not in listed.output
+    assert call(secure, "GET", "/v1/models", key=key).status_code == 200
+    assert CliRunner().invoke(keys, ["revoke", key_id, *where]).exit_code == 0
+    assert call(secure, "GET", "/v1/models", key=key).status_code == 401
