@@ -21,12 +21,18 @@ from lorapool.gateway.errors import APIError
 
 @dataclass(frozen=True)
 class Principal:
-    """The caller: tenant, role, key id and the adapters it may use (None: all)."""
+    """The caller: tenant, role, key id, the adapters it may use (None: all) and its
+    requests and tokens per minute (None: unlimited)."""
 
     tenant: str | None = None
     role: str | None = None
     key_id: str | None = None
     adapters: frozenset[str] | None = None
+    rpm: int | None = None
+    tpm: int | None = None
+
+    def rate_record(self) -> dict[str, Any]:
+        return {"tenant": self.tenant, "rpm": self.rpm, "tpm": self.tpm}
 
     def job_id(self, external: str) -> str:
         """The request id of the client's job id ``external``."""
@@ -68,6 +74,8 @@ def require(*roles: str) -> Callable:
             record["role"],
             record["id"],
             None if adapters is None else frozenset(adapters),
+            record.get("rpm"),
+            record.get("tpm"),
         )
 
     return caller

@@ -81,6 +81,7 @@ async def chat_completions(request: Request, caller: Submitter):
 
 async def _generate(pool: Pool, parsed: Parsed, kind: str, caller: Principal):
     lora = await pool.resolve_model(parsed.model, caller)
+    await pool.check_rate(caller, len(parsed.prompts), parsed.params)
     ids = [caller.job_id(uuid.uuid4().hex) for _ in parsed.prompts]
     metadata = {**parsed.metadata, **caller.metadata()}
     handles = await pool.submit(parsed.prompts, parsed.params, lora, ids, metadata, parsed.names)

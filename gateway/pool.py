@@ -8,6 +8,8 @@ through here or through a handle it returned.
 from __future__ import annotations
 
 import asyncio
+import math
+import time
 import uuid
 from typing import Any
 
@@ -83,6 +85,23 @@ class Pool:
                 f"the pool's backlog is at its bound ({bound} waiting jobs); retry later",
                 code="backlog_full",
                 headers={"Retry-After": str(self.config.retry_after_s)},
+            )
+
+    async def check_rate(self, caller: Principal, prompts: int, params: SamplingParams) -> None:
+        """Count a submit against its tenant's requests and tokens per minute (tokens: the
+        most it may generate, max_tokens x n a prompt); 429 with Retry-After past them."""
+        if caller.rpm is None and caller.tpm is None:
+            return
+        if caller.tpm is not None and params.max_tokens is None:
+            raise APIError(400, "max_tokens is required under a token rate limit", "max_tokens")
+        tokens = prompts * params.n * (params.max_tokens or 0)
+        wait = await self.view.take_rate(caller.rate_record(), prompts, tokens, time.time())
+        if wait is not None:
+            raise APIError(
+                429,
+                f"tenant {caller.tenant!r} is over its rate limit; retry in {wait:.0f}s",
+                code="rate_limit_exceeded",
+                headers={"Retry-After": str(max(1, math.ceil(wait)))},
             )
 
     async def handle(self, request_id: str) -> AsyncJobHandle:

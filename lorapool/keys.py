@@ -62,6 +62,10 @@ class Keys:
         """Hash: API key id -> its record (tenant, role, sha256 of the key; never the key)."""
         return f"{self.prefix}:api-keys"
 
+    def rate(self, tenant: str, window: int, what: str) -> str:
+        """A tenant's count of ``what`` (requests, tokens) in the minute ``window``."""
+        return f"{self.prefix}:rate:{tenant}:{window}:{what}"
+
     def alive(self, worker: str) -> str:
         """A worker's liveness flag: expires a few heartbeats after its last one."""
         return f"{self.prefix}:alive:{worker}"

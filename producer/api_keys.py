@@ -39,10 +39,21 @@ def check_tenant(tenant: Any) -> str:
 
 
 def new_record(
-    tenant: str, role: str, adapters: list[str] | None = None
+    tenant: str,
+    role: str,
+    adapters: list[str] | None = None,
+    rpm: int | None = None,
+    tpm: int | None = None,
 ) -> tuple[dict[str, Any], str]:
-    """A new key's record and the key (shown once; only its sha256 is stored)."""
+    """A new key's record and the key (shown once; only its sha256 is stored).
+
+    ``rpm`` / ``tpm``: the tenant's requests and tokens per minute through this key
+    (None: unlimited); tokens are what a request may generate (max_tokens x n).
+    """
     check_tenant(tenant)
+    for name, value in (("rpm", rpm), ("tpm", tpm)):
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
     if role not in ROLES:
         raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
     adapters = None if adapters is None else sorted({check_name(a) for a in adapters})
@@ -53,6 +64,8 @@ def new_record(
         "tenant": tenant,
         "role": role,
         "adapters": adapters,
+        "rpm": rpm,
+        "tpm": tpm,
         "sha256": key_sha256(key),
         "created": time.time(),
     }
@@ -81,9 +94,14 @@ class ApiKeys:
         self.keys = keys
 
     def add(
-        self, tenant: str, role: str, adapters: list[str] | None = None
+        self,
+        tenant: str,
+        role: str,
+        adapters: list[str] | None = None,
+        rpm: int | None = None,
+        tpm: int | None = None,
     ) -> tuple[dict[str, Any], str]:
-        record, key = new_record(tenant, role, adapters)
+        record, key = new_record(tenant, role, adapters, rpm, tpm)
         self.redis.hset(self.keys.api_keys, record["id"], orjson.dumps(record))
         return record, key
 
@@ -102,3 +120,44 @@ async def authenticate(connection, keys: Keys, key: str) -> dict[str, Any] | Non
     if key_id is None:
         return None
     return matching_record(key, await connection.hget(keys.api_keys, key_id))
+
+
+# Take a request's share of its tenant's minute, or none of it: KEYS requests and tokens
+# counters of this minute; ARGV requests, tokens, their limits (0: none), the TTL.
+# Returns 1 when taken, 0 when a limit would be passed.
+RATE_SCRIPT = """
+local r = tonumber(redis.call('GET', KEYS[1]) or '0') + tonumber(ARGV[1])
+local t = tonumber(redis.call('GET', KEYS[2]) or '0') + tonumber(ARGV[2])
+if (ARGV[3] ~= '0' and r > tonumber(ARGV[3])) or (ARGV[4] ~= '0' and t > tonumber(ARGV[4])) then
+  return 0
+end
+redis.call('SET', KEYS[1], r, 'EX', ARGV[5])
+redis.call('SET', KEYS[2], t, 'EX', ARGV[5])
+return 1
+"""
+WINDOW_S = 60
+
+
+async def take_rate(
+    connection, keys: Keys, record: dict[str, Any], requests: int, tokens: int, now: float
+) -> float | None:
+    """Count ``requests`` and ``tokens`` against the tenant's per-minute limits of the
+    key ``record`` (shared by every gateway: the counters are in Redis). None when
+    taken; else the seconds until the minute ends (Retry-After)."""
+    rpm, tpm = record.get("rpm"), record.get("tpm")
+    if rpm is None and tpm is None:
+        return None
+    window = int(now // WINDOW_S)
+    tenant = record["tenant"]
+    taken = await connection.eval(
+        RATE_SCRIPT,
+        2,
+        keys.rate(tenant, window, "requests"),
+        keys.rate(tenant, window, "tokens"),
+        requests,
+        tokens,
+        rpm or 0,
+        tpm or 0,
+        2 * WINDOW_S,
+    )
+    return None if taken else (window + 1) * WINDOW_S - now

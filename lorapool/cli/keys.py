@@ -28,12 +28,17 @@ def keys():
 @click.option(
     "--adapter", "adapters", multiple=True, help="limit the tenant to this adapter (repeatable)"
 )
+@click.option("--rpm", type=click.IntRange(min=1), default=None, help="requests per minute")
+@click.option(
+    "--tpm", type=click.IntRange(min=1), default=None, help="tokens (max_tokens x n) per minute"
+)
 @redis_option
 @prefix_option
-def keys_add(tenant, role, adapters, redis_url, prefix):
+def keys_add(tenant, role, adapters, rpm, tpm, redis_url, prefix):
     """Make a key for TENANT; the key is printed once (only its sha256 is stored)."""
     try:
-        record, key = _api_keys(redis_url, prefix).add(tenant, role, list(adapters) or None)
+        store = _api_keys(redis_url, prefix)
+        record, key = store.add(tenant, role, list(adapters) or None, rpm, tpm)
     except ValueError as exc:
         raise click.ClickException(str(exc)) from None
     click.echo(f"key id {record['id']} for tenant {tenant!r}, role {role}:", err=True)
