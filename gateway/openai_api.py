@@ -85,7 +85,8 @@ async def _generate(pool: Pool, parsed: Parsed, kind: str, caller: Principal):
     ids = [caller.job_id(uuid.uuid4().hex) for _ in parsed.prompts]
     metadata = {**parsed.metadata, **caller.metadata()}
     handles = await pool.submit(parsed.prompts, parsed.params, lora, ids, metadata, parsed.names)
-    shape = Shape(kind, handles[0].request_id, parsed.model, parsed.params.n)
+    params = parsed.params
+    shape = Shape(kind, handles[0].request_id, parsed.model, params.n, params.logprobs or 0)
     if not parsed.stream:
         return ORJSONResponse(shape.response(await pool.results(handles)))
     events = _stream(shape, handles, parsed.include_usage)

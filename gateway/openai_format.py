@@ -7,6 +7,7 @@ import time
 from typing import Any
 
 from lorapool.gateway.errors import APIError
+from lorapool.gateway.logprobs import chat_logprobs, completion_logprobs
 from lorapool.outputs import RequestOutput
 from lorapool.wire import Chunk
 
@@ -31,8 +32,10 @@ def check_failed(output: RequestOutput | Chunk) -> None:
 class Shape:
     """One response's identity and the shape of its choices (completion or chat)."""
 
-    def __init__(self, kind: str, request_id: str, model: str, n: int):
+    def __init__(self, kind: str, request_id: str, model: str, n: int, top: int = 0):
         self.chat = kind == "chat"
+        self.top = top  # logprobs: the top alternatives per token
+        self.chars: dict[int, int] = {}  # per choice: token text streamed (text_offset)
         self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{request_id}"
         self.model, self.n, self.created = model, n, int(time.time())
 
@@ -50,7 +53,9 @@ class Shape:
             prompt_tokens += len(output.prompt_token_ids or ())
             for c in output.outputs:
                 completion_tokens += len(c.token_ids)
-                choices.append(self._choice(i * self.n + c.index, c.text, c.finish_reason))
+                choice = self._choice(i * self.n + c.index, c.text, c.finish_reason)
+                choice["logprobs"] = self.logprobs(c.token_ids, c.logprobs)
+                choices.append(choice)
         choices.sort(key=lambda c: c["index"])
         return {
             **self._head(False),
@@ -65,6 +70,11 @@ class Shape:
         else:
             choice["text"] = text
         return choice
+
+    def logprobs(self, token_ids: list[int], logprobs: list | None, offset: int = 0):
+        if self.chat:
+            return chat_logprobs(token_ids, logprobs, self.top)
+        return completion_logprobs(token_ids, logprobs, self.top, offset)
 
     def role_chunk(self, indexes: range, with_usage: bool) -> dict[str, Any]:
         """Chat streams open with the assistant's role for every choice."""
@@ -83,10 +93,15 @@ class Shape:
         """The stream chunk of one job's delta (None when it says nothing new)."""
         choices = []
         for out in chunk.outputs:
-            if not out["text"] and out.get("finish_reason") is None:
+            if not out["text"] and not out["token_ids"] and out.get("finish_reason") is None:
                 continue
             index, reason = job * self.n + out["index"], out.get("finish_reason")
-            choice: dict[str, Any] = {"index": index, "logprobs": None, "finish_reason": reason}
+            logprobs = self.logprobs(
+                out["token_ids"], out.get("logprobs"), self.chars.get(index, 0)
+            )
+            if logprobs is not None and not self.chat:  # text_offset counts the tokens' text
+                self.chars[index] = self.chars.get(index, 0) + sum(map(len, logprobs["tokens"]))
+            choice: dict[str, Any] = {"index": index, "logprobs": logprobs, "finish_reason": reason}
             if self.chat:
                 choice["delta"] = {"content": out["text"]} if out["text"] else {}
             else:

@@ -129,3 +129,39 @@ def test_a_client_that_leaves_a_stream_aborts_its_job(client, producer):
     result = producer.handle(request_id).result(timeout=60)
     assert result.outputs[0].finish_reason == "abort"
     assert len(result.outputs[0].token_ids) < 480
+
+
+def test_completion_logprobs_equal_the_engines(client, llm, registry):
+    lora = lora_from_record(registry["ad-qv"])
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)
+    [want] = llm.generate([PROMPT], params, lora_request=lora)
+    got = client.completions.create(
+        model="ad-qv", prompt=PROMPT, logprobs=2, **greedy(max_tokens=6)
+    )
+    lp = got.choices[0].logprobs
+    wanted = want.outputs[0]
+    sampled = [pos[t] for t, pos in zip(wanted.token_ids, wanted.logprobs)]
+    assert lp.tokens == [s.decoded_token for s in sampled]
+    assert lp.token_logprobs == pytest.approx([s.logprob for s in sampled], abs=1e-4)
+    for top, pos in zip(lp.top_logprobs, wanted.logprobs):  # keyed by text: ties collapse
+        assert top.keys() == {e.decoded_token for e in pos.values() if e.rank <= 2}
+    assert lp.text_offset[0] == 0 and "".join(lp.tokens) == got.choices[0].text
+    streamed = client.completions.create(
+        model="ad-qv", prompt=PROMPT, logprobs=2, stream=True, **greedy(max_tokens=6)
+    )
+    parts = [c.choices[0].logprobs for c in streamed if c.choices and c.choices[0].logprobs]
+    assert sum((p.tokens for p in parts), []) == lp.tokens
+    assert sum((p.text_offset for p in parts), []) == lp.text_offset
+
+
+def test_chat_logprobs(client):
+    got = client.chat.completions.create(
+        model="ad-mlp", messages=CHAT, logprobs=True, top_logprobs=3, **greedy(max_tokens=5)
+    )
+    content = got.choices[0].logprobs.content
+    assert len(content) == 5
+    assert "".join(c.token for c in content) == got.choices[0].message.content
+    for c in content:
+        assert len(c.top_logprobs) == 3 and c.logprob <= 0
+        assert c.logprob == pytest.approx(max(t.logprob for t in c.top_logprobs))  # greedy
+        assert bytes(c.bytes).decode() == c.token
