@@ -9,12 +9,14 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 
 from lorapool.connection import REDIS_DOWN
 from lorapool.gateway import health, jobs, openai_api
 from lorapool.gateway.config import GatewayConfig
 from lorapool.gateway.errors import APIError
 from lorapool.gateway.pool import Pool
+from lorapool.gateway.schemas import component_schemas
 
 
 def create_app(config: GatewayConfig) -> FastAPI:
@@ -33,7 +35,28 @@ def create_app(config: GatewayConfig) -> FastAPI:
     app.include_router(openai_api.router)
     app.include_router(jobs.router)
     _install_errors(app)
+    _describe_bodies(app)
+    if config.cors_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(config.cors_origins),
+            allow_methods=["GET", "POST", "DELETE"],
+            allow_headers=["Authorization", "Content-Type", "Idempotency-Key", "Last-Event-ID"],
+            expose_headers=["Location", "Retry-After"],
+        )
     return app
+
+
+def _describe_bodies(app: FastAPI) -> None:
+    """The request models join the OpenAPI document's components (see schemas.py)."""
+    generate = app.openapi
+
+    def openapi() -> dict:
+        document = generate()
+        document.setdefault("components", {}).setdefault("schemas", {}).update(component_schemas())
+        return document
+
+    app.openapi = openapi
 
 
 def _install_errors(app: FastAPI) -> None:

@@ -21,6 +21,7 @@ class GatewayConfig:
     a max_prompt_bytes prompt, escaped). max_prompts: prompts in one completions call.
     result_timeout_s: how long a non-streaming call waits for its result (then 504,
     and the job is aborted). redis_retries: retries of a Redis call before 503.
+    cors_origins: browser origins allowed to call the gateway (none: no CORS headers).
     auth: every /v1 route needs an API key of the right role (``lorapool keys``);
     off, the gateway trusts its network and knows no tenants.
     max_backlog: submits get 429 (with Retry-After: retry_after_s) while this many
@@ -37,6 +38,7 @@ class GatewayConfig:
     redis_retries: int = 2
     auth: bool = True
     max_backlog: int | None = None
+    cors_origins: tuple[str, ...] = ()
     retry_after_s: int = 1
 
     def __post_init__(self):

@@ -25,6 +25,7 @@ from lorapool.gateway.errors import APIError, bad_request
 from lorapool.gateway.job_format import chunk_event, job_body, state_name
 from lorapool.gateway.params import parse_job
 from lorapool.gateway.pool import Pool
+from lorapool.gateway.schemas import JobRequest, body
 from lorapool.gateway.streams import guarded, sse
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
@@ -41,7 +42,12 @@ def idempotent_id(key: str) -> str:
     return "idem-" + hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()[:40]
 
 
-@router.post("", status_code=202, summary="Submit a job; 202 with its id and Location")
+@router.post(
+    "",
+    status_code=202,
+    summary="Submit a job; 202 with its id and Location",
+    openapi_extra=body(JobRequest),
+)
 async def submit_job(
     request: Request,
     caller: Submitter,

@@ -20,6 +20,7 @@ from lorapool.gateway.errors import APIError
 from lorapool.gateway.openai_format import Shape
 from lorapool.gateway.params import Parsed, parse_chat, parse_completion
 from lorapool.gateway.pool import Pool
+from lorapool.gateway.schemas import ChatRequest, CompletionRequest, body
 from lorapool.gateway.streams import DONE, merged_chunks, sse
 
 router = APIRouter(prefix="/v1", tags=["OpenAI-compatible"])
@@ -63,7 +64,9 @@ def _model_card(name: str, parent: str | None, root: str, sha256: str | None) ->
     }
 
 
-@router.post("/completions", summary="Text completions (OpenAI's API)")
+@router.post(
+    "/completions", summary="Text completions (OpenAI's API)", openapi_extra=body(CompletionRequest)
+)
 async def completions(request: Request, caller: Submitter):
     pool = pool_of(request)
     parsed = parse_completion(
@@ -72,7 +75,9 @@ async def completions(request: Request, caller: Submitter):
     return await _generate(pool, parsed, "completion", caller)
 
 
-@router.post("/chat/completions", summary="Chat completions (OpenAI's API)")
+@router.post(
+    "/chat/completions", summary="Chat completions (OpenAI's API)", openapi_extra=body(ChatRequest)
+)
 async def chat_completions(request: Request, caller: Submitter):
     pool = pool_of(request)
     parsed = parse_chat(await read_json(request, pool.config.body_limit))

@@ -38,6 +38,12 @@ from lorapool.wire import DEFAULT_MAX_N, DEFAULT_MAX_PROMPT_BYTES
     help="require an API key (lorapool keys add) on every /v1 route; --no-auth trusts "
     "the network and knows no tenants",
 )
+@click.option(
+    "--cors-origin",
+    "cors_origins",
+    multiple=True,
+    help="a browser origin allowed to call the gateway (repeatable; default: none)",
+)
 @click.option("--log-level", default="info", show_default=True)
 @redis_option
 @prefix_option
@@ -50,6 +56,7 @@ def serve(
     result_timeout,
     max_backlog,
     auth,
+    cors_origins,
     log_level,
     redis_url,
     prefix,
@@ -71,6 +78,7 @@ def serve(
         result_timeout_s=result_timeout,
         max_backlog=max_backlog,
         auth=auth,
+        cors_origins=tuple(cors_origins),
     )
     uvicorn.run(
         create_app(config), host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5

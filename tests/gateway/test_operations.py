@@ -89,3 +89,25 @@ def test_openapi_describes_every_endpoint(gateway):
     ):
         assert path in paths
     assert httpx.get(f"{gateway}/docs").status_code == 200
+    document = httpx.get(f"{gateway}/openapi.json").json()
+    for path, model in (("/v1/completions", "CompletionRequest"), ("/v1/jobs", "JobRequest")):
+        body = paths[path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+        assert body == {"$ref": f"#/components/schemas/{model}"}
+        assert "model" in document["components"]["schemas"][model]["properties"]
+
+
+def test_cors_for_a_configured_origin_only(gateway_on, redis_url, prefix):
+    url = gateway_on(redis_url, prefix, "--cors-origin", "https://app.example")
+    preflight = {
+        "Access-Control-Request-Method": "GET",
+        "Access-Control-Request-Headers": "Last-Event-ID, Authorization",
+    }
+    allowed = httpx.options(
+        f"{url}/v1/jobs/x/events", headers={"Origin": "https://app.example", **preflight}
+    )
+    assert allowed.status_code == 200
+    assert allowed.headers["access-control-allow-origin"] == "https://app.example"
+    other = httpx.options(
+        f"{url}/v1/jobs/x/events", headers={"Origin": "https://evil.example", **preflight}
+    )
+    assert "access-control-allow-origin" not in other.headers
