@@ -69,6 +69,12 @@ def test_the_audit_trail_never_imports_torch_or_rendering():
     assert not loaded & (GPU_STACK | {"rich", "click"})  # tables are the CLI's business
 
 
+def test_the_gateway_imports_without_torch_or_sqlalchemy():
+    loaded = imported(submodules("lorapool.gateway") + ["lorapool.cli.serve", "lorapool.cli.keys"])
+    assert {"fastapi", "redis"} <= loaded  # the probe really imported the gateway
+    assert not loaded & (GPU_STACK | {"sqlalchemy"})
+
+
 @pytest.mark.parametrize("module", ["scheduler", "block_manager", "sequence"])
 def test_scheduling_is_plain_python(module):
     assert not imported([f"lorapool.engine.{module}"]) & (GPU_STACK | {"redis", "sqlalchemy"})
@@ -84,6 +90,7 @@ PACKAGES = [
     "lorapool.worker",
     "lorapool.producer",
     "lorapool.audit_db",
+    "lorapool.gateway",
 ]
 
 
