@@ -165,3 +165,23 @@ def test_chat_logprobs(client):
         assert len(c.top_logprobs) == 3 and c.logprob <= 0
         assert c.logprob == pytest.approx(max(t.logprob for t in c.top_logprobs))  # greedy
         assert bytes(c.bytes).decode() == c.token
+
+
+def test_n_completions_per_prompt_of_a_batch(client, llm, registry):
+    lora = lora_from_record(registry["ad-qv"])
+    params = SamplingParams(n=2, temperature=0.0, max_tokens=5, ignore_eos=True)
+    want = llm.generate(["one", "two"], params, lora_request=lora)
+    got = client.completions.create(
+        model="ad-qv", prompt=["one", "two"], n=2, **greedy(max_tokens=5)
+    )
+    assert [c.index for c in got.choices] == [0, 1, 2, 3]
+    assert [c.text for c in got.choices] == [c.text for w in want for c in w.outputs]
+    assert got.usage.completion_tokens == 20
+    streamed = client.completions.create(
+        model="ad-qv", prompt=["one", "two"], n=2, stream=True, **greedy(max_tokens=5)
+    )
+    texts = ["", "", "", ""]
+    for chunk in streamed:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+    assert texts == [c.text for c in got.choices]
