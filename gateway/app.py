@@ -12,7 +12,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 
 from lorapool.connection import REDIS_DOWN
-from lorapool.gateway import health, jobs, openai_api
+from lorapool.gateway import adapters, health, jobs, openai_api
 from lorapool.gateway.config import GatewayConfig
 from lorapool.gateway.errors import APIError
 from lorapool.gateway.pool import Pool
@@ -34,6 +34,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     app.include_router(health.router)
     app.include_router(openai_api.router)
     app.include_router(jobs.router)
+    app.include_router(adapters.router)
     _install_errors(app)
     _describe_bodies(app)
     if config.cors_origins:

@@ -21,6 +21,8 @@ class GatewayConfig:
     a max_prompt_bytes prompt, escaped). max_prompts: prompts in one completions call.
     result_timeout_s: how long a non-streaming call waits for its result (then 504,
     and the job is aborted). redis_retries: retries of a Redis call before 503.
+    adapter_admin: serve /v1/load_lora_adapter and /v1/unload_lora_adapter (role admin),
+    registering only inside adapter_roots (none: $LORAPOOL_ADAPTER_ROOTS, else anywhere).
     cors_origins: browser origins allowed to call the gateway (none: no CORS headers).
     auth: every /v1 route needs an API key of the right role (``lorapool keys``);
     off, the gateway trusts its network and knows no tenants.
@@ -39,6 +41,8 @@ class GatewayConfig:
     auth: bool = True
     max_backlog: int | None = None
     cors_origins: tuple[str, ...] = ()
+    adapter_admin: bool = False
+    adapter_roots: tuple[str, ...] = ()
     retry_after_s: int = 1
 
     def __post_init__(self):

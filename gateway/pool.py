@@ -13,13 +13,13 @@ import time
 import uuid
 from typing import Any
 
-from lorapool.connection import connect_async
+from lorapool.connection import connect, connect_async
 from lorapool.gateway.auth import OPEN, Principal
 from lorapool.gateway.config import GatewayConfig
 from lorapool.gateway.errors import APIError, field_error, model_not_found
 from lorapool.producer import AsyncJobHandle, AsyncProducer
 from lorapool.producer.pool_view import PoolView
-from lorapool.producer.registry import NAME_PATTERN, lora_from_record
+from lorapool.producer.registry import NAME_PATTERN, AdapterRegistry, lora_from_record
 from lorapool.protocol import FieldError, LoRARequest, SamplingParams
 
 
@@ -33,9 +33,21 @@ class Pool:
             connection, config.prefix, config.max_prompt_bytes, config.max_n
         )
         self.view = PoolView(self.producer)
+        self._registry: AdapterRegistry | None = None
 
     async def close(self) -> None:
         await self.producer.aclose()
+        if self._registry is not None:
+            self._registry.redis.close()
+
+    def sync_registry(self) -> AdapterRegistry:
+        """The registry with its own synchronous client, for adapter administration
+        (registering reads the weights: callers run it in a thread)."""
+        if self._registry is None:
+            connection = connect(self.config.redis_url, self.config.redis_retries)
+            roots = list(self.config.adapter_roots) or None
+            self._registry = AdapterRegistry(connection, self.producer.keys, roots)
+        return self._registry
 
     async def resolve_model(self, model: str, caller: Principal = OPEN) -> LoRARequest | None:
         """The LoRARequest ``model`` names (None: the base model), or 404 model_not_found

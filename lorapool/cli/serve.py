@@ -44,6 +44,17 @@ from lorapool.wire import DEFAULT_MAX_N, DEFAULT_MAX_PROMPT_BYTES
     multiple=True,
     help="a browser origin allowed to call the gateway (repeatable; default: none)",
 )
+@click.option(
+    "--enable-adapter-admin",
+    is_flag=True,
+    help="serve /v1/load_lora_adapter and /v1/unload_lora_adapter (role admin)",
+)
+@click.option(
+    "--adapter-root",
+    "adapter_roots",
+    multiple=True,
+    help="register adapters only inside this directory (repeatable)",
+)
 @click.option("--log-level", default="info", show_default=True)
 @redis_option
 @prefix_option
@@ -57,6 +68,8 @@ def serve(
     max_backlog,
     auth,
     cors_origins,
+    enable_adapter_admin,
+    adapter_roots,
     log_level,
     redis_url,
     prefix,
@@ -79,6 +92,8 @@ def serve(
         max_backlog=max_backlog,
         auth=auth,
         cors_origins=tuple(cors_origins),
+        adapter_admin=enable_adapter_admin,
+        adapter_roots=tuple(adapter_roots),
     )
     uvicorn.run(
         create_app(config), host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5

@@ -1,0 +1,98 @@
+"""Adapter administration over HTTP (vLLM's bodies): role admin, off by default,
+registering as ``lorapool adapters add`` does (name rule, roots, sha256)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import httpx
+import pytest
+from gateway_procs import free_port, start_gateway, stop, wait_until
+
+from lorapool.keys import Keys
+from lorapool.producer.api_keys import ApiKeys
+
+pytestmark = pytest.mark.integration
+
+
+def fake_adapter(path, weights: bytes):
+    path.mkdir(parents=True)
+    (path / "adapter_model.safetensors").write_bytes(weights)
+    (path / "adapter_config.json").write_text(json.dumps({"r": 4, "lora_alpha": 8}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def admin(redis_url, prefix, conn, tmp_path_factory):
+    """(url of a gateway with adapter admin on, inside root; admin key; submit key)"""
+    store = ApiKeys(conn, Keys(prefix))
+    admin_key, submit_key = store.add("ops", "admin")[1], store.add("acme", "submit")[1]
+    root = tmp_path_factory.mktemp("admin-adapters")
+    port = free_port()
+    extra = ("--enable-adapter-admin", "--adapter-root", str(root))
+    proc = start_gateway(redis_url, prefix, port, root, *extra, auth=True)
+    url = f"http://127.0.0.1:{port}"
+
+    def up() -> bool:
+        try:
+            return httpx.get(f"{url}/healthz", timeout=2).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    wait_until(up, "the gateway answering", timeout=60)
+    yield url, root, admin_key, submit_key
+    stop(proc)
+
+
+def post(url, path, body, key):
+    return httpx.post(f"{url}{path}", json=body, headers={"Authorization": f"Bearer {key}"})
+
+
+def test_load_list_unload(admin, producer):
+    url, root, key, _ = admin
+    path = fake_adapter(root / "new-lora", b"weights v1")
+    loaded = post(
+        url, "/v1/load_lora_adapter", {"lora_name": "new-lora", "lora_path": str(path)}, key
+    )
+    assert loaded.status_code == 200, loaded.text
+    record = producer.registry.get("new-lora")
+    assert record["sha256"] == hashlib.sha256(b"weights v1").hexdigest()
+    assert loaded.json()["adapter"] == record
+    models = httpx.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {key}"}).json()
+    assert "new-lora" in [m["id"] for m in models["data"]]
+    gone = post(url, "/v1/unload_lora_adapter", {"lora_name": "new-lora"}, key)
+    assert gone.status_code == 200 and producer.registry.get("new-lora") is None
+    again = post(url, "/v1/unload_lora_adapter", {"lora_name": "new-lora"}, key)
+    assert again.status_code == 404
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"lora_name": "bad name", "lora_path": "{root}/x"}, "lora_name"),
+        ({"lora_name": "x", "lora_path": "/etc"}, "lora_path"),
+        ({"lora_name": "x", "lora_path": "{root}/missing"}, "lora_path"),
+        ({"lora_name": 5, "lora_path": "{root}/x"}, "lora_name"),
+        ({"lora_name": "x"}, "lora_path"),
+        ({"lora_name": "x", "lora_path": "{root}/x", "extra": 1}, "extra"),
+    ],
+)
+def test_refusals_name_the_field(admin, body, param):
+    url, root, key, _ = admin
+    body = {k: v.replace("{root}", str(root)) if isinstance(v, str) else v for k, v in body.items()}
+    response = post(url, "/v1/load_lora_adapter", body, key)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+
+
+def test_only_admins(admin):
+    url, root, _, submit_key = admin
+    body = {"lora_name": "x", "lora_path": str(root)}
+    assert post(url, "/v1/load_lora_adapter", body, submit_key).status_code == 403
+    assert post(url, "/v1/load_lora_adapter", body, None).status_code == 401
+
+
+def test_off_unless_enabled(gateway):
+    response = httpx.post(f"{gateway}/v1/load_lora_adapter", json={"lora_name": "x"})
+    assert response.status_code == 404
