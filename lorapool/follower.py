@@ -28,6 +28,7 @@ from lorapool.wire import Chunk, decode_chunk
 logger = logging.getLogger(__name__)
 MAX_FILLS = 8  # log reads in flight at once (each holds a pooled connection)
 MAX_QUIET_S = 8.0  # a request quiet this long has its log polled no more often
+LISTEN_S = 0.02  # the listener's longest read: a new subscription waits at most this
 
 
 class _Followed:
@@ -49,7 +50,10 @@ class Follower:
         self.pubsub = None
         self.task: asyncio.Task | None = None
         self.num_live = self.num_filled = 0  # chunks given from the channel / the log
-        self.lock = asyncio.Lock()  # one Pub/Sub command at a time on its connection
+        # (un)subscribes wait here for the listener: only its task touches the Pub/Sub
+        # connection (redis-py's reads must not overlap a command's health check)
+        self.to_subscribe: set[bytes] = set()
+        self.to_unsubscribe: set[bytes] = set()
         self.fills = asyncio.Semaphore(MAX_FILLS)
 
     async def follow(self, request_id: str, after: int = -1) -> AsyncIterator[Chunk]:
@@ -67,7 +71,8 @@ class Follower:
             readers.remove(followed)
             if not readers:
                 del self.followed[channel]
-                await self._command(self.pubsub.unsubscribe, channel)
+                self.to_subscribe.discard(channel)
+                self.to_unsubscribe.add(channel)
 
     async def close(self) -> None:
         if self.task is not None:
@@ -79,7 +84,8 @@ class Follower:
     async def _subscribe(self, channel: bytes, followed: _Followed) -> None:
         if self.pubsub is None:
             self.pubsub = self.redis.pubsub()
-        await self._command(self.pubsub.subscribe, channel)
+        self.to_unsubscribe.discard(channel)
+        self.to_subscribe.add(channel)
         if self.task is None or self.task.done():
             self.task = asyncio.get_running_loop().create_task(self._listen())
         try:  # a confirmation lost to a broken connection: the log polls cover it
@@ -129,17 +135,21 @@ class Follower:
         return chunks
 
     async def _listen(self) -> None:
-        """Hands each live chunk to the request it belongs to; resubscribes after a
-        broken connection (the requests' log polls fill what was missed)."""
+        """Hands each live chunk to the request it belongs to, and sends the
+        (un)subscribes asked for between reads; resubscribes everything after a broken
+        connection (the requests' log polls fill what was missed)."""
         while True:
             try:
-                message = await self.pubsub.get_message(timeout=self.poll_s)
+                await self._send_subscriptions()
+                message = await self.pubsub.get_message(timeout=LISTEN_S)
             except REDIS_DOWN as exc:
                 logger.warning("follower: Pub/Sub connection lost (%s), resubscribing", exc)
                 await asyncio.sleep(self.poll_s)
-                await self._command(self.pubsub.subscribe, *self.followed)
+                self.to_subscribe |= set(self.followed)
                 continue
             if message is None:
+                if not self.pubsub.subscribed:
+                    await asyncio.sleep(LISTEN_S)  # nothing followed: no busy loop
                 continue
             for followed in self.followed.get(message["channel"], ()):
                 if message["type"] == "subscribe":
@@ -147,16 +157,17 @@ class Follower:
                 elif message["type"] == "message":
                     followed.live.put_nowait(message["data"])
 
-    async def _command(self, command, *channels: bytes) -> None:
-        """A (un)subscribe on the Pub/Sub connection; Redis away is logged (the log
-        polls cover what it misses)."""
-        if not channels:
-            return
-        try:
-            async with self.lock:
-                await command(*channels)
-        except REDIS_DOWN as exc:
-            logger.warning("follower: Redis unreachable (%s)", exc)
+    async def _send_subscriptions(self) -> None:
+        if self.to_unsubscribe:
+            channels, self.to_unsubscribe = self.to_unsubscribe, set()
+            await self.pubsub.unsubscribe(*channels)
+        if self.to_subscribe:
+            channels, self.to_subscribe = self.to_subscribe, set()
+            try:
+                await self.pubsub.subscribe(*channels)
+            except BaseException:
+                self.to_subscribe |= channels & set(self.followed)
+                raise
 
 
 async def _next(live: asyncio.Queue, timeout: float) -> bytes | None:
