@@ -56,7 +56,7 @@ class AsyncJobHandle:
         deadline = _deadline(timeout)
         try:
             while True:
-                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                left = max(0.0, deadline - time.monotonic())
                 try:
                     chunk = await asyncio.wait_for(chunks.__anext__(), left)
                 except StopAsyncIteration:
