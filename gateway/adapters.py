@@ -14,11 +14,11 @@ import asyncio
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import ORJSONResponse
 
 from lorapool.gateway.auth import Principal, require
 from lorapool.gateway.body import read_json
 from lorapool.gateway.errors import APIError, bad_request, model_not_found
+from lorapool.gateway.json import JSON
 from lorapool.protocol import short_repr
 
 router = APIRouter(prefix="/v1", tags=["adapter administration"])
@@ -46,7 +46,7 @@ async def _fields(request: Request, names: tuple[str, ...]) -> dict[str, Any]:
 
 
 @router.post("/load_lora_adapter", summary="Register an adapter (vLLM's body)")
-async def load_lora_adapter(request: Request, caller: Admin) -> ORJSONResponse:
+async def load_lora_adapter(request: Request, caller: Admin) -> JSON:
     pool = _enabled(request)
     body = await _fields(request, ("lora_name", "lora_path"))
     registry = pool.sync_registry()
@@ -56,14 +56,14 @@ async def load_lora_adapter(request: Request, caller: Admin) -> ORJSONResponse:
         message = str(exc)
         by_name = message.startswith("adapter name") or "already registered" in message
         raise bad_request(message, "lora_name" if by_name else "lora_path") from None
-    return ORJSONResponse({"status": "loaded", "adapter": record})
+    return JSON({"status": "loaded", "adapter": record})
 
 
 @router.post("/unload_lora_adapter", summary="Remove an adapter from the registry")
-async def unload_lora_adapter(request: Request, caller: Admin) -> ORJSONResponse:
+async def unload_lora_adapter(request: Request, caller: Admin) -> JSON:
     pool = _enabled(request)
     body = await _fields(request, ("lora_name",))
     removed = await asyncio.to_thread(pool.sync_registry().remove, body["lora_name"])
     if not removed:
         raise model_not_found(body["lora_name"])
-    return ORJSONResponse({"status": "unloaded", "lora_name": body["lora_name"]})
+    return JSON({"status": "unloaded", "lora_name": body["lora_name"]})

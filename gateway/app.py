@@ -12,7 +12,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 
 from lorapool.connection import REDIS_DOWN
-from lorapool.gateway import adapters, health, jobs, openai_api
+from lorapool.gateway import adapters, audit, health, jobs, openai_api
+from lorapool.gateway.audit_store import AuditStore
 from lorapool.gateway.config import GatewayConfig
 from lorapool.gateway.errors import APIError
 from lorapool.gateway.pool import Pool
@@ -25,16 +26,22 @@ def create_app(config: GatewayConfig) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         app.state.pool = Pool(config)
+        app.state.audit = None
+        if config.audit_db_url is not None:
+            app.state.audit = AuditStore(config.audit_db_url, config.audit_db_schema)
         try:
             yield
         finally:
             await app.state.pool.close()
+            if app.state.audit is not None:
+                app.state.audit.close()
 
     app = FastAPI(title="lorapool gateway", version="1", lifespan=lifespan)
     app.include_router(health.router)
     app.include_router(openai_api.router)
     app.include_router(jobs.router)
     app.include_router(adapters.router)
+    app.include_router(audit.router)
     _install_errors(app)
     _describe_bodies(app)
     if config.cors_origins:

@@ -30,6 +30,7 @@ class Principal:
     adapters: frozenset[str] | None = None
     rpm: int | None = None
     tpm: int | None = None
+    all_tenants: bool = False  # an auditor of every tenant
 
     def rate_record(self) -> dict[str, Any]:
         return {"tenant": self.tenant, "rpm": self.rpm, "tpm": self.tpm}
@@ -76,6 +77,7 @@ def require(*roles: str) -> Callable:
             None if adapters is None else frozenset(adapters),
             record.get("rpm"),
             record.get("tpm"),
+            bool(record.get("all_tenants")),
         )
 
     return caller

@@ -23,6 +23,8 @@ class GatewayConfig:
     and the job is aborted). redis_retries: retries of a Redis call before 503.
     adapter_admin: serve /v1/load_lora_adapter and /v1/unload_lora_adapter (role admin),
     registering only inside adapter_roots (none: $LORAPOOL_ADAPTER_ROOTS, else anywhere).
+    audit_db_url: serve /v1/audit/* from this database (give a read-only role's URL);
+    None: those routes answer 404. audit_db_schema: its PostgreSQL schema.
     cors_origins: browser origins allowed to call the gateway (none: no CORS headers).
     auth: every /v1 route needs an API key of the right role (``lorapool keys``);
     off, the gateway trusts its network and knows no tenants.
@@ -42,6 +44,8 @@ class GatewayConfig:
     max_backlog: int | None = None
     cors_origins: tuple[str, ...] = ()
     adapter_admin: bool = False
+    audit_db_url: str | None = None
+    audit_db_schema: str | None = None
     adapter_roots: tuple[str, ...] = ()
     retry_after_s: int = 1
 

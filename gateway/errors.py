@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from http import HTTPStatus
 
-from fastapi.responses import ORJSONResponse
+from lorapool.gateway.json import JSON
 
 _TYPES = {
     400: "invalid_request_error",
@@ -40,10 +40,10 @@ class APIError(Exception):
         self.status, self.message, self.param, self.code = status, message, param, code
         self.headers = headers
 
-    def response(self) -> ORJSONResponse:
+    def response(self) -> JSON:
         kind = _TYPES.get(self.status) or HTTPStatus(self.status).phrase.lower().replace(" ", "_")
         body = {"message": self.message, "type": kind, "param": self.param, "code": self.code}
-        return ORJSONResponse({"error": body}, status_code=self.status, headers=self.headers)
+        return JSON({"error": body}, status_code=self.status, headers=self.headers)
 
 
 def bad_request(message: str, param: str | None) -> APIError:

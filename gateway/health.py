@@ -4,20 +4,20 @@ least one live worker serves the pool's base model)."""
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
-from fastapi.responses import ORJSONResponse
 
 from lorapool.connection import REDIS_DOWN
+from lorapool.gateway.json import JSON
 
 router = APIRouter(tags=["operations"])
 
 
 @router.get("/healthz", summary="The process is up")
-async def healthz() -> ORJSONResponse:
-    return ORJSONResponse({"status": "ok"})
+async def healthz() -> JSON:
+    return JSON({"status": "ok"})
 
 
 @router.get("/readyz", summary="Redis reachable and a live worker for the base model")
-async def readyz(request: Request) -> ORJSONResponse:
+async def readyz(request: Request) -> JSON:
     view = request.app.state.pool.view
     try:
         await view.ping()
@@ -29,8 +29,8 @@ async def readyz(request: Request) -> ORJSONResponse:
     serving = [w for w in workers if w.get("model") == name and not w.get("draining")]
     if not serving:
         return _not_ready(f"no live worker serves the base model {name!r}")
-    return ORJSONResponse({"status": "ready", "model": name, "workers": len(serving)})
+    return JSON({"status": "ready", "model": name, "workers": len(serving)})
 
 
-def _not_ready(reason: str) -> ORJSONResponse:
-    return ORJSONResponse({"status": "not ready", "reason": reason}, status_code=503)
+def _not_ready(reason: str) -> JSON:
+    return JSON({"status": "not ready", "reason": reason}, status_code=503)

@@ -17,12 +17,13 @@ from collections.abc import AsyncIterator
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Header, Request
-from fastapi.responses import ORJSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 
 from lorapool.gateway.auth import Principal, require
 from lorapool.gateway.body import read_json
 from lorapool.gateway.errors import APIError, bad_request
 from lorapool.gateway.job_format import chunk_event, job_body, state_name
+from lorapool.gateway.json import JSON
 from lorapool.gateway.params import parse_job
 from lorapool.gateway.pool import Pool
 from lorapool.gateway.schemas import JobRequest, body
@@ -52,7 +53,7 @@ async def submit_job(
     request: Request,
     caller: Submitter,
     idempotency_key: str | None = Header(default=None, max_length=256),
-) -> ORJSONResponse:
+) -> JSON:
     pool = _pool(request)
     parsed, request_id = parse_job(await read_json(request, pool.config.body_limit))
     if idempotency_key is not None:
@@ -70,7 +71,7 @@ async def submit_job(
     body = {"id": external, "object": "job", "model": parsed.model}
     body["status"] = "queued" if handle.enqueued else await _status(pool, handle.request_id)
     location = f"/v1/jobs/{external}"
-    return ORJSONResponse(body, status_code=202, headers={"Location": location})
+    return JSON(body, status_code=202, headers={"Location": location})
 
 
 async def _state(pool: Pool, job_id: str) -> dict:
@@ -89,7 +90,7 @@ async def _status(pool: Pool, job_id: str) -> str:
 
 
 @router.get("/{job_id}", summary="A job's status, and its result once final")
-async def get_job(request: Request, job_id: str, caller: Submitter) -> ORJSONResponse:
+async def get_job(request: Request, job_id: str, caller: Submitter) -> JSON:
     pool = _pool(request)
     external, job_id = job_id, caller.job_id(job_id)
     state = await _state(pool, job_id)
@@ -97,13 +98,13 @@ async def get_job(request: Request, job_id: str, caller: Submitter) -> ORJSONRes
         body = {"id": external, "object": "job", "status": state_name(state, None)}
         if not state["started"]:
             body["backlog"] = await pool.view.backlog()
-        return ORJSONResponse(body)
+        return JSON(body)
     output = await (await pool.handle(job_id)).result(timeout=pool.config.result_timeout_s)
     adapter = None
     if output.lora_request is not None:
         adapter = await pool.view.adapter(output.lora_request.lora_name)
     base = await pool.view.base_model()
-    return ORJSONResponse(job_body(external, state_name(state, output), output, adapter, base))
+    return JSON(job_body(external, state_name(state, output), output, adapter, base))
 
 
 @router.get("/{job_id}/events", summary="The job's chunks as server-sent events")
@@ -147,7 +148,7 @@ async def _events(handle, after: int, state: dict) -> AsyncIterator[bytes]:
 
 
 @router.delete("/{job_id}", summary="Abort a job")
-async def abort_job(request: Request, job_id: str, caller: Submitter) -> ORJSONResponse:
+async def abort_job(request: Request, job_id: str, caller: Submitter) -> JSON:
     """202 while the worker holding it is asked to stop it (finish_reason ``abort``);
     200 with its status when it is already final."""
     pool = _pool(request)
@@ -155,6 +156,6 @@ async def abort_job(request: Request, job_id: str, caller: Submitter) -> ORJSONR
     state = await _state(pool, job_id)
     body = {"id": external, "object": "job"}
     if state["final"]:
-        return ORJSONResponse({**body, "status": await _status(pool, job_id)})
+        return JSON({**body, "status": await _status(pool, job_id)})
     await (await pool.handle(job_id)).abort()
-    return ORJSONResponse({**body, "status": "aborting"}, status_code=202)
+    return JSON({**body, "status": "aborting"}, status_code=202)

@@ -12,11 +12,12 @@ from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import ORJSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 
 from lorapool.gateway.auth import Principal, require
 from lorapool.gateway.body import read_json
 from lorapool.gateway.errors import APIError
+from lorapool.gateway.json import JSON
 from lorapool.gateway.openai_format import Shape
 from lorapool.gateway.params import Parsed, parse_chat, parse_completion
 from lorapool.gateway.pool import Pool
@@ -32,9 +33,7 @@ def pool_of(request: Request) -> Pool:
 
 
 @router.get("/models", summary="The base model and every registered adapter")
-async def list_models(
-    request: Request, caller: Annotated[Principal, Depends(require())]
-) -> ORJSONResponse:
+async def list_models(request: Request, caller: Annotated[Principal, Depends(require())]) -> JSON:
     """OpenAI's model list: the pool's base model, then each adapter with ``parent`` (the
     base model), ``root`` (its path) and lorapool's ``adapter_id`` and weights ``sha256``."""
     view = pool_of(request).view
@@ -49,7 +48,7 @@ async def list_models(
         card = _model_card(record["name"], base_name, record["path"], sha256=record["sha256"])
         card["adapter_id"] = record["id"]
         data.append(card)
-    return ORJSONResponse({"object": "list", "data": data})
+    return JSON({"object": "list", "data": data})
 
 
 def _model_card(name: str, parent: str | None, root: str, sha256: str | None) -> dict[str, Any]:
@@ -93,7 +92,7 @@ async def _generate(pool: Pool, parsed: Parsed, kind: str, caller: Principal):
     params = parsed.params
     shape = Shape(kind, handles[0].request_id, parsed.model, params.n, params.logprobs or 0)
     if not parsed.stream:
-        return ORJSONResponse(shape.response(await pool.results(handles)))
+        return JSON(shape.response(await pool.results(handles)))
     events = _stream(shape, handles, parsed.include_usage)
     return StreamingResponse(events, media_type="text/event-stream", headers=NO_BUFFERING)
 

@@ -44,13 +44,18 @@ def new_record(
     adapters: list[str] | None = None,
     rpm: int | None = None,
     tpm: int | None = None,
+    all_tenants: bool = False,
 ) -> tuple[dict[str, Any], str]:
     """A new key's record and the key (shown once; only its sha256 is stored).
+
+    ``all_tenants``: an ``audit`` key that reads every tenant's audit trail.
 
     ``rpm`` / ``tpm``: the tenant's requests and tokens per minute through this key
     (None: unlimited); tokens are what a request may generate (max_tokens x n).
     """
     check_tenant(tenant)
+    if all_tenants and role != "audit":
+        raise ValueError(f"only an audit key may read all tenants, not a {role} key")
     for name, value in (("rpm", rpm), ("tpm", tpm)):
         if value is not None and (not isinstance(value, int) or value < 1):
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -66,6 +71,7 @@ def new_record(
         "adapters": adapters,
         "rpm": rpm,
         "tpm": tpm,
+        "all_tenants": all_tenants,
         "sha256": key_sha256(key),
         "created": time.time(),
     }
@@ -100,8 +106,9 @@ class ApiKeys:
         adapters: list[str] | None = None,
         rpm: int | None = None,
         tpm: int | None = None,
+        all_tenants: bool = False,
     ) -> tuple[dict[str, Any], str]:
-        record, key = new_record(tenant, role, adapters, rpm, tpm)
+        record, key = new_record(tenant, role, adapters, rpm, tpm, all_tenants)
         self.redis.hset(self.keys.api_keys, record["id"], orjson.dumps(record))
         return record, key
 

@@ -32,13 +32,16 @@ def keys():
 @click.option(
     "--tpm", type=click.IntRange(min=1), default=None, help="tokens (max_tokens x n) per minute"
 )
+@click.option(
+    "--all-tenants", is_flag=True, help="an audit key that reads every tenant's audit trail"
+)
 @redis_option
 @prefix_option
-def keys_add(tenant, role, adapters, rpm, tpm, redis_url, prefix):
+def keys_add(tenant, role, adapters, rpm, tpm, all_tenants, redis_url, prefix):
     """Make a key for TENANT; the key is printed once (only its sha256 is stored)."""
     try:
         store = _api_keys(redis_url, prefix)
-        record, key = store.add(tenant, role, list(adapters) or None, rpm, tpm)
+        record, key = store.add(tenant, role, list(adapters) or None, rpm, tpm, all_tenants)
     except ValueError as exc:
         raise click.ClickException(str(exc)) from None
     click.echo(f"key id {record['id']} for tenant {tenant!r}, role {role}:", err=True)

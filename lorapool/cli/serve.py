@@ -55,6 +55,12 @@ from lorapool.wire import DEFAULT_MAX_N, DEFAULT_MAX_PROMPT_BYTES
     multiple=True,
     help="register adapters only inside this directory (repeatable)",
 )
+@click.option(
+    "--audit-db-url",
+    default=None,
+    help="serve /v1/audit/* from this database (a read-only role's URL)",
+)
+@click.option("--audit-db-schema", default=None, help="its PostgreSQL schema")
 @click.option("--log-level", default="info", show_default=True)
 @redis_option
 @prefix_option
@@ -70,6 +76,8 @@ def serve(
     cors_origins,
     enable_adapter_admin,
     adapter_roots,
+    audit_db_url,
+    audit_db_schema,
     log_level,
     redis_url,
     prefix,
@@ -94,6 +102,8 @@ def serve(
         cors_origins=tuple(cors_origins),
         adapter_admin=enable_adapter_admin,
         adapter_roots=tuple(adapter_roots),
+        audit_db_url=audit_db_url,
+        audit_db_schema=audit_db_schema,
     )
     uvicorn.run(
         create_app(config), host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5

@@ -1,8 +1,12 @@
 """Requests through a gateway with API keys end in audit rows that name their adapter
-(with its weights' sha256), their tenant and the key that submitted them: a real
-worker process, the audit writer, SQLite and PostgreSQL."""
+(with its weights' sha256), their tenant and the key that submitted them; the audit
+routes read them back scoped to the auditor's tenant. A real worker process, the audit
+writer, SQLite and PostgreSQL."""
 
 from __future__ import annotations
+
+import csv
+import io
 
 import httpx
 import openai
@@ -19,45 +23,64 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
-def tenant_key(conn, prefix):
-    record, key = ApiKeys(conn, Keys(prefix)).add("acme", "submit")
-    return record["id"], key
+def keys(conn, prefix):
+    store = ApiKeys(conn, Keys(prefix))
+    made = {
+        "acme": store.add("acme", "submit"),
+        "globex": store.add("globex", "submit"),
+        "acme-audit": store.add("acme", "audit"),
+        "all-audit": store.add("compliance", "audit", all_tenants=True),
+    }
+    return {name: {"id": record["id"], "key": key} for name, (record, key) in made.items()}
 
 
-@pytest.fixture(scope="module")
-def secure(redis_url, prefix, worker, tenant_key, tmp_path_factory):
+def _start(redis_url, prefix, cwd, *extra) -> tuple:
     port = free_port()
-    proc = start_gateway(redis_url, prefix, port, tmp_path_factory.mktemp("gw"), auth=True)
+    proc = start_gateway(redis_url, prefix, port, cwd, *extra, auth=True)
     url = f"http://127.0.0.1:{port}"
 
-    def ready() -> bool:
+    def up() -> bool:
         try:
-            return httpx.get(f"{url}/readyz", timeout=2).status_code == 200
+            return httpx.get(f"{url}/healthz", timeout=2).status_code == 200
         except httpx.TransportError:
             return False
 
-    wait_until(ready, "the gateway being ready", timeout=60)
+    wait_until(up, "the gateway answering", timeout=60)
+    return url, proc
+
+
+@pytest.fixture(scope="module")
+def secure(redis_url, prefix, worker, keys, tmp_path_factory):
+    url, proc = _start(redis_url, prefix, tmp_path_factory.mktemp("gw"))
     yield url
     stop(proc)
 
 
+def auth(keys, name) -> dict:
+    return {"Authorization": f"Bearer {keys[name]['key']}"}
+
+
 def test_audit_rows_name_adapter_tenant_and_key(
-    secure, tenant_key, registry, conn, prefix, audit_target
+    secure, keys, registry, conn, prefix, redis_url, audit_target, tmp_path
 ):
-    key_id, key = tenant_key
-    client = openai.OpenAI(base_url=f"{secure}/v1", api_key=key, max_retries=0, timeout=120)
+    client = openai.OpenAI(
+        base_url=f"{secure}/v1", api_key=keys["acme"]["key"], max_retries=0, timeout=120
+    )
     done = client.completions.create(model="ad-qv", prompt="audit me", max_tokens=4)
     request_id = done.id.removeprefix("cmpl-")
     job = httpx.post(
         f"{secure}/v1/jobs",
         json={"model": "ad-mlp", "prompt": "and me", "max_tokens": 3},
-        headers={"Authorization": f"Bearer {key}"},
+        headers=auth(keys, "acme"),
+    ).json()
+    other = httpx.post(
+        f"{secure}/v1/completions",
+        json={"model": "ad-qv", "prompt": "not yours", "max_tokens": 2},
+        headers=auth(keys, "globex"),
     ).json()
     wait_until(
         lambda: (
-            httpx.get(
-                f"{secure}/v1/jobs/{job['id']}", headers={"Authorization": f"Bearer {key}"}
-            ).json()["status"]
+            httpx.get(f"{secure}/v1/jobs/{job['id']}", headers=auth(keys, "acme")).json()["status"]
             == "finished"
         ),
         "the job finishing",
@@ -69,8 +92,62 @@ def test_audit_rows_name_adapter_tenant_and_key(
     ):
         [row] = get_request(audit_target.engine, rid)
         assert row["tenant"] == "acme"
-        assert row["request_metadata"] == {"tenant": "acme", "key_id": key_id}
+        assert row["request_metadata"] == {"tenant": "acme", "key_id": keys["acme"]["id"]}
         assert row["adapter_name"] == adapter
         assert row["adapter_sha256"] == registry[adapter]["sha256"]
         if text is not None:
             assert row["text"] == text
+    db = ["--audit-db-url", audit_target.url]
+    db += ["--audit-db-schema", audit_target.schema] if audit_target.schema else []
+    url, proc = _start(redis_url, prefix, tmp_path, *db)
+    try:
+        check_audit_routes(url, keys, job["id"], other["id"].removeprefix("cmpl-"))
+    finally:
+        stop(proc)
+
+
+def check_audit_routes(url: str, keys: dict, acme_job: str, globex_request: str) -> None:
+    def get(path, who, headers=None, **kw):
+        headers = {**auth(keys, who), **(headers or {})}
+        return httpx.get(f"{url}/v1/audit{path}", headers=headers, timeout=30, **kw)
+
+    mine = get(f"/completions/{acme_job}", "acme-audit")
+    assert mine.status_code == 200, mine.text
+    [row] = mine.json()["data"]
+    assert (row["tenant"], row["adapter_name"]) == ("acme", "ad-mlp")
+    assert get(f"/completions/{globex_request}", "acme-audit").status_code == 404
+    assert get(f"/completions/{globex_request}", "all-audit").json()["data"][0]["tenant"] == (
+        "globex"
+    )
+    assert get("/completions", "acme").status_code == 403  # a submit key
+
+    acme_rows = get("/completions", "acme-audit").json()
+    assert acme_rows["next_cursor"] is None
+    assert {r["tenant"] for r in acme_rows["data"]} == {"acme"}
+    assert get("/completions", "acme-audit", params={"tenant": "globex"}).status_code == 403
+    every = get("/completions", "all-audit").json()["data"]
+    assert {r["tenant"] for r in every} >= {"acme", "globex"}
+    paged, cursor = [], None
+    while True:
+        params = {"limit": 1, **({"cursor": cursor} if cursor else {})}
+        page = get("/completions", "all-audit", params=params).json()
+        paged += page["data"]
+        cursor = page["next_cursor"]
+        if cursor is None:
+            break
+    assert [r["seq"] for r in paged] == [r["seq"] for r in every]
+    by_adapter = get("/completions", "all-audit", params={"adapter": "ad-mlp"}).json()["data"]
+    assert {r["adapter_name"] for r in by_adapter} == {"ad-mlp"}
+
+    table = get("/completions", "acme-audit", headers={"Accept": "text/csv"})
+    assert table.headers["content-type"].startswith("text/csv")
+    assert len(list(csv.DictReader(io.StringIO(table.text)))) == len(acme_rows["data"])
+
+    usage = get("/usage", "all-audit", params={"group_by": "tenant"}).json()["data"]
+    assert {u["key"] for u in usage} >= {"acme", "globex"}
+    assert get("/usage", "acme-audit").status_code == 403  # by adapter: all tenants only
+    [own] = get("/usage", "acme-audit", params={"group_by": "tenant"}).json()["data"]
+    assert own["key"] == "acme" and own["requests"] == 2
+    verified = get("/verify", "all-audit")
+    assert verified.status_code == 200 and verified.json()["ok"], verified.text
+    assert get("/verify", "acme-audit").status_code == 403

@@ -1,0 +1,166 @@
+"""The audit trail as the gateway reads it: the CLI's queries (``audit_db.queries``)
+run off the event loop, scoped to the caller's tenant, paged by cursor, as JSON or CSV.
+
+SQLAlchemy is imported only when the gateway serves the audit routes
+(``--audit-db-url``): the gateway itself needs no database driver.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import csv
+import dataclasses
+import io
+from datetime import datetime, timezone
+from typing import Any
+
+import orjson
+
+from lorapool.gateway.auth import Principal
+from lorapool.gateway.errors import APIError, bad_request
+
+MAX_LIMIT = 1000
+
+
+class AuditStore:
+    """One engine on the audit database (a read-only role's URL, in production)."""
+
+    def __init__(self, url: str, schema: str | None = None):
+        from lorapool.audit_db import DatabaseConfig, create_audit_engine
+
+        self.engine = create_audit_engine(DatabaseConfig(url=url, schema=schema))
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    async def request(self, caller: Principal, request_id: str) -> list[dict[str, Any]]:
+        """The rows of one request; a tenant's auditor names it by the id its tenant
+        sees, and gets only its tenant's rows."""
+        from lorapool.audit_db.queries import get_request
+
+        everyone = _everyone(caller)
+        rid = request_id if everyone else caller.job_id(request_id)
+        rows = await asyncio.to_thread(get_request, self.engine, rid)
+        return [r for r in rows if everyone or r["tenant"] == caller.tenant]
+
+    async def search(
+        self, caller: Principal, filters: dict[str, Any], limit: int, cursor: str | None
+    ) -> tuple[list[dict[str, Any]], str | None]:
+        """A page of rows by arrival time, request, completion after ``cursor``, and the
+        cursor of the next page (None on the last)."""
+        from lorapool.audit_db.queries import SearchFilter, search
+
+        filters = {**filters, **_tenant_scope(caller, filters.get("tenant"))}
+        after = _decode_cursor(cursor) if cursor else None
+        if after is not None:
+            filters["since"] = max(filters.get("since") or after[0], after[0])
+        fetch = limit + 1
+        while True:
+            rows = await asyncio.to_thread(
+                search, self.engine, SearchFilter(**filters, limit=fetch)
+            )
+            fresh = [r for r in rows if after is None or _position(r) > after]
+            if len(fresh) > limit or len(rows) < fetch:
+                break
+            fetch *= 2  # rows of the cursor's own arrival time took the room
+        page = fresh[:limit]
+        more = len(fresh) > limit
+        return page, _encode_cursor(_position(page[-1])) if more and page else None
+
+    async def usage(self, caller: Principal, by: str, since: float | None, until: float | None):
+        """Usage rows (tokens, errors, latency percentiles) per adapter, adapter version
+        or tenant; a tenant's auditor sees its own tenant's row only."""
+        from lorapool.audit_db.queries import USAGE_GROUPS, usage
+
+        if by not in USAGE_GROUPS:
+            raise bad_request(f"group_by must be one of {', '.join(USAGE_GROUPS)}", "group_by")
+        everyone = _everyone(caller)
+        if not everyone and by != "tenant":
+            raise APIError(403, "a tenant's auditor may group usage by tenant only", "group_by")
+        rows = await asyncio.to_thread(usage, self.engine, by, since, until)
+        rows = [dataclasses.asdict(r) for r in rows]
+        return [r for r in rows if everyone or r["key"] == caller.tenant]
+
+    async def verify(self, key: bytes | None) -> dict[str, Any]:
+        """Walk the keyed hash chain, as ``lorapool audit verify`` does."""
+        from lorapool.audit_db import verify_chain
+
+        report = await asyncio.to_thread(verify_chain, self.engine, key)
+        body = {
+            "ok": report.ok,
+            "rows": report.num_rows,
+            "adapters": report.num_adapters,
+            "head": {"seq": report.head_seq, "hash": report.head_hash},
+        }
+        if not report.ok:
+            body["failure"] = report.describe_failure()
+        return body
+
+
+def _everyone(caller: Principal) -> bool:
+    """An auditor of all tenants (or a gateway without keys, which knows no tenants)."""
+    return caller.all_tenants or caller.tenant is None
+
+
+def _tenant_scope(caller: Principal, asked: str | None) -> dict[str, Any]:
+    if _everyone(caller):
+        return {}
+    if asked is not None and asked != caller.tenant:
+        raise APIError(403, "a tenant's auditor reads its own tenant only", "tenant")
+    return {"tenant": caller.tenant}
+
+
+def _position(row: dict[str, Any]) -> tuple:
+    return (row["arrival_time"], row["request_id"], row["completion_index"])
+
+
+def _encode_cursor(position: tuple) -> str:
+    return base64.urlsafe_b64encode(orjson.dumps(list(position))).decode().rstrip("=")
+
+
+def _decode_cursor(cursor: str) -> tuple:
+    try:
+        raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
+        arrival, request_id, index = orjson.loads(raw)
+        if not (isinstance(arrival, float | int) and isinstance(request_id, str)):
+            raise ValueError
+        return (arrival, request_id, int(index))
+    except (ValueError, TypeError, orjson.JSONDecodeError):
+        raise bad_request("cursor is not one this gateway gave", "cursor") from None
+
+
+def parse_time(value: str | None, name: str) -> float | None:
+    """Seconds since the epoch, or an ISO 8601 time (UTC unless it says)."""
+    if value is None:
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        pass
+    try:
+        moment = datetime.fromisoformat(value)
+    except ValueError:
+        raise bad_request(
+            f"{name} must be epoch seconds or ISO 8601, got {value!r}", name
+        ) from None
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=timezone.utc)
+    return moment.timestamp()
+
+
+def to_csv(rows: list[dict[str, Any]]) -> str:
+    """Rows as CSV with a header; nested values (token ids, metadata) as JSON."""
+    out = io.StringIO()
+    if not rows:
+        return ""
+    writer = csv.DictWriter(out, fieldnames=list(rows[0]))
+    writer.writeheader()
+    for row in rows:
+        writer.writerow(
+            {
+                k: orjson.dumps(v).decode() if isinstance(v, dict | list) else v
+                for k, v in row.items()
+            }
+        )
+    return out.getvalue()
