@@ -17,6 +17,8 @@ import time
 from rich.console import Console
 from rich.table import Table
 
+from lorapool.cli.demo_gateway import show_gateway
+
 PREFIX = "lorapool-demo"
 JOBS = [  # (prompt, adapter name or None for the base model)
     ("My order arrived damaged. What should I do?", "support-bot"),
@@ -75,6 +77,7 @@ def run_demo(model: str, max_tokens: int, console: Console) -> None:
     handles = submit_jobs(producer, model, max_tokens, console)
     stream_one(handles[2], JOBS[2][0], console, workers)
     results = [h.result(timeout=900) for h in handles]
+    show_gateway(url, PREFIX, console)  # the same pool over HTTP
     for proc in workers:
         proc.send_signal(signal.SIGTERM)  # first SIGTERM: drain, then exit
     for proc in workers:

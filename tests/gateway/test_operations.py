@@ -111,3 +111,19 @@ def test_cors_for_a_configured_origin_only(gateway_on, redis_url, prefix):
         f"{url}/v1/jobs/x/events", headers={"Origin": "https://evil.example", **preflight}
     )
     assert "access-control-allow-origin" not in other.headers
+
+
+def test_the_demo_shows_the_gateway(gateway, redis_url, prefix, tmp_path, monkeypatch):
+    import io
+
+    from rich.console import Console
+
+    from lorapool.cli.demo_gateway import show_gateway
+
+    monkeypatch.setenv("LORAPOOL_CACHE_DIR", str(tmp_path))
+    out = io.StringIO()
+    show_gateway(redis_url, prefix, Console(file=out, width=200), adapter="ad-qv")
+    shown = out.getvalue()
+    assert "client.chat.completions.create(model='ad-qv'" in shown
+    assert "202 Location: /v1/jobs/" in shown and "finished:" in shown
+    assert "adapter ad-qv (sha256" in shown

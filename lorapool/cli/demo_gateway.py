@@ -1,0 +1,94 @@
+"""The demo's gateway part: ``lorapool serve`` over the demo's pool, one chat request
+with the ``openai`` client and one job through ``/v1/jobs``, shown as the curl
+commands a web app would send."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import time
+
+from rich.console import Console
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_gateway(url: str, prefix: str, console: Console) -> tuple[subprocess.Popen, str]:
+    """``lorapool serve`` without keys (the demo's pool is local), once it answers."""
+    import httpx
+
+    from lorapool.cli.demo_pipeline import child_cwd, lorapool_cmd
+
+    port = _free_port()
+    cmd = lorapool_cmd("serve", "--no-auth", "--port", str(port), "--redis-url", url)
+    proc = subprocess.Popen([*cmd, "--prefix", prefix, "--log-level", "warning"], cwd=child_cwd())
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if httpx.get(f"{base}/readyz", timeout=2).status_code == 200:
+                console.print(f"gateway: {base} (OpenAPI at {base}/docs)")
+                return proc, base
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError("the gateway did not become ready")
+
+
+def show_gateway(url: str, prefix: str, console: Console, adapter: str = "poet") -> None:
+    """One OpenAI chat completion and one asynchronous job through the gateway."""
+    proc, base = start_gateway(url, prefix, console)
+    try:
+        _openai_chat(base, adapter, console)
+        _job(base, adapter, console)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def _openai_chat(base: str, adapter: str, console: Console) -> None:
+    try:
+        from openai import OpenAI
+    except ImportError:
+        console.print("(pip install openai to see the OpenAI client through the gateway)")
+        return
+    client = OpenAI(base_url=f"{base}/v1", api_key="demo")
+    messages = [{"role": "user", "content": "A haiku about the harbour, please."}]
+    console.print(f"[bold]openai[/] client.chat.completions.create(model={adapter!r}, ...):")
+    reply = client.chat.completions.create(
+        model=adapter, messages=messages, max_tokens=32, temperature=0
+    )
+    console.print(
+        f"  {reply.choices[0].message.content!r} ({reply.usage.completion_tokens} tokens)"
+    )
+
+
+def _job(base: str, adapter: str, console: Console) -> None:
+    import httpx
+
+    body = {"model": adapter, "prompt": "The sea at night", "max_tokens": 16}
+    console.print(
+        f"[bold]curl[/] -X POST {base}/v1/jobs -H 'Idempotency-Key: demo-1' "
+        f'-d \'{{"model": "{adapter}", "prompt": "The sea at night", "max_tokens": 16}}\''
+    )
+    submitted = httpx.post(f"{base}/v1/jobs", json=body, headers={"Idempotency-Key": "demo-1"})
+    job_id = submitted.json()["id"]
+    console.print(f"  {submitted.status_code} Location: {submitted.headers['location']}")
+    console.print(f"[bold]curl[/] {base}/v1/jobs/{job_id}")
+    deadline = time.monotonic() + 300
+    job = httpx.get(f"{base}/v1/jobs/{job_id}").json()
+    while job["status"] in ("queued", "running") and time.monotonic() < deadline:
+        time.sleep(0.2)
+        job = httpx.get(f"{base}/v1/jobs/{job_id}").json()
+    result = job.get("result") or {}
+    adapter_info = result.get("adapter") or {}
+    text = (result.get("outputs") or [{}])[0].get("text")
+    console.print(
+        f"  {job['status']}: {text!r}, adapter {adapter_info.get('name')} "
+        f"(sha256 {str(adapter_info.get('sha256'))[:12]}…), worker {result.get('worker')}"
+    )
