@@ -27,11 +27,12 @@ def wait_until(check, what: str, timeout: float = 120.0) -> None:
         time.sleep(0.1)
 
 
-def start_worker(redis_url: str, prefix: str, model: str, cwd) -> subprocess.Popen:
+def start_worker(redis_url: str, prefix: str, model: str, cwd, *extra: str) -> subprocess.Popen:
     cmd = lorapool_cmd(
         "worker", "--model", model, "--prefix", prefix, "--redis-url", redis_url,
         "--max-num-seqs", "8", "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8",
         "--lease", "2",  # abort flags are read with each renewal (a third of the lease)
+        *extra,
     )  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     # cwd outside the checkout: the repo root on sys.path would shadow packages
