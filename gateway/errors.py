@@ -19,6 +19,7 @@ _TYPES = {
     404: "not_found_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
+    499: "client_closed_request",
     503: "service_unavailable",
     504: "timeout",
 }

@@ -20,7 +20,7 @@ from lorapool.gateway.errors import APIError
 from lorapool.gateway.json import JSON
 from lorapool.gateway.openai_format import Shape
 from lorapool.gateway.params import Parsed, parse_chat, parse_completion
-from lorapool.gateway.pool import Pool
+from lorapool.gateway.pool import Pool, disconnected
 from lorapool.gateway.schemas import ChatRequest, CompletionRequest, body
 from lorapool.gateway.streams import DONE, merged_chunks, sse
 
@@ -71,7 +71,7 @@ async def completions(request: Request, caller: Submitter):
     parsed = parse_completion(
         await read_json(request, pool.config.body_limit), pool.config.max_prompts
     )
-    return await _generate(pool, parsed, "completion", caller)
+    return await _generate(request, parsed, "completion", caller)
 
 
 @router.post(
@@ -80,10 +80,11 @@ async def completions(request: Request, caller: Submitter):
 async def chat_completions(request: Request, caller: Submitter):
     pool = pool_of(request)
     parsed = parse_chat(await read_json(request, pool.config.body_limit))
-    return await _generate(pool, parsed, "chat", caller)
+    return await _generate(request, parsed, "chat", caller)
 
 
-async def _generate(pool: Pool, parsed: Parsed, kind: str, caller: Principal):
+async def _generate(request: Request, parsed: Parsed, kind: str, caller: Principal):
+    pool = pool_of(request)
     lora = await pool.resolve_model(parsed.model, caller)
     await pool.check_rate(caller, len(parsed.prompts), parsed.params)
     ids = [caller.job_id(uuid.uuid4().hex) for _ in parsed.prompts]
@@ -92,7 +93,7 @@ async def _generate(pool: Pool, parsed: Parsed, kind: str, caller: Principal):
     params = parsed.params
     shape = Shape(kind, handles[0].request_id, parsed.model, params.n, params.logprobs or 0)
     if not parsed.stream:
-        return JSON(shape.response(await pool.results(handles)))
+        return JSON(shape.response(await pool.results(handles, disconnected(request))))
     events = _stream(shape, handles, parsed.include_usage)
     return StreamingResponse(events, media_type="text/event-stream", headers=NO_BUFFERING)
 

@@ -119,13 +119,37 @@ class Pool:
     async def handle(self, request_id: str) -> AsyncJobHandle:
         return await self.producer.handle(request_id)
 
-    async def results(self, handles: list[AsyncJobHandle]) -> list:
+    async def results(self, handles: list[AsyncJobHandle], gone=None) -> list:
         """The final RequestOutput of each handle; 504 (and the jobs aborted) past the
-        configured wait."""
+        configured wait. ``gone``: an awaitable that returns once the client has left;
+        its jobs are then aborted (no one will read them)."""
         timeout = self.config.result_timeout_s
+        waiting = asyncio.ensure_future(
+            asyncio.gather(*(h.result(timeout=timeout) for h in handles))
+        )
+        watching = asyncio.ensure_future(gone) if gone is not None else None
         try:
-            return await asyncio.gather(*(h.result(timeout=timeout) for h in handles))
+            await asyncio.wait({waiting} | ({watching} if watching else set()),
+                               return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+            if not waiting.done():
+                waiting.cancel()
+                await _abort(handles)
+                raise APIError(499, "the client closed the request; its jobs were aborted")
+            return waiting.result()
         except (asyncio.TimeoutError, TimeoutError):
-            for handle in handles:
-                await handle.abort()
+            await _abort(handles)
             raise APIError(504, f"no result within {timeout:g}s; the request was aborted") from None
+        finally:
+            if watching is not None:
+                watching.cancel()
+
+
+async def _abort(handles: list[AsyncJobHandle]) -> None:
+    for handle in handles:
+        await handle.abort()
+
+
+async def disconnected(request, every_s: float = 0.5) -> None:
+    """Returns once the HTTP client of ``request`` has gone away."""
+    while not await request.is_disconnected():
+        await asyncio.sleep(every_s)

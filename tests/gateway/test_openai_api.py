@@ -185,3 +185,16 @@ def test_n_completions_per_prompt_of_a_batch(client, llm, registry):
         for choice in chunk.choices:
             texts[choice.index] += choice.text
     assert texts == [c.text for c in got.choices]
+
+
+def test_a_client_that_leaves_a_waiting_request_aborts_its_job(gateway, conn, prefix, producer):
+    from lorapool.wire import decode_job
+
+    body = {"model": "ad-qv", "prompt": PROMPT, "max_tokens": 480, "ignore_eos": True, "n": 8}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{gateway}/v1/completions", json=body, timeout=0.5)
+    [(_, fields)] = conn.xrevrange(f"{prefix}:requests", count=1)
+    job = decode_job(fields[b"data"])
+    assert job.sampling_params.max_tokens == 480
+    result = producer.handle(job.request_id).result(timeout=60)
+    assert {c.finish_reason for c in result.outputs} == {"abort"}
