@@ -23,7 +23,9 @@ _TYPES = {
     503: "service_unavailable",
     504: "timeout",
 }
-_FIELD = re.compile(r"(?:sampling_params\.|lora_request\.)?([a-z_]+)")
+_FIELD = re.compile(r"(?:sampling_params\.)?([a-z_]+)")
+# the job fields a FieldError may name first (besides SamplingParams' own)
+_JOB_FIELDS = {"prompt", "prompt_token_ids", "messages", "metadata", "request_id"}
 
 
 class APIError(Exception):
@@ -55,6 +57,20 @@ def model_not_found(model: str) -> APIError:
     return APIError(404, f"The model {model!r} does not exist", "model", code="model_not_found")
 
 
+def _named_field(message: str) -> str | None:
+    """The job field a FieldError's message begins with; "prompt" for one about the
+    prompt in general ("the job needs a non-empty prompt ...")."""
+    from lorapool.protocol import SamplingParams
+
+    match = _FIELD.match(message)
+    field = match.group(1) if match else None
+    if message.startswith("sampling_params.") and field in SamplingParams.__dataclass_fields__:
+        return field
+    if field in _JOB_FIELDS:
+        return "prompt" if field == "prompt_token_ids" else field
+    return "prompt" if "prompt" in message else None
+
+
 def field_error(
     exc: ValueError, request_id: str = "", names: dict[str, str] | None = None
 ) -> APIError:
@@ -66,10 +82,7 @@ def field_error(
     message = str(exc).removeprefix(f"job {request_id}: ") if request_id else str(exc)
     if "over the limit of" in message and "max_prompt_bytes" in message:
         return APIError(413, message, "prompt", code="prompt_too_large")
-    match = _FIELD.match(message)
-    field = match.group(1) if match else None
-    if field == "prompt_token_ids":
-        field = "prompt"
+    field = _named_field(message)
     param = (names or {}).get(field, field)
     prefix = f"sampling_params.{field}"
     if message.startswith(prefix) and param:

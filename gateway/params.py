@@ -119,7 +119,11 @@ def _prompts(prompt: Any, max_prompts: int) -> list[Any]:
         return [prompt]
     if isinstance(prompt, list) and prompt and all(_is_token(t) for t in prompt):
         return [{"prompt_token_ids": prompt}]
-    if isinstance(prompt, list) and 0 < len(prompt) <= max_prompts:
+    if (
+        isinstance(prompt, list)
+        and 0 < len(prompt) <= max_prompts
+        and all(isinstance(p, str | list) for p in prompt)
+    ):
         return [p if isinstance(p, str) else {"prompt_token_ids": p} for p in prompt]
     raise bad_request(
         "prompt must be a string, a list of token ids, or a list of 1 to "

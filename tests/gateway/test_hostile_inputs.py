@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import httpx
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from json_strategies import json_values
 
 pytestmark = pytest.mark.integration
 BASE = {"model": "ad-qv", "prompt": "hello", "max_tokens": 2}
@@ -100,3 +103,42 @@ def test_the_pool_serves_after_all_that(client, worker):
     done = client.completions.create(model="ad-qv", prompt="still there?", max_tokens=3)
     assert done.usage.completion_tokens >= 1
     assert worker.poll() is None
+
+
+FIELDS = sorted(
+    {"prompt", "max_tokens", "temperature", "top_p", "top_k", "min_p", "n", "stop", "seed"}
+    | {"presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs", "user"}
+    | {"stream", "stream_options", "stop_token_ids", "ignore_eos", "min_tokens", "echo"}
+    | {"suffix", "logit_bias", "model", "nonsense", "messages", "top_logprobs"}
+    | {"max_completion_tokens", "request_id"}
+)
+ENDPOINTS = [("/v1/completions", BASE), ("/v1/chat/completions", CHAT), ("/v1/jobs", BASE)]
+
+
+@settings(
+    max_examples=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(
+    endpoint=st.sampled_from(ENDPOINTS),
+    name=st.sampled_from(FIELDS),
+    value=json_values(),
+)
+def test_any_json_in_any_field_is_answered_never_a_500(gateway, endpoint, name, value):
+    """Arbitrary JSON in one field: served (200 or 202), or refused in OpenAI's shape
+    with the field named; never a server error."""
+    path, base = endpoint
+    body = {**base, "temperature": 0, name: value}
+    response = httpx.post(f"{gateway}{path}", json=body, timeout=120)
+    assert response.status_code in (200, 202, 400, 404, 413), response.text
+    if response.status_code not in (200, 202):
+        error = response.json()["error"]
+        assert error["message"] and error["type"]
+        named = (name, None, "prompt") if name == "messages" and "prompt" in base else (name, None)
+        assert response.status_code == 404 or error["param"] in named, error
+
+
+def test_the_pool_still_serves_after_the_fuzz(client, worker):
+    done = client.completions.create(model="ad-qv", prompt="and now?", max_tokens=3)
+    assert done.usage.completion_tokens >= 1 and worker.poll() is None
