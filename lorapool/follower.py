@@ -20,6 +20,8 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 
+import redis
+
 from lorapool.chunk_log import RESULT_FIELD, Cursor
 from lorapool.connection import REDIS_DOWN
 from lorapool.keys import Keys
@@ -55,6 +57,7 @@ class Follower:
         self.to_subscribe: set[bytes] = set()
         self.to_unsubscribe: set[bytes] = set()
         self.fills = asyncio.Semaphore(MAX_FILLS)
+        self.error: Exception | None = None  # why the listener stopped (not Redis away)
 
     async def follow(self, request_id: str, after: int = -1) -> AsyncIterator[Chunk]:
         """Chunks of ``request_id`` with seq > ``after``, in order, until the final one."""
@@ -92,6 +95,8 @@ class Follower:
             await asyncio.wait_for(followed.subscribed.wait(), self.poll_s)
         except asyncio.TimeoutError:
             logger.warning("follower: no subscribe confirmation for %s", channel.decode())
+        if self.error is not None:
+            raise self.error
 
     async def _chunks(self, followed: _Followed) -> AsyncIterator[Chunk]:
         cursor, quiet = followed.cursor, self.poll_s
@@ -99,6 +104,8 @@ class Follower:
             yield chunk
         while not cursor.done:
             payload = await _next(followed.live, quiet)
+            if self.error is not None:
+                raise self.error
             if payload is not None:
                 chunk, quiet = decode_chunk(payload, cursor.request_id), self.poll_s
                 if cursor.accepts(chunk):
@@ -137,7 +144,19 @@ class Follower:
     async def _listen(self) -> None:
         """Hands each live chunk to the request it belongs to, and sends the
         (un)subscribes asked for between reads; resubscribes everything after a broken
-        connection (the requests' log polls fill what was missed)."""
+        connection (the requests' log polls fill what was missed). Any other error
+        (say, a Redis user without SUBSCRIBE) goes to every reader."""
+        try:
+            await self._relay()
+        except redis.RedisError as exc:
+            logger.error("follower: stopped: %s", exc)
+            self.error = exc
+            for readers in self.followed.values():
+                for followed in readers:
+                    followed.subscribed.set()
+                    followed.live.put_nowait(b"")
+
+    async def _relay(self) -> None:
         while True:
             try:
                 await self._send_subscriptions()

@@ -7,6 +7,7 @@ user is refused what its role does not need.
 
 from __future__ import annotations
 
+import asyncio
 import re
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from lorapool.audit_db.database import migrate
 from lorapool.cli.queue_status import live_workers
 from lorapool.connection import connect
 from lorapool.identity import model_identity
-from lorapool.producer import Producer
+from lorapool.producer import AsyncProducer, Producer
 from lorapool.protocol import SamplingParams
 from lorapool.worker import Worker, WorkerConfig
 
@@ -74,6 +75,16 @@ def test_each_role_runs_with_its_own_user(server, model, tmp_path):
     writer_conn = connect(url(server, "audit-writer"))
     assert AuditWriter(writer_conn, audit_db, WriterConfig()).run(burst=True).rows_written == 3
     assert live_workers(producer.redis, producer.keys) == []  # status, as the producer
+
+    async def follow(request_id):  # the async producer's follower: channel and log
+        async_producer = AsyncProducer(url(server, "producer"))
+        try:
+            return await (await async_producer.handle(request_id)).result(timeout=5)
+        finally:
+            await async_producer.aclose()
+
+    followed = asyncio.run(follow(handles[0].request_id))
+    assert followed.outputs[0].token_ids == outputs[0].outputs[0].token_ids
 
     denied = redis.exceptions.NoPermissionError
     with pytest.raises(denied):  # a producer cannot forge audit records
