@@ -5,6 +5,7 @@ FastAPI: typed routes, and the OpenAPI description of every endpoint at ``/docs`
 
 from __future__ import annotations
 
+import asyncio
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -21,11 +22,18 @@ from lorapool.gateway.schemas import component_schemas
 
 
 def create_app(config: GatewayConfig) -> FastAPI:
-    """The gateway for the pool of ``config`` (one Redis connection pool per app)."""
+    """The gateway for the pool of ``config`` (one Redis connection pool per app).
+
+    ``app.state.begin_shutdown()`` (from any thread, e.g. a signal handler) ends every
+    open job-events stream at once; OpenAI streams run on for the server's grace.
+    """
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         app.state.pool = Pool(config)
+        app.state.stopping = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        app.state.begin_shutdown = lambda: loop.call_soon_threadsafe(app.state.stopping.set)
         app.state.audit = None
         if config.audit_db_url is not None:
             app.state.audit = AuditStore(config.audit_db_url, config.audit_db_schema)

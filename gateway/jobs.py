@@ -27,7 +27,7 @@ from lorapool.gateway.json import JSON
 from lorapool.gateway.params import parse_job
 from lorapool.gateway.pool import Pool
 from lorapool.gateway.schemas import JobRequest, body
-from lorapool.gateway.streams import guarded, sse
+from lorapool.gateway.streams import guarded, sse, until_stopped
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 Submitter = Annotated[Principal, Depends(require("submit"))]
@@ -124,9 +124,8 @@ async def job_events(
         after = int(last_event_id)
     state = await _state(pool, caller.job_id(job_id))
     handle = await pool.handle(caller.job_id(job_id))
-    return StreamingResponse(
-        _events(handle, after, state), media_type="text/event-stream", headers=NO_BUFFERING
-    )
+    events = until_stopped(_events(handle, after, state), request.app.state.stopping)
+    return StreamingResponse(events, media_type="text/event-stream", headers=NO_BUFFERING)
 
 
 async def _events(handle, after: int, state: dict) -> AsyncIterator[bytes]:

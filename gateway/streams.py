@@ -54,6 +54,27 @@ async def _feed(index: int, handle: AsyncJobHandle, queue: asyncio.Queue) -> Non
     await queue.put(None)
 
 
+async def until_stopped(items: AsyncIterator, stopping: asyncio.Event) -> AsyncIterator:
+    """``items`` until they end or ``stopping`` is set (the gateway shutting down): the
+    response then ends cleanly, and an EventSource reconnects to another gateway."""
+    stop = asyncio.ensure_future(stopping.wait())
+    try:
+        while True:
+            step = asyncio.ensure_future(items.__anext__())
+            await asyncio.wait({step, stop}, return_when=asyncio.FIRST_COMPLETED)
+            if not step.done():
+                step.cancel()
+                await asyncio.gather(step, return_exceptions=True)  # then it may be closed
+                return
+            try:
+                yield step.result()
+            except StopAsyncIteration:
+                return
+    finally:
+        stop.cancel()
+        await items.aclose()
+
+
 async def guarded(
     handle: AsyncJobHandle, after: int = -1, abort: bool = True
 ) -> AsyncIterator[Chunk]:

@@ -85,10 +85,9 @@ def serve(
     """Serve the pool over HTTP: /v1/completions, /v1/chat/completions, /v1/models,
     /v1/jobs (asynchronous jobs and their events), /healthz, /readyz; OpenAPI docs at
     /docs."""
-    import uvicorn
-
     from lorapool.embedded import resolve_url
     from lorapool.gateway import GatewayConfig, create_app
+    from lorapool.gateway.server import run
 
     config = GatewayConfig(
         redis_url=redis_url or resolve_url(),
@@ -105,6 +104,4 @@ def serve(
         audit_db_url=audit_db_url,
         audit_db_schema=audit_db_schema,
     )
-    uvicorn.run(
-        create_app(config), host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5
-    )
+    run(create_app(config), host, port, log_level)

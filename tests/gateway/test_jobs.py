@@ -133,3 +133,39 @@ def test_bad_last_event_id(gateway):
     job_id = submit(gateway, BODY).json()["id"]
     response = httpx.get(f"{gateway}/v1/jobs/{job_id}/events", headers={"Last-Event-ID": "x"})
     assert response.status_code == 400
+
+
+def test_shutdown_ends_event_streams_cleanly_and_the_job_goes_on(
+    redis_url, prefix, worker, producer, tmp_path
+):
+    """SIGTERM: an open events stream ends at once as a well-formed response (a browser
+    reconnects elsewhere with Last-Event-ID), the gateway exits, the job is not aborted."""
+    import signal
+
+    from gateway_procs import free_port, start_gateway, wait_until
+
+    port = free_port()
+    proc = start_gateway(redis_url, prefix, port, tmp_path)
+    url = f"http://127.0.0.1:{port}"
+    wait_until(lambda: _answers(url), "the gateway answering", 60)
+    body = {**BODY, "max_tokens": 400, "ignore_eos": True, "n": 8}
+    job_id = submit(url, body).json()["id"]
+    seen = []
+    with httpx.stream("GET", f"{url}/v1/jobs/{job_id}/events", timeout=60) as response:
+        for line in response.iter_lines():  # ends without a protocol error
+            if line.startswith("id: "):
+                seen.append(int(line[4:]))
+                if len(seen) == 2:
+                    started = time.monotonic()
+                    proc.send_signal(signal.SIGTERM)
+    assert time.monotonic() - started < 3
+    assert proc.wait(timeout=15) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal
+    result = producer.handle(job_id).result(timeout=120)
+    assert {c.finish_reason for c in result.outputs} == {"length"}
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/healthz", timeout=2).status_code == 200
+    except httpx.TransportError:
+        return False
