@@ -21,6 +21,9 @@ class GatewayConfig:
     a max_prompt_bytes prompt, escaped). max_prompts: prompts in one completions call.
     result_timeout_s: how long a non-streaming call waits for its result (then 504,
     and the job is aborted). redis_retries: retries of a Redis call before 503.
+    events_max_s: a job-events response ends (cleanly) after this long; the browser's
+    EventSource reconnects with Last-Event-ID, which lets a load balancer spread
+    long-lived streams again (None: open until the job's final chunk).
     adapter_admin: serve /v1/load_lora_adapter and /v1/unload_lora_adapter (role admin),
     registering only inside adapter_roots (none: $LORAPOOL_ADAPTER_ROOTS, else anywhere).
     audit_db_url: serve /v1/audit/* from this database (give a read-only role's URL);
@@ -43,6 +46,7 @@ class GatewayConfig:
     auth: bool = True
     max_backlog: int | None = None
     cors_origins: tuple[str, ...] = ()
+    events_max_s: float | None = None
     adapter_admin: bool = False
     audit_db_url: str | None = None
     audit_db_schema: str | None = None

@@ -124,7 +124,8 @@ async def job_events(
         after = int(last_event_id)
     state = await _state(pool, caller.job_id(job_id))
     handle = await pool.handle(caller.job_id(job_id))
-    events = until_stopped(_events(handle, after, state), request.app.state.stopping)
+    stopping, max_s = request.app.state.stopping, pool.config.events_max_s
+    events = until_stopped(_events(handle, after, state), stopping, max_s)
     return StreamingResponse(events, media_type="text/event-stream", headers=NO_BUFFERING)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -54,14 +55,19 @@ async def _feed(index: int, handle: AsyncJobHandle, queue: asyncio.Queue) -> Non
     await queue.put(None)
 
 
-async def until_stopped(items: AsyncIterator, stopping: asyncio.Event) -> AsyncIterator:
-    """``items`` until they end or ``stopping`` is set (the gateway shutting down): the
-    response then ends cleanly, and an EventSource reconnects to another gateway."""
+async def until_stopped(
+    items: AsyncIterator, stopping: asyncio.Event, max_s: float | None = None
+) -> AsyncIterator:
+    """``items`` until they end, ``stopping`` is set (the gateway shutting down) or
+    ``max_s`` seconds have passed: the response then ends cleanly, and an EventSource
+    reconnects (to this gateway or another) with Last-Event-ID."""
     stop = asyncio.ensure_future(stopping.wait())
+    deadline = None if max_s is None else time.monotonic() + max_s
     try:
         while True:
             step = asyncio.ensure_future(items.__anext__())
-            await asyncio.wait({step, stop}, return_when=asyncio.FIRST_COMPLETED)
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            await asyncio.wait({step, stop}, timeout=left, return_when=asyncio.FIRST_COMPLETED)
             if not step.done():
                 step.cancel()
                 await asyncio.gather(step, return_exceptions=True)  # then it may be closed

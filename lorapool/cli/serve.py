@@ -45,6 +45,12 @@ from lorapool.wire import DEFAULT_MAX_N, DEFAULT_MAX_PROMPT_BYTES
     help="a browser origin allowed to call the gateway (repeatable; default: none)",
 )
 @click.option(
+    "--events-max-s",
+    type=click.FloatRange(min=0.1),
+    default=None,
+    help="end a job-events response after this long; EventSource reconnects (default: never)",
+)
+@click.option(
     "--enable-adapter-admin",
     is_flag=True,
     help="serve /v1/load_lora_adapter and /v1/unload_lora_adapter (role admin)",
@@ -74,6 +80,7 @@ def serve(
     max_backlog,
     auth,
     cors_origins,
+    events_max_s,
     enable_adapter_admin,
     adapter_roots,
     audit_db_url,
@@ -99,6 +106,7 @@ def serve(
         max_backlog=max_backlog,
         auth=auth,
         cors_origins=tuple(cors_origins),
+        events_max_s=events_max_s,
         adapter_admin=enable_adapter_admin,
         adapter_roots=tuple(adapter_roots),
         audit_db_url=audit_db_url,
