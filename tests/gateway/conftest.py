@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import uuid
 
-import httpx
 import pytest
 import redis
-from gateway_procs import free_port, start_gateway, start_worker, stop, wait_until
+from gateway_procs import serve, start_worker, stop, wait_until
 
 from lorapool.producer import Producer
 
@@ -74,18 +73,7 @@ def worker(redis_url, prefix, model, registry, conn, tmp_path_factory):
 @pytest.fixture(scope="module")
 def gateway(redis_url, prefix, worker, tmp_path_factory):
     """The gateway's base URL, once /readyz says ready."""
-    port = free_port()
-    proc = start_gateway(redis_url, prefix, port, tmp_path_factory.mktemp("gateway"))
-    url = f"http://127.0.0.1:{port}"
-
-    def ready() -> bool:
-        assert proc.poll() is None, "the gateway exited"
-        try:
-            return httpx.get(f"{url}/readyz", timeout=2).status_code == 200
-        except httpx.TransportError:
-            return False
-
-    wait_until(ready, "the gateway being ready", timeout=60)
+    url, proc = serve(redis_url, prefix, tmp_path_factory.mktemp("gateway"), path="/readyz")
     yield url
     stop(proc)
 

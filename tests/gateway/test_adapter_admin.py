@@ -8,7 +8,7 @@ import json
 
 import httpx
 import pytest
-from gateway_procs import free_port, start_gateway, stop, wait_until
+from gateway_procs import serve, stop
 
 from lorapool.keys import Keys
 from lorapool.producer.api_keys import ApiKeys
@@ -29,18 +29,8 @@ def admin(redis_url, prefix, conn, tmp_path_factory):
     store = ApiKeys(conn, Keys(prefix))
     admin_key, submit_key = store.add("ops", "admin")[1], store.add("acme", "submit")[1]
     root = tmp_path_factory.mktemp("admin-adapters")
-    port = free_port()
     extra = ("--enable-adapter-admin", "--adapter-root", str(root))
-    proc = start_gateway(redis_url, prefix, port, root, *extra, auth=True)
-    url = f"http://127.0.0.1:{port}"
-
-    def up() -> bool:
-        try:
-            return httpx.get(f"{url}/healthz", timeout=2).status_code == 200
-        except httpx.TransportError:
-            return False
-
-    wait_until(up, "the gateway answering", timeout=60)
+    url, proc = serve(redis_url, prefix, root, *extra, auth=True)
     yield url, root, admin_key, submit_key
     stop(proc)
 

@@ -11,7 +11,7 @@ import io
 import httpx
 import openai
 import pytest
-from gateway_procs import free_port, start_gateway, stop, wait_until
+from gateway_procs import serve, stop, wait_until
 
 from lorapool.audit_db import AuditWriter, WriterConfig
 from lorapool.audit_db.queries import get_request
@@ -35,18 +35,7 @@ def keys(conn, prefix):
 
 
 def _start(redis_url, prefix, cwd, *extra) -> tuple:
-    port = free_port()
-    proc = start_gateway(redis_url, prefix, port, cwd, *extra, auth=True)
-    url = f"http://127.0.0.1:{port}"
-
-    def up() -> bool:
-        try:
-            return httpx.get(f"{url}/healthz", timeout=2).status_code == 200
-        except httpx.TransportError:
-            return False
-
-    wait_until(up, "the gateway answering", timeout=60)
-    return url, proc
+    return serve(redis_url, prefix, cwd, *extra, auth=True)
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ import time
 
 import httpx
 import pytest
-from gateway_procs import free_port, start_gateway, stop, wait_until
+from gateway_procs import free_port, serve, stop
 
 pytestmark = pytest.mark.integration
 JOB = {"model": "base", "prompt": "hello", "max_tokens": 2}
@@ -19,17 +19,8 @@ def gateway_on(tmp_path):
     procs = []
 
     def start(redis_url: str, prefix: str, *extra: str) -> str:
-        port = free_port()
-        procs.append(start_gateway(redis_url, prefix, port, tmp_path, *extra))
-        url = f"http://127.0.0.1:{port}"
-
-        def up() -> bool:
-            try:
-                return httpx.get(f"{url}/healthz", timeout=2).status_code == 200
-            except httpx.TransportError:
-                return False
-
-        wait_until(up, "the gateway answering", timeout=60)
+        url, proc = serve(redis_url, prefix, tmp_path, *extra)
+        procs.append(proc)
         return url
 
     yield start

@@ -9,7 +9,7 @@ import time
 
 import httpx
 import pytest
-from gateway_procs import free_port, start_gateway, stop, wait_until
+from gateway_procs import serve, stop
 
 from lorapool.keys import Keys
 from lorapool.producer.api_keys import ApiKeys
@@ -53,17 +53,7 @@ def api_keys(conn, prefix, tmp_path_factory, producer):
 
 @pytest.fixture(scope="module")
 def secure(redis_url, prefix, api_keys, tmp_path_factory):
-    port = free_port()
-    proc = start_gateway(redis_url, prefix, port, tmp_path_factory.mktemp("gw"), auth=True)
-    url = f"http://127.0.0.1:{port}"
-
-    def up() -> bool:
-        try:
-            return httpx.get(f"{url}/healthz", timeout=2).status_code == 200
-        except httpx.TransportError:
-            return False
-
-    wait_until(up, "the gateway answering", timeout=60)
+    url, proc = serve(redis_url, prefix, tmp_path_factory.mktemp("gw"), auth=True)
     yield url
     stop(proc)
 

@@ -49,6 +49,27 @@ def start_gateway(
     return subprocess.Popen(cmd, cwd=cwd)
 
 
+def serve(
+    redis_url: str, prefix: str, cwd, *extra: str, auth: bool = False, path: str = "/healthz"
+) -> tuple[str, subprocess.Popen]:
+    """``lorapool serve`` on a free port once ``path`` answers 200: (its URL, the process)."""
+    import httpx
+
+    port = free_port()
+    proc = start_gateway(redis_url, prefix, port, cwd, *extra, auth=auth)
+    url = f"http://127.0.0.1:{port}"
+
+    def answering() -> bool:
+        assert proc.poll() is None, "the gateway exited"
+        try:
+            return httpx.get(f"{url}{path}", timeout=2).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    wait_until(answering, f"the gateway answering {path}", timeout=60)
+    return url, proc
+
+
 def stop(proc: subprocess.Popen) -> None:
     proc.terminate()
     try:
