@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from lorapool.cli.queue import count_option, prefix_option, redis_option
+from lorapool.cli.options import config_from, count_option, prefix_option, redis_option
 from lorapool.wire import DEFAULT_MAX_N, DEFAULT_MAX_PROMPT_BYTES
 
 
@@ -73,21 +73,13 @@ from lorapool.wire import DEFAULT_MAX_N, DEFAULT_MAX_PROMPT_BYTES
 def serve(
     host,
     port,
-    max_n,
-    max_prompt_bytes,
-    max_body_bytes,
     result_timeout,
-    max_backlog,
-    auth,
     cors_origins,
-    events_max_s,
     enable_adapter_admin,
     adapter_roots,
-    audit_db_url,
-    audit_db_schema,
     log_level,
     redis_url,
-    prefix,
+    **options,
 ):
     """Serve the pool over HTTP: /v1/completions, /v1/chat/completions, /v1/models,
     /v1/jobs (asynchronous jobs and their events), /healthz, /readyz; OpenAPI docs at
@@ -96,20 +88,13 @@ def serve(
     from lorapool.gateway import GatewayConfig, create_app
     from lorapool.gateway.server import run
 
-    config = GatewayConfig(
+    config = config_from(
+        GatewayConfig,
+        options,
         redis_url=redis_url or resolve_url(),
-        prefix=prefix,
-        max_prompt_bytes=max_prompt_bytes,
-        max_n=max_n,
-        max_body_bytes=max_body_bytes,
         result_timeout_s=result_timeout,
-        max_backlog=max_backlog,
-        auth=auth,
         cors_origins=tuple(cors_origins),
-        events_max_s=events_max_s,
         adapter_admin=enable_adapter_admin,
         adapter_roots=tuple(adapter_roots),
-        audit_db_url=audit_db_url,
-        audit_db_schema=audit_db_schema,
     )
     run(create_app(config), host, port, log_level)
