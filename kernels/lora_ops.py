@@ -277,12 +277,5 @@ def _check_out(out: torch.Tensor, shape, device: torch.device) -> None:
 
 
 def _check_mapping(mapping: LoRAMapping, t: torch.Tensor, num_slots: int) -> None:
-    if mapping.num_tokens != t.shape[0]:
-        raise ValueError(
-            f"the LoRA mapping has {mapping.num_tokens} tokens, the batch {t.shape[0]}"
-        )
-    if mapping.max_slot >= num_slots:
-        raise ValueError(
-            f"LoRA slot {mapping.max_slot} is out of range: the weights have {num_slots} slots"
-        )
+    mapping.check_fits(t.shape[0], num_slots)
     check_device(t.device, mapping=mapping.order)
