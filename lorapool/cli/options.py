@@ -31,6 +31,16 @@ def count_option(flag: str, default: int, help: str, dest: str | None = None):
     )
 
 
+def optional_option(flag: str, type: click.ParamType, help: str):
+    """An option that is unset (None) unless given; ``help`` says what unset means."""
+    return click.option(flag, type=type, default=None, help=help)
+
+
+def repeated_option(flag: str, dest: str, help: str, **kwargs):
+    """An option that may be given several times, collected under ``dest``."""
+    return click.option(flag, dest, multiple=True, help=f"{help} (repeatable)", **kwargs)
+
+
 def config_from(cls: type, options: dict[str, Any], **given: Any):
     """The dataclass ``cls`` from the command's options named as its fields, and
     ``given`` for the fields whose option is named otherwise or needs converting."""

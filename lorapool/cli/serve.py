@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import click
 
-from lorapool.cli.options import config_from, count_option, prefix_option, redis_option
+from lorapool.cli.options import (
+    config_from,
+    count_option,
+    optional_option,
+    prefix_option,
+    redis_option,
+    repeated_option,
+)
 from lorapool.wire import DEFAULT_MAX_N, DEFAULT_MAX_PROMPT_BYTES
 
 
@@ -13,11 +20,10 @@ from lorapool.wire import DEFAULT_MAX_N, DEFAULT_MAX_PROMPT_BYTES
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535))
 @count_option("--max-n", DEFAULT_MAX_N, "most completions per request")
 @count_option("--max-prompt-bytes", DEFAULT_MAX_PROMPT_BYTES, "larger prompts get 413")
-@click.option(
+@optional_option(
     "--max-body-bytes",
-    type=click.IntRange(min=1),
-    default=None,
-    help="larger request bodies get 413 (default: room for the largest prompt)",
+    click.IntRange(min=1),
+    "larger request bodies get 413 (default: room for the largest prompt)",
 )
 @click.option(
     "--result-timeout",
@@ -25,11 +31,10 @@ from lorapool.wire import DEFAULT_MAX_N, DEFAULT_MAX_PROMPT_BYTES
     show_default=True,
     help="seconds a non-streaming call waits for its result",
 )
-@click.option(
+@optional_option(
     "--max-backlog",
-    type=click.IntRange(min=1),
-    default=None,
-    help="submits get 429 while this many jobs wait for a worker (default: no bound)",
+    click.IntRange(min=1),
+    "submits get 429 while this many jobs wait for a worker (default: no bound)",
 )
 @click.option(
     "--auth/--no-auth",
@@ -38,29 +43,20 @@ from lorapool.wire import DEFAULT_MAX_N, DEFAULT_MAX_PROMPT_BYTES
     help="require an API key (lorapool keys add) on every /v1 route; --no-auth trusts "
     "the network and knows no tenants",
 )
-@click.option(
-    "--cors-origin",
-    "cors_origins",
-    multiple=True,
-    help="a browser origin allowed to call the gateway (repeatable; default: none)",
+@repeated_option(
+    "--cors-origin", "cors_origins", "a browser origin allowed to call the gateway, none by default"
 )
-@click.option(
+@optional_option(
     "--events-max-s",
-    type=click.FloatRange(min=0.1),
-    default=None,
-    help="end a job-events response after this long; EventSource reconnects (default: never)",
+    click.FloatRange(min=0.1),
+    "end a job-events response after this long; EventSource reconnects (default: never)",
 )
 @click.option(
     "--enable-adapter-admin",
     is_flag=True,
     help="serve /v1/load_lora_adapter and /v1/unload_lora_adapter (role admin)",
 )
-@click.option(
-    "--adapter-root",
-    "adapter_roots",
-    multiple=True,
-    help="register adapters only inside this directory (repeatable)",
-)
+@repeated_option("--adapter-root", "adapter_roots", "register adapters only inside this directory")
 @click.option(
     "--audit-db-url",
     default=None,
