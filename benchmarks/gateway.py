@@ -283,7 +283,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--ceiling-clients", type=int, default=64)
     parser.add_argument("--ceiling-seconds", type=float, default=10.0)
     parser.add_argument("--streams", type=int, default=512, help="streams held at once")
-    parser.add_argument("--stream-tokens", type=int, default=64, help="tokens a held stream")
+    parser.add_argument("--stream-tokens", type=int, default=128, help="tokens a held stream")
     parser.add_argument("--skip-ceiling", action="store_true")
     parser.add_argument(
         "--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")

@@ -17,6 +17,7 @@ from lorapool.connection import LoggedAsyncRetry, connect, connection_options
 from lorapool.gateway.auth import OPEN, Principal
 from lorapool.gateway.config import GatewayConfig
 from lorapool.gateway.errors import APIError, field_error, model_not_found
+from lorapool.gateway.queue_position import QueuePosition
 from lorapool.producer import AsyncJobHandle, AsyncProducer
 from lorapool.producer.pool_view import PoolView
 from lorapool.producer.registry import NAME_PATTERN, AdapterRegistry, lora_from_record
@@ -33,6 +34,7 @@ class Pool:
             connection, config.prefix, config.max_prompt_bytes, config.max_n
         )
         self.view = PoolView(self.producer)
+        self.position = QueuePosition(self.producer.redis, self.producer.keys)
         self._registry: AdapterRegistry | None = None
 
     async def close(self) -> None:
