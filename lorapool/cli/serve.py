@@ -46,11 +46,6 @@ from lorapool.wire import DEFAULT_MAX_N, DEFAULT_MAX_PROMPT_BYTES
 @repeated_option(
     "--cors-origin", "cors_origins", "a browser origin allowed to call the gateway, none by default"
 )
-@optional_option(
-    "--events-max-s",
-    click.FloatRange(min=0.1),
-    "end a job-events response after this long; EventSource reconnects (default: never)",
-)
 @click.option(
     "--enable-adapter-admin",
     is_flag=True,
@@ -63,6 +58,11 @@ from lorapool.wire import DEFAULT_MAX_N, DEFAULT_MAX_PROMPT_BYTES
     help="serve /v1/audit/* from this database (a read-only role's URL)",
 )
 @click.option("--audit-db-schema", default=None, help="its PostgreSQL schema")
+@optional_option(
+    "--events-max-s",
+    click.FloatRange(min=0.1),
+    "end a job-events response after this long; EventSource reconnects (default: never)",
+)
 @click.option("--log-level", default="info", show_default=True)
 @redis_option
 @prefix_option
