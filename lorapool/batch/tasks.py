@@ -95,10 +95,8 @@ def validate_batch(batch_id: str, raw: dict[str, Any]) -> str:
         return "cancelled"
     files, models = config.files(), known_models(connection, Keys(config.prefix))
     producer = Producer(connection, config.prefix)
-    report = check_file(
-        files.lines(batch["input_file_id"]), batch_id, models.__contains__, batch["endpoint"],
-        producer.limits,
-    )  # fmt: skip
+    lines = files.lines(batch["input_file_id"])
+    report = check_file(lines, batch_id, models.__contains__, producer.limits)
     if report.num_errors:
         errors = [{"code": "invalid_request", **e} for e in report.errors]
         state.set(batch_id, errors=errors, total=report.total)

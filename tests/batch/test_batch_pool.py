@@ -1,0 +1,124 @@
+"""Batches end to end on real Redis, a real lorapool worker and real RQ workers: every
+line's output equals the engine's offline API for the same request (greedy)."""
+
+from __future__ import annotations
+
+import io
+import time
+
+import orjson
+import pytest
+
+from lorapool import SamplingParams
+from lorapool.batch import Status
+from lorapool.producer.registry import lora_from_record
+
+pytestmark = pytest.mark.usefixtures("worker")
+
+
+def make_lines(count: int, models: list[str], max_tokens: int = 6) -> list[dict]:
+    """Lines cycling through the models, completions and chats alternating."""
+    lines = []
+    for i in range(count):
+        body = {"model": models[i % len(models)], "max_tokens": max_tokens, "temperature": 0}
+        if i % 2:
+            body["messages"] = [{"role": "user", "content": f"question {i} about w{i % 7}"}]
+            url = "/v1/chat/completions"
+        else:
+            body["prompt"] = f"line {i}: the w{i % 5} and w{i % 3}"
+            url = "/v1/completions"
+        lines.append({"custom_id": f"req-{i}", "method": "POST", "url": url, "body": body})
+    return lines
+
+
+def upload(service, lines: list[dict], extra: bytes = b"") -> str:
+    data = b"".join(orjson.dumps(line) + b"\n" for line in lines) + extra
+    return service.upload(io.BytesIO(data), "in.jsonl")["id"]
+
+
+def wait_for(service, batch_id: str, statuses: set[Status], timeout: float = 240) -> dict:
+    deadline = time.monotonic() + timeout
+    while (batch := service.retrieve(batch_id))["status"] not in statuses:
+        assert time.monotonic() < deadline, f"batch stuck in {batch['status']}"
+        time.sleep(0.2)
+    return batch
+
+
+def read(service, file_id: str | None) -> list[dict]:
+    return [] if file_id is None else [orjson.loads(x) for x in service.content(file_id)]
+
+
+def oracle(llm, registry, base_name, line: dict):
+    body = line["body"]
+    model = body["model"]
+    lora = None if model == base_name else lora_from_record(registry[model])
+    params = SamplingParams(temperature=0, max_tokens=body["max_tokens"])
+    if "messages" in body:
+        return llm.chat(body["messages"], params, lora_request=lora)[0]
+    return llm.generate([body["prompt"]], params, lora_request=lora)[0]
+
+
+def test_a_mixed_batch_equals_the_offline_engine(
+    service, rq_worker, llm, registry, base_name, conn, prefix
+):
+    lines = make_lines(24, [*registry, base_name])
+    batch = service.create(upload(service, lines), "/v1/completions")
+    assert batch["status"] == "validating"
+    rq_worker()
+    done = wait_for(service, batch["id"], {"completed", "failed"})
+    assert done["status"] == "completed", done
+    assert done["request_counts"] == {"total": 24, "completed": 24, "failed": 0}
+    outputs = read(service, done["output_file_id"])
+    assert [o["custom_id"] for o in outputs] == [line["custom_id"] for line in lines]
+    for line, out in zip(lines, outputs):
+        expected = oracle(llm, registry, base_name, line).outputs[0]
+        body = out["response"]["body"]
+        choice = body["choices"][0]
+        text = choice["message"]["content"] if "messages" in line["body"] else choice["text"]
+        assert text == expected.text, line
+        assert body["usage"]["completion_tokens"] == len(expected.token_ids)
+        assert out["response"]["status_code"] == 200 and out["error"] is None
+        assert out["response"]["request_id"] == f"{batch['id']}:{line['custom_id']}"
+        assert body["model"] == line["body"]["model"]
+    assert done["error_file_id"] is None
+
+
+def test_a_bad_file_fails_validating_with_every_reason_and_enqueues_nothing(
+    service, rq_worker, registry, conn, prefix
+):
+    lines = make_lines(6, list(registry))
+    lines[3]["custom_id"] = lines[1]["custom_id"]  # line 4 repeats line 2
+    lines[4]["body"]["model"] = "no-such-adapter"  # line 5
+    before = conn.xlen(f"{prefix}:requests")
+    batch = service.create(upload(service, lines, b'{"custom_id": "x", "met\n'), "/v1/completions")
+    rq_worker()
+    done = wait_for(service, batch["id"], {"completed", "failed"})
+    assert done["status"] == "failed"
+    errors = {e["line"]: e for e in done["errors"]["data"]}
+    assert sorted(errors) == [4, 5, 7]
+    assert errors[4]["param"] == "custom_id" and "repeats line 2" in errors[4]["message"]
+    assert errors[5]["message"] == "line 5: unknown model 'no-such-adapter'"
+    assert "not valid JSON" in errors[7]["message"]
+    assert conn.xlen(f"{prefix}:requests") == before
+    assert not list(conn.scan_iter(f"{prefix}:job:{{{batch['id']}:*"))
+
+
+def test_cancel_in_the_middle_keeps_the_finished_lines(service, rq_worker, registry, conn, prefix):
+    lines = make_lines(40, list(registry), max_tokens=48)
+    batch = service.create(upload(service, lines), "/v1/completions")
+    rq_worker()
+    deadline = time.monotonic() + 120
+    while service.retrieve(batch["id"])["request_counts"]["completed"] < 3:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    assert service.cancel(batch["id"])["status"] == "cancelling"
+    done = wait_for(service, batch["id"], {"cancelled", "completed"})
+    assert done["status"] == "cancelled", done
+    counts = done["request_counts"]
+    outputs, errors = read(service, done["output_file_id"]), read(service, done["error_file_id"])
+    assert counts["completed"] == len(outputs) >= 3 and counts["failed"] == len(errors) > 0
+    assert counts["completed"] + counts["failed"] == counts["total"] == 40
+    finished = {o["custom_id"] for o in outputs}
+    assert all(o["response"]["body"]["choices"][0]["finish_reason"] != "abort" for o in outputs)
+    assert {e["error"]["code"] for e in errors} == {"batch_cancelled"}
+    assert finished | {e["custom_id"] for e in errors} == {x["custom_id"] for x in lines}
