@@ -25,6 +25,7 @@ COMMANDS = {
     "adapters": "lorapool.cli.queue:adapters",
     "serve": "lorapool.cli.serve:serve",
     "keys": "lorapool.cli.keys:keys",
+    "batch": "lorapool.cli.batch:batch",
 }
 
 # top-level module -> the extra of pyproject.toml that installs it

@@ -16,21 +16,6 @@ from lorapool.producer.registry import lora_from_record
 pytestmark = pytest.mark.usefixtures("worker")
 
 
-def make_lines(count: int, models: list[str], max_tokens: int = 6) -> list[dict]:
-    """Lines cycling through the models, completions and chats alternating."""
-    lines = []
-    for i in range(count):
-        body = {"model": models[i % len(models)], "max_tokens": max_tokens, "temperature": 0}
-        if i % 2:
-            body["messages"] = [{"role": "user", "content": f"question {i} about w{i % 7}"}]
-            url = "/v1/chat/completions"
-        else:
-            body["prompt"] = f"line {i}: the w{i % 5} and w{i % 3}"
-            url = "/v1/completions"
-        lines.append({"custom_id": f"req-{i}", "method": "POST", "url": url, "body": body})
-    return lines
-
-
 def upload(service, lines: list[dict], extra: bytes = b"") -> str:
     data = b"".join(orjson.dumps(line) + b"\n" for line in lines) + extra
     return service.upload(io.BytesIO(data), "in.jsonl")["id"]
@@ -59,7 +44,7 @@ def oracle(llm, registry, base_name, line: dict):
 
 
 def test_a_mixed_batch_equals_the_offline_engine(
-    service, rq_worker, llm, registry, base_name, conn, prefix
+    make_lines, service, rq_worker, llm, registry, base_name, conn, prefix
 ):
     lines = make_lines(24, [*registry, base_name])
     batch = service.create(upload(service, lines), "/v1/completions")
@@ -84,7 +69,7 @@ def test_a_mixed_batch_equals_the_offline_engine(
 
 
 def test_a_bad_file_fails_validating_with_every_reason_and_enqueues_nothing(
-    service, rq_worker, registry, conn, prefix
+    make_lines, service, rq_worker, registry, conn, prefix
 ):
     lines = make_lines(6, list(registry))
     lines[3]["custom_id"] = lines[1]["custom_id"]  # line 4 repeats line 2
@@ -103,7 +88,9 @@ def test_a_bad_file_fails_validating_with_every_reason_and_enqueues_nothing(
     assert not list(conn.scan_iter(f"{prefix}:job:{{{batch['id']}:*"))
 
 
-def test_cancel_in_the_middle_keeps_the_finished_lines(service, rq_worker, registry, conn, prefix):
+def test_cancel_in_the_middle_keeps_the_finished_lines(
+    make_lines, service, rq_worker, registry, conn, prefix
+):
     lines = make_lines(40, list(registry), max_tokens=48)
     batch = service.create(upload(service, lines), "/v1/completions")
     rq_worker()
