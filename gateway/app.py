@@ -13,7 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 
 from lorapool.connection import REDIS_DOWN
-from lorapool.gateway import adapters, audit, dashboard, health, jobs, openai_api
+from lorapool.gateway import adapters, audit, batches, dashboard, health, jobs, openai_api
 from lorapool.gateway.audit_store import AuditStore
 from lorapool.gateway.config import GatewayConfig
 from lorapool.gateway.errors import APIError
@@ -50,6 +50,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     app.include_router(jobs.router)
     app.include_router(adapters.router)
     app.include_router(audit.router)
+    app.include_router(batches.router)
     dashboard.install(app)
     _install_errors(app)
     _describe_bodies(app)

@@ -17,8 +17,10 @@ import pytest
 import redis
 from gateway_procs import start_worker, stop, wait_until
 
+from lorapool import SamplingParams
 from lorapool.batch import BatchConfig, BatchService
 from lorapool.producer import Producer
+from lorapool.producer.registry import lora_from_record
 
 ADAPTERS = {
     "ad-qv": ("q_proj", "v_proj"),
@@ -135,3 +137,19 @@ def lines_of(count: int, models: list[str], max_tokens: int = 6) -> list[dict]:
             url = "/v1/completions"
         lines.append({"custom_id": f"req-{i}", "method": "POST", "url": url, "body": body})
     return lines
+
+
+@pytest.fixture(scope="module")
+def oracle(llm, registry, base_name):
+    """A batch line's expected RequestOutput, from the engine's offline API (greedy)."""
+
+    def expected(line: dict):
+        body = line["body"]
+        model = body["model"]
+        lora = None if model == base_name else lora_from_record(registry[model])
+        params = SamplingParams(temperature=0, max_tokens=body["max_tokens"])
+        if "messages" in body:
+            return llm.chat(body["messages"], params, lora_request=lora)[0]
+        return llm.generate([body["prompt"]], params, lora_request=lora)[0]
+
+    return expected

@@ -9,9 +9,7 @@ import time
 import orjson
 import pytest
 
-from lorapool import SamplingParams
 from lorapool.batch import Status
-from lorapool.producer.registry import lora_from_record
 
 pytestmark = pytest.mark.usefixtures("worker")
 
@@ -33,18 +31,8 @@ def read(service, file_id: str | None) -> list[dict]:
     return [] if file_id is None else [orjson.loads(x) for x in service.content(file_id)]
 
 
-def oracle(llm, registry, base_name, line: dict):
-    body = line["body"]
-    model = body["model"]
-    lora = None if model == base_name else lora_from_record(registry[model])
-    params = SamplingParams(temperature=0, max_tokens=body["max_tokens"])
-    if "messages" in body:
-        return llm.chat(body["messages"], params, lora_request=lora)[0]
-    return llm.generate([body["prompt"]], params, lora_request=lora)[0]
-
-
 def test_a_mixed_batch_equals_the_offline_engine(
-    make_lines, service, rq_worker, llm, registry, base_name, conn, prefix
+    make_lines, service, rq_worker, oracle, registry, base_name, conn, prefix
 ):
     lines = make_lines(24, [*registry, base_name])
     batch = service.create(upload(service, lines), "/v1/completions")
@@ -56,7 +44,7 @@ def test_a_mixed_batch_equals_the_offline_engine(
     outputs = read(service, done["output_file_id"])
     assert [o["custom_id"] for o in outputs] == [line["custom_id"] for line in lines]
     for line, out in zip(lines, outputs):
-        expected = oracle(llm, registry, base_name, line).outputs[0]
+        expected = oracle(line).outputs[0]
         body = out["response"]["body"]
         choice = body["choices"][0]
         text = choice["message"]["content"] if "messages" in line["body"] else choice["text"]
