@@ -38,7 +38,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
         if config.audit_db_url is not None:
             app.state.audit = AuditStore(config.audit_db_url, config.audit_db_schema)
         try:
-            yield
+            async with dashboard.sampling(app):
+                yield
         finally:
             await app.state.pool.close()
             if app.state.audit is not None:

@@ -17,7 +17,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 
 from lorapool.gateway.auth import Principal, require
-from lorapool.gateway.dashboard_data import QueueHistory, snapshot
+from lorapool.gateway.dashboard_data import QueueHistory, sample_forever, snapshot
 from lorapool.gateway.dashboard_page import render
 from lorapool.gateway.errors import APIError
 
@@ -100,9 +100,21 @@ def _registry(app: FastAPI):
 
 
 def install(app: FastAPI) -> None:
-    """The dashboard's routes and state on an app whose lifespan makes ``state.pool``."""
+    """The dashboard's routes and state on an app whose lifespan makes ``state.pool``
+    and runs ``sampling(app)``."""
     app.state.queue_history = QueueHistory()
     app.include_router(router)
+
+
+@asynccontextmanager
+async def sampling(app: FastAPI):
+    """The queue sampler of the sparkline, for the app's lifetime."""
+    task = asyncio.create_task(sample_forever(app.state.pool, app.state.queue_history))
+    try:
+        yield
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
 
 
 def create_dashboard_app(config) -> FastAPI:
@@ -118,7 +130,8 @@ def create_dashboard_app(config) -> FastAPI:
         if config.audit_db_url is not None:
             app.state.audit = AuditStore(config.audit_db_url, config.audit_db_schema)
         try:
-            yield
+            async with sampling(app):
+                yield
         finally:
             await app.state.pool.close()
             if app.state.audit is not None:

@@ -1,12 +1,15 @@
 """What the dashboard shows, read from Redis (and the audit database when there is one)
 at each page load: workers, the queue, hottest adapters, latest audit rows, dead letters.
 
-The queue's recent history (the sparkline) is sampled here, in the process: each page
-load adds a sample at most every ``SAMPLE_EVERY_S``; ``HISTORY`` samples are kept.
+The queue's recent history (the sparkline) is sampled in the process, every
+``SAMPLE_EVERY_S`` by ``sample_forever`` (a task of the app's lifespan) and at each page
+load; ``HISTORY`` samples are kept.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
@@ -16,6 +19,7 @@ from lorapool.gateway.auth import Principal
 from lorapool.keys import WORKERS_GROUP
 from lorapool.pool_metrics import lag_of
 
+logger = logging.getLogger(__name__)
 SAMPLE_EVERY_S = 2.0
 HISTORY = 300  # 10 minutes at one sample every 2 s
 ROWS = 10  # audit rows and dead letters shown
@@ -48,6 +52,18 @@ async def queue_state(pool) -> dict[str, Any]:
         )
     pending = 0 if group is None else int(group["pending"])
     return {"length": length, "pending": pending, "lag": lag_of(group, length), "dead": dead}
+
+
+async def sample_forever(pool, history: QueueHistory) -> None:
+    """Adds a queue sample every ``SAMPLE_EVERY_S`` until cancelled; Redis being away
+    leaves a gap."""
+    while True:
+        try:
+            queue = await queue_state(pool)
+            history.add(time.time(), queue["length"], queue["lag"])
+        except Exception as exc:  # noqa: BLE001 - a gap in the line, not a dead task
+            logger.debug("dashboard: no queue sample (%s)", exc)
+        await asyncio.sleep(SAMPLE_EVERY_S)
 
 
 async def dead_letters(pool, count: int = ROWS) -> list[dict[str, str]]:

@@ -51,12 +51,12 @@ def sparkline(samples: list[tuple], width: int = 240, height: int = 36) -> str:
         f"{width * (t - samples[0][0]) / span:.1f},{height - height * v / top:.1f}"
         for t, v, _ in samples
     )
-    minutes = span / 60
+    window = f"{span:.0f} s" if span < 120 else f"{span / 60:.0f} min"
     return (
         f'<svg id="sparkline" width="{width}" height="{height}" role="img" '
-        f'aria-label="queue length, last {minutes:.1f} min, max {top}">'
+        f'aria-label="queue length, last {window}, max {top}">'
         f'<polyline fill="none" stroke="#36c" stroke-width="1.5" points="{points}"/></svg>'
-        f' <span class="muted">last {minutes:.1f} min, max {top}</span>'
+        f' <span class="muted">queue length, last {window}, max {top}</span>'
     )
 
 

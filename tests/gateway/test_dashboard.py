@@ -91,7 +91,8 @@ def test_dashboard_shows_the_running_pool(secure, api_keys, conn, prefix, audit_
     )
     AuditWriter(conn, audit_db[1], WriterConfig(prefix=prefix)).run(burst=True)
     long = {"model": "ad-qv", "prompt": "Far away", "max_tokens": 600, "ignore_eos": True}
-    running = _job(secure, submit, long)
+    # more than the two workers' 16 sequences, and long: a queue that stays put a while
+    running = [_job(secure, submit, long) for _ in range(24)]
     workers = _live_names(conn, prefix)
     assert len(workers) == 2
     with sync_api.sync_playwright() as playwright:
@@ -102,14 +103,16 @@ def test_dashboard_shows_the_running_pool(secure, api_keys, conn, prefix, audit_
             page.fill("input[name=key]", api_keys["audit"])
             page.click("button")
             page.wait_for_selector("#workers")
+            page.goto(f"{secure}/dashboard?refresh=60")  # the cookie now; no reload meanwhile
             shown = _shown_while_running(page, conn, prefix, secure)
             page.screenshot(path=str(SCREENSHOT), full_page=True)
         finally:
             browser.close()
-        httpx.delete(f"{secure}/v1/jobs/{running}", headers=poll_headers)
+        for job_id in running:
+            httpx.delete(f"{secure}/v1/jobs/{job_id}", headers=poll_headers)
     assert set(shown["workers"]) == workers
     assert "ad-qv" in shown["adapters"]
-    assert shown["length"] == shown["xlen"]
+    assert shown["length"] == shown["xlen"] > 0
     audit_row = f"ops~{finished}"
     assert audit_row in shown["audit"]
     assert "<b>audit &amp; me</b>" not in shown["html"]  # escaped, not markup
