@@ -97,3 +97,38 @@ def test_cancel_in_the_middle_keeps_the_finished_lines(
     assert all(o["response"]["body"]["choices"][0]["finish_reason"] != "abort" for o in outputs)
     assert {e["error"]["code"] for e in errors} == {"batch_cancelled"}
     assert finished | {e["custom_id"] for e in errors} == {x["custom_id"] for x in lines}
+
+
+def test_500_lines_each_run_once_and_audited_with_the_batch_id(
+    make_lines, service, rq_worker, oracle, registry, base_name, conn, prefix, tmp_path
+):
+    from sqlalchemy import select
+
+    from lorapool.audit_db import AuditWriter, DatabaseConfig, WriterConfig, create_audit_engine
+    from lorapool.audit_db.database import migrate
+    from lorapool.audit_db.schema import completions
+
+    lines = make_lines(500, [*registry, base_name])
+    started = time.monotonic()
+    batch = service.create(upload(service, lines), "/v1/completions")
+    rq_worker()
+    done = wait_for(service, batch["id"], {"completed", "failed"}, timeout=600)
+    elapsed = time.monotonic() - started
+    assert done["request_counts"] == {"total": 500, "completed": 500, "failed": 0}, elapsed
+    outputs = read(service, done["output_file_id"])
+    assert [o["custom_id"] for o in outputs] == [x["custom_id"] for x in lines]
+    for line, out in zip(lines[::10], outputs[::10]):  # the oracle on every tenth line
+        choice = out["response"]["body"]["choices"][0]
+        text = choice["message"]["content"] if "messages" in line["body"] else choice["text"]
+        assert text == oracle(line).outputs[0].text
+    engine = create_audit_engine(DatabaseConfig(url=f"sqlite:///{tmp_path / 'audit.sqlite'}"))
+    migrate(engine)
+    AuditWriter(conn, engine, WriterConfig(prefix=prefix)).run(burst=True)
+    with engine.connect() as db:
+        rows = db.execute(select(completions.c.request_id, completions.c.request_metadata)).all()
+    mine = [r for r in rows if r.request_id.startswith(batch["id"] + ":")]
+    assert sorted(r.request_id for r in mine) == sorted(
+        f"{batch['id']}:{x['custom_id']}" for x in lines
+    )
+    assert all(r.request_metadata["batch_id"] == batch["id"] for r in mine)
+    engine.dispose()
