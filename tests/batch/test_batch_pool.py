@@ -132,3 +132,38 @@ def test_500_lines_each_run_once_and_audited_with_the_batch_id(
     )
     assert all(r.request_metadata["batch_id"] == batch["id"] for r in mine)
     engine.dispose()
+
+
+def test_a_worker_killed_midway_the_batch_completes_each_line_once(
+    make_lines, service, rq_worker, registry, conn, prefix, redis_url, model, tmp_path
+):
+    import signal
+
+    from gateway_procs import start_worker, stop
+
+    from lorapool.audit_db import AuditWriter, DatabaseConfig, WriterConfig, create_audit_engine
+    from lorapool.audit_db.database import migrate
+
+    doomed = start_worker(redis_url, prefix, model, tmp_path)
+    lines = make_lines(60, list(registry), max_tokens=40)
+    batch = service.create(upload(service, lines), "/v1/completions")
+    rq_worker()
+    deadline = time.monotonic() + 120
+    while service.retrieve(batch["id"])["request_counts"]["completed"] < 5:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    doomed.send_signal(signal.SIGKILL)  # its requests in flight are reclaimed by the other
+    doomed.wait()
+    replacement = start_worker(redis_url, prefix, model, tmp_path)
+    try:
+        done = wait_for(service, batch["id"], {"completed", "failed"})
+    finally:
+        stop(replacement)
+    assert done["request_counts"] == {"total": 60, "completed": 60, "failed": 0}
+    outputs = read(service, done["output_file_id"])
+    assert [o["custom_id"] for o in outputs] == [x["custom_id"] for x in lines]
+    engine = create_audit_engine(DatabaseConfig(url=f"sqlite:///{tmp_path / 'audit.sqlite'}"))
+    migrate(engine)
+    stats = AuditWriter(conn, engine, WriterConfig(prefix=prefix)).run(burst=True)
+    engine.dispose()
+    assert stats.duplicates == 0 and stats.conflicts == 0
