@@ -1,0 +1,60 @@
+"""The dashboard page escapes every value from the pool: worker names, devices, adapter
+names, request ids, audit texts, dead-letter reasons are user input. Python's own HTML
+parser reads the page back: no element the values did not come with, every value shown
+as its text."""
+
+from __future__ import annotations
+
+import math
+from html.parser import HTMLParser
+
+from lorapool.gateway.dashboard_page import render
+
+HOSTILE = '<script>alert("x")</script><img src=x onerror=alert(1)> & "quoted" \'single\''
+
+
+class Reader(HTMLParser):
+    def __init__(self):
+        super().__init__()
+        self.tags, self.text = [], []
+
+    def handle_starttag(self, tag, attrs):
+        self.tags.append(tag)
+
+    def handle_data(self, data):
+        self.text.append(data)
+
+
+def snapshot(value: str) -> dict:
+    now = 1_800_000_000.0
+    worker = {"name": value, "device": value, "model": value, "adapters": [value]}
+    worker |= {"running": 1, "waiting": 0, "tokens_per_s": 3.0, "updated": now}
+    row = {"request_id": value, "adapter_name": value, "tenant": value, "text": value}
+    row |= {"finish_reason": "stop", "arrival_time": now - 1}
+    return {
+        "now": now,
+        "prefix": "pool",
+        "workers": [worker],
+        "queue": {"length": 3, "pending": 1, "lag": math.nan, "dead": 1},
+        "history": [(now - 4, 1, 0), (now - 2, 3, 1), (now, 2, 0)],
+        "hottest": [(value, 5)],
+        "audit": [row],
+        "dead": [{"id": "1-0", "worker": value, "reason": value}],
+    }
+
+
+def test_every_value_is_escaped():
+    page = render(snapshot(HOSTILE), 5, audit_links=True)
+    reader = Reader()
+    reader.feed(page)
+    assert "script" not in reader.tags and "img" not in reader.tags
+    shown = "".join(reader.text)
+    # worker, device, model, adapters, hottest, audit request/adapter/tenant/text, dead x2
+    assert shown.count(HOSTILE) >= 11
+    assert 'href="/v1/audit/completions/%3Cscript%3E' in page
+    assert 'id="queue-lag">unknown<' in page  # NaN lag: Redis could not say
+
+
+def test_no_links_without_the_audit_routes():
+    page = render(snapshot("w1"), 5, audit_links=False)
+    assert "<a " not in page and 'data-request="w1"' in page
