@@ -131,9 +131,12 @@ class AsyncProducer:
         lora_request: LoRARequest | str | None = None,
         request_id: str | None = None,
         metadata: dict[str, Any] | None = None,
+        priority: str = "interactive",
     ) -> AsyncJobHandle:
         """Enqueue one job (see ``Producer.submit``)."""
-        handles = await self.submit_many([prompt], params, [lora_request], [request_id], metadata)
+        handles = await self.submit_many(
+            [prompt], params, [lora_request], [request_id], metadata, priority
+        )
         return handles[0]
 
     async def submit_many(
@@ -143,8 +146,10 @@ class AsyncProducer:
         lora_request: LoRARequest | str | None | list = None,
         request_ids: list[str | None] | None = None,
         metadata: dict[str, Any] | None = None,
+        priority: str = "interactive",
     ) -> list[AsyncJobHandle]:
         """Enqueue several jobs in one round trip, all validated first."""
+        stream = self.keys.stream(priority)
         count = len(prompts)
         loras = [await self.resolve(x) for x in per_prompt(lora_request, count, "adapters")]
         jobs = [
@@ -156,8 +161,13 @@ class AsyncProducer:
         async with self.redis.pipeline(transaction=False) as pipe:
             for job in jobs:
                 await self._submit(
-                    keys=[self.keys.job(job.request_id), self.keys.requests],
-                    args=[encode_job(job), job.sampling_params.output_kind.value, time.time()],
+                    keys=[self.keys.job(job.request_id), stream],
+                    args=[
+                        encode_job(job),
+                        job.sampling_params.output_kind.value,
+                        time.time(),
+                        priority,
+                    ],
                     client=pipe,
                 )
             entries = await pipe.execute()

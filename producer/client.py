@@ -177,13 +177,20 @@ class Producer:
         lora_request: LoRARequest | str | None = None,
         request_id: str | None = None,
         metadata: dict[str, Any] | None = None,
+        priority: str = "interactive",
     ) -> JobHandle:
         """Enqueue one job; a request id that exists returns its handle, enqueuing nothing.
 
+        ``priority``: "interactive", or "batch" for work that may wait: workers take
+        batch jobs only with capacity left after the interactive ones.
+
         Raises ValueError naming the problem (sampling params, prompt, unknown
-        adapter, colliding adapter id).
+        adapter, colliding adapter id, priority).
         """
-        return self.submit_many([prompt], params, [lora_request], [request_id], metadata)[0]
+        handles = self.submit_many(
+            [prompt], params, [lora_request], [request_id], metadata, priority
+        )
+        return handles[0]
 
     def submit_many(
         self,
@@ -192,8 +199,10 @@ class Producer:
         lora_request: LoRARequest | str | None | list = None,
         request_ids: list[str | None] | None = None,
         metadata: dict[str, Any] | None = None,
+        priority: str = "interactive",
     ) -> list[JobHandle]:
         """Enqueue several jobs in one round trip; all are validated before any is sent."""
+        stream = self.keys.stream(priority)
         count = len(prompts)
         loras = [self.registry.resolve(x) for x in per_prompt(lora_request, count, "adapters")]
         jobs = [
@@ -205,8 +214,13 @@ class Producer:
         with self.redis.pipeline(transaction=False) as pipe:
             for job in jobs:
                 self._submit(
-                    keys=[self.keys.job(job.request_id), self.keys.requests],
-                    args=[encode_job(job), job.sampling_params.output_kind.value, time.time()],
+                    keys=[self.keys.job(job.request_id), stream],
+                    args=[
+                        encode_job(job),
+                        job.sampling_params.output_kind.value,
+                        time.time(),
+                        priority,
+                    ],
                     client=pipe,
                 )
             entries = pipe.execute()

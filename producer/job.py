@@ -13,7 +13,8 @@ from lorapool.wire import Job, JobLimits, job_from_dict
 # Enqueue a job only if its request id is new: the marker and the entry together.
 # The same call sent again (redis-py retries one whose reply was lost) finds its own
 # marker ('submitted' is this call's clock reading) and returns its entry.
-# KEYS: job marker, requests stream. ARGV: payload, output kind, now.
+# KEYS: job marker, the stream of the job's priority. ARGV: payload, output kind, now,
+# priority.
 SUBMIT_SCRIPT = """
 if redis.call('EXISTS', KEYS[1]) == 1 then
   if redis.call('HGET', KEYS[1], 'submitted') == ARGV[3] then
@@ -23,7 +24,7 @@ if redis.call('EXISTS', KEYS[1]) == 1 then
 end
 local entry = redis.call('XADD', KEYS[2], '*', 'data', ARGV[1])
 redis.call('HSET', KEYS[1], 'status', 'queued', 'entry', entry,
-           'output_kind', ARGV[2], 'submitted', ARGV[3])
+           'output_kind', ARGV[2], 'submitted', ARGV[3], 'priority', ARGV[4])
 return entry
 """
 

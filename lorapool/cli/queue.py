@@ -85,6 +85,13 @@ def _producer(redis_url, prefix):
 @click.option("--max-deliveries", default=3, show_default=True)
 @click.option("--drain-timeout", default=30.0, show_default=True)
 @click.option("--burst", is_flag=True, help="exit when the queue and the engine are empty")
+@click.option(
+    "--fair-share/--no-fair-share",
+    default=True,
+    show_default=True,
+    help="take at most this worker's share of a burst per read (of the queued and running "
+    "jobs over the live workers), so that a burst spreads over the pool",
+)
 @click.option("--metrics-port", type=int, default=None, help="serve Prometheus /metrics here")
 @click.option("--metrics-addr", default="0.0.0.0", show_default=True)
 @count_option("--metrics-max-adapters", 32, "series per adapter-labelled metric ('other' too)")
@@ -121,6 +128,7 @@ def worker(
     max_deliveries,
     drain_timeout,
     burst,
+    fair_share,
     metrics_port,
     metrics_addr,
     metrics_max_adapters,
@@ -163,6 +171,7 @@ def worker(
         max_deliveries=max_deliveries,
         drain_timeout_s=drain_timeout,
         burst=burst,
+        fair_share=fair_share,
         max_n=max_n,
         max_prompt_bytes=max_prompt_bytes,
         result_ttl_s=result_ttl_s,
