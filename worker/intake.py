@@ -93,7 +93,7 @@ class Intake:
         holding = [p for p in self.peers.values() if name in (p.get("loaded") or ())]
         peer = min((p for p in holding if self._can_take(p)), key=self._peer_load, default=None)
         if peer is None and not holding:
-            peer = self.peers.get(self._home(name))
+            peer = self.peers.get(self.home(name))
             peer = peer if peer is not None and self._can_take(peer) else None
         if peer is None:
             return False
@@ -113,7 +113,7 @@ class Intake:
             return False
         return not peer.get("draining") and load <= self._load + AFFINITY_SLACK
 
-    def _home(self, adapter: str) -> str:
+    def home(self, adapter: str) -> str:
         """The live worker an adapter that no worker holds goes to: the highest of
         crc32(adapter, worker) (rendezvous hashing, the same answer in every worker
         that sees the same pool; a worker joining or leaving moves only its share)."""

@@ -92,6 +92,13 @@ def _producer(redis_url, prefix):
     help="take at most this worker's share of a burst per read (of the queued and running "
     "jobs over the live workers), so that a burst spreads over the pool",
 )
+@click.option(
+    "--affinity/--no-affinity",
+    default=True,
+    show_default=True,
+    help="hand a job whose adapter is not loaded here to a live peer that has it loaded "
+    "(or is its home) and is not much busier, so that adapters load less often",
+)
 @click.option("--metrics-port", type=int, default=None, help="serve Prometheus /metrics here")
 @click.option("--metrics-addr", default="0.0.0.0", show_default=True)
 @count_option("--metrics-max-adapters", 32, "series per adapter-labelled metric ('other' too)")
@@ -129,6 +136,7 @@ def worker(
     drain_timeout,
     burst,
     fair_share,
+    affinity,
     metrics_port,
     metrics_addr,
     metrics_max_adapters,
@@ -172,6 +180,7 @@ def worker(
         drain_timeout_s=drain_timeout,
         burst=burst,
         fair_share=fair_share,
+        affinity=affinity,
         max_n=max_n,
         max_prompt_bytes=max_prompt_bytes,
         result_ttl_s=result_ttl_s,
