@@ -2,8 +2,10 @@
 
 Torch-free (SQLAlchemy, redis, orjson only). The pieces:
 
-- :mod:`.record`: the ``{p}:audit`` record (sign, check the signature, parse,
-  validate, build from a finished RequestOutput); the key is ``lorapool.signing``'s;
+- ``lorapool.audit_record`` (torch-free, shared with the worker, re-exported here):
+  the ``{p}:audit`` record (sign, check the signature, parse, validate, build from
+  a finished RequestOutput); the key is ``lorapool.signing``'s;
+- :mod:`.schema`: the tables; :mod:`.chain`: the keyed hash chain of rows;
 - :mod:`.database`: engines with SQLite/PostgreSQL defaults, migrations;
 - :mod:`.exact_text`: text stored exactly (NUL and every code point);
 - :mod:`.store`: the one append path (keyed hash chain, idempotent, conflicts kept);

@@ -63,6 +63,20 @@ class JSONValue(TypeDecorator):
         return orjson.loads(value)
 
 
+def _indexes(table: str, *columns: str) -> list[Index]:
+    """An index on each of ``columns``, named ``ix_<table>_<column>``."""
+    return [Index(f"ix_{table}_{column}", column) for column in columns]
+
+
+def _completion_key(pool_nullable: bool) -> list[Column]:
+    """What names one completion: the pool (Redis prefix), request id and index."""
+    return [
+        Column("pool", ExactText(), nullable=pool_nullable),
+        Column("request_id", ExactText(), nullable=False),
+        Column("completion_index", Integer, nullable=False),
+    ]
+
+
 metadata = MetaData()
 
 adapters = Table(
@@ -79,18 +93,14 @@ adapters = Table(
     Column("target_modules", JSONValue(), nullable=False),
     Column("base_model", ExactText(), nullable=True),
     Column("first_seen", Double, nullable=False),
-    Index("ix_adapters_name", "name"),
-    Index("ix_adapters_sha256", "sha256"),
-    Index("ix_adapters_adapter_id", "adapter_id"),
+    *_indexes("adapters", "name", "sha256", "adapter_id"),
 )
 
 completions = Table(
     "completions",
     metadata,
     Column("seq", BigId, primary_key=True, autoincrement=False),
-    Column("pool", ExactText(), nullable=True),
-    Column("request_id", ExactText(), nullable=False),
-    Column("completion_index", Integer, nullable=False),
+    *_completion_key(pool_nullable=True),  # NULL on rows from before the pool was kept
     Column("adapter_pk", BigId, ForeignKey("adapters.pk"), nullable=True),
     Column("base_model_name", ExactText(), nullable=False),
     Column("base_model_sha256", ExactText(), nullable=False),
@@ -118,18 +128,14 @@ completions = Table(
     Column("prev_hash", String(64), nullable=False),
     Column("row_hash", String(64), nullable=False),
     UniqueConstraint("request_id", "completion_index", "pool", name="uq_completions_pool_request"),
-    Index("ix_completions_adapter_pk", "adapter_pk"),
-    Index("ix_completions_tenant", "tenant"),
-    Index("ix_completions_arrival_time", "arrival_time"),
+    *_indexes("completions", "adapter_pk", "tenant", "arrival_time"),
 )
 
 conflicts = Table(
     "conflicts",
     metadata,
     Column("pk", BigId, primary_key=True, autoincrement=True),
-    Column("pool", ExactText(), nullable=False),
-    Column("request_id", ExactText(), nullable=False),
-    Column("completion_index", Integer, nullable=False),
+    *_completion_key(pool_nullable=False),
     Column("stored_digest", String(64), nullable=False),
     Column("refused_digest", String(64), nullable=False),
     Column("refused_row", JSONValue(), nullable=False),

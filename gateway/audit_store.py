@@ -12,13 +12,13 @@ import base64
 import csv
 import dataclasses
 import io
-from datetime import datetime, timezone
 from typing import Any
 
 import orjson
 
 from lorapool.gateway.auth import Principal
 from lorapool.gateway.errors import APIError, bad_request
+from lorapool.times import epoch_seconds
 
 MAX_LIMIT = 1000
 
@@ -135,18 +135,11 @@ def parse_time(value: str | None, name: str) -> float | None:
     if value is None:
         return None
     try:
-        return float(value)
-    except ValueError:
-        pass
-    try:
-        moment = datetime.fromisoformat(value)
+        return epoch_seconds(value)
     except ValueError:
         raise bad_request(
             f"{name} must be epoch seconds or ISO 8601, got {value!r}", name
         ) from None
-    if moment.tzinfo is None:
-        moment = moment.replace(tzinfo=timezone.utc)
-    return moment.timestamp()
 
 
 def to_csv(rows: list[dict[str, Any]]) -> str:

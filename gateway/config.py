@@ -31,6 +31,8 @@ class GatewayConfig:
     cors_origins: browser origins allowed to call the gateway (none: no CORS headers).
     auth: every /v1 route needs an API key of the right role (``lorapool keys``);
     off, the gateway trusts its network and knows no tenants.
+    redis_connections: Redis connections the gateway opens at most; calls past them
+    wait for one (the Pub/Sub connection that follows every stream is one).
     max_backlog: submits get 429 (with Retry-After: retry_after_s) while this many
     entries of the request stream wait for a worker (None: no bound).
     """
@@ -52,12 +54,17 @@ class GatewayConfig:
     audit_db_schema: str | None = None
     adapter_roots: tuple[str, ...] = ()
     retry_after_s: int = 1
+    redis_connections: int = 64
 
     def __post_init__(self):
         for name in ("max_prompt_bytes", "max_n", "max_prompts", "redis_retries"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+        if not isinstance(self.redis_connections, int) or self.redis_connections < 2:
+            raise ValueError(
+                f"redis_connections must be an integer >= 2, got {self.redis_connections!r}"
+            )
         if not self.result_timeout_s > 0:
             raise ValueError(f"result_timeout_s must be > 0, got {self.result_timeout_s!r}")
 

@@ -2,7 +2,8 @@
 
 - ``POST /v1/jobs`` → 202, the job id and ``Location``; ``Idempotency-Key`` (or the
   body's ``request_id``) makes a retried submit find the job it made;
-- ``GET /v1/jobs/{id}`` → queued (with the backlog), running, finished, failed or
+- ``GET /v1/jobs/{id}`` → queued (with the backlog, and its position: the jobs no
+  worker has taken yet ahead of it, 0 = next), running, finished, failed or
   aborted, and the result once final, with the adapter's full identity and the worker;
 - ``GET /v1/jobs/{id}/events`` → SSE of the job's chunks, event id = chunk seq, so an
   EventSource reconnecting with ``Last-Event-ID`` resumes without gaps or repeats;
@@ -98,6 +99,9 @@ async def get_job(request: Request, job_id: str, caller: Submitter) -> JSON:
         body = {"id": external, "object": "job", "status": state_name(state, None)}
         if not state["started"]:
             body["backlog"] = await pool.view.backlog()
+            position = await pool.position(job_id)
+            if position is not None:  # waiting in the stream, not yet taken by a worker
+                body["position"] = position
         return JSON(body)
     output = await (await pool.handle(job_id)).result(timeout=pool.config.result_timeout_s)
     adapter = None

@@ -13,10 +13,11 @@ import time
 import uuid
 from typing import Any
 
-from lorapool.connection import connect, connect_async
+from lorapool.connection import LoggedAsyncRetry, connect, connection_options
 from lorapool.gateway.auth import OPEN, Principal
 from lorapool.gateway.config import GatewayConfig
 from lorapool.gateway.errors import APIError, field_error, model_not_found
+from lorapool.gateway.queue_position import QueuePosition
 from lorapool.producer import AsyncJobHandle, AsyncProducer
 from lorapool.producer.pool_view import PoolView
 from lorapool.producer.registry import NAME_PATTERN, AdapterRegistry, lora_from_record
@@ -28,11 +29,12 @@ class Pool:
 
     def __init__(self, config: GatewayConfig):
         self.config = config
-        connection = connect_async(config.redis_url, retries=config.redis_retries)
+        connection = _connect(config)
         self.producer = AsyncProducer(
             connection, config.prefix, config.max_prompt_bytes, config.max_n
         )
         self.view = PoolView(self.producer)
+        self.position = QueuePosition(self.producer.redis, self.producer.keys)
         self._registry: AdapterRegistry | None = None
 
     async def close(self) -> None:
@@ -142,6 +144,21 @@ class Pool:
         finally:
             if watching is not None:
                 watching.cancel()
+
+
+def _connect(config: GatewayConfig):
+    """A client whose pool waits for a free connection (up to ``redis_connections``):
+    redis-py's default pool fails a call past 100 connections in use ("Too many
+    connections", a 503), which a burst of a few hundred open streams reaches."""
+    from redis.asyncio import BlockingConnectionPool, Redis
+
+    options = connection_options(config.redis_url, config.redis_retries, LoggedAsyncRetry)
+    pool = BlockingConnectionPool.from_url(
+        config.redis_url, max_connections=config.redis_connections, timeout=None, **options
+    )
+    client = Redis(connection_pool=pool)
+    client.auto_close_connection_pool = True  # closed with the client
+    return client
 
 
 async def _abort(handles: list[AsyncJobHandle]) -> None:

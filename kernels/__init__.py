@@ -134,11 +134,4 @@ def _check_lora_linear(x, lora_a, lora_b, mapping: LoRAMapping, out) -> None:
         raise ValueError(
             f"out has shape {tuple(out.shape)}; want ({x.shape[0]}, {lora_b.shape[1]})"
         )
-    if mapping.num_tokens != x.shape[0]:
-        raise ValueError(
-            f"the LoRA mapping has {mapping.num_tokens} tokens, the batch {x.shape[0]}"
-        )
-    if mapping.max_slot >= num_slots:
-        raise ValueError(
-            f"LoRA slot {mapping.max_slot} is out of range: the weights have {num_slots} slots"
-        )
+    mapping.check_fits(x.shape[0], num_slots)

@@ -25,17 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lorapool.kernels.jit import (
-    Kernel,
-    check_device,
-    check_dtype,
-    check_last_contiguous,
-    check_shape,
-    dot_dtype,
-    dot_precision,
-    next_pow2,
-    num_sms,
-)
+from lorapool.kernels import jit
 from lorapool.kernels.kv_cache_ops import INDEX_DTYPES as _INDEX_DTYPES
 from lorapool.kernels.kv_cache_ops import check_cache
 
@@ -242,8 +232,8 @@ def _combine_kernel(
     )
 
 
-attention_kernel = Kernel(_attention_kernel)
-combine_kernel = Kernel(_combine_kernel)
+attention_kernel = jit.Kernel(_attention_kernel)
+combine_kernel = jit.Kernel(_combine_kernel)
 
 
 def paged_attention(
@@ -299,12 +289,12 @@ def paged_attention(
         GROUP=group,
         BLOCK_Q=block_q,
         BLOCK_M=block_m,
-        BLOCK_D=next_pow2(head_size),
+        BLOCK_D=jit.next_pow2(head_size),
         BLOCK_N=block_n,
         BLOCK_SIZE=block_size,
         NUM_SPLITS=num_splits,
-        DOT_DTYPE=dot_dtype(query.dtype),
-        PRECISION=dot_precision(query.dtype),
+        DOT_DTYPE=jit.dot_dtype(query.dtype),
+        PRECISION=jit.dot_precision(query.dtype),
     )
     if num_splits > 1:
         combine_kernel[(num_tokens, num_heads)](
@@ -316,8 +306,8 @@ def paged_attention(
             out.stride(0),
             out.stride(1),
             NUM_SPLITS=num_splits,
-            BLOCK_S=next_pow2(num_splits, 2),
-            BLOCK_D=next_pow2(head_size),
+            BLOCK_S=jit.next_pow2(num_splits, 2),
+            BLOCK_D=jit.next_pow2(head_size),
         )
     return out
 
@@ -325,8 +315,8 @@ def paged_attention(
 def _query_blocking(num_tokens: int, num_seqs: int, group: int) -> tuple[int, int]:
     """(BLOCK_Q, BLOCK_M): one query per program in decode, a tile of them in prefill."""
     if num_tokens <= num_seqs:
-        return 1, next_pow2(group)
-    block_m = next_pow2(group, 64)
+        return 1, jit.next_pow2(group)
+    block_m = jit.next_pow2(group, 64)
     return block_m // group, block_m
 
 
@@ -340,7 +330,7 @@ def kv_splits(
     over programs, whose partial softmax results a second kernel combines,
     restores the parallelism. Prefill has enough query blocks; it never splits.
     """
-    target = 2 * num_sms(device) if device.type == "cuda" else 16
+    target = 2 * jit.num_sms(device) if device.type == "cuda" else 16
     splits = min(target // num_programs, triton.cdiv(max_context, 256), _MAX_SPLITS)
     if block_q > 1 or splits < 2:
         return 1, max_context
@@ -350,28 +340,28 @@ def kv_splits(
 def _check_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc):
     check_cache(key_cache, value_cache)
     num_kv_heads, head_size = key_cache.shape[2:]
-    check_shape("query", query, (None, None, head_size))
+    jit.check_shape("query", query, (None, None, head_size))
     if query.shape[1] % num_kv_heads:
         raise ValueError(
             f"{query.shape[1]} query heads are not a multiple of {num_kv_heads} KV heads"
         )
-    check_dtype("query", query, (key_cache.dtype,))
-    check_shape("seq_lens", seq_lens, (None,))
-    check_shape("block_tables", block_tables, (seq_lens.shape[0], None))
-    check_shape("query_start_loc", query_start_loc, (seq_lens.shape[0] + 1,))
+    jit.check_dtype("query", query, (key_cache.dtype,))
+    jit.check_shape("seq_lens", seq_lens, (None,))
+    jit.check_shape("block_tables", block_tables, (seq_lens.shape[0], None))
+    jit.check_shape("query_start_loc", query_start_loc, (seq_lens.shape[0] + 1,))
     for name, t in (
         ("block_tables", block_tables),
         ("seq_lens", seq_lens),
         ("query_start_loc", query_start_loc),
     ):
-        check_dtype(name, t, _INDEX_DTYPES)
-    check_device(
+        jit.check_dtype(name, t, _INDEX_DTYPES)
+    jit.check_device(
         query.device,
         key_cache=key_cache,
         block_tables=block_tables,
         seq_lens=seq_lens,
         query_start_loc=query_start_loc,
     )
-    check_last_contiguous(query=query, block_tables=block_tables)
+    jit.check_last_contiguous(query=query, block_tables=block_tables)
     if seq_lens.stride(0) != 1 or query_start_loc.stride(0) != 1:
         raise ValueError("seq_lens and query_start_loc must be contiguous")

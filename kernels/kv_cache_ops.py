@@ -3,15 +3,7 @@
 import torch
 import triton.language as tl
 
-from lorapool.kernels.jit import (
-    FLOAT_DTYPES,
-    Kernel,
-    check_device,
-    check_dtype,
-    check_last_contiguous,
-    check_shape,
-    next_pow2,
-)
+from lorapool.kernels import jit
 
 INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -54,21 +46,21 @@ def _write_kv_kernel(
         tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
-write_kv_kernel = Kernel(_write_kv_kernel)
+write_kv_kernel = jit.Kernel(_write_kv_kernel)
 
 
 def write_kv_cache(key, value, key_cache, value_cache, slot_mapping) -> None:
     """Triton ``reference.write_kv_cache``; a negative slot is skipped."""
     check_cache(key_cache, value_cache)
     num_blocks, block_size, num_heads, head_size = key_cache.shape
-    check_shape("key", key, (None, num_heads, head_size))
-    check_shape("value", value, tuple(key.shape))
-    check_shape("slot_mapping", slot_mapping, (key.shape[0],))
-    check_dtype("key", key, FLOAT_DTYPES)
-    check_dtype("value", value, FLOAT_DTYPES)
-    check_dtype("slot_mapping", slot_mapping, INDEX_DTYPES)
-    check_device(key_cache.device, key=key, value=value, slot_mapping=slot_mapping)
-    check_last_contiguous(key=key, value=value)
+    jit.check_shape("key", key, (None, num_heads, head_size))
+    jit.check_shape("value", value, tuple(key.shape))
+    jit.check_shape("slot_mapping", slot_mapping, (key.shape[0],))
+    jit.check_dtype("key", key, jit.FLOAT_DTYPES)
+    jit.check_dtype("value", value, jit.FLOAT_DTYPES)
+    jit.check_dtype("slot_mapping", slot_mapping, INDEX_DTYPES)
+    jit.check_device(key_cache.device, key=key, value=value, slot_mapping=slot_mapping)
+    jit.check_last_contiguous(key=key, value=value)
     if key.shape[0] == 0:
         return
     write_kv_kernel[(key.shape[0],)](
@@ -86,18 +78,18 @@ def write_kv_cache(key, value, key_cache, value_cache, slot_mapping) -> None:
         value.stride(1),
         *key_cache.stride()[:3],
         *value_cache.stride()[:3],
-        BLOCK_H=next_pow2(num_heads, 1),
-        BLOCK_D=next_pow2(head_size, 1),
+        BLOCK_H=jit.next_pow2(num_heads, 1),
+        BLOCK_D=jit.next_pow2(head_size, 1),
     )
 
 
 def check_cache(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
-    check_shape("key_cache", key_cache, (None, None, None, None))
-    check_shape("value_cache", value_cache, tuple(key_cache.shape))
-    check_dtype("key_cache", key_cache, FLOAT_DTYPES)
+    jit.check_shape("key_cache", key_cache, (None, None, None, None))
+    jit.check_shape("value_cache", value_cache, tuple(key_cache.shape))
+    jit.check_dtype("key_cache", key_cache, jit.FLOAT_DTYPES)
     if value_cache.dtype != key_cache.dtype:
         raise ValueError(f"value_cache has dtype {value_cache.dtype}, key_cache {key_cache.dtype}")
-    check_device(key_cache.device, value_cache=value_cache)
-    check_last_contiguous(key_cache=key_cache, value_cache=value_cache)
+    jit.check_device(key_cache.device, value_cache=value_cache)
+    jit.check_last_contiguous(key_cache=key_cache, value_cache=value_cache)
     if key_cache.shape[1] & (key_cache.shape[1] - 1):
         raise ValueError(f"block size must be a power of two; got {key_cache.shape[1]}")

@@ -84,6 +84,18 @@ class LoRAMapping:
     def device(self) -> torch.device:
         return self.order.device
 
+    def check_fits(self, num_tokens: int, num_slots: int) -> None:
+        """Raise ValueError unless this mapping covers ``num_tokens`` tokens with
+        slots below ``num_slots``."""
+        if self.num_tokens != num_tokens:
+            raise ValueError(
+                f"the LoRA mapping has {self.num_tokens} tokens, the batch {num_tokens}"
+            )
+        if self.max_slot >= num_slots:
+            raise ValueError(
+                f"LoRA slot {self.max_slot} is out of range: the weights have {num_slots} slots"
+            )
+
     def token_indices(self, start: int, end: int) -> torch.Tensor:
         """[end - start] int64 indices of the tokens of one segment."""
         return self.order[start:end]

@@ -21,18 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lorapool.kernels.jit import (
-    FLOAT_DTYPES,
-    Kernel,
-    check_device,
-    check_dtype,
-    check_last_contiguous,
-    check_shape,
-    dot_dtype,
-    dot_precision,
-    next_pow2,
-    num_sms,
-)
+from lorapool.kernels import jit
 from lorapool.kernels.lora_mapping import LoRAMapping, as_mapping
 from lorapool.kernels.reference import slice_widths_of
 
@@ -150,8 +139,8 @@ def _expand_kernel(
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-shrink_kernel = Kernel(_shrink_kernel)
-expand_kernel = Kernel(_expand_kernel)
+shrink_kernel = jit.Kernel(_shrink_kernel)
+expand_kernel = jit.Kernel(_expand_kernel)
 
 
 def lora_shrink(
@@ -172,7 +161,7 @@ def lora_shrink(
     out.zero_()
     if mapping.num_tiles == 0:
         return out
-    block_k = min(128, next_pow2(hidden))
+    block_k = min(128, jit.next_pow2(hidden))
     split_k = split_k_factor(mapping.num_tiles * num_slices, triton.cdiv(hidden, block_k), x.device)
     grid = (mapping.num_tiles, num_slices, split_k)
     shrink_kernel[grid](
@@ -192,11 +181,11 @@ def lora_shrink(
         out.stride(0),
         out.stride(1),
         BLOCK_M=mapping.block_m,
-        BLOCK_R=next_pow2(rank),
+        BLOCK_R=jit.next_pow2(rank),
         BLOCK_K=block_k,
         SPLIT_K=split_k,
-        DOT_DTYPE=dot_dtype(x.dtype),
-        PRECISION=dot_precision(x.dtype),
+        DOT_DTYPE=jit.dot_dtype(x.dtype),
+        PRECISION=jit.dot_precision(x.dtype),
     )
     return out
 
@@ -214,7 +203,7 @@ def lora_expand(
     if mapping.num_tiles == 0:
         return
     ends = tuple(sum(widths[: s + 1]) for s in range(len(widths)))
-    block_n = min(128, next_pow2(max(widths), 32))
+    block_n = min(128, jit.next_pow2(max(widths), 32))
     grid = (mapping.num_tiles, len(widths), triton.cdiv(max(widths), block_n))
     expand_kernel[grid](
         y,
@@ -233,15 +222,15 @@ def lora_expand(
         out.stride(0),
         BLOCK_M=mapping.block_m,
         BLOCK_N=block_n,
-        BLOCK_R=next_pow2(y.shape[2]),
+        BLOCK_R=jit.next_pow2(y.shape[2]),
         NUM_SLICES=len(widths),
-        PRECISION=dot_precision(out.dtype),
+        PRECISION=jit.dot_precision(out.dtype),
     )
 
 
 def split_k_factor(num_programs: int, num_k_blocks: int, device: torch.device) -> int:
     """Splits the reduction until the programs roughly fill the device."""
-    target = num_sms(device) if device.type == "cuda" else 4
+    target = jit.num_sms(device) if device.type == "cuda" else 4
     split = 1
     while split < 8 and num_programs * split * 2 <= target and split * 2 <= num_k_blocks:
         split *= 2
@@ -249,40 +238,33 @@ def split_k_factor(num_programs: int, num_k_blocks: int, device: torch.device) -
 
 
 def _check_shrink(x: torch.Tensor, lora_a: torch.Tensor) -> None:
-    check_shape("x", x, (None, None))
-    check_shape("lora_a", lora_a, (None, None, None, x.shape[1]))
-    check_dtype("x", x, FLOAT_DTYPES)
+    jit.check_shape("x", x, (None, None))
+    jit.check_shape("lora_a", lora_a, (None, None, None, x.shape[1]))
+    jit.check_dtype("x", x, jit.FLOAT_DTYPES)
     if lora_a.dtype != x.dtype:
         raise ValueError(f"lora_a has dtype {lora_a.dtype} but x has {x.dtype}")
-    check_device(x.device, lora_a=lora_a)
-    check_last_contiguous(x=x, lora_a=lora_a)
+    jit.check_device(x.device, lora_a=lora_a)
+    jit.check_last_contiguous(x=x, lora_a=lora_a)
 
 
 def _check_expand(y: torch.Tensor, lora_b: torch.Tensor, out: torch.Tensor) -> None:
-    check_shape("y", y, (None, out.shape[0] if out.dim() == 2 else None, None))
-    check_shape("lora_b", lora_b, (None, None, y.shape[2]))
-    check_shape("out", out, (y.shape[1], lora_b.shape[1]))
-    check_dtype("y", y, (torch.float32,))
-    check_dtype("lora_b", lora_b, FLOAT_DTYPES)
-    check_dtype("out", out, FLOAT_DTYPES)
-    check_device(out.device, y=y, lora_b=lora_b)
-    check_last_contiguous(y=y, out=out)  # lora_b: any strides
+    jit.check_shape("y", y, (None, out.shape[0] if out.dim() == 2 else None, None))
+    jit.check_shape("lora_b", lora_b, (None, None, y.shape[2]))
+    jit.check_shape("out", out, (y.shape[1], lora_b.shape[1]))
+    jit.check_dtype("y", y, (torch.float32,))
+    jit.check_dtype("lora_b", lora_b, jit.FLOAT_DTYPES)
+    jit.check_dtype("out", out, jit.FLOAT_DTYPES)
+    jit.check_device(out.device, y=y, lora_b=lora_b)
+    jit.check_last_contiguous(y=y, out=out)  # lora_b: any strides
 
 
 def _check_out(out: torch.Tensor, shape, device: torch.device) -> None:
-    check_shape("out", out, shape)
-    check_dtype("out", out, (torch.float32,))
-    check_device(device, out=out)
-    check_last_contiguous(out=out)
+    jit.check_shape("out", out, shape)
+    jit.check_dtype("out", out, (torch.float32,))
+    jit.check_device(device, out=out)
+    jit.check_last_contiguous(out=out)
 
 
 def _check_mapping(mapping: LoRAMapping, t: torch.Tensor, num_slots: int) -> None:
-    if mapping.num_tokens != t.shape[0]:
-        raise ValueError(
-            f"the LoRA mapping has {mapping.num_tokens} tokens, the batch {t.shape[0]}"
-        )
-    if mapping.max_slot >= num_slots:
-        raise ValueError(
-            f"LoRA slot {mapping.max_slot} is out of range: the weights have {num_slots} slots"
-        )
-    check_device(t.device, mapping=mapping.order)
+    mapping.check_fits(t.shape[0], num_slots)
+    jit.check_device(t.device, mapping=mapping.order)

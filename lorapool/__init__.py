@@ -6,6 +6,11 @@ jobs never imports torch.
 
 May import: the standard library and orjson (the data types); the engine and
 producers only lazily, through ``__getattr__``. The CLI lives in ``cli/``.
+
+The repository's other folders are packages of this namespace: ``engine/`` is
+``lorapool.engine``, and so are ``kernels``, ``worker``, ``producer``, ``audit_db``
+and ``gateway``. Each one's ``__init__`` says what it is for and what it may import;
+``tests/unit/test_import_rules.py`` checks those rules.
 """
 
 from importlib import import_module

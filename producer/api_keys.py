@@ -38,44 +38,10 @@ def check_tenant(tenant: Any) -> str:
     return tenant
 
 
-def new_record(
-    tenant: str,
-    role: str,
-    adapters: list[str] | None = None,
-    rpm: int | None = None,
-    tpm: int | None = None,
-    all_tenants: bool = False,
-) -> tuple[dict[str, Any], str]:
-    """A new key's record and the key (shown once; only its sha256 is stored).
-
-    ``all_tenants``: an ``audit`` key that reads every tenant's audit trail.
-
-    ``rpm`` / ``tpm``: the tenant's requests and tokens per minute through this key
-    (None: unlimited); tokens are what a request may generate (max_tokens x n).
-    """
-    check_tenant(tenant)
-    if all_tenants and role != "audit":
-        raise ValueError(f"only an audit key may read all tenants, not a {role} key")
-    for name, value in (("rpm", rpm), ("tpm", tpm)):
+def _check_limits(**limits: int | None) -> None:
+    for name, value in limits.items():
         if value is not None and (not isinstance(value, int) or value < 1):
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    if role not in ROLES:
-        raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
-    adapters = None if adapters is None else sorted({check_name(a) for a in adapters})
-    key_id = secrets.token_hex(8)
-    key = f"lp_{key_id}_{secrets.token_urlsafe(32)}"
-    record = {
-        "id": key_id,
-        "tenant": tenant,
-        "role": role,
-        "adapters": adapters,
-        "rpm": rpm,
-        "tpm": tpm,
-        "all_tenants": all_tenants,
-        "sha256": key_sha256(key),
-        "created": time.time(),
-    }
-    return record, key
 
 
 def matching_record(key: str, raw: bytes | None) -> dict[str, Any] | None:
@@ -108,7 +74,33 @@ class ApiKeys:
         tpm: int | None = None,
         all_tenants: bool = False,
     ) -> tuple[dict[str, Any], str]:
-        record, key = new_record(tenant, role, adapters, rpm, tpm, all_tenants)
+        """Add a key; its record and the key (shown once; only its sha256 is stored).
+
+        ``all_tenants``: an ``audit`` key that reads every tenant's audit trail.
+
+        ``rpm`` / ``tpm``: the tenant's requests and tokens per minute through this key
+        (None: unlimited); tokens are what a request may generate (max_tokens x n).
+        """
+        check_tenant(tenant)
+        if all_tenants and role != "audit":
+            raise ValueError(f"only an audit key may read all tenants, not a {role} key")
+        _check_limits(rpm=rpm, tpm=tpm)
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
+        adapters = None if adapters is None else sorted({check_name(a) for a in adapters})
+        key_id = secrets.token_hex(8)
+        key = f"lp_{key_id}_{secrets.token_urlsafe(32)}"
+        record = {
+            "id": key_id,
+            "tenant": tenant,
+            "role": role,
+            "adapters": adapters,
+            "rpm": rpm,
+            "tpm": tpm,
+            "all_tenants": all_tenants,
+            "sha256": key_sha256(key),
+            "created": time.time(),
+        }
         self.redis.hset(self.keys.api_keys, record["id"], orjson.dumps(record))
         return record, key
 

@@ -157,17 +157,16 @@ def resumed_token_ids(held: Held) -> list[int]:
     return [] if first is None else list(first.token_ids)
 
 
-def _next_chunk(held: Held, outputs: list[dict[str, Any]], finished: bool, **fields) -> Chunk:
-    """The chunk at ``held``'s position: the adapter in full on the first and the last."""
-    lora = held.lora_dict if held.seq == 0 or finished else None
+def _chunk(held: Held, seq: int, offset: int, outputs: list, finished: bool, **fields) -> Chunk:
+    """A chunk of ``held``: the adapter in full on the first (seq 0) and the last."""
     return Chunk(
         request_id=held.request_id,
-        seq=held.seq,
-        offset=held.total,
+        seq=seq,
+        offset=offset,
         outputs=outputs,
         finished=finished,
         adapter_id=held.adapter_id,
-        lora_request=lora,
+        lora_request=held.lora_dict if seq == 0 or finished else None,
         **fields,
     )
 
@@ -176,16 +175,7 @@ def make_chunk(held: Held, out: RequestOutput, worker: str, position: Position) 
     """The chunk of ``held`` at ``position`` (``Held.advance``) from one engine delta."""
     outputs = [completion_wire(c, off) for c, off in zip(out.outputs, position.offsets)]
     first, finished = position.seq == 0, out.finished
-    chunk = Chunk(
-        request_id=held.request_id,
-        seq=position.seq,
-        offset=position.total,
-        outputs=outputs,
-        finished=finished,
-        adapter_id=held.adapter_id,
-        lora_request=held.lora_dict if first or finished else None,
-        error=out.error,
-    )
+    chunk = _chunk(held, position.seq, position.total, outputs, finished, error=out.error)
     if first:
         chunk.prompt = held.job.prompt if held.job.prompt is not None else out.prompt
         chunk.prompt_token_ids = list(out.prompt_token_ids or [])
@@ -220,9 +210,8 @@ def error_chunk(held: Held, error: str, worker: str) -> Chunk:
         }
         for i in range(n)
     ]
-    chunk = _next_chunk(
-        held, outputs, True, worker=worker, error=error, metrics=_error_metrics(held)
-    )
+    fields = {"worker": worker, "error": error, "metrics": _error_metrics(held)}
+    chunk = _chunk(held, held.seq, held.total, outputs, True, **fields)
     if held.seq == 0:
         chunk.prompt, chunk.prompt_token_ids = held.job.prompt, held.job.prompt_token_ids
     return chunk

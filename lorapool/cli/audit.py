@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import sys
 import time
-from datetime import datetime, timezone
 
 import click
 from rich.console import Console
+
+from lorapool.times import epoch_seconds
 
 _AGES = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 
@@ -29,16 +30,9 @@ def parse_time(value: str | None) -> float | None:
     if value[-1:] in _AGES and value[:-1].replace(".", "", 1).isdigit():
         return time.time() - float(value[:-1]) * _AGES[value[-1]]
     try:
-        return float(value)
-    except ValueError:
-        pass
-    try:
-        moment = datetime.fromisoformat(value)
+        return epoch_seconds(value)
     except ValueError:
         raise click.BadParameter(f"{value!r} is not epoch seconds, ISO 8601 or an age") from None
-    if moment.tzinfo is None:
-        moment = moment.replace(tzinfo=timezone.utc)
-    return moment.timestamp()
 
 
 def _engine(ctx: click.Context):

@@ -8,7 +8,7 @@ import signal
 import click
 
 from lorapool.cli.audit import audit_key, db_options, insecure_option
-from lorapool.cli.queue import count_option
+from lorapool.cli.options import config_from, count_option
 from lorapool.connection import LOOP_RETRIES, connect
 from lorapool.keys import DEAD_MAX_LEN
 
@@ -43,20 +43,8 @@ def _install_signals(writer) -> None:
 @insecure_option
 @click.option("--log-level", default="INFO", show_default=True)
 def audit_writer(
-    redis_url,
-    prefix,
-    db_url,
-    schema,
-    consumer,
-    batch_size,
-    claim_idle_ms,
-    dead_max_len,
-    run_migrate,
-    burst,
-    insecure,
-    log_level,
+    redis_url, db_url, schema, consumer, run_migrate, burst, insecure, log_level, **options
 ):
-    """Consume {prefix}:audit into the audit database (acks after commit)."""
     from lorapool.audit_db import AuditWriter, DatabaseConfig, WriterConfig, create_audit_engine
 
     logging.basicConfig(
@@ -66,13 +54,11 @@ def audit_writer(
         raise click.UsageError("audit-writer needs Redis: pass --redis-url or set REDIS_URL")
     key = audit_key(insecure)
     engine = create_audit_engine(DatabaseConfig(url=db_url, schema=schema))
-    config = WriterConfig(
-        prefix=prefix,
+    config = config_from(
+        WriterConfig,
+        options,
         audit_key=key,
         insecure_no_key=insecure,
-        batch_size=batch_size,
-        claim_idle_ms=claim_idle_ms,
-        dead_max_len=dead_max_len,
         migrate=run_migrate,
         **({"consumer": consumer} if consumer else {}),
     )

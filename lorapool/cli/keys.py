@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from lorapool.cli.queue import prefix_option, redis_option
+from lorapool.cli.options import prefix_option, redis_option
 
 
 def _api_keys(redis_url, prefix):

@@ -64,7 +64,7 @@ def prepare_smollm2(target_dir: str | os.PathLike | None = None, progress: bool 
         with steps.step("Write the tokenizer"):
             _write_tokenizer(tokenizer, work)
         _write_marker(work)
-        _install(work, target)
+        install_prepared(work, target)
     steps.done(target)
     return target
 
@@ -221,7 +221,7 @@ def _write_marker(out: Path) -> None:
     (out / MARKER_NAME).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
 
 
-def _install(work: Path, target: Path) -> None:
+def install_prepared(work: Path, target: Path) -> None:
     """Move the finished directory into place; a half-prepared target is replaced."""
     if target.exists() and not is_prepared(target):
         shutil.rmtree(target)

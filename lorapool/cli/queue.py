@@ -9,26 +9,9 @@ import sys
 
 import click
 
-from lorapool.keys import DEAD_MAX_LEN, DEFAULT_PREFIX
+from lorapool.cli.options import config_from, count_option, prefix_option, redis_option
+from lorapool.keys import DEAD_MAX_LEN
 from lorapool.wire import DEFAULT_MAX_N, DEFAULT_MAX_PROMPT_BYTES
-
-redis_option = click.option(
-    "--redis-url",
-    envvar="REDIS_URL",
-    default=None,
-    help="Redis URL (default: $REDIS_URL, else an embedded Redis)",
-)
-prefix_option = click.option(
-    "--prefix", default=DEFAULT_PREFIX, show_default=True, help="key prefix"
-)
-
-
-def count_option(flag: str, default: int, help: str, dest: str | None = None):
-    """An option taking a positive integer, its default shown."""
-    names = (flag, dest) if dest else (flag,)
-    return click.option(
-        *names, default=default, show_default=True, type=click.IntRange(min=1), help=help
-    )
 
 
 def _producer(redis_url, prefix):
@@ -111,40 +94,7 @@ def _producer(redis_url, prefix):
 )
 @redis_option
 @prefix_option
-def worker(
-    model,
-    dtype,
-    device,
-    max_num_seqs,
-    max_num_batched_tokens,
-    max_model_len,
-    enable_lora,
-    max_loras,
-    max_lora_rank,
-    max_cpu_loras,
-    adapter_roots,
-    kv_cache_memory,
-    enable_prefix_caching,
-    max_n,
-    max_prompt_bytes,
-    result_ttl_s,
-    dead_max_len,
-    log_grace_s,
-    name,
-    lease_s,
-    max_deliveries,
-    drain_timeout,
-    burst,
-    fair_share,
-    affinity,
-    metrics_port,
-    metrics_addr,
-    metrics_max_adapters,
-    metrics_vllm_names,
-    insecure_no_key,
-    redis_url,
-    prefix,
-):
+def worker(name, adapter_roots, drain_timeout, insecure_no_key, redis_url, **options):
     """Serve the request stream with one engine.
 
     Audit records are signed with $LORAPOOL_AUDIT_KEY (or the key in
@@ -157,39 +107,12 @@ def worker(
     from lorapool.worker.serve import serve
 
     key_options = _audit_key(insecure_no_key)  # refuse before loading anything
-    args = EngineArgs(
-        model=model,
-        dtype=dtype,
-        device=device,
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens,
-        max_model_len=max_model_len,
-        enable_lora=enable_lora,
-        max_loras=max_loras,
-        max_lora_rank=max_lora_rank,
-        max_cpu_loras=max_cpu_loras,
-        adapter_roots=list(adapter_roots),
-        kv_cache_memory=kv_cache_memory,
-        enable_prefix_caching=enable_prefix_caching,
-    )
-    config = WorkerConfig(
-        prefix=prefix,
+    args = config_from(EngineArgs, options, adapter_roots=list(adapter_roots))
+    config = config_from(
+        WorkerConfig,
+        options,
         name=name or default_name(),
-        lease_s=lease_s,
-        max_deliveries=max_deliveries,
         drain_timeout_s=drain_timeout,
-        burst=burst,
-        fair_share=fair_share,
-        affinity=affinity,
-        max_n=max_n,
-        max_prompt_bytes=max_prompt_bytes,
-        result_ttl_s=result_ttl_s,
-        dead_max_len=dead_max_len,
-        log_grace_s=log_grace_s,
-        metrics_port=metrics_port,
-        metrics_addr=metrics_addr,
-        metrics_max_adapters=metrics_max_adapters,
-        metrics_vllm_names=metrics_vllm_names,
         **key_options,
     )
     from lorapool.worker.pool import ModelMismatchError

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import click
 
-from lorapool.cli.queue import count_option, prefix_option, redis_option
+from lorapool.cli.options import (
+    config_from,
+    count_option,
+    optional_option,
+    prefix_option,
+    redis_option,
+    repeated_option,
+)
 from lorapool.wire import DEFAULT_MAX_N, DEFAULT_MAX_PROMPT_BYTES
 
 
@@ -13,11 +20,10 @@ from lorapool.wire import DEFAULT_MAX_N, DEFAULT_MAX_PROMPT_BYTES
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535))
 @count_option("--max-n", DEFAULT_MAX_N, "most completions per request")
 @count_option("--max-prompt-bytes", DEFAULT_MAX_PROMPT_BYTES, "larger prompts get 413")
-@click.option(
+@optional_option(
     "--max-body-bytes",
-    type=click.IntRange(min=1),
-    default=None,
-    help="larger request bodies get 413 (default: room for the largest prompt)",
+    click.IntRange(min=1),
+    "larger request bodies get 413 (default: room for the largest prompt)",
 )
 @click.option(
     "--result-timeout",
@@ -25,11 +31,10 @@ from lorapool.wire import DEFAULT_MAX_N, DEFAULT_MAX_PROMPT_BYTES
     show_default=True,
     help="seconds a non-streaming call waits for its result",
 )
-@click.option(
+@optional_option(
     "--max-backlog",
-    type=click.IntRange(min=1),
-    default=None,
-    help="submits get 429 while this many jobs wait for a worker (default: no bound)",
+    click.IntRange(min=1),
+    "submits get 429 while this many jobs wait for a worker (default: no bound)",
 )
 @click.option(
     "--auth/--no-auth",
@@ -38,56 +43,39 @@ from lorapool.wire import DEFAULT_MAX_N, DEFAULT_MAX_PROMPT_BYTES
     help="require an API key (lorapool keys add) on every /v1 route; --no-auth trusts "
     "the network and knows no tenants",
 )
-@click.option(
-    "--cors-origin",
-    "cors_origins",
-    multiple=True,
-    help="a browser origin allowed to call the gateway (repeatable; default: none)",
-)
-@click.option(
-    "--events-max-s",
-    type=click.FloatRange(min=0.1),
-    default=None,
-    help="end a job-events response after this long; EventSource reconnects (default: never)",
+@repeated_option(
+    "--cors-origin", "cors_origins", "a browser origin allowed to call the gateway, none by default"
 )
 @click.option(
     "--enable-adapter-admin",
     is_flag=True,
     help="serve /v1/load_lora_adapter and /v1/unload_lora_adapter (role admin)",
 )
-@click.option(
-    "--adapter-root",
-    "adapter_roots",
-    multiple=True,
-    help="register adapters only inside this directory (repeatable)",
-)
+@repeated_option("--adapter-root", "adapter_roots", "register adapters only inside this directory")
 @click.option(
     "--audit-db-url",
     default=None,
     help="serve /v1/audit/* from this database (a read-only role's URL)",
 )
 @click.option("--audit-db-schema", default=None, help="its PostgreSQL schema")
+@optional_option(
+    "--events-max-s",
+    click.FloatRange(min=0.1),
+    "end a job-events response after this long; EventSource reconnects (default: never)",
+)
 @click.option("--log-level", default="info", show_default=True)
 @redis_option
 @prefix_option
 def serve(
     host,
     port,
-    max_n,
-    max_prompt_bytes,
-    max_body_bytes,
     result_timeout,
-    max_backlog,
-    auth,
     cors_origins,
-    events_max_s,
     enable_adapter_admin,
     adapter_roots,
-    audit_db_url,
-    audit_db_schema,
     log_level,
     redis_url,
-    prefix,
+    **options,
 ):
     """Serve the pool over HTTP: /v1/completions, /v1/chat/completions, /v1/models,
     /v1/jobs (asynchronous jobs and their events), /healthz, /readyz; OpenAPI docs at
@@ -96,20 +84,13 @@ def serve(
     from lorapool.gateway import GatewayConfig, create_app
     from lorapool.gateway.server import run
 
-    config = GatewayConfig(
+    config = config_from(
+        GatewayConfig,
+        options,
         redis_url=redis_url or resolve_url(),
-        prefix=prefix,
-        max_prompt_bytes=max_prompt_bytes,
-        max_n=max_n,
-        max_body_bytes=max_body_bytes,
         result_timeout_s=result_timeout,
-        max_backlog=max_backlog,
-        auth=auth,
         cors_origins=tuple(cors_origins),
-        events_max_s=events_max_s,
         adapter_admin=enable_adapter_admin,
         adapter_roots=tuple(adapter_roots),
-        audit_db_url=audit_db_url,
-        audit_db_schema=audit_db_schema,
     )
     run(create_app(config), host, port, log_level)

@@ -113,3 +113,13 @@ def test_percentile_matches_linear_interpolation(values):
         assert percentile(values, 95) == pytest.approx(cuts[94])
     assert percentile(values, 0) == min(values) and percentile(values, 100) == max(values)
     assert percentile([], 50) is None
+
+
+def test_the_gateway_reads_times_as_the_cli_does():
+    from lorapool.gateway.audit_store import parse_time as gateway_time
+    from lorapool.gateway.errors import APIError
+
+    for value in ("1700000000.5", "2023-11-14T22:13:20", "2023-11-14T23:13:20+01:00"):
+        assert gateway_time(value, "since") == parse_time(value)
+    with pytest.raises(APIError):
+        gateway_time("2h", "since")  # ages are the CLI's own

@@ -75,7 +75,7 @@ def test_install_replaces_a_half_prepared_target(tmp_path):
     (work / prepare.MARKER_NAME).write_text("{}")
     target.mkdir()
     (target / "model.safetensors").write_text("partial")
-    prepare._install(work, target)
+    prepare.install_prepared(work, target)
     assert prepare.is_prepared(target) and not (target / "model.safetensors").exists()
 
 
@@ -84,5 +84,5 @@ def test_install_keeps_a_target_another_process_finished(tmp_path):
     for path in (work, target):
         path.mkdir()
         (path / prepare.MARKER_NAME).write_text(path.name)
-    prepare._install(work, target)
+    prepare.install_prepared(work, target)
     assert (target / prepare.MARKER_NAME).read_text() == "target"

@@ -57,10 +57,18 @@ def test_backlog_bound_gives_429_and_keeps_what_was_accepted(
         assert httpx.post(f"{url}/v1/completions", json=JOB).status_code == 429
         ready = httpx.get(f"{url}/readyz")
         assert ready.status_code == 503 and "no live worker" in ready.json()["reason"]
-        for job_id in ids:
+        for place, job_id in enumerate(ids):
             job = httpx.get(f"{url}/v1/jobs/{job_id}").json()
             assert job["status"] == "queued" and job["backlog"] == 2
+            assert job["position"] == place
         assert conn.xlen(f"{backlog_prefix}:requests") == 2
+        # a worker's read, as Redis sees it: the first entry delivered, the second next
+        stream = f"{backlog_prefix}:requests"
+        conn.xgroup_create(stream, "workers", id="0")
+        conn.xreadgroup("workers", "someone", {stream: ">"}, count=1)
+        first, second = (httpx.get(f"{url}/v1/jobs/{i}").json() for i in ids)
+        assert "position" not in first and first["backlog"] == 1
+        assert second["position"] == 0 and second["backlog"] == 1
     finally:
         for key in conn.scan_iter(f"{backlog_prefix}:*"):
             conn.delete(key)

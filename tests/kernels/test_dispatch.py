@@ -90,4 +90,5 @@ def test_an_interpreting_process_leaves_this_one_compiling():
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == "interpreted True"
     assert isinstance(triton.language.max, JITFunction)
-    assert isinstance(lora_ops._tile, JITFunction)
+    assert not lora_ops.shrink_kernel.interpreted
+    assert isinstance(lora_ops.shrink_kernel.jitted, JITFunction)

@@ -2,8 +2,9 @@
 
 Each check imports the modules in a fresh interpreter and reads ``sys.modules``:
 a producer must import without torch, the audit trail never imports torch, the
-scheduler and block manager are plain Python, and the torch-free data types of
-``lorapool/`` need only the standard library and orjson.
+scheduler and block manager are plain Python, the torch-free data types of
+``lorapool/`` (``protocol``, ``wire``, ``keys``, ...) need only the standard library
+and orjson, the worker needs no SQLAlchemy and the kernels no engine.
 """
 
 import ast
@@ -73,6 +74,23 @@ def test_the_gateway_imports_without_torch_or_sqlalchemy():
     loaded = imported(submodules("lorapool.gateway") + ["lorapool.cli.serve", "lorapool.cli.keys"])
     assert {"fastapi", "redis"} <= loaded  # the probe really imported the gateway
     assert not loaded & (GPU_STACK | {"sqlalchemy"})
+
+
+def test_the_worker_never_imports_sqlalchemy_or_the_cli():
+    loaded = imported(submodules("lorapool.worker"))
+    assert "redis" in loaded  # the probe really imported the worker
+    assert not loaded & {"sqlalchemy", "click", "rich"}
+
+
+def test_the_kernels_never_import_the_engine():
+    # Read, not imported: which lorapool modules each kernel module names.
+    for path in (ROOT / "kernels").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                assert not node.module.startswith("lorapool.engine"), f"{path.name}: {node.module}"
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+                assert not any(n.startswith("lorapool.engine") for n in names), path.name
 
 
 @pytest.mark.parametrize("module", ["scheduler", "block_manager", "sequence"])

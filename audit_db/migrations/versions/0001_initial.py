@@ -8,6 +8,8 @@ Create Date: 2025-01-01
 import sqlalchemy as sa
 from alembic import op
 
+from lorapool.audit_db.append_only import REJECT_FUNCTION, append_only_statements
+
 revision = "0001"
 down_revision = None
 branch_labels = None
@@ -17,15 +19,6 @@ BigId = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
 # SQLite's JSON type has NUMERIC affinity (a stored "1.0" would come back as 1).
 Json = sa.JSON().with_variant(sa.Text(), "sqlite")
 TABLES = ("adapters", "completions")
-
-PG_FUNCTION = """
-CREATE FUNCTION audit_reject_change() RETURNS trigger LANGUAGE plpgsql AS $$
-BEGIN
-    RAISE EXCEPTION 'lorapool audit: % on % is not allowed, the table is append-only',
-        TG_OP, TG_TABLE_NAME;
-END
-$$
-"""
 
 
 def _create_adapters() -> None:
@@ -94,25 +87,13 @@ def _create_completions() -> None:
 
 
 def _create_triggers(dialect: str) -> None:
+    if dialect not in ("postgresql", "sqlite"):
+        return
     if dialect == "postgresql":
-        op.execute(PG_FUNCTION)
-        for table in TABLES:
-            op.execute(
-                f"CREATE TRIGGER {table}_append_only BEFORE UPDATE OR DELETE ON {table} "
-                "FOR EACH ROW EXECUTE FUNCTION audit_reject_change()"
-            )
-            op.execute(
-                f"CREATE TRIGGER {table}_no_truncate BEFORE TRUNCATE ON {table} "
-                "FOR EACH STATEMENT EXECUTE FUNCTION audit_reject_change()"
-            )
-    elif dialect == "sqlite":
-        for table in TABLES:
-            for verb in ("UPDATE", "DELETE"):
-                op.execute(
-                    f"CREATE TRIGGER {table}_no_{verb.lower()} BEFORE {verb} ON {table} "
-                    f"BEGIN SELECT RAISE(ABORT, 'lorapool audit: {verb} on {table} is "
-                    "not allowed, the table is append-only'); END"
-                )
+        op.execute(REJECT_FUNCTION)
+    for table in TABLES:
+        for statement in append_only_statements(dialect, table):
+            op.execute(statement)
 
 
 def upgrade() -> None:

@@ -17,6 +17,8 @@ characters, which would then read back differently.
 import sqlalchemy as sa
 from alembic import op
 
+from lorapool.audit_db.append_only import append_only_statements
+
 revision = "0002"
 down_revision = "0001"
 branch_labels = None
@@ -58,22 +60,8 @@ def _refuse_escape_characters(bind) -> None:
 
 
 def _append_only(dialect: str, table: str) -> None:
-    if dialect == "postgresql":
-        op.execute(
-            f"CREATE TRIGGER {table}_append_only BEFORE UPDATE OR DELETE ON {table} "
-            "FOR EACH ROW EXECUTE FUNCTION audit_reject_change()"
-        )
-        op.execute(
-            f"CREATE TRIGGER {table}_no_truncate BEFORE TRUNCATE ON {table} "
-            "FOR EACH STATEMENT EXECUTE FUNCTION audit_reject_change()"
-        )
-        return
-    for verb in ("UPDATE", "DELETE"):
-        op.execute(
-            f"CREATE TRIGGER {table}_no_{verb.lower()} BEFORE {verb} ON {table} "
-            f"BEGIN SELECT RAISE(ABORT, 'lorapool audit: {verb} on {table} is "
-            "not allowed, the table is append-only'); END"
-        )
+    for statement in append_only_statements(dialect, table):
+        op.execute(statement)
 
 
 def _pool_in_key(dialect: str) -> None:

@@ -1,0 +1,169 @@
+"""One line of a batch input file, checked: OpenAI's ``custom_id``, ``method``, ``url``,
+``body``; the body through the gateway's own parser and the job boundary
+(``wire.job_from_dict`` via ``build_job``), so a batch line is refused exactly when
+the same request over HTTP would be."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from lorapool.gateway.errors import APIError, field_error
+from lorapool.gateway.params import Parsed, parse_chat, parse_completion
+from lorapool.producer.job import build_job
+from lorapool.protocol import FieldError, short_repr
+from lorapool.wire import JobLimits
+
+ENDPOINTS = {"/v1/completions": "completion", "/v1/chat/completions": "chat"}
+LINE_FIELDS = {"custom_id", "method", "url", "body"}
+MAX_LINE_BYTES = 1 << 20
+MAX_CUSTOM_ID = 64
+MAX_ERRORS = 1000  # reasons kept for one file; the count goes on
+
+
+class LineError(ValueError):
+    """A line that cannot run: ``field`` names what is wrong in it (or None)."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
+
+
+@dataclass
+class BatchLine:
+    """A checked line: what to submit for it."""
+
+    number: int  # 1-based line number in the input file
+    custom_id: str
+    url: str
+    parsed: Parsed
+
+    @property
+    def kind(self) -> str:
+        return ENDPOINTS[self.url]
+
+    def request_id(self, batch_id: str) -> str:
+        return f"{batch_id}:{self.custom_id}"
+
+
+def parse_line(
+    number: int, raw: bytes, endpoint: str | None, batch_id: str, limits: JobLimits
+) -> BatchLine:
+    """The line as a BatchLine; LineError naming the field otherwise."""
+    if len(raw) > MAX_LINE_BYTES:
+        raise LineError(f"the line is over {MAX_LINE_BYTES} bytes")
+    try:
+        record = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise LineError(f"not valid JSON: {exc}") from None
+    if not isinstance(record, dict):
+        raise LineError(f"a line must be a JSON object, got {short_repr(record)}")
+    unknown = sorted(str(k) for k in set(record) - LINE_FIELDS)
+    if unknown:
+        raise LineError(f"unknown field {short_repr(unknown[0])}", unknown[0])
+    custom_id = _custom_id(record.get("custom_id"))
+    if record.get("method") != "POST":
+        raise LineError(f"method must be 'POST', got {short_repr(record.get('method'))}", "method")
+    url = record.get("url")
+    if not isinstance(url, str) or url not in ENDPOINTS:
+        raise LineError(f"url must be one of {sorted(ENDPOINTS)}, got {short_repr(url)}", "url")
+    if endpoint is not None and url != endpoint:
+        raise LineError(f"url {url!r} differs from the batch's endpoint {endpoint!r}", "url")
+    parsed = _parse_body(record.get("body"), ENDPOINTS[url])
+    line = BatchLine(number, custom_id, url, parsed)
+    _check_job(line, batch_id, limits)
+    return line
+
+
+def _custom_id(value: Any) -> str:
+    if not isinstance(value, str) or not 0 < len(value) <= MAX_CUSTOM_ID:
+        raise LineError(
+            f"custom_id must be a string of 1 to {MAX_CUSTOM_ID} characters, "
+            f"got {short_repr(value)}",
+            "custom_id",
+        )
+    if any(c in value for c in "{}\x00"):
+        raise LineError(
+            f"custom_id must not hold braces or NUL, got {short_repr(value)}", "custom_id"
+        )
+    return value
+
+
+def _parse_body(body: Any, kind: str) -> Parsed:
+    try:
+        parsed = parse_chat(body) if kind == "chat" else parse_completion(body, 1)
+    except APIError as exc:
+        raise LineError(exc.message, f"body.{exc.param}" if exc.param else "body") from None
+    if parsed.stream:
+        raise LineError("a batch line cannot stream", "body.stream")
+    return parsed
+
+
+def _check_job(line: BatchLine, batch_id: str, limits: JobLimits) -> None:
+    """The job boundary on the line's job, as a worker would check it."""
+    rid = line.request_id(batch_id)
+    try:
+        build_job(line.parsed.prompts[0], line.parsed.params, None, rid, {}, limits)
+    except FieldError as exc:
+        error = field_error(exc, rid, line.parsed.names)
+        raise LineError(error.message, f"body.{error.param}" if error.param else "body") from None
+
+
+@dataclass
+class Report:
+    """What checking a whole file found."""
+
+    total: int = 0
+    endpoint: str | None = None
+    errors: list[dict[str, Any]] | None = None  # {"line", "param", "message"}
+    num_errors: int = 0
+
+    def add(self, number: int, error: LineError) -> None:
+        self.num_errors += 1
+        if len(self.errors) < MAX_ERRORS:
+            message = f"line {number}: {error}"
+            self.errors.append({"line": number, "param": error.field, "message": message})
+
+
+def check_file(
+    lines: Iterator[bytes],
+    batch_id: str,
+    known_model: Callable[[str], bool],
+    endpoint: str | None = None,
+    limits: JobLimits | None = None,
+) -> Report:
+    """Every line checked (one at a time): shape, endpoint, model, parameters, and
+    custom_ids unique across the file. Blank lines are skipped."""
+    report, seen, limits = Report(endpoint=endpoint, errors=[]), {}, limits or JobLimits()
+    for number, raw in enumerate(lines, start=1):
+        if not raw.strip():
+            continue
+        report.total += 1
+        try:
+            line = parse_line(number, raw, report.endpoint, batch_id, limits)
+        except LineError as exc:
+            report.add(number, exc)
+            continue
+        report.endpoint = report.endpoint or line.url
+        if line.custom_id in seen:
+            first = seen[line.custom_id]
+            report.add(
+                number, LineError(f"custom_id {line.custom_id!r} repeats line {first}", "custom_id")
+            )
+        else:
+            seen[line.custom_id] = number
+        if not known_model(line.parsed.model):
+            report.add(number, LineError(f"unknown model {line.parsed.model!r}", "body.model"))
+    if report.total == 0:
+        report.add(0, LineError("the file has no requests"))
+    return report
+
+
+def read_lines(lines: Iterator[bytes], batch_id: str, limits: JobLimits) -> Iterator[BatchLine]:
+    """The lines of a file already checked, parsed again one at a time."""
+    for number, raw in enumerate(lines, start=1):
+        if raw.strip():
+            yield parse_line(number, raw, None, batch_id, limits)

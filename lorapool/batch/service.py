@@ -1,0 +1,86 @@
+"""Batches as their users see them: upload a file, create a batch over it, read its
+state, cancel it, read its output. The CLI and the gateway both go through here."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any, BinaryIO
+
+import redis
+
+from lorapool.batch.files import FileStore
+from lorapool.batch.lines import ENDPOINTS
+from lorapool.batch.state import WINDOWS, BatchState, Status
+from lorapool.batch.tasks import BatchConfig, enqueue_step
+from lorapool.keys import Keys
+
+
+class BatchError(ValueError):
+    """A request about batches that cannot be served; ``param`` names the culprit."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400):
+        super().__init__(message)
+        self.param, self.status = param, status
+
+
+class BatchService:
+    """The batches of one pool (``connection``: its Redis; ``config``: where files live)."""
+
+    def __init__(self, connection: redis.Redis, config: BatchConfig):
+        self.redis, self.config = connection, config
+        self.files: FileStore = config.files()
+        self.state = BatchState(connection, Keys(config.prefix))
+
+    def upload(self, source: BinaryIO, filename: str, purpose: str = "batch") -> dict[str, Any]:
+        """Store an input file; its OpenAI file object."""
+        if purpose != "batch":
+            raise BatchError(f"purpose must be 'batch', got {purpose!r}", "purpose")
+        return self.files.put(source, filename, purpose)
+
+    def create(
+        self,
+        input_file_id: str,
+        endpoint: str,
+        completion_window: str = "24h",
+        metadata: dict[str, str] | None = None,
+    ) -> dict[str, Any]:
+        """A new batch in ``validating``; its RQ validate job is enqueued."""
+        if endpoint not in ENDPOINTS:
+            raise BatchError(f"endpoint must be one of {sorted(ENDPOINTS)}", "endpoint")
+        if completion_window not in WINDOWS:
+            raise BatchError(
+                f"completion_window must be one of {sorted(WINDOWS)}", "completion_window"
+            )
+        if metadata is not None and not (
+            isinstance(metadata, dict)
+            and all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())
+        ):
+            raise BatchError("metadata must map strings to strings", "metadata")
+        self.file(input_file_id)
+        batch = self.state.create(input_file_id, endpoint, completion_window, metadata)
+        enqueue_step(self.redis, self.config, "validate_batch", batch["id"])
+        return batch
+
+    def retrieve(self, batch_id: str) -> dict[str, Any]:
+        batch = self.state.get(batch_id) if isinstance(batch_id, str) else None
+        if batch is None:
+            raise BatchError(f"no batch {batch_id!r}", "batch_id", 404)
+        return batch
+
+    def cancel(self, batch_id: str) -> dict[str, Any]:
+        """Ask the batch to stop: lines not yet finished are aborted by its collector;
+        finished ones stay in its output."""
+        self.retrieve(batch_id)
+        self.state.move(batch_id, Status.CANCELLING, Status.VALIDATING, Status.IN_PROGRESS)
+        return self.retrieve(batch_id)
+
+    def file(self, file_id: str) -> dict[str, Any]:
+        try:
+            return self.files.info(file_id)
+        except KeyError:
+            raise BatchError(f"no file {file_id!r}", "file_id", 404) from None
+
+    def content(self, file_id: str) -> Iterator[bytes]:
+        """The file's bytes, a line at a time."""
+        self.file(file_id)
+        return (line + b"\n" for line in self.files.lines(file_id))

@@ -1,0 +1,160 @@
+"""The batch's RQ jobs (JSON-serialized; each runs once the one before has finished):
+
+    validate_batch -> enqueue_lines -> collect
+
+Each takes the batch id and a JSON-able config, and finds Redis through RQ's current
+job, so any RQ worker of the queue runs them. None loads a model: the lines run as
+ordinary pool jobs with request ids ``<batch>:<custom_id>``; submitting one again
+(a retried job) finds its id taken and enqueues nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict, dataclass
+from itertools import islice
+from typing import Any
+
+import orjson
+import redis
+from rq import Queue, Retry, get_current_job
+from rq.serializers import JSONSerializer
+
+from lorapool.batch.collector import Collector
+from lorapool.batch.files import DEFAULT_RETENTION_S, FileStore
+from lorapool.batch.lines import check_file, read_lines
+from lorapool.batch.state import BatchState, Status
+from lorapool.keys import DEFAULT_PREFIX, Keys
+from lorapool.producer import Producer
+from lorapool.protocol import LoRARequest
+
+logger = logging.getLogger(__name__)
+SUBMIT_LINES = 256  # lines a submit_many sends in one round trip
+RESULT_TTL_S = 7 * 24 * 3600  # a line's output stays readable until collected
+
+
+@dataclass
+class BatchConfig:
+    """Where a pool's batches live; travels with each RQ job as JSON."""
+
+    files_dir: str
+    prefix: str = DEFAULT_PREFIX
+    queue: str = "lorapool-batch"
+    retention_s: int = DEFAULT_RETENTION_S
+    result_ttl_s: int = RESULT_TTL_S
+    poll_s: float = 1.0  # how often a waiting collector looks at the batch's status
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def files(self) -> FileStore:
+        return FileStore(self.files_dir, self.retention_s)
+
+
+def rq_queue(connection: redis.Redis, config: BatchConfig) -> Queue:
+    return Queue(config.queue, connection=connection, serializer=JSONSerializer)
+
+
+def enqueue_step(connection: redis.Redis, config: BatchConfig, step: str, batch_id: str) -> None:
+    """Enqueue one step of a batch; its RQ job id is derived from the batch id."""
+    rq_queue(connection, config).enqueue(
+        f"lorapool.batch.tasks.{step}",
+        batch_id,
+        config.to_dict(),
+        job_id=f"{batch_id}-{step.replace('_', '-')}",
+        retry=Retry(max=3, interval=[1, 5, 15]),
+        job_timeout=-1 if step == "collect" else 3600,
+        result_ttl=24 * 3600,
+    )
+
+
+def _context(raw: dict[str, Any]) -> tuple[redis.Redis, BatchConfig, BatchState]:
+    connection = get_current_job().connection
+    config = BatchConfig(**raw)
+    return connection, config, BatchState(connection, Keys(config.prefix))
+
+
+def base_model(connection: redis.Redis, keys: Keys) -> str | None:
+    """The pool's base model name (None before any worker started)."""
+    raw = connection.get(keys.model)
+    return None if raw is None else orjson.loads(raw).get("name")
+
+
+def known_models(connection: redis.Redis, keys: Keys) -> set[str]:
+    """The names a line's model may be: the adapters in the registry and the base model."""
+    names = {k.decode() for k in connection.hkeys(keys.adapters)}
+    return names | {base_model(connection, keys)} - {None}
+
+
+def validate_batch(batch_id: str, raw: dict[str, Any]) -> str:
+    """Check every line; a bad file fails the batch with each line's reason."""
+    connection, config, state = _context(raw)
+    batch = state.get(batch_id)
+    if _settle_cancel(state, batch_id):
+        return "cancelled"
+    files, models = config.files(), known_models(connection, Keys(config.prefix))
+    producer = Producer(connection, config.prefix)
+    report = check_file(
+        files.lines(batch["input_file_id"]), batch_id, models.__contains__, batch["endpoint"],
+        producer.limits,
+    )  # fmt: skip
+    if report.num_errors:
+        errors = [{"code": "invalid_request", **e} for e in report.errors]
+        state.set(batch_id, errors=errors, total=report.total)
+        state.move(batch_id, Status.FAILED, Status.VALIDATING, Status.CANCELLING)
+        return "failed"
+    state.set(batch_id, total=report.total)
+    if not state.move(batch_id, Status.IN_PROGRESS, Status.VALIDATING):
+        _settle_cancel(state, batch_id)
+        return "cancelled"
+    enqueue_step(connection, config, "enqueue_lines", batch_id)
+    return "in_progress"
+
+
+def _settle_cancel(state: BatchState, batch_id: str) -> bool:
+    return state.move(batch_id, Status.CANCELLED, Status.CANCELLING)
+
+
+def enqueue_lines(batch_id: str, raw: dict[str, Any]) -> int:
+    """Submit the lines as pool jobs, a few hundred a round trip, until done or cancelled;
+    then start the collector. Returns the number of lines submitted."""
+    connection, config, state = _context(raw)
+    batch = state.get(batch_id)
+    producer = Producer(connection, config.prefix, result_ttl_s=config.result_ttl_s)
+    lines, loras, sent = (
+        read_lines(config.files().lines(batch["input_file_id"]), batch_id, producer.limits),
+        {},
+        0,
+    )
+    while chunk := list(islice(lines, SUBMIT_LINES)):
+        if state.status(batch_id) != Status.IN_PROGRESS:
+            break
+        producer.submit_many(
+            [line.parsed.prompts[0] for line in chunk],
+            [line.parsed.params for line in chunk],
+            [_lora(producer, loras, line.parsed.model) for line in chunk],
+            [line.request_id(batch_id) for line in chunk],
+            {"batch_id": batch_id},
+        )
+        sent += len(chunk)
+    logger.info("batch %s: %d lines submitted", batch_id, sent)
+    enqueue_step(connection, config, "collect", batch_id)
+    return sent
+
+
+def _lora(producer: Producer, cache: dict, model: str) -> LoRARequest | None:
+    if model not in cache:
+        is_base = model == base_model(producer.redis, producer.keys)
+        cache[model] = None if is_base else producer.registry.resolve(model)
+    return cache[model]
+
+
+def collect(batch_id: str, raw: dict[str, Any]) -> str:
+    """Wait for every line's final output and write the output and error files."""
+    connection, config, state = _context(raw)
+    producer = Producer(connection, config.prefix)
+    collector = Collector(producer, state, config.files(), batch_id, config.poll_s)
+    final = collector.run()
+    logger.info("batch %s: %s at %s", batch_id, final.value, time.strftime("%H:%M:%S"))
+    return final.value

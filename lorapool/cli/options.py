@@ -1,0 +1,48 @@
+"""Options several commands share, and how a command's options become its config.
+
+May import: click and ``lorapool``'s torch-free modules.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import click
+
+from lorapool.keys import DEFAULT_PREFIX
+
+redis_option = click.option(
+    "--redis-url",
+    envvar="REDIS_URL",
+    default=None,
+    help="Redis URL (default: $REDIS_URL, else an embedded Redis)",
+)
+prefix_option = click.option(
+    "--prefix", default=DEFAULT_PREFIX, show_default=True, help="key prefix"
+)
+
+
+def count_option(flag: str, default: int, help: str, dest: str | None = None):
+    """An option taking a positive integer, its default shown."""
+    names = (flag, dest) if dest else (flag,)
+    return click.option(
+        *names, default=default, show_default=True, type=click.IntRange(min=1), help=help
+    )
+
+
+def optional_option(flag: str, type: click.ParamType, help: str):
+    """An option that is unset (None) unless given; ``help`` says what unset means."""
+    return click.option(flag, type=type, default=None, help=help)
+
+
+def repeated_option(flag: str, dest: str, help: str, **kwargs):
+    """An option that may be given several times, collected under ``dest``."""
+    return click.option(flag, dest, multiple=True, help=f"{help} (repeatable)", **kwargs)
+
+
+def config_from(cls: type, options: dict[str, Any], **given: Any):
+    """The dataclass ``cls`` from the command's options named as its fields, and
+    ``given`` for the fields whose option is named otherwise or needs converting."""
+    names = {field.name for field in dataclasses.fields(cls)}
+    return cls(**{**{k: v for k, v in options.items() if k in names}, **given})

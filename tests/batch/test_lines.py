@@ -1,0 +1,112 @@
+"""Checking a batch input file, no server: every bad line is reported with its number
+and the field at fault, and nothing else is."""
+
+import orjson
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lorapool.batch.lines import check_file
+
+MODELS = {"base", "ad-1"}
+
+
+def line(custom_id="a", url="/v1/completions", **body) -> bytes:
+    body = {"model": "ad-1", "prompt": "hi", "max_tokens": 4, **body}
+    return orjson.dumps({"custom_id": custom_id, "method": "POST", "url": url, "body": body})
+
+
+def check(lines, endpoint="/v1/completions"):
+    return check_file(iter(lines), "batch_x", MODELS.__contains__, endpoint)
+
+
+def test_a_good_file_has_no_errors():
+    chat = orjson.dumps({"custom_id": "c", "method": "POST", "url": "/v1/chat/completions",
+                         "body": {"model": "base", "messages": [{"role": "user", "content": "x"}]}})  # fmt: skip
+    report = check([line("a"), b"", line("b", model="base")])
+    assert (report.total, report.num_errors) == (2, 0)
+    assert check([chat], "/v1/chat/completions").num_errors == 0
+
+
+def test_every_bad_line_is_named_with_its_reason():
+    lines = [
+        line("a"),
+        line("a"),  # duplicate
+        line("b", model="nope"),  # unknown model
+        b'{"custom_id": "c", "method": "POST",',  # malformed
+        line("d", temperature=-1),  # bad parameter, through SamplingParams
+        line("e", url="/v1/embeddings"),  # unknown endpoint
+        orjson.dumps(
+            {
+                "custom_id": "f",
+                "method": "POST",
+                "url": "/v1/completions",
+                "body": {"model": "base", "prompt": "x"},
+                "extra": 1,
+            }
+        ),  # fmt: skip
+        line("g\x00h"),  # NUL in the custom id
+        line("i", frobnicate=True),  # unknown body parameter
+        line("j", prompt=["a", "b"]),  # one prompt per line
+    ]
+    report = check(lines)
+    found = {e["line"]: (e["param"], e["message"]) for e in report.errors}
+    assert report.num_errors == 9 and report.total == 10
+    assert found[2][0] == "custom_id" and "repeats line 1" in found[2][1]
+    assert found[3] == ("body.model", "line 3: unknown model 'nope'")
+    assert found[4][0] is None and "not valid JSON" in found[4][1]
+    assert found[5][0] == "body.temperature"
+    assert found[6][0] == "url"
+    assert found[7][0] == "extra"
+    assert found[8][0] == "custom_id"
+    assert found[9][0] == "body.frobnicate"
+    assert found[10][0] == "body.prompt"
+
+
+def test_huge_line_and_empty_file():
+    assert check([b"{" + b" " * (2 << 20) + b"}"]).errors[0]["message"].endswith("bytes")
+    assert check([]).errors[0]["message"] == "line 0: the file has no requests"
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3)
+    ),
+    max_leaves=8,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    field=st.sampled_from(
+        [
+            "custom_id",
+            "method",
+            "url",
+            "body",
+            "model",
+            "prompt",
+            "max_tokens",
+            "temperature",
+            "n",
+            "stop",
+        ]
+    ),  # fmt: skip
+    value=json_values,
+)
+def test_any_value_in_any_field_is_accepted_or_named(field, value):
+    record = orjson.loads(line("a"))
+    if field in record:
+        record[field] = value
+    else:
+        record["body"][field] = value
+    report = check([orjson.dumps(record)])
+    if report.num_errors:
+        error = report.errors[0]
+        assert error["message"].startswith("line 1: ")
+        assert (
+            error["param"] is None
+            or field in error["param"]
+            or field == "body"
+            or field in error["message"]
+        )
