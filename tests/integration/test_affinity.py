@@ -120,7 +120,6 @@ def test_a_new_adapter_goes_to_its_home_and_stays_there(conn, producer, pool):
 
 def test_a_busier_peer_is_not_handed_work(conn, producer, pool):
     a, b = pool("a"), pool("b", loaded=["hot"])
-    keys = producer.keys
     # b is busy: more requests than a by over the slack (base-model ones, read by b)
     busy = [f"busy{i}" for i in range(AFFINITY_SLACK + 2)]
     producer.submit_many([PROMPT] * len(busy), SamplingParams(max_tokens=50), None, busy)
