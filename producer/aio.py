@@ -16,7 +16,7 @@ from lorapool.follower import Follower
 from lorapool.keys import DEFAULT_PREFIX, Keys
 from lorapool.outputs import RequestOutput
 from lorapool.producer.client import ABORT_TTL_S, _deadline
-from lorapool.producer.job import SUBMIT_SCRIPT, build_job, per_prompt
+from lorapool.producer.job import SUBMIT_SCRIPT, build_job, check_on_finish, per_prompt
 from lorapool.producer.registry import check_lora, decode_record
 from lorapool.protocol import LoRARequest, RequestOutputKind, SamplingParams
 from lorapool.wire import (
@@ -132,10 +132,11 @@ class AsyncProducer:
         request_id: str | None = None,
         metadata: dict[str, Any] | None = None,
         priority: str = "interactive",
+        on_finish: str | None = None,
     ) -> AsyncJobHandle:
         """Enqueue one job (see ``Producer.submit``)."""
         handles = await self.submit_many(
-            [prompt], params, [lora_request], [request_id], metadata, priority
+            [prompt], params, [lora_request], [request_id], metadata, priority, on_finish
         )
         return handles[0]
 
@@ -147,9 +148,11 @@ class AsyncProducer:
         request_ids: list[str | None] | None = None,
         metadata: dict[str, Any] | None = None,
         priority: str = "interactive",
+        on_finish: str | None = None,
     ) -> list[AsyncJobHandle]:
         """Enqueue several jobs in one round trip, all validated first."""
         stream = self.keys.stream(priority)
+        callback = check_on_finish(on_finish)
         count = len(prompts)
         loras = [await self.resolve(x) for x in per_prompt(lora_request, count, "adapters")]
         jobs = [
@@ -167,6 +170,7 @@ class AsyncProducer:
                         job.sampling_params.output_kind.value,
                         time.time(),
                         priority,
+                        callback,
                     ],
                     client=pipe,
                 )
