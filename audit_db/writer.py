@@ -23,6 +23,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import redis
@@ -33,7 +34,7 @@ from sqlalchemy.exc import TimeoutError as PoolTimeout
 from lorapool import signing
 from lorapool.audit_db import store
 from lorapool.audit_db.database import is_current, migrate
-from lorapool.audit_record import RecordError, parse_record
+from lorapool.audit_record import AuditRecord, RecordError, parse_record
 from lorapool.connection import ensure_group
 from lorapool.keys import AUDIT_GROUP, DEAD_MAX_LEN, DEFAULT_PREFIX, Keys
 
@@ -98,6 +99,8 @@ class _Item:
     entry_id: bytes | str
     payload: bytes | str | None
     rows: list[store.PreparedRow]
+    record: AuditRecord | None = None
+    dead: bool = False
 
 
 class _Stopped(Exception):
@@ -112,7 +115,17 @@ class AuditWriter:
     writer waits for it). ``run(burst=True)`` returns once nothing is left.
     """
 
-    def __init__(self, connection: redis.Redis, engine: Engine, config: WriterConfig | None = None):
+    def __init__(
+        self,
+        connection: redis.Redis,
+        engine: Engine,
+        config: WriterConfig | None = None,
+        on_commit: Callable[[list[AuditRecord]], object] | None = None,
+    ):
+        """``on_commit``: called with the records of each batch once their rows are
+        committed, before the batch is acked (completion callbacks; it must be
+        idempotent: a batch is redelivered after a crash between the two)."""
+        self.on_commit = on_commit
         self.redis = connection
         self.engine = engine
         self.config = config or WriterConfig()
@@ -182,6 +195,9 @@ class AuditWriter:
             return 0
         items = [item for item in map(self._parse, entries) if item is not None]
         self._store(items)
+        if self.on_commit is not None:
+            stored = [i.record for i in items if i.rows and not i.dead]
+            self._retry("run on_commit", self.on_commit, stored)
         self._retry("ack in Redis", self._ack, [i.entry_id for i in items])
         self.stats.entries += len(entries)
         return len(entries)
@@ -240,7 +256,7 @@ class AuditWriter:
         source = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
         try:
             record = parse_record(payload, key=key, pool=pool)
-            return _Item(entry_id, payload, store.prepare(record, pool, source=source))
+            return _Item(entry_id, payload, store.prepare(record, pool, source=source), record)
         except RecordError as exc:
             self._dead_letter(_Item(entry_id, payload, []), str(exc))
             return None
@@ -361,4 +377,5 @@ class AuditWriter:
             pipe.execute()
 
         self._retry("dead-letter an entry", move)
+        item.dead = True
         self.stats.dead_lettered += 1

@@ -13,7 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 
 from lorapool.connection import REDIS_DOWN
-from lorapool.gateway import adapters, audit, health, jobs, openai_api
+from lorapool.gateway import adapters, audit, batches, dashboard, health, jobs, openai_api
 from lorapool.gateway.audit_store import AuditStore
 from lorapool.gateway.config import GatewayConfig
 from lorapool.gateway.errors import APIError
@@ -38,7 +38,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
         if config.audit_db_url is not None:
             app.state.audit = AuditStore(config.audit_db_url, config.audit_db_schema)
         try:
-            yield
+            async with dashboard.sampling(app):
+                yield
         finally:
             await app.state.pool.close()
             if app.state.audit is not None:
@@ -50,6 +51,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
     app.include_router(jobs.router)
     app.include_router(adapters.router)
     app.include_router(audit.router)
+    app.include_router(batches.router)
+    dashboard.install(app)
     _install_errors(app)
     _describe_bodies(app)
     if config.cors_origins:

@@ -1,13 +1,25 @@
 """Batch files over the pool (OpenAI's Batch API): files, batch state, and the RQ jobs
-that validate a file, submit its lines as ordinary pool jobs and collect their outputs.
+that validate a file, submit its lines as ordinary pool jobs and collect their outputs;
+and completion callbacks (``lorapool.batch.callbacks``).
 
-Torch-free; the lines are checked by the gateway's own request parser, so this package
-needs the ``gateway`` extra's FastAPI installed, and RQ.
+Torch-free. The batch lines are checked by the gateway's own request parser, so
+``BatchService`` needs the ``gateway`` extra's FastAPI; the callbacks need only RQ.
+Names are imported on first use, so the audit writer can load the callbacks alone.
 """
 
-from lorapool.batch.files import FileStore
-from lorapool.batch.service import BatchError, BatchService
-from lorapool.batch.state import Status
-from lorapool.batch.tasks import BatchConfig
+from importlib import import_module
 
-__all__ = ["BatchConfig", "BatchError", "BatchService", "FileStore", "Status"]
+_NAMES = {
+    "FileStore": "lorapool.batch.files",
+    "BatchError": "lorapool.batch.service",
+    "BatchService": "lorapool.batch.service",
+    "Status": "lorapool.batch.state",
+    "BatchConfig": "lorapool.batch.tasks",
+}
+__all__ = sorted(_NAMES)
+
+
+def __getattr__(name: str):
+    if name not in _NAMES:
+        raise AttributeError(f"module 'lorapool.batch' has no attribute {name!r}")
+    return getattr(import_module(_NAMES[name]), name)

@@ -95,6 +95,7 @@ class Collector:
     def _wait(self, rid: str) -> RequestOutput | None:
         """The final output of ``rid``; None when the batch stopped before it was sent."""
         handle = self.producer.handle(rid)
+        self._check_stop()
         while True:
             if self.stopped is not None and handle.status() is None:
                 return None

@@ -49,10 +49,10 @@ class BatchLine:
         return f"{batch_id}:{self.custom_id}"
 
 
-def parse_line(
-    number: int, raw: bytes, endpoint: str | None, batch_id: str, limits: JobLimits
-) -> BatchLine:
-    """The line as a BatchLine; LineError naming the field otherwise."""
+def parse_line(number: int, raw: bytes, batch_id: str, limits: JobLimits) -> BatchLine:
+    """The line as a BatchLine; LineError naming the field otherwise. A line's url may
+    differ from the batch's endpoint (as ``vllm run-batch`` allows): one file can mix
+    completions and chats."""
     if len(raw) > MAX_LINE_BYTES:
         raise LineError(f"the line is over {MAX_LINE_BYTES} bytes")
     try:
@@ -70,8 +70,6 @@ def parse_line(
     url = record.get("url")
     if not isinstance(url, str) or url not in ENDPOINTS:
         raise LineError(f"url must be one of {sorted(ENDPOINTS)}, got {short_repr(url)}", "url")
-    if endpoint is not None and url != endpoint:
-        raise LineError(f"url {url!r} differs from the batch's endpoint {endpoint!r}", "url")
     parsed = _parse_body(record.get("body"), ENDPOINTS[url])
     line = BatchLine(number, custom_id, url, parsed)
     _check_job(line, batch_id, limits)
@@ -117,7 +115,6 @@ class Report:
     """What checking a whole file found."""
 
     total: int = 0
-    endpoint: str | None = None
     errors: list[dict[str, Any]] | None = None  # {"line", "param", "message"}
     num_errors: int = 0
 
@@ -132,22 +129,20 @@ def check_file(
     lines: Iterator[bytes],
     batch_id: str,
     known_model: Callable[[str], bool],
-    endpoint: str | None = None,
     limits: JobLimits | None = None,
 ) -> Report:
-    """Every line checked (one at a time): shape, endpoint, model, parameters, and
+    """Every line checked (one at a time): shape, url, model, parameters, and
     custom_ids unique across the file. Blank lines are skipped."""
-    report, seen, limits = Report(endpoint=endpoint, errors=[]), {}, limits or JobLimits()
+    report, seen, limits = Report(errors=[]), {}, limits or JobLimits()
     for number, raw in enumerate(lines, start=1):
         if not raw.strip():
             continue
         report.total += 1
         try:
-            line = parse_line(number, raw, report.endpoint, batch_id, limits)
+            line = parse_line(number, raw, batch_id, limits)
         except LineError as exc:
             report.add(number, exc)
             continue
-        report.endpoint = report.endpoint or line.url
         if line.custom_id in seen:
             first = seen[line.custom_id]
             report.add(
@@ -166,4 +161,4 @@ def read_lines(lines: Iterator[bytes], batch_id: str, limits: JobLimits) -> Iter
     """The lines of a file already checked, parsed again one at a time."""
     for number, raw in enumerate(lines, start=1):
         if raw.strip():
-            yield parse_line(number, raw, None, batch_id, limits)
+            yield parse_line(number, raw, batch_id, limits)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import asdict, dataclass
+from inspect import signature
 from itertools import islice
 from typing import Any
 
@@ -95,10 +96,8 @@ def validate_batch(batch_id: str, raw: dict[str, Any]) -> str:
         return "cancelled"
     files, models = config.files(), known_models(connection, Keys(config.prefix))
     producer = Producer(connection, config.prefix)
-    report = check_file(
-        files.lines(batch["input_file_id"]), batch_id, models.__contains__, batch["endpoint"],
-        producer.limits,
-    )  # fmt: skip
+    lines = files.lines(batch["input_file_id"])
+    report = check_file(lines, batch_id, models.__contains__, producer.limits)
     if report.num_errors:
         errors = [{"code": "invalid_request", **e} for e in report.errors]
         state.set(batch_id, errors=errors, total=report.total)
@@ -136,11 +135,19 @@ def enqueue_lines(batch_id: str, raw: dict[str, Any]) -> int:
             [_lora(producer, loras, line.parsed.model) for line in chunk],
             [line.request_id(batch_id) for line in chunk],
             {"batch_id": batch_id},
+            **BATCH_PRIORITY,
         )
         sent += len(chunk)
     logger.info("batch %s: %d lines submitted", batch_id, sent)
     enqueue_step(connection, config, "collect", batch_id)
     return sent
+
+
+# Batch lines go to the low-priority stream once the producer has it (the worker reads it
+# only with capacity left after the interactive stream); until then, the normal stream.
+BATCH_PRIORITY = (
+    {"priority": "batch"} if "priority" in signature(Producer.submit_many).parameters else {}
+)
 
 
 def _lora(producer: Producer, cache: dict, model: str) -> LoRARequest | None:

@@ -40,10 +40,25 @@ def _install_signals(writer) -> None:
 @count_option("--dead-max-len", DEAD_MAX_LEN, "Entries {prefix}:dead keeps (approximately).")
 @click.option("--migrate", "run_migrate", is_flag=True, help="Migrate the tables first.")
 @click.option("--burst", is_flag=True, help="Exit once the stream is drained.")
+@click.option(
+    "--callback-queue",
+    default="lorapool-callbacks",
+    show_default=True,
+    help="RQ queue of completion callbacks (jobs submitted with on_finish).",
+)
 @insecure_option
 @click.option("--log-level", default="INFO", show_default=True)
 def audit_writer(
-    redis_url, db_url, schema, consumer, run_migrate, burst, insecure, log_level, **options
+    redis_url,
+    db_url,
+    schema,
+    consumer,
+    run_migrate,
+    burst,
+    callback_queue,
+    insecure,
+    log_level,
+    **options,
 ):
     from lorapool.audit_db import AuditWriter, DatabaseConfig, WriterConfig, create_audit_engine
 
@@ -62,7 +77,12 @@ def audit_writer(
         migrate=run_migrate,
         **({"consumer": consumer} if consumer else {}),
     )
-    writer = AuditWriter(connect(redis_url, LOOP_RETRIES), engine, config)
+    from lorapool.batch.callbacks import Callbacks
+    from lorapool.keys import Keys
+
+    connection = connect(redis_url, LOOP_RETRIES)
+    callbacks = Callbacks(connection, Keys(config.prefix), callback_queue)
+    writer = AuditWriter(connection, engine, config, on_commit=callbacks)
     _install_signals(writer)
     stats = writer.run(burst=burst)
     click.echo(

@@ -20,10 +20,12 @@ COMMANDS = {
     "submit": "lorapool.cli.queue:submit",
     "abort": "lorapool.cli.queue:abort",
     "status": "lorapool.cli.queue:status",
+    "dashboard": "lorapool.cli.dashboard:dashboard",
     "exporter": "lorapool.cli.exporter:exporter",
     "adapters": "lorapool.cli.queue:adapters",
     "serve": "lorapool.cli.serve:serve",
     "keys": "lorapool.cli.keys:keys",
+    "batch": "lorapool.cli.batch:batch",
 }
 
 # top-level module -> the extra of pyproject.toml that installs it

@@ -48,8 +48,8 @@ def submodules(package: str, skip: tuple[str, ...] = ()) -> list[str]:
 
 def test_the_data_types_need_only_the_standard_library_and_orjson():
     # these talk to Redis (redis-py is theirs; pool_metrics serves Prometheus too;
-    # follower follows chunk logs and channels)
-    clients = ("cli", "embedded", "connection", "pool_metrics", "follower")
+    # follower follows chunk logs and channels; batch runs RQ jobs, checked below)
+    clients = ("cli", "embedded", "connection", "pool_metrics", "follower", "batch")
     modules = [m for m in submodules("lorapool", skip=clients) if m.count(".") <= 1]
     assert {"lorapool.protocol", "lorapool.wire", "lorapool.keys", "lorapool.identity"} <= set(
         modules
@@ -73,6 +73,13 @@ def test_the_audit_trail_never_imports_torch_or_rendering():
 def test_the_gateway_imports_without_torch_or_sqlalchemy():
     loaded = imported(submodules("lorapool.gateway") + ["lorapool.cli.serve", "lorapool.cli.keys"])
     assert {"fastapi", "redis"} <= loaded  # the probe really imported the gateway
+    assert not loaded & (GPU_STACK | {"sqlalchemy"})
+
+
+def test_batches_import_without_torch_or_sqlalchemy():
+    # lorapool.batch checks lines with the gateway's parser and runs RQ jobs.
+    loaded = imported(submodules("lorapool.batch"))
+    assert {"rq", "redis"} <= loaded  # the probe really imported the batch package
     assert not loaded & (GPU_STACK | {"sqlalchemy"})
 
 

@@ -1,0 +1,114 @@
+"""OpenAI's Files and Batches API over lorapool's batches (``lorapool.batch``), so the
+official client's ``files.create``, ``batches.create``, ``batches.retrieve``,
+``batches.cancel`` and ``files.content`` work unchanged:
+
+- ``POST /v1/files`` (multipart: ``file``, ``purpose=batch``) -> the file object;
+- ``GET /v1/files/{id}``, ``GET /v1/files/{id}/content`` (streamed a line at a time);
+- ``POST /v1/batches`` -> the batch (``validating``; RQ workers run it);
+- ``GET /v1/batches/{id}``, ``POST /v1/batches/{id}/cancel``.
+
+Files live in ``$LORAPOOL_BATCH_DIR`` (default ``lorapool-batches``), shared with the
+RQ workers of ``$LORAPOOL_BATCH_QUEUE`` (default ``lorapool-batch``). With auth on, a
+key limited to some adapters may not run batches yet (lines are not checked per key).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Form, Request, UploadFile
+from fastapi.responses import StreamingResponse
+
+from lorapool.gateway.auth import Principal, require
+from lorapool.gateway.body import read_json
+from lorapool.gateway.errors import APIError
+from lorapool.gateway.json import JSON
+
+router = APIRouter(prefix="/v1", tags=["batches"])
+Submitter = Annotated[Principal, Depends(require("submit"))]
+
+
+def _service(request: Request):
+    """The app's BatchService, made on first use (a synchronous client: its calls run
+    in threads)."""
+    state = request.app.state
+    if getattr(state, "batches", None) is None:
+        from lorapool.batch import BatchConfig, BatchService
+        from lorapool.connection import connect
+
+        config = request.app.state.pool.config
+        files_dir = str(Path(os.environ.get("LORAPOOL_BATCH_DIR", "lorapool-batches")).resolve())
+        queue = os.environ.get("LORAPOOL_BATCH_QUEUE", "lorapool-batch")
+        batch_config = BatchConfig(files_dir=files_dir, prefix=config.prefix, queue=queue)
+        state.batches = BatchService(connect(config.redis_url, config.redis_retries), batch_config)
+    return state.batches
+
+
+async def _call(request: Request, method: str, *args: Any) -> Any:
+    from lorapool.batch import BatchError
+
+    try:
+        return await asyncio.to_thread(getattr(_service(request), method), *args)
+    except BatchError as exc:
+        raise APIError(exc.status, str(exc), exc.param) from None
+
+
+def _unrestricted(caller: Principal) -> None:
+    if caller.adapters is not None:
+        raise APIError(403, "batches need a key that may use every adapter", code="forbidden")
+
+
+@router.post("/files", summary="Upload a batch input file (OpenAI's Files API)")
+async def create_file(
+    request: Request, caller: Submitter, file: UploadFile, purpose: Annotated[str, Form()]
+) -> JSON:
+    _unrestricted(caller)
+    info = await _call(request, "upload", file.file, file.filename or "input.jsonl", purpose)
+    return JSON(info)
+
+
+@router.get("/files/{file_id}", summary="A file's object")
+async def retrieve_file(request: Request, file_id: str, caller: Submitter) -> JSON:
+    return JSON(await _call(request, "file", file_id))
+
+
+@router.get("/files/{file_id}/content", summary="A file's content")
+async def file_content(request: Request, file_id: str, caller: Submitter):
+    lines = await _call(request, "content", file_id)
+    return StreamingResponse(_iterate(lines), media_type="application/jsonl")
+
+
+async def _iterate(lines):
+    done = object()
+    while (line := await asyncio.to_thread(next, lines, done)) is not done:
+        yield line
+
+
+@router.post("/batches", summary="Create a batch over an uploaded file (OpenAI's Batch API)")
+async def create_batch(request: Request, caller: Submitter) -> JSON:
+    _unrestricted(caller)
+    body = await read_json(request, 1 << 20)
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    unknown = sorted(set(body) - {"input_file_id", "endpoint", "completion_window", "metadata"})
+    if unknown:
+        raise APIError(400, f"unknown parameter {unknown[0]!r}", unknown[0])
+    for name in ("input_file_id", "endpoint"):
+        if not isinstance(body.get(name), str):
+            raise APIError(400, f"{name} must be a string", name)
+    window = body.get("completion_window", "24h")
+    args = (body["input_file_id"], body["endpoint"], window, body.get("metadata"))
+    return JSON(await _call(request, "create", *args))
+
+
+@router.get("/batches/{batch_id}", summary="A batch's state")
+async def retrieve_batch(request: Request, batch_id: str, caller: Submitter) -> JSON:
+    return JSON(await _call(request, "retrieve", batch_id))
+
+
+@router.post("/batches/{batch_id}/cancel", summary="Cancel a batch")
+async def cancel_batch(request: Request, batch_id: str, caller: Submitter) -> JSON:
+    return JSON(await _call(request, "cancel", batch_id))

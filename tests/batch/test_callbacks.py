@@ -1,0 +1,127 @@
+"""Completion callbacks end to end: jobs submitted with ``on_finish`` run on a real
+worker, the audit writer commits their rows and enqueues one RQ job each (JSON, never
+pickle), even when the same audit entries are handled twice; an rq worker runs them.
+The webhook: a receiver on 127.0.0.1 that fails twice gets the third delivery, signed."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import threading
+import time
+import zlib
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import orjson
+import pytest
+
+from lorapool import SamplingParams
+from lorapool.audit_db import AuditWriter, DatabaseConfig, WriterConfig, create_audit_engine
+from lorapool.audit_db.database import migrate
+from lorapool.audit_record import parse_record
+from lorapool.batch.callbacks import SECRET_ENV, Callbacks, job_id
+from lorapool.keys import Keys
+from lorapool.producer import Producer
+
+pytestmark = pytest.mark.usefixtures("worker")
+TARGET = """
+import orjson
+from rq import get_current_job
+
+def record(data):
+    get_current_job().connection.rpush(data["metadata"]["sink"], orjson.dumps(data))
+"""
+
+
+@pytest.fixture
+def writer(conn, prefix, tmp_path):
+    engine = create_audit_engine(DatabaseConfig(url=f"sqlite:///{tmp_path / 'audit.sqlite'}"))
+    migrate(engine)
+    callbacks = Callbacks(conn, Keys(prefix), queue=prefix)
+    yield AuditWriter(conn, engine, WriterConfig(prefix=prefix), on_commit=callbacks), callbacks
+    for rid_key in conn.scan_iter(f"{prefix}:callback:*"):
+        rid = rid_key.decode().split("{", 1)[1].rstrip("}")
+        conn.delete(f"rq:job:{job_id(rid)}", f"rq:results:{job_id(rid)}")
+    engine.dispose()
+
+
+def test_each_finished_job_gets_one_json_callback(
+    conn, prefix, registry, writer, rq_worker, tmp_path
+):
+    (tmp_path / "cbtarget.py").write_text(TARGET)
+    audit_writer, callbacks = writer
+    producer, sink = Producer(conn, prefix=prefix), f"{prefix}:sink"
+    names = [*registry, None]
+    handles = [
+        producer.submit(
+            f"callback {i}",
+            SamplingParams(max_tokens=4, temperature=0),
+            names[i % len(names)],
+            f"cb-{i}",
+            {"on_finish": "cbtarget.record", "sink": sink},
+        )  # fmt: skip
+        for i in range(20)
+    ]
+    results = {h.request_id: h.result(timeout=120) for h in handles}
+    time.sleep(0.5)  # the final records reach the audit stream with the final chunks
+    entries = conn.xrange(f"{prefix}:audit")  # the writer trims them once committed
+    audit_writer.run(burst=True)
+    # the same entries handled again (a redelivery) enqueue nothing more
+    records = [parse_record(fields[b"data"]) for _, fields in entries]
+    assert len(records) == 20 and callbacks(records) == 0
+    for rid in results:  # JSON in RQ's hash, never pickle
+        data = zlib.decompress(conn.hget(f"rq:job:{job_id(rid)}", "data"))
+        assert not data.startswith(b"\x80") and json.loads(data)
+    rq_worker("--burst", "-P", str(tmp_path)).wait(timeout=120)
+    got = [orjson.loads(x) for x in conn.lrange(sink, 0, -1)]
+    assert sorted(g["request_id"] for g in got) == sorted(results)
+    for g in got:
+        out, lora = results[g["request_id"]], results[g["request_id"]].lora_request
+        assert g["text"] == out.outputs[0].text
+        assert g["num_generated_tokens"] == len(out.outputs[0].token_ids)
+        assert g["finish_reason"] == out.outputs[0].finish_reason
+        if lora is None:
+            assert g["adapter"] is None
+        else:
+            assert g["adapter"]["sha256"] == registry[lora.lora_name]["sha256"]
+            assert g["adapter"]["name"] == lora.lora_name
+
+
+class Flaky(BaseHTTPRequestHandler):
+    received: list = []
+
+    def do_POST(self):  # noqa: N802
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        Flaky.received.append((body, self.headers.get("X-Lorapool-Signature")))
+        self.send_response(200 if len(Flaky.received) >= 3 else 503)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_webhook_that_fails_twice_gets_the_third_delivery_signed(
+    conn, prefix, writer, rq_worker, monkeypatch
+):
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Flaky)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/hook"
+    monkeypatch.setenv(SECRET_ENV, "s3cret")
+    audit_writer, _ = writer
+    handle = Producer(conn, prefix=prefix).submit(
+        "hook", SamplingParams(max_tokens=3), None, "hook-1", {"on_finish": url}
+    )
+    result = handle.result(timeout=60)
+    time.sleep(0.5)
+    audit_writer.run(burst=True)
+    proc = rq_worker()
+    deadline = time.monotonic() + 60
+    while len(Flaky.received) < 3:
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.2)
+    server.shutdown()
+    body, sig = Flaky.received[2]
+    assert sig == "sha256=" + hmac.new(b"s3cret", body, hashlib.sha256).hexdigest()
+    assert orjson.loads(body)["text"] == result.outputs[0].text
+    assert [b for b, _ in Flaky.received] == [body] * 3

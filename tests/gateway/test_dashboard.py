@@ -1,0 +1,172 @@
+"""The dashboard in headless Chromium (Debian's package, driven by Playwright) during a
+run of two real worker processes: an audit key logs in through the page's form, and the
+page names both workers, the adapter a running job holds, the queue length Redis's
+XLEN gives, and the audit row of a finished request. Also: /dashboard refuses a
+submit key, escapes what users send, and /metrics has the pool's gauges."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+
+import httpx
+import pytest
+from gateway_procs import serve, start_worker, stop, wait_until
+
+from lorapool.audit_db import (
+    AuditWriter,
+    DatabaseConfig,
+    WriterConfig,
+    create_audit_engine,
+    migrate,
+)
+from lorapool.keys import Keys
+from lorapool.producer.api_keys import ApiKeys
+
+pytestmark = pytest.mark.integration
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+# LORAPOOL_DASHBOARD_SCREENSHOT=docs/dashboard.png writes the README's picture
+SCREENSHOT = os.environ.get("LORAPOOL_DASHBOARD_SCREENSHOT")
+
+
+@pytest.fixture(scope="module")
+def second_worker(redis_url, prefix, model, worker, conn, tmp_path_factory):
+    proc = start_worker(redis_url, prefix, model, tmp_path_factory.mktemp("worker2"))
+    wait_until(lambda: conn.hlen(f"{prefix}:workers") >= 2 or proc.poll() is not None, "start")
+    assert proc.poll() is None, "the second worker exited"
+    yield proc
+    stop(proc)
+
+
+@pytest.fixture(scope="module")
+def audit_db(tmp_path_factory):
+    url = f"sqlite:///{tmp_path_factory.mktemp('audit') / 'audit.sqlite'}"
+    engine = create_audit_engine(DatabaseConfig(url=url))
+    migrate(engine)
+    yield url, engine
+    engine.dispose()
+
+
+@pytest.fixture(scope="module")
+def api_keys(conn, prefix):
+    store = ApiKeys(conn, Keys(prefix))
+    return {
+        role: store.add("ops", role, all_tenants=role == "audit")[1] for role in ("submit", "audit")
+    }
+
+
+@pytest.fixture(scope="module")
+def secure(redis_url, prefix, second_worker, audit_db, api_keys, tmp_path_factory):
+    extra = ("--audit-db-url", audit_db[0])
+    url, proc = serve(redis_url, prefix, tmp_path_factory.mktemp("gw"), *extra, auth=True)
+    yield url
+    stop(proc)
+
+
+def _job(url: str, key: str, body: dict) -> str:
+    headers = {"Authorization": f"Bearer {key}"}
+    response = httpx.post(f"{url}/v1/jobs", json=body, headers=headers, timeout=30)
+    assert response.status_code == 202, response.text
+    return response.json()["id"]
+
+
+def _live_names(conn, prefix) -> set[str]:
+    names = {n.decode() for n in conn.hkeys(f"{prefix}:workers")}
+    return {n for n in names if conn.exists(f"{prefix}:alive:{n}")}
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="no chromium (apt-get install chromium)")
+def test_dashboard_shows_the_running_pool(secure, api_keys, conn, prefix, audit_db, tmp_path):
+    sync_api = pytest.importorskip("playwright.sync_api")
+    submit = api_keys["submit"]
+    short = {"model": "ad-mlp", "prompt": "<b>audit & me</b>", "max_tokens": 3}
+    finished = _job(secure, submit, short)
+    poll_headers = {"Authorization": f"Bearer {submit}"}
+    wait_until(
+        lambda: (
+            httpx.get(f"{secure}/v1/jobs/{finished}", headers=poll_headers).json()["status"]
+            == "finished"
+        ),
+        "the short job finishing",
+    )
+    AuditWriter(conn, audit_db[1], WriterConfig(prefix=prefix)).run(burst=True)
+    long = {"model": "ad-qv", "prompt": "Far away", "max_tokens": 600, "ignore_eos": True}
+    # more than the two workers' 16 sequences, and long: a queue that stays put a while
+    running = [_job(secure, submit, long) for _ in range(24)]
+    workers = _live_names(conn, prefix)
+    assert len(workers) == 2
+    with sync_api.sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        try:
+            page = browser.new_page(viewport={"width": 1200, "height": 900})
+            page.goto(f"{secure}/dashboard?refresh=60")
+            page.fill("input[name=key]", api_keys["audit"])
+            page.click("button")
+            page.wait_for_selector("#workers")
+            page.goto(f"{secure}/dashboard?refresh=60")  # the cookie now; no reload meanwhile
+            shown = _shown_while_running(page, conn, prefix, secure)
+            page.screenshot(path=SCREENSHOT or str(tmp_path / "dashboard.png"), full_page=True)
+        finally:
+            browser.close()
+        for job_id in running:
+            httpx.delete(f"{secure}/v1/jobs/{job_id}", headers=poll_headers)
+    assert set(shown["workers"]) == workers
+    assert "ad-qv" in shown["adapters"]
+    assert shown["length"] == shown["xlen"] > 0
+    audit_row = f"ops~{finished}"
+    assert audit_row in shown["audit"]
+    assert "<b>audit &amp; me</b>" not in shown["html"]  # escaped, not markup
+    assert shown["links"][audit_row] == f"/v1/audit/completions/ops~{finished}"
+
+
+def _shown_while_running(page, conn, prefix, url) -> dict:
+    """Reloads until the page shows the running job's adapter and a queue length read
+    between two equal XLENs (the stream does not change under the reading)."""
+    deadline = time.monotonic() + 90
+    while True:
+        before = conn.xlen(f"{prefix}:requests")
+        page.reload()
+        after = conn.xlen(f"{prefix}:requests")
+        shown = {
+            "workers": page.eval_on_selector_all(
+                "td.worker", "els => els.map(e => e.dataset.name)"
+            ),
+            "adapters": " ".join(
+                page.eval_on_selector_all("td.adapters", "els => els.map(e => e.textContent)")
+            ),
+            "length": int(page.inner_text("#queue-length")),
+            "xlen": before,
+            "audit": page.eval_on_selector_all(
+                "td.request", "els => els.map(e => e.dataset.request)"
+            ),
+            "links": dict(
+                page.eval_on_selector_all(
+                    "td.request a", "els => els.map(a => [a.textContent, a.getAttribute('href')])"
+                )
+            ),
+            "html": page.content(),
+        }
+        if before == after and "ad-qv" in shown["adapters"] and len(shown["workers"]) == 2:
+            return shown
+        assert time.monotonic() < deadline, f"the page never showed the running pool: {shown}"
+        time.sleep(0.5)
+
+
+def test_dashboard_needs_an_audit_or_admin_key(secure, api_keys):
+    assert httpx.get(f"{secure}/dashboard").status_code == 401
+    submitter = {"Authorization": f"Bearer {api_keys['submit']}"}
+    assert httpx.get(f"{secure}/dashboard", headers=submitter).status_code == 403
+    auditor = {"Authorization": f"Bearer {api_keys['audit']}"}
+    page = httpx.get(f"{secure}/dashboard", headers=auditor)
+    assert page.status_code == 200 and 'id="queue-length"' in page.text
+
+
+def test_metrics_has_the_pool_gauges(secure, conn, prefix):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    body = httpx.get(f"{secure}/metrics").text
+    gauges = {f.name: f for f in text_string_to_metric_families(body)}
+    assert gauges["lorapool_workers_live"].samples[0].value == 2
+    assert gauges["lorapool_queue_length"].type == "gauge"
+    assert gauges["lorapool_dead_letters"].samples[0].value == conn.xlen(f"{prefix}:dead")
