@@ -131,9 +131,7 @@ def test_a_busier_peer_is_not_handed_work(conn, producer, pool):
     assert a.intake.handed_total == 0 and "r1" in a.held
 
 
-def test_a_peer_that_dies_holding_a_handed_entry_gives_it_up_after_the_lease(
-    conn, producer, pool
-):
+def test_a_peer_that_dies_holding_a_handed_entry_gives_it_up_after_the_lease(conn, producer, pool):
     lease_s = 0.5
     a, b = pool("a", lease_s=lease_s), pool("b", loaded=["hot"], lease_s=lease_s)
     see_each_other(a, b)
