@@ -12,6 +12,9 @@ AUDIT_GROUP = "audit"
 # {p}:dead keeps about this many entries (XADD MAXLEN ~): a dead-lettered request's
 # error record also reaches the audit table, so trimming loses only the raw payload.
 DEAD_MAX_LEN = 10_000
+# A job's priority names the stream it goes to; workers read them in this order, the
+# next only with capacity left after the one before (see ``Keys.stream``).
+PRIORITIES = ("interactive", "batch")
 
 
 @dataclass(frozen=True)
@@ -26,6 +29,25 @@ class Keys:
     def requests(self) -> str:
         """Stream of jobs; consumer group ``workers``."""
         return f"{self.prefix}:requests"
+
+    @property
+    def batch_requests(self) -> str:
+        """Stream of batch jobs (group ``workers``): a worker reads it only with capacity
+        left after ``requests``, so batch files never starve interactive traffic."""
+        return f"{self.prefix}:requests:batch"
+
+    @property
+    def streams(self) -> tuple[str, ...]:
+        """The job streams, in the order workers read them (``PRIORITIES``)."""
+        return tuple(self.stream(p) for p in PRIORITIES)
+
+    def stream(self, priority: str) -> str:
+        """The stream of jobs of ``priority`` (one of ``PRIORITIES``)."""
+        if priority == "interactive":
+            return self.requests
+        if priority == "batch":
+            return self.batch_requests
+        raise ValueError(f"priority must be one of {', '.join(PRIORITIES)}; got {priority!r}")
 
     @property
     def dead(self) -> str:
@@ -69,6 +91,11 @@ class Keys:
     def alive(self, worker: str) -> str:
         """A worker's liveness flag: expires a few heartbeats after its last one."""
         return f"{self.prefix}:alive:{worker}"
+
+    def handoff(self, worker: str) -> str:
+        """List of entries other workers handed to ``worker`` (adapter affinity): each
+        "<stream's position in ``streams``, 1-based> <entry id>"."""
+        return f"{self.prefix}:handoff:{worker}"
 
     def job(self, request_id: str) -> str:
         """Idempotency marker and status of one job."""

@@ -9,6 +9,9 @@ trip plus the two ``XINFO GROUPS``:
 - ``lorapool_queue_lag``: the ``workers`` group's lag as Redis reports it, the
   entries no worker has taken yet: the autoscaling signal. NaN when Redis
   reports it unknown (an undelivered entry was deleted; lorapool never does);
+- ``lorapool_batch_queue_length``, ``_pending``, ``_lag``: the same of the batch
+  stream (``{p}:requests:batch``, read by workers only with capacity the
+  interactive stream left);
 - ``lorapool_dead_letters``: entries in ``{p}:dead``;
 - ``lorapool_workers_live``: workers whose liveness flag has not expired;
 - ``lorapool_audit_backlog``: audit records not yet committed by a writer
@@ -77,8 +80,10 @@ class PoolCollector:
             pipe.xlen(keys.dead)
             pipe.xlen(keys.audit)
             pipe.hkeys(keys.workers)
-            length, dead, audit_length, names = pipe.execute()
+            pipe.xlen(keys.batch_requests)
+            length, dead, audit_length, names, batch_length = pipe.execute()
         workers = group_info(r, keys.requests, WORKERS_GROUP)
+        batch = group_info(r, keys.batch_requests, WORKERS_GROUP)
         audit = group_info(r, keys.audit, AUDIT_GROUP)
         return {
             "lorapool_queue_length": ("entries in the request stream", length),
@@ -89,6 +94,15 @@ class PoolCollector:
             "lorapool_queue_lag": (
                 "entries no worker has taken yet (the consumer group's lag; NaN: unknown)",
                 lag_of(workers, length),
+            ),
+            "lorapool_batch_queue_length": ("entries in the batch stream", batch_length),
+            "lorapool_batch_queue_pending": (
+                "batch entries delivered to a worker and not yet acknowledged",
+                0 if batch is None else batch["pending"],
+            ),
+            "lorapool_batch_queue_lag": (
+                "batch entries no worker has taken yet (NaN: unknown)",
+                lag_of(batch, batch_length),
             ),
             "lorapool_dead_letters": ("entries in the dead-letter stream", dead),
             "lorapool_workers_live": ("workers with a live heartbeat", self._live(names)),

@@ -16,7 +16,7 @@ from lorapool.follower import Follower
 from lorapool.keys import DEFAULT_PREFIX, Keys
 from lorapool.outputs import RequestOutput
 from lorapool.producer.client import ABORT_TTL_S, _deadline
-from lorapool.producer.job import SUBMIT_SCRIPT, build_job, per_prompt
+from lorapool.producer.job import SUBMIT_SCRIPT, build_job, check_on_finish, per_prompt
 from lorapool.producer.registry import check_lora, decode_record
 from lorapool.protocol import LoRARequest, RequestOutputKind, SamplingParams
 from lorapool.wire import (
@@ -131,9 +131,13 @@ class AsyncProducer:
         lora_request: LoRARequest | str | None = None,
         request_id: str | None = None,
         metadata: dict[str, Any] | None = None,
+        priority: str = "interactive",
+        on_finish: str | None = None,
     ) -> AsyncJobHandle:
         """Enqueue one job (see ``Producer.submit``)."""
-        handles = await self.submit_many([prompt], params, [lora_request], [request_id], metadata)
+        handles = await self.submit_many(
+            [prompt], params, [lora_request], [request_id], metadata, priority, on_finish
+        )
         return handles[0]
 
     async def submit_many(
@@ -143,8 +147,12 @@ class AsyncProducer:
         lora_request: LoRARequest | str | None | list = None,
         request_ids: list[str | None] | None = None,
         metadata: dict[str, Any] | None = None,
+        priority: str = "interactive",
+        on_finish: str | None = None,
     ) -> list[AsyncJobHandle]:
         """Enqueue several jobs in one round trip, all validated first."""
+        stream = self.keys.stream(priority)
+        callback = check_on_finish(on_finish)
         count = len(prompts)
         loras = [await self.resolve(x) for x in per_prompt(lora_request, count, "adapters")]
         jobs = [
@@ -156,8 +164,14 @@ class AsyncProducer:
         async with self.redis.pipeline(transaction=False) as pipe:
             for job in jobs:
                 await self._submit(
-                    keys=[self.keys.job(job.request_id), self.keys.requests],
-                    args=[encode_job(job), job.sampling_params.output_kind.value, time.time()],
+                    keys=[self.keys.job(job.request_id), stream],
+                    args=[
+                        encode_job(job),
+                        job.sampling_params.output_kind.value,
+                        time.time(),
+                        priority,
+                        callback,
+                    ],
                     client=pipe,
                 )
             entries = await pipe.execute()

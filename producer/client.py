@@ -13,7 +13,7 @@ from lorapool import connection
 from lorapool.chunk_log import RESULT_FIELD, Cursor, OutputAssembler
 from lorapool.keys import DEFAULT_PREFIX, Keys
 from lorapool.outputs import RequestOutput
-from lorapool.producer.job import SUBMIT_SCRIPT, build_job, per_prompt
+from lorapool.producer.job import SUBMIT_SCRIPT, build_job, check_on_finish, per_prompt
 from lorapool.producer.registry import AdapterRegistry
 from lorapool.protocol import LoRARequest, RequestOutputKind, SamplingParams
 from lorapool.wire import (
@@ -177,13 +177,23 @@ class Producer:
         lora_request: LoRARequest | str | None = None,
         request_id: str | None = None,
         metadata: dict[str, Any] | None = None,
+        priority: str = "interactive",
+        on_finish: str | None = None,
     ) -> JobHandle:
         """Enqueue one job; a request id that exists returns its handle, enqueuing nothing.
 
+        ``priority``: "interactive", or "batch" for work that may wait: workers take
+        batch jobs only with capacity left after the interactive ones.
+        ``on_finish``: a completion callback, the dotted path of a function run as an
+        RQ job, or an http(s) URL POSTed to, once the request's final record is stored.
+
         Raises ValueError naming the problem (sampling params, prompt, unknown
-        adapter, colliding adapter id).
+        adapter, colliding adapter id, priority).
         """
-        return self.submit_many([prompt], params, [lora_request], [request_id], metadata)[0]
+        handles = self.submit_many(
+            [prompt], params, [lora_request], [request_id], metadata, priority, on_finish
+        )
+        return handles[0]
 
     def submit_many(
         self,
@@ -192,8 +202,12 @@ class Producer:
         lora_request: LoRARequest | str | None | list = None,
         request_ids: list[str | None] | None = None,
         metadata: dict[str, Any] | None = None,
+        priority: str = "interactive",
+        on_finish: str | None = None,
     ) -> list[JobHandle]:
         """Enqueue several jobs in one round trip; all are validated before any is sent."""
+        stream = self.keys.stream(priority)
+        callback = check_on_finish(on_finish)
         count = len(prompts)
         loras = [self.registry.resolve(x) for x in per_prompt(lora_request, count, "adapters")]
         jobs = [
@@ -205,8 +219,14 @@ class Producer:
         with self.redis.pipeline(transaction=False) as pipe:
             for job in jobs:
                 self._submit(
-                    keys=[self.keys.job(job.request_id), self.keys.requests],
-                    args=[encode_job(job), job.sampling_params.output_kind.value, time.time()],
+                    keys=[self.keys.job(job.request_id), stream],
+                    args=[
+                        encode_job(job),
+                        job.sampling_params.output_kind.value,
+                        time.time(),
+                        priority,
+                        callback,
+                    ],
                     client=pipe,
                 )
             entries = pipe.execute()

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from collections.abc import Mapping
 from typing import Any
+from urllib.parse import urlsplit
 
 from lorapool.protocol import FieldError, LoRARequest, SamplingParams
 from lorapool.wire import Job, JobLimits, job_from_dict
@@ -13,7 +15,8 @@ from lorapool.wire import Job, JobLimits, job_from_dict
 # Enqueue a job only if its request id is new: the marker and the entry together.
 # The same call sent again (redis-py retries one whose reply was lost) finds its own
 # marker ('submitted' is this call's clock reading) and returns its entry.
-# KEYS: job marker, requests stream. ARGV: payload, output kind, now.
+# KEYS: job marker, the stream of the job's priority. ARGV: payload, output kind, now,
+# priority, on_finish ('' none: see ``check_on_finish``).
 SUBMIT_SCRIPT = """
 if redis.call('EXISTS', KEYS[1]) == 1 then
   if redis.call('HGET', KEYS[1], 'submitted') == ARGV[3] then
@@ -23,9 +26,37 @@ if redis.call('EXISTS', KEYS[1]) == 1 then
 end
 local entry = redis.call('XADD', KEYS[2], '*', 'data', ARGV[1])
 redis.call('HSET', KEYS[1], 'status', 'queued', 'entry', entry,
-           'output_kind', ARGV[2], 'submitted', ARGV[3])
+           'output_kind', ARGV[2], 'submitted', ARGV[3], 'priority', ARGV[4])
+if ARGV[5] ~= '' then redis.call('HSET', KEYS[1], 'on_finish', ARGV[5]) end
 return entry
 """
+
+
+ON_FINISH_FUNCTION = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)+")
+MAX_ON_FINISH = 2048
+
+
+def check_on_finish(value: Any) -> str:
+    """A job's completion callback as stored in its marker ('' for none): the dotted
+    path of a function for an RQ job (``myapp.tasks.handle_result``), or an http(s)
+    URL for a webhook. Raises FieldError naming what is wrong."""
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise FieldError(f"on_finish must be a string, got {type(value).__name__}")
+    if len(value) > MAX_ON_FINISH or any(ord(c) < 33 or ord(c) == 127 for c in value):
+        raise FieldError(
+            f"on_finish must be at most {MAX_ON_FINISH} printable characters without spaces"
+        )
+    url = urlsplit(value)
+    if url.scheme in ("http", "https") and url.netloc:
+        return value
+    if ON_FINISH_FUNCTION.fullmatch(value):
+        return value
+    raise FieldError(
+        f"on_finish must be a dotted function path (myapp.tasks.handle_result) or an "
+        f"http(s) URL, got {value[:80]!r}"
+    )
 
 
 def build_job(

@@ -34,6 +34,10 @@ class WorkerConfig:
     # a finished request's chunk log stays this long for readers following it; the
     # whole output stays, compacted into one record, for result_ttl_s
     log_grace_s: int = 60
+    # a read takes at most this worker's share of the pool's work (``intake.py``)
+    fair_share: bool = True
+    # hand an entry to a live peer that has its adapter in a device slot (``intake.py``)
+    affinity: bool = True
     heartbeat_s: float = 1.0
     alive_ttl_s: int = 5  # status drops a worker this long after its last heartbeat
     max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES  # larger prompts are refused

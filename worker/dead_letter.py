@@ -36,7 +36,12 @@ def reason_of(exc: BaseException) -> str:
 
 
 def dead_letter(
-    worker: Worker, entry_id: str, payload: bytes | None, reason: str, held: Held | None
+    worker: Worker,
+    entry_id: str,
+    payload: bytes | None,
+    reason: str,
+    held: Held | None,
+    stream: str = "",
 ) -> None:
     """Final error chunk (when the request is known), XACK and ``{p}:dead``, at once.
 
@@ -46,7 +51,7 @@ def dead_letter(
     logger.warning("worker %s: dead-lettering %s: %s", worker.name, entry_id, reason)
     try:
         if held is None:
-            held = held_for_garbage(entry_id, payload, worker.config.limits)
+            held = held_for_garbage(entry_id, payload, worker.config.limits, stream)
         if held is not None:
             worker.held.pop(held.request_id, None)
             find_adapter(worker, held)
@@ -63,7 +68,8 @@ def dead_letter(
         logger.exception("worker %s: no error output for %s", worker.name, entry_id)
         reason = f"{reason} (and its error output could not be written: {reason_of(exc)})"
     dead = dead_payload(payload, audited=False)
-    worker.publisher.append([Append("-", entry_id, -1, b"", True, dead=dead, reason=reason)])
+    item = Append("-", entry_id, -1, b"", True, dead=dead, reason=reason, stream=stream)
+    worker.publisher.append([item])
 
 
 def find_adapter(worker: Worker, held: Held) -> None:
@@ -78,7 +84,9 @@ def find_adapter(worker: Worker, held: Held) -> None:
             held.adapter = record
 
 
-def held_for_garbage(entry_id: str, payload: Any, limits: JobLimits) -> Held | None:
+def held_for_garbage(
+    entry_id: str, payload: Any, limits: JobLimits, stream: str = ""
+) -> Held | None:
     """A Held for an entry that failed validation, if its request id can be read.
 
     Total: any payload gives a Held or None. Fields that do not pass are left
@@ -86,10 +94,13 @@ def held_for_garbage(entry_id: str, payload: Any, limits: JobLimits) -> Held | N
     so the request's error output and audit record carry what could be read.
     """
     try:
-        return _held_for_garbage(entry_id, payload, limits)
+        held = _held_for_garbage(entry_id, payload, limits)
     except Exception:  # noqa: BLE001 - the dead-letter path must not raise
         logger.exception("no request could be read from %s", entry_id)
         return None
+    if held is not None:
+        held.stream = stream
+    return held
 
 
 def _held_for_garbage(entry_id: str, payload: Any, limits: JobLimits) -> Held | None:

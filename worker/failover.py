@@ -27,11 +27,18 @@ def claim(worker: Worker) -> int:
     An entry delivered more than ``max_deliveries`` times is dead-lettered and
     its client gets a final error output.
     """
-    count = worker.engine.capacity()
-    if count == 0:
-        return 0
+    claimed = 0
+    for stream in worker.keys.streams:  # the interactive one first
+        count = worker.engine.capacity()
+        if count == 0:
+            break
+        claimed += _claim(worker, stream, count)
+    return claimed
+
+
+def _claim(worker: Worker, stream: str, count: int) -> int:
     reply = worker.redis.xautoclaim(
-        worker.keys.requests,
+        stream,
         WORKERS_GROUP,
         worker.name,
         min_idle_time=worker.config.lease_ms,
@@ -41,20 +48,20 @@ def claim(worker: Worker) -> int:
     entries = [(i, f) for i, f in reply[1] if f]
     for entry_id, fields in entries:
         entry_id = entry_id.decode()
-        deliveries = _deliveries(worker, entry_id)
-        logger.info("worker %s: claimed %s (delivery %s)", worker.name, entry_id, deliveries)
+        deliveries = _deliveries(worker, stream, entry_id)
+        logger.info(
+            "worker %s: claimed %s %s (delivery %s)", worker.name, stream, entry_id, deliveries
+        )
         log = read_log(worker, fields)
         if deliveries > worker.config.max_deliveries:
-            _give_up(worker, entry_id, fields, log, deliveries)
+            _give_up(worker, stream, entry_id, fields, log, deliveries)
         else:
-            worker.start(entry_id, fields, log)
+            worker.start(entry_id, fields, log, stream)
     return len(entries)
 
 
-def _deliveries(worker: Worker, entry_id: str) -> int:
-    info = worker.redis.xpending_range(
-        worker.keys.requests, WORKERS_GROUP, min=entry_id, max=entry_id, count=1
-    )
+def _deliveries(worker: Worker, stream: str, entry_id: str) -> int:
+    info = worker.redis.xpending_range(stream, WORKERS_GROUP, min=entry_id, max=entry_id, count=1)
     return info[0]["times_delivered"] if info else 0
 
 
@@ -69,18 +76,18 @@ def read_log(worker: Worker, fields: dict) -> list[Chunk]:
 
 
 def _give_up(
-    worker: Worker, entry_id: str, fields: dict, log: list[Chunk], deliveries: int
+    worker: Worker, stream: str, entry_id: str, fields: dict, log: list[Chunk], deliveries: int
 ) -> None:
     payload = fields.get(DATA.encode())
     reason = (
         f"delivered {deliveries} times (max_deliveries={worker.config.max_deliveries}); "
         f"the workers that took it stopped before finishing"
     )
-    held = dead_letter.held_for_garbage(entry_id, payload, worker.config.limits)
+    held = dead_letter.held_for_garbage(entry_id, payload, worker.config.limits, stream)
     try:
         for chunk in log if held is not None else []:
             held.take(chunk)
     except Exception:  # noqa: BLE001 - a damaged log: fail the request without it
         logger.exception("worker %s: unreadable chunk log of %s", worker.name, entry_id)
-        held = dead_letter.held_for_garbage(entry_id, payload, worker.config.limits)
-    worker.dead_letter(entry_id, payload, reason, held)
+        held = dead_letter.held_for_garbage(entry_id, payload, worker.config.limits, stream)
+    worker.dead_letter(entry_id, payload, reason, held, stream)

@@ -65,6 +65,7 @@ class Held:
     completions: dict[int, _Completion] = field(default_factory=dict)
     first: Chunk | None = None  # the first chunk in the log
     last: Chunk | None = None  # the latest
+    stream: str = ""  # the stream its entry came from ('': the interactive one)
 
     @property
     def request_id(self) -> str:

@@ -55,7 +55,36 @@ def heartbeat_record(worker: Worker) -> dict[str, Any]:
         "held": len(worker.held),
         "tokens_per_s": worker.num_tokens / elapsed,
         "adapters": sorted({h.job.lora_request.name for h in held if h.job.lora_request}),
+        "loaded": loaded_adapters(worker.engine),
         "draining": worker.draining,
     }
     worker.num_tokens = 0
     return record
+
+
+def loaded_adapters(engine) -> list[str]:
+    """The adapters in the engine's device slots (none if it does not say)."""
+    state = engine.lora_state() if hasattr(engine, "lora_state") else {}
+    return list(state.get("device", []))
+
+
+def send_heartbeat(
+    connection: redis.Redis, keys: Keys, record: dict, alive_ttl_s: int
+) -> list[dict[str, Any]]:
+    """Store a worker's ``record`` and its ``{p}:alive:{name}`` flag, which expires
+    ``alive_ttl_s`` later; returns the records of the pool's live workers."""
+    with connection.pipeline(transaction=False) as pipe:
+        pipe.hset(keys.workers, record["name"], orjson.dumps(record))
+        pipe.set(keys.alive(record["name"]), 1, ex=alive_ttl_s)
+        pipe.hgetall(keys.workers)
+        records = pipe.execute()[2]
+    names = list(records)
+    alive = connection.mget([keys.alive(n.decode()) for n in names])
+    live = []
+    for name, flag in zip(names, alive):
+        if flag is not None:
+            try:
+                live.append(orjson.loads(records[name]))
+            except orjson.JSONDecodeError:
+                continue
+    return live

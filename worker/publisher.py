@@ -143,7 +143,7 @@ class Publisher:
             trip.sent = [self._build(held, out, pos) for held, out, pos in trip.outputs]
         items = [item for _, _, item in trip.sent]
         appended = self.append(items) if items else []
-        entries = self.worker._read_entries(trip.read, None) if trip.read else []
+        entries = self.worker.intake.read(trip.read, None) if trip.read else []
         return appended, entries, [call() for call, _ in trip.extra]
 
     def _build(self, held: Held, out: RequestOutput, position: Position) -> tuple:
@@ -176,6 +176,7 @@ class Publisher:
             dead,
             reason,
             result,
+            held.stream,
         )
 
     def _after_append(self, held: Held, chunk: Chunk, result: int) -> None:

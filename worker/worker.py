@@ -15,7 +15,6 @@ import threading
 import time
 from typing import Any
 
-import orjson
 import redis
 
 from lorapool import signing
@@ -29,8 +28,9 @@ from lorapool.worker.config import WorkerConfig
 from lorapool.worker.dead_letter import reason_of
 from lorapool.worker.engine_api import EngineInterface
 from lorapool.worker.held import Held, engine_params, resumed_token_ids
+from lorapool.worker.intake import Intake
 from lorapool.worker.metrics import worker_metrics
-from lorapool.worker.pool import claim_model, heartbeat_record
+from lorapool.worker.pool import claim_model, heartbeat_record, send_heartbeat
 from lorapool.worker.prompt import engine_prompt
 from lorapool.worker.publisher import Publisher
 from lorapool.worker.scripts import RENEW
@@ -67,6 +67,7 @@ class Worker:
         self.stopped = False
         self.num_tokens = 0
         self._renew = connection.register_script(RENEW)
+        self.intake = Intake(self)
         self._last = {"renew": 0.0, "claim": 0.0, "heartbeat": 0.0}
         self._drain_deadline: float | None = None
         self.publisher = Publisher(self)
@@ -83,7 +84,7 @@ class Worker:
         self.ensure_group()
         self._install_signals()
         self.metrics.serve()
-        logger.info("worker %s: serving %s", self.name, self.keys.requests)
+        logger.info("worker %s: serving %s", self.name, ", ".join(self.keys.streams))
         try:
             while not self.stopped:
                 self.run_guarded()
@@ -140,7 +141,7 @@ class Worker:
         read = 0 if self.draining else self._admit()
         if self.engine.has_unfinished_requests():
             self._step()
-        elif self.draining or (self.config.burst and read == 0 and self._queue_empty()):
+        elif self.draining or (self.config.burst and read == 0 and self.intake.queue_empty()):
             self.publisher.flush(wait=True)
             self.stopped = True
         if self._drain_deadline is not None and time.monotonic() > self._drain_deadline:
@@ -151,12 +152,10 @@ class Worker:
             self.stopped = True
 
     def ensure_group(self) -> None:
-        """Create the ``workers`` consumer group (and the stream) unless it exists."""
-        ensure_group(self.redis, self.keys.requests, WORKERS_GROUP)
-
-    def _queue_empty(self) -> bool:
-        pending = self.redis.xpending(self.keys.requests, WORKERS_GROUP)
-        return pending["pending"] == 0 and not self.held
+        """Create the ``workers`` consumer group (and the stream) of each job stream
+        unless it exists."""
+        for stream in self.keys.streams:
+            ensure_group(self.redis, stream, WORKERS_GROUP)
 
     # --- admission -------------------------------------------------------------
 
@@ -168,24 +167,28 @@ class Worker:
         count = self.engine.capacity()
         if count == 0:
             return 0
-        return self._start_read(self._read_entries(count, self.config.block_ms))
-
-    def _read_entries(self, count: int, block: int | None) -> list:
-        reply = self.redis.xreadgroup(
-            WORKERS_GROUP, self.name, {self.keys.requests: ">"}, count=count, block=block
-        )
-        return [e for _, stream_entries in reply or [] for e in stream_entries]
+        return self._start_read(self.intake.read(count, self.config.block_ms))
 
     def _start_read(self, entries: list) -> int:
-        for entry_id, fields in entries:
-            self.start(entry_id.decode(), fields)
+        self.intake.new_read()
+        for stream, entry_id, fields, handed in entries:
+            self.start(entry_id.decode(), fields, stream=stream, handed=handed)
         return len(entries)
 
-    def start(self, entry_id: str, fields: dict, log: list[Chunk] | None = None) -> None:
+    def start(
+        self,
+        entry_id: str,
+        fields: dict,
+        log: list[Chunk] | None = None,
+        stream: str = "",
+        handed: bool = False,
+    ) -> None:
         """Put one delivered entry into the engine, or fail it alone with a clear error.
 
         Any exception but Redis being away (the loop rides that out) fails this
-        request only: final error chunk, dead letter, audit record.
+        request only: final error chunk, dead letter, audit record. ``stream``: the
+        one it came from ('': the interactive one). A new entry (not ``handed`` by a
+        peer, no ``log``) may go to a peer that holds its adapter (``Intake.hand_off``).
         """
         payload = (fields or {}).get(DATA.encode())
         held = None
@@ -193,17 +196,19 @@ class Worker:
             job = decode_job(payload, self.config.limits)
             if job.request_id in self.held:
                 return None
-            held = Held(entry_id, job)
+            held = Held(entry_id, job, stream=stream)
             for chunk in log or []:
                 held.take(chunk)
             held.resumed_tokens = held.total
+            if not handed and log is None and self.intake.hand_off(held):
+                return None
             self._add_to_engine(held)
         except REDIS_DOWN:
             raise
         except Exception as exc:  # noqa: BLE001 - one bad job must not end the worker
             if held is not None:
                 self._abort_in_engine(held.request_id)
-            return self.dead_letter(entry_id, payload, reason_of(exc), held)
+            return self.dead_letter(entry_id, payload, reason_of(exc), held, stream)
         self.held[job.request_id] = held
         self.metrics.admitted(held)
         return None
@@ -247,7 +252,7 @@ class Worker:
         failed = [h for rid, h in self.held.items() if rid in running] or list(self.held.values())
         for held in failed:
             self._abort_in_engine(held.request_id)
-            self.dead_letter(held.entry_id, encode_job(held.job), reason, held)
+            self.dead_letter(held.entry_id, encode_job(held.job), reason, held, held.stream)
 
     # --- publishing --------------------------------------------------------------
 
@@ -267,10 +272,15 @@ class Worker:
             logger.debug("worker %s: %s was not in the engine", self.name, request_id)
 
     def dead_letter(
-        self, entry_id: str, payload: bytes | None, reason: str, held: Held | None
+        self,
+        entry_id: str,
+        payload: bytes | None,
+        reason: str,
+        held: Held | None,
+        stream: str = "",
     ) -> None:
         """Fail an entry for good: see ``dead_letter.dead_letter``."""
-        dead_letter.dead_letter(self, entry_id, payload, reason, held)
+        dead_letter.dead_letter(self, entry_id, payload, reason, held, stream)
         self.metrics.failed(held)
 
     # --- upkeep ------------------------------------------------------------------
@@ -299,7 +309,8 @@ class Worker:
         if self._due("heartbeat", self.config.heartbeat_s):
             if busy:
                 record = heartbeat_record(self)
-                self.publisher.extra.append((lambda: self._send_heartbeat(record), None))
+                call = lambda: self._send_heartbeat(record)  # noqa: E731
+                self.publisher.extra.append((call, self._apply_heartbeat))
             else:
                 self.heartbeat()
 
@@ -310,19 +321,20 @@ class Worker:
             self._apply_renew(held, *self._renew_lost_and_flags(held, idle_ms))
 
     def _renew_lost_and_flags(self, held: list[Held], idle_ms: int) -> tuple[set, list]:
-        """RENEW (fenced) for ``held``: the entries lost, and each one's abort flag."""
+        """RENEW (fenced) for ``held``: the positions in ``held`` of the entries lost, and
+        each one's abort flag."""
         lost = self._renew(
-            keys=[self.keys.requests],
+            keys=[h.stream or self.keys.requests for h in held],
             args=[WORKERS_GROUP, self.name, idle_ms] + [h.entry_id for h in held],
         )
         flags = self.redis.mget([self.keys.abort(h.request_id) for h in held])
-        return {x.decode() for x in lost}, flags
+        return {int(i) - 1 for i in lost}, flags
 
     def _apply_renew(self, held: list[Held], lost: set, flags: list) -> None:
-        for h, flag in zip(held, flags):
+        for i, (h, flag) in enumerate(zip(held, flags)):
             if self.held.get(h.request_id) is not h:
                 continue  # finished, failed or dropped meanwhile
-            if h.entry_id in lost:
+            if i in lost:
                 self._drop(h.request_id)
             elif flag is not None:
                 self.engine.abort_request(h.request_id)
@@ -330,13 +342,13 @@ class Worker:
     def heartbeat(self) -> None:
         """The worker's record for ``status``, and ``{p}:alive:{name}``, which expires
         ``alive_ttl_s`` after the last heartbeat (a killed worker drops out of ``status``)."""
-        self._send_heartbeat(heartbeat_record(self))
+        self._apply_heartbeat(self._send_heartbeat(heartbeat_record(self)))
 
-    def _send_heartbeat(self, record: dict) -> None:
-        with self.redis.pipeline(transaction=False) as pipe:
-            pipe.hset(self.keys.workers, self.name, orjson.dumps(record))
-            pipe.set(self.keys.alive(self.name), 1, ex=self.config.alive_ttl_s)
-            pipe.execute()
+    def _send_heartbeat(self, record: dict) -> list[dict]:
+        return send_heartbeat(self.redis, self.keys, record, self.config.alive_ttl_s)
+
+    def _apply_heartbeat(self, live: list[dict]) -> None:
+        self.intake.pool_seen(live)
 
     # --- shutdown ----------------------------------------------------------------
 

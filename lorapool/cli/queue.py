@@ -68,6 +68,20 @@ def _producer(redis_url, prefix):
 @click.option("--max-deliveries", default=3, show_default=True)
 @click.option("--drain-timeout", default=30.0, show_default=True)
 @click.option("--burst", is_flag=True, help="exit when the queue and the engine are empty")
+@click.option(
+    "--fair-share/--no-fair-share",
+    default=True,
+    show_default=True,
+    help="take at most this worker's share of a burst per read (of the queued and running "
+    "jobs over the live workers), so that a burst spreads over the pool",
+)
+@click.option(
+    "--affinity/--no-affinity",
+    default=True,
+    show_default=True,
+    help="hand a job whose adapter is not loaded here to a live peer that has it loaded "
+    "(or is its home) and is not much busier, so that adapters load less often",
+)
 @click.option("--metrics-port", type=int, default=None, help="serve Prometheus /metrics here")
 @click.option("--metrics-addr", default="0.0.0.0", show_default=True)
 @count_option("--metrics-max-adapters", 32, "series per adapter-labelled metric ('other' too)")

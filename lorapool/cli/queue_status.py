@@ -47,14 +47,16 @@ def queue_table(producer) -> Table:
     table = Table(title="queue")
     for column in ("stream", "length", "pending", "lag", "dead letters"):
         table.add_column(column)
-    group = next((g for g in _groups(r, keys.requests) if g["name"] == WORKERS_GROUP.encode()), {})
-    table.add_row(
-        keys.requests,
-        str(r.xlen(keys.requests)),
-        str(group.get("pending", 0)),
-        str(group.get("lag", "-")),
-        str(r.xlen(keys.dead)),
-    )
+    dead = str(r.xlen(keys.dead))
+    for stream in keys.streams:  # the interactive one, then the batch one
+        group = next((g for g in _groups(r, stream) if g["name"] == WORKERS_GROUP.encode()), {})
+        table.add_row(
+            stream,
+            str(r.xlen(stream)),
+            str(group.get("pending", 0)),
+            str(group.get("lag", "-")),
+            dead if stream == keys.requests else "",
+        )
     return table
 
 

@@ -22,6 +22,9 @@ GAUGES = [
     "lorapool_queue_length",
     "lorapool_queue_pending",
     "lorapool_queue_lag",
+    "lorapool_batch_queue_length",
+    "lorapool_batch_queue_pending",
+    "lorapool_batch_queue_lag",
     "lorapool_dead_letters",
     "lorapool_workers_live",
     "lorapool_audit_backlog",
@@ -59,6 +62,17 @@ def test_gauges_equal_what_redis_reports(exporter, conn, producer):
     got = scrape(exporter)
     assert got["lorapool_queue_lag"] == group(conn, keys.requests, WORKERS_GROUP)["lag"] == 5
     assert got["lorapool_queue_length"] == 5 and got["lorapool_queue_pending"] == 0
+    assert got["lorapool_batch_queue_length"] == got["lorapool_batch_queue_lag"] == 0
+
+    ensure_group(conn, keys.batch_requests, WORKERS_GROUP)
+    producer.submit_many([f"line {i}" for i in range(4)], SamplingParams(), priority="batch")
+    conn.xreadgroup(WORKERS_GROUP, "c1", {keys.batch_requests: ">"}, count=1)
+    got = scrape(exporter)
+    batch = group(conn, keys.batch_requests, WORKERS_GROUP)
+    assert got["lorapool_batch_queue_lag"] == batch["lag"] == 3
+    assert got["lorapool_batch_queue_pending"] == batch["pending"] == 1
+    assert got["lorapool_batch_queue_length"] == 4
+    assert got["lorapool_queue_lag"] == 5  # the interactive stream's alone
 
     conn.xreadgroup(WORKERS_GROUP, "c1", {keys.requests: ">"}, count=2)
     conn.xadd(keys.dead, {"reason": "x"})

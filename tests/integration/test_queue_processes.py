@@ -232,7 +232,8 @@ def test_second_sigterm_hands_back(engine, conn, redis_url, prefix, model, tmp_p
     first = start_worker(redis_url, prefix, model, tmp_path, "--lease", "60")
     _wait_partial(conn, producer, ids)
     first.send_signal(signal.SIGTERM)
-    time.sleep(0.3)
+    # the second before the first drain ends: a tiny model finishes 240 tokens in ~0.3 s
+    time.sleep(0.05)
     first.send_signal(signal.SIGTERM)
     assert first.wait(30) == 0
     handed_back = time.monotonic()

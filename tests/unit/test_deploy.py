@@ -107,14 +107,17 @@ def test_keda_scales_the_worker_on_the_groups_lag_by_its_batch_capacity():
     assert scaled["apiVersion"] == "keda.sh/v1alpha1"
     spec = scaled["spec"]
     assert spec["scaleTargetRef"]["name"] == _worker_deployment()["metadata"]["name"]
-    (trigger,) = spec["triggers"]
-    meta = trigger["metadata"]
-    assert trigger["type"] == "redis-streams" and set(meta) <= KEDA_REDIS_STREAMS
     prefix = options(worker()).get("--prefix", DEFAULT_PREFIX)
-    assert meta["stream"] == Keys(prefix).requests and meta["consumerGroup"] == WORKERS_GROUP
-    assert meta["lagCount"] == options(worker())["--max-num-seqs"]  # strings, as KEDA wants
-    assert all(isinstance(v, str) for v in meta.values())
-    assert int(meta["activationLagCount"]) >= 0
+    streams = []
+    for trigger in spec["triggers"]:  # one per job stream, interactive and batch
+        meta = trigger["metadata"]
+        assert trigger["type"] == "redis-streams" and set(meta) <= KEDA_REDIS_STREAMS
+        assert meta["consumerGroup"] == WORKERS_GROUP
+        assert meta["lagCount"] == options(worker())["--max-num-seqs"]  # strings, for KEDA
+        assert all(isinstance(v, str) for v in meta.values())
+        assert int(meta["activationLagCount"]) >= 0
+        streams.append(meta["stream"])
+    assert streams == list(Keys(prefix).streams)
 
 
 def test_the_hpa_reads_the_exporters_lag_gauge():

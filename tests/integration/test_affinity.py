@@ -1,0 +1,152 @@
+"""Adapter affinity (worker/intake.py) on the real Redis: two real Workers in this
+process, stepped by hand so that each move is seen, around the benchmark's
+adapter-slot stand-in (benchmarks/pool_sharing.py: ``SlotEngine``).
+
+The policy's bounds are what is tested: an entry goes only to a live peer that
+shows its adapter loaded (or is its home) and is not much busier; it moves at most
+once; its delivery count stays; a peer that dies holding it gives it up to failover
+after the lease, and the request still ends exactly once.
+"""
+
+import importlib.util
+import time
+
+import orjson
+import pytest
+from standin import BENCH
+
+from lorapool.protocol import SamplingParams
+from lorapool.wire import DATA
+from lorapool.worker import Worker, WorkerConfig
+from lorapool.worker.intake import AFFINITY_SLACK
+
+pytestmark = pytest.mark.integration
+PROMPT = {"prompt_token_ids": [1, 2, 3]}
+
+
+def sharing():
+    path = BENCH.parent / "pool_sharing.py"
+    spec = importlib.util.spec_from_file_location("lorapool_bench_pool_sharing", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def pool(conn, prefix, producer):
+    bench = sharing()
+    for i, name in enumerate(("hot", "cold"), start=1):
+        path = f"/adapters/{name}"
+        info = {"path": path, "sha256": f"{i:064x}", "rank": 8, "alpha": 16.0}
+        producer.registry.add(name, path, i, {**info, "target_modules": []})
+
+    def worker(name, loaded=(), lease_s=10.0):
+        engine = bench.SlotEngine(8, 0.0, max_loras=2, load_s=0.0)
+        for adapter in loaded:
+            engine.slots[adapter] = None
+        config = WorkerConfig(
+            prefix=prefix, name=name, audit_key=bench.AUDIT_KEY.encode(), lease_s=lease_s
+        )
+        w = Worker(engine, conn, config, bench.BASE_MODEL)
+        w.ensure_group()
+        return w
+
+    return worker
+
+
+def see_each_other(*workers):
+    for w in workers:
+        w.heartbeat()
+    for w in workers:
+        w.heartbeat()  # now every one has seen every other's record
+
+
+def pending(conn, keys, request_id):
+    """(consumer, times delivered) of the request's entry."""
+    entry = conn.hget(keys.job(request_id), "entry").decode()
+    info = conn.xpending_range(keys.requests, "workers", entry, entry, 1)
+    return (info[0]["consumer"].decode(), info[0]["times_delivered"]) if info else None
+
+
+def run_until_done(conn, keys, workers, count, timeout=30):
+    deadline = time.monotonic() + timeout
+    while conn.xlen(keys.audit) < count:
+        assert time.monotonic() < deadline, "requests did not finish"
+        for w in workers:
+            w.run_once()
+    for w in workers:
+        w.publisher.flush(wait=True)
+
+
+def audit_workers(conn, keys) -> dict[str, str]:
+    records = [orjson.loads(f[DATA.encode()]) for _, f in conn.xrange(keys.audit)]
+    return {r["request_id"]: r["worker"] for r in records}
+
+
+def test_an_entry_goes_to_the_peer_that_holds_its_adapter_once(conn, producer, pool):
+    a, b = pool("a"), pool("b", loaded=["hot"])
+    see_each_other(a, b)
+    keys = producer.keys
+    producer.submit(PROMPT, SamplingParams(max_tokens=4), "hot", request_id="r1")
+
+    a.run_once()  # reads r1, lacks "hot", hands it to b
+    assert a.intake.handed_total == 1 and "r1" not in a.held
+    assert pending(conn, keys, "r1") == ("b", 1)  # moved; delivered once still
+    b.run_once()  # takes it first, though b never read the stream
+    assert "r1" in b.held
+    # b lacks nothing here, and a handed entry never moves again
+    assert b.intake.handed_total == 0
+    run_until_done(conn, keys, [a, b], 1)
+    assert audit_workers(conn, keys) == {"r1": "b"}
+    assert conn.xpending(keys.requests, "workers")["pending"] == 0
+    assert conn.llen(keys.handoff("b")) == 0
+
+
+def test_a_new_adapter_goes_to_its_home_and_stays_there(conn, producer, pool):
+    """Neither holds "cold": both send it to the same worker (its rendezvous home), so
+    it loads once, not on both."""
+    a, b = pool("a"), pool("b")
+    see_each_other(a, b)
+    home = a.intake.home("cold")
+    assert home == b.intake.home("cold")
+    keys = producer.keys
+    ids = [f"c{i}" for i in range(4)]
+    producer.submit_many([PROMPT] * 4, SamplingParams(max_tokens=2), "cold", request_ids=ids)
+    run_until_done(conn, keys, [a, b], 4)
+    assert set(audit_workers(conn, keys).values()) == {home}
+    loads = {w.name: w.engine.loads for w in (a, b)}
+    assert loads == {home: 1, ({"a", "b"} - {home}).pop(): 0}
+
+
+def test_a_busier_peer_is_not_handed_work(conn, producer, pool):
+    a, b = pool("a"), pool("b", loaded=["hot"])
+    # b is busy: more requests than a by over the slack (base-model ones, read by b)
+    busy = [f"busy{i}" for i in range(AFFINITY_SLACK + 2)]
+    producer.submit_many([PROMPT] * len(busy), SamplingParams(max_tokens=50), None, busy)
+    b.run_once()
+    assert len(b.held) == len(busy)
+    see_each_other(a, b)
+    producer.submit(PROMPT, SamplingParams(max_tokens=2), "hot", request_id="r1")
+    a.run_once()
+    assert a.intake.handed_total == 0 and "r1" in a.held
+
+
+def test_a_peer_that_dies_holding_a_handed_entry_gives_it_up_after_the_lease(conn, producer, pool):
+    lease_s = 0.5
+    a, b = pool("a", lease_s=lease_s), pool("b", loaded=["hot"], lease_s=lease_s)
+    see_each_other(a, b)
+    keys = producer.keys
+    producer.submit(PROMPT, SamplingParams(max_tokens=3), "hot", request_id="r1")
+    a.run_once()
+    assert pending(conn, keys, "r1") == ("b", 1)
+    # b dies before its next read; a goes on alone and claims it after the lease
+    conn.delete(keys.alive("b"))
+    handed_at = time.monotonic()
+    deadline = handed_at + 10 * lease_s
+    while "r1" not in a.held:
+        assert time.monotonic() < deadline, "the handed entry was never claimed"
+        a.run_once()
+    assert time.monotonic() - handed_at >= lease_s
+    assert pending(conn, keys, "r1") == ("a", 2)
+    run_until_done(conn, keys, [a], 1)
+    assert audit_workers(conn, keys) == {"r1": "a"}

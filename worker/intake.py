@@ -1,0 +1,174 @@
+"""What a worker reads, in which order and how much of it.
+
+- **Priority.** The job streams are read first to last (``Keys.streams``): the
+  batch stream only with the capacity the interactive one left, so batch files
+  never take slots interactive jobs could use.
+- **Fair share of a burst.** A read takes at most this worker's share of the
+  pool's work: the entries not yet read plus those pending, over the live
+  workers, less what this worker holds (at least one, never more than the
+  engine's capacity, so backpressure stays). Two idle workers given a burst of
+  64 jobs take about 32 each, where the first to read used to take all it could
+  admit. The live workers are counted at each heartbeat (``alive`` keys). Off
+  with ``--no-fair-share`` (``WorkerConfig.fair_share``).
+- **Adapter affinity** (no central router). A new entry for an adapter not in
+  a device slot here goes to a live peer whose last heartbeat (at most
+  ``heartbeat_s`` old) shows that adapter in a device slot, the least loaded of
+  them; when no live worker shows it, to the adapter's home (rendezvous hashing
+  over the live workers), so that each rarely used adapter loads on one worker
+  rather than on all. Only to a peer whose load (running and waiting requests,
+  and those handed to it since its heartbeat) is at most ``AFFINITY_SLACK``
+  above this worker's, else it runs here. The entry
+  moves to the peer's pending list (XCLAIM, its delivery count unchanged) and
+  its id onto the peer's handoff list (``HANDOFF``). The peer takes its handed
+  entries first at its next read, whatever its capacity (they wait in its
+  engine as they would here). Bounds: an entry is handed at most once (a peer
+  never hands it on; a claimed or resumed one never moves); it waits one of the
+  peer's round trips (its step, or ``block_ms`` when idle), or, should the peer
+  die or stop first, the lease, after which any worker claims it. Off with
+  ``--no-affinity`` (``WorkerConfig.affinity``).
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections import Counter
+from typing import TYPE_CHECKING, Any
+
+from lorapool.keys import WORKERS_GROUP
+from lorapool.worker.pool import loaded_adapters
+from lorapool.worker.scripts import HANDOFF, READ
+
+if TYPE_CHECKING:
+    from lorapool.worker.worker import Worker
+
+# a peer is handed an entry while its load (requests running and waiting, and handed
+# to it since its heartbeat) is at most this much above this worker's
+AFFINITY_SLACK = 4
+
+
+class Intake:
+    """The worker's reads of new entries (``READ``, one round trip each)."""
+
+    def __init__(self, worker: Worker):
+        self.worker = worker
+        self.live_workers = 1  # set by the worker's heartbeat
+        self.peers: dict[str, dict[str, Any]] = {}  # live peers' last heartbeat records
+        self.handed = Counter()  # entries handed to each peer since its record
+        self.handed_total = 0
+        self._here: set[str] | None = None  # adapters in device slots here, for a read
+        self._load = 0  # requests running and waiting here, for a read
+        self._script = worker.redis.register_script(READ)
+        self._handoff = worker.redis.register_script(HANDOFF)
+
+    def queue_empty(self) -> bool:
+        """Nothing held here, nothing pending anywhere (``--burst`` stops then)."""
+        return not self.worker.held and all(
+            self.worker.redis.xpending(stream, WORKERS_GROUP)["pending"] == 0
+            for stream in self.worker.keys.streams
+        )
+
+    def pool_seen(self, live: list[dict[str, Any]]) -> None:
+        """The live workers' records, from a heartbeat."""
+        self.live_workers = max(1, len(live))
+        me = self.worker.name
+        self.peers = {r.get("name"): r for r in live if r.get("name") != me}
+        self.handed.clear()
+
+    def new_read(self) -> None:
+        """Entries of a new read follow: what is loaded here is looked at again."""
+        self._here = None
+
+    def hand_off(self, held) -> bool:
+        """Give a new entry to the peer that holds its adapter, if one can take it
+        (see the module's docstring); True when it went."""
+        lora = held.job.lora_request
+        if lora is None or not self.worker.config.affinity or not self.peers:
+            return False
+        if self._here is None:
+            self._here = set(loaded_adapters(self.worker.engine))
+            self._load = sum(self.worker.engine.request_counts())
+        name = lora.lora_name
+        if name in self._here:
+            return False
+        holding = [p for p in self.peers.values() if name in (p.get("loaded") or ())]
+        peer = min((p for p in holding if self._can_take(p)), key=self._peer_load, default=None)
+        if peer is None and not holding:
+            peer = self.peers.get(self.home(name))
+            peer = peer if peer is not None and self._can_take(peer) else None
+        if peer is None:
+            return False
+        self.handed[peer["name"]] += 1
+        self.handed_total += 1
+        self._send([(held.stream, held.entry_id, peer["name"])])
+        return True
+
+    def _peer_load(self, peer: dict[str, Any]) -> int:
+        """Requests running and waiting at the peer's last heartbeat, and handed since."""
+        return peer["running"] + peer["waiting"] + self.handed[peer["name"]]
+
+    def _can_take(self, peer: dict[str, Any]) -> bool:
+        try:
+            load = self._peer_load(peer)
+        except (KeyError, TypeError):  # a record of another version
+            return False
+        return not peer.get("draining") and load <= self._load + AFFINITY_SLACK
+
+    def home(self, adapter: str) -> str:
+        """The live worker an adapter that no worker holds goes to: the highest of
+        crc32(adapter, worker) (rendezvous hashing, the same answer in every worker
+        that sees the same pool; a worker joining or leaving moves only its share)."""
+        names = [self.worker.name, *self.peers]
+        return max(names, key=lambda w: zlib.crc32(f"{adapter}\0{w}".encode()))
+
+    def _send(self, items: list[tuple[str, str, str]]) -> None:
+        """HANDOFF for ``items`` (stream, entry, peer): at once when the engine is idle,
+        else on the sender's next round trip (the engine never waits for it)."""
+        keys = self.worker.keys
+        streams = list(keys.streams)
+        call_keys, args = [], [WORKERS_GROUP, self.worker.name, self._list_ttl_s()]
+        for stream, entry_id, peer in items:
+            stream = stream or keys.requests
+            call_keys += [stream, keys.handoff(peer)]
+            args += [entry_id, streams.index(stream) + 1, peer]
+        call = lambda: self._handoff(keys=call_keys, args=args)  # noqa: E731
+        if self.worker.engine.has_unfinished_requests():
+            self.worker.publisher.extra.append((call, None))
+        else:
+            call()
+
+    def _list_ttl_s(self) -> int:
+        """A handoff list outlives its entries' lease by far: claimed by then."""
+        return max(60, int(self.worker.config.lease_s * 10))
+
+    def read(self, count: int, block: int | None) -> list[tuple[str, bytes, dict, bool]]:
+        """The entries peers handed to this worker, and up to ``count`` new ones, each
+        (stream, entry id, fields, handed). ``block`` (ms): when there is none, wait up
+        to that long for one on any stream, then read the rest of the share at once."""
+        held = len(self.worker.held)
+        entries = self._read(count, held)
+        if entries or block is None:
+            return entries
+        reply = self.worker.redis.xreadgroup(
+            WORKERS_GROUP,
+            self.worker.name,
+            dict.fromkeys(self.worker.keys.streams, ">"),
+            count=1,
+            block=block,
+        )
+        entries = [(s.decode(), i, f, False) for s, got in reply or [] for i, f in got]
+        if entries and count > len(entries):
+            entries += self._read(count - len(entries), held + len(entries))
+        return entries
+
+    def _read(self, count: int, held: int) -> list[tuple[str, bytes, dict, bool]]:
+        keys = self.worker.keys
+        streams = keys.streams
+        live = self.live_workers if self.worker.config.fair_share else 1
+        reply = self._script(
+            keys=[*streams, keys.handoff(self.worker.name)],
+            args=[WORKERS_GROUP, self.worker.name, count, live, held],
+        )
+        return [
+            (streams[index - 1], entry_id, dict(zip(fields[::2], fields[1::2])), bool(handed))
+            for index, entry_id, fields, handed in reply
+        ]
