@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import time
 
 import httpx
@@ -169,3 +170,31 @@ def test_metrics_has_the_pool_gauges(secure, conn, prefix):
     assert gauges["lorapool_workers_live"].samples[0].value == 2
     assert gauges["lorapool_queue_length"].type == "gauge"
     assert gauges["lorapool_dead_letters"].samples[0].value == conn.xlen(f"{prefix}:dead")
+
+
+def test_lorapool_dashboard_serves_the_page_alone(redis_url, prefix, conn, tmp_path):
+    """``lorapool dashboard``: no keys, no audit links, the same queue length as XLEN."""
+    from gateway_procs import free_port, lorapool_cmd
+
+    port = free_port()
+    cmd = lorapool_cmd("dashboard", "--port", str(port), "--redis-url", redis_url)
+    proc = subprocess.Popen([*cmd, "--prefix", prefix], cwd=tmp_path)
+    url = f"http://127.0.0.1:{port}"
+    try:
+
+        def answering() -> bool:
+            assert proc.poll() is None, "lorapool dashboard exited"
+            try:
+                return httpx.get(f"{url}/dashboard", timeout=5).status_code == 200
+            except httpx.TransportError:
+                return False
+
+        wait_until(answering, "lorapool dashboard answering", 60)
+        page = httpx.get(f"{url}/dashboard").text
+        length = conn.xlen(f"{prefix}:requests")
+        assert f'id="queue-length">{length}<' in page
+        assert "/v1/audit/completions/" not in page
+        assert "lorapool_queue_length" in httpx.get(f"{url}/metrics").text
+        assert httpx.post(f"{url}/v1/jobs", json={}).status_code == 404  # no gateway here
+    finally:
+        stop(proc)
