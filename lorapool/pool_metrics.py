@@ -82,33 +82,30 @@ class PoolCollector:
             pipe.hkeys(keys.workers)
             pipe.xlen(keys.batch_requests)
             length, dead, audit_length, names, batch_length = pipe.execute()
-        workers = group_info(r, keys.requests, WORKERS_GROUP)
-        batch = group_info(r, keys.batch_requests, WORKERS_GROUP)
         audit = group_info(r, keys.audit, AUDIT_GROUP)
         return {
-            "lorapool_queue_length": ("entries in the request stream", length),
-            "lorapool_queue_pending": (
-                "entries delivered to a worker and not yet acknowledged",
-                0 if workers is None else workers["pending"],
-            ),
-            "lorapool_queue_lag": (
-                "entries no worker has taken yet (the consumer group's lag; NaN: unknown)",
-                lag_of(workers, length),
-            ),
-            "lorapool_batch_queue_length": ("entries in the batch stream", batch_length),
-            "lorapool_batch_queue_pending": (
-                "batch entries delivered to a worker and not yet acknowledged",
-                0 if batch is None else batch["pending"],
-            ),
-            "lorapool_batch_queue_lag": (
-                "batch entries no worker has taken yet (NaN: unknown)",
-                lag_of(batch, batch_length),
-            ),
+            **self._stream("queue", "", keys.requests, length),
+            **self._stream("batch_queue", "batch ", keys.batch_requests, batch_length),
             "lorapool_dead_letters": ("entries in the dead-letter stream", dead),
             "lorapool_workers_live": ("workers with a live heartbeat", self._live(names)),
             "lorapool_audit_backlog": (
                 "audit records not yet committed to SQL",
                 _backlog(audit, audit_length),
+            ),
+        }
+
+    def _stream(self, name: str, what: str, stream: str, length: int) -> dict:
+        """Length, pending and lag of a job stream (``what``: how its entries are called)."""
+        group = group_info(self.redis, stream, WORKERS_GROUP)
+        return {
+            f"lorapool_{name}_length": (f"{what}entries in the stream", length),
+            f"lorapool_{name}_pending": (
+                f"{what}entries delivered to a worker and not yet acknowledged",
+                0 if group is None else group["pending"],
+            ),
+            f"lorapool_{name}_lag": (
+                f"{what}entries no worker has taken yet (the consumer group's lag; NaN: unknown)",
+                lag_of(group, length),
             ),
         }
 

@@ -43,11 +43,13 @@ def dead_letter(
     held: Held | None,
     stream: str = "",
 ) -> None:
-    """Final error chunk (when the request is known), XACK and ``{p}:dead``, at once.
+    """Final error chunk (when the request is known), XACK and ``{p}:dead``, at once,
+    counted in the worker's metrics. ``stream``: the entry's ('': the interactive one).
 
     The dead letter keeps the payload only when no audit record keeps the
     prompt (see ``dead_payload``).
     """
+    given = held  # what the metrics count: the request, if it was known
     logger.warning("worker %s: dead-lettering %s: %s", worker.name, entry_id, reason)
     try:
         if held is None:
@@ -61,6 +63,7 @@ def dead_letter(
             audit = final_audit(worker, held, chunk)
             publisher = worker.publisher
             publisher.append([publisher.append_item(held, chunk, audit, dead, reason)])
+            worker.metrics.failed(given)
             return
     except REDIS_DOWN:
         raise
@@ -70,6 +73,7 @@ def dead_letter(
     dead = dead_payload(payload, audited=False)
     item = Append("-", entry_id, -1, b"", True, dead=dead, reason=reason, stream=stream)
     worker.publisher.append([item])
+    worker.metrics.failed(given)
 
 
 def find_adapter(worker: Worker, held: Held) -> None:

@@ -90,4 +90,4 @@ def _give_up(
     except Exception:  # noqa: BLE001 - a damaged log: fail the request without it
         logger.exception("worker %s: unreadable chunk log of %s", worker.name, entry_id)
         held = dead_letter.held_for_garbage(entry_id, payload, worker.config.limits, stream)
-    worker.dead_letter(entry_id, payload, reason, held, stream)
+    dead_letter.dead_letter(worker, entry_id, payload, reason, held, stream)

@@ -208,7 +208,7 @@ class Worker:
         except Exception as exc:  # noqa: BLE001 - one bad job must not end the worker
             if held is not None:
                 self._abort_in_engine(held.request_id)
-            return self.dead_letter(entry_id, payload, reason_of(exc), held, stream)
+            return dead_letter.dead_letter(self, entry_id, payload, reason_of(exc), held, stream)
         self.held[job.request_id] = held
         self.metrics.admitted(held)
         return None
@@ -252,7 +252,9 @@ class Worker:
         failed = [h for rid, h in self.held.items() if rid in running] or list(self.held.values())
         for held in failed:
             self._abort_in_engine(held.request_id)
-            self.dead_letter(held.entry_id, encode_job(held.job), reason, held, held.stream)
+            dead_letter.dead_letter(
+                self, held.entry_id, encode_job(held.job), reason, held, held.stream
+            )
 
     # --- publishing --------------------------------------------------------------
 
@@ -270,18 +272,6 @@ class Worker:
             self.engine.abort_request(request_id)
         except Exception:  # noqa: BLE001 - it may never have got in
             logger.debug("worker %s: %s was not in the engine", self.name, request_id)
-
-    def dead_letter(
-        self,
-        entry_id: str,
-        payload: bytes | None,
-        reason: str,
-        held: Held | None,
-        stream: str = "",
-    ) -> None:
-        """Fail an entry for good: see ``dead_letter.dead_letter``."""
-        dead_letter.dead_letter(self, entry_id, payload, reason, held, stream)
-        self.metrics.failed(held)
 
     # --- upkeep ------------------------------------------------------------------
 
