@@ -38,12 +38,14 @@ class QueueHistory:
 
 
 async def queue_state(pool) -> dict[str, Any]:
-    """Length, pending, lag of the request stream, and the dead letters' count."""
+    """Length, pending, lag of the request stream, the batch stream's length and the
+    dead letters' count."""
     redis, keys = pool.producer.redis, pool.producer.keys
     async with redis.pipeline(transaction=False) as pipe:
         pipe.xlen(keys.requests)
         pipe.xlen(keys.dead)
-        length, dead = await pipe.execute()
+        pipe.xlen(keys.batch_requests)
+        length, dead, batch = await pipe.execute()
     group = None
     if length:
         groups = await redis.xinfo_groups(keys.requests)
@@ -51,7 +53,8 @@ async def queue_state(pool) -> dict[str, Any]:
             (g for g in groups if g["name"] in (WORKERS_GROUP, WORKERS_GROUP.encode())), None
         )
     pending = 0 if group is None else int(group["pending"])
-    return {"length": length, "pending": pending, "lag": lag_of(group, length), "dead": dead}
+    lag = lag_of(group, length)
+    return {"length": length, "pending": pending, "lag": lag, "dead": dead, "batch": batch}
 
 
 async def sample_forever(pool, history: QueueHistory) -> None:

@@ -88,6 +88,7 @@ def _queue(queue: dict, history: list) -> str:
         f'<span>lag <b id="queue-lag">{_e(shown)}</b></span>',
         f'<span>pending <b id="queue-pending">{_e(queue["pending"])}</b></span>',
         f'<span>dead letters <b id="dead-count">{_e(queue["dead"])}</b></span>',
+        f'<span>batch stream <b id="batch-length">{_e(queue.get("batch", 0))}</b></span>',
     ]
     return f'<p class="queue">{"".join(parts)}</p><p>{sparkline(history)}</p>'
 

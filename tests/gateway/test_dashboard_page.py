@@ -35,7 +35,7 @@ def snapshot(value: str) -> dict:
         "now": now,
         "prefix": "pool",
         "workers": [worker],
-        "queue": {"length": 3, "pending": 1, "lag": math.nan, "dead": 1},
+        "queue": {"length": 3, "pending": 1, "lag": math.nan, "dead": 1, "batch": 7},
         "history": [(now - 4, 1, 0), (now - 2, 3, 1), (now, 2, 0)],
         "hottest": [(value, 5)],
         "audit": [row],
@@ -53,6 +53,7 @@ def test_every_value_is_escaped():
     assert shown.count(HOSTILE) >= 11
     assert 'href="/v1/audit/completions/%3Cscript%3E' in page
     assert 'id="queue-lag">unknown<' in page  # NaN lag: Redis could not say
+    assert 'id="batch-length">7<' in page
 
 
 def test_no_links_without_the_audit_routes():
