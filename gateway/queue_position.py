@@ -7,7 +7,8 @@ the two, at most ``MAX_AHEAD``. Redis has no count of a stream's range short of 
 it, so the cost grows with the position: past ``MAX_AHEAD`` the job's position is not
 given (its backlog still is). Streams give ids in order, and a consumer group delivers
 them in that order, so the entries after the last delivered one and before the job's
-are exactly those ahead of it.
+are exactly those ahead of it. A job of the batch stream gets none: workers read it
+only with capacity the request stream leaves, so no count of entries places it.
 """
 
 from __future__ import annotations
