@@ -185,7 +185,7 @@ local streams = #KEYS - 1
 local read = {}
 local handed = redis.call('LPOP', KEYS[#KEYS], 1000)
 for _, item in ipairs(handed or {}) do
-  local i, entry = string.match(item, '^(%d+) (.+)$')
+  local i, entry = string.match(item, '^(%d+) (%d+%-%d+)$')
   i = tonumber(i)
   if i and i >= 1 and i <= streams then
     local p = redis.call('XPENDING', KEYS[i], group, entry, entry, 1)

@@ -150,3 +150,54 @@ def test_a_peer_that_dies_holding_a_handed_entry_gives_it_up_after_the_lease(con
     assert pending(conn, keys, "r1") == ("a", 2)
     run_until_done(conn, keys, [a], 1)
     assert audit_workers(conn, keys) == {"r1": "a"}
+
+
+def settle(worker):
+    """One iteration, then every round trip it started done and applied (a busy worker
+    reads in its sender's trip and starts what it read at the next flush)."""
+    worker.run_once()
+    worker.publisher.flush(wait=True)
+    worker.publisher.flush(wait=True)
+
+
+def test_garbage_in_a_handoff_list_is_passed_over(conn, producer, pool):
+    """Anything pushed onto a worker's handoff list that is not an entry it owns (bad
+    shapes, another worker's entry, an unknown id, NUL bytes) is skipped; a real handoff
+    behind it still arrives, and the other worker's entry stays with its owner."""
+    a, b = pool("a"), pool("b", loaded=["hot"])
+    keys = producer.keys
+    producer.submit(PROMPT, SamplingParams(max_tokens=20), None, request_id="theirs")
+    settle(a)  # a holds "theirs"
+    theirs = conn.hget(keys.job("theirs"), "entry").decode()
+    junk = ["", "x", "1", "0 " + theirs, "3 " + theirs, "1 " + theirs, "1 9-9", "2 \x00", "1 -"]
+    conn.rpush(keys.handoff("b"), *junk)
+    see_each_other(a, b)
+    producer.submit(PROMPT, SamplingParams(max_tokens=2), "hot", request_id="r1")
+    settle(a)  # hands r1 to b, behind the junk
+    assert pending(conn, keys, "r1") == ("b", 1)
+    settle(b)
+    assert set(b.held) == {"r1"}
+    assert pending(conn, keys, "theirs") == ("a", 1)
+    run_until_done(conn, keys, [a, b], 2)
+    assert audit_workers(conn, keys) == {"theirs": "a", "r1": "b"}
+
+
+def test_a_full_peer_takes_what_it_was_handed_at_its_next_step(conn, producer, pool):
+    """Handed entries do not wait for a free slot: the peer adds them at its next round
+    trip (they wait in its engine), which bounds how long a handed entry waits."""
+    a, b = pool("a"), pool("b", loaded=["hot"])
+    keys = producer.keys
+    long = SamplingParams(max_tokens=200)
+    producer.submit_many([PROMPT] * 8, long, "hot", [f"hot{i}" for i in range(8)])
+    settle(b)
+    assert len(b.held) == 8 and b.engine.capacity() == 0  # b is full
+    see_each_other(a, b)  # a sees b's 8 (over AFFINITY_SLACK above its 0: it keeps "cold")
+    producer.submit_many([PROMPT] * 6, long, "cold", [f"cold{i}" for i in range(6)])
+    settle(a)
+    assert len(a.held) == 6  # a is busy too, within AFFINITY_SLACK of b
+    see_each_other(a, b)
+    producer.submit(PROMPT, SamplingParams(max_tokens=2), "hot", request_id="r1")
+    settle(a)
+    assert pending(conn, keys, "r1") == ("b", 1)
+    settle(b)  # still full, but its step's round trip takes the handed entry
+    assert "r1" in b.held and b.engine.request_counts()[1] >= 1  # waiting in its engine
