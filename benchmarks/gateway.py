@@ -102,6 +102,7 @@ def run_clients(kind: str, target: str, prefix: str, n: int, max_tokens: int, t0
     async def main() -> dict:
         out = {"tokens": 0, "requests": 0, "ttft": []}
         await asyncio.sleep(max(0.0, t0 - time.time()))
+        cpu0 = time.process_time()
         if kind == "gateway":
             import httpx
 
@@ -116,6 +117,7 @@ def run_clients(kind: str, target: str, prefix: str, n: int, max_tokens: int, t0
             producer = AsyncProducer(target, prefix)
             await asyncio.gather(*(_direct_client(producer, max_tokens, t1, out) for _ in range(n)))
             await producer.aclose()
+        out["cpu_share"] = (time.process_time() - cpu0) / (time.time() - t0)
         return out
 
     return asyncio.run(main())
@@ -236,6 +238,7 @@ def overhead(args, url: str, gateway: str, gateway_pid: int, prefix: str) -> dic
             "requests": side["requests"],
             "ttft_ms_p50": 1000 * percentile(side["ttft"], 0.5),
             "ttft_ms_p99": 1000 * percentile(side["ttft"], 0.99),
+            "client_cpu_share": side["cpu_share"],  # the clients' own process, of a core
         }
     result["ratio"] = result["gateway"]["tokens_per_s"] / result["direct"]["tokens_per_s"]
     result["added_ttft_ms_p50"] = result["gateway"]["ttft_ms_p50"] - result["direct"]["ttft_ms_p50"]
