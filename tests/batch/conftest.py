@@ -7,7 +7,9 @@ named after the prefix, and its keys go too.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 import uuid
@@ -92,19 +94,22 @@ def rq_worker(redis_url, config, tmp_path):
     """Start an RQ worker of the batch queue: ``rq_worker()`` -> its process."""
     procs = []
 
-    def start(*extra: str) -> subprocess.Popen:
+    def start(*extra: str, worker_class: str = "rq.worker.SimpleWorker") -> subprocess.Popen:
         cmd = [sys.executable, "-c", "from rq.cli import main; main()", "worker", config.queue,
                "--url", redis_url, "--serializer", "json", "--with-scheduler",
-               "--worker-class", "rq.worker.SimpleWorker", "-q", *extra]  # fmt: skip
+               "--worker-class", worker_class, "-q", *extra]  # fmt: skip
         cwd = Path(tmp_path) / f"rq-{len(procs)}"
         cwd.mkdir()
-        procs.append(subprocess.Popen(cmd, cwd=cwd, env={**os.environ, "OMP_NUM_THREADS": "1"}))
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        procs.append(subprocess.Popen(cmd, cwd=cwd, env=env, start_new_session=True))
         return procs[-1]
 
     yield start
     for proc in procs:
         if proc.poll() is None:
             stop(proc)
+        with contextlib.suppress(ProcessLookupError):  # a forking worker's work horse
+            os.killpg(proc.pid, signal.SIGKILL)
 
 
 @pytest.fixture(scope="module")

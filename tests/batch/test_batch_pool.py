@@ -167,3 +167,32 @@ def test_a_worker_killed_midway_the_batch_completes_each_line_once(
     stats = AuditWriter(conn, engine, WriterConfig(prefix=prefix)).run(burst=True)
     engine.dispose()
     assert stats.duplicates == 0 and stats.conflicts == 0
+
+
+@pytest.mark.slow
+def test_the_rq_worker_killed_in_the_collector_a_new_one_finishes(
+    make_lines, service, rq_worker, registry
+):
+    """RQ finds the killed worker's job abandoned once its heartbeat lapses (the job
+    monitoring interval + 60 s) and retries it; the collector starts over."""
+    import os
+    import signal
+
+    lines = make_lines(40, list(registry), max_tokens=40)
+    batch = service.create(upload(service, lines), "/v1/completions")
+    first = rq_worker("--job-monitoring-interval", "1", worker_class="rq.worker.Worker")
+    deadline = time.monotonic() + 120
+    while service.retrieve(batch["id"])["request_counts"]["completed"] < 3:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    with open(f"/proc/{first.pid}/task/{first.pid}/children") as f:
+        children = f.read().split()
+    for pid in [*map(int, children), first.pid]:  # the work horse (its own group), the worker
+        os.kill(pid, signal.SIGKILL)
+    first.wait()
+    assert children and service.retrieve(batch["id"])["request_counts"]["completed"] < 40
+    rq_worker("--maintenance-interval", "1", "--worker-ttl", "20")
+    done = wait_for(service, batch["id"], {"completed", "failed"}, timeout=200)
+    assert done["request_counts"] == {"total": 40, "completed": 40, "failed": 0}
+    outputs = read(service, done["output_file_id"])
+    assert [o["custom_id"] for o in outputs] == [x["custom_id"] for x in lines]
