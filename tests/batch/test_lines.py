@@ -115,3 +115,25 @@ def test_any_value_in_any_field_is_accepted_or_named(field, value):
             or field == "body"
             or field in error["message"]
         )
+
+
+def test_a_large_file_is_checked_a_line_at_a_time(tmp_path):
+    """5,000 lines: the check's peak memory stays under a quarter of the file's size (holding the
+    parsed file would take many times it); only the custom_ids seen are kept."""
+    import tracemalloc
+
+    from lorapool.batch.files import FileStore
+
+    store = FileStore(tmp_path)
+    path = tmp_path / "big.jsonl"
+    with open(path, "wb") as f:
+        for i in range(5_000):
+            f.write(line(f"id-{i}", prompt=f"prompt number {i} " * 60) + b"\n")
+    with open(path, "rb") as f:
+        file_id = store.put(f, "big.jsonl")["id"]
+    tracemalloc.start()
+    report = check_file(store.lines(file_id), "batch_x", MODELS.__contains__)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert (report.total, report.num_errors) == (5_000, 0)
+    assert peak < path.stat().st_size / 4, (peak, path.stat().st_size)
