@@ -12,8 +12,8 @@ then the built-in ``post_webhook`` POSTs the same JSON, signed with HMAC-SHA256
 (header ``X-Lorapool-Signature: sha256=<hex>``, key from ``$LORAPOOL_WEBHOOK_SECRET``
 on the RQ worker), retried with backoff by RQ until it answers 2xx.
 
-Until the job record has an ``on_finish`` field, it is read from the job's metadata
-(``metadata={"on_finish": ...}``), which reaches the audit record unchanged.
+``on_finish`` is given at submit (``Producer.submit(..., on_finish=...)``) and kept in
+the job's marker hash, where the dispatcher reads it when the record is committed.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
-import re
 from dataclasses import asdict
 from typing import Any
 
@@ -33,6 +32,8 @@ from rq.serializers import JSONSerializer
 
 from lorapool.audit_record import AuditRecord
 from lorapool.keys import Keys
+from lorapool.producer.job import check_on_finish
+from lorapool.protocol import FieldError
 
 ON_FINISH = "on_finish"
 DEFAULT_QUEUE = "lorapool-callbacks"
@@ -40,7 +41,6 @@ SIGNATURE_HEADER = "X-Lorapool-Signature"
 SECRET_ENV = "LORAPOOL_WEBHOOK_SECRET"
 MARKER_TTL_S = 7 * 24 * 3600
 WEBHOOK_RETRY = Retry(max=5, interval=[1, 2, 4, 8, 16])
-_DOTTED = re.compile(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)+")
 
 
 def payload(record: AuditRecord) -> dict[str, Any]:
@@ -62,20 +62,8 @@ def payload(record: AuditRecord) -> dict[str, Any]:
         "adapter": None if record.adapter is None else asdict(record.adapter),
         "base_model": asdict(record.base_model),
         "worker": record.worker,
-        "metadata": {k: v for k, v in record.metadata.items() if k != ON_FINISH},
+        "metadata": record.metadata,
     }
-
-
-def on_finish_of(record: AuditRecord) -> str | None:
-    target = record.metadata.get(ON_FINISH)
-    return target if isinstance(target, str) and target else None
-
-
-def check_target(target: str) -> str:
-    """``target`` if it is a dotted function path or an http(s) URL; ValueError otherwise."""
-    if target.startswith(("http://", "https://")) or _DOTTED.fullmatch(target):
-        return target
-    raise ValueError(f"on_finish must be a dotted function path or an http(s) URL, got {target!r}")
 
 
 def job_id(request_id: str) -> str:
@@ -91,21 +79,27 @@ class Callbacks:
         self.queue = Queue(queue, connection=connection, serializer=JSONSerializer)
 
     def marker(self, request_id: str) -> str:
+        """Set once the request's callback is in RQ (to join ``lorapool/keys.py``)."""
         return f"{self.keys.prefix}:callback:{{{request_id}}}"
 
     def __call__(self, records: list[AuditRecord]) -> int:
-        return sum(self.dispatch(r) for r in records)
+        """Dispatch the callbacks of committed records; how many were enqueued."""
+        with self.redis.pipeline(transaction=False) as pipe:
+            for record in records:
+                pipe.hget(self.keys.job(record.request_id), ON_FINISH)
+                pipe.exists(self.marker(record.request_id))
+            replies = pipe.execute()
+        targets = zip(records, replies[::2], replies[1::2])
+        return sum(self.dispatch(r, t.decode()) for r, t, done in targets if t and not done)
 
-    def dispatch(self, record: AuditRecord) -> bool:
-        """Enqueue ``record``'s callback unless it was already (by the marker, kept a week,
-        or by RQ's unique job id); whether this call enqueued it."""
-        target = on_finish_of(record)
-        if target is None or self.redis.exists(self.marker(record.request_id)):
-            return False
+    def dispatch(self, record: AuditRecord, target: str) -> bool:
+        """Enqueue ``record``'s callback to ``target`` (checked again, as at submit) unless
+        RQ holds it already (its unique job id); whether this call enqueued it. A marker
+        kept a week stops later redeliveries before they reach RQ."""
         try:
-            check_target(target)
-        except ValueError:
-            return False  # refused at submit; a record from elsewhere is not run
+            check_on_finish(target)
+        except FieldError:
+            return False  # refused at submit: a marker written around the producer
         webhook = target.startswith(("http://", "https://"))
         args = (target, payload(record)) if webhook else (payload(record),)
         func = "lorapool.batch.callbacks.post_webhook" if webhook else target

@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import asdict, dataclass
-from inspect import signature
 from itertools import islice
 from typing import Any
 
@@ -135,19 +134,12 @@ def enqueue_lines(batch_id: str, raw: dict[str, Any]) -> int:
             [_lora(producer, loras, line.parsed.model) for line in chunk],
             [line.request_id(batch_id) for line in chunk],
             {"batch_id": batch_id},
-            **BATCH_PRIORITY,
+            priority="batch",  # read by workers only with capacity left over
         )
         sent += len(chunk)
     logger.info("batch %s: %d lines submitted", batch_id, sent)
     enqueue_step(connection, config, "collect", batch_id)
     return sent
-
-
-# Batch lines go to the low-priority stream once the producer has it (the worker reads it
-# only with capacity left after the interactive stream); until then, the normal stream.
-BATCH_PRIORITY = (
-    {"priority": "batch"} if "priority" in signature(Producer.submit_many).parameters else {}
-)
 
 
 def _lora(producer: Producer, cache: dict, model: str) -> LoRARequest | None:

@@ -10,6 +10,7 @@ import orjson
 import pytest
 
 from lorapool.batch import Status
+from lorapool.keys import Keys
 
 pytestmark = pytest.mark.usefixtures("worker")
 
@@ -52,6 +53,8 @@ def test_a_mixed_batch_equals_the_offline_engine(
         assert body["usage"]["completion_tokens"] == len(expected.token_ids)
         assert out["response"]["status_code"] == 200 and out["error"] is None
         assert out["response"]["request_id"] == f"{batch['id']}:{line['custom_id']}"
+        rid = out["response"]["request_id"]
+        assert conn.hget(Keys(prefix).job(rid), "priority") == b"batch"  # the batch stream
         assert body["model"] == line["body"]["model"]
     assert done["error_file_id"] is None
 
@@ -62,7 +65,8 @@ def test_a_bad_file_fails_validating_with_every_reason_and_enqueues_nothing(
     lines = make_lines(6, list(registry))
     lines[3]["custom_id"] = lines[1]["custom_id"]  # line 4 repeats line 2
     lines[4]["body"]["model"] = "no-such-adapter"  # line 5
-    before = conn.xlen(f"{prefix}:requests")
+    keys = Keys(prefix)
+    before = conn.xlen(keys.requests), conn.xlen(keys.batch_requests)
     batch = service.create(upload(service, lines, b'{"custom_id": "x", "met\n'), "/v1/completions")
     rq_worker()
     done = wait_for(service, batch["id"], {"completed", "failed"})
@@ -72,7 +76,7 @@ def test_a_bad_file_fails_validating_with_every_reason_and_enqueues_nothing(
     assert errors[4]["param"] == "custom_id" and "repeats line 2" in errors[4]["message"]
     assert errors[5]["message"] == "line 5: unknown model 'no-such-adapter'"
     assert "not valid JSON" in errors[7]["message"]
-    assert conn.xlen(f"{prefix}:requests") == before
+    assert (conn.xlen(keys.requests), conn.xlen(keys.batch_requests)) == before
     assert not list(conn.scan_iter(f"{prefix}:job:{{{batch['id']}:*"))
 
 

@@ -40,8 +40,8 @@ def writer(conn, prefix, tmp_path):
     migrate(engine)
     callbacks = Callbacks(conn, Keys(prefix), queue=prefix)
     yield AuditWriter(conn, engine, WriterConfig(prefix=prefix), on_commit=callbacks), callbacks
-    for rid_key in conn.scan_iter(f"{prefix}:callback:*"):
-        rid = rid_key.decode().split("{", 1)[1].rstrip("}")
+    for marker in conn.scan_iter(f"{prefix}:job:*"):  # each request's RQ callback job
+        rid = marker.decode().split("{", 1)[1].rstrip("}")
         conn.delete(f"rq:job:{job_id(rid)}", f"rq:results:{job_id(rid)}")
     engine.dispose()
 
@@ -59,8 +59,9 @@ def test_each_finished_job_gets_one_json_callback(
             SamplingParams(max_tokens=4, temperature=0),
             names[i % len(names)],
             f"cb-{i}",
-            {"on_finish": "cbtarget.record", "sink": sink},
-        )  # fmt: skip
+            {"sink": sink},
+            on_finish="cbtarget.record",
+        )
         for i in range(20)
     ]
     results = {h.request_id: h.result(timeout=120) for h in handles}
@@ -70,6 +71,9 @@ def test_each_finished_job_gets_one_json_callback(
     # the same entries handled again (a redelivery) enqueue nothing more
     records = [parse_record(fields[b"data"]) for _, fields in entries]
     assert len(records) == 20 and callbacks(records) == 0
+    for key in conn.scan_iter(f"{prefix}:callback:*"):  # past the markers, RQ's unique ids
+        conn.delete(key)
+    assert callbacks(records) == 0
     for rid in results:  # JSON in RQ's hash, never pickle
         data = zlib.decompress(conn.hget(f"rq:job:{job_id(rid)}", "data"))
         assert not data.startswith(b"\x80") and json.loads(data)
@@ -110,7 +114,7 @@ def test_a_webhook_that_fails_twice_gets_the_third_delivery_signed(
     monkeypatch.setenv(SECRET_ENV, "s3cret")
     audit_writer, _ = writer
     handle = Producer(conn, prefix=prefix).submit(
-        "hook", SamplingParams(max_tokens=3), None, "hook-1", {"on_finish": url}
+        "hook", SamplingParams(max_tokens=3), None, "hook-1", on_finish=url
     )
     result = handle.result(timeout=60)
     time.sleep(0.5)
