@@ -53,7 +53,7 @@ async def dashboard(request: Request) -> HTMLResponse:
     refresh = request.query_params.get("refresh", "5")
     refresh_s = int(refresh) if refresh.isdigit() and 1 <= int(refresh) <= 3600 else 5
     snap = await snapshot(request.app.state, caller)
-    links = getattr(request.app.state, "audit_links", True) and snap["audit"] is not None
+    links = getattr(request.app.state, "audit_links", True)
     return HTMLResponse(render(snap, refresh_s, links), headers={"Cache-Control": "no-store"})
 
 

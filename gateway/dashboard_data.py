@@ -103,6 +103,18 @@ async def hottest(pool, store, caller: Principal, workers: list[dict]) -> list[t
     return counts.most_common(ROWS)
 
 
+async def _audit_panes(pool, store, caller: Principal, workers: list[dict]) -> dict:
+    """Hottest adapters and latest audit rows; an audit database that fails leaves a
+    message in their place (the rest of the page still shows)."""
+    try:
+        rows = None if store is None else await latest_audit(store, caller, pool.config.prefix)
+        return {"hottest": await hottest(pool, store, caller, workers), "audit": rows}
+    except Exception as exc:  # noqa: BLE001 - any database error, shown on the page
+        logger.warning("dashboard: the audit database failed: %s", exc)
+        message = f"the audit database failed: {type(exc).__name__}"
+        return {"hottest": await hottest(pool, None, caller, workers), "audit": message}
+
+
 async def snapshot(app_state, caller: Principal) -> dict[str, Any]:
     """Everything one page shows, read now."""
     pool, store = app_state.pool, app_state.audit
@@ -117,7 +129,6 @@ async def snapshot(app_state, caller: Principal) -> dict[str, Any]:
         "workers": workers,
         "queue": queue,
         "history": list(app_state.queue_history.samples),
-        "hottest": await hottest(pool, store, caller, workers),
-        "audit": None if store is None else await latest_audit(store, caller, pool.config.prefix),
+        **await _audit_panes(pool, store, caller, workers),
         "dead": await dead_letters(pool) if everything else None,
     }

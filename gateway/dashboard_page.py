@@ -93,9 +93,11 @@ def _queue(queue: dict, history: list) -> str:
     return f'<p class="queue">{"".join(parts)}</p><p>{sparkline(history)}</p>'
 
 
-def _audit(now: float, rows: list[dict] | None, link: bool) -> str:
+def _audit(now: float, rows: list[dict] | str | None, link: bool) -> str:
     if rows is None:
         return '<p class="muted" id="audit">no audit database (--audit-db-url)</p>'
+    if isinstance(rows, str):
+        return f'<p class="muted" id="audit">{_e(rows)}</p>'
     cells = []
     for r in rows:
         rid = r.get("request_id", "")

@@ -59,3 +59,9 @@ def test_every_value_is_escaped():
 def test_no_links_without_the_audit_routes():
     page = render(snapshot("w1"), 5, audit_links=False)
     assert "<a " not in page and 'data-request="w1"' in page
+
+
+def test_a_failed_audit_database_is_said_escaped():
+    snap = snapshot("w1") | {"audit": "the audit database failed: <OperationalError>"}
+    page = render(snap, 5, audit_links=True)
+    assert "failed: &lt;OperationalError&gt;" in page and 'id="workers"' in page
