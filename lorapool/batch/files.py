@@ -22,6 +22,7 @@ DEFAULT_RETENTION_S = 30 * 24 * 3600
 MAX_FILE_BYTES = 200 * 1024 * 1024  # OpenAI's limit for a batch input file
 _ID = re.compile(r"file-[0-9a-f]{32}")
 _COPY = 1 << 16
+PARTIAL_MAX_AGE_S = 24 * 3600
 
 
 class FileTooLarge(ValueError):
@@ -92,6 +93,9 @@ class FileStore:
             if expires is not None and expires <= now:
                 self.delete(meta.stem)
                 gone += 1
+        for partial in self.root.glob("file-*.partial"):  # left by a collector that died
+            if partial.stat().st_mtime < now - PARTIAL_MAX_AGE_S:
+                partial.unlink(missing_ok=True)
         return gone
 
     def _describe(self, file_id: str, filename: str, purpose: str, size: int) -> dict:

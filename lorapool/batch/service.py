@@ -8,7 +8,7 @@ from typing import Any, BinaryIO
 
 import redis
 
-from lorapool.batch.files import FileStore
+from lorapool.batch.files import FileStore, FileTooLarge
 from lorapool.batch.lines import ENDPOINTS
 from lorapool.batch.state import WINDOWS, BatchState, Status
 from lorapool.batch.tasks import BatchConfig, enqueue_step
@@ -35,7 +35,10 @@ class BatchService:
         """Store an input file; its OpenAI file object."""
         if purpose != "batch":
             raise BatchError(f"purpose must be 'batch', got {purpose!r}", "purpose")
-        return self.files.put(source, filename, purpose)
+        try:
+            return self.files.put(source, filename, purpose)
+        except FileTooLarge as exc:
+            raise BatchError(str(exc), "file", 413) from None
 
     def create(
         self,
