@@ -200,3 +200,27 @@ def test_the_rq_worker_killed_in_the_collector_a_new_one_finishes(
     assert done["request_counts"] == {"total": 40, "completed": 40, "failed": 0}
     outputs = read(service, done["output_file_id"])
     assert [o["custom_id"] for o in outputs] == [x["custom_id"] for x in lines]
+
+
+def test_cancelled_while_validating_enqueues_nothing(make_lines, service, rq_worker, registry):
+    batch = service.create(upload(service, make_lines(4, list(registry))), "/v1/completions")
+    assert service.cancel(batch["id"])["status"] == "cancelling"
+    rq_worker("--burst").wait(timeout=60)
+    done = service.retrieve(batch["id"])
+    assert done["status"] == "cancelled" and done["cancelled_at"] is not None
+    assert done["output_file_id"] is None and done["request_counts"]["completed"] == 0
+
+
+def test_past_its_window_a_batch_expires_with_its_lines_in_the_error_file(
+    make_lines, service, rq_worker, registry
+):
+    lines = make_lines(30, list(registry), max_tokens=40)
+    batch = service.create(upload(service, lines), "/v1/completions")
+    service.state.set(batch["id"], expires_at=int(time.time()))  # the window is over
+    rq_worker()
+    done = wait_for(service, batch["id"], {"expired", "completed", "failed"})
+    assert done["status"] == "expired"
+    errors = read(service, done["error_file_id"])
+    finished = read(service, done["output_file_id"])
+    assert len(errors) + len(finished) == 30 and len(errors) > 0
+    assert {e["error"]["code"] for e in errors} == {"batch_expired"}
