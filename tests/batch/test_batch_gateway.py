@@ -55,3 +55,26 @@ def test_the_openai_client_runs_a_batch(
     with pytest.raises(Exception) as missing:
         client.batches.retrieve("batch_unknown")
     assert getattr(missing.value, "status_code", None) == 404
+
+
+def test_bad_batch_requests_are_refused_in_openai_shape(client, tmp_path):
+    import httpx
+
+    base = str(client.base_url).rstrip("/")
+    cases = [
+        (b"{not json", 400, None),
+        (b"[1, 2]", 400, None),
+        (b'{"input_file_id": "file-x", "endpoint": "/v1/completions", "extra": 1}', 400, "extra"),
+        (b'{"input_file_id": 7, "endpoint": "/v1/completions"}', 400, "input_file_id"),
+        (b'{"input_file_id": "file-x", "endpoint": "/v1/embeddings"}', 400, "endpoint"),
+        (b'{"input_file_id": "file-' + b"0" * 32 + b'", "endpoint": "/v1/completions"}', 404,
+         "file_id"),
+    ]  # fmt: skip
+    for body, status, param in cases:
+        reply = httpx.post(f"{base}/batches", content=body, timeout=10)
+        assert reply.status_code == status, (body, reply.text)
+        assert reply.json()["error"]["param"] == param, body
+    reply = httpx.post(f"{base}/files", files={"file": ("a.jsonl", b"{}")},
+                       data={"purpose": "fine-tune"}, timeout=10)  # fmt: skip
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "purpose"
+    assert httpx.get(f"{base}/files/file-nope/content", timeout=10).status_code == 404
