@@ -1,4 +1,4 @@
-"""Completion callbacks end to end: jobs submitted with ``on_finish`` run on a real
+"""Completion callbacks end to end: 100 jobs submitted with ``on_finish`` run on a real
 worker, the audit writer commits their rows and enqueues one RQ job each (JSON, never
 pickle), even when the same audit entries are handled twice; an rq worker runs them.
 The webhook: a receiver on 127.0.0.1 that fails twice gets the third delivery, signed."""
@@ -46,7 +46,7 @@ def writer(conn, prefix, tmp_path):
     engine.dispose()
 
 
-def test_each_finished_job_gets_one_json_callback(
+def test_100_finished_jobs_get_one_json_callback_each(
     conn, prefix, registry, writer, rq_worker, tmp_path
 ):
     (tmp_path / "cbtarget.py").write_text(TARGET)
@@ -62,7 +62,7 @@ def test_each_finished_job_gets_one_json_callback(
             {"sink": sink},
             on_finish="cbtarget.record",
         )
-        for i in range(20)
+        for i in range(100)
     ]
     results = {h.request_id: h.result(timeout=120) for h in handles}
     time.sleep(0.5)  # the final records reach the audit stream with the final chunks
@@ -70,7 +70,7 @@ def test_each_finished_job_gets_one_json_callback(
     audit_writer.run(burst=True)
     # the same entries handled again (a redelivery) enqueue nothing more
     records = [parse_record(fields[b"data"]) for _, fields in entries]
-    assert len(records) == 20 and callbacks(records) == 0
+    assert len(records) == 100 and callbacks(records) == 0
     for key in conn.scan_iter(f"{prefix}:callback:*"):  # past the markers, RQ's unique ids
         conn.delete(key)
     assert callbacks(records) == 0
