@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import time
+import zlib
 
 import orjson
 import pytest
@@ -57,6 +58,9 @@ def test_a_mixed_batch_equals_the_offline_engine(
         assert conn.hget(Keys(prefix).job(rid), "priority") == b"batch"  # the batch stream
         assert body["model"] == line["body"]["model"]
     assert done["error_file_id"] is None
+    for step in ("validate-batch", "enqueue-lines", "collect"):  # JSON in RQ, never pickle
+        data = zlib.decompress(conn.hget(f"rq:job:{batch['id']}-{step}", "data"))
+        assert not data.startswith(b"\x80") and orjson.loads(data)[2][0] == batch["id"]
 
 
 def test_a_bad_file_fails_validating_with_every_reason_and_enqueues_nothing(
