@@ -284,8 +284,8 @@ class Worker:
 
     def _upkeep(self) -> None:
         """Lease renewal, claims, heartbeat. While the engine runs, renewal and heartbeat
-        ride the sender's next round trip (``_extra``): no Redis call of theirs waits on
-        the engine's thread."""
+        ride a round trip of the sender (``extra``), handed to it at once when it is
+        free: no Redis call of theirs waits on the engine's thread, nor for its step."""
         busy = self.engine.has_unfinished_requests()
         if self._due("renew", self.config.lease_s / 3) and self.held:
             held = list(self.held.values())
@@ -303,6 +303,10 @@ class Worker:
                 self.publisher.extra.append((call, self._apply_heartbeat))
             else:
                 self.heartbeat()
+        if busy and self.publisher.extra:
+            # out now if the sender is free, while the engine steps: a renewal that
+            # waited for a long step (a loaded CPU) could come after the lease
+            self.publisher.flush(wait=False)
 
     def renew(self, idle_ms: int = 0) -> None:
         """Renew the lease of every held entry; drop those lost; abort those asked to."""

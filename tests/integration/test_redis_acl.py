@@ -20,6 +20,7 @@ from lorapool.audit_db.database import migrate
 from lorapool.cli.queue_status import live_workers
 from lorapool.connection import connect
 from lorapool.identity import model_identity
+from lorapool.pool_metrics import PoolCollector
 from lorapool.producer import AsyncProducer, Producer
 from lorapool.protocol import SamplingParams
 from lorapool.worker import Worker, WorkerConfig
@@ -85,6 +86,11 @@ def test_each_role_runs_with_its_own_user(server, model, tmp_path):
 
     followed = asyncio.run(follow(handles[0].request_id))
     assert followed.outputs[0].token_ids == outputs[0].outputs[0].token_ids
+
+    # the pool's gauges (a gateway's /metrics, run as the producer) read all they need
+    gauges = PoolCollector(producer.redis, producer.keys).read()
+    assert gauges["lorapool_audit_backlog"][1] == 0  # the writer committed all three
+    assert gauges["lorapool_queue_length"][1] == producer.redis.xlen("lorapool:requests")
 
     denied = redis.exceptions.NoPermissionError
     with pytest.raises(denied):  # a producer cannot forge audit records
