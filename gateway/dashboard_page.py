@@ -67,6 +67,7 @@ def _workers(now: float, workers: list[dict]) -> str:
             _td(w.get("device")),
             _td(w.get("model")),
             _td(", ".join(w.get("adapters") or ()) or "-", "adapters"),
+            _td(", ".join(w.get("loaded") or ()) or "-", "loaded"),
             _td(w.get("running"), "num"),
             _td(w.get("waiting"), "num"),
             _td(f"{float(w.get('tokens_per_s') or 0):.1f}", "num"),
@@ -75,7 +76,7 @@ def _workers(now: float, workers: list[dict]) -> str:
         ]
         for w in workers
     ]
-    headers = ["worker", "device", "model", "adapters held", "running", "waiting"]
+    headers = ["worker", "device", "model", "adapters held", "on device", "running", "waiting"]
     headers += ["tokens/s", "heartbeat", "state"]
     return _table(headers, rows, "workers", "no live worker")
 
