@@ -56,7 +56,7 @@ async def submit_job(
     idempotency_key: str | None = Header(default=None, max_length=256),
 ) -> JSON:
     pool = _pool(request)
-    parsed, request_id = parse_job(await read_json(request, pool.config.body_limit))
+    parsed, request_id, on_finish = parse_job(await read_json(request, pool.config.body_limit))
     if idempotency_key is not None:
         if request_id is not None:
             raise bad_request("give either request_id or Idempotency-Key", "request_id")
@@ -66,7 +66,7 @@ async def submit_job(
     job_id = caller.job_id(request_id or uuid.uuid4().hex)
     metadata = {**parsed.metadata, **caller.metadata()}
     [handle] = await pool.submit(
-        parsed.prompts, parsed.params, lora, [job_id], metadata, parsed.names
+        parsed.prompts, parsed.params, lora, [job_id], metadata, parsed.names, on_finish
     )
     external = caller.external_id(handle.request_id)
     body = {"id": external, "object": "job", "model": parsed.model}

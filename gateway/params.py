@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lorapool.gateway.errors import bad_request, field_error
+from lorapool.producer.job import check_on_finish
 from lorapool.protocol import FieldError, SamplingParams, short_repr
 
 # request parameter -> SamplingParams field, the same name unless said
@@ -190,14 +191,28 @@ def _message(i: int, message: Any) -> Any:
     return message
 
 
-def parse_job(body: Any) -> tuple[Parsed, str | None]:
+def parse_job(body: Any) -> tuple[Parsed, str | None, str | None]:
     """POST /v1/jobs: one prompt (as /v1/completions) or one chat (as /v1/chat/completions),
-    and optionally the client's own ``request_id``."""
+    and optionally the client's own ``request_id`` and an ``on_finish`` webhook URL."""
     body = _require_object(body)
     if "stream" in body:
         raise bad_request("a job streams through GET /v1/jobs/{id}/events", "stream")
-    core = {k: v for k, v in body.items() if k != "request_id"}
+    core = {k: v for k, v in body.items() if k not in ("request_id", "on_finish")}
     parsed = parse_chat(core) if "messages" in core else parse_completion(core, 1)
     if len(parsed.prompts) != 1:
         raise bad_request("a job has one prompt", "prompt")
-    return parsed, body.get("request_id")
+    return parsed, body.get("request_id"), _webhook(body.get("on_finish"))
+
+
+def _webhook(value: Any) -> str | None:
+    """A job's ``on_finish`` over HTTP: an http(s) URL only. (A dotted function path
+    would have the web app's RQ workers run a function an HTTP client named.)"""
+    if value is None:
+        return None
+    try:
+        url = check_on_finish(value)
+    except FieldError as exc:
+        raise bad_request(str(exc), "on_finish") from None
+    if not url.startswith(("http://", "https://")):
+        raise bad_request("on_finish must be an http(s) URL (a webhook)", "on_finish")
+    return url

@@ -74,13 +74,17 @@ class Pool:
         request_ids: list[str | None] | None = None,
         metadata: dict[str, Any] | None = None,
         names: dict[str, str] | None = None,
+        on_finish: str | None = None,
     ) -> list[AsyncJobHandle]:
         """Enqueue one job per prompt; a FieldError becomes a 400 (or 413) naming the
-        request's parameter; 429 while the backlog is at its bound."""
+        request's parameter; 429 while the backlog is at its bound. ``on_finish``: a
+        webhook URL, POSTed each result once it is stored."""
         await self.check_backlog()
         ids = [rid or uuid.uuid4().hex for rid in request_ids or [None] * len(prompts)]
         try:
-            return await self.producer.submit_many(prompts, params, lora, ids, metadata or None)
+            return await self.producer.submit_many(
+                prompts, params, lora, ids, metadata or None, on_finish=on_finish
+            )
         except FieldError as exc:
             rid = next((r for r in ids if str(exc).startswith(f"job {r}: ")), "")
             raise field_error(exc, rid, names) from None

@@ -73,6 +73,11 @@ class JobRequest(_Sampling):
     request_id: str | None = Field(
         None, max_length=256, description="the client's own id: a retry finds the same job"
     )
+    on_finish: str | None = Field(
+        None,
+        max_length=2048,
+        description="a webhook URL (http or https) POSTed the result, signed, once it is stored",
+    )
 
 
 REF = "#/components/schemas/{model}"

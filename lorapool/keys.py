@@ -97,6 +97,14 @@ class Keys:
         "<stream's position in ``streams``, 1-based> <entry id>"."""
         return f"{self.prefix}:handoff:{worker}"
 
+    def batch(self, batch_id: str) -> str:
+        """Hash: one batch file's state (status, counts, files; lorapool/batch/state.py)."""
+        return f"{self.prefix}:batch:{{{batch_id}}}"
+
+    def callback(self, request_id: str) -> str:
+        """Set once a request's completion callback is in RQ (lorapool/batch/callbacks.py)."""
+        return f"{self.prefix}:callback:{{{request_id}}}"
+
     def job(self, request_id: str) -> str:
         """Idempotency marker and status of one job."""
         return f"{self.prefix}:job:{{{request_id}}}"

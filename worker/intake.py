@@ -1,8 +1,10 @@
 """What a worker reads, in which order and how much of it.
 
 - **Priority.** The job streams are read first to last (``Keys.streams``): the
-  batch stream only with the capacity the interactive one left, so batch files
-  never take slots interactive jobs could use.
+  batch stream only with the capacity the interactive one left, and batch jobs
+  fill at most ``batch_share`` of the engine's sequences (``--batch-share``,
+  0.75), so that interactive jobs arriving while a batch runs find free slots
+  instead of waiting for batch lines to end.
 - **Fair share of a burst.** A read takes at most this worker's share of the
   pool's work: the entries not yet read plus those pending, over the live
   workers, less what this worker holds (at least one, never more than the
@@ -160,13 +162,22 @@ class Intake:
             entries += self._read(count - len(entries), held + len(entries))
         return entries
 
+    def _batch_room(self, count: int) -> int:
+        """How many batch entries to take at most now: batch jobs may fill no more than
+        ``batch_share`` of the engine's sequences (those held plus ``count`` free), so
+        that an interactive job arriving beside a batch finds a free slot."""
+        held = self.worker.held.values()
+        batch = sum(1 for h in held if h.stream == self.worker.keys.batch_requests)
+        cap = max(1, int(self.worker.config.batch_share * (len(held) + count)))
+        return max(0, cap - batch)
+
     def _read(self, count: int, held: int) -> list[tuple[str, bytes, dict, bool]]:
         keys = self.worker.keys
         streams = keys.streams
         live = self.live_workers if self.worker.config.fair_share else 1
         reply = self._script(
             keys=[*streams, keys.handoff(self.worker.name)],
-            args=[WORKERS_GROUP, self.worker.name, count, live, held],
+            args=[WORKERS_GROUP, self.worker.name, count, live, held, self._batch_room(count)],
         )
         return [
             (streams[index - 1], entry_id, dict(zip(fields[::2], fields[1::2])), bool(handed))

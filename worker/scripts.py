@@ -172,7 +172,8 @@ return lost
 """
 
 # KEYS: the job streams, first to last (``Keys.streams``), then this worker's handoff
-# list. ARGV: group, consumer, count, live workers, entries this worker holds.
+# list. ARGV: group, consumer, count, live workers, entries this worker holds, how many
+# the streams after the first may give (the batch jobs' room).
 # First the entries peers handed to this worker (``HANDOFF``) that it still owns, all
 # of them; then up to ``count`` new entries, each stream only with what the ones before
 # left of it, and no more than this worker's fair share of the pool's work: the entries
@@ -180,7 +181,7 @@ return lost
 # one). Returns {stream's position, id, fields, handed (0/1)}.
 READ = """
 local group, consumer, count = ARGV[1], ARGV[2], tonumber(ARGV[3])
-local live, held = tonumber(ARGV[4]), tonumber(ARGV[5])
+local live, held, room = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
 local streams = #KEYS - 1
 local read = {}
 local handed = redis.call('LPOP', KEYS[#KEYS], 1000)
@@ -212,14 +213,16 @@ if count > 0 and live > 1 then
   count = math.max(1, math.min(count, math.ceil(work / live) - held))
 end
 for i = 1, streams do
-  if count <= 0 then break end
-  local reply = redis.call('XREADGROUP', 'GROUP', group, consumer, 'COUNT', count,
+  local n = i == 1 and count or math.min(count, room)
+  if n <= 0 then break end
+  local reply = redis.call('XREADGROUP', 'GROUP', group, consumer, 'COUNT', n,
                            'STREAMS', KEYS[i], '>')
   if reply then
     for _, entry in ipairs(reply[1][2]) do
       table.insert(read, {i, entry[1], entry[2], 0})
     end
     count = count - #reply[1][2]
+    if i > 1 then room = room - #reply[1][2] end
   end
 end
 return read

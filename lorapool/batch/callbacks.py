@@ -79,8 +79,8 @@ class Callbacks:
         self.queue = Queue(queue, connection=connection, serializer=JSONSerializer)
 
     def marker(self, request_id: str) -> str:
-        """Set once the request's callback is in RQ (to join ``lorapool/keys.py``)."""
-        return f"{self.keys.prefix}:callback:{{{request_id}}}"
+        """Set once the request's callback is in RQ."""
+        return self.keys.callback(request_id)
 
     def __call__(self, records: list[AuditRecord]) -> int:
         """Dispatch the callbacks of committed records; how many were enqueued."""

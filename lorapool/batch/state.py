@@ -64,7 +64,7 @@ return old
 
 
 def batch_key(keys: Keys, batch_id: str) -> str:
-    return f"{keys.prefix}:batch:{{{batch_id}}}"
+    return keys.batch(batch_id)
 
 
 class BatchState:

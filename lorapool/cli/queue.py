@@ -76,6 +76,14 @@ def _producer(redis_url, prefix):
     "jobs over the live workers), so that a burst spreads over the pool",
 )
 @click.option(
+    "--batch-share",
+    default=0.75,
+    show_default=True,
+    type=click.FloatRange(0, 1, min_open=True),
+    help="batch jobs fill at most this share of the engine's sequences, so that "
+    "interactive jobs arriving beside a batch find free slots",
+)
+@click.option(
     "--affinity/--no-affinity",
     default=True,
     show_default=True,

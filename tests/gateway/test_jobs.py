@@ -121,12 +121,25 @@ def test_unknown_jobs_are_not_found(gateway, job_id):
         ({**BODY, "stream": True}, {}, "stream"),
         ({**BODY, "prompt": ["a", "b"]}, {}, "prompt"),
         ({**BODY, "top_k": "3"}, {}, "top_k"),
+        ({**BODY, "on_finish": "myapp.tasks.run_anything"}, {}, "on_finish"),
+        ({**BODY, "on_finish": "ftp://x/y"}, {}, "on_finish"),
+        ({**BODY, "on_finish": 7}, {}, "on_finish"),
+        ({**BODY, "on_finish": "https://x/\u0000"}, {}, "on_finish"),
     ],
 )
 def test_bad_job_submissions_name_the_field(gateway, body, headers, param):
     response = submit(gateway, body, **headers)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param
+
+
+def test_a_webhook_rides_in_the_jobs_marker(gateway, producer):
+    """POST /v1/jobs with on_finish: the URL the callback dispatcher POSTs the result to
+    (lorapool/batch/callbacks.py) is kept with the job."""
+    hook = "https://hooks.example.com/lorapool?order=7"
+    job_id = submit(gateway, {**BODY, "on_finish": hook}).json()["id"]
+    assert producer.redis.hget(producer.keys.job(job_id), "on_finish") == hook.encode()
+    assert poll(gateway, job_id)["status"] == "finished"
 
 
 def test_bad_last_event_id(gateway):

@@ -104,3 +104,29 @@ def test_a_burst_spreads_over_two_worker_processes(redis_url, conn, prefix, prod
     assert sum(served.values()) == 64
     if fair:
         assert min(served["wa"], served["wb"]) >= 64 * 0.3, served
+
+
+def test_batch_jobs_leave_room_for_interactive_ones_that_arrive_beside_them(conn, prefix, producer):
+    """A batch fills at most batch_share of the sequences; an interactive job submitted
+    while it runs starts at the next step instead of waiting for a batch line to end."""
+    bench = load()
+    engine = bench.StandInEngine(max_num_seqs=8, step_s=0.01)  # a round trip fits a step
+    key = bench.AUDIT_KEY.encode()
+    config = WorkerConfig(prefix=prefix, name="w", audit_key=key, batch_share=0.75)
+    worker = Worker(engine, conn, config, bench.BASE_MODEL)
+    worker.ensure_group()
+    lines = [f"b{i}" for i in range(40)]
+    producer.submit_many(
+        [PROMPT] * 40, SamplingParams(max_tokens=30), None, lines, priority="batch"
+    )
+    for _ in range(5):
+        worker.run_once()
+    batch_running = [s[3] for s in engine.steps]
+    assert max(batch_running) == 6  # 0.75 of 8: two slots stay free
+    producer.submit(PROMPT, SamplingParams(max_tokens=2), request_id="i0")
+    submitted_at = len(engine.steps)
+    while "i0" not in engine.first_step:
+        worker.run_once()
+    assert engine.first_step["i0"] - submitted_at <= 2  # no batch line had to end first
+    worker.publisher.flush(wait=True)
+    worker.teardown()
