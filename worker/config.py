@@ -36,8 +36,10 @@ class WorkerConfig:
     log_grace_s: int = 60
     # a read takes at most this worker's share of the pool's work (``intake.py``)
     fair_share: bool = True
-    # batch jobs fill at most this share of the engine's sequences (``intake.py``)
-    batch_share: float = 0.75
+    # while interactive jobs come (one read in the last interactive_window_s), batch
+    # jobs fill at most batch_share of the engine's sequences (``intake.py``)
+    batch_share: float = 0.5
+    interactive_window_s: float = 60.0
     # hand an entry to a live peer that has its adapter in a device slot (``intake.py``)
     affinity: bool = True
     heartbeat_s: float = 1.0
@@ -66,6 +68,8 @@ class WorkerConfig:
             raise ValueError("block_ms, result_ttl_s, dead_max_len, log_grace_s must be > 0")
         if not 0 < self.batch_share <= 1:
             raise ValueError(f"batch_share must be in (0, 1], got {self.batch_share}")
+        if not self.interactive_window_s >= 0:
+            raise ValueError(f"interactive_window_s must be >= 0, got {self.interactive_window_s}")
         if self.metrics_max_adapters < 2:
             raise ValueError(f"metrics_max_adapters must be >= 2, got {self.metrics_max_adapters}")
         self.limits  # noqa: B018 - JobLimits checks max_prompt_bytes and max_n

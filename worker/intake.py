@@ -1,10 +1,11 @@
 """What a worker reads, in which order and how much of it.
 
 - **Priority.** The job streams are read first to last (``Keys.streams``): the
-  batch stream only with the capacity the interactive one left, and batch jobs
-  fill at most ``batch_share`` of the engine's sequences (``--batch-share``,
-  0.75), so that interactive jobs arriving while a batch runs find free slots
-  instead of waiting for batch lines to end.
+  batch stream only with the capacity the interactive one left; and while
+  interactive jobs come (one read in the last ``--interactive-window``, 60 s),
+  batch jobs fill at most ``--batch-share`` (0.5) of the engine's sequences, so
+  that interactive jobs arriving beside a batch find free slots instead of
+  waiting for batch lines to end. A pool that serves only batches uses all.
 - **Fair share of a burst.** A read takes at most this worker's share of the
   pool's work: the entries not yet read plus those pending, over the live
   workers, less what this worker holds (at least one, never more than the
@@ -32,6 +33,8 @@
 
 from __future__ import annotations
 
+import math
+import time
 import zlib
 from collections import Counter
 from typing import TYPE_CHECKING, Any
@@ -58,6 +61,7 @@ class Intake:
         self.handed = Counter()  # entries handed to each peer since its record
         self.handed_total = 0
         self._here: set[str] | None = None  # adapters in device slots here, for a read
+        self.interactive_at = -math.inf  # when an interactive entry was last read
         self._load = 0  # requests running and waiting here, for a read
         self._script = worker.redis.register_script(READ)
         self._handoff = worker.redis.register_script(HANDOFF)
@@ -76,9 +80,11 @@ class Intake:
         self.peers = {r.get("name"): r for r in live if r.get("name") != me}
         self.handed.clear()
 
-    def new_read(self) -> None:
-        """Entries of a new read follow: what is loaded here is looked at again."""
+    def new_read(self, entries: list) -> None:
+        """``entries`` were read: what is loaded here is looked at again for them."""
         self._here = None
+        if any(stream == self.worker.keys.requests for stream, *_ in entries):
+            self.interactive_at = time.monotonic()
 
     def hand_off(self, held) -> bool:
         """Give a new entry to the peer that holds its adapter, if one can take it
@@ -163,13 +169,17 @@ class Intake:
         return entries
 
     def _batch_room(self, count: int) -> int:
-        """How many batch entries to take at most now: batch jobs may fill no more than
+        """How many batch entries to take at most now: while interactive jobs come
+        (one read in the last ``interactive_window_s``), batch jobs fill no more than
         ``batch_share`` of the engine's sequences (those held plus ``count`` free), so
-        that an interactive job arriving beside a batch finds a free slot."""
+        that the next interactive job finds a free slot; else all of them."""
+        config = self.worker.config
         held = self.worker.held.values()
+        total = len(held) + count
+        if time.monotonic() - self.interactive_at < config.interactive_window_s:
+            total = max(1, int(config.batch_share * total))
         batch = sum(1 for h in held if h.stream == self.worker.keys.batch_requests)
-        cap = max(1, int(self.worker.config.batch_share * (len(held) + count)))
-        return max(0, cap - batch)
+        return max(0, total - batch)
 
     def _read(self, count: int, held: int) -> list[tuple[str, bytes, dict, bool]]:
         keys = self.worker.keys

@@ -170,7 +170,7 @@ class Worker:
         return self._start_read(self.intake.read(count, self.config.block_ms))
 
     def _start_read(self, entries: list) -> int:
-        self.intake.new_read()
+        self.intake.new_read(entries)
         for stream, entry_id, fields, handed in entries:
             self.start(entry_id.decode(), fields, stream=stream, handed=handed)
         return len(entries)

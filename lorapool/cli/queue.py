@@ -77,11 +77,19 @@ def _producer(redis_url, prefix):
 )
 @click.option(
     "--batch-share",
-    default=0.75,
+    default=0.5,
     show_default=True,
     type=click.FloatRange(0, 1, min_open=True),
-    help="batch jobs fill at most this share of the engine's sequences, so that "
-    "interactive jobs arriving beside a batch find free slots",
+    help="while interactive jobs come, batch jobs fill at most this share of the "
+    "engine's sequences, so that interactive jobs arriving beside a batch find free slots",
+)
+@click.option(
+    "--interactive-window",
+    "interactive_window_s",
+    default=60.0,
+    show_default=True,
+    type=click.FloatRange(min=0),
+    help="seconds after the last interactive job during which --batch-share holds",
 )
 @click.option(
     "--affinity/--no-affinity",

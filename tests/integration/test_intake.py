@@ -115,6 +115,9 @@ def test_batch_jobs_leave_room_for_interactive_ones_that_arrive_beside_them(conn
     config = WorkerConfig(prefix=prefix, name="w", audit_key=key, batch_share=0.75)
     worker = Worker(engine, conn, config, bench.BASE_MODEL)
     worker.ensure_group()
+    producer.submit(PROMPT, SamplingParams(max_tokens=1), request_id="earlier")
+    while "earlier" not in engine.first_step:  # interactive traffic was seen
+        worker.run_once()
     lines = [f"b{i}" for i in range(40)]
     producer.submit_many(
         [PROMPT] * 40, SamplingParams(max_tokens=30), None, lines, priority="batch"
@@ -128,5 +131,23 @@ def test_batch_jobs_leave_room_for_interactive_ones_that_arrive_beside_them(conn
     while "i0" not in engine.first_step:
         worker.run_once()
     assert engine.first_step["i0"] - submitted_at <= 2  # no batch line had to end first
+    worker.publisher.flush(wait=True)
+    worker.teardown()
+
+
+def test_a_pool_serving_only_batches_uses_every_slot(conn, prefix, producer):
+    bench = load()
+    engine = bench.StandInEngine(max_num_seqs=8, step_s=0.01)
+    key = bench.AUDIT_KEY.encode()
+    config = WorkerConfig(prefix=prefix, name="w", audit_key=key, batch_share=0.5)
+    worker = Worker(engine, conn, config, bench.BASE_MODEL)
+    worker.ensure_group()
+    lines = [f"b{i}" for i in range(20)]
+    producer.submit_many(
+        [PROMPT] * 20, SamplingParams(max_tokens=30), None, lines, priority="batch"
+    )
+    for _ in range(5):
+        worker.run_once()
+    assert max(s[3] for s in engine.steps) == 8  # no interactive job in the window
     worker.publisher.flush(wait=True)
     worker.teardown()
