@@ -12,6 +12,7 @@ from collections import Counter
 
 import orjson
 import pytest
+from gateway_procs import wait_until
 from standin import BENCH, load
 
 from lorapool.protocol import SamplingParams
@@ -73,14 +74,6 @@ def served_by(conn, keys) -> Counter:
     return Counter(r["worker"] for r in records)
 
 
-def wait_for(condition, timeout, what):
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
-
-
 @pytest.mark.parametrize("fair", [True, False], ids=["fair-share", "no-fair-share"])
 def test_a_burst_spreads_over_two_worker_processes(redis_url, conn, prefix, producer, fair):
     """64 short jobs at once to two idle workers: with the fair share each serves about
@@ -90,11 +83,11 @@ def test_a_burst_spreads_over_two_worker_processes(redis_url, conn, prefix, prod
     try:
         keys = producer.keys
         alive = lambda: all(conn.exists(keys.alive(n)) for n in ("wa", "wb"))  # noqa: E731
-        wait_for(alive, 60, "both workers")
+        wait_until(alive, "both workers", 60)
         time.sleep(2.5)  # a heartbeat or two: each has counted the other
         params = SamplingParams(max_tokens=8, ignore_eos=True)
         producer.submit_many([PROMPT] * 64, params, request_ids=[f"r{i}" for i in range(64)])
-        wait_for(lambda: conn.xlen(keys.audit) >= 64, 60, "the burst")
+        wait_until(lambda: conn.xlen(keys.audit) >= 64, "the burst", 60)
         served = served_by(conn, keys)
     finally:
         for proc in procs:
@@ -106,15 +99,22 @@ def test_a_burst_spreads_over_two_worker_processes(redis_url, conn, prefix, prod
         assert min(served["wa"], served["wb"]) >= 64 * 0.3, served
 
 
+def stepped_worker(conn, prefix, **options):
+    """A Worker around an 8-sequence stand-in stepping 10 ms (a round trip fits a step),
+    run by hand with ``run_once``."""
+    bench = load()
+    engine = bench.StandInEngine(max_num_seqs=8, step_s=0.01)
+    key = bench.AUDIT_KEY.encode()
+    config = WorkerConfig(prefix=prefix, name="w", audit_key=key, **options)
+    worker = Worker(engine, conn, config, bench.BASE_MODEL)
+    worker.ensure_group()
+    return worker, engine
+
+
 def test_batch_jobs_leave_room_for_interactive_ones_that_arrive_beside_them(conn, prefix, producer):
     """A batch fills at most batch_share of the sequences; an interactive job submitted
     while it runs starts at the next step instead of waiting for a batch line to end."""
-    bench = load()
-    engine = bench.StandInEngine(max_num_seqs=8, step_s=0.01)  # a round trip fits a step
-    key = bench.AUDIT_KEY.encode()
-    config = WorkerConfig(prefix=prefix, name="w", audit_key=key, batch_share=0.75)
-    worker = Worker(engine, conn, config, bench.BASE_MODEL)
-    worker.ensure_group()
+    worker, engine = stepped_worker(conn, prefix, batch_share=0.75)
     producer.submit(PROMPT, SamplingParams(max_tokens=1), request_id="earlier")
     while "earlier" not in engine.first_step:  # interactive traffic was seen
         worker.run_once()
@@ -136,12 +136,7 @@ def test_batch_jobs_leave_room_for_interactive_ones_that_arrive_beside_them(conn
 
 
 def test_a_pool_serving_only_batches_uses_every_slot(conn, prefix, producer):
-    bench = load()
-    engine = bench.StandInEngine(max_num_seqs=8, step_s=0.01)
-    key = bench.AUDIT_KEY.encode()
-    config = WorkerConfig(prefix=prefix, name="w", audit_key=key, batch_share=0.5)
-    worker = Worker(engine, conn, config, bench.BASE_MODEL)
-    worker.ensure_group()
+    worker, engine = stepped_worker(conn, prefix, batch_share=0.5)
     lines = [f"b{i}" for i in range(20)]
     producer.submit_many(
         [PROMPT] * 20, SamplingParams(max_tokens=30), None, lines, priority="batch"
