@@ -23,11 +23,11 @@ prefix_option = click.option(
 )
 
 
-def count_option(flag: str, default: int, help: str, dest: str | None = None):
-    """An option taking a positive integer, its default shown."""
+def count_option(flag: str, default: int, help: str, dest: str | None = None, least: int = 1):
+    """An option taking an integer of at least ``least`` (1), its default shown."""
     names = (flag, dest) if dest else (flag,)
     return click.option(
-        *names, default=default, show_default=True, type=click.IntRange(min=1), help=help
+        *names, default=default, show_default=True, type=click.IntRange(min=least), help=help
     )
 
 

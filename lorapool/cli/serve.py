@@ -20,12 +20,11 @@ from lorapool.wire import DEFAULT_MAX_N, DEFAULT_MAX_PROMPT_BYTES
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535))
 @count_option("--max-n", DEFAULT_MAX_N, "most completions per request")
 @count_option("--max-prompt-bytes", DEFAULT_MAX_PROMPT_BYTES, "larger prompts get 413")
-@click.option(
+@count_option(
     "--redis-connections",
-    default=64,
-    show_default=True,
-    type=click.IntRange(min=2),
-    help="Redis connections the gateway opens at most; calls past them wait for one",
+    64,
+    "Redis connections the gateway opens at most; calls past them wait for one",
+    least=2,
 )
 @optional_option(
     "--max-body-bytes",
