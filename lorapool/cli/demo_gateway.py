@@ -7,6 +7,7 @@ from __future__ import annotations
 import socket
 import subprocess
 import time
+import uuid
 
 from rich.console import Console
 
@@ -72,11 +73,14 @@ def _job(base: str, adapter: str, console: Console) -> None:
     import httpx
 
     body = {"model": adapter, "prompt": "The sea at night", "max_tokens": 16}
+    # one key per run: the audit table outlives a run, and the same key (the same
+    # request id) in the next run would meet the first run's row as a conflict
+    key = f"demo-{uuid.uuid4().hex[:8]}"
     console.print(
-        f"[bold]curl[/] -X POST {base}/v1/jobs -H 'Idempotency-Key: demo-1' "
+        f"[bold]curl[/] -X POST {base}/v1/jobs -H 'Idempotency-Key: {key}' "
         f'-d \'{{"model": "{adapter}", "prompt": "The sea at night", "max_tokens": 16}}\''
     )
-    submitted = httpx.post(f"{base}/v1/jobs", json=body, headers={"Idempotency-Key": "demo-1"})
+    submitted = httpx.post(f"{base}/v1/jobs", json=body, headers={"Idempotency-Key": key})
     job_id = submitted.json()["id"]
     console.print(f"  {submitted.status_code} Location: {submitted.headers['location']}")
     console.print(f"[bold]curl[/] {base}/v1/jobs/{job_id}")
