@@ -66,18 +66,19 @@ async def create_file(
     request: Request, caller: Submitter, file: UploadFile, purpose: Annotated[str, Form()]
 ) -> JSON:
     _unrestricted(caller)
-    info = await _call(request, "upload", file.file, file.filename or "input.jsonl", purpose)
+    name = file.filename or "input.jsonl"
+    info = await _call(request, "upload", file.file, name, purpose, caller.tenant)
     return JSON(info)
 
 
 @router.get("/files/{file_id}", summary="A file's object")
 async def retrieve_file(request: Request, file_id: str, caller: Submitter) -> JSON:
-    return JSON(await _call(request, "file", file_id))
+    return JSON(await _call(request, "file", file_id, caller.tenant))
 
 
 @router.get("/files/{file_id}/content", summary="A file's content")
 async def file_content(request: Request, file_id: str, caller: Submitter):
-    lines = await _call(request, "content", file_id)
+    lines = await _call(request, "content", file_id, caller.tenant)
     return StreamingResponse(_iterate(lines), media_type="application/jsonl")
 
 
@@ -101,14 +102,15 @@ async def create_batch(request: Request, caller: Submitter) -> JSON:
             raise APIError(400, f"{name} must be a string", name)
     window = body.get("completion_window", "24h")
     args = (body["input_file_id"], body["endpoint"], window, body.get("metadata"))
+    args += (caller.metadata() or None,)  # its tenant and key id, into every line's job
     return JSON(await _call(request, "create", *args))
 
 
 @router.get("/batches/{batch_id}", summary="A batch's state")
 async def retrieve_batch(request: Request, batch_id: str, caller: Submitter) -> JSON:
-    return JSON(await _call(request, "retrieve", batch_id))
+    return JSON(await _call(request, "retrieve", batch_id, caller.tenant))
 
 
 @router.post("/batches/{batch_id}/cancel", summary="Cancel a batch")
 async def cancel_batch(request: Request, batch_id: str, caller: Submitter) -> JSON:
-    return JSON(await _call(request, "cancel", batch_id))
+    return JSON(await _call(request, "cancel", batch_id, caller.tenant))

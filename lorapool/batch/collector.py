@@ -37,8 +37,9 @@ class Collector:
         self.stopped: str | None = None  # the error code of lines a stop left unrun
 
     def run(self) -> Status:
-        output = self.files.writer(f"{self.batch_id}_output.jsonl")
-        errors = self.files.writer(f"{self.batch_id}_error.jsonl")
+        tenant = self.state.owner(self.batch_id).get("tenant") or ""
+        output = self.files.writer(f"{self.batch_id}_output.jsonl", owner=tenant)
+        errors = self.files.writer(f"{self.batch_id}_error.jsonl", owner=tenant)
         self.state.set(self.batch_id, completed=0, failed=0)
         try:
             for line in read_lines(self._input(), self.batch_id, self.producer.limits):

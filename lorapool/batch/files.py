@@ -49,10 +49,21 @@ class FileStore:
 
     def info(self, file_id: str) -> dict[str, Any]:
         """The OpenAI file object of ``file_id`` (KeyError if unknown)."""
+        info = self._meta(file_id)
+        info.pop("owner", None)
+        return info
+
+    def owner(self, file_id: str) -> str:
+        """The tenant the file belongs to ('' for none; KeyError if unknown)."""
+        return self._meta(file_id).get("owner", "")
+
+    def _meta(self, file_id: str) -> dict[str, Any]:
         self.path(file_id)
         return orjson.loads((self.root / f"{file_id}.json").read_bytes())
 
-    def put(self, source: BinaryIO, filename: str, purpose: str = "batch") -> dict[str, Any]:
+    def put(
+        self, source: BinaryIO, filename: str, purpose: str = "batch", owner: str = ""
+    ) -> dict[str, Any]:
         """Store what ``source`` reads (copied in blocks); FileTooLarge past ``max_bytes``."""
         self.sweep()
         file_id = new_id()
@@ -65,11 +76,11 @@ class FileStore:
                     target.unlink()
                     raise FileTooLarge(f"the file is over {self.max_bytes} bytes")
                 out.write(block)
-        return self._describe(file_id, filename, purpose, size)
+        return self._describe(file_id, filename, purpose, size, owner)
 
-    def writer(self, filename: str, purpose: str = "batch_output") -> LineWriter:
+    def writer(self, filename: str, purpose: str = "batch_output", owner: str = "") -> LineWriter:
         """A new file written one JSON object a line; it appears when ``finish`` is called."""
-        return LineWriter(self, new_id(), filename, purpose)
+        return LineWriter(self, new_id(), filename, purpose, owner)
 
     def lines(self, file_id: str) -> Iterator[bytes]:
         """The file's lines, one at a time (without the newline)."""
@@ -98,7 +109,7 @@ class FileStore:
                 partial.unlink(missing_ok=True)
         return gone
 
-    def _describe(self, file_id: str, filename: str, purpose: str, size: int) -> dict:
+    def _describe(self, file_id: str, filename: str, purpose: str, size: int, owner: str) -> dict:
         created = int(time.time())
         info = {
             "id": file_id,
@@ -110,15 +121,17 @@ class FileStore:
             "purpose": purpose,
             "status": "processed",
         }
-        (self.root / f"{file_id}.json").write_bytes(orjson.dumps(info))
+        meta = {**info, "owner": owner} if owner else info
+        (self.root / f"{file_id}.json").write_bytes(orjson.dumps(meta))
         return info
 
 
 class LineWriter:
     """A file being written by a collector (a ``.partial`` until finished)."""
 
-    def __init__(self, store: FileStore, file_id: str, filename: str, purpose: str):
+    def __init__(self, store: FileStore, file_id: str, filename: str, purpose: str, owner: str):
         self.store, self.id, self.filename, self.purpose = store, file_id, filename, purpose
+        self.owner = owner
         self.partial = store.root / f"{file_id}.partial"
         self.file = open(self.partial, "wb")  # noqa: SIM115 (closed by finish/discard)
         self.size, self.count = 0, 0
@@ -131,7 +144,7 @@ class LineWriter:
     def finish(self) -> dict[str, Any]:
         self.file.close()
         os.replace(self.partial, self.store.root / f"{self.id}.jsonl")
-        return self.store._describe(self.id, self.filename, self.purpose, self.size)
+        return self.store._describe(self.id, self.filename, self.purpose, self.size, self.owner)
 
     def discard(self) -> None:
         self.file.close()

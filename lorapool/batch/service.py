@@ -31,12 +31,16 @@ class BatchService:
         self.files: FileStore = config.files()
         self.state = BatchState(connection, Keys(config.prefix))
 
-    def upload(self, source: BinaryIO, filename: str, purpose: str = "batch") -> dict[str, Any]:
-        """Store an input file; its OpenAI file object."""
+    def upload(
+        self, source: BinaryIO, filename: str, purpose: str = "batch", tenant: str | None = None
+    ) -> dict[str, Any]:
+        """Store an input file; its OpenAI file object. ``tenant`` (here and below): the
+        caller's, over HTTP; a file or batch of another tenant is not found (None: no
+        check, as for the CLI)."""
         if purpose != "batch":
             raise BatchError(f"purpose must be 'batch', got {purpose!r}", "purpose")
         try:
-            return self.files.put(source, filename, purpose)
+            return self.files.put(source, filename, purpose, tenant or "")
         except FileTooLarge as exc:
             raise BatchError(str(exc), "file", 413) from None
 
@@ -46,8 +50,10 @@ class BatchService:
         endpoint: str,
         completion_window: str = "24h",
         metadata: dict[str, str] | None = None,
+        owner: dict[str, str] | None = None,
     ) -> dict[str, Any]:
-        """A new batch in ``validating``; its RQ validate job is enqueued."""
+        """A new batch in ``validating``; its RQ validate job is enqueued. ``owner``: the
+        caller's tenant and key id, put in every line's job."""
         if endpoint not in ENDPOINTS:
             raise BatchError(f"endpoint must be one of {sorted(ENDPOINTS)}", "endpoint")
         if completion_window not in WINDOWS:
@@ -59,31 +65,35 @@ class BatchService:
             and all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())
         ):
             raise BatchError("metadata must map strings to strings", "metadata")
-        self.file(input_file_id)
-        batch = self.state.create(input_file_id, endpoint, completion_window, metadata)
+        self.file(input_file_id, (owner or {}).get("tenant"))
+        batch = self.state.create(input_file_id, endpoint, completion_window, metadata, owner)
         enqueue_step(self.redis, self.config, "validate_batch", batch["id"])
         return batch
 
-    def retrieve(self, batch_id: str) -> dict[str, Any]:
+    def retrieve(self, batch_id: str, tenant: str | None = None) -> dict[str, Any]:
         batch = self.state.get(batch_id) if isinstance(batch_id, str) else None
+        if batch is not None and tenant is not None:
+            batch = batch if self.state.owner(batch_id).get("tenant") == tenant else None
         if batch is None:
             raise BatchError(f"no batch {batch_id!r}", "batch_id", 404)
         return batch
 
-    def cancel(self, batch_id: str) -> dict[str, Any]:
+    def cancel(self, batch_id: str, tenant: str | None = None) -> dict[str, Any]:
         """Ask the batch to stop: lines not yet finished are aborted by its collector;
         finished ones stay in its output."""
-        self.retrieve(batch_id)
+        self.retrieve(batch_id, tenant)
         self.state.move(batch_id, Status.CANCELLING, Status.VALIDATING, Status.IN_PROGRESS)
         return self.retrieve(batch_id)
 
-    def file(self, file_id: str) -> dict[str, Any]:
+    def file(self, file_id: str, tenant: str | None = None) -> dict[str, Any]:
         try:
+            if tenant is not None and self.files.owner(file_id) != tenant:
+                raise KeyError(file_id)
             return self.files.info(file_id)
         except KeyError:
             raise BatchError(f"no file {file_id!r}", "file_id", 404) from None
 
-    def content(self, file_id: str) -> Iterator[bytes]:
+    def content(self, file_id: str, tenant: str | None = None) -> Iterator[bytes]:
         """The file's bytes, a line at a time."""
-        self.file(file_id)
+        self.file(file_id, tenant)
         return (line + b"\n" for line in self.files.lines(file_id))

@@ -75,8 +75,15 @@ class BatchState:
         self._move = connection.register_script(MOVE_SCRIPT)
 
     def create(
-        self, input_file_id: str, endpoint: str, window: str, metadata: dict | None = None
+        self,
+        input_file_id: str,
+        endpoint: str,
+        window: str,
+        metadata: dict | None = None,
+        owner: dict | None = None,
     ) -> dict[str, Any]:
+        """A new batch; ``owner``: the tenant and key id that made it (its lines carry
+        them into their jobs' metadata, and only that tenant sees it over HTTP)."""
         batch_id, now = f"batch_{uuid.uuid4().hex}", int(time.time())
         record = {
             "id": batch_id,
@@ -90,6 +97,7 @@ class BatchState:
             "completed": 0,
             "failed": 0,
             "metadata": orjson.dumps(metadata or {}),
+            "owner": orjson.dumps(owner or {}),
         }
         self.redis.hset(batch_key(self.keys, batch_id), mapping=record)
         return self.get(batch_id)
@@ -98,6 +106,11 @@ class BatchState:
         """The batch as OpenAI's Batch object; None if unknown."""
         raw = self.redis.hgetall(batch_key(self.keys, batch_id))
         return None if not raw else openai_shape(_decode(raw))
+
+    def owner(self, batch_id: str) -> dict[str, Any]:
+        """The tenant and key id that made the batch ({} when made without a tenant)."""
+        raw = self.redis.hget(batch_key(self.keys, batch_id), "owner")
+        return orjson.loads(raw) if raw else {}
 
     def status(self, batch_id: str) -> Status | None:
         raw = self.redis.hget(batch_key(self.keys, batch_id), "status")

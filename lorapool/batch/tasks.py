@@ -118,7 +118,7 @@ def enqueue_lines(batch_id: str, raw: dict[str, Any]) -> int:
     """Submit the lines as pool jobs, a few hundred a round trip, until done or cancelled;
     then start the collector. Returns the number of lines submitted."""
     connection, config, state = _context(raw)
-    batch = state.get(batch_id)
+    batch, owner = state.get(batch_id), state.owner(batch_id)
     producer = Producer(connection, config.prefix, result_ttl_s=config.result_ttl_s)
     lines, loras, sent = (
         read_lines(config.files().lines(batch["input_file_id"]), batch_id, producer.limits),
@@ -133,7 +133,7 @@ def enqueue_lines(batch_id: str, raw: dict[str, Any]) -> int:
             [line.parsed.params for line in chunk],
             [_lora(producer, loras, line.parsed.model) for line in chunk],
             [line.request_id(batch_id) for line in chunk],
-            {"batch_id": batch_id},
+            {"batch_id": batch_id, **owner},  # the tenant and key id reach the audit rows
             priority="batch",  # read by workers only with capacity left over
         )
         sent += len(chunk)
