@@ -148,12 +148,19 @@ class Intake:
         """A handoff list outlives its entries' lease by far: claimed by then."""
         return max(60, int(self.worker.config.lease_s * 10))
 
-    def read(self, count: int, block: int | None) -> list[tuple[str, bytes, dict, bool]]:
-        """The entries peers handed to this worker, and up to ``count`` new ones, each
-        (stream, entry id, fields, handed). ``block`` (ms): when there is none, wait up
-        to that long for one on any stream, then read the rest of the share at once."""
-        held = len(self.worker.held)
-        entries = self._read(count, held)
+    def plan(self, count: int) -> tuple[int, int, int]:
+        """(count, entries held, batch room) for a read of up to ``count``: taken on the
+        worker's thread, whose ``held`` the sender's thread must not iterate."""
+        return count, len(self.worker.held), self._batch_room(count)
+
+    def read(
+        self, plan: tuple[int, int, int], block: int | None
+    ) -> list[tuple[str, bytes, dict, bool]]:
+        """The entries peers handed to this worker, and up to ``count`` new ones (a
+        ``plan``), each (stream, entry id, fields, handed). ``block`` (ms): when there is
+        none, wait up to that long for one on any stream, then read the rest at once."""
+        count, held, room = plan
+        entries = self._read(count, held, room)
         if entries or block is None:
             return entries
         reply = self.worker.redis.xreadgroup(
@@ -165,7 +172,8 @@ class Intake:
         )
         entries = [(s.decode(), i, f, False) for s, got in reply or [] for i, f in got]
         if entries and count > len(entries):
-            entries += self._read(count - len(entries), held + len(entries))
+            batch = sum(1 for e in entries if e[0] != self.worker.keys.requests)
+            entries += self._read(count - len(entries), held + len(entries), room - batch)
         return entries
 
     def _batch_room(self, count: int) -> int:
@@ -181,13 +189,13 @@ class Intake:
         batch = sum(1 for h in held if h.stream == self.worker.keys.batch_requests)
         return max(0, total - batch)
 
-    def _read(self, count: int, held: int) -> list[tuple[str, bytes, dict, bool]]:
+    def _read(self, count: int, held: int, room: int) -> list[tuple[str, bytes, dict, bool]]:
         keys = self.worker.keys
         streams = keys.streams
         live = self.live_workers if self.worker.config.fair_share else 1
         reply = self._script(
             keys=[*streams, keys.handoff(self.worker.name)],
-            args=[WORKERS_GROUP, self.worker.name, count, live, held, self._batch_room(count)],
+            args=[WORKERS_GROUP, self.worker.name, count, live, held, max(0, room)],
         )
         return [
             (streams[index - 1], entry_id, dict(zip(fields[::2], fields[1::2])), bool(handed))

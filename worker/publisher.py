@@ -36,9 +36,9 @@ class _Trip:
     """One round trip of the sender: chunks to append, then entries to read."""
 
     outputs: list[tuple[Held, RequestOutput, Position]]
-    # new entries to read after the appends (the engine's free slots; 0: only those peers
-    # handed over; -1: none)
-    read: int
+    # new entries to read after the appends (``Intake.plan`` of the engine's free slots;
+    # 0 of them: only those peers handed over; None: no read)
+    read: tuple[int, int, int] | None
     extra: list = field(default_factory=list)  # (call on the sender, apply on the worker)
     sent: list | None = None  # (held, chunk, APPEND item), built on the first try
 
@@ -91,8 +91,8 @@ class Publisher:
         # new entries for the slots the engine has free, read in the same trip
         engine = self.worker.engine
         busy = engine.has_unfinished_requests() and not self.worker.draining
-        read = engine.capacity() if busy else -1
-        if batch or read > 0 or self.extra:
+        read = self.worker.intake.plan(engine.capacity()) if busy else None
+        if batch or (read and read[0] > 0) or self.extra:
             self._sender.hand(_Trip(batch, read, self.extra))
             self.extra = []
         if wait and not self._sender.idle:
@@ -118,7 +118,7 @@ class Publisher:
         """Results of finished sends, applied; a send's failure raised (trip kept)."""
         for trip, results in self._sender.take_done():
             if isinstance(results, BaseException):
-                trip.read = -1  # entries a lost read delivered are claimed after the lease
+                trip.read = None  # entries a lost read delivered are claimed after the lease
                 self.retry = trip
                 raise results
             appended, entries, extra = results
@@ -145,7 +145,7 @@ class Publisher:
             trip.sent = [self._build(held, out, pos) for held, out, pos in trip.outputs]
         items = [item for _, _, item in trip.sent]
         appended = self.append(items) if items else []
-        entries = self.worker.intake.read(trip.read, None) if trip.read >= 0 else []
+        entries = self.worker.intake.read(trip.read, None) if trip.read is not None else []
         return appended, entries, [call() for call, _ in trip.extra]
 
     def _build(self, held: Held, out: RequestOutput, position: Position) -> tuple:

@@ -167,7 +167,7 @@ class Worker:
         count = self.engine.capacity()
         if count == 0:
             return 0
-        return self._start_read(self.intake.read(count, self.config.block_ms))
+        return self._start_read(self.intake.read(self.intake.plan(count), self.config.block_ms))
 
     def _start_read(self, entries: list) -> int:
         self.intake.new_read(entries)
