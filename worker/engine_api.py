@@ -17,14 +17,17 @@ from lorapool.protocol import LoRARequest, SamplingParams
 class EngineInterface(Protocol):
     device_name: str  # for ``lorapool status``
 
+    # As the worker calls it: every argument given, the last three by keyword
+    # (an engine may default them, as ``LLMEngine`` does).
     def add_request(
         self,
         request_id: str,
         prompt: str | dict[str, Any],
-        params: SamplingParams | None = None,
-        arrival_time: float | None = None,
-        lora_request: LoRARequest | None = None,
-        resume_token_ids: list[int] | None = None,
+        params: SamplingParams,
+        *,
+        arrival_time: float,
+        lora_request: LoRARequest | None,
+        resume_token_ids: list[int],
     ) -> None:
         """Queue a request (outputs come as deltas); ValueError names what is wrong."""
 
