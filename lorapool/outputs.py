@@ -175,10 +175,7 @@ class RequestOutput:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "v": WIRE_VERSION,
-            "request_id": self.request_id,
-            "prompt": self.prompt,
-            "prompt_token_ids": self.prompt_token_ids,
+            **wire_head(self),
             "prompt_logprobs": logprobs_to_wire(self.prompt_logprobs),
             "outputs": [c.to_dict(with_lora=False) for c in self.outputs],
             "finished": self.finished,
@@ -216,6 +213,16 @@ class RequestOutput:
         )
 
 
+def wire_head(request: Any) -> dict[str, Any]:
+    """What a job and each of its outputs open with on the wire: version, id, prompt."""
+    return {
+        "v": WIRE_VERSION,
+        "request_id": request.request_id,
+        "prompt": request.prompt,
+        "prompt_token_ids": request.prompt_token_ids,
+    }
+
+
 def _append_completion(mine: CompletionOutput, nxt: CompletionOutput) -> None:
     mine.text += nxt.text
     mine.token_ids = list(mine.token_ids) + list(nxt.token_ids)
@@ -237,4 +244,5 @@ __all__ = [
     "SampleLogprobs",
     "logprobs_from_wire",
     "logprobs_to_wire",
+    "wire_head",
 ]

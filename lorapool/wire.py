@@ -22,6 +22,7 @@ from lorapool.outputs import (
     RequestOutput,
     logprobs_from_wire,
     logprobs_to_wire,
+    wire_head,
 )
 from lorapool.protocol import (
     INT32_MAX,
@@ -61,10 +62,7 @@ class Job:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "v": WIRE_VERSION,
-            "request_id": self.request_id,
-            "prompt": self.prompt,
-            "prompt_token_ids": self.prompt_token_ids,
+            **wire_head(self),
             "sampling_params": self.sampling_params.to_dict(),
             "lora_request": None if self.lora_request is None else self.lora_request.to_dict(),
             "metadata": self.metadata,
