@@ -36,15 +36,11 @@ class ModelArgs:
         num_heads = config.num_attention_heads
         theta, scaling = rope_settings(config)
         return cls(
-            vocab_size=config.vocab_size,
-            hidden_size=config.hidden_size,
-            intermediate_size=config.intermediate_size,
+            **{name: getattr(config, name) for name in _SAME_IN_CONFIG},
             num_layers=config.num_hidden_layers,
             num_heads=num_heads,
             num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
             head_dim=getattr(config, "head_dim", None) or config.hidden_size // num_heads,
-            rms_norm_eps=config.rms_norm_eps,
-            max_position_embeddings=config.max_position_embeddings,
             rope_theta=theta,
             rope_scaling=scaling,
             qkv_bias=attention_bias or model_type == "qwen2",
@@ -53,6 +49,16 @@ class ModelArgs:
             qk_norm=model_type == "qwen3",
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
         )
+
+
+# ModelArgs fields a transformers config holds under the same name, as they are
+_SAME_IN_CONFIG = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "rms_norm_eps",
+    "max_position_embeddings",
+)
 
 
 def rope_settings(config) -> tuple[float, dict[str, Any] | None]:
