@@ -48,55 +48,10 @@ def _sequence_of(pid, qsl_ptr, num_seqs, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
-def _attend(
-    q,
-    pos,
-    table,
-    k_cache_ptr,
-    v_cache_ptr,
-    kv_head,
-    kv_lo,
-    kv_hi,
-    qk_scale,
-    offs_d,
-    mask_d,
-    stride_kb,
-    stride_ks,
-    stride_kh,
-    stride_vb,
-    stride_vs,
-    stride_vh,
-    BLOCK_M: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    DOT_DTYPE: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
-    """Online softmax of q's rows over cache positions [kv_lo, kv_hi): (acc, max, sum)."""
-    m_i = tl.full((BLOCK_M,), -1.0e30, tl.float32)
-    l_i = tl.zeros((BLOCK_M,), tl.float32)
-    acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
-    for start in range(kv_lo, kv_hi, BLOCK_N):
-        kv_pos = start + tl.arange(0, BLOCK_N)  # may span several cache blocks
-        kv_ok = kv_pos < kv_hi
-        blk = tl.load(table + kv_pos // BLOCK_SIZE, mask=kv_ok, other=0).to(tl.int64)
-        k_off = blk * stride_kb + (kv_pos % BLOCK_SIZE) * stride_ks + kv_head * stride_kh
-        v_off = blk * stride_vb + (kv_pos % BLOCK_SIZE) * stride_vs + kv_head * stride_vh
-        kv_mask = kv_ok[:, None] & mask_d[None, :]
-        k = tl.load(k_cache_ptr + k_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + v_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q.to(DOT_DTYPE), tl.trans(k.to(DOT_DTYPE)), input_precision=PRECISION)
-        seen = kv_ok[None, :] & (kv_pos[None, :] <= pos[:, None])  # [BLOCK_M, BLOCK_N]
-        s = tl.where(seen, s * qk_scale, -1.0e30)
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.where(seen, tl.exp2(s - m_new[:, None]), 0.0)  # exactly 0 where unseen
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        pv = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=PRECISION)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
-    return acc, m_i, l_i
+def _kv_tile(head_ptr, blk, slot, stride_b, stride_s, offs_d, mask):
+    """cache[blk, slot, head, :] for one KV head (``head_ptr``): a [BLOCK_N, BLOCK_D] tile."""
+    off = blk * stride_b + slot * stride_s
+    return tl.load(head_ptr + off[:, None] + offs_d[None, :], mask=mask, other=0.0)
 
 
 def _attention_kernel(
@@ -165,31 +120,30 @@ def _attention_kernel(
         kv_hi = tl.minimum(
             ctx_len - q_len + tl.minimum(q_block + BLOCK_Q, q_len), kv_lo + split_size
         )
-        acc, m_i, l_i = _attend(
-            q,
-            pos,
-            block_tables_ptr + b.to(tl.int64) * stride_bt,
-            k_cache_ptr,
-            v_cache_ptr,
-            kv_head,
-            kv_lo,
-            kv_hi,
-            qk_scale,
-            offs_d,
-            mask_d,
-            stride_kb,
-            stride_ks,
-            stride_kh,
-            stride_vb,
-            stride_vs,
-            stride_vh,
-            BLOCK_M,
-            BLOCK_D,
-            BLOCK_N,
-            BLOCK_SIZE,
-            DOT_DTYPE,
-            PRECISION,
-        )
+        # online softmax of the rows over cache positions [kv_lo, kv_hi)
+        table = block_tables_ptr + b.to(tl.int64) * stride_bt
+        k_head = k_cache_ptr + kv_head * stride_kh
+        v_head = v_cache_ptr + kv_head * stride_vh
+        m_i = tl.full((BLOCK_M,), -1.0e30, tl.float32)
+        l_i = tl.zeros((BLOCK_M,), tl.float32)
+        acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+        for start in range(kv_lo, kv_hi, BLOCK_N):
+            kv_pos = start + tl.arange(0, BLOCK_N)  # may span several cache blocks
+            kv_ok = kv_pos < kv_hi
+            blk = tl.load(table + kv_pos // BLOCK_SIZE, mask=kv_ok, other=0).to(tl.int64)
+            kv_mask = kv_ok[:, None] & mask_d[None, :]
+            k = _kv_tile(k_head, blk, kv_pos % BLOCK_SIZE, stride_kb, stride_ks, offs_d, kv_mask)
+            v = _kv_tile(v_head, blk, kv_pos % BLOCK_SIZE, stride_vb, stride_vs, offs_d, kv_mask)
+            s = tl.dot(q.to(DOT_DTYPE), tl.trans(k.to(DOT_DTYPE)), input_precision=PRECISION)
+            seen = kv_ok[None, :] & (kv_pos[None, :] <= pos[:, None])  # [BLOCK_M, BLOCK_N]
+            s = tl.where(seen, s * qk_scale, -1.0e30)
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.where(seen, tl.exp2(s - m_new[:, None]), 0.0)  # exactly 0 where unseen
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            pv = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=PRECISION)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
         if NUM_SPLITS == 1:
             out = out_ptr + (tokens * stride_ot + heads * stride_oh)[:, None] + offs_d[None, :]
             tl.store(out, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
