@@ -98,6 +98,19 @@ def padded_batch(batch, pad: int):
     return ids, mask, max(n for _, n in batch)
 
 
+def greedy_exactly(max_new: int, mask, pad: int, streamer) -> dict:
+    """``generate`` options for greedy decoding of exactly ``max_new`` tokens, as the
+    engine runs the workload (no early stop at EOS)."""
+    return {
+        "attention_mask": mask,
+        "do_sample": False,
+        "max_new_tokens": max_new,
+        "min_new_tokens": max_new,
+        "pad_token_id": pad,
+        "streamer": streamer,
+    }
+
+
 def run_transformers(model: str, workload, threads: int, batch_size: int = 16) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
@@ -112,15 +125,7 @@ def run_transformers(model: str, workload, threads: int, batch_size: int = 16) -
         ids, mask, max_new = padded_batch(batch, pad)
         clock = FirstTokenClock()
         with torch.inference_mode():
-            hf.generate(
-                ids,
-                attention_mask=mask,
-                do_sample=False,
-                max_new_tokens=max_new,
-                min_new_tokens=max_new,
-                pad_token_id=pad,
-                streamer=clock,
-            )
+            hf.generate(ids, **greedy_exactly(max_new, mask, pad, clock))
         ttfts += [clock.first_token - start] * len(batch)
         tokens += sum(n for _, n in batch)
         progress(b + len(batch), len(workload), start)

@@ -220,13 +220,8 @@ def run_peft(model: str, workload, dirs, engines: EngineSides | None, batch_size
         with torch.inference_mode():
             peft.generate(
                 input_ids=ids,
-                attention_mask=mask,
-                do_sample=False,
-                max_new_tokens=max_new,
-                min_new_tokens=max_new,
-                pad_token_id=pad,
-                streamer=streamer,
                 adapter_names=[f"lora-{k}" for k in picks[first : first + len(batch)]],
+                **bench.greedy_exactly(max_new, mask, pad, streamer),
             )
         ttfts += [streamer.first_token] * len(batch)
         steps_done += max_new
