@@ -11,6 +11,7 @@ import sys
 import time
 
 import pytest
+from gateway_procs import lorapool_cmd
 
 from lorapool.producer import Producer
 from lorapool.producer.registry import lora_from_record
@@ -51,10 +52,7 @@ def adapter_dirs(model, tmp_path_factory):
 
 
 def start_worker(redis_url, prefix, model, tmp_path, *extra):
-    cmd = [
-        sys.executable,
-        "-c",
-        "from lorapool.cli.main import main; main()",
+    cmd = lorapool_cmd(
         "worker",
         "--model",
         model,
@@ -72,7 +70,7 @@ def start_worker(redis_url, prefix, model, tmp_path, *extra):
         "--max-lora-rank",
         "8",
         *extra,
-    ]
+    )
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     # cwd outside the checkout: the repo root on sys.path would shadow packages
     return subprocess.Popen(cmd, cwd=tmp_path, env=env, stderr=subprocess.DEVNULL)
