@@ -4,6 +4,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from oracle import greedy_options
 from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
@@ -63,14 +64,7 @@ def peft_greedy(
     """PEFT's generate, greedy, one request alone (``adapter_dir`` None: base model)."""
     model = _peft_model(str(base_path), None if adapter_dir is None else str(adapter_dir))
     input_ids = torch.tensor([prompt_ids])
-    kwargs = dict(
-        attention_mask=torch.ones_like(input_ids),
-        do_sample=False,
-        max_new_tokens=max_new_tokens,
-        eos_token_id=eos_token_id,
-        pad_token_id=eos_token_id,
-        min_new_tokens=0,
-    )
+    kwargs = greedy_options(input_ids, max_new_tokens, eos_token_id)
     if adapter_dir is None:
         with model.disable_adapter():
             out = model.generate(input_ids=input_ids, **kwargs)

@@ -27,8 +27,13 @@ def hf_greedy(path, prompt_ids: list[int], max_new_tokens: int, eos_token_id=2) 
 def _generate(path, prompt_ids: list[int], max_new_tokens: int, eos_token_id) -> list[int]:
     model = hf_model(str(path))
     input_ids = torch.tensor([prompt_ids])
-    out = model.generate(
-        input_ids,
+    out = model.generate(input_ids, **greedy_options(input_ids, max_new_tokens, eos_token_id))
+    return out[0, len(prompt_ids) :].tolist()
+
+
+def greedy_options(input_ids: torch.Tensor, max_new_tokens: int, eos_token_id) -> dict:
+    """``generate`` options for one unpadded request, greedy, stopping at EOS."""
+    return dict(
         attention_mask=torch.ones_like(input_ids),
         do_sample=False,
         max_new_tokens=max_new_tokens,
@@ -36,7 +41,6 @@ def _generate(path, prompt_ids: list[int], max_new_tokens: int, eos_token_id) ->
         pad_token_id=eos_token_id,
         min_new_tokens=0,
     )
-    return out[0, len(prompt_ids) :].tolist()
 
 
 @torch.inference_mode()
