@@ -61,6 +61,7 @@ class WriterConfig:
     """How one audit writer consumes ``{p}:audit``."""
 
     prefix: str = DEFAULT_PREFIX
+    shards: int = 0  # the pool's shard count (``lorapool.keys``): every shard's stream is read
     consumer: str = field(default_factory=default_consumer)
     batch_size: int = 500
     block_ms: int = 1000
@@ -129,12 +130,13 @@ class AuditWriter:
         self.redis = connection
         self.engine = engine
         self.config = config or WriterConfig()
-        self.keys = Keys(self.config.prefix)
+        self.views = Keys(self.config.prefix, self.config.shards).shard_views
+        self.keys = self.views[0]  # the shard being read (steps take the shards in turn)
         self.stats = WriterStats()
         self._stopping = threading.Event()
-        self._own_pending = True
-        self._claim_cursor = "0-0"
-        self._next_claim = 0.0
+        self._own_pending = dict.fromkeys(self.views, True)
+        self._claim_cursor = dict.fromkeys(self.views, "0-0")
+        self._next_claim = dict.fromkeys(self.views, 0.0)
 
     # --- lifecycle -----------------------------------------------------------
 
@@ -152,14 +154,16 @@ class AuditWriter:
         log.info(
             "audit writer %s: consuming %s into %s",
             name,
-            self.keys.audit,
+            ", ".join(view.audit for view in self.views),
             self.engine.url.render_as_string(hide_password=True),
         )
         try:
             self._retry("create the consumer group", self.ensure_group)
             self._retry("check the database schema", self._check_schema)
+            idle = 0  # shards in a row that had nothing
             while not self.stopping:
-                if not self.step(block=not burst) and burst:
+                idle = 0 if self.step(block=not burst) else idle + 1
+                if burst and idle >= len(self.views):
                     break
         except _Stopped:
             pass
@@ -167,8 +171,10 @@ class AuditWriter:
         return self.stats
 
     def ensure_group(self) -> None:
-        """Create the ``audit`` consumer group (from the stream's start) if missing."""
-        ensure_group(self.redis, self.keys.audit, AUDIT_GROUP)
+        """Create the ``audit`` consumer group (from the stream's start) of every shard's
+        audit stream if missing."""
+        for view in self.views:
+            ensure_group(self.redis, view.audit, AUDIT_GROUP)
 
     def _check_schema(self) -> None:
         if self.config.migrate:
@@ -189,7 +195,14 @@ class AuditWriter:
     # --- one batch -----------------------------------------------------------
 
     def step(self, block: bool = True) -> int:
-        """Read, store and ack one batch; returns the number of entries handled."""
+        """Read, store and ack one batch of one shard (the next shard's at the next
+        step); returns the number of entries handled."""
+        try:
+            return self._step(block)
+        finally:
+            self.keys = self.views[(self.views.index(self.keys) + 1) % len(self.views)]
+
+    def _step(self, block: bool) -> int:
         entries = self._retry("read from Redis", self._next_entries, block)
         if not entries:
             return 0
@@ -203,16 +216,18 @@ class AuditWriter:
         return len(entries)
 
     def _next_entries(self, block: bool) -> list:
-        if self._own_pending:
+        if self._own_pending[self.keys]:
             entries = self._read("0")
-            self._own_pending = bool(entries)
+            self._own_pending[self.keys] = bool(entries)
             if entries:
                 return entries
-        if time.monotonic() >= self._next_claim:
+        if time.monotonic() >= self._next_claim[self.keys]:
             entries = self._claim()
             if entries:
                 return entries
-        return self._read(">", self.config.block_ms if block else None)
+        # with several shards, a blocking read waits on each in turn for its part
+        block_ms = max(1, self.config.block_ms // len(self.views))
+        return self._read(">", block_ms if block else None)
 
     def _read(self, start: str, block_ms: int | None = None) -> list:
         reply = self.redis.xreadgroup(
@@ -232,10 +247,10 @@ class AuditWriter:
                 AUDIT_GROUP,
                 self.config.consumer,
                 self.config.claim_idle_ms,
-                self._claim_cursor,
+                self._claim_cursor[self.keys],
                 count=self.config.batch_size,
             )[:2]
-            self._claim_cursor = cursor
+            self._claim_cursor[self.keys] = cursor
             entries = [e for e in entries if e is not None and e[0] is not None]
             if entries:
                 log.info(
@@ -243,7 +258,7 @@ class AuditWriter:
                 )
                 return entries
             if cursor in ("0-0", b"0-0"):
-                self._next_claim = time.monotonic() + self.config.claim_every_s
+                self._next_claim[self.keys] = time.monotonic() + self.config.claim_every_s
                 return []
 
     def _parse(self, entry) -> _Item | None:

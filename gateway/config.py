@@ -39,6 +39,7 @@ class GatewayConfig:
 
     redis_url: str
     prefix: str = DEFAULT_PREFIX
+    shards: int = 0  # the pool's shard count on a Redis Cluster (``lorapool.keys``)
     max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES
     max_n: int = DEFAULT_MAX_N
     max_body_bytes: int | None = None

@@ -39,8 +39,15 @@ class QueueHistory:
 
 async def queue_state(pool) -> dict[str, Any]:
     """Length, pending, lag of the request stream, the batch stream's length and the
-    dead letters' count."""
-    redis, keys = pool.producer.redis, pool.producer.keys
+    dead letters' count (every shard's together)."""
+    state = {"length": 0, "pending": 0, "lag": 0.0, "dead": 0, "batch": 0}
+    for keys in pool.producer.keys.shard_views:
+        for name, value in (await _shard_state(pool.producer.redis, keys)).items():
+            state[name] += value
+    return state
+
+
+async def _shard_state(redis, keys) -> dict[str, Any]:
     async with redis.pipeline(transaction=False) as pipe:
         pipe.xlen(keys.requests)
         pipe.xlen(keys.dead)
@@ -71,9 +78,14 @@ async def sample_forever(pool, history: QueueHistory) -> None:
 
 async def dead_letters(pool, count: int = ROWS) -> list[dict[str, str]]:
     """The newest dead letters: entry id, worker, reason."""
-    redis, keys = pool.producer.redis, pool.producer.keys
-    rows = []
-    for entry_id, fields in await redis.xrevrange(keys.dead, count=count):
+    redis, rows = pool.producer.redis, []
+    letters = [
+        letter
+        for keys in pool.producer.keys.shard_views
+        for letter in await redis.xrevrange(keys.dead, count=count)
+    ]
+    letters.sort(key=lambda letter: tuple(map(int, letter[0].split(b"-"))), reverse=True)
+    for entry_id, fields in letters[:count]:
         text = {k.decode(): v.decode("utf-8", "replace") for k, v in fields.items() if k != b"data"}
         rows.append({"id": entry_id.decode(), **text})
     return rows

@@ -13,7 +13,13 @@ import time
 import uuid
 from typing import Any
 
-from lorapool.connection import LoggedAsyncRetry, connect, connection_options
+from lorapool.connection import (
+    LoggedAsyncRetry,
+    connect,
+    connect_async,
+    connection_options,
+    is_cluster,
+)
 from lorapool.gateway.auth import OPEN, Principal
 from lorapool.gateway.config import GatewayConfig
 from lorapool.gateway.errors import APIError, field_error, model_not_found
@@ -31,7 +37,7 @@ class Pool:
         self.config = config
         connection = _connect(config)
         self.producer = AsyncProducer(
-            connection, config.prefix, config.max_prompt_bytes, config.max_n
+            connection, config.prefix, config.max_prompt_bytes, config.max_n, shards=config.shards
         )
         self.view = PoolView(self.producer)
         self.position = QueuePosition(self.producer.redis, self.producer.keys)
@@ -156,6 +162,10 @@ def _connect(config: GatewayConfig):
     connections", a 503), which a burst of a few hundred open streams reaches."""
     from redis.asyncio import BlockingConnectionPool, Redis
 
+    if is_cluster(config.redis_url):  # a cluster client keeps a pool per node
+        return connect_async(
+            config.redis_url, config.redis_retries, max_connections=config.redis_connections
+        )
     options = connection_options(config.redis_url, config.redis_retries, LoggedAsyncRetry)
     pool = BlockingConnectionPool.from_url(
         config.redis_url, max_connections=config.redis_connections, timeout=None, **options

@@ -13,6 +13,7 @@ only with capacity the request stream leaves, so no count of entries places it.
 
 from __future__ import annotations
 
+from lorapool.connection import register_script
 from lorapool.keys import WORKERS_GROUP
 
 MAX_AHEAD = 1000
@@ -46,9 +47,9 @@ class QueuePosition:
 
     def __init__(self, redis, keys):
         self.keys = keys
-        self.script = redis.register_script(POSITION_SCRIPT)
+        self.script = register_script(redis, POSITION_SCRIPT)
 
     async def __call__(self, request_id: str) -> int | None:
-        keys = [self.keys.job(request_id), self.keys.requests]
+        keys = [self.keys.job(request_id), self.keys.for_request(request_id).requests]
         ahead = await self.script(keys=keys, args=[WORKERS_GROUP, MAX_AHEAD])
         return None if ahead < 0 else int(ahead)

@@ -11,7 +11,9 @@ if Pub/Sub dropped some (a reconnect, a slow consumer). A request that stays qui
 waits in the queue), which also finds a lost final chunk or a compacted log's record.
 
 Used by ``AsyncProducer`` (and so by the gateway); a single ``JobHandle`` reads with
-blocking XREAD instead.
+blocking XREAD instead. On a Redis Cluster the channels are shard channels (the
+worker's SPUBLISH, the follower's SSUBSCRIBE: one Pub/Sub connection per node that
+holds a followed request's shard), so a chunk travels only within its shard.
 """
 
 from __future__ import annotations
@@ -58,6 +60,9 @@ class Follower:
         self.to_unsubscribe: set[bytes] = set()
         self.fills = asyncio.Semaphore(MAX_FILLS)
         self.error: Exception | None = None  # why the listener stopped (not Redis away)
+        from redis.asyncio import RedisCluster
+
+        self.sharded = isinstance(redis, RedisCluster)  # shard channels (SSUBSCRIBE)
 
     async def follow(self, request_id: str, after: int = -1) -> AsyncIterator[Chunk]:
         """Chunks of ``request_id`` with seq > ``after``, in order, until the final one."""
@@ -160,30 +165,44 @@ class Follower:
         while True:
             try:
                 await self._send_subscriptions()
-                message = await self.pubsub.get_message(timeout=LISTEN_S)
+                if self.sharded:
+                    message = await self.pubsub.get_sharded_message(timeout=LISTEN_S)
+                else:
+                    message = await self.pubsub.get_message(timeout=LISTEN_S)
             except REDIS_DOWN as exc:
                 logger.warning("follower: Pub/Sub connection lost (%s), resubscribing", exc)
                 await asyncio.sleep(self.poll_s)
                 self.to_subscribe |= set(self.followed)
                 continue
             if message is None:
-                if not self.pubsub.subscribed:
+                idle = not self.pubsub.subscribed
+                if self.sharded:  # a node's connection exists while it has a channel
+                    idle = not self.pubsub.node_pubsub_mapping
+                if idle:
                     await asyncio.sleep(LISTEN_S)  # nothing followed: no busy loop
                 continue
+            kind = message["type"]
+            kind = kind.decode() if isinstance(kind, bytes) else kind
             for followed in self.followed.get(message["channel"], ()):
-                if message["type"] == "subscribe":
+                if kind in ("subscribe", "ssubscribe"):
                     followed.subscribed.set()
-                elif message["type"] == "message":
+                elif kind in ("message", "smessage"):
                     followed.live.put_nowait(message["data"])
 
     async def _send_subscriptions(self) -> None:
         if self.to_unsubscribe:
             channels, self.to_unsubscribe = self.to_unsubscribe, set()
-            await self.pubsub.unsubscribe(*channels)
+            if self.sharded:
+                await self.pubsub.sunsubscribe(*channels)
+            else:
+                await self.pubsub.unsubscribe(*channels)
         if self.to_subscribe:
             channels, self.to_subscribe = self.to_subscribe, set()
             try:
-                await self.pubsub.subscribe(*channels)
+                if self.sharded:
+                    await self.pubsub.ssubscribe(*channels)
+                else:
+                    await self.pubsub.subscribe(*channels)
             except BaseException:
                 self.to_subscribe |= channels & set(self.followed)
                 raise

@@ -1,10 +1,19 @@
 """Every Redis key name lorapool uses, in one place.
 
-Per-request keys wrap the request id in a hash tag (``{...}``) so that all the
-keys of one request land in the same Redis Cluster slot.
+Two layouts. Unsharded (``shards=0``, the default, one standalone Redis): keys are
+``<prefix>:<name>``, and per-request keys wrap the request id in a hash tag.
+Sharded (``shards=N``, for a Redis Cluster): a request lives on shard
+``crc32(request id) % N``, and every key of shard ``s`` (its job streams, dead and
+audit streams, handoff lists, and its requests' job, out and abort keys) carries the
+hash tag ``{<prefix>:<s>}``, so that each script of the queue touches one slot; the
+pool's own keys (adapter registry, model, heartbeats, API keys, rates, batches) carry
+``{<prefix>}``, the meta shard. ``Keys.on(s)`` names shard ``s``'s keys; a worker
+reads every shard (``Keys.shard_views``) and writes a request's keys on the shard its
+entry came from.
 """
 
-from dataclasses import dataclass
+import zlib
+from dataclasses import dataclass, replace
 
 DEFAULT_PREFIX = "lorapool"
 WORKERS_GROUP = "workers"
@@ -17,24 +26,76 @@ DEAD_MAX_LEN = 10_000
 PRIORITIES = ("interactive", "batch")
 
 
+MAX_SHARDS = 1024
+
+
 @dataclass(frozen=True)
 class Keys:
     prefix: str = DEFAULT_PREFIX
+    shards: int = 0  # 0: the unsharded layout; N: N shards, each on its own hash tag
+    shard: int | None = None  # a view of one shard (``on``); None: by request id
 
     def __post_init__(self):
         if not self.prefix or any(c in self.prefix for c in "{} \n"):
             raise ValueError(f"invalid key prefix {self.prefix!r}")
+        if type(self.shards) is not int or not 0 <= self.shards <= MAX_SHARDS:
+            raise ValueError(
+                f"shards must be an integer from 0 to {MAX_SHARDS}, got {self.shards!r}"
+            )
+        if self.shard is not None and not 0 <= self.shard < max(self.shards, 1):
+            raise ValueError(f"shard {self.shard!r} is not one of the pool's {self.shards}")
+
+    def shard_of(self, request_id: str) -> int:
+        """The shard that holds ``request_id``'s entry and keys (0 when unsharded)."""
+        if self.shard is not None:
+            return self.shard
+        if not self.shards:
+            return 0
+        return zlib.crc32(request_id.encode("utf-8", "surrogatepass")) % self.shards
+
+    def on(self, shard: int) -> "Keys":
+        """The keys of one shard (``shard`` 0 of an unsharded pool: these keys)."""
+        return replace(self, shard=shard)
+
+    def for_request(self, request_id: str) -> "Keys":
+        """The keys of the shard that holds ``request_id``."""
+        return self.on(self.shard_of(request_id))
+
+    @property
+    def shard_views(self) -> tuple["Keys", ...]:
+        """One view per shard, in shard order: what a worker or the audit writer reads."""
+        return tuple(self.on(s) for s in range(max(self.shards, 1)))
+
+    def _in_shard(self, name: str) -> str:
+        if not self.shards:
+            return f"{self.prefix}:{name}"
+        if self.shard is None:
+            raise ValueError(f"{name} is per shard: name it on a shard view (Keys.on)")
+        return f"{{{self.prefix}:{self.shard}}}:{name}"
+
+    def _of_request(self, name: str, request_id: str) -> str:
+        if not self.shards:
+            return f"{self.prefix}:{name}:{{{request_id}}}"
+        return f"{{{self.prefix}:{self.shard_of(request_id)}}}:{name}:{request_id}"
+
+    def _meta(self, name: str) -> str:
+        return f"{{{self.prefix}}}:{name}" if self.shards else f"{self.prefix}:{name}"
+
+    @property
+    def pattern(self) -> str:
+        """A SCAN pattern that matches every key of this pool (and only those)."""
+        return f"{{{self.prefix}[:}}]*" if self.shards else f"{self.prefix}:*"
 
     @property
     def requests(self) -> str:
         """Stream of jobs; consumer group ``workers``."""
-        return f"{self.prefix}:requests"
+        return self._in_shard("requests")
 
     @property
     def batch_requests(self) -> str:
         """Stream of batch jobs (group ``workers``): a worker reads it only with capacity
         left after ``requests``, so batch files never starve interactive traffic."""
-        return f"{self.prefix}:requests:batch"
+        return self._in_shard("requests:batch")
 
     @property
     def streams(self) -> tuple[str, ...]:
@@ -52,67 +113,71 @@ class Keys:
     @property
     def dead(self) -> str:
         """Stream of dead-lettered jobs with their reason."""
-        return f"{self.prefix}:dead"
+        return self._in_shard("dead")
 
     @property
     def audit(self) -> str:
         """Stream of final records for the audit writer; group ``audit``."""
-        return f"{self.prefix}:audit"
+        return self._in_shard("audit")
 
     @property
     def adapters(self) -> str:
         """Hash: adapter name -> registry record."""
-        return f"{self.prefix}:adapters"
+        return self._meta("adapters")
 
     @property
     def adapter_ids(self) -> str:
         """Hash: adapter int id -> adapter name (keeps ids unique)."""
-        return f"{self.prefix}:adapter-ids"
+        return self._meta("adapter-ids")
 
     @property
     def model(self) -> str:
         """The pool's base model: {"name", "sha256"} of the first worker (SET NX)."""
-        return f"{self.prefix}:model"
+        return self._meta("model")
 
     @property
     def workers(self) -> str:
         """Hash: worker id -> heartbeat record."""
-        return f"{self.prefix}:workers"
+        return self._meta("workers")
 
     @property
     def api_keys(self) -> str:
         """Hash: API key id -> its record (tenant, role, sha256 of the key; never the key)."""
-        return f"{self.prefix}:api-keys"
+        return self._meta("api-keys")
 
     def rate(self, tenant: str, window: int, what: str) -> str:
         """A tenant's count of ``what`` (requests, tokens) in the minute ``window``."""
-        return f"{self.prefix}:rate:{tenant}:{window}:{what}"
+        return self._meta(f"rate:{tenant}:{window}:{what}")
 
     def alive(self, worker: str) -> str:
         """A worker's liveness flag: expires a few heartbeats after its last one."""
-        return f"{self.prefix}:alive:{worker}"
+        return self._meta(f"alive:{worker}")
 
     def handoff(self, worker: str) -> str:
         """List of entries other workers handed to ``worker`` (adapter affinity): each
         "<stream's position in ``streams``, 1-based> <entry id>"."""
-        return f"{self.prefix}:handoff:{worker}"
+        return self._in_shard(f"handoff:{worker}")
 
     def batch(self, batch_id: str) -> str:
         """Hash: one batch file's state (status, counts, files; lorapool/batch/state.py)."""
-        return f"{self.prefix}:batch:{{{batch_id}}}"
+        return (
+            self._meta(f"batch:{batch_id}")
+            if self.shards
+            else f"{self.prefix}:batch:{{{batch_id}}}"
+        )
 
     def callback(self, request_id: str) -> str:
         """Set once a request's completion callback is in RQ (lorapool/batch/callbacks.py)."""
-        return f"{self.prefix}:callback:{{{request_id}}}"
+        return self._of_request("callback", request_id)
 
     def job(self, request_id: str) -> str:
         """Idempotency marker and status of one job."""
-        return f"{self.prefix}:job:{{{request_id}}}"
+        return self._of_request("job", request_id)
 
     def out(self, request_id: str) -> str:
         """Chunk log (stream) and live channel (pub/sub) of one request."""
-        return f"{self.prefix}:out:{{{request_id}}}"
+        return self._of_request("out", request_id)
 
     def abort(self, request_id: str) -> str:
         """Abort flag of one request, read by whichever worker holds it."""
-        return f"{self.prefix}:abort:{{{request_id}}}"
+        return self._of_request("abort", request_id)

@@ -73,39 +73,40 @@ class PoolCollector:
             yield _gauge(name, doc, value)
 
     def read(self) -> dict[str, tuple[str, float]]:
-        """Metric name -> (help, value), read from Redis now."""
-        r, keys = self.redis, self.keys
+        """Metric name -> (help, value), read from Redis now (summed over the shards)."""
+        r, views = self.redis, self.keys.shard_views
         with r.pipeline(transaction=False) as pipe:
-            pipe.xlen(keys.requests)
-            pipe.xlen(keys.dead)
-            pipe.xlen(keys.audit)
-            pipe.hkeys(keys.workers)
-            pipe.xlen(keys.batch_requests)
-            length, dead, audit_length, names, batch_length = pipe.execute()
-        audit = group_info(r, keys.audit, AUDIT_GROUP)
+            pipe.hkeys(self.keys.workers)
+            for view in views:
+                for key in (view.requests, view.batch_requests, view.dead, view.audit):
+                    pipe.xlen(key)
+            names, *lengths = pipe.execute()
+        queue, batch, dead, audit = (lengths[i::4] for i in range(4))
+        backlog = sum(
+            _backlog(group_info(r, view.audit, AUDIT_GROUP), length)
+            for view, length in zip(views, audit)
+        )
         return {
-            **self._stream("queue", "", keys.requests, length),
-            **self._stream("batch_queue", "batch ", keys.batch_requests, batch_length),
-            "lorapool_dead_letters": ("entries in the dead-letter stream", dead),
+            **self._stream("queue", "", [v.requests for v in views], queue),
+            **self._stream("batch_queue", "batch ", [v.batch_requests for v in views], batch),
+            "lorapool_dead_letters": ("entries in the dead-letter stream", sum(dead)),
             "lorapool_workers_live": ("workers with a live heartbeat", self._live(names)),
-            "lorapool_audit_backlog": (
-                "audit records not yet committed to SQL",
-                _backlog(audit, audit_length),
-            ),
+            "lorapool_audit_backlog": ("audit records not yet committed to SQL", backlog),
         }
 
-    def _stream(self, name: str, what: str, stream: str, length: int) -> dict:
-        """Length, pending and lag of a job stream (``what``: how its entries are called)."""
-        group = group_info(self.redis, stream, WORKERS_GROUP)
+    def _stream(self, name: str, what: str, streams: list[str], lengths: list[int]) -> dict:
+        """Length, pending and lag of a job stream, every shard's together (``what``: how
+        its entries are called)."""
+        groups = [group_info(self.redis, stream, WORKERS_GROUP) for stream in streams]
         return {
-            f"lorapool_{name}_length": (f"{what}entries in the stream", length),
+            f"lorapool_{name}_length": (f"{what}entries in the stream", sum(lengths)),
             f"lorapool_{name}_pending": (
                 f"{what}entries delivered to a worker and not yet acknowledged",
-                0 if group is None else group["pending"],
+                sum(0 if group is None else group["pending"] for group in groups),
             ),
             f"lorapool_{name}_lag": (
                 f"{what}entries no worker has taken yet (the consumer group's lag; NaN: unknown)",
-                lag_of(group, length),
+                sum(lag_of(group, length) for group, length in zip(groups, lengths)),
             ),
         }
 

@@ -11,19 +11,24 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from lorapool.chunk_log import OutputAssembler
-from lorapool.connection import connect_async
+from lorapool.connection import connect_async, register_script, run_scripts_async
 from lorapool.follower import Follower
 from lorapool.keys import DEFAULT_PREFIX, Keys
 from lorapool.outputs import RequestOutput
 from lorapool.producer.client import ABORT_TTL_S, _deadline
-from lorapool.producer.job import SUBMIT_SCRIPT, build_job, check_on_finish, per_prompt
+from lorapool.producer.job import (
+    SUBMIT_SCRIPT,
+    build_job,
+    check_on_finish,
+    per_prompt,
+    submit_call,
+)
 from lorapool.producer.registry import check_lora, decode_record
 from lorapool.protocol import LoRARequest, RequestOutputKind, SamplingParams
 from lorapool.wire import (
     DEFAULT_MAX_N,
     DEFAULT_MAX_PROMPT_BYTES,
     JobLimits,
-    encode_job,
 )
 
 logger = logging.getLogger(__name__)
@@ -102,19 +107,22 @@ class AsyncProducer:
         max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES,
         max_n: int = DEFAULT_MAX_N,
         result_ttl_s: int | None = None,
+        shards: int = 0,
     ):
         """Jobs over ``max_prompt_bytes`` or ``max_n`` are refused at submit (workers check too).
 
         ``result_ttl_s``: how long a finished job's outputs stay readable (as
         RQ's ``result_ttl``); None leaves it to the workers' ``--result-ttl``.
+        ``shards``: the pool's shard count on a Redis Cluster (``lorapool.keys``), the
+        same as its workers'; 0 (default) for one standalone Redis.
         """
         self.limits = JobLimits(max_prompt_bytes, max_n)
         self.result_ttl_s = result_ttl_s
         if isinstance(connection, str):
             connection = connect_async(connection)
         self.redis = connection
-        self.keys = Keys(prefix)
-        self._submit = self.redis.register_script(SUBMIT_SCRIPT)
+        self.keys = Keys(prefix, shards)
+        self._submit = register_script(self.redis, SUBMIT_SCRIPT)
         self.follower = Follower(self.redis, self.keys)
 
     async def resolve(self, requested: LoRARequest | str | None) -> LoRARequest | None:
@@ -151,7 +159,7 @@ class AsyncProducer:
         on_finish: str | None = None,
     ) -> list[AsyncJobHandle]:
         """Enqueue several jobs in one round trip, all validated first."""
-        stream = self.keys.stream(priority)
+        self.keys.on(0).stream(priority)  # an unknown priority fails before anything is sent
         callback = check_on_finish(on_finish)
         count = len(prompts)
         loras = [await self.resolve(x) for x in per_prompt(lora_request, count, "adapters")]
@@ -161,20 +169,8 @@ class AsyncProducer:
                 prompts, per_prompt(params, count, "params"), loras, request_ids or [None] * count
             )
         ]
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for job in jobs:
-                await self._submit(
-                    keys=[self.keys.job(job.request_id), stream],
-                    args=[
-                        encode_job(job),
-                        job.sampling_params.output_kind.value,
-                        time.time(),
-                        priority,
-                        callback,
-                    ],
-                    client=pipe,
-                )
-            entries = await pipe.execute()
+        calls = [submit_call(self.keys, job, priority, callback) for job in jobs]
+        entries = await run_scripts_async(self.redis, self._submit, calls)
         handles = []
         for job, entry in zip(jobs, entries):
             handle = (

@@ -11,16 +11,22 @@ import redis
 
 from lorapool import connection
 from lorapool.chunk_log import RESULT_FIELD, Cursor, OutputAssembler
+from lorapool.connection import register_script, run_scripts
 from lorapool.keys import DEFAULT_PREFIX, Keys
 from lorapool.outputs import RequestOutput
-from lorapool.producer.job import SUBMIT_SCRIPT, build_job, check_on_finish, per_prompt
+from lorapool.producer.job import (
+    SUBMIT_SCRIPT,
+    build_job,
+    check_on_finish,
+    per_prompt,
+    submit_call,
+)
 from lorapool.producer.registry import AdapterRegistry
 from lorapool.protocol import LoRARequest, RequestOutputKind, SamplingParams
 from lorapool.wire import (
     DEFAULT_MAX_N,
     DEFAULT_MAX_PROMPT_BYTES,
     JobLimits,
-    encode_job,
 )
 
 logger = logging.getLogger(__name__)
@@ -35,7 +41,7 @@ def connect(
 
     A URL gets lorapool's retry and health-check options (``lorapool.connection``).
     """
-    if isinstance(url_or_connection, redis.Redis):
+    if isinstance(url_or_connection, (redis.Redis, redis.RedisCluster)):
         return url_or_connection
     if url_or_connection is None:
         from lorapool.embedded import resolve_url
@@ -157,18 +163,21 @@ class Producer:
         max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES,
         max_n: int = DEFAULT_MAX_N,
         result_ttl_s: int | None = None,
+        shards: int = 0,
     ):
         """Jobs over ``max_prompt_bytes`` or ``max_n`` are refused at submit (workers check too).
 
         ``result_ttl_s``: how long a finished job's outputs stay readable (as
         RQ's ``result_ttl``); None leaves it to the workers' ``--result-ttl``.
+        ``shards``: the pool's shard count on a Redis Cluster (``lorapool.keys``), the
+        same as its workers'; 0 (default) for one standalone Redis.
         """
         self.limits = JobLimits(max_prompt_bytes, max_n)
         self.result_ttl_s = result_ttl_s
         self.redis = connect(connection)
-        self.keys = Keys(prefix)
+        self.keys = Keys(prefix, shards)
         self.registry = AdapterRegistry(self.redis, self.keys)
-        self._submit = self.redis.register_script(SUBMIT_SCRIPT)
+        self._submit = register_script(self.redis, SUBMIT_SCRIPT)
 
     def submit(
         self,
@@ -206,7 +215,7 @@ class Producer:
         on_finish: str | None = None,
     ) -> list[JobHandle]:
         """Enqueue several jobs in one round trip; all are validated before any is sent."""
-        stream = self.keys.stream(priority)
+        self.keys.on(0).stream(priority)  # an unknown priority fails before anything is sent
         callback = check_on_finish(on_finish)
         count = len(prompts)
         loras = [self.registry.resolve(x) for x in per_prompt(lora_request, count, "adapters")]
@@ -216,20 +225,8 @@ class Producer:
                 prompts, per_prompt(params, count, "params"), loras, request_ids or [None] * count
             )
         ]
-        with self.redis.pipeline(transaction=False) as pipe:
-            for job in jobs:
-                self._submit(
-                    keys=[self.keys.job(job.request_id), stream],
-                    args=[
-                        encode_job(job),
-                        job.sampling_params.output_kind.value,
-                        time.time(),
-                        priority,
-                        callback,
-                    ],
-                    client=pipe,
-                )
-            entries = pipe.execute()
+        calls = [submit_call(self.keys, job, priority, callback) for job in jobs]
+        entries = run_scripts(self.redis, self._submit, calls)
         return [self._handle_after_submit(job, entry) for job, entry in zip(jobs, entries)]
 
     def _handle_after_submit(self, job, entry) -> JobHandle:

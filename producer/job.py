@@ -9,8 +9,9 @@ from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
+from lorapool.keys import Keys
 from lorapool.protocol import FieldError, LoRARequest, SamplingParams
-from lorapool.wire import Job, JobLimits, job_from_dict
+from lorapool.wire import Job, JobLimits, encode_job, job_from_dict
 
 # Enqueue a job only if its request id is new: the marker and the entry together.
 # The same call sent again (redis-py retries one whose reply was lost) finds its own
@@ -30,6 +31,22 @@ redis.call('HSET', KEYS[1], 'status', 'queued', 'entry', entry,
 if ARGV[5] ~= '' then redis.call('HSET', KEYS[1], 'on_finish', ARGV[5]) end
 return entry
 """
+
+
+def submit_call(keys: Keys, job: Job, priority: str, on_finish: str) -> dict[str, list]:
+    """The keys and args of ``SUBMIT_SCRIPT`` for ``job`` (its marker and its shard's
+    stream of ``priority``)."""
+    rid = job.request_id
+    return {
+        "keys": [keys.job(rid), keys.for_request(rid).stream(priority)],
+        "args": [
+            encode_job(job),
+            job.sampling_params.output_kind.value,
+            time.time(),
+            priority,
+            on_finish,
+        ],
+    }
 
 
 ON_FINISH_FUNCTION = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)+")

@@ -81,14 +81,17 @@ class PoolView:
         }
 
     async def backlog(self) -> int:
-        """Entries of the request stream not yet delivered to any worker (the group's lag;
-        the stream's length when Redis cannot say)."""
+        """Entries of the request streams (every shard's) not yet delivered to any worker
+        (the group's lag; the stream's length when Redis cannot say)."""
+        return sum([await self._backlog(view.requests) for view in self.keys.shard_views])
+
+    async def _backlog(self, stream: str) -> int:
         try:
-            groups = await self.redis.xinfo_groups(self.keys.requests)
+            groups = await self.redis.xinfo_groups(stream)
         except Exception:  # noqa: BLE001 - no stream yet
             return 0
         for group in groups:
             if group["name"] in (WORKERS_GROUP, WORKERS_GROUP.encode()):
                 lag = group.get("lag")
                 return int(lag) if lag is not None else int(group.get("pending", 0))
-        return int(await self.redis.xlen(self.keys.requests))
+        return int(await self.redis.xlen(stream))

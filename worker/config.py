@@ -8,7 +8,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from lorapool import signing
-from lorapool.keys import DEAD_MAX_LEN, DEFAULT_PREFIX
+from lorapool.keys import DEAD_MAX_LEN, DEFAULT_PREFIX, Keys
 from lorapool.wire import DEFAULT_MAX_N, DEFAULT_MAX_PROMPT_BYTES, JobLimits
 
 
@@ -21,6 +21,9 @@ class WorkerConfig:
     """How a worker talks to the queue (engine options live in EngineArgs)."""
 
     prefix: str = DEFAULT_PREFIX
+    # the pool's shard count on a Redis Cluster (``lorapool.keys``; the producers' too);
+    # 0: one standalone Redis, keys unsharded
+    shards: int = 0
     name: str = field(default_factory=default_name)
     lease_s: float = 10.0  # an entry idle this long is claimable by another worker
     max_deliveries: int = 3  # deliveries beyond this dead-letter the entry
@@ -72,6 +75,7 @@ class WorkerConfig:
             raise ValueError(f"interactive_window_s must be >= 0, got {self.interactive_window_s}")
         if self.metrics_max_adapters < 2:
             raise ValueError(f"metrics_max_adapters must be >= 2, got {self.metrics_max_adapters}")
+        Keys(self.prefix, self.shards)  # refuses a bad prefix or shard count
         self.limits  # noqa: B018 - JobLimits checks max_prompt_bytes and max_n
 
     @property

@@ -28,7 +28,7 @@ def claim(worker: Worker) -> int:
     its client gets a final error output.
     """
     claimed = 0
-    for stream in worker.keys.streams:  # the interactive one first
+    for stream in worker.streams:  # the interactive ones first
         count = worker.engine.capacity()
         if count == 0:
             break
@@ -52,7 +52,7 @@ def _claim(worker: Worker, stream: str, count: int) -> int:
         logger.info(
             "worker %s: claimed %s %s (delivery %s)", worker.name, stream, entry_id, deliveries
         )
-        log = read_log(worker, fields)
+        log = read_log(worker, fields, stream)
         if deliveries > worker.config.max_deliveries:
             _give_up(worker, stream, entry_id, fields, log, deliveries)
         else:
@@ -65,11 +65,11 @@ def _deliveries(worker: Worker, stream: str, entry_id: str) -> int:
     return info[0]["times_delivered"] if info else 0
 
 
-def read_log(worker: Worker, fields: dict) -> list[Chunk]:
+def read_log(worker: Worker, fields: dict, stream: str = "") -> list[Chunk]:
     """The chunks already in the entry's chunk log (empty when it cannot be decoded)."""
     try:
         rid = orjson.loads(fields.get(DATA.encode()))["request_id"]
-        entries = worker.redis.xrange(worker.keys.out(rid))
+        entries = worker.redis.xrange(worker.keys_of(stream).out(rid))
         return [decode_chunk(f.get(DATA.encode()), rid) for _, f in entries]
     except (ValueError, KeyError, TypeError):
         return []

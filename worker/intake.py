@@ -29,6 +29,11 @@
   peer's round trips (its step, or ``block_ms`` when idle), or, should the peer
   die or stop first, the lease, after which any worker claims it. Off with
   ``--no-affinity`` (``WorkerConfig.affinity``).
+- **Shards** (a Redis Cluster, ``--shards N``): one ``READ`` per shard a round
+  trip, each shard's share counted on its own (its work, the entries held from
+  it); with nothing to read, the blocking read waits on one shard at a time, in
+  turn, so an idle worker finds a new job on another shard within ``block_ms`` times
+  the shard count at worst.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ import zlib
 from collections import Counter
 from typing import TYPE_CHECKING, Any
 
+from lorapool.connection import register_script
 from lorapool.keys import WORKERS_GROUP
 from lorapool.worker.pool import loaded_adapters
 from lorapool.worker.scripts import HANDOFF, READ
@@ -63,14 +69,16 @@ class Intake:
         self._here: set[str] | None = None  # adapters in device slots here, for a read
         self.interactive_at = -math.inf  # when an interactive entry was last read
         self._load = 0  # requests running and waiting here, for a read
-        self._script = worker.redis.register_script(READ)
-        self._handoff = worker.redis.register_script(HANDOFF)
+        self._interactive = {view.requests for view in worker.keys.shard_views}
+        self._turn = 0  # the shard the next blocking read waits on
+        self._script = register_script(worker.redis, READ)
+        self._handoff = register_script(worker.redis, HANDOFF)
 
     def queue_empty(self) -> bool:
         """Nothing held here, nothing pending anywhere (``--burst`` stops then)."""
         return not self.worker.held and all(
             self.worker.redis.xpending(stream, WORKERS_GROUP)["pending"] == 0
-            for stream in self.worker.keys.streams
+            for stream in self.worker.streams
         )
 
     def pool_seen(self, live: list[dict[str, Any]]) -> None:
@@ -83,7 +91,7 @@ class Intake:
     def new_read(self, entries: list) -> None:
         """``entries`` were read: what is loaded here is looked at again for them."""
         self._here = None
-        if any(stream == self.worker.keys.requests for stream, *_ in entries):
+        if any(stream in self._interactive for stream, *_ in entries):
             self.interactive_at = time.monotonic()
 
     def hand_off(self, held) -> bool:
@@ -131,14 +139,16 @@ class Intake:
     def _send(self, items: list[tuple[str, str, str]]) -> None:
         """HANDOFF for ``items`` (stream, entry, peer): at once when the engine is idle,
         else on the sender's next round trip (the engine never waits for it)."""
-        keys = self.worker.keys
-        streams = list(keys.streams)
-        call_keys, args = [], [WORKERS_GROUP, self.worker.name, self._list_ttl_s()]
-        for stream, entry_id, peer in items:
-            stream = stream or keys.requests
-            call_keys += [stream, keys.handoff(peer)]
-            args += [entry_id, streams.index(stream) + 1, peer]
-        call = lambda: self._handoff(keys=call_keys, args=args)  # noqa: E731
+        calls = []
+        for keys, where in self.worker.by_shard([stream for stream, _, _ in items]).items():
+            streams = list(keys.streams)
+            call_keys, args = [], [WORKERS_GROUP, self.worker.name, self._list_ttl_s()]
+            for stream, entry_id, peer in (items[i] for i in where):
+                stream = stream or keys.requests
+                call_keys += [stream, keys.handoff(peer)]
+                args += [entry_id, streams.index(stream) + 1, peer]
+            calls.append({"keys": call_keys, "args": args})
+        call = lambda: [self._handoff(**c) for c in calls]  # noqa: E731
         if self.worker.engine.has_unfinished_requests():
             self.worker.publisher.extra.append((call, None))
         else:
@@ -148,32 +158,39 @@ class Intake:
         """A handoff list outlives its entries' lease by far: claimed by then."""
         return max(60, int(self.worker.config.lease_s * 10))
 
-    def plan(self, count: int) -> tuple[int, int, int]:
-        """(count, entries held, batch room) for a read of up to ``count``: taken on the
-        worker's thread, whose ``held`` the sender's thread must not iterate."""
-        return count, len(self.worker.held), self._batch_room(count)
+    def plan(self, count: int) -> tuple[int, Counter, int]:
+        """(count, entries held per shard view, batch room) for a read of up to
+        ``count``: taken on the worker's thread, whose ``held`` the sender's thread must
+        not iterate."""
+        keys_of = self.worker.keys_of
+        held = Counter(keys_of(h.stream) for h in self.worker.held.values())
+        return count, held, self._batch_room(count)
 
     def read(
-        self, plan: tuple[int, int, int], block: int | None
+        self, plan: tuple[int, Counter, int], block: int | None
     ) -> list[tuple[str, bytes, dict, bool]]:
         """The entries peers handed to this worker, and up to ``count`` new ones (a
         ``plan``), each (stream, entry id, fields, handed). ``block`` (ms): when there is
-        none, wait up to that long for one on any stream, then read the rest at once."""
+        none, wait up to that long for one on any stream (of one shard, in turn), then
+        read the rest at once."""
         count, held, room = plan
         entries = self._read(count, held, room)
         if entries or block is None:
             return entries
+        views = self.worker.keys.shard_views
+        self._turn = (self._turn + 1) % len(views)
         reply = self.worker.redis.xreadgroup(
             WORKERS_GROUP,
             self.worker.name,
-            dict.fromkeys(self.worker.keys.streams, ">"),
+            dict.fromkeys(views[self._turn].streams, ">"),
             count=1,
             block=block,
         )
         entries = [(s.decode(), i, f, False) for s, got in reply or [] for i, f in got]
         if entries and count > len(entries):
-            batch = sum(1 for e in entries if e[0] != self.worker.keys.requests)
-            entries += self._read(count - len(entries), held + len(entries), room - batch)
+            batch = sum(1 for e in entries if e[0] not in self._interactive)
+            held = held + Counter(self.worker.keys_of(e[0]) for e in entries)
+            entries += self._read(count - len(entries), held, room - batch)
         return entries
 
     def _batch_room(self, count: int) -> int:
@@ -186,18 +203,30 @@ class Intake:
         total = len(held) + count
         if time.monotonic() - self.interactive_at < config.interactive_window_s:
             total = max(1, int(config.batch_share * total))
-        batch = sum(1 for h in held if h.stream == self.worker.keys.batch_requests)
+        batch = sum(1 for h in held if h.stream and h.stream not in self._interactive)
         return max(0, total - batch)
 
-    def _read(self, count: int, held: int, room: int) -> list[tuple[str, bytes, dict, bool]]:
-        keys = self.worker.keys
-        streams = keys.streams
+    def _read(self, count: int, held: Counter, room: int) -> list[tuple[str, bytes, dict, bool]]:
+        """One READ per shard (the handed entries of each, then new ones while
+        ``count`` lasts)."""
         live = self.live_workers if self.worker.config.fair_share else 1
-        reply = self._script(
-            keys=[*streams, keys.handoff(self.worker.name)],
-            args=[WORKERS_GROUP, self.worker.name, count, live, held, max(0, room)],
-        )
-        return [
-            (streams[index - 1], entry_id, dict(zip(fields[::2], fields[1::2])), bool(handed))
-            for index, entry_id, fields, handed in reply
-        ]
+        read = []
+        for keys in self.worker.keys.shard_views:
+            streams = keys.streams
+            reply = self._script(
+                keys=[*streams, keys.handoff(self.worker.name)],
+                args=[WORKERS_GROUP, self.worker.name, count, live, held[keys], max(0, room)],
+            )
+            for index, entry_id, fields, handed in reply:
+                read.append(
+                    (
+                        streams[index - 1],
+                        entry_id,
+                        dict(zip(fields[::2], fields[1::2])),
+                        bool(handed),
+                    )
+                )
+                if not handed:
+                    count -= 1
+                    room -= index > 1
+        return read

@@ -17,11 +17,12 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from lorapool.connection import register_script
 from lorapool.outputs import RequestOutput
 from lorapool.wire import Chunk, encode_chunk
 from lorapool.worker.audit import final_audit
 from lorapool.worker.held import Held, Position, make_chunk
-from lorapool.worker.scripts import APPEND, NOT_OWNER, Append, append_call
+from lorapool.worker.scripts import NOT_OWNER, Append, append_call, append_script
 from lorapool.worker.sender import Sender
 
 if TYPE_CHECKING:
@@ -54,7 +55,7 @@ class Publisher:
         self.pending_steps = 0
         self.retry: _Trip | None = None  # a trip whose send failed: sent again first
         self.extra: list = []  # upkeep calls for the next trip (see ``Worker._upkeep``)
-        self._script = worker.redis.register_script(APPEND)
+        self._script = register_script(worker.redis, append_script(worker.redis))
         self._sender = Sender(self._send_trip, worker.name)
 
     def close(self) -> None:
@@ -154,12 +155,16 @@ class Publisher:
         return held, chunk, self.append_item(held, chunk, final_audit(self.worker, held, chunk))
 
     def append(self, items: list[Append]) -> list[int]:
-        """One APPEND call (``scripts.APPEND``); its result per item."""
-        config = self.worker.config
-        call = append_call(
-            self.worker.keys, self.worker.name, config.dead_max_len, config.log_grace_s, items
-        )
-        return self._script(**call)
+        """One APPEND call (``scripts.APPEND``) per shard the items are on (one call
+        unsharded); its result per item."""
+        config, name = self.worker.config, self.worker.name
+        results = [0] * len(items)
+        for keys, where in self.worker.by_shard([item.stream for item in items]).items():
+            shard_items = [items[i] for i in where]
+            call = append_call(keys, name, config.dead_max_len, config.log_grace_s, shard_items)
+            for i, result in zip(where, self._script(**call)):
+                results[i] = result
+        return results
 
     def append_item(
         self, held: Held, chunk: Chunk, audit: bytes, dead: bytes = b"", reason: str = ""

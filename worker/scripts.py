@@ -8,29 +8,13 @@ the log's last one is refused (XADD refuses an id not above the stream's last;
 no read of the log), so a log never holds a duplicate or a gap-filler out of
 order.
 
-Redis Cluster is not supported; use a standalone Redis (with replicas and
-Sentinel for failover). Left as a documented limitation rather than
-restructured: the atomicity the queue relies on spans keys of several hash
-slots. Per-request keys (``{p}:job:{id}``, ``{p}:out:{id}``,
-``{p}:abort:{id}``) share the slot of their ``{id}`` tag, but the shared
-streams and hashes (``{p}:requests``, ``{p}:audit``, ``{p}:dead``,
-``{p}:adapters``, ``{p}:adapter-ids``, ``{p}:workers``) each hash to a slot of
-their own. A cluster refuses, with CROSSSLOT, these commands:
-
-- ``APPEND`` touches ``{p}:requests`` (XPENDING, XACK, XTRIM),
-  the requests' ``out``, ``abort`` and ``job`` keys, ``{p}:audit`` and
-  ``{p}:dead``: the final chunk, the ack and the audit record must be one
-  atomic step, so it cannot be split per slot without losing that guarantee;
-- the producer's ``SUBMIT_SCRIPT`` (``producer/job.py``): ``{p}:job:{id}`` and
-  ``{p}:requests`` (the idempotency marker and the entry together);
-- the registry's WATCH/MULTI over ``{p}:adapters`` and ``{p}:adapter-ids``;
-- ``renew``'s MGET over the abort flags of many requests (it could be split per
-  slot; the first two not).
-
-``RENEW`` (``{p}:requests`` only), XREADGROUP and XAUTOCLAIM are single-slot.
-Making it work would mean one hash tag for every key of a pool (a prefix such
-as ``{lorapool}``, which ``Keys`` refuses today): that puts the whole pool on
-one shard, which is a standalone Redis in all but name.
+Redis Cluster (``--shards N``, see ``lorapool.keys``): every key one call of these
+scripts touches is on one shard, so on one slot: APPEND takes the items of one
+shard (the publisher makes one call per shard a trip), RENEW the entries of one
+shard, READ and HANDOFF one shard's streams and handoff lists; the producer's
+SUBMIT the marker and the stream of the request's shard. On a cluster the scripts
+run under ``#!lua`` (``connection.register_script``), which refuses a key of
+another slot, and APPEND publishes with SPUBLISH (``append_script``).
 """
 
 from typing import NamedTuple
@@ -153,6 +137,18 @@ end
 for stream in pairs(finished) do trim_done(stream, ARGV[1]) end
 return results
 """
+
+
+def append_script(connection) -> str:
+    """``APPEND`` for ``connection``: on a Redis Cluster it publishes each chunk on the
+    request's shard channel (SPUBLISH: delivered only within the shard's nodes), else
+    on its channel (PUBLISH)."""
+    import redis
+
+    if isinstance(connection, redis.RedisCluster):
+        return APPEND.replace("redis.call('PUBLISH',", "redis.call('SPUBLISH',")
+    return APPEND
+
 
 # KEYS: each entry's stream. ARGV: group, consumer, idle_ms (0: renew), the entry ids
 # (one per key). Resets the idle time of the entries this consumer still owns; returns

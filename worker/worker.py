@@ -18,8 +18,8 @@ from typing import Any
 import redis
 
 from lorapool import signing
-from lorapool.connection import REDIS_DOWN, ensure_group
-from lorapool.keys import WORKERS_GROUP, Keys
+from lorapool.connection import REDIS_DOWN, ensure_group, register_script
+from lorapool.keys import PRIORITIES, WORKERS_GROUP, Keys
 from lorapool.outputs import RequestOutput
 from lorapool.producer.registry import check_lora, decode_record
 from lorapool.wire import DATA, Chunk, decode_job, encode_job
@@ -59,14 +59,18 @@ class Worker:
         self.engine = engine
         self.redis = connection
         self.config = config
-        self.keys = Keys(config.prefix)
+        self.keys = Keys(config.prefix, config.shards)
+        views = self.keys.shard_views
+        # every shard's job streams, the interactive ones first (claims go in this order)
+        self.streams = tuple(view.stream(p) for p in PRIORITIES for view in views)
+        self._view_of = {view.stream(p): view for p in PRIORITIES for view in views}
         self.name = config.name
         self.base_model = base_model
         self.held: dict[str, Held] = {}
         self.draining = False
         self.stopped = False
         self.num_tokens = 0
-        self._renew = connection.register_script(RENEW)
+        self._renew = register_script(connection, RENEW)
         self.intake = Intake(self)
         self._last = {"renew": 0.0, "claim": 0.0, "heartbeat": 0.0}
         self._drain_deadline: float | None = None
@@ -76,6 +80,19 @@ class Worker:
         self._backoff_s = BACKOFF_S[0]
         self._saved_signals: dict[int, Any] = {}
 
+    def keys_of(self, stream: str) -> Keys:
+        """The keys of the shard an entry of ``stream`` came from: its request's job, out
+        and abort keys, and the audit and dead streams it goes to ('': shard 0)."""
+        return self._view_of.get(stream) or self.keys.on(0)
+
+    def by_shard(self, streams: list[str]) -> dict[Keys, list[int]]:
+        """The positions in ``streams`` grouped by shard (one script call each: a call
+        touches the keys of one shard only, a Redis Cluster's rule)."""
+        groups: dict[Keys, list[int]] = {}
+        for i, stream in enumerate(streams):
+            groups.setdefault(self.keys_of(stream), []).append(i)
+        return groups
+
     # --- the loop --------------------------------------------------------------
 
     def run(self) -> None:
@@ -84,7 +101,7 @@ class Worker:
         self.ensure_group()
         self._install_signals()
         self.metrics.serve()
-        logger.info("worker %s: serving %s", self.name, ", ".join(self.keys.streams))
+        logger.info("worker %s: serving %s", self.name, ", ".join(self.streams))
         try:
             while not self.stopped:
                 self.run_guarded()
@@ -154,7 +171,7 @@ class Worker:
     def ensure_group(self) -> None:
         """Create the ``workers`` consumer group (and the stream) of each job stream
         unless it exists."""
-        for stream in self.keys.streams:
+        for stream in self.streams:
             ensure_group(self.redis, stream, WORKERS_GROUP)
 
     # --- admission -------------------------------------------------------------
@@ -317,12 +334,17 @@ class Worker:
     def _renew_lost_and_flags(self, held: list[Held], idle_ms: int) -> tuple[set, list]:
         """RENEW (fenced) for ``held``: the positions in ``held`` of the entries lost, and
         each one's abort flag."""
-        lost = self._renew(
-            keys=[h.stream or self.keys.requests for h in held],
-            args=[WORKERS_GROUP, self.name, idle_ms] + [h.entry_id for h in held],
-        )
-        flags = self.redis.mget([self.keys.abort(h.request_id) for h in held])
-        return {int(i) - 1 for i in lost}, flags
+        lost, flags = set(), [None] * len(held)
+        for keys, where in self.by_shard([h.stream for h in held]).items():
+            shard_lost = self._renew(
+                keys=[held[i].stream or keys.requests for i in where],
+                args=[WORKERS_GROUP, self.name, idle_ms] + [held[i].entry_id for i in where],
+            )
+            lost.update(where[int(i) - 1] for i in shard_lost)
+            shard_flags = self.redis.mget([keys.abort(held[i].request_id) for i in where])
+            for i, flag in zip(where, shard_flags):
+                flags[i] = flag
+        return lost, flags
 
     def _apply_renew(self, held: list[Held], lost: set, flags: list) -> None:
         for i, (h, flag) in enumerate(zip(held, flags)):

@@ -19,6 +19,7 @@ from typing import Any
 import orjson
 import redis
 
+from lorapool.connection import register_script
 from lorapool.keys import Keys
 
 
@@ -72,7 +73,7 @@ class BatchState:
 
     def __init__(self, connection: redis.Redis, keys: Keys):
         self.redis, self.keys = connection, keys
-        self._move = connection.register_script(MOVE_SCRIPT)
+        self._move = register_script(connection, MOVE_SCRIPT)
 
     def create(
         self,

@@ -8,7 +8,7 @@ import signal
 import click
 
 from lorapool.cli.audit import audit_key, db_options, insecure_option
-from lorapool.cli.options import config_from, count_option
+from lorapool.cli.options import config_from, count_option, shards_option
 from lorapool.connection import LOOP_RETRIES, connect
 from lorapool.keys import DEAD_MAX_LEN
 
@@ -27,6 +27,7 @@ def _install_signals(writer) -> None:
 @click.command("audit-writer")
 @click.option("--redis-url", envvar="REDIS_URL", help="Redis holding {prefix}:audit.")
 @click.option("--prefix", default="lorapool", show_default=True, help="Redis key prefix.")
+@shards_option
 @db_options
 @click.option("--consumer", help="Consumer name [default: host-pid].")
 @click.option("--batch-size", type=int, default=500, show_default=True)
@@ -81,7 +82,7 @@ def audit_writer(
     from lorapool.keys import Keys
 
     connection = connect(redis_url, LOOP_RETRIES)
-    callbacks = Callbacks(connection, Keys(config.prefix), callback_queue)
+    callbacks = Callbacks(connection, Keys(config.prefix, config.shards), callback_queue)
     writer = AuditWriter(connection, engine, config, on_commit=callbacks)
     _install_signals(writer)
     stats = writer.run(burst=burst)

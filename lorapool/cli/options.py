@@ -10,7 +10,7 @@ from typing import Any
 
 import click
 
-from lorapool.keys import DEFAULT_PREFIX
+from lorapool.keys import DEFAULT_PREFIX, MAX_SHARDS
 
 redis_option = click.option(
     "--redis-url",
@@ -20,6 +20,16 @@ redis_option = click.option(
 )
 prefix_option = click.option(
     "--prefix", default=DEFAULT_PREFIX, show_default=True, help="key prefix"
+)
+
+shards_option = click.option(
+    "--shards",
+    envvar="LORAPOOL_SHARDS",
+    default=0,
+    show_default=True,
+    type=click.IntRange(0, MAX_SHARDS),
+    help="the pool's shard count on a Redis Cluster, the same for every producer, worker "
+    "and audit writer of the pool (default: $LORAPOOL_SHARDS; 0: one standalone Redis)",
 )
 
 

@@ -9,15 +9,21 @@ import sys
 
 import click
 
-from lorapool.cli.options import config_from, count_option, prefix_option, redis_option
+from lorapool.cli.options import (
+    config_from,
+    count_option,
+    prefix_option,
+    redis_option,
+    shards_option,
+)
 from lorapool.keys import DEAD_MAX_LEN
 from lorapool.wire import DEFAULT_MAX_N, DEFAULT_MAX_PROMPT_BYTES
 
 
-def _producer(redis_url, prefix):
+def _producer(redis_url, prefix, shards=0):
     from lorapool.producer import Producer
 
-    return Producer(redis_url, prefix=prefix)
+    return Producer(redis_url, prefix=prefix, shards=shards)
 
 
 @click.command()
@@ -110,6 +116,7 @@ def _producer(redis_url, prefix):
 )
 @redis_option
 @prefix_option
+@shards_option
 def worker(name, adapter_roots, drain_timeout, insecure_no_key, redis_url, **options):
     """Serve the request stream with one engine.
 
@@ -161,7 +168,10 @@ def _audit_key(insecure: bool) -> dict:
 @click.option("--timeout", default=300.0, show_default=True)
 @redis_option
 @prefix_option
-def submit(prompt, adapter, max_tokens, temperature, seed, request_id, timeout, redis_url, prefix):
+@shards_option
+def submit(
+    prompt, adapter, max_tokens, temperature, seed, request_id, timeout, redis_url, prefix, shards
+):
     """Submit PROMPT and stream the completion to the terminal."""
     from lorapool.protocol import SamplingParams
 
@@ -169,7 +179,7 @@ def submit(prompt, adapter, max_tokens, temperature, seed, request_id, timeout, 
         max_tokens=max_tokens, temperature=temperature, seed=seed, output_kind="delta"
     )
     try:
-        job = _producer(redis_url, prefix).submit(prompt, params, adapter, request_id)
+        job = _producer(redis_url, prefix, shards).submit(prompt, params, adapter, request_id)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     click.echo(f"[{job.request_id}]", err=True)
@@ -191,23 +201,25 @@ def submit(prompt, adapter, max_tokens, temperature, seed, request_id, timeout, 
 @click.argument("request_id")
 @redis_option
 @prefix_option
-def abort(request_id, redis_url, prefix):
+@shards_option
+def abort(request_id, redis_url, prefix, shards):
     """Abort REQUEST_ID on whichever worker holds it."""
-    _producer(redis_url, prefix).abort(request_id)
+    _producer(redis_url, prefix, shards).abort(request_id)
     click.echo(f"abort requested for {request_id}")
 
 
 @click.command()
 @redis_option
 @prefix_option
-def status(redis_url, prefix):
+@shards_option
+def status(redis_url, prefix, shards):
     """Workers, stream length, pending entries, lag and dead letters."""
     from rich.console import Console
 
     from lorapool.cli.queue_status import status_tables
 
     console = Console()
-    for table in status_tables(_producer(redis_url, prefix)):
+    for table in status_tables(_producer(redis_url, prefix, shards)):
         console.print(table)
 
 
@@ -228,12 +240,13 @@ def adapters():
 )
 @redis_option
 @prefix_option
-def adapters_add(name, path, adapter_id, adapter_roots, redis_url, prefix):
+@shards_option
+def adapters_add(name, path, adapter_id, adapter_roots, redis_url, prefix, shards):
     """Register adapter NAME from the folder PATH (sha256 of its safetensors weights)."""
     from lorapool.producer.registry import AdapterRegistry
 
     try:
-        producer = _producer(redis_url, prefix)
+        producer = _producer(redis_url, prefix, shards)
         registry = AdapterRegistry(producer.redis, producer.keys, list(adapter_roots) or None)
         record = registry.add(name, path, adapter_id)
     except ValueError as exc:
@@ -247,9 +260,10 @@ def adapters_add(name, path, adapter_id, adapter_roots, redis_url, prefix):
 @adapters.command("list")
 @redis_option
 @prefix_option
-def adapters_list(redis_url, prefix):
+@shards_option
+def adapters_list(redis_url, prefix, shards):
     """List registered adapters."""
-    for r in _producer(redis_url, prefix).registry.list():
+    for r in _producer(redis_url, prefix, shards).registry.list():
         click.echo(
             f"{r['id']:>4}  {r['name']:<24} rank {r['rank']:<4} {r['sha256'][:16]}  {r['path']}"
         )
@@ -259,8 +273,9 @@ def adapters_list(redis_url, prefix):
 @click.argument("name")
 @redis_option
 @prefix_option
-def adapters_remove(name, redis_url, prefix):
+@shards_option
+def adapters_remove(name, redis_url, prefix, shards):
     """Remove adapter NAME from the registry."""
-    if not _producer(redis_url, prefix).registry.remove(name):
+    if not _producer(redis_url, prefix, shards).registry.remove(name):
         raise click.ClickException(f"no adapter named {name!r}")
     click.echo(f"removed {name}")

@@ -47,16 +47,17 @@ def queue_table(producer) -> Table:
     table = Table(title="queue")
     for column in ("stream", "length", "pending", "lag", "dead letters"):
         table.add_column(column)
-    dead = str(r.xlen(keys.dead))
-    for stream in keys.streams:  # the interactive one, then the batch one
-        group = next((g for g in _groups(r, stream) if g["name"] == WORKERS_GROUP.encode()), {})
-        table.add_row(
-            stream,
-            str(r.xlen(stream)),
-            str(group.get("pending", 0)),
-            str(group.get("lag", "-")),
-            dead if stream == keys.requests else "",
-        )
+    for view in keys.shard_views:  # per shard: the interactive stream, then the batch one
+        dead = str(r.xlen(view.dead))
+        for stream in view.streams:
+            group = next((g for g in _groups(r, stream) if g["name"] == WORKERS_GROUP.encode()), {})
+            table.add_row(
+                stream,
+                str(r.xlen(stream)),
+                str(group.get("pending", 0)),
+                str(group.get("lag", "-")),
+                dead if stream == view.requests else "",
+            )
     return table
 
 

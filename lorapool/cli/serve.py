@@ -11,6 +11,7 @@ from lorapool.cli.options import (
     prefix_option,
     redis_option,
     repeated_option,
+    shards_option,
 )
 from lorapool.wire import DEFAULT_MAX_N, DEFAULT_MAX_PROMPT_BYTES
 
@@ -72,6 +73,7 @@ from lorapool.wire import DEFAULT_MAX_N, DEFAULT_MAX_PROMPT_BYTES
 @click.option("--log-level", default="info", show_default=True)
 @redis_option
 @prefix_option
+@shards_option
 def serve(
     host,
     port,
