@@ -103,6 +103,7 @@ def nothing_pending(cconn, keys):
 
 def test_keys_of_a_request_and_its_shard_share_a_slot():
     keys = Keys("pool", SHARDS)
+
     def slot(name: str) -> int:  # the slot the cluster puts a key in (redis-py's CRC16)
         return key_slot(name.encode())
 
