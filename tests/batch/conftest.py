@@ -16,8 +16,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-import redis
-from gateway_procs import start_worker, stop, wait_until
+from gateway_procs import start_pool_worker, stop
 
 from lorapool import SamplingParams
 from lorapool.batch import BatchConfig, BatchService
@@ -29,18 +28,6 @@ ADAPTERS = {
     "ad-mlp": ("gate_proj", "up_proj"),
     "ad-o": ("o_proj", "down_proj"),
 }
-
-
-@pytest.fixture(scope="module")
-def model(tiny_model_path):
-    return str(tiny_model_path("llama"))
-
-
-@pytest.fixture(scope="module")
-def conn(redis_url):
-    connection = redis.Redis.from_url(redis_url)
-    yield connection
-    connection.close()
 
 
 @pytest.fixture(scope="module")
@@ -72,9 +59,7 @@ def registry(conn, prefix, model, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def worker(redis_url, prefix, model, registry, conn, tmp_path_factory):
-    proc = start_worker(redis_url, prefix, model, tmp_path_factory.mktemp("worker"))
-    wait_until(lambda: conn.hlen(f"{prefix}:workers") >= 1 or proc.poll() is not None, "start")
-    assert proc.poll() is None, "the worker exited"
+    proc = start_pool_worker(conn, redis_url, prefix, model, tmp_path_factory.mktemp("worker"))
     yield proc
     stop(proc)
 
@@ -117,11 +102,6 @@ def llm(model):
     from lorapool import LLM
 
     return LLM(model, enable_lora=True, max_loras=3, max_lora_rank=8, max_num_seqs=8)
-
-
-@pytest.fixture(scope="module")
-def base_name(model):
-    return Path(model).name
 
 
 @pytest.fixture

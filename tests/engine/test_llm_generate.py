@@ -10,11 +10,6 @@ MAX_TOKENS = 6
 
 
 @pytest.fixture(scope="module")
-def base(tiny_model_path):
-    return tiny_model_path("llama")
-
-
-@pytest.fixture(scope="module")
 def loras(base, tmp_path_factory):
     root = tmp_path_factory.mktemp("generate-loras")
     specs = [(8, ["q_proj", "v_proj"]), (16, ALL_TARGETS), (4, ["gate_proj", "down_proj"])]

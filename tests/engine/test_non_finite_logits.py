@@ -21,11 +21,6 @@ PROMPTS = [[5, 17, 99, 3], [40, 41, 42, 43, 44, 45], [7] * 9]
 
 
 @pytest.fixture(scope="module")
-def base(tiny_model_path):
-    return tiny_model_path("llama")
-
-
-@pytest.fixture(scope="module")
 def adapters(base, tmp_path_factory):
     root = tmp_path_factory.mktemp("overflow")
     clean = build_adapter(base, root / "clean", rank=4, seed=1)

@@ -15,11 +15,6 @@ from lorapool import EngineArgs, LLMEngine, LoRARequest, SamplingParams
 
 
 @pytest.fixture(scope="module")
-def model(tiny_model_path):
-    return str(tiny_model_path("llama"))
-
-
-@pytest.fixture(scope="module")
 def paths(model, tmp_path_factory):
     root = tmp_path_factory.mktemp("seed-adapters")
     names = ["sql-lora", "python-lora", "cpp-lora", "java-lora", "creative-lora", "compliance-lora"]

@@ -10,17 +10,11 @@ from __future__ import annotations
 import uuid
 
 import pytest
-import redis
-from gateway_procs import serve, start_worker, stop, wait_until
+from gateway_procs import serve, start_pool_worker, stop
 
 from lorapool.producer import Producer
 
 ADAPTERS = {"ad-qv": ("q_proj", "v_proj"), "ad-mlp": ("gate_proj", "up_proj")}
-
-
-@pytest.fixture(scope="module")
-def model(tiny_model_path):
-    return str(tiny_model_path("llama"))
 
 
 @pytest.fixture(scope="module")
@@ -32,13 +26,6 @@ def adapter_dirs(model, tmp_path_factory):
         name: build_adapter(model, root / name, rank=8, targets=t, seed=i, std=0.2)
         for i, (name, t) in enumerate(ADAPTERS.items())
     }
-
-
-@pytest.fixture(scope="module")
-def conn(redis_url):
-    connection = redis.Redis.from_url(redis_url)
-    yield connection
-    connection.close()
 
 
 @pytest.fixture(scope="module")
@@ -63,9 +50,7 @@ def registry(producer, adapter_dirs):
 
 @pytest.fixture(scope="module")
 def worker(redis_url, prefix, model, registry, conn, tmp_path_factory):
-    proc = start_worker(redis_url, prefix, model, tmp_path_factory.mktemp("worker"))
-    wait_until(lambda: conn.hlen(f"{prefix}:workers") >= 1 or proc.poll() is not None, "start")
-    assert proc.poll() is None, "the worker exited"
+    proc = start_pool_worker(conn, redis_url, prefix, model, tmp_path_factory.mktemp("worker"))
     yield proc
     stop(proc)
 
@@ -91,10 +76,3 @@ def llm(model):
     from lorapool import LLM
 
     return LLM(model, enable_lora=True, max_loras=2, max_lora_rank=8, max_num_seqs=8)
-
-
-@pytest.fixture(scope="module")
-def base_name(model):
-    from pathlib import Path
-
-    return Path(model).name

@@ -7,7 +7,7 @@ from __future__ import annotations
 import httpx
 import pytest
 from gateway_client import poll, read_events, submit
-from gateway_procs import start_worker, stop, wait_until
+from gateway_procs import start_pool_worker, stop, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -16,9 +16,7 @@ pytestmark = pytest.mark.integration
 def worker(redis_url, prefix, model, registry, conn, tmp_path_factory):
     """The pool's worker, keeping a finished request's log for 1 s only."""
     cwd = tmp_path_factory.mktemp("worker")
-    proc = start_worker(redis_url, prefix, model, cwd, "--log-grace", "1")
-    wait_until(lambda: conn.hlen(f"{prefix}:workers") >= 1 or proc.poll() is not None, "start")
-    assert proc.poll() is None, "the worker exited"
+    proc = start_pool_worker(conn, redis_url, prefix, model, cwd, "--log-grace", "1")
     yield proc
     stop(proc)
 

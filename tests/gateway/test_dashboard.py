@@ -13,7 +13,7 @@ import time
 
 import httpx
 import pytest
-from gateway_procs import serve, start_worker, stop, wait_until
+from gateway_procs import serve, start_pool_worker, stop, wait_until
 
 from lorapool.audit_db import (
     AuditWriter,
@@ -33,9 +33,8 @@ SCREENSHOT = os.environ.get("LORAPOOL_DASHBOARD_SCREENSHOT")
 
 @pytest.fixture(scope="module")
 def second_worker(redis_url, prefix, model, worker, conn, tmp_path_factory):
-    proc = start_worker(redis_url, prefix, model, tmp_path_factory.mktemp("worker2"))
-    wait_until(lambda: conn.hlen(f"{prefix}:workers") >= 2 or proc.poll() is not None, "start")
-    assert proc.poll() is None, "the second worker exited"
+    cwd = tmp_path_factory.mktemp("worker2")
+    proc = start_pool_worker(conn, redis_url, prefix, model, cwd, workers=2)
     yield proc
     stop(proc)
 

@@ -27,8 +27,3 @@ def prefix(conn):
 @pytest.fixture
 def producer(conn, prefix):
     return Producer(conn, prefix=prefix)
-
-
-@pytest.fixture(scope="module")
-def model(tiny_model_path):
-    return str(tiny_model_path("llama"))

@@ -39,6 +39,17 @@ def start_worker(redis_url: str, prefix: str, model: str, cwd, *extra: str) -> s
     return subprocess.Popen(cmd, cwd=cwd, env=env, stderr=subprocess.DEVNULL)
 
 
+def start_pool_worker(
+    conn, redis_url: str, prefix: str, model: str, cwd, *extra: str, workers: int = 1
+) -> subprocess.Popen:
+    """``start_worker``, once the pool has ``workers`` workers registered, this one alive."""
+    proc = start_worker(redis_url, prefix, model, cwd, *extra)
+    workers_key = f"{prefix}:workers"
+    wait_until(lambda: conn.hlen(workers_key) >= workers or proc.poll() is not None, "start")
+    assert proc.poll() is None, "the worker exited"
+    return proc
+
+
 def start_gateway(
     redis_url: str, prefix: str, port: int, cwd, *extra: str, auth: bool = False
 ) -> subprocess.Popen:
