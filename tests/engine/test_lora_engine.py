@@ -4,6 +4,7 @@ import random
 
 import pytest
 from adapters import ALL_TARGETS, build_adapter, peft_greedy
+from engine_runs import run_jobs
 
 from lorapool import EngineArgs, LLMEngine, LoRARequest, SamplingParams
 
@@ -36,11 +37,6 @@ def make_adapters(base, root, std=0.1):
 
 
 @pytest.fixture(scope="module")
-def base(tiny_model_path):
-    return tiny_model_path("llama")
-
-
-@pytest.fixture(scope="module")
 def loras(base, tmp_path_factory):
     return make_adapters(base, tmp_path_factory.mktemp("loras"))
 
@@ -55,27 +51,6 @@ def workload(loras, vocab, seed=0, per_adapter=2, num_base=3, max_out=12):
         jobs.append((prompt, rng.randint(1, max_out), lora))
     rng.shuffle(jobs)
     return jobs
-
-
-def run(engine, jobs, every=1, on_output=None):
-    """Add job i at step i // every while stepping; returns final outputs by request id."""
-    finals, step_no, pending = {}, 0, list(enumerate(jobs))
-    while pending or engine.has_unfinished_requests():
-        while pending and pending[0][0] // every <= step_no:
-            i, (prompt, max_tokens, lora) = pending.pop(0)
-            engine.add_request(
-                f"req-{i}",
-                {"prompt_token_ids": prompt},
-                SamplingParams(temperature=0.0, max_tokens=max_tokens),
-                lora_request=lora,
-            )
-        for out in engine.step():
-            if on_output:
-                on_output(out)
-            if out.finished:
-                finals[out.request_id] = out
-        step_no += 1
-    return finals
 
 
 def assert_matches_peft(base, jobs, finals):
@@ -93,7 +68,7 @@ def engine_for(base, **kw):
 def test_mixed_batch_matches_peft_alone(base, loras):
     jobs = workload(loras, 512, per_adapter=1)
     engine = engine_for(base)
-    finals = run(engine, jobs, every=2)
+    finals = run_jobs(engine, jobs, every=2)
     assert len(finals) == len(jobs)
     assert_matches_peft(base, jobs, finals)
     prompts = [tuple(job[0]) for job in jobs]
@@ -119,7 +94,7 @@ def test_two_slots_six_adapters_in_flight(base, loras):
         return out
 
     engine.scheduler.schedule = recording_schedule
-    finals = run(engine, jobs, every=1)  # job i arrives before step i
+    finals = run_jobs(engine, jobs, every=1)  # job i arrives before step i
     assert len(finals) == len(jobs)
     assert max(len(ids) for ids in steps) <= 2
     assert len(set().union(*steps)) == 6
@@ -141,7 +116,7 @@ def test_unloadable_adapter_fails_only_its_requests(base, loras, tmp_path):
         ([15], 6, loras[1]),
     ]
     engine = engine_for(base)
-    finals = run(engine, jobs, every=1)
+    finals = run_jobs(engine, jobs, every=1)
     for i in (1, 3):
         out = finals[f"req-{i}"]
         assert out.outputs[0].finish_reason == "error"
@@ -156,7 +131,7 @@ def test_unloadable_adapter_fails_only_its_requests(base, loras, tmp_path):
 def test_every_output_carries_the_request_lora_object(base, loras):
     jobs = [([5, 6, 7], 8, loras[2]), ([8, 9], 8, None), ([3, 4], 8, loras[3])]
     seen = []
-    run(engine_for(base), jobs, on_output=seen.append)
+    run_jobs(engine_for(base), jobs, on_output=seen.append)
     by_id = {f"req-{i}": job[2] for i, job in enumerate(jobs)}
     assert len(seen) > len(jobs)
     for out in seen:
@@ -171,7 +146,7 @@ def test_n_samples_share_the_lora_object(base, loras):
     engine.add_request(
         "n", "hello", SamplingParams(n=3, temperature=0.8, max_tokens=4, seed=1), lora_request=lora
     )
-    finals = run(engine, [])
+    finals = run_jobs(engine, [])
     assert len(finals["n"].outputs) == 3
     assert all(c.lora_request is lora for c in finals["n"].outputs)
 
@@ -190,7 +165,7 @@ def test_engine_add_pin_list_remove(base, loras, tmp_path):
 def test_mixed_batch_matches_peft_on_smollm2(smollm2_path, tmp_path_factory):
     loras = make_adapters(smollm2_path, tmp_path_factory.mktemp("smol-loras"), std=0.02)
     jobs = workload(loras, 49152, seed=2, per_adapter=1, num_base=2, max_out=8)
-    finals = run(engine_for(smollm2_path), jobs, every=2)
+    finals = run_jobs(engine_for(smollm2_path), jobs, every=2)
     assert_matches_peft(smollm2_path, jobs, finals)
 
 
@@ -199,7 +174,7 @@ def test_base_requests_identical_with_lora_enabled(base, loras):
     plain = LLMEngine.from_engine_args(EngineArgs(model=str(base)))
     lora = engine_for(base)
     mixed = [*jobs, ([3, 4], 6, loras[1])]
-    a, b = run(plain, jobs), run(lora, mixed)
+    a, b = run_jobs(plain, jobs), run_jobs(lora, mixed)
     for i in range(len(jobs)):
         assert a[f"req-{i}"].outputs[0].token_ids == b[f"req-{i}"].outputs[0].token_ids
         assert a[f"req-{i}"].outputs[0].cumulative_logprob == pytest.approx(

@@ -9,6 +9,7 @@ import random
 
 import pytest
 from adapters import ALL_TARGETS, build_adapter, peft_greedy
+from engine_runs import run_jobs
 
 from lorapool import EngineArgs, LLMEngine, LoRARequest, SamplingParams
 from lorapool.engine.block_manager import BlockManager, hash_block
@@ -181,11 +182,6 @@ def test_scheduler_with_caching_under_pressure_frees_everything():
 
 # --- engine ----------------------------------------------------------------
 @pytest.fixture(scope="module")
-def base(tiny_model_path):
-    return tiny_model_path("llama")
-
-
-@pytest.fixture(scope="module")
 def loras(base, tmp_path_factory):
     root = tmp_path_factory.mktemp("prefix-loras")
     specs = [(8, ["q_proj", "v_proj"]), (16, ALL_TARGETS), (8, ["k_proj", "o_proj", "up_proj"])]
@@ -211,19 +207,8 @@ def engine_for(base, caching=True, **kw):
 
 def run(engine, jobs, every=1):
     """Add job i at step i // every; returns the final outputs in job order."""
-    finals, step_no, pending = {}, 0, list(enumerate(jobs))
-    while pending or engine.has_unfinished_requests():
-        while pending and pending[0][0] // every <= step_no:
-            i, (prompt, max_tokens, lora) = pending.pop(0)
-            engine.add_request(
-                f"q{i}",
-                {"prompt_token_ids": prompt},
-                SamplingParams(temperature=0.0, max_tokens=max_tokens),
-                lora_request=lora,
-            )
-        finals.update({o.request_id: o for o in engine.step() if o.finished})
-        step_no += 1
-    return [finals[f"q{i}"] for i in range(len(jobs))]
+    finals = run_jobs(engine, jobs, every)
+    return [finals[f"req-{i}"] for i in range(len(jobs))]
 
 
 def test_outputs_identical_with_caching_on_and_off(base, loras):

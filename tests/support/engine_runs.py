@@ -33,6 +33,28 @@ def run_staggered(engine, requests, params_for=None, every: int = 2):
     return finals
 
 
+def run_jobs(engine, jobs, every=1, on_output=None):
+    """Add job i = (prompt, max_tokens, lora) as ``req-{i}`` at step i // every while
+    stepping, greedy; returns the final outputs by request id."""
+    finals, step_no, pending = {}, 0, list(enumerate(jobs))
+    while pending or engine.has_unfinished_requests():
+        while pending and pending[0][0] // every <= step_no:
+            i, (prompt, max_tokens, lora) = pending.pop(0)
+            engine.add_request(
+                f"req-{i}",
+                {"prompt_token_ids": prompt},
+                SamplingParams(temperature=0.0, max_tokens=max_tokens),
+                lora_request=lora,
+            )
+        for out in engine.step():
+            if on_output:
+                on_output(out)
+            if out.finished:
+                finals[out.request_id] = out
+        step_no += 1
+    return finals
+
+
 def assert_matches_transformers(path, engine, requests, every=2):
     finals = run_staggered(engine, requests, every=every)
     assert len(finals) == len(requests)
