@@ -18,11 +18,6 @@ from lorapool.protocol import LoRARequest
 
 
 @pytest.fixture(scope="module")
-def base(tiny_model_path):
-    return tiny_model_path("llama")
-
-
-@pytest.fixture(scope="module")
 def good(base, tmp_path_factory):
     return build_adapter(
         base, tmp_path_factory.mktemp("good") / "sql", rank=8, targets=ALL_TARGETS, alpha=16
@@ -156,24 +151,25 @@ def test_non_lora_peft_type(model, base, good, tmp_path):
     rejects(model, base, path, "PEFT type 'IA3' is not supported")
 
 
-def test_shapes_that_do_not_fit(model, base, good, tmp_path):
+@pytest.mark.parametrize(
+    "layer, a_columns, what",
+    [
+        (0, 65, "do not fit the base model"),  # A's columns are not the hidden size 64
+        (9, 64, "names layer 9"),  # the tiny model has two layers
+    ],
+    ids=["shapes_that_do_not_fit", "layer_beyond_the_model"],
+)
+def test_weights_that_do_not_match_the_model(model, base, good, tmp_path, layer, a_columns, what):
     path = copy(good, tmp_path)
-    key = "base_model.model.model.layers.0.self_attn.q_proj"
+    key = f"base_model.model.model.layers.{layer}.self_attn.q_proj"
     save_file(
-        {f"{key}.lora_A.weight": torch.zeros(8, 65), f"{key}.lora_B.weight": torch.zeros(64, 8)},
+        {
+            f"{key}.lora_A.weight": torch.zeros(8, a_columns),
+            f"{key}.lora_B.weight": torch.zeros(64, 8),
+        },
         str(path / "adapter_model.safetensors"),
     )
-    rejects(model, base, path, "do not fit the base model")
-
-
-def test_layer_beyond_the_model(model, base, good, tmp_path):
-    path = copy(good, tmp_path)
-    key = "base_model.model.model.layers.9.self_attn.q_proj"
-    save_file(
-        {f"{key}.lora_A.weight": torch.zeros(8, 64), f"{key}.lora_B.weight": torch.zeros(64, 8)},
-        str(path / "adapter_model.safetensors"),
-    )
-    rejects(model, base, path, "names layer 9")
+    rejects(model, base, path, what)
 
 
 @pytest.mark.parametrize(
