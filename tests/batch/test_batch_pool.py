@@ -29,6 +29,14 @@ def wait_for(service, batch_id: str, statuses: set[Status], timeout: float = 240
     return batch
 
 
+def wait_completed(service, batch_id: str, count: int, timeout: float = 120) -> None:
+    """Until ``count`` of the batch's lines have completed (the batch still running)."""
+    deadline = time.monotonic() + timeout
+    while service.retrieve(batch_id)["request_counts"]["completed"] < count:
+        assert time.monotonic() < deadline, f"{count} lines did not complete in {timeout}s"
+        time.sleep(0.05)
+
+
 def read(service, file_id: str | None) -> list[dict]:
     return [] if file_id is None else [orjson.loads(x) for x in service.content(file_id)]
 
@@ -90,10 +98,7 @@ def test_cancel_in_the_middle_keeps_the_finished_lines(
     lines = make_lines(40, list(registry), max_tokens=48)
     batch = service.create(upload(service, lines), "/v1/completions")
     rq_worker()
-    deadline = time.monotonic() + 120
-    while service.retrieve(batch["id"])["request_counts"]["completed"] < 3:
-        assert time.monotonic() < deadline
-        time.sleep(0.1)
+    wait_completed(service, batch["id"], 3)
     assert service.cancel(batch["id"])["status"] == "cancelling"
     done = wait_for(service, batch["id"], {"cancelled", "completed"})
     assert done["status"] == "cancelled", done
@@ -156,10 +161,7 @@ def test_a_worker_killed_midway_the_batch_completes_each_line_once(
     lines = make_lines(60, list(registry), max_tokens=40)
     batch = service.create(upload(service, lines), "/v1/completions")
     rq_worker()
-    deadline = time.monotonic() + 120
-    while service.retrieve(batch["id"])["request_counts"]["completed"] < 5:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    wait_completed(service, batch["id"], 5)
     doomed.send_signal(signal.SIGKILL)  # its requests in flight are reclaimed by the other
     doomed.wait()
     replacement = start_worker(redis_url, prefix, model, tmp_path)
