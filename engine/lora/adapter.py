@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from lorapool.engine.models.llama import PACKED_MODULES
 from lorapool.identity import ADAPTER_WEIGHTS, adapter_sha256
 from lorapool.protocol import LoRARequest
 
@@ -24,16 +25,21 @@ CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = ADAPTER_WEIGHTS
 PICKLE_FILES = ("adapter_model.bin", "adapter_model.pt", "adapter_model.pth")
 
-# PEFT module name -> (our module, slice index in the packed projection)
-TARGETS = {
-    "q_proj": ("self_attn.qkv_proj", 0),
-    "k_proj": ("self_attn.qkv_proj", 1),
-    "v_proj": ("self_attn.qkv_proj", 2),
-    "o_proj": ("self_attn.o_proj", 0),
-    "gate_proj": ("mlp.gate_up_proj", 0),
-    "up_proj": ("mlp.gate_up_proj", 1),
-    "down_proj": ("mlp.down_proj", 0),
+_PROJECTIONS = {
+    "self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"),
+    "mlp": ("gate_proj", "up_proj", "down_proj"),
 }
+
+
+def _target(block: str, name: str) -> tuple[str, int]:
+    """Where the model keeps projection ``name``: its own packing (PACKED_MODULES);
+    a projection it does not pack is slice 0 of a module of that name."""
+    module, index = PACKED_MODULES.get(name, (name, 0))
+    return f"{block}.{module}", index
+
+
+# PEFT module name -> (our module, slice index in the packed projection)
+TARGETS = {name: _target(block, name) for block, names in _PROJECTIONS.items() for name in names}
 _KEY = re.compile(
     r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$"
 )
