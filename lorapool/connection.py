@@ -164,6 +164,15 @@ def register_script(connection: Any, text: str):
     return connection.register_script(text)
 
 
+def client_for(connection: Any, key: str) -> Any:
+    """``connection``, or on a Redis Cluster the client of the node that holds ``key``'s
+    slot: what redis-py's cluster client does not carry (a pipeline of script calls,
+    WATCH/MULTI) goes there, for keys of that one slot."""
+    if isinstance(connection, redis.RedisCluster):
+        return connection.get_redis_connection(connection.get_node_from_key(key))
+    return connection
+
+
 def run_scripts(connection, script, calls: list[dict[str, list]]) -> list:
     """``script(**call)`` for each call, pipelined: one round trip on a standalone
     Redis; on a Redis Cluster one per node (a call's keys are on one slot; redis-py's
@@ -171,11 +180,7 @@ def run_scripts(connection, script, calls: list[dict[str, list]]) -> list:
     node's own client). The results in the order of ``calls``."""
     groups: dict[Any, list[int]] = {}
     for i, call in enumerate(calls):
-        client = connection
-        if isinstance(connection, redis.RedisCluster):
-            node = connection.get_node_from_key(call["keys"][0])
-            client = connection.get_redis_connection(node)
-        groups.setdefault(client, []).append(i)
+        groups.setdefault(client_for(connection, call["keys"][0]), []).append(i)
     results: list = [None] * len(calls)
     for client, where in groups.items():
         with client.pipeline(transaction=False) as pipe:

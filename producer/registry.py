@@ -17,6 +17,7 @@ from typing import Any
 import orjson
 import redis
 
+from lorapool.connection import client_for
 from lorapool.identity import ADAPTER_WEIGHTS, adapter_sha256
 from lorapool.keys import Keys
 from lorapool.protocol import INT32_MAX, LoRARequest, is_int, short_repr
@@ -148,7 +149,8 @@ class AdapterRegistry:
         info = info if info is not None else describe_adapter(path)
         if adapter_id is not None and not (is_int(adapter_id) and 1 <= adapter_id <= INT32_MAX):
             raise ValueError(f"adapter id must be an integer in [1, {INT32_MAX}], got {adapter_id}")
-        with self.redis.pipeline() as pipe:
+        # the registry's two hashes share the meta shard's slot (its node, on a cluster)
+        with client_for(self.redis, self.keys.adapters).pipeline() as pipe:
             while True:
                 try:
                     return self._add_once(pipe, name, adapter_id, info)
@@ -177,7 +179,7 @@ class AdapterRegistry:
         record = self.get(name)
         if record is None:
             return False
-        with self.redis.pipeline() as pipe:
+        with client_for(self.redis, self.keys.adapters).pipeline() as pipe:
             pipe.hdel(self.keys.adapters, name)
             pipe.hdel(self.keys.adapter_ids, record["id"])
             pipe.execute()

@@ -225,3 +225,45 @@ def test_poison_entry_is_dead_lettered_on_its_shard(engine, cconn, keys, model):
     assert len(dead) == 1 and dead[0][1][b"reason"] == b"unknown job field(s): 'x'"
     assert [cconn.xlen(view.dead) for view in keys.shard_views] == [0, 1, 0]
     assert nothing_pending(cconn, keys)
+
+
+def test_adapters_abort_and_identity_on_cluster(cconn, keys, model, tmp_path):
+    from adapters import build_adapter
+
+    from lorapool.engine.config import EngineArgs
+    from lorapool.engine.llm_engine import LLMEngine
+    from lorapool.protocol import LoRARequest
+
+    args = EngineArgs(model=model, enable_lora=True, max_loras=2, max_lora_rank=8, max_num_seqs=8)
+    lora_engine = LLMEngine.from_engine_args(args)
+    path = build_adapter(model, tmp_path / "sql-lora", rank=8, seed=3)
+    producer = Producer(cconn, prefix=keys.prefix, shards=SHARDS)
+    producer.registry.add("sql-lora", path, adapter_id=7)  # WATCH/MULTI on the meta shard
+    with pytest.raises(ValueError, match="already used by adapter 'sql-lora'"):
+        producer.registry.add("other", path, adapter_id=7)
+    prompts = ["with an adapter", "another one", "and a third"]
+    lora = LoRARequest("sql-lora", 7, str(path))
+    for i, prompt in enumerate(prompts):  # the oracle: the same engine, in-process
+        lora_engine.add_request(f"ref-{i}", prompt, GREEDY, lora_request=lora if i == 0 else None)
+    done = {}
+    while lora_engine.has_unfinished_requests():
+        done.update({o.request_id: o.outputs[0].token_ids for o in lora_engine.step()})
+    expected = [done[f"ref-{i}"] for i in range(len(prompts))]
+    ids = ids_on_every_shard(keys, 4)
+    adapter_job = producer.submit(prompts[0], GREEDY, "sql-lora", request_id=ids[0])
+    base_jobs = producer.submit_many(prompts[1:], GREEDY, request_ids=ids[1:3])
+    long = SamplingParams(max_tokens=300, ignore_eos=True)
+    doomed = producer.submit("abort me", long, request_id=ids[3])
+    work = worker(lora_engine, cconn, keys, model)
+    work.ensure_group()
+    for _ in range(3):
+        work.run_once()
+    doomed.abort()
+    work.run()
+    got = adapter_job.result(timeout=10)
+    assert got.lora_request.name == "sql-lora" and got.lora_request.lora_int_id == 7
+    assert [h.result(timeout=10).outputs[0].token_ids for h in [adapter_job, *base_jobs]] == (
+        expected
+    )
+    assert doomed.result(timeout=10).outputs[0].finish_reason == "abort"
+    assert nothing_pending(cconn, keys)
