@@ -174,22 +174,14 @@ def test_metrics_has_the_pool_gauges(secure, conn, prefix):
 
 def test_lorapool_dashboard_serves_the_page_alone(redis_url, prefix, conn, tmp_path):
     """``lorapool dashboard``: no keys, no audit links, the same queue length as XLEN."""
-    from gateway_procs import free_port, lorapool_cmd
+    from gateway_procs import free_port, lorapool_cmd, wait_answering
 
     port = free_port()
     cmd = lorapool_cmd("dashboard", "--port", str(port), "--redis-url", redis_url)
     proc = subprocess.Popen([*cmd, "--prefix", prefix], cwd=tmp_path)
     url = f"http://127.0.0.1:{port}"
     try:
-
-        def answering() -> bool:
-            assert proc.poll() is None, "lorapool dashboard exited"
-            try:
-                return httpx.get(f"{url}/dashboard", timeout=5).status_code == 200
-            except httpx.TransportError:
-                return False
-
-        wait_until(answering, "lorapool dashboard answering", 60)
+        wait_answering(proc, f"{url}/dashboard", "lorapool dashboard")
         page = httpx.get(f"{url}/dashboard").text
         length = conn.xlen(f"{prefix}:requests")
         assert f'id="queue-length">{length}<' in page

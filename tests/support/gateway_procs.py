@@ -60,24 +60,28 @@ def start_gateway(
     return subprocess.Popen(cmd, cwd=cwd)
 
 
+def wait_answering(proc: subprocess.Popen, url: str, what: str, timeout: float = 60) -> None:
+    """Until ``url`` answers 200; fails at once if ``proc`` (``what``) exits."""
+    import httpx
+
+    def answering() -> bool:
+        assert proc.poll() is None, f"{what} exited"
+        try:
+            return httpx.get(url, timeout=5).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    wait_until(answering, f"{what} answering {url}", timeout)
+
+
 def serve(
     redis_url: str, prefix: str, cwd, *extra: str, auth: bool = False, path: str = "/healthz"
 ) -> tuple[str, subprocess.Popen]:
     """``lorapool serve`` on a free port once ``path`` answers 200: (its URL, the process)."""
-    import httpx
-
     port = free_port()
     proc = start_gateway(redis_url, prefix, port, cwd, *extra, auth=auth)
     url = f"http://127.0.0.1:{port}"
-
-    def answering() -> bool:
-        assert proc.poll() is None, "the gateway exited"
-        try:
-            return httpx.get(f"{url}{path}", timeout=2).status_code == 200
-        except httpx.TransportError:
-            return False
-
-    wait_until(answering, f"the gateway answering {path}", timeout=60)
+    wait_answering(proc, f"{url}{path}", "the gateway")
     return url, proc
 
 
