@@ -181,7 +181,7 @@ def test_async_streams_follow_shard_channels(engine, cconn, keys, model, cluster
             return await asyncio.gather(*map(tokens, handles)), producer.follower.num_live
         finally:
             await asyncio.to_thread(thread.join)
-            await producer.redis.aclose()
+            await producer.aclose()
 
     streams, live = asyncio.run(main())
     assert streams == expected
