@@ -4,6 +4,7 @@ import asyncio
 
 import orjson
 import pytest
+from pool_layout import entries, length, pending
 
 from lorapool.audit_record import record_from_dict
 from lorapool.producer import AsyncProducer
@@ -12,6 +13,7 @@ from lorapool.worker import Worker, WorkerConfig
 from lorapool.worker.serve import base_model_info
 
 pytestmark = pytest.mark.integration
+LAYOUTS = ("standalone", "cluster")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 PROMPTS = ["hello world", "the cat sat on", "one two three", "a b c d e"]
 
@@ -26,8 +28,8 @@ def engine(model):
     )
 
 
-def run_worker(engine, conn, prefix, model, **kw):
-    config = WorkerConfig(prefix=prefix, burst=True, lease_s=2, **kw)
+def run_worker(engine, conn, keys, model, **kw):
+    config = WorkerConfig(prefix=keys.prefix, shards=keys.shards, burst=True, lease_s=2, **kw)
     worker = Worker(engine, conn, config, base_model_info(model))
     worker.run()
     return worker
@@ -44,37 +46,36 @@ def reference(engine, prompts, params):
     return [done[f"ref-{i}"] for i in range(len(prompts))]
 
 
-def test_results_equal_engine_and_audit(engine, conn, prefix, producer, model):
+def test_results_equal_engine_and_audit(engine, conn, keys, producer, model):
     expected = reference(engine, PROMPTS, GREEDY)
     handles = producer.submit_many(PROMPTS, GREEDY, metadata={"user": "u1"})
-    run_worker(engine, conn, prefix, model)
+    run_worker(engine, conn, keys, model)
     for handle, ref in zip(handles, expected):
         got = handle.result(timeout=5)
         assert got.outputs[0].token_ids == ref.outputs[0].token_ids
         assert got.outputs[0].text == ref.outputs[0].text
         assert got.prompt_token_ids == ref.prompt_token_ids and got.worker
-    records = [
-        record_from_dict(orjson.loads(f[b"data"])) for _, f in conn.xrange(producer.keys.audit)
-    ]
+    records = [record_from_dict(orjson.loads(f[b"data"])) for _, f in entries(conn, keys, "audit")]
     assert sorted(r.request_id for r in records) == sorted(h.request_id for h in handles)
     assert all(r.metadata == {"user": "u1"} and r.adapter is None for r in records)
-    assert conn.xpending(producer.keys.requests, "workers")["pending"] == 0
+    assert pending(conn, keys) == 0
 
 
-def test_idempotent_submit(engine, conn, prefix, producer, model):
+def test_idempotent_submit(engine, conn, keys, producer, model):
     first = producer.submit("hello", GREEDY, request_id="same")
     again = producer.submit("other prompt", GREEDY, request_id="same")
     assert first.enqueued and not again.enqueued
-    assert conn.xlen(producer.keys.requests) == 1
-    run_worker(engine, conn, prefix, model)
+    assert length(conn, keys, "requests") == 1
+    run_worker(engine, conn, keys, model)
     assert again.result(timeout=5).prompt == "hello"
 
 
-def test_late_and_midway_streams(engine, conn, prefix, producer, model):
+def test_late_and_midway_streams(engine, conn, keys, producer, model):
     handle = producer.submit(
         "hello world", SamplingParams(temperature=0, max_tokens=10, output_kind="delta")
     )
-    worker = Worker(engine, conn, WorkerConfig(prefix=prefix, lease_s=2), base_model_info(model))
+    config = WorkerConfig(prefix=keys.prefix, shards=keys.shards, lease_s=2)
+    worker = Worker(engine, conn, config, base_model_info(model))
     worker.ensure_group()
     while len(conn.xrange(producer.keys.out(handle.request_id))) < 4:
         worker.run_once()
@@ -91,11 +92,14 @@ def test_late_and_midway_streams(engine, conn, prefix, producer, model):
     assert list(cumulative.stream(timeout=5))[-1].outputs[0].token_ids == tokens
 
 
-def _raw(conn, producer, data):
-    conn.xadd(producer.keys.requests, {"data": data})
+def _raw(conn, keys, data, request_id=None):
+    """XADD ``data`` as a job, bypassing the producer: to ``request_id``'s shard (where a
+    producer puts it), or with none (not even JSON) to the last shard."""
+    view = keys.for_request(request_id) if request_id else keys.shard_views[-1]
+    conn.xadd(view.requests, {"data": data})
 
 
-def test_bad_input(engine, conn, prefix, producer, model, tmp_path):
+def test_bad_input(engine, conn, keys, producer, model, tmp_path):
     adapter = tmp_path / "ad"
     adapter.mkdir()
     (adapter / "adapter_model.safetensors").write_bytes(b"weights")
@@ -110,25 +114,27 @@ def test_bad_input(engine, conn, prefix, producer, model, tmp_path):
     params.top_p = 0.0
     with pytest.raises(ValueError, match="top_p"):
         producer.submit("hi", params)
-    _raw(conn, producer, b"{not json")
-    _raw(conn, producer, orjson.dumps({"v": 2, "request_id": "v2", "prompt": "x"}))
+    _raw(conn, keys, b"{not json")
+    _raw(conn, keys, orjson.dumps({"v": 2, "request_id": "v2", "prompt": "x"}), "v2")
     lora = {"lora_name": "ghost", "lora_int_id": 9, "lora_path": "/g"}
     _raw(
         conn,
-        producer,
+        keys,
         orjson.dumps({"v": 1, "request_id": "ghost", "prompt": "x", "lora_request": lora}),
+        "ghost",
     )
     _raw(
         conn,
-        producer,
+        keys,
         orjson.dumps(
             {"v": 1, "request_id": "badp", "prompt": "x", "sampling_params": {"temperature": -1}}
         ),
+        "badp",
     )
     long = producer.submit({"prompt_token_ids": [5] * 600}, GREEDY)
     no_lora = producer.submit("hi", GREEDY, lora_request="sql")  # engine without LoRA
     good = producer.submit("hello world", GREEDY)
-    run_worker(engine, conn, prefix, model)
+    run_worker(engine, conn, keys, model)
     assert good.result(timeout=5).outputs[0].finish_reason == "length"
     errors = {rid: producer.handle(rid).result(timeout=5) for rid in ("v2", "ghost", "badp")}
     assert "unknown wire version 2" in errors["v2"].error
@@ -139,7 +145,7 @@ def test_bad_input(engine, conn, prefix, producer, model, tmp_path):
     assert "600 tokens" in final.error and final.outputs[0].finish_reason == "error"
     refused = no_lora.result(timeout=5)
     assert "enable_lora" in refused.error and refused.lora_request.name == "sql"
-    reasons = sorted(f[b"reason"].decode() for _, f in conn.xrange(producer.keys.dead))
+    reasons = sorted(f[b"reason"].decode() for _, f in entries(conn, keys, "dead"))
     expected = [
         "job badp: sampling_params.temperature must be >= 0.0, got -1",
         f"request {long.request_id}: the prompt has 600 tokens",
@@ -154,7 +160,7 @@ def test_bad_input(engine, conn, prefix, producer, model, tmp_path):
     records = {
         r.request_id: r
         for r in (
-            record_from_dict(orjson.loads(f[b"data"])) for _, f in conn.xrange(producer.keys.audit)
+            record_from_dict(orjson.loads(f[b"data"])) for _, f in entries(conn, keys, "audit")
         )
     }
     failed = {"v2", "ghost", "badp", long.request_id, no_lora.request_id}
@@ -164,14 +170,15 @@ def test_bad_input(engine, conn, prefix, producer, model, tmp_path):
     assert "600 tokens" in records[long.request_id].error
     assert records[no_lora.request_id].adapter.name == "sql"
     assert records[long.request_id].metrics.num_prompt_tokens == 600
-    assert conn.xpending(producer.keys.requests, "workers")["pending"] == 0
+    assert pending(conn, keys) == 0
 
 
-def test_abort(engine, conn, prefix, producer, model):
+def test_abort(engine, conn, keys, producer, model):
     handle = producer.submit(
         "hello", SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
     )
-    worker = Worker(engine, conn, WorkerConfig(prefix=prefix, lease_s=2), base_model_info(model))
+    config = WorkerConfig(prefix=keys.prefix, shards=keys.shards, lease_s=2)
+    worker = Worker(engine, conn, config, base_model_info(model))
     worker.ensure_group()
     for _ in range(3):
         worker.run_once()
@@ -186,18 +193,18 @@ def test_abort(engine, conn, prefix, producer, model):
     assert not worker.held and not engine.has_unfinished_requests()
 
 
-def test_async_producer(engine, conn, prefix, model, redis_url):
+def test_async_producer(engine, conn, keys, model, pool_url):
     async def submit():
-        producer = AsyncProducer(redis_url, prefix=prefix)
+        producer = AsyncProducer(pool_url, prefix=keys.prefix, shards=keys.shards)
         handles = await producer.submit_many(PROMPTS[:2], GREEDY)
         await producer.aclose()
         return [h.request_id for h in handles]
 
     ids = asyncio.run(submit())
-    run_worker(engine, conn, prefix, model)
+    run_worker(engine, conn, keys, model)
 
     async def results():
-        producer = AsyncProducer(redis_url, prefix=prefix)
+        producer = AsyncProducer(pool_url, prefix=keys.prefix, shards=keys.shards)
         outs = [await (await producer.handle(rid)).result(timeout=5) for rid in ids]
         await producer.aclose()
         return outs

@@ -1,0 +1,20 @@
+"""Reading a pool's per-shard streams on either layout (tests/integration/conftest.py):
+one standalone Redis (one shard view) or a sharded Redis Cluster (one view per shard)."""
+
+from lorapool.keys import WORKERS_GROUP, Keys
+
+
+def entries(conn, keys: Keys, stream: str) -> list:
+    """Every entry of the per-shard stream named ``stream`` (``"audit"``, ``"dead"``,
+    ``"requests"``...), over every shard, shard by shard."""
+    return [entry for view in keys.shard_views for entry in conn.xrange(getattr(view, stream))]
+
+
+def length(conn, keys: Keys, stream: str) -> int:
+    """XLEN of the per-shard stream ``stream``, summed over every shard."""
+    return sum(conn.xlen(getattr(view, stream)) for view in keys.shard_views)
+
+
+def pending(conn, keys: Keys, stream: str = "requests", group: str = WORKERS_GROUP) -> int:
+    """Entries of ``stream`` delivered to ``group`` and not acked, over every shard."""
+    return sum(conn.xpending(getattr(view, stream), group)["pending"] for view in keys.shard_views)
