@@ -4,7 +4,9 @@ A pool layout: ``standalone`` (one Redis, ``shards=0``) or ``cluster`` (a real
 3-master Redis Cluster, ``shards=3``, at ``$LORAPOOL_TEST_CLUSTER_URL``; skipped
 without it). A module runs its tests on both by declaring
 ``LAYOUTS = ("standalone", "cluster")`` (``pytest_generate_tests`` below
-parametrizes ``layout``); every other module stays on standalone, unparametrized.
+parametrizes ``layout``), and a test of it narrows that with
+``@pytest.mark.layouts("standalone")``; every other module stays on standalone,
+unparametrized.
 Fixtures that follow the layout: ``conn``, ``pool_url``, ``shards``, ``prefix``,
 ``keys`` and ``producer``; the cleanup deletes every key of the layout, on every node.
 """
@@ -23,10 +25,19 @@ CLUSTER_SHARDS = 3
 LAYOUT_NAMES = ("standalone", "cluster")
 
 
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "layouts(*names): the pool layouts a test of a LAYOUTS module runs on"
+    )
+
+
 def pytest_generate_tests(metafunc):
     layouts = getattr(metafunc.module, "LAYOUTS", None)
     if layouts is None or "layout" not in metafunc.fixturenames:
         return
+    narrowed = metafunc.definition.get_closest_marker("layouts")
+    if narrowed is not None:
+        layouts = narrowed.args
     unknown = set(layouts) - set(LAYOUT_NAMES)
     assert not unknown, f"{metafunc.module.__name__}: unknown LAYOUTS {sorted(unknown)}"
     metafunc.parametrize("layout", layouts, indirect=True)

@@ -23,6 +23,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from json_strategies import json_values as any_json
+from pool_layout import entries, length, pending
 
 from lorapool.audit_record import record_from_dict
 from lorapool.producer import Producer
@@ -32,6 +33,7 @@ from lorapool.worker import Worker, WorkerConfig
 from lorapool.worker.serve import base_model_info
 
 pytestmark = pytest.mark.integration
+LAYOUTS = ("standalone", "cluster")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
 GOOD_PROMPTS = ["hello world", "the cat sat on"]
 
@@ -57,10 +59,9 @@ def expected(engine):
     return [done[f"solo-{i}"].outputs[0].token_ids for i in range(len(GOOD_PROMPTS))]
 
 
-def run_worker(engine, conn, prefix, model) -> Worker:
-    worker = Worker(
-        engine, conn, WorkerConfig(prefix=prefix, burst=True, lease_s=2), base_model_info(model)
-    )
+def run_worker(engine, conn, keys, model) -> Worker:
+    config = WorkerConfig(prefix=keys.prefix, shards=keys.shards, burst=True, lease_s=2)
+    worker = Worker(engine, conn, config, base_model_info(model))
     worker.run()
     return worker
 
@@ -100,16 +101,16 @@ POISON = {
 
 
 @pytest.mark.parametrize("case", sorted(POISON))
-def test_poison_job_fails_alone(case, engine, expected, conn, prefix, model):
+def test_poison_job_fails_alone(case, engine, expected, conn, keys, producer, model):
     changes, reason = POISON[case]
-    producer = Producer(conn, prefix=prefix)
     before = producer.submit(GOOD_PROMPTS[0], GREEDY)
-    conn.xadd(producer.keys.requests, {"data": orjson.dumps(_job("poison", **changes))})
+    poison = {"data": orjson.dumps(_job("poison", **changes))}
+    conn.xadd(keys.for_request("poison").requests, poison)  # where a producer puts it
     after = producer.submit(GOOD_PROMPTS[1], GREEDY)
-    run_worker(engine, conn, prefix, model)
+    run_worker(engine, conn, keys, model)
     assert before.result(timeout=5).outputs[0].token_ids == expected[0]
     assert after.result(timeout=5).outputs[0].token_ids == expected[1]
-    [(_, dead)] = conn.xrange(producer.keys.dead)
+    [(_, dead)] = entries(conn, keys, "dead")  # one dead letter, on any shard
     assert re.search(reason, dead[b"reason"].decode())
     payload = _job("poison", **changes)
     assert orjson.loads(dead[b"data"]) == {  # the audit record keeps the prompt, not this
@@ -118,35 +119,39 @@ def test_poison_job_fails_alone(case, engine, expected, conn, prefix, model):
     }
     failed = producer.handle("poison").result(timeout=5)  # the client learns why
     assert failed.outputs[0].finish_reason == "error" and re.search(reason, failed.error)
-    kept = sum(
-        len(f[b"data"])
-        for key in (producer.keys.out("poison"), producer.keys.audit)
-        for _, f in conn.xrange(key)
-    )
+    audit = entries(conn, keys, "audit")
+    kept = sum(len(f[b"data"]) for _, f in conn.xrange(keys.out("poison")) + audit)
     assert kept < 64 << 10  # an oversized prompt is not copied into the log or the audit
-    audit = [
-        record_from_dict(orjson.loads(f[b"data"])) for _, f in conn.xrange(producer.keys.audit)
-    ]
+    audit = [record_from_dict(orjson.loads(f[b"data"])) for _, f in audit]
     assert {r.request_id for r in audit} == {before.request_id, after.request_id, "poison"}
-    assert conn.xpending(producer.keys.requests, "workers")["pending"] == 0
+    assert pending(conn, keys) == 0
 
 
-def test_dead_letter_path_survives_an_unreadable_adapter_record(engine, conn, prefix, model):
+def test_dead_letter_path_survives_an_unreadable_adapter_record(
+    engine, conn, keys, producer, model
+):
     """The issue's pool-down case: the dead-letter path itself must not raise."""
-    producer = Producer(conn, prefix=prefix)
-    conn.hset(producer.keys.adapters, "ghost", b"\xff not a record")
+    conn.hset(keys.adapters, "ghost", b"\xff not a record")
     lora = {"lora_name": "ghost", "lora_int_id": 3}
-    conn.xadd(producer.keys.requests, {"data": orjson.dumps(_job("g", lora_request=lora))})
-    conn.xadd(producer.keys.requests, {"data": b'{"v": 1, "request_id": {"a": 1}}'})
+    job = {"data": orjson.dumps(_job("g", lora_request=lora))}
+    conn.xadd(keys.for_request("g").requests, job)
+    no_id = {"data": b'{"v": 1, "request_id": {"a": 1}}'}  # no request id: any shard's
+    conn.xadd(keys.shard_views[-1].requests, no_id)
     good = producer.submit(GOOD_PROMPTS[0], GREEDY)
-    run_worker(engine, conn, prefix, model)
+    run_worker(engine, conn, keys, model)
     assert good.result(timeout=5).outputs[0].finish_reason == "length"
-    assert conn.xlen(producer.keys.dead) == 2
+    assert length(conn, keys, "dead") == 2
     assert producer.handle("g").result(timeout=5).outputs[0].finish_reason == "error"
-    assert conn.xpending(producer.keys.requests, "workers")["pending"] == 0
+    assert pending(conn, keys) == 0
 
 
-def test_engine_step_that_raises_fails_only_its_requests(model, conn, prefix, expected):
+def ids_on_shard(keys, shard: int, count: int, tag: str) -> list[str]:
+    """``count`` request ids of shard ``shard`` (any ids on one standalone Redis)."""
+    ids = (f"{tag}-{i}" for i in range(10_000))
+    return [rid for rid, _ in zip((r for r in ids if keys.shard_of(r) == shard), range(count))]
+
+
+def test_engine_step_that_raises_fails_only_its_requests(model, conn, keys, producer, expected):
     from lorapool.engine.config import EngineArgs
     from lorapool.engine.llm_engine import LLMEngine
 
@@ -160,18 +165,19 @@ def test_engine_step_that_raises_fails_only_its_requests(model, conn, prefix, ex
         return execute(batch)
 
     engine.runner.execute = failing_third_step
-    producer = Producer(conn, prefix=prefix)
-    held = producer.submit_many(["a victim", "another victim"], GREEDY)
+    # the victims on the shard a worker reads first, so that they are the two it holds
+    victims = ids_on_shard(keys, 0, 2, "victim")
+    held = producer.submit_many(["a victim", "another victim"], GREEDY, request_ids=victims)
     later = producer.submit_many(GOOD_PROMPTS, GREEDY)  # waits in Redis: max_num_seqs=2
-    run_worker(engine, conn, prefix, model)
+    run_worker(engine, conn, keys, model)
     for handle in held:
         out = handle.result(timeout=5)
         assert out.outputs[0].finish_reason == "error"
         assert "engine step failed: RuntimeError: device-side assert" in out.error
     assert [h.result(timeout=5).outputs[0].token_ids for h in later] == expected
     assert not engine.has_unfinished_requests()
-    assert conn.xlen(producer.keys.audit) == 4
-    assert conn.xpending(producer.keys.requests, "workers")["pending"] == 0
+    assert length(conn, keys, "audit") == 4
+    assert pending(conn, keys) == 0
 
 
 # --- a worker process fed arbitrary JSON next to valid jobs (hypothesis) --------------
@@ -215,6 +221,9 @@ def worker_process(model, redis_url, tmp_path_factory):
         conn.delete(key)
 
 
+# Standalone only: a worker process of its own for the module, on standalone Redis (its
+# entries' shards are what test_poison_job_fails_alone covers on the cluster)
+@pytest.mark.layouts("standalone")
 @settings(
     max_examples=12,
     deadline=None,
