@@ -11,14 +11,16 @@ import redis
 from redis_server import RedisServer
 from standin import load
 
+from lorapool.connection import register_script
 from lorapool.keys import WORKERS_GROUP, Keys
 from lorapool.producer import Producer
 from lorapool.protocol import SamplingParams
 from lorapool.wire import DATA, decode_chunk
 from lorapool.worker import Worker, WorkerConfig
-from lorapool.worker.scripts import APPEND, DUPLICATE, NOT_OWNER, Append, append_call
+from lorapool.worker.scripts import DUPLICATE, NOT_OWNER, Append, append_call, append_script
 
 pytestmark = pytest.mark.integration
+LAYOUTS = ("standalone", "cluster")
 
 
 def owned_entry(conn, keys: Keys, consumer: str) -> str:
@@ -29,12 +31,13 @@ def owned_entry(conn, keys: Keys, consumer: str) -> str:
 
 
 def append(conn, keys, consumer, *items):
-    script = conn.register_script(APPEND)
+    """One APPEND call, as a worker makes it (SPUBLISH and ``#!lua`` on a cluster)."""
+    script = register_script(conn, append_script(conn))
     return script(**append_call(keys, consumer, 100, 60, list(items)))
 
 
-def test_fenced_by_owner_and_by_seq(conn, prefix):
-    keys = Keys(prefix)
+def test_fenced_by_owner_and_by_seq(conn, keys):
+    keys = keys.for_request("r")  # APPEND takes one shard's items: those of "r"'s shard
     entry = owned_entry(conn, keys, "w")
     chunk = Append("r", entry, 0, b"c0", False)
     assert append(conn, keys, "w", chunk) == [0]
@@ -45,6 +48,7 @@ def test_fenced_by_owner_and_by_seq(conn, prefix):
     assert [f[b"data"] for _, f in conn.xrange(keys.out("r"))] == [b"c0", b"c1"]
 
 
+# Standalone only, from here: a redis-server of their own, made to run out of memory.
 @pytest.fixture
 def private_redis(tmp_path):
     server = RedisServer(tmp_path / "redis").start()
