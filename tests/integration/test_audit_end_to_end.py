@@ -19,6 +19,7 @@ from lorapool.worker.serve import base_model_info
 
 pytest_plugins = ["audit_fixtures"]
 pytestmark = pytest.mark.integration
+LAYOUTS = ("standalone", "cluster")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
 
@@ -45,7 +46,7 @@ def adapter_dir(model, tmp_path_factory):
 
 
 def test_every_finished_request_has_its_rows(
-    audit_target, lora_engine, adapter_dir, conn, prefix, producer, model
+    audit_target, lora_engine, adapter_dir, conn, keys, producer, model
 ):
     producer.registry.add("sql-lora", adapter_dir, adapter_id=7)
     jobs = {
@@ -62,7 +63,7 @@ def test_every_finished_request_has_its_rows(
     worker = Worker(
         lora_engine,
         conn,
-        WorkerConfig(prefix=prefix, lease_s=2, burst=True),
+        WorkerConfig(prefix=keys.prefix, shards=keys.shards, lease_s=2, burst=True),
         base_model_info(model),
     )
     worker.ensure_group()
@@ -71,7 +72,8 @@ def test_every_finished_request_has_its_rows(
     jobs["abort"].abort()
     worker.run()
     results = {name: h.result(timeout=10) for name, h in jobs.items()}
-    AuditWriter(conn, audit_target.engine, WriterConfig(prefix=prefix)).run(burst=True)
+    writer = WriterConfig(prefix=keys.prefix, shards=keys.shards)
+    AuditWriter(conn, audit_target.engine, writer).run(burst=True)
 
     rows = {name: get_request(audit_target.engine, h.request_id) for name, h in jobs.items()}
     assert {name: len(r) for name, r in rows.items()} == {
@@ -108,24 +110,27 @@ def test_every_finished_request_has_its_rows(
     assert "600 tokens" in rows["too-long"][0]["error"]
 
 
-def test_a_worker_without_an_audit_key_refuses_to_start(lora_engine, conn, prefix, monkeypatch):
+def test_a_worker_without_an_audit_key_refuses_to_start(lora_engine, conn, keys, monkeypatch):
     from lorapool import signing
 
     monkeypatch.delenv(signing.KEY_ENV)
+    config = WorkerConfig(prefix=keys.prefix, shards=keys.shards)
     with pytest.raises(signing.AuditKeyError, match="no audit key"):
-        Worker(lora_engine, conn, WorkerConfig(prefix=prefix), {"name": "m", "sha256": "0"})
-    assert not conn.exists(f"{prefix}:requests")  # refused before touching Redis
+        Worker(lora_engine, conn, config, {"name": "m", "sha256": "0"})
+    assert not list(conn.scan_iter(match=keys.pattern))  # refused before touching Redis
 
 
 def test_nul_bytes_through_a_real_worker_are_audited_exactly(
-    audit_target, lora_engine, conn, prefix, producer, model
+    audit_target, lora_engine, conn, keys, producer, model
 ):
     handle = producer.submit("hello\x00world", GREEDY, metadata={"tenant": "t\x00"})
-    Worker(lora_engine, conn, WorkerConfig(prefix=prefix, burst=True), base_model_info(model)).run()
+    config = WorkerConfig(prefix=keys.prefix, shards=keys.shards, burst=True)
+    Worker(lora_engine, conn, config, base_model_info(model)).run()
     result = handle.result(timeout=10)
-    stats = AuditWriter(conn, audit_target.engine, WriterConfig(prefix=prefix)).run(burst=True)
+    writer = WriterConfig(prefix=keys.prefix, shards=keys.shards)
+    stats = AuditWriter(conn, audit_target.engine, writer).run(burst=True)
     assert (stats.rows_written, stats.dead_lettered) == (1, 0)
-    (row,) = get_request(audit_target.engine, handle.request_id, pool=prefix)
+    (row,) = get_request(audit_target.engine, handle.request_id, pool=keys.prefix)
     assert row["prompt"] == "hello\x00world" and row["tenant"] == "t\x00"
     assert row["text"] == result.outputs[0].text
     assert row["token_ids"] == result.outputs[0].token_ids
