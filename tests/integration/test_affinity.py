@@ -13,6 +13,8 @@ import time
 
 import orjson
 import pytest
+from pool_layout import entries, length
+from pool_layout import pending as pending_total
 from standin import BENCH
 
 from lorapool.protocol import SamplingParams
@@ -21,6 +23,7 @@ from lorapool.worker import Worker, WorkerConfig
 from lorapool.worker.intake import AFFINITY_SLACK
 
 pytestmark = pytest.mark.integration
+LAYOUTS = ("standalone", "cluster")
 PROMPT = {"prompt_token_ids": [1, 2, 3]}
 
 
@@ -33,7 +36,7 @@ def sharing():
 
 
 @pytest.fixture
-def pool(conn, prefix, producer):
+def pool(conn, keys, producer):
     bench = sharing()
     for i, name in enumerate(("hot", "cold"), start=1):
         path = f"/adapters/{name}"
@@ -45,7 +48,11 @@ def pool(conn, prefix, producer):
         for adapter in loaded:
             engine.slots[adapter] = None
         config = WorkerConfig(
-            prefix=prefix, name=name, audit_key=bench.AUDIT_KEY.encode(), lease_s=lease_s
+            prefix=keys.prefix,
+            shards=keys.shards,
+            name=name,
+            audit_key=bench.AUDIT_KEY.encode(),
+            lease_s=lease_s,
         )
         w = Worker(engine, conn, config, bench.BASE_MODEL)
         w.ensure_group()
@@ -64,13 +71,14 @@ def see_each_other(*workers):
 def pending(conn, keys, request_id):
     """(consumer, times delivered) of the request's entry."""
     entry = conn.hget(keys.job(request_id), "entry").decode()
-    info = conn.xpending_range(keys.requests, "workers", entry, entry, 1)
+    stream = keys.for_request(request_id).requests
+    info = conn.xpending_range(stream, "workers", entry, entry, 1)
     return (info[0]["consumer"].decode(), info[0]["times_delivered"]) if info else None
 
 
 def run_until_done(conn, keys, workers, count, timeout=30):
     deadline = time.monotonic() + timeout
-    while conn.xlen(keys.audit) < count:
+    while length(conn, keys, "audit") < count:
         assert time.monotonic() < deadline, "requests did not finish"
         for w in workers:
             w.run_once()
@@ -79,7 +87,7 @@ def run_until_done(conn, keys, workers, count, timeout=30):
 
 
 def audit_workers(conn, keys) -> dict[str, str]:
-    records = [orjson.loads(f[DATA.encode()]) for _, f in conn.xrange(keys.audit)]
+    records = [orjson.loads(f[DATA.encode()]) for _, f in entries(conn, keys, "audit")]
     return {r["request_id"]: r["worker"] for r in records}
 
 
@@ -98,8 +106,8 @@ def test_an_entry_goes_to_the_peer_that_holds_its_adapter_once(conn, producer, p
     assert b.intake.handed_total == 0
     run_until_done(conn, keys, [a, b], 1)
     assert audit_workers(conn, keys) == {"r1": "b"}
-    assert conn.xpending(keys.requests, "workers")["pending"] == 0
-    assert conn.llen(keys.handoff("b")) == 0
+    assert pending_total(conn, keys) == 0
+    assert sum(conn.llen(view.handoff("b")) for view in keys.shard_views) == 0
 
 
 def test_a_new_adapter_goes_to_its_home_and_stays_there(conn, producer, pool):
@@ -170,7 +178,7 @@ def test_garbage_in_a_handoff_list_is_passed_over(conn, producer, pool):
     settle(a)  # a holds "theirs"
     theirs = conn.hget(keys.job("theirs"), "entry").decode()
     junk = ["", "x", "1", "0 " + theirs, "3 " + theirs, "1 " + theirs, "1 9-9", "2 \x00", "1 -"]
-    conn.rpush(keys.handoff("b"), *junk)
+    conn.rpush(keys.for_request("r1").handoff("b"), *junk)  # where r1 will be handed
     see_each_other(a, b)
     producer.submit(PROMPT, SamplingParams(max_tokens=2), "hot", request_id="r1")
     settle(a)  # hands r1 to b, behind the junk
