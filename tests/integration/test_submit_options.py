@@ -9,6 +9,7 @@ from lorapool.producer.job import check_on_finish
 from lorapool.protocol import FieldError
 
 pytestmark = pytest.mark.integration
+LAYOUTS = ("standalone", "cluster")
 PROMPT = {"prompt_token_ids": [1, 2, 3]}
 
 
@@ -38,11 +39,13 @@ def test_no_callback_keeps_no_field(producer):
         ("1a.b", "dotted function path"),
     ],
 )
-def test_a_bad_callback_is_refused_naming_it_and_nothing_is_enqueued(producer, value, message):
+def test_a_bad_callback_is_refused_naming_it_and_nothing_is_enqueued(
+    conn, keys, producer, value, message
+):
     with pytest.raises(FieldError, match=message):
         producer.submit(PROMPT, request_id="r", on_finish=value)
-    assert producer.redis.exists(producer.keys.job("r")) == 0
-    assert producer.redis.exists(producer.keys.requests) == 0
+    assert conn.exists(keys.job("r")) == 0
+    assert sum(conn.exists(view.requests) for view in keys.shard_views) == 0
 
 
 @given(st.text(max_size=300) | st.none() | st.integers() | st.binary(max_size=20))
