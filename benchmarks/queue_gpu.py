@@ -219,16 +219,19 @@ def run_inprocess(sequences: int, step_s: float, jobs) -> dict[str, float]:
 
 def serve_worker(args) -> None:
     """Run the real Worker around the stand-in until SIGTERM; write its stats."""
-    import redis
-
+    from lorapool.connection import connect
     from lorapool.worker import Worker, WorkerConfig
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     engine = StandInEngine(args.sequences, args.step_ms / 1000)
     config = WorkerConfig(
-        prefix=args.prefix, name=args.name, audit_key=AUDIT_KEY.encode(), lease_s=args.lease_s
+        prefix=args.prefix,
+        shards=args.shards,
+        name=args.name,
+        audit_key=AUDIT_KEY.encode(),
+        lease_s=args.lease_s,
     )
-    worker = Worker(engine, redis.Redis.from_url(args.redis_url), config, BASE_MODEL)
+    worker = Worker(engine, connect(args.redis_url), config, BASE_MODEL)
     worker.run()
     if not args.stats:
         return
@@ -360,6 +363,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--name", help=argparse.SUPPRESS)
     parser.add_argument("--stats", help=argparse.SUPPRESS)
     parser.add_argument("--lease-s", type=float, default=10.0, help=argparse.SUPPRESS)
+    parser.add_argument("--shards", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.serve_worker:
         args.step_ms = args.step_ms[0]
