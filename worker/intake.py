@@ -208,25 +208,35 @@ class Intake:
 
     def _read(self, count: int, held: Counter, room: int) -> list[tuple[str, bytes, dict, bool]]:
         """One READ per shard (the handed entries of each, then new ones while
-        ``count`` lasts)."""
+        ``count`` lasts). Sharded, the interactive streams of every shard come first:
+        a first pass with no batch room, then, with ``count`` and room left, a pass
+        for the batch streams (one READ unsharded: the script keeps the order)."""
+        views = self.worker.keys.shard_views
         live = self.live_workers if self.worker.config.fair_share else 1
-        read = []
-        for keys in self.worker.keys.shard_views:
-            streams = keys.streams
-            reply = self._script(
-                keys=[*streams, keys.handoff(self.worker.name)],
-                args=[WORKERS_GROUP, self.worker.name, count, live, held[keys], max(0, room)],
-            )
-            for index, entry_id, fields, handed in reply:
-                read.append(
-                    (
-                        streams[index - 1],
-                        entry_id,
-                        dict(zip(fields[::2], fields[1::2])),
-                        bool(handed),
-                    )
+        passes = [room] if len(views) == 1 else [0, room]
+        read: list[tuple[str, bytes, dict, bool]] = []
+        held = Counter(held)  # the plan's own stays as it was
+        for i, batch_room in enumerate(passes):
+            if i > 0 and (count <= 0 or room <= 0):
+                break
+            for keys in views:
+                streams = keys.streams
+                reply = self._script(
+                    keys=[*streams, keys.handoff(self.worker.name)],
+                    args=[
+                        WORKERS_GROUP,
+                        self.worker.name,
+                        max(0, count),
+                        live,
+                        held[keys],
+                        max(0, min(room, batch_room)),
+                    ],
                 )
-                if not handed:
-                    count -= 1
-                    room -= index > 1
+                for index, entry_id, fields, handed in reply:
+                    fields = dict(zip(fields[::2], fields[1::2]))
+                    read.append((streams[index - 1], entry_id, fields, bool(handed)))
+                    if not handed:
+                        count -= 1
+                        room -= index > 1
+                        held[keys] += 1
         return read
