@@ -86,20 +86,20 @@ class SlotEngine(StandInEngine):
 
 def serve_worker(args) -> None:
     """Run the real Worker around a ``SlotEngine`` until SIGTERM; write its stats."""
-    import redis
-
+    from lorapool.connection import connect
     from lorapool.worker import Worker, WorkerConfig
 
     logging.basicConfig(level=logging.WARNING)
     engine = SlotEngine(args.sequences, args.step_ms / 1000, args.max_loras, args.load_ms / 1000)
     config = WorkerConfig(
         prefix=args.prefix,
+        shards=args.shards,
         name=args.name,
         audit_key=AUDIT_KEY.encode(),
         fair_share=not args.no_fair_share,
         affinity=not args.no_affinity,
     )
-    worker = Worker(engine, redis.Redis.from_url(args.redis_url), config, BASE_MODEL)
+    worker = Worker(engine, connect(args.redis_url), config, BASE_MODEL)
     worker.run()
     if args.stats:
         stats = {"loads": engine.loads, "handed": worker.intake.handed_total}
@@ -238,6 +238,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--no-fair-share", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--no-affinity", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--prefix", help=argparse.SUPPRESS)
+    parser.add_argument("--shards", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--name", help=argparse.SUPPRESS)
     parser.add_argument("--stats", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
