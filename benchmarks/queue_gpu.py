@@ -241,15 +241,25 @@ def serve_worker(args) -> None:
     Path(args.stats).write_text(json.dumps(stats))
 
 
-def start_worker(url: str, prefix: str, sequences: int, step_ms: float, stats: Path):
+def start_worker(
+    url: str, prefix: str, sequences: int, step_ms: float, stats: Path, shards: int = 0
+):
     cmd = [sys.executable, __file__, "--serve-worker", "--redis-url", url, "--prefix", prefix]
+    cmd += ["--shards", str(shards)]
     cmd += ["--name", f"gpu-{prefix}", "--sequences", str(sequences)]
     cmd += ["--step-ms", str(step_ms), "--stats", str(stats)]
     return subprocess.Popen(cmd, stderr=subprocess.DEVNULL)
 
 
 def redis_cpu_s(conn) -> float:
-    return sum(conn.info("cpu")[k] for k in ("used_cpu_sys", "used_cpu_user"))
+    """CPU seconds Redis has used: of every node, on a cluster."""
+    import redis
+
+    if isinstance(conn, redis.RedisCluster):
+        nodes = conn.info("cpu", target_nodes=redis.RedisCluster.PRIMARIES).values()
+    else:
+        nodes = [conn.info("cpu")]
+    return sum(info[k] for info in nodes for k in ("used_cpu_sys", "used_cpu_user"))
 
 
 def chunk_log_bytes(conn, keys) -> tuple[int, int]:
@@ -286,16 +296,16 @@ def check_streams(conn, keys, jobs) -> int:
     return bad
 
 
-def run_queue(url: str, sequences: int, step_ms: float, jobs) -> dict[str, Any]:
+def run_queue(url: str, sequences: int, step_ms: float, jobs, shards: int = 0) -> dict[str, Any]:
     from lorapool.producer import Producer
     from lorapool.protocol import SamplingParams
 
     prefix = f"bench-gpu-{uuid.uuid4().hex[:8]}"
-    producer = Producer(url, prefix=prefix)
+    producer = Producer(url, prefix=prefix, shards=shards)
     conn, keys = producer.redis, producer.keys
     with tempfile.TemporaryDirectory() as tmp:
         stats_file = Path(tmp) / "stats.json"
-        worker = start_worker(url, prefix, sequences, step_ms, stats_file)
+        worker = start_worker(url, prefix, sequences, step_ms, stats_file, shards)
         try:
             deadline = time.monotonic() + 60
             while not conn.hlen(keys.workers):
@@ -312,7 +322,7 @@ def run_queue(url: str, sequences: int, step_ms: float, jobs) -> dict[str, Any]:
                 )
             cpu0, t0 = redis_cpu_s(conn), time.perf_counter()
             streaming = None
-            while (done := conn.xlen(keys.audit)) < len(jobs):
+            while (done := sum(conn.xlen(v.audit) for v in keys.shard_views)) < len(jobs):
                 if worker.poll() is not None:
                     raise RuntimeError("the worker exited")
                 if streaming is None and done >= len(jobs) // 4:
@@ -328,7 +338,7 @@ def run_queue(url: str, sequences: int, step_ms: float, jobs) -> dict[str, Any]:
         finally:
             if worker.poll() is None:
                 worker.kill()
-            for key in conn.scan_iter(f"{prefix}:*", count=1000):
+            for key in list(conn.scan_iter(match=keys.pattern, count=1000)):
                 conn.delete(key)
     tokens = sum(n for _, _, n in jobs)
     return {
@@ -363,7 +373,12 @@ def main(argv=None) -> dict:
     parser.add_argument("--name", help=argparse.SUPPRESS)
     parser.add_argument("--stats", help=argparse.SUPPRESS)
     parser.add_argument("--lease-s", type=float, default=10.0, help=argparse.SUPPRESS)
-    parser.add_argument("--shards", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--shards",
+        type=int,
+        default=0,
+        help="the pool's shards (with a cluster URL, redis+cluster://host:port; default 0)",
+    )
     args = parser.parse_args(argv)
     if args.serve_worker:
         args.step_ms = args.step_ms[0]
@@ -377,7 +392,7 @@ def main(argv=None) -> dict:
         print(f"step {step_ms:g} ms, {args.sequences} sequences, {num} requests:", flush=True)
         peer = run_inprocess(args.sequences, step_ms / 1000, jobs)
         print(f"  in-process: {peer['steps_per_s']:.2f} steps/s", flush=True)
-        queue = run_queue(args.redis_url, args.sequences, step_ms, jobs)
+        queue = run_queue(args.redis_url, args.sequences, step_ms, jobs, args.shards)
         peer_cpu = 1e6 * peer["cpu_s"] / max(1, peer["tokens"])
         queue["ratio"] = queue["steps_per_s"] / peer["steps_per_s"]
         queue["token_ratio"] = queue["steady_tokens_per_s"] / peer["tokens_per_s"]
