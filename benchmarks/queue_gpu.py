@@ -44,6 +44,10 @@ VOCAB = 49152
 BASE_MODEL = {"name": "stand-in", "sha256": "0" * 64}
 AUDIT_KEY = "lorapool-benchmark-audit-key-0123456789"
 
+if str(Path(__file__).resolve().parent) not in sys.path:  # loaded by path (tests/support)
+    sys.path.append(str(Path(__file__).resolve().parent))
+from _redis_measure import chunk_log_bytes, finished_bytes, redis_cpu_s  # noqa: E402
+
 
 def token_of(request_id: str, position: int) -> int:
     """The stand-in's output: token ``position`` of ``request_id`` (any process, any run)."""
@@ -249,35 +253,6 @@ def start_worker(
     cmd += ["--name", f"gpu-{prefix}", "--sequences", str(sequences)]
     cmd += ["--step-ms", str(step_ms), "--stats", str(stats)]
     return subprocess.Popen(cmd, stderr=subprocess.DEVNULL)
-
-
-def redis_cpu_s(conn) -> float:
-    """CPU seconds Redis has used: of every node, on a cluster."""
-    import redis
-
-    if isinstance(conn, redis.RedisCluster):
-        nodes = conn.info("cpu", target_nodes=redis.RedisCluster.PRIMARIES).values()
-    else:
-        nodes = [conn.info("cpu")]
-    return sum(info[k] for info in nodes for k in ("used_cpu_sys", "used_cpu_user"))
-
-
-def chunk_log_bytes(conn, keys) -> tuple[int, int]:
-    """(bytes, tokens) of the chunk logs: MEMORY USAGE summed, tokens counted."""
-    from lorapool.wire import DATA, decode_chunk
-
-    total_bytes = total_tokens = 0
-    for key in keys:
-        total_bytes += conn.memory_usage(key, samples=0) or 0
-        for _, fields in conn.xrange(key):
-            total_tokens += decode_chunk(fields[DATA.encode()], key).num_tokens
-    return total_bytes, total_tokens
-
-
-def finished_bytes(conn, keys, ids) -> tuple[int, int]:
-    """(MEMORY USAGE of finished requests' job hashes, their compacted records' bytes)."""
-    memory = sum(conn.memory_usage(keys.job(rid), samples=0) or 0 for rid in ids)
-    return memory, sum(conn.hstrlen(keys.job(rid), "result") for rid in ids)
 
 
 def check_streams(conn, keys, jobs) -> int:

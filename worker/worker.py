@@ -18,7 +18,7 @@ from typing import Any
 import redis
 
 from lorapool import signing
-from lorapool.connection import REDIS_DOWN, ensure_group, register_script
+from lorapool.connection import REDIS_DOWN, ensure_group
 from lorapool.keys import PRIORITIES, WORKERS_GROUP, Keys
 from lorapool.outputs import RequestOutput
 from lorapool.producer.registry import check_lora, decode_record
@@ -29,11 +29,11 @@ from lorapool.worker.dead_letter import reason_of
 from lorapool.worker.engine_api import EngineInterface
 from lorapool.worker.held import Held, engine_params, resumed_token_ids
 from lorapool.worker.intake import Intake
+from lorapool.worker.lease import Lease
 from lorapool.worker.metrics import worker_metrics
 from lorapool.worker.pool import claim_model, heartbeat_record, send_heartbeat
 from lorapool.worker.prompt import engine_prompt
 from lorapool.worker.publisher import Publisher
-from lorapool.worker.scripts import RENEW
 
 logger = logging.getLogger(__name__)
 BACKOFF_S = (0.1, 5.0)  # first and longest wait between tries while Redis is away
@@ -70,7 +70,7 @@ class Worker:
         self.draining = False
         self.stopped = False
         self.num_tokens = 0
-        self._renew = register_script(connection, RENEW)
+        self.lease = Lease(self)
         self.intake = Intake(self)
         self._last = {"renew": 0.0, "claim": 0.0, "heartbeat": 0.0}
         self._drain_deadline: float | None = None
@@ -307,10 +307,10 @@ class Worker:
         if self._due("renew", self.config.lease_s / 3) and self.held:
             held = list(self.held.values())
             if busy:
-                call = lambda: self._renew_lost_and_flags(held, 0)  # noqa: E731
-                self.publisher.extra.append((call, lambda result: self._apply_renew(held, *result)))
+                call = lambda: self.lease.send(held, 0)  # noqa: E731
+                self.publisher.extra.append((call, lambda result: self.lease.apply(held, *result)))
             else:
-                self._apply_renew(held, *self._renew_lost_and_flags(held, 0))
+                self.lease.apply(held, *self.lease.send(held, 0))
         if not self.draining and self._due("claim", self.config.lease_s / 2):
             failover.claim(self)
         if self._due("heartbeat", self.config.heartbeat_s):
@@ -329,31 +329,7 @@ class Worker:
         """Renew the lease of every held entry; drop those lost; abort those asked to."""
         if self.held:
             held = list(self.held.values())
-            self._apply_renew(held, *self._renew_lost_and_flags(held, idle_ms))
-
-    def _renew_lost_and_flags(self, held: list[Held], idle_ms: int) -> tuple[set, list]:
-        """RENEW (fenced) for ``held``: the positions in ``held`` of the entries lost, and
-        each one's abort flag."""
-        lost, flags = set(), [None] * len(held)
-        for keys, where in self.by_shard([h.stream for h in held]).items():
-            shard_lost = self._renew(
-                keys=[held[i].stream or keys.requests for i in where],
-                args=[WORKERS_GROUP, self.name, idle_ms] + [held[i].entry_id for i in where],
-            )
-            lost.update(where[int(i) - 1] for i in shard_lost)
-            shard_flags = self.redis.mget([keys.abort(held[i].request_id) for i in where])
-            for i, flag in zip(where, shard_flags):
-                flags[i] = flag
-        return lost, flags
-
-    def _apply_renew(self, held: list[Held], lost: set, flags: list) -> None:
-        for i, (h, flag) in enumerate(zip(held, flags)):
-            if self.held.get(h.request_id) is not h:
-                continue  # finished, failed or dropped meanwhile
-            if i in lost:
-                self._drop(h.request_id)
-            elif flag is not None:
-                self.engine.abort_request(h.request_id)
+            self.lease.apply(held, *self.lease.send(held, idle_ms))
 
     def heartbeat(self) -> None:
         """The worker's record for ``status``, and ``{p}:alive:{name}``, which expires

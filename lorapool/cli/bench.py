@@ -34,7 +34,8 @@ def bench(ctx, name):
     script = BENCHMARKS / f"{SCRIPTS.get(name, name)}.py"
     if not script.is_file():
         command_of = {script: command for command, script in SCRIPTS.items()}
-        names = sorted(command_of.get(p.stem, p.stem) for p in BENCHMARKS.glob("*.py"))
+        scripts = [p.stem for p in BENCHMARKS.glob("*.py") if not p.stem.startswith("_")]
+        names = sorted(command_of.get(stem, stem) for stem in scripts)
         raise click.UsageError(f"no benchmark {name!r} in {BENCHMARKS} (have: {', '.join(names)})")
     sys.argv = [str(script), *ctx.args]
     runpy.run_path(str(script), run_name="__main__")

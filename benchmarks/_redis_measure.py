@@ -1,0 +1,33 @@
+"""What Redis spends and keeps, as the queue benchmarks measure it (a helper module:
+``lorapool bench`` lists no name that starts with an underscore)."""
+
+from __future__ import annotations
+
+
+def redis_cpu_s(conn) -> float:
+    """CPU seconds Redis has used: of every node, on a cluster."""
+    import redis
+
+    if isinstance(conn, redis.RedisCluster):
+        nodes = conn.info("cpu", target_nodes=redis.RedisCluster.PRIMARIES).values()
+    else:
+        nodes = [conn.info("cpu")]
+    return sum(info[k] for info in nodes for k in ("used_cpu_sys", "used_cpu_user"))
+
+
+def chunk_log_bytes(conn, keys) -> tuple[int, int]:
+    """(bytes, tokens) of the chunk logs: MEMORY USAGE summed, tokens counted."""
+    from lorapool.wire import DATA, decode_chunk
+
+    total_bytes = total_tokens = 0
+    for key in keys:
+        total_bytes += conn.memory_usage(key, samples=0) or 0
+        for _, fields in conn.xrange(key):
+            total_tokens += decode_chunk(fields[DATA.encode()], key).num_tokens
+    return total_bytes, total_tokens
+
+
+def finished_bytes(conn, keys, ids) -> tuple[int, int]:
+    """(MEMORY USAGE of finished requests' job hashes, their compacted records' bytes)."""
+    memory = sum(conn.memory_usage(keys.job(rid), samples=0) or 0 for rid in ids)
+    return memory, sum(conn.hstrlen(keys.job(rid), "result") for rid in ids)

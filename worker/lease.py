@@ -1,0 +1,47 @@
+"""The worker's hold on its entries: fenced lease renewal (``scripts.RENEW``), and the
+abort flags read with it."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from lorapool.connection import register_script
+from lorapool.keys import WORKERS_GROUP
+from lorapool.worker.held import Held
+from lorapool.worker.scripts import RENEW
+
+if TYPE_CHECKING:
+    from lorapool.worker.worker import Worker
+
+
+class Lease:
+    def __init__(self, worker: Worker):
+        self.worker = worker
+        self._renew = register_script(worker.redis, RENEW)
+
+    def send(self, held: list[Held], idle_ms: int) -> tuple[set, list]:
+        """RENEW (fenced) for ``held``, one call per shard: the positions in ``held`` of
+        the entries lost, and each one's abort flag. Safe on the sender's thread."""
+        worker = self.worker
+        lost, flags = set(), [None] * len(held)
+        for keys, where in worker.by_shard([h.stream for h in held]).items():
+            shard_lost = self._renew(
+                keys=[held[i].stream or keys.requests for i in where],
+                args=[WORKERS_GROUP, worker.name, idle_ms] + [held[i].entry_id for i in where],
+            )
+            lost.update(where[int(i) - 1] for i in shard_lost)
+            shard_flags = worker.redis.mget([keys.abort(held[i].request_id) for i in where])
+            for i, flag in zip(where, shard_flags):
+                flags[i] = flag
+        return lost, flags
+
+    def apply(self, held: list[Held], lost: set, flags: list) -> None:
+        """On the worker's thread: drop the entries lost, abort those asked to."""
+        worker = self.worker
+        for i, (h, flag) in enumerate(zip(held, flags)):
+            if worker.held.get(h.request_id) is not h:
+                continue  # finished, failed or dropped meanwhile
+            if i in lost:
+                worker._drop(h.request_id)
+            elif flag is not None:
+                worker.engine.abort_request(h.request_id)
