@@ -42,7 +42,9 @@ def _service(request: Request):
         config = request.app.state.pool.config
         files_dir = str(Path(os.environ.get("LORAPOOL_BATCH_DIR", "lorapool-batches")).resolve())
         queue = os.environ.get("LORAPOOL_BATCH_QUEUE", "lorapool-batch")
-        batch_config = BatchConfig(files_dir=files_dir, prefix=config.prefix, queue=queue)
+        batch_config = BatchConfig(
+            files_dir=files_dir, prefix=config.prefix, shards=config.shards, queue=queue
+        )
         state.batches = BatchService(connect(config.redis_url, config.redis_retries), batch_config)
     return state.batches
 

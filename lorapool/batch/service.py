@@ -12,7 +12,6 @@ from lorapool.batch.files import FileStore, FileTooLarge
 from lorapool.batch.lines import ENDPOINTS
 from lorapool.batch.state import WINDOWS, BatchState, Status
 from lorapool.batch.tasks import BatchConfig, enqueue_step
-from lorapool.keys import Keys
 
 
 class BatchError(ValueError):
@@ -29,7 +28,7 @@ class BatchService:
     def __init__(self, connection: redis.Redis, config: BatchConfig):
         self.redis, self.config = connection, config
         self.files: FileStore = config.files()
-        self.state = BatchState(connection, Keys(config.prefix))
+        self.state = BatchState(connection, config.keys)
 
     def upload(
         self, source: BinaryIO, filename: str, purpose: str = "batch", tenant: str | None = None

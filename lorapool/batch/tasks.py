@@ -40,6 +40,7 @@ class BatchConfig:
 
     files_dir: str
     prefix: str = DEFAULT_PREFIX
+    shards: int = 0  # the pool's shard count (``lorapool.keys``)
     queue: str = "lorapool-batch"
     retention_s: int = DEFAULT_RETENTION_S
     result_ttl_s: int = RESULT_TTL_S
@@ -47,6 +48,10 @@ class BatchConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    @property
+    def keys(self) -> Keys:
+        return Keys(self.prefix, self.shards)
 
     def files(self) -> FileStore:
         return FileStore(self.files_dir, self.retention_s)
@@ -72,7 +77,7 @@ def enqueue_step(connection: redis.Redis, config: BatchConfig, step: str, batch_
 def _context(raw: dict[str, Any]) -> tuple[redis.Redis, BatchConfig, BatchState]:
     connection = get_current_job().connection
     config = BatchConfig(**raw)
-    return connection, config, BatchState(connection, Keys(config.prefix))
+    return connection, config, BatchState(connection, config.keys)
 
 
 def base_model(connection: redis.Redis, keys: Keys) -> str | None:
@@ -93,8 +98,8 @@ def validate_batch(batch_id: str, raw: dict[str, Any]) -> str:
     batch = state.get(batch_id)
     if _settle_cancel(state, batch_id):
         return "cancelled"
-    files, models = config.files(), known_models(connection, Keys(config.prefix))
-    producer = Producer(connection, config.prefix)
+    files, models = config.files(), known_models(connection, config.keys)
+    producer = Producer(connection, config.prefix, shards=config.shards)
     lines = files.lines(batch["input_file_id"])
     report = check_file(lines, batch_id, models.__contains__, producer.limits)
     if report.num_errors:
@@ -119,7 +124,9 @@ def enqueue_lines(batch_id: str, raw: dict[str, Any]) -> int:
     then start the collector. Returns the number of lines submitted."""
     connection, config, state = _context(raw)
     batch, owner = state.get(batch_id), state.owner(batch_id)
-    producer = Producer(connection, config.prefix, result_ttl_s=config.result_ttl_s)
+    producer = Producer(
+        connection, config.prefix, result_ttl_s=config.result_ttl_s, shards=config.shards
+    )
     lines, loras, sent = (
         read_lines(config.files().lines(batch["input_file_id"]), batch_id, producer.limits),
         {},
@@ -152,7 +159,7 @@ def _lora(producer: Producer, cache: dict, model: str) -> LoRARequest | None:
 def collect(batch_id: str, raw: dict[str, Any]) -> str:
     """Wait for every line's final output and write the output and error files."""
     connection, config, state = _context(raw)
-    producer = Producer(connection, config.prefix)
+    producer = Producer(connection, config.prefix, shards=config.shards)
     collector = Collector(producer, state, config.files(), batch_id, config.poll_s)
     final = collector.run()
     logger.info("batch %s: %s at %s", batch_id, final.value, time.strftime("%H:%M:%S"))

@@ -19,7 +19,7 @@ from pathlib import Path
 import click
 import orjson
 
-from lorapool.cli.options import prefix_option, redis_option
+from lorapool.cli.options import prefix_option, redis_option, shards_option
 
 FINAL = {"completed", "failed", "expired", "cancelled"}
 
@@ -36,16 +36,17 @@ queue_option = click.option(
 )
 
 
-def _service(redis_url, prefix, files_dir, queue):
+def _service(redis_url, prefix, files_dir, queue, shards):
     from lorapool.batch import BatchConfig, BatchService
     from lorapool.producer.client import connect
 
-    config = BatchConfig(files_dir=str(Path(files_dir).resolve()), prefix=prefix, queue=queue)
+    files_dir = str(Path(files_dir).resolve())
+    config = BatchConfig(files_dir=files_dir, prefix=prefix, shards=shards, queue=queue)
     return BatchService(connect(redis_url), config)
 
 
 def _options(command):
-    for option in (queue_option, files_dir_option, prefix_option, redis_option):
+    for option in (queue_option, files_dir_option, prefix_option, shards_option, redis_option):
         command = option(command)
     return command
 
@@ -74,9 +75,9 @@ def batch():
     help="the batch's endpoint (lines may use either)",
 )
 @_options
-def submit(path, endpoint, redis_url, prefix, files_dir, queue):
+def submit(path, endpoint, redis_url, prefix, files_dir, queue, shards):
     """Upload PATH (JSONL, OpenAI's batch input lines) and start a batch over it."""
-    service = _service(redis_url, prefix, files_dir, queue)
+    service = _service(redis_url, prefix, files_dir, queue, shards)
     with open(path, "rb") as source:
         info = _batch_errors(lambda: service.upload(source, Path(path).name))
     created = _batch_errors(lambda: service.create(info["id"], endpoint))
@@ -87,9 +88,11 @@ def submit(path, endpoint, redis_url, prefix, files_dir, queue):
 @click.argument("batch_id")
 @click.option("--json", "as_json", is_flag=True, help="the whole Batch object as JSON")
 @_options
-def status(batch_id, as_json, redis_url, prefix, files_dir, queue):
+def status(batch_id, as_json, redis_url, prefix, files_dir, queue, shards):
     """The state of BATCH_ID."""
-    found = _batch_errors(lambda: _service(redis_url, prefix, files_dir, queue).retrieve(batch_id))
+    found = _batch_errors(
+        lambda: _service(redis_url, prefix, files_dir, queue, shards).retrieve(batch_id)
+    )
     if as_json:
         click.echo(orjson.dumps(found, option=orjson.OPT_INDENT_2))
         return
@@ -105,9 +108,9 @@ def status(batch_id, as_json, redis_url, prefix, files_dir, queue):
 @batch.command()
 @click.argument("batch_id")
 @_options
-def cancel(batch_id, redis_url, prefix, files_dir, queue):
+def cancel(batch_id, redis_url, prefix, files_dir, queue, shards):
     """Cancel BATCH_ID: lines still to run are aborted, finished ones kept."""
-    service = _service(redis_url, prefix, files_dir, queue)
+    service = _service(redis_url, prefix, files_dir, queue, shards)
     click.echo(_batch_errors(lambda: service.cancel(batch_id))["status"])
 
 
@@ -117,9 +120,9 @@ def cancel(batch_id, redis_url, prefix, files_dir, queue):
 @click.option("--errors", type=click.Path(dir_okay=False), help="where to write the error file")
 @click.option("--timeout", type=float, default=None, help="seconds to wait for the batch")
 @_options
-def download(batch_id, output, errors, timeout, redis_url, prefix, files_dir, queue):
+def download(batch_id, output, errors, timeout, redis_url, prefix, files_dir, queue, shards):
     """Wait for BATCH_ID to end (with a progress bar), then write its output file."""
-    service = _service(redis_url, prefix, files_dir, queue)
+    service = _service(redis_url, prefix, files_dir, queue, shards)
     found = _wait(service, batch_id, timeout)
     if found["status"] == "failed":
         for error in (found["errors"] or {}).get("data", []):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from lorapool.cli.options import prefix_option, redis_option
+from lorapool.cli.options import prefix_option, redis_option, shards_option
 
 
 @click.command()
@@ -15,7 +15,8 @@ from lorapool.cli.options import prefix_option, redis_option
 @click.option("--log-level", default="warning", show_default=True)
 @redis_option
 @prefix_option
-def dashboard(host, port, audit_db_url, audit_db_schema, log_level, redis_url, prefix):
+@shards_option
+def dashboard(host, port, audit_db_url, audit_db_schema, log_level, redis_url, prefix, shards):
     """Serve a read-only page of the pool on /dashboard (workers, queue, hottest adapters,
     latest audit rows, dead letters; it reloads itself) and its gauges on /metrics. A
     gateway (lorapool serve) serves the same page behind its API keys."""
@@ -27,6 +28,7 @@ def dashboard(host, port, audit_db_url, audit_db_schema, log_level, redis_url, p
     config = GatewayConfig(
         redis_url=redis_url or resolve_url(),
         prefix=prefix,
+        shards=shards,
         auth=False,
         audit_db_url=audit_db_url,
         audit_db_schema=audit_db_schema,

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import click
 
-from lorapool.cli.options import prefix_option, redis_option
+from lorapool.cli.options import prefix_option, redis_option, shards_option
 
 
-def _api_keys(redis_url, prefix):
+def _api_keys(redis_url, prefix, shards):
     from lorapool.producer import Producer
     from lorapool.producer.api_keys import ApiKeys
 
-    producer = Producer(redis_url, prefix=prefix)
+    producer = Producer(redis_url, prefix=prefix, shards=shards)
     return ApiKeys(producer.redis, producer.keys)
 
 
@@ -37,10 +37,11 @@ def keys():
 )
 @redis_option
 @prefix_option
-def keys_add(tenant, role, adapters, rpm, tpm, all_tenants, redis_url, prefix):
+@shards_option
+def keys_add(tenant, role, adapters, rpm, tpm, all_tenants, redis_url, prefix, shards):
     """Make a key for TENANT; the key is printed once (only its sha256 is stored)."""
     try:
-        store = _api_keys(redis_url, prefix)
+        store = _api_keys(redis_url, prefix, shards)
         record, key = store.add(tenant, role, list(adapters) or None, rpm, tpm, all_tenants)
     except ValueError as exc:
         raise click.ClickException(str(exc)) from None
@@ -51,9 +52,10 @@ def keys_add(tenant, role, adapters, rpm, tpm, all_tenants, redis_url, prefix):
 @keys.command("list")
 @redis_option
 @prefix_option
-def keys_list(redis_url, prefix):
+@shards_option
+def keys_list(redis_url, prefix, shards):
     """Key ids, tenants, roles and adapter limits (never the keys)."""
-    for r in _api_keys(redis_url, prefix).list():
+    for r in _api_keys(redis_url, prefix, shards).list():
         adapters = ", ".join(r["adapters"]) if r["adapters"] is not None else "all adapters"
         click.echo(f"{r['id']}  {r['tenant']:<24} {r['role']:<7} {adapters}")
 
@@ -62,8 +64,9 @@ def keys_list(redis_url, prefix):
 @click.argument("key_id")
 @redis_option
 @prefix_option
-def keys_revoke(key_id, redis_url, prefix):
+@shards_option
+def keys_revoke(key_id, redis_url, prefix, shards):
     """Revoke the key KEY_ID: the gateway refuses it from its next request."""
-    if not _api_keys(redis_url, prefix).revoke(key_id):
+    if not _api_keys(redis_url, prefix, shards).revoke(key_id):
         raise click.ClickException(f"no key with id {key_id!r}")
     click.echo(f"revoked {key_id}")
