@@ -10,26 +10,29 @@ import asyncio
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
-from standin import BENCH, load
+from standin import load
 
 from lorapool.producer import AsyncProducer
 from lorapool.protocol import SamplingParams
 
 pytestmark = pytest.mark.integration
+LAYOUTS = ("standalone", "cluster")
+WORKER = Path(__file__).resolve().parents[1] / "support" / "standin_worker.py"
 REQUESTS = 200
 
 
-def start_worker(redis_url, prefix, tmp_path):
-    cmd = [sys.executable, str(BENCH), "--serve-worker", "--redis-url", redis_url]
-    cmd += ["--prefix", prefix, "--name", "follow-w", "--sequences", "64", "--step-ms", "5"]
+def start_worker(url, keys, tmp_path):
+    """A worker process: 64 sequences, 5 ms steps (``standin_worker``)."""
+    cmd = [sys.executable, str(WORKER), url, keys.prefix, str(keys.shards), "follow-w", "64", "5"]
     with open(tmp_path / "worker.log", "w") as log:
         return subprocess.Popen(cmd, stderr=log)
 
 
-async def follow_all(redis_url, prefix, jobs, cut_after_s):
-    producer = AsyncProducer(redis_url, prefix=prefix)
+async def follow_all(url, keys, jobs, cut_after_s):
+    producer = AsyncProducer(url, prefix=keys.prefix, shards=keys.shards)
     handles = await producer.submit_many(
         [{"prompt_token_ids": [1, 2, 3]}] * len(jobs),
         [SamplingParams(max_tokens=n, ignore_eos=True) for _, n in jobs],
@@ -41,7 +44,11 @@ async def follow_all(redis_url, prefix, jobs, cut_after_s):
 
     async def cut():
         await asyncio.sleep(cut_after_s)
-        await producer.follower.pubsub.connection.disconnect()  # in-flight messages lost
+        pubsub = producer.follower.pubsub  # on a cluster: one per node (SSUBSCRIBE)
+        nodes = getattr(pubsub, "node_pubsub_mapping", None)
+        assert nodes or not keys.shards
+        for each in nodes.values() if nodes else [pubsub]:
+            await each.connection.disconnect()  # in-flight messages lost
 
     reads = asyncio.gather(*(read(h) for h in handles))
     _, logs = await asyncio.gather(cut(), reads)
@@ -50,16 +57,23 @@ async def follow_all(redis_url, prefix, jobs, cut_after_s):
     return logs, follower
 
 
-def test_one_connection_follows_every_stream_exactly(redis_url, conn, prefix, tmp_path):
+# cluster: fails on the 3-master cluster, not yet diagnosed to the line: run here it hung
+# (no result after 300 s, then 40 s; event loop idle in select), while the same steps
+# in a script finished in ~1.6 s 8 times out of 10 and 2 times failed at once in
+# AsyncProducer.submit_many (run_scripts_async -> asyncio RedisCluster
+# send_packed_command: AttributeError: 'NoneType' object has no attribute 'writelines',
+# a connection used while another task had it disconnected).
+@pytest.mark.layouts("standalone")
+def test_one_connection_follows_every_stream_exactly(pool_url, conn, keys, tmp_path):
     bench = load()
     jobs = [(f"f{i}", 4 + (i * 7) % 60) for i in range(REQUESTS)]
-    worker = start_worker(redis_url, prefix, tmp_path)
+    worker = start_worker(pool_url, keys, tmp_path)
     try:
         deadline = time.monotonic() + 60
-        while not conn.hlen(f"{prefix}:workers"):
+        while not conn.hlen(keys.workers):
             assert worker.poll() is None and time.monotonic() < deadline, "worker did not start"
             time.sleep(0.05)
-        logs, follower = asyncio.run(follow_all(redis_url, prefix, jobs, cut_after_s=0.5))
+        logs, follower = asyncio.run(follow_all(pool_url, keys, jobs, cut_after_s=0.5))
     finally:
         worker.terminate()
         worker.wait(30)
@@ -74,7 +88,7 @@ def test_one_connection_follows_every_stream_exactly(redis_url, conn, prefix, tm
     assert follower.num_live > 0 and follower.num_filled > 0
 
 
-def test_a_compacted_log_reads_from_its_record(redis_url, conn, prefix):
+def test_a_compacted_log_reads_from_its_record(pool_url, conn, keys):
     """A request followed after its log's grace: the whole output, from one record."""
     from lorapool.worker import Worker, WorkerConfig
 
@@ -82,7 +96,7 @@ def test_a_compacted_log_reads_from_its_record(redis_url, conn, prefix):
     jobs = [(f"c{i}", 3 + i) for i in range(4)]
 
     async def submit_then_read(ids):
-        producer = AsyncProducer(redis_url, prefix=prefix)
+        producer = AsyncProducer(pool_url, prefix=keys.prefix, shards=keys.shards)
         if ids is None:
             handles = await producer.submit_many(
                 [{"prompt_token_ids": [1, 2]}] * len(jobs),
@@ -97,10 +111,11 @@ def test_a_compacted_log_reads_from_its_record(redis_url, conn, prefix):
         return outs, chunks
 
     ids = asyncio.run(submit_then_read(None))
-    config = WorkerConfig(prefix=prefix, burst=True, audit_key=bench.AUDIT_KEY.encode())
+    key = bench.AUDIT_KEY.encode()
+    config = WorkerConfig(prefix=keys.prefix, shards=keys.shards, burst=True, audit_key=key)
     Worker(bench.StandInEngine(8, 0.0), conn, config, bench.BASE_MODEL).run()
     for rid in ids:
-        conn.delete(f"{prefix}:out:{{{rid}}}")  # the grace is over
+        assert conn.delete(keys.out(rid)) == 1  # the grace is over
     outs, chunks = asyncio.run(submit_then_read(ids))
     for (rid, n), out in zip(jobs, outs):
         assert out.finished and out.outputs[0].token_ids == [
