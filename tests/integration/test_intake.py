@@ -13,7 +13,7 @@ from collections import Counter
 import orjson
 import pytest
 from gateway_procs import wait_until
-from pool_layout import length, pending
+from pool_layout import entries, length, pending
 from standin import BENCH, load
 
 from lorapool.protocol import SamplingParams
@@ -72,33 +72,31 @@ def test_an_unknown_priority_is_refused_naming_it(producer):
     assert producer.redis.exists(producer.keys.job("x")) == 0
 
 
-def start_sharing_worker(redis_url, prefix, name, *flags):
-    cmd = [sys.executable, str(SHARING), "--serve-worker", "--redis-url", redis_url]
-    cmd += ["--prefix", prefix, "--name", name, "--sequences", "64", "--step-ms", "20", *flags]
+def start_sharing_worker(url, keys, name, *flags):
+    cmd = [sys.executable, str(SHARING), "--serve-worker", "--redis-url", url]
+    cmd += ["--prefix", keys.prefix, "--shards", str(keys.shards), "--name", name]
+    cmd += ["--sequences", "64", "--step-ms", "20", *flags]
     return subprocess.Popen(cmd, stderr=subprocess.DEVNULL)
 
 
 def served_by(conn, keys) -> Counter:
-    records = [orjson.loads(f[DATA.encode()]) for _, f in conn.xrange(keys.audit)]
+    records = [orjson.loads(f[DATA.encode()]) for _, f in entries(conn, keys, "audit")]
     return Counter(r["worker"] for r in records)
 
 
-# Standalone only: benchmarks/pool_sharing.py's worker processes take no --shards.
-@pytest.mark.layouts("standalone")
 @pytest.mark.parametrize("fair", [True, False], ids=["fair-share", "no-fair-share"])
-def test_a_burst_spreads_over_two_worker_processes(redis_url, conn, prefix, producer, fair):
+def test_a_burst_spreads_over_two_worker_processes(pool_url, conn, keys, producer, fair):
     """64 short jobs at once to two idle workers: with the fair share each serves about
     half (RESULTS.md: 'burst'); without it, whichever reads first takes most."""
     flags = [] if fair else ["--no-fair-share"]
-    procs = [start_sharing_worker(redis_url, prefix, n, *flags) for n in ("wa", "wb")]
+    procs = [start_sharing_worker(pool_url, keys, n, *flags) for n in ("wa", "wb")]
     try:
-        keys = producer.keys
         alive = lambda: all(conn.exists(keys.alive(n)) for n in ("wa", "wb"))  # noqa: E731
         wait_until(alive, "both workers", 60)
         time.sleep(2.5)  # a heartbeat or two: each has counted the other
         params = SamplingParams(max_tokens=8, ignore_eos=True)
         producer.submit_many([PROMPT] * 64, params, request_ids=[f"r{i}" for i in range(64)])
-        wait_until(lambda: conn.xlen(keys.audit) >= 64, "the burst", 60)
+        wait_until(lambda: length(conn, keys, "audit") >= 64, "the burst", 60)
         served = served_by(conn, keys)
     finally:
         for proc in procs:
