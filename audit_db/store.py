@@ -32,7 +32,7 @@ from lorapool.audit_db.database import write_transaction
 from lorapool.audit_db.pg_copy import copy_insert
 from lorapool.audit_db.schema import adapters, audit_meta, completions, conflicts
 from lorapool.audit_record import AuditRecord, Output, RecordError
-from lorapool.keys import DEFAULT_PREFIX
+from lorapool.lifecycle.keys import DEFAULT_PREFIX
 
 KEYED_FROM = "keyed_from_seq"
 

@@ -36,7 +36,7 @@ from lorapool.audit_db import store
 from lorapool.audit_db.database import is_current, migrate
 from lorapool.audit_record import AuditRecord, RecordError, parse_record
 from lorapool.connection import ensure_group
-from lorapool.keys import AUDIT_GROUP, DEAD_MAX_LEN, DEFAULT_PREFIX, Keys
+from lorapool.lifecycle.keys import AUDIT_GROUP, DEAD_MAX_LEN, DEFAULT_PREFIX, Keys
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ class WriterConfig:
     """How one audit writer consumes ``{p}:audit``."""
 
     prefix: str = DEFAULT_PREFIX
-    shards: int = 0  # the pool's shard count (``lorapool.keys``): every shard's stream is read
+    shards: int = 0  # the pool's shard count (``lifecycle.keys``): every shard's stream is read
     consumer: str = field(default_factory=default_consumer)
     batch_size: int = 500
     block_ms: int = 1000

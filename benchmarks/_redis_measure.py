@@ -17,7 +17,7 @@ def redis_cpu_s(conn) -> float:
 
 def chunk_log_bytes(conn, keys) -> tuple[int, int]:
     """(bytes, tokens) of the chunk logs: MEMORY USAGE summed, tokens counted."""
-    from lorapool.wire import DATA, decode_chunk
+    from lorapool.lifecycle.wire import DATA, decode_chunk
 
     total_bytes = total_tokens = 0
     for key in keys:

@@ -35,7 +35,7 @@ from lorapool.audit_db import (
     verify_chain,
 )
 from lorapool.audit_record import sign_record
-from lorapool.keys import Keys
+from lorapool.lifecycle.keys import Keys
 from lorapool.signing import key_from_env
 
 # Records are signed as a worker signs them (the writer checks every signature):

@@ -193,7 +193,7 @@ def worker_up(url: str, prefix: str, sequences: int, step_ms: float, tmp: str):
     """The real Worker around the stand-in (``queue_gpu``'s serve-worker mode), once live."""
     import redis
 
-    from lorapool.keys import Keys
+    from lorapool.lifecycle.keys import Keys
 
     stats = Path(tmp) / f"stats-{step_ms:g}.json"
     proc = start_worker(url, prefix, sequences, step_ms, stats)

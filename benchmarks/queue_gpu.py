@@ -257,7 +257,7 @@ def start_worker(
 
 def check_streams(conn, keys, jobs) -> int:
     """Every log read back equals the stand-in's output exactly; returns mismatches."""
-    from lorapool.wire import DATA, decode_chunk
+    from lorapool.lifecycle.wire import DATA, decode_chunk
 
     bad = 0
     for rid, _, max_tokens in jobs:

@@ -183,7 +183,7 @@ def submit(producer, workload, label: str):
 
 def collect(producer, ids: list[str], label: str, start: float) -> dict:
     """Read every request's chunk log until its final chunk; client-side timings."""
-    from lorapool.wire import DATA, decode_chunk
+    from lorapool.lifecycle.wire import DATA, decode_chunk
 
     last = {producer.keys.out(rid): "0-0" for rid in ids}
     first_token, tokens, errors, done = {}, 0, 0, 0

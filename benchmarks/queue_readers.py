@@ -46,7 +46,7 @@ async def follow(producer, ids, way: str, received: list) -> None:
             received.append((rid, chunk.offset + chunk.num_tokens - 1, time.perf_counter()))
 
     async def by_xread(rid):
-        from lorapool.wire import DATA, decode_chunk
+        from lorapool.lifecycle.wire import DATA, decode_chunk
 
         key, last, done = producer.keys.out(rid), "0-0", False
         while not done:

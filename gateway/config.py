@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lorapool.keys import DEFAULT_PREFIX
-from lorapool.wire import DEFAULT_MAX_N, DEFAULT_MAX_PROMPT_BYTES
+from lorapool.lifecycle.keys import DEFAULT_PREFIX
+from lorapool.lifecycle.wire import DEFAULT_MAX_N, DEFAULT_MAX_PROMPT_BYTES
 
 # A request body may hold a whole prompt (max_prompt_bytes) JSON-escaped: up to 6
 # bytes a character for control characters, plus the other fields.
@@ -39,7 +39,7 @@ class GatewayConfig:
 
     redis_url: str
     prefix: str = DEFAULT_PREFIX
-    shards: int = 0  # the pool's shard count on a Redis Cluster (``lorapool.keys``)
+    shards: int = 0  # the pool's shard count on a Redis Cluster (``lorapool.lifecycle.keys``)
     max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES
     max_n: int = DEFAULT_MAX_N
     max_body_bytes: int | None = None

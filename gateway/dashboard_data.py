@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lorapool.gateway.auth import Principal
-from lorapool.keys import WORKERS_GROUP
+from lorapool.lifecycle.keys import WORKERS_GROUP
 from lorapool.pool_metrics import lag_of
 
 logger = logging.getLogger(__name__)

@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from lorapool.gateway.openai_format import usage
+from lorapool.lifecycle.wire import Chunk
 from lorapool.outputs import RequestOutput
-from lorapool.wire import Chunk
 
 
 def state_name(state: dict[str, Any], output: RequestOutput | None) -> str:

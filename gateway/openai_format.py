@@ -8,8 +8,8 @@ from typing import Any
 
 from lorapool.gateway.errors import APIError
 from lorapool.gateway.logprobs import chat_logprobs, completion_logprobs
+from lorapool.lifecycle.wire import Chunk
 from lorapool.outputs import RequestOutput
-from lorapool.wire import Chunk
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

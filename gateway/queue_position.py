@@ -14,7 +14,7 @@ only with capacity the request stream leaves, so no count of entries places it.
 from __future__ import annotations
 
 from lorapool.connection import register_script
-from lorapool.keys import WORKERS_GROUP
+from lorapool.lifecycle.keys import WORKERS_GROUP
 
 MAX_AHEAD = 1000
 

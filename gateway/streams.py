@@ -9,8 +9,8 @@ from typing import Any
 
 import orjson
 
+from lorapool.lifecycle.wire import Chunk
 from lorapool.producer import AsyncJobHandle
-from lorapool.wire import Chunk
 
 DONE = b"data: [DONE]\n\n"
 

@@ -14,9 +14,9 @@ import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
+from lorapool.lifecycle.wire import DATA, Chunk, decode_chunk
 from lorapool.outputs import CompletionOutput, RequestOutput
 from lorapool.protocol import RequestOutputKind
-from lorapool.wire import DATA, Chunk, decode_chunk
 
 RESULT_FIELD = "result"  # the job hash's field holding the compacted output
 _DATA = DATA.encode()

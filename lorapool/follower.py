@@ -26,8 +26,8 @@ import redis
 
 from lorapool.chunk_log import RESULT_FIELD, Cursor
 from lorapool.connection import REDIS_DOWN
-from lorapool.keys import Keys
-from lorapool.wire import Chunk, decode_chunk
+from lorapool.lifecycle.keys import Keys
+from lorapool.lifecycle.wire import Chunk, decode_chunk
 
 logger = logging.getLogger(__name__)
 MAX_FILLS = 8  # log reads in flight at once (each holds a pooled connection)

@@ -28,7 +28,7 @@ from collections.abc import Iterator
 import redis
 from prometheus_client.core import GaugeMetricFamily
 
-from lorapool.keys import AUDIT_GROUP, WORKERS_GROUP, Keys
+from lorapool.lifecycle.keys import AUDIT_GROUP, WORKERS_GROUP, Keys
 
 logger = logging.getLogger(__name__)
 

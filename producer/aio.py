@@ -13,7 +13,12 @@ import redis.asyncio as aioredis
 from lorapool.chunk_log import OutputAssembler
 from lorapool.connection import connect_async, register_script, run_scripts_async
 from lorapool.follower import Follower
-from lorapool.keys import DEFAULT_PREFIX, Keys
+from lorapool.lifecycle.keys import DEFAULT_PREFIX, Keys
+from lorapool.lifecycle.wire import (
+    DEFAULT_MAX_N,
+    DEFAULT_MAX_PROMPT_BYTES,
+    JobLimits,
+)
 from lorapool.outputs import RequestOutput
 from lorapool.producer.client import ABORT_TTL_S, _deadline
 from lorapool.producer.job import (
@@ -25,11 +30,6 @@ from lorapool.producer.job import (
 )
 from lorapool.producer.registry import check_lora, decode_record
 from lorapool.protocol import LoRARequest, RequestOutputKind, SamplingParams
-from lorapool.wire import (
-    DEFAULT_MAX_N,
-    DEFAULT_MAX_PROMPT_BYTES,
-    JobLimits,
-)
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +113,7 @@ class AsyncProducer:
 
         ``result_ttl_s``: how long a finished job's outputs stay readable (as
         RQ's ``result_ttl``); None leaves it to the workers' ``--result-ttl``.
-        ``shards``: the pool's shard count on a Redis Cluster (``lorapool.keys``), the
+        ``shards``: the pool's shard count on a Redis Cluster (``lifecycle.keys``), the
         same as its workers'; 0 (default) for one standalone Redis.
         """
         self.limits = JobLimits(max_prompt_bytes, max_n)

@@ -17,7 +17,7 @@ from typing import Any
 
 import orjson
 
-from lorapool.keys import Keys
+from lorapool.lifecycle.keys import Keys
 from lorapool.producer.registry import check_name
 from lorapool.protocol import short_repr
 

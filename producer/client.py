@@ -12,7 +12,12 @@ import redis
 from lorapool import connection
 from lorapool.chunk_log import RESULT_FIELD, Cursor, OutputAssembler
 from lorapool.connection import register_script, run_scripts
-from lorapool.keys import DEFAULT_PREFIX, Keys
+from lorapool.lifecycle.keys import DEFAULT_PREFIX, Keys
+from lorapool.lifecycle.wire import (
+    DEFAULT_MAX_N,
+    DEFAULT_MAX_PROMPT_BYTES,
+    JobLimits,
+)
 from lorapool.outputs import RequestOutput
 from lorapool.producer.job import (
     SUBMIT_SCRIPT,
@@ -23,11 +28,6 @@ from lorapool.producer.job import (
 )
 from lorapool.producer.registry import AdapterRegistry
 from lorapool.protocol import LoRARequest, RequestOutputKind, SamplingParams
-from lorapool.wire import (
-    DEFAULT_MAX_N,
-    DEFAULT_MAX_PROMPT_BYTES,
-    JobLimits,
-)
 
 logger = logging.getLogger(__name__)
 ABORT_TTL_S = 24 * 3600
@@ -169,7 +169,7 @@ class Producer:
 
         ``result_ttl_s``: how long a finished job's outputs stay readable (as
         RQ's ``result_ttl``); None leaves it to the workers' ``--result-ttl``.
-        ``shards``: the pool's shard count on a Redis Cluster (``lorapool.keys``), the
+        ``shards``: the pool's shard count on a Redis Cluster (``lifecycle.keys``), the
         same as its workers'; 0 (default) for one standalone Redis.
         """
         self.limits = JobLimits(max_prompt_bytes, max_n)

@@ -9,9 +9,9 @@ from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
-from lorapool.keys import Keys
+from lorapool.lifecycle.keys import Keys
+from lorapool.lifecycle.wire import Job, JobLimits, encode_job, job_from_dict
 from lorapool.protocol import FieldError, LoRARequest, SamplingParams
-from lorapool.wire import Job, JobLimits, encode_job, job_from_dict
 
 # Enqueue a job only if its request id is new: the marker and the entry together.
 # The same call sent again (redis-py retries one whose reply was lost) finds its own

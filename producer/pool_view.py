@@ -1,7 +1,7 @@
 """What an asyncio client may ask of a pool besides submitting: is Redis there, which
 base model and adapters it serves, which workers are alive, where a job stands.
 
-The gateway's read side: it names no Redis key itself (``lorapool.keys`` owns them,
+The gateway's read side: it names no Redis key itself (``lorapool.lifecycle.keys`` owns them,
 ``producer/`` reads them). Torch-free.
 """
 
@@ -12,7 +12,7 @@ from typing import Any
 import orjson
 
 from lorapool.chunk_log import RESULT_FIELD
-from lorapool.keys import WORKERS_GROUP
+from lorapool.lifecycle.keys import WORKERS_GROUP
 from lorapool.producer.aio import AsyncProducer
 from lorapool.producer.api_keys import authenticate, take_rate
 

@@ -19,7 +19,7 @@ import redis
 
 from lorapool.connection import client_for
 from lorapool.identity import ADAPTER_WEIGHTS, adapter_sha256
-from lorapool.keys import Keys
+from lorapool.lifecycle.keys import Keys
 from lorapool.protocol import INT32_MAX, LoRARequest, is_int, short_repr
 
 WEIGHTS_FILE = ADAPTER_WEIGHTS

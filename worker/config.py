@@ -8,8 +8,8 @@ import uuid
 from dataclasses import dataclass, field
 
 from lorapool import signing
-from lorapool.keys import DEAD_MAX_LEN, DEFAULT_PREFIX, Keys
-from lorapool.wire import DEFAULT_MAX_N, DEFAULT_MAX_PROMPT_BYTES, JobLimits
+from lorapool.lifecycle.keys import DEAD_MAX_LEN, DEFAULT_PREFIX, Keys
+from lorapool.lifecycle.wire import DEFAULT_MAX_N, DEFAULT_MAX_PROMPT_BYTES, JobLimits
 
 
 def default_name() -> str:
@@ -21,7 +21,7 @@ class WorkerConfig:
     """How a worker talks to the queue (engine options live in EngineArgs)."""
 
     prefix: str = DEFAULT_PREFIX
-    # the pool's shard count on a Redis Cluster (``lorapool.keys``; the producers' too);
+    # the pool's shard count on a Redis Cluster (``lifecycle.keys``; the producers' too);
     # 0: one standalone Redis, keys unsharded
     shards: int = 0
     name: str = field(default_factory=default_name)

@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from lorapool.connection import REDIS_DOWN
+from lorapool.lifecycle.wire import MAX_METADATA_BYTES, MAX_REQUEST_ID, Job, JobLimits
 from lorapool.producer.registry import decode_record
 from lorapool.protocol import FieldError, LoRARequest, SamplingParams, is_int
-from lorapool.wire import MAX_METADATA_BYTES, MAX_REQUEST_ID, Job, JobLimits
 from lorapool.worker.audit import final_audit
 from lorapool.worker.held import Held, error_chunk
 from lorapool.worker.scripts import Append

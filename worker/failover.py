@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING
 
 import orjson
 
-from lorapool.keys import WORKERS_GROUP
-from lorapool.wire import (
+from lorapool.lifecycle.keys import WORKERS_GROUP
+from lorapool.lifecycle.wire import (
     DATA,
     Chunk,
     decode_chunk,

@@ -7,9 +7,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from lorapool.lifecycle.wire import Chunk, Job, completion_wire
 from lorapool.outputs import RequestOutput
 from lorapool.protocol import RequestOutputKind, SamplingParams
-from lorapool.wire import Chunk, Job, completion_wire
 
 
 class Position(NamedTuple):

@@ -45,7 +45,7 @@ from collections import Counter
 from typing import TYPE_CHECKING, Any
 
 from lorapool.connection import register_script
-from lorapool.keys import WORKERS_GROUP
+from lorapool.lifecycle.keys import WORKERS_GROUP
 from lorapool.worker.pool import loaded_adapters
 from lorapool.worker.scripts import HANDOFF, READ
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from lorapool.connection import register_script
-from lorapool.keys import WORKERS_GROUP
+from lorapool.lifecycle.keys import WORKERS_GROUP
 from lorapool.worker.held import Held
 from lorapool.worker.scripts import RENEW
 

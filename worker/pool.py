@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 import redis
 
-from lorapool.keys import Keys
+from lorapool.lifecycle.keys import Keys
 
 if TYPE_CHECKING:
     from lorapool.worker.worker import Worker

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lorapool.wire import Job
+from lorapool.lifecycle.wire import Job
 
 
 def engine_prompt(job: Job, engine: Any) -> str | dict[str, Any]:

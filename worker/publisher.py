@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from lorapool.connection import register_script
+from lorapool.lifecycle.wire import Chunk, encode_chunk
 from lorapool.outputs import RequestOutput
-from lorapool.wire import Chunk, encode_chunk
 from lorapool.worker.audit import final_audit
 from lorapool.worker.held import Held, Position, make_chunk
 from lorapool.worker.scripts import NOT_OWNER, Append, append_call, append_script

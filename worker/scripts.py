@@ -8,7 +8,7 @@ the log's last one is refused (XADD refuses an id not above the stream's last;
 no read of the log), so a log never holds a duplicate or a gap-filler out of
 order.
 
-Redis Cluster (``--shards N``, see ``lorapool.keys``): every key one call of these
+Redis Cluster (``--shards N``, see ``lorapool.lifecycle.keys``): every key one call of these
 scripts touches is on one shard, so on one slot: APPEND takes the items of one
 shard (the publisher makes one call per shard a trip), RENEW the entries of one
 shard, READ and HANDOFF one shard's streams and handoff lists; the producer's
@@ -19,7 +19,7 @@ another slot, and APPEND publishes with SPUBLISH (``append_script``).
 
 from typing import NamedTuple
 
-from lorapool.keys import WORKERS_GROUP, Keys
+from lorapool.lifecycle.keys import WORKERS_GROUP, Keys
 
 NOT_OWNER, DUPLICATE = -1, -2  # APPEND's results besides 0 and 1 (abort asked)
 

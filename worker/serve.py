@@ -7,7 +7,7 @@ import logging
 import redis
 
 from lorapool.identity import model_identity
-from lorapool.keys import Keys
+from lorapool.lifecycle.keys import Keys
 from lorapool.worker.config import WorkerConfig
 from lorapool.worker.pool import claim_model
 from lorapool.worker.worker import Worker

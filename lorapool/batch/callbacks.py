@@ -31,7 +31,7 @@ from rq.exceptions import DuplicateJobError
 from rq.serializers import JSONSerializer
 
 from lorapool.audit_record import AuditRecord
-from lorapool.keys import Keys
+from lorapool.lifecycle.keys import Keys
 from lorapool.producer.job import check_on_finish
 from lorapool.protocol import FieldError
 

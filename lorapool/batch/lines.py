@@ -13,9 +13,9 @@ import orjson
 
 from lorapool.gateway.errors import APIError, field_error
 from lorapool.gateway.params import Parsed, parse_chat, parse_completion
+from lorapool.lifecycle.wire import JobLimits
 from lorapool.producer.job import build_job
 from lorapool.protocol import FieldError, short_repr
-from lorapool.wire import JobLimits
 
 ENDPOINTS = {"/v1/completions": "completion", "/v1/chat/completions": "chat"}
 LINE_FIELDS = {"custom_id", "method", "url", "body"}

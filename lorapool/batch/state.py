@@ -6,7 +6,7 @@
 
 Every change of status is one Lua call that checks the status it leaves, so a cancel
 and the collector finishing race safely. The key is ``{p}:batch:<id>`` (to join
-``lorapool/keys.py``; named only here until then).
+``lorapool/lifecycle/keys.py``; named only here until then).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import orjson
 import redis
 
 from lorapool.connection import register_script
-from lorapool.keys import Keys
+from lorapool.lifecycle.keys import Keys
 
 
 class Status(str, Enum):

@@ -25,7 +25,7 @@ from lorapool.batch.collector import Collector
 from lorapool.batch.files import DEFAULT_RETENTION_S, FileStore
 from lorapool.batch.lines import check_file, read_lines
 from lorapool.batch.state import BatchState, Status
-from lorapool.keys import DEFAULT_PREFIX, Keys
+from lorapool.lifecycle.keys import DEFAULT_PREFIX, Keys
 from lorapool.producer import Producer
 from lorapool.protocol import LoRARequest
 
@@ -40,7 +40,7 @@ class BatchConfig:
 
     files_dir: str
     prefix: str = DEFAULT_PREFIX
-    shards: int = 0  # the pool's shard count (``lorapool.keys``)
+    shards: int = 0  # the pool's shard count (``lorapool.lifecycle.keys``)
     queue: str = "lorapool-batch"
     retention_s: int = DEFAULT_RETENTION_S
     result_ttl_s: int = RESULT_TTL_S

@@ -10,7 +10,7 @@ import click
 from lorapool.cli.audit import audit_key, db_options, insecure_option
 from lorapool.cli.options import config_from, count_option, shards_option
 from lorapool.connection import LOOP_RETRIES, connect
-from lorapool.keys import DEAD_MAX_LEN
+from lorapool.lifecycle.keys import DEAD_MAX_LEN
 
 
 def _install_signals(writer) -> None:
@@ -79,7 +79,7 @@ def audit_writer(
         **({"consumer": consumer} if consumer else {}),
     )
     from lorapool.batch.callbacks import Callbacks
-    from lorapool.keys import Keys
+    from lorapool.lifecycle.keys import Keys
 
     connection = connect(redis_url, LOOP_RETRIES)
     callbacks = Callbacks(connection, Keys(config.prefix, config.shards), callback_queue)

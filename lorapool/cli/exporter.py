@@ -8,7 +8,7 @@ import threading
 import click
 
 from lorapool.cli.options import shards_option
-from lorapool.keys import DEFAULT_PREFIX
+from lorapool.lifecycle.keys import DEFAULT_PREFIX
 
 
 @click.command()
@@ -23,7 +23,7 @@ def exporter(redis_url, prefix, shards, port, addr):
     from prometheus_client import CollectorRegistry, start_http_server
 
     from lorapool.connection import connect
-    from lorapool.keys import Keys
+    from lorapool.lifecycle.keys import Keys
     from lorapool.pool_metrics import PoolCollector
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")

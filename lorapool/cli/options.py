@@ -10,7 +10,7 @@ from typing import Any
 
 import click
 
-from lorapool.keys import DEFAULT_PREFIX, MAX_SHARDS
+from lorapool.lifecycle.keys import DEFAULT_PREFIX, MAX_SHARDS
 
 redis_option = click.option(
     "--redis-url",

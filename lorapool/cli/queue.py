@@ -16,8 +16,8 @@ from lorapool.cli.options import (
     redis_option,
     shards_option,
 )
-from lorapool.keys import DEAD_MAX_LEN
-from lorapool.wire import DEFAULT_MAX_N, DEFAULT_MAX_PROMPT_BYTES
+from lorapool.lifecycle.keys import DEAD_MAX_LEN
+from lorapool.lifecycle.wire import DEFAULT_MAX_N, DEFAULT_MAX_PROMPT_BYTES
 
 
 def _producer(redis_url, prefix, shards=0):

@@ -7,7 +7,7 @@ import time
 import orjson
 from rich.table import Table
 
-from lorapool.keys import WORKERS_GROUP
+from lorapool.lifecycle.keys import WORKERS_GROUP
 
 
 def worker_table(producer) -> Table:

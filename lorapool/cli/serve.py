@@ -13,7 +13,7 @@ from lorapool.cli.options import (
     repeated_option,
     shards_option,
 )
-from lorapool.wire import DEFAULT_MAX_N, DEFAULT_MAX_PROMPT_BYTES
+from lorapool.lifecycle.wire import DEFAULT_MAX_N, DEFAULT_MAX_PROMPT_BYTES
 
 
 @click.command()

@@ -11,7 +11,7 @@ import orjson
 import pytest
 
 from lorapool.batch import Status
-from lorapool.keys import Keys
+from lorapool.lifecycle.keys import Keys
 
 pytestmark = pytest.mark.usefixtures("worker")
 

@@ -21,7 +21,7 @@ from lorapool.audit_db import AuditWriter, DatabaseConfig, WriterConfig, create_
 from lorapool.audit_db.database import migrate
 from lorapool.audit_record import parse_record
 from lorapool.batch.callbacks import SECRET_ENV, Callbacks, job_id
-from lorapool.keys import Keys
+from lorapool.lifecycle.keys import Keys
 from lorapool.producer import Producer
 
 pytestmark = pytest.mark.usefixtures("worker")

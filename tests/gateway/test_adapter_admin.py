@@ -10,7 +10,7 @@ import httpx
 import pytest
 from gateway_procs import serve, stop
 
-from lorapool.keys import Keys
+from lorapool.lifecycle.keys import Keys
 from lorapool.producer.api_keys import ApiKeys
 
 pytestmark = pytest.mark.integration

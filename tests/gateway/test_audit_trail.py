@@ -15,7 +15,7 @@ from gateway_procs import serve, stop, wait_until
 
 from lorapool.audit_db import AuditWriter, WriterConfig
 from lorapool.audit_db.queries import get_request
-from lorapool.keys import Keys
+from lorapool.lifecycle.keys import Keys
 from lorapool.producer.api_keys import ApiKeys
 
 pytest_plugins = ["audit_fixtures"]

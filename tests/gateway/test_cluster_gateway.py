@@ -15,7 +15,7 @@ import pytest
 from gateway_procs import serve, start_worker, stop, wait_until
 
 from lorapool.connection import connect
-from lorapool.keys import Keys
+from lorapool.lifecycle.keys import Keys
 from lorapool.producer import Producer
 from lorapool.producer.registry import lora_from_record
 from lorapool.protocol import SamplingParams

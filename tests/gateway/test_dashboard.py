@@ -22,7 +22,7 @@ from lorapool.audit_db import (
     create_audit_engine,
     migrate,
 )
-from lorapool.keys import Keys
+from lorapool.lifecycle.keys import Keys
 from lorapool.producer.api_keys import ApiKeys
 
 pytestmark = pytest.mark.integration

@@ -188,7 +188,7 @@ def test_n_completions_per_prompt_of_a_batch(client, llm, registry):
 
 
 def test_a_client_that_leaves_a_waiting_request_aborts_its_job(gateway, conn, prefix, producer):
-    from lorapool.wire import decode_job
+    from lorapool.lifecycle.wire import decode_job
 
     body = {"model": "ad-qv", "prompt": PROMPT, "max_tokens": 480, "ignore_eos": True, "n": 8}
     with pytest.raises(httpx.ReadTimeout):

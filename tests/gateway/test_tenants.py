@@ -11,9 +11,9 @@ import httpx
 import pytest
 from gateway_procs import serve, stop
 
-from lorapool.keys import Keys
+from lorapool.lifecycle.keys import Keys
+from lorapool.lifecycle.wire import decode_job
 from lorapool.producer.api_keys import ApiKeys
-from lorapool.wire import decode_job
 
 pytestmark = pytest.mark.integration
 JOB = {"model": "ad-a", "prompt": "hello", "max_tokens": 2}

@@ -18,7 +18,7 @@ import pytest
 import redis
 
 from lorapool.connection import connect
-from lorapool.keys import Keys
+from lorapool.lifecycle.keys import Keys
 from lorapool.producer import Producer
 
 CLUSTER_SHARDS = 3

@@ -16,7 +16,7 @@ import time
 import pytest
 
 from lorapool.connection import ensure_group
-from lorapool.keys import WORKERS_GROUP
+from lorapool.lifecycle.keys import WORKERS_GROUP
 from lorapool.protocol import SamplingParams
 from lorapool.worker import Worker, WorkerConfig
 from lorapool.worker.serve import base_model_info

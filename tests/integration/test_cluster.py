@@ -17,7 +17,7 @@ import redis
 from redis.crc import key_slot
 
 from lorapool.connection import connect, connect_async, register_script
-from lorapool.keys import WORKERS_GROUP, Keys
+from lorapool.lifecycle.keys import WORKERS_GROUP, Keys
 from lorapool.producer import AsyncProducer, Producer
 from lorapool.protocol import SamplingParams
 from lorapool.worker import Worker, WorkerConfig

@@ -16,8 +16,8 @@ from gateway_procs import wait_until
 from pool_layout import entries, length, pending
 from standin import BENCH, load
 
+from lorapool.lifecycle.wire import DATA
 from lorapool.protocol import SamplingParams
-from lorapool.wire import DATA
 from lorapool.worker import Worker, WorkerConfig
 
 pytestmark = pytest.mark.integration

@@ -26,9 +26,9 @@ from json_strategies import json_values as any_json
 from pool_layout import entries, length, pending
 
 from lorapool.audit_record import record_from_dict
+from lorapool.lifecycle.wire import decode_chunk, job_from_dict
 from lorapool.producer import Producer
 from lorapool.protocol import SamplingParams
-from lorapool.wire import decode_chunk, job_from_dict
 from lorapool.worker import Worker, WorkerConfig
 from lorapool.worker.serve import base_model_info
 

@@ -14,7 +14,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from lorapool.connection import ensure_group
-from lorapool.keys import AUDIT_GROUP, WORKERS_GROUP
+from lorapool.lifecycle.keys import AUDIT_GROUP, WORKERS_GROUP
 from lorapool.protocol import SamplingParams
 
 pytestmark = pytest.mark.integration

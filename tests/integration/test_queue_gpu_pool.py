@@ -21,10 +21,10 @@ import pytest
 from standin import BENCH, load
 
 from lorapool.connection import connect
-from lorapool.keys import Keys
+from lorapool.lifecycle.keys import Keys
+from lorapool.lifecycle.wire import DATA, decode_chunk
 from lorapool.producer import Producer
 from lorapool.protocol import SamplingParams
-from lorapool.wire import DATA, decode_chunk
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 REQUESTS, LEASE_S = 10_000, 1.0

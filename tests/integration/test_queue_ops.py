@@ -15,7 +15,7 @@ from click.testing import CliRunner
 
 from lorapool.audit_record import record_from_dict
 from lorapool.cli.main import cli
-from lorapool.keys import WORKERS_GROUP
+from lorapool.lifecycle.keys import WORKERS_GROUP
 from lorapool.protocol import SamplingParams
 from lorapool.worker import Worker, WorkerConfig
 from lorapool.worker.serve import base_model_info

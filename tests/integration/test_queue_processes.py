@@ -13,10 +13,10 @@ import time
 import pytest
 from gateway_procs import lorapool_cmd
 
+from lorapool.lifecycle.wire import decode_chunk
 from lorapool.producer import Producer
 from lorapool.producer.registry import lora_from_record
 from lorapool.protocol import SamplingParams
-from lorapool.wire import decode_chunk
 from lorapool.worker import Worker, WorkerConfig
 from lorapool.worker.serve import base_model_info
 

@@ -26,10 +26,10 @@ from redis_server import RedisServer
 from sqlalchemy import create_engine, text
 
 from lorapool.cli.queue_status import live_workers
-from lorapool.keys import Keys
+from lorapool.lifecycle.keys import Keys
+from lorapool.lifecycle.wire import decode_chunk
 from lorapool.producer import Producer
 from lorapool.protocol import SamplingParams
-from lorapool.wire import decode_chunk
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 PARAMS = SamplingParams(temperature=0.0, max_tokens=96, ignore_eos=True)

@@ -26,7 +26,7 @@ from sqlalchemy import Engine, create_engine, text
 from lorapool import signing
 from lorapool.audit_db import DatabaseConfig, create_audit_engine, migrate
 from lorapool.audit_record import sign_record
-from lorapool.keys import Keys
+from lorapool.lifecycle.keys import Keys
 
 BASE_MODEL = {"name": "SmolLM2-135M-Instruct", "sha256": "b" * 64}
 

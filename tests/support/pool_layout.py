@@ -1,7 +1,7 @@
 """Reading a pool's per-shard streams on either layout (tests/integration/conftest.py):
 one standalone Redis (one shard view) or a sharded Redis Cluster (one view per shard)."""
 
-from lorapool.keys import WORKERS_GROUP, Keys
+from lorapool.lifecycle.keys import WORKERS_GROUP, Keys
 
 
 def entries(conn, keys: Keys, stream: str) -> list:

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lorapool.chunk_log import Cursor, LogCompacted, OutputAssembler
-from lorapool.wire import Chunk, encode_chunk
+from lorapool.lifecycle.wire import Chunk, encode_chunk
 
 _PROMPT = {"prompt": "p", "prompt_token_ids": [7]}
 piece = st.tuples(st.text(max_size=4), st.lists(st.integers(0, 50_000), max_size=3))

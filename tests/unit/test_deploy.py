@@ -15,7 +15,7 @@ import yaml
 from click.testing import CliRunner
 
 from lorapool.cli.main import cli
-from lorapool.keys import DEFAULT_PREFIX, WORKERS_GROUP, Keys
+from lorapool.lifecycle.keys import DEFAULT_PREFIX, WORKERS_GROUP, Keys
 
 kubernetes_validate = pytest.importorskip("kubernetes_validate")
 

@@ -3,8 +3,9 @@
 Each check imports the modules in a fresh interpreter and reads ``sys.modules``:
 a producer must import without torch, the audit trail never imports torch, the
 scheduler and block manager are plain Python, the torch-free data types of
-``lorapool/`` (``protocol``, ``wire``, ``keys``, ...) need only the standard library
-and orjson, the worker needs no SQLAlchemy and the kernels no engine.
+``lorapool/`` (``protocol``, ``lifecycle.wire``, ``lifecycle.keys``, ...) need only the
+standard library and orjson, the request's life on Redis needs no torch, the worker
+needs no SQLAlchemy and the kernels no engine.
 """
 
 import ast
@@ -48,14 +49,20 @@ def submodules(package: str, skip: tuple[str, ...] = ()) -> list[str]:
 
 def test_the_data_types_need_only_the_standard_library_and_orjson():
     # these talk to Redis (redis-py is theirs; pool_metrics serves Prometheus too;
-    # follower follows chunk logs and channels; batch runs RQ jobs, checked below)
-    clients = ("cli", "embedded", "connection", "pool_metrics", "follower", "batch")
+    # follower follows chunk logs and channels; batch runs RQ jobs; the lifecycle's
+    # Redis side: each checked below)
+    clients = ("cli", "embedded", "connection", "pool_metrics", "follower", "batch", "lifecycle")
     modules = [m for m in submodules("lorapool", skip=clients) if m.count(".") <= 1]
-    assert {"lorapool.protocol", "lorapool.wire", "lorapool.keys", "lorapool.identity"} <= set(
-        modules
-    )
+    modules += ["lorapool.lifecycle", "lorapool.lifecycle.wire", "lorapool.lifecycle.keys"]
+    assert {"lorapool.protocol", "lorapool.identity"} <= set(modules)
     extra = imported(modules) - {"lorapool", "orjson", "_distutils_hack"}
     assert not {m for m in extra if not m.startswith("_")}, extra
+
+
+def test_the_lifecycle_imports_without_torch_sqlalchemy_or_the_cli():
+    loaded = imported(submodules("lorapool.lifecycle"))
+    assert "orjson" in loaded  # the probe really imported the lifecycle
+    assert not loaded & (GPU_STACK | {"sqlalchemy", "click", "rich"})
 
 
 def test_producers_import_without_torch_or_sqlalchemy():
@@ -108,6 +115,7 @@ def test_scheduling_is_plain_python(module):
 PACKAGES = [
     "lorapool",
     "lorapool.cli",
+    "lorapool.lifecycle",
     "lorapool.engine",
     "lorapool.engine.models",
     "lorapool.engine.lora",

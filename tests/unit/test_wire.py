@@ -4,9 +4,16 @@ import orjson
 import pytest
 
 from lorapool.chunk_log import OutputAssembler
+from lorapool.lifecycle.wire import (
+    Chunk,
+    chunk_record,
+    decode_chunk,
+    decode_job,
+    encode_chunk,
+    encode_job,
+)
 from lorapool.producer.job import build_job
 from lorapool.protocol import LoRARequest, SamplingParams
-from lorapool.wire import Chunk, chunk_record, decode_chunk, decode_job, encode_chunk, encode_job
 
 
 def _chunk(seq, tokens, text, finished=False):

@@ -29,6 +29,26 @@ PRIORITIES = ("interactive", "batch")
 MAX_SHARDS = 1024
 
 
+def _shard_key(name: str, doc: str) -> property:
+    """A key of each shard (one view's: ``Keys.on``), ``<shard's tag>:<name>``."""
+    return property(lambda keys: keys._in_shard(name), doc=doc)
+
+
+def _meta_key(name: str, doc: str) -> property:
+    """A key of the pool's own, on the meta shard: ``<meta tag>:<name>``."""
+    return property(lambda keys: keys._meta(name), doc=doc)
+
+
+def _request_key(name: str, doc: str):
+    """A key of one request, on its shard: ``Keys.<name>(request_id)``."""
+
+    def key(keys: "Keys", request_id: str) -> str:
+        return keys._of_request(name, request_id)
+
+    key.__name__, key.__doc__ = name, doc
+    return key
+
+
 @dataclass(frozen=True)
 class Keys:
     prefix: str = DEFAULT_PREFIX
@@ -81,21 +101,41 @@ class Keys:
     def _meta(self, name: str) -> str:
         return f"{{{self.prefix}}}:{name}" if self.shards else f"{self.prefix}:{name}"
 
+    # Keys of each shard (name them on a view of one shard: ``on``)
+    requests = _shard_key("requests", "Stream of jobs; consumer group ``workers``.")
+    dead = _shard_key("dead", "Stream of dead-lettered jobs with their reason.")
+    audit = _shard_key("audit", "Stream of final records for the audit writer; group ``audit``.")
+    batch_requests = _shard_key(
+        "requests:batch",
+        "Stream of batch jobs (group ``workers``): a worker reads it only with capacity left "
+        "after ``requests``, so batch files never starve interactive traffic.",
+    )
+    # The pool's own keys (the meta shard)
+    adapters = _meta_key("adapters", "Hash: adapter name -> registry record.")
+    adapter_ids = _meta_key(
+        "adapter-ids", "Hash: adapter int id -> adapter name (keeps ids unique)."
+    )
+    model = _meta_key(
+        "model", 'The pool\'s base model: {"name", "sha256"} of the first worker (SET NX).'
+    )
+    workers = _meta_key("workers", "Hash: worker id -> heartbeat record.")
+    api_keys = _meta_key(
+        "api-keys",
+        "Hash: API key id -> its record (tenant, role, sha256 of the key; never the key).",
+    )
+    # The keys of one request (on its shard)
+    callback = _request_key(
+        "callback",
+        "Set once a request's completion callback is in RQ (lorapool/batch/callbacks.py).",
+    )
+    job = _request_key("job", "Idempotency marker and status of one job.")
+    out = _request_key("out", "Chunk log (stream) and live channel (pub/sub) of one request.")
+    abort = _request_key("abort", "Abort flag of one request, read by whichever worker holds it.")
+
     @property
     def pattern(self) -> str:
         """A SCAN pattern that matches every key of this pool (and only those)."""
         return f"{{{self.prefix}[:}}]*" if self.shards else f"{self.prefix}:*"
-
-    @property
-    def requests(self) -> str:
-        """Stream of jobs; consumer group ``workers``."""
-        return self._in_shard("requests")
-
-    @property
-    def batch_requests(self) -> str:
-        """Stream of batch jobs (group ``workers``): a worker reads it only with capacity
-        left after ``requests``, so batch files never starve interactive traffic."""
-        return self._in_shard("requests:batch")
 
     @property
     def streams(self) -> tuple[str, ...]:
@@ -109,41 +149,6 @@ class Keys:
         if priority == "batch":
             return self.batch_requests
         raise ValueError(f"priority must be one of {', '.join(PRIORITIES)}; got {priority!r}")
-
-    @property
-    def dead(self) -> str:
-        """Stream of dead-lettered jobs with their reason."""
-        return self._in_shard("dead")
-
-    @property
-    def audit(self) -> str:
-        """Stream of final records for the audit writer; group ``audit``."""
-        return self._in_shard("audit")
-
-    @property
-    def adapters(self) -> str:
-        """Hash: adapter name -> registry record."""
-        return self._meta("adapters")
-
-    @property
-    def adapter_ids(self) -> str:
-        """Hash: adapter int id -> adapter name (keeps ids unique)."""
-        return self._meta("adapter-ids")
-
-    @property
-    def model(self) -> str:
-        """The pool's base model: {"name", "sha256"} of the first worker (SET NX)."""
-        return self._meta("model")
-
-    @property
-    def workers(self) -> str:
-        """Hash: worker id -> heartbeat record."""
-        return self._meta("workers")
-
-    @property
-    def api_keys(self) -> str:
-        """Hash: API key id -> its record (tenant, role, sha256 of the key; never the key)."""
-        return self._meta("api-keys")
 
     def rate(self, tenant: str, window: int, what: str) -> str:
         """A tenant's count of ``what`` (requests, tokens) in the minute ``window``."""
@@ -165,19 +170,3 @@ class Keys:
             if self.shards
             else f"{self.prefix}:batch:{{{batch_id}}}"
         )
-
-    def callback(self, request_id: str) -> str:
-        """Set once a request's completion callback is in RQ (lorapool/batch/callbacks.py)."""
-        return self._of_request("callback", request_id)
-
-    def job(self, request_id: str) -> str:
-        """Idempotency marker and status of one job."""
-        return self._of_request("job", request_id)
-
-    def out(self, request_id: str) -> str:
-        """Chunk log (stream) and live channel (pub/sub) of one request."""
-        return self._of_request("out", request_id)
-
-    def abort(self, request_id: str) -> str:
-        """Abort flag of one request, read by whichever worker holds it."""
-        return self._of_request("abort", request_id)
