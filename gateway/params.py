@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lorapool.gateway.errors import bad_request, field_error
-from lorapool.producer.job import check_on_finish
+from lorapool.lifecycle.submit import check_on_finish
 from lorapool.protocol import FieldError, SamplingParams, short_repr
 
 # request parameter -> SamplingParams field, the same name unless said

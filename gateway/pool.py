@@ -23,7 +23,7 @@ from lorapool.connection import (
 from lorapool.gateway.auth import OPEN, Principal
 from lorapool.gateway.config import GatewayConfig
 from lorapool.gateway.errors import APIError, field_error, model_not_found
-from lorapool.gateway.queue_position import QueuePosition
+from lorapool.lifecycle.queue_position import QueuePosition
 from lorapool.producer import AsyncJobHandle, AsyncProducer
 from lorapool.producer.pool_view import PoolView
 from lorapool.producer.registry import NAME_PATTERN, AdapterRegistry, lora_from_record

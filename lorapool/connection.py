@@ -151,6 +151,13 @@ def is_cluster_client(connection: Any) -> bool:
     return isinstance(connection, (redis.RedisCluster, RedisCluster))
 
 
+def is_async_client(connection: Any) -> bool:
+    """Whether ``connection`` is a redis.asyncio client (standalone or cluster)."""
+    from redis.asyncio import Redis, RedisCluster
+
+    return isinstance(connection, (Redis, RedisCluster))
+
+
 def register_script(connection: Any, text: str):
     """``connection.register_script(text)``. On a Redis Cluster the script runs under
     the ``#!lua`` shebang, with which Redis refuses any key outside the slot of the

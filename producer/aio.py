@@ -11,23 +11,19 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from lorapool.chunk_log import OutputAssembler
-from lorapool.connection import connect_async, register_script, run_scripts_async
+from lorapool.connection import connect_async
 from lorapool.follower import Follower
+from lorapool.lifecycle import marker
 from lorapool.lifecycle.keys import DEFAULT_PREFIX, Keys
+from lorapool.lifecycle.submit import Submit, build_job, check_on_finish
 from lorapool.lifecycle.wire import (
     DEFAULT_MAX_N,
     DEFAULT_MAX_PROMPT_BYTES,
     JobLimits,
 )
 from lorapool.outputs import RequestOutput
-from lorapool.producer.client import ABORT_TTL_S, _deadline
-from lorapool.producer.job import (
-    SUBMIT_SCRIPT,
-    build_job,
-    check_on_finish,
-    per_prompt,
-    submit_call,
-)
+from lorapool.producer.client import _deadline
+from lorapool.producer.job import per_prompt
 from lorapool.producer.registry import check_lora, decode_record
 from lorapool.protocol import LoRARequest, RequestOutputKind, SamplingParams
 
@@ -122,7 +118,7 @@ class AsyncProducer:
             connection = connect_async(connection)
         self.redis = connection
         self.keys = Keys(prefix, shards)
-        self._submit = register_script(self.redis, SUBMIT_SCRIPT)
+        self._submit = Submit(self.redis, self.keys)
         self.follower = Follower(self.redis, self.keys)
 
     async def resolve(self, requested: LoRARequest | str | None) -> LoRARequest | None:
@@ -169,8 +165,7 @@ class AsyncProducer:
                 prompts, per_prompt(params, count, "params"), loras, request_ids or [None] * count
             )
         ]
-        calls = [submit_call(self.keys, job, priority, callback) for job in jobs]
-        entries = await run_scripts_async(self.redis, self._submit, calls)
+        entries = await self._submit(jobs, priority, callback)
         handles = []
         for job, entry in zip(jobs, entries):
             handle = (
@@ -187,7 +182,7 @@ class AsyncProducer:
         return AsyncJobHandle(self, request_id, kind.decode() if kind else "cumulative")
 
     async def abort(self, request_id: str) -> None:
-        await self.redis.set(self.keys.abort(request_id), 1, ex=ABORT_TTL_S)
+        await marker.abort(self.redis, self.keys, request_id)
 
     async def aclose(self) -> None:
         await self.follower.close()

@@ -10,27 +10,21 @@ from typing import Any
 import redis
 
 from lorapool import connection
-from lorapool.chunk_log import RESULT_FIELD, Cursor, OutputAssembler
-from lorapool.connection import register_script, run_scripts
+from lorapool.chunk_log import Cursor, OutputAssembler
+from lorapool.lifecycle import marker
 from lorapool.lifecycle.keys import DEFAULT_PREFIX, Keys
+from lorapool.lifecycle.submit import Submit, build_job, check_on_finish
 from lorapool.lifecycle.wire import (
     DEFAULT_MAX_N,
     DEFAULT_MAX_PROMPT_BYTES,
     JobLimits,
 )
 from lorapool.outputs import RequestOutput
-from lorapool.producer.job import (
-    SUBMIT_SCRIPT,
-    build_job,
-    check_on_finish,
-    per_prompt,
-    submit_call,
-)
+from lorapool.producer.job import per_prompt
 from lorapool.producer.registry import AdapterRegistry
 from lorapool.protocol import LoRARequest, RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
-ABORT_TTL_S = 24 * 3600
 _BLOCK_MS = 1000
 
 
@@ -100,15 +94,13 @@ class JobHandle:
         keys, rid = self.producer.keys, self.request_id
         try:
             with self.producer.redis.pipeline(transaction=False) as pipe:
-                pipe.xread({keys.out(rid): cursor.last}, count=256)
-                pipe.exists(keys.out(rid))
-                pipe.hget(keys.job(rid), RESULT_FIELD)
-                reply, exists, result = pipe.execute()
+                marker.read_back(pipe, keys, rid, cursor.last, count=256)
+                entries, result = marker.read_back_result(pipe.execute())
         except connection.REDIS_DOWN as exc:
             logger.warning("request %s: Redis unreachable (%s), waiting", rid, exc)
             time.sleep(_BLOCK_MS / 1000)
             return [], None
-        return reply, None if exists else result
+        return [(keys.out(rid), entries)] if entries else [], result
 
     def _read(self, cursor: Cursor, deadline: float | None) -> list:
         """One blocking XREAD; Redis away past the client's retries reads as nothing new,
@@ -177,7 +169,7 @@ class Producer:
         self.redis = connect(connection)
         self.keys = Keys(prefix, shards)
         self.registry = AdapterRegistry(self.redis, self.keys)
-        self._submit = register_script(self.redis, SUBMIT_SCRIPT)
+        self._submit = Submit(self.redis, self.keys)
 
     def submit(
         self,
@@ -225,8 +217,7 @@ class Producer:
                 prompts, per_prompt(params, count, "params"), loras, request_ids or [None] * count
             )
         ]
-        calls = [submit_call(self.keys, job, priority, callback) for job in jobs]
-        entries = run_scripts(self.redis, self._submit, calls)
+        entries = self._submit(jobs, priority, callback)
         return [self._handle_after_submit(job, entry) for job, entry in zip(jobs, entries)]
 
     def _handle_after_submit(self, job, entry) -> JobHandle:
@@ -242,7 +233,7 @@ class Producer:
         return JobHandle(self, request_id, kind.decode() if kind else "cumulative")
 
     def abort(self, request_id: str) -> None:
-        self.redis.set(self.keys.abort(request_id), 1, ex=ABORT_TTL_S)
+        marker.abort(self.redis, self.keys, request_id)
 
 
 def _deadline(timeout: float | None) -> float | None:

@@ -8,7 +8,6 @@ record, carrying what could be read of it (``held_for_garbage``).
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 from typing import TYPE_CHECKING, Any
@@ -16,12 +15,13 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from lorapool.connection import REDIS_DOWN
+from lorapool.lifecycle import append
+from lorapool.lifecycle.append import dead_payload
 from lorapool.lifecycle.wire import MAX_METADATA_BYTES, MAX_REQUEST_ID, Job, JobLimits
 from lorapool.producer.registry import decode_record
 from lorapool.protocol import FieldError, LoRARequest, SamplingParams, is_int
 from lorapool.worker.audit import final_audit
 from lorapool.worker.held import Held, error_chunk
-from lorapool.worker.scripts import Append
 
 if TYPE_CHECKING:
     from lorapool.worker.worker import Worker
@@ -71,8 +71,7 @@ def dead_letter(
         logger.exception("worker %s: no error output for %s", worker.name, entry_id)
         reason = f"{reason} (and its error output could not be written: {reason_of(exc)})"
     dead = dead_payload(payload, audited=False)
-    item = Append("-", entry_id, -1, b"", True, dead=dead, reason=reason, stream=stream)
-    worker.publisher.append([item])
+    worker.publisher.append([append.dead_letter(entry_id, dead, reason, stream)])
     worker.metrics.failed(given)
 
 
@@ -144,24 +143,3 @@ def _lora(data: dict) -> LoRARequest | None:
         return LoRARequest.from_dict(data.get("lora_request"))
     except (TypeError, ValueError):
         return None
-
-
-MAX_DEAD_PAYLOAD = 64 << 10
-
-
-def dead_payload(payload: Any, audited: bool) -> bytes:
-    """What a dead letter keeps of an entry's payload.
-
-    When an audit record was written for the request it keeps the prompt, so
-    the dead letter keeps only the payload's sha256 and length; otherwise the
-    payload itself up to 64 KiB (beyond that, its sha256, length and head).
-    """
-    if payload is None:
-        return b"null"
-    raw = payload if isinstance(payload, bytes) else str(payload).encode("utf-8", "replace")
-    if not audited and len(raw) <= MAX_DEAD_PAYLOAD:
-        return raw
-    summary = {"sha256": hashlib.sha256(raw).hexdigest(), "bytes": len(raw)}
-    if not audited:
-        summary["head"] = raw[:1024].decode("utf-8", "replace")
-    return orjson.dumps(summary)

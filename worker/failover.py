@@ -5,14 +5,8 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-import orjson
-
-from lorapool.lifecycle.keys import WORKERS_GROUP
-from lorapool.lifecycle.wire import (
-    DATA,
-    Chunk,
-    decode_chunk,
-)
+from lorapool.lifecycle import lease
+from lorapool.lifecycle.wire import DATA, Chunk
 from lorapool.worker import dead_letter
 
 if TYPE_CHECKING:
@@ -37,42 +31,18 @@ def claim(worker: Worker) -> int:
 
 
 def _claim(worker: Worker, stream: str, count: int) -> int:
-    reply = worker.redis.xautoclaim(
-        stream,
-        WORKERS_GROUP,
-        worker.name,
-        min_idle_time=worker.config.lease_ms,
-        start_id="0-0",
-        count=count,
-    )
-    entries = [(i, f) for i, f in reply[1] if f]
+    entries = lease.claim_idle(worker.redis, stream, worker.name, worker.config.lease_ms, count)
     for entry_id, fields in entries:
-        entry_id = entry_id.decode()
-        deliveries = _deliveries(worker, stream, entry_id)
+        deliveries = lease.deliveries(worker.redis, stream, entry_id)
         logger.info(
             "worker %s: claimed %s %s (delivery %s)", worker.name, stream, entry_id, deliveries
         )
-        log = read_log(worker, fields, stream)
+        log = lease.read_log(worker.redis, worker.keys_of(stream), fields)
         if deliveries > worker.config.max_deliveries:
             _give_up(worker, stream, entry_id, fields, log, deliveries)
         else:
             worker.start(entry_id, fields, log, stream)
     return len(entries)
-
-
-def _deliveries(worker: Worker, stream: str, entry_id: str) -> int:
-    info = worker.redis.xpending_range(stream, WORKERS_GROUP, min=entry_id, max=entry_id, count=1)
-    return info[0]["times_delivered"] if info else 0
-
-
-def read_log(worker: Worker, fields: dict, stream: str = "") -> list[Chunk]:
-    """The chunks already in the entry's chunk log (empty when it cannot be decoded)."""
-    try:
-        rid = orjson.loads(fields.get(DATA.encode()))["request_id"]
-        entries = worker.redis.xrange(worker.keys_of(stream).out(rid))
-        return [decode_chunk(f.get(DATA.encode()), rid) for _, f in entries]
-    except (ValueError, KeyError, TypeError):
-        return []
 
 
 def _give_up(

@@ -44,10 +44,9 @@ import zlib
 from collections import Counter
 from typing import TYPE_CHECKING, Any
 
-from lorapool.connection import register_script
+from lorapool.lifecycle.intake import Handoff, Read
 from lorapool.lifecycle.keys import WORKERS_GROUP
 from lorapool.worker.pool import loaded_adapters
-from lorapool.worker.scripts import HANDOFF, READ
 
 if TYPE_CHECKING:
     from lorapool.worker.worker import Worker
@@ -71,8 +70,8 @@ class Intake:
         self._load = 0  # requests running and waiting here, for a read
         self._interactive = {view.requests for view in worker.keys.shard_views}
         self._turn = 0  # the shard the next blocking read waits on
-        self._script = register_script(worker.redis, READ)
-        self._handoff = register_script(worker.redis, HANDOFF)
+        self._read_script = Read(worker.redis)
+        self._handoff = Handoff(worker.redis)
 
     def queue_empty(self) -> bool:
         """Nothing held here, nothing pending anywhere (``--burst`` stops then)."""
@@ -139,16 +138,10 @@ class Intake:
     def _send(self, items: list[tuple[str, str, str]]) -> None:
         """HANDOFF for ``items`` (stream, entry, peer): at once when the engine is idle,
         else on the sender's next round trip (the engine never waits for it)."""
-        calls = []
-        for keys, where in self.worker.by_shard([stream for stream, _, _ in items]).items():
-            streams = list(keys.streams)
-            call_keys, args = [], [WORKERS_GROUP, self.worker.name, self._list_ttl_s()]
-            for stream, entry_id, peer in (items[i] for i in where):
-                stream = stream or keys.requests
-                call_keys += [stream, keys.handoff(peer)]
-                args += [entry_id, streams.index(stream) + 1, peer]
-            calls.append({"keys": call_keys, "args": args})
-        call = lambda: [self._handoff(**c) for c in calls]  # noqa: E731
+        name, ttl_s = self.worker.name, self._list_ttl_s()
+        shards = self.worker.by_shard([stream for stream, _, _ in items]).items()
+        calls = [(keys, [items[i] for i in where]) for keys, where in shards]
+        call = lambda: [self._handoff(keys, name, ttl_s, its) for keys, its in calls]  # noqa: E731
         if self.worker.engine.has_unfinished_requests():
             self.worker.publisher.extra.append((call, None))
         else:
@@ -220,23 +213,19 @@ class Intake:
             if i > 0 and (count <= 0 or room <= 0):
                 break
             for keys in views:
-                streams = keys.streams
-                reply = self._script(
-                    keys=[*streams, keys.handoff(self.worker.name)],
-                    args=[
-                        WORKERS_GROUP,
-                        self.worker.name,
-                        max(0, count),
-                        live,
-                        held[keys],
-                        max(0, min(room, batch_room)),
-                    ],
+                reply = self._read_script(
+                    keys,
+                    self.worker.name,
+                    max(0, count),
+                    live,
+                    held[keys],
+                    max(0, min(room, batch_room)),
                 )
-                for index, entry_id, fields, handed in reply:
-                    fields = dict(zip(fields[::2], fields[1::2]))
-                    read.append((streams[index - 1], entry_id, fields, bool(handed)))
+                for entry in reply:
+                    read.append(entry)
+                    stream, _, _, handed = entry
                     if not handed:
                         count -= 1
-                        room -= index > 1
+                        room -= stream != keys.requests  # past the first stream: batch
                         held[keys] += 1
         return read

@@ -1,14 +1,12 @@
-"""The worker's hold on its entries: fenced lease renewal (``scripts.RENEW``), and the
-abort flags read with it."""
+"""The worker's hold on its entries: fenced lease renewal (``lifecycle.lease.Renew``),
+and the abort flags read with it; what a lost entry or an abort asked means here."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from lorapool.connection import register_script
-from lorapool.lifecycle.keys import WORKERS_GROUP
+from lorapool.lifecycle.lease import Renew, abort_flags
 from lorapool.worker.held import Held
-from lorapool.worker.scripts import RENEW
 
 if TYPE_CHECKING:
     from lorapool.worker.worker import Worker
@@ -17,7 +15,7 @@ if TYPE_CHECKING:
 class Lease:
     def __init__(self, worker: Worker):
         self.worker = worker
-        self._renew = register_script(worker.redis, RENEW)
+        self._renew = Renew(worker.redis)
 
     def send(self, held: list[Held], idle_ms: int) -> tuple[set, list]:
         """RENEW (fenced) for ``held``, one call per shard: the positions in ``held`` of
@@ -26,11 +24,13 @@ class Lease:
         lost, flags = set(), [None] * len(held)
         for keys, where in worker.by_shard([h.stream for h in held]).items():
             shard_lost = self._renew(
-                keys=[held[i].stream or keys.requests for i in where],
-                args=[WORKERS_GROUP, worker.name, idle_ms] + [held[i].entry_id for i in where],
+                worker.name,
+                idle_ms,
+                [held[i].stream or keys.requests for i in where],
+                [held[i].entry_id for i in where],
             )
-            lost.update(where[int(i) - 1] for i in shard_lost)
-            shard_flags = worker.redis.mget([keys.abort(held[i].request_id) for i in where])
+            lost.update(where[i] for i in shard_lost)
+            shard_flags = abort_flags(worker.redis, keys, [held[i].request_id for i in where])
             for i, flag in zip(where, shard_flags):
                 flags[i] = flag
         return lost, flags

@@ -17,12 +17,11 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from lorapool.connection import register_script
+from lorapool.lifecycle.append import NOT_OWNER, Append, Appender
 from lorapool.lifecycle.wire import Chunk, encode_chunk
 from lorapool.outputs import RequestOutput
 from lorapool.worker.audit import final_audit
 from lorapool.worker.held import Held, Position, make_chunk
-from lorapool.worker.scripts import NOT_OWNER, Append, append_call, append_script
 from lorapool.worker.sender import Sender
 
 if TYPE_CHECKING:
@@ -55,7 +54,7 @@ class Publisher:
         self.pending_steps = 0
         self.retry: _Trip | None = None  # a trip whose send failed: sent again first
         self.extra: list = []  # upkeep calls for the next trip (see ``Worker._upkeep``)
-        self._script = register_script(worker.redis, append_script(worker.redis))
+        self._append = Appender(worker.redis)
         self._sender = Sender(self._send_trip, worker.name)
 
     def close(self) -> None:
@@ -155,14 +154,16 @@ class Publisher:
         return held, chunk, self.append_item(held, chunk, final_audit(self.worker, held, chunk))
 
     def append(self, items: list[Append]) -> list[int]:
-        """One APPEND call (``scripts.APPEND``) per shard the items are on (one call
+        """One APPEND call (``lifecycle.append``) per shard the items are on (one call
         unsharded); its result per item."""
         config, name = self.worker.config, self.worker.name
         results = [0] * len(items)
         for keys, where in self.worker.by_shard([item.stream for item in items]).items():
             shard_items = [items[i] for i in where]
-            call = append_call(keys, name, config.dead_max_len, config.log_grace_s, shard_items)
-            for i, result in zip(where, self._script(**call)):
+            appended = self._append(
+                keys, name, config.dead_max_len, config.log_grace_s, shard_items
+            )
+            for i, result in zip(where, appended):
                 results[i] = result
         return results
 

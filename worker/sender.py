@@ -2,7 +2,7 @@
 steps on.
 
 One trip is on its way at a time, in the order handed over: chunk ``seq`` order
-per request, and so the fencing of ``scripts.APPEND``, is as if sent inline. The
+per request, and so the fencing of ``lifecycle.append``, is as if sent inline. The
 publisher hands a trip over only when the previous one is done (``idle``) and
 applies the results on the worker's thread (``take_done``). The sender's thread
 touches a request's ``Held`` only to keep the chunks it builds (``Held.keep``);

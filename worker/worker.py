@@ -3,8 +3,7 @@
 Loop: periodic upkeep (lease renewal, claiming abandoned entries, heartbeat)
 → admit what the engine can take now → one engine step → its outputs handed to
 the publisher (``publisher.py``), whose sender thread appends them (fenced; see
-``scripts.py``, also for why Redis Cluster is not supported) in one round trip
-while the engine runs its next step.
+``lorapool.lifecycle.append``) in one round trip while the engine runs its next step.
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ from rq.serializers import JSONSerializer
 
 from lorapool.audit_record import AuditRecord
 from lorapool.lifecycle.keys import Keys
-from lorapool.producer.job import check_on_finish
+from lorapool.lifecycle.submit import check_on_finish
 from lorapool.protocol import FieldError
 
 ON_FINISH = "on_finish"

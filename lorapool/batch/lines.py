@@ -13,8 +13,8 @@ import orjson
 
 from lorapool.gateway.errors import APIError, field_error
 from lorapool.gateway.params import Parsed, parse_chat, parse_completion
+from lorapool.lifecycle.submit import build_job
 from lorapool.lifecycle.wire import JobLimits
-from lorapool.producer.job import build_job
 from lorapool.protocol import FieldError, short_repr
 
 ENDPOINTS = {"/v1/completions": "completion", "/v1/chat/completions": "chat"}

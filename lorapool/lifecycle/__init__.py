@@ -3,7 +3,16 @@ audit writer and every reader of streams share.
 
 - ``keys``: every Redis key name, both layouts (one standalone Redis; shards on a Redis
   Cluster);
-- ``wire``: the records on the queue (jobs) and on the chunk logs (chunks).
+- ``wire``: the records on the queue (jobs) and on the chunk logs (chunks);
+- each Lua script of a request's life with its one typed wrapper, which writes the
+  script's KEYS/ARGV out once: ``submit`` (SUBMIT, and the job it enqueues), ``intake``
+  (READ, HANDOFF), ``append`` (APPEND: fenced chunks, and at the end the final record,
+  ack, audit record and dead letter), ``lease`` (RENEW, with claiming an idle entry and
+  reading its log to resume), ``queue_position``;
+- ``marker``: what a client does to a request it submitted (abort, read back).
+
+The worker's policy (when to renew, claim, hand off, dead-letter) stays in
+``lorapool.worker``; what each of those does to Redis is here.
 
 Torch-free. May import: the standard library, orjson and lorapool's torch-free data
 types (``protocol``, ``outputs``, ``messages``); redis-py only in the modules that talk

@@ -7,8 +7,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from json_strategies import json_values
 
+from lorapool.lifecycle.submit import build_job
 from lorapool.lifecycle.wire import JobLimits, decode_job, encode_job, job_from_dict
-from lorapool.producer.job import build_job
 from lorapool.protocol import FieldError
 
 CHAT = [{"role": "user", "content": "hi \x00 there"}]

@@ -12,12 +12,12 @@ from redis_server import RedisServer
 from standin import load
 
 from lorapool.connection import register_script
+from lorapool.lifecycle.append import DUPLICATE, NOT_OWNER, Append, append_call, append_script
 from lorapool.lifecycle.keys import WORKERS_GROUP, Keys
 from lorapool.lifecycle.wire import DATA, decode_chunk
 from lorapool.producer import Producer
 from lorapool.protocol import SamplingParams
 from lorapool.worker import Worker, WorkerConfig
-from lorapool.worker.scripts import DUPLICATE, NOT_OWNER, Append, append_call, append_script
 
 pytestmark = pytest.mark.integration
 LAYOUTS = ("standalone", "cluster")

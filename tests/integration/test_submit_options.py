@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lorapool.producer.job import check_on_finish
+from lorapool.lifecycle.submit import check_on_finish
 from lorapool.protocol import FieldError
 
 pytestmark = pytest.mark.integration

@@ -17,8 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from json_strategies import json_values as any_json
 
+from lorapool.lifecycle.submit import build_job
 from lorapool.lifecycle.wire import JobLimits, decode_job, encode_job, job_from_dict
-from lorapool.producer.job import build_job
 from lorapool.protocol import FieldError, LoRARequest, SamplingParams
 
 VALID = {

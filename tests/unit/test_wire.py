@@ -4,6 +4,7 @@ import orjson
 import pytest
 
 from lorapool.chunk_log import OutputAssembler
+from lorapool.lifecycle.submit import build_job
 from lorapool.lifecycle.wire import (
     Chunk,
     chunk_record,
@@ -12,7 +13,6 @@ from lorapool.lifecycle.wire import (
     encode_chunk,
     encode_job,
 )
-from lorapool.producer.job import build_job
 from lorapool.protocol import LoRARequest, SamplingParams
 
 

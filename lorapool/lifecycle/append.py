@@ -1,24 +1,27 @@
-"""Lua scripts of the worker: fenced chunk appends and fenced lease renewal.
+"""APPEND: a worker's fenced chunk appends, and at a request's end its final record,
+ack, audit record and (failed) dead letter, all in one atomic call.
 
-Fencing: a worker writes for an entry only while XPENDING names it as the
-entry's consumer. Another worker that claims the entry (XAUTOCLAIM) takes that
-name away, so a paused worker that wakes up can neither append nor renew.
-Chunk log entry ids are ``0-<seq + 1>``, and an append whose seq is not past
-the log's last one is refused (XADD refuses an id not above the stream's last;
-no read of the log), so a log never holds a duplicate or a gap-filler out of
-order.
+Fencing: a worker writes for an entry only while XPENDING names it as the entry's
+consumer. Another worker that claims the entry (XAUTOCLAIM) takes that name away, so a
+paused worker that wakes up can neither append nor renew. Chunk log entry ids are
+``0-<seq + 1>``, and an append whose seq is not past the log's last one is refused
+(XADD refuses an id not above the stream's last; no read of the log), so a log never
+holds a duplicate or a gap-filler out of order.
 
-Redis Cluster (``--shards N``, see ``lorapool.lifecycle.keys``): every key one call of these
-scripts touches is on one shard, so on one slot: APPEND takes the items of one
-shard (the publisher makes one call per shard a trip), RENEW the entries of one
-shard, READ and HANDOFF one shard's streams and handoff lists; the producer's
-SUBMIT the marker and the stream of the request's shard. On a cluster the scripts
-run under ``#!lua`` (``connection.register_script``), which refuses a key of
-another slot, and APPEND publishes with SPUBLISH (``append_script``).
+Redis Cluster (``--shards N``, see ``keys``): one call takes the items of one shard (the
+publisher makes one call per shard a trip). On a cluster the script runs under
+``#!lua`` (``connection.register_script``), which refuses a key of another slot, and
+publishes with SPUBLISH (``append_script``).
 """
 
-from typing import NamedTuple
+from __future__ import annotations
 
+import hashlib
+from typing import Any, NamedTuple
+
+import orjson
+
+from lorapool.connection import register_script
 from lorapool.lifecycle.keys import WORKERS_GROUP, Keys
 
 NOT_OWNER, DUPLICATE = -1, -2  # APPEND's results besides 0 and 1 (abort asked)
@@ -44,7 +47,8 @@ class Append(NamedTuple):
 def append_call(
     keys: Keys, consumer: str, dead_max_len: int, log_grace_s: int, items: list[Append]
 ) -> dict:
-    """The keys and args of one APPEND call for ``items`` (any number, one round trip)."""
+    """The keys and args of one APPEND call for ``items`` (any number, one round trip):
+    the script's KEYS/ARGV contract (below), written out here only."""
     call_keys = [keys.audit, keys.dead]
     args: list = [WORKERS_GROUP, consumer, dead_max_len, log_grace_s]
     for item in items:
@@ -150,96 +154,42 @@ def append_script(connection) -> str:
     return APPEND
 
 
-# KEYS: each entry's stream. ARGV: group, consumer, idle_ms (0: renew), the entry ids
-# (one per key). Resets the idle time of the entries this consumer still owns; returns
-# the positions (1-based) of those it lost.
-RENEW = """
-local lost = {}
-for i = 1, #KEYS do
-  local entry = ARGV[i + 3]
-  local p = redis.call('XPENDING', KEYS[i], ARGV[1], entry, entry, 1)
-  if #p == 0 or p[1][2] ~= ARGV[2] then
-    table.insert(lost, i)
-  else
-    redis.call('XCLAIM', KEYS[i], ARGV[1], ARGV[2], 0, entry, 'IDLE', ARGV[3], 'JUSTID')
-  end
-end
-return lost
-"""
+class Appender:
+    """``appender(keys, consumer, dead_max_len, log_grace_s, items)``: one APPEND call
+    for ``items`` (all on the shard of ``keys``); the result per item (0, 1: abort
+    asked, ``NOT_OWNER``, ``DUPLICATE``)."""
 
-# KEYS: the job streams, first to last (``Keys.streams``), then this worker's handoff
-# list. ARGV: group, consumer, count, live workers, entries this worker holds, how many
-# the streams after the first may give (the batch jobs' room).
-# First the entries peers handed to this worker (``HANDOFF``) that it still owns, all
-# of them; then up to ``count`` new entries, each stream only with what the ones before
-# left of it, and no more than this worker's fair share of the pool's work: the entries
-# not yet read plus those pending, over the live workers, less what it holds (at least
-# one). Returns {stream's position, id, fields, handed (0/1)}.
-READ = """
-local group, consumer, count = ARGV[1], ARGV[2], tonumber(ARGV[3])
-local live, held, room = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
-local streams = #KEYS - 1
-local read = {}
-local handed = redis.call('LPOP', KEYS[#KEYS], 1000)
-for _, item in ipairs(handed or {}) do
-  local i, entry = string.match(item, '^(%d+) (%d+%-%d+)$')
-  i = tonumber(i)
-  if i and i >= 1 and i <= streams then
-    local p = redis.call('XPENDING', KEYS[i], group, entry, entry, 1)
-    if #p > 0 and p[1][2] == consumer then
-      local e = redis.call('XRANGE', KEYS[i], entry, entry)
-      if #e > 0 then table.insert(read, {i, e[1][1], e[1][2], 1}) end
-    end
-  end
-end
-if count > 0 and live > 1 then
-  local work = 0
-  for i = 1, streams do
-    if redis.call('EXISTS', KEYS[i]) == 1 then
-      for _, fields in ipairs(redis.call('XINFO', 'GROUPS', KEYS[i])) do
-        local info = {}
-        for j = 1, #fields, 2 do info[fields[j]] = fields[j + 1] end
-        if info['name'] == group then
-          -- lag unknown (an undelivered entry was deleted): count what is asked
-          work = work + (info['lag'] or count) + info['pending']
-        end
-      end
-    end
-  end
-  count = math.max(1, math.min(count, math.ceil(work / live) - held))
-end
-for i = 1, streams do
-  local n = i == 1 and count or math.min(count, room)
-  if n <= 0 then break end
-  local reply = redis.call('XREADGROUP', 'GROUP', group, consumer, 'COUNT', n,
-                           'STREAMS', KEYS[i], '>')
-  if reply then
-    for _, entry in ipairs(reply[1][2]) do
-      table.insert(read, {i, entry[1], entry[2], 0})
-    end
-    count = count - #reply[1][2]
-    if i > 1 then room = room - #reply[1][2] end
-  end
-end
-return read
-"""
+    def __init__(self, connection):
+        self._script = register_script(connection, append_script(connection))
 
-# KEYS: per entry, its stream and the peer's handoff list. ARGV: group, consumer, the
-# lists' TTL (s), then per entry: its id, the stream's position, the peer.
-# Gives each entry this worker still owns to the peer (XCLAIM, JUSTID: its delivery
-# count stays) and tells the peer (RPUSH to its list); returns how many it gave.
-HANDOFF = """
-local given = 0
-for i = 1, #KEYS / 2 do
-  local stream, list = KEYS[2 * i - 1], KEYS[2 * i]
-  local entry, position, peer = ARGV[3 * i + 1], ARGV[3 * i + 2], ARGV[3 * i + 3]
-  local p = redis.call('XPENDING', stream, ARGV[1], entry, entry, 1)
-  if #p > 0 and p[1][2] == ARGV[2] then
-    redis.call('XCLAIM', stream, ARGV[1], peer, 0, entry, 'JUSTID')
-    redis.call('RPUSH', list, position .. ' ' .. entry)
-    redis.call('EXPIRE', list, ARGV[3])
-    given = given + 1
-  end
-end
-return given
-"""
+    def __call__(
+        self, keys: Keys, consumer: str, dead_max_len: int, log_grace_s: int, items: list[Append]
+    ) -> list[int]:
+        return self._script(**append_call(keys, consumer, dead_max_len, log_grace_s, items))
+
+
+def dead_letter(entry_id: str, dead: bytes, reason: str, stream: str = "") -> Append:
+    """The APPEND item that dead-letters an entry whose request is unknown: its ack and
+    ``{p}:dead`` record, no chunk (``dead``: see ``dead_payload``)."""
+    return Append("-", entry_id, -1, b"", True, dead=dead, reason=reason, stream=stream)
+
+
+MAX_DEAD_PAYLOAD = 64 << 10
+
+
+def dead_payload(payload: Any, audited: bool) -> bytes:
+    """What a dead letter keeps of an entry's payload.
+
+    When an audit record was written for the request it keeps the prompt, so
+    the dead letter keeps only the payload's sha256 and length; otherwise the
+    payload itself up to 64 KiB (beyond that, its sha256, length and head).
+    """
+    if payload is None:
+        return b"null"
+    raw = payload if isinstance(payload, bytes) else str(payload).encode("utf-8", "replace")
+    if not audited and len(raw) <= MAX_DEAD_PAYLOAD:
+        return raw
+    summary = {"sha256": hashlib.sha256(raw).hexdigest(), "bytes": len(raw)}
+    if not audited:
+        summary["head"] = raw[:1024].decode("utf-8", "replace")
+    return orjson.dumps(summary)
