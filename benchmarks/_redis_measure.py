@@ -27,7 +27,14 @@ def chunk_log_bytes(conn, keys) -> tuple[int, int]:
     return total_bytes, total_tokens
 
 
-def finished_bytes(conn, keys, ids) -> tuple[int, int]:
-    """(MEMORY USAGE of finished requests' job hashes, their compacted records' bytes)."""
+def finished_bytes(conn, keys, ids) -> tuple[int, int, int]:
+    """Of finished requests: (MEMORY USAGE of their job hashes, their final records'
+    bytes as a reader gets them (the compact chunk's JSON), those records' bytes as
+    stored (compressed))."""
+    from lorapool.chunk_log import RESULT_FIELD, decode_record
+    from lorapool.lifecycle.wire import encode_chunk
+
     memory = sum(conn.memory_usage(keys.job(rid), samples=0) or 0 for rid in ids)
-    return memory, sum(conn.hstrlen(keys.job(rid), "result") for rid in ids)
+    stored = [conn.hget(keys.job(rid), RESULT_FIELD) or b"" for rid in ids]
+    records = sum(len(encode_chunk(decode_record(r, rid))) for r, rid in zip(stored, ids) if r)
+    return memory, records, sum(map(len, stored))

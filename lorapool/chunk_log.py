@@ -3,23 +3,51 @@ record once it is compacted, and the accumulator that turns chunks into RequestO
 
 A worker appends one chunk per step (or per few steps, under load) to the stream
 ``{p}:out:<id>``. When the request finishes, the same atomic call stores the whole
-output as one compact record in the job's hash (field ``result``) and lets the log
-expire after a short grace, so a reader that is following the stream reads the final
-chunk from it, and a reader that comes later reads everything in one HGET. Torch-free.
+output as one compact record in the job's hash (field ``result``, compressed:
+``encode_record``) and lets the log expire after a short grace, so a reader that is
+following the stream reads the final chunk from it, and a reader that comes later
+reads everything in one HGET. Torch-free.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import zlib
 from collections.abc import Iterator
 from typing import Any
 
-from lorapool.lifecycle.wire import DATA, Chunk, decode_chunk
+from lorapool.lifecycle.wire import DATA, Chunk, decode_chunk, encode_chunk
 from lorapool.outputs import CompletionOutput, RequestOutput
 from lorapool.protocol import RequestOutputKind
 
 RESULT_FIELD = "result"  # the job hash's field holding the compacted output
 _DATA = DATA.encode()
+MAX_RECORD_BYTES = 256 << 20  # a compressed record inflates to at most this
+
+
+def encode_record(whole: Chunk) -> bytes:
+    """The final record of a request (``whole``: its output as one chunk): the compact
+    chunk, zlib-compressed (RFC 1950, level 1) when that is smaller, as it is past a
+    few tokens (ids and text take about half). A compressed record starts with byte
+    0x78, a JSON one with ``{``; ``decode_record`` reads both."""
+    raw = encode_chunk(whole)
+    packed = zlib.compress(raw, 1)
+    return packed if len(packed) < len(raw) else raw
+
+
+def decode_record(payload: bytes | str | None, request_id: str) -> Chunk:
+    """The chunk a final record holds (``encode_record``); ValueError when malformed."""
+    if isinstance(payload, bytes) and payload.startswith(b"x"):
+        inflater = zlib.decompressobj()
+        try:
+            payload = inflater.decompress(payload, MAX_RECORD_BYTES)
+        except zlib.error as exc:
+            raise ValueError(f"malformed record of {request_id!r}: {exc}") from None
+        if not inflater.eof:
+            raise ValueError(
+                f"malformed record of {request_id!r}: truncated, or over {MAX_RECORD_BYTES} B"
+            )
+    return decode_chunk(payload, request_id)
 
 
 class LogCompacted(LookupError):
@@ -58,7 +86,7 @@ class Cursor:
 
     def rest(self, payload: bytes | str) -> Iterator[Chunk]:
         """What the final record ``payload`` holds past this cursor, as one chunk."""
-        whole = decode_chunk(payload, self.request_id)
+        whole = decode_record(payload, self.request_id)
         if whole.seq <= self.seq:
             self.done = True
             return

@@ -17,6 +17,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from lorapool.chunk_log import encode_record
 from lorapool.lifecycle.append import NOT_OWNER, Append, Appender
 from lorapool.lifecycle.wire import Chunk, encode_chunk
 from lorapool.outputs import RequestOutput
@@ -172,7 +173,7 @@ class Publisher:
     ) -> Append:
         """``held`` has kept ``chunk``: a final one carries the whole output too."""
         ttl_s = held.job.result_ttl_s or self.worker.config.result_ttl_s
-        result = encode_chunk(held.whole()) if chunk.finished else b""
+        result = encode_record(held.whole()) if chunk.finished else b""
         return Append(
             held.request_id,
             held.entry_id,

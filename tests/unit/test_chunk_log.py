@@ -2,12 +2,20 @@
 record once the log is compacted, joined, equal the whole output; the accumulator's
 cumulative outputs equal the joined deltas at every chunk."""
 
+import zlib
+
 import orjson
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lorapool.chunk_log import Cursor, LogCompacted, OutputAssembler
+from lorapool.chunk_log import (
+    Cursor,
+    LogCompacted,
+    OutputAssembler,
+    decode_record,
+    encode_record,
+)
 from lorapool.lifecycle.wire import Chunk, encode_chunk
 
 _PROMPT = {"prompt": "p", "prompt_token_ids": [7]}
@@ -70,7 +78,9 @@ def test_chunks_then_the_rest_of_the_record_join_to_the_whole(n, steps, data):
     seen = data.draw(st.integers(0, len(log)))  # chunks read before the log was compacted
     cursor = Cursor("r")
     got = list(cursor.take(_entries(log[:seen])))
-    got += list(cursor.rest(encode_chunk(whole)))
+    # a record as workers store it (compressed) or as JSON: both read the same
+    encode = data.draw(st.sampled_from([encode_record, encode_chunk]))
+    got += list(cursor.rest(encode(whole)))
     assert cursor.done and got[-1].finished
     assert [c.seq for c in got] == sorted({c.seq for c in got})  # in order, no repeat
     for i in range(n):
@@ -117,3 +127,26 @@ def test_the_compact_record_says_only_what_is_not_default():
         "f": 1,
         "a": 2,
     }
+
+
+def test_a_long_record_is_stored_compressed_and_reads_back_whole():
+    text = [(f" word{i}", [1000 + i]) for i in range(96)]
+    whole = _whole(_chunks([[piece] for piece in text], 1), 1)
+    raw, record = encode_chunk(whole), encode_record(whole)
+    assert record[:1] == b"x" and len(record) < len(raw) * 0.7  # zlib's header byte
+    assert encode_chunk(decode_record(record, "r")) == raw
+    short = Chunk("r", 0, 0, [{"index": 0, "offset": 0, "text": "a", "token_ids": [1]}], True)
+    assert encode_record(short) == encode_chunk(short)  # nothing to gain: left as JSON
+
+
+@pytest.mark.parametrize(
+    "payload, problem",
+    [
+        (zlib.compress(b'{"s": 0')[:-3], "truncated"),
+        (b"x\x01garbage", "malformed record"),
+        (zlib.compress(b"[1, 2]"), "expected an object"),
+    ],
+)
+def test_a_broken_record_says_what_is_wrong(payload, problem):
+    with pytest.raises(ValueError, match=problem):
+        decode_record(payload, "r")
