@@ -38,7 +38,6 @@ import uuid
 import zlib
 from collections import deque
 from pathlib import Path
-from typing import Any
 
 VOCAB = 49152
 BASE_MODEL = {"name": "stand-in", "sha256": "0" * 64}
@@ -234,6 +233,7 @@ def serve_worker(args) -> None:
         name=args.name,
         audit_key=AUDIT_KEY.encode(),
         lease_s=args.lease_s,
+        max_chunk_rate=args.max_chunk_rate,
     )
     worker = Worker(engine, connect(args.redis_url), config, BASE_MODEL)
     worker.run()
@@ -246,32 +246,35 @@ def serve_worker(args) -> None:
 
 
 def start_worker(
-    url: str, prefix: str, sequences: int, step_ms: float, stats: Path, shards: int = 0
+    url: str, prefix: str, sequences: int, step_ms: float, stats: Path, shards=0, rate=4000
 ):
     cmd = [sys.executable, __file__, "--serve-worker", "--redis-url", url, "--prefix", prefix]
-    cmd += ["--shards", str(shards)]
+    cmd += ["--shards", str(shards), "--max-chunk-rate", str(rate)]
     cmd += ["--name", f"gpu-{prefix}", "--sequences", str(sequences)]
     cmd += ["--step-ms", str(step_ms), "--stats", str(stats)]
     return subprocess.Popen(cmd, stderr=subprocess.DEVNULL)
 
 
-def check_streams(conn, keys, jobs) -> int:
-    """Every log read back equals the stand-in's output exactly; returns mismatches."""
+def check_streams(conn, keys, jobs) -> tuple[int, int]:
+    """Every log read back equals the stand-in's output exactly; returns (mismatches,
+    chunks in all)."""
     from lorapool.lifecycle.wire import DATA, decode_chunk
 
-    bad = 0
+    bad = chunks = 0
     for rid, _, max_tokens in jobs:
         tokens, finals = [], 0
-        for _, fields in conn.xrange(keys.out(rid)):
+        entries = conn.xrange(keys.out(rid))
+        chunks += len(entries)
+        for _, fields in entries:
             chunk = decode_chunk(fields[DATA.encode()], rid)
             for out in chunk.outputs:
                 tokens += out["token_ids"]
             finals += chunk.finished
         bad += tokens != [token_of(rid, k) for k in range(max_tokens)] or finals != 1
-    return bad
+    return bad, chunks
 
 
-def run_queue(url: str, sequences: int, step_ms: float, jobs, shards: int = 0) -> dict[str, Any]:
+def run_queue(url: str, sequences: int, step_ms: float, jobs, shards=0, rate=4000) -> dict:
     from lorapool.producer import Producer
     from lorapool.protocol import SamplingParams
 
@@ -280,7 +283,7 @@ def run_queue(url: str, sequences: int, step_ms: float, jobs, shards: int = 0) -
     conn, keys = producer.redis, producer.keys
     with tempfile.TemporaryDirectory() as tmp:
         stats_file = Path(tmp) / "stats.json"
-        worker = start_worker(url, prefix, sequences, step_ms, stats_file, shards)
+        worker = start_worker(url, prefix, sequences, step_ms, stats_file, shards, rate)
         try:
             deadline = time.monotonic() + 60
             while not conn.hlen(keys.workers):
@@ -308,7 +311,7 @@ def run_queue(url: str, sequences: int, step_ms: float, jobs, shards: int = 0) -
             worker.send_signal(signal.SIGTERM)
             worker.wait(120)
             stats = json.loads(stats_file.read_text())
-            bad = check_streams(conn, keys, jobs)
+            bad, chunks = check_streams(conn, keys, jobs)
             finished = finished_bytes(conn, keys, ids[:64])
         finally:
             if worker.poll() is None:
@@ -329,7 +332,9 @@ def run_queue(url: str, sequences: int, step_ms: float, jobs, shards: int = 0) -
         # kept once the log's grace is over: the job hash with the record, vs the record
         "finished_bytes_per_request": finished[0] / 64,
         "final_record_bytes": finished[1] / 64,
+        "stored_record_bytes": finished[2] / 64,  # compressed
         "mismatched_streams": bad,
+        "chunks_per_token": chunks / tokens,
     }
 
 
@@ -348,6 +353,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--name", help=argparse.SUPPRESS)
     parser.add_argument("--stats", help=argparse.SUPPRESS)
     parser.add_argument("--lease-s", type=float, default=10.0, help=argparse.SUPPRESS)
+    parser.add_argument("--max-chunk-rate", type=int, default=4000, help="the worker's")
     parser.add_argument(
         "--shards",
         type=int,
@@ -367,7 +373,9 @@ def main(argv=None) -> dict:
         print(f"step {step_ms:g} ms, {args.sequences} sequences, {num} requests:", flush=True)
         peer = run_inprocess(args.sequences, step_ms / 1000, jobs)
         print(f"  in-process: {peer['steps_per_s']:.2f} steps/s", flush=True)
-        queue = run_queue(args.redis_url, args.sequences, step_ms, jobs, args.shards)
+        queue = run_queue(
+            args.redis_url, args.sequences, step_ms, jobs, args.shards, args.max_chunk_rate
+        )
         peer_cpu = 1e6 * peer["cpu_s"] / max(1, peer["tokens"])
         queue["ratio"] = queue["steps_per_s"] / peer["steps_per_s"]
         queue["token_ratio"] = queue["steady_tokens_per_s"] / peer["tokens_per_s"]

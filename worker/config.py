@@ -11,6 +11,11 @@ from lorapool import signing
 from lorapool.lifecycle.keys import DEAD_MAX_LEN, DEFAULT_PREFIX, Keys
 from lorapool.lifecycle.wire import DEFAULT_MAX_N, DEFAULT_MAX_PROMPT_BYTES, JobLimits
 
+# Redis spends ~10 µs on a chunk (the APPEND script's work per item, whatever its
+# tokens), so one Redis core serves ~100,000 chunks/s; 4,000 a worker leaves room for
+# 20 workers with their reads, audit records and readers
+DEFAULT_MAX_CHUNK_RATE = 4000
+
 
 def default_name() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
@@ -37,6 +42,9 @@ class WorkerConfig:
     # a finished request's chunk log stays this long for readers following it; the
     # whole output stays, compacted into one record, for result_ttl_s
     log_grace_s: int = 60
+    # chunks a second this worker writes at most: above it, a request's tokens of several
+    # steps go out as one chunk (``publisher.py``); 0: every step's tokens at once
+    max_chunk_rate: int = DEFAULT_MAX_CHUNK_RATE
     # a read takes at most this worker's share of the pool's work (``intake.py``)
     fair_share: bool = True
     # while interactive jobs come (one read in the last interactive_window_s), batch
@@ -69,6 +77,8 @@ class WorkerConfig:
             raise ValueError(f"max_deliveries must be >= 1, got {self.max_deliveries}")
         if min(self.block_ms, self.result_ttl_s, self.dead_max_len, self.log_grace_s) < 1:
             raise ValueError("block_ms, result_ttl_s, dead_max_len, log_grace_s must be > 0")
+        if self.max_chunk_rate < 0:
+            raise ValueError(f"max_chunk_rate must be >= 0, got {self.max_chunk_rate}")
         if not 0 < self.batch_share <= 1:
             raise ValueError(f"batch_share must be in (0, 1], got {self.batch_share}")
         if not self.interactive_window_s >= 0:

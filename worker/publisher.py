@@ -2,10 +2,14 @@
 sender's (``sender.py``), one APPEND call per round trip.
 
 Coalescing: a step's chunks go out at once when the previous round trip is
-done; when it is not, they wait and merge with the next steps' (one chunk per
-request), and once ``MAX_BEHIND`` steps wait, the engine waits for Redis. So a
-token reaches Redis at most ``MAX_BEHIND`` steps plus one round trip after its
-step, and a slow Redis slows the engine instead of piling up chunks. The round
+done and the worker writes under ``max_chunk_rate`` chunks a second; when the
+trip is not done, or a trip of n chunks went out less than n / max_chunk_rate
+seconds ago (a busy pool: 256 sequences at 30 steps a second would write 7,680
+a second), they wait and merge with the next steps' (one chunk per request),
+and once ``MAX_BEHIND`` steps wait, they go (the engine waiting for Redis if
+the trip before is still on its way). So a token reaches Redis at most
+``MAX_BEHIND`` steps plus one round trip after its step, and a slow Redis slows
+the engine instead of piling up chunks. A light pool's chunks go every step. The round
 trip also reads new entries for the engine's free slots and carries the
 worker's lease renewal and heartbeat (``extra``): while the engine runs, no
 Redis call waits on its thread.
@@ -14,6 +18,7 @@ Redis call waits on its thread.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -55,6 +60,7 @@ class Publisher:
         self.pending_steps = 0
         self.retry: _Trip | None = None  # a trip whose send failed: sent again first
         self.extra: list = []  # upkeep calls for the next trip (see ``Worker._upkeep``)
+        self.next_trip = 0.0  # monotonic time before which chunks wait (max_chunk_rate)
         self._append = Appender(worker.redis)
         self._sender = Sender(self._send_trip, worker.name)
 
@@ -73,7 +79,8 @@ class Publisher:
         """Apply what the sender finished; hand it the pending chunks if it is free.
 
         ``wait``: until every chunk so far is in Redis. Without it, waits only
-        when ``MAX_BEHIND`` steps are pending. A failed send raises here, on the
+        when ``MAX_BEHIND`` steps are pending, and hands nothing over before
+        ``next_trip`` unless upkeep calls are due. A failed send raises here, on the
         worker's thread, and its batch is sent again first.
         """
         self._collect()
@@ -87,8 +94,14 @@ class Publisher:
             self._sender.hand(trip)
             self._sender.wait()
             self._collect()
+        early = time.monotonic() < self.next_trip
+        if early and not (wait or self.extra) and self.pending_steps < MAX_BEHIND:
+            return
         batch = self._build_batch()
         self.pending_steps = 0
+        rate = self.worker.config.max_chunk_rate
+        if rate and batch:
+            self.next_trip = max(self.next_trip, time.monotonic()) + len(batch) / rate
         # new entries for the slots the engine has free, read in the same trip
         engine = self.worker.engine
         busy = engine.has_unfinished_requests() and not self.worker.draining

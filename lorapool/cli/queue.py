@@ -69,6 +69,13 @@ def _producer(redis_url, prefix, shards=0):
     "output stays, as one record, for --result-ttl)",
     "log_grace_s",
 )
+@count_option(
+    "--max-chunk-rate",
+    4000,  # WorkerConfig.max_chunk_rate
+    "chunks a second the worker writes at most: above it, a request's tokens of several "
+    "steps (at most 4) go out as one chunk; 0: every step's at once",
+    least=0,
+)
 @click.option("--name", default=None, help="worker name (default: host-pid-random)")
 @click.option("--lease", "lease_s", default=10.0, show_default=True, help="lease seconds")
 @click.option("--max-deliveries", default=3, show_default=True)

@@ -1,0 +1,66 @@
+"""Chunks coalesce under load (``WorkerConfig.max_chunk_rate``) and only then: the real
+Worker around the benchmark's stand-in engine, on both layouts.
+
+Oracle: the stand-in's tokens are a fixed function of (request id, position)
+(``token_of``): every log read back must hold exactly them, in order, whatever the
+chunking; how many tokens a chunk holds is what the policy decides.
+"""
+
+import pytest
+from standin import load
+
+from lorapool.protocol import SamplingParams
+from lorapool.wire import DATA, decode_chunk
+from lorapool.worker import Worker, WorkerConfig
+from lorapool.worker.publisher import MAX_BEHIND
+
+pytestmark = pytest.mark.integration
+LAYOUTS = ("standalone", "cluster")
+TOKENS = 40
+
+
+def run(conn, keys, producer, requests: int, step_s: float, rate: int) -> list[list[int]]:
+    """Tokens per chunk of each request's log, after a burst worker ran them all."""
+    bench = load()
+    ids = [f"c{i}" for i in range(requests)]
+    params = SamplingParams(max_tokens=TOKENS, ignore_eos=True)
+    producer.submit_many([{"prompt_token_ids": [1, 2]}] * requests, params, request_ids=ids)
+    config = WorkerConfig(
+        prefix=keys.prefix,
+        shards=keys.shards,
+        burst=True,
+        audit_key=bench.AUDIT_KEY.encode(),
+        max_chunk_rate=rate,
+    )
+    Worker(bench.StandInEngine(64, step_s), conn, config, bench.BASE_MODEL).run()
+    sizes = []
+    for rid in ids:
+        chunks = [decode_chunk(f[DATA.encode()], rid) for _, f in conn.xrange(keys.out(rid))]
+        tokens = [t for chunk in chunks for out in chunk.outputs for t in out["token_ids"]]
+        assert tokens == [bench.token_of(rid, k) for k in range(TOKENS)], rid
+        assert [chunk.seq for chunk in chunks] == list(range(len(chunks)))
+        assert [chunk.finished for chunk in chunks].count(True) == 1 and chunks[-1].finished
+        sizes.append([chunk.num_tokens for chunk in chunks])
+    return sizes
+
+
+def test_a_busy_worker_writes_several_steps_in_a_chunk(conn, keys, producer):
+    # 32 chunks a trip at 100 chunks/s: a trip every 320 ms, past MAX_BEHIND 20 ms steps
+    sizes = run(conn, keys, producer, 32, 0.02, 100)
+    flat = [n for request in sizes for n in request]
+    assert max(flat) <= MAX_BEHIND  # the bound on a token's delay
+    assert sum(flat) / len(flat) > MAX_BEHIND - 1  # nearly every chunk as late as allowed
+
+
+def test_a_light_pool_writes_every_step(conn, keys, producer):
+    # 4 chunks a trip at 4,000 chunks/s: due after 1 ms, long before the next 50 ms
+    # step. (A round trip that outlasts a step still merges steps: on a loaded machine.)
+    sizes = run(conn, keys, producer, 4, 0.05, 4000)
+    flat = [n for request in sizes for n in request]
+    assert sorted(flat)[len(flat) // 2] == 1 and sum(flat) / len(flat) < 1.25, sizes
+
+
+def test_without_a_rate_a_busy_worker_writes_every_step(conn, keys, producer):
+    sizes = run(conn, keys, producer, 32, 0.02, 0)  # the busy pool above, no rate
+    flat = [n for request in sizes for n in request]
+    assert sorted(flat)[len(flat) // 2] == 1 and sum(flat) / len(flat) < 1.25, sizes
