@@ -246,7 +246,7 @@ def serve_worker(args) -> None:
 
 
 def start_worker(
-    url: str, prefix: str, sequences: int, step_ms: float, stats: Path, shards=0, rate=4000
+    url: str, prefix: str, sequences: int, step_ms: float, stats: Path, shards=0, rate=3000
 ):
     cmd = [sys.executable, __file__, "--serve-worker", "--redis-url", url, "--prefix", prefix]
     cmd += ["--shards", str(shards), "--max-chunk-rate", str(rate)]
@@ -274,7 +274,7 @@ def check_streams(conn, keys, jobs) -> tuple[int, int]:
     return bad, chunks
 
 
-def run_queue(url: str, sequences: int, step_ms: float, jobs, shards=0, rate=4000) -> dict:
+def run_queue(url: str, sequences: int, step_ms: float, jobs, shards=0, rate=3000) -> dict:
     from lorapool.producer import Producer
     from lorapool.protocol import SamplingParams
 
@@ -353,7 +353,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--name", help=argparse.SUPPRESS)
     parser.add_argument("--stats", help=argparse.SUPPRESS)
     parser.add_argument("--lease-s", type=float, default=10.0, help=argparse.SUPPRESS)
-    parser.add_argument("--max-chunk-rate", type=int, default=4000, help="the worker's")
+    parser.add_argument("--max-chunk-rate", type=int, default=3000, help="the worker's")
     parser.add_argument(
         "--shards",
         type=int,

@@ -11,10 +11,10 @@ from lorapool import signing
 from lorapool.lifecycle.keys import DEAD_MAX_LEN, DEFAULT_PREFIX, Keys
 from lorapool.lifecycle.wire import DEFAULT_MAX_N, DEFAULT_MAX_PROMPT_BYTES, JobLimits
 
-# Redis spends ~10 µs on a chunk (the APPEND script's work per item, whatever its
-# tokens), so one Redis core serves ~100,000 chunks/s; 4,000 a worker leaves room for
-# 20 workers with their reads, audit records and readers
-DEFAULT_MAX_CHUNK_RATE = 4000
+# Redis spends ~11 µs on a chunk (the APPEND script's work per item, whatever its
+# tokens): 3,000 chunks/s a worker is a third of a Redis core for 10 workers, so one
+# core serves 20 with a third to spare for reads, audit records and readers
+DEFAULT_MAX_CHUNK_RATE = 3000
 
 
 def default_name() -> str:

@@ -71,7 +71,7 @@ def _producer(redis_url, prefix, shards=0):
 )
 @count_option(
     "--max-chunk-rate",
-    4000,  # WorkerConfig.max_chunk_rate
+    3000,  # WorkerConfig.max_chunk_rate
     "chunks a second the worker writes at most: above it, a request's tokens of several "
     "steps (at most 4) go out as one chunk; 0: every step's at once",
     least=0,
