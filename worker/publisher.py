@@ -9,7 +9,8 @@ a second), they wait and merge with the next steps' (one chunk per request),
 and once ``MAX_BEHIND`` steps wait, they go (the engine waiting for Redis if
 the trip before is still on its way). So a token reaches Redis at most
 ``MAX_BEHIND`` steps plus one round trip after its step, and a slow Redis slows
-the engine instead of piling up chunks. A light pool's chunks go every step. The round
+the engine instead of piling up chunks. A light pool's chunks go every step, and
+a request's first chunk never waits for the rate (time to first token). The round
 trip also reads new entries for the engine's free slots and carries the
 worker's lease renewal and heartbeat (``extra``): while the engine runs, no
 Redis call waits on its thread.
@@ -79,9 +80,9 @@ class Publisher:
         """Apply what the sender finished; hand it the pending chunks if it is free.
 
         ``wait``: until every chunk so far is in Redis. Without it, waits only
-        when ``MAX_BEHIND`` steps are pending, and hands nothing over before
-        ``next_trip`` unless upkeep calls are due. A failed send raises here, on the
-        worker's thread, and its batch is sent again first.
+        when ``MAX_BEHIND`` steps are pending, and before ``next_trip`` hands over
+        only requests' first chunks, a read and upkeep calls. A failed send raises
+        here, on the worker's thread, and its batch is sent again first.
         """
         self._collect()
         if not self._sender.idle:
@@ -94,18 +95,21 @@ class Publisher:
             self._sender.hand(trip)
             self._sender.wait()
             self._collect()
-        early = time.monotonic() < self.next_trip
-        if early and not (wait or self.extra) and self.pending_steps < MAX_BEHIND:
-            return
-        batch = self._build_batch()
-        self.pending_steps = 0
+        # before next_trip (max_chunk_rate) only first chunks (time to first token),
+        # reads into free slots and upkeep calls go; the rest waits, merging
+        gated = not wait and self.pending_steps < MAX_BEHIND
+        gated = gated and time.monotonic() < self.next_trip
+        batch = self._build_batch(first_only=gated)
+        if not gated:
+            self.pending_steps = 0
         rate = self.worker.config.max_chunk_rate
         if rate and batch:
             self.next_trip = max(self.next_trip, time.monotonic()) + len(batch) / rate
         # new entries for the slots the engine has free, read in the same trip
         engine = self.worker.engine
         busy = engine.has_unfinished_requests() and not self.worker.draining
-        read = self.worker.intake.plan(engine.capacity()) if busy else None
+        free = engine.capacity() if busy else 0
+        read = self.worker.intake.plan(free) if busy and (free or not gated) else None
         if batch or (read and read[0] > 0) or self.extra:
             self._sender.hand(_Trip(batch, read, self.extra))
             self.extra = []
@@ -113,19 +117,23 @@ class Publisher:
             self._sender.wait()
             self._collect()
 
-    def _build_batch(self) -> list[tuple[Held, RequestOutput, Position]]:
+    def _build_batch(self, first_only: bool) -> list[tuple[Held, RequestOutput, Position]]:
         """One output per pending request (its steps' outputs merged) and the position
-        of its chunk; the sender builds and encodes the chunks off this thread."""
-        batch = []
+        of its chunk; the sender builds and encodes the chunks off this thread.
+        ``first_only``: only requests whose first chunk it is; the others stay pending."""
+        batch, wait = [], {}
         for rid, outs in self.pending.items():
             held = self.worker.held.get(rid)
             if held is None:
+                continue
+            if first_only and held.seq:
+                wait[rid] = outs
                 continue
             out = outs[0]
             for later in outs[1:]:
                 out.add(later, aggregate=True)
             batch.append((held, out, held.advance(out)))
-        self.pending = {}
+        self.pending = wait
         return batch
 
     def _collect(self) -> None:

@@ -6,6 +6,8 @@ Oracle: the stand-in's tokens are a fixed function of (request id, position)
 chunking; how many tokens a chunk holds is what the policy decides.
 """
 
+from statistics import mean
+
 import pytest
 from standin import load
 
@@ -17,6 +19,9 @@ from lorapool.worker.publisher import MAX_BEHIND
 pytestmark = pytest.mark.integration
 LAYOUTS = ("standalone", "cluster")
 TOKENS = 40
+# Steps this long leave a round trip time to spare even on a loaded machine (one
+# that outlasts a step merges steps whatever the rate: the sender is still busy).
+STEP_S = 0.05
 
 
 def run(conn, keys, producer, requests: int, step_s: float, rate: int) -> list[list[int]]:
@@ -45,22 +50,22 @@ def run(conn, keys, producer, requests: int, step_s: float, rate: int) -> list[l
 
 
 def test_a_busy_worker_writes_several_steps_in_a_chunk(conn, keys, producer):
-    # 32 chunks a trip at 100 chunks/s: a trip every 320 ms, past MAX_BEHIND 20 ms steps
-    sizes = run(conn, keys, producer, 32, 0.02, 100)
+    # 32 chunks a trip at 100 chunks/s: a trip every 320 ms, past MAX_BEHIND 50 ms steps
+    sizes = run(conn, keys, producer, 32, STEP_S, 100)
     flat = [n for request in sizes for n in request]
     assert max(flat) <= MAX_BEHIND  # the bound on a token's delay
-    assert sum(flat) / len(flat) > MAX_BEHIND - 1  # nearly every chunk as late as allowed
+    assert mean(flat) > MAX_BEHIND - 1  # nearly every chunk as late as allowed
+    # a first chunk does not wait for the rate (time to first token)
+    assert mean([request[0] for request in sizes]) < 1.5, sizes
 
 
 def test_a_light_pool_writes_every_step(conn, keys, producer):
     # 4 chunks a trip at 3,000 chunks/s: due after 1.3 ms, long before the next 50 ms
     # step. (A round trip that outlasts a step still merges steps: on a loaded machine.)
-    sizes = run(conn, keys, producer, 4, 0.05, 3000)
-    flat = [n for request in sizes for n in request]
-    assert sorted(flat)[len(flat) // 2] == 1 and sum(flat) / len(flat) < 1.25, sizes
+    sizes = run(conn, keys, producer, 4, STEP_S, 3000)
+    assert mean([n for request in sizes for n in request]) < 1.5, sizes
 
 
 def test_without_a_rate_a_busy_worker_writes_every_step(conn, keys, producer):
-    sizes = run(conn, keys, producer, 32, 0.02, 0)  # the busy pool above, no rate
-    flat = [n for request in sizes for n in request]
-    assert sorted(flat)[len(flat) // 2] == 1 and sum(flat) / len(flat) < 1.25, sizes
+    sizes = run(conn, keys, producer, 32, STEP_S, 0)  # the busy pool above, no rate
+    assert mean([n for request in sizes for n in request]) < 1.5, sizes
