@@ -11,8 +11,8 @@ from statistics import mean
 import pytest
 from standin import load
 
+from lorapool.lifecycle.wire import DATA, decode_chunk
 from lorapool.protocol import SamplingParams
-from lorapool.wire import DATA, decode_chunk
 from lorapool.worker import Worker, WorkerConfig
 from lorapool.worker.publisher import MAX_BEHIND
 
