@@ -64,6 +64,11 @@ def _shrink_kernel(
     DOT_DTYPE: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
+    """y[s, t] = scale * x[t] @ A[s, slot]^T for the tokens t of one tile of one slot.
+
+    Grid (tile, slice s, k-split): a program sums BLOCK_K columns of H_in out of
+    every BLOCK_K * SPLIT_K into y [S, T, R] fp32, by atomic adds when split.
+    """
     s = tl.program_id(1)
     pid_k = tl.program_id(2)
     slot, rows, mask_m = _tile(tiles_ptr, order_ptr, num_tiles, BLOCK_M)
@@ -108,6 +113,11 @@ def _expand_kernel(
     NUM_SLICES: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
+    """out[t, n] += y[s, t] @ B[slot, n]^T for the tokens t of one tile and slice s's columns n.
+
+    Grid (tile, slice s, column block): a program owns BLOCK_N of the slice's
+    columns; the blocks past a narrower slice's last column do nothing.
+    """
     s = tl.program_id(1)
     pid_n = tl.program_id(2)
     # Columns [n_lo, n_hi) of out (and rows of B) belong to slice s.
@@ -144,11 +154,7 @@ expand_kernel = jit.Kernel(_expand_kernel)
 
 
 def lora_shrink(
-    x: torch.Tensor,
-    lora_a: torch.Tensor,
-    slots,
-    scale: float = 1.0,
-    out: torch.Tensor | None = None,
+    x: torch.Tensor, lora_a: torch.Tensor, slots, scale: float = 1.0, out=None
 ) -> torch.Tensor:
     """Triton ``reference.lora_shrink``: same arguments, shapes and result."""
     _check_shrink(x, lora_a)
