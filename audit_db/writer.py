@@ -85,12 +85,14 @@ class WriterConfig:
 
 @dataclass
 class WriterStats:
-    entries: int = 0
-    rows_written: int = 0
-    duplicates: int = 0
-    dead_lettered: int = 0
-    conflicts: int = 0
-    db_retries: int = 0
+    """What one writer has done since it started; ``run`` returns it."""
+
+    entries: int = 0  # stream entries handled and acked, redeliveries and dead ones included
+    rows_written: int = 0  # completion rows stored
+    duplicates: int = 0  # rows skipped as identical to the stored row (a redelivery)
+    dead_lettered: int = 0  # entries moved to {p}:dead
+    conflicts: int = 0  # rows that contradict the stored row, kept in the conflicts table
+    db_retries: int = 0  # database calls that failed and were tried again (Redis ones are not)
 
 
 @dataclass
