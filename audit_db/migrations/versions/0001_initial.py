@@ -19,6 +19,7 @@ BigId = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
 # SQLite's JSON type has NUMERIC affinity (a stored "1.0" would come back as 1).
 Json = sa.JSON().with_variant(sa.Text(), "sqlite")
 TABLES = ("adapters", "completions")
+# A column is nullable unless it says nullable=False (SQLAlchemy's default, as in SQL DDL).
 
 
 def _create_adapters() -> None:
@@ -33,7 +34,7 @@ def _create_adapters() -> None:
         sa.Column("rank", sa.Integer, nullable=False),
         sa.Column("alpha", sa.Double, nullable=False),
         sa.Column("target_modules", Json, nullable=False),
-        sa.Column("base_model", sa.String, nullable=True),
+        sa.Column("base_model", sa.String),
         sa.Column("first_seen", sa.Double, nullable=False),
     )
     op.create_index("ix_adapters_name", "adapters", ["name"])
@@ -53,25 +54,25 @@ def _completion_columns() -> list:
         sa.Column("seq", BigId, primary_key=True, autoincrement=False),
         sa.Column("request_id", sa.String, nullable=False),
         sa.Column("completion_index", sa.Integer, nullable=False),
-        sa.Column("adapter_pk", BigId, sa.ForeignKey("adapters.pk"), nullable=True),
+        sa.Column("adapter_pk", BigId, sa.ForeignKey("adapters.pk")),
         sa.Column("base_model_name", sa.String, nullable=False),
         sa.Column("base_model_sha256", sa.String, nullable=False),
-        sa.Column("prompt", sa.Text, nullable=True),
+        sa.Column("prompt", sa.Text),
         sa.Column("prompt_token_ids", Json, nullable=False),
         sa.Column("num_prompt_tokens", sa.Integer, nullable=False),
         sa.Column("text", sa.Text, nullable=False),
         sa.Column("token_ids", Json, nullable=False),
         sa.Column("num_output_tokens", sa.Integer, nullable=False),
         sa.Column("finish_reason", sa.String(16), nullable=False),
-        sa.Column("stop_reason", Json, nullable=True),
-        sa.Column("cumulative_logprob", sa.Double, nullable=True),
+        sa.Column("stop_reason", Json),
+        sa.Column("cumulative_logprob", sa.Double),
         sa.Column("sampling_params", Json, nullable=False),
         sa.Column("request_metadata", Json, nullable=False),
-        sa.Column("tenant", sa.String, nullable=True),
+        sa.Column("tenant", sa.String),
         sa.Column("worker", sa.String, nullable=False),
         sa.Column("arrival_time", sa.Double, nullable=False),
-        *(sa.Column(name, sa.Double, nullable=True) for name in times),
-        sa.Column("error", sa.Text, nullable=True),
+        *(sa.Column(name, sa.Double) for name in times),
+        sa.Column("error", sa.Text),
         sa.Column("written_at", sa.Double, nullable=False),
         sa.Column("prev_hash", sa.String(64), nullable=False),
         sa.Column("row_hash", sa.String(64), nullable=False),
