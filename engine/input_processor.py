@@ -20,10 +20,12 @@ class InputLimits:
     enable_lora: bool
 
 
+@dataclass(frozen=True)
 class InputProcessor:
-    def __init__(self, tokenizer, limits: InputLimits):
-        self.tokenizer = tokenizer
-        self.limits = limits
+    """Turns what add_request receives into a Request within the engine's limits."""
+
+    tokenizer: Any  # a transformers tokenizer: encode(text, add_special_tokens=...)
+    limits: InputLimits
 
     def process(
         self,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 
 import torch
@@ -35,7 +36,7 @@ class ModelRunner:
         self.model, self.hf_config = load_model(args.model, dtype=self.dtype, device=self.device)
         self.block_size = args.block_size
         self.num_blocks = self._num_blocks(args)
-        shape = (self.num_blocks, self.block_size, self.model.num_kv_heads, self.model.head_dim)
+        shape = self.model.kv_cache_shape(self.num_blocks, self.block_size)
         self.kv_caches = [
             (
                 torch.zeros(shape, dtype=self.dtype, device=self.device),
@@ -51,8 +52,8 @@ class ModelRunner:
         )
 
     def _block_bytes(self) -> int:
-        per_token = 2 * self.model.num_layers * self.model.num_kv_heads * self.model.head_dim
-        return per_token * self.block_size * torch.finfo(self.dtype).bits // 8
+        per_layer = math.prod(self.model.kv_cache_shape(1, self.block_size))  # K or V
+        return 2 * self.model.num_layers * per_layer * torch.finfo(self.dtype).bits // 8
 
     def _num_blocks(self, args: EngineArgs) -> int:
         if args.num_kv_blocks is not None:

@@ -145,13 +145,9 @@ class LlamaForCausalLM(nn.Module):
     def num_layers(self) -> int:
         return self.args.num_layers
 
-    @property
-    def num_kv_heads(self) -> int:
-        return self.args.num_kv_heads
-
-    @property
-    def head_dim(self) -> int:
-        return self.args.head_dim
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int]:
+        """The shape of one layer's key cache, and of its value cache."""
+        return (num_blocks, block_size, self.args.num_kv_heads, self.args.head_dim)
 
     @property
     def vocab_size(self) -> int:

@@ -64,7 +64,7 @@ def run_ours(model, manager, prompts, lora_ids):
         token_slots += [slot] * len(p)
     manager.set_step(token_slots, torch.device("cpu"))
     batch = prefill_batch(prompts)
-    shape = (16, 16, model.num_kv_heads, model.head_dim)
+    shape = model.kv_cache_shape(16, 16)
     caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(model.num_layers)]
     return model.compute_logits(model.forward(batch, caches)), batch
 

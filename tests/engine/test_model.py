@@ -48,7 +48,7 @@ class PagedSession:
         self.free_blocks = list(range(NUM_BLOCKS))
         random.Random(seed).shuffle(self.free_blocks)
         self.tables: list[list[int]] = [[] for _ in token_ids]
-        shape = (NUM_BLOCKS, block_size, model.num_kv_heads, model.head_dim)
+        shape = model.kv_cache_shape(NUM_BLOCKS, block_size)
         self.kv_caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(model.num_layers)]
         with torch.no_grad():
             self.expected = [hf_model(torch.tensor([ids])).logits[0] for ids in token_ids]
@@ -144,14 +144,15 @@ def test_chunked_prefill_mixed_with_decode(models):
 def test_model_attributes(models):
     model, hf_model, _ = models
     config = hf_model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     assert model.num_layers == config.num_hidden_layers
-    assert model.num_kv_heads == config.num_key_value_heads
+    assert model.kv_cache_shape(4, 16) == (4, 16, config.num_key_value_heads, head_dim)
     assert model.vocab_size == config.vocab_size
     assert model.max_model_len == config.max_position_embeddings
     qkv = model.model.layers[0].self_attn.qkv_proj
     assert qkv.output_sizes == [
-        config.num_attention_heads * model.head_dim,
-        *[config.num_key_value_heads * model.head_dim] * 2,
+        config.num_attention_heads * head_dim,
+        *[config.num_key_value_heads * head_dim] * 2,
     ]
 
 
@@ -206,7 +207,7 @@ def test_bfloat16_close_to_float32(tmp_path):
     for model in (model32, model16):
         token_ids = random_sequences([9], model.vocab_size)[0]
         batch = make_batch([(token_ids, 0, [3])], block_size=16)
-        shape = (4, 16, model.num_kv_heads, model.head_dim)
+        shape = model.kv_cache_shape(4, 16)
         dtype = model.model.norm.weight.dtype
         caches = [
             (torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
