@@ -14,7 +14,6 @@ from rich.console import Console
 from rich.table import Table
 
 FORMATS = ("table", "json", "csv")
-_TEXT_WIDTH = 60
 _ROW_SUMMARY = (
     ("request", "request_id"),
     ("#", "completion_index"),
@@ -58,6 +57,9 @@ def to_csv(items: Sequence[Any]) -> str:
     for row in rows:
         writer.writerow({k: _csv_value(v) for k, v in row.items()})
     return out.getvalue()
+
+
+_TEXT_WIDTH = 60  # a summary cell shows at most this many characters
 
 
 def _summary_cell(row: dict[str, Any], key: str) -> str:
