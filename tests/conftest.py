@@ -7,6 +7,10 @@ import os
 
 import pytest
 
+# Test modules import names from the audit_fixtures plugin at their top, before
+# pytest loads it as their plugin: have its asserts rewritten all the same.
+pytest.register_assert_rewrite("audit_fixtures")
+
 # Audit records are signed; workers and writers refuse to start without a key.
 # Every test (and every process a test starts) uses this one unless it says otherwise.
 TEST_AUDIT_KEY = "lorapool-test-audit-key-0123456789abcdef"

@@ -3,10 +3,10 @@
 import threading
 
 import pytest
+from audit_fixtures import KEY
 from sqlalchemy import select, text
 from sqlalchemy.exc import DBAPIError
 
-from lorapool import signing
 from lorapool.audit_db import append_records, verify_chain
 from lorapool.audit_db.chain import link, row_body
 from lorapool.audit_db.schema import completions
@@ -14,7 +14,6 @@ from lorapool.audit_record import record_from_dict
 
 pytest_plugins = ["audit_fixtures"]
 pytestmark = pytest.mark.integration
-KEY = signing.key_from_env()  # the test key tests/conftest.py sets
 
 
 def _seed(target, count=50):

@@ -11,6 +11,7 @@ import uuid
 
 import orjson
 import pytest
+from audit_fixtures import FAST_WRITER, KEY
 from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -37,15 +38,13 @@ from lorapool.cli.audit_writer import audit_writer
 
 pytest_plugins = ["audit_fixtures"]
 pytestmark = pytest.mark.integration
-KEY = signing.key_from_env()  # the test key tests/conftest.py sets
-FAST = {"block_ms": 50, "backoff_initial_s": 0.02, "backoff_max_s": 0.2}
 # every Unicode scalar value: surrogates cannot be encoded in UTF-8 (nor reach Redis)
 EVERY_CODE_POINT = "".join(chr(c) for c in range(0x110000) if not 0xD800 <= c <= 0xDFFF)
 
 
 def _drain(audit_redis, target, prefix=None):
     prefix = prefix or audit_redis.prefix
-    config = WriterConfig(prefix=prefix, consumer="w-trust", **FAST)
+    config = WriterConfig(prefix=prefix, consumer="w-trust", **FAST_WRITER)
     return AuditWriter(audit_redis.conn, target.engine, config).run(burst=True)
 
 
@@ -285,7 +284,7 @@ def test_a_writer_without_the_key_refuses_to_start(audit_target, audit_redis, mo
     assert result.exit_code == 2 and "no audit key" in result.output
     # --insecure-no-key starts, but will not extend a chain that is already keyed
     append_records(audit_target.engine, [record_from_dict(make_record(1))], key=KEY)
-    insecure = WriterConfig(prefix=audit_redis.prefix, insecure_no_key=True, **FAST)
+    insecure = WriterConfig(prefix=audit_redis.prefix, insecure_no_key=True, **FAST_WRITER)
     with pytest.raises(RuntimeError, match="keyed from row 1"):
         AuditWriter(audit_redis.conn, audit_target.engine, insecure).run(burst=True)
 

@@ -12,9 +12,9 @@ import threading
 import time
 
 import pytest
+from audit_fixtures import FAST_WRITER, KEY
 from sqlalchemy import make_url, text
 
-from lorapool import signing
 from lorapool.audit_db import (
     AuditWriter,
     DatabaseConfig,
@@ -26,13 +26,11 @@ from lorapool.audit_db import (
 
 pytest_plugins = ["audit_fixtures"]
 pytestmark = pytest.mark.integration
-KEY = signing.key_from_env()  # the test key tests/conftest.py sets
-FAST = {"block_ms": 50, "backoff_initial_s": 0.02, "backoff_max_s": 0.2}
 
 
 def _writer(audit_redis, engine, **kw) -> AuditWriter:
     config = WriterConfig(
-        prefix=audit_redis.prefix, consumer=kw.pop("consumer", "w-test"), **{**FAST, **kw}
+        prefix=audit_redis.prefix, consumer=kw.pop("consumer", "w-test"), **{**FAST_WRITER, **kw}
     )
     return AuditWriter(audit_redis.conn, engine, config)
 

@@ -29,6 +29,9 @@ from lorapool.audit_record import sign_record
 from lorapool.lifecycle.keys import Keys
 
 BASE_MODEL = {"name": "SmolLM2-135M-Instruct", "sha256": "b" * 64}
+KEY = signing.key_from_env()  # the test audit key tests/conftest.py sets
+# WriterConfig fields for a writer that polls and retries quickly
+FAST_WRITER = {"block_ms": 50, "backoff_initial_s": 0.02, "backoff_max_s": 0.2}
 
 
 @dataclass
