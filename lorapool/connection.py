@@ -18,6 +18,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import redis
+from redis.asyncio import RedisCluster as AsyncRedisCluster
 from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import EqualJitterBackoff
 
@@ -96,6 +97,23 @@ def connection_options(
     return options
 
 
+class AsyncCluster(AsyncRedisCluster):
+    """redis.asyncio's RedisCluster, which learns the slots before it routes a command.
+
+    redis-py (8.1) picks a command's node before it learns the cluster's slots (on the
+    first command, and again after it dropped them, say after a burst of MOVED): a
+    command sent then goes to a random node. With many commands in flight at once
+    (``run_scripts_async``, a follower's reads) the MOVED replies that follow make it
+    drop its connections, those in use by other commands included (an
+    ``AttributeError`` on a ``None`` writer, or a read that never returns). redis-py
+    asks asyncio users to ``await initialize()`` first; this does it before every
+    command (a no-op once the slots are known)."""
+
+    async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        await self.initialize()
+        return await super().execute_command(*args, **kwargs)
+
+
 CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
 
 
@@ -124,14 +142,14 @@ def connect(url: str, retries: int = RETRIES, **overrides: Any) -> redis.Redis:
 
 
 def connect_async(url: str, retries: int = RETRIES, **overrides: Any):
-    """The asyncio client of ``url`` with the same options (asyncio's RedisCluster for a
+    """The asyncio client of ``url`` with the same options (``AsyncCluster`` for a
     cluster URL)."""
-    from redis.asyncio import Redis, RedisCluster
+    from redis.asyncio import Redis
 
     if is_cluster(url):
         url = _node_url(url)
         options = {**connection_options(url, retries, LoggedAsyncRetry), **overrides}
-        return RedisCluster.from_url(url, **_cluster_options(options))
+        return AsyncCluster.from_url(url, **_cluster_options(options))
     options = connection_options(url, retries, LoggedAsyncRetry)
     return Redis.from_url(url, **{**options, **overrides})
 

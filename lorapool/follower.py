@@ -60,6 +60,8 @@ class Follower:
         self.to_unsubscribe: set[bytes] = set()
         self.fills = asyncio.Semaphore(MAX_FILLS)
         self.error: Exception | None = None  # why the listener stopped (not Redis away)
+        self.closed = False
+        self.turn = 0  # the node the listener waits on next (a cluster)
         from redis.asyncio import RedisCluster
 
         self.sharded = isinstance(redis, RedisCluster)  # shard channels (SSUBSCRIBE)
@@ -83,6 +85,9 @@ class Follower:
                 self.to_unsubscribe.add(channel)
 
     async def close(self) -> None:
+        # the flag as well as the cancel: on Python 3.11 redis-py's writes (asyncio.wait_for
+        # around drain) can swallow a cancel that lands as the write completes
+        self.closed = True
         if self.task is not None:
             self.task.cancel()
             await asyncio.gather(self.task, return_exceptions=True)
@@ -162,11 +167,11 @@ class Follower:
                     followed.live.put_nowait(b"")
 
     async def _relay(self) -> None:
-        while True:
+        while not self.closed:
             try:
                 await self._send_subscriptions()
                 if self.sharded:
-                    message = await self.pubsub.get_sharded_message(timeout=LISTEN_S)
+                    message = await self._sharded_message()
                 else:
                     message = await self.pubsub.get_message(timeout=LISTEN_S)
             except REDIS_DOWN as exc:
@@ -189,6 +194,24 @@ class Follower:
                 elif kind in ("message", "smessage"):
                     followed.live.put_nowait(message["data"])
 
+    async def _sharded_message(self) -> dict | None:
+        """The next message of any node's connection: first any one already read, then
+        a short wait on one node (the nodes in turn). (redis-py's own round robin waits
+        its timeout on each idle node in turn: with one busy node of three, one message
+        per two timeouts, and the readers fell back to their logs.)"""
+        nodes = [self.redis.get_node(node_name=name) for name in self.pubsub.node_pubsub_mapping]
+        nodes = [node for node in nodes if node is not None]
+        if not nodes:
+            return None
+        self.turn = (self.turn + 1) % len(nodes)
+        nodes = nodes[self.turn :] + nodes[: self.turn]
+        for node in nodes:
+            message = await self.pubsub.get_sharded_message(timeout=0, target_node=node)
+            if message is not None:
+                return message
+        wait_s = LISTEN_S / len(nodes)
+        return await self.pubsub.get_sharded_message(timeout=wait_s, target_node=nodes[0])
+
     async def _send_subscriptions(self) -> None:
         if self.to_unsubscribe:
             channels, self.to_unsubscribe = self.to_unsubscribe, set()
@@ -200,6 +223,7 @@ class Follower:
             channels, self.to_subscribe = self.to_subscribe, set()
             try:
                 if self.sharded:
+                    await self.redis.initialize()  # ssubscribe routes by the known slots
                     await self.pubsub.ssubscribe(*channels)
                 else:
                     await self.pubsub.subscribe(*channels)
