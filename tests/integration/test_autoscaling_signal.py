@@ -8,12 +8,17 @@ scaler is active when that count is above ``activationLagCount`` (default 0), an
 the HPA it feeds wants ``ceil(count / lagCount)`` replicas (an AverageValue target).
 Where Redis answers a nil lag (unknown), KEDA's client reads it as 0: a backlog
 would look empty, so lorapool must never make the lag unknown.
+
+On a Redis Cluster a pool has a job stream per shard, and a KEDA trigger reads one
+stream: one trigger per shard (deploy/README.md), each checked here on its own.
 """
 
 import math
 import time
+from collections import Counter
 
 import pytest
+from pool_layout import length
 
 from lorapool.connection import ensure_group
 from lorapool.lifecycle.keys import WORKERS_GROUP
@@ -22,6 +27,7 @@ from lorapool.worker import Worker, WorkerConfig
 from lorapool.worker.serve import base_model_info
 
 pytestmark = pytest.mark.integration
+LAYOUTS = ("standalone", "cluster")
 UNKNOWN = "unknown"  # a nil lag: KEDA would read 0
 
 
@@ -45,21 +51,43 @@ def keda_replicas(count: int, lag_count: int) -> int:
     return math.ceil(count / lag_count)
 
 
+def streams_of(keys) -> list[str]:
+    """The job streams KEDA's triggers read: one, or one per shard."""
+    return [view.requests for view in keys.shard_views]
+
+
+def ids_on_one_shard(keys, count: int) -> list[str]:
+    ids = (f"r{i}" for i in range(10_000))
+    return [r for r in ids if keys.shard_of(r) == 0][:count]
+
+
 def test_five_jobs_without_workers_read_five_and_activate(conn, producer):
-    stream = producer.keys.requests
-    assert keda_lag(conn, stream, WORKERS_GROUP) == 0 and not keda_active(0)
-    producer.submit_many([f"job {i}" for i in range(5)], SamplingParams(max_tokens=4))
-    assert keda_lag(conn, stream, WORKERS_GROUP) == 5  # XLEN, or the group's lag
-    ensure_group(conn, stream, WORKERS_GROUP)  # as the first worker does
-    count = keda_lag(conn, stream, WORKERS_GROUP)
-    assert count == 5 and keda_active(count) and keda_replicas(count, lag_count=4) == 2
+    keys = producer.keys
+    streams = streams_of(keys)
+    assert [keda_lag(conn, s, WORKERS_GROUP) for s in streams] == [0] * len(streams)
+    ids = [f"r{i}" for i in range(5)]
+    producer.submit_many([f"job {i}" for i in range(5)], SamplingParams(max_tokens=4), None, ids)
+    on = Counter(keys.for_request(r).requests for r in ids)
+    # each trigger reads its shard's jobs: XLEN, or the group's lag
+    assert [keda_lag(conn, s, WORKERS_GROUP) for s in streams] == [on[s] for s in streams]
+    for stream in streams:
+        ensure_group(conn, stream, WORKERS_GROUP)  # as the first worker does
+    counts = [keda_lag(conn, s, WORKERS_GROUP) for s in streams]
+    assert counts == [on[s] for s in streams] and any(keda_active(c) for c in counts)
+    # KEDA scales to its largest trigger: with lagCount one worker's capacity over the
+    # shard count, never fewer workers than the pool's whole lag asks for
+    lag_count = 4
+    per_shard = lag_count // len(streams) or 1
+    wanted = max(keda_replicas(c, per_shard) for c in counts)
+    assert wanted >= keda_replicas(sum(counts), lag_count) == 2
 
 
 def test_deleting_an_undelivered_entry_makes_the_lag_unknown(conn, producer):
     """The negative control: what lorapool must never do."""
-    stream = producer.keys.requests
+    ids = ids_on_one_shard(producer.keys, 5)
+    stream = producer.keys.for_request(ids[0]).requests
     ensure_group(conn, stream, WORKERS_GROUP)
-    producer.submit_many([f"job {i}" for i in range(5)], SamplingParams(max_tokens=4))
+    producer.submit_many([f"job {i}" for i in range(5)], SamplingParams(max_tokens=4), None, ids)
     conn.xreadgroup(WORKERS_GROUP, "c1", {stream: ">"}, count=2)
     conn.xdel(stream, conn.xrange(stream)[3][0])
     assert keda_lag(conn, stream, WORKERS_GROUP) == UNKNOWN
@@ -74,8 +102,8 @@ def engines(model):
     return LLMEngine.from_engine_args(args), LLMEngine.from_engine_args(args)
 
 
-def _worker(engine, conn, prefix, model, name):
-    config = WorkerConfig(prefix=prefix, name=name, lease_s=1, block_ms=10)
+def _worker(engine, conn, keys, model, name):
+    config = WorkerConfig(prefix=keys.prefix, shards=keys.shards, name=name, lease_s=1, block_ms=10)
     worker = Worker(engine, conn, config, base_model_info(model))
     worker.ensure_group()
     return worker
@@ -88,23 +116,23 @@ def _worker(engine, conn, prefix, model, name):
 # trims the stream from its head (XTRIM MINID up to the oldest pending entry), which
 # keeps the lag known.
 def test_lag_is_never_unknown_through_aborts_dead_letters_and_a_failover(
-    engines, conn, prefix, producer, model
+    engines, conn, keys, producer, model
 ):
-    stream = producer.keys.requests
+    streams = streams_of(keys)
     seen = []
 
     def step(worker, times=1):
         for _ in range(times):
             worker.run_once()
-            seen.append(keda_lag(conn, stream, WORKERS_GROUP))
+            seen.extend(keda_lag(conn, s, WORKERS_GROUP) for s in streams)
 
-    first, spare = (_worker(e, conn, prefix, model, n) for e, n in zip(engines, "ab"))
+    first, spare = (_worker(e, conn, keys, model, n) for e, n in zip(engines, "ab"))
     lengths = [30, 4, 12, 4, 20, 6, 8, 4, 16, 4]
     handles = [
         producer.submit(f"job {i}", SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
         for i, n in enumerate(lengths)
     ]
-    conn.xadd(stream, {"data": b"{not json"})  # dead-lettered by whoever reads it
+    conn.xadd(streams[0], {"data": b"{not json"})  # dead-lettered by whoever reads it
     step(first, 6)
     handles[0].abort()
     step(first, 6)
@@ -114,7 +142,7 @@ def test_lag_is_never_unknown_through_aborts_dead_letters_and_a_failover(
         assert time.monotonic() < deadline
         step(spare)
         time.sleep(0.01)
-    assert conn.xlen(producer.keys.dead) == 1
+    assert length(conn, keys, "dead") == 1
     assert handles[0].result(timeout=5).outputs[0].finish_reason == "abort"
     assert UNKNOWN not in seen, f"lag unknown at {seen.count(UNKNOWN)} of {len(seen)} reads"
-    assert seen[-1] == 0
+    assert seen[-len(streams) :] == [0] * len(streams)

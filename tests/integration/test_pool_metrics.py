@@ -1,7 +1,7 @@
 """``lorapool exporter`` as its own process: the pool's gauges against Redis's own answers.
 
-The oracle is Redis (XLEN, XINFO GROUPS) read by the test; the exposition is
-read with prometheus-client's parser.
+The oracle is Redis (XLEN, XINFO GROUPS) read by the test, summed over the shards on
+a Redis Cluster; the exposition is read with prometheus-client's parser.
 """
 
 import math
@@ -11,6 +11,7 @@ import sys
 import urllib.request
 
 import pytest
+from pool_layout import length, pending
 from prometheus_client.parser import text_string_to_metric_families
 
 from lorapool.connection import ensure_group
@@ -18,6 +19,7 @@ from lorapool.lifecycle.keys import AUDIT_GROUP, WORKERS_GROUP
 from lorapool.protocol import SamplingParams
 
 pytestmark = pytest.mark.integration
+LAYOUTS = ("standalone", "cluster")
 GAUGES = [
     "lorapool_queue_length",
     "lorapool_queue_pending",
@@ -33,9 +35,10 @@ GAUGES = [
 
 
 @pytest.fixture
-def exporter(redis_url, prefix, tmp_path):
+def exporter(pool_url, prefix, shards, tmp_path):
     cmd = [sys.executable, "-c", "from lorapool.cli.main import main; main()", "exporter"]
-    cmd += ["--redis-url", redis_url, "--prefix", prefix, "--port", "0", "--addr", "127.0.0.1"]
+    cmd += ["--redis-url", pool_url, "--prefix", prefix, "--shards", str(shards)]
+    cmd += ["--port", "0", "--addr", "127.0.0.1"]
     proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, text=True, env=os.environ)
     line = proc.stdout.readline()  # "serving P's pool metrics on http://127.0.0.1:PORT/metrics"
     assert "/metrics" in line, line
@@ -55,51 +58,75 @@ def group(conn, stream, name):
     return next(g for g in conn.xinfo_groups(stream) if g["name"].decode() == name)
 
 
+def total(conn, keys, stream, name, field):
+    """``field`` of group ``name`` of the per-shard ``stream``, summed over the shards."""
+    return sum(group(conn, getattr(v, stream), name)[field] for v in keys.shard_views)
+
+
+def ensure_groups(conn, keys, stream, name=WORKERS_GROUP):
+    for view in keys.shard_views:
+        ensure_group(conn, getattr(view, stream), name)
+
+
+def take(conn, keys, stream, count, name=WORKERS_GROUP, consumer="c1"):
+    """Delivers ``count`` entries of the per-shard ``stream``, shard after shard."""
+    for view in keys.shard_views:
+        if count > 0:
+            got = conn.xreadgroup(name, consumer, {getattr(view, stream): ">"}, count=count)
+            count -= sum(len(entries) for _, entries in got)
+    assert count == 0
+
+
 def test_gauges_equal_what_redis_reports(exporter, conn, producer):
     keys = producer.keys
-    ensure_group(conn, keys.requests, WORKERS_GROUP)
+    ensure_groups(conn, keys, "requests")
     producer.submit_many([f"job {i}" for i in range(5)], SamplingParams(max_tokens=4))
     got = scrape(exporter)
-    assert got["lorapool_queue_lag"] == group(conn, keys.requests, WORKERS_GROUP)["lag"] == 5
+    assert got["lorapool_queue_lag"] == total(conn, keys, "requests", WORKERS_GROUP, "lag") == 5
     assert got["lorapool_queue_length"] == 5 and got["lorapool_queue_pending"] == 0
     assert got["lorapool_batch_queue_length"] == got["lorapool_batch_queue_lag"] == 0
 
-    ensure_group(conn, keys.batch_requests, WORKERS_GROUP)
+    ensure_groups(conn, keys, "batch_requests")
     producer.submit_many([f"line {i}" for i in range(4)], SamplingParams(), priority="batch")
-    conn.xreadgroup(WORKERS_GROUP, "c1", {keys.batch_requests: ">"}, count=1)
+    take(conn, keys, "batch_requests", 1)
     got = scrape(exporter)
-    batch = group(conn, keys.batch_requests, WORKERS_GROUP)
-    assert got["lorapool_batch_queue_lag"] == batch["lag"] == 3
-    assert got["lorapool_batch_queue_pending"] == batch["pending"] == 1
-    assert got["lorapool_batch_queue_length"] == 4
+    assert got["lorapool_batch_queue_lag"] == 3
+    assert got["lorapool_batch_queue_lag"] == total(conn, keys, "batch_requests", "workers", "lag")
+    assert got["lorapool_batch_queue_pending"] == 1
+    assert got["lorapool_batch_queue_pending"] == pending(conn, keys, "batch_requests")
+    assert got["lorapool_batch_queue_length"] == length(conn, keys, "batch_requests") == 4
     assert got["lorapool_queue_lag"] == 5  # the interactive stream's alone
 
-    conn.xreadgroup(WORKERS_GROUP, "c1", {keys.requests: ">"}, count=2)
-    conn.xadd(keys.dead, {"reason": "x"})
+    take(conn, keys, "requests", 2)
+    conn.xadd(keys.on(0).dead, {"reason": "x"})
     conn.hset(keys.workers, mapping={"w1": b"{}", "w2": b"{}"})
     conn.set(keys.alive("w1"), 1, ex=30)  # w2's heartbeat has expired
-    for i in range(3):
-        conn.xadd(keys.audit, {"data": str(i)})
-    ensure_group(conn, keys.audit, AUDIT_GROUP)
-    conn.xreadgroup(AUDIT_GROUP, "writer", {keys.audit: ">"}, count=1)
+    views = keys.shard_views
+    for i in range(3):  # over the shards, where there are several
+        conn.xadd(views[i % len(views)].audit, {"data": str(i)})
+    ensure_groups(conn, keys, "audit", AUDIT_GROUP)
+    take(conn, keys, "audit", 1, AUDIT_GROUP, "writer")
     got = scrape(exporter)
-    requests = group(conn, keys.requests, WORKERS_GROUP)
-    assert got["lorapool_queue_lag"] == requests["lag"] == 3
-    assert got["lorapool_queue_pending"] == requests["pending"] == 2
-    assert got["lorapool_dead_letters"] == conn.xlen(keys.dead) == 1
+    assert got["lorapool_queue_lag"] == total(conn, keys, "requests", WORKERS_GROUP, "lag") == 3
+    assert got["lorapool_queue_pending"] == pending(conn, keys, "requests") == 2
+    assert got["lorapool_dead_letters"] == length(conn, keys, "dead") == 1
     assert got["lorapool_workers_live"] == 1 and got["lorapool_redis_up"] == 1
-    audit = group(conn, keys.audit, AUDIT_GROUP)
-    assert got["lorapool_audit_backlog"] == audit["lag"] + audit["pending"] == 3
+    backlog = total(conn, keys, "audit", AUDIT_GROUP, "lag")
+    backlog += total(conn, keys, "audit", AUDIT_GROUP, "pending")
+    assert got["lorapool_audit_backlog"] == backlog == 3
 
 
 def test_lag_unknown_after_deleting_an_undelivered_entry(exporter, conn, producer):
     """The negative control: Redis cannot count the lag past a deleted entry it never
-    delivered, and the gauge says so (NaN) rather than a wrong number."""
+    delivered (on one shard), and the gauge says so (NaN) rather than a wrong number."""
     keys = producer.keys
-    ensure_group(conn, keys.requests, WORKERS_GROUP)
-    producer.submit_many([f"job {i}" for i in range(5)], SamplingParams(max_tokens=4))
-    conn.xreadgroup(WORKERS_GROUP, "c1", {keys.requests: ">"}, count=1)
-    undelivered = conn.xrange(keys.requests)[2][0]
-    conn.xdel(keys.requests, undelivered)
-    assert group(conn, keys.requests, WORKERS_GROUP)["lag"] is None
+    ensure_groups(conn, keys, "requests")
+    ids = [f"r{i}" for i in range(5)]
+    producer.submit_many([f"job {i}" for i in range(5)], SamplingParams(max_tokens=4), None, ids)
+    # a shard with two entries or more (5 over at most 3 shards): take one, delete one
+    stream = next(v.requests for v in keys.shard_views if conn.xlen(v.requests) >= 2)
+    conn.xreadgroup(WORKERS_GROUP, "c1", {stream: ">"}, count=1)
+    undelivered = conn.xrange(stream)[1][0]
+    conn.xdel(stream, undelivered)
+    assert group(conn, stream, WORKERS_GROUP)["lag"] is None
     assert math.isnan(scrape(exporter)["lorapool_queue_lag"])
