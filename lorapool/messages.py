@@ -28,10 +28,10 @@ def check_messages(messages: Any, max_prompt_bytes: int) -> list[dict[str, str]]
     """
     if messages is None:
         return None
-    _check(
-        isinstance(messages, list) and 0 < len(messages) <= MAX_MESSAGES,
-        f"messages must be a list of 1 to {MAX_MESSAGES} messages, got {short_repr(messages)}",
-    )
+    if not (isinstance(messages, list) and 0 < len(messages) <= MAX_MESSAGES):
+        raise FieldError(
+            f"messages must be a list of 1 to {MAX_MESSAGES} messages, got {short_repr(messages)}"
+        )
     size = sum(_message_size(i, m) for i, m in enumerate(messages))
     _check(
         size <= max_prompt_bytes,
@@ -41,21 +41,19 @@ def check_messages(messages: Any, max_prompt_bytes: int) -> list[dict[str, str]]
 
 
 def _message_size(i: int, message: Any) -> int:
-    _check(
-        isinstance(message, dict) and set(message) == {"role", "content"},
-        f"messages[{i}] must be an object with exactly 'role' and 'content', "
-        f"got {short_repr(message)}",
-    )
+    if not (isinstance(message, dict) and set(message) == {"role", "content"}):
+        raise FieldError(
+            f"messages[{i}] must be an object with exactly 'role' and 'content', "
+            f"got {short_repr(message)}"
+        )
     role, content = message["role"], message["content"]
-    _check(
-        isinstance(role, str) and 0 < len(role) <= MAX_ROLE and "\x00" not in role,
-        f"messages[{i}].role must be a non-empty string of at most {MAX_ROLE} characters "
-        f"without NUL, got {short_repr(role)}",
-    )
-    _check(
-        isinstance(content, str),
-        f"messages[{i}].content must be a string, got {short_repr(content)}",
-    )
+    if not (isinstance(role, str) and 0 < len(role) <= MAX_ROLE and "\x00" not in role):
+        raise FieldError(
+            f"messages[{i}].role must be a non-empty string of at most {MAX_ROLE} characters "
+            f"without NUL, got {short_repr(role)}"
+        )
+    if not isinstance(content, str):
+        raise FieldError(f"messages[{i}].content must be a string, got {short_repr(content)}")
     return len(role) + utf8_size(content, f"messages[{i}].content")
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 import math
 import os
+import reprlib
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -61,16 +62,16 @@ class SamplingParams:
         """
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        check(
-            self.stop is None or isinstance(self.stop, (list, tuple)),
-            "sampling_params.stop must be a string or a list of strings, "
-            f"got {short_repr(self.stop)}",
-        )
-        check(
-            self.stop_token_ids is None or isinstance(self.stop_token_ids, (list, tuple)),
-            "sampling_params.stop_token_ids must be a list of token ids, "
-            f"got {short_repr(self.stop_token_ids)}",
-        )
+        if not (self.stop is None or isinstance(self.stop, (list, tuple))):
+            raise FieldError(
+                "sampling_params.stop must be a string or a list of strings, "
+                f"got {short_repr(self.stop)}"
+            )
+        if not (self.stop_token_ids is None or isinstance(self.stop_token_ids, (list, tuple))):
+            raise FieldError(
+                "sampling_params.stop_token_ids must be a list of token ids, "
+                f"got {short_repr(self.stop_token_ids)}"
+            )
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         try:
@@ -109,16 +110,15 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             _int_field(name, getattr(self, name), lo=0, optional=True)
         for name in _BOOL_FIELDS:
-            check(
-                isinstance(getattr(self, name), bool),
-                f"sampling_params.{name} must be true or false, "
-                f"got {short_repr(getattr(self, name))}",
-            )
+            if not isinstance(value := getattr(self, name), bool):
+                raise FieldError(
+                    f"sampling_params.{name} must be true or false, got {short_repr(value)}"
+                )
         for i, stop in enumerate(self.stop):
-            check(
-                isinstance(stop, str) and stop != "",
-                f"sampling_params.stop[{i}] must be a non-empty string, got {short_repr(stop)}",
-            )
+            if not isinstance(stop, str) or stop == "":
+                raise FieldError(
+                    f"sampling_params.stop[{i}] must be a non-empty string, got {short_repr(stop)}"
+                )
         for i, token in enumerate(self.stop_token_ids):
             _int_field(f"stop_token_ids[{i}]", token, lo=0, hi=INT32_MAX)
 
@@ -133,13 +133,12 @@ class SamplingParams:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SamplingParams:
-        check(
-            isinstance(data, dict),
-            f"sampling_params must be an object, got {short_repr(data)}",
-        )
+        if not isinstance(data, dict):
+            raise FieldError(f"sampling_params must be an object, got {short_repr(data)}")
         known = {f.name for f in fields(cls)}
         unknown = sorted(map(str, set(data) - known))
-        check(not unknown, f"unknown sampling parameter(s): {short_repr(', '.join(unknown))}")
+        if unknown:
+            raise FieldError(f"unknown sampling parameter(s): {short_repr(', '.join(unknown))}")
         return cls(**data)
 
 
@@ -163,9 +162,15 @@ def check(ok: bool, message: str) -> None:
         raise FieldError(message)
 
 
+_SHORT = reprlib.Repr()  # (keyword arguments only from Python 3.12)
+_SHORT.maxlevel, _SHORT.maxstring, _SHORT.maxother, _SHORT.maxlong = 2, 80, 80, 80
+_SHORT.maxlist = _SHORT.maxtuple = _SHORT.maxdict = _SHORT.maxset = 8
+
+
 def short_repr(value: Any, limit: int = 60) -> str:
-    """A value for an error message: its repr, cut short (prompts can be megabytes)."""
-    text = repr(value)
+    """A value for an error message: its repr, cut short (prompts can be megabytes, so
+    only the first few items of a container or characters of a string are looked at)."""
+    text = _SHORT.repr(value)
     return text if len(text) <= limit else f"{text[:limit]}... ({type(value).__name__})"
 
 
@@ -174,30 +179,29 @@ def is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+# The checks every job meets raise with a message built only when they fail: a
+# worker validates each job it reads, and the messages cost more than the checks.
+
+
 def _int_field(name: str, value: Any, lo: int, hi: int | None = None, optional=False) -> None:
     if value is None and optional:
         return
-    check(is_int(value), f"sampling_params.{name} must be an integer, got {short_repr(value)}")
-    check(
-        value >= lo and (hi is None or value <= hi),
-        f"sampling_params.{name} must be "
-        + (f"at least {lo}" if hi is None else f"in [{lo}, {hi}]")
-        + f", got {value}",
-    )
+    if not is_int(value):
+        raise FieldError(f"sampling_params.{name} must be an integer, got {short_repr(value)}")
+    if value < lo or (hi is not None and value > hi):
+        within = f"at least {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise FieldError(f"sampling_params.{name} must be {within}, got {value}")
 
 
 def _real_field(name: str, value: Any, lo: float, hi: float | None = None) -> None:
-    check(
+    if not (
         (is_int(value) and abs(value) <= 2**53)
-        or (isinstance(value, float) and math.isfinite(value)),
-        f"sampling_params.{name} must be a finite number, got {short_repr(value)}",
-    )
-    check(
-        value >= lo and (hi is None or value <= hi),
-        f"sampling_params.{name} must be "
-        + (f">= {lo}" if hi is None else f"in [{lo}, {hi}]")
-        + f", got {value}",
-    )
+        or (isinstance(value, float) and math.isfinite(value))
+    ):
+        raise FieldError(f"sampling_params.{name} must be a finite number, got {short_repr(value)}")
+    if value < lo or (hi is not None and value > hi):
+        within = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise FieldError(f"sampling_params.{name} must be {within}, got {value}")
 
 
 @dataclass(eq=False)
@@ -215,28 +219,28 @@ class LoRARequest:
     def verify(self) -> None:
         """FieldError (a ValueError) naming the field when one has the wrong type or range."""
         name = self.lora_name
-        check(
-            isinstance(name, str) and 0 < len(name) <= MAX_LORA_NAME and "\x00" not in name,
-            f"lora_request.lora_name must be a non-empty string of at most {MAX_LORA_NAME} "
-            f"characters without NUL, got {short_repr(name)}",
-        )
-        check(
-            is_int(self.lora_int_id) and 1 <= self.lora_int_id <= INT32_MAX,
-            f"LoRARequest {name!r}: lora_request.lora_int_id must be an int in [1, {INT32_MAX}], "
-            f"got {short_repr(self.lora_int_id)}",
-        )
+        if not (isinstance(name, str) and 0 < len(name) <= MAX_LORA_NAME and "\x00" not in name):
+            raise FieldError(
+                f"lora_request.lora_name must be a non-empty string of at most {MAX_LORA_NAME} "
+                f"characters without NUL, got {short_repr(name)}"
+            )
+        if not (is_int(self.lora_int_id) and 1 <= self.lora_int_id <= INT32_MAX):
+            raise FieldError(
+                f"LoRARequest {name!r}: lora_request.lora_int_id must be an int in "
+                f"[1, {INT32_MAX}], got {short_repr(self.lora_int_id)}"
+            )
         if isinstance(self.lora_path, os.PathLike):
             self.lora_path = os.fspath(self.lora_path)
-        check(
-            isinstance(self.lora_path, str) and "\x00" not in self.lora_path,
-            "lora_request.lora_path must be a string without NUL, "
-            f"got {short_repr(self.lora_path)}",
-        )
-        check(
-            self.base_model_name is None or isinstance(self.base_model_name, str),
-            "lora_request.base_model_name must be a string, "
-            f"got {short_repr(self.base_model_name)}",
-        )
+        if not (isinstance(self.lora_path, str) and "\x00" not in self.lora_path):
+            raise FieldError(
+                "lora_request.lora_path must be a string without NUL, "
+                f"got {short_repr(self.lora_path)}"
+            )
+        if not (self.base_model_name is None or isinstance(self.base_model_name, str)):
+            raise FieldError(
+                "lora_request.base_model_name must be a string, "
+                f"got {short_repr(self.base_model_name)}"
+            )
 
     @property
     def name(self) -> str:
@@ -263,10 +267,12 @@ class LoRARequest:
     def from_dict(cls, data: dict[str, Any] | None) -> LoRARequest | None:
         if data is None:
             return None
-        check(isinstance(data, dict), f"lora_request must be an object, got {short_repr(data)}")
+        if not isinstance(data, dict):
+            raise FieldError(f"lora_request must be an object, got {short_repr(data)}")
         known = {f.name for f in fields(cls)}
         unknown = sorted(map(str, set(data) - known))
-        check(not unknown, f"unknown lora_request field(s): {short_repr(', '.join(unknown))}")
+        if unknown:
+            raise FieldError(f"unknown lora_request field(s): {short_repr(', '.join(unknown))}")
         missing = [k for k in ("lora_name", "lora_int_id") if k not in data]
         check(not missing, f"lora_request needs {' and '.join(missing)}")
         return cls(**data)

@@ -139,20 +139,24 @@ def job_from_dict(data: Any, limits: JobLimits | None = None) -> Job:
     naming the field and its value.
     """
     limits = limits or JobLimits()
-    _field(isinstance(data, dict), f"a job must be an object, got {short_repr(data)}")
+    if not isinstance(data, dict):
+        raise FieldError(f"a job must be an object, got {short_repr(data)}")
     unknown = sorted(map(str, set(data) - _JOB_FIELDS))
-    _field(not unknown, f"unknown job field(s): {short_repr(', '.join(unknown))}")
+    if unknown:
+        raise FieldError(f"unknown job field(s): {short_repr(', '.join(unknown))}")
     version = data.get("v", WIRE_VERSION)
-    _field(
-        version == WIRE_VERSION,
-        f"unknown wire version {short_repr(version)} in job (this build speaks {WIRE_VERSION})",
-    )
+    if version != WIRE_VERSION:
+        raise FieldError(
+            f"unknown wire version {short_repr(version)} in job (this build speaks {WIRE_VERSION})"
+        )
     rid = data.get("request_id")
-    _field(
-        isinstance(rid, str) and 0 < len(rid) <= MAX_REQUEST_ID and not _BAD_ID.intersection(rid),
-        f"request_id must be a non-empty string of at most {MAX_REQUEST_ID} characters "
-        f"without braces or NUL, got {short_repr(rid)}",
-    )
+    if not (
+        isinstance(rid, str) and 0 < len(rid) <= MAX_REQUEST_ID and not _BAD_ID.intersection(rid)
+    ):
+        raise FieldError(
+            f"request_id must be a non-empty string of at most {MAX_REQUEST_ID} characters "
+            f"without braces or NUL, got {short_repr(rid)}"
+        )
     where = f"job {rid}: "
     try:
         messages = check_messages(data.get("messages"), limits.max_prompt_bytes)
@@ -170,17 +174,19 @@ def job_from_dict(data: Any, limits: JobLimits | None = None) -> Job:
         arrival = data.get("arrival_time")
         if arrival is None:
             arrival = time.time()
-        _field(
+        if not (
             (is_int(arrival) and 0 <= arrival < 2**53)
-            or (isinstance(arrival, float) and math.isfinite(arrival) and arrival >= 0),
-            f"arrival_time must be a finite number >= 0 (seconds), got {short_repr(arrival)}",
-        )
+            or (isinstance(arrival, float) and math.isfinite(arrival) and arrival >= 0)
+        ):
+            raise FieldError(
+                f"arrival_time must be a finite number >= 0 (seconds), got {short_repr(arrival)}"
+            )
         ttl = data.get("result_ttl_s")
-        _field(
-            ttl is None or (is_int(ttl) and 1 <= ttl <= MAX_RESULT_TTL_S),
-            f"result_ttl_s must be an integer in [1, {MAX_RESULT_TTL_S}] (seconds), "
-            f"got {short_repr(ttl)}",
-        )
+        if not (ttl is None or (is_int(ttl) and 1 <= ttl <= MAX_RESULT_TTL_S)):
+            raise FieldError(
+                f"result_ttl_s must be an integer in [1, {MAX_RESULT_TTL_S}] (seconds), "
+                f"got {short_repr(ttl)}"
+            )
     except TypeError as exc:  # a constructor given the wrong shape
         raise FieldError(f"{where}{exc}") from None
     except FieldError as exc:
@@ -197,10 +203,8 @@ def _field(ok: bool, message: str) -> None:
 
 
 def _job_prompt(prompt: Any, ids: Any, limits: JobLimits, chat: bool = False) -> tuple:
-    _field(
-        prompt is None or isinstance(prompt, str),
-        f"prompt must be a string, got {short_repr(prompt)}",
-    )
+    if not (prompt is None or isinstance(prompt, str)):
+        raise FieldError(f"prompt must be a string, got {short_repr(prompt)}")
     if chat:
         _field(
             prompt is None and ids is None,
@@ -210,16 +214,16 @@ def _job_prompt(prompt: Any, ids: Any, limits: JobLimits, chat: bool = False) ->
     if ids is None:
         _field(bool(prompt), "the job needs a non-empty prompt, prompt_token_ids or messages")
     else:
-        _field(
-            isinstance(ids, list) and len(ids) > 0,
-            f"prompt_token_ids must be a non-empty list of token ids, got {short_repr(ids)}",
-        )
-        for i, token in enumerate(ids):
-            _field(
-                is_int(token) and 0 <= token <= INT32_MAX,
-                f"prompt_token_ids[{i}] must be a token id (an integer >= 0), "
-                f"got {short_repr(token)}",
+        if not (isinstance(ids, list) and len(ids) > 0):
+            raise FieldError(
+                f"prompt_token_ids must be a non-empty list of token ids, got {short_repr(ids)}"
             )
+        for i, token in enumerate(ids):
+            if not (is_int(token) and 0 <= token <= INT32_MAX):
+                raise FieldError(
+                    f"prompt_token_ids[{i}] must be a token id (an integer >= 0), "
+                    f"got {short_repr(token)}"
+                )
     size = 4 * len(ids or ())
     if prompt:
         size += utf8_size(prompt, "prompt")
@@ -234,7 +238,8 @@ def _job_prompt(prompt: Any, ids: Any, limits: JobLimits, chat: bool = False) ->
 def _metadata(metadata: Any) -> dict[str, Any]:
     if metadata is None:
         return {}
-    _field(isinstance(metadata, dict), f"metadata must be an object, got {short_repr(metadata)}")
+    if not isinstance(metadata, dict):
+        raise FieldError(f"metadata must be an object, got {short_repr(metadata)}")
     try:
         size = len(orjson.dumps(metadata))
     except orjson.JSONEncodeError as exc:
