@@ -18,6 +18,7 @@ from lorapool.worker import Worker, WorkerConfig
 from lorapool.worker.serve import base_model_info
 
 pytestmark = pytest.mark.integration
+LAYOUTS = ("standalone", "cluster")
 SHORT = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 LONG = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
 TYPES = {
@@ -65,8 +66,9 @@ def adapter_dirs(model, tmp_path_factory):
 class Running:
     """A worker serving in a thread, its ``/metrics`` on a free port."""
 
-    def __init__(self, engine, conn, prefix, model, **metrics):
-        config = WorkerConfig(prefix=prefix, lease_s=5, metrics_port=0, **metrics)
+    def __init__(self, engine, conn, keys, model, **metrics):
+        options = dict(prefix=keys.prefix, shards=keys.shards, lease_s=5, metrics_port=0)
+        config = WorkerConfig(**options, **metrics)
         self.worker = Worker(engine, conn, config, base_model_info(model))
         self.thread = threading.Thread(target=self.worker.run, daemon=True)
 
@@ -99,11 +101,11 @@ def by_adapter(family, suffix: str) -> dict:
 
 
 def test_counts_histograms_and_labels_after_a_run(
-    engine, conn, prefix, producer, model, adapter_dirs
+    engine, conn, keys, producer, model, adapter_dirs
 ):
     for name in ("ad-a", "ad-b"):
         producer.registry.add(name, adapter_dirs[name])
-    with Running(engine, conn, prefix, model, metrics_vllm_names=True) as running:
+    with Running(engine, conn, keys, model, metrics_vllm_names=True) as running:
         long = producer.submit("an aborted one", LONG)
         next(iter(long.stream(timeout=30)))  # it runs: a first chunk is in its log
         long.abort()
@@ -155,11 +157,11 @@ def _loaded(families) -> set:
     return {(dict(k)["adapter"], dict(k)["level"]) for k, v in samples(family).items() if v}
 
 
-def test_adapter_series_stay_at_the_cap(engine, conn, prefix, producer, model, adapter_dirs):
+def test_adapter_series_stay_at_the_cap(engine, conn, keys, producer, model, adapter_dirs):
     names = sorted(adapter_dirs)
     for name in names:
         producer.registry.add(name, adapter_dirs[name])
-    with Running(engine, conn, prefix, model, metrics_max_adapters=3) as running:
+    with Running(engine, conn, keys, model, metrics_max_adapters=3) as running:
         handles = [producer.submit(f"p {n}", SHORT, lora_request=n) for n in names]
         handles.append(producer.submit("base", SHORT))
         for h in handles:
