@@ -121,3 +121,31 @@ def test_a_compacted_log_reads_from_its_record(pool_url, conn, keys):
             bench.token_of(rid, k) for k in range(n)
         ]
     assert len(chunks) == 1 and chunks[0].finished and chunks[0].offset == 0
+
+
+def test_a_new_client_follows_before_any_other_command(pool_url, conn, keys, producer, caplog):
+    """A fresh AsyncProducer whose first call is a follow subscribes (confirmed) and
+    reads the output: on a cluster the follower's SSUBSCRIBE routes by slots its client
+    had not learned yet (redis-py raised SlotNotCoveredError in the listener, and the
+    reader fell back to polling the log) until the follower initializes the client."""
+    from lorapool.producer.aio import AsyncJobHandle
+    from lorapool.worker import Worker, WorkerConfig
+
+    bench = load()
+    producer.submit({"prompt_token_ids": [1, 2]}, SamplingParams(max_tokens=5), request_id="n1")
+    key = bench.AUDIT_KEY.encode()
+    config = WorkerConfig(prefix=keys.prefix, shards=keys.shards, burst=True, audit_key=key)
+    Worker(bench.StandInEngine(8, 0.0), conn, config, bench.BASE_MODEL).run()
+
+    async def follow():
+        fresh = AsyncProducer(pool_url, prefix=keys.prefix, shards=keys.shards)
+        try:
+            handle = AsyncJobHandle(fresh, "n1", "delta")
+            return [chunk async for chunk in handle.chunks(timeout=10)]
+        finally:
+            await fresh.aclose()
+
+    chunks = asyncio.run(follow())
+    assert "no subscribe confirmation" not in caplog.text
+    tokens = [t for c in chunks for o in c.outputs for t in o["token_ids"]]
+    assert tokens == [bench.token_of("n1", k) for k in range(5)] and chunks[-1].finished
