@@ -31,7 +31,7 @@ def finished_bytes(conn, keys, ids) -> tuple[int, int, int]:
     """Of finished requests: (MEMORY USAGE of their job hashes, their final records'
     bytes as a reader gets them (the compact chunk's JSON), those records' bytes as
     stored (compressed))."""
-    from lorapool.chunk_log import RESULT_FIELD, decode_record
+    from lorapool.lifecycle.chunk_log import RESULT_FIELD, decode_record
     from lorapool.lifecycle.wire import encode_chunk
 
     memory = sum(conn.memory_usage(keys.job(rid), samples=0) or 0 for rid in ids)

@@ -10,10 +10,10 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from lorapool.chunk_log import OutputAssembler
 from lorapool.connection import connect_async
-from lorapool.follower import Follower
 from lorapool.lifecycle import marker
+from lorapool.lifecycle.chunk_log import OutputAssembler
+from lorapool.lifecycle.follower import Follower
 from lorapool.lifecycle.keys import DEFAULT_PREFIX, Keys
 from lorapool.lifecycle.submit import Submit, build_job, check_on_finish
 from lorapool.lifecycle.wire import (

@@ -10,8 +10,8 @@ from typing import Any
 import redis
 
 from lorapool import connection
-from lorapool.chunk_log import Cursor, OutputAssembler
 from lorapool.lifecycle import marker
+from lorapool.lifecycle.chunk_log import Cursor, OutputAssembler
 from lorapool.lifecycle.keys import DEFAULT_PREFIX, Keys
 from lorapool.lifecycle.submit import Submit, build_job, check_on_finish
 from lorapool.lifecycle.wire import (

@@ -11,7 +11,7 @@ from typing import Any
 
 import orjson
 
-from lorapool.chunk_log import RESULT_FIELD
+from lorapool.lifecycle.chunk_log import RESULT_FIELD
 from lorapool.lifecycle.keys import WORKERS_GROUP
 from lorapool.producer.aio import AsyncProducer
 from lorapool.producer.api_keys import authenticate, take_rate

@@ -23,8 +23,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from lorapool.chunk_log import encode_record
 from lorapool.lifecycle.append import NOT_OWNER, Append, Appender
+from lorapool.lifecycle.chunk_log import encode_record
 from lorapool.lifecycle.wire import Chunk, encode_chunk
 from lorapool.outputs import RequestOutput
 from lorapool.worker.audit import final_audit

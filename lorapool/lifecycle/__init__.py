@@ -9,7 +9,10 @@ audit writer and every reader of streams share.
   (READ, HANDOFF), ``append`` (APPEND: fenced chunks, and at the end the final record,
   ack, audit record and dead letter), ``lease`` (RENEW, with claiming an idle entry and
   reading its log to resume), ``queue_position``;
-- ``marker``: what a client does to a request it submitted (abort, read back).
+- ``marker``: what a client does to a request it submitted (abort, read back);
+- the readers: ``chunk_log`` (a reader's place in a request's output, the final record
+  a finished log is compacted into, and the accumulator of outputs) and ``follower``
+  (many requests followed on one connection: live channel, gaps filled from the log).
 
 The worker's policy (when to renew, claim, hand off, dead-letter) stays in
 ``lorapool.worker``; what each of those does to Redis is here.

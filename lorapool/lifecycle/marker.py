@@ -7,7 +7,7 @@ what the client returns: awaitable on an asyncio client.
 
 from __future__ import annotations
 
-from lorapool.chunk_log import RESULT_FIELD
+from lorapool.lifecycle.chunk_log import RESULT_FIELD
 from lorapool.lifecycle.keys import Keys
 
 ABORT_TTL_S = 24 * 3600  # an abort flag outlives any request it can stop

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lorapool.chunk_log import (
+from lorapool.lifecycle.chunk_log import (
     Cursor,
     LogCompacted,
     OutputAssembler,

@@ -3,7 +3,7 @@
 import orjson
 import pytest
 
-from lorapool.chunk_log import OutputAssembler
+from lorapool.lifecycle.chunk_log import OutputAssembler
 from lorapool.lifecycle.submit import build_job
 from lorapool.lifecycle.wire import (
     Chunk,

@@ -24,9 +24,10 @@ from collections.abc import AsyncIterator
 
 import redis
 
-from lorapool.chunk_log import RESULT_FIELD, Cursor
 from lorapool.connection import REDIS_DOWN
+from lorapool.lifecycle.chunk_log import Cursor
 from lorapool.lifecycle.keys import Keys
+from lorapool.lifecycle.marker import read_back, read_back_result
 from lorapool.lifecycle.wire import Chunk, decode_chunk
 
 logger = logging.getLogger(__name__)
@@ -133,20 +134,17 @@ class Follower:
     async def _fill(self, cursor: Cursor) -> list[Chunk]:
         """The chunks past ``cursor`` in the log, or the rest of the final record once
         the log is compacted; none while Redis is away."""
-        key, job = self.keys.out(cursor.request_id), self.keys.job(cursor.request_id)
         try:
             async with self.fills, self.redis.pipeline(transaction=False) as pipe:
-                pipe.xrange(key, f"({cursor.last}", "+")
-                pipe.exists(key)
-                pipe.hget(job, RESULT_FIELD)
-                entries, exists, result = await pipe.execute()
+                read_back(pipe, self.keys, cursor.request_id, cursor.last)
+                entries, result = read_back_result(await pipe.execute())
         except REDIS_DOWN as exc:
             logger.warning("follower: Redis unreachable (%s), waiting", exc)
             return []
         chunks = []
         if entries:
             chunks = list(cursor.take(entries))
-        elif not exists and result is not None:
+        elif result is not None:
             chunks = list(cursor.rest(result))
         self.num_filled += len(chunks)
         return chunks
