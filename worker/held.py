@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from lorapool.lifecycle.accumulator import Accumulator
 from lorapool.lifecycle.wire import Chunk, Job, completion_wire
 from lorapool.outputs import RequestOutput
 from lorapool.protocol import RequestOutputKind, SamplingParams
@@ -20,35 +21,6 @@ class Position(NamedTuple):
     offsets: list[int]  # in the order of the output's completions
 
 
-class _Completion:
-    """One completion's part of the log: pieces appended per chunk, joined once."""
-
-    __slots__ = ("index", "token_ids", "text", "logprobs", "last")
-
-    def __init__(self, index: int):
-        self.index, self.token_ids, self.text = index, [], []
-        self.logprobs: list | None = None
-        self.last: dict[str, Any] = {}
-
-    def add(self, out: dict[str, Any]) -> None:
-        self.token_ids += out["token_ids"]
-        self.text.append(out["text"])
-        if out.get("logprobs") is not None:
-            if self.logprobs is None:
-                self.logprobs = []
-            self.logprobs += out["logprobs"]
-        self.last = out
-
-    def wire(self, offset: int) -> dict[str, Any]:
-        return {
-            **self.last,
-            "offset": offset,
-            "text": "".join(self.text),
-            "token_ids": self.token_ids,
-            "logprobs": self.logprobs,
-        }
-
-
 @dataclass
 class Held:
     """One request this worker runs: its entry, job, adapter record and stream position."""
@@ -59,12 +31,8 @@ class Held:
     seq: int = 0  # seq of the next chunk
     total: int = 0  # tokens of all completions already in the log
     offsets: dict[int, int] = field(default_factory=dict)  # per completion index
-    prompt: str | None = None  # the first chunk's
-    prompt_token_ids: list[int] | None = None  # the original prompt's tokens
     resumed_tokens: int = 0  # tokens generated before this worker took over
-    completions: dict[int, _Completion] = field(default_factory=dict)
-    first: Chunk | None = None  # the first chunk in the log
-    last: Chunk | None = None  # the latest
+    kept: Accumulator = field(default_factory=Accumulator)  # the chunks in the log
     stream: str = ""  # the stream its entry came from ('': the interactive one)
 
     @property
@@ -94,20 +62,15 @@ class Held:
         self.total += tokens
         return position
 
+    @property
+    def prompt_token_ids(self) -> list[int] | None:
+        """The original prompt's tokens (the first chunk's)."""
+        return self.kept.prompt_token_ids
+
     def keep(self, chunk: Chunk) -> None:
         """Keep what ``chunk`` holds for the whole output: O(its tokens), no copies of
         what came before. (The sender's thread does this, in chunk order.)"""
-        if self.first is None:
-            self.first = chunk
-        if chunk.prompt_token_ids is not None:
-            self.prompt, self.prompt_token_ids = chunk.prompt, list(chunk.prompt_token_ids)
-        for out in chunk.outputs:
-            index = out["index"]
-            completion = self.completions.get(index)
-            if completion is None:
-                completion = self.completions[index] = _Completion(index)
-            completion.add(out)
-        self.last = chunk
+        self.kept.add(chunk)
 
     def take(self, chunk: Chunk) -> None:
         """Account a chunk already in the log (replayed on resume, or an error chunk):
@@ -127,23 +90,7 @@ class Held:
     def whole(self) -> Chunk | None:
         """Everything in the log so far as one chunk from offset 0: the record a
         finished request's log is compacted into."""
-        if self.first is None:
-            return None
-        last = self.last
-        return Chunk(
-            request_id=self.request_id,
-            seq=last.seq,
-            offset=0,
-            outputs=[c.wire(0) for _, c in sorted(self.completions.items())],
-            finished=last.finished,
-            lora_request=last.lora_request or self.first.lora_request,
-            adapter_id=last.adapter_id,
-            metrics=last.metrics,
-            worker=last.worker,
-            error=last.error,
-            prompt=self.prompt,
-            prompt_token_ids=self.prompt_token_ids,
-        )
+        return self.kept.whole(self.request_id)
 
 
 def engine_params(params: SamplingParams) -> SamplingParams:
@@ -153,7 +100,7 @@ def engine_params(params: SamplingParams) -> SamplingParams:
 
 def resumed_token_ids(held: Held) -> list[int]:
     """Tokens of ``held`` already in the chunk log: the engine continues after them."""
-    first = held.completions.get(0)
+    first = held.kept.completions.get(0)
     return [] if first is None else list(first.token_ids)
 
 

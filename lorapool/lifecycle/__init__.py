@@ -11,8 +11,10 @@ audit writer and every reader of streams share.
   reading its log to resume), ``queue_position``;
 - ``marker``: what a client does to a request it submitted (abort, read back);
 - the readers: ``chunk_log`` (a reader's place in a request's output, the final record
-  a finished log is compacted into, and the accumulator of outputs) and ``follower``
-  (many requests followed on one connection: live channel, gaps filled from the log).
+  a finished log is compacted into, the assembler of outputs) and ``follower`` (many
+  requests followed on one connection: live channel, gaps filled from the log);
+- ``accumulator``: a request's output kept from its chunks, O(a chunk) each: what the
+  worker compacts a finished log into, and what readers' cumulative outputs come from.
 
 The worker's policy (when to renew, claim, hand off, dead-letter) stays in
 ``lorapool.worker``; what each of those does to Redis is here.

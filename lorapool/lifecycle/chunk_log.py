@@ -16,6 +16,7 @@ import zlib
 from collections.abc import Iterator
 from typing import Any
 
+from lorapool.lifecycle.accumulator import Accumulator, Completion
 from lorapool.lifecycle.wire import DATA, Chunk, decode_chunk, encode_chunk
 from lorapool.outputs import CompletionOutput, RequestOutput
 from lorapool.protocol import RequestOutputKind
@@ -124,57 +125,44 @@ class Cursor:
 class OutputAssembler:
     """Turns delta chunks into the RequestOutputs of one ``output_kind``.
 
-    Per chunk it appends the delta to each completion (no copies of what came
-    before); a cumulative output is built from those, copying only the flat text
-    and id lists (a memcpy each), never deep-copying earlier outputs."""
+    Per chunk it appends the delta to each completion (``Accumulator``: no copies of
+    what came before); a cumulative output is built from those, copying only the flat
+    text and id lists (a memcpy each), never deep-copying earlier outputs."""
 
     def __init__(self, kind: RequestOutputKind | str):
         self.kind = RequestOutputKind(kind)
-        self.completions: dict[int, CompletionOutput] = {}
+        self.output = Accumulator()
         self.lora = None
-        self.prompt: tuple = (None, None)
 
     def feed(self, chunk: Chunk) -> RequestOutput | None:
         """The output to yield for this chunk, or None (FINAL_ONLY before the end)."""
         delta = chunk.to_output()
-        self._fill(delta, chunk)
-        for completion in delta.outputs:
-            self._add(completion)
+        if chunk.lora_request is not None:
+            self.lora = delta.lora_request
+        self.output.add(chunk, delta.outputs)
+        # the full adapter and the prompt of the first chunk, in every output
+        delta.lora_request = self.lora
+        delta.prompt, delta.prompt_token_ids = self.output.prompt, self.output.prompt_token_ids
+        for c in delta.outputs:
+            c.lora_request = self.lora
         if self.kind == RequestOutputKind.DELTA:
             return delta
         if self.kind == RequestOutputKind.FINAL_ONLY and not chunk.finished:
             return None
-        delta.outputs = [_snapshot(c) for _, c in sorted(self.completions.items())]
+        delta.outputs = [_cumulative(c, self.lora) for c in self.output.in_order()]
         return delta
 
-    def _fill(self, delta: RequestOutput, chunk: Chunk) -> None:
-        """Carry the full adapter and the prompt of the first chunk into every output."""
-        if chunk.lora_request is not None:
-            self.lora = delta.lora_request
-        if chunk.prompt_token_ids is not None:
-            self.prompt = (chunk.prompt, chunk.prompt_token_ids)
-        delta.lora_request = self.lora
-        delta.prompt, delta.prompt_token_ids = self.prompt
-        for c in delta.outputs:
-            c.lora_request = self.lora
 
-    def _add(self, delta: CompletionOutput) -> None:
-        total = self.completions.get(delta.index)
-        if total is None:
-            self.completions[delta.index] = _snapshot(delta)
-            return
-        total.text += delta.text
-        total.token_ids += delta.token_ids
-        if delta.logprobs is not None:
-            if total.logprobs is None:
-                total.logprobs = []
-            total.logprobs += delta.logprobs
-        total.cumulative_logprob = delta.cumulative_logprob
-        total.finish_reason, total.stop_reason = delta.finish_reason, delta.stop_reason
-        total.lora_request = delta.lora_request
-
-
-def _snapshot(c: CompletionOutput) -> CompletionOutput:
-    """A copy of ``c`` whose lists later appends do not reach."""
-    logprobs = None if c.logprobs is None else list(c.logprobs)
-    return dataclasses.replace(c, token_ids=list(c.token_ids), logprobs=logprobs)
+def _cumulative(c: Completion, lora) -> CompletionOutput:
+    """Completion ``c`` so far, as a CompletionOutput later chunks do not reach."""
+    last: CompletionOutput = c.last
+    return CompletionOutput(
+        c.index,
+        c.text,
+        list(c.token_ids),
+        last.cumulative_logprob,
+        None if c.logprobs is None else list(c.logprobs),
+        last.finish_reason,
+        last.stop_reason,
+        lora,
+    )

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from lorapool.lifecycle.accumulator import Accumulator
 from lorapool.lifecycle.chunk_log import (
     Cursor,
     LogCompacted,
@@ -150,3 +151,25 @@ def test_a_long_record_is_stored_compressed_and_reads_back_whole():
 def test_a_broken_record_says_what_is_wrong(payload, problem):
     with pytest.raises(ValueError, match=problem):
         decode_record(payload, "r")
+
+
+@settings(max_examples=200, deadline=None)
+@given(n=st.integers(1, 3), steps=st.integers(1, 8), data=st.data())
+def test_one_accumulator_keeps_the_whole_output_for_the_worker_and_the_readers(n, steps, data):
+    """The worker's record (``Held.keep``/``whole``) and a reader's cumulative outputs
+    (``OutputAssembler``) both come from ``Accumulator``: each equals the plain joins of
+    the deltas so far, at every chunk."""
+    pieces = data.draw(
+        st.lists(st.lists(piece, min_size=n, max_size=n), min_size=steps, max_size=steps)
+    )
+    log = _chunks(pieces, n)
+    kept, assembler = Accumulator(), OutputAssembler("cumulative")
+    for k, chunk in enumerate(log):
+        kept.add(chunk)
+        output = assembler.feed(chunk)
+        for i, completion in enumerate(output.outputs):
+            outs = [c.outputs[i] for c in log[: k + 1]]
+            assert completion.text == "".join(o["text"] for o in outs)
+            assert completion.token_ids == [t for o in outs for t in o["token_ids"]]
+            assert len(completion.logprobs) == len(completion.token_ids)
+    assert encode_chunk(kept.whole("r")) == encode_chunk(_whole(log, n))
