@@ -2,9 +2,10 @@
 that validate a file, submit its lines as ordinary pool jobs and collect their outputs;
 and completion callbacks (``lorapool.batch.callbacks``).
 
-Torch-free. The batch lines are checked by the gateway's own request parser, so
-``BatchService`` needs the ``gateway`` extra's FastAPI; the callbacks need only RQ.
-Names are imported on first use, so the audit writer can load the callbacks alone.
+May import redis, rq, orjson, the lifecycle and the gateway's request parser (the
+batch lines are checked by it, so ``BatchService`` needs the ``gateway`` extra's
+FastAPI; the callbacks need only RQ); never torch or SQLAlchemy. Names are imported
+on first use, so the audit writer can load the callbacks alone.
 """
 
 from importlib import import_module

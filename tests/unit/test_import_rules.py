@@ -115,6 +115,7 @@ PACKAGES = [
     "lorapool",
     "lorapool.cli",
     "lorapool.lifecycle",
+    "lorapool.batch",
     "lorapool.engine",
     "lorapool.engine.models",
     "lorapool.engine.lora",
