@@ -30,6 +30,7 @@ from lorapool.protocol import (
     FieldError,
     LoRARequest,
     SamplingParams,
+    check,
     is_int,
     short_repr,
 )
@@ -165,7 +166,7 @@ def job_from_dict(data: Any, limits: JobLimits | None = None) -> Job:
         )
         params = data.get("sampling_params")
         sampling = SamplingParams.from_dict({} if params is None else params)
-        _field(
+        check(
             sampling.n <= limits.max_n,
             f"sampling_params.n must be at most {limits.max_n} (max_n), got {sampling.n}",
         )
@@ -197,22 +198,17 @@ def job_from_dict(data: Any, limits: JobLimits | None = None) -> Job:
 _BAD_ID = frozenset("{}\x00")
 
 
-def _field(ok: bool, message: str) -> None:
-    if not ok:
-        raise FieldError(message)
-
-
 def _job_prompt(prompt: Any, ids: Any, limits: JobLimits, chat: bool = False) -> tuple:
     if not (prompt is None or isinstance(prompt, str)):
         raise FieldError(f"prompt must be a string, got {short_repr(prompt)}")
     if chat:
-        _field(
+        check(
             prompt is None and ids is None,
             "a job has either messages or a prompt (prompt_token_ids), not both",
         )
         return None, None
     if ids is None:
-        _field(bool(prompt), "the job needs a non-empty prompt, prompt_token_ids or messages")
+        check(bool(prompt), "the job needs a non-empty prompt, prompt_token_ids or messages")
     else:
         if not (isinstance(ids, list) and len(ids) > 0):
             raise FieldError(
@@ -227,7 +223,7 @@ def _job_prompt(prompt: Any, ids: Any, limits: JobLimits, chat: bool = False) ->
     size = 4 * len(ids or ())
     if prompt:
         size += utf8_size(prompt, "prompt")
-    _field(
+    check(
         size <= limits.max_prompt_bytes,
         f"the prompt is {size} bytes, over the limit of {limits.max_prompt_bytes} "
         "(max_prompt_bytes)",
@@ -244,7 +240,7 @@ def _metadata(metadata: Any) -> dict[str, Any]:
         size = len(orjson.dumps(metadata))
     except orjson.JSONEncodeError as exc:
         raise FieldError(f"metadata must be JSON with string keys: {exc}") from None
-    _field(
+    check(
         size <= MAX_METADATA_BYTES,
         f"metadata is {size} bytes encoded, over the limit of {MAX_METADATA_BYTES}",
     )
@@ -380,7 +376,7 @@ def decode_chunk(payload: bytes | str | None, request_id: str = "") -> Chunk:
     data = _loads(payload, "chunk", CHUNK_VERSION, CHUNK_VERSION)
     try:
         seq, offset = data["s"], data.get("o", 0)
-        _field(is_int(seq) and is_int(offset), "seq and offset must be integers")
+        check(is_int(seq) and is_int(offset), "seq and offset must be integers")
         outputs = [_expand(out, offset) for out in data["c"]]
         chunk = Chunk(request_id, seq, offset, outputs, bool(data.get("f", 0)))
         chunk.adapter_id = data.get("a", 0)
@@ -394,7 +390,7 @@ def decode_chunk(payload: bytes | str | None, request_id: str = "") -> Chunk:
 def _expand(record: dict[str, Any], offset: int) -> dict[str, Any]:
     """A completion's compact record as the Chunk holds it."""
     text, ids = record["t"], record["k"]
-    _field(isinstance(text, str) and isinstance(ids, list), "bad completion text or ids")
+    check(isinstance(text, str) and isinstance(ids, list), "bad completion text or ids")
     out = {"index": record.get("i", 0), "offset": record.get("o", offset)}
     out["text"], out["token_ids"] = text, ids
     for name, key in _COMPLETION_KEYS:
