@@ -133,13 +133,7 @@ class SamplingParams:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SamplingParams:
-        if not isinstance(data, dict):
-            raise FieldError(f"sampling_params must be an object, got {short_repr(data)}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(map(str, set(data) - known))
-        if unknown:
-            raise FieldError(f"unknown sampling parameter(s): {short_repr(', '.join(unknown))}")
-        return cls(**data)
+        return cls(**_fields_of(cls, data, "sampling_params", "sampling parameter(s)"))
 
 
 class FieldError(ValueError):
@@ -165,6 +159,16 @@ def check(ok: bool, message: str) -> None:
 _SHORT = reprlib.Repr()  # (keyword arguments only from Python 3.12)
 _SHORT.maxlevel, _SHORT.maxstring, _SHORT.maxother, _SHORT.maxlong = 2, 80, 80, 80
 _SHORT.maxlist = _SHORT.maxtuple = _SHORT.maxdict = _SHORT.maxset = 8
+
+
+def _fields_of(cls: type, data: Any, what: str, names: str) -> dict[str, Any]:
+    """``data``, checked to be an object of dataclass ``cls``'s fields only."""
+    if not isinstance(data, dict):
+        raise FieldError(f"{what} must be an object, got {short_repr(data)}")
+    unknown = sorted(map(str, set(data) - {f.name for f in fields(cls)}))
+    if unknown:
+        raise FieldError(f"unknown {names}: {short_repr(', '.join(unknown))}")
+    return data
 
 
 def short_repr(value: Any, limit: int = 60) -> str:
@@ -267,12 +271,7 @@ class LoRARequest:
     def from_dict(cls, data: dict[str, Any] | None) -> LoRARequest | None:
         if data is None:
             return None
-        if not isinstance(data, dict):
-            raise FieldError(f"lora_request must be an object, got {short_repr(data)}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(map(str, set(data) - known))
-        if unknown:
-            raise FieldError(f"unknown lora_request field(s): {short_repr(', '.join(unknown))}")
+        _fields_of(cls, data, "lora_request", "lora_request field(s)")
         missing = [k for k in ("lora_name", "lora_int_id") if k not in data]
         check(not missing, f"lora_request needs {' and '.join(missing)}")
         return cls(**data)
