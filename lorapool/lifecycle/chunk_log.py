@@ -51,6 +51,13 @@ def decode_record(payload: bytes | str | None, request_id: str) -> Chunk:
     return decode_chunk(payload, request_id)
 
 
+def log_chunks(connection, keys, request_id: str) -> list[Chunk]:
+    """The chunks the request's log holds now, in order (sync client; empty when the
+    log is gone). For tools, tests and benchmarks: readers follow it with ``Cursor``."""
+    entries = connection.xrange(keys.out(request_id))
+    return [decode_chunk(fields.get(_DATA), request_id) for _, fields in entries]
+
+
 class LogCompacted(LookupError):
     """The log was compacted before this reader could place itself in it."""
 

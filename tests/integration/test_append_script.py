@@ -13,8 +13,8 @@ from standin import load
 
 from lorapool.connection import register_script
 from lorapool.lifecycle.append import DUPLICATE, NOT_OWNER, Append, append_call, append_script
+from lorapool.lifecycle.chunk_log import log_chunks
 from lorapool.lifecycle.keys import WORKERS_GROUP, Keys
-from lorapool.lifecycle.wire import DATA, decode_chunk
 from lorapool.producer import Producer
 from lorapool.protocol import SamplingParams
 from lorapool.worker import Worker, WorkerConfig
@@ -98,7 +98,7 @@ def test_worker_rides_out_redis_out_of_memory(private_redis, caplog):
         assert time.monotonic() < deadline, "requests did not finish after Redis had room"
         worker.run_guarded()
     for rid in ids:
-        chunks = [decode_chunk(f[DATA.encode()], rid) for _, f in conn.xrange(keys.out(rid))]
+        chunks = log_chunks(conn, keys, rid)
         assert [c.seq for c in chunks] == list(range(len(chunks)))
         tokens = [t for c in chunks for o in c.outputs for t in o["token_ids"]]
         assert tokens == [bench.token_of(rid, k) for k in range(30)]

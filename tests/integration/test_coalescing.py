@@ -11,7 +11,7 @@ from statistics import mean
 import pytest
 from standin import load
 
-from lorapool.lifecycle.wire import DATA, decode_chunk
+from lorapool.lifecycle.chunk_log import log_chunks
 from lorapool.protocol import SamplingParams
 from lorapool.worker import Worker, WorkerConfig
 from lorapool.worker.publisher import MAX_BEHIND
@@ -40,7 +40,7 @@ def run(conn, keys, producer, requests: int, step_s: float, rate: int) -> list[l
     Worker(bench.StandInEngine(64, step_s), conn, config, bench.BASE_MODEL).run()
     sizes = []
     for rid in ids:
-        chunks = [decode_chunk(f[DATA.encode()], rid) for _, f in conn.xrange(keys.out(rid))]
+        chunks = log_chunks(conn, keys, rid)
         tokens = [t for chunk in chunks for out in chunk.outputs for t in out["token_ids"]]
         assert tokens == [bench.token_of(rid, k) for k in range(TOKENS)], rid
         assert [chunk.seq for chunk in chunks] == list(range(len(chunks)))

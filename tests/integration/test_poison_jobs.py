@@ -26,7 +26,8 @@ from json_strategies import json_values as any_json
 from pool_layout import entries, length, pending
 
 from lorapool.audit_record import record_from_dict
-from lorapool.lifecycle.wire import decode_chunk, job_from_dict
+from lorapool.lifecycle.chunk_log import log_chunks
+from lorapool.lifecycle.wire import job_from_dict
 from lorapool.producer import Producer
 from lorapool.protocol import SamplingParams
 from lorapool.worker import Worker, WorkerConfig
@@ -255,5 +256,5 @@ def test_worker_process_survives_arbitrary_records(worker_process, conn, expecte
             rid = job_from_dict(orjson.loads(payload)).request_id
         except ValueError as exc:
             raise AssertionError(f"refused job {payload!r} was not dead-lettered: {exc}") from None
-        final = decode_chunk(conn.xrevrange(producer.keys.out(rid), count=1)[0][1][b"data"], rid)
+        final = log_chunks(conn, producer.keys, rid)[-1]
         assert final.finished

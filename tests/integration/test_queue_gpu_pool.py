@@ -21,8 +21,8 @@ import pytest
 from standin import BENCH, load
 
 from lorapool.connection import connect
+from lorapool.lifecycle.chunk_log import log_chunks
 from lorapool.lifecycle.keys import Keys
-from lorapool.lifecycle.wire import DATA, decode_chunk
 from lorapool.producer import Producer
 from lorapool.protocol import SamplingParams
 
@@ -111,7 +111,7 @@ def test_ten_thousand_requests_through_a_kill_and_a_stop(pool, tmp_path):
     finishers = set()
     wrong = []
     for rid, max_tokens in jobs:
-        chunks = [decode_chunk(f[DATA.encode()], rid) for _, f in conn.xrange(keys.out(rid))]
+        chunks = log_chunks(conn, keys, rid)
         tokens = [t for c in chunks for o in c.outputs for t in o["token_ids"]]
         finals = sum(c.finished for c in chunks)
         seqs = [c.seq for c in chunks]

@@ -13,7 +13,7 @@ import time
 import pytest
 from gateway_procs import lorapool_cmd
 
-from lorapool.lifecycle.wire import decode_chunk
+from lorapool.lifecycle.chunk_log import log_chunks
 from lorapool.producer import Producer
 from lorapool.producer.registry import lora_from_record
 from lorapool.protocol import SamplingParams
@@ -140,10 +140,7 @@ def _wait_workers(conn, prefix, count, timeout=90):
 
 
 def _logs(conn, producer, ids):
-    return {
-        rid: [decode_chunk(f[b"data"], rid) for _, f in conn.xrange(producer.keys.out(rid))]
-        for rid in ids
-    }
+    return {rid: log_chunks(conn, producer.keys, rid) for rid in ids}
 
 
 def _wait_partial(conn, producer, ids, at_least=5, timeout=60):
@@ -242,7 +239,4 @@ def test_second_sigterm_hands_back(engine, conn, redis_url, prefix, model, tmp_p
     assert time.monotonic() - handed_back < 60  # claimed at once, not after the lease
     _check_logs(conn, producer, ids, expected)
     assert conn.xpending(producer.keys.requests, "workers")["pending"] == 0
-    assert {
-        decode_chunk(conn.xrevrange(producer.keys.out(r), count=1)[0][1][b"data"], r).worker
-        for r in ids
-    } == {"second"}
+    assert {log_chunks(conn, producer.keys, r)[-1].worker for r in ids} == {"second"}
