@@ -17,13 +17,12 @@ def redis_cpu_s(conn) -> float:
 
 def chunk_log_bytes(conn, keys) -> tuple[int, int]:
     """(bytes, tokens) of the chunk logs: MEMORY USAGE summed, tokens counted."""
-    from lorapool.lifecycle.wire import DATA, decode_chunk
+    from lorapool.lifecycle.wire import decode_chunk
 
     total_bytes = total_tokens = 0
     for key in keys:
         total_bytes += conn.memory_usage(key, samples=0) or 0
-        for _, fields in conn.xrange(key):
-            total_tokens += decode_chunk(fields[DATA.encode()], key).num_tokens
+        total_tokens += sum(decode_chunk(raw, key).num_tokens for raw in conn.lrange(key, 0, -1))
     return total_bytes, total_tokens
 
 

@@ -182,28 +182,32 @@ def submit(producer, workload, label: str):
 
 
 def collect(producer, ids: list[str], label: str, start: float) -> dict:
-    """Read every request's chunk log until its final chunk; client-side timings."""
-    from lorapool.lifecycle.wire import DATA, decode_chunk
+    """Read every request's chunk log until its final chunk (one pipelined LRANGE per
+    unfinished request every 10 ms, from its next chunk); client-side timings."""
+    from lorapool.lifecycle.wire import decode_chunk
 
-    last = {producer.keys.out(rid): "0-0" for rid in ids}
+    next_seq = {rid: 0 for rid in ids}
     first_token, tokens, errors, done = {}, 0, 0, 0
-    while last:
-        reply = producer.redis.xread(last, count=256, block=1000)
+    while next_seq:
+        with producer.redis.pipeline(transaction=False) as pipe:
+            for rid, seq in next_seq.items():
+                pipe.lrange(producer.keys.out(rid), seq, -1)
+            replies = pipe.execute()
         now = time.perf_counter()
-        for key, entries in reply or []:
-            key = key.decode()
-            for entry_id, fields in entries:
-                last[key] = entry_id
-                chunk = decode_chunk(fields[DATA.encode()], key)
+        for rid, entries in zip(list(next_seq), replies):
+            for raw in entries:
+                chunk = decode_chunk(raw, rid)
+                next_seq[rid] += 1
                 tokens += chunk.num_tokens
-                if chunk.num_tokens and key not in first_token:
-                    first_token[key] = now - start
+                if chunk.num_tokens and rid not in first_token:
+                    first_token[rid] = now - start
                 if chunk.finished:
                     errors += chunk.error is not None
                     done += 1
-                    del last[key]
+                    del next_seq[rid]
                     progress(label, done, len(ids), start)
                     break
+        time.sleep(0.01)
     return summary(tokens, time.perf_counter() - start, list(first_token.values()), errors)
 
 

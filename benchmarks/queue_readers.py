@@ -2,12 +2,14 @@
 client sees a step's tokens.
 
 The real Worker around ``queue_gpu``'s engine stand-in (a process) streams
-``--requests`` requests while one asyncio client follows all of them, three ways in
+``--requests`` requests while one asyncio client follows all of them, two ways in
 the same run:
 
 - ``none``: nobody reads (the worker's own Redis CPU: the peer to subtract);
-- ``xread``: one blocking XREAD per request (what ``AsyncJobHandle`` did before);
 - ``follower``: ``AsyncProducer``'s ``Follower``, one Pub/Sub connection for all.
+
+(Until the chunk log became a list, a third way was one blocking XREAD per request,
+what ``AsyncJobHandle`` did before the Follower: RESULTS.md has its numbers.)
 
 Reported per way: Redis CPU per delivered chunk beyond ``none``'s (``INFO cpu``), and
 the latency from the end of the engine step that made a chunk's last token to the
@@ -45,21 +47,7 @@ async def follow(producer, ids, way: str, received: list) -> None:
         async for chunk in (await producer.handle(rid)).chunks():
             received.append((rid, chunk.offset + chunk.num_tokens - 1, time.perf_counter()))
 
-    async def by_xread(rid):
-        from lorapool.lifecycle.wire import DATA, decode_chunk
-
-        key, last, done = producer.keys.out(rid), "0-0", False
-        while not done:
-            for _, entries in await producer.redis.xread({key: last}, count=256, block=1000):
-                now = time.perf_counter()
-                for entry_id, fields in entries:
-                    last = entry_id
-                    chunk = decode_chunk(fields[DATA.encode()], rid)
-                    received.append((rid, chunk.offset + chunk.num_tokens - 1, now))
-                    done = chunk.finished
-
-    read = by_follower if way == "follower" else by_xread
-    await asyncio.gather(*(read(rid) for rid in ids))
+    await asyncio.gather(*(by_follower(rid) for rid in ids))
 
 
 async def run_way(url: str, way: str, args, jobs) -> dict:
@@ -127,7 +115,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--sequences", type=int, default=256)
     parser.add_argument("--step-ms", type=float, default=25.0)
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--ways", nargs="+", default=["none", "xread", "follower"])
+    parser.add_argument(
+        "--ways", nargs="+", default=["none", "follower"], choices=["none", "follower"]
+    )
     parser.add_argument(
         "--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
     )

@@ -50,7 +50,7 @@ def measure(conn, model: str, tokens: int, count: int = 8) -> dict:
         Worker(engine, conn, config, model_identity(model)).run()
         logs = [conn.memory_usage(producer.keys.out(h.request_id), samples=0) for h in handles]
         markers = [conn.memory_usage(producer.keys.job(h.request_id), samples=0) for h in handles]
-        chunks = conn.xlen(producer.keys.out(handles[0].request_id))
+        chunks = conn.llen(producer.keys.out(handles[0].request_id))
         return {
             "output_tokens": tokens,
             "queued_entry_bytes": round(queued),

@@ -13,11 +13,13 @@ from lorapool import connection
 from lorapool.lifecycle import marker
 from lorapool.lifecycle.chunk_log import Cursor, OutputAssembler
 from lorapool.lifecycle.keys import DEFAULT_PREFIX, Keys
+from lorapool.lifecycle.listener import Listener
 from lorapool.lifecycle.submit import Submit, build_job, check_on_finish
 from lorapool.lifecycle.wire import (
     DEFAULT_MAX_N,
     DEFAULT_MAX_PROMPT_BYTES,
     JobLimits,
+    decode_chunk,
 )
 from lorapool.outputs import RequestOutput
 from lorapool.producer.job import per_prompt
@@ -25,7 +27,8 @@ from lorapool.producer.registry import AdapterRegistry
 from lorapool.protocol import LoRARequest, RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
-_BLOCK_MS = 1000
+_WAIT_S = 1.0  # quiet this long, a handle reads the log again
+_PAGE = 256  # chunks per read of the log
 
 
 def connect(
@@ -42,12 +45,6 @@ def connect(
 
         url_or_connection = resolve_url()
     return connection.connect(url_or_connection, retries)
-
-
-def chunk_seq(entry_id: bytes | str) -> int:
-    """Chunk log entries have ids ``0-<seq + 1>``."""
-    text = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-    return int(text.split("-")[1]) - 1
 
 
 class JobHandle:
@@ -68,52 +65,58 @@ class JobHandle:
     def chunks(self, after: int = -1, timeout: float | None = None) -> Iterator[Any]:
         """The request's chunks with seq > ``after``, in order, until the final one.
 
-        Reads the chunk log (the source of truth) with blocking XREAD, so a late
-        subscriber misses nothing; once the log is compacted, the rest comes from the
-        final record as one chunk (``LogCompacted`` if the reader started midway and
-        so cannot tell where the rest begins). TimeoutError after ``timeout`` seconds.
+        Reads the chunk log (the source of truth) from where it stands; while the request
+        runs, it follows the request's live channel (``Listener``, subscribed before the
+        log is read again), and goes back to the log after a gap in the seqs or a quiet
+        second, so a late reader misses nothing. Once the log is compacted, the rest
+        comes from the final record as one chunk (``LogCompacted`` if the reader started
+        midway and so cannot tell where the rest begins). TimeoutError after
+        ``timeout`` seconds.
         """
         cursor, deadline = Cursor(self.request_id, after), _deadline(timeout)
-        reply, result = self._poll(cursor)
+        yield from self._read_log(cursor)
+        if cursor.done:  # finished already: no subscription
+            return
+        listener = Listener(self.producer.redis, self.producer.keys.out(self.request_id))
+        try:
+            while not cursor.done:
+                yield from self._read_log(cursor)
+                while not cursor.done:
+                    if deadline is not None and time.monotonic() >= deadline:
+                        raise TimeoutError(
+                            f"request {self.request_id}: no final output in {timeout}s"
+                        )
+                    payload = listener.next(_wait_s(deadline))
+                    if payload is None:
+                        break  # quiet, or the connection broke: read the log
+                    chunk = decode_chunk(payload, self.request_id)
+                    if cursor.accepts(chunk):
+                        yield cursor.give(chunk)
+                    elif chunk.seq > cursor.seq:
+                        break  # past a gap: read the log
+        finally:
+            listener.close()
+
+    def _read_log(self, cursor: Cursor) -> Iterator[Any]:
+        """What the log holds past ``cursor`` (page by page), or the rest of the final
+        record once the log is gone (compacted); nothing while Redis is away."""
+        keys, rid = self.producer.keys, self.request_id
         while not cursor.done:
-            if reply:
-                for _, entries in reply:
-                    yield from cursor.take(entries)
+            try:
+                with self.producer.redis.pipeline(transaction=False) as pipe:
+                    marker.read_back(pipe, keys, rid, cursor.seq, count=_PAGE)
+                    entries, result = marker.read_back_result(pipe.execute())
+            except connection.REDIS_DOWN as exc:
+                logger.warning("request %s: Redis unreachable (%s), waiting", rid, exc)
+                time.sleep(_WAIT_S)
+                return
+            if entries:
+                yield from cursor.take(entries)
+                if len(entries) == _PAGE:
+                    continue
             elif result is not None:
                 yield from cursor.rest(result)
-                return
-            elif deadline is not None and time.monotonic() >= deadline:
-                raise TimeoutError(f"request {self.request_id}: no final output in {timeout}s")
-            if not cursor.done:
-                reply = self._read(cursor, deadline)
-                reply, result = (reply, None) if reply else self._poll(cursor)
-
-    def _poll(self, cursor: Cursor) -> tuple[list, bytes | None]:
-        """What the log holds past ``cursor`` now, and the final record if the log is
-        gone (compacted), in one round trip."""
-        keys, rid = self.producer.keys, self.request_id
-        try:
-            with self.producer.redis.pipeline(transaction=False) as pipe:
-                marker.read_back(pipe, keys, rid, cursor.last, count=256)
-                entries, result = marker.read_back_result(pipe.execute())
-        except connection.REDIS_DOWN as exc:
-            logger.warning("request %s: Redis unreachable (%s), waiting", rid, exc)
-            time.sleep(_BLOCK_MS / 1000)
-            return [], None
-        return [(keys.out(rid), entries)] if entries else [], result
-
-    def _read(self, cursor: Cursor, deadline: float | None) -> list:
-        """One blocking XREAD; Redis away past the client's retries reads as nothing new,
-        so a wait rides out a stall or a restart until its deadline."""
-        key = self.producer.keys.out(self.request_id)
-        try:
-            return self.producer.redis.xread(
-                {key: cursor.last}, count=256, block=_block_ms(deadline)
-            )
-        except connection.REDIS_DOWN as exc:
-            logger.warning("request %s: Redis unreachable (%s), waiting", self.request_id, exc)
-            time.sleep(_block_ms(deadline) / 1000)
-            return []
+            return
 
     def stream(self, after: int = -1, timeout: float | None = None) -> Iterator[RequestOutput]:
         """RequestOutputs in the job's ``output_kind``; ``after``: skip chunks up to that seq.
@@ -240,7 +243,8 @@ def _deadline(timeout: float | None) -> float | None:
     return None if timeout is None else time.monotonic() + timeout
 
 
-def _block_ms(deadline: float | None) -> int:
+def _wait_s(deadline: float | None) -> float:
+    """How long to wait on the live channel before reading the log again."""
     if deadline is None:
-        return _BLOCK_MS
-    return max(1, min(_BLOCK_MS, int((deadline - time.monotonic()) * 1000)))
+        return _WAIT_S
+    return max(0.001, min(_WAIT_S, deadline - time.monotonic()))

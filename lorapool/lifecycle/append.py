@@ -3,10 +3,9 @@ ack, audit record and (failed) dead letter, all in one atomic call.
 
 Fencing: a worker writes for an entry only while XPENDING names it as the entry's
 consumer. Another worker that claims the entry (XAUTOCLAIM) takes that name away, so a
-paused worker that wakes up can neither append nor renew. Chunk log entry ids are
-``0-<seq + 1>``, and an append whose seq is not past the log's last one is refused
-(XADD refuses an id not above the stream's last; no read of the log), so a log never
-holds a duplicate or a gap-filler out of order.
+paused worker that wakes up can neither append nor renew. A chunk's index in its log
+(a list) is its seq, and an append whose seq the log already holds is refused (LLEN
+past it; no read of the log), so a log never holds a duplicate or a chunk out of order.
 
 Redis Cluster (``--shards N``, see ``keys``): one call takes the items of one shard (the
 publisher makes one call per shard a trip). On a cluster the script runs under
@@ -66,17 +65,15 @@ def append_call(
 # Returns per item: -1 (not the owner), -2 (seq already in the log), else 1 if abort is
 # asked, 0.
 APPEND = """
--- XADD of a chunk: true, or false when the log already holds this seq (XADD refuses an
--- id not above the stream's last). Any other refusal (out of memory, a key that is not
--- a stream) fails the whole call, so the worker sends the trip again.
+-- RPUSH of a chunk: true, or false when the log already holds this seq (a chunk's
+-- index in the log is its seq). A log shorter than seq (lost to a Redis that came back
+-- empty) takes it all the same: readers wait for the missing seq until the final
+-- record, which holds the whole output. Any refusal (out of memory, a key that is not
+-- a list) fails the whole call, so the worker sends the trip again.
 local function add_chunk(out, seq, chunk)
-  local ok, err = pcall(redis.call, 'XADD', out, '0-' .. (seq + 1), 'data', chunk)
-  if ok then return true end
-  local text = type(err) == 'table' and err.err or tostring(err)
-  if string.find(text, 'equal or smaller than the target stream top item', 1, true) then
-    return false
-  end
-  return error(err)
+  if redis.call('LLEN', out) > seq then return false end
+  redis.call('RPUSH', out, chunk)
+  return true
 end
 
 -- Drops the entries every worker is done with from the head of the requests stream:

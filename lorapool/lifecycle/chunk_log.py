@@ -1,12 +1,15 @@
 """A request's output as readers see it: the chunk log while it streams, the one final
 record once it is compacted, and the accumulator that turns chunks into RequestOutputs.
 
-A worker appends one chunk per step (or per few steps, under load) to the stream
-``{p}:out:<id>``. When the request finishes, the same atomic call stores the whole
-output as one compact record in the job's hash (field ``result``, compressed:
-``encode_record``) and lets the log expire after a short grace, so a reader that is
-following the stream reads the final chunk from it, and a reader that comes later
-reads everything in one HGET. Torch-free.
+A worker appends one chunk per step (or per few steps, under load) to the list
+``{p}:out:<id>``: a chunk's index in it is its seq, so a reader reads what follows the
+last chunk it has with one LRANGE. (A list, not a stream: Redis 7 preallocates 4 KB for
+a stream's first node, more than most requests' whole output; a list grows with what it
+holds, ~15 B per chunk besides the chunk.) When the request finishes, the same atomic
+call stores the whole output as one compact record in the job's hash (field
+``result``, compressed: ``encode_record``) and lets the log expire after a short grace,
+so a reader that is following the log reads the final chunk from it, and a reader that
+comes later reads everything in one HGET. Torch-free.
 """
 
 from __future__ import annotations
@@ -17,12 +20,11 @@ from collections.abc import Iterator
 from typing import Any
 
 from lorapool.lifecycle.accumulator import Accumulator, Completion
-from lorapool.lifecycle.wire import DATA, Chunk, decode_chunk, encode_chunk
+from lorapool.lifecycle.wire import Chunk, decode_chunk, encode_chunk
 from lorapool.outputs import CompletionOutput, RequestOutput
 from lorapool.protocol import RequestOutputKind
 
 RESULT_FIELD = "result"  # the job hash's field holding the compacted output
-_DATA = DATA.encode()
 MAX_RECORD_BYTES = 256 << 20  # a compressed record inflates to at most this
 
 
@@ -54,8 +56,7 @@ def decode_record(payload: bytes | str | None, request_id: str) -> Chunk:
 def log_chunks(connection, keys, request_id: str) -> list[Chunk]:
     """The chunks the request's log holds now, in order (sync client; empty when the
     log is gone). For tools, tests and benchmarks: readers follow it with ``Cursor``."""
-    entries = connection.xrange(keys.out(request_id))
-    return [decode_chunk(fields.get(_DATA), request_id) for _, fields in entries]
+    return [decode_chunk(raw, request_id) for raw in connection.lrange(keys.out(request_id), 0, -1)]
 
 
 class LogCompacted(LookupError):
@@ -63,22 +64,23 @@ class LogCompacted(LookupError):
 
 
 class Cursor:
-    """Where one reader is in one request's output: the last entry read and, per
-    completion, the tokens and characters it has been given (to cut the rest out of
-    the final record when the log is gone)."""
+    """Where one reader is in one request's output: the last chunk read (``seq``; the
+    next one is at index ``seq + 1`` of the log) and, per completion, the tokens and
+    characters it has been given (to cut the rest out of the final record when the log
+    is gone)."""
 
     def __init__(self, request_id: str, after: int = -1):
         self.request_id = request_id
-        self.last = f"0-{after + 1}" if after >= 0 else "0-0"
         self.seq = after
         self.placed = after < 0  # knows every offset since the start
         self.given: dict[int, tuple[int, int]] = {}  # index -> (tokens, characters)
         self.done = False
 
     def take(self, entries: list) -> Iterator[Chunk]:
-        """Chunks of stream ``entries`` (after this cursor), in order, to the final one."""
-        for _, fields in entries:
-            chunk = decode_chunk(fields.get(_DATA), self.request_id)
+        """Chunks of the log's ``entries`` (read from index ``seq + 1``), in order, to the
+        final one."""
+        for raw in entries:
+            chunk = decode_chunk(raw, self.request_id)
             if self.accepts(chunk):
                 self._give(chunk)
                 yield chunk
@@ -112,7 +114,6 @@ class Cursor:
 
     def _give(self, chunk: Chunk) -> None:
         self.seq, self.done = chunk.seq, chunk.finished
-        self.last = f"0-{chunk.seq + 1}"  # a chunk's entry id in the log
         for out in chunk.outputs:
             tokens, chars = self.given.get(out["index"], (0, 0))
             self.given[out["index"]] = (tokens + len(out["token_ids"]), chars + len(out["text"]))

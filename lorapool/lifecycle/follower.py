@@ -10,8 +10,8 @@ if Pub/Sub dropped some (a reconnect, a slow consumer). A request that stays qui
 ``poll_s`` has its log polled (then at doubling intervals up to ``MAX_QUIET_S`` while it
 waits in the queue), which also finds a lost final chunk or a compacted log's record.
 
-Used by ``AsyncProducer`` (and so by the gateway); a single ``JobHandle`` reads with
-blocking XREAD instead. On a Redis Cluster the channels are shard channels (the
+Used by ``AsyncProducer`` (and so by the gateway); a single ``JobHandle`` does the same
+on a connection of its own (``Listener``). On a Redis Cluster the channels are shard channels (the
 worker's SPUBLISH, the follower's SSUBSCRIBE: one Pub/Sub connection per node that
 holds a followed request's shard), so a chunk travels only within its shard.
 """
@@ -136,7 +136,7 @@ class Follower:
         the log is compacted; none while Redis is away."""
         try:
             async with self.fills, self.redis.pipeline(transaction=False) as pipe:
-                read_back(pipe, self.keys, cursor.request_id, cursor.last)
+                read_back(pipe, self.keys, cursor.request_id, cursor.seq)
                 entries, result = read_back_result(await pipe.execute())
         except REDIS_DOWN as exc:
             logger.warning("follower: Redis unreachable (%s), waiting", exc)

@@ -75,7 +75,6 @@ def read_log(connection, keys: Keys, fields: dict) -> list[Chunk]:
     ``keys``), to resume from; empty when the entry or its log cannot be decoded."""
     try:
         rid = orjson.loads(fields.get(_DATA))["request_id"]
-        entries = connection.xrange(keys.out(rid))
-        return [decode_chunk(f.get(_DATA), rid) for _, f in entries]
+        return [decode_chunk(raw, rid) for raw in connection.lrange(keys.out(rid), 0, -1)]
     except (ValueError, KeyError, TypeError):
         return []

@@ -19,11 +19,12 @@ def abort(connection, keys: Keys, request_id: str):
     return connection.set(keys.abort(request_id), 1, ex=ABORT_TTL_S)
 
 
-def read_back(pipe, keys: Keys, request_id: str, last: str, count: int | None = None) -> None:
+def read_back(pipe, keys: Keys, request_id: str, after: int, count: int | None = None) -> None:
     """Queue on ``pipe`` the reads that place a reader in the request's output, for one
-    round trip: the log's entries after entry id ``last`` (at most ``count``), whether
-    the log is still there, and the final record. ``read_back_result`` reads the replies."""
-    pipe.xrange(keys.out(request_id), f"({last}", "+", count=count)
+    round trip: the log's chunks after seq ``after`` (at most ``count``), whether the
+    log is still there, and the final record. ``read_back_result`` reads the replies."""
+    end = -1 if count is None else after + count
+    pipe.lrange(keys.out(request_id), after + 1, end)
     pipe.exists(keys.out(request_id))
     pipe.hget(keys.job(request_id), RESULT_FIELD)
 

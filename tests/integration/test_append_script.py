@@ -45,7 +45,7 @@ def test_fenced_by_owner_and_by_seq(conn, keys):
     assert append(conn, keys, "other", chunk._replace(seq=1)) == [NOT_OWNER]
     conn.set(keys.abort("r"), 1)
     assert append(conn, keys, "w", chunk._replace(seq=1, chunk=b"c1")) == [1]  # abort asked
-    assert [f[b"data"] for _, f in conn.xrange(keys.out("r"))] == [b"c0", b"c1"]
+    assert conn.lrange(keys.out("r"), 0, -1) == [b"c0", b"c1"]  # at index seq
 
 
 # Standalone only, from here: a redis-server of their own, made to run out of memory.
@@ -61,13 +61,13 @@ def test_a_refused_write_fails_the_call_instead_of_passing_for_a_duplicate(priva
     entry = owned_entry(conn, keys, "w")
     assert append(conn, keys, "w", Append("r", entry, 0, b"c0", False)) == [0]
     conn.config_set("maxmemory", 1)  # every write refused (noeviction)
-    with pytest.raises(redis.ResponseError, match="OOM"):
+    with pytest.raises(redis.ResponseError, match="OOM|maxmemory"):
         append(conn, keys, "w", Append("r", entry, 1, b"c1", False))
     conn.config_set("maxmemory", 0)
-    conn.set(keys.out("s"), "not a stream")
+    conn.set(keys.out("s"), "not a list")
     with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
         append(conn, keys, "w", Append("s", entry, 0, b"c0", False))
-    assert conn.xlen(keys.out("r")) == 1
+    assert conn.llen(keys.out("r")) == 1
 
 
 def test_worker_rides_out_redis_out_of_memory(private_redis, caplog):
@@ -81,7 +81,7 @@ def test_worker_rides_out_redis_out_of_memory(private_redis, caplog):
     worker = Worker(bench.StandInEngine(8, 0.001), conn, config, bench.BASE_MODEL)
     worker.ensure_group()
     keys = producer.keys
-    while conn.xlen(keys.out(ids[0])) < 5:
+    while conn.llen(keys.out(ids[0])) < 5:
         worker.run_guarded()
     conn.config_set("maxmemory", 1)
     with caplog.at_level(logging.WARNING, logger="lorapool.worker.worker"):

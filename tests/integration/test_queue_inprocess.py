@@ -77,7 +77,7 @@ def test_late_and_midway_streams(engine, conn, keys, producer, model):
     config = WorkerConfig(prefix=keys.prefix, shards=keys.shards, lease_s=2)
     worker = Worker(engine, conn, config, base_model_info(model))
     worker.ensure_group()
-    while len(conn.xrange(producer.keys.out(handle.request_id))) < 4:
+    while conn.llen(producer.keys.out(handle.request_id)) < 4:
         worker.run_once()
     seen = [o for _, o in zip(range(3), handle.stream(timeout=5))]
     while handle.request_id in worker.held or engine.has_unfinished_requests():

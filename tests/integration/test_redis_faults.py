@@ -26,6 +26,7 @@ from redis_server import RedisServer
 from sqlalchemy import create_engine, text
 
 from lorapool.cli.queue_status import live_workers
+from lorapool.lifecycle.chunk_log import log_chunks
 from lorapool.lifecycle.keys import Keys
 from lorapool.lifecycle.wire import decode_chunk
 from lorapool.producer import Producer
@@ -86,8 +87,8 @@ class Pool:
     def finished(self, producer, handles) -> int:
         count = 0
         for h in handles:
-            last = self.conn.xrevrange(producer.keys.out(h.request_id), count=1)
-            count += bool(last) and decode_chunk(last[0][1][b"data"], h.request_id).finished
+            last = self.conn.lindex(producer.keys.out(h.request_id), -1)
+            count += last is not None and decode_chunk(last, h.request_id).finished
         return count
 
     def stop(self):
@@ -111,10 +112,7 @@ def pool(model, tmp_path_factory):
 
 def _check_exactly_once(pool, producer, handles, expected):
     for handle, tokens in zip(handles, expected):
-        log = [
-            decode_chunk(f[b"data"], handle.request_id)
-            for _, f in pool.conn.xrange(producer.keys.out(handle.request_id))
-        ]
+        log = log_chunks(pool.conn, producer.keys, handle.request_id)
         assert [c.seq for c in log] == list(range(len(log)))  # no gap, no duplicate
         assert [c.finished for c in log].count(True) == 1 and log[-1].finished
         assert handle.result(timeout=5).outputs[0].token_ids == tokens
