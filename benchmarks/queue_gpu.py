@@ -258,15 +258,14 @@ def start_worker(
 def check_streams(conn, keys, jobs) -> tuple[int, int]:
     """Every log read back equals the stand-in's output exactly; returns (mismatches,
     chunks in all)."""
-    from lorapool.lifecycle.wire import DATA, decode_chunk
+    from lorapool.lifecycle.chunk_log import log_chunks
 
     bad = chunks = 0
     for rid, _, max_tokens in jobs:
         tokens, finals = [], 0
-        entries = conn.xrange(keys.out(rid))
-        chunks += len(entries)
-        for _, fields in entries:
-            chunk = decode_chunk(fields[DATA.encode()], rid)
+        log = log_chunks(conn, keys, rid)
+        chunks += len(log)
+        for chunk in log:
             for out in chunk.outputs:
                 tokens += out["token_ids"]
             finals += chunk.finished
