@@ -20,13 +20,18 @@ def claim(worker: Worker) -> int:
 
     An entry delivered more than ``max_deliveries`` times is dead-lettered and
     its client gets a final error output.
+
+    The engine's capacity is counted once, before the first stream: the entries
+    claimed from one stream wait in the engine until its next step, and
+    ``capacity()`` is 0 while any waits, so counting it per stream left the other
+    streams (the other shards' on a Redis Cluster) to a later round, ``lease_s / 2``
+    each.
     """
-    claimed = 0
+    budget, claimed = worker.engine.capacity(), 0
     for stream in worker.streams:  # the interactive ones first
-        count = worker.engine.capacity()
-        if count == 0:
+        if claimed >= budget:
             break
-        claimed += _claim(worker, stream, count)
+        claimed += _claim(worker, stream, budget - claimed)
     return claimed
 
 
