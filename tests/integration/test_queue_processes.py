@@ -1,7 +1,8 @@
 """Worker and producer processes against real Redis.
 
 The pool (2 workers, 2 producers, 4 adapters and the base model), kill -9,
-SIGSTOP past the lease, and SIGTERM: drain on the first, hand back on the second.
+SIGSTOP past the lease, and SIGTERM: drain on the first, hand back on the second;
+on a standalone Redis and on a 3-master Redis Cluster (the pool in 3 shards).
 """
 
 import os
@@ -12,15 +13,16 @@ import time
 
 import pytest
 from gateway_procs import lorapool_cmd
+from pool_layout import length, pending
 
 from lorapool.lifecycle.chunk_log import log_chunks
-from lorapool.producer import Producer
 from lorapool.producer.registry import lora_from_record
 from lorapool.protocol import SamplingParams
 from lorapool.worker import Worker, WorkerConfig
 from lorapool.worker.serve import base_model_info
 
 pytestmark = pytest.mark.integration
+LAYOUTS = ("standalone", "cluster")
 LONG = SamplingParams(temperature=0.0, max_tokens=240, ignore_eos=True)
 
 
@@ -51,15 +53,17 @@ def adapter_dirs(model, tmp_path_factory):
     }
 
 
-def start_worker(redis_url, prefix, model, tmp_path, *extra):
+def start_worker(pool_url, keys, model, tmp_path, *extra):
     cmd = lorapool_cmd(
         "worker",
         "--model",
         model,
         "--prefix",
-        prefix,
+        keys.prefix,
+        "--shards",
+        str(keys.shards),
         "--redis-url",
-        redis_url,
+        pool_url,
         "--lease",
         "2",
         "--max-num-seqs",
@@ -91,29 +95,31 @@ PRODUCE = """
 import sys
 from lorapool.producer import Producer
 from lorapool.protocol import SamplingParams
-url, prefix, first, step = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-names = [None if n == "base" else n for n in sys.argv[5].split(",")]
+url, prefix, shards = sys.argv[1], sys.argv[2], int(sys.argv[3])
+first, step = int(sys.argv[4]), int(sys.argv[5])
+names = [None if n == "base" else n for n in sys.argv[6].split(",")]
 ids = range(first, 40, step)
-Producer(url, prefix=prefix).submit_many(
+Producer(url, prefix=prefix, shards=shards).submit_many(
     [f"prompt number {i} says" for i in ids], SamplingParams(temperature=0.0, max_tokens=16),
     lora_request=[names[i % len(names)] for i in ids], request_ids=[f"job-{i}" for i in ids])
 """
 POOL = SamplingParams(temperature=0.0, max_tokens=16)
 
 
-def test_two_workers_two_producers(engine, conn, redis_url, prefix, model, adapter_dirs, tmp_path):
-    producer = Producer(conn, prefix=prefix)
+def test_two_workers_two_producers(
+    engine, conn, pool_url, keys, producer, model, adapter_dirs, tmp_path
+):
     records = {n: producer.registry.add(n, d) for n, d in adapter_dirs.items()}
     names = ["base", *records]  # job i: names[i % 5]
     loras = [None if n == "base" else lora_from_record(records[n]) for n in names] * 8
     prompts = [f"prompt number {i} says" for i in range(40)]
     ids = [f"job-{i}" for i in range(40)]
-    workers = [start_worker(redis_url, prefix, model, tmp_path) for _ in range(2)]
-    _wait_workers(conn, prefix, 2)
+    workers = [start_worker(pool_url, keys, model, tmp_path) for _ in range(2)]
+    _wait_workers(conn, keys, 2)
+    pool = [pool_url, keys.prefix, str(keys.shards)]
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", PRODUCE, redis_url, prefix, str(h), "2", ",".join(names)],
-            cwd=tmp_path,
+            [sys.executable, "-c", PRODUCE, *pool, str(h), "2", ",".join(names)], cwd=tmp_path
         )
         for h in range(2)
     ]
@@ -129,12 +135,12 @@ def test_two_workers_two_producers(engine, conn, redis_url, prefix, model, adapt
         assert got.lora_request == lora and (lora is None or got.lora_request.name == lora.name)
     assert sum(e.token_ids != b.token_ids for e, b in zip(expected, base)) >= 16
     assert len({r.worker for r in results}) == 2
-    assert conn.xlen(producer.keys.audit) == 40
+    assert length(conn, keys, "audit") == 40
 
 
-def _wait_workers(conn, prefix, count, timeout=90):
+def _wait_workers(conn, keys, count, timeout=90):
     deadline = time.monotonic() + timeout
-    while conn.hlen(f"{prefix}:workers") < count:
+    while conn.hlen(keys.workers) < count:
         assert time.monotonic() < deadline, "workers did not start"
         time.sleep(0.1)
 
@@ -168,34 +174,33 @@ def _check_logs(conn, producer, ids, expected):
         assert text == ref.text
 
 
-def _submit_long(conn, prefix, count=8):
-    producer = Producer(conn, prefix=prefix)
+def _submit_long(producer, count=8):
     prompts = [f"long story {i}" for i in range(count)]
     handles = producer.submit_many(prompts, LONG)
-    return producer, prompts, [h.request_id for h in handles]
+    return prompts, [h.request_id for h in handles]
 
 
-def test_kill_9_worker_loses_nothing(engine, conn, redis_url, prefix, model, tmp_path):
-    producer, prompts, ids = _submit_long(conn, prefix)
-    first = start_worker(redis_url, prefix, model, tmp_path)
+def test_kill_9_worker_loses_nothing(engine, conn, pool_url, keys, producer, model, tmp_path):
+    prompts, ids = _submit_long(producer)
+    first = start_worker(pool_url, keys, model, tmp_path)
     partial = _wait_partial(conn, producer, ids)
     first.send_signal(signal.SIGKILL)
     first.wait()
-    second = start_worker(redis_url, prefix, model, tmp_path, "--burst")
+    second = start_worker(pool_url, keys, model, tmp_path, "--burst")
     expected = reference(engine, prompts, LONG)
     assert second.wait(120) == 0
     assert len(partial) >= 5
     _check_logs(conn, producer, ids, expected)
-    assert conn.xpending(producer.keys.requests, "workers")["pending"] == 0
+    assert pending(conn, keys) == 0
 
 
-def test_sigstop_past_lease_is_fenced(engine, conn, redis_url, prefix, model, tmp_path):
-    producer, prompts, ids = _submit_long(conn, prefix)
-    paused = start_worker(redis_url, prefix, model, tmp_path)
+def test_sigstop_past_lease_is_fenced(engine, conn, pool_url, keys, producer, model, tmp_path):
+    prompts, ids = _submit_long(producer)
+    paused = start_worker(pool_url, keys, model, tmp_path)
     _wait_partial(conn, producer, ids)
     paused.send_signal(signal.SIGSTOP)
     try:
-        second = start_worker(redis_url, prefix, model, tmp_path, "--burst")
+        second = start_worker(pool_url, keys, model, tmp_path, "--burst")
         expected = reference(engine, prompts, LONG)
         assert second.wait(120) == 0
     finally:
@@ -206,9 +211,9 @@ def test_sigstop_past_lease_is_fenced(engine, conn, redis_url, prefix, model, tm
     _check_logs(conn, producer, ids, expected)
 
 
-def test_first_sigterm_drains(engine, conn, redis_url, prefix, model, tmp_path):
-    producer, prompts, ids = _submit_long(conn, prefix)
-    worker = start_worker(redis_url, prefix, model, tmp_path, "--max-num-seqs", "4")
+def test_first_sigterm_drains(engine, conn, pool_url, keys, producer, model, tmp_path):
+    prompts, ids = _submit_long(producer)
+    worker = start_worker(pool_url, keys, model, tmp_path, "--max-num-seqs", "4")
     held = _wait_partial(conn, producer, ids, at_least=4)
     worker.send_signal(signal.SIGTERM)
     assert worker.wait(60) == 0
@@ -218,13 +223,12 @@ def test_first_sigterm_drains(engine, conn, redis_url, prefix, model, tmp_path):
     for rid in done:
         assert sum(c.num_tokens for c in logs[rid]) == LONG.max_tokens
     assert all(not logs[rid] for rid in set(ids) - set(done))
-    group = conn.xinfo_groups(producer.keys.requests)[0]
-    assert group["pending"] == 0 and conn.xlen(producer.keys.requests) == len(ids) - 4
+    assert pending(conn, keys) == 0 and length(conn, keys, "requests") == len(ids) - 4
 
 
-def test_second_sigterm_hands_back(engine, conn, redis_url, prefix, model, tmp_path):
-    producer, prompts, ids = _submit_long(conn, prefix)
-    first = start_worker(redis_url, prefix, model, tmp_path, "--lease", "60")
+def test_second_sigterm_hands_back(engine, conn, pool_url, keys, producer, model, tmp_path):
+    prompts, ids = _submit_long(producer)
+    first = start_worker(pool_url, keys, model, tmp_path, "--lease", "60")
     _wait_partial(conn, producer, ids)
     first.send_signal(signal.SIGTERM)
     # the second before the first drain ends: a tiny model finishes 240 tokens in ~0.3 s
@@ -232,11 +236,13 @@ def test_second_sigterm_hands_back(engine, conn, redis_url, prefix, model, tmp_p
     first.send_signal(signal.SIGTERM)
     assert first.wait(30) == 0
     handed_back = time.monotonic()
-    assert conn.xpending(producer.keys.requests, "workers")["pending"] == len(ids)
+    assert pending(conn, keys) == len(ids)
     expected = reference(engine, prompts, LONG)
-    config = WorkerConfig(prefix=prefix, lease_s=60, burst=True, name="second")
+    config = WorkerConfig(
+        prefix=keys.prefix, shards=keys.shards, lease_s=60, burst=True, name="second"
+    )
     Worker(engine, conn, config, base_model_info(model)).run()
     assert time.monotonic() - handed_back < 60  # claimed at once, not after the lease
     _check_logs(conn, producer, ids, expected)
-    assert conn.xpending(producer.keys.requests, "workers")["pending"] == 0
+    assert pending(conn, keys) == 0
     assert {log_chunks(conn, producer.keys, r)[-1].worker for r in ids} == {"second"}
