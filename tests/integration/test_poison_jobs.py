@@ -23,7 +23,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from json_strategies import json_values as any_json
-from pool_layout import entries, length, pending
+from pool_layout import entries, ids_on_shard, length, pending
 
 from lorapool.audit_record import record_from_dict
 from lorapool.lifecycle.chunk_log import log_chunks
@@ -144,12 +144,6 @@ def test_dead_letter_path_survives_an_unreadable_adapter_record(
     assert length(conn, keys, "dead") == 2
     assert producer.handle("g").result(timeout=5).outputs[0].finish_reason == "error"
     assert pending(conn, keys) == 0
-
-
-def ids_on_shard(keys, shard: int, count: int, tag: str) -> list[str]:
-    """``count`` request ids of shard ``shard`` (any ids on one standalone Redis)."""
-    ids = (f"{tag}-{i}" for i in range(10_000))
-    return [rid for rid, _ in zip((r for r in ids if keys.shard_of(r) == shard), range(count))]
 
 
 def test_engine_step_that_raises_fails_only_its_requests(model, conn, keys, producer, expected):

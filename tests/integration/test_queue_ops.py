@@ -1,5 +1,7 @@
 """Operations against real Redis: dead-lettering after max_deliveries, the queue CLI
-(adapters, submit, status, abort) and the embedded Redis shared by processes."""
+(adapters, submit, status, abort) and the embedded Redis shared by processes; on a
+standalone Redis and on a 3-master Redis Cluster (the pool in 3 shards), but for the
+embedded Redis, which is a standalone one."""
 
 import contextlib
 import os
@@ -12,6 +14,7 @@ import orjson
 import pytest
 import redis
 from click.testing import CliRunner
+from pool_layout import entries, ids_on_shard, pending
 
 from lorapool.audit_record import record_from_dict
 from lorapool.cli.main import cli
@@ -21,6 +24,7 @@ from lorapool.worker import Worker, WorkerConfig
 from lorapool.worker.serve import base_model_info
 
 pytestmark = pytest.mark.integration
+LAYOUTS = ("standalone", "cluster")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 
 
@@ -38,58 +42,61 @@ def fake_adapter(path, content=b"weights"):
     return path
 
 
-def worker_for(engine, conn, prefix, model, **kw):
-    config = WorkerConfig(prefix=prefix, **{"lease_s": 2, "name": "w-ops", **kw})
+def worker_for(engine, conn, keys, model, **kw):
+    pool = {"prefix": keys.prefix, "shards": keys.shards}
+    config = WorkerConfig(**pool, **{"lease_s": 2, "name": "w-ops", **kw})
     worker = Worker(engine, conn, config, base_model_info(model))
     worker.ensure_group()
     return worker
 
 
-def cli_run(redis_url, prefix, *args):
-    result = CliRunner().invoke(cli, [*args, "--redis-url", redis_url, "--prefix", prefix])
+def cli_run(pool_url, keys, *args):
+    pool = ["--redis-url", pool_url, "--prefix", keys.prefix, "--shards", str(keys.shards)]
+    result = CliRunner().invoke(cli, [*args, *pool])
     return result.exit_code, result.output
 
 
-def test_max_deliveries_dead_letters(engine, conn, prefix, producer, model, tmp_path):
+def test_max_deliveries_dead_letters(engine, conn, keys, producer, model, tmp_path):
     producer.registry.add("sql", fake_adapter(tmp_path / "sql"), adapter_id=4)
     handle = producer.submit("hello", GREEDY, lora_request="sql")
-    worker = worker_for(engine, conn, prefix, model, lease_s=0.2, max_deliveries=1, burst=True)
-    conn.xreadgroup(WORKERS_GROUP, "ghost", {producer.keys.requests: ">"})  # delivery 1
+    worker = worker_for(engine, conn, keys, model, lease_s=0.2, max_deliveries=1, burst=True)
+    stream = keys.for_request(handle.request_id).requests
+    conn.xreadgroup(WORKERS_GROUP, "ghost", {stream: ">"})  # delivery 1
     time.sleep(0.25)  # the ghost never renews: past the lease, delivery 2 is one too many
     worker.run()
     final = handle.result(timeout=5)
     assert final.outputs[0].finish_reason == "error" and "max_deliveries=1" in final.error
     assert final.lora_request.name == "sql" and final.worker == "w-ops"
-    dead = conn.xrange(producer.keys.dead)
+    dead = entries(conn, keys, "dead")
     assert len(dead) == 1 and b"delivered 2 times" in dead[0][1][b"reason"]
-    ((_, fields),) = conn.xrange(producer.keys.audit)
+    ((_, fields),) = entries(conn, keys, "audit")
     record = record_from_dict(orjson.loads(fields[b"data"]))
     assert record.request_id == handle.request_id and "max_deliveries" in record.error
     assert record.outputs[0].finish_reason == "error" and record.adapter.id == 4
-    assert conn.xpending(producer.keys.requests, WORKERS_GROUP)["pending"] == 0
+    assert pending(conn, keys) == 0
     assert not engine.has_unfinished_requests()
 
 
-def test_cli_adapters(redis_url, prefix, tmp_path):
+def test_cli_adapters(pool_url, keys, tmp_path):
     first, other = fake_adapter(tmp_path / "a"), fake_adapter(tmp_path / "b", b"other")
-    code, out = cli_run(redis_url, prefix, "adapters", "add", "a", str(first), "--id", "3")
+    code, out = cli_run(pool_url, keys, "adapters", "add", "a", str(first), "--id", "3")
     assert code == 0 and "a: id 3" in out
-    assert cli_run(redis_url, prefix, "adapters", "add", "a", str(first))[0] == 0  # same
-    code, out = cli_run(redis_url, prefix, "adapters", "add", "b", str(other), "--id", "3")
+    assert cli_run(pool_url, keys, "adapters", "add", "a", str(first))[0] == 0  # same
+    code, out = cli_run(pool_url, keys, "adapters", "add", "b", str(other), "--id", "3")
     assert code == 1 and "adapter id 3 is already used by adapter 'a'" in out
-    code, out = cli_run(redis_url, prefix, "adapters", "add", "a", str(other))
+    code, out = cli_run(pool_url, keys, "adapters", "add", "a", str(other))
     assert code == 1 and "already registered with other weights" in out
-    assert cli_run(redis_url, prefix, "adapters", "add", "b", str(other))[1].startswith("b: id 4")
-    code, out = cli_run(redis_url, prefix, "adapters", "list")
+    assert cli_run(pool_url, keys, "adapters", "add", "b", str(other))[1].startswith("b: id 4")
+    code, out = cli_run(pool_url, keys, "adapters", "list")
     lines = out.splitlines()
     assert code == 0 and len(lines) == 2 and " a " in lines[0] and " b " in lines[1]
-    assert cli_run(redis_url, prefix, "adapters", "remove", "a") == (0, "removed a\n")
-    code, out = cli_run(redis_url, prefix, "adapters", "remove", "a")
+    assert cli_run(pool_url, keys, "adapters", "remove", "a") == (0, "removed a\n")
+    code, out = cli_run(pool_url, keys, "adapters", "remove", "a")
     assert code == 1 and "no adapter named 'a'" in out
-    assert "a" not in cli_run(redis_url, prefix, "adapters", "list")[1].split()
+    assert "a" not in cli_run(pool_url, keys, "adapters", "list")[1].split()
 
 
-def test_cli_submit_streams(engine, conn, redis_url, prefix, producer, model, tmp_path):
+def test_cli_submit_streams(engine, conn, pool_url, keys, producer, model, tmp_path):
     cmd = [
         sys.executable,
         "-c",
@@ -101,9 +108,11 @@ def test_cli_submit_streams(engine, conn, redis_url, prefix, producer, model, tm
         "--request-id",
         "cli-1",
         "--redis-url",
-        redis_url,
+        pool_url,
         "--prefix",
-        prefix,
+        keys.prefix,
+        "--shards",
+        str(keys.shards),
     ]
     proc = subprocess.Popen(
         cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
@@ -112,32 +121,34 @@ def test_cli_submit_streams(engine, conn, redis_url, prefix, producer, model, tm
     while not conn.exists(producer.keys.job("cli-1")):
         assert time.monotonic() < deadline and proc.poll() is None, proc.stderr.read()
         time.sleep(0.05)
-    worker_for(engine, conn, prefix, model, burst=True).run()
+    worker_for(engine, conn, keys, model, burst=True).run()
     out, err = proc.communicate(timeout=30)
     final = producer.handle("cli-1").result(timeout=5)
     assert proc.returncode == 0 and out == final.outputs[0].text
     assert "[cli-1]" in err and "[length; worker w-ops; adapter base]" in err
 
 
-def test_cli_status_and_abort(engine, conn, redis_url, prefix, producer, model):
+def test_cli_status_and_abort(engine, conn, pool_url, keys, producer, model):
+    # both on one shard: the stream's row counts them together (any ids on standalone)
+    running, waiting = ids_on_shard(keys, 0, 2, "status")
     handle = producer.submit(
-        "hello", SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+        "hello", SamplingParams(temperature=0, max_tokens=200, ignore_eos=True), None, running
     )
-    producer.submit("waiting one", GREEDY)
-    worker = worker_for(engine, conn, prefix, model, max_deliveries=2)
+    producer.submit("waiting one", GREEDY, request_id=waiting)
+    worker = worker_for(engine, conn, keys, model, max_deliveries=2)
     worker.engine.args.max_num_seqs, saved = 1, worker.engine.args.max_num_seqs
     try:
         for _ in range(3):
             worker.run_once()
         worker.heartbeat()
-        code, out = cli_run(redis_url, prefix, "status")
+        code, out = cli_run(pool_url, keys, "status")
         assert code == 0 and "w-ops" in out and "cpu" in out
-        row = next(line for line in out.splitlines() if f"{prefix}:requests" in line)
+        row = next(line for line in out.splitlines() if keys.on(0).requests in line)
         cells = [c.strip() for c in re.split(r"[│|┃]", row) if c.strip()]
         # Redis reports a group's lag from 7.0 on; before, the table shows "-".
         lag = "1" if int(conn.info()["redis_version"].split(".")[0]) >= 7 else "-"
         assert cells[1:] == ["2", "1", lag, "0"]  # length, pending, lag, dead letters
-        code, out = cli_run(redis_url, prefix, "abort", handle.request_id)
+        code, out = cli_run(pool_url, keys, "abort", handle.request_id)
         assert code == 0 and f"abort requested for {handle.request_id}" in out
         # the abort lands a step or two later (the flag is seen with a chunk's round trip)
         for _ in range(50):
@@ -168,6 +179,7 @@ if sys.argv[1] != "child":
 """
 
 
+@pytest.mark.layouts("standalone")  # the embedded Redis is a standalone one
 def test_embedded_redis_is_shared(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
     env["LORAPOOL_CACHE_DIR"] = str(tmp_path)

@@ -18,3 +18,9 @@ def length(conn, keys: Keys, stream: str) -> int:
 def pending(conn, keys: Keys, stream: str = "requests", group: str = WORKERS_GROUP) -> int:
     """Entries of ``stream`` delivered to ``group`` and not acked, over every shard."""
     return sum(conn.xpending(getattr(view, stream), group)["pending"] for view in keys.shard_views)
+
+
+def ids_on_shard(keys: Keys, shard: int, count: int, tag: str) -> list[str]:
+    """``count`` request ids of shard ``shard`` (any ids on one standalone Redis)."""
+    ids = (f"{tag}-{i}" for i in range(10_000))
+    return [rid for rid, _ in zip((r for r in ids if keys.shard_of(r) == shard), range(count))]
