@@ -26,7 +26,9 @@ from json_strategies import json_values as any_json
 from pool_layout import entries, ids_on_shard, length, pending
 
 from lorapool.audit_record import record_from_dict
+from lorapool.connection import connect
 from lorapool.lifecycle.chunk_log import log_chunks
+from lorapool.lifecycle.keys import Keys
 from lorapool.lifecycle.wire import job_from_dict
 from lorapool.producer import Producer
 from lorapool.protocol import SamplingParams
@@ -198,27 +200,51 @@ def garbage(draw) -> bytes:
 
 
 @pytest.fixture(scope="module")
-def worker_process(model, redis_url, tmp_path_factory):
-    prefix = f"test-{uuid.uuid4().hex[:10]}"
-    log = tmp_path_factory.mktemp("poison") / "worker.log"
-    cmd = [sys.executable, "-c", "from lorapool.cli.main import main; main()", "worker"]
-    cmd += ["--model", model, "--prefix", prefix, "--redis-url", redis_url, "--lease", "5"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, cwd=log.parent, env=env, stdout=out, stderr=out)
-    yield proc, prefix, log
-    proc.terminate()
-    proc.wait(30)
-    import redis
+def worker_processes(model, tmp_path_factory):
+    """``start(pool_url, shards)``: the module's worker process of that layout, started
+    at its first use, (process, its pool's keys, its log); each stopped, and its keys
+    deleted, after the module."""
+    started = {}
 
-    conn = redis.Redis.from_url(redis_url)
-    for key in conn.scan_iter(f"{prefix}:*"):
-        conn.delete(key)
+    def start(pool_url: str, shards: int):
+        if pool_url not in started:
+            keys = Keys(f"test-{uuid.uuid4().hex[:10]}", shards)
+            log = tmp_path_factory.mktemp("poison") / "worker.log"
+            cmd = [sys.executable, "-c", "from lorapool.cli.main import main; main()", "worker"]
+            cmd += ["--model", model, "--prefix", keys.prefix, "--shards", str(shards)]
+            cmd += ["--redis-url", pool_url, "--lease", "5"]
+            env = {**os.environ, "OMP_NUM_THREADS": "1"}
+            with open(log, "wb") as out:
+                proc = subprocess.Popen(cmd, cwd=log.parent, env=env, stdout=out, stderr=out)
+            started[pool_url] = (proc, keys, log)
+        return started[pool_url]
+
+    yield start
+    for pool_url, (proc, keys, _) in started.items():
+        proc.terminate()
+        proc.wait(30)
+        conn = connect(pool_url)
+        for key in list(conn.scan_iter(match=keys.pattern)):
+            conn.delete(key)
+        conn.close()
 
 
-# Standalone only: a worker process of its own for the module, on standalone Redis (its
-# entries' shards are what test_poison_job_fails_alone covers on the cluster)
-@pytest.mark.layouts("standalone")
+@pytest.fixture
+def worker_process(worker_processes, pool_url, shards):
+    return worker_processes(pool_url, shards)
+
+
+def add_garbage(conn, keys, position: int, payload: bytes) -> tuple[int, str]:
+    """XADD of ``payload`` where a producer puts it: on its request id's shard, or, with
+    no request id, on any (by ``position``); (the shard, the entry id)."""
+    try:
+        rid = orjson.loads(payload).get("request_id")
+    except AttributeError:  # not an object
+        rid = None
+    shard = keys.shard_of(rid) if isinstance(rid, str) else position % len(keys.shard_views)
+    return shard, conn.xadd(keys.on(shard).requests, {"data": payload}).decode()
+
+
 @settings(
     max_examples=12,
     deadline=None,
@@ -226,29 +252,31 @@ def worker_process(model, redis_url, tmp_path_factory):
 )
 @given(st.lists(garbage(), min_size=1, max_size=6))
 def test_worker_process_survives_arbitrary_records(worker_process, conn, expected, payloads):
-    proc, prefix, log = worker_process
-    producer = Producer(conn, prefix=prefix)
-    ids = [conn.xadd(producer.keys.requests, {"data": p}).decode() for p in payloads[:3]]
+    proc, keys, log = worker_process
+    producer = Producer(conn, prefix=keys.prefix, shards=keys.shards)
+    added = [add_garbage(conn, keys, i, p) for i, p in enumerate(payloads[:3])]
     good = producer.submit_many(GOOD_PROMPTS, GREEDY)
-    ids += [conn.xadd(producer.keys.requests, {"data": p}).decode() for p in payloads[3:]]
+    added += [add_garbage(conn, keys, i, p) for i, p in enumerate(payloads[3:], 3)]
     results = [h.result(timeout=60).outputs[0].token_ids for h in good]
     assert results == expected
     deadline = time.monotonic() + 60
-    while conn.xpending(producer.keys.requests, "workers")["pending"] or conn.xlen(
-        producer.keys.requests
-    ):
+    while pending(conn, keys) or length(conn, keys, "requests"):
         assert proc.poll() is None, log.read_text()[-3000:]
         assert time.monotonic() < deadline, "garbage entries still pending"
         time.sleep(0.05)
     assert proc.poll() is None, log.read_text()[-3000:]
-    dead = {f[b"entry"].decode(): f[b"reason"].decode() for _, f in conn.xrange(producer.keys.dead)}
-    for entry_id, payload in zip(ids, payloads[:3] + payloads[3:]):
-        if entry_id in dead:
-            assert dead[entry_id]
+    dead = {
+        (view.shard, f[b"entry"].decode()): f[b"reason"].decode()
+        for view in keys.shard_views
+        for _, f in conn.xrange(view.dead)
+    }
+    for entry, payload in zip(added, payloads):
+        if entry in dead:
+            assert dead[entry]
             continue
         try:  # not dead-lettered: only a job the boundary accepts may complete
             rid = job_from_dict(orjson.loads(payload)).request_id
         except ValueError as exc:
             raise AssertionError(f"refused job {payload!r} was not dead-lettered: {exc}") from None
-        final = log_chunks(conn, producer.keys, rid)[-1]
+        final = log_chunks(conn, keys, rid)[-1]
         assert final.finished
