@@ -29,7 +29,7 @@ from lorapool.audit_record import record_from_dict
 from lorapool.connection import connect
 from lorapool.lifecycle.chunk_log import log_chunks
 from lorapool.lifecycle.keys import Keys
-from lorapool.lifecycle.wire import job_from_dict
+from lorapool.lifecycle.wire import encode_chunk, job_from_dict
 from lorapool.producer import Producer
 from lorapool.protocol import SamplingParams
 from lorapool.worker import Worker, WorkerConfig
@@ -123,7 +123,8 @@ def test_poison_job_fails_alone(case, engine, expected, conn, keys, producer, mo
     failed = producer.handle("poison").result(timeout=5)  # the client learns why
     assert failed.outputs[0].finish_reason == "error" and re.search(reason, failed.error)
     audit = entries(conn, keys, "audit")
-    kept = sum(len(f[b"data"]) for _, f in conn.xrange(keys.out("poison")) + audit)
+    logged = sum(len(encode_chunk(c)) for c in log_chunks(conn, keys, "poison"))
+    kept = logged + sum(len(f[b"data"]) for _, f in audit)
     assert kept < 64 << 10  # an oversized prompt is not copied into the log or the audit
     audit = [record_from_dict(orjson.loads(f[b"data"])) for _, f in audit]
     assert {r.request_id for r in audit} == {before.request_id, after.request_id, "poison"}
