@@ -18,7 +18,7 @@ class Position(NamedTuple):
 
     seq: int
     total: int
-    offsets: list[int]  # in the order of the output's completions
+    offsets: dict[int, int]  # completion index -> its tokens before the chunk
 
 
 @dataclass
@@ -49,14 +49,17 @@ class Held:
         lora = self.job.lora_request
         return 0 if lora is None else lora.lora_int_id
 
-    def advance(self, out: RequestOutput) -> Position:
-        """The position of the next chunk, for engine output ``out``; moves past it."""
-        offsets, tokens = [], 0
-        for c in out.outputs:
-            before = self.offsets.get(c.index, 0)
-            offsets.append(before)
-            self.offsets[c.index] = before + len(c.token_ids)
-            tokens += len(c.token_ids)
+    def advance(self, outs: list[RequestOutput]) -> Position:
+        """The position of the next chunk, for engine outputs ``outs`` (one or more steps'
+        deltas, merged into the chunk by ``merged``); moves past them. O(completions):
+        the token counts only, so the worker's thread does not merge."""
+        offsets, tokens = {}, 0
+        for out in outs:
+            for c in out.outputs:
+                before = self.offsets.get(c.index, 0)
+                offsets.setdefault(c.index, before)
+                self.offsets[c.index] = before + len(c.token_ids)
+                tokens += len(c.token_ids)
         position = Position(self.seq, self.total, offsets)
         self.seq += 1
         self.total += tokens
@@ -118,9 +121,17 @@ def _chunk(held: Held, seq: int, offset: int, outputs: list, finished: bool, **f
     )
 
 
+def merged(outs: list[RequestOutput]) -> RequestOutput:
+    """One request's deltas of consecutive steps as one (the first, extended in place)."""
+    out = outs[0]
+    for later in outs[1:]:
+        out.add(later, aggregate=True)
+    return out
+
+
 def make_chunk(held: Held, out: RequestOutput, worker: str, position: Position) -> Chunk:
     """The chunk of ``held`` at ``position`` (``Held.advance``) from one engine delta."""
-    outputs = [completion_wire(c, off) for c, off in zip(out.outputs, position.offsets)]
+    outputs = [completion_wire(c, position.offsets[c.index]) for c in out.outputs]
     first, finished = position.seq == 0, out.finished
     chunk = _chunk(held, position.seq, position.total, outputs, finished, error=out.error)
     if first:

@@ -28,7 +28,7 @@ from lorapool.lifecycle.chunk_log import encode_record
 from lorapool.lifecycle.wire import Chunk, encode_chunk
 from lorapool.outputs import RequestOutput
 from lorapool.worker.audit import final_audit
-from lorapool.worker.held import Held, Position, make_chunk
+from lorapool.worker.held import Held, Position, make_chunk, merged
 from lorapool.worker.sender import Sender
 
 if TYPE_CHECKING:
@@ -42,7 +42,7 @@ MAX_BEHIND = 4  # steps whose chunks may wait for the round trip on its way
 class _Trip:
     """One round trip of the sender: chunks to append, then entries to read."""
 
-    outputs: list[tuple[Held, RequestOutput, Position]]
+    outputs: list[tuple[Held, list[RequestOutput], Position]]  # a request's steps' deltas
     # new entries to read after the appends (``Intake.plan`` of the engine's free slots;
     # 0 of them: only those peers handed over; None: no read)
     read: tuple[int, int, int] | None
@@ -117,9 +117,9 @@ class Publisher:
             self._sender.wait()
             self._collect()
 
-    def _build_batch(self, first_only: bool) -> list[tuple[Held, RequestOutput, Position]]:
-        """One output per pending request (its steps' outputs merged) and the position
-        of its chunk; the sender builds and encodes the chunks off this thread.
+    def _build_batch(self, first_only: bool) -> list[tuple[Held, list[RequestOutput], Position]]:
+        """Per pending request its steps' outputs and the position of their chunk; the
+        sender merges them, builds and encodes the chunks off this thread.
         ``first_only``: only requests whose first chunk it is; the others stay pending."""
         batch, wait = [], {}
         for rid, outs in self.pending.items():
@@ -129,10 +129,7 @@ class Publisher:
             if first_only and held.seq:
                 wait[rid] = outs
                 continue
-            out = outs[0]
-            for later in outs[1:]:
-                out.add(later, aggregate=True)
-            batch.append((held, out, held.advance(out)))
+            batch.append((held, outs, held.advance(outs)))
         self.pending = wait
         return batch
 
@@ -164,14 +161,14 @@ class Publisher:
         (or, finished, NOT_OWNER: already acked). Then the trip's upkeep calls.
         """
         if trip.sent is None:
-            trip.sent = [self._build(held, out, pos) for held, out, pos in trip.outputs]
+            trip.sent = [self._build(held, outs, pos) for held, outs, pos in trip.outputs]
         items = [item for _, _, item in trip.sent]
         appended = self.append(items) if items else []
         entries = self.worker.intake.read(trip.read, None) if trip.read is not None else []
         return appended, entries, [call() for call, _ in trip.extra]
 
-    def _build(self, held: Held, out: RequestOutput, position: Position) -> tuple:
-        chunk = make_chunk(held, out, self.worker.name, position)
+    def _build(self, held: Held, outs: list[RequestOutput], position: Position) -> tuple:
+        chunk = make_chunk(held, merged(outs), self.worker.name, position)
         held.keep(chunk)
         return held, chunk, self.append_item(held, chunk, final_audit(self.worker, held, chunk))
 
