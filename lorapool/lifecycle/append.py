@@ -4,8 +4,9 @@ ack, audit record and (failed) dead letter, all in one atomic call.
 Fencing: a worker writes for an entry only while XPENDING names it as the entry's
 consumer. Another worker that claims the entry (XAUTOCLAIM) takes that name away, so a
 paused worker that wakes up can neither append nor renew. A chunk's index in its log
-(a list) is its seq, and an append whose seq the log already holds is refused (LLEN
-past it; no read of the log), so a log never holds a duplicate or a chunk out of order.
+(a list) is its seq, and an append whose seq the log already holds is taken back (the
+length RPUSH returns is past it; no read of the log), so a log never holds a duplicate
+or a chunk out of order.
 
 Redis Cluster (``--shards N``, see ``keys``): one call takes the items of one shard (the
 publisher makes one call per shard a trip). On a cluster the script runs under
@@ -52,16 +53,19 @@ def append_call(
     args: list = [WORKERS_GROUP, consumer, dead_max_len, log_grace_s]
     for item in items:
         rid = item.request_id
-        call_keys += [item.stream or keys.requests, keys.out(rid), keys.abort(rid), keys.job(rid)]
-        args += [item.entry_id, item.seq, item.chunk, int(item.final), item.audit, item.ttl_s]
-        args += [item.dead, item.reason, item.result]
+        call_keys += [item.stream or keys.requests, keys.out(rid), keys.abort(rid)]
+        args += [int(item.final), item.entry_id, item.seq, item.chunk]
+        if item.final:  # most items are not: 7 values a chunk instead of 13
+            call_keys.append(keys.job(rid))
+            args += [item.audit, item.ttl_s, item.dead, item.reason, item.result]
     return {"keys": call_keys, "args": args}
 
 
-# KEYS: audit, dead, then per item: its stream, out, abort, job
+# KEYS: audit, dead, then per item: its stream, out, abort (final: and job)
 # ARGV: group, consumer, dead stream's MAXLEN (approximate), the log's grace after the
-#       final chunk (s), then per item: entry, seq (-1: no chunk), chunk, final (0/1),
-#       audit ('' none), ttl, dead ('' none), reason, result (the whole output, final)
+#       final chunk (s), then per item: final (0/1), entry, seq (-1: no chunk), chunk,
+#       and when final: audit ('' none), ttl, dead ('' none), reason, result (the whole
+#       output)
 # Returns per item: -1 (not the owner), -2 (seq already in the log), else 1 if abort is
 # asked, 0.
 APPEND = """
@@ -71,9 +75,9 @@ APPEND = """
 -- record, which holds the whole output. Any refusal (out of memory, a key that is not
 -- a list) fails the whole call, so the worker sends the trip again.
 local function add_chunk(out, seq, chunk)
-  if redis.call('LLEN', out) > seq then return false end
-  redis.call('RPUSH', out, chunk)
-  return true
+  if redis.call('RPUSH', out, chunk) <= seq + 1 then return true end
+  redis.call('RPOP', out)  -- a trip sent again (rare): one command less for the rest
+  return false
 end
 
 -- Drops the entries every worker is done with from the head of the requests stream:
@@ -97,20 +101,27 @@ local function trim_done(stream, group)
 end
 
 local results, finished = {}, {}
-for i = 0, (#ARGV - 4) / 9 - 1 do
-  local a, k = 4 + i * 9, 2 + i * 4
-  local entry, seq, final = ARGV[a + 1], tonumber(ARGV[a + 2]), ARGV[a + 4] == '1'
-  local audit, ttl, dead = ARGV[a + 5], ARGV[a + 6], ARGV[a + 7]
-  local stream, out, abort, job = KEYS[k + 1], KEYS[k + 2], KEYS[k + 3], KEYS[k + 4]
+local a, k = 4, 2  -- the ARGV and KEYS read so far
+while a < #ARGV do
+  local final, entry, seq = ARGV[a + 1] == '1', ARGV[a + 2], tonumber(ARGV[a + 3])
+  local chunk, stream, out, abort = ARGV[a + 4], KEYS[k + 1], KEYS[k + 2], KEYS[k + 3]
+  local audit, ttl, dead, reason, record, job = '', 0, '', '', '', nil
+  if final then
+    audit, ttl, dead, reason = ARGV[a + 5], ARGV[a + 6], ARGV[a + 7], ARGV[a + 8]
+    record, job = ARGV[a + 9], KEYS[k + 4]
+    a, k = a + 9, k + 4
+  else
+    a, k = a + 4, k + 3
+  end
   local result = 0
   local p = redis.call('XPENDING', stream, ARGV[1], entry, entry, 1)
   if #p == 0 or p[1][2] ~= ARGV[2] then
     result = -1
-  elseif seq >= 0 and not add_chunk(out, seq, ARGV[a + 3]) then
+  elseif seq >= 0 and not add_chunk(out, seq, chunk) then
     result = -2
   else
     if seq >= 0 then
-      redis.call('PUBLISH', out, ARGV[a + 3])
+      redis.call('PUBLISH', out, chunk)
     end
     if final then
       redis.call('XACK', stream, ARGV[1], entry)
@@ -118,14 +129,14 @@ for i = 0, (#ARGV - 4) / 9 - 1 do
       if audit ~= '' then redis.call('XADD', KEYS[1], '*', 'data', audit) end
       if dead ~= '' then
         redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', 'data', dead,
-                   'reason', ARGV[a + 8], 'entry', entry, 'worker', ARGV[2])
+                   'reason', reason, 'entry', entry, 'worker', ARGV[2])
       end
       if seq >= 0 then
         -- compaction: the whole output in the job's hash; the log only for a grace,
         -- for readers following it
         redis.call('EXPIRE', out, math.min(tonumber(ttl), tonumber(ARGV[4])))
         redis.call('HSET', job, 'status', dead ~= '' and 'failed' or 'finished',
-                   'result', ARGV[a + 9])
+                   'result', record)
         redis.call('EXPIRE', job, ttl)
         redis.call('DEL', abort)
       end
@@ -133,7 +144,7 @@ for i = 0, (#ARGV - 4) / 9 - 1 do
       result = redis.call('EXISTS', abort)
     end
   end
-  results[i + 1] = result
+  results[#results + 1] = result
 end
 for stream in pairs(finished) do trim_done(stream, ARGV[1]) end
 return results
