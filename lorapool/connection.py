@@ -26,6 +26,13 @@ logger = logging.getLogger(__name__)
 
 # Redis away (a stall, a restart): loops ride these out; other errors are the caller's.
 REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)
+# what passes for a reader that waits anyway: Redis away, or a cluster moving its slots
+REDIS_TRANSIENT = (
+    *REDIS_DOWN,
+    redis.exceptions.ClusterDownError,
+    redis.exceptions.SlotNotCoveredError,
+    redis.exceptions.TryAgainError,
+)
 SOCKET_TIMEOUT_S = 10.0  # above every blocking read's BLOCK (worker 0.1 s, client 1 s)
 # Producers: waits of 0.2, 0.4, 0.8, 1.6, 2, 2 s (half of each jittered): 3.5 to 7 s of
 # refused connections, a restart; in a stall each try also waits SOCKET_TIMEOUT_S.

@@ -24,7 +24,7 @@ from collections.abc import AsyncIterator
 
 import redis
 
-from lorapool.connection import REDIS_DOWN
+from lorapool.connection import REDIS_TRANSIENT as TRANSIENT
 from lorapool.lifecycle.chunk_log import Cursor
 from lorapool.lifecycle.keys import Keys
 from lorapool.lifecycle.marker import read_back, read_back_result
@@ -138,7 +138,7 @@ class Follower:
             async with self.fills, self.redis.pipeline(transaction=False) as pipe:
                 read_back(pipe, self.keys, cursor.request_id, cursor.seq)
                 entries, result = read_back_result(await pipe.execute())
-        except REDIS_DOWN as exc:
+        except TRANSIENT as exc:
             logger.warning("follower: Redis unreachable (%s), waiting", exc)
             return []
         chunks = []
@@ -156,7 +156,7 @@ class Follower:
         (say, a Redis user without SUBSCRIBE) goes to every reader."""
         try:
             await self._relay()
-        except redis.RedisError as exc:
+        except (redis.RedisError, redis.exceptions.RedisClusterException) as exc:
             logger.error("follower: stopped: %s", exc)
             self.error = exc
             for readers in self.followed.values():
@@ -172,7 +172,7 @@ class Follower:
                     message = await self._sharded_message()
                 else:
                     message = await self.pubsub.get_message(timeout=LISTEN_S)
-            except REDIS_DOWN as exc:
+            except TRANSIENT as exc:
                 logger.warning("follower: Pub/Sub connection lost (%s), resubscribing", exc)
                 await asyncio.sleep(self.poll_s)
                 self.to_subscribe |= set(self.followed)

@@ -16,7 +16,7 @@ import contextlib
 import logging
 import time
 
-from lorapool.connection import REDIS_DOWN
+from lorapool.connection import REDIS_TRANSIENT
 
 logger = logging.getLogger(__name__)
 CONFIRM_S = 1.0  # the longest wait for the subscription's confirmation
@@ -51,14 +51,14 @@ class Listener:
                     return None
                 if _kind(message) in _MESSAGES:
                     return message["data"]
-        except REDIS_DOWN as exc:
+        except REDIS_TRANSIENT as exc:
             logger.warning("%s: Pub/Sub connection lost (%s), reading the log", self.channel, exc)
             self.subscribed = False
             time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
         return None
 
     def close(self) -> None:
-        with contextlib.suppress(*REDIS_DOWN):
+        with contextlib.suppress(*REDIS_TRANSIENT):
             self.pubsub.close()
 
     def _subscribe(self, confirm_s: float) -> bool:
@@ -75,7 +75,7 @@ class Listener:
                 if message is not None and _kind(message) in ("subscribe", "ssubscribe"):
                     self.subscribed = True
                     break
-        except REDIS_DOWN as exc:
+        except REDIS_TRANSIENT as exc:
             logger.warning("%s: cannot subscribe (%s), reading the log", self.channel, exc)
         return self.subscribed
 

@@ -149,3 +149,51 @@ def test_a_new_client_follows_before_any_other_command(pool_url, conn, keys, pro
     assert "no subscribe confirmation" not in caplog.text
     tokens = [t for c in chunks for o in c.outputs for t in o["token_ids"]]
     assert tokens == [bench.token_of("n1", k) for k in range(5)] and chunks[-1].finished
+
+
+@pytest.mark.layouts("standalone")
+def test_a_cluster_moving_its_slots_does_not_stop_the_follower(pool_url, keys, producer, caplog):
+    """SlotNotCoveredError (a cluster between slot maps; not a RedisError, so it used to
+    end the listener's task unseen, leaving readers to their slow log polls) is waited
+    out like a lost connection: the listener resubscribes and the stream goes on live.
+    (Injected into the Pub/Sub read: a real cluster shows it only mid-resharding.)"""
+    import redis
+
+    bench = load()
+    rid = "moving"
+    params = SamplingParams(max_tokens=200, ignore_eos=True)
+    producer.submit({"prompt_token_ids": [1]}, params, request_id=rid)
+    cmd = [sys.executable, str(WORKER), pool_url, keys.prefix, "0", "mv", "8", "20"]
+    worker = subprocess.Popen(cmd)
+
+    async def follow():
+        fresh = AsyncProducer(pool_url, prefix=keys.prefix)
+        handle = await fresh.handle(rid)
+        chunks = []
+        try:
+            async for chunk in handle.chunks(timeout=60):
+                chunks.append(chunk)
+                if len(chunks) == 1:  # the listener's next read fails, once
+                    pubsub = fresh.follower.pubsub
+                    real = pubsub.get_message
+
+                    async def fails_once(*args, pubsub=pubsub, real=real, **kwargs):
+                        pubsub.get_message = real
+                        raise redis.exceptions.SlotNotCoveredError("slot 1 is not covered")
+
+                    pubsub.get_message = fails_once
+            return chunks, fresh.follower.error, fresh.follower.num_live
+        finally:
+            await fresh.aclose()
+
+    try:
+        chunks, error, live = asyncio.run(follow())
+    finally:
+        worker.terminate()
+        worker.wait(30)
+    assert error is None and "resubscribing" in caplog.text
+    tokens = [t for c in chunks for o in c.outputs for t in o["token_ids"]]
+    assert tokens == [bench.token_of(rid, k) for k in range(200)] and chunks[-1].finished
+    # 200 steps of 20 ms: after the fault the listener waits a second (poll_s), the
+    # reader's log polls fill it, and the rest comes over the channel again
+    assert live > 100
