@@ -10,9 +10,11 @@ audit writer and every reader of streams share.
   ack, audit record and dead letter), ``lease`` (RENEW, with claiming an idle entry and
   reading its log to resume), ``queue_position``;
 - ``marker``: what a client does to a request it submitted (abort, read back);
-- the readers: ``chunk_log`` (a reader's place in a request's output, the final record
-  a finished log is compacted into, the assembler of outputs) and ``follower`` (many
-  requests followed on one connection: live channel, gaps filled from the log);
+- the readers: ``chunk_log`` (a request's log, a list with a chunk at index seq; a
+  reader's place in it; the final record a finished log is compacted into; the
+  assembler of outputs), ``follower`` (many requests followed on one asyncio
+  connection: live channel, gaps filled from the log) and ``listener`` (one request's
+  live channel on a sync client, for a single ``JobHandle``);
 - ``accumulator``: a request's output kept from its chunks, O(a chunk) each: what the
   worker compacts a finished log into, and what readers' cumulative outputs come from.
 
