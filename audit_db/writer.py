@@ -35,7 +35,7 @@ from lorapool import signing
 from lorapool.audit_db import store
 from lorapool.audit_db.database import is_current, migrate
 from lorapool.audit_record import AuditRecord, RecordError, parse_record
-from lorapool.connection import ensure_group
+from lorapool.connection import REDIS_DOWN, ensure_group
 from lorapool.lifecycle.keys import AUDIT_GROUP, DEAD_MAX_LEN, DEFAULT_PREFIX, Keys
 
 log = logging.getLogger(__name__)
@@ -49,7 +49,7 @@ class SchemaNotReady(RuntimeError):
 RETRYABLE = (DBAPIError, PoolTimeout, store.ChainError, SchemaNotReady)
 # Errors that mean "the database refuses these rows": bisect and dead-letter.
 REJECTED = (IntegrityError, DataError)
-REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError)
+REDIS_ERRORS = REDIS_DOWN  # a Redis Cluster's CLUSTERDOWN too: away, not refused
 
 
 def default_consumer() -> str:
@@ -320,6 +320,13 @@ class AuditWriter:
                 result = fn(*args)
             except REJECTED:
                 raise
+            except RETRYABLE + REDIS_ERRORS as exc:  # before ResponseError: CLUSTERDOWN is one
+                attempts += 1
+                self._log_failure(what, attempts, delay, exc)
+                if self._stopping.wait(delay):
+                    raise _Stopped() from None
+                delay = min(delay * 2, self.config.backoff_max_s)
+                continue
             except redis.ResponseError as exc:
                 if "NOGROUP" not in str(exc):
                     raise
@@ -328,13 +335,6 @@ class AuditWriter:
                     self.config.consumer,
                 )
                 self._retry("create the consumer group", self.ensure_group)
-                continue
-            except RETRYABLE + REDIS_ERRORS as exc:
-                attempts += 1
-                self._log_failure(what, attempts, delay, exc)
-                if self._stopping.wait(delay):
-                    raise _Stopped() from None
-                delay = min(delay * 2, self.config.backoff_max_s)
                 continue
             if attempts:
                 log.warning(

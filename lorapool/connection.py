@@ -13,6 +13,7 @@ and go on, logging it (see ``Worker.run_guarded`` and ``AuditWriter._retry``).
 
 from __future__ import annotations
 
+import copy
 import logging
 from typing import Any
 from urllib.parse import urlsplit
@@ -24,15 +25,13 @@ from redis.backoff import EqualJitterBackoff
 
 logger = logging.getLogger(__name__)
 
+# A Redis Cluster away for a moment: CLUSTERDOWN (a master restarted refuses commands
+# for its first 2 s; a node failed and not yet replaced), TRYAGAIN (a slot migrating).
+CLUSTER_AWAY = (redis.exceptions.ClusterDownError, redis.exceptions.TryAgainError)
 # Redis away (a stall, a restart): loops ride these out; other errors are the caller's.
-REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)
+REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError, *CLUSTER_AWAY)
 # what passes for a reader that waits anyway: Redis away, or a cluster moving its slots
-REDIS_TRANSIENT = (
-    *REDIS_DOWN,
-    redis.exceptions.ClusterDownError,
-    redis.exceptions.SlotNotCoveredError,
-    redis.exceptions.TryAgainError,
-)
+REDIS_TRANSIENT = (*REDIS_DOWN, redis.exceptions.SlotNotCoveredError)
 SOCKET_TIMEOUT_S = 10.0  # above every blocking read's BLOCK (worker 0.1 s, client 1 s)
 # Producers: waits of 0.2, 0.4, 0.8, 1.6, 2, 2 s (half of each jittered): 3.5 to 7 s of
 # refused connections, a restart; in a stall each try also waits SOCKET_TIMEOUT_S.
@@ -215,12 +214,31 @@ def run_scripts(connection, script, calls: list[dict[str, list]]) -> list:
         groups.setdefault(client_for(connection, call["keys"][0]), []).append(i)
     results: list = [None] * len(calls)
     for client, where in groups.items():
-        with client.pipeline(transaction=False) as pipe:
-            for i in where:
-                script(**calls[i], client=pipe)
-            for i, result in zip(where, pipe.execute()):
-                results[i] = result
+
+        def run(client=client, where=where) -> list:
+            with client.pipeline(transaction=False) as pipe:
+                for i in where:
+                    script(**calls[i], client=pipe)
+                return pipe.execute()
+
+        for i, result in zip(where, on_node(connection, run)):
+            results[i] = result
     return results
+
+
+def on_node(connection, call):
+    """``call()``, which runs commands on a node's own client (``client_for``): on a
+    Redis Cluster with the cluster client's retry (``connect``'s: backoff, logged),
+    which redis-py gives only to the cluster client's own commands, its node clients
+    having none (a node stalled past the socket timeout, or restarting, failed the
+    call at once); CLUSTERDOWN and TRYAGAIN are retried too (a restarted master
+    refuses commands for its first 2 s). Retried whole, as a standalone client
+    retries a pipeline: what it runs must be idempotent."""
+    if not isinstance(connection, redis.RedisCluster):
+        return call()
+    retry = copy.copy(connection.retry)
+    retry.update_supported_errors(CLUSTER_AWAY)
+    return retry.call_with_retry(call, lambda error: None)
 
 
 async def run_scripts_async(connection, script, calls: list[dict[str, list]]) -> list:
