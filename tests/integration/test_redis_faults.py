@@ -9,6 +9,15 @@ same engine run in-process, and ``status`` must drop a killed worker within
 its heartbeat TTL. A producer submits two more jobs while Redis is away, and
 another waits on every result across the fault. One pool serves all the tests
 of this module (each fault's jobs are its own), so the processes start once.
+
+On both pool layouts: a private standalone redis-server, and a private 3-master
+Redis Cluster (tests/support/redis_cluster.py) with the pool in 3 shards. There
+the fault is one master's, the one that serves the shard of the first job
+submitted during the fault (so that submission rides it out as on standalone):
+that node alone is stalled, or killed and restarted on its AOF and its
+``nodes.conf`` (its slots, their data); the other masters go on serving the
+other shards. All nodes stopped at once would be the standalone fault again; one
+is what a cluster adds (a shard away while the pool goes on with the others).
 """
 
 from __future__ import annotations
@@ -21,11 +30,12 @@ import threading
 import time
 
 import pytest
-import redis
-from redis_server import RedisServer
+from pool_layout import pending
+from redis_cluster import private_redis
 from sqlalchemy import create_engine, text
 
 from lorapool.cli.queue_status import live_workers
+from lorapool.connection import connect
 from lorapool.lifecycle.chunk_log import log_chunks
 from lorapool.lifecycle.keys import Keys
 from lorapool.lifecycle.wire import decode_chunk
@@ -36,6 +46,16 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 PARAMS = SamplingParams(temperature=0.0, max_tokens=96, ignore_eos=True)
 PROMPTS = [f"job {i} counts" for i in range(32)]  # the last 2: submitted during the fault
 CLI = [sys.executable, "-c", "from lorapool.cli.main import main; main()"]
+LAYOUTS = ("standalone", "cluster")
+
+
+@pytest.fixture(scope="module")
+def layout(request):
+    """The conftest's ``layout``, module-scoped: pytest then runs every test of one
+    layout before the other's, so one private pool runs at a time."""
+    if request.param == "cluster" and not os.environ.get("LORAPOOL_TEST_CLUSTER_URL"):
+        pytest.skip("no LORAPOOL_TEST_CLUSTER_URL: the cluster layout is not tested here")
+    return request.param
 
 
 @pytest.fixture(scope="module")
@@ -53,21 +73,22 @@ def expected(model):
 
 
 class Pool:
-    """A private Redis, 2 worker processes and an audit writer process."""
+    """A private Redis (``private_redis``), 2 worker processes and an audit writer process."""
 
-    def __init__(self, model, tmp_path):
-        self.server = RedisServer(tmp_path / "redis").start()
-        self.tmp = tmp_path
+    def __init__(self, model, server, tmp_path):
+        self.server, self.tmp = server, tmp_path
+        self.keys = Keys(shards=server.shards)
+        pool = ["--redis-url", server.url, "--shards", str(server.shards)]
         self.db = f"sqlite:///{tmp_path / 'audit.db'}"
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        worker = [*CLI, "worker", "--model", model, "--redis-url", self.server.url]
+        worker = [*CLI, "worker", "--model", model, *pool]
         worker += ["--lease", "3", "--max-num-seqs", "2"]
         self.workers = [self._start(worker, f"worker{i}", env) for i in range(2)]
-        writer = [*CLI, "audit-writer", "--redis-url", self.server.url, "--db-url", self.db]
+        writer = [*CLI, "audit-writer", *pool, "--db-url", self.db]
         self.writer = self._start([*writer, "--migrate"], "writer", env)
-        self.conn = redis.Redis.from_url(self.server.url)
+        self.conn = connect(server.url)
         deadline = time.monotonic() + 120
-        while len(live_workers(self.conn, Keys())) < 2:
+        while len(live_workers(self.conn, self.keys)) < 2:
             self.check_alive()
             assert time.monotonic() < deadline, "workers did not start"
             time.sleep(0.2)
@@ -100,14 +121,16 @@ class Pool:
                 proc.wait(30)
             except subprocess.TimeoutExpired:
                 proc.kill()
-        self.server.stop()
+        self.conn.close()
 
 
 @pytest.fixture(scope="module")
-def pool(model, tmp_path_factory):
-    pool = Pool(model, tmp_path_factory.mktemp("pool"))
-    yield pool
-    pool.stop()
+def pool(model, layout, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp(f"pool-{layout}")
+    with private_redis(layout, tmp / "redis") as server:
+        pool = Pool(model, server, tmp)
+        yield pool
+        pool.stop()
 
 
 def _check_exactly_once(pool, producer, handles, expected):
@@ -129,7 +152,7 @@ def _check_exactly_once(pool, producer, handles, expected):
             break
         time.sleep(0.5)
     assert rows == {rid: 1 for rid in ids}
-    assert pool.conn.xpending(producer.keys.requests, "workers")["pending"] == 0
+    assert pending(pool.conn, producer.keys) == 0
 
 
 def _wait_all(handles, results: dict) -> None:
@@ -140,18 +163,21 @@ def _wait_all(handles, results: dict) -> None:
         results["error"] = repr(exc)
 
 
-def _submit_late(url, fault, handles: list) -> None:
+def _submit_late(server, fault, handles: list) -> None:
     """Two more jobs submitted while Redis is away (the client's retries carry them)."""
     try:
         ids = [f"{fault}-late-{i}" for i in range(2)]
-        handles.extend(Producer(url).submit_many(PROMPTS[30:], PARAMS, request_ids=ids))
+        producer = Producer(server.url, shards=server.shards)
+        handles.extend(producer.submit_many(PROMPTS[30:], PARAMS, request_ids=ids))
     except Exception as exc:  # noqa: BLE001 - reported by the test
         handles.append(repr(exc))
 
 
 @pytest.mark.parametrize("fault", ["stall_15s", "kill_and_restart"])
 def test_pool_rides_out_redis_fault(pool, expected, fault):
-    producer = Producer(pool.server.url)
+    producer = Producer(pool.server.url, shards=pool.server.shards)
+    # standalone: the server; a cluster: the master of the first late job's shard
+    node = pool.server.node_of(producer.keys.for_request(f"{fault}-late-0").requests)
     ids = [f"{fault}-{i}" for i in range(30)]
     handles = producer.submit_many(PROMPTS[:30], PARAMS, request_ids=ids)
     results, late = {}, []
@@ -162,17 +188,20 @@ def test_pool_rides_out_redis_fault(pool, expected, fault):
         pool.check_alive()
         assert time.monotonic() < deadline
         time.sleep(0.05)
-    submitter = threading.Thread(target=_submit_late, args=(pool.server.url, fault, late))
+    submitter = threading.Thread(target=_submit_late, args=(pool.server, fault, late))
     if fault == "stall_15s":
-        pool.server.pause()
+        node.pause()
         submitter.start()
         time.sleep(15)
-        pool.server.resume()
+        node.resume()
     else:
-        pool.server.kill()
+        node.kill()
         submitter.start()
-        time.sleep(2)  # past the loops' retries (< 0.6 s), within a producer's (> 3.5 s)
-        pool.server.start()
+        # past the loops' retries (< 0.6 s), within a producer's (> 3.5 s); a restarted
+        # master of a cluster refuses commands for 2 s more (CLUSTERDOWN, Redis's
+        # CLUSTER_WRITABLE_DELAY): there it is down 0.8 s, away 2.8 s in all
+        time.sleep(2 if pool.server.shards == 0 else 0.8)
+        node.start()
     submitter.join(60)
     assert len(late) == 2 and all(h.enqueued for h in late), late  # each queued once
     handles += late
@@ -195,7 +224,7 @@ def test_pool_rides_out_redis_fault(pool, expected, fault):
 
 
 def test_status_drops_a_killed_worker(pool):
-    keys = Keys()
+    keys = pool.keys
     assert len(live_workers(pool.conn, keys)) == 2
     pool.workers[0].kill()
     pool.workers[0].wait(10)

@@ -3,7 +3,10 @@
 Runs on a free port in a temporary directory, with AOF (``appendfsync
 always``) so that a restart after SIGKILL keeps every acknowledged write.
 ``pause``/``resume`` send SIGSTOP/SIGCONT (a stalled server), ``kill`` sends
-SIGKILL and ``start`` brings it back on the same port and directory.
+SIGKILL and ``start`` brings it back on the same port and directory. ``args``:
+more options of redis-server (a node of ``redis_cluster.RedisCluster``). A pool's
+private Redis, standalone or cluster, offers ``url``, ``shards``, ``nodes`` and
+``node_of(key)`` (here: this server), so that a test faults either the same way.
 """
 
 from __future__ import annotations
@@ -26,23 +29,38 @@ def free_port() -> int:
 
 
 class RedisServer:
-    def __init__(self, directory: Path, port: int | None = None):
+    shards = 0  # the pool's layout on it: one standalone Redis
+
+    def __init__(self, directory: Path, port: int | None = None, args: tuple[str, ...] = ()):
         self.binary = shutil.which("redis-server")
         if self.binary is None:
             raise RuntimeError("redis-server is not on PATH")
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.port = port or free_port()
+        self.args = tuple(args)
         self.process: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
+    @property
+    def nodes(self) -> list[RedisServer]:
+        return [self]
+
+    def node_of(self, key: str) -> RedisServer:
+        """The server that holds ``key``: this one."""
+        return self
+
+    def client(self, **options) -> redis.Redis:
+        """A plain client of this server (no retries: an admin's or a probe's)."""
+        return redis.Redis(port=self.port, **options)
+
     def start(self, timeout: float = 10.0) -> RedisServer:
         cmd = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1"]
         cmd += ["--dir", str(self.directory), "--save", "", "--appendonly", "yes"]
-        cmd += ["--appendfsync", "always", "--logfile", "redis.log"]
+        cmd += ["--appendfsync", "always", "--logfile", "redis.log", *self.args]
         self.process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         client = redis.Redis(port=self.port, socket_timeout=1)
         deadline = time.monotonic() + timeout
