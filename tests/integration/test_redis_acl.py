@@ -2,7 +2,10 @@
 
 The users are created from the document itself; a producer, a worker, the
 audit writer and ``status`` then each run with their own user only, and each
-user is refused what its role does not need.
+user is refused what its role does not need. On both pool layouts: a private
+standalone redis-server with the doc's ``acl ROLE`` rules, and a private 3-master
+Redis Cluster (tests/support/redis_cluster.py), the pool in 3 shards, with its
+``acl ROLE cluster`` rules set on every node.
 """
 
 from __future__ import annotations
@@ -13,45 +16,56 @@ from pathlib import Path
 
 import pytest
 import redis
-from redis_server import RedisServer
+from pool_layout import length
+from redis_cluster import private_redis
 
 from lorapool.audit_db import AuditWriter, DatabaseConfig, WriterConfig, create_audit_engine
 from lorapool.audit_db.database import migrate
 from lorapool.cli.queue_status import live_workers
 from lorapool.connection import connect
 from lorapool.identity import model_identity
+from lorapool.lifecycle.keys import Keys
 from lorapool.pool_metrics import PoolCollector
 from lorapool.producer import AsyncProducer, Producer
 from lorapool.protocol import SamplingParams
 from lorapool.worker import Worker, WorkerConfig
 
 pytestmark = pytest.mark.integration
+LAYOUTS = ("standalone", "cluster")
 DOC = Path(__file__).resolve().parents[2] / "docs" / "redis-acl.md"
 PASSWORD = "test-password-0123"
 
 
-def acl_rules() -> dict[str, str]:
-    """role -> its ACL SETUSER line, from the fenced ``acl ROLE`` blocks of the doc."""
-    blocks = re.findall(r"```acl ([\w-]+)\n(ACL SETUSER [^\n]+)\n```", DOC.read_text())
-    return {role: line.replace("CHANGE-ME", PASSWORD) for role, line in blocks}
+def acl_rules(layout: str) -> dict[str, str]:
+    """role -> its ACL SETUSER line, from the fenced blocks of the doc: ``acl ROLE``
+    (standalone) or ``acl ROLE cluster``."""
+    pattern = r"```acl ([\w-]+)( cluster)?\n(ACL SETUSER [^\n]+)\n```"
+    blocks = re.findall(pattern, DOC.read_text())
+    return {
+        role: line.replace("CHANGE-ME", PASSWORD)
+        for role, cluster, line in blocks
+        if bool(cluster) == (layout == "cluster")
+    }
 
 
 @pytest.fixture
-def server(tmp_path):
-    server = RedisServer(tmp_path / "redis").start()
-    admin = redis.Redis(port=server.port)
-    for line in acl_rules().values():
-        admin.execute_command(*line.split())
-    yield server
-    server.stop()
+def server(layout, tmp_path):
+    with private_redis(layout, tmp_path / "redis") as server:
+        for node in server.nodes:  # ACL rules are per node
+            admin = node.client()
+            for line in acl_rules(layout).values():
+                admin.execute_command(*line.split())
+            admin.close()
+        yield server
 
 
 def url(server, role: str) -> str:
-    return f"redis://lorapool-{role}:{PASSWORD}@127.0.0.1:{server.port}/0"
+    return server.url.replace("://", f"://lorapool-{role}:{PASSWORD}@", 1)
 
 
 def test_doc_has_the_three_roles():
-    assert sorted(acl_rules()) == ["audit-writer", "producer", "worker"]
+    for layout in ("standalone", "cluster"):
+        assert sorted(acl_rules(layout)) == ["audit-writer", "producer", "worker"]
 
 
 def test_each_role_runs_with_its_own_user(server, model, tmp_path):
@@ -61,24 +75,27 @@ def test_each_role_runs_with_its_own_user(server, model, tmp_path):
     adapter = tmp_path / "ad"
     adapter.mkdir()
     (adapter / "adapter_model.safetensors").write_bytes(b"weights")
-    producer = Producer(url(server, "producer"))
+    shards = server.shards
+    producer = Producer(url(server, "producer"), shards=shards)
     producer.registry.add("ad", adapter)
     params = SamplingParams(temperature=0.0, max_tokens=3)
     handles = producer.submit_many(["hello", "world", "again"], params)
     handles[2].abort()
     engine = LLMEngine.from_engine_args(EngineArgs(model=model, max_num_seqs=4))
     worker_conn = connect(url(server, "worker"))
-    Worker(engine, worker_conn, WorkerConfig(burst=True), model_identity(model)).run()
+    config = WorkerConfig(burst=True, shards=shards)
+    Worker(engine, worker_conn, config, model_identity(model)).run()
     outputs = [h.result(timeout=5) for h in handles]
     assert [o.outputs[0].finish_reason for o in outputs[:2]] == ["length", "length"]
     audit_db = create_audit_engine(DatabaseConfig(url=f"sqlite:///{tmp_path / 'audit.db'}"))
     migrate(audit_db)
     writer_conn = connect(url(server, "audit-writer"))
-    assert AuditWriter(writer_conn, audit_db, WriterConfig()).run(burst=True).rows_written == 3
+    writer = AuditWriter(writer_conn, audit_db, WriterConfig(shards=shards))
+    assert writer.run(burst=True).rows_written == 3
     assert live_workers(producer.redis, producer.keys) == []  # status, as the producer
 
     async def follow(request_id):  # the async producer's follower: channel and log
-        async_producer = AsyncProducer(url(server, "producer"))
+        async_producer = AsyncProducer(url(server, "producer"), shards=shards)
         try:
             return await (await async_producer.handle(request_id)).result(timeout=5)
         finally:
@@ -90,18 +107,19 @@ def test_each_role_runs_with_its_own_user(server, model, tmp_path):
     # the pool's gauges (a gateway's /metrics, run as the producer) read all they need
     gauges = PoolCollector(producer.redis, producer.keys).read()
     assert gauges["lorapool_audit_backlog"][1] == 0  # the writer committed all three
-    assert gauges["lorapool_queue_length"][1] == producer.redis.xlen("lorapool:requests")
+    assert gauges["lorapool_queue_length"][1] == length(producer.redis, producer.keys, "requests")
 
+    keys = producer.keys.for_request("x")  # the keys of a shard (the only one, standalone)
     denied = redis.exceptions.NoPermissionError
     with pytest.raises(denied):  # a producer cannot forge audit records
-        producer.redis.xadd("lorapool:audit", {"data": b"{}"})
+        producer.redis.xadd(keys.audit, {"data": b"{}"})
     with pytest.raises(denied):  # nor write a chunk log
-        producer.redis.xadd("lorapool:out:{x}", {"data": b"{}"})
+        producer.redis.xadd(keys.out("x"), {"data": b"{}"})
     with pytest.raises(denied):  # the writer cannot read jobs
-        writer_conn.xrange("lorapool:requests")
+        writer_conn.xrange(keys.requests)
     with pytest.raises(denied):  # the worker may publish only on request channels
-        worker_conn.publish("elsewhere", b"x")
+        (worker_conn.spublish if shards else worker_conn.publish)("elsewhere", b"x")
     with pytest.raises(denied):  # nor touch keys of another prefix
-        worker_conn.get("other:model")
+        worker_conn.get(Keys("other", shards).model)
     with pytest.raises(denied):  # and nobody may reconfigure the server
         worker_conn.config_set("appendonly", "no")
