@@ -13,7 +13,7 @@ and that node's ``pause``/``resume``/``kill``/``start`` stall or restart it alon
 (the other nodes go on). ``NODE_TIMEOUT_MS`` is above the tests' longest stall (15
 s): a stall shorter than the node timeout is a stall to the cluster too, not a
 failure (past it, with no replica to promote, the cluster would mark the node
-failed and refuse every command for twice the node timeout after it came back).
+failed, and every node would refuse commands until twice the node timeout after).
 """
 
 from __future__ import annotations
