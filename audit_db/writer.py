@@ -1,18 +1,17 @@
 """The audit writer: ``{p}:audit`` (consumer group ``audit``) into the audit tables.
 
-Each batch is authenticated (every record must carry a worker's signature made
-with the audit key for this pool, see ``record.sign_record``), parsed, stored
-in one transaction (see store.py) and acked only after the commit. While the
-database is unreachable the writer retries the same batch with exponential
-backoff, acks nothing and says so in its log. An unsigned, wrongly signed or
-malformed record is moved to ``{p}:dead`` (``source=audit``, with the reason)
-and acked; a record the database rejects is found by bisecting the batch and
-dead-lettered the same way. A record that
-contradicts the stored row for its (pool, request, completion) is kept in the
-``conflicts`` table and logged as an error (``lorapool audit conflicts``).
-On start the writer first re-reads its own pending entries; every
-``claim_every_s`` it also claims entries that another consumer left pending
-for ``claim_idle_ms``. Redelivery is harmless: rows are keyed by
+Each batch is authenticated (every record must carry a worker's signature made with the
+audit key for this pool, see ``record.sign_record``), parsed, stored in one transaction
+(see store.py) and acked only after the commit. While the database is unreachable the
+writer retries the same batch with exponential backoff, acks nothing and says so in its
+log. An unsigned, wrongly signed or malformed record is moved to ``{p}:dead``
+(``source=audit``, with the reason) and acked; a record the database rejects is found by
+bisecting the batch and dead-lettered the same way. A record that contradicts the stored
+row for its (pool, request, completion) is kept in the ``conflicts`` table and logged as
+an error (``lorapool audit conflicts``). On start the writer first re-reads its own
+pending entries, and again every ``claim_every_s`` (a read that redis-py retried after a
+timeout may have been served, its reply lost), when it also claims entries that another
+consumer left pending for ``claim_idle_ms``. Redelivery is harmless: rows are keyed by
 (pool, request id, completion index), and an identical row is skipped.
 """
 
@@ -224,7 +223,7 @@ class AuditWriter:
             if entries:
                 return entries
         if time.monotonic() >= self._next_claim[self.keys]:
-            entries = self._claim()
+            entries = self._read("0") or self._claim()  # its own first: see the docstring
             if entries:
                 return entries
         # with several shards, a blocking read waits on each in turn for its part

@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 
+import orjson
 import pytest
 from audit_fixtures import FAST_WRITER, KEY
 from sqlalchemy import make_url, text
@@ -70,6 +71,32 @@ def test_stale_pending_entries_of_a_dead_writer_are_reclaimed(audit_target, audi
     time.sleep(0.2)
     writer.run(burst=True)
     assert audit_target.count() == 5 and audit_redis.pending() == 0
+
+
+def test_a_read_whose_reply_was_lost_is_read_again(audit_target, audit_redis):
+    """Entries Redis delivered to the writer's own consumer on a read whose reply never
+    reached it (redis-py retried the read after a timeout, say, in a Redis stall) are
+    read back within ``claim_every_s``, not left for ``claim_idle_ms``."""
+    from audit_fixtures import make_record
+
+    from lorapool import signing
+    from lorapool.audit_record import sign_record
+
+    writer = _writer(audit_redis, audit_target.engine, claim_every_s=0.2)
+    with _running(writer):
+        time.sleep(0.3)  # past its start, which re-reads its own pending entries anyway
+        stream, key = audit_redis.keys.audit, signing.key_from_env()
+        pipe = audit_redis.conn.pipeline(transaction=True)  # the writer sees none come
+        for i in range(3):
+            record = sign_record(make_record(i), key, audit_redis.prefix)
+            pipe.xadd(stream, {"data": orjson.dumps(record)})
+        pipe.xreadgroup("audit", "w-test", {stream: ">"}, count=3)  # the lost read
+        assert len(pipe.execute()[-1][0][1]) == 3
+        deadline = time.monotonic() + 5
+        while audit_target.count() < 3:
+            assert time.monotonic() < deadline, "the lost read's entries were not read again"
+            time.sleep(0.05)
+    assert audit_redis.pending() == 0
 
 
 def test_malformed_entries_are_dead_lettered(audit_target, audit_redis):
