@@ -68,6 +68,20 @@ def test_doc_has_the_three_roles():
         assert sorted(acl_rules(layout)) == ["audit-writer", "producer", "worker"]
 
 
+def test_doc_cluster_rules_follow_the_standalone_ones():
+    """The same commands on a cluster, but for shard channels' in place of channels' and
+    what redis-py's cluster client runs itself (the doc's cluster paragraph)."""
+    shard = {"+publish": "+spublish", "+subscribe": "+ssubscribe", "+unsubscribe": "+sunsubscribe"}
+
+    def commands(line: str) -> set[str]:
+        return {word for word in line.split() if word[0] in "+-"}
+
+    cluster = acl_rules("cluster")
+    for role, line in acl_rules("standalone").items():
+        expected = {shard.get(c, c) for c in commands(line)} | {"+cluster|slots", "+command"}
+        assert commands(cluster[role]) == expected, role
+
+
 def test_each_role_runs_with_its_own_user(server, model, tmp_path):
     from lorapool.engine.config import EngineArgs
     from lorapool.engine.llm_engine import LLMEngine
