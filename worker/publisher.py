@@ -63,10 +63,28 @@ class Publisher:
         self.extra: list = []  # upkeep calls for the next trip (see ``Worker._upkeep``)
         self.next_trip = 0.0  # monotonic time before which chunks wait (max_chunk_rate)
         self._append = Appender(worker.redis)
-        self._sender = Sender(self._send_trip, worker.name)
+        self._step_held: list[Held] = []  # what the engine runs in the current step
+        self._sender = Sender(
+            self._send_trip, worker.name, self._keepalive, worker.config.lease_s / 3
+        )
 
     def close(self) -> None:
         self._sender.close()
+
+    def stepping(self, on: bool) -> None:
+        """Around each engine step: during one that outlasts a third of the lease, the
+        sender renews the lease of what the worker held at its start (``_keepalive``)."""
+        if on:
+            self._step_held = list(self.worker.held.values())
+        self._sender.stepping(on)
+
+    def _keepalive(self) -> _Trip | None:
+        """On the sender's thread: a trip that renews the step's entries (applied after
+        the step, as the renewals of ``Worker._upkeep`` are)."""
+        held, lease = self._step_held, self.worker.lease
+        if not held:
+            return None
+        return _Trip([], None, [(lambda: lease.send(held, 0), lambda r: lease.apply(held, *r))])
 
     def publish(self, outputs: list[RequestOutput]) -> None:
         """Queue a step's outputs for the sender (see the module's docstring)."""

@@ -252,11 +252,16 @@ class Worker:
 
     def _step(self) -> None:
         """One engine step and its chunks; a step that raises fails only its requests."""
+        self.publisher.stepping(True)  # a step past a third of the lease renews it
         try:
-            outputs = self.engine.step()
+            outputs, error = self.engine.step(), None
         except Exception as exc:  # noqa: BLE001 - the worker and the other requests go on
+            outputs, error = [], exc
             logger.exception("worker %s: engine step failed", self.name)
-            self._fail_step(f"engine step failed: {reason_of(exc)}")
+        finally:
+            self.publisher.stepping(False)
+        if error is not None:
+            self._fail_step(f"engine step failed: {reason_of(error)}")
             return
         self.metrics.stepped(outputs, self.held)
         self._publish(outputs)
