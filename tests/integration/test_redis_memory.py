@@ -52,7 +52,10 @@ def used_memory(server) -> int:
     return total
 
 
-def _run(conn, shards, engine, model, audit_db, jobs: int, garbage: int, tag: str):
+def _run(conn, shards, engine, model, audit_db, jobs: int, garbage: int, tag: str, server):
+    """Jobs and poison jobs through a worker, then the audit writer; returns the pool's
+    keys and the used memory when the worker is done (the last TTL_S seconds' logs and
+    markers still there)."""
     producer = Producer(conn, prefix="mem", shards=shards)
     params = SamplingParams(temperature=0.0, max_tokens=2)
     for first in range(0, jobs, 250):
@@ -69,10 +72,11 @@ def _run(conn, shards, engine, model, audit_db, jobs: int, garbage: int, tag: st
         dead_max_len=DEAD_MAX_LEN,
     )
     Worker(engine, conn, config, model_identity(model)).run()
+    peak = used_memory(server)
     writer = WriterConfig(prefix="mem", shards=producer.keys.shards)
     stats = AuditWriter(conn, audit_db, writer).run(burst=True)
     assert stats.rows_written == jobs + garbage  # the poison jobs' errors are audited too
-    return producer.keys
+    return producer.keys, peak
 
 
 def _wait_for_ttl(conn, shards) -> None:
@@ -94,17 +98,19 @@ def test_redis_memory_returns_after_result_ttl(server, model, tmp_path):
     migrate(audit_db)
     # A first round sizes what Redis keeps once per server (script cache, Lua heap,
     # streams and groups); the 2,000 jobs must leave nothing beyond it.
-    _run(conn, server.shards, engine, model, audit_db, 200, 0, "warm")
+    _run(conn, server.shards, engine, model, audit_db, 200, 0, "warm", server)
     _wait_for_ttl(conn, server.shards)
     time.sleep(1)
     start = used_memory(server)
     garbage = GARBAGE * len(Keys("mem", server.shards).shard_views)
-    keys = _run(conn, server.shards, engine, model, audit_db, JOBS, garbage, "g")
+    keys, peak = _run(conn, server.shards, engine, model, audit_db, JOBS, garbage, "g", server)
     assert length(conn, keys, "audit") == 0 and length(conn, keys, "requests") == 0
     for view in keys.shard_views:
         assert DEAD_MAX_LEN <= conn.xlen(view.dead) <= DEAD_MAX_LEN + 100  # MAXLEN ~
-    peak = used_memory(server)
-    assert peak > start + 1_000_000  # the chunk logs and markers are there until the TTL
+    # the chunk logs and markers of the jobs finished in the worker's last TTL_S seconds
+    # (~7 MB on a quiet machine) are there when it is done (measured then:
+    # the writer's run, slow on a loaded machine, could outlast the TTL)
+    assert peak > start + 1_000_000, (start, peak)
     _wait_for_ttl(conn, server.shards)
     for _ in range(40):  # Redis shrinks its key tables in its own cron, a moment later
         end = used_memory(server)
