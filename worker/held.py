@@ -122,10 +122,41 @@ def _chunk(held: Held, seq: int, offset: int, outputs: list, finished: bool, **f
 
 
 def merged(outs: list[RequestOutput]) -> RequestOutput:
-    """One request's deltas of consecutive steps as one (the first, extended in place)."""
+    """One request's deltas of consecutive steps as one (the first, extended in place),
+    as ``RequestOutput.add(aggregate=True)`` would; one join per field when each holds
+    the same one completion (n = 1, the common case)."""
     out = outs[0]
-    for later in outs[1:]:
-        out.add(later, aggregate=True)
+    if len(outs) == 1:
+        return out
+    completions = []
+    for o in outs:
+        if len(o.outputs) != 1 or o.outputs[0].index != out.outputs[0].index:
+            for later in outs[1:]:
+                out.add(later, aggregate=True)
+            return out
+        completions.append(o.outputs[0])
+    for later in outs[1:]:  # the request's own fields: the latest that says something
+        out.finished = out.finished or later.finished
+        if later.metrics is not None:
+            out.metrics = later.metrics
+        if later.error is not None:
+            out.error = later.error
+        if later.worker is not None:
+            out.worker = later.worker
+        if later.num_cached_tokens is not None:
+            out.num_cached_tokens = later.num_cached_tokens
+        if later.prompt_logprobs is not None:
+            out.prompt_logprobs = later.prompt_logprobs
+    first, last = completions[0], completions[-1]
+    first.text = "".join([c.text for c in completions])
+    first.token_ids = [t for c in completions for t in c.token_ids]
+    if any(c.logprobs is not None for c in completions[1:]):
+        first.logprobs = [lp for c in completions for lp in (c.logprobs or ())]
+    first.cumulative_logprob = last.cumulative_logprob
+    first.finish_reason, first.stop_reason = last.finish_reason, last.stop_reason
+    for c in completions[1:]:
+        if c.lora_request is not None:
+            first.lora_request = c.lora_request
     return out
 
 
