@@ -5,7 +5,8 @@ prompts 16-512 tokens, outputs 16-256, greedy, every request arriving at once):
 
 - in-process: one ``LLMEngine`` stepped directly (in a fresh interpreter);
 - queue, 1 worker: ``Producer.submit_many`` → Redis → one ``lorapool worker``
-  process → the client reading every request's chunk log;
+  process → the client following every request (``AsyncProducer``: live channel,
+  gaps filled from the chunk log; idle between chunks, as a blocking XREAD was);
 - queue, 2 workers: the same with two worker processes.
 
 Throughput is output tokens / (last final output - submission). TTFT is, in
@@ -181,34 +182,38 @@ def submit(producer, workload, label: str):
     return ids
 
 
-def collect(producer, ids: list[str], label: str, start: float) -> dict:
-    """Read every request's chunk log until its final chunk (one pipelined LRANGE per
-    unfinished request every 10 ms, from its next chunk); client-side timings."""
-    from lorapool.lifecycle.wire import decode_chunk
+def collect(url: str, producer, ids: list[str], label: str, start: float) -> dict:
+    """Follow every request's chunks until its final one, as an asyncio client does
+    (``AsyncProducer``'s Follower: one Pub/Sub connection, waiting idle between
+    chunks, so it takes no CPU from the workers); client-side timings."""
+    import asyncio
 
-    next_seq = {rid: 0 for rid in ids}
-    first_token, tokens, errors, done = {}, 0, 0, 0
-    while next_seq:
-        with producer.redis.pipeline(transaction=False) as pipe:
-            for rid, seq in next_seq.items():
-                pipe.lrange(producer.keys.out(rid), seq, -1)
-            replies = pipe.execute()
-        now = time.perf_counter()
-        for rid, entries in zip(list(next_seq), replies):
-            for raw in entries:
-                chunk = decode_chunk(raw, rid)
-                next_seq[rid] += 1
-                tokens += chunk.num_tokens
-                if chunk.num_tokens and rid not in first_token:
-                    first_token[rid] = now - start
-                if chunk.finished:
-                    errors += chunk.error is not None
-                    done += 1
-                    del next_seq[rid]
-                    progress(label, done, len(ids), start)
-                    break
-        time.sleep(0.01)
-    return summary(tokens, time.perf_counter() - start, list(first_token.values()), errors)
+    from lorapool.producer import AsyncProducer
+
+    first_token: dict[str, float] = {}
+    counts = {"tokens": 0, "errors": 0, "done": 0}
+
+    async def follow(client, rid: str) -> None:
+        async for chunk in (await client.handle(rid)).chunks():
+            counts["tokens"] += chunk.num_tokens
+            if chunk.num_tokens and rid not in first_token:
+                first_token[rid] = time.perf_counter() - start
+            if chunk.finished:
+                counts["errors"] += chunk.error is not None
+                counts["done"] += 1
+                progress(label, counts["done"], len(ids), start)
+
+    async def follow_all() -> None:
+        client = AsyncProducer(url, prefix=producer.keys.prefix)
+        try:
+            await asyncio.gather(*(follow(client, rid) for rid in ids))
+        finally:
+            await client.aclose()
+
+    asyncio.run(follow_all())
+    return summary(
+        counts["tokens"], time.perf_counter() - start, list(first_token.values()), counts["errors"]
+    )
 
 
 def run_queue(args, url: str, num_workers: int, workload) -> dict:
@@ -223,11 +228,11 @@ def run_queue(args, url: str, num_workers: int, workload) -> dict:
         try:
             wait_workers(producer, workers)
             warm = load_workload(args.model, WARMUP * num_workers, seed=1)
-            collect(producer, submit(producer, warm, "warm-up"), "warm-up", time.perf_counter())
+            warm_ids = submit(producer, warm, "warm-up")
+            collect(url, producer, warm_ids, "warm-up", time.perf_counter())
             start = time.perf_counter()
-            result = collect(
-                producer, submit(producer, workload, "queue"), f"{num_workers} worker(s)", start
-            )
+            ids = submit(producer, workload, "queue")
+            result = collect(url, producer, ids, f"{num_workers} worker(s)", start)
         finally:
             stop(workers)
             for key in producer.redis.scan_iter(f"{prefix}:*"):
