@@ -27,11 +27,15 @@ from lorapool.audit_db import (
 
 pytest_plugins = ["audit_fixtures"]
 pytestmark = pytest.mark.integration
+LAYOUTS = ("standalone", "cluster")
 
 
 def _writer(audit_redis, engine, **kw) -> AuditWriter:
     config = WriterConfig(
-        prefix=audit_redis.prefix, consumer=kw.pop("consumer", "w-test"), **{**FAST_WRITER, **kw}
+        prefix=audit_redis.prefix,
+        shards=audit_redis.shards,
+        consumer=kw.pop("consumer", "w-test"),
+        **{**FAST_WRITER, **kw},
     )
     return AuditWriter(audit_redis.conn, engine, config)
 
@@ -66,7 +70,8 @@ def test_stale_pending_entries_of_a_dead_writer_are_reclaimed(audit_target, audi
     audit_redis.publish([make_record(i) for i in range(5)])
     writer = _writer(audit_redis, audit_target.engine, claim_idle_ms=100)
     writer.ensure_group()
-    audit_redis.conn.xreadgroup("audit", "crashed", {audit_redis.keys.audit: ">"}, count=5)
+    for view in audit_redis.keys.shard_views:
+        audit_redis.conn.xreadgroup("audit", "crashed", {view.audit: ">"}, count=5)
     assert audit_redis.pending() == 5
     time.sleep(0.2)
     writer.run(burst=True)
@@ -82,16 +87,20 @@ def test_a_read_whose_reply_was_lost_is_read_again(audit_target, audit_redis):
     from lorapool import signing
     from lorapool.audit_record import sign_record
 
+    # three requests of one shard: a transaction stays on one stream (one cluster slot)
+    one_shard = [i for i in range(100) if audit_redis.keys.shard_of(f"req-{i}") == 0][:3]
     writer = _writer(audit_redis, audit_target.engine, claim_every_s=0.2)
     with _running(writer):
         time.sleep(0.3)  # past its start, which re-reads its own pending entries anyway
-        stream, key = audit_redis.keys.audit, signing.key_from_env()
+        stream, key = audit_redis.keys.on(0).audit, signing.key_from_env()
         pipe = audit_redis.conn.pipeline(transaction=True)  # the writer sees none come
-        for i in range(3):
+        for i in one_shard:
             record = sign_record(make_record(i), key, audit_redis.prefix)
             pipe.xadd(stream, {"data": orjson.dumps(record)})
         pipe.xreadgroup("audit", "w-test", {stream: ">"}, count=3)  # the lost read
-        assert len(pipe.execute()[-1][0][1]) == 3
+        reply = pipe.execute()[-1]  # a cluster transaction leaves it unparsed: {stream: [...]}
+        entries = next(iter(reply.values())) if isinstance(reply, dict) else reply[0][1]
+        assert len(entries) == 3
         deadline = time.monotonic() + 5
         while audit_target.count() < 3:
             assert time.monotonic() < deadline, "the lost read's entries were not read again"
@@ -104,11 +113,12 @@ def test_malformed_entries_are_dead_lettered(audit_target, audit_redis):
 
     bad_version = {**make_record(2), "v": 99}
     audit_redis.publish([make_record(1), bad_version, make_record(3)])
-    audit_redis.conn.xadd(audit_redis.keys.audit, {"data": b"{not json"})
-    audit_redis.conn.xadd(audit_redis.keys.audit, {"other": b"x"})
+    # on req-2's shard: its dead stream then holds all three, in this order
+    audit_redis.conn.xadd(audit_redis.audit("req-2"), {"data": b"{not json"})
+    audit_redis.conn.xadd(audit_redis.audit("req-2"), {"other": b"x"})
     stats = _writer(audit_redis, audit_target.engine).run(burst=True)
     assert audit_target.count() == 2 and stats.dead_lettered == 3
-    dead = audit_redis.conn.xrange(audit_redis.keys.dead)
+    dead = audit_redis.dead()
     reasons = [fields[b"reason"].decode() for _id, fields in dead]
     assert {fields[b"source"] for _id, fields in dead} == {b"audit"}
     assert "unknown record version 99" in reasons[0]
@@ -132,8 +142,10 @@ def test_a_nul_byte_in_the_text_is_stored_on_both_dialects(audit_target, audit_r
 
 
 def _consumers(audit_redis) -> int:
+    """The consumers of the audit group, on the shard that has the fewest."""
     try:
-        return len(audit_redis.conn.xinfo_consumers(audit_redis.keys.audit, "audit"))
+        views = audit_redis.keys.shard_views
+        return min(len(audit_redis.conn.xinfo_consumers(v.audit, "audit")) for v in views)
     except Exception:
         return 0
 
@@ -148,6 +160,8 @@ def _start_writer_process(audit_redis, audit_target, name):
         audit_redis.url,
         "--prefix",
         audit_redis.prefix,
+        "--shards",
+        str(audit_redis.shards),
         *audit_target.cli_args(),
         "--consumer",
         name,

@@ -3,8 +3,9 @@
 Use with ``pytest_plugins = ["audit_fixtures"]``. ``audit_target`` is
 parametrized over SQLite (a file under tmp) and PostgreSQL
 (``$LORAPOOL_TEST_PG_URL``, skipped when unset): each test gets migrated
-tables in a schema of its own, dropped afterwards. ``audit_redis`` gives a
-client and a fresh key prefix whose keys are deleted afterwards.
+tables in a schema of its own, dropped afterwards. ``audit_redis`` gives the
+pool layout's client (tests/integration/conftest.py) and a fresh key prefix
+whose keys are deleted afterwards.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import uuid
 from dataclasses import dataclass
 
 import orjson
+import pool_layout
 import pytest
 import redis
 from sqlalchemy import Engine, create_engine, text
@@ -102,42 +104,52 @@ def audit_target(audit_location):
 @dataclass
 class AuditRedis:
     url: str
-    conn: redis.Redis
+    conn: redis.Redis  # a redis.RedisCluster on the cluster layout
     prefix: str
+    shards: int = 0
 
     @property
     def keys(self) -> Keys:
-        return Keys(self.prefix)
+        return Keys(self.prefix, self.shards)
+
+    def audit(self, request_id: str) -> str:
+        """The ``{p}:audit`` stream of ``request_id``'s shard (the only one unsharded)."""
+        return self.keys.for_request(request_id).audit
 
     def publish(self, records: list[dict], chunk: int = 1000, signed: bool = True) -> list:
-        """XADD each record to ``{p}:audit`` (signed, as a worker does); returns the entry ids."""
+        """XADD each record to its shard's ``{p}:audit`` (signed, as a worker does);
+        returns the entry ids."""
         key = signing.key_from_env()
         ids = []
         for start in range(0, len(records), chunk):
             pipe = self.conn.pipeline(transaction=False)
             for record in records[start : start + chunk]:
+                stream = self.audit(record["request_id"])
                 if signed:
                     record = sign_record(record, key, self.prefix)
-                pipe.xadd(self.keys.audit, {"data": orjson.dumps(record)})
+                pipe.xadd(stream, {"data": orjson.dumps(record)})
             ids.extend(pipe.execute())
         return ids
 
     def pending(self) -> int:
-        try:
-            return self.conn.xpending(self.keys.audit, "audit")["pending"]
-        except redis.ResponseError:  # no group yet
-            return 0
+        """Audit entries delivered and not acked, over every shard."""
+        total = 0
+        for view in self.keys.shard_views:
+            with contextlib.suppress(redis.ResponseError):  # no group yet
+                total += self.conn.xpending(view.audit, "audit")["pending"]
+        return total
+
+    def dead(self) -> list:
+        """Every shard's ``{p}:dead`` entries, shard by shard."""
+        return pool_layout.entries(self.conn, self.keys, "dead")
 
 
 @pytest.fixture
-def audit_redis(redis_url):
-    """A Redis client and a key prefix of this test's own (keys deleted afterwards)."""
-    conn = redis.Redis.from_url(redis_url)
-    prefix = f"test-{uuid.uuid4().hex[:12]}"
-    yield AuditRedis(redis_url, conn, prefix)
-    for key in conn.scan_iter(match=f"{prefix}:*", count=1000):
-        conn.delete(key)
-    conn.close()
+def audit_redis(pool_url, conn, prefix, shards):
+    """The layout's client and a key prefix of this test's own (tests/integration/
+    conftest.py: standalone, or the cluster in a module with ``LAYOUTS``); the
+    prefix fixture deletes its keys afterwards."""
+    return AuditRedis(pool_url, conn, prefix, shards)
 
 
 def make_adapter(name: str = "sql-lora", adapter_id: int = 1, version: int = 1) -> dict:
