@@ -35,24 +35,31 @@ from lorapool.audit_db.schema import adapters, completions
 from lorapool.audit_record import record_from_dict, sign_record
 from lorapool.cli.audit import audit
 from lorapool.cli.audit_writer import audit_writer
+from lorapool.lifecycle.keys import Keys
 
 pytest_plugins = ["audit_fixtures"]
 pytestmark = pytest.mark.integration
+LAYOUTS = ("standalone", "cluster")
 # every Unicode scalar value: surrogates cannot be encoded in UTF-8 (nor reach Redis)
 EVERY_CODE_POINT = "".join(chr(c) for c in range(0x110000) if not 0xD800 <= c <= 0xDFFF)
 
 
 def _drain(audit_redis, target, prefix=None):
     prefix = prefix or audit_redis.prefix
-    config = WriterConfig(prefix=prefix, consumer="w-trust", **FAST_WRITER)
+    config = WriterConfig(
+        prefix=prefix, shards=audit_redis.shards, consumer="w-trust", **FAST_WRITER
+    )
     return AuditWriter(audit_redis.conn, target.engine, config).run(burst=True)
 
 
 def _dead(audit_redis):
-    return [
+    """(request id, reason) of each dead entry, by request id (a cluster's are shard by
+    shard; one stream holds them in the order published)."""
+    dead = [
         (orjson.loads(f[b"data"]).get("request_id"), f[b"reason"].decode())
-        for _id, f in audit_redis.conn.xrange(audit_redis.keys.dead)
+        for _id, f in audit_redis.dead()
     ]
+    return sorted(dead, key=lambda d: d[0])
 
 
 def _cli(target, *args):
@@ -144,10 +151,12 @@ def test_one_request_id_in_two_pools_gives_two_rows(audit_target, audit_redis):
             record = make_record(7)
             record["outputs"][0]["text"] = prefix
             record = sign_record(record, KEY, prefix)
-            audit_redis.conn.xadd(f"{prefix}:audit", {"data": orjson.dumps(record)})
+            stream = Keys(prefix, audit_redis.shards).for_request("req-7").audit
+            audit_redis.conn.xadd(stream, {"data": orjson.dumps(record)})
             assert _drain(audit_redis, audit_target, prefix).rows_written == 1
-    finally:
-        audit_redis.conn.delete(f"{other}:audit")
+    finally:  # the writer made every shard's stream (its group's)
+        for view in Keys(other, audit_redis.shards).shard_views:
+            audit_redis.conn.delete(view.audit)
     rows = get_request(audit_target.engine, "req-7")
     assert sorted((r["pool"], r["text"]) for r in rows) == sorted(
         [(audit_redis.prefix, audit_redis.prefix), (other, other)]
@@ -278,13 +287,16 @@ def test_a_writer_without_the_key_refuses_to_start(audit_target, audit_redis, mo
     monkeypatch.delenv(signing.KEY_ENV)
     with pytest.raises(signing.AuditKeyError, match="no audit key"):
         WriterConfig(prefix=audit_redis.prefix)
+    shards = ["--shards", str(audit_redis.shards)]
     result = CliRunner().invoke(
-        audit_writer, ["--redis-url", audit_redis.url, *audit_target.cli_args(), "--burst"]
+        audit_writer, ["--redis-url", audit_redis.url, *shards, *audit_target.cli_args(), "--burst"]
     )
     assert result.exit_code == 2 and "no audit key" in result.output
     # --insecure-no-key starts, but will not extend a chain that is already keyed
     append_records(audit_target.engine, [record_from_dict(make_record(1))], key=KEY)
-    insecure = WriterConfig(prefix=audit_redis.prefix, insecure_no_key=True, **FAST_WRITER)
+    insecure = WriterConfig(
+        prefix=audit_redis.prefix, shards=audit_redis.shards, insecure_no_key=True, **FAST_WRITER
+    )
     with pytest.raises(RuntimeError, match="keyed from row 1"):
         AuditWriter(audit_redis.conn, audit_target.engine, insecure).run(burst=True)
 
@@ -354,7 +366,7 @@ def test_the_writer_role_can_insert_and_read_only(writer_role, audit_redis, stat
 # --- upgrading a database written before 0002 ---------------------------------------
 
 
-def test_rows_written_before_the_upgrade_still_verify(audit_location, audit_redis):
+def test_rows_written_before_the_upgrade_still_verify(audit_location):
     """0001 rows (no pool, unkeyed chain) stay valid; new rows are keyed after them."""
     from audit_fixtures import make_adapter, make_record
 
