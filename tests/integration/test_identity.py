@@ -14,16 +14,17 @@ import sys
 from pathlib import Path
 
 import orjson
+import pool_layout
 import pytest
 
 from lorapool.audit_record import record_from_dict
 from lorapool.identity import adapter_sha256, model_identity, weights_sha256
-from lorapool.producer import Producer
 from lorapool.producer.registry import describe_adapter
 from lorapool.protocol import SamplingParams
 from lorapool.worker import ModelMismatchError, Worker, WorkerConfig
 
 pytestmark = pytest.mark.integration
+LAYOUTS = ("standalone", "cluster")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4)
 
 
@@ -49,37 +50,47 @@ def lora_engine(model):
     return LLMEngine.from_engine_args(args)
 
 
-def test_one_identity_everywhere(model, tiny_model_path, tmp_path, lora_engine, conn, prefix):
-    """Registry, engine, worker and audit record name the same sha256: the files' bytes."""
+@pytest.fixture(scope="module")
+def adapter_dir(model, tmp_path_factory):
+    """One adapter for the module: ``lora_engine`` keeps the path of each adapter id it
+    loaded, and both layouts' runs use it."""
     from adapters import build_adapter
 
+    return build_adapter(model, tmp_path_factory.mktemp("adapters") / "ad", rank=4)
+
+
+def test_one_identity_everywhere(
+    model, tiny_model_path, adapter_dir, lora_engine, conn, keys, producer
+):
+    """Registry, engine, worker and audit record name the same sha256: the files' bytes."""
     from lorapool.engine.lora.adapter import load_adapter
 
     sharded = tiny_model_path("llama", shard=True)
     files = sorted(sharded.glob("*.safetensors"))
     assert len(files) > 1 and weights_sha256(sharded) == _sha(*files)
     assert model_identity(model)["sha256"] == _sha(f"{model}/model.safetensors")
-    adapter = build_adapter(model, tmp_path / "ad", rank=4)
+    adapter = adapter_dir
     expected = _sha(adapter / "adapter_model.safetensors")
-    producer = Producer(conn, prefix=prefix)
     record = producer.registry.add("ad", adapter)
     assert record["sha256"] == describe_adapter(adapter)["sha256"] == expected
     assert adapter_sha256(adapter) == expected
     loaded = load_adapter(producer.registry.resolve("ad"), lora_engine.lora_manager.shapes, 8)
     assert loaded.sha256 == expected
     handle = producer.submit("hello", GREEDY, lora_request="ad")
-    Worker(lora_engine, conn, WorkerConfig(prefix=prefix, burst=True), model_identity(model)).run()
+    config = WorkerConfig(prefix=keys.prefix, shards=keys.shards, burst=True)
+    Worker(lora_engine, conn, config, model_identity(model)).run()
     assert handle.result(timeout=5).outputs[0].finish_reason == "length"
-    ((_, fields),) = conn.xrange(producer.keys.audit)
+    ((_, fields),) = pool_layout.entries(conn, keys, "audit")
     audit = record_from_dict(orjson.loads(fields[b"data"]))
     assert audit.adapter.sha256 == expected
     assert audit.base_model.sha256 == model_identity(model)["sha256"]
 
 
 def test_second_base_model_refuses_to_start(
-    model, other_model, lora_engine, conn, prefix, redis_url, tmp_path
+    model, other_model, lora_engine, conn, keys, pool_url, tmp_path
 ):
-    first = WorkerConfig(prefix=prefix, burst=True)
+    prefix = keys.prefix
+    first = WorkerConfig(prefix=prefix, shards=keys.shards, burst=True)
     Worker(lora_engine, conn, first, model_identity(model)).run()  # claims the pool
     with pytest.raises(ModelMismatchError) as error:
         Worker(lora_engine, conn, first, model_identity(other_model)).run()
@@ -87,22 +98,24 @@ def test_second_base_model_refuses_to_start(
     assert model_identity(model)["sha256"][:12] in message
     assert model_identity(other_model)["sha256"][:12] in message
     cmd = [sys.executable, "-c", "from lorapool.cli.main import main; main()", "worker"]
-    cmd += ["--model", other_model, "--prefix", prefix, "--redis-url", redis_url, "--burst"]
+    cmd += ["--model", other_model, "--prefix", prefix, "--redis-url", pool_url, "--burst"]
+    cmd += ["--shards", str(keys.shards)]
     proc = subprocess.run(
         cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120, env=os.environ
     )
     assert proc.returncode == 1
     assert "serves base model" in proc.stderr and model_identity(other_model)["name"] in proc.stderr
-    assert conn.hlen(f"{prefix}:workers") == 0
+    assert conn.hlen(keys.workers) == 0
 
 
-def test_weights_changed_after_registration_fail_their_requests(model, conn, prefix, tmp_path):
+def test_weights_changed_after_registration_fail_their_requests(
+    model, conn, keys, producer, tmp_path
+):
     from adapters import build_adapter
 
     from lorapool.engine.config import EngineArgs
     from lorapool.engine.llm_engine import LLMEngine
 
-    producer = Producer(conn, prefix=prefix)
     kept = producer.registry.add("kept", build_adapter(model, tmp_path / "kept", rank=4, seed=1))
     swapped = build_adapter(model, tmp_path / "swapped", rank=4, seed=2)
     producer.registry.add("swapped", swapped)
@@ -115,11 +128,12 @@ def test_weights_changed_after_registration_fail_their_requests(model, conn, pre
     }
     args = EngineArgs(model=model, max_num_seqs=8, enable_lora=True, max_loras=2, max_lora_rank=8)
     engine = LLMEngine.from_engine_args(args)  # a fresh worker: nothing loaded yet
-    Worker(engine, conn, WorkerConfig(prefix=prefix, burst=True), model_identity(model)).run()
+    config = WorkerConfig(prefix=keys.prefix, shards=keys.shards, burst=True)
+    Worker(engine, conn, config, model_identity(model)).run()
     failed = handles["swapped"].result(timeout=5)
     assert failed.outputs[0].finish_reason == "error"
     assert "weights changed since registration" in failed.error and "'swapped'" in failed.error
     for name in ("kept", "base"):
         assert handles[name].result(timeout=5).outputs[0].finish_reason == "length"
     assert kept["sha256"] != _sha(swapped / "adapter_model.safetensors")
-    assert conn.xpending(producer.keys.requests, "workers")["pending"] == 0
+    assert pool_layout.pending(conn, keys, "requests", "workers") == 0
