@@ -12,6 +12,7 @@ from lorapool.worker import Worker, WorkerConfig
 from lorapool.worker.serve import base_model_info
 
 pytestmark = pytest.mark.integration
+LAYOUTS = ("standalone", "cluster")
 
 
 def _adapter(path):
@@ -25,20 +26,20 @@ def _adapter(path):
     ["", "a" * 129, "a\x00b", "../up", "a/b", "x" * 100_000, "sp ace", "naïve"],
     ids=["empty", "129-chars", "nul", "dotdot", "slash", "100kb", "space", "non-ascii"],
 )
-def test_registry_refuses_bad_names(conn, prefix, tmp_path, name):
-    registry = Producer(conn, prefix=prefix).registry
+def test_registry_refuses_bad_names(conn, producer, tmp_path, name):
+    registry = producer.registry
     with pytest.raises(ValueError, match="is not 1 to 128 characters"):
         registry.add(name, _adapter(tmp_path / "ad"))
     assert conn.hlen(registry.keys.adapters) == 0
 
 
-def test_registry_refuses_paths_outside_its_roots(conn, prefix, tmp_path):
+def test_registry_refuses_paths_outside_its_roots(conn, producer, tmp_path):
     from lorapool.producer.registry import AdapterRegistry
 
     root, outside = tmp_path / "root", _adapter(tmp_path / "outside")
     inside = _adapter(root / "inside")
     (root / "link").symlink_to(outside)
-    registry = AdapterRegistry(conn, Producer(conn, prefix=prefix).keys, roots=[str(root)])
+    registry = AdapterRegistry(conn, producer.keys, roots=[str(root)])
     assert registry.add("ok.v1_2-x", inside)["path"] == str(inside.resolve())
     for path in (outside, root / ".." / "outside", root / "link"):
         with pytest.raises(ValueError, match="outside the adapter roots"):
@@ -46,10 +47,10 @@ def test_registry_refuses_paths_outside_its_roots(conn, prefix, tmp_path):
     assert [r["name"] for r in registry.list()] == ["ok.v1_2-x"]
 
 
-def test_cli_adapters_add_with_roots(redis_url, prefix, tmp_path, monkeypatch):
+def test_cli_adapters_add_with_roots(pool_url, prefix, shards, tmp_path, monkeypatch):
     root, outside = tmp_path / "root", _adapter(tmp_path / "outside")
     _adapter(root / "a")
-    base = ["adapters", "add", "--redis-url", redis_url, "--prefix", prefix]
+    base = ["adapters", "add", "--redis-url", pool_url, "--prefix", prefix, "--shards", str(shards)]
     runner = CliRunner()
     result = runner.invoke(cli, [*base, "--adapter-root", str(root), "a", str(root / "a")])
     assert result.exit_code == 0, result.output
@@ -60,7 +61,7 @@ def test_cli_adapters_add_with_roots(redis_url, prefix, tmp_path, monkeypatch):
     assert result.exit_code == 1 and "outside the adapter roots" in result.output
 
 
-def test_worker_options_reach_engine_and_worker(monkeypatch, model, redis_url, tmp_path):
+def test_worker_options_reach_engine_and_worker(monkeypatch, model, pool_url, shards, tmp_path):
     """Each operator option of `lorapool worker` lands in EngineArgs or WorkerConfig."""
     import lorapool.worker.serve as serve_module
 
@@ -68,7 +69,8 @@ def test_worker_options_reach_engine_and_worker(monkeypatch, model, redis_url, t
     monkeypatch.setattr(
         serve_module, "serve", lambda args, config, conn: seen.update(a=args, c=config)
     )
-    args = ["worker", "--model", model, "--redis-url", redis_url, "--adapter-root", str(tmp_path)]
+    args = ["worker", "--model", model, "--redis-url", pool_url, "--adapter-root", str(tmp_path)]
+    args += ["--shards", str(shards)]
     args += ["--kv-cache-memory", "4194304", "--max-cpu-loras", "3", "--enable-prefix-caching"]
     args += ["--max-n", "4", "--max-prompt-bytes", "1000", "--result-ttl", "60"]
     args += ["--dead-max-len", "50"]
@@ -99,13 +101,15 @@ def engine(model):
     return LLMEngine.from_engine_args(EngineArgs(model=model, max_num_seqs=4))
 
 
-def test_result_ttl_of_worker_and_of_job(engine, conn, prefix, model):
+def test_result_ttl_of_worker_and_of_job(engine, conn, prefix, shards, producer, model):
     params = SamplingParams(temperature=0.0, max_tokens=2)
-    default = Producer(conn, prefix=prefix).submit("hello", params)
-    short = Producer(conn, prefix=prefix, result_ttl_s=5).submit("hello", params)
-    config = WorkerConfig(prefix=prefix, burst=True, result_ttl_s=600, log_grace_s=30)
+    default = producer.submit("hello", params)
+    short = Producer(conn, prefix=prefix, shards=shards, result_ttl_s=5).submit("hello", params)
+    config = WorkerConfig(
+        prefix=prefix, shards=shards, burst=True, result_ttl_s=600, log_grace_s=30
+    )
     Worker(engine, conn, config, base_model_info(model)).run()
-    keys = Producer(conn, prefix=prefix).keys
+    keys = producer.keys
     for handle, ttl in ((default, 600), (short, 5)):
         result = handle.result(timeout=5)
         assert result.finished
@@ -119,9 +123,9 @@ def test_result_ttl_of_worker_and_of_job(engine, conn, prefix, model):
         assert again.metrics == result.metrics and again.worker == result.worker
 
 
-def test_n_over_the_cap_is_refused_at_submit(conn, prefix):
+def test_n_over_the_cap_is_refused_at_submit(conn, prefix, shards, keys, producer):
     with pytest.raises(ValueError, match=r"n must be at most 128 \(max_n\)"):
-        Producer(conn, prefix=prefix).submit("hi", SamplingParams(n=20_000))
+        producer.submit("hi", SamplingParams(n=20_000))
     with pytest.raises(ValueError, match=r"at most 4 \(max_n\)"):
-        Producer(conn, prefix=prefix, max_n=4).submit("hi", SamplingParams(n=5))
-    assert not conn.exists(f"{prefix}:requests")
+        Producer(conn, prefix=prefix, shards=shards, max_n=4).submit("hi", SamplingParams(n=5))
+    assert not any(conn.exists(view.requests) for view in keys.shard_views)
