@@ -95,7 +95,8 @@ class Sender:
             while self._trip is None and not self._closed:
                 self._cond.wait(self._idle_s)
                 since = self._step_since
-                due = since is not None and time.monotonic() - since >= self._idle_s
+                due = since is not None and self._idle_s is not None
+                due = due and time.monotonic() - since >= self._idle_s
                 if due and self._trip is None and not self._closed:
                     self._trip = self._idle_trip()
                     self._step_since = time.monotonic()  # the next one idle_s later
