@@ -161,11 +161,19 @@ def merged(outs: list[RequestOutput]) -> RequestOutput:
 
 
 def make_chunk(held: Held, out: RequestOutput, worker: str, position: Position) -> Chunk:
-    """The chunk of ``held`` at ``position`` (``Held.advance``) from one engine delta."""
-    outputs = [completion_wire(c, position.offsets[c.index]) for c in out.outputs]
-    first, finished = position.seq == 0, out.finished
-    chunk = _chunk(held, position.seq, position.total, outputs, finished, error=out.error)
-    if first:
+    """The chunk of ``held`` at ``position`` (``Held.advance``) from one engine delta.
+    (The sender builds one per request per trip: written out, not through ``_chunk``.)"""
+    offsets, seq, finished = position.offsets, position.seq, out.finished
+    outputs = [completion_wire(c, offsets[c.index]) for c in out.outputs]
+    job = held.job
+    lora = job.lora_request
+    chunk = Chunk(job.request_id, seq, position.total, outputs, finished)
+    chunk.error = out.error
+    if lora is not None:
+        chunk.adapter_id = lora.lora_int_id
+        if seq == 0 or finished:  # the adapter in full on the first and the last
+            chunk.lora_request = lora.to_dict()
+    if seq == 0:
         chunk.prompt = held.job.prompt if held.job.prompt is not None else out.prompt
         chunk.prompt_token_ids = list(out.prompt_token_ids or [])
     if finished:

@@ -210,3 +210,31 @@ def test_async_producer(engine, conn, keys, model, pool_url):
         return outs
 
     assert all(o.finished and len(o.outputs[0].token_ids) == 12 for o in asyncio.run(results()))
+
+
+def test_collector_quiet_while_serving(engine, conn, keys, producer, model, monkeypatch):
+    """A worker on its process's main thread serves with the heap frozen and a higher
+    first-generation threshold (``worker/heap.py``), and puts both back when it stops;
+    results are unchanged."""
+    import gc
+
+    from lorapool.worker import heap
+
+    before = gc.get_threshold()
+    seen = []
+    step = engine.step
+
+    def recording_step():
+        seen.append((gc.get_threshold()[0], gc.get_freeze_count()))
+        return step()
+
+    monkeypatch.setattr(engine, "step", recording_step)
+    expected = reference(engine, PROMPTS[:2], GREEDY)
+    seen.clear()
+    handles = producer.submit_many(PROMPTS[:2], GREEDY)
+    run_worker(engine, conn, keys, model)
+    assert [h.result(timeout=5).outputs[0].token_ids for h in handles] == [
+        r.outputs[0].token_ids for r in expected
+    ]
+    assert seen and all(t >= heap.GEN0_THRESHOLD and frozen > 1000 for t, frozen in seen)
+    assert gc.get_threshold() == before and gc.get_freeze_count() == 0
