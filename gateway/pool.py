@@ -13,13 +13,7 @@ import time
 import uuid
 from typing import Any
 
-from lorapool.connection import (
-    LoggedAsyncRetry,
-    connect,
-    connect_async,
-    connection_options,
-    is_cluster,
-)
+from lorapool.connection import connect, connect_async
 from lorapool.gateway.auth import OPEN, Principal
 from lorapool.gateway.config import GatewayConfig
 from lorapool.gateway.errors import APIError, field_error, model_not_found
@@ -160,19 +154,9 @@ def _connect(config: GatewayConfig):
     """A client whose pool waits for a free connection (up to ``redis_connections``):
     redis-py's default pool fails a call past 100 connections in use ("Too many
     connections", a 503), which a burst of a few hundred open streams reaches."""
-    from redis.asyncio import BlockingConnectionPool, Redis
-
-    if is_cluster(config.redis_url):  # a cluster client keeps a pool per node
-        return connect_async(
-            config.redis_url, config.redis_retries, max_connections=config.redis_connections
-        )
-    options = connection_options(config.redis_url, config.redis_retries, LoggedAsyncRetry)
-    pool = BlockingConnectionPool.from_url(
-        config.redis_url, max_connections=config.redis_connections, timeout=None, **options
+    return connect_async(
+        config.redis_url, config.redis_retries, max_connections=config.redis_connections
     )
-    client = Redis(connection_pool=pool)
-    client.auto_close_connection_pool = True  # closed with the client
-    return client
 
 
 async def _abort(handles: list[AsyncJobHandle]) -> None:
