@@ -15,6 +15,12 @@ def redis_cpu_s(conn) -> float:
     return sum(info[k] for info in nodes for k in ("used_cpu_sys", "used_cpu_user"))
 
 
+def command_calls(conn, command: str) -> int:
+    """How many times Redis has run ``command`` (inside scripts too): ``INFO
+    commandstats``, standalone."""
+    return int(conn.info("commandstats").get(f"cmdstat_{command}", {}).get("calls", 0))
+
+
 def chunk_log_bytes(conn, keys) -> tuple[int, int]:
     """(bytes, tokens) of the chunk logs: MEMORY USAGE summed, tokens counted."""
     from lorapool.lifecycle.wire import decode_chunk

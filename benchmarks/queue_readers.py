@@ -11,13 +11,21 @@ the same run:
 (Until the chunk log became a list, a third way was one blocking XREAD per request,
 what ``AsyncJobHandle`` did before the Follower: RESULTS.md has its numbers.)
 
-Reported per way: Redis CPU per delivered chunk beyond ``none``'s (``INFO cpu``), and
-the latency from the end of the engine step that made a chunk's last token to the
-client holding it (p50 / p99; the readers start following just before the submit),
-from the stand-in's step-end times
-(``time.perf_counter``, one clock for every process on the host).
+The ways alternate, ``--repeat`` times (none, follower, none, follower, ...).
+Reported per follower run: Redis CPU per delivered chunk beyond the ``none`` run
+before it (``INFO cpu``; the ``none`` run's CPU scaled by the chunks Redis appended
+in each run, ``INFO commandstats``' RPUSH calls, since how the worker coalesces
+moves a little between runs), and the latency from the end of the engine step
+that made a chunk's last token to the client holding it (p50 / p99; the readers
+start following just before the submit), from the stand-in's step-end times
+(``time.perf_counter``, one clock for every process on the host); then the
+median over the runs.
 
-    lorapool bench queue_readers [--requests 256] [--step-ms 25] [--json out.json]
+The client is ``AsyncProducer`` on a URL, as a gateway makes it: its connections
+come from ``connect_async``'s bounded pool.
+
+    lorapool bench queue_readers [--requests 256] [--step-ms 25] [--repeat 3]
+                                 [--json out.json]
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ _spec = importlib.util.spec_from_file_location(
 )
 gpu = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(gpu)
+from _redis_measure import command_calls  # noqa: E402  (queue_gpu put benchmarks/ on the path)
 
 
 async def follow(producer, ids, way: str, received: list) -> None:
@@ -52,14 +61,12 @@ async def follow(producer, ids, way: str, received: list) -> None:
 
 async def run_way(url: str, way: str, args, jobs) -> dict:
     import redis
-    import redis.asyncio as aioredis
 
     from lorapool.producer import AsyncProducer
     from lorapool.protocol import SamplingParams
 
     prefix = f"bench-read-{uuid.uuid4().hex[:8]}"
-    pool = aioredis.ConnectionPool.from_url(url, max_connections=len(jobs) + 16)
-    producer = AsyncProducer(aioredis.Redis(connection_pool=pool), prefix=prefix)
+    producer = AsyncProducer(url, prefix=prefix)
     conn = redis.Redis.from_url(url)
     received: list = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -69,7 +76,7 @@ async def run_way(url: str, way: str, args, jobs) -> dict:
             while not conn.hlen(producer.keys.workers):
                 time.sleep(0.05)
             ids = [rid for rid, _, _ in jobs]
-            cpu0 = gpu.redis_cpu_s(conn)
+            cpu0, appends0 = gpu.redis_cpu_s(conn), command_calls(conn, "rpush")
             reading = None
             if way != "none":  # readers follow first, as a gateway that submits then reads
                 reading = asyncio.ensure_future(follow(producer, ids, way, received))
@@ -84,6 +91,7 @@ async def run_way(url: str, way: str, args, jobs) -> dict:
             if reading is not None:
                 await reading
             redis_cpu = gpu.redis_cpu_s(conn) - cpu0
+            appended = command_calls(conn, "rpush") - appends0
             worker.send_signal(signal.SIGTERM)
             worker.wait(120)
             stats = json.loads(stats_file.read_text())
@@ -93,7 +101,7 @@ async def run_way(url: str, way: str, args, jobs) -> dict:
             await producer.aclose()
             for key in conn.scan_iter(f"{prefix}:*", count=1000):
                 conn.delete(key)
-    return {"redis_cpu_s": redis_cpu, **latencies(received, stats)}
+    return {"redis_cpu_s": redis_cpu, "appended": appended, **latencies(received, stats)}
 
 
 def latencies(received: list, stats: dict) -> dict:
@@ -121,21 +129,30 @@ def main(argv=None) -> dict:
     parser.add_argument(
         "--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
     )
+    parser.add_argument("--repeat", type=int, default=3, help="runs of each way, alternating")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args(argv)
     os.environ.setdefault("LORAPOOL_AUDIT_KEY", gpu.AUDIT_KEY)
-    results = {}
-    for way in args.ways:
-        jobs = gpu.workload(args.requests, args.max_tokens, f"{way}-{uuid.uuid4().hex[:4]}")
-        results[way] = asyncio.run(run_way(args.redis_url, way, args, jobs))
-        print(way, results[way], flush=True)
-    base = results.get("none", {}).get("redis_cpu_s")
-    for way, result in results.items():
-        if way != "none" and base is not None and result.get("chunks"):
-            result["reader_redis_cpu_us_per_chunk"] = round(
-                1e6 * (result["redis_cpu_s"] - base) / result["chunks"], 2
-            )
-    print(json.dumps(results, indent=2))
+    runs: dict[str, list[dict]] = {way: [] for way in args.ways}
+    for _ in range(args.repeat):
+        for way in args.ways:
+            jobs = gpu.workload(args.requests, args.max_tokens, f"{way}-{uuid.uuid4().hex[:4]}")
+            result = asyncio.run(run_way(args.redis_url, way, args, jobs))
+            base = runs["none"][-1] if way != "none" and runs.get("none") else None
+            if base is not None and result.get("chunks"):
+                scaled = base["redis_cpu_s"] * result["appended"] / max(1, base["appended"])
+                result["reader_redis_cpu_us_per_chunk"] = round(
+                    1e6 * (result["redis_cpu_s"] - scaled) / result["chunks"], 2
+                )
+            runs[way].append(result)
+            print(way, result, flush=True)
+    results = {"runs": runs}
+    for way, done in runs.items():
+        for figure in ("reader_redis_cpu_us_per_chunk", "latency_ms_p50", "latency_ms_p99"):
+            values = sorted(r[figure] for r in done if figure in r)
+            if values:
+                results.setdefault(way, {})[figure + "_median"] = values[len(values) // 2]
+    print(json.dumps({k: v for k, v in results.items() if k != "runs"}, indent=2))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     return results
