@@ -7,7 +7,9 @@ prompts 16-512 tokens, outputs 16-256, greedy, every request arriving at once):
 - queue, 1 worker: ``Producer.submit_many`` → Redis → one ``lorapool worker``
   process → the client following every request (``AsyncProducer``: live channel,
   gaps filled from the chunk log; idle between chunks, as a blocking XREAD was);
-- queue, 2 workers: the same with two worker processes.
+- queue, 2 workers: the same with two worker processes, splitting ``--threads``
+  (torch threads of the engine side: the in-process engine and one worker get them
+  all, two workers half each).
 
 Throughput is output tokens / (last final output - submission). TTFT is, in
 process, the engine's first-token time minus arrival; through the queue, the
@@ -151,7 +153,10 @@ def start_workers(
         "--max-num-batched-tokens",
         "2048",
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    # the engines share the machine's --threads: two workers get half each, as two
+    # engine processes on one CPU box would be set up (with the whole count each, four
+    # compute threads fought over two cores and the 2-worker row measured that)
+    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, threads // count))}
     if not (env.get("LORAPOOL_AUDIT_KEY") or env.get("LORAPOOL_AUDIT_KEY_FILE")):
         # workers refuse to start without a key to sign audit records with
         env["LORAPOOL_AUDIT_KEY"] = "lorapool-benchmark-audit-key-0123456789"
@@ -270,7 +275,9 @@ def parse_args(argv=None):
     parser.add_argument("--model", default=None, help="model directory (default: SmolLM2)")
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--device", default="auto")
-    parser.add_argument("--threads", type=int, default=2, help="torch threads per process")
+    parser.add_argument(
+        "--threads", type=int, default=2, help="torch threads of the engine side (split by workers)"
+    )
     parser.add_argument("--redis-url", default=None)
     parser.add_argument("--side", choices=["inprocess"], default=None, help=argparse.SUPPRESS)
     parser.add_argument("--json", default=None, help="also write the results here")
