@@ -223,7 +223,7 @@ def run_inprocess(sequences: int, step_s: float, jobs) -> dict[str, float]:
 def serve_worker(args) -> None:
     """Run the real Worker around the stand-in until SIGTERM; write its stats."""
     from lorapool.connection import connect
-    from lorapool.worker import Worker, WorkerConfig
+    from lorapool.worker import Worker, WorkerConfig, heap
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     engine = StandInEngine(args.sequences, args.step_ms / 1000)
@@ -236,6 +236,7 @@ def serve_worker(args) -> None:
         max_chunk_rate=args.max_chunk_rate,
     )
     worker = Worker(engine, connect(args.redis_url), config, BASE_MODEL)
+    heap.quiet()  # as ``lorapool worker`` (``worker/serve.py``) runs it
     worker.run()
     if not args.stats:
         return

@@ -8,6 +8,7 @@ import redis
 
 from lorapool.identity import model_identity
 from lorapool.lifecycle.keys import Keys
+from lorapool.worker import heap
 from lorapool.worker.config import WorkerConfig
 from lorapool.worker.pool import claim_model
 from lorapool.worker.worker import Worker
@@ -27,5 +28,9 @@ def serve(engine_args, config: WorkerConfig, connection: redis.Redis) -> Worker:
     claim_model(connection, Keys(config.prefix), base_model)  # before loading anything
     engine = LLMEngine.from_engine_args(engine_args)
     worker = Worker(engine, connection, config, base_model)
-    worker.run()
+    saved = heap.quiet()  # the model and the engine frozen out of collections
+    try:
+        worker.run()
+    finally:
+        heap.restore(saved)
     return worker

@@ -22,7 +22,7 @@ from lorapool.lifecycle.keys import PRIORITIES, WORKERS_GROUP, Keys
 from lorapool.lifecycle.wire import DATA, Chunk, decode_job, encode_job
 from lorapool.outputs import RequestOutput
 from lorapool.producer.registry import check_lora, decode_record
-from lorapool.worker import dead_letter, failover, heap
+from lorapool.worker import dead_letter, failover
 from lorapool.worker.config import WorkerConfig
 from lorapool.worker.dead_letter import reason_of
 from lorapool.worker.engine_api import EngineInterface
@@ -78,7 +78,6 @@ class Worker:
         self._away_since: float | None = None  # Redis unreachable since (monotonic)
         self._backoff_s = BACKOFF_S[0]
         self._saved_signals: dict[int, Any] = {}
-        self._saved_gc: tuple[int, int, int] | None = None
 
     def keys_of(self, stream: str) -> Keys:
         """The keys of the shard an entry of ``stream`` came from: its request's job, out
@@ -350,19 +349,13 @@ class Worker:
     # --- shutdown ----------------------------------------------------------------
 
     def _install_signals(self) -> None:
-        """The process's own settings, when the worker runs on its main thread: signal
-        handlers, and the garbage collector (``heap``)."""
         if threading.current_thread() is threading.main_thread():
             for signum in (signal.SIGTERM, signal.SIGINT):
                 self._saved_signals[signum] = signal.signal(signum, self._on_sigterm)
-            self._saved_gc = heap.quiet()
 
     def _restore_signals(self) -> None:
         for signum, handler in self._saved_signals.items():
             signal.signal(signum, handler)
-        if self._saved_gc is not None:
-            heap.restore(self._saved_gc)
-            self._saved_gc = None
         self._saved_signals.clear()
 
     def _on_sigterm(self, signum, frame) -> None:

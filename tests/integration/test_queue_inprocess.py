@@ -212,27 +212,29 @@ def test_async_producer(engine, conn, keys, model, pool_url):
     assert all(o.finished and len(o.outputs[0].token_ids) == 12 for o in asyncio.run(results()))
 
 
-def test_collector_quiet_while_serving(engine, conn, keys, producer, model, monkeypatch):
-    """A worker on its process's main thread serves with the heap frozen and a higher
-    first-generation threshold (``worker/heap.py``), and puts both back when it stops;
-    results are unchanged."""
+def test_serve_quiets_the_collector(engine, conn, keys, producer, model, monkeypatch):
+    """``serve`` (the ``lorapool worker`` process) runs the worker with the heap frozen
+    and a higher first-generation threshold (``worker/heap.py``), and puts both back
+    when it stops; results are unchanged."""
     import gc
 
+    from lorapool.engine.config import EngineArgs
+    from lorapool.engine.llm_engine import LLMEngine
     from lorapool.worker import heap
+    from lorapool.worker.serve import serve
 
-    before = gc.get_threshold()
-    seen = []
-    step = engine.step
-
-    def recording_step():
-        seen.append((gc.get_threshold()[0], gc.get_freeze_count()))
-        return step()
-
-    monkeypatch.setattr(engine, "step", recording_step)
     expected = reference(engine, PROMPTS[:2], GREEDY)
-    seen.clear()
+    before, seen = gc.get_threshold(), []
+    step = LLMEngine.step
+
+    def recording_step(self):
+        seen.append((gc.get_threshold()[0], gc.get_freeze_count()))
+        return step(self)
+
+    monkeypatch.setattr(LLMEngine, "step", recording_step)
     handles = producer.submit_many(PROMPTS[:2], GREEDY)
-    run_worker(engine, conn, keys, model)
+    args = EngineArgs(model=model, max_num_seqs=8, max_num_batched_tokens=512)
+    serve(args, WorkerConfig(prefix=keys.prefix, shards=keys.shards, burst=True), conn)
     assert [h.result(timeout=5).outputs[0].token_ids for h in handles] == [
         r.outputs[0].token_ids for r in expected
     ]
