@@ -28,10 +28,15 @@ logger = logging.getLogger(__name__)
 # A Redis Cluster away for a moment: CLUSTERDOWN (a master restarted refuses commands
 # for its first 2 s; a node failed and not yet replaced), TRYAGAIN (a slot migrating).
 CLUSTER_AWAY = (redis.exceptions.ClusterDownError, redis.exceptions.TryAgainError)
-# Redis away (a stall, a restart): loops ride these out; other errors are the caller's.
-REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError, *CLUSTER_AWAY)
-# what passes for a reader that waits anyway: Redis away, or a cluster moving its slots
-REDIS_TRANSIENT = (*REDIS_DOWN, redis.exceptions.SlotNotCoveredError)
+# Redis away (a stall, a restart, a cluster between slot maps: SlotNotCoveredError,
+# which is not a RedisError): loops ride these out; other errors are the caller's.
+REDIS_DOWN = (
+    redis.ConnectionError,
+    redis.TimeoutError,
+    *CLUSTER_AWAY,
+    redis.exceptions.SlotNotCoveredError,
+)
+REDIS_TRANSIENT = REDIS_DOWN  # the readers' name for it
 SOCKET_TIMEOUT_S = 10.0  # above every blocking read's BLOCK (worker 0.1 s, client 1 s)
 # Producers: waits of 0.2, 0.4, 0.8, 1.6, 2, 2 s (half of each jittered): 3.5 to 7 s of
 # refused connections, a restart; in a stall each try also waits SOCKET_TIMEOUT_S.

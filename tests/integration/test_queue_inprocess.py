@@ -240,3 +240,33 @@ def test_serve_quiets_the_collector(engine, conn, keys, producer, model, monkeyp
     ]
     assert seen and all(t >= heap.GEN0_THRESHOLD and frozen > 1000 for t, frozen in seen)
     assert gc.get_threshold() == before and gc.get_freeze_count() == 0
+
+
+def test_worker_waits_out_a_cluster_between_slot_maps(
+    engine, conn, keys, producer, model, monkeypatch, caplog
+):
+    """SlotNotCoveredError (a cluster mid-resharding; not a RedisError) on the worker's
+    APPEND is Redis away for a moment: the worker backs off, sends the trip again and
+    goes on; every result is exact. (Injected once into the call: a real cluster shows
+    it only while its slots move.)"""
+    import redis
+
+    from lorapool.worker.publisher import Publisher
+
+    expected = reference(engine, PROMPTS[:2], GREEDY)
+    real, calls = Publisher.append, []
+
+    def fails_once(self, items):
+        calls.append(len(items))
+        if len(calls) == 2:  # after the first chunks landed: mid-stream
+            raise redis.exceptions.SlotNotCoveredError("slot 1 is not covered")
+        return real(self, items)
+
+    monkeypatch.setattr(Publisher, "append", fails_once)
+    handles = producer.submit_many(PROMPTS[:2], GREEDY)
+    run_worker(engine, conn, keys, model)
+    assert [h.result(timeout=5).outputs[0].token_ids for h in handles] == [
+        r.outputs[0].token_ids for r in expected
+    ]
+    assert len(calls) > 2 and "slot 1 is not covered" in caplog.text
+    assert pending(conn, keys) == 0
