@@ -163,8 +163,9 @@ def connect_async(
     ``ASYNC_CONNECTIONS``) and a call past them waits for a free one. redis-py's
     default pool opens a connection per call in flight: an ``AsyncProducer``
     following 256 new requests at once opened 256, and each costs Redis an accept,
-    a HELLO and a close (`lorapool bench queue_readers`: the readers' Redis CPU per
-    chunk 5.5-7.7 µs with them, 2.5-2.8 bounded); past 100 it refuses the call. A
+    a HELLO and a close (`lorapool bench queue_readers`, 256 streams: the readers'
+    Redis CPU per chunk 5.7-10.2 µs with them, 2.2-4.3 with 64); past 100 it refuses
+    the call. A
     cluster client keeps a pool per node (redis-py's, unless ``max_connections``).
     """
     from redis.asyncio import BlockingConnectionPool, Redis

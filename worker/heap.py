@@ -4,8 +4,8 @@ Each chunk allocates a few short-lived containers (a step's outputs, the chunk,
 its wire record), and CPython's default first-generation threshold (700
 allocations) then runs a collection every few dozen chunks, each scanning the
 young objects that are still alive: the requests held, their kept chunks. At 256
-sequences that was 1.3-1.7 µs of a worker's ~13 µs of CPU a token
-(``lorapool bench queue-path``). While serving, the heap's long-lived part (the
+sequences that was ~2 µs of a worker's ~13 µs of CPU a token (``bench queue-path``
+with each collection timed; benchmarks/RESULTS.md). While serving, the heap's long-lived part (the
 model, modules, the engine) is frozen out of collections (``gc.freeze``, after a
 full collection) and the first generation waits for ``GEN0_THRESHOLD``
 allocations: most chunk garbage is freed by reference counting before a

@@ -39,16 +39,6 @@ class Held:
     def request_id(self) -> str:
         return self.job.request_id
 
-    @property
-    def lora_dict(self) -> dict[str, Any] | None:
-        lora = self.job.lora_request
-        return None if lora is None else lora.to_dict()
-
-    @property
-    def adapter_id(self) -> int:
-        lora = self.job.lora_request
-        return 0 if lora is None else lora.lora_int_id
-
     def advance(self, outs: list[RequestOutput]) -> Position:
         """The position of the next chunk, for engine outputs ``outs`` (one or more steps'
         deltas, merged into the chunk by ``merged``); moves past them. O(completions):
@@ -107,18 +97,16 @@ def resumed_token_ids(held: Held) -> list[int]:
     return [] if first is None else list(first.token_ids)
 
 
-def _chunk(held: Held, seq: int, offset: int, outputs: list, finished: bool, **fields) -> Chunk:
-    """A chunk of ``held``: the adapter in full on the first (seq 0) and the last."""
-    return Chunk(
-        request_id=held.request_id,
-        seq=seq,
-        offset=offset,
-        outputs=outputs,
-        finished=finished,
-        adapter_id=held.adapter_id,
-        lora_request=held.lora_dict if seq == 0 or finished else None,
-        **fields,
-    )
+def _chunk(held: Held, seq: int, offset: int, outputs: list, finished: bool, error=None) -> Chunk:
+    """A chunk of ``held``: the adapter in full on the first (seq 0) and the last. (The
+    sender builds one per request per trip: attribute reads, no keyword forwarding.)"""
+    lora = held.job.lora_request
+    chunk = Chunk(held.job.request_id, seq, offset, outputs, finished, error=error)
+    if lora is not None:
+        chunk.adapter_id = lora.lora_int_id
+        if seq == 0 or finished:
+            chunk.lora_request = lora.to_dict()
+    return chunk
 
 
 def merged(outs: list[RequestOutput]) -> RequestOutput:
@@ -161,18 +149,10 @@ def merged(outs: list[RequestOutput]) -> RequestOutput:
 
 
 def make_chunk(held: Held, out: RequestOutput, worker: str, position: Position) -> Chunk:
-    """The chunk of ``held`` at ``position`` (``Held.advance``) from one engine delta.
-    (The sender builds one per request per trip: written out, not through ``_chunk``.)"""
+    """The chunk of ``held`` at ``position`` (``Held.advance``) from one engine delta."""
     offsets, seq, finished = position.offsets, position.seq, out.finished
     outputs = [completion_wire(c, offsets[c.index]) for c in out.outputs]
-    job = held.job
-    lora = job.lora_request
-    chunk = Chunk(job.request_id, seq, position.total, outputs, finished)
-    chunk.error = out.error
-    if lora is not None:
-        chunk.adapter_id = lora.lora_int_id
-        if seq == 0 or finished:  # the adapter in full on the first and the last
-            chunk.lora_request = lora.to_dict()
+    chunk = _chunk(held, seq, position.total, outputs, finished, out.error)
     if seq == 0:
         chunk.prompt = held.job.prompt if held.job.prompt is not None else out.prompt
         chunk.prompt_token_ids = list(out.prompt_token_ids or [])
@@ -207,8 +187,8 @@ def error_chunk(held: Held, error: str, worker: str) -> Chunk:
         }
         for i in range(n)
     ]
-    fields = {"worker": worker, "error": error, "metrics": _error_metrics(held)}
-    chunk = _chunk(held, held.seq, held.total, outputs, True, **fields)
+    chunk = _chunk(held, held.seq, held.total, outputs, True, error)
+    chunk.worker, chunk.metrics = worker, _error_metrics(held)
     if held.seq == 0:
         chunk.prompt, chunk.prompt_token_ids = held.job.prompt, held.job.prompt_token_ids
     return chunk
