@@ -165,8 +165,8 @@ def connect_async(
     following 256 new requests at once opened 256, and each costs Redis an accept,
     a HELLO and a close (`lorapool bench queue_readers`, 256 streams: the readers'
     Redis CPU per chunk 5.7-10.2 µs with them, 2.2-4.3 with 64); past 100 it refuses
-    the call. A
-    cluster client keeps a pool per node (redis-py's, unless ``max_connections``).
+    the call. A cluster client keeps a pool per node (redis-py's, unless
+    ``max_connections``).
     """
     from redis.asyncio import BlockingConnectionPool, Redis
 
