@@ -16,6 +16,7 @@ import hashlib
 import uuid
 from collections.abc import AsyncIterator
 from typing import Annotated
+from urllib.parse import quote
 
 from fastapi import APIRouter, Depends, Header, Request
 from fastapi.responses import StreamingResponse
@@ -71,7 +72,9 @@ async def submit_job(
     external = caller.external_id(handle.request_id)
     body = {"id": external, "object": "job", "model": parsed.model}
     body["status"] = "queued" if handle.enqueued else await _status(pool, handle.request_id)
-    location = f"/v1/jobs/{external}"
+    # a URI reference: the id percent-encoded (a header holds latin-1 only; a request
+    # id "Ā" answered 500), which the GET route decodes back
+    location = f"/v1/jobs/{quote(external, safe='')}"
     return JSON(body, status_code=202, headers={"Location": location})
 
 

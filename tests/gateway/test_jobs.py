@@ -182,3 +182,17 @@ def _answers(url: str) -> bool:
         return httpx.get(f"{url}/healthz", timeout=2).status_code == 200
     except httpx.TransportError:
         return False
+
+
+@pytest.mark.parametrize(
+    "request_id", ["Āb-日本-" + uuid.uuid4().hex[:6], "a b?c#d%" + uuid.uuid4().hex[:6]]
+)
+def test_location_of_any_request_id_leads_back_to_the_job(gateway, request_id):
+    """``Location`` is a URI reference: an id outside latin-1 or with reserved characters
+    is percent-encoded (it used to answer 500), and following it finds the same job."""
+    response = submit(gateway, {**BODY, "max_tokens": 2, "request_id": request_id})
+    assert response.status_code == 202, response.text
+    location = response.headers["location"]
+    assert location.isascii() and "/" not in location.removeprefix("/v1/jobs/")
+    followed = httpx.get(f"{gateway}{location}", timeout=30)
+    assert followed.status_code == 200 and followed.json()["id"] == response.json()["id"]
