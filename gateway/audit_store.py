@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import csv
 import dataclasses
-import io
 from typing import Any
 
 import orjson
 
+from lorapool.audit_export import encode_all
 from lorapool.gateway.auth import Principal
 from lorapool.gateway.errors import APIError, bad_request
 from lorapool.times import epoch_seconds
@@ -143,17 +142,6 @@ def parse_time(value: str | None, name: str) -> float | None:
 
 
 def to_csv(rows: list[dict[str, Any]]) -> str:
-    """Rows as CSV with a header; nested values (token ids, metadata) as JSON."""
-    out = io.StringIO()
-    if not rows:
-        return ""
-    writer = csv.DictWriter(out, fieldnames=list(rows[0]))
-    writer.writeheader()
-    for row in rows:
-        writer.writerow(
-            {
-                k: orjson.dumps(v).decode() if isinstance(v, dict | list) else v
-                for k, v in row.items()
-            }
-        )
-    return out.getvalue()
+    """Rows as CSV with a header; nested values (token ids, metadata) as JSON, text
+    that a spreadsheet would run as a formula neutralised (``lorapool.audit_export``)."""
+    return encode_all(rows, "csv").decode()

@@ -1,17 +1,18 @@
-"""Rendering audit rows and usage as a table, JSON or CSV for `lorapool audit` (rich)."""
+"""Rendering audit rows and usage as a table, JSON or CSV for `lorapool audit` (rich);
+CSV and JSON through ``lorapool.audit_export``, the exports' one encoder."""
 
 from __future__ import annotations
 
-import csv
 import io
 from collections.abc import Sequence
-from dataclasses import asdict, is_dataclass
 from datetime import datetime, timezone
 from typing import Any
 
 import orjson
 from rich.console import Console
 from rich.table import Table
+
+from lorapool.audit_export import encode_all, plain
 
 FORMATS = ("table", "json", "csv")
 _ROW_SUMMARY = (
@@ -27,10 +28,6 @@ _ROW_SUMMARY = (
 )
 
 
-def _plain(item: Any) -> dict[str, Any]:
-    return asdict(item) if is_dataclass(item) else dict(item)
-
-
 def iso_time(value: float | None) -> str:
     if value is None:
         return ""
@@ -38,25 +35,12 @@ def iso_time(value: float | None) -> str:
 
 
 def to_json(items: Sequence[Any]) -> str:
-    return orjson.dumps([_plain(i) for i in items], option=orjson.OPT_INDENT_2).decode()
-
-
-def _csv_value(value: Any) -> Any:
-    if isinstance(value, (list, dict)):
-        return orjson.dumps(value).decode()
-    return "" if value is None else value
+    return orjson.dumps([plain(i) for i in items], option=orjson.OPT_INDENT_2).decode()
 
 
 def to_csv(items: Sequence[Any]) -> str:
-    rows = [_plain(i) for i in items]
-    if not rows:
-        return ""
-    out = io.StringIO()
-    writer = csv.DictWriter(out, fieldnames=list(rows[0]), lineterminator="\n")
-    writer.writeheader()
-    for row in rows:
-        writer.writerow({k: _csv_value(v) for k, v in row.items()})
-    return out.getvalue()
+    """Rows as CSV (header from the first row), cells neutralised against formulas."""
+    return encode_all(items, "csv").decode()
 
 
 _TEXT_WIDTH = 60  # a summary cell shows at most this many characters

