@@ -20,7 +20,10 @@ class GatewayConfig:
     max_body_bytes: larger bodies get 413 before they are parsed (default: room for
     a max_prompt_bytes prompt, escaped). max_prompts: prompts in one completions call.
     result_timeout_s: how long a non-streaming call waits for its result (then 504,
-    and the job is aborted). redis_retries: retries of a Redis call before 503.
+    and the job is aborted). queue_timeout_s: how long an OpenAI call's job may wait
+    for a worker to take it (a pool scaled to zero starts one meanwhile); past it the
+    call gets 503 ``no_worker`` (a stream, an error event) and the job stays queued.
+    redis_retries: retries of a Redis call before 503.
     events_max_s: a job-events response ends (cleanly) after this long; the browser's
     EventSource reconnects with Last-Event-ID, which lets a load balancer spread
     long-lived streams again (None: open until the job's final chunk).
@@ -45,6 +48,7 @@ class GatewayConfig:
     max_body_bytes: int | None = None
     max_prompts: int = 128
     result_timeout_s: float = 600.0
+    queue_timeout_s: float = 300.0
     redis_retries: int = 2
     auth: bool = True
     max_backlog: int | None = None
@@ -66,8 +70,9 @@ class GatewayConfig:
             raise ValueError(
                 f"redis_connections must be an integer >= 2, got {self.redis_connections!r}"
             )
-        if not self.result_timeout_s > 0:
-            raise ValueError(f"result_timeout_s must be > 0, got {self.result_timeout_s!r}")
+        for name in ("result_timeout_s", "queue_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
 
     @property
     def body_limit(self) -> int:

@@ -7,6 +7,7 @@ SSE chunks read from the jobs' chunk logs, ending with ``data: [DONE]``.
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
@@ -22,7 +23,7 @@ from lorapool.gateway.openai_format import Shape
 from lorapool.gateway.params import Parsed, parse_chat, parse_completion
 from lorapool.gateway.pool import Pool, disconnected
 from lorapool.gateway.schemas import ChatRequest, CompletionRequest, body
-from lorapool.gateway.streams import DONE, merged_chunks, sse
+from lorapool.gateway.streams import DONE, merged_chunks, sse, until_taken
 
 router = APIRouter(prefix="/v1", tags=["OpenAI-compatible"])
 Submitter = Annotated[Principal, Depends(require("submit"))]
@@ -93,22 +94,27 @@ async def _generate(request: Request, parsed: Parsed, kind: str, caller: Princip
     params = parsed.params
     shape = Shape(kind, handles[0].request_id, parsed.model, params.n, params.logprobs or 0)
     if not parsed.stream:
-        return JSON(shape.response(await pool.results(handles, disconnected(request))))
-    events = _stream(shape, handles, parsed.include_usage)
+        return JSON(shape.response(await pool.results(handles, disconnected(request), caller)))
+    events = _stream(shape, handles, parsed.include_usage, pool.untaken(handles, caller))
     return StreamingResponse(events, media_type="text/event-stream", headers=NO_BUFFERING)
 
 
 NO_BUFFERING = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-async def _stream(shape: Shape, handles: list, include_usage: bool) -> AsyncIterator[bytes]:
+async def _stream(
+    shape: Shape, handles: list, include_usage: bool, untaken
+) -> AsyncIterator[bytes]:
     """The jobs' chunks as OpenAI stream chunks; an error ends the stream with an error
-    event and ``[DONE]``."""
+    event and ``[DONE]``. ``untaken`` (``Pool.untaken``) ends it so while no worker has
+    taken the jobs, which are then kept queued."""
     prompt_tokens = completion_tokens = 0
     if shape.chat:
         yield sse(shape.role_chunk(range(len(handles) * shape.n), include_usage))
+    kept: set[str] = set()
+    watch = asyncio.ensure_future(_keeping(untaken, kept, handles))
     try:
-        async for job, chunk in merged_chunks(handles):
+        async for job, chunk in until_taken(merged_chunks(handles, kept), watch):
             if chunk.error:
                 raise APIError(500 if "engine step" in chunk.error else 400, chunk.error)
             prompt_tokens += len(chunk.prompt_token_ids or ())
@@ -122,3 +128,13 @@ async def _stream(shape: Shape, handles: list, include_usage: bool) -> AsyncIter
         if include_usage:
             yield sse(shape.usage_chunk(prompt_tokens, completion_tokens))
     yield DONE
+
+
+async def _keeping(untaken, kept: set[str], handles: list) -> None:
+    """``untaken``; when it raises (no worker came), the jobs go into ``kept`` first,
+    so that closing their streams leaves them queued."""
+    try:
+        await untaken
+    except APIError:
+        kept.update(h.request_id for h in handles)
+        raise

@@ -125,18 +125,25 @@ class Pool:
     async def handle(self, request_id: str) -> AsyncJobHandle:
         return await self.producer.handle(request_id)
 
-    async def results(self, handles: list[AsyncJobHandle], gone=None) -> list:
+    async def results(
+        self, handles: list[AsyncJobHandle], gone=None, caller: Principal = OPEN
+    ) -> list:
         """The final RequestOutput of each handle; 504 (and the jobs aborted) past the
-        configured wait. ``gone``: an awaitable that returns once the client has left;
-        its jobs are then aborted (no one will read them)."""
+        configured wait, 503 ``no_worker`` (the jobs kept queued) while no worker has
+        taken a job after ``queue_timeout_s``. ``gone``: an awaitable that returns once
+        the client has left; its jobs are then aborted (no one will read them)."""
         timeout = self.config.result_timeout_s
         waiting = asyncio.ensure_future(
             asyncio.gather(*(h.result(timeout=timeout) for h in handles))
         )
         watching = asyncio.ensure_future(gone) if gone is not None else None
+        untaken = asyncio.ensure_future(self.untaken(handles, caller))
         try:
-            await asyncio.wait({waiting} | ({watching} if watching else set()),
+            await asyncio.wait({waiting, untaken} | ({watching} if watching else set()),
                                return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+            if untaken.done():
+                waiting.cancel()
+                untaken.result()  # raises no_worker
             if not waiting.done():
                 waiting.cancel()
                 await _abort(handles)
@@ -146,8 +153,34 @@ class Pool:
             await _abort(handles)
             raise APIError(504, f"no result within {timeout:g}s; the request was aborted") from None
         finally:
+            untaken.cancel()
             if watching is not None:
                 watching.cancel()
+
+    async def untaken(self, handles: list[AsyncJobHandle], caller: Principal = OPEN) -> None:
+        """Raises 503 ``no_worker`` when, ``queue_timeout_s`` after it starts, a job of
+        ``handles`` still waits for a worker to take it (the job stays queued, for the
+        worker a scale-up brings: ``GET /v1/jobs/{id}``). Otherwise never returns."""
+        await asyncio.sleep(self.config.queue_timeout_s)
+        waiting = [h.request_id for h in handles if await self._waiting(h.request_id)]
+        if waiting:
+            ids = ", ".join(caller.external_id(rid) for rid in waiting)
+            raise APIError(
+                503,
+                f"no worker took the request within {self.config.queue_timeout_s:g}s; "
+                f"it stays queued as job {ids} (GET /v1/jobs/{{id}})",
+                code="no_worker",
+                headers={"Retry-After": str(self.config.retry_after_s)},
+            )
+        await asyncio.Future()  # every job taken: nothing to say
+
+    async def _waiting(self, request_id: str) -> bool:
+        """Whether no worker has taken the job yet: it waits in the stream (its queue
+        position is known), or nothing of it has begun and no worker lives."""
+        if await self.position(request_id) is not None:
+            return True
+        state = await self.view.job_state(request_id)
+        return state is not None and not state["started"] and not await self.view.live_workers()
 
 
 def _connect(config: GatewayConfig):

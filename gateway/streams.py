@@ -25,16 +25,19 @@ def sse(data: Any, event: str | None = None, event_id: int | None = None) -> byt
     return head + b"data: " + orjson.dumps(data) + b"\n\n"
 
 
-async def merged_chunks(handles: list[AsyncJobHandle]) -> AsyncIterator[tuple[int, Chunk]]:
+async def merged_chunks(
+    handles: list[AsyncJobHandle], kept: set[str] | None = None
+) -> AsyncIterator[tuple[int, Chunk]]:
     """(handle index, chunk) of every handle as they come, each handle's in order,
     until every one has given its final chunk. Unfinished jobs are aborted when the
-    reader goes away (the client disconnected)."""
+    reader goes away (the client disconnected), except those whose request id is in
+    ``kept`` by then."""
     if len(handles) == 1:
-        async for chunk in guarded(handles[0]):
+        async for chunk in guarded(handles[0], kept=kept):
             yield 0, chunk
         return
     queue: asyncio.Queue = asyncio.Queue()
-    tasks = [asyncio.create_task(_feed(i, h, queue)) for i, h in enumerate(handles)]
+    tasks = [asyncio.create_task(_feed(i, h, queue, kept)) for i, h in enumerate(handles)]
     try:
         for _ in handles:
             while (item := await queue.get()) is not None:
@@ -46,9 +49,9 @@ async def merged_chunks(handles: list[AsyncJobHandle]) -> AsyncIterator[tuple[in
             task.cancel()
 
 
-async def _feed(index: int, handle: AsyncJobHandle, queue: asyncio.Queue) -> None:
+async def _feed(index: int, handle: AsyncJobHandle, queue: asyncio.Queue, kept) -> None:
     try:
-        async for chunk in guarded(handle):
+        async for chunk in guarded(handle, kept=kept):
             await queue.put((index, chunk))
     except Exception as exc:  # noqa: BLE001 - handed to the reader
         await queue.put(exc)
@@ -82,15 +85,39 @@ async def until_stopped(
 
 
 async def guarded(
-    handle: AsyncJobHandle, after: int = -1, abort: bool = True
+    handle: AsyncJobHandle, after: int = -1, abort: bool = True, kept: set[str] | None = None
 ) -> AsyncIterator[Chunk]:
     """The handle's chunks after seq ``after``; the job is aborted if the reader stops
-    before the final one (unless not ``abort``: a job's events reader may come back)."""
+    before the final one (unless not ``abort``: a job's events reader may come back; or
+    its request id is in ``kept`` by then: a job left queued for a worker to come)."""
     finished = not abort
     try:
         async for chunk in handle.chunks(after=after):
             finished = finished or chunk.finished
             yield chunk
     finally:
-        if not finished:
+        if not finished and handle.request_id not in (kept or ()):
             await asyncio.shield(handle.abort())
+
+
+async def until_taken(items: AsyncIterator, watch: asyncio.Future) -> AsyncIterator:
+    """``items``; if ``watch`` (``Pool.untaken``) raises before the first item comes,
+    that error instead. ``watch`` is cancelled at the first item or the end."""
+    try:
+        step = asyncio.ensure_future(items.__anext__())
+        await asyncio.wait({step, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if not step.done():
+            step.cancel()
+            await asyncio.gather(step, return_exceptions=True)
+            watch.result()  # raises its error
+        try:
+            first = step.result()
+        except StopAsyncIteration:
+            return
+        watch.cancel()
+        yield first
+        async for item in items:
+            yield item
+    finally:
+        watch.cancel()
+        await items.aclose()

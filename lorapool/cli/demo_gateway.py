@@ -31,7 +31,7 @@ def start_gateway(url: str, prefix: str, console: Console) -> tuple[subprocess.P
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and proc.poll() is None:
         try:
-            if httpx.get(f"{base}/readyz", timeout=2).status_code == 200:
+            if httpx.get(f"{base}/readyz?min_workers=1", timeout=2).status_code == 200:
                 console.print(f"gateway: {base} (OpenAPI at {base}/docs)")
                 return proc, base
         except httpx.TransportError:

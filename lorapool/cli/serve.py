@@ -38,6 +38,14 @@ from lorapool.lifecycle.wire import DEFAULT_MAX_N, DEFAULT_MAX_PROMPT_BYTES
     show_default=True,
     help="seconds a non-streaming call waits for its result",
 )
+@click.option(
+    "--queue-timeout",
+    default=300.0,
+    show_default=True,
+    type=click.FloatRange(min=0.001),
+    help="seconds an OpenAI call waits for a worker to take its job; then 503 no_worker "
+    "and the job stays queued (scale from zero: the time a worker takes to start)",
+)
 @optional_option(
     "--max-backlog",
     click.IntRange(min=1),
@@ -78,6 +86,7 @@ def serve(
     host,
     port,
     result_timeout,
+    queue_timeout,
     cors_origins,
     enable_adapter_admin,
     adapter_roots,
@@ -97,6 +106,7 @@ def serve(
         options,
         redis_url=redis_url or resolve_url(),
         result_timeout_s=result_timeout,
+        queue_timeout_s=queue_timeout,
         cors_origins=tuple(cors_origins),
         adapter_admin=enable_adapter_admin,
         adapter_roots=tuple(adapter_roots),

@@ -57,8 +57,10 @@ def worker(redis_url, prefix, model, registry, conn, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def gateway(redis_url, prefix, worker, tmp_path_factory):
-    """The gateway's base URL, once /readyz says ready."""
-    url, proc = serve(redis_url, prefix, tmp_path_factory.mktemp("gateway"), path="/readyz")
+    """The gateway's base URL, once /readyz?min_workers=1 says a worker serves."""
+    url, proc = serve(
+        redis_url, prefix, tmp_path_factory.mktemp("gateway"), path="/readyz?min_workers=1"
+    )
     yield url
     stop(proc)
 

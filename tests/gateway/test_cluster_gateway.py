@@ -41,7 +41,12 @@ def cluster(tmp_path_factory, model, adapter_dirs):
         wait_until(lambda: conn.hlen(keys.workers) >= 1 or worker.poll() is not None, "start")
         assert worker.poll() is None, "the worker exited"
         gateway, proc = serve(
-            url, keys.prefix, tmp_path_factory.mktemp("cg"), "--shards", SHARDS, path="/readyz"
+            url,
+            keys.prefix,
+            tmp_path_factory.mktemp("cg"),
+            "--shards",
+            SHARDS,
+            path="/readyz?min_workers=1",
         )
         try:
             yield gateway, registry

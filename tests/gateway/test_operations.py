@@ -55,8 +55,11 @@ def test_backlog_bound_gives_429_and_keeps_what_was_accepted(
         assert refused.headers["retry-after"] == "1"
         assert refused.json()["error"]["code"] == "backlog_full"
         assert httpx.post(f"{url}/v1/completions", json=JOB).status_code == 429
+        # scale from zero: ready (it takes submissions) with no worker, which it reports
         ready = httpx.get(f"{url}/readyz")
-        assert ready.status_code == 503 and "no live worker" in ready.json()["reason"]
+        assert ready.status_code == 200 and ready.json()["workers"] == 0
+        serving = httpx.get(f"{url}/readyz", params={"min_workers": 1})
+        assert serving.status_code == 503 and serving.json()["workers"] == 0
         for place, job_id in enumerate(ids):
             job = httpx.get(f"{url}/v1/jobs/{job_id}").json()
             assert job["status"] == "queued" and job["backlog"] == 2
@@ -71,6 +74,41 @@ def test_backlog_bound_gives_429_and_keeps_what_was_accepted(
         assert second["position"] == 0 and second["backlog"] == 1
     finally:
         for key in conn.scan_iter(f"{backlog_prefix}:*"):
+            conn.delete(key)
+
+
+def test_scale_from_zero_queues_and_says_no_worker_in_time(gateway_on, redis_url, prefix, conn):
+    """No worker: the gateway is ready, takes the calls, and after --queue-timeout answers
+    503 no_worker (a stream: an error event) naming the jobs, which stay queued."""
+    import openai
+
+    zero = f"{prefix}-zero"
+    conn.set(f"{zero}:model", b'{"name": "base", "sha256": "0"}')
+    url = gateway_on(redis_url, zero, "--queue-timeout", "1")
+    try:
+        assert httpx.get(f"{url}/readyz").json() == {
+            "status": "ready",
+            "model": "base",
+            "workers": 0,
+        }
+        started = time.monotonic()
+        late = httpx.post(f"{url}/v1/completions", json=JOB, timeout=30)
+        assert 1 <= time.monotonic() - started < 10
+        assert late.status_code == 503 and late.json()["error"]["code"] == "no_worker"
+        assert late.headers["retry-after"] == "1"
+        job_id = late.json()["error"]["message"].split("as job ")[1].split(" ")[0]
+        queued = httpx.get(f"{url}/v1/jobs/{job_id}").json()
+        assert queued["status"] == "queued" and queued["position"] == 0
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        stream = client.chat.completions.create(
+            model="base", messages=[{"role": "user", "content": "hi"}], max_tokens=2, stream=True
+        )
+        with pytest.raises(openai.APIError, match="no worker took the request within 1s"):
+            list(stream)
+        assert conn.xlen(f"{zero}:requests") == 2  # both kept for the worker to come
+        assert not conn.exists(f"{zero}:abort:{job_id}")
+    finally:
+        for key in conn.scan_iter(f"{zero}:*"):
             conn.delete(key)
 
 
