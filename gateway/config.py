@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lorapool.egress import EgressPolicy
 from lorapool.lifecycle.keys import DEFAULT_PREFIX
 from lorapool.lifecycle.wire import DEFAULT_MAX_N, DEFAULT_MAX_PROMPT_BYTES
 
@@ -38,6 +39,8 @@ class GatewayConfig:
     wait for one (the Pub/Sub connection that follows every stream is one).
     max_backlog: submits get 429 (with Retry-After: retry_after_s) while this many
     entries of the request stream wait for a worker (None: no bound).
+    webhook_allow: internal networks and host names a job's ``on_finish`` may name
+    (``lorapool.egress``; every other inward URL gets 400 at submit).
     """
 
     redis_url: str
@@ -60,6 +63,7 @@ class GatewayConfig:
     adapter_roots: tuple[str, ...] = ()
     retry_after_s: int = 1
     redis_connections: int = 64
+    webhook_allow: tuple[str, ...] = ()
 
     def __post_init__(self):
         for name in ("max_prompt_bytes", "max_n", "max_prompts", "redis_retries"):
@@ -73,6 +77,7 @@ class GatewayConfig:
         for name in ("result_timeout_s", "queue_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        EgressPolicy(tuple(self.webhook_allow))  # raises ValueError naming a bad entry
 
     @property
     def body_limit(self) -> int:

@@ -63,6 +63,8 @@ async def submit_job(
             raise bad_request("give either request_id or Idempotency-Key", "request_id")
         request_id = idempotent_id(idempotency_key)
     lora = await pool.resolve_model(parsed.model, caller)
+    if on_finish is not None:
+        await pool.check_webhook(on_finish, caller)
     await pool.check_rate(caller, 1, parsed.params)
     job_id = caller.job_id(request_id or uuid.uuid4().hex)
     metadata = {**parsed.metadata, **caller.metadata()}

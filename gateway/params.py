@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from lorapool.egress import EgressRefused, split_url
 from lorapool.gateway.errors import bad_request, field_error
 from lorapool.lifecycle.submit import check_on_finish
 from lorapool.protocol import FieldError, SamplingParams, short_repr
@@ -205,14 +206,14 @@ def parse_job(body: Any) -> tuple[Parsed, str | None, str | None]:
 
 
 def _webhook(value: Any) -> str | None:
-    """A job's ``on_finish`` over HTTP: an http(s) URL only. (A dotted function path
-    would have the web app's RQ workers run a function an HTTP client named.)"""
+    """A job's ``on_finish`` over HTTP: an http(s) URL only (a dotted function path would
+    have the web app's RQ workers run a function an HTTP client named), whose form the
+    egress module accepts; where it points is checked by ``Pool.check_webhook``."""
     if value is None:
         return None
     try:
         url = check_on_finish(value)
-    except FieldError as exc:
-        raise bad_request(str(exc), "on_finish") from None
-    if not url.startswith(("http://", "https://")):
-        raise bad_request("on_finish must be an http(s) URL (a webhook)", "on_finish")
+        split_url(url)
+    except (FieldError, EgressRefused) as exc:
+        raise bad_request(f"on_finish: {exc}", "on_finish") from None
     return url

@@ -14,6 +14,7 @@ import uuid
 from typing import Any
 
 from lorapool.connection import connect, connect_async
+from lorapool.egress import EgressError, EgressPolicy, EgressRefused, check_url, system_resolver
 from lorapool.gateway.auth import OPEN, Principal
 from lorapool.gateway.config import GatewayConfig
 from lorapool.gateway.errors import APIError, field_error, model_not_found
@@ -22,6 +23,8 @@ from lorapool.producer import AsyncJobHandle, AsyncProducer
 from lorapool.producer.pool_view import PoolView
 from lorapool.producer.registry import NAME_PATTERN, AdapterRegistry, lora_from_record
 from lorapool.protocol import FieldError, LoRARequest, SamplingParams
+
+RESOLVE_S = 2.0  # a webhook host's resolution at submit, at most
 
 
 class Pool:
@@ -120,6 +123,30 @@ class Pool:
                 f"tenant {caller.tenant!r} is over its rate limit; retry in {wait:.0f}s",
                 code="rate_limit_exceeded",
                 headers={"Retry-After": str(max(1, math.ceil(wait)))},
+            )
+
+    async def check_webhook(self, url: str, caller: Principal) -> None:
+        """400 naming ``on_finish`` for a webhook URL that will not be called: one that
+        resolves to an internal address outside ``webhook_allow``, does not resolve (in
+        ``RESOLVE_S``), or whose tenant has no webhook secret to sign with. The sender
+        checks again at each attempt (a name may resolve elsewhere by then)."""
+        policy = EgressPolicy(self.config.webhook_allow)
+        try:
+            await asyncio.wait_for(
+                asyncio.to_thread(check_url, url, policy, system_resolver, RESOLVE_S),
+                RESOLVE_S + 0.5,
+            )
+        except (EgressRefused, EgressError, asyncio.TimeoutError) as exc:
+            reason = str(exc) or f"resolving took over {RESOLVE_S:g}s"
+            raise APIError(400, f"on_finish: {reason}", "on_finish", "invalid_url") from None
+        if not await self.view.has_webhook_secret(caller.tenant or ""):
+            who = f"tenant {caller.tenant!r}" if caller.tenant else "this pool"
+            raise APIError(
+                400,
+                f"on_finish: {who} has no webhook secret to sign deliveries with; "
+                "the operator makes one with: lorapool keys webhook-secret "
+                + (caller.tenant or ""),
+                "on_finish",
             )
 
     async def handle(self, request_id: str) -> AsyncJobHandle:

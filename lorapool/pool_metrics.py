@@ -16,6 +16,10 @@ trip plus the two ``XINFO GROUPS``:
 - ``lorapool_workers_live``: workers whose liveness flag has not expired;
 - ``lorapool_audit_backlog``: audit records not yet committed by a writer
   (the ``audit`` group's lag plus its pending entries);
+- ``lorapool_webhook_attempts_total{outcome}`` and ``_attempt_seconds_total{outcome}``:
+  webhook delivery attempts (``delivered``, ``failed``, ``refused``) and their time;
+  ``lorapool_webhook_dead_letters``: deliveries that never succeeded;
+  ``lorapool_webhook_tenants_busy``: tenants with deliveries waiting or in flight;
 - ``lorapool_redis_up``: 0 when Redis did not answer (the others are then absent).
 """
 
@@ -26,7 +30,7 @@ import math
 from collections.abc import Iterator
 
 import redis
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from lorapool.lifecycle.keys import AUDIT_GROUP, WORKERS_GROUP, Keys
 
@@ -71,6 +75,37 @@ class PoolCollector:
         yield _gauge("lorapool_redis_up", "1 when Redis answered the scrape", 1)
         for name, (doc, value) in values.items():
             yield _gauge(name, doc, value)
+        try:
+            yield from self._webhooks()
+        except redis.RedisError as exc:  # a Redis user without these keys: the rest stands
+            logger.warning("exporter: no webhook metrics (%s)", exc)
+
+    def _webhooks(self) -> Iterator:
+        with self.redis.pipeline(transaction=False) as pipe:
+            pipe.hgetall(self.keys.webhook_stats)
+            pipe.xlen(self.keys.webhook_dead)
+            pipe.scard(self.keys.webhook_tenants)
+            stats, dead, busy = pipe.execute()
+        stats = {k.decode(): float(v) for k, v in stats.items()}
+        attempts = CounterMetricFamily(
+            "lorapool_webhook_attempts", "webhook delivery attempts by outcome", labels=["outcome"]
+        )
+        seconds = CounterMetricFamily(
+            "lorapool_webhook_attempt_seconds",
+            "seconds spent in webhook attempts",
+            labels=["outcome"],
+        )
+        for outcome in ("delivered", "failed", "refused"):
+            attempts.add_metric([outcome], stats.get(outcome, 0.0))
+            seconds.add_metric([outcome], stats.get(f"{outcome}_seconds", 0.0))
+        yield attempts
+        yield seconds
+        yield _gauge(
+            "lorapool_webhook_dead_letters", "webhook deliveries that never succeeded", dead
+        )
+        yield _gauge(
+            "lorapool_webhook_tenants_busy", "tenants with webhook deliveries queued", busy
+        )
 
     def read(self) -> dict[str, tuple[str, float]]:
         """Metric name -> (help, value), read from Redis now (summed over the shards)."""

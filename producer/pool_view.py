@@ -53,6 +53,10 @@ class PoolView:
         else the seconds until the minute ends (see ``api_keys.take_rate``)."""
         return await take_rate(self.redis, self.keys, record, requests, tokens, now)
 
+    async def has_webhook_secret(self, tenant: str) -> bool:
+        """Whether deliveries of ``tenant`` ('' for none) can be signed."""
+        return bool(await self.redis.hexists(self.keys.webhook_secrets, tenant))
+
     async def live_workers(self) -> list[dict[str, Any]]:
         """Heartbeat records of the workers whose liveness flag has not expired."""
         records = {

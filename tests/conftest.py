@@ -17,6 +17,9 @@ TEST_AUDIT_KEY = "lorapool-test-audit-key-0123456789abcdef"
 os.environ["LORAPOOL_AUDIT_KEY"] = TEST_AUDIT_KEY
 os.environ.pop("LORAPOOL_AUDIT_KEY_FILE", None)
 os.environ.pop("LORAPOOL_AUDIT_INSECURE", None)
+# No DNS in CI: the egress module's test resolver hook names a public host (example.com's
+# address) and one that resolves inward, for this process and the ones it starts.
+os.environ["LORAPOOL_EGRESS_RESOLVE"] = "hooks.example.com=93.184.216.34,inward.example=127.0.0.1"
 
 try:
     import torch

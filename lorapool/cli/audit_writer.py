@@ -8,7 +8,7 @@ import signal
 import click
 
 from lorapool.cli.audit import audit_key, db_options, insecure_option
-from lorapool.cli.options import config_from, count_option, shards_option
+from lorapool.cli.options import config_from, count_option, shards_option, webhook_allow_option
 from lorapool.connection import LOOP_RETRIES, connect
 from lorapool.lifecycle.keys import DEAD_MAX_LEN
 
@@ -47,6 +47,17 @@ def _install_signals(writer) -> None:
     show_default=True,
     help="RQ queue of completion callbacks (jobs submitted with on_finish).",
 )
+@webhook_allow_option
+@click.option(
+    "--webhook-deadline",
+    "webhook_deadline_s",
+    type=click.FloatRange(0.1, 300),
+    default=10.0,
+    show_default=True,
+    help="seconds one webhook attempt may take in all (connect, send, read)",
+)
+@count_option("--webhook-max-attempts", 8, "attempts before a delivery is dead-lettered")
+@count_option("--webhook-tenant-concurrency", 2, "a tenant's webhook deliveries in flight at most")
 @insecure_option
 @click.option("--log-level", default="INFO", show_default=True)
 def audit_writer(
@@ -57,6 +68,10 @@ def audit_writer(
     run_migrate,
     burst,
     callback_queue,
+    webhook_allow,
+    webhook_deadline_s,
+    webhook_max_attempts,
+    webhook_tenant_concurrency,
     insecure,
     log_level,
     **options,
@@ -79,10 +94,20 @@ def audit_writer(
         **({"consumer": consumer} if consumer else {}),
     )
     from lorapool.batch.callbacks import Callbacks
+    from lorapool.batch.deliveries import WebhookConfig
     from lorapool.lifecycle.keys import Keys
 
+    try:
+        webhooks = WebhookConfig(
+            config.prefix, config.shards, callback_queue, tuple(webhook_allow),
+            webhook_deadline_s, max_attempts=webhook_max_attempts,
+            tenant_concurrency=webhook_tenant_concurrency,
+        )  # fmt: skip
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
     connection = connect(redis_url, LOOP_RETRIES)
-    callbacks = Callbacks(connection, Keys(config.prefix, config.shards), callback_queue)
+    keys = Keys(config.prefix, config.shards)
+    callbacks = Callbacks(connection, keys, callback_queue, webhooks)
     writer = AuditWriter(connection, engine, config, on_commit=callbacks)
     _install_signals(writer)
     stats = writer.run(burst=burst)

@@ -9,7 +9,11 @@ import subprocess
 import time
 import uuid
 
+import orjson
 from rich.console import Console
+
+from lorapool import egress
+from lorapool.egress import EgressPolicy
 
 
 def _free_port() -> int:
@@ -18,10 +22,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+# the demo calls the gateway it started on this machine: the one internal address let through
+LOCAL = EgressPolicy(allow=("127.0.0.1/32",), deadline_s=30.0)
+
+
+def _call(method: str, url: str, body: dict | None = None, **headers: str) -> tuple[int, dict]:
+    """One call of the demo's gateway through the egress module: (status, JSON body)."""
+    data = b"" if body is None else orjson.dumps(body)
+    head = [("Content-Type", "application/json"), *headers.items()]
+    response = egress.request(method, url, data, head, LOCAL)
+    return response.status, orjson.loads(response.body) if response.body else {}
+
+
 def start_gateway(url: str, prefix: str, console: Console) -> tuple[subprocess.Popen, str]:
     """``lorapool serve`` without keys (the demo's pool is local), once it answers."""
-    import httpx
-
     from lorapool.cli.demo_pipeline import child_cwd, lorapool_cmd
 
     port = _free_port()
@@ -31,10 +45,10 @@ def start_gateway(url: str, prefix: str, console: Console) -> tuple[subprocess.P
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and proc.poll() is None:
         try:
-            if httpx.get(f"{base}/readyz?min_workers=1", timeout=2).status_code == 200:
+            if _call("GET", f"{base}/readyz?min_workers=1")[0] == 200:
                 console.print(f"gateway: {base} (OpenAPI at {base}/docs)")
                 return proc, base
-        except httpx.TransportError:
+        except egress.EgressError:
             pass
         time.sleep(0.2)
     proc.kill()
@@ -70,8 +84,6 @@ def _openai_chat(base: str, adapter: str, console: Console) -> None:
 
 
 def _job(base: str, adapter: str, console: Console) -> None:
-    import httpx
-
     body = {"model": adapter, "prompt": "The sea at night", "max_tokens": 16}
     # one key per run: the audit table outlives a run, and the same key (the same
     # request id) in the next run would meet the first run's row as a conflict
@@ -80,15 +92,15 @@ def _job(base: str, adapter: str, console: Console) -> None:
         f"[bold]curl[/] -X POST {base}/v1/jobs -H 'Idempotency-Key: {key}' "
         f'-d \'{{"model": "{adapter}", "prompt": "The sea at night", "max_tokens": 16}}\''
     )
-    submitted = httpx.post(f"{base}/v1/jobs", json=body, headers={"Idempotency-Key": key})
-    job_id = submitted.json()["id"]
-    console.print(f"  {submitted.status_code} Location: {submitted.headers['location']}")
+    status, submitted = _call("POST", f"{base}/v1/jobs", body, **{"Idempotency-Key": key})
+    job_id = submitted["id"]
+    console.print(f"  {status} Location: /v1/jobs/{job_id}")
     console.print(f"[bold]curl[/] {base}/v1/jobs/{job_id}")
     deadline = time.monotonic() + 300
-    job = httpx.get(f"{base}/v1/jobs/{job_id}").json()
+    job = _call("GET", f"{base}/v1/jobs/{job_id}")[1]
     while job["status"] in ("queued", "running") and time.monotonic() < deadline:
         time.sleep(0.2)
-        job = httpx.get(f"{base}/v1/jobs/{job_id}").json()
+        job = _call("GET", f"{base}/v1/jobs/{job_id}")[1]
     result = job.get("result") or {}
     adapter_info = result.get("adapter") or {}
     text = (result.get("outputs") or [{}])[0].get("text")

@@ -70,3 +70,41 @@ def keys_revoke(key_id, redis_url, prefix, shards):
     if not _api_keys(redis_url, prefix, shards).revoke(key_id):
         raise click.ClickException(f"no key with id {key_id!r}")
     click.echo(f"revoked {key_id}")
+
+
+@keys.command("webhook-secret")
+@click.argument("tenant", required=False, default="")
+@click.option("--rotate", is_flag=True, help="make a new secret; the old one stays valid a while")
+@click.option(
+    "--overlap",
+    "overlap_s",
+    type=click.FloatRange(min=0),
+    default=24 * 3600,
+    show_default=True,
+    help="seconds the previous secret stays valid after --rotate",
+)
+@click.option("--drop-old", is_flag=True, help="end a rotation: only the newest secret stays")
+@redis_option
+@prefix_option
+@shards_option
+def keys_webhook_secret(tenant, rotate, overlap_s, drop_old, redis_url, prefix, shards):
+    """Print TENANT's webhook signing secret (whsec_..., made if it has none): the
+    Standard Webhooks secret its receivers verify deliveries with. Without TENANT: the
+    secret of jobs submitted without one (--no-auth, Python producers)."""
+    from lorapool.batch.webhook_secrets import WebhookSecrets
+    from lorapool.producer import Producer
+    from lorapool.producer.api_keys import check_tenant
+
+    if tenant:
+        try:
+            check_tenant(tenant)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc)) from None
+    producer = Producer(redis_url, prefix=prefix, shards=shards)
+    store = WebhookSecrets(producer.redis, producer.keys)
+    if drop_old:
+        click.echo(f"dropped {store.drop_old(tenant)} old secret(s)", err=True)
+    secret = store.rotate(tenant, overlap_s) if rotate else store.current(tenant)
+    if rotate:
+        click.echo(f"rotated; the previous secret stays valid for {overlap_s:g}s", err=True)
+    click.echo(secret)

@@ -56,3 +56,15 @@ def config_from(cls: type, options: dict[str, Any], **given: Any):
     ``given`` for the fields whose option is named otherwise or needs converting."""
     names = {field.name for field in dataclasses.fields(cls)}
     return cls(**{**{k: v for k, v in options.items() if k in names}, **given})
+
+
+webhook_allow_option = click.option(
+    "--webhook-allow",
+    "webhook_allow",
+    multiple=True,
+    envvar="LORAPOOL_WEBHOOK_ALLOW",
+    help="a network (10.1.0.0/16) or host name (hooks.internal, *.internal) that webhooks "
+    "may call although internal; every other loopback, private, link-local, unique-local, "
+    "multicast or metadata address is refused (repeatable; $LORAPOOL_WEBHOOK_ALLOW, "
+    "space-separated)",
+)

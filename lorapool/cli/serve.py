@@ -12,6 +12,7 @@ from lorapool.cli.options import (
     redis_option,
     repeated_option,
     shards_option,
+    webhook_allow_option,
 )
 from lorapool.lifecycle.wire import DEFAULT_MAX_N, DEFAULT_MAX_PROMPT_BYTES
 
@@ -78,6 +79,7 @@ from lorapool.lifecycle.wire import DEFAULT_MAX_N, DEFAULT_MAX_PROMPT_BYTES
     click.FloatRange(min=0.1),
     "end a job-events response after this long; EventSource reconnects (default: never)",
 )
+@webhook_allow_option
 @click.option("--log-level", default="info", show_default=True)
 @redis_option
 @prefix_option
@@ -90,6 +92,7 @@ def serve(
     cors_origins,
     enable_adapter_admin,
     adapter_roots,
+    webhook_allow,
     log_level,
     redis_url,
     **options,
@@ -110,5 +113,6 @@ def serve(
         cors_origins=tuple(cors_origins),
         adapter_admin=enable_adapter_admin,
         adapter_roots=tuple(adapter_roots),
+        webhook_allow=tuple(webhook_allow),
     )
     run(create_app(config), host, port, log_level)

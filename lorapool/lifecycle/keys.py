@@ -123,6 +123,19 @@ class Keys:
         "api-keys",
         "Hash: API key id -> its record (tenant, role, sha256 of the key; never the key).",
     )
+    webhook_secrets = _meta_key(
+        "webhook-secrets",
+        "Hash: tenant ('' for jobs without one) -> its webhook signing secrets (newest first).",
+    )
+    webhook_tenants = _meta_key(
+        "webhook:tenants", "Set: tenants with webhook deliveries waiting or in flight."
+    )
+    webhook_dead = _meta_key(
+        "webhook:dead", "Stream: webhook deliveries that never succeeded, with the reason."
+    )
+    webhook_stats = _meta_key(
+        "webhook:stats", "Hash: counts of webhook attempts by outcome, and their total seconds."
+    )
     # The keys of one request (on its shard)
     callback = _request_key(
         "callback",
@@ -153,6 +166,18 @@ class Keys:
     def rate(self, tenant: str, window: int, what: str) -> str:
         """A tenant's count of ``what`` (requests, tokens) in the minute ``window``."""
         return self._meta(f"rate:{tenant}:{window}:{what}")
+
+    def webhook(self, delivery_id: str) -> str:
+        """Hash: one webhook delivery (tenant, URL, body, attempts; batch/deliveries.py)."""
+        return self._meta(f"webhook:{delivery_id}")
+
+    def webhook_lane(self, tenant: str) -> str:
+        """List: a tenant's webhook deliveries waiting for one of its delivery slots."""
+        return self._meta(f"webhook-lane:{tenant}")
+
+    def webhook_busy(self, tenant: str) -> str:
+        """Sorted set: a tenant's deliveries in flight (in RQ or running), by lease end."""
+        return self._meta(f"webhook-busy:{tenant}")
 
     def alive(self, worker: str) -> str:
         """A worker's liveness flag: expires a few heartbeats after its last one."""

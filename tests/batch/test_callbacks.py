@@ -1,17 +1,13 @@
 """Completion callbacks end to end: 100 jobs submitted with ``on_finish`` run on a real
 worker, the audit writer commits their rows and enqueues one RQ job each (JSON, never
 pickle), even when the same audit entries are handled twice; an rq worker runs them.
-The webhook: a receiver on 127.0.0.1 that fails twice gets the third delivery, signed."""
+Webhooks: tests/batch/test_webhooks.py."""
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import json
-import threading
 import time
 import zlib
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import orjson
 import pytest
@@ -20,7 +16,7 @@ from lorapool import SamplingParams
 from lorapool.audit_db import AuditWriter, DatabaseConfig, WriterConfig, create_audit_engine
 from lorapool.audit_db.database import migrate
 from lorapool.audit_record import parse_record
-from lorapool.batch.callbacks import SECRET_ENV, Callbacks, job_id
+from lorapool.batch.callbacks import Callbacks, job_id
 from lorapool.lifecycle.keys import Keys
 from lorapool.producer import Producer
 
@@ -90,42 +86,3 @@ def test_100_finished_jobs_get_one_json_callback_each(
         else:
             assert g["adapter"]["sha256"] == registry[lora.lora_name]["sha256"]
             assert g["adapter"]["name"] == lora.lora_name
-
-
-class Flaky(BaseHTTPRequestHandler):
-    received: list = []
-
-    def do_POST(self):  # noqa: N802
-        body = self.rfile.read(int(self.headers["Content-Length"]))
-        Flaky.received.append((body, self.headers.get("X-Lorapool-Signature")))
-        self.send_response(200 if len(Flaky.received) >= 3 else 503)
-        self.end_headers()
-
-    def log_message(self, *args):
-        pass
-
-
-def test_a_webhook_that_fails_twice_gets_the_third_delivery_signed(
-    conn, prefix, writer, rq_worker, monkeypatch
-):
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Flaky)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{server.server_address[1]}/hook"
-    monkeypatch.setenv(SECRET_ENV, "s3cret")
-    audit_writer, _ = writer
-    handle = Producer(conn, prefix=prefix).submit(
-        "hook", SamplingParams(max_tokens=3), None, "hook-1", on_finish=url
-    )
-    result = handle.result(timeout=60)
-    time.sleep(0.5)
-    audit_writer.run(burst=True)
-    proc = rq_worker()
-    deadline = time.monotonic() + 60
-    while len(Flaky.received) < 3:
-        assert time.monotonic() < deadline and proc.poll() is None
-        time.sleep(0.2)
-    server.shutdown()
-    body, sig = Flaky.received[2]
-    assert sig == "sha256=" + hmac.new(b"s3cret", body, hashlib.sha256).hexdigest()
-    assert orjson.loads(body)["text"] == result.outputs[0].text
-    assert [b for b, _ in Flaky.received] == [body] * 3

@@ -10,6 +10,7 @@ import httpx
 import pytest
 from gateway_client import poll, read_events, submit
 
+from lorapool.batch.webhook_secrets import WebhookSecrets
 from lorapool.protocol import SamplingParams
 
 pytestmark = pytest.mark.integration
@@ -135,11 +136,35 @@ def test_bad_job_submissions_name_the_field(gateway, body, headers, param):
 
 def test_a_webhook_rides_in_the_jobs_marker(gateway, producer):
     """POST /v1/jobs with on_finish: the URL the callback dispatcher POSTs the result to
-    (lorapool/batch/callbacks.py) is kept with the job."""
+    (lorapool/batch/callbacks.py) is kept with the job (hooks.example.com resolves to a
+    public address through the test resolver hook: tests/conftest.py)."""
     hook = "https://hooks.example.com/lorapool?order=7"
+    refused = submit(gateway, {**BODY, "on_finish": hook}).json()["error"]
+    assert refused["param"] == "on_finish" and "no webhook secret" in refused["message"]
+    WebhookSecrets(producer.redis, producer.keys).current("")
     job_id = submit(gateway, {**BODY, "on_finish": hook}).json()["id"]
     assert producer.redis.hget(producer.keys.job(job_id), "on_finish") == hook.encode()
     assert poll(gateway, job_id)["status"] == "finished"
+
+
+@pytest.mark.parametrize(
+    "hook",
+    [
+        "http://169.254.169.254/latest/meta-data/iam/security-credentials/",
+        "http://localhost:6379/",
+        "http://127.0.0.1:8000/v1/jobs",
+        "http://[::1]/",
+        "http://10.0.0.5/",
+        "http://inward.example/",  # the resolver hook: 127.0.0.1
+        "http://nowhere.invalid/",
+    ],
+)
+def test_a_webhook_pointing_inward_is_refused_at_submit(gateway, hook):
+    response = submit(gateway, {**BODY, "on_finish": hook})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "on_finish" and error["type"] == "invalid_request_error"
+    assert "refused" in error["message"] or "resolve" in error["message"]
 
 
 def test_bad_last_event_id(gateway):

@@ -31,7 +31,10 @@ GAUGES = [
     "lorapool_workers_live",
     "lorapool_audit_backlog",
     "lorapool_redis_up",
+    "lorapool_webhook_dead_letters",
+    "lorapool_webhook_tenants_busy",
 ]
+COUNTERS = ["lorapool_webhook_attempts", "lorapool_webhook_attempt_seconds"]
 
 
 @pytest.fixture
@@ -50,7 +53,8 @@ def exporter(pool_url, prefix, shards, tmp_path):
 def scrape(url: str) -> dict[str, float]:
     with urllib.request.urlopen(url, timeout=5) as reply:
         families = list(text_string_to_metric_families(reply.read().decode()))
-    assert {f.name: f.type for f in families} == dict.fromkeys(GAUGES, "gauge")
+    kinds = {**dict.fromkeys(GAUGES, "gauge"), **dict.fromkeys(COUNTERS, "counter")}
+    assert {f.name: f.type for f in families} == kinds
     return {f.name: f.samples[0].value for f in families}
 
 

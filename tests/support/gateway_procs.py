@@ -92,3 +92,12 @@ def stop(proc: subprocess.Popen) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
+
+def start_audit_writer(redis_url: str, prefix: str, db_url: str, cwd, *extra: str):
+    """``lorapool audit-writer --migrate`` of the pool (the test's audit key)."""
+    cmd = lorapool_cmd(
+        "audit-writer", "--redis-url", redis_url, "--prefix", prefix, "--db-url", db_url,
+        "--migrate", "--log-level", "WARNING", *extra,
+    )  # fmt: skip
+    return subprocess.Popen(cmd, cwd=cwd)

@@ -75,6 +75,7 @@ BASE = [
     "lorapool.settings",
     "lorapool.audit_record",
     "lorapool.embedded",
+    "lorapool.egress",
     "lorapool.producer",
     "lorapool.cli",
 ]

@@ -50,7 +50,7 @@ def submodules(package: str, skip: tuple[str, ...] = ()) -> list[str]:
 def test_the_data_types_need_only_the_standard_library_and_orjson():
     # these talk to Redis (redis-py is theirs; pool_metrics serves Prometheus too;
     # batch runs RQ jobs; the lifecycle's Redis side and readers: each checked below)
-    clients = ("cli", "embedded", "connection", "pool_metrics", "batch", "lifecycle")
+    clients = ("cli", "embedded", "connection", "pool_metrics", "batch", "lifecycle", "egress")
     modules = [m for m in submodules("lorapool", skip=clients) if m.count(".") <= 1]
     modules += ["lorapool.lifecycle", "lorapool.lifecycle.wire", "lorapool.lifecycle.keys"]
     assert {"lorapool.protocol", "lorapool.identity"} <= set(modules)
@@ -87,6 +87,31 @@ def test_batches_import_without_torch_or_sqlalchemy():
     loaded = imported(submodules("lorapool.batch"))
     assert {"rq", "redis"} <= loaded  # the probe really imported the batch package
     assert not loaded & (GPU_STACK | {"sqlalchemy"})
+
+
+def test_egress_needs_only_the_standard_library_and_h11():
+    loaded = {m for m in imported(["lorapool.egress"]) if not m.startswith("_")}
+    assert loaded == {"lorapool", "h11"}
+
+
+HTTP_CLIENTS = {"urllib.request", "http.client", "httpx", "requests", "aiohttp", "urllib3"}
+
+
+def test_every_outbound_http_call_goes_through_egress():
+    """No module of the distribution but ``lorapool/egress.py`` imports an HTTP client
+    (the egress module checks where a URL points before it connects)."""
+    folders = ["lorapool", "gateway", "producer", "worker", "audit_db", "engine", "kernels"]
+    for path in (p for folder in folders for p in (ROOT / folder).rglob("*.py")):
+        if path == ROOT / "lorapool" / "egress.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            clients = {n for n in names if n in HTTP_CLIENTS or n.split(".")[0] in HTTP_CLIENTS}
+            assert not clients, f"{path.relative_to(ROOT)} imports {clients}: use lorapool.egress"
 
 
 def test_the_worker_never_imports_sqlalchemy_or_the_cli():
