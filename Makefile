@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test lint model bench clean
+.PHONY: install demo test lint model bench clean gpu-wheels
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -35,6 +35,15 @@ lint: install
 
 bench: model
 	$(BIN)/lorapool bench engine
+
+# What the lent GPU machine lacks (no network there), as cp312 manylinux x86_64 wheels in
+# .whl/ (git-ignored, under 40 MiB): README "Proving it on a GPU" carries them there.
+WHEEL_PLATFORMS := $(foreach p,manylinux_2_28 manylinux_2_27 manylinux_2_17 manylinux2014 manylinux1,--platform $(p)_x86_64)
+gpu-wheels:
+	rm -rf .whl && mkdir .whl
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+		--implementation cp $(WHEEL_PLATFORMS) -d .whl -r benchmarks/gpu/wheels.txt
+	$(PY) benchmarks/gpu/bundle.py .whl
 
 clean:
 	rm -rf $(VENV) build *.egg-info

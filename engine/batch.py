@@ -36,6 +36,8 @@ class BatchMetadata:
     """[T] int32, adapter slot of each token; -1 means the base model."""
     attention_plan: AttentionPlan | None = None
     """The CPU attention's gathers and masks, built once for every layer of the step."""
+    uses_lora: bool = False
+    """Whether a token of the step has an adapter (known on the host, no device sync)."""
 
     @property
     def num_tokens(self) -> int:

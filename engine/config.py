@@ -16,18 +16,22 @@ class EngineArgs:
 
     model: str
     tokenizer: str | None = None
-    dtype: str = "auto"  # auto: float32 on CPU, the checkpoint's dtype on CUDA
+    dtype: str = "auto"  # auto: float32 on CPU; on CUDA the checkpoint's fp16/bf16, else bf16
     device: str = "auto"  # auto: cuda when available
     seed: int = 0
     block_size: int = 16
     kv_cache_memory: int | None = None  # bytes for the KV cache
-    gpu_memory_utilization: float = 0.9
+    gpu_memory_utilization: float = 0.9  # share of the GPU's memory this engine may hold
     num_kv_blocks: int | None = None  # overrides kv_cache_memory
     max_model_len: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_logprobs: int = 20
     enable_prefix_caching: bool = False
+    # CUDA graphs for decode steps (vLLM's flag; here True, eager, until the GPU kit
+    # has measured the graphs): one graph per batch-size bucket of cuda_graph_sizes
+    enforce_eager: bool = True
+    cuda_graph_sizes: list[int] | None = None  # None: 1, 2, 4, then every 8 to max_num_seqs
     # multi-LoRA
     enable_lora: bool = False
     max_loras: int = 1
@@ -61,6 +65,15 @@ class EngineArgs:
                 f"max_cpu_loras ({self.max_cpu_loras}) must be at least "
                 f"max_loras ({self.max_loras})"
             )
+        if not isinstance(self.gpu_memory_utilization, (int, float)) or not (
+            0 < self.gpu_memory_utilization <= 1
+        ):
+            raise ValueError(
+                "gpu_memory_utilization must be a share in (0, 1], "
+                f"got {self.gpu_memory_utilization!r}"
+            )
+        if self.cuda_graph_sizes is not None:
+            self.cuda_graph_sizes = check_graph_sizes(self.cuda_graph_sizes)
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
 
@@ -74,10 +87,25 @@ class EngineArgs:
             return _DTYPES[self.dtype]
         if device.type == "cpu":
             return torch.float32
-        return checkpoint_dtype if checkpoint_dtype in _DTYPES.values() else torch.bfloat16
+        # as vLLM: a half-precision checkpoint runs as stored, a float32 one in bf16
+        if isinstance(checkpoint_dtype, str):  # some configs keep the name
+            checkpoint_dtype = _DTYPES.get(checkpoint_dtype.removeprefix("torch."))
+        half = (torch.float16, torch.bfloat16)
+        return checkpoint_dtype if checkpoint_dtype in half else torch.bfloat16
 
     def resolve_lora_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         return model_dtype if self.lora_dtype == "auto" else _DTYPES[self.lora_dtype]
+
+
+def check_graph_sizes(sizes) -> list[int]:
+    """CUDA graph batch sizes: positive ints, sorted, without duplicates."""
+    if isinstance(sizes, (str, bytes)) or not hasattr(sizes, "__iter__"):
+        raise ValueError(f"cuda_graph_sizes must be a list of batch sizes, got {sizes!r}")
+    sizes = list(sizes)
+    bad = [s for s in sizes if isinstance(s, bool) or not isinstance(s, int) or s < 1]
+    if bad or not sizes:
+        raise ValueError(f"cuda_graph_sizes must be positive ints, got {sizes!r}")
+    return sorted(set(sizes))
 
 
 def _positive(args: EngineArgs, *names: str) -> None:

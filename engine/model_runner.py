@@ -13,6 +13,8 @@ from lorapool import kernels
 from lorapool.engine.batch import BatchMetadata
 from lorapool.engine.block_manager import BlockManager
 from lorapool.engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineArgs
+from lorapool.engine.cuda_graphs import DecodeGraphs, capture_sizes
+from lorapool.engine.kv_budget import activation_reserve, kv_cache_budget
 from lorapool.engine.loader import load_model
 from lorapool.engine.scheduler import ScheduledSeq, SchedulerOutput
 
@@ -50,6 +52,20 @@ class ModelRunner:
             self.block_size,
             self.num_blocks * self._block_bytes() / 2**20,
         )
+        self.graphs = self._capture_graphs(args)
+
+    def _capture_graphs(self, args: EngineArgs) -> DecodeGraphs | None:
+        if args.enforce_eager:
+            return None
+        if self.device.type != "cuda":
+            logger.info("CUDA graphs need a CUDA device; running eagerly on %s", self.device)
+            return None
+        max_blocks = -(-self.max_model_len // self.block_size)
+        sizes = capture_sizes(args.cuda_graph_sizes, args.max_num_seqs)
+        graphs = DecodeGraphs(self._forward, sizes, max_blocks, self.device)
+        with torch.inference_mode():
+            graphs.capture()
+        return graphs
 
     def _block_bytes(self) -> int:
         per_layer = math.prod(self.model.kv_cache_shape(1, self.block_size))  # K or V
@@ -61,7 +77,11 @@ class ModelRunner:
         budget = args.kv_cache_memory
         if budget is None and self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
-            budget = int(free - total * (1 - args.gpu_memory_utilization))
+            itemsize = torch.finfo(self.dtype).bits // 8
+            reserve = activation_reserve(
+                self.model.args, args.max_num_batched_tokens, args.max_num_seqs, itemsize
+            )
+            budget = kv_cache_budget(free, total, args.gpu_memory_utilization, reserve)
         if budget is None:
             budget = DEFAULT_CPU_KV_CACHE_BYTES
         num_blocks = budget // self._block_bytes()
@@ -117,6 +137,7 @@ class ModelRunner:
             query_start_loc=torch.tensor(starts, dtype=torch.int32),
             logits_indices=torch.tensor(logits_indices, dtype=torch.long),
             lora_slots=torch.tensor(lora_slots, dtype=torch.int32) if lora_slot_of else None,
+            uses_lora=any(s >= 0 for s in lora_slots),
         )
         batch = batch.to(self.device)
         if not kernels.use_triton(batch.input_ids):  # the CPU attention plans once a step
@@ -144,7 +165,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: BatchMetadata) -> torch.Tensor:
-        """Forward the batch; returns float32 logits [S, vocab] for ``logits_indices``."""
+        """Forward the batch; returns float32 logits [S, vocab] for ``logits_indices``.
+
+        A decode step replays its CUDA graph when graphs are captured (``cuda_graphs``).
+        """
+        if self.graphs is not None and self.graphs.can_run(batch, batch.uses_lora):
+            return self.graphs.run(batch)
+        return self._forward(batch)
+
+    def _forward(self, batch: BatchMetadata) -> torch.Tensor:
         hidden = self.model.forward(batch, self.kv_caches)
         if batch.logits_indices.numel() == 0:
             return hidden.new_empty((0, self.model.vocab_size), dtype=torch.float32)

@@ -9,7 +9,12 @@ import click
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 # Scripts whose plain name would shadow a module when run (python benchmarks/X.py puts
 # benchmarks/ first on sys.path): the stdlib's queue, Hugging Face's kernels.
-SCRIPTS = {"queue": "queue_path", "kernels": "kernel_ops", "queue-path": "queue_gpu"}
+SCRIPTS = {
+    "queue": "queue_path",
+    "kernels": "kernel_ops",
+    "queue-path": "queue_gpu",
+    "gpu": "gpu_check",
+}
 
 
 @click.command(

@@ -1,0 +1,100 @@
+"""Greedy generation by transformers (the oracle) and by our engine, and their comparison."""
+
+from __future__ import annotations
+
+import gc
+from dataclasses import dataclass
+
+import torch
+
+from .models import EOS
+
+
+@torch.inference_mode()
+def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' ``generate``, greedy, one request alone, stopping at EOS."""
+    device = next(model.parameters()).device
+    ids = torch.tensor([prompt], device=device)
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=0,
+        eos_token_id=EOS,
+        pad_token_id=EOS,
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+@torch.inference_mode()
+def top2_margin(model, token_ids: list[int]) -> float:
+    """The oracle's top-1 minus top-2 logit after ``token_ids``: how near a tie it was."""
+    device = next(model.parameters()).device
+    logits = model(torch.tensor([token_ids], device=device)).logits[0, -1].float()
+    top = torch.topk(logits, 2).values
+    return float(top[0] - top[1])
+
+
+def make_engine(path, device: str, dtype: str, **options):
+    from lorapool import EngineArgs, LLMEngine
+
+    options.setdefault("kv_cache_memory", 1 << 30 if device == "cuda" else 64 << 20)
+    return LLMEngine.from_engine_args(
+        EngineArgs(model=str(path), device=device, dtype=dtype, **options)
+    )
+
+
+def engine_greedy(engine, prompts, max_new_tokens: int, loras=None) -> list[list[int]]:
+    """Every request in one continuous batch; the new token ids of each, in order."""
+    from lorapool import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
+    loras = loras or [None] * len(prompts)
+    for i, (prompt, lora) in enumerate(zip(prompts, loras)):
+        engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, params, lora_request=lora)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = list(out.outputs[0].token_ids)
+    return [done[f"r{i}"] for i in range(len(prompts))]
+
+
+def free(*objects) -> None:
+    """Drop references the caller passes in and return their device memory."""
+    del objects
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+@dataclass
+class Agreement:
+    """Token agreement of ours against the oracle's, request by request."""
+
+    exact: int  # requests equal token for token
+    total: int
+    matched: int  # tokens before the first difference, summed
+    tokens: int  # oracle tokens, summed
+    first_diffs: list[tuple[int, int]]  # (request, position) of each first difference
+
+    @property
+    def share(self) -> float:
+        return round(self.matched / max(1, self.tokens), 4)
+
+    def exact_first(self, k: int, ours, theirs) -> bool:
+        return all(a[:k] == b[:k] for a, b in zip(ours, theirs))
+
+
+def agreement(ours: list[list[int]], theirs: list[list[int]]) -> Agreement:
+    exact, matched, tokens, diffs = 0, 0, 0, []
+    for i, (a, b) in enumerate(zip(ours, theirs)):
+        n = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        if a == b:
+            exact += 1
+        else:
+            diffs.append((i, n))
+        matched += n
+        tokens += len(b)
+    return Agreement(exact, len(theirs), matched, tokens, diffs)

@@ -1,0 +1,144 @@
+"""Section 3: the engine on the device against transformers and PEFT, greedy.
+
+Per model (a ~1B Llama and a small Qwen3, generated on the device):
+
+- fp32: our engine, every prompt in one batch, against transformers' generate
+  of each prompt alone: token-exact. A difference where the oracle's own top two
+  logits are within ``TIE_MARGIN`` is reported as a near tie (summation order
+  may decide it), not as a failure; any other difference fails.
+- bf16: both sides in bf16: the agreement (tokens before the first difference
+  over all tokens) is reported; the first ``bf16_exact_tokens`` must be equal.
+- LoRA (fp32): adapters of ranks 8-64 on different projections and the base
+  model mixed in one batch, against PEFT running each request alone: exact.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from . import models, oracle
+
+TIE_MARGIN = 1e-3
+
+
+def run(ctx, rec) -> None:
+    sizes = ctx.sizes
+    root = Path(ctx.workdir) / "models"
+    for shape in sizes.models:
+        if ctx.time_left() < 0:
+            rec.note(f"time box reached before {shape.name}")
+            return
+        t0 = time.time()
+        path, hf = models.build_model(shape, root, ctx.device)
+        rec.figure(f"{shape.name}_build_s", round(time.time() - t0, 1))
+        rec.figure(
+            f"{shape.name}_params_M", float(f"{sum(p.numel() for p in hf.parameters()) / 1e6:.4g}")
+        )
+        prompts = models.prompts(sizes.parity_prompts, 32 if not ctx.tiny else 8, shape.vocab_size)
+        _fp32(ctx, rec, shape, path, hf, prompts)
+        if ctx.time_left() > 0:
+            _bf16(ctx, rec, shape, path, hf, prompts)
+        if ctx.time_left() > 0:
+            _lora(ctx, rec, shape, path, hf, prompts)
+        oracle.free(hf)
+
+
+def _fp32(ctx, rec, shape, path, hf, prompts) -> None:
+    n = ctx.sizes.parity_tokens
+    theirs = [oracle.hf_greedy(hf, p, n) for p in prompts]
+    engine = oracle.make_engine(path, ctx.device, "float32", max_num_seqs=len(prompts))
+    ours = oracle.engine_greedy(engine, prompts, n)
+    oracle.free(engine)
+    agree = oracle.agreement(ours, theirs)
+    ties, real = [], []
+    for i, pos in agree.first_diffs:
+        margin = oracle.top2_margin(hf, prompts[i] + theirs[i][:pos])
+        (ties if margin < TIE_MARGIN else real).append(
+            f"request {i} token {pos}: margin {margin:.2e}"
+        )
+    rec.figure(f"{shape.name}_fp32_exact", f"{agree.exact}/{agree.total}")
+    rec.figure(f"{shape.name}_fp32_agreement", agree.share)
+    if ties:
+        rec.note(f"{shape.name} fp32 near ties (not failures): {'; '.join(ties)}")
+    rec.check(f"{shape.name} fp32 greedy token-exact vs transformers", not real, "; ".join(real))
+
+
+def _bf16(ctx, rec, shape, path, hf_fp32, prompts) -> None:
+    n, k = ctx.sizes.parity_tokens, ctx.sizes.bf16_exact_tokens
+    hf = models.load_hf(path, ctx.device, torch.bfloat16)
+    theirs = [oracle.hf_greedy(hf, p, n) for p in prompts]
+    oracle.free(hf)
+    engine = oracle.make_engine(path, ctx.device, "bfloat16", max_num_seqs=len(prompts))
+    ours = oracle.engine_greedy(engine, prompts, n)
+    oracle.free(engine)
+    agree = oracle.agreement(ours, theirs)
+    rec.figure(f"{shape.name}_bf16_exact", f"{agree.exact}/{agree.total}")
+    rec.figure(f"{shape.name}_bf16_agreement", agree.share)
+    fp32_theirs = [oracle.hf_greedy(hf_fp32, p, n) for p in prompts]
+    rec.figure(f"{shape.name}_bf16_vs_fp32_agreement", oracle.agreement(ours, fp32_theirs).share)
+    exact = agree.exact_first(k, ours, theirs)
+    detail = f"first differences (request, token): {agree.first_diffs}"
+    rec.check(f"{shape.name} bf16 first {k} tokens equal transformers bf16", exact, detail)
+
+
+def _lora(ctx, rec, shape, path, hf, prompts) -> None:
+    from peft import PeftModel
+
+    from lorapool import LoRARequest
+
+    sizes = ctx.sizes
+    ranks = sizes.lora_ranks
+    root = Path(ctx.workdir) / "adapters"
+    dirs = models.adapters_for(path, shape, root, len(ranks), ranks, ctx.device)
+    names = list(dirs)
+    which = [
+        None if i % (len(names) + 1) == 0 else names[i % (len(names) + 1) - 1]
+        for i in range(len(prompts))
+    ]
+    loras = [None if w is None else LoRARequest(w, names.index(w) + 1, str(dirs[w])) for w in which]
+    engine = oracle.make_engine(
+        path,
+        ctx.device,
+        "float32",
+        max_num_seqs=len(prompts),
+        enable_lora=True,
+        max_loras=len(names),
+        max_lora_rank=max(ranks),
+    )
+    ours = oracle.engine_greedy(engine, prompts, sizes.parity_tokens, loras)
+    oracle.free(engine)
+    peft = PeftModel.from_pretrained(hf, str(dirs[names[0]]), adapter_name=names[0])
+    for name in names[1:]:
+        peft.load_adapter(str(dirs[name]), adapter_name=name)
+    theirs = []
+    for prompt, name in zip(prompts, which):
+        if name is None:
+            with peft.disable_adapter():
+                theirs.append(oracle.hf_greedy(peft, prompt, sizes.parity_tokens))
+        else:
+            peft.set_adapter(name)
+            theirs.append(oracle.hf_greedy(peft, prompt, sizes.parity_tokens))
+    agree = oracle.agreement(ours, theirs)
+    rec.figure(f"{shape.name}_lora_exact", f"{agree.exact}/{agree.total}")
+    rec.figure(f"{shape.name}_lora_adapters", f"{len(names)} (ranks {list(ranks)}) + base")
+    base = _base_tokens(peft, prompts, which, sizes)
+    changed = sum(a != b for a, b, name in zip(theirs, base, which) if name)
+    rec.figure(f"{shape.name}_lora_requests_changed_by_adapter", changed)
+    rec.check(
+        f"{shape.name} LoRA mixed batch token-exact vs PEFT",
+        agree.exact == agree.total,
+        f"first differences (request, token): {agree.first_diffs}",
+    )
+    peft.unload()
+
+
+def _base_tokens(peft, prompts, which, sizes) -> list[list[int]]:
+    """The base model's tokens for the adapter requests (to show the adapters matter)."""
+    out = []
+    with peft.disable_adapter():
+        for prompt, name in zip(prompts, which):
+            out.append(oracle.hf_greedy(peft, prompt, sizes.parity_tokens) if name else None)
+    return out

@@ -1,0 +1,124 @@
+"""What the kit runs in each mode: sections, time boxes, shapes, model sizes, workloads.
+
+Two modes run the same code: the full run on a GPU (at most 8 minutes on an
+H100, warm-up included) and ``--tiny`` (tiny shapes, the CPU dry run of CI, under
+2 minutes on a 2-core box). Every number that sizes the run lives here.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+SECTIONS = ("device", "kernels", "engine", "throughput", "queue")
+
+# Seconds per section (the whole-run budget caps them too). The full run's boxes add
+# to 450 s, leaving 30 s of the 480 s for five interpreter starts and the reports.
+FULL_BOXES = {"device": 25, "kernels": 110, "engine": 120, "throughput": 120, "queue": 75}
+TINY_BOXES = {"device": 10, "kernels": 30, "engine": 30, "throughput": 25, "queue": 30}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A random-weight model generated on the device (transformers config fields)."""
+
+    name: str
+    arch: str  # llama | qwen3
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    vocab_size: int
+    head_dim: int | None = None
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 4096
+
+
+# ~1B Llama (Llama-3.2-1B's shape, vocab cut to 32k so building takes seconds) and
+# Qwen3-0.6B's shape: nothing downloaded, weights drawn on the device.
+LLAMA_1B = ModelShape("llama-1b", "llama", 2048, 8192, 16, 32, 8, 32000)
+QWEN3_SMALL = ModelShape("qwen3-0.6b", "qwen3", 1024, 3072, 28, 16, 8, 151936, 128, True)
+TINY_LLAMA = ModelShape("tiny-llama", "llama", 64, 128, 2, 4, 2, 512, max_position_embeddings=512)
+TINY_QWEN3 = ModelShape("tiny-qwen3", "qwen3", 64, 128, 3, 4, 2, 512, 32, True, 512)
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """Workloads of the engine, throughput and queue sections."""
+
+    models: tuple[ModelShape, ...]
+    parity_prompts: int = 8  # greedy parity requests per model and dtype
+    parity_tokens: int = 32
+    bf16_exact_tokens: int = 4  # bf16 must match fp32 transformers on this many first tokens
+    lora_ranks: tuple[int, ...] = (8, 16, 32, 64)
+    batch: int = 64  # throughput: requests at once
+    new_tokens: int = 256
+    prompt_len: int = 128
+    adapter_counts: tuple[int, ...] = (8, 64)
+    adapter_rank: int = 16
+    decode_tokens: int = 64  # decode-step timing: tokens per request
+    graph_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    gpu_memory_utilization: float = 0.85
+    queue_requests: int = 256
+    queue_adapters: int = 8
+    queue_tokens: int = 64
+    copy_bytes: int = 1 << 30
+    kernel_shapes: str = "full"
+
+
+FULL = Sizes(models=(LLAMA_1B, QWEN3_SMALL))
+TINY = Sizes(
+    models=(TINY_LLAMA, TINY_QWEN3),
+    parity_prompts=3,
+    parity_tokens=8,
+    lora_ranks=(4, 8),
+    batch=8,
+    new_tokens=8,
+    prompt_len=8,
+    adapter_counts=(2, 4),
+    adapter_rank=4,
+    decode_tokens=6,
+    graph_sizes=(1, 2, 4, 8),
+    queue_requests=24,
+    queue_adapters=3,
+    queue_tokens=6,
+    copy_bytes=16 << 20,
+    kernel_shapes="tiny",
+)
+
+
+@dataclass
+class Context:
+    """What the parent hands a section's process (as a JSON file)."""
+
+    device: str  # cuda | cpu
+    tiny: bool
+    workdir: str  # shared by the sections: models and adapters built once
+    deadline: float  # time.time() by which the section must be done
+    earlier: dict = field(default_factory=dict)  # name -> figures of the sections before
+
+    @property
+    def sizes(self) -> Sizes:
+        return TINY if self.tiny else FULL
+
+    @property
+    def margin(self) -> float:
+        """Seconds a section keeps in hand before its deadline when it starts a step."""
+        return 2.0 if self.tiny else 15.0
+
+    def time_left(self) -> float:
+        return self.deadline - time.time() - self.margin
+
+    @property
+    def copy_gbps(self) -> float | None:
+        return self.earlier.get("device", {}).get("copy_GBps")
+
+    def save(self, path: Path) -> None:
+        path.write_text(json.dumps(asdict(self)))
+
+    @classmethod
+    def load(cls, path: Path) -> Context:
+        return cls(**json.loads(Path(path).read_text()))

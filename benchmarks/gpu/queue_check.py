@@ -1,0 +1,171 @@
+"""Section 5: one ``lorapool worker`` on the device, fed through a Redis-compatible server.
+
+The in-process engine runs the workload first (``queue_requests`` requests,
+the base model and ``queue_adapters`` adapters in turn, greedy) and gives the
+expected tokens and the engine-alone tokens/s. Then a private server starts
+from a binary (``server.py``), one ``lorapool worker`` process with the same
+engine options serves it, and a producer submits the same requests in one
+round trip: every result must equal the engine's, token for token; the
+worker's tokens/s (submit to the last result, both warmed up) is reported
+against the engine alone. Both sides run in float32: the worker's batches form
+as requests arrive, and bf16 rounding differs between batch shapes.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from . import models, oracle
+from .server import Server, find_binary
+
+PREFIX = "gpukit"
+
+
+def run(ctx, rec) -> None:
+    sizes = ctx.sizes
+    shape = sizes.models[0]
+    path, hf = models.build_model(shape, Path(ctx.workdir) / "models", ctx.device)
+    oracle.free(hf)
+    del hf
+    adapters = models.adapters_for(
+        path,
+        shape,
+        Path(ctx.workdir) / "tp-adapters",
+        sizes.queue_adapters,
+        (sizes.adapter_rank,),
+        ctx.device,
+    )
+    names = [None, *adapters]
+    which = [names[i % len(names)] for i in range(sizes.queue_requests)]
+    prompts = models.prompts(sizes.queue_requests, 32, shape.vocab_size, seed=3)
+    expected, engine_tps = _in_process(ctx, path, prompts, which, adapters)
+    rec.figure("requests", len(prompts))
+    rec.figure("engine_tokens_per_s", round(engine_tps, 1))
+    binary = find_binary()
+    if not rec.check("a server binary is installed", binary is not None, "see make gpu-wheels"):
+        return
+    server = Server(binary)
+    rec.figure("server", f"{binary.name} {server.version()}")
+    try:
+        _through_worker(ctx, rec, server, path, prompts, which, adapters, expected, engine_tps)
+    finally:
+        server.stop()
+
+
+def _engine_options(ctx) -> dict:
+    sizes = ctx.sizes
+    return dict(
+        max_num_seqs=sizes.queue_requests,
+        max_num_batched_tokens=max(2048, sizes.queue_requests),
+        enable_lora=True,
+        max_loras=sizes.queue_adapters,
+        max_lora_rank=sizes.adapter_rank,
+    )
+
+
+def _params(ctx):
+    from lorapool import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=ctx.sizes.queue_tokens, ignore_eos=True)
+
+
+def _in_process(ctx, path, prompts, which, adapters):
+    from lorapool import LoRARequest
+
+    ids = {name: i + 1 for i, name in enumerate(adapters)}
+    loras = [None if w is None else LoRARequest(w, ids[w], str(adapters[w])) for w in which]
+    engine = oracle.make_engine(path, ctx.device, "float32", **_engine_options(ctx))
+    oracle.engine_greedy(engine, prompts[:4], 2, loras[:4])  # warm-up
+    t0 = time.perf_counter()
+    expected = oracle.engine_greedy(engine, prompts, ctx.sizes.queue_tokens, loras)
+    seconds = time.perf_counter() - t0
+    oracle.free(engine)
+    return expected, sum(map(len, expected)) / seconds
+
+
+def _through_worker(ctx, rec, server, path, prompts, which, adapters, expected, engine_tps):
+    from lorapool.producer import Producer
+
+    producer = Producer(server.url, prefix=PREFIX)
+    for name, directory in adapters.items():
+        producer.registry.add(name, str(directory))
+    log = Path(ctx.workdir) / "worker.log"
+    worker = _start_worker(ctx, server.url, path, log)
+    try:
+        t_start = time.time()
+        _wait_worker(producer, worker, log, ctx.deadline)
+        rec.figure("worker_start_s", round(time.time() - t_start, 1))
+        params = _params(ctx)
+        warm = producer.submit_many(
+            [{"prompt_token_ids": p} for p in prompts[:4]], params, which[:4]
+        )
+        for handle in warm:
+            handle.result(timeout=max(5, ctx.deadline - time.time()))
+        t0 = time.perf_counter()
+        handles = producer.submit_many([{"prompt_token_ids": p} for p in prompts], params, which)
+        got = [h.result(timeout=max(5, ctx.deadline - time.time())) for h in handles]
+        seconds = time.perf_counter() - t0
+    finally:
+        _stop(worker)
+    tokens = [list(out.outputs[0].token_ids) for out in got]
+    worker_tps = sum(map(len, tokens)) / seconds
+    rec.figure("worker_tokens_per_s", round(worker_tps, 1))
+    rec.figure("worker_over_engine", round(worker_tps / engine_tps, 3))
+    wrong = [i for i, (a, b) in enumerate(zip(tokens, expected)) if a != b]
+    rec.figure("results_equal", f"{len(tokens) - len(wrong)}/{len(tokens)}")
+    rec.check(
+        "every worker result equals the in-process engine's",
+        not wrong,
+        f"requests differing: {wrong[:20]}",
+    )
+    loras = {out.lora_request.lora_name if out.lora_request else None for out in got}
+    rec.check("results name their adapters", loras == set(which), str(sorted(map(str, loras))))
+
+
+def _start_worker(ctx, url: str, path, log: Path) -> subprocess.Popen:
+    sizes = ctx.sizes
+    cmd = [sys.executable, "-c", "from lorapool.cli.main import main; main()", "worker"]
+    cmd += ["--model", str(path), "--device", ctx.device, "--dtype", "float32"]
+    cmd += ["--redis-url", url, "--prefix", PREFIX, "--insecure-no-key"]
+    cmd += ["--max-num-seqs", str(sizes.queue_requests), "--enable-lora"]
+    cmd += ["--max-num-batched-tokens", str(max(2048, sizes.queue_requests))]
+    cmd += ["--max-loras", str(sizes.queue_adapters), "--max-lora-rank", str(sizes.adapter_rank)]
+    if ctx.device == "cuda":
+        cmd += ["--gpu-memory-utilization", "0.5"]
+    else:
+        cmd += ["--kv-cache-memory", str(64 << 20)]
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    env.pop("TRITON_INTERPRET", None)
+    with open(log, "w") as out:  # cwd outside the checkout: its folders would shadow lorapool
+        return subprocess.Popen(cmd, cwd=ctx.workdir, env=env, stdout=out, stderr=out)
+
+
+def _wait_worker(producer, worker, log: Path, deadline: float) -> None:
+    while producer.redis.hlen(producer.keys.workers) < 1:
+        if worker.poll() is not None:
+            raise RuntimeError(f"the worker exited with {worker.returncode}: {_tail(log)}")
+        if time.time() > deadline:
+            raise RuntimeError(f"the worker did not start in time: {_tail(log)}")
+        time.sleep(0.1)
+
+
+def _stop(worker: subprocess.Popen) -> None:
+    if worker.poll() is None:
+        worker.send_signal(signal.SIGTERM)
+        try:
+            worker.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            worker.kill()
+            worker.wait()
+
+
+def _tail(log: Path) -> str:
+    try:
+        return log.read_text()[-1500:]
+    except OSError:
+        return ""

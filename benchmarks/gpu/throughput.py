@@ -1,0 +1,210 @@
+"""Section 4: throughput, each figure a ratio against a peer measured in the same run.
+
+On the first model (the ~1B Llama), in the engine's default dtype (bf16 on CUDA):
+
+- ours against transformers' ``generate``: ``batch`` requests of ``prompt_len``
+  tokens, ``new_tokens`` each (no early stop), both warmed up first;
+- 8 and 64 adapters (rank ``adapter_rank``, one per request in turn) against
+  the base model, on one engine whose KV cache is sized from free memory
+  (``gpu_memory_utilization``);
+- the decode step (``batch`` sequences, every one decoding) against its floor,
+  the weights' bytes over the copy bandwidth of section 1, with CUDA graphs off
+  and on (the same engine, captured per batch-size bucket); greedy tokens must
+  not change with graphs.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from . import models, oracle
+from .timing import Stopwatch
+
+
+def run(ctx, rec) -> None:
+    sizes, device = ctx.sizes, ctx.device
+    shape = sizes.models[0]
+    path, hf = models.build_model(shape, Path(ctx.workdir) / "models", device)
+    oracle.free(hf)
+    del hf
+    prompts = [
+        p[: sizes.prompt_len]
+        for p in models.prompts(sizes.batch, 2 * sizes.prompt_len, shape.vocab_size, seed=1)
+    ]
+    adapters = models.adapters_for(
+        path,
+        shape,
+        Path(ctx.workdir) / "tp-adapters",
+        max(sizes.adapter_counts),
+        (sizes.adapter_rank,),
+        device,
+    )
+    hf_tps = _transformers(ctx, rec, path, prompts)
+    engine = _engine(ctx, rec, path, len(adapters))
+    ours = _timed_run(engine, prompts, sizes.new_tokens)
+    rec.figure("ours_tokens_per_s", round(ours, 1))
+    rec.figure("ours_over_transformers", round(ours / hf_tps, 3))
+    _adapters(ctx, rec, engine, prompts, adapters, ours)
+    _decode_floor(ctx, rec, engine, shape)
+
+
+def _transformers(ctx, rec, path, prompts) -> float:
+    dtype = _engine_dtype(ctx.device)
+    hf = models.load_hf(path, ctx.device, dtype)
+    ids = torch.tensor(prompts, device=ctx.device)
+    n = ctx.sizes.new_tokens
+
+    def generate(tokens):
+        with torch.inference_mode():
+            hf.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=tokens,
+                min_new_tokens=tokens,
+                pad_token_id=models.EOS,
+            )
+
+    generate(4)  # warm-up
+    with Stopwatch(ctx.device) as clock:
+        generate(n)
+    tps = len(prompts) * n / clock.seconds
+    rec.figure("transformers_tokens_per_s", round(tps, 1))
+    rec.figure("dtype", str(dtype).removeprefix("torch."))
+    oracle.free(hf, ids)
+    return tps
+
+
+def _engine_dtype(device: str) -> torch.dtype:
+    from lorapool.engine.config import EngineArgs
+
+    return EngineArgs(model="-").resolve_dtype(torch.device(device), torch.float32)
+
+
+def _engine(ctx, rec, path, max_loras: int):
+    sizes = ctx.sizes
+    options = dict(
+        max_num_seqs=sizes.batch,
+        max_num_batched_tokens=max(2048, sizes.batch * 2),
+        enable_lora=True,
+        max_loras=max_loras,
+        max_cpu_loras=max_loras,
+        max_lora_rank=sizes.adapter_rank,
+        enforce_eager=ctx.device != "cuda",
+        cuda_graph_sizes=list(sizes.graph_sizes),
+    )
+    if ctx.device == "cuda":
+        options |= {"kv_cache_memory": None, "gpu_memory_utilization": sizes.gpu_memory_utilization}
+    t0 = time.time()
+    engine = oracle.make_engine(path, ctx.device, "auto", **options)
+    runner = engine.runner
+    rec.figure("engine_start_s", round(time.time() - t0, 1))
+    rec.figure("engine_dtype", str(runner.dtype).removeprefix("torch."))
+    rec.figure("kv_blocks", runner.num_blocks)
+    rec.figure("kv_cache_GiB", round(runner.num_blocks * runner._block_bytes() / 2**30, 2))
+    if ctx.device == "cuda":
+        rec.figure("gpu_memory_utilization", sizes.gpu_memory_utilization)
+        free, total = torch.cuda.mem_get_info()
+        rec.figure("used_after_kv_share", round(1 - free / total, 3))
+    graphs = getattr(runner, "graphs", None)
+    rec.figure("cuda_graph_sizes", graphs.sizes if graphs else "off (eager)")
+    return engine
+
+
+def _timed_run(engine, prompts, new_tokens: int, loras=None) -> float:
+    """Output tokens a second of one continuous batch (a short warm-up run first)."""
+    from lorapool import SamplingParams
+
+    def drive(tokens, tag):
+        params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+        for i, prompt in enumerate(prompts):
+            lora = loras[i] if loras else None
+            engine.add_request(f"{tag}{i}", {"prompt_token_ids": prompt}, params, lora_request=lora)
+        while engine.has_unfinished_requests():
+            engine.step()
+
+    drive(2, "warm")
+    t0 = time.perf_counter()
+    drive(new_tokens, "run")
+    return len(prompts) * new_tokens / (time.perf_counter() - t0)
+
+
+def _adapters(ctx, rec, engine, prompts, adapters: dict, base_tps: float) -> None:
+    from lorapool import LoRARequest
+
+    names = list(adapters)
+    for count in ctx.sizes.adapter_counts:
+        if ctx.time_left() < 0:
+            rec.note(f"time box reached before the {count}-adapter run")
+            return
+        loras = [
+            LoRARequest(names[i % count], i % count + 1, str(adapters[names[i % count]]))
+            for i in range(len(prompts))
+        ]
+        tps = _timed_run(engine, prompts, ctx.sizes.new_tokens, loras)
+        rec.figure(f"adapters_{count}_tokens_per_s", round(tps, 1))
+        rec.figure(f"adapters_{count}_over_base", round(tps / base_tps, 3))
+
+
+def _decode_floor(ctx, rec, engine, shape) -> None:
+    runner = engine.runner
+    weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    rec.figure("weights_GB", round(weight_bytes / 1e9, 3))
+    floor_s = weight_bytes / (ctx.copy_gbps * 1e9) if ctx.copy_gbps else None
+    if floor_s:
+        rec.figure("decode_floor_ms", round(floor_s * 1e3, 3))
+    graphs = getattr(runner, "graphs", None)
+    results = {}
+    for mode in ("eager", "graphs"):
+        if mode == "graphs" and graphs is None:
+            rec.note("CUDA graphs: not on this device (eager only)")
+            continue
+        if ctx.time_left() < 0:
+            rec.note(f"time box reached before the {mode} decode timing")
+            return
+        if graphs is not None:
+            graphs.enabled = mode == "graphs"
+        step_s, tokens = _decode_steps(engine, ctx.sizes, shape)
+        results[mode] = tokens
+        rec.figure(f"decode_step_ms_{mode}", round(step_s * 1e3, 3))
+        if floor_s:
+            rec.figure(f"decode_step_over_floor_{mode}", round(step_s / floor_s, 2))
+        if graphs is not None:
+            rec.figure(f"graph_replays_{mode}", graphs.replays)
+    if "graphs" in results:
+        same = results["graphs"] == results["eager"]
+        rec.check("greedy tokens equal with and without CUDA graphs", same)
+        rec.check("CUDA graphs replayed in the graphs run", graphs.replays > 0, str(graphs.replays))
+
+
+def _decode_steps(engine, sizes, shape) -> tuple[float, list]:
+    """Median seconds of steps in which all ``batch`` sequences decode; the tokens made."""
+    from lorapool import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=sizes.decode_tokens, ignore_eos=True)
+    prompts = models.prompts(sizes.batch, 16, shape.vocab_size, seed=2)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"dec{i}", {"prompt_token_ids": prompt}, params)
+    times, done = [], {}
+    while engine.has_unfinished_requests():
+        decoding = _all_decoding(engine, sizes.batch)
+        t0 = time.perf_counter()
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = list(out.outputs[0].token_ids)
+        if decoding:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times[2:] or times), [done[k] for k in sorted(done)]
+
+
+def _all_decoding(engine, batch: int) -> bool:
+    running = engine.scheduler.running
+    return (
+        not engine.scheduler.waiting
+        and len(running) == batch
+        and all(s.num_computed_tokens >= s.num_prompt_tokens for s in running)
+    )
