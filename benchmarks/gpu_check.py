@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import os
 import shutil
 import signal
@@ -40,16 +41,17 @@ from gpu.plan import FULL_BOXES, SECTIONS, TINY_BOXES, Context  # noqa: E402
 GRACE_S = 15  # after its deadline a section gets this long to stop before it is killed
 
 
-def section_module(name: str):
-    from gpu import device_info, kernel_check, parity, queue_check, throughput
+MODULES = {  # section -> its module in benchmarks/gpu/, imported by that section alone
+    "device": "device_info",
+    "kernels": "kernel_check",
+    "engine": "parity",
+    "throughput": "throughput",
+    "queue": "queue_check",
+}
 
-    return {
-        "device": device_info,
-        "kernels": kernel_check,
-        "engine": parity,
-        "throughput": throughput,
-        "queue": queue_check,
-    }[name]
+
+def section_module(name: str):
+    return importlib.import_module(f"gpu.{MODULES[name]}")
 
 
 def parse(argv=None) -> argparse.Namespace:

@@ -1,0 +1,190 @@
+"""What the CPU can test of the engine's CUDA path: dtype choice, option checks, KV sizing,
+CUDA-graph buckets, eligibility and padding, and the fall back to eager off CUDA.
+
+The graphs themselves (capture, replay) and pinned copies run only on a GPU: the GPU
+kit (``lorapool bench gpu``, section 4) checks there that greedy tokens are the same
+with and without graphs. The padded graph batch's forward is checked against the
+unpadded one under the Triton interpreter in tests/kernels/test_graph_padding.py.
+"""
+
+import logging
+import math
+
+import pytest
+import torch
+
+from lorapool.engine.batch import BatchMetadata
+from lorapool.engine.config import EngineArgs
+from lorapool.engine.cuda_graphs import StaticBatch, bucket, capture_sizes, default_sizes, graphable
+from lorapool.engine.kv_budget import activation_reserve, kv_cache_budget
+from lorapool.engine.models.args import ModelArgs
+
+CUDA, CPU = torch.device("cuda"), torch.device("cpu")
+GIB = 2**30
+
+
+@pytest.mark.parametrize(
+    "checkpoint, want",
+    [
+        (torch.float32, torch.bfloat16),  # vLLM's rule: an fp32 checkpoint runs in bf16
+        (torch.float16, torch.float16),
+        (torch.bfloat16, torch.bfloat16),
+        ("float16", torch.float16),  # configs that keep the dtype's name
+        ("torch.bfloat16", torch.bfloat16),
+        ("float32", torch.bfloat16),
+        (None, torch.bfloat16),
+    ],
+)
+def test_auto_dtype_on_cuda_is_half_precision(checkpoint, want):
+    assert EngineArgs(model="m").resolve_dtype(CUDA, checkpoint) == want
+
+
+def test_auto_dtype_on_cpu_and_explicit_dtypes():
+    assert EngineArgs(model="m").resolve_dtype(CPU, torch.bfloat16) == torch.float32
+    assert EngineArgs(model="m", dtype="float32").resolve_dtype(CUDA, None) == torch.float32
+    assert EngineArgs(model="m", dtype="float16").resolve_dtype(CUDA, None) == torch.float16
+
+
+@pytest.mark.parametrize("bad", [0, 0.0, -0.1, 1.01, math.nan, math.inf, "0.9", None])
+def test_gpu_memory_utilization_is_a_share(bad):
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        EngineArgs(model="m", gpu_memory_utilization=bad)
+
+
+def test_gpu_memory_utilization_bounds_are_open_at_zero_closed_at_one():
+    assert EngineArgs(model="m", gpu_memory_utilization=1).gpu_memory_utilization == 1
+    assert EngineArgs(model="m", gpu_memory_utilization=0.05).gpu_memory_utilization == 0.05
+
+
+@pytest.mark.parametrize("bad", [[], [0], [4, -1], [True], ["8"], "8", 8, [2.0]])
+def test_cuda_graph_sizes_are_checked(bad):
+    with pytest.raises(ValueError, match="cuda_graph_sizes"):
+        EngineArgs(model="m", cuda_graph_sizes=bad)
+
+
+def test_cuda_graph_sizes_are_sorted_without_duplicates_and_eager_is_the_default():
+    args = EngineArgs(model="m", cuda_graph_sizes=[8, 1, 8, 4])
+    assert args.cuda_graph_sizes == [1, 4, 8]
+    assert EngineArgs(model="m").enforce_eager is True  # graphs stay off until measured
+
+
+def test_default_buckets_follow_vllm():
+    assert default_sizes(1) == [1]
+    assert default_sizes(3) == [1, 2, 3]
+    assert default_sizes(10) == [1, 2, 4, 8, 10]
+    sizes = default_sizes(256)
+    assert sizes[:4] == [1, 2, 4, 8] and sizes[-1] == 256
+    assert all(b - a == 8 for a, b in zip(sizes[3:], sizes[4:]))
+
+
+def test_capture_sizes_drop_what_exceeds_max_num_seqs():
+    assert capture_sizes([1, 8, 64, 512], 64) == [1, 8, 64]
+    assert capture_sizes([512], 64) == [1]  # always one graph to fall into
+    assert capture_sizes(None, 16) == [1, 2, 4, 8, 16]
+
+
+@pytest.mark.parametrize(
+    "num_seqs, want", [(1, 1), (2, 2), (3, 4), (5, 8), (8, 8), (9, 16), (64, 64), (65, None)]
+)
+def test_bucket_is_the_smallest_that_holds_the_batch(num_seqs, want):
+    assert bucket(num_seqs, [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]) == want
+
+
+def _batch(query_lens, seq_lens, sampled=None, width=3):
+    tokens = sum(query_lens)
+    starts = [0]
+    for q in query_lens:
+        starts.append(starts[-1] + q)
+    sampled = len(query_lens) if sampled is None else sampled
+    return BatchMetadata(
+        input_ids=torch.arange(10, 10 + tokens),
+        positions=torch.tensor(
+            [s - 1 for s in seq_lens] if tokens == len(seq_lens) else [0] * tokens
+        ),
+        slot_mapping=torch.arange(100, 100 + tokens),
+        block_tables=torch.arange(1, 1 + len(query_lens) * width, dtype=torch.int32).view(
+            -1, width
+        ),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        logits_indices=torch.arange(sampled),
+    )
+
+
+def test_only_pure_decode_steps_without_adapters_are_graphable():
+    assert graphable(_batch([1, 1, 1], [5, 9, 30]), uses_lora=False)
+    assert not graphable(_batch([1, 1, 1], [5, 9, 30]), uses_lora=True)
+    assert not graphable(_batch([4, 1], [4, 9]), uses_lora=False)  # a prefill in the step
+    assert not graphable(_batch([1, 1], [5, 9], sampled=1), uses_lora=False)
+
+
+def test_static_batch_pads_rows_past_the_batch():
+    static = StaticBatch(4, 5, CPU)
+    static.fill(_batch([1, 1, 1], [5, 9, 30]))  # leaves row 3 as padding
+    b = static.batch
+    assert b.input_ids.tolist() == [10, 11, 12, 0]
+    assert b.slot_mapping.tolist() == [100, 101, 102, -1]  # padding writes no KV
+    assert b.seq_lens.tolist() == [5, 9, 30, 1]
+    assert b.block_tables[:3, :3].tolist() == [[1, 2, 3], [4, 5, 6], [7, 8, 9]]
+    assert b.block_tables[:, 3:].eq(0).all() and b.block_tables[3].eq(0).all()
+    assert b.query_start_loc.tolist() == [0, 1, 2, 3, 4]
+    assert b.logits_indices.tolist() == [0, 1, 2, 3]
+    static.fill(_batch([1], [7], width=1))  # a smaller batch after a larger one: no leftovers
+    assert b.slot_mapping.tolist() == [100, -1, -1, -1]
+    assert b.block_tables.tolist() == [[1, 0, 0, 0, 0]] + [[0] * 5] * 3
+
+
+def test_static_batch_refuses_what_does_not_fit():
+    with pytest.raises(ValueError, match="does not fit"):
+        StaticBatch(2, 5, CPU).fill(_batch([1, 1, 1], [5, 9, 30]))
+    with pytest.raises(ValueError, match="does not fit"):
+        StaticBatch(4, 2, CPU).fill(_batch([1, 1], [5, 9], width=3))
+
+
+LLAMA_1B = ModelArgs(32000, 2048, 8192, 16, 32, 8, 64, 1e-5, 4096, 5e5, None, *[False] * 5)
+
+
+def test_kv_budget_is_the_share_less_what_is_used_and_the_reserve():
+    free, total = 70 * GIB, 80 * GIB  # 10 GiB in use: weights, context, other processes
+    assert kv_cache_budget(free, total, 0.9, 2 * GIB) == int(72 * GIB) - 10 * GIB - 2 * GIB
+    assert kv_cache_budget(free, total, 1.0, 0) == 70 * GIB
+
+
+def test_kv_budget_says_what_to_change_when_nothing_is_left():
+    with pytest.raises(ValueError, match="raise gpu_memory_utilization"):
+        kv_cache_budget(10 * GIB, 80 * GIB, 0.5, 1 * GIB)  # 70 GiB used of the 40 allowed
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        kv_cache_budget(10 * GIB, 80 * GIB, 0.0, 0)
+
+
+def test_activation_reserve_grows_with_the_step_and_fits_a_1b_model():
+    small = activation_reserve(LLAMA_1B, 2048, 256, 2)
+    assert activation_reserve(LLAMA_1B, 8192, 256, 2) > small
+    assert activation_reserve(LLAMA_1B, 2048, 512, 2) > small
+    assert activation_reserve(LLAMA_1B, 2048, 256, 4) > small
+    # 2048 tokens of a 1B model in bf16: about 0.4 GiB of activations, 256 rows of
+    # 32k logits, the slack; far below a GPU, far above nothing
+    assert 0.3 * GIB < small < 2 * GIB
+
+
+def test_graphs_fall_back_to_eager_off_cuda(tiny_model_path, caplog):
+    from lorapool import EngineArgs as Args
+    from lorapool import LLMEngine, SamplingParams
+
+    caplog.set_level(logging.INFO, logger="lorapool.engine.model_runner")
+    path = str(tiny_model_path("llama"))
+    outs = []
+    for eager in (True, False):
+        engine = LLMEngine.from_engine_args(
+            Args(model=path, enforce_eager=eager, cuda_graph_sizes=[1, 2, 4])
+        )
+        assert engine.runner.graphs is None
+        for i, prompt in enumerate([[5, 6, 7], [9] * 20, [300, 4]]):
+            params = SamplingParams(temperature=0.0, max_tokens=6)
+            engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, params)
+        done = {}
+        while engine.has_unfinished_requests():
+            done |= {o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished}
+        outs.append(done)
+    assert outs[0] == outs[1]
+    assert "CUDA graphs need a CUDA device" in caplog.text

