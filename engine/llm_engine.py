@@ -28,11 +28,20 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from transformers import AutoTokenizer, GenerationConfig
+from transformers import AutoTokenizer
 
 from lorapool.engine.block_manager import BlockManager
 from lorapool.engine.config import EngineArgs
+from lorapool.engine.guide import (
+    GuideFactory,
+    MaskPool,
+    advance_guide,
+    allowed,
+    request_guide,
+    start_masks,
+)
 from lorapool.engine.input_processor import InputLimits, InputProcessor
+from lorapool.engine.loader import eos_token_ids
 from lorapool.engine.lora.manager import LoRAManager, adapter_key
 from lorapool.engine.model_runner import LogitsRows, ModelRunner
 from lorapool.engine.output_processor import OutputProcessor
@@ -65,7 +74,7 @@ class LLMEngine:
             ),
             self.block_manager,
         )
-        self.eos_token_ids = _eos_token_ids(args.model, self.runner.hf_config, self.tokenizer)
+        self.eos_token_ids = eos_token_ids(args.model, self.runner.hf_config, self.tokenizer)
         self.sampler = Sampler(self.eos_token_ids, seed=args.seed)
         self.inputs = InputProcessor(
             self.tokenizer,
@@ -78,6 +87,9 @@ class LLMEngine:
             ),
         )
         self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
+        self.guides = GuideFactory(self.tokenizer, self.runner.model.vocab_size, self.eos_token_ids)
+        self.mask_pool = MaskPool(self.guides.words)
+        self._num_guided = 0  # live requests with a structured output
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
         self._pending: list[RequestOutput] = []
@@ -118,25 +130,39 @@ class LLMEngine:
         seq = Sequence(
             next(self._seq_ids), request, 0, request.prompt_token_ids + request.resumed_token_ids
         )
+        seq.guide = self._guide(request)
         request.seqs.append(seq)
         self.outputs.start(seq)
         self.scheduler.add(seq)
         self.requests[request_id] = request
 
+    def _guide(self, request: Request):
+        guide = request_guide(self.guides, request)
+        if guide is not None:
+            self._num_guided += 1
+            request.guided = True
+        return guide
+
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         """Stop requests now; each gets a final output with finish_reason 'abort'."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         for rid in ids:
-            request = self.requests.pop(rid, None)
+            request = self._pop(rid)
             if request is not None:
                 self._end_request(request, "abort")
 
     def fail_request(self, request_id: str, error: str) -> None:
         """End a request with finish_reason 'error' and the error text."""
-        request = self.requests.pop(request_id, None)
+        request = self._pop(request_id)
         if request is not None:
             request.error = error
             self._end_request(request, "error")
+
+    def _pop(self, request_id: str) -> Request | None:
+        request = self.requests.pop(request_id, None)
+        if request is not None and request.guided:
+            self._num_guided -= 1
+        return request
 
     def _end_request(self, request: Request, reason: str) -> None:
         while len(request.seqs) < request.params.n:  # samples that never forked end too
@@ -210,9 +236,10 @@ class LLMEngine:
         batch, layout = self.runner.prepare(scheduled, self.block_manager, slot_of)
         if self.lora_manager is not None:
             self.lora_manager.set_step_for(scheduled, self.runner.device)
-        logits = self.runner.execute(batch)
+        masks = start_masks(self.mask_pool, layout) if self._num_guided else None
+        logits = self.runner.execute(batch)  # the masks are filled meanwhile
         self.scheduler.postprocess(scheduled)
-        for request in self._process_logits(logits, layout):
+        for request in self._process_logits(logits, layout, masks):
             outputs += self._collect(request)
         return outputs
 
@@ -267,8 +294,13 @@ class LLMEngine:
                 metrics.time_in_queue = now - metrics.arrival_time
                 item.seq.request.num_cached_tokens = item.start  # served by the prefix cache
 
-    def _process_logits(self, logits: torch.Tensor, layout: list[LogitsRows]) -> list[Request]:
+    def _process_logits(
+        self, logits: torch.Tensor, layout: list[LogitsRows], masks=None
+    ) -> list[Request]:
         rows, targets, logit_rows = [], [], []
+        if masks is not None:
+            job, mask_of = masks
+            ok = allowed(job.result(), logits.shape[1])
         for entry in layout:
             seq = entry.item.seq
             if len(entry.prompt_rows):
@@ -276,6 +308,7 @@ class LLMEngine:
             if entry.sample_row is None:
                 continue
             num = seq.request.params.n if seq.request.needs_fork else 1
+            mask = None if seq.guide is None else ok[mask_of[seq.seq_id]]
             for i in range(num):
                 rows.append(
                     SamplingRow(
@@ -283,6 +316,7 @@ class LLMEngine:
                         seq.prompt_token_ids,
                         seq.output_token_ids,
                         seq_index=seq.index + i,
+                        allowed=mask,
                     )
                 )
                 targets.append((seq, i))
@@ -297,6 +331,8 @@ class LLMEngine:
         for (seq, i), result in zip(targets, results):
             target = self._fork(seq, i) if i else seq
             self.outputs.append(target, result.token_id, result.logprob, result.top_logprobs)
+            if target.guide is not None:
+                advance_guide(target, result.token_id)
             touched[target.request.request_id] = target.request
         return list(touched.values())
 
@@ -324,6 +360,8 @@ class LLMEngine:
     def _fork(self, parent: Sequence, index: int) -> Sequence:
         request = parent.request
         child = Sequence(next(self._seq_ids), request, index, request.prompt_token_ids)
+        if parent.guide is not None:  # forks happen before the first token: a fresh state
+            child.guide = self.guides.guide(request.params.structured_outputs)
         request.seqs.append(child)
         self.outputs.start(child)
         self.scheduler.fork(parent, child)
@@ -348,19 +386,5 @@ class LLMEngine:
                 self.scheduler.finish(seq)
         output = self.outputs.make_output(request)
         if request.is_finished:
-            self.requests.pop(request.request_id, None)
+            self._pop(request.request_id)
         return [] if output is None else [output]
-
-
-def _eos_token_ids(model: str, hf_config, tokenizer) -> set[int]:
-    """The generation config's EOS ids (what transformers' generate stops on)."""
-    try:
-        eos = GenerationConfig.from_pretrained(model).eos_token_id
-    except OSError:
-        eos = None
-    if eos is None:
-        eos = getattr(hf_config, "eos_token_id", None)
-    if eos is None:
-        eos = tokenizer.eos_token_id
-    ids = eos if isinstance(eos, list) else [eos]
-    return {int(i) for i in ids if i is not None}

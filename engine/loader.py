@@ -9,12 +9,12 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from transformers import AutoConfig, PretrainedConfig
+from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 
 from lorapool.engine.models import get_model_class
 from lorapool.identity import safetensors_files, weights_sha256
 
-__all__ = ["iter_weights", "load_model", "safetensors_files", "weights_sha256"]
+__all__ = ["eos_token_ids", "iter_weights", "load_model", "safetensors_files", "weights_sha256"]
 
 
 def load_model(
@@ -40,3 +40,17 @@ def iter_weights(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
         with safe_open(file, framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a Mapping
                 yield name, f.get_tensor(name)
+
+
+def eos_token_ids(model: str, hf_config, tokenizer) -> set[int]:
+    """The generation config's EOS ids (what transformers' generate stops on)."""
+    try:
+        eos = GenerationConfig.from_pretrained(model).eos_token_id
+    except OSError:
+        eos = None
+    if eos is None:
+        eos = getattr(hf_config, "eos_token_id", None)
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    ids = eos if isinstance(eos, list) else [eos]
+    return {int(i) for i in ids if i is not None}

@@ -1,4 +1,5 @@
-"""Logit penalties applied before temperature: repetition, frequency, presence, min_tokens.
+"""Logit penalties applied before temperature: repetition, frequency, presence, min_tokens;
+and OpenAI's logit_bias, added before them (vLLM's order).
 
 Semantics (vLLM's, which match transformers' and OpenAI's):
   repetition (HF style, over prompt + output tokens): l > 0 -> l / r, else l * r
@@ -44,6 +45,22 @@ def apply_penalties(
     for name in ("frequency_penalty", "presence_penalty"):
         _subtract(x, [(i, r) for i, r in enumerate(rows) if getattr(r.params, name) != 0.0], name)
     _min_tokens(x, rows, eos_token_ids)
+    return x
+
+
+def apply_logit_bias(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """``logits`` plus each row's ``logit_bias`` (a copy when some row has one, else
+    ``logits`` itself); ids past the vocabulary are ignored."""
+    biased = [(i, r.params.logit_bias) for i, r in enumerate(rows) if r.params.logit_bias]
+    if not biased:
+        return logits
+    x = logits.clone()
+    vocab = x.shape[1]
+    for i, bias in biased:
+        ids = [t for t in bias if t < vocab]
+        if ids:
+            values = torch.tensor([bias[t] for t in ids], dtype=x.dtype, device=x.device)
+            x[i, torch.tensor(ids, dtype=torch.long, device=x.device)] += values
     return x
 
 

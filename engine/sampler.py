@@ -3,9 +3,11 @@
 Per row (vLLM's semantics):
   1. logprobs, when asked, are those of the raw model distribution
      (log_softmax of the unprocessed logits);
-  2. penalties and min_tokens (``penalties.py``);
-  3. greedy rows (temperature < 1e-5) take the argmax;
-  4. the others: temperature, top-k, top-p, min-p (``warpers.py``), then a draw.
+  2. logit_bias, penalties and min_tokens (``penalties.py``);
+  3. a structured output's grammar: tokens it does not allow -> -inf (``guide.py``);
+     rows without one are not touched;
+  4. greedy rows (temperature < 1e-5) take the argmax;
+  5. the others: temperature, top-k, top-p, min-p (``warpers.py``), then a draw.
 
 The draw inverts the CDF of the processed distribution with one uniform
 number u in (0, 1] per row. A row whose request has a ``seed`` derives u only
@@ -21,7 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from lorapool.engine.penalties import apply_penalties
+from lorapool.engine.guide import apply_masks
+from lorapool.engine.penalties import apply_logit_bias, apply_penalties
 from lorapool.engine.warpers import warp
 from lorapool.outputs import Logprob
 from lorapool.protocol import SamplingParams
@@ -39,6 +42,7 @@ class SamplingRow:
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]  # generated so far (before this step)
     seq_index: int = 0  # which of the request's n completions
+    allowed: torch.Tensor | None = None  # [V] bool: the grammar's allowed tokens (or None)
 
 
 @dataclass
@@ -62,7 +66,9 @@ class Sampler:
             return []
         logits = logits.float()
         raw = _raw_logprobs(logits, rows)
-        processed = apply_penalties(logits, rows, self.eos_token_ids)
+        biased = apply_logit_bias(logits, rows)
+        processed = apply_penalties(biased, rows, self.eos_token_ids)
+        processed = apply_masks(processed, rows, fallback=logits)
         tokens = self._sample(processed, rows, owned=processed is not logits)
         return _results(tokens, raw, rows)
 

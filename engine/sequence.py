@@ -43,6 +43,7 @@ class Sequence:
         self.detokenizer: Any = None  # set by the engine's output processor
         self.num_sent_tokens = 0  # output tokens already in a streamed output
         self.sent_text = ""  # output text already in a streamed output
+        self.guide: Any = None  # a structured output's grammar state (engine.guide.Guide)
 
     @property
     def num_tokens(self) -> int:
@@ -107,6 +108,7 @@ class Request:
     num_cached_tokens: int = 0
     max_tokens: int = 16  # params.max_tokens resolved against the model length
     resumed_token_ids: list[int] = field(default_factory=list)  # generated elsewhere, streamed
+    guided: bool = False  # has a structured output (its sequences carry a Guide)
 
     def __post_init__(self):
         if self.metrics is None:

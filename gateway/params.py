@@ -12,6 +12,8 @@ from typing import Any
 
 from lorapool.egress import EgressRefused, split_url
 from lorapool.gateway.errors import bad_request, field_error
+from lorapool.gateway.structured import PARAMETERS as STRUCTURED
+from lorapool.gateway.structured import structured_of
 from lorapool.lifecycle.submit import check_on_finish
 from lorapool.protocol import FieldError, SamplingParams, short_repr
 
@@ -36,13 +38,15 @@ SAMPLING = {
         "skip_special_tokens",
         "include_stop_str_in_output",
         "spaces_between_special_tokens",
+        "logit_bias",
     )
 }
 COMMON = {"model", "stream", "stream_options", "user"}
 # accepted when null or at their default, refused otherwise (naming them)
-INERT = {"logit_bias": None, "best_of": None, "suffix": None, "echo": False, "tools": None}
-COMPLETIONS = COMMON | set(SAMPLING) | {"prompt", "logprobs"}
-CHAT = COMMON | set(SAMPLING) | {"messages", "logprobs", "top_logprobs", "max_completion_tokens"}
+INERT = {"best_of": None, "suffix": None, "echo": False, "tools": None}
+COMPLETIONS = COMMON | set(SAMPLING) | STRUCTURED | {"prompt", "logprobs"}
+CHAT = COMMON | set(SAMPLING) | STRUCTURED
+CHAT |= {"messages", "logprobs", "top_logprobs", "max_completion_tokens"}
 MAX_USER = 256
 
 
@@ -98,6 +102,10 @@ def _common(body: dict[str, Any]) -> tuple[str, bool, bool, dict[str, Any]]:
 def _sampling(body: dict[str, Any], extra: dict[str, Any], names: dict[str, str]) -> SamplingParams:
     values = {SAMPLING[k]: v for k, v in body.items() if k in SAMPLING and v is not None}
     values.update(extra)
+    constraint, name = structured_of(body)
+    if constraint is not None:
+        values["structured_outputs"] = constraint
+        names["structured_outputs"] = name
     try:
         return SamplingParams(**values)
     except FieldError as exc:

@@ -17,6 +17,7 @@ from importlib import import_module
 
 from lorapool.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from lorapool.protocol import LoRARequest, RequestOutputKind, SamplingParams
+from lorapool.structured import GuidedDecodingParams, StructuredOutputsParams
 
 _LAZY = {
     "LLM": "lorapool.engine.llm",
@@ -34,6 +35,8 @@ __all__ = [
     "RequestOutput",
     "RequestOutputKind",
     "SamplingParams",
+    "StructuredOutputsParams",
+    "GuidedDecodingParams",
     *_LAZY,
 ]
 

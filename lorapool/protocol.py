@@ -50,6 +50,10 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # token id -> bias added to its logit, in [-100, 100] (OpenAI's logit_bias)
+    logit_bias: dict[int, float] | None = None
+    # the grammar the completions must follow (lorapool.structured, vLLM's field)
+    structured_outputs: Any = None
 
     def __post_init__(self):
         self.verify()
@@ -83,6 +87,12 @@ class SamplingParams:
                 f"got {short_repr(self.output_kind)}"
             ) from None
         self._verify()
+        if self.logit_bias is not None:
+            self.logit_bias = check_logit_bias(self.logit_bias)
+        if self.structured_outputs is not None:
+            from lorapool.structured import StructuredOutputsParams
+
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
 
     def _verify(self) -> None:
         _int_field("n", self.n, lo=1)
@@ -129,11 +139,38 @@ class SamplingParams:
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["output_kind"] = self.output_kind.value
+        if self.logit_bias is not None:  # JSON object keys are strings
+            data["logit_bias"] = {str(k): v for k, v in self.logit_bias.items()}
+        if self.structured_outputs is not None:
+            data["structured_outputs"] = self.structured_outputs.to_dict()
         return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SamplingParams:
         return cls(**_fields_of(cls, data, "sampling_params", "sampling parameter(s)"))
+
+
+MAX_LOGIT_BIAS = 1024  # entries (OpenAI allows 300)
+
+
+def check_logit_bias(bias: Any) -> dict[int, float]:
+    """``{token id: bias}`` with ids as ints (JSON gives them as strings) and biases
+    finite numbers in [-100, 100]; FieldError naming the bad entry."""
+    if not (isinstance(bias, dict) and len(bias) <= MAX_LOGIT_BIAS):
+        raise FieldError(
+            f"sampling_params.logit_bias must be an object of at most {MAX_LOGIT_BIAS} "
+            f"token ids to biases, got {short_repr(bias)}"
+        )
+    out = {}
+    for key, value in bias.items():
+        token = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() else key
+        if not (is_int(token) and 0 <= token <= INT32_MAX):
+            raise FieldError(
+                f"sampling_params.logit_bias keys must be token ids, got {short_repr(key)}"
+            )
+        _real_field(f"logit_bias[{token}]", value, lo=-100.0, hi=100.0)
+        out[token] = float(value)
+    return out
 
 
 class FieldError(ValueError):

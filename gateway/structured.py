@@ -1,0 +1,84 @@
+"""A request's structured output, from OpenAI's ``response_format`` or vLLM's
+``guided_*`` / ``structured_outputs`` parameters, checked before anything is queued.
+
+One way per request: two of them is a 400 naming both. The constraint is compiled
+once here (llguidance, no tokenizer needed), so an invalid schema, regex or grammar
+gets a 400 naming the parameter and the problem rather than a failed job.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lorapool.gateway.errors import bad_request
+from lorapool.protocol import FieldError, short_repr
+from lorapool.structured import StructuredOutputsParams, check_grammar
+
+GUIDED = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
+# accepted and ignored: one engine serves every constraint
+GUIDED_OPTIONS = ("guided_decoding_backend", "guided_whitespace_pattern")
+PARAMETERS = {"response_format", "structured_outputs", *GUIDED, *GUIDED_OPTIONS}
+
+
+def structured_of(body: dict[str, Any]) -> tuple[StructuredOutputsParams | None, str | None]:
+    """(the request's constraint, the parameter it came from); (None, None) without one."""
+    given = [name for name in ("response_format", "structured_outputs", *GUIDED)
+             if body.get(name) is not None]  # fmt: skip
+    if body.get("response_format") is not None and _is_text(body["response_format"]):
+        given.remove("response_format")
+    if len(given) > 1:
+        raise bad_request(f"give one of {', '.join(given)}, not several", given[1])
+    if not given:
+        return None, None
+    name = given[0]
+    try:
+        params = _params(name, body[name], body.get("guided_whitespace_pattern"))
+        check_grammar(params)
+    except FieldError as exc:
+        message = str(exc).removeprefix("sampling_params.structured_outputs")
+        raise bad_request(f"{name}: {message.lstrip('.: ')}", name) from None
+    except (TypeError, ValueError) as exc:
+        raise bad_request(f"{name}: {exc}", name) from None
+    return params, name
+
+
+def _is_text(response_format: Any) -> bool:
+    return isinstance(response_format, dict) and response_format.get("type") == "text"
+
+
+def _params(name: str, value: Any, whitespace: Any) -> StructuredOutputsParams:
+    extra = {} if whitespace is None else {"whitespace_pattern": whitespace}
+    if name == "response_format":
+        return _response_format(value)
+    if name == "structured_outputs":
+        return StructuredOutputsParams.from_dict(value)
+    return StructuredOutputsParams(**{GUIDED[name]: value}, **extra)
+
+
+def _response_format(value: Any) -> StructuredOutputsParams:
+    """OpenAI's ``{"type": "json_object"}`` or ``{"type": "json_schema", "json_schema":
+    {"name", "schema", "strict", "description"}}``."""
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if kind != "json_schema":
+        raise FieldError(
+            "type must be 'text', 'json_object' or 'json_schema', got "
+            f"{short_repr(kind if isinstance(value, dict) else value)}"
+        )
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict):
+        raise FieldError(f"json_schema must be an object, got {short_repr(spec)}")
+    schema = spec.get("schema", {})
+    if not isinstance(schema, dict):
+        raise FieldError(f"json_schema.schema must be an object, got {short_repr(schema)}")
+    strict = spec.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise FieldError(f"json_schema.strict must be true or false, got {short_repr(strict)}")
+    # strict: OpenAI's strict mode, which closes every object to unlisted properties
+    return StructuredOutputsParams(json=schema, disable_additional_properties=bool(strict))

@@ -1,0 +1,94 @@
+"""Structured outputs and logit_bias at the job boundary: shapes, bounds, the wire."""
+
+from __future__ import annotations
+
+import math
+
+import orjson
+import pytest
+
+from lorapool.lifecycle.wire import decode_job, encode_job, job_from_dict
+from lorapool.protocol import FieldError, SamplingParams
+from lorapool.structured import MAX_CONSTRAINT_BYTES, StructuredOutputsParams, check_grammar
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+def test_a_constraint_travels_on_the_wire_and_back():
+    params = SamplingParams(
+        structured_outputs={"json": SCHEMA, "disable_additional_properties": True},
+        logit_bias={"7": 2.5, 9: -100},
+    )
+    job = job_from_dict({"request_id": "r", "prompt": "x", "sampling_params": params.to_dict()})
+    back = decode_job(encode_job(job)).sampling_params
+    assert back.structured_outputs == params.structured_outputs
+    assert back.structured_outputs.json == SCHEMA
+    assert back.logit_bias == {7: 2.5, 9: -100.0}
+    assert orjson.loads(orjson.dumps(back.to_dict()))["logit_bias"] == {"7": 2.5, "9": -100.0}
+
+
+@pytest.mark.parametrize(
+    "value, problem",
+    [
+        ({}, "exactly one of"),
+        ({"regex": "a", "choice": ["a"]}, "exactly one of"),
+        ({"choice": []}, "1 to 1024"),
+        ({"choice": ["a", 3]}, "non-empty strings"),
+        ({"json": "{nope"}, "not valid JSON"),
+        ({"json": [1]}, "must be a JSON schema"),
+        ({"json_object": "yes"}, "json_object must be true"),
+        ({"regex": ""}, "non-empty string"),
+        ({"grammar": 3}, "non-empty string"),
+        ({"regex": "a", "whitespace_pattern": 1}, "whitespace_pattern"),
+        ({"regex": "a", "bogus": 1}, "unknown structured_outputs field"),
+        ({"regex": "a" * (MAX_CONSTRAINT_BYTES + 1)}, "over the limit"),
+        ("json", "must be an object"),
+    ],
+)
+def test_a_malformed_constraint_is_named(value, problem):
+    with pytest.raises(FieldError, match=problem):
+        SamplingParams(structured_outputs=value)
+
+
+@pytest.mark.parametrize(
+    "bias, problem",
+    [
+        ({"x": 1}, "keys must be token ids"),
+        ({"-1": 1}, "keys must be token ids"),
+        ({"1": math.nan}, r"logit_bias\[1\] must be a finite number"),
+        ({"1": 101}, r"logit_bias\[1\] must be in \[-100.0, 100.0\]"),
+        ({"1": "2"}, "finite number"),
+        ([1], "must be an object"),
+        ({str(i): 0 for i in range(1025)}, "at most 1024"),
+    ],
+)
+def test_a_bad_logit_bias_is_named(bias, problem):
+    with pytest.raises(FieldError, match=problem):
+        SamplingParams(logit_bias=bias)
+
+
+@pytest.mark.parametrize(
+    "params, problem",
+    [
+        (StructuredOutputsParams(json={"type": "objectx"}), "objectx"),
+        (StructuredOutputsParams(regex="(("), "unclosed group"),
+        (StructuredOutputsParams(grammar="start: nowhere"), "nowhere"),
+        (StructuredOutputsParams(grammar="root ::= ("), "grammar"),
+    ],
+)
+def test_check_grammar_names_what_does_not_compile(params, problem):
+    with pytest.raises(FieldError, match=problem):
+        check_grammar(params)
+
+
+def test_every_kind_compiles():
+    for params in (
+        StructuredOutputsParams(json=SCHEMA),
+        StructuredOutputsParams(json_object=True),
+        StructuredOutputsParams(regex="[0-9]+"),
+        StructuredOutputsParams(choice=['say "hi"', "a\\b", "日本"]),
+        StructuredOutputsParams(grammar='start: "a"+'),
+        StructuredOutputsParams(grammar='root ::= "a" [b-c]*'),
+        StructuredOutputsParams(json=SCHEMA, whitespace_pattern=r"[ ]?"),
+    ):
+        assert check_grammar(params)
