@@ -20,6 +20,19 @@ from lorapool.kernels import LoRAMapping, lora_cpu
 from lorapool.kernels.lora_cpu import SlotWeights
 
 
+def stage(
+    a: torch.Tensor, b: torch.Tensor, scaling: float, dtype: torch.dtype, pin: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A slice as the slot buffers hold it: (A [r, in], scaling * B^T [r, out]) in ``dtype``.
+
+    ``pin``: in page-locked host memory, so that copies to the GPU run asynchronously
+    (a copy from ordinary memory waits for the GPU, then copies).
+    """
+    a = a.to(dtype).contiguous()
+    b_t = (b * scaling).T.to(dtype).contiguous()
+    return (a.pin_memory(), b_t.pin_memory()) if pin else (a, b_t)
+
+
 class LoRAStep:
     """The per-step state every LoRA layer reads: token mapping and active rank."""
 
@@ -73,13 +86,20 @@ class LoRALayer:
         self, slot: int, index: int, a: torch.Tensor, b: torch.Tensor, scaling: float
     ) -> None:
         """Write slice ``index`` of ``slot``: A [r, in], B [out, r] (B scaled here)."""
-        rank = a.shape[0]
-        start = self.offsets[index]
+        self.clear_slice(slot, index)
+        self.write_staged(slot, index, *stage(a, b, scaling, self.lora_a.dtype))
+
+    def clear_slice(self, slot: int, index: int) -> None:
+        start, width = self.offsets[index], self.output_sizes[index]
         self.lora_a[slot, index].zero_()
-        self.lora_a[slot, index, :rank] = a.to(self.lora_a.dtype)
-        cols = self.lora_b[slot, :, start : start + b.shape[0]]
-        cols.zero_()
-        cols[:rank] = (b * scaling).T.to(self.lora_b.dtype)
+        self.lora_b[slot, :, start : start + width].zero_()
+
+    def write_staged(self, slot: int, index: int, a: torch.Tensor, b_t: torch.Tensor) -> None:
+        """Copy a staged slice (``stage``) into ``slot``, the slice's other entries left as
+        they are (zero after ``clear_slot``); non-blocking from pinned host memory."""
+        rank, start = a.shape[0], self.offsets[index]
+        self.lora_a[slot, index, :rank].copy_(a, non_blocking=True)
+        self.lora_b[slot, :rank, start : start + b_t.shape[1]].copy_(b_t, non_blocking=True)
 
     def clear_slot(self, slot: int) -> None:
         self.lora_a[slot].zero_()

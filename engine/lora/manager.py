@@ -33,7 +33,7 @@ from lorapool.engine.lora.adapter import (
     load_adapter,
     resolve_path,
 )
-from lorapool.engine.lora.layers import LoRALayer, LoRAStep
+from lorapool.engine.lora.layers import LoRALayer, LoRAStep, stage
 from lorapool.kernels import LoRAMapping
 from lorapool.protocol import LoRARequest
 
@@ -55,7 +55,12 @@ class LoRAManager:
         self.adapter_roots = list(args.adapter_roots)
         self.shapes = ModelShapes.of(model)
         self.step = LoRAStep()
-        self.layers = _attach_layers(model, args, device, args.resolve_lora_dtype(dtype), self.step)
+        self.lora_dtype = args.resolve_lora_dtype(dtype)
+        self.layers = _attach_layers(model, args, device, self.lora_dtype, self.step)
+        # adapters of the CPU cache as the slots hold them, in pinned memory on CUDA, so
+        # that a swap into a slot is a few asynchronous copies (built at first use)
+        self.pin = device.type == "cuda"
+        self.staged: dict[int, dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]] = {}
         self.cpu: OrderedDict[int, LoRAAdapter] = OrderedDict()
         self.registry: dict[int, tuple[str, str]] = {}  # id -> (resolved path, sha256)
         self.expected: dict[int, str] = {}  # id -> sha256 its weights must have (the pool's)
@@ -81,6 +86,7 @@ class LoRAManager:
         self._evict_slot(lora_id)
         self.cpu.pop(lora_id, None)
         self.pinned.discard(lora_id)
+        self.staged.pop(lora_id, None)
         self.registry.pop(lora_id, None)
         self.raw_paths.pop(lora_id, None)
         return known
@@ -221,6 +227,7 @@ class LoRAManager:
                 return
             if lora_id not in self.pinned and lora_id not in self.slot_lru:
                 del self.cpu[lora_id]
+                self.staged.pop(lora_id, None)
 
     def _free_slot(self, request: LoRARequest, in_step: set[int]) -> int:
         if None in self.slots:
@@ -253,12 +260,24 @@ class LoRAManager:
         lora_id = adapter.lora_request.lora_int_id
         for layer in self.layers.values():
             layer.clear_slot(slot)
-        for (layer_idx, name), (a, b) in adapter.weights.items():
+        for (layer_idx, name), (a, b_t) in self._staged(adapter).items():
             module_name, index = TARGETS[name]
-            self.layers[(layer_idx, module_name)].set_slot(slot, index, a, b, adapter.scaling)
+            self.layers[(layer_idx, module_name)].write_staged(slot, index, a, b_t)
         self.slots[slot] = lora_id
         self.slot_lru[lora_id] = None
         self.slot_ranks[lora_id] = adapter.rank
+
+    def _staged(self, adapter: LoRAAdapter):
+        lora_id = adapter.lora_request.lora_int_id
+        staged = self.staged.get(lora_id)
+        if staged is None:
+            staged = {
+                key: stage(a, b, adapter.scaling, self.lora_dtype, self.pin)
+                for key, (a, b) in adapter.weights.items()
+            }
+            if lora_id in self.cpu:  # kept while the adapter is
+                self.staged[lora_id] = staged
+        return staged
 
 
 def _attach_layers(model, args: EngineArgs, device, dtype, step: LoRAStep):

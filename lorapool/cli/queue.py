@@ -52,6 +52,21 @@ def _producer(redis_url, prefix, shards=0):
     default=None,
     help="bytes for the KV cache [default: 1 GiB on CPU, a share of free memory on GPU]",
 )
+@click.option(
+    "--gpu-memory-utilization",
+    type=click.FloatRange(0, 1, min_open=True),
+    callback=lambda ctx, param, value: _finite(param, value),
+    default=0.9,
+    show_default=True,
+    help="share of the GPU's memory the engine may hold (as vLLM's); the KV cache gets "
+    "what the weights and activations leave of it",
+)
+@click.option(
+    "--enforce-eager/--no-enforce-eager",
+    default=True,
+    show_default=True,
+    help="run decode steps eagerly; --no-enforce-eager captures CUDA graphs of them",
+)
 @click.option("--enable-prefix-caching", is_flag=True)
 @count_option("--max-n", DEFAULT_MAX_N, "most completions per request")
 @count_option("--max-prompt-bytes", DEFAULT_MAX_PROMPT_BYTES, "larger prompts are refused")
@@ -151,6 +166,12 @@ def worker(name, adapter_roots, drain_timeout, insecure_no_key, redis_url, **opt
         serve(args, config, connect(redis_url, retries=LOOP_RETRIES))
     except ModelMismatchError as exc:
         raise click.ClickException(str(exc)) from None
+
+
+def _finite(param, value: float) -> float:
+    if value != value:  # NaN passes FloatRange's comparisons
+        raise click.BadParameter("must be a number in (0, 1]", param=param)
+    return value
 
 
 def _audit_key(insecure: bool) -> dict:

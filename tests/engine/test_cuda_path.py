@@ -188,3 +188,68 @@ def test_graphs_fall_back_to_eager_off_cuda(tiny_model_path, caplog):
         outs.append(done)
     assert outs[0] == outs[1]
     assert "CUDA graphs need a CUDA device" in caplog.text
+
+
+@pytest.mark.parametrize("value", ["0", "1.5", "-0.2", "nan", "x"])
+def test_worker_refuses_a_gpu_memory_utilization_outside_its_range(value):
+    from click.testing import CliRunner
+
+    from lorapool.cli.main import cli
+
+    args = ["worker", "--model", "m", "--gpu-memory-utilization", value, "--insecure-no-key"]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 2, result.output
+    assert "--gpu-memory-utilization" in result.output
+
+
+def test_worker_options_reach_engine_args():
+    from lorapool.cli.options import config_from
+
+    options = {"model": "m", "gpu_memory_utilization": 0.5, "enforce_eager": False}
+    args = config_from(EngineArgs, options)
+    assert (args.gpu_memory_utilization, args.enforce_eager) == (0.5, False)
+
+
+def test_staged_slices_write_what_set_slot_writes():
+    from lorapool.engine.lora.layers import LoRALayer, LoRAStep, stage
+
+    gen = torch.Generator().manual_seed(0)
+    layers = [LoRALayer(16, [8, 4, 4], 3, 6, torch.bfloat16, CPU, LoRAStep()) for _ in range(2)]
+    for layer in layers:  # stale values the writes must not leave behind in their slices
+        layer.lora_a.fill_(9.0)
+        layer.lora_b.fill_(9.0)
+    a, b = torch.randn(5, 16, generator=gen), torch.randn(4, 5, generator=gen)
+    layers[0].set_slot(1, 2, a, b, scaling=0.5)
+    layers[1].clear_slice(1, 2)
+    layers[1].write_staged(1, 2, *stage(a, b, 0.5, torch.bfloat16))
+    assert torch.equal(layers[0].lora_a, layers[1].lora_a)
+    assert torch.equal(layers[0].lora_b, layers[1].lora_b)
+    assert layers[1].lora_b[1, :5, 12:].float().sub((b * 0.5).T).abs().max() < 0.05
+    assert layers[1].lora_b[1, 5:, 12:].eq(0).all() and layers[1].lora_b[1, :, :12].eq(9).all()
+
+
+def test_staged_adapters_leave_with_the_cpu_cache(tiny_model_path, tmp_path):
+    from adapters import build_adapter
+
+    from lorapool import EngineArgs as Args
+    from lorapool import LLMEngine, LoRARequest, SamplingParams
+
+    path = str(tiny_model_path("llama"))
+    engine = LLMEngine.from_engine_args(
+        Args(model=path, enable_lora=True, max_loras=1, max_cpu_loras=1, max_lora_rank=8)
+    )
+    manager = engine.lora_manager
+    assert manager.pin is False  # pinned host memory only for a CUDA device
+    loras = [
+        LoRARequest(f"a{i}", i + 1, str(build_adapter(path, tmp_path / f"a{i}", seed=i)))
+        for i in range(2)
+    ]
+    for i, lora in enumerate(loras):
+        params = SamplingParams(temperature=0.0, max_tokens=2)
+        engine.add_request(f"r{i}", {"prompt_token_ids": [5, 6, 7]}, params, lora_request=lora)
+        while engine.has_unfinished_requests():
+            engine.step()
+        assert manager.staged and set(manager.staged) <= set(manager.cpu)  # one each at most
+    for lora in loras:
+        engine.remove_lora(lora.lora_int_id)
+    assert manager.staged == {}
