@@ -38,7 +38,8 @@ bench: model
 
 # What the lent GPU machine lacks (no network there), as cp312 manylinux x86_64 wheels in
 # .whl/ (git-ignored, under 40 MiB): README "Proving it on a GPU" carries them there.
-WHEEL_PLATFORMS := $(foreach p,manylinux_2_28 manylinux_2_27 manylinux_2_17 manylinux2014 manylinux1,--platform $(p)_x86_64)
+# pip matches each manylinux tag exactly; the machine's glibc is 2.39 (Ubuntu 24.04, Python 3.12.3)
+WHEEL_PLATFORMS := $(foreach p,manylinux_2_35 manylinux_2_34 manylinux_2_31 manylinux_2_28 manylinux_2_27 manylinux_2_17 manylinux2014 manylinux1,--platform $(p)_x86_64)
 gpu-wheels:
 	rm -rf .whl && mkdir .whl
 	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \

