@@ -202,6 +202,10 @@ class LLMEngine:
         """The requests in the running batch (those a failed step may have touched)."""
         return {seq.request.request_id for seq in self.scheduler.running}
 
+    def request_limits(self) -> dict[str, int]:
+        """The bounds ``add_request`` holds a request to, for a gateway to check first."""
+        return {"max_model_len": self.max_model_len, "max_logprobs": self.args.max_logprobs}
+
     def kv_cache_usage(self) -> float:
         """Share (0..1) of the KV cache's blocks held by requests (for metrics)."""
         return 1.0 - self.block_manager.num_free_blocks / self.block_manager.num_blocks

@@ -6,11 +6,14 @@ FastAPI: typed routes, and the OpenAPI description of every endpoint at ``/docs`
 from __future__ import annotations
 
 import asyncio
+import logging
 from contextlib import asynccontextmanager
+from http import HTTPStatus
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lorapool.connection import REDIS_DOWN
 from lorapool.gateway import adapters, audit, batches, dashboard, health, jobs, openai_api
@@ -19,6 +22,8 @@ from lorapool.gateway.config import GatewayConfig
 from lorapool.gateway.errors import APIError
 from lorapool.gateway.pool import Pool
 from lorapool.gateway.schemas import component_schemas
+
+logger = logging.getLogger(__name__)
 
 
 def create_app(config: GatewayConfig) -> FastAPI:
@@ -79,9 +84,29 @@ def _describe_bodies(app: FastAPI) -> None:
 
 
 def _install_errors(app: FastAPI) -> None:
+    """Every 4xx and 5xx in OpenAI's error shape, FastAPI's and Starlette's own too (an
+    unknown route, a wrong method, a body that does not validate, a bad multipart form,
+    an unexpected exception: 500 without its details)."""
+
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError):
         return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        message = exc.detail if isinstance(exc.detail, str) else HTTPStatus(exc.status_code).phrase
+        path = request.url.path[:200]
+        if exc.status_code == 404 and message == "Not Found":
+            message = f"no route {path}"
+        elif exc.status_code == 405:
+            message = f"{request.method} is not allowed on {path}"
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        return APIError(exc.status_code, message, None, code, exc.headers).response()
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception):
+        logger.exception("unexpected error on %s %s", request.method, request.url.path)
+        return APIError(500, "the gateway failed unexpectedly", code="internal_error").response()
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError):
@@ -93,6 +118,10 @@ def _install_errors(app: FastAPI) -> None:
 
         @app.exception_handler(kind)
         async def redis_down(request: Request, exc: Exception):
+            retry = str(request.app.state.pool.config.retry_after_s)
             return APIError(
-                503, f"the queue is unreachable: {exc}", code="redis_unavailable"
+                503,
+                f"the queue is unreachable: {exc}",
+                code="redis_unavailable",
+                headers={"Retry-After": retry},
             ).response()

@@ -42,6 +42,12 @@ class Principal:
     def external_id(self, request_id: str) -> str:
         return request_id if self.tenant is None else request_id.split("~", 1)[1]
 
+    @property
+    def sees_internals(self) -> bool:
+        """Server paths and worker names are shown to admin keys and to an open
+        (no-auth) deployment only, never to a tenant's submit or audit key."""
+        return self.tenant is None or self.role == "admin"
+
     def may_use(self, adapter: str) -> bool:
         return self.adapters is None or adapter in self.adapters
 

@@ -20,6 +20,7 @@ _TYPES = {
     413: "invalid_request_error",
     429: "rate_limit_error",
     499: "client_closed_request",
+    500: "server_error",
     503: "service_unavailable",
     504: "timeout",
 }
@@ -29,7 +30,8 @@ _JOB_FIELDS = {"prompt", "prompt_token_ids", "messages", "metadata", "request_id
 
 
 class APIError(Exception):
-    """An HTTP error the client sees in OpenAI's shape."""
+    """An HTTP error the client sees in OpenAI's shape (``body()``: the same object a
+    stream's error event carries)."""
 
     def __init__(
         self,
@@ -43,10 +45,21 @@ class APIError(Exception):
         self.status, self.message, self.param, self.code = status, message, param, code
         self.headers = headers
 
+    def body(self) -> dict:
+        return {"error": error_object(self.status, self.message, self.param, self.code)}
+
     def response(self) -> JSON:
-        kind = _TYPES.get(self.status) or HTTPStatus(self.status).phrase.lower().replace(" ", "_")
-        body = {"message": self.message, "type": kind, "param": self.param, "code": self.code}
-        return JSON({"error": body}, status_code=self.status, headers=self.headers)
+        return JSON(self.body(), status_code=self.status, headers=self.headers)
+
+
+def error_object(status: int, message: str, param: str | None = None, code=None) -> dict:
+    """OpenAI's error object for an HTTP ``status``."""
+    try:
+        phrase = HTTPStatus(status).phrase.lower().replace(" ", "_")
+    except ValueError:
+        phrase = "error"
+    kind = _TYPES.get(status) or ("server_error" if status >= 500 else phrase)
+    return {"message": message, "type": kind, "param": param, "code": code}
 
 
 def bad_request(message: str, param: str | None) -> APIError:
@@ -87,4 +100,30 @@ def field_error(
     prefix = f"sampling_params.{field}"
     if message.startswith(prefix) and param:
         message = param + message[len(prefix) :]
+    return APIError(400, message, param)
+
+
+# what a worker's message about one request may be about, first match wins (a whole
+# word: "logprobs" is not "max_logprobs")
+_WORKER_FIELDS = re.compile(
+    r"\b(prompt_logprobs|logprobs|stop_token_ids|max_tokens|seed|n|adapter|prompt)\b"
+)
+
+
+def failed_request(
+    error: str, request_id: str, public_id: str, names: dict[str, str] | None = None
+) -> APIError:
+    """The APIError of a request its worker failed: 500 for an engine fault, else 400
+    naming the request's parameter (chat's ``top_logprobs`` as such), the internal
+    request id replaced by the one the client knows."""
+    message = error.replace(request_id, public_id) if request_id else error
+    if error.startswith("engine step failed"):
+        return APIError(500, message, code="engine_error")
+    match = _WORKER_FIELDS.search(message)
+    field = match.group(1) if match else None
+    if field == "adapter":
+        return APIError(400, message, "model")
+    param = (names or {}).get(field, field)
+    if field and param != field and field != "prompt":
+        message = re.sub(rf"\b{field}\b", param, message)
     return APIError(400, message, param)

@@ -20,19 +20,19 @@ def state_name(state: dict[str, Any], output: RequestOutput | None) -> str:
     return "finished"
 
 
-def adapter_identity(output: RequestOutput, record: dict | None) -> dict[str, Any] | None:
-    """Name, id and path of the adapter that ran the job, and its weights' sha256 (from
-    the registry record of that name and id)."""
+def adapter_identity(
+    output: RequestOutput, record: dict | None, internals: bool = True
+) -> dict[str, Any] | None:
+    """Name, id and (with ``internals``) path of the adapter that ran the job, and its
+    weights' sha256 (from the registry record of that name and id)."""
     lora = output.lora_request
     if lora is None:
         return None
     same = record is not None and record.get("id") == lora.lora_int_id
-    return {
-        "name": lora.lora_name,
-        "id": lora.lora_int_id,
-        "path": lora.lora_path,
-        "sha256": record.get("sha256") if same else None,
-    }
+    identity = {"name": lora.lora_name, "id": lora.lora_int_id, "path": lora.lora_path}
+    if not internals:
+        del identity["path"]
+    return {**identity, "sha256": record.get("sha256") if same else None}
 
 
 def job_body(
@@ -41,10 +41,15 @@ def job_body(
     output: RequestOutput,
     adapter: dict | None,
     base: dict | None,
+    internals: bool = True,
 ) -> dict[str, Any]:
-    """GET /v1/jobs/{id} of a final job."""
+    """GET /v1/jobs/{id} of a final job; without ``internals`` (a tenant's key) no
+    adapter path and no worker name, and errors name the job by ``job_id``."""
     completion_tokens = sum(len(c.token_ids) for c in output.outputs)
-    identity = adapter_identity(output, adapter)
+    identity = adapter_identity(output, adapter, internals)
+    error = output.error
+    if error and output.request_id:
+        error = error.replace(output.request_id, job_id)
     result = {
         "outputs": [
             {
@@ -61,15 +66,17 @@ def job_body(
         "usage": usage(len(output.prompt_token_ids or ()), completion_tokens),
         "adapter": identity,
         "base_model": base,
-        "worker": output.worker,
-        "error": output.error,
+        "worker": output.worker if internals else None,
+        "error": error,
     }
     model = identity["name"] if identity else (base or {}).get("name")
     return {"id": job_id, "object": "job", "status": status, "model": model, "result": result}
 
 
-def chunk_event(chunk: Chunk) -> dict[str, Any]:
-    """One chunk as the events stream sends it (its seq is the event id)."""
+def chunk_event(chunk: Chunk, public_id: str | None = None) -> dict[str, Any]:
+    """One chunk as the events stream sends it (its seq is the event id). With a
+    ``public_id`` (a tenant's key): no adapter path and no worker, and errors name the
+    job by that id."""
     event: dict[str, Any] = {
         "seq": chunk.seq,
         "outputs": [
@@ -87,4 +94,12 @@ def chunk_event(chunk: Chunk) -> dict[str, Any]:
         value = getattr(chunk, name)
         if value is not None:
             event[name] = value
+    if public_id is not None:
+        event.pop("worker", None)
+        if isinstance(event.get("lora_request"), dict):
+            event["lora_request"] = {
+                k: v for k, v in event["lora_request"].items() if k != "lora_path"
+            }
+        if event.get("error"):
+            event["error"] = event["error"].replace(chunk.request_id, public_id)
     return event

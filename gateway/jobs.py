@@ -62,7 +62,9 @@ async def submit_job(
         if request_id is not None:
             raise bad_request("give either request_id or Idempotency-Key", "request_id")
         request_id = idempotent_id(idempotency_key)
+    _check_request_id(request_id)
     lora = await pool.resolve_model(parsed.model, caller)
+    await pool.check_limits(parsed)
     if on_finish is not None:
         await pool.check_webhook(on_finish, caller)
     await pool.check_rate(caller, 1, parsed.params)
@@ -78,6 +80,18 @@ async def submit_job(
     # id "Ā" answered 500), which the GET route decodes back
     location = f"/v1/jobs/{quote(external, safe='')}"
     return JSON(body, status_code=202, headers={"Location": location})
+
+
+def _check_request_id(request_id) -> None:
+    """A client's job id must stay reachable at its own Location: no ``/`` (a path
+    separator: ``a/b`` would be routed elsewhere), not ``.`` or ``..`` (which clients
+    fold away); the job boundary checks the rest (a string, its length, no braces or
+    NUL)."""
+    if isinstance(request_id, str) and ("/" in request_id or request_id in (".", "..")):
+        raise bad_request(
+            f"request_id may not contain '/' or be '.' or '..', got {request_id[:80]!r}",
+            "request_id",
+        )
 
 
 async def _state(pool: Pool, job_id: str) -> dict:
@@ -113,7 +127,8 @@ async def get_job(request: Request, job_id: str, caller: Submitter) -> JSON:
     if output.lora_request is not None:
         adapter = await pool.view.adapter(output.lora_request.lora_name)
     base = await pool.view.base_model()
-    return JSON(job_body(external, state_name(state, output), output, adapter, base))
+    status, internals = state_name(state, output), caller.sees_internals
+    return JSON(job_body(external, status, output, adapter, base, internals))
 
 
 @router.get("/{job_id}/events", summary="The job's chunks as server-sent events")
@@ -134,14 +149,19 @@ async def job_events(
     state = await _state(pool, caller.job_id(job_id))
     handle = await pool.handle(caller.job_id(job_id))
     stopping, max_s = request.app.state.stopping, pool.config.events_max_s
-    events = until_stopped(_events(handle, after, state), stopping, max_s)
+    public = None if caller.sees_internals else job_id
+    events = until_stopped(_events(handle, after, state, public), stopping, max_s)
     return StreamingResponse(events, media_type="text/event-stream", headers=NO_BUFFERING)
 
 
-async def _events(handle, after: int, state: dict) -> AsyncIterator[bytes]:
+async def _events(
+    handle, after: int, state: dict, public: str | None = None
+) -> AsyncIterator[bytes]:
     """A final job is read from its first chunk (a reader placed at the final seq would
     wait for the log's compaction to learn that nothing follows); once its log is
-    compacted, the rest of an output cannot be cut at a seq: an ``error`` event says so."""
+    compacted, the rest of an output cannot be cut at a seq: an ``error`` event says so.
+    ``public``: the job's id as its tenant knows it (then nothing internal is sent)."""
+    name = public or handle.request_id
     yield b"retry: 1000\n\n"
     start = -1 if state["final"] else after
     try:
@@ -149,11 +169,11 @@ async def _events(handle, after: int, state: dict) -> AsyncIterator[bytes]:
             if chunk.seq <= after:
                 continue
             if after >= 0 and start < after and not state["log"]:
-                raise LookupError(f"the chunk log of {handle.request_id} was compacted")
-            yield sse(chunk_event(chunk), "chunk", chunk.seq)
+                raise LookupError(f"the chunk log of {name} was compacted")
+            yield sse(chunk_event(chunk, public), "chunk", chunk.seq)
     except LookupError as exc:  # compacted before this reader got its place
-        message = f"{exc}; GET /v1/jobs/{handle.request_id} has the whole result"
-        yield sse({"message": message, "id": handle.request_id}, "error")
+        message = f"{exc}; GET /v1/jobs/{quote(name, safe='')} has the whole result"
+        yield sse({"message": message, "id": name}, "error")
 
 
 @router.delete("/{job_id}", summary="Abort a job")

@@ -36,7 +36,8 @@ def pool_of(request: Request) -> Pool:
 @router.get("/models", summary="The base model and every registered adapter")
 async def list_models(request: Request, caller: Annotated[Principal, Depends(require())]) -> JSON:
     """OpenAI's model list: the pool's base model, then each adapter with ``parent`` (the
-    base model), ``root`` (its path) and lorapool's ``adapter_id`` and weights ``sha256``."""
+    base model), ``root`` (its path for admin keys, as vLLM's; its name for a tenant's
+    key, which never sees a server path) and lorapool's ``adapter_id`` and ``sha256``."""
     view = pool_of(request).view
     base = await view.base_model()
     base_name = base["name"] if base else None
@@ -46,7 +47,8 @@ async def list_models(request: Request, caller: Annotated[Principal, Depends(req
     for record in await view.adapters():
         if not caller.may_use(record["name"]):
             continue
-        card = _model_card(record["name"], base_name, record["path"], sha256=record["sha256"])
+        root = record["path"] if caller.sees_internals else record["name"]
+        card = _model_card(record["name"], base_name, root, sha256=record["sha256"])
         card["adapter_id"] = record["id"]
         data.append(card)
     return JSON({"object": "list", "data": data})
@@ -87,12 +89,15 @@ async def chat_completions(request: Request, caller: Submitter):
 async def _generate(request: Request, parsed: Parsed, kind: str, caller: Principal):
     pool = pool_of(request)
     lora = await pool.resolve_model(parsed.model, caller)
+    await pool.check_limits(parsed)
     await pool.check_rate(caller, len(parsed.prompts), parsed.params)
     ids = [caller.job_id(uuid.uuid4().hex) for _ in parsed.prompts]
     metadata = {**parsed.metadata, **caller.metadata()}
     handles = await pool.submit(parsed.prompts, parsed.params, lora, ids, metadata, parsed.names)
     params = parsed.params
-    shape = Shape(kind, handles[0].request_id, parsed.model, params.n, params.logprobs or 0)
+    public = caller.external_id(handles[0].request_id)
+    shape = Shape(kind, public, parsed.model, params.n, params.logprobs or 0,
+                  caller.external_id, parsed.names)  # fmt: skip
     if not parsed.stream:
         return JSON(shape.response(await pool.results(handles, disconnected(request), caller)))
     events = _stream(shape, handles, parsed.include_usage, pool.untaken(handles, caller))
@@ -115,15 +120,14 @@ async def _stream(
     watch = asyncio.ensure_future(_keeping(untaken, kept, handles))
     try:
         async for job, chunk in until_taken(merged_chunks(handles, kept), watch):
-            if chunk.error:
-                raise APIError(500 if "engine step" in chunk.error else 400, chunk.error)
+            shape.failed(chunk)
             prompt_tokens += len(chunk.prompt_token_ids or ())
             completion_tokens += chunk.num_tokens
             event = shape.delta_chunk(job, chunk, include_usage)
             if event is not None:
                 yield sse(event)
-    except APIError as exc:
-        yield sse({"error": {"message": exc.message, "type": "server_error", "code": exc.status}})
+    except APIError as exc:  # typed as the same failure would be without streaming
+        yield sse(exc.body())
     else:
         if include_usage:
             yield sse(shape.usage_chunk(prompt_tokens, completion_tokens))

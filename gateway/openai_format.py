@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from lorapool.gateway.errors import APIError
+from lorapool.gateway.errors import failed_request
 from lorapool.gateway.logprobs import chat_logprobs, completion_logprobs
 from lorapool.lifecycle.wire import Chunk
 from lorapool.outputs import RequestOutput
@@ -20,24 +20,41 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
-def check_failed(output: RequestOutput | Chunk) -> None:
-    """A request that failed on its worker: 500 for an engine fault, else 400 with the
-    worker's message (a prompt too long for the model, a token outside its vocabulary)."""
-    error = output.error
-    if error:
-        status = 500 if error.startswith("engine step failed") else 400
-        raise APIError(status, error)
+def check_failed(output: RequestOutput | Chunk, public_id: str, names=None) -> None:
+    """A request that failed on its worker: 500 for an engine fault, else 400 naming the
+    parameter (a prompt too long for the model, a token outside its vocabulary), with
+    the job id the client knows (``public_id``)."""
+    if output.error:
+        raise failed_request(output.error, output.request_id, public_id, names)
 
 
 class Shape:
     """One response's identity and the shape of its choices (completion or chat)."""
 
-    def __init__(self, kind: str, request_id: str, model: str, n: int, top: int = 0):
+    def __init__(
+        self,
+        kind: str,
+        public_id: str,
+        model: str,
+        n: int,
+        top: int = 0,
+        public=None,
+        names: dict[str, str] | None = None,
+    ):
+        """``public_id``: the response's id after ``cmpl-`` (never the tenant's name);
+        ``public``: a job's request id -> the id its client knows; ``names``: job field ->
+        the request's parameter (chat's ``top_logprobs``)."""
         self.chat = kind == "chat"
         self.top = top  # logprobs: the top alternatives per token
         self.chars: dict[int, int] = {}  # per choice: token text streamed (text_offset)
-        self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{request_id}"
+        self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{public_id}"
         self.model, self.n, self.created = model, n, int(time.time())
+        self.public = public or (lambda request_id: request_id)
+        self.names = names
+
+    def failed(self, output: RequestOutput | Chunk) -> None:
+        """Raises the APIError of a job its worker failed (nothing if it did not)."""
+        check_failed(output, self.public(output.request_id), self.names)
 
     def _head(self, chunk: bool) -> dict[str, Any]:
         kind = "chat.completion" if self.chat else "text_completion"
@@ -49,7 +66,7 @@ class Shape:
         """The whole non-streaming response of one job per prompt."""
         choices, prompt_tokens, completion_tokens = [], 0, 0
         for i, output in enumerate(outputs):
-            check_failed(output)
+            self.failed(output)
             prompt_tokens += len(output.prompt_token_ids or ())
             for c in output.outputs:
                 completion_tokens += len(c.token_ids)

@@ -12,6 +12,7 @@ from typing import Any
 
 from lorapool.egress import EgressRefused, split_url
 from lorapool.gateway.errors import bad_request, field_error
+from lorapool.gateway.limits import check_seed
 from lorapool.gateway.structured import PARAMETERS as STRUCTURED
 from lorapool.gateway.structured import structured_of
 from lorapool.lifecycle.submit import check_on_finish
@@ -100,6 +101,7 @@ def _common(body: dict[str, Any]) -> tuple[str, bool, bool, dict[str, Any]]:
 
 
 def _sampling(body: dict[str, Any], extra: dict[str, Any], names: dict[str, str]) -> SamplingParams:
+    check_seed(body)
     values = {SAMPLING[k]: v for k, v in body.items() if k in SAMPLING and v is not None}
     values.update(extra)
     constraint, name = structured_of(body)

@@ -18,6 +18,7 @@ from lorapool.egress import EgressError, EgressPolicy, EgressRefused, check_url,
 from lorapool.gateway.auth import OPEN, Principal
 from lorapool.gateway.config import GatewayConfig
 from lorapool.gateway.errors import APIError, field_error, model_not_found
+from lorapool.gateway.limits import LimitsCache, check_limits
 from lorapool.lifecycle.queue_position import QueuePosition
 from lorapool.producer import AsyncJobHandle, AsyncProducer
 from lorapool.producer.pool_view import PoolView
@@ -38,6 +39,7 @@ class Pool:
         )
         self.view = PoolView(self.producer)
         self.position = QueuePosition(self.producer.redis, self.producer.keys)
+        self.limits = LimitsCache()
         self._registry: AdapterRegistry | None = None
 
     async def close(self) -> None:
@@ -95,6 +97,11 @@ class Pool:
             if "unknown adapter" in str(exc) and lora is not None:
                 raise model_not_found(lora.lora_name) from None
             raise APIError(400, str(exc)) from None
+
+    async def check_limits(self, parsed) -> None:
+        """400 naming the parameter that passes a bound the pool's workers hold requests
+        to (the context, ``max_logprobs``: ``gateway/limits.py``)."""
+        check_limits(parsed, await self.limits.get(self.view))
 
     async def check_backlog(self) -> None:
         """429 with Retry-After while ``max_backlog`` entries wait for a worker: a pool

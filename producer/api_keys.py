@@ -112,13 +112,19 @@ class ApiKeys:
         return bool(self.redis.hdel(self.keys.api_keys, key_id))
 
 
+# what a lookup compares against when the key id is unknown or the key malformed
+_ABSENT = orjson.dumps({"id": "0" * 16, "tenant": "-", "role": "-", "sha256": "0" * 64})
+
+
 async def authenticate(connection, keys: Keys, key: str) -> dict[str, Any] | None:
     """The record of ``key`` (an asyncio Redis client's read), None when unknown or
-    revoked."""
+    revoked. The same work whether or not the key id exists, or the key is well formed
+    (one read, one parse, one sha256 and a constant-time comparison), so its time does
+    not tell a key id that exists from one that does not."""
     key_id = key_id_of(key)
-    if key_id is None:
-        return None
-    return matching_record(key, await connection.hget(keys.api_keys, key_id))
+    raw = await connection.hget(keys.api_keys, key_id or "-")
+    record = matching_record(key, raw if raw is not None else _ABSENT)
+    return record if key_id is not None and raw is not None else None
 
 
 # Take a request's share of its tenant's minute, or none of it: KEYS requests and tokens

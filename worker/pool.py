@@ -57,9 +57,19 @@ def heartbeat_record(worker: Worker) -> dict[str, Any]:
         "adapters": sorted({h.job.lora_request.name for h in held if h.job.lora_request}),
         "loaded": loaded_adapters(worker.engine),
         "draining": worker.draining,
+        **engine_limits(worker.engine),
     }
     worker.num_tokens = 0
     return record
+
+
+def engine_limits(engine) -> dict[str, Any]:
+    """What the gateway checks at the door and the dashboard shows: the context length,
+    ``max_logprobs`` and the KV cache in use (an engine that does not say: nothing)."""
+    limits = engine.request_limits() if hasattr(engine, "request_limits") else {}
+    if hasattr(engine, "kv_cache_usage"):
+        limits["kv_cache_usage"] = engine.kv_cache_usage()
+    return limits
 
 
 def loaded_adapters(engine) -> list[str]:

@@ -83,8 +83,7 @@ class Collector:
         try:
             body, status = shape.response([output]), 200
         except APIError as exc:
-            body = {"error": {"message": exc.message, "type": "invalid_request_error"}}
-            status = exc.status
+            body, status = exc.body(), exc.status
         response = {"status_code": status, "request_id": rid, "body": body}
         return self._line(line, response, None), status == 200
 

@@ -91,7 +91,7 @@ def test_dashboard_shows_the_running_pool(secure, api_keys, conn, prefix, audit_
         "the short job finishing",
     )
     AuditWriter(conn, audit_db[1], WriterConfig(prefix=prefix)).run(burst=True)
-    long = {"model": "ad-qv", "prompt": "Far away", "max_tokens": 600, "ignore_eos": True}
+    long = {"model": "ad-qv", "prompt": "Far away", "max_tokens": 480, "ignore_eos": True}
     running = []
     with sync_api.sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])

@@ -1,0 +1,94 @@
+"""Limits a worker holds a request to, checked at the door: a 400 naming the request's
+parameter instead of a job that fails on its worker (or runs far past what was meant).
+
+Workers publish their bounds in their heartbeat (``max_model_len``, ``max_logprobs``);
+the gateway takes the smallest over the live workers of the base model, read at most
+every ``REFRESH_S``. With no live worker the bounds are unknown, and the worker checks
+(its error then names the parameter too: ``errors.failed_request``). A text prompt's
+tokens are counted by the worker's tokenizer; here it counts as at least one token
+(token-id prompts count exactly), so ``max_tokens`` of at least the whole context is
+refused here, and any prompt the worker finds too long comes back as a 400 on ``prompt``.
+The seed takes what vLLM's API takes (a signed 64-bit integer); stop lists and strings
+are bounded by ``SamplingParams`` itself.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from lorapool.gateway.errors import APIError, bad_request
+
+REFRESH_S = 5.0
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+
+
+@dataclass(frozen=True)
+class PoolLimits:
+    max_model_len: int | None = None
+    max_logprobs: int | None = None
+
+
+def pool_limits(workers: list[dict[str, Any]], model: str | None) -> PoolLimits:
+    """The tightest bounds of the live workers that serve ``model``."""
+    serving = [w for w in workers if w.get("model") == model and not w.get("draining")]
+
+    def least(name: str) -> int | None:
+        values = [w[name] for w in serving if isinstance(w.get(name), int)]
+        return min(values) if values else None
+
+    return PoolLimits(least("max_model_len"), least("max_logprobs"))
+
+
+class LimitsCache:
+    """The pool's limits, read from the heartbeats at most every ``REFRESH_S``."""
+
+    def __init__(self):
+        self.limits, self.read_at = PoolLimits(), -REFRESH_S
+
+    async def get(self, view) -> PoolLimits:
+        if time.monotonic() - self.read_at >= REFRESH_S:
+            base = await view.base_model()
+            workers = await view.live_workers()
+            self.limits = pool_limits(workers, base.get("name") if base else None)
+            self.read_at = time.monotonic()
+        return self.limits
+
+
+def check_seed(body: dict[str, Any]) -> None:
+    seed = body.get("seed")
+    if isinstance(seed, int) and not isinstance(seed, bool) and not SEED_MIN <= seed <= SEED_MAX:
+        raise bad_request(f"seed must be from {SEED_MIN} to {SEED_MAX}, got {seed}", "seed")
+
+
+def check_limits(parsed, limits: PoolLimits) -> None:
+    """400 naming the parameter of ``parsed`` (a ``params.Parsed``) that passes a bound."""
+    names, params = parsed.names, parsed.params
+    top = params.logprobs
+    if limits.max_logprobs is not None and top is not None and top > limits.max_logprobs:
+        name = names.get("logprobs", "logprobs")
+        raise bad_request(f"{name} must be at most {limits.max_logprobs}, got {top}", name)
+    context = limits.max_model_len
+    if context is None:
+        return
+    for prompt in parsed.prompts:
+        ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else None
+        known = len(ids) if isinstance(ids, list) else 1
+        if isinstance(ids, list) and known >= context:
+            raise bad_request(
+                f"the prompt has {known} tokens; the pool's context is {context} tokens, "
+                "which leaves none to generate",
+                "prompt",
+            )
+        if params.max_tokens is not None and known + params.max_tokens > context:
+            raise _over_context(params.max_tokens, known, context, names)
+
+
+def _over_context(max_tokens: int, known: int, context: int, names: dict) -> APIError:
+    name = names.get("max_tokens", "max_tokens")
+    counted = f"{known} prompt tokens" if known > 1 else "the prompt (at least 1 token)"
+    return bad_request(
+        f"{name}={max_tokens} and {counted} exceed the pool's context of {context} tokens",
+        name,
+    )

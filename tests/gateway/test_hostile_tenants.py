@@ -1,0 +1,333 @@
+"""Issue 32's hostile tenant, over real processes: two gateways with keys, a worker, the
+audit writer and RQ workers delivering webhooks to receivers on loopback addresses of
+this process. Each test reproduces a row of the issue's table as it was done, and
+checks the answer Build asks for. (Rows 5 and 6, which pause Redis or drive a browser,
+and row 7, CSV exports, live in test_redis_stall.py, test_dashboard_sessions.py and
+test_audit_exports.py.)
+
+The operator allows one internal range for receivers, ``127.0.0.40/30``; everything
+else inward is refused. ``inward.example`` resolves to 127.0.0.1 through the egress
+module's test resolver hook (tests/conftest.py)."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import httpx
+import orjson
+import pytest
+import standardwebhooks
+from gateway_procs import serve, start_audit_writer, stop
+from receivers import Receiver
+
+from lorapool.batch.webhook_secrets import WebhookSecrets
+from lorapool.lifecycle.keys import Keys
+from lorapool.producer.api_keys import ApiKeys
+
+pytestmark = pytest.mark.integration
+ALLOWED = "127.0.0.40/30"
+JOB = {"model": "ad-qv", "prompt": "hostile", "max_tokens": 3, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def keys(conn, prefix):
+    store, secrets = ApiKeys(conn, Keys(prefix)), WebhookSecrets(conn, Keys(prefix))
+    made = {
+        "acme": store.add("acme", "submit"),
+        "globex": store.add("globex", "submit"),
+        "ops": store.add("ops", "admin"),
+    }
+    keys = {name: key for name, (_, key) in made.items()}
+    keys["acme-id"] = made["acme"][0]["id"]
+    keys["secret-acme"] = secrets.current("acme")
+    keys["secret-globex"] = secrets.current("globex")
+    return keys
+
+
+@pytest.fixture(scope="module")
+def gateways(redis_url, prefix, worker, keys, tmp_path_factory):
+    """Two gateways of the pool (auth on, one internal receiver range allowed)."""
+    procs, urls = [], []
+    for i in range(2):
+        cwd = tmp_path_factory.mktemp(f"gw{i}")
+        url, proc = serve(redis_url, prefix, cwd, "--webhook-allow", ALLOWED, auth=True)
+        procs.append(proc)
+        urls.append(url)
+    yield urls
+    for proc in procs:
+        stop(proc)
+
+
+@pytest.fixture(scope="module")
+def deliveries(redis_url, prefix, conn, tmp_path_factory):
+    """The audit writer (dispatching webhooks: 2 s attempts, 2 attempts) and two RQ
+    workers of the callback queue."""
+    cwd = tmp_path_factory.mktemp("dispatch")
+    flags = ("--callback-queue", prefix, "--webhook-allow", ALLOWED, "--webhook-deadline", "2",
+             "--webhook-max-attempts", "2", "--webhook-tenant-concurrency", "1")  # fmt: skip
+    writer = start_audit_writer(redis_url, prefix, f"sqlite:///{cwd / 'a.db'}", cwd, *flags)
+    rq = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                "from rq.cli import main; main()",
+                "worker",
+                prefix,
+                "--url",
+                redis_url,
+                "--serializer",
+                "json",
+                "--with-scheduler",
+                "--worker-class",
+                "rq.worker.SimpleWorker",
+                "-q",
+            ],
+            cwd=cwd,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )  # fmt: skip
+        for _ in range(2)
+    ]
+    yield
+    for proc in [writer, *rq]:
+        stop(proc)
+    conn.srem("rq:queues", f"rq:queue:{prefix}")
+    for key in conn.scan_iter(f"rq:*{prefix}*"):
+        conn.delete(key)
+
+
+def _auth(keys, who: str) -> dict:
+    return {"Authorization": f"Bearer {keys[who]}"}
+
+
+def _post(url: str, path: str, body, keys, who: str = "acme", **kw) -> httpx.Response:
+    return httpx.post(f"{url}{path}", json=body, headers=_auth(keys, who), timeout=60, **kw)
+
+
+def _error(response: httpx.Response, status: int) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}, error
+    return error
+
+
+def _finished(url: str, job_id: str, keys, who: str = "acme") -> dict:
+    deadline = time.monotonic() + 120
+    while True:
+        job = httpx.get(f"{url}/v1/jobs/{job_id}", headers=_auth(keys, who), timeout=30).json()
+        if job["status"] not in ("queued", "running"):
+            return job
+        assert time.monotonic() < deadline, job
+        time.sleep(0.1)
+
+
+# Row 1: webhooks aimed inward
+INWARD = [
+    "http://169.254.169.254/latest/meta-data/iam/security-credentials/",
+    "http://localhost:6411/",  # the pool's Redis, say
+    "http://127.0.0.1:6379/",
+    "http://[::1]:6379/",
+    "http://0.0.0.0:8000/",
+    "http://10.0.0.1/",
+    "http://172.16.5.4/",
+    "http://192.168.0.1/",
+    "http://100.64.0.1/",
+    "http://[fd00:ec2::254]/",
+    "http://[fe80::1]/",
+    "http://224.0.0.251/",
+    "http://[::ffff:169.254.169.254]/",
+    "http://2130706433/",  # 127.0.0.1 as one number
+    "http://inward.example:8080/",  # resolves to 127.0.0.1 (the test resolver hook)
+    "http://127.0.0.44/",  # just past the allowed range
+]
+
+
+@pytest.mark.parametrize("hook", INWARD)
+def test_row1_a_webhook_aimed_inward_is_refused_at_submit(gateways, keys, hook):
+    for url in gateways:
+        error = _error(_post(url, "/v1/jobs", {**JOB, "on_finish": hook}, keys), 400)
+        assert error["param"] == "on_finish" and "refused" in error["message"]
+
+
+def test_row1_a_redirect_inward_is_not_followed_and_the_allowed_receiver_gets_its_delivery(
+    gateways, keys, conn, prefix, deliveries
+):
+    internal = Receiver(host="127.0.0.1")  # an internal service the redirect aims at
+    bouncer = Receiver(f"redirect:http://127.0.0.1:{internal.port}/internal", host="127.0.0.41")
+    allowed = Receiver(host="127.0.0.42")
+    with internal, bouncer, allowed:
+        bounced = _post(gateways[0], "/v1/jobs", {**JOB, "on_finish": bouncer.url}, keys)
+        good = _post(gateways[1], "/v1/jobs", {**JOB, "on_finish": allowed.url}, keys)
+        assert bounced.status_code == good.status_code == 202, (bounced.text, good.text)
+        [hit] = allowed.wait_for(1, timeout=60)
+        assert len(bouncer.wait_for(2, timeout=60)) == 2  # tried twice, then dead-lettered
+        time.sleep(1)
+    assert internal.hits == []
+    event = standardwebhooks.Webhook(keys["secret-acme"]).verify(hit.body, hit.headers)
+    assert event["data"]["id"] == good.json()["id"]
+    with pytest.raises(standardwebhooks.webhooks.WebhookVerificationError):
+        standardwebhooks.Webhook(keys["secret-globex"]).verify(hit.body, hit.headers)
+    dead = [f for _, f in conn.xrange(f"{prefix}:webhook:dead")]
+    assert any(b"redirects are not followed" in f[b"reason"] for f in dead), dead
+
+
+# Row 2: a receiver that drips
+def test_row2_a_dripping_receiver_delays_only_its_own_tenant(gateways, keys, deliveries):
+    with Receiver("drip", host="127.0.0.43", drip_s=1.0) as drip, Receiver(host="127.0.0.42") as ok:
+        for _ in range(3):
+            _post(gateways[0], "/v1/jobs", {**JOB, "on_finish": drip.url}, keys, "globex")
+        drip.wait_for(1, timeout=60)
+        start = time.time()
+        job = _post(gateways[1], "/v1/jobs", {**JOB, "on_finish": ok.url}, keys).json()
+        done = _finished(gateways[1], job["id"], keys)
+        [hit] = ok.wait_for(1, timeout=30)
+    assert done["status"] == "finished"
+    assert hit.at - start < 8, f"acme's callback took {hit.at - start:.1f}s behind globex's drip"
+
+
+# Row 8: nothing internal reaches a tenant
+def test_row8_no_server_paths_or_worker_names_for_a_tenant(gateways, keys, registry):
+    models = httpx.get(f"{gateways[0]}/v1/models", headers=_auth(keys, "acme")).json()["data"]
+    assert not any(str(registry[n]["path"]) in orjson.dumps(models).decode() for n in registry)
+    admin = httpx.get(f"{gateways[1]}/v1/models", headers=_auth(keys, "ops")).json()["data"]
+    assert {m["root"] for m in admin} >= {registry["ad-qv"]["path"]}  # an admin sees them
+
+    done = _post(gateways[0], "/v1/completions", JOB, keys).json()
+    assert done["id"].startswith("cmpl-") and "acme" not in done["id"]
+    job = _post(gateways[1], "/v1/jobs", JOB, keys).json()
+    result = _finished(gateways[0], job["id"], keys)["result"]
+    assert "path" not in result["adapter"] and result["worker"] is None
+    events = httpx.get(f"{gateways[1]}/v1/jobs/{job['id']}/events", headers=_auth(keys, "acme"))
+    assert "lora_path" not in events.text and '"worker"' not in events.text
+    assert "acme~" not in events.text and "acme~" not in orjson.dumps(result).decode()
+
+
+def test_row8_a_workers_error_names_the_public_id_and_the_parameter(gateways, keys):
+    bad = {**JOB, "prompt": [999_999]}  # a token id outside the vocabulary: the worker says so
+    error = _error(_post(gateways[0], "/v1/completions", bad, keys), 400)
+    assert error["param"] == "prompt" and "acme" not in error["message"]
+    with httpx.stream("POST", f"{gateways[1]}/v1/completions", json={**bad, "stream": True},
+                      headers=_auth(keys, "acme"), timeout=60) as stream:  # fmt: skip
+        lines = [line for line in stream.iter_lines() if line.startswith("data: {")]
+    streamed = orjson.loads(lines[-1].removeprefix("data: "))["error"]
+    assert {k: streamed[k] for k in ("type", "param")} == {
+        "type": error["type"],
+        "param": "prompt",
+    }  # typed as the same failure is without streaming
+    job = _post(gateways[0], "/v1/jobs", {**bad, "request_id": "mine-1"}, keys).json()
+    failed = _finished(gateways[1], job["id"], keys)
+    assert failed["status"] == "failed" and "mine-1" in failed["result"]["error"]
+    assert "acme" not in failed["result"]["error"]
+
+
+def test_row8_a_key_ids_existence_does_not_show_in_the_time(keys, redis_url, prefix):
+    """A wrong secret for an existing key id, for an unknown one, and a malformed key do
+    the same work (one Redis read, one parse, one sha256, one constant-time compare):
+    the medians of 2,000 interleaved lookups each are within 15 µs. (Before, a malformed
+    key skipped the Redis read: 0.8 against 90 µs here; over HTTP the issue saw 1.0
+    against 2.9 ms.)"""
+    import asyncio
+
+    from lorapool.connection import connect_async
+    from lorapool.producer.api_keys import authenticate
+
+    kinds = {"existing id": f"lp_{keys['acme-id']}_" + "x" * 43,
+             "unknown id": "lp_0123456789abcdef_" + "x" * 43, "malformed": "not-a-key"}  # fmt: skip
+
+    async def measure() -> dict[str, float]:
+        connection, times = connect_async(redis_url), {k: [] for k in kinds}
+        try:
+            for i in range(2200):
+                for kind, key in kinds.items():
+                    start = time.perf_counter()
+                    assert await authenticate(connection, Keys(prefix), key) is None
+                    if i >= 200:  # the first ones warm the connection
+                        times[kind].append(time.perf_counter() - start)
+        finally:
+            await connection.aclose()
+        return {k: statistics.median(v) * 1e6 for k, v in times.items()}
+
+    medians = asyncio.run(measure())
+    assert max(medians.values()) - min(medians.values()) < 15, medians
+
+
+# Row 9: limits at the door
+LIMITS = [
+    ("/v1/jobs", {"max_tokens": 10**12}, "max_tokens"),
+    ("/v1/jobs", {"max_tokens": 100_000}, "max_tokens"),
+    ("/v1/completions", {"max_tokens": 512}, "max_tokens"),  # the whole context, no prompt
+    ("/v1/completions", {"prompt": list(range(1, 513))}, "prompt"),
+    ("/v1/completions", {"prompt": list(range(1, 500)), "max_tokens": 20}, "max_tokens"),
+    ("/v1/jobs", {"logprobs": 21}, "logprobs"),
+    ("/v1/jobs", {"logprobs": 10**6}, "logprobs"),
+    ("/v1/jobs", {"seed": 2**63}, "seed"),
+    ("/v1/jobs", {"seed": -(2**63) - 1}, "seed"),
+]
+
+
+@pytest.mark.parametrize(("path", "change", "param"), LIMITS)
+def test_row9_limits_are_checked_at_the_door(gateways, keys, path, change, param):
+    error = _error(_post(gateways[0], path, {**JOB, **change}, keys), 400)
+    assert error["param"] == param, error
+
+
+def test_row9_chat_names_top_logprobs_and_max_completion_tokens(gateways, keys):
+    chat = {"model": "ad-qv", "messages": [{"role": "user", "content": "x"}]}
+    error = _error(
+        _post(
+            gateways[1],
+            "/v1/chat/completions",
+            {**chat, "logprobs": True, "top_logprobs": 21},
+            keys,
+        ),  # fmt: skip
+        400,
+    )
+    assert error["param"] == "top_logprobs" and "top_logprobs" in error["message"]
+    error = _error(_post(gateways[1], "/v1/chat/completions",
+                         {**chat, "max_completion_tokens": 100_000}, keys), 400)  # fmt: skip
+    assert error["param"] == "max_completion_tokens"
+
+
+def test_row9_seed_at_the_edges_of_its_range_is_taken(gateways, keys):
+    for seed in (2**63 - 1, -(2**63)):
+        assert _post(gateways[0], "/v1/jobs", {**JOB, "seed": seed}, keys).status_code == 202
+
+
+# Row 10: FastAPI's and Starlette's own errors in OpenAI's shape
+def test_row10_unknown_route_wrong_method_bad_multipart(gateways, keys):
+    url = gateways[0]
+    assert _error(httpx.get(f"{url}/v1/nothing-here"), 404)["code"] == "not_found"
+    assert _error(httpx.put(f"{url}/v1/models"), 405)["code"] == "method_not_allowed"
+    assert _error(httpx.delete(f"{url}/v1/completions", headers=_auth(keys, "acme")), 405)
+    bad = httpx.post(
+        f"{url}/v1/files",
+        content=b"--x\r\nContent-Disposition: form-data; name=purpose\r\n\r\nbatch\r\n--x--",
+        headers={**_auth(keys, "acme"), "Content-Type": "multipart/form-data; boundary=x"},
+    )
+    assert _error(bad, 400)["param"] == "file"
+    garbage = httpx.post(
+        f"{url}/v1/files",
+        content=b"\x00" * 100,
+        headers={**_auth(keys, "acme"), "Content-Type": "multipart/form-data; boundary="},
+    )
+    assert garbage.status_code == 400 and set(garbage.json()["error"]) >= {"message", "type"}
+
+
+# Row 11: request ids that would be unreachable
+@pytest.mark.parametrize("rid", ["a/b", "../../x", "..", ".", "/lead"])
+def test_row11_an_id_that_cannot_be_reached_by_its_location_is_refused(gateways, keys, rid):
+    error = _error(_post(gateways[1], "/v1/jobs", {**JOB, "request_id": rid}, keys), 400)
+    assert error["param"] == "request_id"
+
+
+@pytest.mark.parametrize("rid", ["a%2Fb", "weird id?#", "Ā-ü", "a\\b"])
+def test_row11_other_odd_ids_stay_reachable_at_their_location(gateways, keys, rid):
+    submitted = _post(gateways[1], "/v1/jobs", {**JOB, "request_id": rid}, keys)
+    assert submitted.status_code == 202, submitted.text
+    location = submitted.headers["location"]
+    got = httpx.get(f"{gateways[0]}{location}", headers=_auth(keys, "acme"))
+    assert got.status_code == 200 and got.json()["id"] == rid
