@@ -95,7 +95,7 @@ def run(ctx, rec) -> None:
     for dtype in DTYPES:
         for case in (*lora, *attn, "kv"):
             if ctx.time_left() < 0:
-                rec.note(f"time box reached: cases from {dtype} {case} on were not run")
+                rec.cut_short(f"the cases from {dtype} {case} on")
                 return
             row = _run_case(case, dtype, device, gen, ctx)
             rec.row("cases", row)

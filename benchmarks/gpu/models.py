@@ -46,16 +46,17 @@ def hf_config(shape: ModelShape):
     return LlamaConfig(**kwargs)
 
 
-def build_model(shape: ModelShape, root: Path, device: str, seed: int = 0):
+def build_model(shape: ModelShape, root: Path, device: str, seed: int = 0, load: bool = True):
     """The model of ``shape`` in ``root/<name>`` (built once); returns (path, fp32 HF model).
 
-    The transformers model stays on the device, in float32, for the oracle.
+    The transformers model stays on the device, in float32, for the oracle; with
+    ``load=False`` an existing directory is not loaded and None comes back for it.
     """
     from transformers import AutoModelForCausalLM
 
     path = Path(root) / shape.name
     if (path / "config.json").is_file():
-        return path, load_hf(path, device, torch.float32)
+        return path, load_hf(path, device, torch.float32) if load else None
     torch.manual_seed(seed)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(hf_config(shape), dtype=torch.float32)

@@ -29,7 +29,7 @@ def run(ctx, rec) -> None:
     root = Path(ctx.workdir) / "models"
     for shape in sizes.models:
         if ctx.time_left() < 0:
-            rec.note(f"time box reached before {shape.name}")
+            rec.cut_short(shape.name)
             return
         t0 = time.time()
         path, hf = models.build_model(shape, root, ctx.device)
@@ -38,15 +38,17 @@ def run(ctx, rec) -> None:
             f"{shape.name}_params_M", float(f"{sum(p.numel() for p in hf.parameters()) / 1e6:.4g}")
         )
         prompts = models.prompts(sizes.parity_prompts, 32 if not ctx.tiny else 8, shape.vocab_size)
-        _fp32(ctx, rec, shape, path, hf, prompts)
-        if ctx.time_left() > 0:
-            _bf16(ctx, rec, shape, path, hf, prompts)
-        if ctx.time_left() > 0:
-            _lora(ctx, rec, shape, path, hf, prompts)
+        fp32 = _fp32(ctx, rec, shape, path, hf, prompts)
+        for name, part in (("bf16", _bf16), ("LoRA", _lora)):
+            if ctx.time_left() < 0:
+                rec.cut_short(f"{shape.name} {name}")
+                break
+            part(ctx, rec, shape, path, hf, prompts, fp32)
         oracle.free(hf)
 
 
-def _fp32(ctx, rec, shape, path, hf, prompts) -> None:
+def _fp32(ctx, rec, shape, path, hf, prompts) -> list[list[int]]:
+    """Checks fp32 parity; returns transformers' fp32 tokens (the other parts reuse them)."""
     n = ctx.sizes.parity_tokens
     theirs = [oracle.hf_greedy(hf, p, n) for p in prompts]
     engine = oracle.make_engine(path, ctx.device, "float32", max_num_seqs=len(prompts))
@@ -64,9 +66,10 @@ def _fp32(ctx, rec, shape, path, hf, prompts) -> None:
     if ties:
         rec.note(f"{shape.name} fp32 near ties (not failures): {'; '.join(ties)}")
     rec.check(f"{shape.name} fp32 greedy token-exact vs transformers", not real, "; ".join(real))
+    return theirs
 
 
-def _bf16(ctx, rec, shape, path, hf_fp32, prompts) -> None:
+def _bf16(ctx, rec, shape, path, hf_fp32, prompts, fp32_theirs) -> None:
     n, k = ctx.sizes.parity_tokens, ctx.sizes.bf16_exact_tokens
     hf = models.load_hf(path, ctx.device, torch.bfloat16)
     theirs = [oracle.hf_greedy(hf, p, n) for p in prompts]
@@ -77,14 +80,13 @@ def _bf16(ctx, rec, shape, path, hf_fp32, prompts) -> None:
     agree = oracle.agreement(ours, theirs)
     rec.figure(f"{shape.name}_bf16_exact", f"{agree.exact}/{agree.total}")
     rec.figure(f"{shape.name}_bf16_agreement", agree.share)
-    fp32_theirs = [oracle.hf_greedy(hf_fp32, p, n) for p in prompts]
     rec.figure(f"{shape.name}_bf16_vs_fp32_agreement", oracle.agreement(ours, fp32_theirs).share)
     exact = agree.exact_first(k, ours, theirs)
     detail = f"first differences (request, token): {agree.first_diffs}"
     rec.check(f"{shape.name} bf16 first {k} tokens equal transformers bf16", exact, detail)
 
 
-def _lora(ctx, rec, shape, path, hf, prompts) -> None:
+def _lora(ctx, rec, shape, path, hf, prompts, base) -> None:
     from peft import PeftModel
 
     from lorapool import LoRARequest
@@ -124,7 +126,6 @@ def _lora(ctx, rec, shape, path, hf, prompts) -> None:
     agree = oracle.agreement(ours, theirs)
     rec.figure(f"{shape.name}_lora_exact", f"{agree.exact}/{agree.total}")
     rec.figure(f"{shape.name}_lora_adapters", f"{len(names)} (ranks {list(ranks)}) + base")
-    base = _base_tokens(peft, prompts, which, sizes)
     changed = sum(a != b for a, b, name in zip(theirs, base, which) if name)
     rec.figure(f"{shape.name}_lora_requests_changed_by_adapter", changed)
     rec.check(
@@ -133,12 +134,3 @@ def _lora(ctx, rec, shape, path, hf, prompts) -> None:
         f"first differences (request, token): {agree.first_diffs}",
     )
     peft.unload()
-
-
-def _base_tokens(peft, prompts, which, sizes) -> list[list[int]]:
-    """The base model's tokens for the adapter requests (to show the adapters matter)."""
-    out = []
-    with peft.disable_adapter():
-        for prompt, name in zip(prompts, which):
-            out.append(oracle.hf_greedy(peft, prompt, sizes.parity_tokens) if name else None)
-    return out

@@ -16,7 +16,7 @@ SECTIONS = ("device", "kernels", "engine", "throughput", "queue")
 
 # Seconds per section (the whole-run budget caps them too). The full run's boxes add
 # to 450 s, leaving 30 s of the 480 s for five interpreter starts and the reports.
-FULL_BOXES = {"device": 25, "kernels": 110, "engine": 120, "throughput": 120, "queue": 75}
+FULL_BOXES = {"device": 15, "kernels": 90, "engine": 150, "throughput": 115, "queue": 80}
 # The dry run takes ~40 s on an idle 2-core box; the boxes leave room for a loaded one.
 TINY_BOXES = {"device": 10, "kernels": 25, "engine": 45, "throughput": 30, "queue": 40}
 

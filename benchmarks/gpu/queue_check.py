@@ -29,7 +29,7 @@ PREFIX = "gpukit"
 def run(ctx, rec) -> None:
     sizes = ctx.sizes
     shape = sizes.models[0]
-    path, hf = models.build_model(shape, Path(ctx.workdir) / "models", ctx.device)
+    path, hf = models.build_model(shape, Path(ctx.workdir) / "models", ctx.device, load=False)
     oracle.free(hf)
     del hf
     adapters = models.adapters_for(
@@ -57,9 +57,16 @@ def run(ctx, rec) -> None:
         server.stop()
 
 
+WORKER_GPU_SHARE = 0.5  # the worker's and the in-process engine's KV sizing on a GPU
+
+
 def _engine_options(ctx) -> dict:
+    """The in-process engine's options: those of the worker (``_start_worker``)."""
     sizes = ctx.sizes
-    return dict(
+    memory = {"kv_cache_memory": 64 << 20}
+    if ctx.device == "cuda":
+        memory = {"kv_cache_memory": None, "gpu_memory_utilization": WORKER_GPU_SHARE}
+    return memory | dict(
         max_num_seqs=sizes.queue_requests,
         max_num_batched_tokens=max(2048, sizes.queue_requests),
         enable_lora=True,
@@ -136,7 +143,7 @@ def _start_worker(ctx, url: str, path, log: Path) -> subprocess.Popen:
     cmd += ["--max-num-batched-tokens", str(max(2048, sizes.queue_requests))]
     cmd += ["--max-loras", str(sizes.queue_adapters), "--max-lora-rank", str(sizes.adapter_rank)]
     if ctx.device == "cuda":
-        cmd += ["--gpu-memory-utilization", "0.5"]
+        cmd += ["--gpu-memory-utilization", str(WORKER_GPU_SHARE)]
     else:
         cmd += ["--kv-cache-memory", str(64 << 20)]
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))

@@ -48,9 +48,15 @@ class Recorder:
         self.data["notes"].append(text)
         self.flush()
 
+    def cut_short(self, what: str) -> None:
+        """The time box ended the section before ``what``: it ends as ``timeout``."""
+        self.data["cut_short"] = True
+        self.note(f"time box reached: {what} not run")
+
     def finish(self, status: str | None = None, error: str | None = None) -> dict:
         failed = any(not c["ok"] for c in self.data["checks"])
-        self.data["status"] = status or ("fail" if failed else "ok")
+        cut = self.data.get("cut_short")
+        self.data["status"] = status or ("fail" if failed else "timeout" if cut else "ok")
         if error:
             self.data["error"] = error
         self.flush()

@@ -248,3 +248,29 @@ def test_bundle_check_names_what_does_not_hold(tmp_path):
     assert "not a Linux x86_64 wheel" in text
     assert "rq==3.0.0 is missing" in text
     assert bundle.problems(tmp_path, {}) and not bundle.problems(tmp_path / "empty", {})
+
+
+def test_a_spent_budget_still_reports_and_exits_2(tmp_path):
+    env = guarded_env(tmp_path)
+    proc, report, out = run_kit(tmp_path, env, "--sections", "device,kernels", "--budget-s", "9")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert report["status"] == "incomplete"
+    device, kernels = report["sections"]
+    assert device["status"] == "ok" and device["figures"]["copy_GBps"] > 0
+    assert kernels["status"] in ("skipped", "timeout")
+    assert "## 2. kernels: " in (out / "report.md").read_text()
+
+
+def test_a_section_cut_short_by_its_time_box_is_no_pass(tmp_path):
+    spec = importlib.util.spec_from_file_location("gpu_report", ROOT / "benchmarks/gpu/report.py")
+    report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(report)
+    rec = report.Recorder("kernels", tmp_path / "r.json")
+    rec.check("a case", True)
+    rec.cut_short("the fp32 cases")
+    assert rec.finish()["status"] == "timeout"
+    assert json.loads((tmp_path / "r.json").read_text())["status"] == "timeout"
+    rec = report.Recorder("kernels", None)
+    rec.check("a case", False, "err 1.0")
+    rec.cut_short("the rest")
+    assert rec.finish()["status"] == "fail"  # a wrong result outranks the time box
