@@ -7,8 +7,8 @@ official client's ``files.create``, ``batches.create``, ``batches.retrieve``,
 - ``POST /v1/batches`` -> the batch (``validating``; RQ workers run it);
 - ``GET /v1/batches/{id}``, ``POST /v1/batches/{id}/cancel``.
 
-Files live in ``$LORAPOOL_BATCH_DIR`` (default ``lorapool-batches``), shared with the
-RQ workers of ``$LORAPOOL_BATCH_QUEUE`` (default ``lorapool-batch``). With auth on, a
+Files live in the pool's Redis (``lorapool.batch.files``), so every gateway replica and
+the RQ workers of ``$LORAPOOL_BATCH_QUEUE`` (default ``lorapool-batch``) see them. With auth on, a
 key limited to some adapters may not run batches yet (lines are not checked per key).
 """
 
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-from pathlib import Path
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Form, Request, UploadFile
@@ -40,11 +39,8 @@ def _service(request: Request):
         from lorapool.connection import connect
 
         config = request.app.state.pool.config
-        files_dir = str(Path(os.environ.get("LORAPOOL_BATCH_DIR", "lorapool-batches")).resolve())
         queue = os.environ.get("LORAPOOL_BATCH_QUEUE", "lorapool-batch")
-        batch_config = BatchConfig(
-            files_dir=files_dir, prefix=config.prefix, shards=config.shards, queue=queue
-        )
+        batch_config = BatchConfig(prefix=config.prefix, shards=config.shards, queue=queue)
         state.batches = BatchService(connect(config.redis_url, config.redis_retries), batch_config)
     return state.batches
 

@@ -1,28 +1,40 @@
-"""Batch files on disk: inputs uploaded by users, outputs and errors written by the
-collector. One directory; each file is ``<id>.jsonl`` beside ``<id>.json`` (its
-OpenAI file object), kept for ``retention_s`` and then swept.
+"""Batch files in Redis: inputs uploaded by users, outputs and errors written by the
+collector, seen alike by every gateway replica, RQ worker and CLI of the pool.
 
-Files are read and written line by line: a 100,000-line batch is never in memory.
+A file is two keys (``lorapool/lifecycle/keys.py``): ``file`` (its OpenAI file object
+and owner, JSON) and ``file_data`` (its bytes, a list of blocks of up to
+``BLOCK_BYTES``), both expiring after ``retention_s``, and an entry in the ``files``
+index (id -> expiry). A file is written to a ``file_part`` list and renamed into place
+when complete, so a reader never sees half a file; a writer that dies leaves a part
+that expires after ``PART_TTL_S``.
+
+Files are streamed both ways: an upload is read and pushed a block at a time, and
+``lines`` reads ``PAGE_BLOCKS`` blocks a round trip and splits one at a time, so
+neither a 200 MB upload nor a 100,000-line output is ever in memory. What they cost:
+their size in Redis memory for ``retention_s`` (docs/batch.md).
 """
 
 from __future__ import annotations
 
-import os
 import re
 import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, BinaryIO
 
 import orjson
+import redis
+
+from lorapool.connection import client_for
+from lorapool.lifecycle.keys import Keys
 
 DEFAULT_RETENTION_S = 30 * 24 * 3600
 MAX_FILE_BYTES = 200 * 1024 * 1024  # OpenAI's limit for a batch input file
+BLOCK_BYTES = 1 << 16  # one list element
+PAGE_BLOCKS = 4  # blocks an LRANGE reads: 256 KiB a round trip
+PART_TTL_S = 24 * 3600  # a file being written expires unless finished by then
 _ID = re.compile(r"file-[0-9a-f]{32}")
-_COPY = 1 << 16
-PARTIAL_MAX_AGE_S = 24 * 3600
 
 
 class FileTooLarge(ValueError):
@@ -31,24 +43,15 @@ class FileTooLarge(ValueError):
 
 @dataclass
 class FileStore:
-    """The batch files of one pool, in ``root``."""
+    """The batch files of one pool, in its Redis (``connection``, ``keys``)."""
 
-    root: Path
+    redis: redis.Redis
+    keys: Keys
     retention_s: int = DEFAULT_RETENTION_S
     max_bytes: int = MAX_FILE_BYTES
 
-    def __post_init__(self):
-        self.root = Path(self.root)
-        self.root.mkdir(parents=True, exist_ok=True)
-
-    def path(self, file_id: str) -> Path:
-        """The content of ``file_id``; KeyError for an id that is malformed or gone."""
-        if not _ID.fullmatch(file_id or "") or not (self.root / f"{file_id}.json").exists():
-            raise KeyError(file_id)
-        return self.root / f"{file_id}.jsonl"
-
     def info(self, file_id: str) -> dict[str, Any]:
-        """The OpenAI file object of ``file_id`` (KeyError if unknown)."""
+        """The OpenAI file object of ``file_id`` (KeyError if unknown or expired)."""
         info = self._meta(file_id)
         info.pop("owner", None)
         return info
@@ -57,59 +60,76 @@ class FileStore:
         """The tenant the file belongs to ('' for none; KeyError if unknown)."""
         return self._meta(file_id).get("owner", "")
 
+    def exists(self, file_id: str) -> bool:
+        return _ID.fullmatch(file_id or "") is not None and bool(
+            self.redis.exists(self.keys.file(file_id))
+        )
+
     def _meta(self, file_id: str) -> dict[str, Any]:
-        self.path(file_id)
-        return orjson.loads((self.root / f"{file_id}.json").read_bytes())
+        raw = self.redis.get(self.keys.file(file_id)) if _ID.fullmatch(file_id or "") else None
+        if raw is None:
+            raise KeyError(file_id)
+        return orjson.loads(raw)
 
     def put(
         self, source: BinaryIO, filename: str, purpose: str = "batch", owner: str = ""
     ) -> dict[str, Any]:
-        """Store what ``source`` reads (copied in blocks); FileTooLarge past ``max_bytes``."""
-        self.sweep()
+        """Store what ``source`` reads, a block at a time; FileTooLarge past ``max_bytes``
+        (and nothing stored)."""
         file_id = new_id()
-        target, size = self.root / f"{file_id}.jsonl", 0
-        with open(target, "wb") as out:
-            while block := source.read(_COPY):
+        part, size = self.keys.file_part(file_id), 0
+        try:
+            while block := source.read(BLOCK_BYTES):
                 size += len(block)
                 if size > self.max_bytes:
-                    out.close()
-                    target.unlink()
                     raise FileTooLarge(f"the file is over {self.max_bytes} bytes")
-                out.write(block)
-        return self._describe(file_id, filename, purpose, size, owner)
+                self._append(part, [block])
+        except BaseException:
+            self.redis.delete(part)
+            raise
+        return self._finish(file_id, filename, purpose, size, owner)
 
     def writer(self, filename: str, purpose: str = "batch_output", owner: str = "") -> LineWriter:
         """A new file written one JSON object a line; it appears when ``finish`` is called."""
         return LineWriter(self, new_id(), filename, purpose, owner)
 
     def lines(self, file_id: str) -> Iterator[bytes]:
-        """The file's lines, one at a time (without the newline)."""
-        with open(self.path(file_id), "rb") as f:
-            for line in f:
-                yield line.rstrip(b"\r\n")
+        """The file's lines, one at a time (without the newline); KeyError if unknown."""
+        self._meta(file_id)
+        data, start, carry = self.keys.file_data(file_id), 0, b""
+        while blocks := self.redis.lrange(data, start, start + PAGE_BLOCKS - 1):
+            start += len(blocks)
+            for block in blocks:
+                *complete, carry = (carry + block).split(b"\n")
+                for line in complete:
+                    yield line.rstrip(b"\r")
+        if carry:
+            yield carry.rstrip(b"\r")
 
     def delete(self, file_id: str) -> None:
-        path = self.path(file_id)
-        (self.root / f"{file_id}.json").unlink(missing_ok=True)
-        path.unlink(missing_ok=True)
+        """Remove the file (KeyError if unknown)."""
+        self._meta(file_id)
+        with client_for(self.redis, self.keys.files).pipeline() as pipe:
+            pipe.delete(self.keys.file(file_id), self.keys.file_data(file_id))
+            pipe.zrem(self.keys.files, file_id)
+            pipe.execute()
 
-    def sweep(self, now: float | None = None) -> int:
-        """Delete the files past their retention; how many went."""
-        now, gone = time.time() if now is None else now, 0
-        for meta in self.root.glob("file-*.json"):
-            try:
-                expires = orjson.loads(meta.read_bytes()).get("expires_at")
-            except (OSError, orjson.JSONDecodeError):
-                continue
-            if expires is not None and expires <= now:
-                self.delete(meta.stem)
-                gone += 1
-        for partial in self.root.glob("file-*.partial"):  # left by a collector that died
-            if partial.stat().st_mtime < now - PARTIAL_MAX_AGE_S:
-                partial.unlink(missing_ok=True)
-        return gone
+    def ids(self, now: float | None = None) -> list[str]:
+        """The ids of the files not yet expired, oldest first (expired ones leave the
+        index)."""
+        now = time.time() if now is None else now
+        self.redis.zremrangebyscore(self.keys.files, "-inf", now)
+        return [i.decode() for i in self.redis.zrangebyscore(self.keys.files, now, "+inf")]
 
-    def _describe(self, file_id: str, filename: str, purpose: str, size: int, owner: str) -> dict:
+    def _append(self, part: str, blocks: list[bytes]) -> None:
+        with self.redis.pipeline(transaction=False) as pipe:
+            pipe.rpush(part, *blocks)
+            pipe.expire(part, PART_TTL_S)
+            pipe.execute()
+
+    def _finish(self, file_id: str, filename: str, purpose: str, size: int, owner: str) -> dict:
+        """Make the file visible: its blocks renamed into place, its object and index
+        entry written, each expiring after ``retention_s``; its OpenAI file object."""
         created = int(time.time())
         info = {
             "id": file_id,
@@ -122,33 +142,48 @@ class FileStore:
             "status": "processed",
         }
         meta = {**info, "owner": owner} if owner else info
-        (self.root / f"{file_id}.json").write_bytes(orjson.dumps(meta))
+        data = self.keys.file_data(file_id)
+        with client_for(self.redis, data).pipeline() as pipe:  # MULTI: all or none
+            if size:
+                pipe.rename(self.keys.file_part(file_id), data)
+                pipe.expire(data, self.retention_s)
+            pipe.set(self.keys.file(file_id), orjson.dumps(meta), ex=self.retention_s)
+            pipe.zadd(self.keys.files, {file_id: info["expires_at"]})
+            pipe.execute()
         return info
 
 
 class LineWriter:
-    """A file being written by a collector (a ``.partial`` until finished)."""
+    """A file being written by a collector (a ``file_part`` list until finished)."""
 
     def __init__(self, store: FileStore, file_id: str, filename: str, purpose: str, owner: str):
         self.store, self.id, self.filename, self.purpose = store, file_id, filename, purpose
         self.owner = owner
-        self.partial = store.root / f"{file_id}.partial"
-        self.file = open(self.partial, "wb")  # noqa: SIM115 (closed by finish/discard)
+        self.part = store.keys.file_part(file_id)
+        self.buffer: list[bytes] = []
+        self.buffered = 0
         self.size, self.count = 0, 0
 
     def write(self, record: dict[str, Any]) -> None:
         line = orjson.dumps(record) + b"\n"
-        self.file.write(line)
+        self.buffer.append(line)
+        self.buffered += len(line)
         self.size, self.count = self.size + len(line), self.count + 1
+        if self.buffered >= BLOCK_BYTES:
+            self._flush()
+
+    def _flush(self) -> None:
+        if self.buffer:
+            self.store._append(self.part, [b"".join(self.buffer)])
+            self.buffer, self.buffered = [], 0
 
     def finish(self) -> dict[str, Any]:
-        self.file.close()
-        os.replace(self.partial, self.store.root / f"{self.id}.jsonl")
-        return self.store._describe(self.id, self.filename, self.purpose, self.size, self.owner)
+        self._flush()
+        return self.store._finish(self.id, self.filename, self.purpose, self.size, self.owner)
 
     def discard(self) -> None:
-        self.file.close()
-        self.partial.unlink(missing_ok=True)
+        self.buffer, self.buffered = [], 0
+        self.store.redis.delete(self.part)
 
 
 def new_id() -> str:

@@ -27,7 +27,7 @@ class BatchService:
 
     def __init__(self, connection: redis.Redis, config: BatchConfig):
         self.redis, self.config = connection, config
-        self.files: FileStore = config.files()
+        self.files: FileStore = config.files(connection)
         self.state = BatchState(connection, config.keys)
 
     def upload(

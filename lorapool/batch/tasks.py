@@ -36,9 +36,9 @@ RESULT_TTL_S = 7 * 24 * 3600  # a line's output stays readable until collected
 
 @dataclass
 class BatchConfig:
-    """Where a pool's batches live; travels with each RQ job as JSON."""
+    """Where a pool's batches live (its Redis: state and files); travels with each RQ
+    job as JSON."""
 
-    files_dir: str
     prefix: str = DEFAULT_PREFIX
     shards: int = 0  # the pool's shard count (``lorapool.lifecycle.keys``)
     queue: str = "lorapool-batch"
@@ -53,8 +53,9 @@ class BatchConfig:
     def keys(self) -> Keys:
         return Keys(self.prefix, self.shards)
 
-    def files(self) -> FileStore:
-        return FileStore(self.files_dir, self.retention_s)
+    def files(self, connection: redis.Redis) -> FileStore:
+        """The pool's batch files, in ``connection`` (its Redis)."""
+        return FileStore(connection, self.keys, self.retention_s)
 
 
 def rq_queue(connection: redis.Redis, config: BatchConfig) -> Queue:
@@ -98,7 +99,7 @@ def validate_batch(batch_id: str, raw: dict[str, Any]) -> str:
     batch = state.get(batch_id)
     if _settle_cancel(state, batch_id):
         return "cancelled"
-    files, models = config.files(), known_models(connection, config.keys)
+    files, models = config.files(connection), known_models(connection, config.keys)
     producer = Producer(connection, config.prefix, shards=config.shards)
     lines = files.lines(batch["input_file_id"])
     report = check_file(lines, batch_id, models.__contains__, producer.limits)
@@ -128,7 +129,9 @@ def enqueue_lines(batch_id: str, raw: dict[str, Any]) -> int:
         connection, config.prefix, result_ttl_s=config.result_ttl_s, shards=config.shards
     )
     lines, loras, sent = (
-        read_lines(config.files().lines(batch["input_file_id"]), batch_id, producer.limits),
+        read_lines(
+            config.files(connection).lines(batch["input_file_id"]), batch_id, producer.limits
+        ),
         {},
         0,
     )
@@ -160,7 +163,7 @@ def collect(batch_id: str, raw: dict[str, Any]) -> str:
     """Wait for every line's final output and write the output and error files."""
     connection, config, state = _context(raw)
     producer = Producer(connection, config.prefix, shards=config.shards)
-    collector = Collector(producer, state, config.files(), batch_id, config.poll_s)
+    collector = Collector(producer, state, config.files(connection), batch_id, config.poll_s)
     final = collector.run()
     logger.info("batch %s: %s at %s", batch_id, final.value, time.strftime("%H:%M:%S"))
     return final.value

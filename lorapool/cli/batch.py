@@ -23,25 +23,19 @@ from lorapool.cli.options import prefix_option, redis_option, shards_option
 
 FINAL = {"completed", "failed", "expired", "cancelled"}
 
-files_dir_option = click.option(
-    "--files-dir",
-    envvar="LORAPOOL_BATCH_DIR",
-    default="lorapool-batches",
-    show_default=True,
-    help="directory of batch files, shared by the CLI, the gateway and the RQ workers "
-    "(default: $LORAPOOL_BATCH_DIR)",
-)
+# batch files live in the pool's Redis now (lorapool/batch/files.py): the old option is
+# accepted and ignored, so that scripts that pass it keep working
+files_dir_option = click.option("--files-dir", hidden=True, expose_value=False)
 queue_option = click.option(
     "--queue", default="lorapool-batch", show_default=True, help="RQ queue of the batch steps"
 )
 
 
-def _service(redis_url, prefix, files_dir, queue, shards):
+def _service(redis_url, prefix, queue, shards):
     from lorapool.batch import BatchConfig, BatchService
     from lorapool.producer.client import connect
 
-    files_dir = str(Path(files_dir).resolve())
-    config = BatchConfig(files_dir=files_dir, prefix=prefix, shards=shards, queue=queue)
+    config = BatchConfig(prefix=prefix, shards=shards, queue=queue)
     return BatchService(connect(redis_url), config)
 
 
@@ -75,9 +69,9 @@ def batch():
     help="the batch's endpoint (lines may use either)",
 )
 @_options
-def submit(path, endpoint, redis_url, prefix, files_dir, queue, shards):
+def submit(path, endpoint, redis_url, prefix, queue, shards):
     """Upload PATH (JSONL, OpenAI's batch input lines) and start a batch over it."""
-    service = _service(redis_url, prefix, files_dir, queue, shards)
+    service = _service(redis_url, prefix, queue, shards)
     with open(path, "rb") as source:
         info = _batch_errors(lambda: service.upload(source, Path(path).name))
     created = _batch_errors(lambda: service.create(info["id"], endpoint))
@@ -88,11 +82,9 @@ def submit(path, endpoint, redis_url, prefix, files_dir, queue, shards):
 @click.argument("batch_id")
 @click.option("--json", "as_json", is_flag=True, help="the whole Batch object as JSON")
 @_options
-def status(batch_id, as_json, redis_url, prefix, files_dir, queue, shards):
+def status(batch_id, as_json, redis_url, prefix, queue, shards):
     """The state of BATCH_ID."""
-    found = _batch_errors(
-        lambda: _service(redis_url, prefix, files_dir, queue, shards).retrieve(batch_id)
-    )
+    found = _batch_errors(lambda: _service(redis_url, prefix, queue, shards).retrieve(batch_id))
     if as_json:
         click.echo(orjson.dumps(found, option=orjson.OPT_INDENT_2))
         return
@@ -108,9 +100,9 @@ def status(batch_id, as_json, redis_url, prefix, files_dir, queue, shards):
 @batch.command()
 @click.argument("batch_id")
 @_options
-def cancel(batch_id, redis_url, prefix, files_dir, queue, shards):
+def cancel(batch_id, redis_url, prefix, queue, shards):
     """Cancel BATCH_ID: lines still to run are aborted, finished ones kept."""
-    service = _service(redis_url, prefix, files_dir, queue, shards)
+    service = _service(redis_url, prefix, queue, shards)
     click.echo(_batch_errors(lambda: service.cancel(batch_id))["status"])
 
 
@@ -120,9 +112,9 @@ def cancel(batch_id, redis_url, prefix, files_dir, queue, shards):
 @click.option("--errors", type=click.Path(dir_okay=False), help="where to write the error file")
 @click.option("--timeout", type=float, default=None, help="seconds to wait for the batch")
 @_options
-def download(batch_id, output, errors, timeout, redis_url, prefix, files_dir, queue, shards):
+def download(batch_id, output, errors, timeout, redis_url, prefix, queue, shards):
     """Wait for BATCH_ID to end (with a progress bar), then write its output file."""
-    service = _service(redis_url, prefix, files_dir, queue, shards)
+    service = _service(redis_url, prefix, queue, shards)
     found = _wait(service, batch_id, timeout)
     if found["status"] == "failed":
         for error in (found["errors"] or {}).get("data", []):

@@ -190,8 +190,27 @@ class Keys:
 
     def batch(self, batch_id: str) -> str:
         """Hash: one batch file's state (status, counts, files; lorapool/batch/state.py)."""
-        return (
-            self._meta(f"batch:{batch_id}")
-            if self.shards
-            else f"{self.prefix}:batch:{{{batch_id}}}"
-        )
+        return self._pool_object("batch", batch_id)
+
+    files = _meta_key(
+        "files", "Sorted set: batch file id -> its expiry time (lorapool/batch/files.py)."
+    )
+
+    def file(self, file_id: str) -> str:
+        """String: a batch file's OpenAI file object and owner (JSON); expires with it."""
+        return self._pool_object("file", file_id)
+
+    def file_data(self, file_id: str) -> str:
+        """List: a batch file's bytes in blocks, in order; expires with the file."""
+        return self._pool_object("file-data", file_id)
+
+    def file_part(self, file_id: str) -> str:
+        """List: the blocks of a file being written (renamed to ``file_data`` at its end)."""
+        return self._pool_object("file-part", file_id)
+
+    def _pool_object(self, name: str, object_id: str) -> str:
+        """A key of one of the pool's objects (batch, file): on the meta shard when
+        sharded (the files' index and every one of a file's keys share its slot)."""
+        if self.shards:
+            return self._meta(f"{name}:{object_id}")
+        return f"{self.prefix}:{name}:{{{object_id}}}"

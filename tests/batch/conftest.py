@@ -66,7 +66,7 @@ def worker(redis_url, prefix, model, registry, conn, tmp_path_factory):
 
 @pytest.fixture
 def config(prefix, tmp_path):
-    return BatchConfig(files_dir=str(tmp_path / "files"), prefix=prefix, queue=prefix, poll_s=0.3)
+    return BatchConfig(prefix=prefix, queue=prefix, poll_s=0.3)
 
 
 @pytest.fixture

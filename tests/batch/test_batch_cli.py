@@ -18,8 +18,7 @@ def test_submit_status_download(
     lines = make_lines(8, list(registry))
     source = tmp_path / "in.jsonl"
     source.write_bytes(b"".join(orjson.dumps(x) + b"\n" for x in lines))
-    common = ["--redis-url", redis_url, "--prefix", config.prefix,
-              "--files-dir", config.files_dir, "--queue", config.queue]  # fmt: skip
+    common = ["--redis-url", redis_url, "--prefix", config.prefix, "--queue", config.queue]
     runner = CliRunner()
     submitted = runner.invoke(cli, ["batch", "submit", str(source), *common])
     assert submitted.exit_code == 0, submitted.output

@@ -17,7 +17,6 @@ pytestmark = pytest.mark.usefixtures("worker")
 def client(redis_url, prefix, config, tmp_path, monkeypatch):
     import openai
 
-    monkeypatch.setenv("LORAPOOL_BATCH_DIR", config.files_dir)
     monkeypatch.setenv("LORAPOOL_BATCH_QUEUE", config.queue)
     url, proc = serve(redis_url, prefix, tmp_path, path="/readyz?min_workers=1")
     yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)

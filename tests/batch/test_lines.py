@@ -1,6 +1,8 @@
 """Checking a batch input file, no server: every bad line is reported with its number
 and the field at fault, and nothing else is."""
 
+import uuid
+
 import orjson
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -117,14 +119,16 @@ def test_any_value_in_any_field_is_accepted_or_named(field, value):
         )
 
 
-def test_a_large_file_is_checked_a_line_at_a_time(tmp_path):
+def test_a_large_file_is_checked_a_line_at_a_time(tmp_path, conn):
     """5,000 lines: the check's peak memory stays under a quarter of the file's size (holding the
     parsed file would take many times it); only the custom_ids seen are kept."""
     import tracemalloc
 
     from lorapool.batch.files import FileStore
+    from lorapool.lifecycle.keys import Keys
 
-    store = FileStore(tmp_path)
+    keys = Keys(f"test-lines-{uuid.uuid4().hex[:10]}")
+    store = FileStore(conn, keys)
     path = tmp_path / "big.jsonl"
     with open(path, "wb") as f:
         for i in range(5_000):
@@ -137,3 +141,5 @@ def test_a_large_file_is_checked_a_line_at_a_time(tmp_path):
     tracemalloc.stop()
     assert (report.total, report.num_errors) == (5_000, 0)
     assert peak < path.stat().st_size / 4, (peak, path.stat().st_size)
+    for key in conn.scan_iter(keys.pattern):
+        conn.delete(key)
