@@ -119,18 +119,53 @@ def _ensure_sqlite_dir(engine: Engine) -> None:
         Path(database).expanduser().parent.mkdir(parents=True, exist_ok=True)
 
 
+class SchemaMissing(RuntimeError):
+    """The PostgreSQL schema the engine is told to use does not exist and cannot be
+    created by its role: retrying will not help."""
+
+
 def migrate(engine: Engine, revision: str = "head") -> str | None:
     """Upgrade the audit tables to ``revision``; returns the revision now current.
 
     Runs under the audit write lock, so concurrent callers are safe. Creates the
-    SQLite file's folder when missing.
+    SQLite file's folder, and the PostgreSQL schema the engine uses, when missing
+    (SchemaMissing when its role may not create it).
     """
     from alembic import command
 
     _ensure_sqlite_dir(engine)
+    _ensure_schema(engine)
     with write_transaction(engine) as conn:
         command.upgrade(_alembic_config(conn), revision)
     return current_revision(engine)
+
+
+def _ensure_schema(engine: Engine) -> None:
+    """``CREATE SCHEMA`` the first schema of the connection's search_path (the engine's
+    ``schema``) when it does not exist."""
+    if engine.dialect.name != "postgresql":
+        return
+    from sqlalchemy.exc import ProgrammingError
+
+    with engine.connect() as conn:
+        if conn.execute(text("SELECT current_schema()")).scalar() is not None:
+            return
+        first = conn.execute(text("SHOW search_path")).scalar().split(",")[0].strip()
+        name = first[1:-1].replace('""', '"') if first.startswith('"') else first
+        if not name or name == "$user":
+            return
+        try:
+            conn.execute(
+                text(f"CREATE SCHEMA IF NOT EXISTS {conn.dialect.identifier_preparer.quote(name)}")
+            )
+            conn.commit()
+        except ProgrammingError as exc:  # no CREATE on the database
+            user = engine.url.username or "this role"
+            raise SchemaMissing(
+                f"schema {name!r} does not exist and {user} may not create it "
+                f"({type(exc.orig).__name__}): create it, or run `lorapool audit roles --apply` "
+                "as the database owner"
+            ) from None
 
 
 def current_revision(engine: Engine) -> str | None:

@@ -10,12 +10,13 @@ import logging
 from contextlib import asynccontextmanager
 from http import HTTPStatus
 
+import redis
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from lorapool.connection import REDIS_DOWN
+from lorapool.connection import REDIS_DOWN, refusal
 from lorapool.gateway import adapters, audit, batches, dashboard, health, jobs, openai_api
 from lorapool.gateway.audit_store import AuditStore
 from lorapool.gateway.config import GatewayConfig
@@ -113,6 +114,14 @@ def _install_errors(app: FastAPI) -> None:
         first = exc.errors()[0] if exc.errors() else {}
         param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
         return APIError(400, first.get("msg", "invalid request"), param).response()
+
+    @app.exception_handler(redis.ResponseError)
+    async def refused(request: Request, exc: redis.ResponseError):
+        message = refusal(exc)
+        if message is None:
+            raise exc
+        logger.error("%s %s: %s", request.method, request.url.path, message)
+        return APIError(503, message, code="redis_permission_denied").response()
 
     for kind in REDIS_DOWN:
 

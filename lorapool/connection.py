@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import re
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -286,3 +287,22 @@ def ensure_group(connection: redis.Redis, stream: str, group: str) -> None:
     except redis.ResponseError as exc:
         if "BUSYGROUP" not in str(exc):
             raise
+
+
+# What Redis says when a user's ACL refuses a command, a key or a channel (directly, or
+# in a script it runs)
+_REFUSED = re.compile(
+    r"no permissions to|can't run this command|can't access at least one of the", re.I
+)
+
+
+def refusal(exc: BaseException) -> str | None:
+    """One line saying what the Redis user's ACL refused, for an operator (None when
+    ``exc`` is no ACL refusal): the command's role needs a user with those rights."""
+    if not isinstance(exc, redis.ResponseError) or not _REFUSED.search(str(exc)):
+        return None
+    said = str(exc).split(" script:")[0].rstrip(".")
+    return (
+        f"Redis refused this user: {said} (NOPERM); connect as the user of this "
+        "command's role, or give it that right (docs/redis-acl.md)"
+    )

@@ -219,11 +219,31 @@ def roles(ctx: click.Context, do_apply: bool, **names):
 
 
 @audit.command()
-def keygen():
-    """Print a fresh audit key (put it in a file and point LORAPOOL_AUDIT_KEY_FILE at it)."""
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(dir_okay=False, writable=True),
+    help="write it to this new file, readable by its owner only (mode 0600), and "
+    "refuse to overwrite one; else print it",
+)
+def keygen(output: str | None):
+    """Make a fresh audit key: `lorapool audit keygen -o audit.key`, then point
+    LORAPOOL_AUDIT_KEY_FILE at the file."""
+    import os
+
     from lorapool import signing
 
-    click.echo(signing.new_key())
+    key = signing.new_key()
+    if output is None:
+        click.echo(key)
+        return
+    try:  # created 0600 from the start: never a moment when others may read it
+        fd = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        raise click.ClickException(f"{output} exists: not overwriting an audit key") from None
+    with os.fdopen(fd, "w") as f:
+        f.write(key + "\n")
+    click.echo(f"audit key written to {output} (mode 0600)", err=True)
 
 
 def _emit_rows(rows: list[dict], fmt: str, title: str) -> None:

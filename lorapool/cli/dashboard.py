@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import click
 
-from lorapool.cli.options import prefix_option, redis_option, shards_option
+from lorapool.cli.options import host_option, prefix_option, redis_option, shards_option
 
 
 @click.command()
-@click.option("--host", default="127.0.0.1", show_default=True, help="it has no keys: bind locally")
+@host_option(help="address to listen on; it has no keys: keep it local")
 @click.option("--port", default=8050, show_default=True, type=click.IntRange(0, 65535))
 @click.option("--audit-db-url", default=None, help="show the latest audit rows from this database")
 @click.option("--audit-db-schema", default=None, help="its PostgreSQL schema")

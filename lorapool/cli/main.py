@@ -73,7 +73,7 @@ class LazyGroup(click.Group):
             return None
         module, attr = target.split(":")
         try:
-            return getattr(import_module(module), attr)
+            return show_envvars(getattr(import_module(module), attr))
         except ModuleNotFoundError as exc:
             message = missing_extra(exc)
             if message is None:
@@ -89,6 +89,35 @@ class LazyGroup(click.Group):
             if message is None:
                 raise
             raise click.ClickException(message) from exc
+        except Exception as exc:  # noqa: BLE001 - a set-up error gets one line, not a traceback
+            message = setup_error(exc)
+            if message is None:
+                raise
+            raise click.ClickException(message) from None
+
+
+def show_envvars(command: click.Command) -> click.Command:
+    """Every option of ``command`` (and its subcommands) that an environment variable
+    sets says which in ``--help`` ("[env var: REDIS_URL]")."""
+    for param in command.params:
+        if isinstance(param, click.Option):
+            param.show_envvar = True
+    for sub in getattr(command, "commands", {}).values():
+        show_envvars(sub)
+    return command
+
+
+def setup_error(exc: Exception) -> str | None:
+    """One line for an error of the deployment, not of the code: a Redis user refused
+    by its ACL or by its password, an audit schema that cannot be made; else None."""
+    from lorapool.connection import refusal
+
+    message = refusal(exc)
+    if message is None and type(exc).__name__ == "AuthenticationError":
+        message = f"Redis refused the login: {exc} (check the user and password of the URL)"
+    if message is None and type(exc).__name__ == "SchemaMissing":
+        message = str(exc)
+    return message
 
 
 @click.group(cls=LazyGroup)

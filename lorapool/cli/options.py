@@ -68,3 +68,38 @@ webhook_allow_option = click.option(
     "multicast or metadata address is refused (repeatable; $LORAPOOL_WEBHOOK_ALLOW, "
     "space-separated)",
 )
+
+
+LISTEN_DEFAULT = "127.0.0.1"
+
+
+def host_option(flag: str = "--host", old: str | None = None, help: str = "address to listen on"):
+    """A listen address option, the same name in every command (``--host``; the worker's
+    metrics: ``--metrics-host``), 127.0.0.1 by default (``0.0.0.0`` to listen on every
+    interface). ``old``: a former name, still accepted but not shown."""
+    dest = flag.lstrip("-").replace("-", "_")
+
+    def current(ctx: click.Context, param: click.Parameter, value):
+        given = ctx.meta.get(f"old:{dest}")
+        source = ctx.get_parameter_source(param.name)
+        return (
+            given if given is not None and source == click.core.ParameterSource.DEFAULT else value
+        )
+
+    def decorate(command):
+        command = click.option(
+            flag, dest, default=LISTEN_DEFAULT, show_default=True, help=help, callback=current
+        )(command)
+        if old is not None:
+            command = click.option(
+                old,
+                hidden=True,
+                expose_value=False,
+                is_eager=True,
+                callback=lambda ctx, _p, v: (
+                    ctx.meta.__setitem__(f"old:{dest}", v) if v is not None else None
+                ),
+            )(command)
+        return command
+
+    return decorate

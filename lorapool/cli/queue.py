@@ -12,6 +12,7 @@ import click
 from lorapool.cli.options import (
     config_from,
     count_option,
+    host_option,
     prefix_option,
     redis_option,
     shards_option,
@@ -127,7 +128,7 @@ def _producer(redis_url, prefix, shards=0):
     "(or is its home) and is not much busier, so that adapters load less often",
 )
 @click.option("--metrics-port", type=int, default=None, help="serve Prometheus /metrics here")
-@click.option("--metrics-addr", default="0.0.0.0", show_default=True)
+@host_option("--metrics-host", old="--metrics-addr", help="address /metrics listens on")
 @count_option("--metrics-max-adapters", 32, "series per adapter-labelled metric ('other' too)")
 @click.option("--metrics-vllm-names", is_flag=True, help="also vLLM's gauge names")
 @click.option(
@@ -158,6 +159,7 @@ def worker(name, adapter_roots, drain_timeout, insecure_no_key, redis_url, **opt
         options,
         name=name or default_name(),
         drain_timeout_s=drain_timeout,
+        metrics_addr=options["metrics_host"],
         **key_options,
     )
     from lorapool.worker.pool import ModelMismatchError

@@ -7,6 +7,7 @@ import click
 from lorapool.cli.options import (
     config_from,
     count_option,
+    host_option,
     optional_option,
     prefix_option,
     redis_option,
@@ -18,7 +19,7 @@ from lorapool.lifecycle.wire import DEFAULT_MAX_N, DEFAULT_MAX_PROMPT_BYTES
 
 
 @click.command()
-@click.option("--host", default="127.0.0.1", show_default=True)
+@host_option(help="address to listen on (0.0.0.0: every interface)")
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535))
 @count_option("--max-n", DEFAULT_MAX_N, "most completions per request")
 @count_option("--max-prompt-bytes", DEFAULT_MAX_PROMPT_BYTES, "larger prompts get 413")
