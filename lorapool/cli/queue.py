@@ -140,7 +140,7 @@ def _producer(redis_url, prefix, shards=0):
 @redis_option
 @prefix_option
 @shards_option
-def worker(name, adapter_roots, drain_timeout, insecure_no_key, redis_url, **options):
+def worker(name, adapter_roots, drain_timeout, insecure_no_key, redis_url, metrics_host, **options):
     """Serve the request stream with one engine.
 
     Audit records are signed with $LORAPOOL_AUDIT_KEY (or the key in
@@ -159,7 +159,7 @@ def worker(name, adapter_roots, drain_timeout, insecure_no_key, redis_url, **opt
         options,
         name=name or default_name(),
         drain_timeout_s=drain_timeout,
-        metrics_addr=options["metrics_host"],
+        metrics_addr=metrics_host,
         **key_options,
     )
     from lorapool.worker.pool import ModelMismatchError
