@@ -5,12 +5,17 @@ Torch-free (SQLAlchemy, redis, orjson only). The pieces:
 - ``lorapool.audit_record`` (torch-free, shared with the worker, re-exported here):
   the ``{p}:audit`` record (sign, check the signature, parse, validate, build from
   a finished RequestOutput); the key is ``lorapool.signing``'s;
-- :mod:`.schema`: the tables; :mod:`.chain`: the keyed hash chain of rows;
+- :mod:`.schema`: the tables; :mod:`.chain`: the keyed hash chain of rows (compact
+  token ids: :mod:`.tokens`); :mod:`.partitions`: PostgreSQL's monthly partitions;
 - :mod:`.database`: engines with SQLite/PostgreSQL defaults, migrations;
 - :mod:`.exact_text`: text stored exactly (NUL and every code point);
-- :mod:`.store`: the one append path (keyed hash chain, idempotent, conflicts kept);
-- :mod:`.writer`: the stream consumer;
-- :mod:`.verify`: walking the hash chain, against an exported head;
+- :mod:`.rows`: records into rows; :mod:`.store`: the one append path (keyed hash
+  chain, idempotent, conflicts kept), guarded by :mod:`.guard` (it extends only a
+  chain that verifies from its last signed checkpoint, :mod:`.checkpoints`);
+- :mod:`.writer`: the stream consumer (:mod:`.writer_config`);
+- :mod:`.verify`: the whole chain or the rows since a checkpoint (:mod:`.walk`
+  walks rows), against an exported head; :mod:`.archive_manifest`: months moved
+  out to archive files;
 - :mod:`.queries`: compliance queries and conflicts;
 - :mod:`.roles`: PostgreSQL roles (owner, insert-only writer, reader).
 
@@ -34,9 +39,11 @@ from lorapool.audit_db.queries import (
     search,
     usage,
 )
-from lorapool.audit_db.store import append_records
-from lorapool.audit_db.verify import BadRow, Head, VerifyReport, verify_chain
-from lorapool.audit_db.writer import AuditWriter, WriterConfig, WriterStats
+from lorapool.audit_db.store import ChainTampered, append_records, checkpoint_now
+from lorapool.audit_db.verify import Head, VerifyReport, verify_chain
+from lorapool.audit_db.walk import BadRow
+from lorapool.audit_db.writer import AuditWriter
+from lorapool.audit_db.writer_config import WriterConfig, WriterStats
 from lorapool.audit_record import (
     AuditRecord,
     RecordError,
@@ -51,6 +58,7 @@ __all__ = [
     "AuditRecord",
     "AuditWriter",
     "BadRow",
+    "ChainTampered",
     "DatabaseConfig",
     "Head",
     "RecordError",
@@ -60,6 +68,7 @@ __all__ = [
     "WriterConfig",
     "WriterStats",
     "append_records",
+    "checkpoint_now",
     "create_audit_engine",
     "current_revision",
     "default_url",

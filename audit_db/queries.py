@@ -35,7 +35,11 @@ _ADAPTER_COLUMNS = [
     adapters.c.target_modules.label("adapter_target_modules"),
     adapters.c.base_model.label("adapter_base_model"),
 ]
-_ROW_COLUMNS = [c for c in completions.c if c.name not in ("adapter_pk", "prev_hash")]
+_HIDDEN = ("adapter_pk", "prev_hash", "period", "prompt_tokens", "output_tokens", "chain_version")
+_ROW_COLUMNS = [c for c in completions.c if c.name not in _HIDDEN] + [
+    completions.c.prompt_tokens,
+    completions.c.output_tokens,
+]
 _JOINED = completions.outerjoin(adapters, completions.c.adapter_pk == adapters.c.pk)
 
 
@@ -84,9 +88,20 @@ def _select() -> Select:
     return select(*_ROW_COLUMNS, *_ADAPTER_COLUMNS).select_from(_JOINED)
 
 
+def plain_row(row) -> dict[str, Any]:
+    """A result row as the queries return it: token ids as lists whatever the row's
+    chain version, the compact columns folded in."""
+    out = {str(k): v for k, v in row.items()}
+    if "prompt_tokens" in out:
+        prompt, output = out.pop("prompt_tokens"), out.pop("output_tokens")
+        if out["prompt_token_ids"] is None:
+            out["prompt_token_ids"], out["token_ids"] = prompt, output
+    return out
+
+
 def _rows(engine: Engine, query: Select) -> list[dict[str, Any]]:
     with engine.connect() as conn:
-        return [{str(k): v for k, v in row.items()} for row in conn.execute(query).mappings()]
+        return [plain_row(row) for row in conn.execute(query).mappings()]
 
 
 def get_request(engine: Engine, request_id: str, pool: str | None = None) -> list[dict[str, Any]]:

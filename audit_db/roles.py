@@ -3,11 +3,11 @@
 - ``owner`` owns the schema and the tables; migrations run as it. Only an
   owner (or a superuser) can disable or drop a trigger or drop a table, so no
   process that runs all the time should hold it.
-- ``writer`` (the audit writer): ``SELECT`` and ``INSERT`` on the four audit
-  tables, ``SELECT`` on the migration table, ``USAGE`` on their sequences,
-  nothing else: no ``UPDATE``/``DELETE``/``TRUNCATE``, no trigger or DDL
-  rights. (It needs ``TEMPORARY`` on the database for the COPY staging
-  table, which PostgreSQL grants to everyone by default.)
+- ``writer`` (the audit writer): ``SELECT`` on every audit table, ``INSERT`` on
+  ``adapters``, ``completions``, ``conflicts``, ``audit_meta`` and ``checkpoints``,
+  ``USAGE`` on their sequences and ``EXECUTE`` on ``audit_ensure_period`` (which
+  makes a month's partition as the owner, and nothing else); no
+  ``UPDATE``/``DELETE``/``TRUNCATE``, no trigger or DDL rights.
 - ``reader`` (queries, ``audit verify``): ``SELECT`` only.
 
 :func:`role_sql` is the SQL an administrator runs once (``lorapool audit roles``
@@ -25,7 +25,7 @@ from sqlalchemy import Engine, event, text
 
 from lorapool.audit_db.database import DatabaseConfig, create_audit_engine, migrate
 
-WRITER_TABLES = ("adapters", "completions", "conflicts", "audit_meta")
+WRITER_TABLES = ("adapters", "completions", "conflicts", "audit_meta", "checkpoints")
 _NAME = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
 
 
@@ -95,6 +95,8 @@ def grant_sql(roles: Roles) -> list[str]:
         f"GRANT SELECT ON ALL TABLES IN SCHEMA {s} TO {writer}, {roles.reader}",
         f"GRANT INSERT ON {tables} TO {writer}",
         f"GRANT USAGE ON ALL SEQUENCES IN SCHEMA {s} TO {writer}",
+        # the one DDL it may ask for: this month's partition (made by the owner's function)
+        f"GRANT EXECUTE ON FUNCTION {s}.audit_ensure_period(integer) TO {writer}",
     ]
 
 

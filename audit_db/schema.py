@@ -5,11 +5,20 @@ its identity fields). ``completions``: one row per CompletionOutput, in hash
 chain order: ``seq`` is the chain position (1, 2, ...), ``row_hash`` chains it
 to the row before (see chain.py); ``(pool, request_id, completion_index)`` is
 unique (``pool`` is the Redis prefix; NULL on rows written before it was
-recorded). ``conflicts``: a record that disagreed with the row already stored
-for its key, kept instead of being dropped. ``audit_meta``: facts about the
-chain (``keyed_from_seq``: the first row chained with the audit key). Every
-table is append-only. Free text goes through :class:`ExactText`, which keeps
-NUL bytes and every other code point.
+recorded). Rows of ``chain_version`` 2 keep their token ids in ``prompt_tokens``
+and ``output_tokens`` (tokens.py), version 1 rows as JSON in
+``prompt_token_ids`` and ``token_ids``. ``period`` (yyyymm, never decreasing
+along the chain) is the month a row belongs to: on PostgreSQL ``completions``
+is partitioned by it (one partition a month, see partitions.py), its primary key
+is ``(seq, period)`` and the writer keeps the key unique under the chain lock
+(PostgreSQL cannot index a key across partitions). ``checkpoints``: signed
+(position, hash, count, time) of the chain (checkpoints.py). ``archives``: the
+signed manifests of months moved out to archive files (archive.py).
+``conflicts``: a record that disagreed with the row already stored for its key,
+kept instead of being dropped. ``audit_meta``: facts about the chain
+(``keyed_from_seq``: the first row chained with the audit key). Every table is
+append-only. Free text goes through :class:`ExactText`, which keeps NUL bytes
+and every other code point.
 """
 
 from typing import Any
@@ -23,6 +32,7 @@ from sqlalchemy import (
     Index,
     Integer,
     MetaData,
+    SmallInteger,
     String,
     Table,
     Text,
@@ -32,6 +42,7 @@ from sqlalchemy.dialects import postgresql
 from sqlalchemy.types import TypeDecorator
 
 from lorapool.audit_db.exact_text import ExactText
+from lorapool.audit_db.tokens import TokenArray
 
 # INTEGER PRIMARY KEY is SQLite's rowid alias; BIGINT elsewhere.
 BigId = BigInteger().with_variant(Integer(), "sqlite")
@@ -105,10 +116,10 @@ completions = Table(
     Column("base_model_name", ExactText(), nullable=False),
     Column("base_model_sha256", ExactText(), nullable=False),
     Column("prompt", ExactText(), nullable=True),
-    Column("prompt_token_ids", JSONValue(), nullable=False),
+    Column("prompt_token_ids", JSONValue(), nullable=True),  # chain version 1 rows
     Column("num_prompt_tokens", Integer, nullable=False),
     Column("text", ExactText(), nullable=False),
-    Column("token_ids", JSONValue(), nullable=False),
+    Column("token_ids", JSONValue(), nullable=True),  # chain version 1 rows
     Column("num_output_tokens", Integer, nullable=False),
     Column("finish_reason", String(16), nullable=False),
     Column("stop_reason", JSONValue(), nullable=True),
@@ -127,8 +138,40 @@ completions = Table(
     Column("written_at", Double, nullable=False),
     Column("prev_hash", String(64), nullable=False),
     Column("row_hash", String(64), nullable=False),
+    Column("chain_version", SmallInteger, nullable=False, server_default="1"),
+    Column("prompt_tokens", TokenArray(), nullable=True),  # chain version 2 rows
+    Column("output_tokens", TokenArray(), nullable=True),  # chain version 2 rows
+    Column("period", Integer, nullable=False),
     UniqueConstraint("request_id", "completion_index", "pool", name="uq_completions_pool_request"),
-    *_indexes("completions", "adapter_pk", "tenant", "arrival_time"),
+    # the queries' indexes: one adapter's or tenant's rows over a time window
+    Index("ix_completions_adapter_time", "adapter_pk", "arrival_time"),
+    Index("ix_completions_tenant_time", "tenant", "arrival_time"),
+    Index("ix_completions_arrival_time", "arrival_time"),
+)
+
+checkpoints = Table(
+    "checkpoints",
+    metadata,
+    Column("id", BigId, primary_key=True, autoincrement=False),  # 1, 2, ... in order
+    Column("seq", BigInteger, nullable=False),
+    Column("row_hash", String(64), nullable=False),
+    Column("num_rows", BigInteger, nullable=False),
+    Column("keyed_from", BigInteger, nullable=True),
+    Column("created_at", Double, nullable=False),
+    Column("prev_signature", String(64), nullable=False),
+    Column("signature", String(64), nullable=False),
+    Index("ix_checkpoints_seq", "seq"),
+)
+
+archives = Table(
+    "archives",
+    metadata,
+    Column("id", BigId, primary_key=True, autoincrement=False),
+    Column("period", Integer, nullable=False),
+    Column("first_seq", BigInteger, nullable=False),
+    Column("last_seq", BigInteger, nullable=False),
+    Column("manifest", Text, nullable=False),  # the signed manifest, as written to its file
+    Column("archived_at", Double, nullable=False),
 )
 
 conflicts = Table(
@@ -151,10 +194,9 @@ audit_meta = Table(
     Column("value", String, nullable=False),
 )
 
-# Columns covered by a completion's row hash, in a fixed order (the adapter
-# enters through its fingerprint, see chain.py).
-_UNHASHED = ("adapter_pk", "prev_hash", "row_hash")
-HASHED_COLUMNS = tuple(str(c.name) for c in completions.columns if c.name not in _UNHASHED)
+# What a completion row holds beyond what it says: the chain's bookkeeping and
+# where the row lives (chain.py names the columns each chain version hashes).
+BOOKKEEPING = ("adapter_pk", "prev_hash", "row_hash", "chain_version", "period")
 ADAPTER_IDENTITY = (
     "name",
     "adapter_id",

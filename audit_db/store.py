@@ -5,11 +5,15 @@ any transaction; :func:`append` stores prepared rows in one transaction under
 the audit write lock, so rows from concurrent writers get consecutive chain
 positions. A row whose key (pool, request id, completion index) is already
 stored is skipped when it says the same thing (a redelivery) and recorded in
-``conflicts`` when it does not: never silently dropped. The insert itself is
-also ``ON CONFLICT DO NOTHING`` (on PostgreSQL after a COPY into a staging
-table, see pg_copy.py). With the audit key the chain is keyed from the first
+``conflicts`` when it does not: never silently dropped. The rows go in with
+one COPY (PostgreSQL) or one ``executemany`` (SQLite, where the insert is also
+``ON CONFLICT DO NOTHING``), see bulk.py. With the audit key the chain is keyed from the first
 keyed write on (``audit_meta.keyed_from_seq``); a writer without the key
-cannot extend a keyed chain.
+cannot extend a keyed chain. Before it adds a row, :class:`~.guard.ChainGuard`
+checks the chain from its last signed checkpoint and afterwards adds the
+checkpoints that are due (guard.py). Rows whose token ids fit int32 are written
+as compact chain version 2 rows (chain.py, tokens.py); a row's ``period`` is its
+month, never less than the row before's (partitions.py).
 """
 
 from __future__ import annotations
@@ -21,47 +25,27 @@ from typing import Any
 from sqlalchemy import Connection, Engine, func, select
 from sqlalchemy.dialects import postgresql, sqlite
 
-from lorapool.audit_db.chain import (
-    GENESIS,
-    adapter_fingerprint,
-    content_digest,
-    link,
-    row_body,
-)
+from lorapool.audit_db import partitions
+from lorapool.audit_db.bulk import bulk_insert
+from lorapool.audit_db.chain import COMPACT_VERSION, GENESIS, content_digest, link, link_v2, logical
+from lorapool.audit_db.checkpoints import Checkpoint
 from lorapool.audit_db.database import write_transaction
-from lorapool.audit_db.pg_copy import copy_insert
-from lorapool.audit_db.schema import adapters, audit_meta, completions, conflicts
-from lorapool.audit_record import AuditRecord, Output, RecordError
+from lorapool.audit_db.guard import (
+    KEYED_FROM,
+    ChainGuard,
+    ChainTampered,
+    Head,
+    KeyedChainError,
+    keyed_from,
+)
+from lorapool.audit_db.rows import PreparedRow, prepare
+from lorapool.audit_db.schema import adapters, completions, conflicts
+from lorapool.audit_record import AuditRecord
 from lorapool.lifecycle.keys import DEFAULT_PREFIX
-
-KEYED_FROM = "keyed_from_seq"
 
 
 class ChainError(RuntimeError):
     """The chain could not be extended consistently; the transaction was rolled back."""
-
-
-class KeyedChainError(RuntimeError):
-    """A writer without the audit key was asked to extend a keyed chain."""
-
-
-@dataclass(frozen=True)
-class PreparedRow:
-    """One completion row, ready to be chained: values, hash body, adapter row.
-
-    ``digest`` identifies what the row says (see ``chain.content_digest``);
-    ``source`` names where it came from (the stream entry id), for conflicts.
-    """
-
-    values: dict[str, Any]
-    body: bytes
-    adapter: dict[str, Any] | None
-    digest: str
-    source: str | None = None
-
-    @property
-    def key(self) -> tuple[str, str, int]:
-        return self.values["pool"], self.values["request_id"], self.values["completion_index"]
 
 
 @dataclass(frozen=True)
@@ -79,97 +63,6 @@ class AppendResult:
     written: int = 0
     duplicates: int = 0
     conflicts: list[Conflict] = field(default_factory=list)
-
-
-def adapter_row(record: AuditRecord, now: float) -> dict[str, Any] | None:
-    info = record.adapter
-    if info is None:
-        return None
-    row = {
-        "name": info.name,
-        "adapter_id": info.id,
-        "path": info.path,
-        "sha256": info.sha256,
-        "rank": info.rank,
-        "alpha": float(info.alpha),
-        "target_modules": list(info.target_modules),
-        "base_model": info.base_model,
-    }
-    row["fingerprint"] = adapter_fingerprint(row)
-    row["first_seen"] = now
-    return row
-
-
-def _outputs(record: AuditRecord) -> tuple[Output, ...]:
-    """A request that failed before producing anything still gets one row."""
-    if record.outputs:
-        return record.outputs
-    reason = "error" if record.error else "abort"
-    return (Output(0, "", (), None, reason, None),)
-
-
-def _tenant(metadata: dict[str, Any]) -> str | None:
-    tenant = metadata.get("tenant")
-    return tenant if isinstance(tenant, str) else None
-
-
-def _request_values(record: AuditRecord, pool: str, now: float) -> dict[str, Any]:
-    m = record.metrics
-    return {
-        "pool": pool,
-        "request_id": record.request_id,
-        "base_model_name": record.base_model.name,
-        "base_model_sha256": record.base_model.sha256,
-        "prompt": record.prompt,
-        "prompt_token_ids": list(record.prompt_token_ids),
-        "num_prompt_tokens": m.num_prompt_tokens,
-        "sampling_params": record.sampling_params,
-        "request_metadata": record.metadata,
-        "tenant": _tenant(record.metadata),
-        "worker": record.worker,
-        "arrival_time": m.arrival_time,
-        "first_scheduled_time": m.first_scheduled_time,
-        "first_token_time": m.first_token_time,
-        "last_token_time": m.last_token_time,
-        "finished_time": m.finished_time,
-        "queue_time": m.queue_time,
-        "error": record.error,
-        "written_at": now,
-    }
-
-
-def _output_values(output: Output) -> dict[str, Any]:
-    return {
-        "completion_index": output.index,
-        "text": output.text,
-        "token_ids": list(output.token_ids),
-        "num_output_tokens": len(output.token_ids),
-        "finish_reason": output.finish_reason,
-        "stop_reason": output.stop_reason,
-        "cumulative_logprob": output.cumulative_logprob,
-    }
-
-
-def prepare(
-    record: AuditRecord,
-    pool: str = DEFAULT_PREFIX,
-    now: float | None = None,
-    source: str | None = None,
-) -> list[PreparedRow]:
-    """The rows of one record for ``pool``; raises RecordError when a value cannot be hashed."""
-    now = time.time() if now is None else now
-    adapter = adapter_row(record, now)
-    fingerprint = adapter["fingerprint"] if adapter else None
-    shared = _request_values(record, pool, now)
-    rows = []
-    for output in _outputs(record):
-        values = {**shared, **_output_values(output)}
-        try:
-            body = row_body(values, fingerprint)
-        except TypeError as exc:  # e.g. an integer too large for JSON
-            raise RecordError(f"cannot hash record: {exc}") from None
-        rows.append(PreparedRow(values, body, adapter, content_digest(values, fingerprint), source))
-    return rows
 
 
 def _insert(conn: Connection, table, rows: list[dict[str, Any]], key: list[str]) -> None:
@@ -206,31 +99,32 @@ def _stored_digests(conn: Connection, rows: list[PreparedRow]) -> dict[tuple, st
     for row in conn.execute(query).mappings():
         key = (row["pool"], row["request_id"], row["completion_index"])
         if key in wanted:
-            stored[key] = content_digest(row, row["fingerprint"])
+            stored[key] = content_digest(logical(row), row["fingerprint"])
     return stored
 
 
-def chain_head(conn: Connection) -> tuple[int, str]:
-    """(seq, row_hash) of the last row in the chain; (0, GENESIS) when empty."""
+def chain_head(conn: Connection) -> Head:
+    """Position, hash and period of the last row in the chain; ``Head()`` when empty."""
     query = (
-        select(completions.c.seq, completions.c.row_hash)
+        select(completions.c.seq, completions.c.row_hash, completions.c.period)
         .order_by(completions.c.seq.desc())
         .limit(1)
     )
     head = conn.execute(query).first()
-    return (head[0], head[1]) if head else (0, GENESIS)
+    return Head(*head) if head else Head()
 
 
 def _sort_out(
     rows: list[PreparedRow], stored: dict[tuple, str]
 ) -> tuple[list[PreparedRow], AppendResult]:
     """The rows to store, and the result so far (duplicates and conflicts counted)."""
-    kept: dict[tuple, str] = dict(stored)
+    kept: dict[tuple, PreparedRow] = {}
     fresh, result = [], AppendResult()
     for row in rows:
-        digest = kept.get(row.key)
+        earlier = kept.get(row.key)
+        digest = stored.get(row.key) or (earlier.digest if earlier else None)
         if digest is None:
-            kept[row.key] = row.digest
+            kept[row.key] = row
             fresh.append(row)
         elif digest == row.digest:
             result.duplicates += 1
@@ -260,66 +154,134 @@ def _record_conflicts(conn: Connection, found: list[Conflict], now: float) -> No
     )
 
 
-def keyed_from(conn: Connection) -> int | None:
-    """The first chain position written with the audit key (None: no keyed row yet)."""
-    value = conn.execute(select(audit_meta.c.value).where(audit_meta.c.name == KEYED_FROM)).scalar()
-    return None if value is None else int(value)
-
-
-def _check_key(conn: Connection, key: bytes | None, head_seq: int) -> None:
-    start = keyed_from(conn)
-    if key is None and start is not None:
-        raise KeyedChainError(
-            f"the audit chain is keyed from row {start}; this writer has no audit key "
-            "(give it LORAPOOL_AUDIT_KEY or LORAPOOL_AUDIT_KEY_FILE)"
-        )
-    if key is not None and start is None:
-        conn.execute(audit_meta.insert(), {"name": KEYED_FROM, "value": str(head_seq + 1)})
+def _stored_values(row: PreparedRow, seq: int, prev: str, row_hash: str, pk, period) -> dict:
+    values = {**row.values, "seq": seq, "adapter_pk": pk, "prev_hash": prev, "row_hash": row_hash}
+    values["chain_version"], values["period"] = row.version, period
+    if row.version == COMPACT_VERSION:
+        values["prompt_tokens"] = values.pop("prompt_token_ids")
+        values["output_tokens"] = values.pop("token_ids")
+        values["prompt_token_ids"] = values["token_ids"] = None
+    else:
+        values["prompt_tokens"] = values["output_tokens"] = None
+    return values
 
 
 def _chain(
-    rows: list[PreparedRow], pks: dict[str, int], seq: int, prev: str, key: bytes | None
+    rows: list[PreparedRow], pks: dict[str, int], head: Head, key: bytes | None, period: int
 ) -> list[dict]:
-    chained = []
+    chained, seq, prev = [], head.seq, head.row_hash
     for row in rows:
         seq += 1
-        row_hash = link(prev, seq, row.body, key)
+        if row.version == COMPACT_VERSION:
+            row_hash = link_v2(prev, seq, row.body, row.tokens, key)
+        else:
+            row_hash = link(prev, seq, row.body, key)
         pk = pks[row.adapter["fingerprint"]] if row.adapter else None
-        chained.append(
-            {**row.values, "seq": seq, "adapter_pk": pk, "prev_hash": prev, "row_hash": row_hash}
-        )
+        chained.append(_stored_values(row, seq, prev, row_hash, pk, period))
         prev = row_hash
     return chained
 
 
 def _insert_chained(conn: Connection, rows: list[dict[str, Any]], head_seq: int) -> int:
-    if conn.dialect.name == "postgresql":
-        return copy_insert(conn, rows)
-    _insert(conn, completions, rows, ["pool", "request_id", "completion_index"])
+    bulk_insert(conn, rows)  # its row count is not reliable on every driver: count
     return conn.execute(select(func.count()).where(completions.c.seq > head_seq)).scalar()
 
 
-def append(engine: Engine, rows: list[PreparedRow], key: bytes | None = None) -> AppendResult:
+def _period(conn: Connection, guard: ChainGuard, head: Head, now: float) -> int:
+    """The period of the rows about to be written; its partition (and the next
+    month's) made when this guard has not seen it yet."""
+    period = max(partitions.period_of(now), head.period)
+    if period not in guard.periods:
+        partitions.ensure(conn, period)
+        partitions.ensure(conn, partitions.next_period(period))
+        guard.periods.add(period)
+    return period
+
+
+def _extend(conn: Connection, fresh: list[PreparedRow], guard: ChainGuard, now: float) -> None:
+    pks = _adapter_pks(conn, fresh)
+    head = chain_head(conn)
+    guard.check(conn, head)
+    guard.start_keyed(conn, head)
+    period = _period(conn, guard, head, now)
+    guard.before_period(conn, head, period)
+    chained = _chain(fresh, pks, head, guard.key, period)
+    added = _insert_chained(conn, chained, head.seq)
+    if added != len(fresh):  # cannot happen under the lock; never leave a gap
+        raise ChainError(f"expected {len(fresh)} new rows after seq {head.seq}, got {added}")
+    last = chained[-1]
+    guard.after_rows(conn, Head(last["seq"], last["row_hash"], period), now)
+
+
+def append(
+    engine: Engine,
+    rows: list[PreparedRow],
+    key: bytes | None = None,
+    guard: ChainGuard | None = None,
+    now: float | None = None,
+) -> AppendResult:
     """Store the rows not stored yet, chained (keyed with ``key``), in one transaction.
 
     Rows that repeat a stored row are counted as duplicates; rows that
     contradict one are recorded in ``conflicts`` (and returned), not stored.
+    ``guard`` (a writer keeps one) checks the chain before it is extended and
+    writes checkpoints; without it a fresh one is used, which verifies from the
+    newest checkpoint. Raises :class:`ChainTampered` when the chain does not verify.
+    ``now`` (default: the time) sets the rows' period: tests and imports of old rows.
     """
     if not rows:
         return AppendResult()
-    with write_transaction(engine) as conn:
-        fresh, result = _sort_out(rows, _stored_digests(conn, rows))
-        _record_conflicts(conn, result.conflicts, time.time())
-        if not fresh:
-            return result
-        pks = _adapter_pks(conn, fresh)
-        head_seq, head_hash = chain_head(conn)
-        _check_key(conn, key, head_seq)
-        added = _insert_chained(conn, _chain(fresh, pks, head_seq, head_hash, key), head_seq)
-        if added != len(fresh):  # cannot happen under the lock; never leave a gap
-            raise ChainError(f"expected {len(fresh)} new rows after seq {head_seq}, got {added}")
+    guard = guard or ChainGuard(key)
+    try:
+        with write_transaction(engine) as conn:
+            fresh, result = _sort_out(rows, _stored_digests(conn, rows))
+            _record_conflicts(conn, result.conflicts, time.time())
+            if fresh:
+                _extend(conn, fresh, guard, time.time() if now is None else now)
+    except BaseException:
+        guard.rolled_back()
+        raise
+    guard.committed()
     result.written = len(fresh)
     return result
+
+
+def check_chain(engine: Engine, guard: ChainGuard) -> None:
+    """Check, under the chain lock, that the chain verifies from its last checkpoint
+    (a writer does it as it starts); raises :class:`ChainTampered` when not."""
+    try:
+        with write_transaction(engine) as conn:
+            guard.check(conn, chain_head(conn))
+    except BaseException:
+        guard.rolled_back()
+        raise
+
+
+def checkpoint_now(
+    engine: Engine, key: bytes, guard: ChainGuard | None = None, adopt: bool = False
+) -> Checkpoint | None:
+    """Check the chain from its last checkpoint, then add a checkpoint at its head.
+
+    ``adopt``: the chain has rows but no checkpoint and none of its rows is keyed
+    (written without the key): verify it as it is and make it the start of the
+    keyed chain (a key holder's decision, see guard.py). Returns the checkpoint
+    made (None for an empty chain).
+    """
+    guard = guard or ChainGuard(key)
+    try:
+        with write_transaction(engine) as conn:
+            head = chain_head(conn)
+            if adopt:
+                guard.adopt(conn, head)
+            else:
+                guard.check(conn, head)
+                if head.seq:
+                    guard.add(conn, head, time.time())
+    except BaseException:
+        guard.rolled_back()
+        raise
+    made = guard.committed()
+    return made[-1] if made else None
 
 
 def append_records(
@@ -334,14 +296,20 @@ def append_records(
 
 
 __all__ = [
+    "KEYED_FROM",
     "AppendResult",
+    "ChainGuard",
+    "ChainTampered",
     "Conflict",
     "ChainError",
+    "GENESIS",
     "KeyedChainError",
     "PreparedRow",
     "append",
     "append_records",
     "chain_head",
+    "check_chain",
+    "checkpoint_now",
     "keyed_from",
     "prepare",
 ]

@@ -18,24 +18,23 @@ consumer left pending for ``claim_idle_ms``. Redelivery is harmless: rows are ke
 from __future__ import annotations
 
 import logging
-import os
-import socket
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import redis
 from sqlalchemy import Engine
 from sqlalchemy.exc import DataError, DBAPIError, IntegrityError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
-from lorapool import signing
 from lorapool.audit_db import store
 from lorapool.audit_db.database import is_current, migrate
+from lorapool.audit_db.guard import ChainGuard
+from lorapool.audit_db.writer_config import WriterConfig, WriterStats
 from lorapool.audit_record import AuditRecord, RecordError, parse_record
 from lorapool.connection import REDIS_DOWN, ensure_group
-from lorapool.lifecycle.keys import AUDIT_GROUP, DEAD_MAX_LEN, DEFAULT_PREFIX, Keys
+from lorapool.lifecycle.keys import AUDIT_GROUP, Keys
 
 log = logging.getLogger(__name__)
 
@@ -49,49 +48,6 @@ RETRYABLE = (DBAPIError, PoolTimeout, store.ChainError, SchemaNotReady)
 # Errors that mean "the database refuses these rows": bisect and dead-letter.
 REJECTED = (IntegrityError, DataError)
 REDIS_ERRORS = REDIS_DOWN  # a Redis Cluster's CLUSTERDOWN too: away, not refused
-
-
-def default_consumer() -> str:
-    return f"{socket.gethostname()}-{os.getpid()}"
-
-
-@dataclass(frozen=True)
-class WriterConfig:
-    """How one audit writer consumes ``{p}:audit``."""
-
-    prefix: str = DEFAULT_PREFIX
-    shards: int = 0  # the pool's shard count (``lifecycle.keys``): every shard's stream is read
-    consumer: str = field(default_factory=default_consumer)
-    batch_size: int = 500
-    block_ms: int = 1000
-    claim_idle_ms: int = 60_000
-    claim_every_s: float = 10.0
-    backoff_initial_s: float = 0.1
-    backoff_max_s: float = 10.0
-    migrate: bool = False  # run the migrations on start instead of waiting for them
-    dead_max_len: int = DEAD_MAX_LEN  # {p}:dead keeps about this many entries
-    # the audit key (default: from the environment); None only with insecure_no_key
-    audit_key: bytes | None = field(default_factory=signing.key_from_env, repr=False)
-    insecure_no_key: bool = field(default_factory=signing.insecure_from_env)
-
-    def __post_init__(self):
-        signing.require_key(self.audit_key, self.insecure_no_key)
-        if self.batch_size < 1:
-            raise ValueError(f"batch_size must be at least 1, got {self.batch_size}")
-        if self.backoff_initial_s <= 0 or self.backoff_max_s < self.backoff_initial_s:
-            raise ValueError("backoff must satisfy 0 < backoff_initial_s <= backoff_max_s")
-
-
-@dataclass
-class WriterStats:
-    """What one writer has done since it started; ``run`` returns it."""
-
-    entries: int = 0  # stream entries handled and acked, redeliveries and dead ones included
-    rows_written: int = 0  # completion rows stored
-    duplicates: int = 0  # rows skipped as identical to the stored row (a redelivery)
-    dead_lettered: int = 0  # entries moved to {p}:dead
-    conflicts: int = 0  # rows that contradict the stored row, kept in the conflicts table
-    db_retries: int = 0  # database calls that failed and were tried again (Redis ones are not)
 
 
 @dataclass
@@ -134,6 +90,7 @@ class AuditWriter:
         self.views = Keys(self.config.prefix, self.config.shards).shard_views
         self.keys = self.views[0]  # the shard being read (steps take the shards in turn)
         self.stats = WriterStats()
+        self.guard = ChainGuard(self.config.audit_key, self.config.checkpoint_policy())
         self._stopping = threading.Event()
         self._own_pending = dict.fromkeys(self.views, True)
         self._claim_cursor = dict.fromkeys(self.views, "0-0")
@@ -161,6 +118,7 @@ class AuditWriter:
         try:
             self._retry("create the consumer group", self.ensure_group)
             self._retry("check the database schema", self._check_schema)
+            self._retry("check the chain", store.check_chain, self.engine, self.guard)
             idle = 0  # shards in a row that had nothing
             while not self.stopping:
                 idle = 0 if self.step(block=not burst) else idle + 1
@@ -168,6 +126,9 @@ class AuditWriter:
                     break
         except _Stopped:
             pass
+        except store.ChainTampered as exc:
+            log.error("audit writer %s: REFUSING TO WRITE: %s", name, exc)
+            raise
         log.info("audit writer %s: stopped; %s", name, self.stats)
         return self.stats
 
@@ -206,6 +167,8 @@ class AuditWriter:
     def _step(self, block: bool) -> int:
         entries = self._retry("read from Redis", self._next_entries, block)
         if not entries:
+            if self.guard.heartbeat_due(time.time()):  # idle: a checkpoint at least daily
+                self._retry("checkpoint", self._checkpoint)
             return 0
         items = [item for item in map(self._parse, entries) if item is not None]
         self._store(items)
@@ -213,6 +176,7 @@ class AuditWriter:
             stored = [i.record for i in items if i.rows and not i.dead]
             self._retry("run on_commit", self.on_commit, stored)
         self._retry("ack in Redis", self._ack, [i.entry_id for i in items])
+        self.stats.checkpoints = self.guard.num_made
         self.stats.entries += len(entries)
         return len(entries)
 
@@ -286,7 +250,12 @@ class AuditWriter:
             return
         try:
             result = self._retry(
-                "write to the database", store.append, self.engine, rows, self.config.audit_key
+                "write to the database",
+                store.append,
+                self.engine,
+                rows,
+                self.config.audit_key,
+                self.guard,
             )
         except REJECTED as exc:
             if len(items) == 1:
@@ -310,6 +279,10 @@ class AuditWriter:
                 index,
                 conflict.row.source,
             )
+
+    def _checkpoint(self) -> None:
+        store.checkpoint_now(self.engine, self.config.audit_key, self.guard)
+        self.stats.checkpoints = self.guard.num_made
 
     def _retry(self, what: str, fn, *args):
         """Call ``fn`` until it succeeds, backing off while the DB or Redis is down."""

@@ -12,81 +12,18 @@ PostgreSQL schema. Times (``--since``/``--until``) are epoch seconds, ISO 8601
 from __future__ import annotations
 
 import sys
-import time
 
 import click
 from rich.console import Console
 
-from lorapool.times import epoch_seconds
-
-_AGES = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
-
-
-def parse_time(value: str | None) -> float | None:
-    """Epoch seconds from an epoch number, ISO 8601 or an age ("24h" = a day ago)."""
-    if value is None:
-        return None
-    value = value.strip()
-    if value[-1:] in _AGES and value[:-1].replace(".", "", 1).isdigit():
-        return time.time() - float(value[:-1]) * _AGES[value[-1]]
-    try:
-        return epoch_seconds(value)
-    except ValueError:
-        raise click.BadParameter(f"{value!r} is not epoch seconds, ISO 8601 or an age") from None
-
-
-def _engine(ctx: click.Context):
-    from lorapool.audit_db import DatabaseConfig, create_audit_engine
-
-    url, schema = ctx.obj["db_url"], ctx.obj["schema"]
-    return create_audit_engine(DatabaseConfig(url=url, schema=schema))
-
-
-def db_options(fn):
-    fn = click.option(
-        "--schema",
-        envvar="LORAPOOL_DB_SCHEMA",
-        default=None,
-        help="PostgreSQL schema holding the audit tables.",
-    )(fn)
-    return click.option(
-        "--db-url",
-        envvar="LORAPOOL_DB_URL",
-        default=None,
-        help="SQLAlchemy URL [default: SQLite file in the cache dir].",
-    )(fn)
-
-
-def insecure_option(fn):
-    return click.option(
-        "--insecure-no-key",
-        "insecure",
-        is_flag=True,
-        envvar="LORAPOOL_AUDIT_INSECURE",
-        help="Run without the audit key (nothing is authenticated).",
-    )(fn)
-
-
-def audit_key(insecure: bool) -> bytes | None:
-    """The audit key from the environment, or a usage error saying how to give one."""
-    from lorapool import signing
-
-    try:
-        key = signing.key_from_env()
-        signing.require_key(key, insecure)
-    except signing.AuditKeyError as exc:
-        raise click.UsageError(str(exc)) from None
-    return key
-
-
-def _format_option(fn):
-    return click.option(
-        "--format",
-        "fmt",
-        type=click.Choice(["table", "json", "csv"]),
-        default="table",
-        show_default=True,
-    )(fn)
+from lorapool.cli.audit_common import (
+    audit_key,
+    db_options,
+    engine_of,
+    format_option,
+    insecure_option,
+    parse_time,
+)
 
 
 @click.group()
@@ -105,72 +42,21 @@ def migrate(ctx: click.Context, revision: str):
     """Create or upgrade the audit tables."""
     from lorapool.audit_db import migrate as run_migrations
 
-    engine = _engine(ctx)
+    engine = engine_of(ctx)
     now = run_migrations(engine, revision)
     click.echo(f"{engine.url.render_as_string(hide_password=True)}: at revision {now}")
 
 
-def _verified(ctx: click.Context, insecure: bool, head_file=None):
-    from lorapool.audit_db.verify import Head, HeadError, verify_chain
-
-    head = None
-    if head_file is not None:
-        try:
-            head = Head.from_json(head_file.read())
-        except HeadError as exc:
-            raise click.BadParameter(str(exc), param_hint="--head") from None
-    report = verify_chain(_engine(ctx), key=audit_key(insecure), head=head)
-    if not report.ok:
-        click.echo(f"FAILED: {report.describe_failure()}", err=True)
-        sys.exit(1)
-    return report
-
-
-@audit.command()
-@click.option(
-    "--head",
-    "head_file",
-    type=click.File("rb"),
-    help="A head exported earlier (`audit head`): the chain must still reach it.",
-)
-@insecure_option
-@click.pass_context
-def verify(ctx: click.Context, head_file, insecure: bool):
-    """Walk the hash chain; exit 1 and name the first row that does not match.
-
-    With --head, also fail when rows were cut from the tail or the chain was
-    rewritten since that head was exported.
-    """
-    report = _verified(ctx, insecure, head_file)
-    click.echo(
-        f"OK: {report.num_rows} rows, {report.num_adapters} adapters; "
-        f"head seq={report.head_seq} hash={report.head_hash}"
-    )
-
-
-@audit.command()
-@click.option("--output", "-o", type=click.File("wb"), default="-", help="Where to write it.")
-@insecure_option
-@click.pass_context
-def head(ctx: click.Context, output, insecure: bool):
-    """Verify the chain, then export its head (JSON) to keep outside the database.
-
-    `audit verify --head FILE` later proves that no row up to it was cut or rewritten.
-    """
-    report = _verified(ctx, insecure)
-    output.write(report.head().to_json() + b"\n")
-
-
 @audit.command()
 @click.option("--pool", help="Only this pool (Redis prefix).")
-@_format_option
+@format_option
 @click.pass_context
 def conflicts(ctx: click.Context, pool: str | None, fmt: str):
     """Records refused because they contradict the stored row for their key; exit 1 if any."""
     from lorapool.audit_db.queries import list_conflicts
     from lorapool.cli import audit_format as out
 
-    rows = list_conflicts(_engine(ctx), pool=pool)
+    rows = list_conflicts(engine_of(ctx), pool=pool)
     if fmt == "table":
         Console().print(out.conflicts_table(rows))
     else:
@@ -260,14 +146,14 @@ def _emit_rows(rows: list[dict], fmt: str, title: str) -> None:
 @audit.command("request")
 @click.argument("request_id")
 @click.option("--pool", help="Only this pool (Redis prefix) [default: every pool].")
-@_format_option
+@format_option
 @click.pass_context
 def request_cmd(ctx: click.Context, request_id: str, pool: str | None, fmt: str):
     """Every audit row of one request."""
     from lorapool.audit_db import get_request
     from lorapool.cli import audit_format as out
 
-    rows = get_request(_engine(ctx), request_id, pool=pool)
+    rows = get_request(engine_of(ctx), request_id, pool=pool)
     if not rows:
         raise click.ClickException(f"no audit rows for request {request_id!r}")
     if fmt != "table":
@@ -289,7 +175,7 @@ def request_cmd(ctx: click.Context, request_id: str, pool: str | None, fmt: str)
 @click.option("--tenant")
 @click.option("--text", help="Output text contains this (case-sensitive).")
 @click.option("--limit", type=int, default=100, show_default=True)
-@_format_option
+@format_option
 @click.pass_context
 def search(ctx: click.Context, fmt: str, since: str | None, until: str | None, **filters):
     """Audit rows matching every given filter."""
@@ -297,7 +183,7 @@ def search(ctx: click.Context, fmt: str, since: str | None, until: str | None, *
     from lorapool.audit_db import search as run_search
 
     flt = SearchFilter(since=parse_time(since), until=parse_time(until), **filters)
-    _emit_rows(run_search(_engine(ctx), flt), fmt, "audit rows")
+    _emit_rows(run_search(engine_of(ctx), flt), fmt, "audit rows")
 
 
 @audit.command()
@@ -309,17 +195,28 @@ def search(ctx: click.Context, fmt: str, since: str | None, until: str | None, *
 )
 @click.option("--since", help="From this time (inclusive).")
 @click.option("--until", help="Before this time.")
-@_format_option
+@format_option
 @click.pass_context
 def usage(ctx: click.Context, by: str, since: str | None, until: str | None, fmt: str):
     """Requests, tokens, errors and latency per adapter or tenant."""
     from lorapool.audit_db import usage as run_usage
     from lorapool.cli import audit_format as out
 
-    rows = run_usage(_engine(ctx), by=by, since=parse_time(since), until=parse_time(until))
+    rows = run_usage(engine_of(ctx), by=by, since=parse_time(since), until=parse_time(until))
     if fmt == "json":
         click.echo(out.to_json(rows))
     elif fmt == "csv":
         click.echo(out.to_csv(rows), nl=False)
     else:
         Console().print(out.usage_table(rows, title=f"usage by {by}"))
+
+
+def _register() -> None:
+    from lorapool.cli.audit_verify import checkpoint, head, verify
+
+    for command in (verify, head, checkpoint):
+        audit.add_command(command)
+
+
+_register()
+__all__ = ["audit", "audit_key", "db_options", "insecure_option", "parse_time"]

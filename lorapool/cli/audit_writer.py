@@ -39,6 +39,20 @@ def _install_signals(writer) -> None:
     help="Claim other consumers' entries pending this long.",
 )
 @count_option("--dead-max-len", DEAD_MAX_LEN, "Entries {prefix}:dead keeps (approximately).")
+@count_option("--checkpoint-rows", 10_000, "A signed checkpoint at least every this many rows.")
+@click.option(
+    "--checkpoint-interval",
+    "checkpoint_interval_s",
+    type=click.FloatRange(min=1),
+    default=86_400.0,
+    show_default=True,
+    help="And at least every this many seconds (idle or not).",
+)
+@click.option(
+    "--checkpoint-dir",
+    type=click.Path(file_okay=False),
+    help="Also write each checkpoint here as a file (point it at write-once storage).",
+)
 @click.option("--migrate", "run_migrate", is_flag=True, help="Migrate the tables first.")
 @click.option("--burst", is_flag=True, help="Exit once the stream is drained.")
 @click.option(
@@ -110,7 +124,13 @@ def audit_writer(
     callbacks = Callbacks(connection, keys, callback_queue, webhooks)
     writer = AuditWriter(connection, engine, config, on_commit=callbacks)
     _install_signals(writer)
-    stats = writer.run(burst=burst)
+    from lorapool.audit_db.guard import ChainTampered
+
+    try:
+        stats = writer.run(burst=burst)
+    except ChainTampered as exc:  # logged by the writer too
+        click.echo(f"REFUSING TO WRITE: {exc}", err=True)
+        raise SystemExit(3) from None
     click.echo(
         f"rows written {stats.rows_written}, duplicates {stats.duplicates}, "
         f"conflicts {stats.conflicts}, dead-lettered {stats.dead_lettered}, "

@@ -2,8 +2,16 @@
 
 import pytest
 
-from lorapool.audit_db.chain import GENESIS, adapter_fingerprint, canonical, link, row_body
-from lorapool.audit_db.store import adapter_row, prepare
+from lorapool.audit_db.chain import (
+    GENESIS,
+    adapter_fingerprint,
+    canonical,
+    link,
+    row_body,
+    row_hash,
+)
+from lorapool.audit_db.rows import adapter_row, prepare
+from lorapool.audit_db.tokens import fits, packed, unpacked
 from lorapool.audit_record import RecordError, record_from_dict
 
 pytest_plugins = ["audit_fixtures"]
@@ -56,7 +64,36 @@ def test_prepare_makes_one_row_per_completion():
     assert [r.key for r in rows] == [("lorapool", "req-3", k) for k in range(3)]
     assert {r.adapter["fingerprint"] for r in rows} == {rows[0].adapter["fingerprint"]}
     assert rows[1].values["tenant"] == "acme" and rows[1].values["num_output_tokens"] == 3
-    assert rows[0].body == row_body(rows[0].values, rows[0].adapter["fingerprint"])
+    assert rows[0].version == 2  # compact: the token ids fit int32
+    assert rows[0].body == row_body(rows[0].values, rows[0].adapter["fingerprint"], 2)
+    assert rows[0].tokens == (packed(rows[0].values["prompt_token_ids"]), packed([3, 0, 7]))
+
+
+def test_token_ids_outside_int32_make_a_version_1_row():
+    from audit_fixtures import make_record
+
+    data = make_record(3)
+    data["outputs"][0]["token_ids"] = [1, 2**31]
+    (row,) = prepare(record_from_dict(data))
+    assert row.version == 1 and row.tokens is None
+    assert row.body == row_body(row.values, None, 1) and b"2147483648" in row.body
+
+
+def test_packed_token_ids_round_trip_as_little_endian_int32():
+    ids = [0, 1, -1, 2**31 - 1, -(2**31), 49151]
+    assert packed(ids)[:8] == b"\x00\x00\x00\x00\x01\x00\x00\x00"
+    assert unpacked(packed(ids)) == ids and packed([]) == b""
+    assert fits(ids) and not fits([2**31]) and not fits([-(2**31) - 1])
+
+
+def test_a_row_version_is_part_of_its_hash():
+    from audit_fixtures import make_record
+
+    (row,) = prepare(record_from_dict(make_record(3)))
+    values = {**row.values, "seq": 1, "chain_version": 2}
+    v2 = row_hash(values, GENESIS, None, b"k" * 32)
+    assert v2 != row_hash({**values, "chain_version": 1}, GENESIS, None, b"k" * 32)
+    assert v2 != row_hash(values, GENESIS, None, None)  # keyed and unkeyed differ
 
 
 @pytest.mark.parametrize("error, reason", [("boom", "error"), (None, "abort")])

@@ -21,10 +21,12 @@ from sqlalchemy.exc import DBAPIError
 from lorapool import signing
 from lorapool.audit_db import (
     AuditWriter,
+    ChainTampered,
     DatabaseConfig,
     SearchFilter,
     WriterConfig,
     append_records,
+    checkpoint_now,
     create_audit_engine,
     get_request,
     search,
@@ -217,13 +219,15 @@ def _head(audit_target, tmp_path):
     return tmp_path / "head.json"
 
 
-def test_a_cut_tail_fails_verify_head(audit_target, audit_redis, tmp_path):
+def test_a_cut_tail_fails_verify_and_verify_head(audit_target, audit_redis, tmp_path):
     _seed(audit_target, audit_redis)
     head = _head(audit_target, tmp_path)
     assert orjson.loads(head.read_bytes())["seq"] == 12
     assert _cli(audit_target, "verify", "--head", str(head)).exit_code == 0
+    assert "checkpoint 2 at row 12" in _cli(audit_target, "checkpoint").output
     _as_owner(audit_target, ("DELETE FROM completions WHERE seq > 9", {}))
-    assert _cli(audit_target, "verify").exit_code == 0  # a shorter chain is still a chain
+    result = _cli(audit_target, "verify")  # the signed checkpoint at row 12 is still there
+    assert result.exit_code == 1 and "3 rows are missing from the tail" in result.output
     result = _cli(audit_target, "verify", "--head", str(head))
     assert result.exit_code == 1 and "3 rows are missing from the tail" in result.output
 
@@ -268,8 +272,8 @@ def test_moving_the_keyed_start_past_the_end_does_not_hide_a_re_chain(audit_targ
         else:
             conn.execute(text("DROP TRIGGER audit_meta_no_update"))
         conn.execute(text("UPDATE audit_meta SET value = '1000'"))
-    result = _cli(audit_target, "verify")
-    assert result.exit_code == 1 and "none of the 12 rows is keyed" in result.output
+    result = _cli(audit_target, "verify")  # the signed checkpoints still say row 1
+    assert result.exit_code == 1 and "(a key downgrade)" in result.output
 
 
 def test_verify_without_the_key_refuses(audit_target, audit_redis, monkeypatch):
@@ -367,7 +371,8 @@ def test_the_writer_role_can_insert_and_read_only(writer_role, audit_redis, stat
 
 
 def test_rows_written_before_the_upgrade_still_verify(audit_location):
-    """0001 rows (no pool, unkeyed chain) stay valid; new rows are keyed after them."""
+    """0001 rows (no pool, unkeyed chain) stay valid; once a key holder adopts them (a
+    writer will not key an unkeyed chain on its own), new rows are keyed after them."""
     from audit_fixtures import make_adapter, make_record
 
     from lorapool.audit_db import migrate
@@ -387,10 +392,13 @@ def test_rows_written_before_the_upgrade_still_verify(audit_location):
             prev = row_hash
     migrate(engine)
     target_rows = [record_from_dict(make_record(i, adapter=make_adapter())) for i in (1, 9)]
+    with pytest.raises(ChainTampered, match="none of them keyed and no signed checkpoint"):
+        append_records(engine, target_rows, pool="p", key=KEY)
+    assert checkpoint_now(engine, KEY, adopt=True).seq == 3
     assert append_records(engine, target_rows, pool="p", key=KEY) == 2  # req-1 again: new pool
     report = verify_chain(engine, key=KEY)
     assert report.ok and report.num_rows == 5 and report.keyed_from == 4
     with engine.connect() as conn:
-        assert chain_head(conn)[0] == 5
+        assert chain_head(conn).seq == 5
     assert [r["pool"] for r in get_request(engine, "req-1")] == [None, "p"]
     engine.dispose()
