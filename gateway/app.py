@@ -52,6 +52,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
                 app.state.audit.close()
 
     app = FastAPI(title="lorapool gateway", version="1", lifespan=lifespan)
+    app.add_middleware(RateHeaders)
     app.include_router(health.router)
     app.include_router(openai_api.router)
     app.include_router(jobs.router)
@@ -70,6 +71,29 @@ def create_app(config: GatewayConfig) -> FastAPI:
             expose_headers=["Location", "Retry-After"],
         )
     return app
+
+
+class RateHeaders:
+    """Adds the ``x-ratelimit-*`` headers a route's rate check left in the request's
+    state (``Pool.check_rate``) to its answer, streamed or not (pure ASGI: no body
+    buffering)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def sending(message):
+            if message["type"] == "http.response.start":
+                extra = (scope.get("state") or {}).get("rate_headers")
+                if extra:
+                    added = [(k.lower().encode(), v.encode()) for k, v in extra.items()]
+                    message = {**message, "headers": [*message.get("headers", ()), *added]}
+            await send(message)
+
+        await self.app(scope, receive, sending)
 
 
 def _describe_bodies(app: FastAPI) -> None:

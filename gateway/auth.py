@@ -32,9 +32,6 @@ class Principal:
     tpm: int | None = None
     all_tenants: bool = False  # an auditor of every tenant
 
-    def rate_record(self) -> dict[str, Any]:
-        return {"tenant": self.tenant, "rpm": self.rpm, "tpm": self.tpm}
-
     def job_id(self, external: str) -> str:
         """The request id of the client's job id ``external``."""
         return external if self.tenant is None else f"{self.tenant}~{external}"

@@ -64,6 +64,7 @@ async def create_file(
     request: Request, caller: Submitter, file: UploadFile, purpose: Annotated[str, Form()]
 ) -> JSON:
     _unrestricted(caller)
+    await request.app.state.pool.check_rate(caller, 1, None, request)
     name = file.filename or "input.jsonl"
     info = await _call(request, "upload", file.file, name, purpose, caller.tenant)
     return JSON(info)
@@ -89,6 +90,7 @@ async def _iterate(lines):
 @router.post("/batches", summary="Create a batch over an uploaded file (OpenAI's Batch API)")
 async def create_batch(request: Request, caller: Submitter) -> JSON:
     _unrestricted(caller)
+    await request.app.state.pool.check_rate(caller, 1, None, request)
     body = await read_json(request, 1 << 20)
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
@@ -100,7 +102,8 @@ async def create_batch(request: Request, caller: Submitter) -> JSON:
             raise APIError(400, f"{name} must be a string", name)
     window = body.get("completion_window", "24h")
     args = (body["input_file_id"], body["endpoint"], window, body.get("metadata"))
-    args += (caller.metadata() or None,)  # its tenant and key id, into every line's job
+    # its tenant and key id: into every line's job; its lines are paced by the key's limits
+    args += (caller.metadata() or None,)
     return JSON(await _call(request, "create", *args))
 
 

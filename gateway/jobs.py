@@ -67,7 +67,7 @@ async def submit_job(
     await pool.check_limits(parsed)
     if on_finish is not None:
         await pool.check_webhook(on_finish, caller)
-    await pool.check_rate(caller, 1, parsed.params)
+    await pool.check_rate(caller, 1, parsed.params, request)
     job_id = caller.job_id(request_id or uuid.uuid4().hex)
     metadata = {**parsed.metadata, **caller.metadata()}
     [handle] = await pool.submit(

@@ -90,7 +90,7 @@ async def _generate(request: Request, parsed: Parsed, kind: str, caller: Princip
     pool = pool_of(request)
     lora = await pool.resolve_model(parsed.model, caller)
     await pool.check_limits(parsed)
-    await pool.check_rate(caller, len(parsed.prompts), parsed.params)
+    await pool.check_rate(caller, len(parsed.prompts), parsed.params, request)
     ids = [caller.job_id(uuid.uuid4().hex) for _ in parsed.prompts]
     metadata = {**parsed.metadata, **caller.metadata()}
     handles = await pool.submit(parsed.prompts, parsed.params, lora, ids, metadata, parsed.names)

@@ -8,8 +8,6 @@ through here or through a handle it returned.
 from __future__ import annotations
 
 import asyncio
-import math
-import time
 import uuid
 from typing import Any
 
@@ -22,6 +20,7 @@ from lorapool.gateway.limits import LimitsCache, check_limits
 from lorapool.lifecycle.queue_position import QueuePosition
 from lorapool.producer import AsyncJobHandle, AsyncProducer
 from lorapool.producer.pool_view import PoolView
+from lorapool.producer.rate_limits import RateLimiter
 from lorapool.producer.registry import NAME_PATTERN, AdapterRegistry, lora_from_record
 from lorapool.protocol import FieldError, LoRARequest, SamplingParams
 
@@ -40,6 +39,7 @@ class Pool:
         self.view = PoolView(self.producer)
         self.position = QueuePosition(self.producer.redis, self.producer.keys)
         self.limits = LimitsCache()
+        self.rates = RateLimiter(self.producer.redis, self.producer.keys)
         self._registry: AdapterRegistry | None = None
 
     async def close(self) -> None:
@@ -115,22 +115,40 @@ class Pool:
                 headers={"Retry-After": str(self.config.retry_after_s)},
             )
 
-    async def check_rate(self, caller: Principal, prompts: int, params: SamplingParams) -> None:
-        """Count a submit against its tenant's requests and tokens per minute (tokens: the
-        most it may generate, max_tokens x n a prompt); 429 with Retry-After past them."""
+    async def check_rate(
+        self, caller: Principal, requests: int, params: SamplingParams | None, request=None
+    ) -> None:
+        """Take a submit from its tenant's requests and tokens per minute (tokens: the
+        most it may generate, max_tokens x n a prompt; ``params`` None: a request that
+        generates nothing, a file upload say): 429 with Retry-After and OpenAI's
+        ``x-ratelimit-*`` headers past them; within them, the headers go on the answer
+        (``request``'s state, added by ``RateHeaders``)."""
         if caller.rpm is None and caller.tpm is None:
             return
-        if caller.tpm is not None and params.max_tokens is None:
-            raise APIError(400, "max_tokens is required under a token rate limit", "max_tokens")
-        tokens = prompts * params.n * (params.max_tokens or 0)
-        wait = await self.view.take_rate(caller.rate_record(), prompts, tokens, time.time())
-        if wait is not None:
+        tokens = 0
+        if params is not None:
+            if caller.tpm is not None and params.max_tokens is None:
+                raise APIError(400, "max_tokens is required under a token rate limit", "max_tokens")
+            tokens = requests * params.n * (params.max_tokens or 0)
+        if caller.tpm is not None and tokens > caller.tpm:
+            raise APIError(
+                400,
+                f"this request may generate {tokens} tokens (max_tokens x n x prompts), over "
+                f"this key's {caller.tpm} tokens per minute",
+                "max_tokens",
+            )
+        state = await self.rates.take(caller.tenant, caller.rpm, caller.tpm, requests, tokens)
+        if not state.taken:
             raise APIError(
                 429,
-                f"tenant {caller.tenant!r} is over its rate limit; retry in {wait:.0f}s",
+                f"tenant {caller.tenant!r} is over its rate limit "
+                f"({caller.rpm or '-'} requests, {caller.tpm or '-'} tokens a minute); "
+                f"retry in {state.wait_s:.1f}s",
                 code="rate_limit_exceeded",
-                headers={"Retry-After": str(max(1, math.ceil(wait)))},
+                headers=state.headers(),
             )
+        if request is not None:
+            request.state.rate_headers = state.headers()
 
     async def check_webhook(self, url: str, caller: Principal) -> None:
         """400 naming ``on_finish`` for a webhook URL that will not be called: one that

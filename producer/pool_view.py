@@ -14,7 +14,7 @@ import orjson
 from lorapool.lifecycle.chunk_log import RESULT_FIELD
 from lorapool.lifecycle.keys import WORKERS_GROUP
 from lorapool.producer.aio import AsyncProducer
-from lorapool.producer.api_keys import authenticate, take_rate
+from lorapool.producer.api_keys import authenticate
 
 
 class PoolView:
@@ -45,13 +45,6 @@ class PoolView:
     async def api_key(self, key: str) -> dict[str, Any] | None:
         """The record (tenant, role, adapters) of an API key; None if unknown or revoked."""
         return await authenticate(self.redis, self.keys, key)
-
-    async def take_rate(
-        self, record: dict[str, Any], requests: int, tokens: int, now: float
-    ) -> float | None:
-        """Count a submit against its tenant's per-minute limits; None when within them,
-        else the seconds until the minute ends (see ``api_keys.take_rate``)."""
-        return await take_rate(self.redis, self.keys, record, requests, tokens, now)
 
     async def has_webhook_secret(self, tenant: str) -> bool:
         """Whether deliveries of ``tenant`` ('' for none) can be signed."""

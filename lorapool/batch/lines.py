@@ -130,9 +130,11 @@ def check_file(
     batch_id: str,
     known_model: Callable[[str], bool],
     limits: JobLimits | None = None,
+    check: Callable[[BatchLine], None] | None = None,
 ) -> Report:
     """Every line checked (one at a time): shape, url, model, parameters, and
-    custom_ids unique across the file. Blank lines are skipped."""
+    custom_ids unique across the file, and ``check`` (raising LineError) when given.
+    Blank lines are skipped."""
     report, seen, limits = Report(errors=[]), {}, limits or JobLimits()
     for number, raw in enumerate(lines, start=1):
         if not raw.strip():
@@ -152,6 +154,11 @@ def check_file(
             seen[line.custom_id] = number
         if not known_model(line.parsed.model):
             report.add(number, LineError(f"unknown model {line.parsed.model!r}", "body.model"))
+        elif check is not None:
+            try:
+                check(line)
+            except LineError as exc:
+                report.add(number, exc)
     if report.total == 0:
         report.add(0, LineError("the file has no requests"))
     return report

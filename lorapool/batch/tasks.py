@@ -24,6 +24,7 @@ from rq.serializers import JSONSerializer
 from lorapool.batch.collector import Collector
 from lorapool.batch.files import DEFAULT_RETENTION_S, FileStore
 from lorapool.batch.lines import check_file, read_lines
+from lorapool.batch.pacing import Pacer
 from lorapool.batch.state import BatchState, Status
 from lorapool.lifecycle.keys import DEFAULT_PREFIX, Keys
 from lorapool.producer import Producer
@@ -102,7 +103,8 @@ def validate_batch(batch_id: str, raw: dict[str, Any]) -> str:
     files, models = config.files(connection), known_models(connection, config.keys)
     producer = Producer(connection, config.prefix, shards=config.shards)
     lines = files.lines(batch["input_file_id"])
-    report = check_file(lines, batch_id, models.__contains__, producer.limits)
+    pacer = Pacer(connection, config.keys, state.owner(batch_id))
+    report = check_file(lines, batch_id, models.__contains__, producer.limits, pacer.check)
     if report.num_errors:
         errors = [{"code": "invalid_request", **e} for e in report.errors]
         state.set(batch_id, errors=errors, total=report.total)
@@ -135,8 +137,13 @@ def enqueue_lines(batch_id: str, raw: dict[str, Any]) -> int:
         {},
         0,
     )
-    while chunk := list(islice(lines, SUBMIT_LINES)):
-        if state.status(batch_id) != Status.IN_PROGRESS:
+    pacer = Pacer(connection, config.keys, owner)
+
+    def stopped() -> bool:
+        return state.status(batch_id) != Status.IN_PROGRESS
+
+    while chunk := _paced(lines, pacer, stopped):
+        if stopped():
             break
         producer.submit_many(
             [line.parsed.prompts[0] for line in chunk],
@@ -150,6 +157,15 @@ def enqueue_lines(batch_id: str, raw: dict[str, Any]) -> int:
     logger.info("batch %s: %d lines submitted", batch_id, sent)
     enqueue_step(connection, config, "collect", batch_id)
     return sent
+
+
+def _paced(lines, pacer: Pacer, stopped) -> list:
+    """The next lines to submit in one round trip: ``SUBMIT_LINES`` of them, or under
+    the owner's rate limits one line, as soon as the limits let it through."""
+    if pacer.limiter is None:
+        return list(islice(lines, SUBMIT_LINES))
+    line = next(lines, None)
+    return [line] if line is not None and pacer.admit(line, stopped) else []
 
 
 def _lora(producer: Producer, cache: dict, model: str) -> LoRARequest | None:

@@ -163,9 +163,10 @@ class Keys:
             return self.batch_requests
         raise ValueError(f"priority must be one of {', '.join(PRIORITIES)}; got {priority!r}")
 
-    def rate(self, tenant: str, window: int, what: str) -> str:
-        """A tenant's count of ``what`` (requests, tokens) in the minute ``window``."""
-        return self._meta(f"rate:{tenant}:{window}:{what}")
+    def rate(self, tenant: str, what: str) -> str:
+        """A tenant's rate state of ``what`` (requests, tokens): its GCRA theoretical
+        arrival time (producer/rate_limits.py)."""
+        return self._meta(f"rate:{tenant}:{what}")
 
     def webhook(self, delivery_id: str) -> str:
         """Hash: one webhook delivery (tenant, URL, body, attempts; batch/deliveries.py)."""

@@ -11,6 +11,7 @@ module's test resolver hook (tests/conftest.py)."""
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import subprocess
@@ -40,6 +41,8 @@ def keys(conn, prefix):
         "acme": store.add("acme", "submit"),
         "globex": store.add("globex", "submit"),
         "ops": store.add("ops", "admin"),
+        "tight": store.add("tight", "submit", rpm=10),
+        "batcher": store.add("batcher", "submit", rpm=30),
     }
     keys = {name: key for name, (_, key) in made.items()}
     keys["acme-id"] = made["acme"][0]["id"]
@@ -52,11 +55,19 @@ def keys(conn, prefix):
 def gateways(redis_url, prefix, worker, keys, tmp_path_factory):
     """Two gateways of the pool (auth on, one internal receiver range allowed)."""
     procs, urls = [], []
-    for i in range(2):
-        cwd = tmp_path_factory.mktemp(f"gw{i}")
-        url, proc = serve(redis_url, prefix, cwd, "--webhook-allow", ALLOWED, auth=True)
-        procs.append(proc)
-        urls.append(url)
+    batch_env = {"LORAPOOL_BATCH_DIR": str(tmp_path_factory.mktemp("files")),
+                 "LORAPOOL_BATCH_QUEUE": f"{prefix}-batch"}  # fmt: skip
+    saved = {k: os.environ.get(k) for k in batch_env}
+    os.environ.update(batch_env)
+    try:
+        for i in range(2):
+            cwd = tmp_path_factory.mktemp(f"gw{i}")
+            url, proc = serve(redis_url, prefix, cwd, "--webhook-allow", ALLOWED, auth=True)
+            procs.append(proc)
+            urls.append(url)
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k) if v is None else os.environ.update({k: v})
     yield urls
     for proc in procs:
         stop(proc)
@@ -65,7 +76,7 @@ def gateways(redis_url, prefix, worker, keys, tmp_path_factory):
 @pytest.fixture(scope="module")
 def deliveries(redis_url, prefix, conn, tmp_path_factory):
     """The audit writer (dispatching webhooks: 2 s attempts, 2 attempts) and two RQ
-    workers of the callback queue."""
+    workers of the callback and batch queues."""
     cwd = tmp_path_factory.mktemp("dispatch")
     flags = ("--callback-queue", prefix, "--webhook-allow", ALLOWED, "--webhook-deadline", "2",
              "--webhook-max-attempts", "2", "--webhook-tenant-concurrency", "1")  # fmt: skip
@@ -78,6 +89,7 @@ def deliveries(redis_url, prefix, conn, tmp_path_factory):
                 "from rq.cli import main; main()",
                 "worker",
                 prefix,
+                f"{prefix}-batch",
                 "--url",
                 redis_url,
                 "--serializer",
@@ -187,6 +199,82 @@ def test_row2_a_dripping_receiver_delays_only_its_own_tenant(gateways, keys, del
         [hit] = ok.wait_for(1, timeout=30)
     assert done["status"] == "finished"
     assert hit.at - start < 8, f"acme's callback took {hit.at - start:.1f}s behind globex's drip"
+
+
+# Row 3: batches count against the key's limits
+def test_row3_a_key_at_its_rpm_gets_its_batch_lines_at_that_rate(
+    gateways, keys, conn, prefix, deliveries
+):
+    """``--rpm 30`` (one request every 2 s after a burst of 30): at the limit, the upload
+    is refused (429); once allowed, the batch's 30 lines go at the key's pace, not at
+    once, and they spend the key's budget (its own jobs get 429 meanwhile)."""
+    answers = [_post(gateways[i % 2], "/v1/jobs", JOB, keys, "batcher") for i in range(30)]
+    lines = b"".join(
+        orjson.dumps({"custom_id": f"l{i}", "method": "POST", "url": "/v1/completions",
+                      "body": {**JOB, "prompt": f"line {i}"}}) + b"\n"
+        for i in range(30)
+    )  # fmt: skip
+
+    def upload() -> httpx.Response:
+        return httpx.post(
+            f"{gateways[0]}/v1/files",
+            files={"file": ("in.jsonl", lines)},
+            data={"purpose": "batch"},
+            headers=_auth(keys, "batcher"),
+            timeout=30,
+        )
+
+    for _ in range(5):  # at its limit (getting 429), then the upload right away
+        while _post(gateways[0], "/v1/jobs", JOB, keys, "batcher").status_code == 202:
+            pass
+        refused = upload()  # (a request slot may come free in between: then again)
+        if refused.status_code == 429:
+            break
+    assert _error(refused, 429)["code"] == "rate_limit_exceeded" and answers
+    assert refused.headers["x-ratelimit-remaining-requests"] == "0"
+    time.sleep(int(refused.headers["retry-after"]))
+    uploaded = upload()
+    assert uploaded.status_code == 200, uploaded.text
+    time.sleep(2)
+    body = {"input_file_id": uploaded.json()["id"], "endpoint": "/v1/completions"}
+    batch = _post(gateways[1], "/v1/batches", body, keys, "batcher")
+    assert batch.status_code == 200, batch.text
+    batch_id = batch.json()["id"]
+
+    def submitted() -> int:
+        return sum(conn.exists(f"{prefix}:job:{{{batch_id}:l{i}}}") for i in range(30))
+
+    deadline = time.monotonic() + 60
+    while submitted() == 0:
+        assert time.monotonic() < deadline, "no line was submitted"
+        time.sleep(0.2)
+    start, first = time.monotonic(), submitted()
+    time.sleep(6)
+    paced = submitted() - first
+    assert first <= 2 and paced <= 1 + math.ceil((time.monotonic() - start) / 2), (first, paced)
+    assert _post(gateways[0], "/v1/jobs", JOB, keys, "batcher").status_code == 429
+    _post(gateways[0], f"/v1/batches/{batch_id}/cancel", None, keys, "batcher")
+
+
+# Row 12: a sliding limit, and OpenAI's headers
+def test_row12_no_minute_boundary_and_openais_headers(gateways, keys):
+    """``--rpm 10``: 10 requests pass (with x-ratelimit-* counting down), the next 10,
+    3.6 s later, do not (a fixed window let them through at the minute's end), with
+    Retry-After; after that wait, one more passes."""
+    first = [_post(gateways[i % 2], "/v1/jobs", JOB, keys, "tight") for i in range(10)]
+    assert [r.status_code for r in first] == [202] * 10
+    remaining = [r.headers["x-ratelimit-remaining-requests"] for r in first]
+    assert remaining == [str(n) for n in range(9, -1, -1)]
+    assert {r.headers["x-ratelimit-limit-requests"] for r in first} == {"10"}
+    assert first[-1].headers["x-ratelimit-reset-requests"].endswith("s")
+    time.sleep(3.6)
+    second = [_post(gateways[i % 2], "/v1/jobs", JOB, keys, "tight") for i in range(10)]
+    assert sum(r.status_code == 202 for r in second) <= 1
+    refused = _post(gateways[1], "/v1/jobs", JOB, keys, "tight")
+    assert _error(refused, 429)["code"] == "rate_limit_exceeded"
+    assert 1 <= int(refused.headers["retry-after"]) <= 6
+    time.sleep(int(refused.headers["retry-after"]))
+    assert _post(gateways[0], "/v1/jobs", JOB, keys, "tight").status_code == 202
 
 
 # Row 8: nothing internal reaches a tenant
