@@ -13,9 +13,15 @@ that graph's static buffers and the rows past n padded:
   (``max_model_len / block_size``), so the attention kernel's split of the
   context is fixed at capture; ``seq_lens`` bound what it reads.
 
+With adapters enabled, each size has a second graph for decode steps that use
+adapters: the LoRA kernels' grid and tile rows must be fixed too, so that graph
+runs them over ``max_tiles`` tiles of ``LORA_BLOCK_M`` rows (a step's real tiles
+first, then empty ones, which touch nothing) at ``max_lora_rank`` (slots hold
+zeros past an adapter's rank), its token order and tiles copied into static
+buffers at each replay (``StaticLoRA``).
+
 A step runs eagerly when it is no pure decode step (a prefill, or prompt
-logprobs), uses an adapter (the LoRA kernels' tiles depend on the batch's
-adapter mix), or has more sequences than the largest graph. Only on CUDA;
+logprobs) or has more sequences than the largest graph. Only on CUDA;
 ``EngineArgs.enforce_eager`` (default True until measured) turns it off.
 """
 
@@ -26,11 +32,13 @@ import logging
 import torch
 
 from lorapool.engine.batch import BatchMetadata
+from lorapool.kernels import LoRAMapping
 
 logger = logging.getLogger(__name__)
 
 # padding of a static row: (token, position, KV slot, sequence length)
 PAD_TOKEN, PAD_POSITION, PAD_SLOT, PAD_SEQ_LEN = 0, 0, -1, 1
+LORA_BLOCK_M = 16  # rows of a LoRA tile in a graph (a decode step's adapters rarely share 16)
 
 
 def default_sizes(max_num_seqs: int) -> list[int]:
@@ -53,11 +61,63 @@ def bucket(num_seqs: int, sizes: list[int]) -> int | None:
     return next((s for s in sizes if s >= num_seqs), None)
 
 
-def graphable(batch: BatchMetadata, uses_lora: bool) -> bool:
-    """Whether a step may run in a decode graph: one new token per sequence, each
-    sampled, no adapter."""
+def graphable(batch: BatchMetadata) -> bool:
+    """Whether a step may run in a decode graph: one new token per sequence, each sampled."""
     n = batch.num_seqs
-    return not uses_lora and batch.num_tokens == n and batch.logits_indices.shape[0] == n
+    return batch.num_tokens == n and batch.logits_indices.shape[0] == n
+
+
+def max_tiles(size: int, max_loras: int) -> int:
+    """Tiles of ``LORA_BLOCK_M`` rows that ``size`` tokens of at most ``max_loras``
+    adapters need at most: each adapter's tokens ceil(n / M) <= n / M + 1."""
+    return -(-size // LORA_BLOCK_M) + min(size, max_loras)
+
+
+def padded_plan(host_slots, size: int, num_tiles: int) -> tuple[list[int], list[int]]:
+    """(token order [size], tiles [3 * num_tiles] as starts, ends, slots) of a decode step
+    whose tokens have ``host_slots`` (-1: no adapter), padded to ``size`` tokens of no
+    adapter and ``num_tiles`` tiles, the unused ones empty (start = end)."""
+    slots = list(host_slots) + [-1] * (size - len(host_slots))
+    order = sorted(range(size), key=slots.__getitem__)  # stable: token order within a slot
+    starts, ends, tile_slots = [], [], []
+    i = 0
+    while i < size:
+        slot, j = slots[order[i]], i
+        while j < size and slots[order[j]] == slot:
+            j += 1
+        if slot >= 0:
+            for start in range(i, j, LORA_BLOCK_M):
+                starts.append(start)
+                ends.append(j)
+                tile_slots.append(slot)
+        i = j
+    if len(starts) > num_tiles:
+        raise ValueError(f"{len(starts)} LoRA tiles do not fit a graph of {num_tiles}")
+    pad = [0] * (num_tiles - len(starts))
+    return order, starts + pad + ends + pad + tile_slots + pad
+
+
+class StaticLoRA:
+    """A LoRA graph's token order and tiles: a ``LoRAMapping`` over static buffers."""
+
+    def __init__(self, size: int, max_loras: int, device: torch.device):
+        self.size, self.num_tiles = size, max_tiles(size, max_loras)
+        self.order = torch.arange(size, dtype=torch.long, device=device)
+        self.tiles = torch.zeros((3, self.num_tiles), dtype=torch.long, device=device)
+        self.mapping = LoRAMapping(
+            num_tokens=size,
+            max_slot=max_loras - 1,
+            segments=(),
+            order=self.order,
+            tiles=self.tiles,
+            block_m=LORA_BLOCK_M,
+        )
+
+    def fill(self, host_slots) -> None:
+        order, tiles = padded_plan(host_slots, self.size, self.num_tiles)
+        host = torch.tensor(order + tiles, dtype=torch.long)
+        self.order.copy_(host[: self.size], non_blocking=True)
+        self.tiles.view(-1).copy_(host[self.size :], non_blocking=True)
 
 
 class StaticBatch:
@@ -104,41 +164,65 @@ class DecodeGraphs:
     """Captured decode graphs of one model runner; ``run`` replays the bucket of a batch.
 
     ``forward(batch) -> logits`` is the runner's eager forward (model and logits).
+    ``lora``: the LoRA layers' shared ``LoRAStep``, ``max_loras`` and ``max_rank``
+    when adapters are enabled (then each size also gets a graph for adapter steps).
     ``enabled`` may be switched off to run eagerly (the GPU kit compares both).
     """
 
-    def __init__(self, forward, sizes: list[int], max_blocks: int, device: torch.device):
+    def __init__(self, forward, sizes: list[int], max_blocks: int, device: torch.device, lora=None):
         self.forward, self.sizes, self.device = forward, sizes, device
-        self.max_blocks = max_blocks
+        self.max_blocks, self.lora = max_blocks, lora
         self.enabled, self.replays = True, 0
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, StaticBatch, torch.Tensor]] = {}
+        self.graphs: dict[int, tuple] = {}  # size -> (graph, StaticBatch, logits)
+        self.lora_graphs: dict[int, tuple] = {}  # size -> (graph, StaticBatch, logits, StaticLoRA)
 
     def capture(self) -> None:
         """Capture every size, largest first, sharing one memory pool (as vLLM does)."""
         pool = None
         for size in reversed(self.sizes):
             static = StaticBatch(size, self.max_blocks, self.device)
-            self.forward(static.batch)  # warm-up: Triton compiles outside the capture
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                logits = self.forward(static.batch)
-            pool = graph.pool()
+            graph, logits, pool = self._capture_one(static, pool)
             self.graphs[size] = (graph, static, logits)
+            if self.lora is not None:
+                step, max_loras, max_rank = self.lora
+                static_lora = StaticLoRA(size, max_loras, self.device)
+                step.set(static_lora.mapping, max_rank)
+                try:
+                    graph, logits, pool = self._capture_one(static, pool)
+                finally:
+                    step.set(None, 0)
+                self.lora_graphs[size] = (graph, static, logits, static_lora)
         torch.cuda.synchronize(self.device)
-        logger.info("captured CUDA graphs for decode batches of %s sequences", self.sizes)
+        kinds = "base and adapter" if self.lora is not None else "base"
+        logger.info(
+            "captured CUDA graphs (%s) for decode batches of %s sequences", kinds, self.sizes
+        )
+
+    def _capture_one(self, static: StaticBatch, pool):
+        self.forward(static.batch)  # warm-up: Triton compiles outside the capture
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            logits = self.forward(static.batch)
+        return graph, logits, graph.pool()
 
     def can_run(self, batch: BatchMetadata, uses_lora: bool) -> bool:
         return (
             self.enabled
-            and graphable(batch, uses_lora)
+            and (not uses_lora or self.lora is not None)
+            and graphable(batch)
             and bucket(batch.num_seqs, self.sizes) is not None
             and batch.block_tables.shape[1] <= self.max_blocks
         )
 
     def run(self, batch: BatchMetadata) -> torch.Tensor:
         """The logits [n, vocab] of a decode batch, by replaying its bucket's graph."""
-        graph, static, logits = self.graphs[bucket(batch.num_seqs, self.sizes)]
+        size = bucket(batch.num_seqs, self.sizes)
+        if batch.uses_lora:
+            graph, static, logits, static_lora = self.lora_graphs[size]
+            static_lora.fill(self.lora[0].mapping.host_slots)  # the step's, set by the engine
+        else:
+            graph, static, logits = self.graphs[size]
         static.fill(batch)
         graph.replay()
         self.replays += 1

@@ -98,6 +98,9 @@ class LLMEngine:
             if args.enable_lora
             else None
         )
+        loras = self.lora_manager
+        lora = (loras.step, loras.max_loras, loras.max_rank) if loras is not None else None
+        self.runner.capture_graphs(args, lora)  # after the LoRA layers are in the model
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:

@@ -52,20 +52,22 @@ class ModelRunner:
             self.block_size,
             self.num_blocks * self._block_bytes() / 2**20,
         )
-        self.graphs = self._capture_graphs(args)
+        self.graphs: DecodeGraphs | None = None
 
-    def _capture_graphs(self, args: EngineArgs) -> DecodeGraphs | None:
+    def capture_graphs(self, args: EngineArgs, lora=None) -> None:
+        """Capture decode CUDA graphs unless ``enforce_eager`` (or off CUDA); ``lora``:
+        (LoRAStep, max_loras, max_lora_rank) once the LoRA layers are attached."""
         if args.enforce_eager:
-            return None
+            return
         if self.device.type != "cuda":
             logger.info("CUDA graphs need a CUDA device; running eagerly on %s", self.device)
-            return None
+            return
         max_blocks = -(-self.max_model_len // self.block_size)
         sizes = capture_sizes(args.cuda_graph_sizes, args.max_num_seqs)
-        graphs = DecodeGraphs(self._forward, sizes, max_blocks, self.device)
+        graphs = DecodeGraphs(self._forward, sizes, max_blocks, self.device, lora)
         with torch.inference_mode():
             graphs.capture()
-        return graphs
+        self.graphs = graphs
 
     def _block_bytes(self) -> int:
         per_layer = math.prod(self.model.kv_cache_shape(1, self.block_size))  # K or V

@@ -7,10 +7,10 @@ On the first model (the ~1B Llama), in the engine's default dtype (bf16 on CUDA)
 - 8 and 64 adapters (rank ``adapter_rank``, one per request in turn) against
   the base model, on one engine whose KV cache is sized from free memory
   (``gpu_memory_utilization``);
-- the decode step (``batch`` sequences, every one decoding) against its floor,
-  the weights' bytes over the copy bandwidth of section 1, with CUDA graphs off
-  and on (the same engine, captured per batch-size bucket); greedy tokens must
-  not change with graphs.
+- the decode step (``batch`` sequences, every one decoding; the base model, then
+  8 adapters) against its floor, the weights' bytes over the copy bandwidth of
+  section 1, with CUDA graphs off and on (the same engine, captured per
+  batch-size bucket); greedy tokens must not change with graphs.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def run(ctx, rec) -> None:
     rec.figure("ours_tokens_per_s", round(ours, 1))
     rec.figure("ours_over_transformers", round(ours / hf_tps, 3))
     _adapters(ctx, rec, engine, prompts, adapters, ours)
-    _decode_floor(ctx, rec, engine, shape)
+    _decode_floor(ctx, rec, engine, shape, adapters)
 
 
 def _transformers(ctx, rec, path, prompts) -> float:
@@ -141,23 +141,17 @@ def _timed_run(engine, prompts, new_tokens: int, loras=None) -> float:
 
 
 def _adapters(ctx, rec, engine, prompts, adapters: dict, base_tps: float) -> None:
-    from lorapool import LoRARequest
-
-    names = list(adapters)
     for count in ctx.sizes.adapter_counts:
         if ctx.time_left() < 0:
             rec.cut_short(f"the {count}-adapter run")
             return
-        loras = [
-            LoRARequest(names[i % count], i % count + 1, str(adapters[names[i % count]]))
-            for i in range(len(prompts))
-        ]
+        loras = _loras(adapters, count, len(prompts))
         tps = _timed_run(engine, prompts, ctx.sizes.new_tokens, loras)
         rec.figure(f"adapters_{count}_tokens_per_s", round(tps, 1))
         rec.figure(f"adapters_{count}_over_base", round(tps / base_tps, 3))
 
 
-def _decode_floor(ctx, rec, engine, shape) -> None:
+def _decode_floor(ctx, rec, engine, shape, adapters: dict) -> None:
     runner = engine.runner
     weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
     rec.figure("weights_GB", round(weight_bytes / 1e9, 3))
@@ -165,37 +159,49 @@ def _decode_floor(ctx, rec, engine, shape) -> None:
     if floor_s:
         rec.figure("decode_floor_ms", round(floor_s * 1e3, 3))
     graphs = getattr(runner, "graphs", None)
-    results = {}
-    for mode in ("eager", "graphs"):
-        if mode == "graphs" and graphs is None:
-            rec.note("CUDA graphs: not on this device (eager only)")
-            continue
-        if ctx.time_left() < 0:
-            rec.cut_short(f"the {mode} decode timing")
-            return
-        if graphs is not None:
-            graphs.enabled, graphs.replays = mode == "graphs", 0
-        step_s, tokens = _decode_steps(engine, ctx.sizes, shape)
-        results[mode] = tokens
-        rec.figure(f"decode_step_ms_{mode}", round(step_s * 1e3, 3))
-        if floor_s:
-            rec.figure(f"decode_step_over_floor_{mode}", round(step_s / floor_s, 2))
-        if graphs is not None:
-            rec.figure(f"graph_replays_{mode}", graphs.replays)
-    if "graphs" in results:
-        same = results["graphs"] == results["eager"]
-        rec.check("greedy tokens equal with and without CUDA graphs", same)
-        rec.check("CUDA graphs replayed in the graphs run", graphs.replays > 0, str(graphs.replays))
+    if graphs is None:
+        rec.note("CUDA graphs: not on this device (eager only)")
+    count = min(ctx.sizes.adapter_counts)
+    loras = _loras(adapters, count, ctx.sizes.batch)
+    for label, requests_loras in (("base", None), (f"lora{count}", loras)):
+        tokens = {}
+        for mode in ("eager", "graphs") if graphs is not None else ("eager",):
+            if ctx.time_left() < 0:
+                rec.cut_short(f"the {label} {mode} decode timing")
+                return
+            if graphs is not None:
+                graphs.enabled, graphs.replays = mode == "graphs", 0
+            step_s, tokens[mode] = _decode_steps(engine, ctx.sizes, shape, requests_loras)
+            rec.figure(f"decode_step_ms_{label}_{mode}", round(step_s * 1e3, 3))
+            if floor_s:
+                rec.figure(f"decode_step_over_floor_{label}_{mode}", round(step_s / floor_s, 2))
+            if graphs is not None:
+                rec.figure(f"graph_replays_{label}_{mode}", graphs.replays)
+        if "graphs" in tokens:
+            same = tokens["graphs"] == tokens["eager"]
+            rec.check(f"{label}: greedy tokens equal with and without CUDA graphs", same)
+            rec.check(f"{label}: CUDA graphs replayed", graphs.replays > 0, str(graphs.replays))
 
 
-def _decode_steps(engine, sizes, shape) -> tuple[float, list]:
+def _loras(adapters: dict, count: int, num: int) -> list:
+    from lorapool import LoRARequest
+
+    names = list(adapters)
+    return [
+        LoRARequest(names[i % count], i % count + 1, str(adapters[names[i % count]]))
+        for i in range(num)
+    ]
+
+
+def _decode_steps(engine, sizes, shape, loras=None) -> tuple[float, list]:
     """Median seconds of steps in which all ``batch`` sequences decode; the tokens made."""
     from lorapool import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=sizes.decode_tokens, ignore_eos=True)
     prompts = models.prompts(sizes.batch, 16, shape.vocab_size, seed=2)
     for i, prompt in enumerate(prompts):
-        engine.add_request(f"dec{i}", {"prompt_token_ids": prompt}, params)
+        lora = loras[i] if loras else None
+        engine.add_request(f"dec{i}", {"prompt_token_ids": prompt}, params, lora_request=lora)
     times, done = [], {}
     while engine.has_unfinished_requests():
         decoding = _all_decoding(engine, sizes.batch)

@@ -111,11 +111,26 @@ def _batch(query_lens, seq_lens, sampled=None, width=3):
     )
 
 
-def test_only_pure_decode_steps_without_adapters_are_graphable():
-    assert graphable(_batch([1, 1, 1], [5, 9, 30]), uses_lora=False)
-    assert not graphable(_batch([1, 1, 1], [5, 9, 30]), uses_lora=True)
-    assert not graphable(_batch([4, 1], [4, 9]), uses_lora=False)  # a prefill in the step
-    assert not graphable(_batch([1, 1], [5, 9], sampled=1), uses_lora=False)
+def test_only_pure_decode_steps_are_graphable():
+    assert graphable(_batch([1, 1, 1], [5, 9, 30]))
+    assert not graphable(_batch([4, 1], [4, 9]))  # a prefill in the step
+    assert not graphable(_batch([1, 1], [5, 9], sampled=1))  # prompt logprobs rows
+
+
+def test_adapter_steps_replay_only_where_adapter_graphs_were_captured():
+    from lorapool.engine.cuda_graphs import DecodeGraphs
+    from lorapool.engine.lora.layers import LoRAStep
+
+    decode = _batch([1, 1, 1], [5, 9, 30])
+    base_only = DecodeGraphs(None, [1, 2, 4], 8, CPU)
+    assert base_only.can_run(decode, uses_lora=False)
+    assert not base_only.can_run(decode, uses_lora=True)
+    with_lora = DecodeGraphs(None, [1, 2, 4], 8, CPU, lora=(LoRAStep(), 4, 16))
+    assert with_lora.can_run(decode, uses_lora=True)
+    assert not with_lora.can_run(_batch([1] * 5, [3] * 5), uses_lora=False)  # over 4
+    assert not DecodeGraphs(None, [4], 2, CPU).can_run(decode, False)  # 3 blocks wide
+    with_lora.enabled = False
+    assert not with_lora.can_run(decode, uses_lora=False)
 
 
 def test_static_batch_pads_rows_past_the_batch():
@@ -253,3 +268,27 @@ def test_staged_adapters_leave_with_the_cpu_cache(tiny_model_path, tmp_path):
     for lora in loras:
         engine.remove_lora(lora.lora_int_id)
     assert manager.staged == {}
+
+
+def test_padded_plan_orders_tokens_by_slot_and_pads_tiles():
+    from lorapool.engine.cuda_graphs import max_tiles, padded_plan
+
+    order, tiles = padded_plan([2, -1, 0, 2, 0], 8, 4)
+    assert order == [1, 5, 6, 7, 2, 4, 0, 3]  # no adapter first (padding too), then by slot
+    assert tiles == [4, 6, 0, 0] + [6, 8, 0, 0] + [0, 2, 0, 0]  # empty tiles: start = end
+    order, tiles = padded_plan([1] * 40, 40, max_tiles(40, 8))
+    assert tiles[:3] == [0, 16, 32] and tiles[max_tiles(40, 8) :][:3] == [40, 40, 40]
+    with pytest.raises(ValueError, match="do not fit"):
+        padded_plan([0, 1, 2], 4, 2)
+
+
+def test_max_tiles_holds_every_mix_of_adapters():
+    import random
+
+    from lorapool.engine.cuda_graphs import max_tiles, padded_plan
+
+    rng = random.Random(0)
+    for _ in range(300):
+        size, loras = rng.choice([1, 2, 4, 8, 16, 24, 64, 256]), rng.choice([1, 2, 8, 64])
+        slots = [rng.randrange(-1, loras) for _ in range(rng.randint(1, size))]
+        padded_plan(slots, size, max_tiles(size, loras))  # raises if the bound is wrong

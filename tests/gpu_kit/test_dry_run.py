@@ -51,7 +51,8 @@ FIGURES = {  # figures each section's report must hold
         "adapters_4_over_base",
         "kv_blocks",
         "decode_floor_ms",
-        "decode_step_over_floor_eager",
+        "decode_step_over_floor_base_eager",
+        "decode_step_over_floor_lora2_eager",
     ],
     "queue": ["server", "results_equal", "worker_over_engine", "engine_tokens_per_s"],
 }

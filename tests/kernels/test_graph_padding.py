@@ -3,10 +3,11 @@ the real rows the logits of the unpadded batch, and its padding rows write no KV
 Triton kernels (interpreted) on the forward pass a graph captures.
 """
 
+import pytest
 import torch
 
 from lorapool.engine.batch import BatchMetadata
-from lorapool.engine.cuda_graphs import StaticBatch
+from lorapool.engine.cuda_graphs import StaticBatch, StaticLoRA
 from lorapool.engine.loader import load_model
 
 BLOCK = 16
@@ -68,3 +69,30 @@ def test_padded_decode_batch_equals_the_unpadded_one(tiny_model_path, triton_int
         flat, flat0 = cache.view(written.shape[0], -1), cache0.view(written.shape[0], -1)
         assert torch.equal(flat[~written], flat0[~written])  # padding (slot -1) wrote nothing
         torch.testing.assert_close(flat[written], flat0[written], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lora_over_a_graphs_static_tiles_equals_the_steps_own(triton_interpret, dtype):
+    """The LoRA update of a padded decode batch over ``StaticLoRA``'s fixed tiles (empty
+    ones included) at the largest rank equals the eager step's over its own tiles."""
+    from lorapool.engine.lora.layers import LoRALayer, LoRAStep
+    from lorapool.kernels import LoRAMapping
+
+    gen = torch.Generator().manual_seed(0)
+    slots, max_loras, max_rank, size = [2, -1, 0, 2, 0, 1, 2], 4, 16, 16
+    step = LoRAStep()
+    layer = LoRALayer(32, [24, 8, 8], max_loras, max_rank, dtype, torch.device("cpu"), step)
+    for slot, rank in enumerate([4, 8, 16, 8]):  # ranks below max_rank: zeros past them
+        for index, width in enumerate([24, 8, 8]):
+            a, b = torch.randn(rank, 32, generator=gen), torch.randn(width, rank, generator=gen)
+            layer.set_slot(slot, index, a, b, scaling=0.5)
+    x = torch.randn(size, 32, generator=gen).to(dtype)
+    base = torch.randn(size, 40, generator=gen).to(dtype)
+    step.set(LoRAMapping.from_slots(slots, "cpu"), 16)
+    want = layer.apply(x[: len(slots)], base[: len(slots)].clone())
+    static = StaticLoRA(size, max_loras, torch.device("cpu"))
+    static.fill(slots)
+    step.set(static.mapping, max_rank)
+    got = layer.apply(x, base.clone())
+    torch.testing.assert_close(got[: len(slots)], want, rtol=1e-2, atol=1e-2)
+    assert torch.equal(got[len(slots) :], base[len(slots) :])  # padding rows: no adapter
