@@ -63,9 +63,21 @@ def url(server, role: str) -> str:
     return server.url.replace("://", f"://lorapool-{role}:{PASSWORD}@", 1)
 
 
-def test_doc_has_the_three_roles():
+ROLES = [
+    "audit-writer",
+    "exporter",
+    "gateway",
+    "keda",
+    "operator",
+    "producer",
+    "rq-worker",
+    "worker",
+]
+
+
+def test_doc_has_every_role():
     for layout in ("standalone", "cluster"):
-        assert sorted(acl_rules(layout)) == ["audit-writer", "producer", "worker"]
+        assert sorted(acl_rules(layout)) == ROLES
 
 
 def test_doc_cluster_rules_follow_the_standalone_ones():
@@ -137,3 +149,39 @@ def test_each_role_runs_with_its_own_user(server, model, tmp_path):
         worker_conn.get(Keys("other", shards).model)
     with pytest.raises(denied):  # and nobody may reconfigure the server
         worker_conn.config_set("appendonly", "no")
+
+
+def test_the_other_roles_are_refused_what_is_not_theirs(server):
+    """The roles the deployment test runs whole (tests/integration/test_deployment.py): what
+    each may not do, on both layouts."""
+    keys = Keys(shards=server.shards)
+    shard = keys.for_request("x")
+    denied = redis.exceptions.NoPermissionError
+    clients = {
+        role: connect(url(server, role))
+        for role in ("gateway", "exporter", "keda", "rq-worker", "operator")
+    }
+    try:
+        gateway, exporter, keda = clients["gateway"], clients["exporter"], clients["keda"]
+        with pytest.raises(denied):  # the gateway cannot forge audit records
+            gateway.xadd(shard.audit, {"data": b"{}"})
+        with pytest.raises(denied):  # nor write chunk logs, nor read tenants' secrets
+            gateway.rpush(shard.out("x"), b"{}")
+        with pytest.raises(denied):
+            gateway.hset(keys.api_keys, "k", "v")  # API keys are the operator's to make
+        with pytest.raises(denied):  # the exporter writes nothing
+            exporter.xadd(shard.requests, {"data": b"{}"})
+        with pytest.raises(denied):  # and reads no secret
+            exporter.hgetall(keys.webhook_secrets)
+        assert keda.xlen(shard.requests) >= 0
+        with pytest.raises(denied):  # KEDA reads the streams' counts, not the jobs
+            keda.xrange(shard.requests)
+        with pytest.raises(denied):
+            clients["rq-worker"].xadd(shard.audit, {"data": b"{}"})
+        with pytest.raises(denied):  # the operator administers the pool, not the server
+            clients["operator"].config_set("appendonly", "no")
+        with pytest.raises(denied):
+            clients["operator"].flushall()
+    finally:
+        for client in clients.values():
+            client.close()

@@ -1,0 +1,611 @@
+"""The deployment conformance test: deploy/'s manifests and compose.yaml run as written,
+as local processes, without Docker or Kubernetes (tests/support/deployment.py says how a
+container becomes a process).
+
+deploy/: every Deployment and Job its manifests define, with their commands, arguments,
+environment and mounted Secrets; each role connects with its own Redis user (the rules
+of docs/redis-acl.md, with the passwords of deploy/secrets.example.yaml) on a private
+redis-server; 2 gateway replicas, as gateway.yaml says; the audit roles made by the
+audit-setup Job in a private PostgreSQL database (SQLite and `audit migrate` when no
+PostgreSQL is reachable). The pool starts with no worker, as KEDA leaves it: a job is
+accepted and queued, KEDA's redis-streams rule (computed from the ScaledObject's
+triggers, as the TriggerAuthentication's user) asks for one worker, which starts and
+finishes it. Then a user drives the pool: the official openai client (completions,
+chat, streaming, an adapter) on both replicas, a job's events resumed with
+Last-Event-ID on the other replica, a batch file uploaded to one replica and read back
+from the other (run by the RQ worker), an audit query, /metrics of the exporter, the
+worker and a gateway scraped and parsed, `lorapool audit verify`. A command run with
+another role's user fails with one line. Redis's ACL LOG then holds no refusal of any
+role that ran: every user had enough.
+
+compose.yaml: its Redis users must be the doc's; every service runs (one worker, one
+gateway), the operator's command, one completion through the gateway.
+
+Replicas other than the gateway's: one each (2 CPU cores); the test's own admin is the
+Redis default user. What it costs: about 60-90 s on an idle 2-core machine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import re
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import httpx
+import orjson
+import pytest
+import redis
+from deployment import Compose, Manifests, MissingReference, Site
+from gateway_procs import free_port, wait_until
+from redis_server import RedisServer
+
+pytestmark = pytest.mark.integration
+ROOT = Path(__file__).resolve().parents[2]
+DOC = ROOT / "docs" / "redis-acl.md"
+PG_DEFAULT = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+SQL_ROLES = ("lorapool_owner", "lorapool_writer", "lorapool_reader")
+
+
+def acl_rules() -> dict[str, str]:
+    """role -> its (standalone) ACL SETUSER line, from docs/redis-acl.md."""
+    blocks = re.findall(r"```acl ([\w-]+)\n(ACL SETUSER [^\n]+)\n```", DOC.read_text())
+    return dict(blocks)
+
+
+def set_users(admin: redis.Redis, passwords: dict[str, str]) -> None:
+    """The doc's users, each with the password its role's URL carries."""
+    for _role, line in acl_rules().items():
+        user = line.split()[2]
+        words = [f">{passwords[user]}" if w == ">CHANGE-ME" else w for w in line.split()[2:]]
+        admin.execute_command("ACL", "SETUSER", *words)
+
+
+def url_user(url: str) -> tuple[str, str]:
+    parsed = httpx.URL(url.replace("redis://", "http://"))
+    return parsed.username, parsed.password
+
+
+# --- the environment the pool runs in ---------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tree(tmp_path_factory, model):
+    """The volumes: /models/base (the tiny model) and /adapters/ad (an adapter of it)."""
+    from adapters import build_adapter
+
+    root = tmp_path_factory.mktemp("volumes")
+    (root / "models").mkdir()
+    (root / "models" / "base").symlink_to(model)
+    build_adapter(model, root / "adapters" / "ad", rank=8, seed=3, std=0.2)
+    return root
+
+
+@pytest.fixture(scope="module")
+def audit_key_text():
+    from lorapool import signing
+
+    return signing.new_key()
+
+
+@contextlib.contextmanager
+def private_pg(names: dict[str, str]):
+    """A database of its own on the test PostgreSQL (created, then dropped with the run's
+    roles), or None when none is reachable."""
+    from sqlalchemy import create_engine, text
+
+    url = os.environ.get("LORAPOOL_TEST_PG_URL") or PG_DEFAULT
+    if not url.startswith("postgresql"):
+        yield None
+        return
+    database = f"lp_deploy_{uuid.uuid4().hex[:10]}"
+    try:
+        admin = create_engine(
+            url, isolation_level="AUTOCOMMIT", connect_args={"connect_timeout": 3}
+        )
+        with admin.connect() as conn:
+            conn.execute(text(f"CREATE DATABASE {database}"))
+    except Exception:  # noqa: BLE001 - no server: the SQLite path
+        yield None
+        return
+    try:
+        yield url.rsplit("/", 1)[0].split("@")[-1], database
+    finally:
+        with admin.connect() as conn:
+            conn.execute(text(f"DROP DATABASE IF EXISTS {database} WITH (FORCE)"))
+            for role in names.values():
+                conn.execute(text(f"DROP ROLE IF EXISTS {role}"))
+        admin.dispose()
+
+
+class Pool:
+    """The processes of one deployment, their logs, and how to stop them all."""
+
+    def __init__(self, workdir: Path):
+        self.workdir, self.procs = workdir, []
+
+    def start(self, *processes):
+        for process in processes:
+            process.start(self.workdir, self.workdir / f"{process.name}.log")
+            self.procs.append(process)
+        return list(processes)
+
+    def run(self, process, timeout: float = 120) -> str:
+        self.start(process)
+        try:
+            process.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            process.stop()
+        log = self.log(process)
+        assert process.proc.returncode == 0, f"{process.name} failed:\n{log}"
+        return log
+
+    def log(self, process) -> str:
+        return (self.workdir / f"{process.name}.log").read_text(errors="replace")
+
+    def alive(self, process) -> bool:
+        assert process.proc.poll() is None, f"{process.name} exited:\n{self.log(process)[-3000:]}"
+        return True
+
+    def stop(self):
+        for process in reversed(self.procs):
+            process.stop()
+
+    def dump(self):
+        """What each process said, for a failure's report."""
+        for process in self.procs:
+            print(f"--- {process.name}\n{self.log(process)[-4000:]}")
+
+
+def ready(pool: Pool, process, path: str, timeout: float = 90) -> None:
+    def answering() -> bool:
+        pool.alive(process)
+        try:
+            return httpx.get(f"{process.url()}{path}", timeout=5).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    wait_until(answering, f"{process.name} answering {path}", timeout)
+
+
+def lorapool(*args: str, env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-c", "from lorapool.cli.main import main; main()", *args]
+    own = ("REDIS_URL", "LORAPOOL_DB_URL", "LORAPOOL_AUDIT_KEY")  # only what a caller gives
+    full = {k: v for k, v in os.environ.items() if k not in own}
+    return subprocess.run(cmd, env={**full, **env}, cwd=cwd, capture_output=True, text=True)
+
+
+# --- KEDA -------------------------------------------------------------------
+
+
+def keda_wanted(manifests: Manifests, site: Site, redis_port: int) -> int:
+    """The worker replicas KEDA's redis-streams scaler (lag mode) asks for, computed from
+    the ScaledObject's triggers as its TriggerAuthentication's user: per trigger, the
+    group's lag (XLEN before the group exists; 0 without the stream), active above
+    activationLagCount, wanting ceil(lag / lagCount); KEDA takes the largest."""
+    (scaled,) = manifests.of("ScaledObject").values()
+    wanted = scaled["spec"].get("minReplicaCount", 0)
+    for trigger in scaled["spec"]["triggers"]:
+        meta = trigger["metadata"]
+        auth = manifests.trigger_auth(trigger["authenticationRef"]["name"], "ScaledObject")
+        host, port = site.localize(f"@{meta['address']}").lstrip("@").split(":")
+        client = redis.Redis(host=host, port=int(port), username=auth["username"],
+                             password=site.localize(auth["password"]))  # fmt: skip
+        assert int(client.info("server")["redis_version"].split(".")[0]) >= 7
+        lag = _lag(client, meta["stream"], meta["consumerGroup"])
+        client.close()
+        if lag > int(meta.get("activationLagCount", "0")):
+            wanted = max(wanted, math.ceil(lag / int(meta["lagCount"])))
+    return min(wanted, scaled["spec"]["maxReplicaCount"])
+
+
+def _lag(client: redis.Redis, stream: str, group: str) -> int:
+    if not client.exists(stream):
+        return 0
+    for info in client.xinfo_groups(stream):
+        if info["name"].decode() == group:
+            return info["lag"] or 0
+    return client.xlen(stream)
+
+
+# --- deploy/ ----------------------------------------------------------------
+
+
+def test_deploy_runs_as_written(tmp_path, tree, model, audit_key_text):
+    manifests = Manifests()
+    manifests.check_references()
+    secrets = manifests.of("Secret")["lorapool-redis"]["stringData"]
+    passwords = dict(url_user(v) for k, v in secrets.items() if k.endswith("-url"))
+    passwords[secrets["keda-username"]] = secrets["keda-password"]
+    server = RedisServer(tmp_path / "redis").start()
+    admin = server.client()
+    set_users(admin, passwords)
+    suffix = uuid.uuid4().hex[:8]
+    sql_names = {role: f"{role}_{suffix}" for role in SQL_ROLES}
+    pool = Pool(tmp_path / "run")
+    pool.workdir.mkdir()
+    mounts = {
+        "/secrets/audit": tmp_path / "secrets" / "audit",
+        "/models": tree / "models",
+        "/adapters": tree / "adapters",
+    }
+    (mounts["/secrets/audit"]).mkdir(parents=True)
+    try:
+        with private_pg(sql_names) as pg:
+            site = deploy_site(
+                manifests, server.port, pg, sql_names, mounts, tmp_path, audit_key_text
+            )
+            mounts["/secrets/audit"].joinpath("audit.key").write_text(
+                site.localize(manifests.secret("lorapool-audit-key", "audit.key", "test"))
+            )
+            try:
+                _drive_deploy(manifests, site, pool, pg, sql_names, server, admin, tmp_path)
+            except BaseException:
+                pool.stop()
+                pool.dump()
+                for entry in admin.acl_log(count=200):
+                    print("ACL LOG", entry["username"], entry["reason"], entry["object"])
+                raise
+    finally:
+        pool.stop()
+        admin.close()
+        server.stop()
+
+
+def deploy_site(manifests, redis_port, pg, sql_names, mounts, tmp_path, audit_key) -> Site:
+    replace = {"CHANGE-ME-run-lorapool-audit-keygen": audit_key}
+    hosts = {"redis.lorapool.svc": f"127.0.0.1:{redis_port}"}
+    db = manifests.of("Secret")["lorapool-db"]["stringData"]
+    if pg is None:  # SQLite: one file for the writer and the gateway's reads
+        sqlite = f"sqlite:///{tmp_path / 'audit.sqlite'}"
+        replace.update({db["writer-url"]: sqlite, db["reader-url"]: sqlite})
+    else:
+        address, database = pg
+        hosts["postgres.lorapool.svc"] = address
+        replace["svc:5432/lorapool"] = f"svc:5432/{database}"
+        replace.update({f"{role}:": f"{name}:" for role, name in sql_names.items()})
+    return Site(hosts=hosts, mounts=mounts, workdir=tmp_path, replace=replace)
+
+
+def _drive_deploy(manifests, site, pool, pg, sql_names, server, admin, tmp_path):
+    secrets = {
+        k: site.localize(v)
+        for k, v in manifests.of("Secret")["lorapool-redis"]["stringData"].items()
+    }
+    db = {
+        k: site.localize(v) for k, v in manifests.of("Secret")["lorapool-db"]["stringData"].items()
+    }
+    if pg is not None:  # the audit-setup Job, its role names this run's own
+        (setup,) = manifests.processes("lorapool-audit-setup", site, free_port)
+        setup.argv += [f"--{r.split('_')[1]}={n}" for r, n in sql_names.items()]
+        assert "revision" in pool.run(setup)
+    else:
+        reason = "no PostgreSQL reachable: the audit-setup Job skipped, SQLite migrated instead"
+        print(reason)
+        done = lorapool(
+            "audit", "migrate", env={"LORAPOOL_DB_URL": db["writer-url"]}, cwd=pool.workdir
+        )
+        assert done.returncode == 0, done.stderr
+    gateways = pool.start(*manifests.processes("lorapool-gateway", site, free_port))
+    assert len(gateways) == 2  # as gateway.yaml says
+    pool.start(*manifests.processes("lorapool-audit-writer", site, free_port))
+    (exporter,) = pool.start(*manifests.processes("lorapool-exporter", site, free_port))
+    pool.start(*manifests.processes("lorapool-rq-batch", site, free_port, replicas=1))
+    pool.start(*manifests.processes("lorapool-rq-callbacks", site, free_port, replicas=1))
+    for gateway in gateways:  # ready with no worker at all: scale from zero
+        ready(pool, gateway, "/readyz")
+        assert httpx.get(f"{gateway.url()}/readyz").json()["workers"] == 0
+
+    operator = {"REDIS_URL": secrets["operator-url"]}
+    added = lorapool(
+        "adapters",
+        "add",
+        "ad",
+        str(site.mounts["/adapters"] / "ad"),
+        env=operator,
+        cwd=pool.workdir,
+    )
+    assert added.returncode == 0, added.stderr
+    keys = {}
+    for tenant, role, extra in (("acme", "submit", ()), ("audit", "audit", ("--all-tenants",))):
+        made = lorapool(
+            "keys", "add", tenant, "--role", role, *extra, env=operator, cwd=pool.workdir
+        )
+        assert made.returncode == 0, made.stderr
+        keys[role] = made.stdout.strip()
+    auth = {"Authorization": f"Bearer {keys['submit']}"}
+
+    # scale from zero: queued, KEDA's rule says 1, a worker starts, the job finishes
+    a, b = (g.url() for g in gateways)
+    job = httpx.post(
+        f"{a}/v1/jobs", headers=auth, json={"model": "ad", "prompt": "hello", "max_tokens": 6}
+    )
+    assert job.status_code == 202, job.text
+    wanted = keda_wanted(manifests, site, server.port)
+    assert wanted == 1
+    (worker,) = pool.start(
+        *manifests.processes("lorapool-worker", site, free_port, replicas=wanted)
+    )
+    job_id = job.json()["id"]
+    wait_until(
+        lambda: (
+            pool.alive(worker)
+            and httpx.get(f"{b}/v1/jobs/{job_id}", headers=auth).json()["status"] == "finished"
+        ),
+        "the queued job finished",
+        180,
+    )
+    assert keda_wanted(manifests, site, server.port) == 0
+
+    _as_a_user(a, b, keys, auth, tmp_path)
+    _metrics(pool, exporter, worker, gateways, keys)
+    verify = lorapool(
+        "audit",
+        "verify",
+        env={
+            "LORAPOOL_DB_URL": db["reader-url"],
+            "LORAPOOL_AUDIT_KEY_FILE": str(site.mounts["/secrets/audit"] / "audit.key"),
+            **({"LORAPOOL_DB_SCHEMA": "lorapool_audit"} if pg else {}),
+        },
+        cwd=pool.workdir,
+    )
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+
+    # the wrong role: one line naming what Redis refused, no traceback; a gateway run as
+    # the producer answers 503 naming it, not a 500
+    wrong = lorapool("keys", "list", env={"REDIS_URL": secrets["producer-url"]}, cwd=pool.workdir)
+    assert wrong.returncode == 1 and "Traceback" not in wrong.stderr
+    assert len(wrong.stderr.strip().splitlines()) == 1 and "NOPERM" in wrong.stderr, wrong.stderr
+    (as_producer,) = manifests.processes("lorapool-gateway", site, free_port, replicas=1)
+    as_producer.env["REDIS_URL"] = secrets["producer-url"]
+    pool.start(as_producer)
+    ready(pool, as_producer, "/healthz")
+    assert (
+        httpx.get(f"{as_producer.url()}/readyz").json()["error"]["code"]
+        == "redis_permission_denied"
+    )
+    refused = httpx.get(f"{as_producer.url()}/v1/models", headers=auth)
+    assert refused.status_code == 503, refused.text
+    assert refused.json()["error"]["code"] == "redis_permission_denied"
+    assert "no permissions to access one of the keys" in refused.json()["error"]["message"]
+
+    refused = [
+        entry for entry in admin.acl_log(count=1000) if entry["username"] != "lorapool-producer"
+    ]
+    assert refused == [], refused
+
+
+def _as_a_user(a: str, b: str, keys: dict, auth: dict, tmp_path: Path) -> None:
+    import openai
+
+    clients = [
+        openai.OpenAI(base_url=f"{u}/v1", api_key=keys["submit"], max_retries=0, timeout=120)
+        for u in (a, b)
+    ]
+    base = "base"
+    done = clients[0].completions.create(model=base, prompt="Hello", max_tokens=5, temperature=0)
+    assert done.choices[0].finish_reason in ("length", "stop")
+    chat = clients[1].chat.completions.create(
+        model="ad", messages=[{"role": "user", "content": "hi"}], max_tokens=5
+    )
+    assert chat.model == "ad" and chat.choices[0].message.content is not None
+    stream = clients[0].chat.completions.create(
+        model=base, messages=[{"role": "user", "content": "hi"}], max_tokens=6, stream=True
+    )
+    assert sum(len(c.choices[0].delta.content or "") for c in stream if c.choices) > 0
+
+    # a job's events on one replica, resumed on the other with Last-Event-ID
+    body = {"model": "ad", "prompt": "count", "max_tokens": 16, "ignore_eos": True}
+    job_id = httpx.post(f"{a}/v1/jobs", headers=auth, json=body).json()["id"]
+    events = _events(a, job_id, auth)
+    assert len(events) >= 3 and events[-1][1]["finished"]
+    middle = len(events) // 2
+    assert _events(b, job_id, {**auth, "Last-Event-ID": events[middle][0]}) == events[middle + 1 :]
+
+    # a batch: uploaded to one replica, created and read back on the other
+    lines = [{"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions",
+              "body": {"model": ["ad", base][i % 2], "prompt": f"line {i}", "max_tokens": 4}}
+             for i in range(4)]  # fmt: skip
+    source = tmp_path / "batch.jsonl"
+    source.write_bytes(b"".join(orjson.dumps(x) + b"\n" for x in lines))
+    uploaded = clients[0].files.create(file=source.open("rb"), purpose="batch")
+    batch = clients[1].batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/completions", completion_window="24h"
+    )
+    wait_until(
+        lambda: clients[0].batches.retrieve(batch.id).status in ("completed", "failed"),
+        "the batch",
+        180,
+    )
+    finished = clients[1].batches.retrieve(batch.id)
+    assert finished.status == "completed", finished
+    output = clients[0].files.content(finished.output_file_id).text.splitlines()
+    assert sorted(orjson.loads(x)["custom_id"] for x in output) == [f"c{i}" for i in range(4)]
+    assert all(orjson.loads(x)["response"]["status_code"] == 200 for x in output)
+
+    # an audit query: the job's row, as the auditor's key sees it
+    audit = {"Authorization": f"Bearer {keys['audit']}"}
+
+    def audited() -> bool:
+        rows = httpx.get(
+            f"{b}/v1/audit/completions", headers=audit, params={"tenant": "acme"}
+        ).json()
+        return any(job_id in row["request_id"] for row in rows.get("data", []))
+
+    wait_until(audited, "the job's audit row", 60)
+
+
+def _events(url: str, job_id: str, headers: dict) -> list:
+    events, current = [], {}
+    with httpx.stream(
+        "GET", f"{url}/v1/jobs/{job_id}/events", headers=headers, timeout=120
+    ) as response:
+        assert response.status_code == 200, response.read()
+        for line in response.iter_lines():
+            if not line:
+                if "data" in current:
+                    events.append((current.get("id"), orjson.loads(current["data"])))
+                current = {}
+                continue
+            field, _, value = line.partition(": ")
+            current[field] = value
+    return events
+
+
+def _metrics(pool, exporter, worker, gateways, keys) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def samples(url: str, headers=None) -> dict:
+        text = httpx.get(f"{url}/metrics", headers=headers or {}, timeout=30).text
+        return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+
+    pool_gauges = samples(exporter.url())
+    assert pool_gauges["lorapool_workers_live"] == 1
+    assert pool_gauges["lorapool_queue_length"] >= 0
+    assert "lorapool_audit_backlog" in pool_gauges
+    worker_metrics = samples(worker.url("--metrics-port"))
+    assert any(name.startswith("lorapool_") for name in worker_metrics)
+    gateway_metrics = samples(gateways[1].url(), {"Authorization": f"Bearer {keys['audit']}"})
+    assert gateway_metrics["lorapool_workers_live"] == 1
+
+
+# --- compose.yaml -----------------------------------------------------------
+
+
+def test_compose_redis_users_are_the_docs():
+    compose = Compose({})
+    command = compose.argv("redis")
+    users = " ".join(command).split(" --user ")[1:]
+    got = {u.split()[0]: u.split() for u in users}
+    assert got.pop("default") == ["default", "off"]
+    for line in acl_rules().values():
+        words = line.split()[2:]
+        user = words[0]
+        assert [w for w in got[user] if not w.startswith(">")] == [
+            w for w in words if not w.startswith(">")
+        ], user
+
+
+def test_manifests_name_only_what_exists(tmp_path):
+    """The check that fails a manifest naming what deploy/ lacks is real."""
+    manifests = Manifests()
+    broken = manifests.of("Deployment")["lorapool-gateway"]
+    broken["spec"]["template"]["spec"]["containers"][0]["env"][0]["valueFrom"]["secretKeyRef"][
+        "key"
+    ] = "nope"
+    with pytest.raises(MissingReference, match="nope"):
+        manifests.check_references()
+    manifests = Manifests()
+    container = manifests.of("Deployment")["lorapool-worker"]["spec"]["template"]["spec"]
+    container["containers"][0]["env"].append({"name": "LORAPOOL_NO_SUCH_SETTING", "value": "1"})
+    with pytest.raises(MissingReference, match="LORAPOOL_NO_SUCH_SETTING"):
+        manifests.check_references()
+    manifests = Manifests()
+    container = manifests.of("Deployment")["lorapool-gateway"]["spec"]["template"]["spec"]
+    container["volumes"][0]["secret"]["secretName"] = "lorapool-elsewhere"
+    with pytest.raises(MissingReference, match="lorapool-elsewhere"):
+        manifests.check_references()
+    compose = Compose({})
+    compose.services["worker"]["environment"]["LORAPOOL_NO_SUCH_SETTING"] = "1"
+    with pytest.raises(MissingReference, match="LORAPOOL_NO_SUCH_SETTING"):
+        compose.check_references()
+
+
+def test_compose_runs_as_written(tmp_path, tree, audit_key_text):
+    """Every service of compose.yaml as a process (one worker, one gateway), each with the
+    Redis user compose gives it, on a Redis started with compose's users."""
+    compose = Compose({"LORAPOOL_MODEL": "base", "LORAPOOL_DEVICE": "cpu"})
+    compose.check_references()
+    users = compose.argv("redis")[1:]
+    users = users[: users.index("--user")] + users[users.index("--user") + 3 :]  # default off:
+    # the test's admin is the default user
+    server = RedisServer(tmp_path / "redis", args=tuple(users)).start()
+    admin = server.client()
+    secrets = tmp_path / "secrets"
+    secrets.mkdir()
+    (secrets / "audit_key").write_text(audit_key_text)
+    mounts = {"/run/secrets": secrets, "/models": tree / "models", "/adapters": tree / "adapters"}
+    suffix = uuid.uuid4().hex[:8]
+    sql_names = {role: f"{role}_{suffix}" for role in SQL_ROLES}
+    pool = Pool(tmp_path / "run")
+    pool.workdir.mkdir()
+    try:
+        with private_pg(sql_names) as pg:
+            site = compose_site(server.port, pg, sql_names, mounts, tmp_path)
+            try:
+                _drive_compose(compose, site, pool, pg, sql_names, admin)
+            except BaseException:
+                pool.stop()
+                pool.dump()
+                for entry in admin.acl_log(count=200):
+                    print("ACL LOG", entry["username"], entry["reason"], entry["object"])
+                raise
+    finally:
+        pool.stop()
+        admin.close()
+        server.stop()
+
+
+def compose_site(redis_port, pg, sql_names, mounts, tmp_path) -> Site:
+    replace, hosts = {}, {"redis": f"127.0.0.1:{redis_port}"}
+    if pg is None:
+        sqlite = f"sqlite:///{tmp_path / 'audit.sqlite'}"
+        pattern = "postgresql+psycopg://lorapool_{}:change-me-{}@postgres:5432/lorapool"
+        replace.update({pattern.format(r, r): sqlite for r in ("writer", "reader")})
+    else:
+        address, database = pg
+        hosts["postgres"] = address
+        replace["postgres:5432/lorapool"] = f"postgres:5432/{database}"
+        replace.update({f"{role}:": f"{name}:" for role, name in sql_names.items()})
+    return Site(hosts=hosts, mounts=mounts, workdir=tmp_path, replace=replace)
+
+
+def _drive_compose(compose, site, pool, pg, sql_names, admin):
+    if pg is not None:
+        (setup,) = compose.processes("audit-setup", site, free_port)
+        setup.argv += [f"--{r.split('_')[1]}={n}" for r, n in sql_names.items()]
+        pool.run(setup)
+        db_env = {}
+    else:
+        print("no PostgreSQL reachable: audit-setup skipped, SQLite migrated instead")
+        db_env = {"LORAPOOL_DB_SCHEMA": ""}
+        (writer,) = compose.processes("audit-writer", site, free_port)
+        done = lorapool(
+            "audit",
+            "migrate",
+            env={"LORAPOOL_DB_URL": writer.env["LORAPOOL_DB_URL"]},
+            cwd=pool.workdir,
+        )
+        assert done.returncode == 0, done.stderr
+    (gateway,) = pool.start(*compose.processes("gateway", site, free_port))
+    (writer,) = compose.processes("audit-writer", site, free_port)
+    writer.env.update(db_env)
+    (worker,) = compose.processes("worker", site, free_port)
+    (exporter,) = compose.processes("exporter", site, free_port)
+    pool.start(writer, worker, exporter)
+    pool.start(*compose.processes("rq-batch", site, free_port))
+    pool.start(*compose.processes("rq-callbacks", site, free_port))
+    ready(pool, gateway, "/readyz?min_workers=1", timeout=180)
+    (operator,) = compose.processes("operator", site, free_port)
+    assert "lorapool:requests" in pool.run(operator)  # `lorapool status`
+    operator_env = {"REDIS_URL": operator.env["REDIS_URL"]}
+    made = lorapool("keys", "add", "acme", env=operator_env, cwd=pool.workdir)
+    assert made.returncode == 0, made.stderr
+    import openai
+
+    client = openai.OpenAI(
+        base_url=f"{gateway.url()}/v1", api_key=made.stdout.strip(), max_retries=0, timeout=120
+    )
+    done = client.completions.create(model="base", prompt="Hello", max_tokens=4)
+    assert done.choices[0].finish_reason in ("length", "stop")
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{exporter.url()}/metrics", timeout=30).text
+    live = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    assert live["lorapool_workers_live"] == 1
+    assert httpx.get(f"{worker.url('--metrics-port')}/metrics", timeout=30).status_code == 200
+    assert [e for e in admin.acl_log(count=1000)] == []
