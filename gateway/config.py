@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from lorapool.egress import EgressPolicy
 from lorapool.lifecycle.keys import DEFAULT_PREFIX
 from lorapool.lifecycle.wire import DEFAULT_MAX_N, DEFAULT_MAX_PROMPT_BYTES
+from lorapool.tool_calls import PARSERS
 
 # A request body may hold a whole prompt (max_prompt_bytes) JSON-escaped: up to 6
 # bytes a character for control characters, plus the other fields.
@@ -37,6 +38,8 @@ class GatewayConfig:
     off, the gateway trusts its network and knows no tenants.
     redis_connections: Redis connections the gateway opens at most; calls past them
     wait for one (the Pub/Sub connection that follows every stream is one).
+    tool_call_parser: how ``tool_choice="auto"`` replies are read for calls: hermes,
+    llama3_json, or auto (from the base model's name; ``lorapool.tool_calls``).
     max_backlog: submits get 429 (with Retry-After: retry_after_s) while this many
     entries of the request stream wait for a worker (None: no bound).
     webhook_allow: internal networks and host names a job's ``on_finish`` may name
@@ -62,6 +65,7 @@ class GatewayConfig:
     audit_db_schema: str | None = None
     adapter_roots: tuple[str, ...] = ()
     retry_after_s: int = 1
+    tool_call_parser: str = "auto"
     redis_connections: int = 64
     webhook_allow: tuple[str, ...] = ()
 
@@ -78,6 +82,8 @@ class GatewayConfig:
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
         EgressPolicy(tuple(self.webhook_allow))  # raises ValueError naming a bad entry
+        if self.tool_call_parser not in ("auto", *PARSERS):
+            raise ValueError(f"tool_call_parser must be auto or one of {', '.join(PARSERS)}")
 
     @property
     def body_limit(self) -> int:

@@ -19,7 +19,7 @@ from lorapool.gateway.auth import Principal, require
 from lorapool.gateway.body import read_json
 from lorapool.gateway.errors import APIError
 from lorapool.gateway.json import JSON
-from lorapool.gateway.openai_format import Shape
+from lorapool.gateway.openai_format import Shape, fingerprint
 from lorapool.gateway.params import Parsed, parse_chat, parse_completion
 from lorapool.gateway.pool import Pool, disconnected
 from lorapool.gateway.schemas import ChatRequest, CompletionRequest, body
@@ -82,7 +82,8 @@ async def completions(request: Request, caller: Submitter):
 )
 async def chat_completions(request: Request, caller: Submitter):
     pool = pool_of(request)
-    parsed = parse_chat(await read_json(request, pool.config.body_limit))
+    body = await read_json(request, pool.config.body_limit)
+    parsed = parse_chat(body, await pool.tool_parser(), pool.config.max_prompt_bytes)
     return await _generate(request, parsed, "chat", caller)
 
 
@@ -97,7 +98,8 @@ async def _generate(request: Request, parsed: Parsed, kind: str, caller: Princip
     params = parsed.params
     public = caller.external_id(handles[0].request_id)
     shape = Shape(kind, public, parsed.model, params.n, params.logprobs or 0,
-                  caller.external_id, parsed.names)  # fmt: skip
+                  caller.external_id, parsed.names, tools=parsed.tools,
+                  system_fingerprint=fingerprint(await pool.base_model()))  # fmt: skip
     if not parsed.stream:
         return JSON(shape.response(await pool.results(handles, disconnected(request), caller)))
     events = _stream(shape, handles, parsed.include_usage, pool.untaken(handles, caller))
@@ -113,9 +115,10 @@ async def _stream(
     """The jobs' chunks as OpenAI stream chunks; an error ends the stream with an error
     event and ``[DONE]``. ``untaken`` (``Pool.untaken``) ends it so while no worker has
     taken the jobs, which are then kept queued."""
-    prompt_tokens = completion_tokens = 0
+    prompt_tokens = completion_tokens = cached = 0
     if shape.chat:
-        yield sse(shape.role_chunk(range(len(handles) * shape.n), include_usage))
+        for event in shape.role_chunks(range(len(handles) * shape.n), include_usage):
+            yield sse(event)
     kept: set[str] = set()
     watch = asyncio.ensure_future(_keeping(untaken, kept, handles))
     try:
@@ -123,14 +126,14 @@ async def _stream(
             shape.failed(chunk)
             prompt_tokens += len(chunk.prompt_token_ids or ())
             completion_tokens += chunk.num_tokens
-            event = shape.delta_chunk(job, chunk, include_usage)
-            if event is not None:
+            cached += (chunk.metrics or {}).get("num_cached_tokens") or 0
+            for event in shape.delta_chunks(job, chunk, include_usage):
                 yield sse(event)
     except APIError as exc:  # typed as the same failure would be without streaming
         yield sse(exc.body())
     else:
         if include_usage:
-            yield sse(shape.usage_chunk(prompt_tokens, completion_tokens))
+            yield sse(shape.usage_chunk(prompt_tokens, completion_tokens, cached))
     yield DONE
 
 

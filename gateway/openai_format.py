@@ -1,5 +1,12 @@
 """lorapool's outputs in OpenAI's response shapes: completions, chat completions, their
-stream chunks and ``usage``."""
+stream chunks and ``usage``.
+
+Streams carry one choice per chunk (OpenAI's and vLLM's: a client reading
+``chunk.choices[0]`` sees every choice of ``n > 1``). Choices carry vLLM's
+``stop_reason`` (the stop string or token id that ended them); responses carry a
+``system_fingerprint`` naming the pool's base model weights; a chat with tools gets
+``tool_calls`` (``tools.py``, streamed by ``tool_stream.py``).
+"""
 
 from __future__ import annotations
 
@@ -8,16 +15,21 @@ from typing import Any
 
 from lorapool.gateway.errors import failed_request
 from lorapool.gateway.logprobs import chat_logprobs, completion_logprobs
+from lorapool.gateway.tool_stream import ToolStream
+from lorapool.gateway.tools import ToolRequest
 from lorapool.lifecycle.wire import Chunk
 from lorapool.outputs import RequestOutput
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {
+def usage(prompt_tokens: int, completion_tokens: int, cached: int | None = None) -> dict:
+    body: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+    if cached is not None:
+        body["prompt_tokens_details"] = {"cached_tokens": cached}
+    return body
 
 
 def check_failed(output: RequestOutput | Chunk, public_id: str, names=None) -> None:
@@ -26,6 +38,12 @@ def check_failed(output: RequestOutput | Chunk, public_id: str, names=None) -> N
     the job id the client knows (``public_id``)."""
     if output.error:
         raise failed_request(output.error, output.request_id, public_id, names)
+
+
+def fingerprint(base: dict[str, Any] | None) -> str | None:
+    """``fp_`` and the first 12 hex digits of the base model's weights sha256."""
+    sha = (base or {}).get("sha256")
+    return f"fp_{sha[:12]}" if isinstance(sha, str) and sha else None
 
 
 class Shape:
@@ -40,15 +58,21 @@ class Shape:
         top: int = 0,
         public=None,
         names: dict[str, str] | None = None,
+        *,
+        tools: ToolRequest | None = None,
+        system_fingerprint: str | None = None,
     ):
         """``public_id``: the response's id after ``cmpl-`` (never the tenant's name);
         ``public``: a job's request id -> the id its client knows; ``names``: job field ->
-        the request's parameter (chat's ``top_logprobs``)."""
+        the request's parameter (chat's ``top_logprobs``); ``tools``: a chat's tools."""
         self.chat = kind == "chat"
         self.top = top  # logprobs: the top alternatives per token
+        self.tools = tools
+        self.streams: dict[int, ToolStream] = {}  # per choice, with tools
         self.chars: dict[int, int] = {}  # per choice: token text streamed (text_offset)
         self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{public_id}"
         self.model, self.n, self.created = model, n, int(time.time())
+        self.fingerprint = system_fingerprint
         self.public = public or (lambda request_id: request_id)
         self.names = names
 
@@ -60,32 +84,43 @@ class Shape:
         kind = "chat.completion" if self.chat else "text_completion"
         if chunk and self.chat:
             kind += ".chunk"
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+        head = {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+        head["system_fingerprint"] = self.fingerprint
+        return head
 
     def response(self, outputs: list[RequestOutput]) -> dict[str, Any]:
         """The whole non-streaming response of one job per prompt."""
-        choices, prompt_tokens, completion_tokens = [], 0, 0
+        choices, prompt_tokens, completion_tokens, cached = [], 0, 0, 0
         for i, output in enumerate(outputs):
             self.failed(output)
             prompt_tokens += len(output.prompt_token_ids or ())
+            cached += (output.metrics and output.metrics.num_cached_tokens) or 0
             for c in output.outputs:
                 completion_tokens += len(c.token_ids)
                 choice = self._choice(i * self.n + c.index, c.text, c.finish_reason)
                 choice["logprobs"] = self.logprobs(c.token_ids, c.logprobs)
+                choice["stop_reason"] = c.stop_reason
                 choices.append(choice)
         choices.sort(key=lambda c: c["index"])
         return {
             **self._head(False),
             "choices": choices,
-            "usage": usage(prompt_tokens, completion_tokens),
+            "usage": usage(prompt_tokens, completion_tokens, cached),
         }
 
     def _choice(self, index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": index, "logprobs": None, "finish_reason": finish_reason}
-        if self.chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
+        if not self.chat:
             choice["text"] = text
+            return choice
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if self.tools is not None:
+            content, calls = self.tools.reply(text)
+            message["content"] = content
+            if calls:
+                message["tool_calls"] = [c.to_openai() for c in calls]
+            choice["finish_reason"] = self.tools.finish_reason(finish_reason, calls)
+        choice["message"] = message
         return choice
 
     def logprobs(self, token_ids: list[int], logprobs: list | None, offset: int = 0):
@@ -93,22 +128,24 @@ class Shape:
             return chat_logprobs(token_ids, logprobs, self.top)
         return completion_logprobs(token_ids, logprobs, self.top, offset)
 
-    def role_chunk(self, indexes: range, with_usage: bool) -> dict[str, Any]:
-        """Chat streams open with the assistant's role for every choice."""
-        choices = [
-            {
-                "index": i,
-                "delta": {"role": "assistant", "content": ""},
-                "logprobs": None,
-                "finish_reason": None,
-            }
+    def role_chunks(self, indexes: range, with_usage: bool) -> list[dict[str, Any]]:
+        """Chat streams open with the assistant's role, a chunk for each choice."""
+        return [
+            self._chunk(
+                {
+                    "index": i,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                },
+                with_usage,
+            )
             for i in indexes
         ]
-        return self._chunk(choices, with_usage)
 
-    def delta_chunk(self, job: int, chunk: Chunk, with_usage: bool) -> dict[str, Any] | None:
-        """The stream chunk of one job's delta (None when it says nothing new)."""
-        choices = []
+    def delta_chunks(self, job: int, chunk: Chunk, with_usage: bool) -> list[dict[str, Any]]:
+        """The stream chunks of one job's delta: one per choice that says something new."""
+        chunks = []
         for out in chunk.outputs:
             if not out["text"] and not out["token_ids"] and out.get("finish_reason") is None:
                 continue
@@ -119,23 +156,37 @@ class Shape:
             if logprobs is not None and not self.chat:  # text_offset counts the tokens' text
                 self.chars[index] = self.chars.get(index, 0) + sum(map(len, logprobs["tokens"]))
             choice: dict[str, Any] = {"index": index, "logprobs": logprobs, "finish_reason": reason}
+            if reason is not None:
+                choice["stop_reason"] = out.get("stop_reason")
             if self.chat:
-                choice["delta"] = {"content": out["text"]} if out["text"] else {}
+                choice["delta"] = self._delta(index, out["text"], choice)
             else:
                 choice["text"] = out["text"]
-            choices.append(choice)
-        return self._chunk(choices, with_usage) if choices else None
+            chunks.append(self._chunk(choice, with_usage))
+        return chunks
 
-    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    def _delta(self, index: int, text: str, choice: dict[str, Any]) -> dict[str, Any]:
+        if self.tools is None:
+            return {"content": text} if text else {}
+        stream = self.streams.setdefault(index, ToolStream(self.tools))
+        content, calls = stream.feed(text)
+        if choice["finish_reason"] is not None:
+            more_content, more_calls = stream.finish()
+            content, calls = content + more_content, calls + more_calls
+            choice["finish_reason"] = self.tools.finish_reason(choice["finish_reason"], stream.sent)
+        delta: dict[str, Any] = {}
+        if content:
+            delta["content"] = content
+        if calls:
+            delta["tool_calls"] = calls
+        return delta
+
+    def usage_chunk(self, prompt: int, completion: int, cached: int = 0) -> dict[str, Any]:
         """The last chunk when ``stream_options.include_usage``: no choices, the usage."""
-        return {
-            **self._head(True),
-            "choices": [],
-            "usage": usage(prompt_tokens, completion_tokens),
-        }
+        return {**self._head(True), "choices": [], "usage": usage(prompt, completion, cached)}
 
-    def _chunk(self, choices: list, with_usage: bool) -> dict[str, Any]:
-        chunk = {**self._head(True), "choices": choices}
+    def _chunk(self, choice: dict[str, Any], with_usage: bool) -> dict[str, Any]:
+        chunk = {**self._head(True), "choices": [choice]}
         if with_usage:
             chunk["usage"] = None
         return chunk

@@ -15,6 +15,8 @@ from lorapool.gateway.errors import bad_request, field_error
 from lorapool.gateway.limits import check_seed
 from lorapool.gateway.structured import PARAMETERS as STRUCTURED
 from lorapool.gateway.structured import structured_of
+from lorapool.gateway.tools import PARAMETERS as TOOLS
+from lorapool.gateway.tools import ToolRequest, tools_of
 from lorapool.lifecycle.submit import check_on_finish
 from lorapool.protocol import FieldError, SamplingParams, short_repr
 
@@ -44,11 +46,14 @@ SAMPLING = {
 }
 COMMON = {"model", "stream", "stream_options", "user"}
 # accepted when null or at their default, refused otherwise (naming them)
-INERT = {"best_of": None, "suffix": None, "echo": False, "tools": None}
+INERT = {"best_of": None, "suffix": None, "echo": False}
 COMPLETIONS = COMMON | set(SAMPLING) | STRUCTURED | {"prompt", "logprobs"}
-CHAT = COMMON | set(SAMPLING) | STRUCTURED
+CHAT = COMMON | set(SAMPLING) | STRUCTURED | TOOLS
 CHAT |= {"messages", "logprobs", "top_logprobs", "max_completion_tokens"}
 MAX_USER = 256
+# fields of a reply's message that a client sends back as they were (openai's
+# ``messages.append(completion.choices[0].message)``): dropped, they do not reach the model
+ECHOED = {"refusal", "annotations", "audio", "function_call", "reasoning_content"}
 
 
 @dataclass
@@ -62,6 +67,7 @@ class Parsed:
     include_usage: bool = False
     metadata: dict[str, Any] = field(default_factory=dict)
     names: dict[str, str] = field(default_factory=dict)  # job field -> request parameter
+    tools: ToolRequest | None = None
 
 
 def _require_object(body: Any) -> dict[str, Any]:
@@ -105,6 +111,10 @@ def _sampling(body: dict[str, Any], extra: dict[str, Any], names: dict[str, str]
     values = {SAMPLING[k]: v for k, v in body.items() if k in SAMPLING and v is not None}
     values.update(extra)
     constraint, name = structured_of(body)
+    if constraint is not None and "structured_outputs" in values:
+        raise bad_request(
+            f"{name} cannot be combined with tool_choice={body['tool_choice']!r}", name
+        )
     if constraint is not None:
         values["structured_outputs"] = constraint
         names["structured_outputs"] = name
@@ -148,8 +158,9 @@ def _is_token(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def parse_chat(body: Any) -> Parsed:
-    """POST /v1/chat/completions: messages, the template applied by the worker."""
+def parse_chat(body: Any, tool_parser: str = "hermes", max_bytes: int = 1 << 20) -> Parsed:
+    """POST /v1/chat/completions: messages (and tools), the template applied by the
+    worker; ``tool_parser``: the family parser of ``tool_choice="auto"`` replies."""
     body = _require_object(body)
     _check_known(body, CHAT)
     model, stream, usage, metadata = _common(body)
@@ -161,9 +172,13 @@ def parse_chat(body: Any) -> Parsed:
         names.pop("max_tokens")
     if "max_tokens" not in extra and body.get("max_tokens") is None:
         extra["max_tokens"] = None  # OpenAI's chat default: up to the context length
+    tools = tools_of(body, max_bytes, tool_parser)
+    if tools is not None and tools.constraint is not None:
+        extra["structured_outputs"] = tools.constraint
     params = _sampling(body, extra, names)
     messages = [_message(i, m) for i, m in enumerate(_message_list(body.get("messages")))]
-    return Parsed(model, [{"messages": messages}], params, stream, usage, metadata, names)
+    chat = {"messages": messages, **({"tools": tools.tools} if tools else {})}
+    return Parsed(model, [chat], params, stream, usage, metadata, names, tools)
 
 
 def _chat_logprobs(body: dict[str, Any]) -> dict[str, Any]:
@@ -188,7 +203,7 @@ def _message(i: int, message: Any) -> Any:
     fields dropped (the job boundary checks the rest)."""
     if not isinstance(message, dict):
         return message
-    message = {k: v for k, v in message.items() if v is not None}
+    message = {k: v for k, v in message.items() if v is not None and k not in ECHOED}
     content = message.get("content")
     if isinstance(content, list):
         texts = [

@@ -8,6 +8,7 @@ through here or through a handle it returned.
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from typing import Any
 
@@ -23,6 +24,9 @@ from lorapool.producer.pool_view import PoolView
 from lorapool.producer.rate_limits import RateLimiter
 from lorapool.producer.registry import NAME_PATTERN, AdapterRegistry, lora_from_record
 from lorapool.protocol import FieldError, LoRARequest, SamplingParams
+from lorapool.tool_calls import parser_for
+
+BASE_TTL_S = 5.0  # the base model changes only when the pool is rebuilt
 
 RESOLVE_S = 2.0  # a webhook host's resolution at submit, at most
 
@@ -41,6 +45,7 @@ class Pool:
         self.limits = LimitsCache()
         self.rates = RateLimiter(self.producer.redis, self.producer.keys)
         self._registry: AdapterRegistry | None = None
+        self._base: tuple[float, dict[str, Any] | None] = (0.0, None)
 
     async def close(self) -> None:
         await self.producer.aclose()
@@ -55,6 +60,21 @@ class Pool:
             roots = list(self.config.adapter_roots) or None
             self._registry = AdapterRegistry(connection, self.producer.keys, roots)
         return self._registry
+
+    async def base_model(self) -> dict[str, Any] | None:
+        """The base model's record ({"name", "sha256"}), read at most every BASE_TTL_S."""
+        taken, record = self._base
+        if record is None or time.monotonic() - taken > BASE_TTL_S:
+            record = await self.view.base_model()
+            self._base = (time.monotonic(), record)
+        return record
+
+    async def tool_parser(self) -> str:
+        """The tool-call parser of ``tool_choice="auto"`` replies: the configured one, else
+        the base model's family's (``lorapool.tool_calls.parser_for``)."""
+        if self.config.tool_call_parser != "auto":
+            return self.config.tool_call_parser
+        return parser_for((await self.base_model() or {}).get("name"))
 
     async def resolve_model(self, model: str, caller: Principal = OPEN) -> LoRARequest | None:
         """The LoRARequest ``model`` names (None: the base model), or 404 model_not_found

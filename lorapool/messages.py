@@ -1,17 +1,28 @@
-"""A chat job's ``messages``: the one check of their shape and size. Torch-free.
+"""A chat job's ``messages`` and ``tools``: the one check of their shape and size. Torch-free.
 
-The gateway needs no tokenizer: a chat job carries its messages, and the worker
-applies the model's chat template (``lorapool.worker.prompt``).
+The gateway needs no tokenizer: a chat job carries its messages (and the tools it
+offers), and the worker applies the model's chat template (``lorapool.worker.prompt``).
+
+A message has a ``role`` and ``content`` (a string; an assistant message that calls
+tools may have none), and, as OpenAI's API sends them, an assistant's ``tool_calls``
+(``[{"id", "type": "function", "function": {"name", "arguments": JSON text}}]``) and a
+tool message's ``tool_call_id``, and a ``name``.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import orjson
+
 from lorapool.protocol import FieldError, short_repr
 
 MAX_MESSAGES = 4096
 MAX_ROLE = 64
+MAX_NAME = 256  # a message's name, a tool call's id, a function's name
+MAX_TOOLS = 128
+MAX_TOOL_CALLS = 128
+_MESSAGE_FIELDS = frozenset(("role", "content", "name", "tool_calls", "tool_call_id"))
 
 
 def _check(ok: bool, message: str) -> None:
@@ -19,11 +30,10 @@ def _check(ok: bool, message: str) -> None:
         raise FieldError(message)
 
 
-def check_messages(messages: Any, max_prompt_bytes: int) -> list[dict[str, str]] | None:
+def check_messages(messages: Any, max_prompt_bytes: int) -> list[dict[str, Any]] | None:
     """The messages of a chat (None: not a chat), or FieldError naming the bad field.
 
-    1 to MAX_MESSAGES objects with exactly ``role`` (1 to MAX_ROLE characters, no
-    NUL) and ``content`` (a string); their UTF-8 size counts against
+    1 to MAX_MESSAGES objects (the fields above); their UTF-8 size counts against
     ``max_prompt_bytes`` as a prompt's does.
     """
     if messages is None:
@@ -32,29 +42,103 @@ def check_messages(messages: Any, max_prompt_bytes: int) -> list[dict[str, str]]
         raise FieldError(
             f"messages must be a list of 1 to {MAX_MESSAGES} messages, got {short_repr(messages)}"
         )
-    size = sum(_message_size(i, m) for i, m in enumerate(messages))
+    checked = [_message(i, m) for i, m in enumerate(messages)]
+    size = sum(size for _, size in checked)
     _check(
         size <= max_prompt_bytes,
         f"the prompt is {size} bytes, over the limit of {max_prompt_bytes} (max_prompt_bytes)",
     )
-    return [{"role": m["role"], "content": m["content"]} for m in messages]
+    return [m for m, _ in checked]
 
 
-def _message_size(i: int, message: Any) -> int:
-    if not (isinstance(message, dict) and set(message) == {"role", "content"}):
+def _message(i: int, message: Any) -> tuple[dict[str, Any], int]:
+    if not (isinstance(message, dict) and "role" in message and set(message) <= _MESSAGE_FIELDS):
         raise FieldError(
-            f"messages[{i}] must be an object with exactly 'role' and 'content', "
-            f"got {short_repr(message)}"
+            f"messages[{i}] must be an object with 'role', 'content' and optionally "
+            f"'name', 'tool_calls' or 'tool_call_id', got {short_repr(message)}"
         )
-    role, content = message["role"], message["content"]
+    role, content = message["role"], message.get("content")
     if not (isinstance(role, str) and 0 < len(role) <= MAX_ROLE and "\x00" not in role):
         raise FieldError(
             f"messages[{i}].role must be a non-empty string of at most {MAX_ROLE} characters "
             f"without NUL, got {short_repr(role)}"
         )
-    if not isinstance(content, str):
+    calls = message.get("tool_calls")
+    if content is None and calls is None:
+        raise FieldError(f"messages[{i}].content must be a string, got None")
+    if not (content is None or isinstance(content, str)):
         raise FieldError(f"messages[{i}].content must be a string, got {short_repr(content)}")
-    return len(role) + utf8_size(content, f"messages[{i}].content")
+    size = len(role) + utf8_size(content or "", f"messages[{i}].content")
+    out: dict[str, Any] = {"role": role, "content": content or ""}
+    for name in ("name", "tool_call_id"):
+        if message.get(name) is not None:
+            out[name] = _short_text(message[name], f"messages[{i}].{name}")
+            size += len(out[name])
+    if calls is not None:
+        where = f"messages[{i}].tool_calls"
+        calls = _list(calls, where, MAX_TOOL_CALLS)
+        out["tool_calls"] = [_tool_call(f"{where}[{j}]", c) for j, c in enumerate(calls)]
+        size += len(orjson.dumps(out["tool_calls"]))
+    return out, size
+
+
+def _list(value: Any, what: str, most: int) -> list:
+    if not (isinstance(value, list) and len(value) <= most):
+        raise FieldError(f"{what} must be a list of at most {most}, got {short_repr(value)}")
+    return value
+
+
+def _short_text(value: Any, what: str) -> str:
+    if not (isinstance(value, str) and 0 < len(value) <= MAX_NAME and "\x00" not in value):
+        raise FieldError(
+            f"{what} must be a non-empty string of at most {MAX_NAME} characters without NUL, "
+            f"got {short_repr(value)}"
+        )
+    return value
+
+
+def _tool_call(what: str, call: Any) -> dict[str, Any]:
+    """``{"id", "type": "function", "function": {"name", "arguments"}}``, arguments text."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or call.get("type", "function") != "function":
+        raise FieldError(
+            f"{what} must be {{'id', 'type': 'function', 'function': {{'name', 'arguments'}}}}"
+        )
+    arguments = function.get("arguments", "{}")
+    if not isinstance(arguments, str):
+        raise FieldError(f"{what}.function.arguments must be a string (JSON)")
+    utf8_size(arguments, f"{what}.function.arguments")
+    out = {"type": "function", "function": {
+        "name": _short_text(function.get("name"), f"{what}.function.name"),
+        "arguments": arguments,
+    }}  # fmt: skip
+    if call.get("id") is not None:
+        out["id"] = _short_text(call["id"], f"{what}.id")
+    return out
+
+
+def check_tools(tools: Any, max_prompt_bytes: int, chat: bool) -> list[dict[str, Any]] | None:
+    """The tools a chat offers (OpenAI's ``[{"type": "function", "function": {"name",
+    "description", "parameters"}}]``, for the chat template), or FieldError."""
+    if tools is None:
+        return None
+    _check(chat, "tools need messages (a chat)")
+    for i, tool in enumerate(_list(tools, "tools", MAX_TOOLS)):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(function, dict) or tool.get("type") != "function":
+            raise FieldError(f"tools[{i}] must be {{'type': 'function', 'function': {{...}}}}")
+        _short_text(function.get("name"), f"tools[{i}].function.name")
+        if not isinstance(function.get("parameters", {}), dict):
+            raise FieldError(f"tools[{i}].function.parameters must be an object (a JSON schema)")
+    try:
+        size = len(orjson.dumps(tools))
+    except orjson.JSONEncodeError as exc:
+        raise FieldError(f"tools must be JSON: {exc}") from None
+    _check(
+        size <= max_prompt_bytes,
+        f"tools are {size} bytes, over the limit of {max_prompt_bytes} (max_prompt_bytes)",
+    )
+    return tools
 
 
 def utf8_size(text: str, what: str) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from lorapool.lifecycle.wire import Job
+from lorapool.tool_calls import plain_chat, renders_tools, template_chat
 
 
 def engine_prompt(job: Job, engine: Any) -> str | dict[str, Any]:
@@ -13,10 +14,21 @@ def engine_prompt(job: Job, engine: Any) -> str | dict[str, Any]:
 
     A chat job's messages go through the engine tokenizer's chat template with the
     generation prompt added, the text then tokenized like any prompt: the same
-    tokens ``LLM.chat`` runs. An engine without a tokenizer, or a template that
-    refuses the messages, fails this request alone (the worker's ``start``).
+    tokens ``LLM.chat`` runs. Tools, tool calls and tool results go to a template that
+    renders them (``tools=``, vLLM's way); a template without a place for them gets
+    them as text (``lorapool.tool_calls.plain_chat``). An engine without a tokenizer,
+    or a template that refuses the messages, fails this request alone (the worker's
+    ``start``).
     """
     if job.messages is None:
         return job.engine_prompt
     tokenizer = engine.get_tokenizer()
-    return tokenizer.apply_chat_template(job.messages, tokenize=False, add_generation_prompt=True)
+    messages, extra = job.messages, {}
+    uses_tools = job.tools or any("tool_calls" in m or m["role"] == "tool" for m in messages)
+    if uses_tools and renders_tools(tokenizer.chat_template):
+        messages, extra = template_chat(messages), {"tools": job.tools}
+    elif uses_tools:
+        messages = plain_chat(messages, job.tools)
+    return tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True, **extra
+    )

@@ -79,7 +79,9 @@ class Collector:
             message = f"the batch stopped ({code}) before this request finished"
             return self._line(line, None, {"code": code, "message": message}), False
         parsed = line.parsed
-        shape = Shape(line.kind, rid, parsed.model, parsed.params.n, parsed.params.logprobs or 0)
+        params = parsed.params
+        top = params.logprobs or 0
+        shape = Shape(line.kind, rid, parsed.model, params.n, top, tools=parsed.tools)
         try:
             body, status = shape.response([output]), 200
         except APIError as exc:

@@ -80,6 +80,13 @@ from lorapool.lifecycle.wire import DEFAULT_MAX_N, DEFAULT_MAX_PROMPT_BYTES
     click.FloatRange(min=0.1),
     "end a job-events response after this long; EventSource reconnects (default: never)",
 )
+@click.option(
+    "--tool-call-parser",
+    type=click.Choice(["auto", "hermes", "llama3_json"]),
+    default="auto",
+    show_default=True,
+    help="how tool_choice=auto replies are read for calls (auto: from the base model's name)",
+)
 @webhook_allow_option
 @click.option("--log-level", default="info", show_default=True)
 @redis_option

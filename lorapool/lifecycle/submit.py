@@ -116,6 +116,7 @@ def build_job(
             raise FieldError(f"lora_request must be a LoRARequest, got {type(lora).__name__}")
         lora.verify()
     text, ids, messages = _prompt(prompt)
+    tools = prompt.get("tools") if isinstance(prompt, Mapping) and messages is not None else None
     data = {
         "request_id": uuid.uuid4().hex if request_id is None else request_id,
         "prompt": text,
@@ -126,13 +127,15 @@ def build_job(
         "arrival_time": time.time(),
         "result_ttl_s": result_ttl_s,
         "messages": messages,
+        **({} if tools is None else {"tools": tools}),
     }
     return job_from_dict(data, limits)
 
 
 def _prompt(prompt: Any) -> tuple[Any, Any, Any]:
     """Text, token ids and chat messages of the prompt forms vLLM takes, and
-    ``{"messages": [...]}`` for a chat (job_from_dict checks them)."""
+    ``{"messages": [...]}`` for a chat, optionally with its ``"tools"`` (job_from_dict
+    checks them)."""
     if isinstance(prompt, Mapping) and "messages" in prompt:
         return None, None, prompt["messages"]
     if isinstance(prompt, Mapping) and "prompt_token_ids" in prompt:

@@ -15,7 +15,7 @@ from typing import Any
 
 import orjson
 
-from lorapool.messages import check_messages, utf8_size
+from lorapool.messages import check_messages, check_tools, utf8_size
 from lorapool.outputs import (
     CompletionOutput,
     RequestMetrics,
@@ -51,7 +51,8 @@ class Job:
     arrival_time: float = field(default_factory=time.time)
     result_ttl_s: int | None = None  # None: the worker's --result-ttl
     # a chat: [{"role", "content"}, ...]; the worker applies the model's chat template
-    messages: list[dict[str, str]] | None = None
+    messages: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None  # a chat's tools, for its chat template
 
     @property
     def engine_prompt(self) -> str | dict[str, Any]:
@@ -68,8 +69,7 @@ class Job:
             "lora_request": None if self.lora_request is None else self.lora_request.to_dict(),
             "metadata": self.metadata,
             "arrival_time": self.arrival_time,
-            **({} if self.result_ttl_s is None else {"result_ttl_s": self.result_ttl_s}),
-            **({} if self.messages is None else {"messages": self.messages}),
+            **{k: v for k in ("result_ttl_s", "messages", "tools") if (v := getattr(self, k))},
         }
 
 
@@ -106,7 +106,7 @@ MAX_REQUEST_ID = 256
 MAX_RESULT_TTL_S = 366 * 24 * 3600
 _JOB_FIELDS = frozenset(
     ("v", "request_id", "prompt", "prompt_token_ids", "sampling_params")
-    + ("lora_request", "metadata", "arrival_time", "result_ttl_s", "messages")
+    + ("lora_request", "metadata", "arrival_time", "result_ttl_s", "messages", "tools")
 )
 
 
@@ -161,6 +161,7 @@ def job_from_dict(data: Any, limits: JobLimits | None = None) -> Job:
     where = f"job {rid}: "
     try:
         messages = check_messages(data.get("messages"), limits.max_prompt_bytes)
+        tools = check_tools(data.get("tools"), limits.max_prompt_bytes, messages is not None)
         prompt, ids = _job_prompt(
             data.get("prompt"), data.get("prompt_token_ids"), limits, messages is not None
         )
@@ -192,7 +193,7 @@ def job_from_dict(data: Any, limits: JobLimits | None = None) -> Job:
         raise FieldError(f"{where}{exc}") from None
     except FieldError as exc:
         raise FieldError(f"{where}{exc}") from None
-    return Job(rid, prompt, ids, sampling, lora, metadata, float(arrival), ttl, messages)
+    return Job(rid, prompt, ids, sampling, lora, metadata, float(arrival), ttl, messages, tools)
 
 
 _BAD_ID = frozenset("{}\x00")

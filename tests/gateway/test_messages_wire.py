@@ -29,7 +29,15 @@ def test_a_job_without_messages_has_no_field_on_the_wire():
     [
         ([], "messages must be a list"),
         ("hi", "messages must be a list"),
-        ([{"role": "user"}], "messages[0] must be an object with exactly"),
+        ([{"role": "user"}], "messages[0].content must be a string, got None"),
+        ([{"content": "x"}], "messages[0] must be an object with 'role'"),
+        ([{"role": "user", "content": "x", "x": 1}], "messages[0] must be an object with"),
+        ([{"role": "tool", "content": "x", "tool_call_id": ""}], "messages[0].tool_call_id"),
+        (
+            [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": {}}}]}],
+            "messages[0].tool_calls[0].function.arguments must be a string",
+        ),
+        ([{"role": "assistant", "tool_calls": {}}], "messages[0].tool_calls must be a list"),
         ([{"role": "user", "content": 1}], "messages[0].content must be a string"),
         ([{"role": "", "content": "x"}], "messages[0].role must be a non-empty string"),
         ([{"role": "x" * 65, "content": "x"}], "messages[0].role"),

@@ -43,3 +43,36 @@ def test_base_model_completion_equals_generate(client, llm, base_name):
     )
     assert got.choices[0].text == want.outputs[0].text
     assert got.usage.completion_tokens == len(want.outputs[0].token_ids)
+
+
+@pytest.fixture(scope="module")
+def adapter_dirs(model, tmp_path_factory):
+    """Three adapters on SmolLM2 (the structured-outputs batch mixes base and three)."""
+    from adapters import build_adapter
+
+    targets = {
+        "ad-qv": ("q_proj", "v_proj"),
+        "ad-mlp": ("gate_proj", "up_proj"),
+        "ad-o": ("o_proj", "down_proj"),
+    }
+    root = tmp_path_factory.mktemp("smollm2-adapters")
+    return {
+        name: build_adapter(model, root / name, rank=8, targets=t, seed=i, std=0.2)
+        for i, (name, t) in enumerate(targets.items())
+    }
+
+
+def test_structured_outputs_on_smollm2(client, registry, base_name):
+    """The acceptance's structured checks on a real model (structured_checks.py)."""
+    import structured_checks as checks
+
+    assert len(checks.parse_batch(client, [base_name, "ad-qv", "ad-mlp", "ad-o"])) == 16
+    checks.json_schema_everywhere(client, "ad-o")
+    checks.guided_extras(client, "ad-mlp")
+
+
+def test_tool_calls_on_smollm2(client, base_name):
+    import structured_checks as checks
+
+    checks.tool_calls_forced(client, "ad-qv")
+    checks.tool_conversation(client, base_name)

@@ -22,6 +22,12 @@ ADAPTERS = {
 
 
 @pytest.fixture(scope="module")
+def base(tiny_model_path):
+    """The tiny llama with room for the tools' description (~500 tiny-tokenizer tokens)."""
+    return tiny_model_path("llama", max_position_embeddings=2048)
+
+
+@pytest.fixture(scope="module")
 def adapter_dirs(model, tmp_path_factory):
     from adapters import build_adapter
 
@@ -96,3 +102,98 @@ def _wait_job(gateway: str, job_id: str) -> dict:
             return job["result"]
         time.sleep(0.1)
     raise AssertionError(f"job {job_id} did not finish")
+
+
+def test_tool_calls_required_and_named_streamed_and_not(client):
+    checks.tool_calls_forced(client, "ad-mlp")
+
+
+def test_a_tool_result_goes_back_to_the_model(client, base_name):
+    checks.tool_conversation(client, base_name)
+
+
+HERMES = (
+    r'<tool_call>\n\{"name":"get_weather","arguments":\{"city":"Paris","unit":"c"\}\}\n</tool_call>'
+)
+LLAMA3 = r'\{"name":"get_weather","parameters":\{"city":"Paris","unit":"c"\}\}'
+
+
+@pytest.fixture(scope="module")
+def hermes_client(redis_url, prefix, worker, tmp_path_factory):
+    """A second gateway of the pool, reading replies with the hermes parser."""
+    from gateway_procs import serve, stop
+
+    url, proc = serve(
+        redis_url, prefix, tmp_path_factory.mktemp("hermes"), "--tool-call-parser", "hermes"
+    )
+    yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+    stop(proc)
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+@pytest.mark.parametrize("family", ["hermes", "llama3_json"])
+def test_auto_tool_calls_are_parsed_from_the_text(
+    client, hermes_client, base_name, streamed, family
+):
+    """tool_choice auto: the reply is read by the family's parser (the regex makes the
+    random model write a call; hermes: after some content). The tiny model's name says
+    llama, so the default gateway reads llama3_json."""
+    pattern, content_before = (
+        ("Sure[.] " + HERMES, "Sure.") if family == "hermes" else (LLAMA3, None)
+    )
+    got = (hermes_client if family == "hermes" else client).chat.completions.create(
+        model=base_name,
+        messages=checks.TOOL_ASK,
+        tools=checks.TOOLS,
+        max_tokens=200,
+        stream=streamed,
+        extra_body={"guided_regex": pattern},
+    )
+    if streamed:
+        calls, reason, content = checks._streamed_calls(got)
+        [call] = calls.values()
+        name, arguments = call["name"], call["arguments"]
+        content = content.strip() or None  # streamed: the space before the call came first
+    else:
+        message, reason = got.choices[0].message, got.choices[0].finish_reason
+        content = message.content
+        assert message.tool_calls, (reason, content)
+        [call] = message.tool_calls
+        name, arguments = call.function.name, call.function.arguments
+    assert reason == "tool_calls"
+    assert content == content_before
+    assert name == "get_weather" and json.loads(arguments) == {"city": "Paris", "unit": "c"}
+
+
+@pytest.mark.parametrize(
+    "extra, param",
+    [
+        ({"tools": [{"type": "function"}]}, "tools"),
+        ({"tools": checks.TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+        (
+            {"tools": checks.TOOLS, "tool_choice": {"type": "function", "function": {"name": "x"}}},
+            "tool_choice",
+        ),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": checks.TOOLS, "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+        (
+            {
+                "tools": checks.TOOLS,
+                "tool_choice": "required",
+                "response_format": {"type": "json_object"},
+            },
+            "response_format",
+        ),
+    ],
+)
+def test_bad_tool_parameters_are_a_400_naming_them(client, base_name, extra, param):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model=base_name, messages=checks.TOOL_ASK, max_tokens=4, **_split(extra)
+        )
+    assert info.value.body["param"] == param, info.value.body
+
+
+def _split(extra: dict) -> dict:
+    known = {"tools", "tool_choice", "parallel_tool_calls", "response_format"}
+    return {k: v for k, v in extra.items() if k in known}

@@ -135,3 +135,120 @@ def guided_extras(client, model: str) -> None:
         extra_body={"structured_outputs": {"regex": pattern}},
     )
     assert re.fullmatch(pattern, got.choices[0].text), got.choices[0].text
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 12},
+                "unit": {"enum": ["c", "f"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"type": "integer", "minimum": -12, "maximum": 14}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
+    },
+}
+TOOLS = [WEATHER, TIME]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+TOOL_ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def _valid_calls(calls, names=None) -> None:
+    assert calls, "no tool call"
+    for call in calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        assert names is None or call.function.name in names
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+def _streamed_calls(stream) -> tuple[dict[int, dict], str | None, str]:
+    """OpenAI's tool_call deltas joined as a client joins them: by index."""
+    calls: dict[int, dict] = {}
+    reason, content = None, ""
+    for chunk in stream:
+        for choice in chunk.choices:
+            reason = choice.finish_reason or reason
+            content += choice.delta.content or ""
+            for delta in choice.delta.tool_calls or ():
+                call = calls.setdefault(delta.index, {"id": None, "name": "", "arguments": ""})
+                call["id"] = delta.id or call["id"]
+                if delta.function is not None:
+                    call["name"] += delta.function.name or ""
+                    call["arguments"] += delta.function.arguments or ""
+    return calls, reason, content
+
+
+def tool_calls_forced(client, model: str) -> None:
+    """tool_choice "required" and a named function, streamed and not: every call's
+    arguments validate against its function's parameters. (One call a reply: a random
+    model free to add calls to the list adds them until max_tokens.)"""
+    named = {"type": "function", "function": {"name": "get_time"}}
+    for choice, names, reason in (("required", None, "tool_calls"), (named, {"get_time"}, "stop")):
+        got = client.chat.completions.create(
+            model=model,
+            messages=TOOL_ASK,
+            tools=TOOLS,
+            tool_choice=choice,
+            max_tokens=MAX_TOKENS,
+            parallel_tool_calls=False,
+        )
+        message = got.choices[0].message
+        assert got.choices[0].finish_reason == reason, message
+        _valid_calls(message.tool_calls, names)
+        assert message.content is None
+        stream = client.chat.completions.create(
+            model=model,
+            messages=TOOL_ASK,
+            tools=TOOLS,
+            tool_choice=choice,
+            max_tokens=MAX_TOKENS,
+            stream=True,
+            temperature=1.0,
+            seed=5,
+            parallel_tool_calls=False,
+        )
+        calls, streamed_reason, content = _streamed_calls(stream)
+        assert streamed_reason == reason and content == ""
+        for call in calls.values():
+            assert call["id"].startswith("call_")
+            assert names is None or call["name"] in names
+            jsonschema.validate(json.loads(call["arguments"]), SCHEMAS[call["name"]])
+        assert calls
+
+
+def tool_conversation(client, model: str) -> None:
+    """A call, its result as a role "tool" message, and the model's answer."""
+    first = client.chat.completions.create(
+        model=model,
+        messages=TOOL_ASK,
+        tools=TOOLS,
+        tool_choice="required",
+        max_tokens=MAX_TOKENS,
+        parallel_tool_calls=False,
+    )
+    message = first.choices[0].message
+    messages = [*TOOL_ASK, message.model_dump(exclude_none=True)]
+    for call in message.tool_calls:
+        messages.append({"role": "tool", "tool_call_id": call.id, "content": '{"temp": 21}'})
+    answer = client.chat.completions.create(
+        model=model, messages=messages, tools=TOOLS, tool_choice="none", max_tokens=8
+    )
+    assert answer.choices[0].message.tool_calls is None
+    assert answer.choices[0].finish_reason in ("stop", "length")
