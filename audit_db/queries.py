@@ -5,21 +5,26 @@ bookkeeping, plus the adapter's identity as ``adapter_name``, ``adapter_id``,
 ``adapter_path``, ``adapter_sha256``, ``adapter_rank``, ``adapter_alpha``,
 ``adapter_target_modules`` and ``adapter_base_model`` (all None for a
 base-model request). Time ranges apply to the request's ``arrival_time``
-(epoch seconds): ``since <= arrival_time < until``.
+(epoch seconds): ``since <= arrival_time < until``. Searches come in arrival
+order (ties in chain order, so a request's completions stay together):
+:func:`iter_search` streams them from a server-side cursor (memory stays
+bounded at any size), :func:`search_page` gives one page and the position of
+the next (a keyset cursor: no page is counted from the start).
 """
 
 from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Engine, Select, case, func, or_, select
+from sqlalchemy import Connection, Engine, Select, and_, case, func, or_, select
 
 from lorapool.audit_db import exact_text
 from lorapool.audit_db.schema import adapters, completions, conflicts
+from lorapool.audit_db.walk import STREAM_ROWS
 
 BASE_MODEL_KEY = "(base model)"
 NO_TENANT_KEY = "(no tenant)"
@@ -127,26 +132,38 @@ def _time_filters(since: float | None, until: float | None) -> list:
     return filters
 
 
-def _contains(engine: Engine, needle: str):
+def _contains(conn: Connection, needle: str):
     """Case-sensitive substring test on the stored (escaped) text, both dialects.
 
     Exact unless ``exact_text.needs_recheck(needle)``; then a superset, which
     :func:`search` narrows down.
     """
-    fn = func.strpos if engine.dialect.name == "postgresql" else func.instr
+    fn = func.strpos if conn.dialect.name == "postgresql" else func.instr
     return fn(completions.c.text, exact_text.encode(needle)) > 0
 
 
-def _filters(engine: Engine, f: SearchFilter) -> list:
+def _adapter_pks(conn: Connection, f: SearchFilter) -> list[int] | None:
+    """The adapters the filter names (None: it names none), looked up first so that
+    the rows are found through the ``(adapter_pk, arrival_time)`` index."""
+    wanted = []
+    if f.adapter_name is not None:
+        wanted.append(adapters.c.name == f.adapter_name)
+    if f.adapter_id is not None:
+        wanted.append(adapters.c.adapter_id == f.adapter_id)
+    if f.adapter_sha256 is not None:
+        wanted.append(adapters.c.sha256.startswith(f.adapter_sha256.lower(), autoescape=True))
+    if not wanted:
+        return None
+    return list(conn.execute(select(adapters.c.pk).where(*wanted)).scalars())
+
+
+def _filters(conn: Connection, f: SearchFilter) -> list:
     filters = _time_filters(f.since, f.until)
     if f.pool is not None:
         filters.append(completions.c.pool == f.pool)
-    if f.adapter_name is not None:
-        filters.append(adapters.c.name == f.adapter_name)
-    if f.adapter_id is not None:
-        filters.append(adapters.c.adapter_id == f.adapter_id)
-    if f.adapter_sha256 is not None:
-        filters.append(adapters.c.sha256.startswith(f.adapter_sha256.lower(), autoescape=True))
+    pks = _adapter_pks(conn, f)
+    if pks is not None:
+        filters.append(completions.c.adapter_pk.in_(pks))
     if f.base_model_only:
         filters.append(completions.c.adapter_pk.is_(None))
     if f.finish_reason is not None:
@@ -154,26 +171,76 @@ def _filters(engine: Engine, f: SearchFilter) -> list:
     if f.tenant is not None:
         filters.append(completions.c.tenant == f.tenant)
     if f.text is not None:
-        filters.append(_contains(engine, f.text))
+        filters.append(_contains(conn, f.text))
     return filters
 
 
-def search(engine: Engine, f: SearchFilter) -> list[dict[str, Any]]:
-    """Audit rows matching every given filter, by arrival time, request, completion."""
+Position = tuple[float, int]  # (arrival_time, seq) of a row: where a page ends
+
+
+def position(row: dict[str, Any]) -> Position:
+    return (row["arrival_time"], row["seq"])
+
+
+def _after(after: Position | None) -> list:
+    if after is None:
+        return []
+    arrival, seq = after
+    return [
+        completions.c.arrival_time >= arrival,
+        or_(
+            completions.c.arrival_time > arrival,
+            and_(completions.c.arrival_time == arrival, completions.c.seq > seq),
+        ),
+    ]
+
+
+def _stream(conn: Connection, f: SearchFilter, after: Position | None, limit: int | None):
     query = (
         _select()
-        .where(*_filters(engine, f))
-        .order_by(
-            completions.c.arrival_time, completions.c.request_id, completions.c.completion_index
-        )
+        .where(*_filters(conn, f), *_after(after))
+        .order_by(completions.c.arrival_time, completions.c.seq)
     )
     recheck = f.text is not None and exact_text.needs_recheck(f.text)
-    if f.limit is not None and not recheck:
-        query = query.limit(f.limit)
-    rows = _rows(engine, query)
-    if recheck:
-        rows = [r for r in rows if f.text in r["text"]][: f.limit]
-    return rows
+    if limit is not None and not recheck:
+        query = query.limit(limit)
+    options = {"stream_results": True, "yield_per": STREAM_ROWS}
+    found = 0
+    for row in conn.execute(query, execution_options=options).mappings():
+        row = plain_row(row)
+        if recheck and f.text not in row["text"]:
+            continue
+        yield row
+        found += 1
+        if limit is not None and found >= limit:
+            return
+
+
+def iter_search(
+    engine: Engine, f: SearchFilter, after: Position | None = None
+) -> Iterator[dict[str, Any]]:
+    """Rows matching every filter (up to ``f.limit``; None: all), in arrival order,
+    after ``after``, streamed from a server-side cursor: one connection is held until
+    the iterator is exhausted or closed."""
+    with engine.connect() as conn:
+        yield from _stream(conn, f, after, f.limit)
+
+
+def search(engine: Engine, f: SearchFilter) -> list[dict[str, Any]]:
+    """Audit rows matching every given filter, in arrival order (see :func:`iter_search`)."""
+    return list(iter_search(engine, f))
+
+
+def search_page(
+    engine: Engine, f: SearchFilter, limit: int, after: Position | None = None
+) -> tuple[list[dict[str, Any]], Position | None]:
+    """One page of at most ``limit`` rows after ``after``, and the position the next
+    page starts after (None: this was the last)."""
+    with engine.connect() as conn:
+        rows = list(_stream(conn, f, after, limit + 1))
+    more = len(rows) > limit
+    rows = rows[:limit]
+    return rows, position(rows[-1]) if more else None
 
 
 def list_conflicts(engine: Engine, pool: str | None = None) -> list[dict[str, Any]]:

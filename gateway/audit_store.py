@@ -1,5 +1,6 @@
 """The audit trail as the gateway reads it: the CLI's queries (``audit_db.queries``)
-run off the event loop, scoped to the caller's tenant, paged by cursor, as JSON or CSV.
+run off the event loop, scoped to the caller's tenant, paged by a keyset cursor or
+streamed whole, as JSON, JSON Lines or CSV (``lorapool.audit_export``).
 
 SQLAlchemy is imported only when the gateway serves the audit routes
 (``--audit-db-url``): the gateway itself needs no database driver.
@@ -10,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import dataclasses
+from collections.abc import Iterator
 from typing import Any
 
 import orjson
@@ -29,9 +31,23 @@ class AuditStore:
         from lorapool.audit_db import DatabaseConfig, create_audit_engine
 
         self.engine = create_audit_engine(DatabaseConfig(url=url, schema=schema))
+        self._jobs = None
 
     def close(self) -> None:
+        if self._jobs is not None:
+            self._jobs.redis.close()
         self.engine.dispose()
+
+    def verify_jobs(self, pool):
+        """The verification jobs of this database, kept in the pool's Redis (made on
+        first use, with a synchronous client of their own)."""
+        from lorapool.connection import connect
+        from lorapool.gateway.audit_jobs import VerifyJobs
+
+        if self._jobs is None:
+            connection = connect(pool.config.redis_url, pool.config.redis_retries)
+            self._jobs = VerifyJobs(self.engine, connection, pool.producer.keys)
+        return self._jobs
 
     async def request(self, caller: Principal, request_id: str) -> list[dict[str, Any]]:
         """The rows of one request; a tenant's auditor names it by the id its tenant
@@ -43,29 +59,29 @@ class AuditStore:
         rows = await asyncio.to_thread(get_request, self.engine, rid)
         return [r for r in rows if everyone or r["tenant"] == caller.tenant]
 
-    async def search(
+    async def page(
         self, caller: Principal, filters: dict[str, Any], limit: int, cursor: str | None
     ) -> tuple[list[dict[str, Any]], str | None]:
-        """A page of rows by arrival time, request, completion after ``cursor``, and the
-        cursor of the next page (None on the last)."""
-        from lorapool.audit_db.queries import SearchFilter, search
+        """A page of rows in arrival order after ``cursor``, and the cursor of the next
+        page (None on the last): a keyset position, so every page costs the same."""
+        from lorapool.audit_db.queries import SearchFilter, search_page
 
-        filters = {**filters, **_tenant_scope(caller, filters.get("tenant"))}
+        flt = SearchFilter(
+            **{**filters, **_tenant_scope(caller, filters.get("tenant"))}, limit=None
+        )
         after = _decode_cursor(cursor) if cursor else None
-        if after is not None:
-            filters["since"] = max(filters.get("since") or after[0], after[0])
-        fetch = limit + 1
-        while True:
-            rows = await asyncio.to_thread(
-                search, self.engine, SearchFilter(**filters, limit=fetch)
-            )
-            fresh = [r for r in rows if after is None or _position(r) > after]
-            if len(fresh) > limit or len(rows) < fetch:
-                break
-            fetch *= 2  # rows of the cursor's own arrival time took the room
-        page = fresh[:limit]
-        more = len(fresh) > limit
-        return page, _encode_cursor(_position(page[-1])) if more and page else None
+        rows, next_at = await asyncio.to_thread(search_page, self.engine, flt, limit, after)
+        return rows, _encode_cursor(next_at) if next_at is not None else None
+
+    def export(self, caller: Principal, filters: dict[str, Any]) -> Iterator[dict[str, Any]]:
+        """Every matching row in arrival order, streamed from a server-side cursor (a
+        blocking iterator: Starlette runs it in its thread pool)."""
+        from lorapool.audit_db.queries import SearchFilter, iter_search
+
+        flt = SearchFilter(
+            **{**filters, **_tenant_scope(caller, filters.get("tenant"))}, limit=None
+        )
+        return iter_search(self.engine, flt)
 
     async def usage(self, caller: Principal, by: str, since: float | None, until: float | None):
         """Usage rows (tokens, errors, latency percentiles) per adapter, adapter version
@@ -81,21 +97,6 @@ class AuditStore:
         rows = [dataclasses.asdict(r) for r in rows]
         return [r for r in rows if everyone or r["key"] == caller.tenant]
 
-    async def verify(self, key: bytes | None) -> dict[str, Any]:
-        """Walk the keyed hash chain, as ``lorapool audit verify`` does."""
-        from lorapool.audit_db import verify_chain
-
-        report = await asyncio.to_thread(verify_chain, self.engine, key)
-        body = {
-            "ok": report.ok,
-            "rows": report.num_rows,
-            "adapters": report.num_adapters,
-            "head": {"seq": report.head_seq, "hash": report.head_hash},
-        }
-        if not report.ok:
-            body["failure"] = report.describe_failure()
-        return body
-
 
 def _everyone(caller: Principal) -> bool:
     """An auditor of all tenants (or a gateway without keys, which knows no tenants)."""
@@ -110,21 +111,18 @@ def _tenant_scope(caller: Principal, asked: str | None) -> dict[str, Any]:
     return {"tenant": caller.tenant}
 
 
-def _position(row: dict[str, Any]) -> tuple:
-    return (row["arrival_time"], row["request_id"], row["completion_index"])
-
-
-def _encode_cursor(position: tuple) -> str:
+def _encode_cursor(position: tuple[float, int]) -> str:
     return base64.urlsafe_b64encode(orjson.dumps(list(position))).decode().rstrip("=")
 
 
-def _decode_cursor(cursor: str) -> tuple:
+def _decode_cursor(cursor: str) -> tuple[float, int]:
+    """(arrival_time, seq) of the row a page ended at."""
     try:
         raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
-        arrival, request_id, index = orjson.loads(raw)
-        if not (isinstance(arrival, float | int) and isinstance(request_id, str)):
+        arrival, seq = orjson.loads(raw)
+        if type(seq) is not int or not isinstance(arrival, float | int) or arrival != arrival:
             raise ValueError
-        return (arrival, request_id, int(index))
+        return (float(arrival), seq)
     except (ValueError, TypeError, orjson.JSONDecodeError):
         raise bad_request("cursor is not one this gateway gave", "cursor") from None
 

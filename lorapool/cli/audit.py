@@ -132,15 +132,18 @@ def keygen(output: str | None):
     click.echo(f"audit key written to {output} (mode 0600)", err=True)
 
 
-def _emit_rows(rows: list[dict], fmt: str, title: str) -> None:
+def _emit_rows(rows, fmt: str, title: str, output=None) -> None:
+    """Rows (any iterable: streamed as they come, unless a table) in ``fmt``."""
+    from lorapool.audit_export import encode
     from lorapool.cli import audit_format as out
 
-    if fmt == "json":
-        click.echo(out.to_json(rows))
-    elif fmt == "csv":
-        click.echo(out.to_csv(rows), nl=False)
-    else:
-        Console().print(out.rows_table(rows, title=title))
+    if fmt == "table":
+        Console().print(out.rows_table(list(rows), title=title))
+        return
+    sink = output or click.get_binary_stream("stdout")
+    for chunk in encode(rows, fmt):
+        sink.write(chunk)
+    sink.flush()
 
 
 @audit.command("request")
@@ -163,27 +166,66 @@ def request_cmd(ctx: click.Context, request_id: str, pool: str | None, fmt: str)
         Console().print(out.record_table(row))
 
 
+def _filter_options(fn):
+    for option in reversed(
+        [
+            click.option("--pool", help="Pool (Redis prefix)."),
+            click.option("--adapter", "adapter_name", help="Adapter name."),
+            click.option("--adapter-id", type=int, help="Adapter int id."),
+            click.option("--sha256", "adapter_sha256", help="Adapter weights hash (or a prefix)."),
+            click.option(
+                "--base-model-only", is_flag=True, help="Only requests without an adapter."
+            ),
+            click.option("--since", help="From this time (inclusive)."),
+            click.option("--until", help="Before this time."),
+            click.option(
+                "--finish-reason", type=click.Choice(["stop", "length", "abort", "error"])
+            ),
+            click.option("--tenant"),
+            click.option("--text", help="Output text contains this (case-sensitive)."),
+        ]
+    ):
+        fn = option(fn)
+    return fn
+
+
+def _search_filter(since, until, limit, filters):
+    from lorapool.audit_db import SearchFilter
+
+    return SearchFilter(since=parse_time(since), until=parse_time(until), limit=limit, **filters)
+
+
 @audit.command()
-@click.option("--pool", help="Pool (Redis prefix).")
-@click.option("--adapter", "adapter_name", help="Adapter name.")
-@click.option("--adapter-id", type=int, help="Adapter int id.")
-@click.option("--sha256", "adapter_sha256", help="Adapter weights hash (or a prefix).")
-@click.option("--base-model-only", is_flag=True, help="Only requests without an adapter.")
-@click.option("--since", help="From this time (inclusive).")
-@click.option("--until", help="Before this time.")
-@click.option("--finish-reason", type=click.Choice(["stop", "length", "abort", "error"]))
-@click.option("--tenant")
-@click.option("--text", help="Output text contains this (case-sensitive).")
+@_filter_options
 @click.option("--limit", type=int, default=100, show_default=True)
 @format_option
 @click.pass_context
-def search(ctx: click.Context, fmt: str, since: str | None, until: str | None, **filters):
-    """Audit rows matching every given filter."""
-    from lorapool.audit_db import SearchFilter
-    from lorapool.audit_db import search as run_search
+def search(ctx: click.Context, fmt: str, since: str | None, until: str | None, limit, **filters):
+    """Audit rows matching every given filter (in arrival order)."""
+    from lorapool.audit_db.queries import iter_search
 
-    flt = SearchFilter(since=parse_time(since), until=parse_time(until), **filters)
-    _emit_rows(run_search(engine_of(ctx), flt), fmt, "audit rows")
+    flt = _search_filter(since, until, limit, filters)
+    _emit_rows(iter_search(engine_of(ctx), flt), fmt, "audit rows")
+
+
+@audit.command()
+@_filter_options
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["csv", "jsonl", "json"]),
+    default="jsonl",
+    show_default=True,
+)
+@click.option("--output", "-o", type=click.File("wb"), default="-", help="Where to write it.")
+@click.pass_context
+def export(ctx: click.Context, fmt: str, since, until, output, **filters):
+    """Every audit row matching the filters, streamed from a server-side cursor: memory
+    stays bounded at any size. CSV cells a spreadsheet would run are neutralised."""
+    from lorapool.audit_db.queries import iter_search
+
+    flt = _search_filter(since, until, None, filters)
+    _emit_rows(iter_search(engine_of(ctx), flt), fmt, "audit rows", output)
 
 
 @audit.command()

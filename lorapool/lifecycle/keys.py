@@ -136,6 +136,11 @@ class Keys:
     webhook_stats = _meta_key(
         "webhook:stats", "Hash: counts of webhook attempts by outcome, and their total seconds."
     )
+    audit_verify = _meta_key(
+        "audit-verify",
+        "Hash: audit verification jobs by id, 'latest:<mode>' and 'verified' "
+        "(lifecycle/audit_verification.py; the gateway's).",
+    )
     # The keys of one request (on its shard)
     callback = _request_key(
         "callback",

@@ -10,6 +10,7 @@ import io
 
 import httpx
 import openai
+import orjson
 import pytest
 from gateway_procs import serve, stop, wait_until
 
@@ -130,6 +131,9 @@ def check_audit_routes(url: str, keys: dict, acme_job: str, globex_request: str)
     by_adapter = get("/completions", "all-audit", params={"adapter": "ad-mlp"}).json()["data"]
     assert {r["adapter_name"] for r in by_adapter} == {"ad-mlp"}
 
+    exported = get("/export", "acme-audit", params={"format": "jsonl"}).text.splitlines()
+    assert [orjson.loads(line)["seq"] for line in exported] == [r["seq"] for r in acme_rows["data"]]
+    assert get("/export", "acme-audit", params={"tenant": "globex"}).status_code == 403
     table = get("/completions", "acme-audit", headers={"Accept": "text/csv"})
     assert table.headers["content-type"].startswith("text/csv")
     assert len(list(csv.DictReader(io.StringIO(table.text)))) == len(acme_rows["data"])
@@ -139,6 +143,6 @@ def check_audit_routes(url: str, keys: dict, acme_job: str, globex_request: str)
     assert get("/usage", "acme-audit").status_code == 403  # by adapter: all tenants only
     [own] = get("/usage", "acme-audit", params={"group_by": "tenant"}).json()["data"]
     assert own["key"] == "acme" and own["requests"] == 2
-    verified = get("/verify", "all-audit")
+    verified = get("/verify", "all-audit", params={"wait": 25})  # a job: wait for it
     assert verified.status_code == 200 and verified.json()["ok"], verified.text
     assert get("/verify", "acme-audit").status_code == 403
