@@ -1,0 +1,67 @@
+"""Readers of today read what writers of an earlier version left in Redis.
+
+The job hashes and chunk logs of ``tests/unit/wire_fixtures/<commit>.json`` (written
+by that commit's real worker) are put back into a fresh pool, as a rolling upgrade
+finds them, and today's producers read them: ``result()``, ``stream()`` and
+``status()``, sync and asyncio, with the chunk log still there and after it was
+compacted away (the final record alone). They must give what that commit's producer
+gave.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+from pathlib import Path
+
+import orjson
+import pytest
+
+from lorapool.producer import AsyncProducer
+
+pytestmark = pytest.mark.integration
+LAYOUTS = ("standalone", "cluster")
+FIXTURES = sorted((Path(__file__).parents[1] / "unit" / "wire_fixtures").glob("*.json"))
+
+
+def raw(value: dict[str, str]) -> bytes:
+    return value["text"].encode() if "text" in value else base64.b64decode(value["b64"])
+
+
+def plain(output) -> dict:
+    return orjson.loads(orjson.dumps(output.to_dict()))
+
+
+def put_back(conn, keys, rid: str, request: dict, with_log: bool) -> None:
+    marker = {k: raw(v) for k, v in request["job_hash"].items()}
+    conn.hset(keys.job(rid), mapping=marker)
+    if with_log and request["chunks"]:
+        conn.rpush(keys.out(rid), *[raw(c["raw"]) for c in request["chunks"]])
+
+
+@pytest.mark.parametrize("path", FIXTURES, ids=[p.stem for p in FIXTURES])
+@pytest.mark.parametrize("with_log", [True, False], ids=["log", "compacted"])
+def test_producers_read_old_outputs(conn, keys, producer, pool_url, shards, path, with_log):
+    fixture = orjson.loads(path.read_bytes())
+    requests = fixture["requests"]
+    for rid, request in requests.items():
+        put_back(conn, keys, rid, request, with_log)
+    for rid, request in requests.items():
+        handle = producer.handle(rid)
+        assert handle.status() == request["status"], rid
+        assert plain(handle.result(timeout=5)) == request["result"], rid
+        if with_log:
+            assert [plain(o) for o in handle.stream(timeout=5)] == request["stream"], rid
+
+    async def read_async() -> dict:
+        aproducer = AsyncProducer(pool_url, keys.prefix, shards=shards)
+        try:
+            return {
+                rid: plain(await (await aproducer.handle(rid)).result(timeout=5))
+                for rid in requests
+            }
+        finally:
+            await aproducer.aclose()
+
+    results = asyncio.run(read_async())
+    assert results == {rid: r["result"] for rid, r in requests.items()}

@@ -1,0 +1,163 @@
+"""Every record an earlier version wrote to Redis stays readable.
+
+``wire_fixtures/<commit>.json`` holds what the code of that commit wrote in a real run
+(``wire_fixtures/make_fixtures.py``: the real producer, worker around the real engine,
+and audit writer): jobs, chunks, final records, job hashes, audit records, dead letters,
+the adapter registry, heartbeats and the pool's model record, each raw beside what that
+commit's readers made of it. Here today's decoders read the raw records and must make
+the same of them. A format change that cannot keep this is a version bump with a
+migration note, and a new fixture file, never an edit of an old one.
+"""
+
+from __future__ import annotations
+
+import base64
+from pathlib import Path
+
+import orjson
+import pytest
+
+from lorapool.audit_record import RecordError, parse_record
+from lorapool.lifecycle.chunk_log import decode_record
+from lorapool.lifecycle.wire import decode_chunk, decode_job
+
+FIXTURES = sorted((Path(__file__).parent / "wire_fixtures").glob("*.json"))
+
+
+def raw(value: dict[str, str]) -> bytes:
+    return value["text"].encode() if "text" in value else base64.b64decode(value["b64"])
+
+
+def plain(value):
+    """``value`` as JSON would give it back (tuples as lists, int keys as strings)."""
+    return orjson.loads(orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS))
+
+
+# --- today's readers, giving what the fixtures' ``meaning`` holds -------------------------
+
+
+def read_job(payload: bytes) -> dict:
+    job = decode_job(payload)
+    return {
+        "request_id": job.request_id,
+        "prompt": job.prompt,
+        "prompt_token_ids": job.prompt_token_ids,
+        "sampling_params": plain(job.sampling_params.to_dict()),
+        "lora_request": None if job.lora_request is None else job.lora_request.to_dict(),
+        "metadata": job.metadata,
+        "arrival_time": job.arrival_time,
+        "result_ttl_s": job.result_ttl_s,
+        "messages": job.messages,
+    }
+
+
+def read_chunk(chunk) -> dict:
+    return {
+        "seq": chunk.seq,
+        "offset": chunk.offset,
+        "finished": chunk.finished,
+        "adapter_id": chunk.adapter_id,
+        "num_tokens": chunk.num_tokens,
+        "offsets": {str(o["index"]): o["offset"] for o in chunk.outputs},
+        "output": plain(chunk.to_output().to_dict()),
+    }
+
+
+def read_audit(payload: bytes, key: str, pool: str) -> dict:
+    return plain(parse_record(payload, key.encode(), pool).to_dict())
+
+
+def read_dead_letter(fields: dict[str, bytes]) -> dict:
+    """A dead letter's fields as one shape: the worker's (APPEND: data, reason, entry,
+    worker) or the audit writer's (source, stream, id, reason, data)."""
+    text = {k: v.decode() for k, v in fields.items() if k != "data"}
+    if text.get("source") == "audit":
+        return {"source": "audit", "stream": text["stream"], "entry": text["id"],
+                "reason": text["reason"], "worker": None, "data": fields["data"]}  # fmt: skip
+    return {"source": "worker", "stream": None, "entry": text["entry"],
+            "reason": text["reason"], "worker": text["worker"], "data": fields["data"]}  # fmt: skip
+
+
+# --- the checks -----------------------------------------------------------------------------
+
+
+@pytest.fixture(params=FIXTURES, ids=[p.stem for p in FIXTURES])
+def fixture(request) -> dict:
+    return orjson.loads(request.param.read_bytes())
+
+
+def test_there_is_a_fixture_of_every_record():
+    assert FIXTURES, "no wire fixtures: run tests/unit/wire_fixtures/make_fixtures.py"
+    for path in FIXTURES:
+        data = orjson.loads(path.read_bytes())
+        assert len(data["jobs"]) >= 10 and len(data["audit"]) >= 10
+        assert {"worker", "audit"} <= {
+            "audit" if "source" in d else "worker" for d in data["dead_letters"]
+        }
+        chunks = [c for r in data["requests"].values() for c in r["chunks"]]
+        assert any(c["meaning"]["output"]["error"] for c in chunks)
+        assert any(c["meaning"]["output"]["outputs"][0]["logprobs"] for c in chunks)
+        assert any(raw(r["final_record"]["raw"])[:1] == b"x" for r in data["requests"].values())
+        assert data["adapters"] and data["workers"] and data["model"]
+
+
+def test_jobs_decode_as_they_did(fixture):
+    for job in fixture["jobs"]:
+        want = job["meaning"]
+        if "refused" in want:
+            with pytest.raises(ValueError, match="JSON"):
+                decode_job(raw(job["raw"]))
+            continue
+        got = read_job(raw(job["raw"]))
+        if want["arrival_time"] == "now":  # none in the record: the time it is read
+            want = {**want, "arrival_time": got["arrival_time"]}
+        assert got == want
+
+
+def test_chunks_and_final_records_decode_as_they_did(fixture):
+    for rid, request in fixture["requests"].items():
+        for chunk in request["chunks"]:
+            assert read_chunk(decode_chunk(raw(chunk["raw"]), rid)) == chunk["meaning"], rid
+        record = request["final_record"]
+        assert read_chunk(decode_record(raw(record["raw"]), rid)) == record["meaning"], rid
+        assert record["meaning"]["output"] == request["result"] or request["status"] == "failed"
+
+
+def test_audit_records_verify_and_decode_as_they_did(fixture):
+    key, pool = fixture["audit_key"], fixture["prefix"]
+    signed = 0
+    for record in fixture["audit"]:
+        payload, want = raw(record["raw"]), record["meaning"]
+        if "refused" in want:
+            with pytest.raises(RecordError, match="unsigned"):
+                parse_record(payload, key.encode(), pool)
+            continue
+        assert read_audit(payload, key, pool) == want
+        signed += 1
+        with pytest.raises(RecordError, match="bad signature"):  # the signature still binds
+            parse_record(payload, key.encode(), pool + "-other")
+    assert signed >= 9
+
+
+def test_dead_letters_of_both_writers_read_as_one_shape(fixture):
+    letters = [read_dead_letter({k: raw(v) for k, v in d.items()}) for d in fixture["dead_letters"]]
+    by_source = {d["source"] for d in letters}
+    assert by_source == {"worker", "audit"}
+    for letter in letters:
+        assert letter["entry"] and letter["reason"] and letter["data"]
+        assert (letter["worker"] is None) == (letter["source"] == "audit")
+
+
+def test_registry_heartbeat_and_model_records_read_as_they_did(fixture):
+    from lorapool.producer.registry import decode_record as decode_adapter
+
+    for name, value in fixture["adapters"].items():
+        record = decode_adapter(raw(value))
+        assert record["name"] == name and fixture["adapter_ids"][str(record["id"])] == name
+        assert {"path", "sha256", "rank", "alpha", "target_modules", "base_model"} <= set(record)
+    for name, value in fixture["workers"].items():
+        heartbeat = orjson.loads(raw(value))
+        assert heartbeat["name"] == name
+        assert {"running", "waiting", "loaded", "draining", "updated"} <= set(heartbeat)
+    model = orjson.loads(raw(fixture["model"]))
+    assert set(model) == {"name", "sha256"}
