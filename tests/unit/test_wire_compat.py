@@ -48,6 +48,7 @@ def read_job(payload: bytes) -> dict:
         "arrival_time": job.arrival_time,
         "result_ttl_s": job.result_ttl_s,
         "messages": job.messages,
+        **({"tools": job.tools} if job.tools is not None else {}),
     }
 
 

@@ -1,7 +1,8 @@
 """Make the wire-compatibility fixtures: every record the pool writes to Redis, as the
 code of one commit writes it, with what that commit's readers make of it.
 
-Run from a checkout of the commit whose records are wanted (its own code only):
+Run from a checkout of the commit whose records are wanted (the file is named by the last
+commit that changed the product's code):
 
     .venv/bin/python tests/unit/wire_fixtures/make_fixtures.py [--redis-url URL]
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import contextlib
 import os
 import subprocess
 import sys
@@ -39,6 +41,7 @@ sys.path.insert(0, str(ROOT / "tests" / "support"))
 PREFIX = "wirefix"
 AUDIT_KEY = "lorapool-wire-fixture-audit-key-0123456789"
 WORKER = "fixture-worker"
+PRODUCT = ["lorapool", "worker", "producer", "gateway", "engine", "audit_db", "kernels"]
 os.environ["LORAPOOL_AUDIT_KEY"] = AUDIT_KEY
 
 
@@ -83,6 +86,7 @@ def meaning_job(job) -> dict:
         "arrival_time": job.arrival_time,
         "result_ttl_s": job.result_ttl_s,
         "messages": job.messages,
+        **({"tools": job.tools} if getattr(job, "tools", None) is not None else {}),
     }
 
 
@@ -102,7 +106,7 @@ def build_models(root: Path) -> tuple[Path, Path]:
     from tiny_models import build_tiny_model
     from tiny_tokenizer import build_tiny_tokenizer
 
-    base = build_tiny_model("llama", root / "base", max_position_embeddings=64)
+    base = build_tiny_model("llama", root / "base", max_position_embeddings=256)
     build_tiny_tokenizer(base, vocab_size=512)
     adapter = build_adapter(base, root / "sql-lora", rank=4, seed=3)
     return base, adapter
@@ -149,9 +153,15 @@ def submit_jobs(conn, adapter: Path) -> dict[str, str]:
             request_id="structured",
         ),
         "too-long": producer.submit(
-            {"prompt_token_ids": list(range(3, 80))}, greedy, request_id="too-long"
+            {"prompt_token_ids": list(range(3, 300))}, greedy, request_id="too-long"
         ),
     }
+    tool = {"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}
+    chat = {"messages": [{"role": "user", "content": "weather?"}], "tools": [tool]}
+    with contextlib.suppress(ValueError):  # a chat with tools: jobs carry them from 8a04db7
+        jobs["chat-tools"] = producer.submit(
+            chat, SamplingParams(temperature=0.0, max_tokens=4), request_id="chat-tools"
+        )
     producer.result_ttl_s = 3600
     jobs["ttl"] = producer.submit("a b c", greedy, request_id="ttl")
     return {rid: handle.request_id for rid, handle in jobs.items()}
@@ -281,8 +291,8 @@ def main() -> Path:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--redis-url")
     args = parser.parse_args()
-    commit = subprocess.run(
-        ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+    commit = subprocess.run(  # the last commit of the code that wrote the records
+        ["git", "-C", str(ROOT), "log", "-1", "--format=%h", "--", *PRODUCT],
         capture_output=True,
         text=True,
         check=True,
