@@ -68,5 +68,31 @@ def _groups(r, key) -> list[dict]:
         return []
 
 
+def shard_table(producer) -> Table | None:
+    """On a Redis Cluster: each shard's hash tag, slot and the node that serves it, and its
+    load (jobs queued or pending on its streams), so that a master left without a shard,
+    or with too many, shows. None for a standalone Redis."""
+    r, keys = producer.redis, producer.keys
+    if not keys.shards:
+        return None
+    from redis.crc import key_slot
+
+    table = Table(title=f"shards ({keys.shards})")
+    for column in ("shard", "tag", "slot", "node", "queued", "pending"):
+        table.add_column(column)
+    for s, view in enumerate(keys.shard_views):
+        node = r.get_node_from_key(view.requests) if hasattr(r, "get_node_from_key") else None
+        queued = pending = 0
+        for stream in view.streams:
+            group = next((g for g in _groups(r, stream) if g["name"] == WORKERS_GROUP.encode()), {})
+            pending += int(group.get("pending", 0))
+            queued += int(group["lag"]) if group.get("lag") is not None else int(r.xlen(stream))
+        tag = view.requests.split("}")[0].lstrip("{")
+        where = f"{node.host}:{node.port}" if node is not None else "-"
+        table.add_row(str(s), tag, str(key_slot(tag.encode())), where, str(queued), str(pending))
+    return table
+
+
 def status_tables(producer) -> list[Table]:
-    return [worker_table(producer), queue_table(producer)]
+    shards = shard_table(producer)
+    return [worker_table(producer), queue_table(producer), *([shards] if shards else [])]

@@ -5,7 +5,10 @@ Two layouts. Unsharded (``shards=0``, the default, one standalone Redis): keys a
 Sharded (``shards=N``, for a Redis Cluster): a request lives on shard
 ``crc32(request id) % N``, and every key of shard ``s`` (its job streams, dead and
 audit streams, handoff lists, and its requests' job, out and abort keys) carries the
-hash tag ``{<prefix>:<s>}``, so that each script of the queue touches one slot; the
+hash tag of the shard, ``{<prefix>:<s>-<k>}`` (``shard_tag``), so that each script of
+the queue touches one slot, and that slot lies in the middle of the s-th N-th of the
+slot space: with N masters holding the contiguous slot ranges ``redis-cli --cluster
+create`` gives them, each master holds one shard. The
 pool's own keys (adapter registry, model, heartbeats, API keys, rates, batches) carry
 ``{<prefix>}``, the meta shard. ``Keys.on(s)`` names shard ``s``'s keys; a worker
 reads every shard (``Keys.shard_views``) and writes a request's keys on the shard its
@@ -14,6 +17,9 @@ entry came from.
 
 import zlib
 from dataclasses import dataclass, replace
+from functools import lru_cache
+
+from redis.crc import key_slot
 
 DEFAULT_PREFIX = "lorapool"
 WORKERS_GROUP = "workers"
@@ -27,6 +33,24 @@ PRIORITIES = ("interactive", "batch")
 
 
 MAX_SHARDS = 1024
+SLOTS = 16384  # a Redis Cluster's hash slots
+
+
+@lru_cache(maxsize=4096)
+def shard_tag(prefix: str, shard: int, shards: int) -> str:
+    """The hash tag of shard ``shard`` of ``shards``: ``<prefix>:<shard>-<k>`` with the
+    least k whose slot lies in the middle half of the shard's N-th of the slot space
+    (``[s * 16384 / N, (s + 1) * 16384 / N)``; the whole of it when that is under 4
+    slots), so that a cluster of N masters, with the ranges ``redis-cli --cluster
+    create`` assigns, holds one shard on each. A tag's slot is CRC16 of it: about N
+    tries a shard, made once per process."""
+    low, high = shard * SLOTS // shards, (shard + 1) * SLOTS // shards
+    if high - low >= 4:
+        low, high = low + (high - low) // 4, high - (high - low) // 4
+    k = 0
+    while not low <= key_slot(f"{prefix}:{shard}-{k}".encode()) < high:
+        k += 1
+    return f"{prefix}:{shard}-{k}"
 
 
 def _shard_key(name: str, doc: str) -> property:
@@ -91,12 +115,13 @@ class Keys:
             return f"{self.prefix}:{name}"
         if self.shard is None:
             raise ValueError(f"{name} is per shard: name it on a shard view (Keys.on)")
-        return f"{{{self.prefix}:{self.shard}}}:{name}"
+        return f"{{{shard_tag(self.prefix, self.shard, self.shards)}}}:{name}"
 
     def _of_request(self, name: str, request_id: str) -> str:
         if not self.shards:
             return f"{self.prefix}:{name}:{{{request_id}}}"
-        return f"{{{self.prefix}:{self.shard_of(request_id)}}}:{name}:{request_id}"
+        tag = shard_tag(self.prefix, self.shard_of(request_id), self.shards)
+        return f"{{{tag}}}:{name}:{request_id}"
 
     def _meta(self, name: str) -> str:
         return f"{{{self.prefix}}}:{name}" if self.shards else f"{self.prefix}:{name}"
