@@ -12,7 +12,9 @@ $(STAMP): pyproject.toml
 	# The CPU build of torch lies on this machine's disk; installing it first keeps
 	# pip from fetching a multi-GB CUDA build for the `worker` extra.
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e '.[dev]'
+	# setuptools says "Editable installation ... be careful with folders" on every editable
+	# install (information, not a problem of ours): it is kept out of the install's output
+	PYTHONWARNINGS="ignore:Editable installation" $(BIN)/python -m pip install -q -e '.[dev]'
 	touch $(STAMP)
 
 install: $(STAMP)
