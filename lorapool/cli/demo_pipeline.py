@@ -8,7 +8,6 @@ its own key prefix, which it clears first, so it never touches another deploymen
 
 from __future__ import annotations
 
-import itertools
 import signal
 import subprocess
 import sys
@@ -109,15 +108,22 @@ def submit_jobs(producer, model: str, max_tokens: int, console: Console):
     params = SamplingParams(
         temperature=0.0, max_tokens=max_tokens, output_kind=RequestOutputKind.DELTA
     )
-    tenants = itertools.cycle(["acme", "globex"])
-    handles = []
-    for prompt, adapter in JOBS:
-        chat = tokenizer.apply_chat_template(
+    chats = [
+        tokenizer.apply_chat_template(
             [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
         )
-        handles.append(
-            producer.submit(chat, params, lora_request=adapter, metadata={"tenant": next(tenants)})
-        )
+        for prompt, _ in JOBS
+    ]
+    # one round trip per tenant, so the workers see the burst at once and each read takes
+    # its fair share of it (submitted one by one, the first idle reader took most)
+    handles = [None] * len(JOBS)
+    for tenant, picks in (("acme", range(0, len(JOBS), 2)), ("globex", range(1, len(JOBS), 2))):
+        made = producer.submit_many(
+            [chats[i] for i in picks], params, [JOBS[i][1] for i in picks],
+            metadata={"tenant": tenant},
+        )  # fmt: skip
+        for i, handle in zip(picks, made):
+            handles[i] = handle
     adapters = {a for _, a in JOBS} - {None}
     console.print(
         f"submitted {len(handles)} jobs across {len(adapters)} adapters and the base model"

@@ -49,15 +49,22 @@ def keys_add(tenant, role, adapters, rpm, tpm, all_tenants, redis_url, prefix, s
     click.echo(key)
 
 
+_ID_WIDTH = 16
+
+
 @keys.command("list")
 @redis_option
 @prefix_option
 @shards_option
 def keys_list(redis_url, prefix, shards):
-    """Key ids, tenants, roles and adapter limits (never the keys)."""
-    for r in _api_keys(redis_url, prefix, shards).list():
+    """Key ids, tenants, roles, rate limits and adapters (never the keys)."""
+    records = _api_keys(redis_url, prefix, shards).list()
+    click.echo(f"{'id':<{_ID_WIDTH}}  {'tenant':<24} {'role':<7} {'rpm':>6} {'tpm':>8}  adapters")
+    for r in records:
         adapters = ", ".join(r["adapters"]) if r["adapters"] is not None else "all adapters"
-        click.echo(f"{r['id']}  {r['tenant']:<24} {r['role']:<7} {adapters}")
+        rpm, tpm = (str(r.get(k) or "-") for k in ("rpm", "tpm"))
+        row = f"{r['id']:<{_ID_WIDTH}}  {r['tenant']:<24} {r['role']:<7} {rpm:>6} {tpm:>8}"
+        click.echo(f"{row}  {adapters}")
 
 
 @keys.command("revoke")

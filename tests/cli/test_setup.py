@@ -131,3 +131,21 @@ def test_the_wrong_role_gets_one_line_from_the_command(tmp_path):
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
     (line,) = done.stderr.strip().splitlines()
     assert "NOPERM" in line and "docs/redis-acl.md" in line
+
+
+def test_keys_list_has_a_header_and_shows_the_rate_limits(redis_url, conn):
+    import uuid
+
+    prefix = f"test-keys-{uuid.uuid4().hex[:8]}"
+    where = ["--redis-url", redis_url, "--prefix", prefix]
+    try:
+        made = CliRunner().invoke(
+            cli, ["keys", "add", "acme", "--rpm", "60", "--tpm", "5000", *where]
+        )
+        assert made.exit_code == 0, made.output
+        listed = CliRunner().invoke(cli, ["keys", "list", *where]).output.splitlines()
+        assert listed[0].split() == ["id", "tenant", "role", "rpm", "tpm", "adapters"]
+        assert listed[1].split()[1:5] == ["acme", "submit", "60", "5000"]
+    finally:
+        for key in conn.scan_iter(f"{prefix}:*"):
+            conn.delete(key)
