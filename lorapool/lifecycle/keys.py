@@ -15,11 +15,10 @@ reads every shard (``Keys.shard_views``) and writes a request's keys on the shar
 entry came from.
 """
 
+import binascii
 import zlib
 from dataclasses import dataclass, replace
 from functools import lru_cache
-
-from redis.crc import key_slot
 
 DEFAULT_PREFIX = "lorapool"
 WORKERS_GROUP = "workers"
@@ -48,9 +47,14 @@ def shard_tag(prefix: str, shard: int, shards: int) -> str:
     if high - low >= 4:
         low, high = low + (high - low) // 4, high - (high - low) // 4
     k = 0
-    while not low <= key_slot(f"{prefix}:{shard}-{k}".encode()) < high:
+    while not low <= tag_slot(f"{prefix}:{shard}-{k}") < high:
         k += 1
     return f"{prefix}:{shard}-{k}"
+
+
+def tag_slot(tag: str) -> int:
+    """The cluster slot of every key tagged ``{tag}``: CRC16 (XMODEM) of it, mod 16384."""
+    return binascii.crc_hqx(tag.encode("utf-8", "surrogatepass"), 0) % SLOTS
 
 
 def _shard_key(name: str, doc: str) -> property:

@@ -4,7 +4,7 @@ s-th N-th of the slot space, the ranges ``redis-cli --cluster create`` gives N m
 import pytest
 from redis.crc import key_slot
 
-from lorapool.lifecycle.keys import SLOTS, Keys, shard_tag
+from lorapool.lifecycle.keys import SLOTS, Keys, shard_tag, tag_slot
 
 
 @pytest.mark.parametrize("shards", [1, 2, 3, 4, 5, 7, 16, 64, 1024])
@@ -27,6 +27,11 @@ def test_every_key_of_a_shard_carries_its_tag():
         }
     assert keys.model == "{pool}:model"  # the pool's own keys keep the meta tag
     assert Keys("pool").requests == "pool:requests"  # and an unsharded pool its names
+
+
+def test_the_slot_is_redis_own():
+    for tag in ("lorapool:0-11", "x", "日本", "pool:3-0"):  # what Redis hashes of a key
+        assert tag_slot(tag) == key_slot(("{" + tag + "}:requests").encode())
 
 
 def test_three_shards_on_three_masters_of_redis_cli_ranges():
