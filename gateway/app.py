@@ -17,7 +17,16 @@ from fastapi.middleware.cors import CORSMiddleware
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lorapool.connection import REDIS_DOWN, refusal
-from lorapool.gateway import adapters, audit, batches, dashboard, health, jobs, openai_api
+from lorapool.gateway import (
+    adapters,
+    audit,
+    batches,
+    dashboard,
+    health,
+    jobs,
+    openai_api,
+    vllm_api,
+)
 from lorapool.gateway.audit_store import AuditStore
 from lorapool.gateway.config import GatewayConfig
 from lorapool.gateway.errors import APIError
@@ -59,6 +68,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     app.include_router(adapters.router)
     app.include_router(audit.router)
     app.include_router(batches.router)
+    app.include_router(vllm_api.router)
     dashboard.install(app)
     _install_errors(app)
     _describe_bodies(app)

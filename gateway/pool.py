@@ -18,6 +18,7 @@ from lorapool.gateway.auth import OPEN, Principal
 from lorapool.gateway.config import GatewayConfig
 from lorapool.gateway.errors import APIError, field_error, model_not_found
 from lorapool.gateway.limits import LimitsCache, check_limits
+from lorapool.gateway.tokenizer import TokenizerCache
 from lorapool.lifecycle.queue_position import QueuePosition
 from lorapool.producer import AsyncJobHandle, AsyncProducer
 from lorapool.producer.pool_view import PoolView
@@ -43,6 +44,7 @@ class Pool:
         self.view = PoolView(self.producer)
         self.position = QueuePosition(self.producer.redis, self.producer.keys)
         self.limits = LimitsCache()
+        self.tokenizers = TokenizerCache()
         self.rates = RateLimiter(self.producer.redis, self.producer.keys)
         self._registry: AdapterRegistry | None = None
         self._base: tuple[float, dict[str, Any] | None] = (0.0, None)

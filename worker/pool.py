@@ -38,6 +38,29 @@ def claim_model(connection: redis.Redis, keys: Keys, base_model: dict[str, str])
         )
 
 
+def publish_tokenizer(
+    connection: redis.Redis, keys: Keys, engine: Any, base_model: dict[str, str]
+) -> None:
+    """The engine's tokenizer into ``{p}:tokenizer`` for the gateways' /tokenize (which load
+    it with ``tokenizers``, no model files, no torch); an engine without a fast tokenizer
+    publishes nothing. One worker of the pool writing it is enough; each rewrites it."""
+    tokenizer = engine.get_tokenizer() if hasattr(engine, "get_tokenizer") else None
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return
+    special = {k: v for k, v in tokenizer.special_tokens_map.items() if isinstance(v, str)}
+    record = {
+        "sha256": base_model["sha256"],
+        "tokenizer": backend.to_str(),
+        "chat_template": tokenizer.chat_template,
+        "special": special,
+        "clean_up_tokenization_spaces": bool(tokenizer.clean_up_tokenization_spaces),
+    }
+    connection.hset(
+        keys.tokenizer, mapping={"sha256": record["sha256"], "record": orjson.dumps(record)}
+    )
+
+
 def heartbeat_record(worker: Worker) -> dict[str, Any]:
     """The worker's row of ``lorapool status`` (and resets its token counter)."""
     now = time.time()

@@ -10,7 +10,7 @@ from lorapool.identity import model_identity
 from lorapool.lifecycle.keys import Keys
 from lorapool.worker import heap
 from lorapool.worker.config import WorkerConfig
-from lorapool.worker.pool import claim_model
+from lorapool.worker.pool import claim_model, publish_tokenizer
 from lorapool.worker.worker import Worker
 
 
@@ -27,6 +27,7 @@ def serve(engine_args, config: WorkerConfig, connection: redis.Redis) -> Worker:
     base_model = base_model_info(engine_args.model)
     claim_model(connection, Keys(config.prefix), base_model)  # before loading anything
     engine = LLMEngine.from_engine_args(engine_args)
+    publish_tokenizer(connection, Keys(config.prefix, config.shards), engine, base_model)
     worker = Worker(engine, connection, config, base_model)
     saved = heap.quiet()  # the model and the engine frozen out of collections
     try:

@@ -147,6 +147,13 @@ class Keys:
     model = _meta_key(
         "model", 'The pool\'s base model: {"name", "sha256"} of the first worker (SET NX).'
     )
+    tokenizer = _meta_key(
+        "tokenizer",
+        "Hash: the base model's tokenizer for the gateway's /tokenize and /detokenize: "
+        '``sha256`` (the model\'s) and ``record``, orjson {"sha256", "tokenizer" '
+        '(tokenizer.json), "chat_template", "special", "clean_up_tokenization_spaces"}; '
+        "written by each worker that starts.",
+    )
     workers = _meta_key("workers", "Hash: worker id -> heartbeat record.")
     api_keys = _meta_key(
         "api-keys",

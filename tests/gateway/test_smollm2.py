@@ -76,3 +76,9 @@ def test_tool_calls_on_smollm2(client, base_name):
 
     checks.tool_calls_forced(client, "ad-qv")
     checks.tool_conversation(client, base_name)
+
+
+def test_tokenize_matches_smollm2s_tokenizer(gateway, model, base_name):
+    import vllm_checks
+
+    vllm_checks.tokenize_matches_transformers(gateway, model, base_name)

@@ -1,12 +1,14 @@
-"""The response shapes apps read, with the official ``openai`` client (httpx where it has
-no method): one choice per streamed chunk, stop_reason, system_fingerprint, usage
-details, logit_bias."""
+"""What apps moving from OpenAI or vLLM read, with the official ``openai`` client (httpx
+where it has no method): one choice per streamed chunk, stop_reason, system_fingerprint,
+usage details, logit_bias; vLLM's /health, /ping, /version, /tokenize, /detokenize
+(against transformers' tokenizer of the model directory)."""
 
 from __future__ import annotations
 
 import httpx
 import orjson
 import pytest
+import vllm_checks
 
 pytestmark = pytest.mark.integration
 CHAT = [{"role": "user", "content": "Count with me"}]
@@ -86,3 +88,35 @@ def test_logit_bias_forces_a_token(client, base_name, gateway):
         timeout=60,
     )
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "logit_bias"
+
+
+def test_health_ping_version(gateway):
+    assert httpx.get(f"{gateway}/health").status_code == 200
+    assert httpx.get(f"{gateway}/health").content == b""
+    assert httpx.get(f"{gateway}/ping").status_code == 200
+    assert httpx.post(f"{gateway}/ping").status_code == 200
+    from importlib.metadata import version
+
+    assert httpx.get(f"{gateway}/version").json() == {"version": version("lorapool")}
+
+
+def test_tokenize_and_detokenize_match_transformers(gateway, model, base_name):
+    vllm_checks.tokenize_matches_transformers(gateway, model, base_name)
+
+
+@pytest.mark.parametrize(
+    "route, body, status, param",
+    [
+        ("/tokenize", {"prompt": 3}, 400, "prompt"),
+        ("/tokenize", {"prompt": "x", "add_special_tokens": "yes"}, 400, "add_special_tokens"),
+        ("/tokenize", {"model": "no-such-model", "prompt": "x"}, 404, "model"),
+        ("/tokenize", {"messages": [{"role": "user"}]}, 400, "messages"),
+        ("/detokenize", {"tokens": [1, "a"]}, 400, "tokens"),
+        ("/detokenize", {"tokens": [10**9]}, 400, "tokens"),
+        ("/detokenize", [1, 2], 400, None),
+    ],
+)
+def test_tokenize_refuses_bad_bodies(gateway, route, body, status, param):
+    got = httpx.post(f"{gateway}{route}", json=body)
+    assert got.status_code == status, got.text
+    assert got.json()["error"]["param"] == param
