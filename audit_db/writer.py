@@ -1,8 +1,8 @@
 """The audit writer: ``{p}:audit`` (consumer group ``audit``) into the audit tables.
 
 Each batch is authenticated (every record must carry a worker's signature made with the
-audit key for this pool, see ``record.sign_record``), parsed, stored in one transaction
-(see store.py) and acked only after the commit. While the database is unreachable the
+audit key for this pool, see ``lorapool.audit_record.sign_record``), parsed, stored in one
+transaction (see store.py) and acked only after the commit. While the database is unreachable the
 writer retries the same batch with exponential backoff, acks nothing and says so in its
 log. An unsigned, wrongly signed or malformed record is moved to ``{p}:dead``
 (``source=audit``, with the reason) and acked; a record the database rejects is found by

