@@ -32,6 +32,7 @@ from transformers import AutoTokenizer
 
 from lorapool.engine.block_manager import BlockManager
 from lorapool.engine.config import EngineArgs
+from lorapool.engine.engine_stats import EngineStats
 from lorapool.engine.guide import (
     GuideFactory,
     MaskPool,
@@ -54,7 +55,7 @@ from lorapool.protocol import LoRARequest, SamplingParams
 logger = logging.getLogger(__name__)
 
 
-class LLMEngine:
+class LLMEngine(EngineStats):
     """Continuous-batching engine: ``add_request`` any time, ``step`` to advance all."""
 
     def __init__(self, args: EngineArgs):
@@ -90,6 +91,7 @@ class LLMEngine:
         self.guides = GuideFactory(self.tokenizer, self.runner.model.vocab_size, self.eos_token_ids)
         self.mask_pool = MaskPool(self.guides.words)
         self._num_guided = 0  # live requests with a structured output
+        self.num_step_tokens = 0  # tokens the last step ran (prompt and generated)
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
         self._pending: list[RequestOutput] = []
@@ -190,48 +192,13 @@ class LLMEngine:
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
 
-    # --- what a queue worker drives besides add/step/abort (worker.engine_api) ---
-    def capacity(self) -> int:
-        """How many new requests to take now: 0 while some still wait for a batch slot."""
-        if self.scheduler.waiting:
-            return 0
-        return max(0, self.args.max_num_seqs - len(self.requests))
-
-    def request_counts(self) -> tuple[int, int]:
-        """(running, waiting) sequences."""
-        return len(self.scheduler.running), len(self.scheduler.waiting)
-
-    def running_request_ids(self) -> set[str]:
-        """The requests in the running batch (those a failed step may have touched)."""
-        return {seq.request.request_id for seq in self.scheduler.running}
-
-    def request_limits(self) -> dict[str, int]:
-        """The bounds ``add_request`` holds a request to, for a gateway to check first."""
-        return {"max_model_len": self.max_model_len, "max_logprobs": self.args.max_logprobs}
-
-    def kv_cache_usage(self) -> float:
-        """Share (0..1) of the KV cache's blocks held by requests (for metrics)."""
-        return 1.0 - self.block_manager.num_free_blocks / self.block_manager.num_blocks
-
-    def lora_state(self) -> dict[str, Any]:
-        """Adapter names in device slots and in the CPU cache, and the slot count."""
-        loras = self.lora_manager
-        if loras is None:
-            return {"device": [], "cpu": [], "max_loras": 0}
-        names = {i: a.lora_request.lora_name for i, a in loras.cpu.items()}
-        device = [names[i] for i in loras.slot_lru if i in names]
-        return {"device": device, "cpu": list(names.values()), "max_loras": loras.max_loras}
-
-    @property
-    def device_name(self) -> str:
-        return str(self.args.resolve_device())
-
     def step(self) -> list[RequestOutput]:
         """Run one scheduled batch; returns the outputs of the requests that advanced."""
         outputs, self._pending = self._pending, []
         if not self.scheduler.has_unfinished():
             return outputs
         scheduled = self.scheduler.schedule()
+        self.num_step_tokens = scheduled.num_batched_tokens
         if self.lora_manager is not None:
             self._activate_loras(scheduled)
             outputs, self._pending = outputs + self._pending, []

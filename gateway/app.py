@@ -30,6 +30,7 @@ from lorapool.gateway import (
 from lorapool.gateway.audit_store import AuditStore
 from lorapool.gateway.config import GatewayConfig
 from lorapool.gateway.errors import APIError
+from lorapool.gateway.http_metrics import HttpMetrics, HttpMetricsMiddleware
 from lorapool.gateway.pool import Pool
 from lorapool.gateway.schemas import component_schemas
 
@@ -62,6 +63,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
     app = FastAPI(title="lorapool gateway", version="1", lifespan=lifespan)
     app.add_middleware(RateHeaders)
+    app.state.http_metrics = HttpMetrics()
+    app.add_middleware(HttpMetricsMiddleware, metrics=app.state.http_metrics)
     app.include_router(health.router)
     app.include_router(openai_api.router)
     app.include_router(jobs.router)

@@ -65,6 +65,7 @@ def require(*roles: str) -> Callable:
         if not pool.config.auth:
             return OPEN
         record = await _record(request)
+        request.state.tenant = record["tenant"]  # for the HTTP metrics' 429s by tenant
         if roles and record["role"] not in roles:
             raise APIError(
                 403,

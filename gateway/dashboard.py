@@ -74,7 +74,8 @@ async def login(request: Request) -> Response:
 @router.get("/metrics", summary="The pool's gauges for Prometheus", include_in_schema=True)
 async def metrics(request: Request) -> Response:
     """``lorapool exporter``'s gauges (queue length, pending, lag, dead letters, live
-    workers, audit backlog), read from Redis now."""
+    workers, audit backlog), read from Redis now; and the gateway's HTTP metrics
+    (``http_metrics.py``)."""
     from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
     body = await asyncio.to_thread(generate_latest, _registry(request.app))
@@ -95,6 +96,8 @@ def _registry(app: FastAPI):
         registry.register(
             PoolCollector(connect(config.redis_url, retries=1), app.state.pool.producer.keys)
         )
+        if getattr(app.state, "http_metrics", None) is not None:  # the gateway's own
+            registry.register(app.state.http_metrics)
         app.state.metrics_registry = registry
     return registry
 

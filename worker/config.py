@@ -63,7 +63,7 @@ class WorkerConfig:
     metrics_port: int | None = None  # serve Prometheus metrics here (0: any free port)
     metrics_addr: str = "0.0.0.0"
     metrics_max_adapters: int = 32  # series per adapter-labelled metric, `other` included
-    metrics_vllm_names: bool = False  # also vLLM's gauge names (vllm:num_requests_running…)
+    metrics_vllm_names: bool = True  # kept for old command lines: vLLM's names are always on
 
     def __post_init__(self):
         if self.lease_s <= 0:

@@ -1,5 +1,8 @@
 """A worker's Prometheus metrics, served on ``--metrics-port``.
 
+vLLM's series (``vllm:*``, labelled ``model_name``) are exported beside ours
+(``vllm_metrics.py``); no ``_created`` series.
+
 The worker calls ``WorkerMetrics`` at four points, all on its own thread:
 ``admitted`` (a request entered the engine), ``stepped`` (an engine step's
 outputs), ``failed`` (a request dead-lettered) and ``serve``/``close``. The
@@ -19,10 +22,17 @@ from collections import Counter as Tally
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    disable_created_metrics,
+    start_http_server,
+)
 from prometheus_client.core import GaugeMetricFamily
 
 from lorapool.outputs import RequestOutput
+from lorapool.worker.vllm_metrics import VllmMetrics, vllm_gauges
 
 if TYPE_CHECKING:
     from lorapool.worker.config import WorkerConfig
@@ -91,7 +101,11 @@ class WorkerMetrics:
     def __init__(self, config: WorkerConfig, engine: EngineInterface, model: str):
         self.config, self.engine, self.model = config, engine, model
         self.labels = AdapterLabels(config.metrics_max_adapters)
+        disable_created_metrics()  # no _created series (vLLM's and Prometheus' advice)
         self.registry = CollectorRegistry(auto_describe=True)
+        self.vllm = VllmMetrics(self.registry, model)
+        cache = getattr(engine, "cache_config", None)
+        self.cache_config = cache() if callable(cache) else None
         self._live: dict[str, str] = {}  # request id -> label, while in the engine
         self._last_token: dict[str, float] = {}  # request id -> time of its latest token
         self._snapshot = _Snapshot()
@@ -160,6 +174,7 @@ class WorkerMetrics:
         """A request entered the engine."""
         lora = held.job.lora_request
         self._live[held.request_id] = self.labels(None if lora is None else lora.lora_name)
+        self.vllm.admitted(held.job.sampling_params)
 
     def stepped(self, outputs: list[RequestOutput], held: dict[str, Held]) -> None:
         """One engine step's outputs: token counts and latencies, finished requests
@@ -167,6 +182,8 @@ class WorkerMetrics:
         now = time.time()
         self.steps.inc()
         self.batch.observe(len(outputs))
+        if hasattr(self.engine, "step_stats"):
+            self.vllm.stepped(self.engine.step_stats())
         for out in outputs:
             label = self._live.get(out.request_id) or self.labels(_lora_name(out))
             new = sum(len(c.token_ids) for c in out.outputs)
@@ -182,6 +199,7 @@ class WorkerMetrics:
         lora = None if held is None else held.job.lora_request
         name = "unknown" if held is None else (None if lora is None else lora.lora_name)
         self.requests.labels(self.labels(name), "error").inc()
+        self.vllm.failed()
 
     # --- what the hooks record ---------------------------------------------------
 
@@ -190,6 +208,7 @@ class WorkerMetrics:
         last = self._last_token.get(request_id)
         if last is not None:
             self.itl.labels(label).observe(now - last)
+        self.vllm.tokens(new, None if last is None else now - last)
         self._last_token[request_id] = now
 
     def _finished(self, out: RequestOutput, label: str, counted: bool) -> None:
@@ -199,6 +218,7 @@ class WorkerMetrics:
             return
         reason = out.outputs[0].finish_reason if out.outputs else None
         self.requests.labels(label, reason or "unknown").inc()
+        self.vllm.finished(out, reason or "unknown", time.time())
         m = out.metrics
         if m is None:
             return
@@ -262,35 +282,11 @@ class _StateCollector:
         for label, n in s.lora_running.items():
             running.add_metric([label], n)
         yield running
-        if m.config.metrics_vllm_names:
-            yield from _vllm_gauges(s, m.model)
+        yield from vllm_gauges(s, m.model, m.cache_config)
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
     return GaugeMetricFamily(name, doc, value=value)
-
-
-def _vllm_gauges(s: _Snapshot, model: str):
-    """vLLM's names, so its dashboards and LoRA-aware routers read this worker."""
-    for name, value in (("running", s.running), ("waiting", s.waiting)):
-        family = GaugeMetricFamily(
-            f"vllm:num_requests_{name}", f"requests {name}", labels=["model_name"]
-        )
-        family.add_metric([model], value)
-        yield family
-    usage = GaugeMetricFamily("vllm:kv_cache_usage_perc", "KV-cache usage", labels=["model_name"])
-    usage.add_metric([model], s.kv_usage)
-    yield usage
-    info = GaugeMetricFamily(
-        "vllm:lora_requests_info",
-        "running and waiting adapters",
-        labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"],
-    )
-    info.add_metric(
-        [",".join(sorted(s.lora_running)), ",".join(sorted(s.lora_waiting)), str(s.max_loras)],
-        s.taken,
-    )
-    yield info
 
 
 class NoMetrics:

@@ -130,7 +130,11 @@ def _producer(redis_url, prefix, shards=0):
 @click.option("--metrics-port", type=int, default=None, help="serve Prometheus /metrics here")
 @host_option("--metrics-host", old="--metrics-addr", help="address /metrics listens on")
 @count_option("--metrics-max-adapters", 32, "series per adapter-labelled metric ('other' too)")
-@click.option("--metrics-vllm-names", is_flag=True, help="also vLLM's gauge names")
+@click.option(
+    "--metrics-vllm-names",
+    is_flag=True,
+    help="accepted for old command lines: vLLM's metric names are always exported",
+)
 @click.option(
     "--insecure-no-key",
     is_flag=True,

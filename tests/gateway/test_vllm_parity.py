@@ -120,3 +120,138 @@ def test_tokenize_refuses_bad_bodies(gateway, route, body, status, param):
     got = httpx.post(f"{gateway}{route}", json=body)
     assert got.status_code == status, got.text
     assert got.json()["error"]["param"] == param
+
+
+@pytest.fixture(scope="module")
+def metrics_port():
+    from gateway_procs import free_port
+
+    return free_port()
+
+
+@pytest.fixture(scope="module")
+def worker(redis_url, prefix, model, registry, conn, tmp_path_factory, metrics_port):
+    """The pool's worker, serving its /metrics on ``metrics_port``."""
+    from gateway_procs import start_pool_worker, stop
+
+    cwd = tmp_path_factory.mktemp("worker")
+    proc = start_pool_worker(
+        conn, redis_url, prefix, model, cwd, "--metrics-port", str(metrics_port)
+    )
+    yield proc
+    stop(proc)
+
+
+@pytest.fixture(scope="module")
+def secure(redis_url, prefix, conn, worker, tmp_path_factory):
+    """A gateway with keys: (its URL, a key of tenant 'slow' allowed 1 request a minute)."""
+    from gateway_procs import serve, stop
+
+    from lorapool.lifecycle.keys import Keys
+    from lorapool.producer.api_keys import ApiKeys
+
+    _, key = ApiKeys(conn, Keys(prefix)).add("slow", "submit", rpm=1)
+    url, proc = serve(redis_url, prefix, tmp_path_factory.mktemp("secure"), auth=True)
+    yield url, key
+    stop(proc)
+
+
+def scrape(url: str) -> tuple[str, dict]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(url, timeout=30).text
+    return text, {f.name: f for f in text_string_to_metric_families(text)}
+
+
+def value(families: dict, name: str, suffix: str, **labels) -> float:
+    family = families.get(name)
+    return sum(
+        s.value
+        for s in (family.samples if family else ())
+        if s.name == name + suffix and all(s.labels.get(k) == v for k, v in labels.items())
+    )
+
+
+def test_gateway_http_metrics_by_route_status_and_tenant(secure, base_name):
+    url, key = secure
+    auth = {"Authorization": f"Bearer {key}"}
+    _, before = scrape(f"{url}/metrics")
+    body = {"model": base_name, "prompt": "Hi", "max_tokens": 2}
+    assert httpx.post(f"{url}/v1/completions", json=body, headers=auth, timeout=60).is_success
+    for _ in range(2):
+        assert httpx.post(f"{url}/v1/completions", json=body, headers=auth).status_code == 429
+    assert httpx.get(f"{url}/v1/jobs/nope", headers=auth).status_code == 404
+    assert httpx.get(f"{url}/no/such/path/{'x' * 40}").status_code == 404
+    text, after = scrape(f"{url}/metrics")
+    assert "_created" not in text
+
+    def delta(name, suffix, **labels):
+        return value(after, name, suffix, **labels) - value(before, name, suffix, **labels)
+
+    route = dict(handler="/v1/completions", method="POST")
+    assert delta("http_requests", "_total", status="200", **route) == 1
+    assert delta("http_requests", "_total", status="429", **route) == 2
+    assert delta("http_request_duration_seconds", "_count", status="429", **route) == 2
+    assert delta("http_requests", "_total", handler="/v1/jobs/{job_id}", status="404") == 1
+    assert delta("http_requests", "_total", handler="other", status="404") == 1
+    assert delta("lorapool_gateway_rate_limited", "_total", tenant="slow") == 2
+    handlers = {s.labels["handler"] for s in after["http_requests"].samples}
+    assert not any("x" * 40 in h for h in handlers)  # raw paths never become labels
+
+
+PROMQL_WORDS = {
+    "sum", "max", "min", "avg", "count", "rate", "irate", "increase", "by", "without",
+    "histogram_quantile", "clamp_min", "clamp_max", "le", "on", "ignoring", "and", "or",
+    "unless", "bool", "offset", "label_values",
+}  # fmt: skip
+
+
+def promql_metrics(expr: str) -> set[str]:
+    """The metric names a PromQL expression reads (label matchers, grouping clauses,
+    ranges, strings and Grafana variables taken out first)."""
+    import re
+
+    expr = re.sub(r'"(?:[^"\\]|\\.)*"', "", expr)
+    expr = re.sub(r"\{[^}]*\}|\[[^\]]*\]", "", expr)
+    expr = re.sub(r"\b(by|without|on|ignoring)\s*\([^)]*\)", "", expr)
+    expr = re.sub(r"\$\w+", "", expr)
+    expr = re.sub(r"label_values\(([^,)]*),[^)]*\)", r"\1", expr)
+    names = set(re.findall(r"[A-Za-z_:][A-Za-z0-9_:]*", expr))
+    return {n for n in names if n not in PROMQL_WORDS and not re.fullmatch(r"\d.*", n)}
+
+
+def test_every_grafana_query_names_an_exported_metric(secure, metrics_port, base_name, client):
+    """deploy/grafana/lorapool.json against what a worker and a gateway export after
+    some traffic (every labelled series has a sample then)."""
+    import json
+    from pathlib import Path
+
+    assert promql_metrics('sum by (le) (rate(a:b_bucket{x="y"}[5m])) / c') == {"a:b_bucket", "c"}
+    assert promql_metrics("label_values(vllm:x, model_name)") == {"vllm:x"}
+    client.completions.create(model=base_name, prompt="Hello", max_tokens=3)
+    client.completions.create(model="ad-qv", prompt="Hello", max_tokens=3)  # an adapter loads
+    url, _ = secure
+    exported = set()
+    for source in (f"http://127.0.0.1:{metrics_port}/metrics", f"{url}/metrics"):
+        _, families = scrape(source)
+        exported |= {s.name for f in families.values() for s in f.samples}
+        # a gauge family with no series now (no adapter running) is still exported
+        exported |= {f.name for f in families.values() if f.type == "gauge"}
+    board = json.loads((Path(__file__).parents[2] / "deploy/grafana/lorapool.json").read_text())
+    queries = [t["expr"] for p in board["panels"] for t in p.get("targets", ())]
+    queries += [v["definition"] for v in board["templating"]["list"] if "definition" in v]
+    assert len(queries) > 30
+    named = set().union(*(promql_metrics(q) for q in queries))
+    assert named - exported == set()
+    assert {n for n in named if n.startswith("vllm:")} >= {
+        "vllm:time_to_first_token_seconds_bucket",
+        "vllm:e2e_request_latency_seconds_bucket",
+        "vllm:inter_token_latency_seconds_bucket",
+        "vllm:request_queue_time_seconds_bucket",
+        "vllm:prompt_tokens_total",
+        "vllm:generation_tokens_total",
+        "vllm:request_success_total",
+        "vllm:prefix_cache_hits_total",
+        "vllm:num_preemptions_total",
+        "vllm:cache_config_info",
+    }

@@ -177,3 +177,85 @@ def test_adapter_series_stay_at_the_cap(engine, conn, keys, producer, model, ada
         assert len(labels) <= 3 and "other" in labels, (name, labels)
     total = samples(families["lorapool_requests"], "_total")
     assert sum(total.values()) == len(names) + 1
+
+
+VLLM_TYPES = {
+    "vllm:prompt_tokens": "counter",
+    "vllm:generation_tokens": "counter",
+    "vllm:request_success": "counter",
+    "vllm:num_preemptions": "counter",
+    "vllm:prefix_cache_queries": "counter",
+    "vllm:prefix_cache_hits": "counter",
+    "vllm:time_to_first_token_seconds": "histogram",
+    "vllm:inter_token_latency_seconds": "histogram",
+    "vllm:request_time_per_output_token_seconds": "histogram",
+    "vllm:e2e_request_latency_seconds": "histogram",
+    "vllm:request_queue_time_seconds": "histogram",
+    "vllm:request_inference_time_seconds": "histogram",
+    "vllm:request_prefill_time_seconds": "histogram",
+    "vllm:request_decode_time_seconds": "histogram",
+    "vllm:request_prompt_tokens": "histogram",
+    "vllm:request_generation_tokens": "histogram",
+    "vllm:iteration_tokens_total": "histogram",
+    "vllm:request_params_n": "histogram",
+    "vllm:request_params_max_tokens": "histogram",
+    "vllm:num_requests_running": "gauge",
+    "vllm:num_requests_waiting": "gauge",
+    "vllm:kv_cache_usage_perc": "gauge",
+    "vllm:lora_requests_info": "gauge",
+    "vllm:cache_config_info": "gauge",
+}
+
+
+def test_vllm_names_beside_ours_and_no_created_series(
+    engine, conn, keys, producer, model, adapter_dirs
+):
+    """vLLM's series, labelled model_name, agree with the jobs' own results and with
+    lorapool's series of the same run; prometheus-client writes no _created line."""
+    producer.registry.add("ad-a", adapter_dirs["ad-a"])
+    base = base_model_info(model)["name"]
+    with Running(engine, conn, keys, model) as running:
+        handles = [producer.submit(f"p {i}", SHORT, lora_request="ad-a") for i in range(3)]
+        handles.append(producer.submit("two of them", SamplingParams(n=2, max_tokens=5)))
+        results = [h.result(timeout=60) for h in handles]
+        families = running.scrape()
+        url = f"http://127.0.0.1:{running.worker.metrics.port}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as reply:
+            text = reply.read().decode()
+    assert "_created" not in text
+    for name, kind in VLLM_TYPES.items():
+        assert families[name].type == kind, name
+        for sample in families[name].samples:
+            if kind != "gauge" or name.startswith("vllm:num_") or "usage" in name:
+                assert sample.labels.get("model_name") == base, (name, sample.labels)
+    generated = sum(len(c.token_ids) for r in results for c in r.outputs)
+    prompts = sum(len(r.prompt_token_ids) for r in results)
+    one = (("model_name", base),)
+    assert samples(families["vllm:generation_tokens"], "_total") == {one: generated}
+    assert samples(families["vllm:prompt_tokens"], "_total") == {one: prompts}
+    reasons = {}
+    for r in results:
+        reason = r.outputs[0].finish_reason
+        reasons[reason] = reasons.get(reason, 0) + 1
+    got = samples(families["vllm:request_success"], "_total")
+    assert {dict(k)["finished_reason"]: v for k, v in got.items() if v} == reasons
+    ours = sum(samples(families["lorapool_requests"], "_total").values())
+    assert sum(got.values()) == ours == len(handles)
+    assert samples(families["vllm:request_params_n"], "_sum") == {one: 3 + 2}
+    assert samples(families["vllm:request_generation_tokens"], "_sum") == {one: generated}
+    iteration = samples(families["vllm:iteration_tokens_total"], "_sum")[one]
+    hits = samples(families["vllm:prefix_cache_hits"], "_total")[one]
+    sequences = sum(len(r.outputs) for r in results)
+    # every prompt token not found in the cache ran once, and every generated token but
+    # each sequence's last (sampled, never run)
+    assert iteration == prompts - hits + generated - sequences
+    for name in ("e2e_request_latency", "time_to_first_token", "request_queue_time"):
+        count = samples(families[f"vllm:{name}_seconds"], "_count")[one]
+        assert count == len(handles), name
+    prefill = samples(families["vllm:request_prefill_time_seconds"], "_sum")[one]
+    decode = samples(families["vllm:request_decode_time_seconds"], "_sum")[one]
+    inference = samples(families["vllm:request_inference_time_seconds"], "_sum")[one]
+    assert abs(prefill + decode - inference) < 1e-6
+    cache = next(iter(families["vllm:cache_config_info"].samples)).labels
+    assert cache["block_size"] == str(engine.args.block_size)
+    assert int(cache["num_gpu_blocks"]) == engine.block_manager.num_blocks
