@@ -343,6 +343,7 @@ def _drive_deploy(manifests, site, pool, pg, sql_names, server, admin, tmp_path)
 
     _as_a_user(a, b, keys, auth, tmp_path)
     _metrics(pool, exporter, worker, gateways, keys)
+    _dashboard(pool, secrets["exporter-url"], db["reader-url"] if pg else None)
     verify = lorapool(
         "audit",
         "verify",
@@ -437,6 +438,25 @@ def _as_a_user(a: str, b: str, keys: dict, auth: dict, tmp_path: Path) -> None:
         return any(job_id in row["request_id"] for row in rows.get("data", []))
 
     wait_until(audited, "the job's audit row", 60)
+    verified = httpx.get(f"{a}/v1/audit/verify", headers=audit, params={"wait": 30}, timeout=60)
+    assert verified.status_code == 200, verified.text  # a job any replica reads, in Redis
+
+
+def _dashboard(pool: Pool, exporter_url: str, audit_db_url: str | None) -> None:
+    """`lorapool dashboard` as the exporter's user (docs/redis-acl.md: exporter and
+    dashboard): its page and gauges, with the audit rows when there is PostgreSQL."""
+    from deployment import Process, executable
+
+    port = free_port()
+    argv = executable("lorapool") + ["dashboard", "--port", str(port)]
+    env = {"REDIS_URL": exporter_url}
+    if audit_db_url is not None:
+        argv += ["--audit-db-url", audit_db_url, "--audit-db-schema", "lorapool_audit"]
+    (dashboard,) = pool.start(Process("dashboard", argv, env, {"--port": port}))
+    ready(pool, dashboard, "/dashboard")
+    page = httpx.get(f"{dashboard.url()}/dashboard", timeout=30)
+    assert page.status_code == 200 and "worker" in page.text.lower()
+    assert httpx.get(f"{dashboard.url()}/metrics", timeout=30).status_code == 200
 
 
 def _events(url: str, job_id: str, headers: dict) -> list:
