@@ -217,6 +217,7 @@ class Pool:
                                return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
             if untaken.done():
                 waiting.cancel()
+                await asyncio.gather(waiting, return_exceptions=True)  # its CancelledError
                 untaken.result()  # raises no_worker
             if not waiting.done():
                 waiting.cancel()
