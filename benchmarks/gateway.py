@@ -167,6 +167,7 @@ def start_gateway(url: str, prefix: str, cwd: str) -> tuple[str, subprocess.Pope
     port = free_port()
     cmd = [sys.executable, "-c", "from lorapool.cli.main import main; main()", "serve"]
     cmd += ["--port", str(port), "--prefix", prefix, "--redis-url", url, "--no-auth"]
+    cmd += ["--max-connections-per-client", "0"]  # one machine plays every client here
     cmd += ["--log-level", "warning"]
     # cwd outside the checkout: its root on sys.path would shadow the installed packages
     proc = subprocess.Popen(cmd, cwd=cwd)

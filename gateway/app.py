@@ -32,6 +32,7 @@ from lorapool.gateway.config import GatewayConfig
 from lorapool.gateway.errors import APIError
 from lorapool.gateway.http_metrics import HttpMetrics, HttpMetricsMiddleware
 from lorapool.gateway.pool import Pool
+from lorapool.gateway.redis_watch import RedisGate
 from lorapool.gateway.schemas import component_schemas
 
 logger = logging.getLogger(__name__)
@@ -53,10 +54,14 @@ def create_app(config: GatewayConfig) -> FastAPI:
         app.state.audit = None
         if config.audit_db_url is not None:
             app.state.audit = AuditStore(config.audit_db_url, config.audit_db_schema)
+        app.state.redis_watch = app.state.pool.watch
+        watching = asyncio.create_task(app.state.redis_watch.run())
         try:
             async with dashboard.sampling(app):
                 yield
         finally:
+            watching.cancel()
+            await asyncio.gather(watching, return_exceptions=True)
             await app.state.pool.close()
             if app.state.audit is not None:
                 app.state.audit.close()
@@ -65,6 +70,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     app.add_middleware(RateHeaders)
     app.state.http_metrics = HttpMetrics()
     app.add_middleware(HttpMetricsMiddleware, metrics=app.state.http_metrics)
+    app.add_middleware(RedisGate)
     app.include_router(health.router)
     app.include_router(openai_api.router)
     app.include_router(jobs.router)

@@ -41,7 +41,8 @@ def _service(request: Request):
         config = request.app.state.pool.config
         queue = os.environ.get("LORAPOOL_BATCH_QUEUE", "lorapool-batch")
         batch_config = BatchConfig(prefix=config.prefix, shards=config.shards, queue=queue)
-        state.batches = BatchService(connect(config.redis_url, config.redis_retries), batch_config)
+        connection = connect(config.redis_url, config.redis_retries, **config.redis_options())
+        state.batches = BatchService(connection, batch_config)
     return state.batches
 
 

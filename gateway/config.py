@@ -25,7 +25,11 @@ class GatewayConfig:
     and the job is aborted). queue_timeout_s: how long an OpenAI call's job may wait
     for a worker to take it (a pool scaled to zero starts one meanwhile); past it the
     call gets 503 ``no_worker`` (a stream, an error event) and the job stays queued.
-    redis_retries: retries of a Redis call before 503.
+    redis_retries: retries of a Redis call before 503. redis_timeout_s: how long a Redis
+    call may go unanswered (then it fails: a request meeting a stalled Redis gets 503
+    within ``request_bound_s``; once the gateway's watch has noticed, at once).
+    redis_outage_s: how long streams and calls already waiting for results wait for
+    Redis to come back before they end with a 503 (``gateway/redis_watch.py``).
     events_max_s: a job-events response ends (cleanly) after this long; the browser's
     EventSource reconnects with Last-Event-ID, which lets a load balancer spread
     long-lived streams again (None: open until the job's final chunk).
@@ -55,7 +59,9 @@ class GatewayConfig:
     max_prompts: int = 128
     result_timeout_s: float = 600.0
     queue_timeout_s: float = 300.0
-    redis_retries: int = 2
+    redis_retries: int = 1
+    redis_timeout_s: float = 2.0
+    redis_outage_s: float = 30.0
     auth: bool = True
     max_backlog: int | None = None
     cors_origins: tuple[str, ...] = ()
@@ -84,6 +90,22 @@ class GatewayConfig:
         EgressPolicy(tuple(self.webhook_allow))  # raises ValueError naming a bad entry
         if self.tool_call_parser not in ("auto", *PARSERS):
             raise ValueError(f"tool_call_parser must be auto or one of {', '.join(PARSERS)}")
+        for name in ("redis_timeout_s", "redis_outage_s"):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and 0 < value <= 3600):
+                raise ValueError(f"{name} must be in (0, 3600] seconds, got {value!r}")
+
+    def redis_options(self) -> dict:
+        """The socket options of every Redis client of the gateway: a call that gets no
+        answer in ``redis_timeout_s`` fails (and is retried ``redis_retries`` times)."""
+        timeout = self.redis_timeout_s
+        return {"socket_timeout": timeout, "socket_connect_timeout": timeout}
+
+    @property
+    def request_bound_s(self) -> float:
+        """The longest a request waits on a stalled Redis before its 503: a wait for a
+        pooled connection, then each try of its call (and the backoff between them)."""
+        return self.redis_timeout_s * (2 + self.redis_retries) + 0.2 * self.redis_retries
 
     @property
     def body_limit(self) -> int:

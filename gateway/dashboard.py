@@ -94,7 +94,10 @@ def _registry(app: FastAPI):
         config = app.state.pool.config
         registry = CollectorRegistry()
         registry.register(
-            PoolCollector(connect(config.redis_url, retries=1), app.state.pool.producer.keys)
+            PoolCollector(
+                connect(config.redis_url, retries=0, **config.redis_options()),
+                app.state.pool.producer.keys,
+            )
         )
         if getattr(app.state, "http_metrics", None) is not None:  # the gateway's own
             registry.register(app.state.http_metrics)

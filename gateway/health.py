@@ -18,6 +18,7 @@ from fastapi import APIRouter, Query, Request
 
 from lorapool.connection import REDIS_DOWN
 from lorapool.gateway.json import JSON
+from lorapool.gateway.redis_watch import READY_DEADLINE_S
 
 router = APIRouter(tags=["operations"])
 AUDIT_DB_TIMEOUT_S = 5.0
@@ -37,12 +38,12 @@ async def readyz(
     min_workers: Annotated[int, Query(ge=0, le=1_000_000)] = 0,
 ) -> JSON:
     view = request.app.state.pool.view
-    try:
-        await view.ping()
-        base = await view.base_model()
-        workers = await view.live_workers()
+    try:  # within a second, whatever Redis does (gateway/redis_watch.py)
+        base, workers = await asyncio.wait_for(_pool_state(view), READY_DEADLINE_S)
     except REDIS_DOWN as exc:
         return _not_ready(f"Redis is unreachable: {exc}")
+    except asyncio.TimeoutError:
+        return _not_ready(f"Redis did not answer within {READY_DEADLINE_S:g}s")
     problem = await _audit_db_problem(request.app.state.audit)
     if problem is not None:
         return _not_ready(f"the audit database is unreachable: {problem}")
@@ -53,6 +54,11 @@ async def readyz(
         reason = f"{len(serving)} live workers serve the base model {name!r}, {min_workers} asked"
         return _not_ready(reason, model=name, workers=len(serving))
     return JSON(body)
+
+
+async def _pool_state(view) -> tuple[dict | None, list[dict]]:
+    await view.ping()
+    return await view.base_model(), await view.live_workers()
 
 
 async def _audit_db_problem(store) -> str | None:

@@ -28,6 +28,7 @@ from lorapool.gateway.job_format import chunk_event, job_body, state_name
 from lorapool.gateway.json import JSON
 from lorapool.gateway.params import parse_job
 from lorapool.gateway.pool import Pool
+from lorapool.gateway.redis_watch import until_outage
 from lorapool.gateway.schemas import JobRequest, body
 from lorapool.gateway.streams import guarded, sse, until_stopped
 
@@ -150,22 +151,25 @@ async def job_events(
     handle = await pool.handle(caller.job_id(job_id))
     stopping, max_s = request.app.state.stopping, pool.config.events_max_s
     public = None if caller.sees_internals else job_id
-    events = until_stopped(_events(handle, after, state, public), stopping, max_s)
+    outage = (pool.watch, pool.config.redis_outage_s)
+    events = until_stopped(_events(handle, after, state, public, outage), stopping, max_s)
     return StreamingResponse(events, media_type="text/event-stream", headers=NO_BUFFERING)
 
 
 async def _events(
-    handle, after: int, state: dict, public: str | None = None
+    handle, after: int, state: dict, public: str | None = None, outage=(None, 0.0)
 ) -> AsyncIterator[bytes]:
     """A final job is read from its first chunk (a reader placed at the final seq would
     wait for the log's compaction to learn that nothing follows); once its log is
     compacted, the rest of an output cannot be cut at a seq: an ``error`` event says so.
-    ``public``: the job's id as its tenant knows it (then nothing internal is sent)."""
+    ``public``: the job's id as its tenant knows it (then nothing internal is sent).
+    Redis away longer than ``outage``'s seconds ends it with an ``error`` event too: a
+    reconnect with Last-Event-ID once it is back gets the rest."""
     name = public or handle.request_id
     yield b"retry: 1000\n\n"
     start = -1 if state["final"] else after
     try:
-        async for chunk in guarded(handle, start, abort=False):
+        async for chunk in until_outage(guarded(handle, start, abort=False), *outage):
             if chunk.seq <= after:
                 continue
             if after >= 0 and start < after and not state["log"]:
@@ -174,6 +178,8 @@ async def _events(
     except LookupError as exc:  # compacted before this reader got its place
         message = f"{exc}; GET /v1/jobs/{quote(name, safe='')} has the whole result"
         yield sse({"message": message, "id": name}, "error")
+    except APIError as exc:  # Redis away too long: resume with Last-Event-ID later
+        yield sse({**exc.body()["error"], "id": name}, "error")
 
 
 @router.delete("/{job_id}", summary="Abort a job")

@@ -22,6 +22,7 @@ from lorapool.gateway.json import JSON
 from lorapool.gateway.openai_format import Shape, fingerprint
 from lorapool.gateway.params import Parsed, parse_chat, parse_completion
 from lorapool.gateway.pool import Pool, disconnected
+from lorapool.gateway.redis_watch import until_outage
 from lorapool.gateway.schemas import ChatRequest, CompletionRequest, body
 from lorapool.gateway.streams import DONE, merged_chunks, sse, until_taken
 
@@ -102,7 +103,8 @@ async def _generate(request: Request, parsed: Parsed, kind: str, caller: Princip
                   system_fingerprint=fingerprint(await pool.base_model()))  # fmt: skip
     if not parsed.stream:
         return JSON(shape.response(await pool.results(handles, disconnected(request), caller)))
-    events = _stream(shape, handles, parsed.include_usage, pool.untaken(handles, caller))
+    outage = (pool.watch, pool.config.redis_outage_s)
+    events = _stream(shape, handles, parsed.include_usage, pool.untaken(handles, caller), outage)
     return StreamingResponse(events, media_type="text/event-stream", headers=NO_BUFFERING)
 
 
@@ -110,7 +112,7 @@ NO_BUFFERING = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 async def _stream(
-    shape: Shape, handles: list, include_usage: bool, untaken
+    shape: Shape, handles: list, include_usage: bool, untaken, outage=(None, 0.0)
 ) -> AsyncIterator[bytes]:
     """The jobs' chunks as OpenAI stream chunks; an error ends the stream with an error
     event and ``[DONE]``. ``untaken`` (``Pool.untaken``) ends it so while no worker has
@@ -122,7 +124,8 @@ async def _stream(
     kept: set[str] = set()
     watch = asyncio.ensure_future(_keeping(untaken, kept, handles))
     try:
-        async for job, chunk in until_taken(merged_chunks(handles, kept), watch):
+        chunks = until_taken(merged_chunks(handles, kept), watch)
+        async for job, chunk in until_outage(chunks, *outage):
             shape.failed(chunk)
             prompt_tokens += len(chunk.prompt_token_ids or ())
             completion_tokens += chunk.num_tokens

@@ -18,6 +18,7 @@ from lorapool.gateway.auth import OPEN, Principal
 from lorapool.gateway.config import GatewayConfig
 from lorapool.gateway.errors import APIError, field_error, model_not_found
 from lorapool.gateway.limits import LimitsCache, check_limits
+from lorapool.gateway.redis_watch import RedisWatch
 from lorapool.gateway.tokenizer import TokenizerCache
 from lorapool.lifecycle.queue_position import QueuePosition
 from lorapool.producer import AsyncJobHandle, AsyncProducer
@@ -46,10 +47,12 @@ class Pool:
         self.limits = LimitsCache()
         self.tokenizers = TokenizerCache()
         self.rates = RateLimiter(self.producer.redis, self.producer.keys)
+        self.watch = RedisWatch(config.redis_url, config.retry_after_s)
         self._registry: AdapterRegistry | None = None
         self._base: tuple[float, dict[str, Any] | None] = (0.0, None)
 
     async def close(self) -> None:
+        await self.watch.close()
         await self.producer.aclose()
         if self._registry is not None:
             self._registry.redis.close()
@@ -58,7 +61,8 @@ class Pool:
         """The registry with its own synchronous client, for adapter administration
         (registering reads the weights: callers run it in a thread)."""
         if self._registry is None:
-            connection = connect(self.config.redis_url, self.config.redis_retries)
+            config = self.config
+            connection = connect(config.redis_url, config.redis_retries, **config.redis_options())
             roots = list(self.config.adapter_roots) or None
             self._registry = AdapterRegistry(connection, self.producer.keys, roots)
         return self._registry
@@ -212,9 +216,14 @@ class Pool:
         )
         watching = asyncio.ensure_future(gone) if gone is not None else None
         untaken = asyncio.ensure_future(self.untaken(handles, caller))
+        outage = asyncio.ensure_future(self.watch.outlasts(self.config.redis_outage_s))
         try:
-            await asyncio.wait({waiting, untaken} | ({watching} if watching else set()),
+            await asyncio.wait({waiting, untaken, outage} | ({watching} if watching else set()),
                                return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+            if outage.done() and not waiting.done():
+                waiting.cancel()  # the jobs are not aborted: Redis cannot be told
+                waiting.add_done_callback(lambda f: f.cancelled() or f.exception())
+                raise self.watch.unavailable(self.config.redis_outage_s)
             if untaken.done():
                 waiting.cancel()
                 await asyncio.gather(waiting, return_exceptions=True)  # its CancelledError
@@ -229,6 +238,7 @@ class Pool:
             raise APIError(504, f"no result within {timeout:g}s; the request was aborted") from None
         finally:
             untaken.cancel()
+            outage.cancel()
             if watching is not None:
                 watching.cancel()
 
@@ -263,7 +273,11 @@ def _connect(config: GatewayConfig):
     redis-py's default pool fails a call past 100 connections in use ("Too many
     connections", a 503), which a burst of a few hundred open streams reaches."""
     return connect_async(
-        config.redis_url, config.redis_retries, max_connections=config.redis_connections
+        config.redis_url,
+        config.redis_retries,
+        max_connections=config.redis_connections,
+        pool_timeout=config.redis_timeout_s,
+        **config.redis_options(),
     )
 
 

@@ -155,13 +155,18 @@ def connect(url: str, retries: int = RETRIES, **overrides: Any) -> redis.Redis:
 
 
 def connect_async(
-    url: str, retries: int = RETRIES, max_connections: int | None = None, **overrides: Any
+    url: str,
+    retries: int = RETRIES,
+    max_connections: int | None = None,
+    pool_timeout: float | None = None,
+    **overrides: Any,
 ):
     """The asyncio client of ``url`` with the same options (``AsyncCluster`` for a
     cluster URL).
 
     Standalone, its pool holds up to ``max_connections`` (default
-    ``ASYNC_CONNECTIONS``) and a call past them waits for a free one. redis-py's
+    ``ASYNC_CONNECTIONS``) and a call past them waits for a free one (at most
+    ``pool_timeout`` seconds, then ConnectionError; None: as long as it takes). redis-py's
     default pool opens a connection per call in flight: an ``AsyncProducer``
     following 256 new requests at once opened 256, and each costs Redis an accept,
     a HELLO and a close (`lorapool bench queue_readers`, 256 streams: the readers'
@@ -179,7 +184,7 @@ def connect_async(
         return AsyncCluster.from_url(url, **_cluster_options(options))
     options = {**connection_options(url, retries, LoggedAsyncRetry), **overrides}
     pool = BlockingConnectionPool.from_url(
-        url, max_connections=max_connections or ASYNC_CONNECTIONS, timeout=None, **options
+        url, max_connections=max_connections or ASYNC_CONNECTIONS, timeout=pool_timeout, **options
     )
     client = Redis(connection_pool=pool)
     client.auto_close_connection_pool = True  # closed with the client

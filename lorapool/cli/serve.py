@@ -87,6 +87,42 @@ from lorapool.lifecycle.wire import DEFAULT_MAX_N, DEFAULT_MAX_PROMPT_BYTES
     show_default=True,
     help="how tool_choice=auto replies are read for calls (auto: from the base model's name)",
 )
+@click.option(
+    "--redis-timeout",
+    "redis_timeout_s",
+    type=click.FloatRange(0.05, 3600),
+    default=2.0,
+    show_default=True,
+    help="seconds a Redis call may go unanswered before the request gets 503 (with one "
+    "retry and a wait for a pooled connection: 503 within 3x this plus 0.2 s; at once "
+    "once the gateway's 4-a-second ping has noticed)",
+)
+@click.option(
+    "--redis-outage",
+    "redis_outage_s",
+    type=click.FloatRange(0.5, 3600),
+    default=30.0,
+    show_default=True,
+    help="seconds open streams and calls waiting for results wait for Redis to come back "
+    "(then they resume exactly); past it they end with a 503 / an error event",
+)
+@click.option(
+    "--header-timeout",
+    "header_timeout_s",
+    type=click.FloatRange(0.5, 3600),
+    default=10.0,
+    show_default=True,
+    help="seconds a connection has to send a request's headers (then 408 and closed: slowloris)",
+)
+@click.option(
+    "--max-connections-per-client",
+    "max_per_client",
+    type=click.IntRange(0),
+    default=256,
+    show_default=True,
+    help="connections one client address may hold open (past it: 429 and closed; 0: no "
+    "cap, e.g. behind a proxy, whose address every connection has)",
+)
 @webhook_allow_option
 @click.option("--log-level", default="info", show_default=True)
 @redis_option
@@ -101,6 +137,8 @@ def serve(
     enable_adapter_admin,
     adapter_roots,
     webhook_allow,
+    header_timeout_s,
+    max_per_client,
     log_level,
     redis_url,
     **options,
@@ -123,4 +161,4 @@ def serve(
         adapter_roots=tuple(adapter_roots),
         webhook_allow=tuple(webhook_allow),
     )
-    run(create_app(config), host, port, log_level)
+    run(create_app(config), host, port, log_level, header_timeout_s, max_per_client)

@@ -53,16 +53,19 @@ def keys(conn, prefix):
 
 @pytest.fixture(scope="module")
 def gateways(redis_url, prefix, worker, keys, tmp_path_factory):
-    """Two gateways of the pool (auth on, one internal receiver range allowed)."""
+    """Two gateways of the pool (auth on, one internal receiver range allowed); the
+    second with a 2 s header deadline and 50 connections a client."""
     procs, urls = [], []
     batch_env = {"LORAPOOL_BATCH_DIR": str(tmp_path_factory.mktemp("files")),
                  "LORAPOOL_BATCH_QUEUE": f"{prefix}-batch"}  # fmt: skip
     saved = {k: os.environ.get(k) for k in batch_env}
     os.environ.update(batch_env)
     try:
+        guards = [(), ("--header-timeout", "2", "--max-connections-per-client", "50")]
         for i in range(2):
             cwd = tmp_path_factory.mktemp(f"gw{i}")
-            url, proc = serve(redis_url, prefix, cwd, "--webhook-allow", ALLOWED, auth=True)
+            extra = ("--webhook-allow", ALLOWED, *guards[i])
+            url, proc = serve(redis_url, prefix, cwd, *extra, auth=True)
             procs.append(proc)
             urls.append(url)
     finally:
@@ -275,6 +278,49 @@ def test_row12_no_minute_boundary_and_openais_headers(gateways, keys):
     assert 1 <= int(refused.headers["retry-after"]) <= 6
     time.sleep(int(refused.headers["retry-after"]))
     assert _post(gateways[0], "/v1/jobs", JOB, keys, "tight").status_code == 202
+
+
+# Row 13: slowloris, and one client's connections
+def test_row13_slow_headers_are_cut_and_one_client_cannot_take_every_connection(gateways):
+    """300 connections from 127.0.0.1 sending their headers a byte a second: the second
+    gateway (--header-timeout 2 --max-connections-per-client 50) answers the 250 past
+    the cap with 429 at once and the 50 others with 408 after 2 s, and meanwhile serves
+    a client from another address at once."""
+    import socket
+
+    host, port = gateways[1].removeprefix("http://").split(":")
+    socks = []
+    for _ in range(300):
+        s = socket.create_connection((host, int(port)), timeout=10)
+        s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
+        socks.append(s)
+    start = time.monotonic()
+    transport = httpx.HTTPTransport(local_address="127.0.0.2")
+    with httpx.Client(transport=transport, timeout=5) as other:
+        assert other.get(f"{gateways[1]}/healthz").status_code == 200
+    answers: dict[int, tuple[bytes, float]] = {}
+    while len(answers) < len(socks) and time.monotonic() - start < 8:
+        for i, s in enumerate(socks):
+            if i in answers:
+                continue
+            s.settimeout(0.01)
+            try:
+                data = s.recv(4096)  # an answer (or the end) first, then more of a header
+            except (TimeoutError, BlockingIOError):
+                s.sendall(b"X")  # a byte of a header, as slowly as it likes
+                continue
+            except OSError:
+                data = b""
+            answers[i] = (data, time.monotonic() - start)
+        time.sleep(0.2)
+    for s in socks:
+        s.close()
+    codes = [a[0].split(b" ", 2)[1] if a[0].startswith(b"HTTP/1.1") else b"closed"
+             for a in answers.values()]  # fmt: skip
+    assert len(answers) == 300 and codes.count(b"429") == 250, codes
+    late = [t for (data, t) in answers.values() if b" 408 " in data[:20]]
+    assert len(late) == 50 and all(1.8 <= t <= 3.5 for t in late), sorted(late)
+    assert httpx.get(f"{gateways[1]}/healthz").status_code == 200  # every slot came back
 
 
 # Row 8: nothing internal reaches a tenant
