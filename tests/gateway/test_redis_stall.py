@@ -214,6 +214,10 @@ def test_a_stall_past_the_outage_bound_ends_streams_with_an_error_then_resumes(
         time.sleep(max(0.0, stalled + stall_s - time.monotonic()))
     finally:
         redis_server.resume()
+    print(
+        f"\nRedis stopped {stall_s}s under --redis-outage {outage}: the streams ended "
+        f"{openai.ended_at - stalled:.1f}s and {events.ended_at - stalled:.1f}s into it"
+    )
     error = openai.data()[-1]["error"]
     assert (error["type"], error["code"]) == ("service_unavailable", "redis_unavailable")
     assert openai.lines[-1] == "data: [DONE]" or "data: [DONE]" in openai.lines

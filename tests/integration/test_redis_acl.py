@@ -185,3 +185,42 @@ def test_the_other_roles_are_refused_what_is_not_theirs(server):
     finally:
         for client in clients.values():
             client.close()
+
+
+def test_tenant_security_runs_with_each_roles_user(server):
+    """Issue 32's state with the users of the roles that touch it: the gateway takes
+    rates (a script on Redis's clock) and reads whether a tenant has a webhook secret;
+    the audit writer puts deliveries in tenants' lanes and enqueues them in RQ; an RQ
+    worker leases, counts and dead-letters them, reads the tenant's secrets and paces a
+    batch by its owner key's limits; the operator makes secrets and keys."""
+    from lorapool.batch.deliveries import Lanes, WebhookConfig
+    from lorapool.batch.pacing import Pacer
+    from lorapool.batch.webhook_secrets import WebhookSecrets
+    from lorapool.producer.api_keys import ApiKeys
+    from lorapool.producer.rate_limits import RateLimiter
+
+    keys = Keys(shards=server.shards)
+    operator, gateway, writer, rq = (
+        connect(url(server, role)) for role in ("operator", "gateway", "audit-writer", "rq-worker")
+    )
+    try:
+        secret = WebhookSecrets(operator, keys).current("acme")
+        record, _ = ApiKeys(operator, keys).add("acme", "submit", rpm=60, tpm=1000)
+        assert RateLimiter(gateway, keys).take("acme", 60, 1000, 1, 10).taken
+        assert gateway.hexists(keys.webhook_secrets, "acme")
+        if not server.shards:  # RQ (the lanes' executor) runs on a standalone Redis only
+            config = WebhookConfig(keys.prefix, keys.shards, queue="acl-test-callbacks")
+            delivery = "msg_" + "0" * 36
+            assert Lanes(writer, config).push(delivery, "acme", "https://x.example/", b"{}")
+            lanes = Lanes(rq, config)
+            lanes.renew("acme", delivery)
+            lanes.count("failed", 0.5)
+            lanes.dead(delivery, {"tenant": "acme", "url": "u", "attempts": "1"}, "gone")
+            lanes.release("acme", delivery)
+            assert lanes.pump("acme") == 0
+        assert WebhookSecrets(rq, keys).valid("acme") == [secret]
+        pacer = Pacer(rq, keys, {"tenant": "acme", "key_id": record["id"]})
+        assert pacer.rpm == 60 and pacer.limiter.take("acme", 60, 1000, 1, 10).taken
+    finally:
+        for client in (operator, gateway, writer, rq):
+            client.close()
