@@ -33,6 +33,7 @@ from lorapool.gateway.errors import APIError
 from lorapool.gateway.http_metrics import HttpMetrics, HttpMetricsMiddleware
 from lorapool.gateway.pool import Pool
 from lorapool.gateway.redis_watch import RedisGate
+from lorapool.gateway.request_stats import RequestStats, RequestStatsMiddleware
 from lorapool.gateway.schemas import component_schemas
 
 logger = logging.getLogger(__name__)
@@ -71,6 +72,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
     app.state.http_metrics = HttpMetrics()
     app.add_middleware(HttpMetricsMiddleware, metrics=app.state.http_metrics)
     app.add_middleware(RedisGate)
+    app.add_middleware(RequestStatsMiddleware)
+    app.state.request_stats = RequestStats()
     app.include_router(health.router)
     app.include_router(openai_api.router)
     app.include_router(jobs.router)

@@ -66,37 +66,41 @@ def require(*roles: str) -> Callable:
             return OPEN
         record = await _record(request)
         request.state.tenant = record["tenant"]  # for the HTTP metrics' 429s by tenant
-        if roles and record["role"] not in roles:
-            raise APIError(
-                403,
-                f"this key's role ({record['role']}) may not do this; it needs "
-                + " or ".join(roles),
-                code="forbidden",
-            )
-        adapters = record.get("adapters")
-        return Principal(
-            record["tenant"],
-            record["role"],
-            record["id"],
-            None if adapters is None else frozenset(adapters),
-            record.get("rpm"),
-            record.get("tpm"),
-            bool(record.get("all_tenants")),
-        )
+        return principal(record, roles)
 
     return caller
+
+
+def principal(record: dict[str, Any], roles: tuple[str, ...] = ()) -> Principal:
+    """The caller a key's record names; 403 unless its role is one of ``roles``."""
+    if roles and record["role"] not in roles:
+        raise APIError(
+            403,
+            f"this key's role ({record['role']}) may not do this; it needs " + " or ".join(roles),
+            code="forbidden",
+        )
+    adapters = record.get("adapters")
+    return Principal(
+        record["tenant"],
+        record["role"],
+        record["id"],
+        None if adapters is None else frozenset(adapters),
+        record.get("rpm"),
+        record.get("tpm"),
+        bool(record.get("all_tenants")),
+    )
 
 
 async def _record(request: Request) -> dict[str, Any]:
     header = request.headers.get("authorization", "")
     scheme, _, key = header.partition(" ")
     if scheme.lower() != "bearer" or not key.strip():
-        raise _unauthorized("no API key: send Authorization: Bearer <key>")
+        raise unauthorized("no API key: send Authorization: Bearer <key>")
     record = await request.app.state.pool.view.api_key(key.strip())
     if record is None:
-        raise _unauthorized("invalid API key")
+        raise unauthorized("invalid API key")
     return record
 
 
-def _unauthorized(message: str) -> APIError:
+def unauthorized(message: str) -> APIError:
     return APIError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})

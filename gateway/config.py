@@ -48,6 +48,9 @@ class GatewayConfig:
     entries of the request stream wait for a worker (None: no bound).
     webhook_allow: internal networks and host names a job's ``on_finish`` may name
     (``lorapool.egress``; every other inward URL gets 400 at submit).
+    trust_proxy: the gateway stands behind a TLS-terminating proxy whose
+    X-Forwarded-Proto/-For/-Host it believes (dashboard cookies are then Secure).
+    session_ttl_s: a dashboard session's lifetime (``gateway/dashboard_session.py``).
     """
 
     redis_url: str
@@ -74,6 +77,8 @@ class GatewayConfig:
     tool_call_parser: str = "auto"
     redis_connections: int = 64
     webhook_allow: tuple[str, ...] = ()
+    trust_proxy: bool = False
+    session_ttl_s: int = 3600
 
     def __post_init__(self):
         for name in ("max_prompt_bytes", "max_n", "max_prompts", "redis_retries"):

@@ -2,72 +2,118 @@
 (``GET /metrics``), served by the gateway and by ``lorapool dashboard``.
 
 With keys, the dashboard takes a key of role ``audit`` or ``admin``: in the
-``Authorization`` header, or in a cookie set by the page's form (a browser's meta
-refresh cannot send a header). ``/metrics`` needs none, as Prometheus scrapes it: it
-holds counts only.
+``Authorization`` header (a script), or through the page's form, which opens a session
+(``dashboard_session.py``: a signed random token in an HttpOnly, SameSite=Strict cookie
+that expires, never the key; a browser's meta refresh cannot send a header).
+``/metrics`` needs none, as Prometheus scrapes it: it holds counts only.
 """
 
 from __future__ import annotations
 
 import asyncio
 from contextlib import asynccontextmanager
+from html import escape
 from urllib.parse import parse_qs
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 
-from lorapool.gateway.auth import Principal, require
+from lorapool.gateway.auth import Principal, principal, require, unauthorized
 from lorapool.gateway.dashboard_data import QueueHistory, sample_forever, snapshot
 from lorapool.gateway.dashboard_page import render
+from lorapool.gateway.dashboard_session import (
+    COOKIE,
+    WRONG_TRIES_PER_MINUTE,
+    check_origin,
+    cookie_header,
+)
 from lorapool.gateway.errors import APIError
 
 router = APIRouter(tags=["operations"])
-COOKIE = "lorapool_dashboard_key"
 ROLES = ("audit", "admin")
 LOGIN = """<!doctype html><html lang="en"><head><meta charset="utf-8">
 <title>lorapool dashboard</title></head><body><h1>lorapool dashboard</h1>
-<p>{message}</p><form method="post" action="/dashboard/login">
+<p id="message">{message}</p><form method="post" action="/dashboard/login">
 <label>API key (role audit or admin) <input name="key" type="password" autocomplete="off">
 </label> <button>Open</button></form></body></html>"""
 
 
 async def _caller(request: Request) -> Principal:
-    """The caller by header or cookie; APIError 401/403 as on every route."""
-    check = require(*ROLES)
-    if "authorization" not in request.headers and COOKIE in request.cookies:
-        headers = [*request.scope["headers"]]
-        headers.append((b"authorization", f"Bearer {request.cookies[COOKIE]}".encode()))
-        request = Request({**request.scope, "headers": headers}, request.receive)
-    return await check(request)
+    """The caller by its key in the Authorization header (a script), or by the session
+    its browser holds; APIError 401/403 as on every route."""
+    pool = request.app.state.pool
+    if not pool.config.auth or "authorization" in request.headers:
+        return await require(*ROLES)(request)
+    cookie = request.cookies.get(COOKIE)
+    key_id = await pool.sessions.key_id(cookie) if cookie else None
+    record = await pool.view.api_key_by_id(key_id) if key_id else None
+    if record is None:
+        raise unauthorized("log in with an API key of role audit or admin")
+    return principal(record, ROLES)
+
+
+def _login_page(message: str, status: int, headers: dict | None = None) -> HTMLResponse:
+    return HTMLResponse(LOGIN.format(message=escape(message)), status_code=status, headers=headers)
 
 
 @router.get("/dashboard", response_class=HTMLResponse, summary="The pool's dashboard (HTML)")
 async def dashboard(request: Request) -> HTMLResponse:
-    """Workers, the queue (with a sparkline), hottest adapters, latest audit rows and
-    dead letters; reloads itself every ``refresh`` seconds (default 5)."""
+    """Workers (stale heartbeats marked), the queue (with a sparkline), the audit
+    backlog, errors and latency percentiles, hottest adapters, latest audit rows (their
+    text only for keys that may read it) and dead letters; reloads itself every
+    ``refresh`` seconds (default 5)."""
     try:
         caller = await _caller(request)
     except APIError as exc:
-        page = LOGIN.format(message=exc.message.replace("<", "&lt;"))
-        return HTMLResponse(page, status_code=exc.status)
+        return _login_page(exc.message, exc.status)
     refresh = request.query_params.get("refresh", "5")
     refresh_s = int(refresh) if refresh.isdigit() and 1 <= int(refresh) <= 3600 else 5
     snap = await snapshot(request.app.state, caller)
     links = getattr(request.app.state, "audit_links", True)
-    return HTMLResponse(render(snap, refresh_s, links), headers={"Cache-Control": "no-store"})
+    page = render(snap, refresh_s, links, logout=caller.role is not None)
+    return HTMLResponse(page, headers={"Cache-Control": "no-store"})
 
 
 @router.post("/dashboard/login", include_in_schema=False)
 async def login(request: Request) -> Response:
-    """Sets the key cookie (HttpOnly, SameSite=Strict) and goes to the dashboard."""
+    """Checks the form's Origin, the client's tries, the key and its role; then a
+    session cookie (never the key) and the dashboard."""
+    pool = request.app.state.pool
+    config = pool.config
+    check_origin(request, config.trust_proxy, config.cors_origins)
+    client = request.client.host if request.client else "-"
+    tries = await pool.rates.take(f"login:{client}", WRONG_TRIES_PER_MINUTE, None, 1, 0)
+    if not tries.taken:
+        retry = tries.headers()["Retry-After"]
+        message = f"too many login tries from this address; retry in {retry} s"
+        return _login_page(message, 429, {"Retry-After": retry})
     body = await request.body()
     if len(body) > 4096:
-        raise APIError(413, "the form is too large")
+        return _login_page("the form is too large", 413)
     key = parse_qs(body.decode("utf-8", "replace")).get("key", [""])[0].strip()
-    if not key:
-        raise APIError(400, "give an API key", "key")
+    record = await pool.view.api_key(key) if key else None
+    if record is None:
+        return _login_page("invalid API key", 401)
+    if record["role"] not in ROLES:
+        return _login_page(f"a key of role {record['role']} may not open the dashboard", 403)
     response = RedirectResponse("/dashboard", status_code=303)
-    response.set_cookie(COOKIE, key, httponly=True, samesite="strict")
+    cookie = await pool.sessions.create(record)
+    secure = request.url.scheme == "https" or config.trust_proxy
+    response.headers.append("set-cookie", cookie_header(cookie, config.session_ttl_s, secure))
+    return response
+
+
+@router.post("/dashboard/logout", include_in_schema=False)
+async def logout(request: Request) -> Response:
+    """Ends the browser's session (Origin checked: no page elsewhere logs it out)."""
+    config = request.app.state.pool.config
+    check_origin(request, config.trust_proxy, config.cors_origins)
+    cookie = request.cookies.get(COOKIE)
+    if cookie:
+        await request.app.state.pool.sessions.delete(cookie)
+    response = RedirectResponse("/dashboard", status_code=303)
+    secure = request.url.scheme == "https" or config.trust_proxy
+    response.headers.append("set-cookie", cookie_header("", 0, secure))
     return response
 
 

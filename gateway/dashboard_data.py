@@ -15,8 +15,10 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
+
 from lorapool.gateway.auth import Principal
-from lorapool.lifecycle.keys import WORKERS_GROUP
+from lorapool.lifecycle.keys import AUDIT_GROUP, WORKERS_GROUP
 from lorapool.pool_metrics import lag_of
 
 logger = logging.getLogger(__name__)
@@ -24,6 +26,7 @@ SAMPLE_EVERY_S = 2.0
 HISTORY = 300  # 10 minutes at one sample every 2 s
 ROWS = 10  # audit rows and dead letters shown
 HOT_WINDOW_S = 900  # hottest adapters: requests of the last 15 minutes
+STALE_S = 5.0  # a heartbeat older than this is stale (workers beat every second)
 
 
 @dataclass
@@ -38,9 +41,9 @@ class QueueHistory:
 
 
 async def queue_state(pool) -> dict[str, Any]:
-    """Length, pending, lag of the request stream, the batch stream's length and the
-    dead letters' count (every shard's together)."""
-    state = {"length": 0, "pending": 0, "lag": 0.0, "dead": 0, "batch": 0}
+    """Length, pending, lag of the request stream, the batch stream's length, the dead
+    letters' count and the audit backlog (every shard's together)."""
+    state = {"length": 0, "pending": 0, "lag": 0.0, "dead": 0, "batch": 0, "audit_backlog": 0}
     for keys in pool.producer.keys.shard_views:
         for name, value in (await _shard_state(pool.producer.redis, keys)).items():
             state[name] += value
@@ -61,7 +64,23 @@ async def _shard_state(redis, keys) -> dict[str, Any]:
         )
     pending = 0 if group is None else int(group["pending"])
     lag = lag_of(group, length)
-    return {"length": length, "pending": pending, "lag": lag, "dead": dead, "batch": batch}
+    backlog = await _audit_backlog(redis, keys)
+    return {"length": length, "pending": pending, "lag": lag, "dead": dead, "batch": batch,
+            "audit_backlog": backlog}  # fmt: skip
+
+
+async def _audit_backlog(redis, keys) -> int:
+    """Audit records no writer has committed yet: the ``audit`` group's lag and pending
+    entries (the whole stream before a writer made the group)."""
+    try:
+        groups = await redis.xinfo_groups(keys.audit)
+    except Exception:  # noqa: BLE001 - no stream yet
+        return 0
+    group = next((g for g in groups if g["name"] in (AUDIT_GROUP, AUDIT_GROUP.encode())), None)
+    if group is None:
+        return int(await redis.xlen(keys.audit))
+    lag = group.get("lag")
+    return int(group["pending"]) + (int(lag) if lag is not None else 0)
 
 
 async def sample_forever(pool, history: QueueHistory) -> None:
@@ -97,22 +116,43 @@ def sees_everything(caller: Principal) -> bool:
     return caller.role in (None, "admin") or caller.all_tenants
 
 
+def reads_text(caller: Principal) -> bool:
+    """Completion text is for auditors (of their tenant, or all) and an open deployment;
+    an admin operates the pool and sees rows without their text."""
+    return caller.role != "admin"
+
+
+def _store_caller(caller: Principal) -> Principal:
+    """Who the audit store answers for a pane: an admin asks as the pool (counts and ids
+    of every tenant; its rows lose their text below), anyone else as itself."""
+    return Principal(role="admin") if caller.role == "admin" else caller
+
+
 async def latest_audit(store, caller: Principal, prefix: str, count: int = ROWS) -> list[dict]:
-    """The newest audit rows of this pool (of the caller's tenant unless it sees all)."""
+    """The newest audit rows of this pool (of the caller's tenant unless it sees all),
+    without their text for a caller that may not read it."""
     since = time.time() - 3600
-    rows, _ = await store.search(caller, {"pool": prefix, "since": since}, 1000, None)
-    return list(reversed(rows[-count:]))
+    rows, _ = await store.search(
+        _store_caller(caller), {"pool": prefix, "since": since}, 1000, None
+    )
+    rows = list(reversed(rows[-count:]))
+    if not reads_text(caller):
+        rows = [{**r, "text": None} for r in rows]
+    return rows
 
 
-async def hottest(pool, store, caller: Principal, workers: list[dict]) -> list[tuple[str, int]]:
-    """(adapter, requests) of the last 15 minutes from the audit trail; without one (or
-    for a tenant's auditor), the adapters the live workers hold now, by worker count."""
+async def hottest(pool, store, caller: Principal, workers: list[dict]) -> list[dict[str, Any]]:
+    """Adapters of the last 15 minutes from the audit trail, busiest first (requests,
+    errors, latency p50/p95); without one (or for a tenant's auditor), the adapters the
+    live workers hold now, by worker count."""
     if store is not None and sees_everything(caller):
-        rows = await store.usage(caller, "adapter", time.time() - HOT_WINDOW_S, None)
-        ranked = sorted(((r["key"], r["requests"]) for r in rows), key=lambda r: -r[1])
-        return ranked[:ROWS]
+        since = time.time() - HOT_WINDOW_S
+        rows = await store.usage(_store_caller(caller), "adapter", since, None)
+        rows = sorted(rows, key=lambda r: -r["requests"])[:ROWS]
+        keep = ("requests", "errors", "latency_p50", "latency_p95")
+        return [{"adapter": r["key"], **{k: r.get(k) for k in keep}} for r in rows]
     counts = Counter(name for w in workers for name in w.get("adapters", ()))
-    return counts.most_common(ROWS)
+    return [{"adapter": name, "workers": n} for name, n in counts.most_common(ROWS)]
 
 
 async def _audit_panes(pool, store, caller: Principal, workers: list[dict]) -> dict:
@@ -123,24 +163,46 @@ async def _audit_panes(pool, store, caller: Principal, workers: list[dict]) -> d
         return {"hottest": await hottest(pool, store, caller, workers), "audit": rows}
     except Exception as exc:  # noqa: BLE001 - any database error, shown on the page
         logger.warning("dashboard: the audit database failed: %s", exc)
-        message = f"the audit database failed: {type(exc).__name__}"
+        reason = getattr(exc, "message", None) or str(exc).splitlines()[0] if str(exc) else ""
+        message = f"the audit database failed: {type(exc).__name__}: {reason}"[:300]
         return {"hottest": await hottest(pool, None, caller, workers), "audit": message}
+
+
+async def workers_seen(pool) -> list[dict[str, Any]]:
+    """Every heartbeat record, live or not: ``stale`` when its liveness flag expired or
+    its last heartbeat is over ``STALE_S`` old (the page marks those)."""
+    view, now = pool.view, time.time()
+    records = {
+        n.decode(): orjson.loads(raw)
+        for n, raw in (await view.redis.hgetall(view.keys.workers)).items()
+    }
+    names = sorted(records)
+    alive = await view.redis.mget([view.keys.alive(n) for n in names]) if names else []
+    return [
+        {**records[n], "stale": flag is None or now - (records[n].get("updated") or 0) > STALE_S}
+        for n, flag in zip(names, alive)
+    ]
 
 
 async def snapshot(app_state, caller: Principal) -> dict[str, Any]:
     """Everything one page shows, read now."""
     pool, store = app_state.pool, app_state.audit
-    workers = await pool.view.live_workers()
+    workers = await workers_seen(pool)
     queue = await queue_state(pool)
     now = time.time()
     app_state.queue_history.add(now, queue["length"], queue["lag"])
     everything = sees_everything(caller)
+    stats = getattr(app_state, "request_stats", None)
+    live = [w for w in workers if not w["stale"]]
     return {
         "now": now,
         "prefix": pool.config.prefix,
         "workers": workers,
         "queue": queue,
         "history": list(app_state.queue_history.samples),
-        **await _audit_panes(pool, store, caller, workers),
+        "requests": None if stats is None else stats.summary(now),
+        "webhook_dead": await pool.view.redis.xlen(pool.view.keys.webhook_dead),
+        **await _audit_panes(pool, store, caller, live),
+        "text": reads_text(caller),
         "dead": await dead_letters(pool) if everything else None,
     }

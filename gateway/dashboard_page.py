@@ -16,7 +16,8 @@ table{border-collapse:collapse}
 td,th{border-bottom:1px solid #ddd;padding:3px 9px;text-align:left;vertical-align:top}
 th{background:#f4f4f4}.num{text-align:right}.muted{color:#777}
 .text{max-width:40em;white-space:pre-wrap;word-break:break-word;font-family:monospace}
-.queue span{margin-right:1.5em}svg{vertical-align:middle}"""
+.queue span{margin-right:1.5em}svg{vertical-align:middle}
+tr.stale td{background:#fde2e2;color:#900}form.logout{float:right}"""
 
 
 def _e(value: Any) -> str:
@@ -27,11 +28,18 @@ def _ago(now: float, then: float | None) -> str:
     return "?" if not then else f"{max(0.0, now - then):.1f} s ago"
 
 
-def _table(headers: list[str], rows: list[list[str]], table_id: str, empty: str) -> str:
+def _table(
+    headers: list[str], rows: list[list[str]], table_id: str, empty: str, marked=frozenset()
+) -> str:
+    """A table of ``rows`` (each a list of ``<td>``s); the rows whose index is in
+    ``marked`` get the class ``stale``."""
     if not rows:
         return f'<p class="muted" id="{table_id}">{_e(empty)}</p>'
     head = "".join(f"<th>{_e(h)}</th>" for h in headers)
-    body = "".join("<tr>" + "".join(cells) + "</tr>" for cells in rows)
+    body = "".join(
+        ('<tr class="stale">' if i in marked else "<tr>") + "".join(cells) + "</tr>"
+        for i, cells in enumerate(rows)
+    )
     return f'<table id="{table_id}"><tr>{head}</tr>{body}</table>'
 
 
@@ -60,6 +68,11 @@ def sparkline(samples: list[tuple], width: int = 240, height: int = 36) -> str:
     )
 
 
+def _kv(worker: dict) -> str:
+    usage = worker.get("kv_cache_usage")
+    return "-" if not isinstance(usage, int | float) else f"{100 * usage:.0f}%"
+
+
 def _workers(now: float, workers: list[dict]) -> str:
     rows = [
         [
@@ -71,14 +84,38 @@ def _workers(now: float, workers: list[dict]) -> str:
             _td(w.get("running"), "num"),
             _td(w.get("waiting"), "num"),
             _td(f"{float(w.get('tokens_per_s') or 0):.1f}", "num"),
-            _td(_ago(now, w.get("updated"))),
-            _td("draining" if w.get("draining") else "serving"),
+            _td(_kv(w), "num kv"),
+            _td(_ago(now, w.get("updated")), "heartbeat"),
+            _td("stale" if w.get("stale") else "draining" if w.get("draining") else "serving"),
         ]
         for w in workers
     ]
     headers = ["worker", "device", "model", "adapters held", "on device", "running", "waiting"]
-    headers += ["tokens/s", "heartbeat", "state"]
-    return _table(headers, rows, "workers", "no live worker")
+    headers += ["tokens/s", "KV cache", "heartbeat", "state"]
+    stale = {i for i, w in enumerate(workers) if w.get("stale")}  # marked red
+    return _table(headers, rows, "workers", "no worker", stale)
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1000:.0f} ms" if value < 1 else f"{value:.2f} s"
+
+
+def _requests(stats: dict | None) -> str:
+    """This gateway's last 15 minutes: answers by outcome, latency percentiles."""
+    if stats is None:
+        return '<p class="muted" id="requests">not served here</p>'
+    first, total = stats["first_byte"], stats["total"]
+    rows = [
+        [_td("requests", ""), _td(stats["requests"], "num", name="requests")],
+        [_td("client errors (4xx)"), _td(stats["client_errors"], "num", name="client-errors")],
+        [_td("server errors (5xx)"), _td(stats["server_errors"], "num", name="server-errors")],
+    ]
+    rows += [
+        [_td(f"{label} p{q}"), _td(_seconds(values[q]), "num", name=f"{key}-p{q}")]
+        for label, key, values in (("first byte", "first", first), ("whole answer", "total", total))
+        for q in (50, 90, 99)
+    ]
+    return _table(["this gateway, last 15 min", ""], rows, "requests", "")
 
 
 def _queue(queue: dict, history: list) -> str:
@@ -90,11 +127,25 @@ def _queue(queue: dict, history: list) -> str:
         f'<span>pending <b id="queue-pending">{_e(queue["pending"])}</b></span>',
         f'<span>dead letters <b id="dead-count">{_e(queue["dead"])}</b></span>',
         f'<span>batch stream <b id="batch-length">{_e(queue.get("batch", 0))}</b></span>',
+        f'<span>audit backlog <b id="audit-backlog">{_e(queue.get("audit_backlog", 0))}</b></span>',
     ]
     return f'<p class="queue">{"".join(parts)}</p><p>{sparkline(history)}</p>'
 
 
-def _audit(now: float, rows: list[dict] | str | None, link: bool) -> str:
+def _hottest(rows: list[dict]) -> str:
+    if rows and "requests" in rows[0]:
+        cells = [
+            [_td(r["adapter"], "adapter"), _td(r["requests"], "num"), _td(r["errors"], "num"),
+             _td(_seconds(r["latency_p50"]), "num"), _td(_seconds(r["latency_p95"]), "num")]
+            for r in rows
+        ]  # fmt: skip
+        headers = ["adapter", "requests (15 min)", "errors", "latency p50", "latency p95"]
+        return _table(headers, cells, "hottest", "none")
+    cells = [[_td(r["adapter"], "adapter"), _td(r["workers"], "num")] for r in rows]
+    return _table(["adapter", "workers holding it"], cells, "hottest", "none")
+
+
+def _audit(now: float, rows: list[dict] | str | None, link: bool, text: bool = True) -> str:
     if rows is None:
         return '<p class="muted" id="audit">no audit database (--audit-db-url)</p>'
     if isinstance(rows, str):
@@ -113,10 +164,11 @@ def _audit(now: float, rows: list[dict] | str | None, link: bool) -> str:
                 _td(r.get("tenant") or "-"),
                 _td(r.get("finish_reason")),
                 _td(_ago(now, r.get("arrival_time"))),
-                _td((r.get("text") or "")[:200], "text"),
+                *([_td((r.get("text") or "")[:200], "text")] if text else []),
             ]
         )
-    headers = ["request", "adapter", "tenant", "finish", "arrived", "text (first 200)"]
+    headers = ["request", "adapter", "tenant", "finish", "arrived"]
+    headers += ["text (first 200)"] if text else []
     return _table(headers, cells, "audit", "no audit rows in the last hour")
 
 
@@ -127,19 +179,26 @@ def _dead(rows: list[dict] | None) -> str:
     return _table(["entry", "worker", "reason"], cells, "dead", "no dead letters")
 
 
-def render(snap: dict[str, Any], refresh_s: int, audit_links: bool) -> str:
+LOGOUT = (
+    '<form class="logout" method="post" action="/dashboard/logout"><button>Log out</button></form>'
+)
+
+
+def render(snap: dict[str, Any], refresh_s: int, audit_links: bool, logout: bool = False) -> str:
     """The page for one snapshot (``dashboard_data.snapshot``)."""
     now = snap["now"]
-    hottest = [[_td(name, "adapter"), _td(n, "num")] for name, n in snap["hottest"]]
     stamp = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(now))
+    dead_hooks = _e(snap.get("webhook_dead", 0))
+    errors = f'webhook deliveries dead-lettered: <b id="webhook-dead">{dead_hooks}</b>'
     return f"""<!doctype html><html lang="en"><head><meta charset="utf-8">
 <meta http-equiv="refresh" content="{refresh_s}">
 <title>lorapool: {_e(snap["prefix"])}</title><style>{STYLE}</style></head><body>
-<h1>lorapool pool <code>{_e(snap["prefix"])}</code></h1>
+{LOGOUT if logout else ""}<h1>lorapool pool <code>{_e(snap["prefix"])}</code></h1>
 <p class="muted">{stamp}; refreshes every {refresh_s} s</p>
 <h2>Workers</h2>{_workers(now, snap["workers"])}
 <h2>Queue</h2>{_queue(snap["queue"], snap["history"])}
-<h2>Hottest adapters</h2>{_table(["adapter", "requests"], hottest, "hottest", "none")}
-<h2>Latest audit rows</h2>{_audit(now, snap["audit"], audit_links)}
+<h2>Requests, errors and latency</h2>{_requests(snap.get("requests"))}<p>{errors}</p>
+<h2>Hottest adapters</h2>{_hottest(snap["hottest"])}
+<h2>Latest audit rows</h2>{_audit(now, snap["audit"], audit_links, snap.get("text", True))}
 <h2>Dead letters</h2>{_dead(snap["dead"])}
 </body></html>"""

@@ -16,6 +16,7 @@ from lorapool.connection import connect, connect_async
 from lorapool.egress import EgressError, EgressPolicy, EgressRefused, check_url, system_resolver
 from lorapool.gateway.auth import OPEN, Principal
 from lorapool.gateway.config import GatewayConfig
+from lorapool.gateway.dashboard_session import Sessions
 from lorapool.gateway.errors import APIError, field_error, model_not_found
 from lorapool.gateway.limits import LimitsCache, check_limits
 from lorapool.gateway.redis_watch import RedisWatch
@@ -48,6 +49,7 @@ class Pool:
         self.tokenizers = TokenizerCache()
         self.rates = RateLimiter(self.producer.redis, self.producer.keys)
         self.watch = RedisWatch(config.redis_url, config.retry_after_s)
+        self.sessions = Sessions(self.producer.redis, self.producer.keys, config.session_ttl_s)
         self._registry: AdapterRegistry | None = None
         self._base: tuple[float, dict[str, Any] | None] = (0.0, None)
 

@@ -129,10 +129,18 @@ def run(
     log_level: str = "info",
     header_timeout_s: float = HEADER_TIMEOUT_S,
     max_per_client: int = MAX_PER_CLIENT,
+    trust_proxy: bool = False,
+    tls: tuple[str, str] | None = None,
 ) -> None:
+    """Serve ``app``; X-Forwarded-* headers are believed only with ``trust_proxy`` (from
+    any address: every connection comes through the proxy), never by default (uvicorn
+    would from 127.0.0.1, where anyone on the machine could claim any client address);
+    ``tls``: (certificate file, key file)."""
     protocol = GuardedH11Protocol.configured(header_timeout_s, max_per_client)
+    certfile, keyfile = tls or (None, None)
     config = uvicorn.Config(
         app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=GRACE_S,
-        http=protocol,
+        http=protocol, proxy_headers=trust_proxy, forwarded_allow_ips="*" if trust_proxy else "",
+        ssl_certfile=certfile, ssl_keyfile=keyfile,
     )  # fmt: skip
     GatewayServer(config).run()

@@ -46,6 +46,12 @@ class PoolView:
         """The record (tenant, role, adapters) of an API key; None if unknown or revoked."""
         return await authenticate(self.redis, self.keys, key)
 
+    async def api_key_by_id(self, key_id: str) -> dict[str, Any] | None:
+        """The record of the key with id ``key_id`` (a dashboard session's); None once
+        revoked."""
+        raw = await self.redis.hget(self.keys.api_keys, key_id)
+        return None if raw is None else orjson.loads(raw)
+
     async def has_webhook_secret(self, tenant: str) -> bool:
         """Whether deliveries of ``tenant`` ('' for none) can be signed."""
         return bool(await self.redis.hexists(self.keys.webhook_secrets, tenant))

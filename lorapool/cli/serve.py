@@ -123,6 +123,25 @@ from lorapool.lifecycle.wire import DEFAULT_MAX_N, DEFAULT_MAX_PROMPT_BYTES
     help="connections one client address may hold open (past it: 429 and closed; 0: no "
     "cap, e.g. behind a proxy, whose address every connection has)",
 )
+@click.option(
+    "--trust-proxy",
+    is_flag=True,
+    help="the gateway is reached only through a TLS-terminating proxy: believe its "
+    "X-Forwarded-Proto/-For/-Host (client addresses, https) and make dashboard cookies "
+    "Secure",
+)
+@optional_option(
+    "--ssl-certfile", click.Path(exists=True, dir_okay=False), "serve TLS: certificate"
+)
+@optional_option("--ssl-keyfile", click.Path(exists=True, dir_okay=False), "serve TLS: its key")
+@click.option(
+    "--dashboard-session",
+    "session_ttl_s",
+    type=click.IntRange(60, 7 * 24 * 3600),
+    default=3600,
+    show_default=True,
+    help="seconds a dashboard login lasts (the session cookie expires with it)",
+)
 @webhook_allow_option
 @click.option("--log-level", default="info", show_default=True)
 @redis_option
@@ -139,6 +158,8 @@ def serve(
     webhook_allow,
     header_timeout_s,
     max_per_client,
+    ssl_certfile,
+    ssl_keyfile,
     log_level,
     redis_url,
     **options,
@@ -161,4 +182,8 @@ def serve(
         adapter_roots=tuple(adapter_roots),
         webhook_allow=tuple(webhook_allow),
     )
-    run(create_app(config), host, port, log_level, header_timeout_s, max_per_client)
+    if (ssl_certfile is None) != (ssl_keyfile is None):
+        raise click.UsageError("--ssl-certfile and --ssl-keyfile go together")
+    tls = (ssl_certfile, ssl_keyfile) if ssl_certfile else None
+    app = create_app(config)
+    run(app, host, port, log_level, header_timeout_s, max_per_client, config.trust_proxy, tls)

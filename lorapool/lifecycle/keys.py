@@ -177,6 +177,9 @@ class Keys:
         "Hash: audit verification jobs by id, 'latest:<mode>' and 'verified' "
         "(lifecycle/audit_verification.py; the gateway's).",
     )
+    session_key = _meta_key(
+        "session-key", "The key every gateway signs dashboard session tokens with (random)."
+    )
     # The keys of one request (on its shard)
     callback = _request_key(
         "callback",
@@ -208,6 +211,10 @@ class Keys:
         """A tenant's rate state of ``what`` (requests, tokens): its GCRA theoretical
         arrival time (producer/rate_limits.py)."""
         return self._meta(f"rate:{tenant}:{what}")
+
+    def session(self, token_sha256: str) -> str:
+        """A dashboard session (its key id, expiry), by the sha256 of its token."""
+        return self._meta(f"session:{token_sha256}")
 
     def webhook(self, delivery_id: str) -> str:
         """Hash: one webhook delivery (tenant, URL, body, attempts; batch/deliveries.py)."""
