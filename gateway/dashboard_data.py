@@ -132,9 +132,7 @@ async def latest_audit(store, caller: Principal, prefix: str, count: int = ROWS)
     """The newest audit rows of this pool (of the caller's tenant unless it sees all),
     without their text for a caller that may not read it."""
     since = time.time() - 3600
-    rows, _ = await store.search(
-        _store_caller(caller), {"pool": prefix, "since": since}, 1000, None
-    )
+    rows, _ = await store.page(_store_caller(caller), {"pool": prefix, "since": since}, 1000, None)
     rows = list(reversed(rows[-count:]))
     if not reads_text(caller):
         rows = [{**r, "text": None} for r in rows]

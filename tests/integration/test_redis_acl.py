@@ -22,7 +22,7 @@ from redis_cluster import private_redis
 from lorapool.audit_db import AuditWriter, DatabaseConfig, WriterConfig, create_audit_engine
 from lorapool.audit_db.database import migrate
 from lorapool.cli.queue_status import live_workers
-from lorapool.connection import connect
+from lorapool.connection import connect, connect_async
 from lorapool.identity import model_identity
 from lorapool.lifecycle.keys import Keys
 from lorapool.pool_metrics import PoolCollector
@@ -208,6 +208,18 @@ def test_tenant_security_runs_with_each_roles_user(server):
         record, _ = ApiKeys(operator, keys).add("acme", "submit", rpm=60, tpm=1000)
         assert RateLimiter(gateway, keys).take("acme", 60, 1000, 1, 10).taken
         assert gateway.hexists(keys.webhook_secrets, "acme")
+
+        async def session() -> str | None:  # a dashboard login's session, as the gateway
+            from lorapool.gateway.dashboard_session import Sessions
+
+            client = connect_async(url(server, "gateway"))
+            try:
+                sessions = Sessions(client, keys, 60)
+                return await sessions.key_id(await sessions.create(record))
+            finally:
+                await client.aclose()
+
+        assert asyncio.run(session()) == record["id"]
         if not server.shards:  # RQ (the lanes' executor) runs on a standalone Redis only
             config = WebhookConfig(keys.prefix, keys.shards, queue="acl-test-callbacks")
             delivery = "msg_" + "0" * 36
