@@ -21,6 +21,13 @@ os.environ.pop("LORAPOOL_AUDIT_INSECURE", None)
 # address) and one that resolves inward, for this process and the ones it starts.
 os.environ["LORAPOOL_EGRESS_RESOLVE"] = "hooks.example.com=93.184.216.34,inward.example=127.0.0.1"
 
+try:  # `pytest --hypothesis-profile=long`: the property tests at length, on demand
+    from hypothesis import settings as _hypothesis_settings
+
+    _hypothesis_settings.register_profile("long", max_examples=3000)
+except ImportError:  # a producer-only install has no dev tools
+    pass
+
 try:
     import torch
 
