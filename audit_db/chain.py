@@ -90,9 +90,9 @@ def logical(row: Mapping[str, Any]) -> dict[str, Any]:
     """A stored row with its token ids as the lists ``prompt_token_ids`` and
     ``token_ids``, whichever columns its version keeps them in."""
     row = dict(row)
-    if row.get("chain_version", 1) >= COMPACT_VERSION:
-        row["prompt_token_ids"] = row.get("prompt_tokens")
-        row["token_ids"] = row.get("output_tokens")
+    if row.get("chain_version", 1) >= COMPACT_VERSION and "prompt_tokens" in row:
+        row["prompt_token_ids"] = row["prompt_tokens"]
+        row["token_ids"] = row["output_tokens"]
     return row
 
 

@@ -14,21 +14,42 @@ the next (a keyset cursor: no page is counted from the start).
 
 from __future__ import annotations
 
-import math
-from collections import defaultdict
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Connection, Engine, Select, and_, case, func, or_, select
+from sqlalchemy import Connection, Engine, Select, and_, or_, select
 
-from lorapool.audit_db import exact_text
+from lorapool.audit_db import exact_text, text_search
 from lorapool.audit_db.schema import adapters, completions, conflicts
+from lorapool.audit_db.text_search import TextSearchRefused
+from lorapool.audit_db.usage import (
+    BASE_MODEL_KEY,
+    NO_TENANT_KEY,
+    USAGE_GROUPS,
+    UsageRow,
+    percentile,
+    usage,
+)
 from lorapool.audit_db.walk import STREAM_ROWS
 
-BASE_MODEL_KEY = "(base model)"
-NO_TENANT_KEY = "(no tenant)"
-USAGE_GROUPS = ("adapter", "adapter_version", "tenant")
+__all__ = [
+    "BASE_MODEL_KEY",
+    "NO_TENANT_KEY",
+    "USAGE_GROUPS",
+    "SearchFilter",
+    "TextSearchRefused",
+    "check_filter",
+    "UsageRow",
+    "get_request",
+    "iter_search",
+    "list_conflicts",
+    "percentile",
+    "search",
+    "search_page",
+    "usage",
+]
+
 
 _ADAPTER_COLUMNS = [
     adapters.c.name.label("adapter_name"),
@@ -53,7 +74,8 @@ class SearchFilter:
     """What :func:`search` looks for; every field left None matches anything.
 
     adapter_sha256 matches as a prefix; text is a case-sensitive substring of
-    the output text (any code point, NUL included); base_model_only selects
+    the output text (any code point, NUL included; see text_search.py for when it
+    needs a time window); base_model_only selects
     requests run without an adapter; pool is the Redis prefix.
     """
 
@@ -68,25 +90,6 @@ class SearchFilter:
     tenant: str | None = None
     text: str | None = None
     limit: int | None = 100
-
-
-@dataclass(frozen=True)
-class UsageRow:
-    """Usage of one adapter (or tenant) over a period.
-
-    requests: distinct request ids; prompt_tokens counted once per request;
-    completion_tokens summed over completions; errors: requests with an error
-    text or an "error" finish reason; latency: finished_time - arrival_time per
-    request, p50/p95 by linear interpolation (None when no request finished).
-    """
-
-    key: str
-    requests: int
-    prompt_tokens: int
-    completion_tokens: int
-    errors: int
-    latency_p50: float | None
-    latency_p95: float | None
 
 
 def _select() -> Select:
@@ -132,16 +135,6 @@ def _time_filters(since: float | None, until: float | None) -> list:
     return filters
 
 
-def _contains(conn: Connection, needle: str):
-    """Case-sensitive substring test on the stored (escaped) text, both dialects.
-
-    Exact unless ``exact_text.needs_recheck(needle)``; then a superset, which
-    :func:`search` narrows down.
-    """
-    fn = func.strpos if conn.dialect.name == "postgresql" else func.instr
-    return fn(completions.c.text, exact_text.encode(needle)) > 0
-
-
 def _adapter_pks(conn: Connection, f: SearchFilter) -> list[int] | None:
     """The adapters the filter names (None: it names none), looked up first so that
     the rows are found through the ``(adapter_pk, arrival_time)`` index."""
@@ -170,8 +163,8 @@ def _filters(conn: Connection, f: SearchFilter) -> list:
         filters.append(completions.c.finish_reason == f.finish_reason)
     if f.tenant is not None:
         filters.append(completions.c.tenant == f.tenant)
-    if f.text is not None:
-        filters.append(_contains(conn, f.text))
+    if f.text is not None:  # through the text index, or within a small time window
+        filters.append(text_search.condition(conn, f.text, f.since, f.until))
     return filters
 
 
@@ -226,6 +219,14 @@ def iter_search(
         yield from _stream(conn, f, after, f.limit)
 
 
+def check_filter(engine: Engine, f: SearchFilter) -> None:
+    """Raise :class:`TextSearchRefused` now if the search would be refused (a
+    streamed export checks before its first byte goes out)."""
+    if f.text is not None:
+        with engine.connect() as conn:
+            text_search.condition(conn, f.text, f.since, f.until)
+
+
 def search(engine: Engine, f: SearchFilter) -> list[dict[str, Any]]:
     """Audit rows matching every given filter, in arrival order (see :func:`iter_search`)."""
     return list(iter_search(engine, f))
@@ -249,69 +250,3 @@ def list_conflicts(engine: Engine, pool: str | None = None) -> list[dict[str, An
     if pool is not None:
         query = query.where(conflicts.c.pool == pool)
     return _rows(engine, query)
-
-
-def _group_column(by: str):
-    if by == "adapter":
-        return func.coalesce(adapters.c.name, BASE_MODEL_KEY)
-    if by == "adapter_version":
-        version = adapters.c.name + "@" + func.substr(adapters.c.sha256, 1, 12)
-        return func.coalesce(version, BASE_MODEL_KEY)
-    if by == "tenant":
-        return func.coalesce(completions.c.tenant, NO_TENANT_KEY)
-    raise ValueError(f"usage groups by one of {USAGE_GROUPS}, not {by!r}")
-
-
-def _per_request(by: str, since: float | None, until: float | None) -> Select:
-    failed = or_(completions.c.error.is_not(None), completions.c.finish_reason == "error")
-    key = _group_column(by).label("group_key")
-    return (
-        select(
-            key,
-            completions.c.request_id,
-            func.max(completions.c.num_prompt_tokens),
-            func.sum(completions.c.num_output_tokens),
-            func.max(case((failed, 1), else_=0)),
-            func.max(completions.c.finished_time - completions.c.arrival_time),
-        )
-        .select_from(_JOINED)
-        .where(*_time_filters(since, until))
-        .group_by(key, completions.c.request_id)
-    )
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    """The q-th percentile (0..100) by linear interpolation between sorted values."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    position = (len(ordered) - 1) * q / 100.0
-    low, high = math.floor(position), math.ceil(position)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
-
-
-def _summarize(key: str, requests: Iterable[tuple]) -> UsageRow:
-    requests = list(requests)
-    latencies = [r[3] for r in requests if r[3] is not None]
-    return UsageRow(
-        key=key,
-        requests=len(requests),
-        prompt_tokens=sum(r[0] or 0 for r in requests),
-        completion_tokens=sum(r[1] or 0 for r in requests),
-        errors=sum(r[2] for r in requests),
-        latency_p50=percentile(latencies, 50),
-        latency_p95=percentile(latencies, 95),
-    )
-
-
-def usage(
-    engine: Engine, by: str = "adapter", since: float | None = None, until: float | None = None
-) -> list[UsageRow]:
-    """Usage per adapter name, adapter version ("name@sha256[:12]") or tenant, by key."""
-    groups: dict[str, list[tuple]] = defaultdict(list)
-    with engine.connect() as conn:
-        for key, _rid, prompt, output, failed, latency in conn.execute(
-            _per_request(by, since, until)
-        ):
-            groups[key].append((prompt, output, failed, latency))
-    return [_summarize(key, groups[key]) for key in sorted(groups)]

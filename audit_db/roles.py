@@ -5,6 +5,7 @@
   process that runs all the time should hold it.
 - ``writer`` (the audit writer): ``SELECT`` on every audit table, ``INSERT`` on
   ``adapters``, ``completions``, ``conflicts``, ``audit_meta`` and ``checkpoints``,
+  ``INSERT`` and ``UPDATE`` on ``usage_daily`` (the rollup it keeps),
   ``USAGE`` on their sequences and ``EXECUTE`` on ``audit_ensure_period`` (which
   makes a month's partition as the owner, and nothing else); no
   ``UPDATE``/``DELETE``/``TRUNCATE``, no trigger or DDL rights.
@@ -80,6 +81,9 @@ def create_sql(roles: Roles) -> list[str]:
     return statements + [
         f"CREATE SCHEMA IF NOT EXISTS {s} AUTHORIZATION {owner}",
         f"ALTER SCHEMA {s} OWNER TO {owner}",
+        # the text index's operator class (a trusted extension, but the owner role
+        # may not create extensions in the database); once per database
+        "CREATE EXTENSION IF NOT EXISTS pg_trgm WITH SCHEMA public",
         f"REVOKE ALL ON SCHEMA {s} FROM PUBLIC",
         f"GRANT USAGE ON SCHEMA {s} TO {roles.writer}, {roles.reader}",
         f"ALTER DEFAULT PRIVILEGES FOR ROLE {owner} IN SCHEMA {s} "
@@ -94,6 +98,7 @@ def grant_sql(roles: Roles) -> list[str]:
     return [
         f"GRANT SELECT ON ALL TABLES IN SCHEMA {s} TO {writer}, {roles.reader}",
         f"GRANT INSERT ON {tables} TO {writer}",
+        f"GRANT INSERT, UPDATE ON {s}.usage_daily TO {writer}",  # the rollup it keeps
         f"GRANT USAGE ON ALL SEQUENCES IN SCHEMA {s} TO {writer}",
         # the one DDL it may ask for: this month's partition (made by the owner's function)
         f"GRANT EXECUTE ON FUNCTION {s}.audit_ensure_period(integer) TO {writer}",

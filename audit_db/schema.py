@@ -16,8 +16,10 @@ is ``(seq, period)`` and the writer keeps the key unique under the chain lock
 signed manifests of months moved out to archive files (archive.py).
 ``conflicts``: a record that disagreed with the row already stored for its key,
 kept instead of being dropped. ``audit_meta``: facts about the chain
-(``keyed_from_seq``: the first row chained with the audit key). Every table is
-append-only. Free text goes through :class:`ExactText`, which keeps NUL bytes
+(``keyed_from_seq``: the first row chained with the audit key). ``usage_daily``:
+usage per day and adapter or tenant, kept by the writer (rollup.py). Every table
+but ``usage_daily`` (derived, rebuildable) is append-only. Free text goes through
+:class:`ExactText`, which keeps NUL bytes
 and every other code point.
 """
 
@@ -192,6 +194,19 @@ audit_meta = Table(
     metadata,
     Column("name", String(64), primary_key=True),
     Column("value", String, nullable=False),
+)
+
+usage_daily = Table(
+    "usage_daily",
+    metadata,
+    Column("day", Integer, primary_key=True),  # days since the epoch (UTC) of arrival_time
+    Column("dimension", String(8), primary_key=True),  # "adapter" or "tenant"
+    Column("group_key", ExactText(), primary_key=True),  # see rollup.py
+    Column("requests", BigInteger, nullable=False),
+    Column("prompt_tokens", BigInteger, nullable=False),
+    Column("completion_tokens", BigInteger, nullable=False),
+    Column("errors", BigInteger, nullable=False),
+    Column("latency_hist", JSONValue(), nullable=False),  # {bucket: requests}, rollup.py
 )
 
 # What a completion row holds beyond what it says: the chain's bookkeeping and

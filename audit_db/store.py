@@ -25,7 +25,7 @@ from typing import Any
 from sqlalchemy import Connection, Engine, func, select
 from sqlalchemy.dialects import postgresql, sqlite
 
-from lorapool.audit_db import partitions
+from lorapool.audit_db import partitions, rollup
 from lorapool.audit_db.bulk import bulk_insert
 from lorapool.audit_db.chain import COMPACT_VERSION, GENESIS, content_digest, link, link_v2, logical
 from lorapool.audit_db.checkpoints import Checkpoint
@@ -209,6 +209,7 @@ def _extend(conn: Connection, fresh: list[PreparedRow], guard: ChainGuard, now: 
     added = _insert_chained(conn, chained, head.seq)
     if added != len(fresh):  # cannot happen under the lock; never leave a gap
         raise ChainError(f"expected {len(fresh)} new rows after seq {head.seq}, got {added}")
+    rollup.add(conn, chained)  # usage per day, in the same transaction
     last = chained[-1]
     guard.after_rows(conn, Head(last["seq"], last["row_hash"], period), now)
 

@@ -9,7 +9,8 @@ or CSV with ``Accept: text/csv``:
   both JSON and CSV pages;
 - ``GET /v1/audit/export?format=csv|jsonl|json&`` (the same filters): every matching
   row, streamed from a server-side cursor (memory stays bounded at any size);
-- ``GET /v1/audit/usage?group_by=adapter|adapter_version|tenant&since=&until=``;
+- ``GET /v1/audit/usage?group_by=adapter|adapter_version|tenant&since=&until=&exact=``
+  (``latency_exact`` says whether the percentiles came from the rows or the rollup);
 - ``POST /v1/audit/verify?mode=incremental|full``: starts a verification job (202,
   ``Location``) or answers with the one of that mode already running (200);
   ``GET /v1/audit/verify/{id}``: its status and progress; ``GET /v1/audit/verify``
@@ -118,7 +119,7 @@ async def audit_export(
 ) -> StreamingResponse:
     if format not in FORMATS:
         raise APIError(400, f"format must be one of {', '.join(FORMATS)}", "format")
-    rows = _store(request).export(caller, filters)
+    rows = await _store(request).export(caller, filters)
     disposition = f'attachment; filename="audit-export.{format}"'
     return StreamingResponse(
         encode(rows, format),
@@ -134,11 +135,11 @@ async def audit_usage(
     group_by: str = "adapter",
     since: str | None = None,
     until: str | None = None,
+    exact: bool | None = Query(None, description="rows (true) or the daily rollup (false)"),
 ) -> Response:
     store = _store(request)
-    rows = await store.usage(
-        caller, group_by, parse_time(since, "since"), parse_time(until, "until")
-    )
+    period = parse_time(since, "since"), parse_time(until, "until")
+    rows = await store.usage(caller, group_by, *period, exact)
     return _answer(request, rows)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import dataclasses
 from collections.abc import Iterator
 from typing import Any
@@ -64,26 +65,32 @@ class AuditStore:
     ) -> tuple[list[dict[str, Any]], str | None]:
         """A page of rows in arrival order after ``cursor``, and the cursor of the next
         page (None on the last): a keyset position, so every page costs the same."""
-        from lorapool.audit_db.queries import SearchFilter, search_page
+        from lorapool.audit_db.queries import search_page
 
-        flt = SearchFilter(
-            **{**filters, **_tenant_scope(caller, filters.get("tenant"))}, limit=None
-        )
+        flt = _search_filter(caller, filters)
         after = _decode_cursor(cursor) if cursor else None
-        rows, next_at = await asyncio.to_thread(search_page, self.engine, flt, limit, after)
+        with _refusals():
+            rows, next_at = await asyncio.to_thread(search_page, self.engine, flt, limit, after)
         return rows, _encode_cursor(next_at) if next_at is not None else None
 
-    def export(self, caller: Principal, filters: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    async def export(self, caller: Principal, filters: dict[str, Any]) -> Iterator[dict[str, Any]]:
         """Every matching row in arrival order, streamed from a server-side cursor (a
         blocking iterator: Starlette runs it in its thread pool)."""
-        from lorapool.audit_db.queries import SearchFilter, iter_search
+        from lorapool.audit_db.queries import check_filter, iter_search
 
-        flt = SearchFilter(
-            **{**filters, **_tenant_scope(caller, filters.get("tenant"))}, limit=None
-        )
+        flt = _search_filter(caller, filters)
+        with _refusals():  # before the first byte: a 400 can still go out
+            await asyncio.to_thread(check_filter, self.engine, flt)
         return iter_search(self.engine, flt)
 
-    async def usage(self, caller: Principal, by: str, since: float | None, until: float | None):
+    async def usage(
+        self,
+        caller: Principal,
+        by: str,
+        since: float | None,
+        until: float | None,
+        exact: bool | None = None,
+    ):
         """Usage rows (tokens, errors, latency percentiles) per adapter, adapter version
         or tenant; a tenant's auditor sees its own tenant's row only."""
         from lorapool.audit_db.queries import USAGE_GROUPS, usage
@@ -93,9 +100,26 @@ class AuditStore:
         everyone = _everyone(caller)
         if not everyone and by != "tenant":
             raise APIError(403, "a tenant's auditor may group usage by tenant only", "group_by")
-        rows = await asyncio.to_thread(usage, self.engine, by, since, until)
+        rows = await asyncio.to_thread(usage, self.engine, by, since, until, exact)
         rows = [dataclasses.asdict(r) for r in rows]
         return [r for r in rows if everyone or r["key"] == caller.tenant]
+
+
+def _search_filter(caller: Principal, filters: dict[str, Any]):
+    from lorapool.audit_db.queries import SearchFilter
+
+    return SearchFilter(**{**filters, **_tenant_scope(caller, filters.get("tenant"))}, limit=None)
+
+
+@contextlib.contextmanager
+def _refusals():
+    """A text search no index can serve, without a small window: 400 naming ``q``."""
+    from lorapool.audit_db.queries import TextSearchRefused
+
+    try:
+        yield
+    except TextSearchRefused as exc:
+        raise bad_request(str(exc), "q") from None
 
 
 def _everyone(caller: Principal) -> bool:

@@ -26,10 +26,13 @@ def parse_time(value: str | None) -> float | None:
 
 
 def engine_of(ctx: click.Context):
+    """The command's engine on the audit database (one per invocation)."""
     from lorapool.audit_db import DatabaseConfig, create_audit_engine
 
-    url, schema = ctx.obj["db_url"], ctx.obj["schema"]
-    return create_audit_engine(DatabaseConfig(url=url, schema=schema))
+    if ctx.obj.get("engine") is None:
+        url, schema = ctx.obj["db_url"], ctx.obj["schema"]
+        ctx.obj["engine"] = create_audit_engine(DatabaseConfig(url=url, schema=schema))
+    return ctx.obj["engine"]
 
 
 def db_options(fn):

@@ -244,3 +244,61 @@ def checkpoint(ctx: click.Context, adopt: bool, output_dir: str | None):
     if output_dir:
         export(made, output_dir)
     click.echo(f"checkpoint {made.id} at row {made.seq} (hash {made.row_hash})")
+
+
+@click.command()
+@click.option("--before", required=True, help="Archive every month before this one (YYYY-MM).")
+@click.option(
+    "--out",
+    "folder",
+    required=True,
+    type=click.Path(file_okay=False),
+    help="Folder for the archive files and their signed manifests (keep them on "
+    "write-once storage).",
+)
+@click.pass_context
+def archive(ctx: click.Context, before: str, folder: str):
+    """Move the months before --before out of the database (PostgreSQL, as the owner).
+
+    Each month's rows, verified, go to a gzipped JSON Lines file with a manifest
+    signed with the audit key; the file is read back and verified, then the month's
+    partition is detached and dropped. `audit verify` then starts from the end of the
+    last archive; `audit verify-archive FILE` checks a file offline. The newest month
+    always stays.
+    """
+    from lorapool.audit_db.archive import archive_before
+    from lorapool.audit_db.archive_manifest import ArchiveError
+    from lorapool.audit_db.partitions import parse_period
+
+    try:
+        month = parse_period(before)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--before") from None
+    try:
+        made = archive_before(engine_of(ctx), audit_key(False), month, folder, say=click.echo)
+    except ArchiveError as exc:
+        click.echo(f"FAILED: {exc}", err=True)
+        sys.exit(1)
+    click.echo(f"{len(made)} months archived to {folder}")
+
+
+@click.command("verify-archive")
+@click.argument("path", type=click.Path(exists=True, dir_okay=False))
+@click.option(
+    "--manifest", type=click.Path(exists=True, dir_okay=False), help="[default: PATH.manifest.json]"
+)
+def verify_archive(path: str, manifest: str | None):
+    """Verify an archive file offline (no database): its signed manifest, its sha256,
+    and every row's hash from the manifest's start to its end."""
+    from lorapool.audit_db.archive import verify_file
+
+    report = verify_file(path, audit_key(False), manifest)
+    if not report.ok:
+        bad = f" ({report.first_bad.describe()})" if report.first_bad else ""
+        click.echo(f"FAILED: {report.problem}{bad}", err=True)
+        sys.exit(1)
+    m = report.manifest
+    click.echo(
+        f"OK: month {m.period}, rows {m.first_seq}-{m.last_seq} ({report.num_rows}), "
+        f"ends with hash {m.end_hash}"
+    )

@@ -139,3 +139,13 @@ def test_csv_cells_a_spreadsheet_would_run_are_neutralised(db_url, seeded):
         assert row["cumulative_logprob"] == "-1.5"  # a number stays a number
     [row] = orjson.loads(_invoke(db_url, "request", "req-40", "--format", "json").output)
     assert row["prompt"] == hostile  # JSON is exact
+
+
+def test_a_text_search_no_index_can_serve_needs_a_window(db_url, seeded):
+    refused = _invoke(db_url, "search", "--text", "re")  # two characters: no trigram
+    assert refused.exit_code == 2 and "time window" in refused.output
+    window = ["--since", "1699999999", "--until", "1700000100"]
+    found = orjson.loads(
+        _invoke(db_url, "search", "--text", "re", *window, "--format", "json").output
+    )
+    assert len(found) == 9  # every completion says "... of request ..."

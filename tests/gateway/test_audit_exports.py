@@ -85,6 +85,10 @@ def test_csv_and_json_pages_walk_every_row_by_cursor(audit_gateway):
         assert seen == expected and pages == -(-len(expected) // 40)
     bad = httpx.get(f"{url}/v1/audit/completions", params={"cursor": "not-a-cursor"})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "cursor"
+    for route in ("completions", "export"):  # two characters, no window: refused at once
+        refused = httpx.get(f"{url}/v1/audit/{route}", params={"q": "re"})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "q"
+        assert "time window" in refused.json()["error"]["message"]
 
 
 def test_exports_stream_every_row_in_each_format(audit_gateway):

@@ -13,6 +13,7 @@ from sqlalchemy import JSON, MetaData, text
 
 from lorapool.audit_db import (
     DatabaseConfig,
+    SearchFilter,
     append_records,
     checkpoint_now,
     checkpoints,
@@ -22,8 +23,10 @@ from lorapool.audit_db import (
     list_conflicts,
     migrate,
     partitions,
+    search,
     verify_chain,
 )
+from lorapool.audit_db.usage import usage
 from lorapool.audit_record import record_from_dict
 
 pytest_plugins = ["audit_fixtures"]
@@ -86,6 +89,14 @@ def test_a_0002_database_upgrades_verifies_and_grows(audit_location, first):
         assert rows[0]["prompt_token_ids"] == record["prompt_token_ids"]
         assert [r["token_ids"] for r in rows] == [o["token_ids"] for o in record["outputs"]]
     assert [c["refused_row"]["text"] for c in list_conflicts(engine)] == ["a different answer"]
+    # the migration filled the rollup and the text index from the rows already there
+    for by in ("adapter", "tenant"):
+        rolled, exact = usage(engine, by, exact=False), usage(engine, by, exact=True)
+        assert [(u.key, u.requests, u.completion_tokens) for u in rolled] == [
+            (u.key, u.requests, u.completion_tokens) for u in exact
+        ]
+    found = search(engine, SearchFilter(text="answer 5.0 \0 with", limit=None))
+    assert [r["request_id"] for r in found] == ["req-5"]
 
     new = [make_record(100 + i, adapter=make_adapter("chat-lora", 2, 1)) for i in range(5)]
     assert append_records(engine, [record_from_dict(r) for r in new], key=KEY) == 5
