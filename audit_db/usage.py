@@ -112,9 +112,10 @@ def _exact_sql(conn: Connection, by: str, since, until) -> list[UsageRow]:
         .group_by(per.c.group_key)
         .order_by(per.c.group_key)
     )
+    rows = conn.execute(query)  # sum() over bigint is numeric (a Decimal): back to int
     return [
-        UsageRow(k, n, p or 0, o or 0, e, p50, p95)
-        for k, n, p, o, e, p50, p95 in conn.execute(query)
+        UsageRow(k, n, int(p or 0), int(o or 0), int(e), p50, p95)
+        for k, n, p, o, e, p50, p95 in rows
     ]
 
 

@@ -158,5 +158,7 @@ def test_usage_matches_an_independent_count(seeded, by, period):
     for row in rows:
         want = expected[row.key]
         assert (row.requests, row.prompt_tokens, row.completion_tokens, row.errors) == want[:4]
+        counts = (row.requests, row.prompt_tokens, row.completion_tokens, row.errors)
+        assert {type(c) for c in counts} == {int}  # JSON-serializable (not Decimal)
         assert row.latency_p50 == pytest.approx(want[4])
         assert row.latency_p95 == pytest.approx(want[5])
