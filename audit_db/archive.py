@@ -31,7 +31,7 @@ from pathlib import Path
 import orjson
 from sqlalchemy import Connection, Engine, func, select, text
 
-from lorapool.audit_db import checkpoints, partitions
+from lorapool.audit_db import checkpoints, partitions, rollup
 from lorapool.audit_db.archive_manifest import ArchiveError, Manifest, manifests
 from lorapool.audit_db.chain import GENESIS, adapter_fingerprint, logical
 from lorapool.audit_db.checkpoints import Checkpoint
@@ -164,6 +164,8 @@ def _drop(engine: Engine, stretch: Stretch, manifest: Manifest) -> None:
         end = conn.execute(select(completions.c.row_hash).where(completions.c.seq == now.last))
         if now != stretch or end.scalar() != manifest.end_hash:
             raise ArchiveError(f"month {stretch.period} changed while it was archived")
+        head = conn.execute(select(func.max(completions.c.seq))).scalar()
+        rollup.refresh(conn, head)  # the month's usage stays answerable once it is gone
         count = conn.execute(select(func.count()).select_from(archives)).scalar()
         conn.execute(
             archives.insert(),

@@ -88,6 +88,8 @@ class ChainGuard:
     keyed_start: int | None = None
     periods: set[int] = field(default_factory=set)  # months whose partition exists
     num_made: int = 0  # checkpoints this guard wrote
+    adapter_pks: dict[str, int] = field(default_factory=dict)  # fingerprint -> pk, committed
+    _new_adapters: dict[str, int] = field(default_factory=dict)
     _pending: list[Checkpoint] = field(default_factory=list)
     _fresh_head: Head | None = None
 
@@ -255,9 +257,16 @@ class ChainGuard:
 
     # --- after the commit ----------------------------------------------------------
 
+    def new_adapters(self, found: dict[str, int]) -> dict[str, int]:
+        """Adapter pks this transaction found or stored: known once it commits."""
+        self._new_adapters.update(found)
+        return found
+
     def committed(self) -> list[Checkpoint]:
         """The transaction committed: take its head and checkpoints as trusted (and write
         the checkpoint files); returns the checkpoints it made."""
+        self.adapter_pks.update(self._new_adapters)
+        self._new_adapters = {}
         made, self._pending = self._pending, []
         if made:
             self.last = made[-1]
@@ -270,5 +279,5 @@ class ChainGuard:
         return made
 
     def rolled_back(self) -> None:
-        self._pending, self._fresh_head = [], None
+        self._pending, self._fresh_head, self._new_adapters = [], None, {}
         self.trusted = None  # verify again from the checkpoint next time

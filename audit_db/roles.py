@@ -5,7 +5,8 @@
   process that runs all the time should hold it.
 - ``writer`` (the audit writer): ``SELECT`` on every audit table, ``INSERT`` on
   ``adapters``, ``completions``, ``conflicts``, ``audit_meta`` and ``checkpoints``,
-  ``INSERT`` and ``UPDATE`` on ``usage_daily`` (the rollup it keeps),
+  ``INSERT`` and ``UPDATE`` on ``usage_daily`` and ``usage_progress`` (the rollup
+  it keeps),
   ``USAGE`` on their sequences and ``EXECUTE`` on ``audit_ensure_period`` (which
   makes a month's partition as the owner, and nothing else); no
   ``UPDATE``/``DELETE``/``TRUNCATE``, no trigger or DDL rights.
@@ -98,7 +99,8 @@ def grant_sql(roles: Roles) -> list[str]:
     return [
         f"GRANT SELECT ON ALL TABLES IN SCHEMA {s} TO {writer}, {roles.reader}",
         f"GRANT INSERT ON {tables} TO {writer}",
-        f"GRANT INSERT, UPDATE ON {s}.usage_daily TO {writer}",  # the rollup it keeps
+        # the rollup it keeps (derived data, not chained)
+        f"GRANT INSERT, UPDATE ON {s}.usage_daily, {s}.usage_progress TO {writer}",
         f"GRANT USAGE ON ALL SEQUENCES IN SCHEMA {s} TO {writer}",
         # the one DDL it may ask for: this month's partition (made by the owner's function)
         f"GRANT EXECUTE ON FUNCTION {s}.audit_ensure_period(integer) TO {writer}",

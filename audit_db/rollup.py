@@ -1,9 +1,11 @@
 """Usage per day, kept by the writer: ``usage_daily``, one row per (day, dimension,
 group) with requests, prompt and completion tokens, errors and a latency histogram.
 
-The writer adds each batch's requests in the transaction that stores their rows
-(:func:`add`), so the rollup is never behind the table; ``usage`` reads whole days
-from it instead of every row (usage.py). Days are UTC days of the request's
+The writer refreshes it every few thousand rows and when idle (:func:`refresh`:
+the rows after ``usage_progress.rolled`` aggregated in one go, a few hundred cells
+for thousands of rows), so it costs the write path a few microseconds a row;
+``usage`` reads whole days from it and adds the rows it does not cover yet
+(usage.py). Days are UTC days of the request's
 ``arrival_time``. The dimension is ``adapter`` (``group_key`` is the adapter's pk,
 ``""`` for the base model) or ``tenant`` (``"t:"`` + the tenant, ``""`` for none).
 A request counts once (on its rows of one record), its prompt tokens once, its
@@ -27,7 +29,7 @@ from typing import Any
 from sqlalchemy import Connection, delete, func, select, tuple_
 from sqlalchemy.dialects import postgresql, sqlite
 
-from lorapool.audit_db.schema import usage_daily
+from lorapool.audit_db.schema import completions, usage_daily, usage_progress
 
 DAY_S = 86_400
 BASE = 1.01
@@ -165,8 +167,8 @@ def _row(key: Key, cell: Cell) -> dict[str, Any]:
 
 
 def add(conn: Connection, rows: Iterable[Mapping[str, Any]]) -> None:
-    """Add the usage of freshly stored rows (in the writer's transaction, under the
-    chain lock: no other writer changes the rollup meanwhile)."""
+    """Add the usage of rows not counted yet (under the chain lock: no other writer
+    changes the rollup meanwhile)."""
     cells = cells_of(requests_of(rows))
     if not cells:
         return
@@ -184,34 +186,76 @@ def add(conn: Connection, rows: Iterable[Mapping[str, Any]]) -> None:
 _KEY = ("day", "dimension", "group_key")
 
 
-def rebuild(conn: Connection, rows: Iterable[Mapping[str, Any]]) -> int:
-    """Replace the rollup by the usage of ``rows`` (every stored row, streamed);
-    returns the number of cells. The owner's (the writer may not delete)."""
-    conn.execute(delete(usage_daily))
-    batch: list[Mapping[str, Any]] = []
-    for row in rows:  # a request's rows are consecutive: never split them
-        if len(batch) >= 20_000 and _request(row) != _request(batch[-1]):
-            add(conn, batch)
-            batch = []
-        batch.append(row)
-    add(conn, batch)
-    return conn.execute(select(func.count()).select_from(usage_daily)).scalar()
-
-
 ROW_COLUMNS = ("pool", "request_id", "completion_index", "adapter_pk", "tenant",
                "num_prompt_tokens", "num_output_tokens", "error", "finish_reason",
                "arrival_time", "finished_time")  # fmt: skip
+ROLLED = "rolled"
+
+
+def rolled_seq(conn: Connection) -> int:
+    """The last chain position the rollup covers."""
+    query = select(usage_progress.c.seq).where(usage_progress.c.name == ROLLED)
+    return conn.execute(query).scalar() or 0
+
+
+def _set_rolled(conn: Connection, seq: int) -> None:
+    dialect = postgresql if conn.dialect.name == "postgresql" else sqlite
+    insert = dialect.insert(usage_progress).values(name=ROLLED, seq=seq)
+    conn.execute(insert.on_conflict_do_update(index_elements=["name"], set_={"seq": seq}))
+
+
+def rows_between(conn: Connection, after: int, upto: int | None = None):
+    """The rollup's columns of the rows after position ``after`` (up to ``upto``),
+    in chain order, streamed."""
+    query = select(*(completions.c[c] for c in ROW_COLUMNS)).where(completions.c.seq > after)
+    if upto is not None:
+        query = query.where(completions.c.seq <= upto)
+    options = {"stream_results": True, "yield_per": 5000}
+    return conn.execute(query.order_by(completions.c.seq), execution_options=options).mappings()
+
+
+def refresh(conn: Connection, upto: int) -> int:
+    """Add the rows after the rollup's position up to ``upto`` (a batch boundary: a
+    request's rows are never split) and move the position; returns rows added."""
+    after = rolled_seq(conn)
+    if upto <= after:
+        return 0
+    added = _add_streamed(conn, rows_between(conn, after, upto))
+    _set_rolled(conn, upto)
+    return added
+
+
+def _add_streamed(conn: Connection, rows) -> int:
+    batch: list[Mapping[str, Any]] = []
+    added = 0
+    for row in rows:  # a request's rows are consecutive: never split them
+        if len(batch) >= 20_000 and _request(row) != _request(batch[-1]):
+            add(conn, batch)
+            added += len(batch)
+            batch = []
+        batch.append(dict(row))
+    add(conn, batch)
+    return added + len(batch)
 
 
 def rebuild_all(engine) -> int:
-    """:func:`rebuild` from every row of the table, under the chain lock."""
+    """Recompute the rollup from every row of the table, under the chain lock (the
+    owner's: the writer may not delete); returns the number of cells."""
     from lorapool.audit_db.database import write_transaction
-    from lorapool.audit_db.schema import completions
 
-    query = select(*(completions.c[c] for c in ROW_COLUMNS)).order_by(completions.c.seq)
     with write_transaction(engine) as conn:
-        options = {"stream_results": True, "yield_per": 5000}
-        return rebuild(conn, conn.execute(query, execution_options=options).mappings())
+        return rebuild(conn)
+
+
+def rebuild(conn: Connection, progress: bool = True) -> int:
+    """The rollup of every row, from scratch (``progress``: record how far it goes;
+    revision 0004 had no place for it)."""
+    conn.execute(delete(usage_daily))
+    head = conn.execute(select(func.max(completions.c.seq))).scalar() or 0
+    _add_streamed(conn, rows_between(conn, 0, head))
+    if progress:
+        _set_rolled(conn, head)
+    return conn.execute(select(func.count()).select_from(usage_daily)).scalar()
 
 
 def _request(row: Mapping[str, Any]) -> tuple:

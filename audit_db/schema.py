@@ -17,8 +17,9 @@ signed manifests of months moved out to archive files (archive.py).
 ``conflicts``: a record that disagreed with the row already stored for its key,
 kept instead of being dropped. ``audit_meta``: facts about the chain
 (``keyed_from_seq``: the first row chained with the audit key). ``usage_daily``:
-usage per day and adapter or tenant, kept by the writer (rollup.py). Every table
-but ``usage_daily`` (derived, rebuildable) is append-only. Free text goes through
+usage per day and adapter or tenant, kept by the writer (rollup.py), which
+records in ``usage_progress`` how far it got. Every table but these two
+(derived, rebuildable) is append-only. Free text goes through
 :class:`ExactText`, which keeps NUL bytes
 and every other code point.
 """
@@ -207,6 +208,13 @@ usage_daily = Table(
     Column("completion_tokens", BigInteger, nullable=False),
     Column("errors", BigInteger, nullable=False),
     Column("latency_hist", JSONValue(), nullable=False),  # {bucket: requests}, rollup.py
+)
+
+usage_progress = Table(
+    "usage_progress",
+    metadata,
+    Column("name", String(32), primary_key=True),  # "rolled": the rollup covers rows up to seq
+    Column("seq", BigInteger, nullable=False),
 )
 
 # What a completion row holds beyond what it says: the chain's bookkeeping and

@@ -71,8 +71,12 @@ def _insert(conn: Connection, table, rows: list[dict[str, Any]], key: list[str])
     conn.execute(dialect.insert(table).on_conflict_do_nothing(index_elements=key), rows)
 
 
-def _adapter_pks(conn: Connection, rows: list[PreparedRow]) -> dict[str, int]:
+def _adapter_pks(conn: Connection, rows: list[PreparedRow], known: dict[str, int]) -> dict:
+    """fingerprint -> pk of the rows' adapters, stored first where new. ``known``: the
+    pks this writer already has (an adapter row never changes): only the others are
+    looked up; returns those."""
     wanted = {r.adapter["fingerprint"]: r.adapter for r in rows if r.adapter}
+    wanted = {fp: a for fp, a in wanted.items() if fp not in known}
     if not wanted:
         return {}
     _insert(conn, adapters, list(wanted.values()), ["fingerprint"])
@@ -157,9 +161,8 @@ def _record_conflicts(conn: Connection, found: list[Conflict], now: float) -> No
 def _stored_values(row: PreparedRow, seq: int, prev: str, row_hash: str, pk, period) -> dict:
     values = {**row.values, "seq": seq, "adapter_pk": pk, "prev_hash": prev, "row_hash": row_hash}
     values["chain_version"], values["period"] = row.version, period
-    if row.version == COMPACT_VERSION:
-        values["prompt_tokens"] = values.pop("prompt_token_ids")
-        values["output_tokens"] = values.pop("token_ids")
+    if row.version == COMPACT_VERSION:  # stored as hashed: the packed bytes
+        values["prompt_tokens"], values["output_tokens"] = row.tokens
         values["prompt_token_ids"] = values["token_ids"] = None
     else:
         values["prompt_tokens"] = values["output_tokens"] = None
@@ -199,7 +202,7 @@ def _period(conn: Connection, guard: ChainGuard, head: Head, now: float) -> int:
 
 
 def _extend(conn: Connection, fresh: list[PreparedRow], guard: ChainGuard, now: float) -> None:
-    pks = _adapter_pks(conn, fresh)
+    pks = {**guard.adapter_pks, **guard.new_adapters(_adapter_pks(conn, fresh, guard.adapter_pks))}
     head = chain_head(conn)
     guard.check(conn, head)
     guard.start_keyed(conn, head)
@@ -209,7 +212,6 @@ def _extend(conn: Connection, fresh: list[PreparedRow], guard: ChainGuard, now: 
     added = _insert_chained(conn, chained, head.seq)
     if added != len(fresh):  # cannot happen under the lock; never leave a gap
         raise ChainError(f"expected {len(fresh)} new rows after seq {head.seq}, got {added}")
-    rollup.add(conn, chained)  # usage per day, in the same transaction
     last = chained[-1]
     guard.after_rows(conn, Head(last["seq"], last["row_hash"], period), now)
 
@@ -245,6 +247,13 @@ def append(
     guard.committed()
     result.written = len(fresh)
     return result
+
+
+def refresh_rollup(engine: Engine) -> int:
+    """Bring the usage rollup up to the chain's head (rollup.py), under the chain lock;
+    returns the rows it added."""
+    with write_transaction(engine) as conn:
+        return rollup.refresh(conn, chain_head(conn).seq)
 
 
 def check_chain(engine: Engine, guard: ChainGuard) -> None:
@@ -310,6 +319,7 @@ __all__ = [
     "append_records",
     "chain_head",
     "check_chain",
+    "refresh_rollup",
     "checkpoint_now",
     "keyed_from",
     "prepare",

@@ -5,9 +5,10 @@ Over few requests (at most :data:`EXACT_MAX_REQUESTS`, or when asked) the answer
 is exact: one SQL query groups the rows by request and then by group, with
 ``percentile_cont`` for the percentiles on PostgreSQL (SQLite has no ordered-set
 aggregates: its per-request latencies are ranked in Python). Over more, whole days
-come from the writer's rollup (rollup.py) and only the partial days at the ends
-of the period from the rows: counts stay exact, percentiles come from the
-rollup's latency histogram (within about 0.5%; ``latency_exact`` says which).
+come from the writer's rollup (rollup.py), and from the rows only the partial days
+at the ends of the period and the rows the rollup does not cover yet: counts stay
+exact, percentiles come from the rollup's latency histogram (within about 0.5%;
+``latency_exact`` says which).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from lorapool.audit_db.schema import adapters, completions, usage_daily
 BASE_MODEL_KEY = "(base model)"
 NO_TENANT_KEY = "(no tenant)"
 USAGE_GROUPS = ("adapter", "adapter_version", "tenant")
-EXACT_MAX_REQUESTS = 50_000  # up to here the rows themselves are read (measured: RESULTS.md)
+EXACT_MAX_REQUESTS = 10_000  # up to here the rows themselves are read (measured: RESULTS.md)
 _JOINED = completions.outerjoin(adapters, completions.c.adapter_pk == adapters.c.pk)
 
 
@@ -141,8 +142,9 @@ def _exact(conn: Connection, by: str, since, until) -> list[UsageRow]:
     return [_summarize(key, groups[key]) for key in sorted(groups)]
 
 
-def _requests_at_most(conn: Connection, since, until) -> int:
-    """The rollup's request count over the days the period touches (an upper bound)."""
+def _requests_at_most(conn: Connection, since, until, rolled: int) -> int:
+    """The rollup's request count over the days the period touches, plus the rows it
+    does not cover yet (an upper bound)."""
     query = select(func.coalesce(func.sum(usage_daily.c.requests), 0)).where(
         usage_daily.c.dimension == rollup.TENANT
     )
@@ -150,7 +152,8 @@ def _requests_at_most(conn: Connection, since, until) -> int:
         query = query.where(usage_daily.c.day >= rollup.day_of(since))
     if until is not None:
         query = query.where(usage_daily.c.day <= rollup.day_of(until))
-    return conn.execute(query).scalar()
+    head = conn.execute(select(func.max(completions.c.seq))).scalar() or 0
+    return conn.execute(query).scalar() + max(head - rolled, 0)
 
 
 _EDGE_COLUMNS = [
@@ -182,10 +185,15 @@ def _spans(since, until, first_day, end_day) -> list[tuple]:
     return spans
 
 
-def _edges(conn: Connection, spans: list[tuple]) -> Iterable[dict]:
+def _edges(conn: Connection, spans: list[tuple], since, until, rolled: int) -> Iterable[dict]:
+    """The rows the rollup leaves out: of the partial days at the ends of the period
+    (up to the rollup's position), and any of the period after that position."""
+    covered = completions.c.seq <= rolled
     for low, high in spans:
-        query = select(*_EDGE_COLUMNS).where(*_time_filters(low, high))
+        query = select(*_EDGE_COLUMNS).where(*_time_filters(low, high), covered)
         yield from conn.execute(query).mappings()
+    query = select(*_EDGE_COLUMNS).where(*_time_filters(since, until), completions.c.seq > rolled)
+    yield from conn.execute(query).mappings()
 
 
 def _group_names(conn: Connection, by: str) -> dict[str, str]:
@@ -204,14 +212,14 @@ def _name(group_key: str, names: dict[str, str]) -> str:
     return group_key[2:] if group_key.startswith("t:") else NO_TENANT_KEY
 
 
-def _rolled(conn: Connection, by: str, since, until) -> list[UsageRow]:
+def _rolled(conn: Connection, by: str, since, until, rolled: int) -> list[UsageRow]:
     dimension = rollup.TENANT if by == "tenant" else rollup.ADAPTER
     first_day = None if since is None else math.ceil(since / rollup.DAY_S)
     end_day = None if until is None else math.floor(until / rollup.DAY_S)
     spans = _spans(since, until, first_day, end_day)
     whole_days = not (spans and spans[0] == (since, until))
     cells = rollup.read(conn, dimension, first_day, end_day) if whole_days else {}
-    edge = rollup.cells_of(rollup.requests_of(_edges(conn, spans)))
+    edge = rollup.cells_of(rollup.requests_of(_edges(conn, spans, since, until, rolled)))
     for (_day, dim, key), cell in edge.items():
         if dim == dimension:
             cells.setdefault(key, rollup.Cell()).merge(cell)
@@ -244,6 +252,9 @@ def usage(
     if by not in USAGE_GROUPS:
         raise ValueError(f"usage groups by one of {USAGE_GROUPS}, not {by!r}")
     with engine.connect() as conn:
+        rolled = rollup.rolled_seq(conn)
         if exact is None:
-            exact = _requests_at_most(conn, since, until) <= EXACT_MAX_REQUESTS
-        return _exact(conn, by, since, until) if exact else _rolled(conn, by, since, until)
+            exact = _requests_at_most(conn, since, until, rolled) <= EXACT_MAX_REQUESTS
+        if exact:
+            return _exact(conn, by, since, until)
+        return _rolled(conn, by, since, until, rolled)

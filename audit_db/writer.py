@@ -21,39 +21,29 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import redis
 from sqlalchemy import Engine
-from sqlalchemy.exc import DataError, DBAPIError, IntegrityError
-from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 from lorapool.audit_db import store
 from lorapool.audit_db.database import is_current, migrate
 from lorapool.audit_db.guard import ChainGuard
 from lorapool.audit_db.writer_config import WriterConfig, WriterStats
+from lorapool.audit_db.writer_retry import REJECTED, RETRYABLE, Retrying, SchemaNotReady, Stopped
 from lorapool.audit_record import AuditRecord, RecordError, parse_record
-from lorapool.connection import REDIS_DOWN, ensure_group
+from lorapool.connection import ensure_group
 from lorapool.lifecycle.keys import AUDIT_GROUP, Keys
 
 log = logging.getLogger(__name__)
-
-
-class SchemaNotReady(RuntimeError):
-    """The audit tables are missing or older than this code."""
-
-
-# Errors that mean "the database is not reachable or not ready": retry.
-RETRYABLE = (DBAPIError, PoolTimeout, store.ChainError, SchemaNotReady)
-# Errors that mean "the database refuses these rows": bisect and dead-letter.
-REJECTED = (IntegrityError, DataError)
-REDIS_ERRORS = REDIS_DOWN  # a Redis Cluster's CLUSTERDOWN too: away, not refused
 
 
 @dataclass
 class _Item:
     """One stream entry and the rows it became."""
 
+    view: Keys  # the shard view its entry was read from
     entry_id: bytes | str
     payload: bytes | str | None
     rows: list[store.PreparedRow]
@@ -61,11 +51,7 @@ class _Item:
     dead: bool = False
 
 
-class _Stopped(Exception):
-    pass
-
-
-class AuditWriter:
+class AuditWriter(Retrying):
     """Consumes ``{p}:audit`` into the audit database; see the module docstring.
 
     ``connection`` is a redis-py client; ``engine`` comes from
@@ -92,6 +78,10 @@ class AuditWriter:
         self.stats = WriterStats()
         self.guard = ChainGuard(self.config.audit_key, self.config.checkpoint_policy())
         self._stopping = threading.Event()
+        self._unrolled, self._rolled_at = 0, time.monotonic()  # rows since the rollup
+        self._executor: ThreadPoolExecutor | None = None  # reads the next batch ahead
+        self._ahead: tuple[Keys, Future] | None = None
+        self._rollup_retry_at = 0.0  # after a failed refresh, not before this
         self._own_pending = dict.fromkeys(self.views, True)
         self._claim_cursor = dict.fromkeys(self.views, "0-0")
         self._next_claim = dict.fromkeys(self.views, 0.0)
@@ -124,13 +114,20 @@ class AuditWriter:
                 idle = 0 if self.step(block=not burst) else idle + 1
                 if burst and idle >= len(self.views):
                     break
-        except _Stopped:
+        except Stopped:
             pass
         except store.ChainTampered as exc:
             log.error("audit writer %s: REFUSING TO WRITE: %s", name, exc)
             raise
+        finally:  # a batch read ahead stays pending: the next start reads it again
+            self._close_prefetch()
         log.info("audit writer %s: stopped; %s", name, self.stats)
         return self.stats
+
+    def _close_prefetch(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor, self._ahead = None, None
 
     def ensure_group(self) -> None:
         """Create the ``audit`` consumer group (from the stream's start) of every shard's
@@ -164,58 +161,91 @@ class AuditWriter:
         finally:
             self.keys = self.views[(self.views.index(self.keys) + 1) % len(self.views)]
 
+    def _fetch(self, view: Keys, block: bool) -> tuple[list, list[_Item]]:
+        """Read one batch of ``view``'s stream and parse it (invalid entries are
+        dead-lettered on the way)."""
+        entries = self._retry("read from Redis", self._next_entries, view, block)
+        return entries, [item for item in (self._parse(view, e) for e in entries) if item]
+
+    def _prefetched(self, view: Keys) -> tuple[list, list[_Item]] | None:
+        """The batch read and parsed in the background while the last one was stored."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return None
+        ahead_view, future = ahead
+        fetched = future.result()  # its errors (a stop included) are this step's
+        if ahead_view is not view:  # not expected: read them again, they are still ours
+            self._own_pending[ahead_view] = True
+            return None
+        return fetched
+
+    def _prefetch(self, view: Keys) -> None:
+        """Read and parse ``view``'s next batch in a thread while this one is stored:
+        the parse (Python) overlaps the database's work, which releases the GIL."""
+        if self._executor is None:
+            name = f"audit-writer-{self.config.consumer}-prefetch"
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+        self._ahead = (view, self._executor.submit(self._fetch, view, False))
+
     def _step(self, block: bool) -> int:
-        entries = self._retry("read from Redis", self._next_entries, block)
+        view = self.keys
+        entries, items = self._prefetched(view) or self._fetch(view, block)
         if not entries:
             if self.guard.heartbeat_due(time.time()):  # idle: a checkpoint at least daily
                 self._retry("checkpoint", self._checkpoint)
+            if self._unrolled and time.monotonic() >= self._rollup_retry_at:
+                self._refresh_rollup()  # idle: the rollup catches up
             return 0
-        items = [item for item in map(self._parse, entries) if item is not None]
+        self._prefetch(self.views[(self.views.index(view) + 1) % len(self.views)])
         self._store(items)
         if self.on_commit is not None:
             stored = [i.record for i in items if i.rows and not i.dead]
             self._retry("run on_commit", self.on_commit, stored)
-        self._retry("ack in Redis", self._ack, [i.entry_id for i in items])
+        self._retry("ack in Redis", self._ack, view, [i.entry_id for i in items])
         self.stats.checkpoints = self.guard.num_made
+        due = time.monotonic() - self._rolled_at >= self.config.rollup_interval_s
+        many = self._unrolled >= self.config.rollup_rows
+        if (many or (self._unrolled and due)) and time.monotonic() >= self._rollup_retry_at:
+            self._refresh_rollup()
         self.stats.entries += len(entries)
         return len(entries)
 
-    def _next_entries(self, block: bool) -> list:
-        if self._own_pending[self.keys]:
-            entries = self._read("0")
-            self._own_pending[self.keys] = bool(entries)
+    def _next_entries(self, view: Keys, block: bool) -> list:
+        if self._own_pending[view]:
+            entries = self._read(view, "0")
+            self._own_pending[view] = bool(entries)
             if entries:
                 return entries
-        if time.monotonic() >= self._next_claim[self.keys]:
-            entries = self._read("0") or self._claim()  # its own first: see the docstring
+        if time.monotonic() >= self._next_claim[view]:
+            entries = self._read(view, "0") or self._claim(view)  # its own first: docstring
             if entries:
                 return entries
         # with several shards, a blocking read waits on each in turn for its part
         block_ms = max(1, self.config.block_ms // len(self.views))
-        return self._read(">", block_ms if block else None)
+        return self._read(view, ">", block_ms if block else None)
 
-    def _read(self, start: str, block_ms: int | None = None) -> list:
+    def _read(self, view: Keys, start: str, block_ms: int | None = None) -> list:
         reply = self.redis.xreadgroup(
             AUDIT_GROUP,
             self.config.consumer,
-            {self.keys.audit: start},
+            {view.audit: start},
             count=self.config.batch_size,
             block=block_ms,
         )
         return reply[0][1] if reply else []
 
-    def _claim(self) -> list:
+    def _claim(self, view: Keys) -> list:
         """Take over entries other consumers left pending too long (one scan of the PEL)."""
         while True:
             cursor, entries = self.redis.xautoclaim(
-                self.keys.audit,
+                view.audit,
                 AUDIT_GROUP,
                 self.config.consumer,
                 self.config.claim_idle_ms,
-                self._claim_cursor[self.keys],
+                self._claim_cursor[view],
                 count=self.config.batch_size,
             )[:2]
-            self._claim_cursor[self.keys] = cursor
+            self._claim_cursor[view] = cursor
             entries = [e for e in entries if e is not None and e[0] is not None]
             if entries:
                 log.info(
@@ -223,22 +253,23 @@ class AuditWriter:
                 )
                 return entries
             if cursor in ("0-0", b"0-0"):
-                self._next_claim[self.keys] = time.monotonic() + self.config.claim_every_s
+                self._next_claim[view] = time.monotonic() + self.config.claim_every_s
                 return []
 
-    def _parse(self, entry) -> _Item | None:
+    def _parse(self, view: Keys, entry) -> _Item | None:
         entry_id, fields = entry
         payload = (fields or {}).get(b"data", (fields or {}).get("data"))
         if payload is None:
-            self._dead_letter(_Item(entry_id, None, []), "entry has no 'data' field")
+            self._dead_letter(_Item(view, entry_id, None, []), "entry has no 'data' field")
             return None
         pool, key = self.config.prefix, self.config.audit_key
         source = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
         try:
             record = parse_record(payload, key=key, pool=pool)
-            return _Item(entry_id, payload, store.prepare(record, pool, source=source), record)
+            rows = store.prepare(record, pool, source=source)
+            return _Item(view, entry_id, payload, rows, record)
         except RecordError as exc:
-            self._dead_letter(_Item(entry_id, payload, []), str(exc))
+            self._dead_letter(_Item(view, entry_id, payload, []), str(exc))
             return None
 
     # --- storing, with retries and bisection -----------------------------------
@@ -266,6 +297,7 @@ class AuditWriter:
             self._store(items[middle:])
             return
         self.stats.rows_written += result.written
+        self._unrolled += result.written
         self.stats.duplicates += result.duplicates
         self.stats.conflicts += len(result.conflicts)
         for conflict in result.conflicts:
@@ -280,67 +312,32 @@ class AuditWriter:
                 conflict.row.source,
             )
 
+    def _refresh_rollup(self) -> None:
+        """Bring the usage rollup up to date; when the database is away, try again
+        later (usage adds the rows it does not cover, so nothing waits on it)."""
+        try:
+            store.refresh_rollup(self.engine)
+        except RETRYABLE as exc:
+            self.stats.db_retries += 1
+            self._rollup_retry_at = time.monotonic() + self.config.backoff_max_s
+            reason = str(getattr(exc, "orig", None) or exc).splitlines()[0]
+            name = self.config.consumer
+            log.warning("audit writer %s: cannot refresh the usage rollup now: %s", name, reason)
+            return
+        self._unrolled, self._rolled_at = 0, time.monotonic()
+
     def _checkpoint(self) -> None:
         store.checkpoint_now(self.engine, self.config.audit_key, self.guard)
         self.stats.checkpoints = self.guard.num_made
 
-    def _retry(self, what: str, fn, *args):
-        """Call ``fn`` until it succeeds, backing off while the DB or Redis is down."""
-        delay, attempts, since = self.config.backoff_initial_s, 0, time.monotonic()
-        while True:
-            try:
-                result = fn(*args)
-            except REJECTED:
-                raise
-            except RETRYABLE + REDIS_ERRORS as exc:  # before ResponseError: CLUSTERDOWN is one
-                attempts += 1
-                self._log_failure(what, attempts, delay, exc)
-                if self._stopping.wait(delay):
-                    raise _Stopped() from None
-                delay = min(delay * 2, self.config.backoff_max_s)
-                continue
-            except redis.ResponseError as exc:
-                if "NOGROUP" not in str(exc):
-                    raise
-                log.warning(  # Redis came back without its data: start the group again
-                    "audit writer %s: the consumer group is gone, creating it",
-                    self.config.consumer,
-                )
-                self._retry("create the consumer group", self.ensure_group)
-                continue
-            if attempts:
-                log.warning(
-                    "audit writer %s: could %s again after %d attempts (%.1fs)",
-                    self.config.consumer,
-                    what,
-                    attempts,
-                    time.monotonic() - since,
-                )
-            return result
-
-    def _log_failure(self, what: str, attempts: int, delay: float, exc: Exception) -> None:
-        if not isinstance(exc, REDIS_ERRORS):
-            self.stats.db_retries += 1
-        reason = str(getattr(exc, "orig", None) or exc).splitlines()[0]
-        level = logging.WARNING if attempts == 1 or attempts % 10 == 0 else logging.DEBUG
-        log.log(
-            level,
-            "audit writer %s: cannot %s (attempt %d, nothing acked, retrying in %.1fs): %s",
-            self.config.consumer,
-            what,
-            attempts,
-            delay,
-            reason,
-        )
-
     # --- Redis writes ----------------------------------------------------------
 
-    def _ack(self, entry_ids: list) -> None:
+    def _ack(self, view: Keys, entry_ids: list) -> None:
         """Ack and delete committed entries: the table keeps them, Redis need not."""
         if entry_ids:
             pipe = self.redis.pipeline(transaction=True)
-            pipe.xack(self.keys.audit, AUDIT_GROUP, *entry_ids)
-            pipe.xdel(self.keys.audit, *entry_ids)
+            pipe.xack(view.audit, AUDIT_GROUP, *entry_ids)
+            pipe.xdel(view.audit, *entry_ids)
             pipe.execute()
 
     def _dead_letter(self, item: _Item, reason: str) -> None:
@@ -352,7 +349,7 @@ class AuditWriter:
         )
         fields = {
             "source": "audit",
-            "stream": self.keys.audit,
+            "stream": item.view.audit,
             "id": item.entry_id,
             "reason": reason,
             "data": item.payload or b"",
@@ -360,9 +357,10 @@ class AuditWriter:
 
         def move():
             pipe = self.redis.pipeline(transaction=True)
-            pipe.xadd(self.keys.dead, fields, maxlen=self.config.dead_max_len, approximate=True)
-            pipe.xack(self.keys.audit, AUDIT_GROUP, item.entry_id)
-            pipe.xdel(self.keys.audit, item.entry_id)
+            dead, audit = item.view.dead, item.view.audit
+            pipe.xadd(dead, fields, maxlen=self.config.dead_max_len, approximate=True)
+            pipe.xack(audit, AUDIT_GROUP, item.entry_id)
+            pipe.xdel(audit, item.entry_id)
             pipe.execute()
 
         self._retry("dead-letter an entry", move)

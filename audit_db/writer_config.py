@@ -33,6 +33,8 @@ class WriterConfig:
     checkpoint_rows: int = 10_000  # a signed checkpoint at least every this many rows
     checkpoint_interval_s: float = 86_400.0  # and at least this often (idle or not)
     checkpoint_dir: str | None = None  # also write each checkpoint here (write-once storage)
+    rollup_rows: int = 10_000  # refresh the usage rollup after this many rows
+    rollup_interval_s: float = 60.0  # or this long after the last refresh
     dead_max_len: int = DEAD_MAX_LEN  # {p}:dead keeps about this many entries
     # the audit key (default: from the environment); None only with insecure_no_key
     audit_key: bytes | None = field(default_factory=signing.key_from_env, repr=False)
@@ -45,6 +47,8 @@ class WriterConfig:
         if self.backoff_initial_s <= 0 or self.backoff_max_s < self.backoff_initial_s:
             raise ValueError("backoff must satisfy 0 < backoff_initial_s <= backoff_max_s")
         self.checkpoint_policy()  # checks the checkpoint settings
+        if self.rollup_rows < 1 or not self.rollup_interval_s > 0:
+            raise ValueError("the rollup needs rollup_rows >= 1 and rollup_interval_s > 0")
 
     def checkpoint_policy(self) -> CheckpointPolicy:
         return CheckpointPolicy(

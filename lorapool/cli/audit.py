@@ -14,7 +14,6 @@ from __future__ import annotations
 import sys
 
 import click
-from rich.console import Console
 
 from lorapool.cli.audit_common import (
     audit_key,
@@ -24,6 +23,12 @@ from lorapool.cli.audit_common import (
     insecure_option,
     parse_time,
 )
+
+
+def _console():
+    from rich.console import Console  # rich only for tables: JSON and CSV start faster
+
+    return Console()
 
 
 @click.group()
@@ -58,7 +63,7 @@ def conflicts(ctx: click.Context, pool: str | None, fmt: str):
 
     rows = list_conflicts(engine_of(ctx), pool=pool)
     if fmt == "table":
-        Console().print(out.conflicts_table(rows))
+        _console().print(out.conflicts_table(rows))
     else:
         _emit_rows(rows, fmt, "conflicts")
     if rows:
@@ -138,7 +143,7 @@ def _emit_rows(rows, fmt: str, title: str, output=None) -> None:
     from lorapool.cli import audit_format as out
 
     if fmt == "table":
-        Console().print(out.rows_table(list(rows), title=title))
+        _console().print(out.rows_table(list(rows), title=title))
         return
     sink = output or click.get_binary_stream("stdout")
     for chunk in encode(rows, fmt):
@@ -163,7 +168,7 @@ def request_cmd(ctx: click.Context, request_id: str, pool: str | None, fmt: str)
         _emit_rows(rows, fmt, request_id)
         return
     for row in rows:
-        Console().print(out.record_table(row))
+        _console().print(out.record_table(row))
 
 
 def _filter_options(fn):
@@ -248,7 +253,7 @@ def export(ctx: click.Context, fmt: str, since, until, output, **filters):
     "--exact/--rollup",
     default=None,
     help="Read every row of the period, or whole days from the writer's rollup "
-    "(percentiles within 0.5%) [default: exact up to 50,000 requests].",
+    "(percentiles within 0.5%) [default: exact up to 10,000 requests].",
 )
 @click.option(
     "--rebuild-rollup", is_flag=True, help="First recompute the rollup from the rows (the owner's)."
@@ -271,7 +276,7 @@ def usage(ctx, by: str, since: str | None, until: str | None, exact, rebuild_rol
     elif fmt == "csv":
         click.echo(out.to_csv(rows), nl=False)
     else:
-        Console().print(out.usage_table(rows, title=f"usage by {by}"))
+        _console().print(out.usage_table(rows, title=f"usage by {by}"))
 
 
 def _register() -> None:

@@ -38,7 +38,8 @@ def _fill(target) -> None:
                     f"INSERT INTO completions ({_COLUMNS}) SELECT i, 'p', 'req-' || i, 0, 'm', "
                     "'s', 'prompt', 3, repeat('x', 1000) || i, 3, 'stop', '{}', '{}', 't', 'w', "
                     "1767225600 + i, 1767225600 + i, repeat('0', 64), repeat('0', 64), 2, "
-                    "'{1,2,3}', '{4,5,6}', 202601 FROM generate_series(1, :n) AS i"
+                    "'\\x010000000200000003000000', '\\x040000000500000006000000', 202601 "
+                    "FROM generate_series(1, :n) AS i"
                 ),
                 {"n": ROWS},
             )

@@ -4,6 +4,7 @@ still verifies and reads back exactly, the writer goes on from it (compact rows,
 signed checkpoints) and the whole chain verifies."""
 
 import importlib.util
+import time
 from pathlib import Path
 
 import orjson
@@ -18,6 +19,7 @@ from lorapool.audit_db import (
     checkpoint_now,
     checkpoints,
     create_audit_engine,
+    exact_text,
     get_request,
     head_revision,
     list_conflicts,
@@ -26,6 +28,8 @@ from lorapool.audit_db import (
     search,
     verify_chain,
 )
+from lorapool.audit_db.chain import GENESIS, row_hash
+from lorapool.audit_db.rows import prepare
 from lorapool.audit_db.usage import usage
 from lorapool.audit_record import record_from_dict
 
@@ -33,6 +37,8 @@ pytest_plugins = ["audit_fixtures"]
 pytestmark = pytest.mark.integration
 V0002 = Path(__file__).parents[1] / "audit_db" / "data" / "v0002.json"
 TABLES = ("adapters", "completions", "conflicts", "audit_meta")
+TEXT = {"pool", "request_id", "base_model_name", "base_model_sha256", "prompt", "text",
+        "tenant", "worker", "error"}  # fmt: skip
 
 
 def load_v0002(engine, kind: str) -> dict:
@@ -112,4 +118,47 @@ def test_a_0002_database_upgrades_verifies_and_grows(audit_location, first):
             conn
         )
     assert get_request(engine, "req-104")[0]["token_ids"] == new[4]["outputs"][0]["token_ids"]
+    engine.dispose()
+
+
+def test_int4_token_arrays_become_packed_bytes_and_still_verify(audit_location):
+    """Rows written under 0003-0005 (token ids as int4[] on PostgreSQL) upgrade to 0006."""
+    kind, url, schema = audit_location
+    if kind != "postgresql":
+        pytest.skip("SQLite stored packed bytes from the start")
+    engine = create_audit_engine(DatabaseConfig(url=url, schema=schema))
+    migrate(engine, "0005")
+    records = [make_record(i, adapter=make_adapter(), n=2) for i in range(6)]
+    records[2]["outputs"][1]["token_ids"] = []  # an empty list too
+    rows = [r for record in records for r in prepare(record_from_dict(record), "p")]
+    head, prev, stored = 0, GENESIS, []
+    meta = MetaData()
+    meta.reflect(engine)
+    table = meta.tables["completions"]
+    with engine.begin() as conn:  # as the 0005 code stored them: int4[] columns
+        conn.execute(
+            text("SELECT audit_ensure_period(:p)"), {"p": partitions.period_of(time.time())}
+        )
+        conn.execute(meta.tables["audit_meta"].insert(), {"name": "keyed_from_seq", "value": "1"})
+        pk = conn.execute(meta.tables["adapters"].insert().returning(meta.tables["adapters"].c.pk),
+                          {k: v for k, v in rows[0].adapter.items()}).scalar()  # fmt: skip
+        for row in rows:
+            head += 1
+            values = {**row.values, "seq": head, "adapter_pk": pk, "chain_version": 2,
+                      "period": partitions.period_of(time.time())}  # fmt: skip
+            values["row_hash"] = row_hash(values, prev, row.adapter["fingerprint"], KEY)
+            values["prev_hash"], prev = prev, values["row_hash"]
+            values["prompt_tokens"] = values.pop("prompt_token_ids")
+            values["output_tokens"] = values.pop("token_ids")
+            values = {k: exact_text.encode(v) if k in TEXT and v is not None else v
+                      for k, v in values.items()}  # fmt: skip
+            conn.execute(table.insert(), values)
+            stored.append(row)
+    assert migrate(engine) == head_revision()
+    assert checkpoint_now(engine, KEY).seq == head
+    report = verify_chain(engine, key=KEY)
+    assert report.ok and report.num_rows == head, report.describe_failure()
+    back = get_request(engine, "req-2")
+    assert [r["token_ids"] for r in back] == [o["token_ids"] for o in records[2]["outputs"]]
+    assert back[0]["prompt_token_ids"] == records[2]["prompt_token_ids"]
     engine.dispose()

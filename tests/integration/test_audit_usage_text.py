@@ -15,6 +15,7 @@ from sqlalchemy import text
 from lorapool.audit_db import SearchFilter, append_records, search
 from lorapool.audit_db import text_search as ts
 from lorapool.audit_db.queries import TextSearchRefused
+from lorapool.audit_db.store import refresh_rollup
 from lorapool.audit_db.usage import usage
 from lorapool.audit_record import record_from_dict
 
@@ -52,6 +53,9 @@ def spread(audit_target):
     for start in range(0, len(records), 100):  # six writer transactions
         chunk = records[start : start + 100]
         append_records(audit_target.engine, [record_from_dict(r) for r in chunk], key=KEY)
+        if start == 200:  # the rollup covers the first half; usage reads the rest
+            rows = sum(len(r["outputs"]) for r in records[:300])
+            assert refresh_rollup(audit_target.engine) == rows
     return audit_target.engine
 
 
@@ -179,3 +183,25 @@ def test_postgresql_indexes_and_plans(audit_target):
         audit_target, "SELECT seq FROM completions WHERE request_id = 'x'"
     )
     assert "_text_idx" in _plan(audit_target, "SELECT seq FROM completions WHERE text LIKE '%abc%'")
+
+
+def test_the_writer_keeps_the_rollup(audit_target, audit_redis):
+    from audit_fixtures import FAST_WRITER
+
+    from lorapool.audit_db import AuditWriter, WriterConfig
+    from lorapool.audit_db.rollup import rolled_seq
+
+    audit_redis.publish(_records(150, seed=9))
+    config = WriterConfig(
+        prefix=audit_redis.prefix, shards=audit_redis.shards, batch_size=40, rollup_rows=60,
+        **FAST_WRITER,
+    )  # fmt: skip
+    stats = AuditWriter(audit_redis.conn, audit_target.engine, config).run(burst=True)
+    with audit_target.engine.connect() as conn:
+        assert rolled_seq(conn) == stats.rows_written == audit_target.count()  # idle: caught up
+    for by in ("adapter", "tenant"):
+        rolled = [
+            (u.key, u.requests, u.errors) for u in usage(audit_target.engine, by, exact=False)
+        ]
+        exact = [(u.key, u.requests, u.errors) for u in usage(audit_target.engine, by, exact=True)]
+        assert rolled == exact

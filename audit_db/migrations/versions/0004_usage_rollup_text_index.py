@@ -22,7 +22,6 @@ import sqlalchemy as sa
 from alembic import op
 
 from lorapool.audit_db import rollup, text_search
-from lorapool.audit_db.schema import completions
 
 revision = "0004"
 down_revision = "0003"
@@ -47,9 +46,7 @@ def _create_rollup() -> None:
 
 
 def _fill_rollup(bind) -> None:
-    query = sa.select(*(completions.c[c] for c in rollup.ROW_COLUMNS)).order_by(completions.c.seq)
-    rows = bind.execute(query, execution_options={"stream_results": True, "yield_per": 5000})
-    rollup.rebuild(bind, rows.mappings())
+    rollup.rebuild(bind, progress=False)  # 0005 records how far it goes
 
 
 def _trgm_schema(bind) -> str | None:
