@@ -43,8 +43,8 @@ from lorapool.audit_db import (  # noqa: E402  # noqa: E402
     WriterConfig,
     create_audit_engine,
     migrate,
+    store,  # noqa: E402
 )
-from lorapool.audit_db import store  # noqa: E402
 from lorapool.audit_record import sign_record  # noqa: E402
 from lorapool.lifecycle.keys import Keys  # noqa: E402
 from lorapool.signing import key_from_env  # noqa: E402
