@@ -8,6 +8,9 @@ tokens count). Each side runs in a subprocess of its own, so peak memory is
 its own.
 
     python benchmarks/engine.py [--model DIR] [--requests 64] [--json out.json]
+
+``--schema-every 4``: instead, what structured outputs cost the other requests of a
+batch where every 4th request has a JSON schema (``_schemas.py``).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import resource
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 
 def make_workload(num_requests: int, vocab_size: int, seed: int = 0):
@@ -195,11 +199,15 @@ def main(argv=None) -> dict:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--side", choices=["lorapool", "transformers"], default=None)
     parser.add_argument("--json", default=None, help="also write the results here")
+    parser.add_argument("--schema-every", type=int, default=None, help="see _schemas.py")
+    parser.add_argument("--rounds", type=int, default=2, help="--schema-every: runs of each")
     args = parser.parse_args(argv)
     if args.model is None:
         from lorapool.settings import smollm2_dir
 
         args.model = str(smollm2_dir())
+    if args.schema_every:
+        return schemas_side(args)
     if args.side:
         from transformers import AutoConfig
 
@@ -216,6 +224,21 @@ def main(argv=None) -> dict:
         2,
     )
     print(json.dumps(results, indent=2))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    return results
+
+
+def schemas_side(args) -> dict:
+    from transformers import AutoConfig
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _schemas import run_schemas
+
+    workload = make_workload(args.requests, AutoConfig.from_pretrained(args.model).vocab_size)
+    results = run_schemas(args.model, workload, args.threads, args.schema_every, args.rounds)
+    print(json.dumps({k: v for k, v in results.items() if k != "runs"}, indent=2))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

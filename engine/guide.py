@@ -14,6 +14,7 @@ Requests without a constraint never reach this module.
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -129,16 +130,29 @@ def advance_guide(seq, token_id: int) -> None:
 
 
 @dataclass
+class MaskStats:
+    """What structured outputs cost (for benchmarks): masks filled, the seconds filling
+    them took (off the step's thread), and the seconds the step then waited for them."""
+
+    masks: int = 0
+    fill_s: float = 0.0
+    wait_s: float = 0.0
+
+
+@dataclass
 class MaskJob:
     """The masks of one step's constrained sequences, filled off the step's thread."""
 
     guides: list[Guide]
     masks: torch.Tensor  # [len(guides), words] int32
+    stats: MaskStats
     future: Future | None = None
 
     def result(self) -> torch.Tensor:
         if self.future is not None:
+            start = time.perf_counter()
             self.future.result()
+            self.stats.wait_s += time.perf_counter() - start
         return self.masks
 
 
@@ -147,14 +161,15 @@ class MaskPool:
 
     def __init__(self, words: int):
         self.words = words
+        self.stats = MaskStats()
         self._executor: ThreadPoolExecutor | None = None
 
     def start(self, guides: list[Guide]) -> MaskJob:
         masks = torch.zeros((len(guides), self.words), dtype=torch.int32)
-        job = MaskJob(guides, masks)
+        job = MaskJob(guides, masks, self.stats)
         if self._executor is None:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="lorapool-masks")
-        job.future = self._executor.submit(_fill_all, guides, masks)
+        job.future = self._executor.submit(_fill_all, guides, masks, self.stats)
         return job
 
     def close(self) -> None:
@@ -175,9 +190,12 @@ def start_masks(pool: MaskPool, layout) -> tuple[MaskJob, dict[int, int]] | None
     return (pool.start(guides), rows) if guides else None
 
 
-def _fill_all(guides: list[Guide], masks: torch.Tensor) -> None:
+def _fill_all(guides: list[Guide], masks: torch.Tensor, stats: MaskStats) -> None:
+    start = time.perf_counter()
     for i, guide in enumerate(guides):
         guide.fill(masks[i])
+    stats.masks += len(guides)
+    stats.fill_s += time.perf_counter() - start
 
 
 def allowed(masks: torch.Tensor, vocab: int) -> torch.Tensor:

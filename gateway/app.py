@@ -25,6 +25,7 @@ from lorapool.gateway import (
     health,
     jobs,
     openai_api,
+    resolver,
     vllm_api,
 )
 from lorapool.gateway.audit_store import AuditStore
@@ -81,6 +82,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     app.include_router(audit.router)
     app.include_router(batches.router)
     app.include_router(vllm_api.router)
+    app.include_router(resolver.router)
     dashboard.install(app)
     _install_errors(app)
     _describe_bodies(app)

@@ -1,11 +1,14 @@
 """OpenAI's Files and Batches API over lorapool's batches (``lorapool.batch``), so the
-official client's ``files.create``, ``batches.create``, ``batches.retrieve``,
-``batches.cancel`` and ``files.content`` work unchanged:
+official client's ``files.create``, ``files.list``, ``files.delete``, ``batches.create``,
+``batches.list``, ``batches.retrieve``, ``batches.cancel`` and ``files.content`` work
+unchanged:
 
 - ``POST /v1/files`` (multipart: ``file``, ``purpose=batch``) -> the file object;
+- ``GET /v1/files`` (``purpose``, ``limit``, ``order``, ``after``), ``DELETE /v1/files/{id}``;
 - ``GET /v1/files/{id}``, ``GET /v1/files/{id}/content`` (streamed a line at a time);
 - ``POST /v1/batches`` -> the batch (``validating``; RQ workers run it);
-- ``GET /v1/batches/{id}``, ``POST /v1/batches/{id}/cancel``.
+- ``GET /v1/batches`` (``limit``, ``after``), ``GET /v1/batches/{id}``,
+  ``POST /v1/batches/{id}/cancel``; a batch carries its lines' token ``usage``.
 
 Files live in the pool's Redis (``lorapool.batch.files``), so every gateway replica and
 the RQ workers of ``$LORAPOOL_BATCH_QUEUE`` (default ``lorapool-batch``) see them. With auth on, a
@@ -71,6 +74,23 @@ async def create_file(
     return JSON(info)
 
 
+@router.get("/files", summary="The caller's files (OpenAI's pagination)")
+async def list_files(
+    request: Request,
+    caller: Submitter,
+    purpose: str | None = None,
+    limit: int | None = None,
+    order: str = "desc",
+    after: str | None = None,
+) -> JSON:
+    return JSON(await _call(request, "list_files", caller.tenant, purpose, limit, order, after))
+
+
+@router.delete("/files/{file_id}", summary="Delete a file")
+async def delete_file(request: Request, file_id: str, caller: Submitter) -> JSON:
+    return JSON(await _call(request, "delete_file", file_id, caller.tenant))
+
+
 @router.get("/files/{file_id}", summary="A file's object")
 async def retrieve_file(request: Request, file_id: str, caller: Submitter) -> JSON:
     return JSON(await _call(request, "file", file_id, caller.tenant))
@@ -106,6 +126,13 @@ async def create_batch(request: Request, caller: Submitter) -> JSON:
     # its tenant and key id: into every line's job; its lines are paced by the key's limits
     args += (caller.metadata() or None,)
     return JSON(await _call(request, "create", *args))
+
+
+@router.get("/batches", summary="The caller's batches, newest first (OpenAI's pagination)")
+async def list_batches(
+    request: Request, caller: Submitter, limit: int | None = None, after: str | None = None
+) -> JSON:
+    return JSON(await _call(request, "list_batches", caller.tenant, limit, after))
 
 
 @router.get("/batches/{batch_id}", summary="A batch's state")

@@ -72,8 +72,9 @@ async def submit_job(
     job_id = caller.job_id(request_id or uuid.uuid4().hex)
     metadata = {**parsed.metadata, **caller.metadata()}
     [handle] = await pool.submit(
-        parsed.prompts, parsed.params, lora, [job_id], metadata, parsed.names, on_finish
-    )
+        parsed.prompts, parsed.params, lora, [job_id], metadata, parsed.names, on_finish,
+        parsed.priority,
+    )  # fmt: skip
     external = caller.external_id(handle.request_id)
     body = {"id": external, "object": "job", "model": parsed.model}
     body["status"] = "queued" if handle.enqueued else await _status(pool, handle.request_id)

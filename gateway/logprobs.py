@@ -73,3 +73,42 @@ def _chat_entry(entry: Entry) -> dict[str, Any]:
         "logprob": entry.logprob,
         "bytes": list(entry.token.encode("utf-8", "surrogatepass")),
     }
+
+
+def prompt_logprobs_json(positions: list | None) -> list | None:
+    """vLLM's ``prompt_logprobs``: per prompt token None (the first) or ``{token id:
+    {"logprob", "rank", "decoded_token"}}``."""
+    if positions is None:
+        return None
+    return [
+        None
+        if position is None
+        else {
+            str(t): {"logprob": e.logprob, "rank": e.rank, "decoded_token": e.token}
+            for t, e in _entries(position).items()
+        }
+        for position in positions
+    ]
+
+
+def echo_logprobs(
+    prompt_ids: list[int], positions: list | None, k: int, first: str
+) -> dict[str, Any] | None:
+    """The prompt's part of an echoed completion's logprobs: its first token (``first``,
+    its text) has none, as OpenAI's."""
+    if positions is None or not prompt_ids:
+        return None
+    rest = completion_logprobs(prompt_ids[1:], positions[1:], k, len(first))
+    return {
+        "tokens": [first, *rest["tokens"]],
+        "token_logprobs": [None, *rest["token_logprobs"]],
+        "top_logprobs": [None, *rest["top_logprobs"]],
+        "text_offset": [0, *rest["text_offset"]],
+    }
+
+
+def joined(head: dict[str, Any] | None, tail: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Two parts of completions' logprobs as one (the tail's offsets after the head's)."""
+    if head is None or tail is None:
+        return tail if head is None else head
+    return {key: head[key] + tail[key] for key in head}

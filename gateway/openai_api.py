@@ -17,6 +17,7 @@ from fastapi.responses import StreamingResponse
 
 from lorapool.gateway.auth import Principal, require
 from lorapool.gateway.body import read_json
+from lorapool.gateway.echo import Echo
 from lorapool.gateway.errors import APIError
 from lorapool.gateway.json import JSON
 from lorapool.gateway.openai_format import Shape, fingerprint
@@ -95,17 +96,31 @@ async def _generate(request: Request, parsed: Parsed, kind: str, caller: Princip
     await pool.check_rate(caller, len(parsed.prompts), parsed.params, request)
     ids = [caller.job_id(uuid.uuid4().hex) for _ in parsed.prompts]
     metadata = {**parsed.metadata, **caller.metadata()}
-    handles = await pool.submit(parsed.prompts, parsed.params, lora, ids, metadata, parsed.names)
+    handles = await pool.submit(
+        parsed.prompts, parsed.params, lora, ids, metadata, parsed.names, None, parsed.priority
+    )
     params = parsed.params
     public = caller.external_id(handles[0].request_id)
     shape = Shape(kind, public, parsed.model, params.n, params.logprobs or 0,
                   caller.external_id, parsed.names, tools=parsed.tools,
-                  system_fingerprint=fingerprint(await pool.base_model()))  # fmt: skip
+                  system_fingerprint=fingerprint(await pool.base_model()),
+                  echo=await _echo(pool, parsed))  # fmt: skip
     if not parsed.stream:
         return JSON(shape.response(await pool.results(handles, disconnected(request), caller)))
     outage = (pool.watch, pool.config.redis_outage_s)
     events = _stream(shape, handles, parsed.include_usage, pool.untaken(handles, caller), outage)
     return StreamingResponse(events, media_type="text/event-stream", headers=NO_BUFFERING)
+
+
+async def _echo(pool: Pool, parsed: Parsed) -> Echo | None:
+    """Completions' echo; a prompt of token ids is decoded with the pool's tokenizer."""
+    if not parsed.echo:
+        return None
+    decode = None
+    if any(isinstance(p, dict) for p in parsed.prompts):
+        tokenizer = await pool.tokenizers.get(pool.producer.redis, pool.producer.keys.tokenizer)
+        decode = None if tokenizer is None else tokenizer.decode
+    return Echo(decode, parsed.params.logprobs or 0)
 
 
 NO_BUFFERING = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

@@ -13,8 +13,14 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from lorapool.gateway.echo import Echo
 from lorapool.gateway.errors import failed_request
-from lorapool.gateway.logprobs import chat_logprobs, completion_logprobs
+from lorapool.gateway.logprobs import (
+    chat_logprobs,
+    completion_logprobs,
+    joined,
+    prompt_logprobs_json,
+)
 from lorapool.gateway.tool_stream import ToolStream
 from lorapool.gateway.tools import ToolRequest
 from lorapool.lifecycle.wire import Chunk
@@ -61,6 +67,7 @@ class Shape:
         *,
         tools: ToolRequest | None = None,
         system_fingerprint: str | None = None,
+        echo: Echo | None = None,
     ):
         """``public_id``: the response's id after ``cmpl-`` (never the tenant's name);
         ``public``: a job's request id -> the id its client knows; ``names``: job field ->
@@ -70,9 +77,11 @@ class Shape:
         self.tools = tools
         self.streams: dict[int, ToolStream] = {}  # per choice, with tools
         self.chars: dict[int, int] = {}  # per choice: token text streamed (text_offset)
+        self.chars_prompt: set[int] = set()  # choices whose prompt_logprobs were sent
         self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{public_id}"
         self.model, self.n, self.created = model, n, int(time.time())
         self.fingerprint = system_fingerprint
+        self.echo = echo  # completions' echo (None: off)
         self.public = public or (lambda request_id: request_id)
         self.names = names
 
@@ -91,22 +100,37 @@ class Shape:
     def response(self, outputs: list[RequestOutput]) -> dict[str, Any]:
         """The whole non-streaming response of one job per prompt."""
         choices, prompt_tokens, completion_tokens, cached = [], 0, 0, 0
+        prompt_logprobs = None
         for i, output in enumerate(outputs):
             self.failed(output)
             prompt_tokens += len(output.prompt_token_ids or ())
             cached += (output.metrics and output.metrics.num_cached_tokens) or 0
+            prompt_logprobs = prompt_logprobs_json(output.prompt_logprobs)
+            if self.echo is not None:
+                self.echo.remember(
+                    i, output.prompt, output.prompt_token_ids, output.prompt_logprobs
+                )
             for c in output.outputs:
                 completion_tokens += len(c.token_ids)
-                choice = self._choice(i * self.n + c.index, c.text, c.finish_reason)
-                choice["logprobs"] = self.logprobs(c.token_ids, c.logprobs)
+                index = i * self.n + c.index
+                head, head_logprobs = self._echo_head(i, index, c.logprobs is not None)
+                choice = self._choice(index, head + c.text, c.finish_reason)
+                logprobs = self.logprobs(c.token_ids, c.logprobs, len(head))
+                choice["logprobs"] = joined(head_logprobs, logprobs)
                 choice["stop_reason"] = c.stop_reason
+                if not self.chat and prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = prompt_logprobs
                 choices.append(choice)
         choices.sort(key=lambda c: c["index"])
-        return {
-            **self._head(False),
-            "choices": choices,
-            "usage": usage(prompt_tokens, completion_tokens, cached),
-        }
+        body = {**self._head(False), "choices": choices}
+        if self.chat and prompt_logprobs is not None:  # vLLM's place for a chat's
+            body["prompt_logprobs"] = prompt_logprobs
+        return {**body, "usage": usage(prompt_tokens, completion_tokens, cached)}
+
+    def _echo_head(self, job: int, index: int, logprobs: bool) -> tuple[str, dict | None]:
+        if self.echo is None:
+            return "", None
+        return self.echo.head(job, index, logprobs)
 
     def _choice(self, index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": index, "logprobs": None, "finish_reason": finish_reason}
@@ -146,22 +170,28 @@ class Shape:
     def delta_chunks(self, job: int, chunk: Chunk, with_usage: bool) -> list[dict[str, Any]]:
         """The stream chunks of one job's delta: one per choice that says something new."""
         chunks = []
+        if self.echo is not None and chunk.prompt_token_ids is not None:
+            self.echo.remember(job, chunk.prompt, chunk.prompt_token_ids, chunk.prompt_logprobs)
         for out in chunk.outputs:
             if not out["text"] and not out["token_ids"] and out.get("finish_reason") is None:
                 continue
             index, reason = job * self.n + out["index"], out.get("finish_reason")
-            logprobs = self.logprobs(
-                out["token_ids"], out.get("logprobs"), self.chars.get(index, 0)
-            )
+            head, head_logprobs = self._echo_head(job, index, out.get("logprobs") is not None)
+            offset = self.chars.get(index, len(head))
+            logprobs = self.logprobs(out["token_ids"], out.get("logprobs"), offset)
             if logprobs is not None and not self.chat:  # text_offset counts the tokens' text
-                self.chars[index] = self.chars.get(index, 0) + sum(map(len, logprobs["tokens"]))
+                self.chars[index] = offset + sum(map(len, logprobs["tokens"]))
+            logprobs = joined(head_logprobs, logprobs)
             choice: dict[str, Any] = {"index": index, "logprobs": logprobs, "finish_reason": reason}
             if reason is not None:
                 choice["stop_reason"] = out.get("stop_reason")
             if self.chat:
                 choice["delta"] = self._delta(index, out["text"], choice)
             else:
-                choice["text"] = out["text"]
+                choice["text"] = head + out["text"]
+                if chunk.prompt_logprobs is not None and index not in self.chars_prompt:
+                    self.chars_prompt.add(index)
+                    choice["prompt_logprobs"] = prompt_logprobs_json(chunk.prompt_logprobs)
             chunks.append(self._chunk(choice, with_usage))
         return chunks
 

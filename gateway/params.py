@@ -42,12 +42,13 @@ SAMPLING = {
         "include_stop_str_in_output",
         "spaces_between_special_tokens",
         "logit_bias",
+        "prompt_logprobs",
     )
 }
-COMMON = {"model", "stream", "stream_options", "user"}
+COMMON = {"model", "stream", "stream_options", "user", "priority"}
 # accepted when null or at their default, refused otherwise (naming them)
-INERT = {"best_of": None, "suffix": None, "echo": False}
-COMPLETIONS = COMMON | set(SAMPLING) | STRUCTURED | {"prompt", "logprobs"}
+INERT = {"best_of": None, "suffix": None}
+COMPLETIONS = COMMON | set(SAMPLING) | STRUCTURED | {"prompt", "logprobs", "echo"}
 CHAT = COMMON | set(SAMPLING) | STRUCTURED | TOOLS
 CHAT |= {"messages", "logprobs", "top_logprobs", "max_completion_tokens"}
 MAX_USER = 256
@@ -68,6 +69,8 @@ class Parsed:
     metadata: dict[str, Any] = field(default_factory=dict)
     names: dict[str, str] = field(default_factory=dict)  # job field -> request parameter
     tools: ToolRequest | None = None
+    priority: str = "interactive"  # the pool's stream (``stream_of``)
+    echo: bool = False  # completions: the prompt before each choice's text
 
 
 def _require_object(body: Any) -> dict[str, Any]:
@@ -124,16 +127,35 @@ def _sampling(body: dict[str, Any], extra: dict[str, Any], names: dict[str, str]
         raise field_error(exc, names=names) from None
 
 
+def stream_of(body: dict[str, Any]) -> str:
+    """vLLM's per-request ``priority`` (an integer, lower first, 0 by default) on the
+    pool's two streams: above 0 the batch stream (read by workers with the capacity
+    interactive jobs leave), else the interactive one."""
+    priority = body.get("priority")
+    if priority is None:
+        return "interactive"
+    if not (_is_token(priority) and abs(priority) < 2**63):
+        raise bad_request(f"priority must be an integer, got {short_repr(priority)}", "priority")
+    return "batch" if priority > 0 else "interactive"
+
+
 def parse_completion(body: Any, max_prompts: int) -> Parsed:
     """POST /v1/completions: prompt (a string, token ids, or a batch of either)."""
     body = _require_object(body)
     _check_known(body, COMPLETIONS)
     model, stream, usage, metadata = _common(body)
     prompts = _prompts(body.get("prompt"), max_prompts)
-    logprobs = body.get("logprobs")
+    logprobs, echo = body.get("logprobs"), body.get("echo") or False
     extra = {} if logprobs is None else {"logprobs": logprobs}
+    if not isinstance(echo, bool):
+        raise bad_request(f"echo must be true or false, got {short_repr(echo)}", "echo")
+    asked = body.get("prompt_logprobs")
+    if echo and _is_token(logprobs):  # the prompt's tokens get logprobs too
+        extra["prompt_logprobs"] = max(logprobs, asked) if _is_token(asked) else asked or logprobs
     params = _sampling(body, extra, {})
-    return Parsed(model, prompts, params, stream, usage, metadata)
+    parsed = Parsed(model, prompts, params, stream, usage, metadata)
+    parsed.priority, parsed.echo = stream_of(body), echo
+    return parsed
 
 
 def _prompts(prompt: Any, max_prompts: int) -> list[Any]:
@@ -178,7 +200,7 @@ def parse_chat(body: Any, tool_parser: str = "hermes", max_bytes: int = 1 << 20)
     params = _sampling(body, extra, names)
     messages = [_message(i, m) for i, m in enumerate(_message_list(body.get("messages")))]
     chat = {"messages": messages, **({"tools": tools.tools} if tools else {})}
-    return Parsed(model, [chat], params, stream, usage, metadata, names, tools)
+    return Parsed(model, [chat], params, stream, usage, metadata, names, tools, stream_of(body))
 
 
 def _chat_logprobs(body: dict[str, Any]) -> dict[str, Any]:

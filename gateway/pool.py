@@ -14,6 +14,7 @@ from typing import Any
 
 from lorapool.connection import connect, connect_async
 from lorapool.egress import EgressError, EgressPolicy, EgressRefused, check_url, system_resolver
+from lorapool.gateway import resolver
 from lorapool.gateway.auth import OPEN, Principal
 from lorapool.gateway.config import GatewayConfig
 from lorapool.gateway.dashboard_session import Sessions
@@ -86,7 +87,8 @@ class Pool:
 
     async def resolve_model(self, model: str, caller: Principal = OPEN) -> LoRARequest | None:
         """The LoRARequest ``model`` names (None: the base model), or 404 model_not_found
-        (also for an adapter the caller's tenant may not use)."""
+        (also for an adapter the caller's tenant may not use). An unregistered name is
+        tried under the adapter roots (``resolver.py``)."""
         base = await self.view.base_model()
         if base is not None and model == base.get("name"):
             return None
@@ -94,7 +96,9 @@ class Pool:
             if "\x00" in model or len(model) > 1024:
                 raise APIError(400, "model must be a model or adapter name", "model")
             raise model_not_found(model)
-        record = await self.view.adapter(model) if caller.may_use(model) else None
+        if not caller.may_use(model):
+            raise model_not_found(model)
+        record = await self.view.adapter(model) or await resolver.resolve(self, model)
         if record is None:
             raise model_not_found(model)
         return lora_from_record(record)
@@ -108,15 +112,16 @@ class Pool:
         metadata: dict[str, Any] | None = None,
         names: dict[str, str] | None = None,
         on_finish: str | None = None,
+        priority: str = "interactive",
     ) -> list[AsyncJobHandle]:
         """Enqueue one job per prompt; a FieldError becomes a 400 (or 413) naming the
         request's parameter; 429 while the backlog is at its bound. ``on_finish``: a
-        webhook URL, POSTed each result once it is stored."""
+        webhook URL, POSTed each result once it is stored; ``priority``: the stream."""
         await self.check_backlog()
         ids = [rid or uuid.uuid4().hex for rid in request_ids or [None] * len(prompts)]
         try:
             return await self.producer.submit_many(
-                prompts, params, lora, ids, metadata or None, on_finish=on_finish
+                prompts, params, lora, ids, metadata or None, priority, on_finish
             )
         except FieldError as exc:
             rid = next((r for r in ids if str(exc).startswith(f"job {r}: ")), "")

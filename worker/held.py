@@ -9,7 +9,7 @@ from typing import Any, NamedTuple
 
 from lorapool.lifecycle.accumulator import Accumulator
 from lorapool.lifecycle.wire import Chunk, Job, completion_wire
-from lorapool.outputs import RequestOutput
+from lorapool.outputs import RequestOutput, logprobs_to_wire
 from lorapool.protocol import RequestOutputKind, SamplingParams
 
 
@@ -156,6 +156,7 @@ def make_chunk(held: Held, out: RequestOutput, worker: str, position: Position) 
     if seq == 0:
         chunk.prompt = held.job.prompt if held.job.prompt is not None else out.prompt
         chunk.prompt_token_ids = list(out.prompt_token_ids or [])
+        chunk.prompt_logprobs = logprobs_to_wire(out.prompt_logprobs)
     if finished:
         chunk.worker = worker
         chunk.metrics = _metrics(held, out, position.total)

@@ -16,7 +16,8 @@ from typing import Any
 
 from lorapool.batch.files import FileStore, LineWriter
 from lorapool.batch.lines import BatchLine, read_lines
-from lorapool.batch.state import BatchState, Status
+from lorapool.batch.state import USAGE, BatchState, Status
+from lorapool.gateway.echo import Echo
 from lorapool.gateway.errors import APIError
 from lorapool.gateway.openai_format import Shape
 from lorapool.outputs import RequestOutput
@@ -40,12 +41,13 @@ class Collector:
         tenant = self.state.owner(self.batch_id).get("tenant") or ""
         output = self.files.writer(f"{self.batch_id}_output.jsonl", owner=tenant)
         errors = self.files.writer(f"{self.batch_id}_error.jsonl", owner=tenant)
-        self.state.set(self.batch_id, completed=0, failed=0)
+        self.state.set(self.batch_id, completed=0, failed=0, **dict.fromkeys(USAGE, 0))
         try:
             for line in read_lines(self._input(), self.batch_id, self.producer.limits):
                 record, ok = self._collect(line)
                 (output if ok else errors).write(record)
-                self.state.count(self.batch_id, completed=int(ok), failed=int(not ok))
+                usage = _usage(record) if ok else None
+                self.state.count(self.batch_id, int(ok), int(not ok), usage)
         except BaseException:
             output.discard()
             errors.discard()
@@ -81,7 +83,8 @@ class Collector:
         parsed = line.parsed
         params = parsed.params
         top = params.logprobs or 0
-        shape = Shape(line.kind, rid, parsed.model, params.n, top, tools=parsed.tools)
+        echo = Echo(None, top) if parsed.echo else None
+        shape = Shape(line.kind, rid, parsed.model, params.n, top, tools=parsed.tools, echo=echo)
         try:
             body, status = shape.response([output]), 200
         except APIError as exc:
@@ -117,3 +120,14 @@ class Collector:
             self.stopped = STOPPED[status]
             for line in read_lines(self._input(), self.batch_id, self.producer.limits):
                 self.producer.abort(line.request_id(self.batch_id))
+
+
+def _usage(record: dict[str, Any]) -> dict[str, int]:
+    """A collected line's tokens, from its response's ``usage``."""
+    usage = record["response"]["body"].get("usage") or {}
+    details = usage.get("prompt_tokens_details") or {}
+    return {
+        "input_tokens": usage.get("prompt_tokens", 0),
+        "output_tokens": usage.get("completion_tokens", 0),
+        "cached_tokens": details.get("cached_tokens", 0),
+    }

@@ -50,9 +50,8 @@ class BatchLine:
 
 
 def parse_line(number: int, raw: bytes, batch_id: str, limits: JobLimits) -> BatchLine:
-    """The line as a BatchLine; LineError naming the field otherwise. A line's url may
-    differ from the batch's endpoint (as ``vllm run-batch`` allows): one file can mix
-    completions and chats."""
+    """The line as a BatchLine; LineError naming the field otherwise (the batch's
+    endpoint is checked by ``check_file``)."""
     if len(raw) > MAX_LINE_BYTES:
         raise LineError(f"the line is over {MAX_LINE_BYTES} bytes")
     try:
@@ -131,10 +130,11 @@ def check_file(
     known_model: Callable[[str], bool],
     limits: JobLimits | None = None,
     check: Callable[[BatchLine], None] | None = None,
+    endpoint: str | None = None,
 ) -> Report:
-    """Every line checked (one at a time): shape, url, model, parameters, and
-    custom_ids unique across the file, and ``check`` (raising LineError) when given.
-    Blank lines are skipped."""
+    """Every line checked (one at a time): shape, url (the batch's ``endpoint``, as
+    OpenAI's Batch API holds it), model, parameters, and custom_ids unique across the
+    file, and ``check`` (raising LineError) when given. Blank lines are skipped."""
     report, seen, limits = Report(errors=[]), {}, limits or JobLimits()
     for number, raw in enumerate(lines, start=1):
         if not raw.strip():
@@ -145,6 +145,9 @@ def check_file(
         except LineError as exc:
             report.add(number, exc)
             continue
+        if endpoint is not None and line.url != endpoint:
+            message = f"url {line.url!r} is not the batch's endpoint {endpoint!r}"
+            report.add(number, LineError(message, "url"))
         if line.custom_id in seen:
             first = seen[line.custom_id]
             report.add(

@@ -8,6 +8,7 @@ from typing import Any, BinaryIO
 
 import redis
 
+from lorapool.batch import listing
 from lorapool.batch.files import FileStore, FileTooLarge
 from lorapool.batch.lines import ENDPOINTS
 from lorapool.batch.state import WINDOWS, BatchState, Status
@@ -96,3 +97,42 @@ class BatchService:
         """The file's bytes, a line at a time."""
         self.file(file_id, tenant)
         return (line + b"\n" for line in self.files.lines(file_id))
+
+    def delete_file(self, file_id: str, tenant: str | None = None) -> dict[str, Any]:
+        """Remove a file; OpenAI's ``{"id", "object": "file", "deleted": true}``."""
+        self.file(file_id, tenant)
+        try:
+            self.files.delete(file_id)
+        except KeyError:  # deleted meanwhile
+            raise BatchError(f"no file {file_id!r}", "file_id", 404) from None
+        return {"id": file_id, "object": "file", "deleted": True}
+
+    def list_files(
+        self,
+        tenant: str | None = None,
+        purpose: str | None = None,
+        limit: Any = None,
+        order: str = "desc",
+        after: str | None = None,
+    ) -> dict[str, Any]:
+        """A page of the tenant's files (``listing``), newest first unless ``order``
+        is ``asc``."""
+        if order not in ("asc", "desc"):
+            raise BatchError(f"order must be 'asc' or 'desc', got {order!r}", "order")
+        size = self._limit(limit, listing.MAX_FILES, listing.MAX_FILES)
+        files = listing.files_of(self.files, tenant, purpose)
+        return listing.page(files[::-1] if order == "desc" else files, size, after)
+
+    def list_batches(
+        self, tenant: str | None = None, limit: Any = None, after: str | None = None
+    ) -> dict[str, Any]:
+        """A page of the tenant's batches, newest first."""
+        size = self._limit(limit, listing.MAX_BATCHES, 20)
+        return listing.page(listing.batches_of(self.redis, self.config.keys, tenant), size, after)
+
+    @staticmethod
+    def _limit(value: Any, most: int, default: int) -> int:
+        try:
+            return listing.check_limit(value, most, default)
+        except ValueError as exc:
+            raise BatchError(str(exc), "limit") from None

@@ -47,7 +47,9 @@ STAMP = {
 }
 WINDOWS = {"24h": 24 * 3600}
 _JSON_FIELDS = {"errors", "metadata"}
+USAGE = ("input_tokens", "output_tokens", "cached_tokens")  # summed over the batch's lines
 _INT_FIELDS = {"total", "completed", "failed", "created_at", "expires_at", *STAMP.values()}
+_INT_FIELDS |= set(USAGE)
 
 # KEYS: batch hash. ARGV: new status, stamp field, now, allowed old statuses...
 # Returns the status before (the change made only if it was allowed), false if no batch.
@@ -100,7 +102,10 @@ class BatchState:
             "metadata": orjson.dumps(metadata or {}),
             "owner": orjson.dumps(owner or {}),
         }
-        self.redis.hset(batch_key(self.keys, batch_id), mapping=record)
+        with self.redis.pipeline(transaction=False) as pipe:  # both keys on the meta slot
+            pipe.hset(batch_key(self.keys, batch_id), mapping=record)
+            pipe.zadd(self.keys.batches, {batch_id: now})
+            pipe.execute()
         return self.get(batch_id)
 
     def get(self, batch_id: str) -> dict[str, Any] | None:
@@ -129,14 +134,23 @@ class BatchState:
         values = {k: orjson.dumps(v) if k in _JSON_FIELDS else v for k, v in fields.items()}
         self.redis.hset(batch_key(self.keys, batch_id), mapping=values)
 
-    def count(self, batch_id: str, completed: int = 0, failed: int = 0) -> None:
+    def count(
+        self, batch_id: str, completed: int = 0, failed: int = 0, usage: dict | None = None
+    ) -> None:
+        """Add to the line counts, and ``usage`` (``USAGE``'s fields) to the batch's."""
+        key = batch_key(self.keys, batch_id)
         with self.redis.pipeline(transaction=False) as pipe:
-            pipe.hincrby(batch_key(self.keys, batch_id), "completed", completed)
-            pipe.hincrby(batch_key(self.keys, batch_id), "failed", failed)
+            pipe.hincrby(key, "completed", completed)
+            pipe.hincrby(key, "failed", failed)
+            for name, value in (usage or {}).items():
+                pipe.hincrby(key, name, value)
             pipe.execute()
 
     def delete(self, batch_id: str) -> None:
-        self.redis.delete(batch_key(self.keys, batch_id))
+        with self.redis.pipeline(transaction=False) as pipe:
+            pipe.delete(batch_key(self.keys, batch_id))
+            pipe.zrem(self.keys.batches, batch_id)
+            pipe.execute()
 
 
 def _decode(raw: dict[bytes, bytes]) -> dict[str, Any]:
@@ -169,4 +183,17 @@ def openai_shape(r: dict[str, Any]) -> dict[str, Any]:
         "expires_at": r.get("expires_at"),
         "request_counts": {"total": r["total"], "completed": r["completed"], "failed": r["failed"]},
         "metadata": r.get("metadata") or None,
+        "usage": _usage(r),
+    }
+
+
+def _usage(r: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI's batch ``usage``: the tokens of the lines collected so far."""
+    prompt, output = r.get("input_tokens", 0), r.get("output_tokens", 0)
+    return {
+        "input_tokens": prompt,
+        "input_tokens_details": {"cached_tokens": r.get("cached_tokens", 0)},
+        "output_tokens": output,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": prompt + output,
     }

@@ -104,7 +104,9 @@ def validate_batch(batch_id: str, raw: dict[str, Any]) -> str:
     producer = Producer(connection, config.prefix, shards=config.shards)
     lines = files.lines(batch["input_file_id"])
     pacer = Pacer(connection, config.keys, state.owner(batch_id))
-    report = check_file(lines, batch_id, models.__contains__, producer.limits, pacer.check)
+    report = check_file(
+        lines, batch_id, models.__contains__, producer.limits, pacer.check, batch["endpoint"]
+    )
     if report.num_errors:
         errors = [{"code": "invalid_request", **e} for e in report.errors]
         state.set(batch_id, errors=errors, total=report.total)

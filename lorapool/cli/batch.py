@@ -66,7 +66,7 @@ def batch():
     default="/v1/completions",
     show_default=True,
     type=click.Choice(["/v1/completions", "/v1/chat/completions"]),
-    help="the batch's endpoint (lines may use either)",
+    help="the batch's endpoint (every line's url must be it)",
 )
 @_options
 def submit(path, endpoint, redis_url, prefix, queue, shards):

@@ -67,6 +67,7 @@ class Accumulator:
         self.last: Chunk | None = None  # the latest
         self.prompt: str | None = None  # the first chunk's
         self.prompt_token_ids: list[int] | None = None
+        self.prompt_logprobs: list | None = None  # the first chunk's, when asked
 
     def add(self, chunk: Chunk, outputs: list | None = None) -> None:
         """Keep what ``chunk`` holds. ``outputs``: its completions as the caller keeps
@@ -75,6 +76,8 @@ class Accumulator:
             self.first = chunk
         if chunk.prompt_token_ids is not None:
             self.prompt, self.prompt_token_ids = chunk.prompt, list(chunk.prompt_token_ids)
+        if chunk.prompt_logprobs is not None:
+            self.prompt_logprobs = chunk.prompt_logprobs
         if outputs is None:
             for out in chunk.outputs:
                 self.completion(out["index"]).add(
@@ -115,4 +118,5 @@ class Accumulator:
             error=last.error,
             prompt=self.prompt,
             prompt_token_ids=self.prompt_token_ids,
+            prompt_logprobs=self.prompt_logprobs,
         )

@@ -21,7 +21,7 @@ from typing import Any
 
 from lorapool.lifecycle.accumulator import Accumulator, Completion
 from lorapool.lifecycle.wire import Chunk, decode_chunk, encode_chunk
-from lorapool.outputs import CompletionOutput, RequestOutput
+from lorapool.outputs import CompletionOutput, RequestOutput, logprobs_from_wire
 from lorapool.protocol import RequestOutputKind
 
 RESULT_FIELD = "result"  # the job hash's field holding the compacted output
@@ -108,7 +108,7 @@ class Cursor:
         rest = dataclasses.replace(whole, outputs=[self._cut(o) for o in whole.outputs])
         rest.offset = sum(tokens for tokens, _ in self.given.values())
         if self.seq >= 0:  # the first chunk's prompt is not repeated
-            rest.prompt = rest.prompt_token_ids = None
+            rest.prompt = rest.prompt_token_ids = rest.prompt_logprobs = None
         self._give(rest)
         yield rest
 
@@ -141,6 +141,7 @@ class OutputAssembler:
         self.kind = RequestOutputKind(kind)
         self.output = Accumulator()
         self.lora = None
+        self.prompt_logprobs = None  # decoded from the first chunk, when asked
 
     def feed(self, chunk: Chunk) -> RequestOutput | None:
         """The output to yield for this chunk, or None (FINAL_ONLY before the end)."""
@@ -151,6 +152,9 @@ class OutputAssembler:
         # the full adapter and the prompt of the first chunk, in every output
         delta.lora_request = self.lora
         delta.prompt, delta.prompt_token_ids = self.output.prompt, self.output.prompt_token_ids
+        if self.prompt_logprobs is None and self.output.prompt_logprobs is not None:
+            self.prompt_logprobs = logprobs_from_wire(self.output.prompt_logprobs)  # once
+        delta.prompt_logprobs = self.prompt_logprobs
         for c in delta.outputs:
             c.lora_request = self.lora
         if self.kind == RequestOutputKind.DELTA:

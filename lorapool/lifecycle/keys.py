@@ -154,6 +154,9 @@ class Keys:
         '(tokenizer.json), "chat_template", "special", "clean_up_tokenization_spaces"}; '
         "written by each worker that starts.",
     )
+    lora_resolver = _meta_key(
+        "lora-resolver", "String: 'off' while an admin has turned the gateways' LoRA resolver off."
+    )
     workers = _meta_key("workers", "Hash: worker id -> heartbeat record.")
     api_keys = _meta_key(
         "api-keys",
@@ -243,6 +246,9 @@ class Keys:
 
     files = _meta_key(
         "files", "Sorted set: batch file id -> its expiry time (lorapool/batch/files.py)."
+    )
+    batches = _meta_key(
+        "batches", "Sorted set: batch id -> its creation time (GET /v1/batches lists them)."
     )
 
     def file(self, file_id: str) -> str:

@@ -264,6 +264,7 @@ class Chunk:
     error: str | None = None
     prompt: str | None = None  # first chunk only
     prompt_token_ids: list[int] | None = None  # first chunk only
+    prompt_logprobs: list | None = None  # first chunk only, when asked (logprobs_to_wire)
 
     @property
     def num_tokens(self) -> int:
@@ -289,7 +290,7 @@ class Chunk:
             self.request_id,
             self.prompt,
             self.prompt_token_ids,
-            None,
+            logprobs_from_wire(self.prompt_logprobs),
             outs,
             self.finished,
             RequestMetrics.from_dict(self.metrics),
@@ -316,19 +317,14 @@ def completion_wire(c: CompletionOutput, offset: int) -> dict[str, Any]:
 # A chunk on the wire is compact (most of a GPU worker's Redis memory is chunk logs):
 # short keys, and only what says something. Record: s seq, o offset (omitted: 0),
 # c completions, f finished (1; omitted: not), a adapter id (omitted: 0), and on the
-# first or final chunk lora, m metrics, w worker, e error, p prompt, pi prompt ids.
+# first or final chunk lora, m metrics, w worker, e error, p prompt, pi prompt ids,
+# pl prompt logprobs.
 # Completion: i index (omitted: 0), o offset (omitted: the chunk's), t text,
 # k token ids, l logprobs, c cumulative logprob, f finish reason, r stop reason
 # (the last four omitted when null). The request id is the key's or channel's.
 CHUNK_VERSION = 2
-_CHUNK_KEYS = (
-    ("lora_request", "lora"),
-    ("metrics", "m"),
-    ("worker", "w"),
-    ("error", "e"),
-    ("prompt", "p"),
-    ("prompt_token_ids", "pi"),
-)
+_CHUNK_KEYS = (("lora_request", "lora"), ("metrics", "m"), ("worker", "w"), ("error", "e"))
+_CHUNK_KEYS += (("prompt", "p"), ("prompt_token_ids", "pi"), ("prompt_logprobs", "pl"))
 _COMPLETION_KEYS = (
     ("logprobs", "l"),
     ("cumulative_logprob", "c"),

@@ -109,17 +109,18 @@ def make_lines():
     return lines_of
 
 
-def lines_of(count: int, models: list[str], max_tokens: int = 6) -> list[dict]:
-    """Lines cycling through the models, completions and chats alternating."""
+def lines_of(
+    count: int, models: list[str], max_tokens: int = 6, url: str = "/v1/completions"
+) -> list[dict]:
+    """Lines of one endpoint (a batch's lines must use its endpoint, as OpenAI's do),
+    cycling through the models."""
     lines = []
     for i in range(count):
         body = {"model": models[i % len(models)], "max_tokens": max_tokens, "temperature": 0}
-        if i % 2:
+        if url == "/v1/chat/completions":
             body["messages"] = [{"role": "user", "content": f"question {i} about w{i % 7}"}]
-            url = "/v1/chat/completions"
         else:
             body["prompt"] = f"line {i}: the w{i % 5} and w{i % 3}"
-            url = "/v1/completions"
         lines.append({"custom_id": f"req-{i}", "method": "POST", "url": url, "body": body})
     return lines
 

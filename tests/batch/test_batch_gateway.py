@@ -26,7 +26,7 @@ def client(redis_url, prefix, config, tmp_path, monkeypatch):
 def test_the_openai_client_runs_a_batch(
     client, rq_worker, make_lines, registry, base_name, oracle, tmp_path
 ):
-    lines = make_lines(12, [*registry, base_name])
+    lines = make_lines(12, [*registry, base_name], url="/v1/chat/completions")
     source = tmp_path / "in.jsonl"
     source.write_bytes(b"".join(orjson.dumps(x) + b"\n" for x in lines))
     with open(source, "rb") as f:
@@ -50,6 +50,10 @@ def test_the_openai_client_runs_a_batch(
         choice = out["response"]["body"]["choices"][0]
         text = choice["message"]["content"] if "messages" in line["body"] else choice["text"]
         assert text == oracle(line).outputs[0].text
+    usages = [o["response"]["body"]["usage"] for o in outputs]
+    assert batch.usage.input_tokens == sum(u["prompt_tokens"] for u in usages) > 0
+    assert batch.usage.output_tokens == sum(u["completion_tokens"] for u in usages) > 0
+    assert batch.usage.total_tokens == batch.usage.input_tokens + batch.usage.output_tokens
     assert client.batches.cancel(batch.id).status == "completed"
     with pytest.raises(Exception) as missing:
         client.batches.retrieve("batch_unknown")
@@ -77,3 +81,56 @@ def test_bad_batch_requests_are_refused_in_openai_shape(client, tmp_path):
                        data={"purpose": "fine-tune"}, timeout=10)  # fmt: skip
     assert reply.status_code == 400 and reply.json()["error"]["param"] == "purpose"
     assert httpx.get(f"{base}/files/file-nope/content", timeout=10).status_code == 404
+
+
+def _wait(client, batch_id: str):
+    deadline = time.monotonic() + 180
+    while (batch := client.batches.retrieve(batch_id)).status not in {"completed", "failed"}:
+        assert time.monotonic() < deadline, batch.status
+        time.sleep(0.3)
+    return batch
+
+
+def test_files_list_and_delete_batches_list_and_the_endpoint_enforced(
+    client, rq_worker, make_lines, registry, tmp_path
+):
+    """files.list and batches.list page as OpenAI's do (the client follows ``after``),
+    files.delete removes, and a line whose url is not the batch's endpoint fails it."""
+    import openai
+
+    ids = []
+    for i, url in enumerate(["/v1/chat/completions", "/v1/completions", "/v1/completions"]):
+        source = tmp_path / f"in{i}.jsonl"
+        lines = make_lines(2, list(registry), url=url)
+        source.write_bytes(b"".join(orjson.dumps(x) + b"\n" for x in lines))
+        with open(source, "rb") as f:
+            ids.append(client.files.create(file=f, purpose="batch").id)
+        time.sleep(1.05)  # created_at has a second's resolution
+    listed = [f.id for f in client.files.list(limit=1)]  # one a page: follows ``after``
+    ours = [i for i in listed if i in ids]
+    assert ours == ids[::-1]  # newest first
+    assert [f.id for f in client.files.list(order="asc") if f.id in ids] == ids
+    page = client.files.list(limit=2)
+    assert len(page.data) == 2 and page.has_more
+    deleted = client.files.delete(ids[2])
+    assert deleted.deleted is True and deleted.id == ids[2]
+    with pytest.raises(openai.NotFoundError):
+        client.files.retrieve(ids[2])
+    with pytest.raises(openai.NotFoundError):
+        client.files.delete(ids[2])
+    assert ids[2] not in [f.id for f in client.files.list()]
+
+    wrong = client.batches.create(
+        input_file_id=ids[0], endpoint="/v1/completions", completion_window="24h"
+    )
+    right = client.batches.create(
+        input_file_id=ids[1], endpoint="/v1/completions", completion_window="24h"
+    )
+    rq_worker()
+    failed, done = _wait(client, wrong.id), _wait(client, right.id)
+    assert failed.status == "failed" and done.status == "completed"
+    assert {e.param for e in failed.errors.data} == {"url"}
+    assert "not the batch's endpoint" in failed.errors.data[0].message
+    batches = [b.id for b in client.batches.list(limit=1)]
+    assert [b for b in batches if b in (wrong.id, right.id)] == [right.id, wrong.id]
+    assert done.usage.output_tokens > 0 and failed.usage.total_tokens == 0

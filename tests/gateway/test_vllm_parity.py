@@ -255,3 +255,169 @@ def test_every_grafana_query_names_an_exported_metric(secure, metrics_port, base
         "vllm:num_preemptions_total",
         "vllm:cache_config_info",
     }
+
+
+def test_priority_picks_the_pools_stream(redis_url, conn, tmp_path_factory):
+    """vLLM's priority (lower first): above 0 the batch stream, else the interactive one.
+    A pool without workers, so the jobs stay in their streams."""
+    import uuid
+
+    from gateway_procs import serve, stop
+
+    prefix = f"test-prio-{uuid.uuid4().hex[:8]}"
+    conn.set(f"{prefix}:model", orjson.dumps({"name": "base", "sha256": "0" * 64}))
+    url, proc = serve(redis_url, prefix, tmp_path_factory.mktemp("prio"))
+    try:
+        for priority in (None, -5, 0, 1, 7, 2**40):
+            body = {"model": "base", "prompt": "x", "max_tokens": 2}
+            if priority is not None:
+                body["priority"] = priority
+            assert httpx.post(f"{url}/v1/jobs", json=body).status_code == 202
+        assert conn.xlen(f"{prefix}:requests") == 3
+        assert conn.xlen(f"{prefix}:requests:batch") == 3
+        bad = httpx.post(f"{url}/v1/jobs", json={"model": "base", "prompt": "x", "priority": 1.5})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "priority"
+    finally:
+        stop(proc)
+        for key in conn.scan_iter(f"{prefix}:*"):
+            conn.delete(key)
+
+
+def test_echo_puts_the_prompt_before_each_choice(client, base_name, model):
+    from transformers import AutoTokenizer
+
+    kw = dict(model=base_name, max_tokens=6, temperature=0.0)
+    plain = client.completions.create(prompt="The quick brown", **kw).choices[0].text
+    echoed = client.completions.create(prompt="The quick brown", echo=True, **kw)
+    assert echoed.choices[0].text == "The quick brown" + plain
+    streamed = client.completions.create(prompt="The quick brown", echo=True, stream=True, **kw)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == "The quick brown" + plain
+    ids = AutoTokenizer.from_pretrained(model).encode("Grüße aus")
+    got = client.completions.create(prompt=ids, echo=True, **kw)
+    assert got.choices[0].text.startswith(AutoTokenizer.from_pretrained(model).decode(ids))
+
+
+def test_echo_logprobs_and_prompt_logprobs_match_the_engine(client, base_name, llm):
+    """The prompt's logprobs (vLLM's prompt_logprobs, and echo's) are the engine's own."""
+    from lorapool.protocol import SamplingParams
+
+    prompt = "Once upon a time"
+    [want] = llm.generate(
+        [prompt], SamplingParams(temperature=0.0, max_tokens=4, logprobs=2, prompt_logprobs=2)
+    )
+    got = client.completions.create(
+        model=base_name, prompt=prompt, max_tokens=4, temperature=0.0, logprobs=2, echo=True
+    )
+    lp = got.choices[0].logprobs
+    ids = want.prompt_token_ids
+    assert len(lp.tokens) == len(ids) + 4
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    for i in range(1, len(ids)):
+        assert lp.token_logprobs[i] == pytest.approx(want.prompt_logprobs[i][ids[i]].logprob)
+    assert got.choices[0].text == prompt + want.outputs[0].text
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+    extra = client.completions.create(
+        model=base_name,
+        prompt=prompt,
+        max_tokens=2,
+        temperature=0.0,
+        extra_body={"prompt_logprobs": 1},
+    )
+    positions = extra.choices[0].model_dump()["prompt_logprobs"]
+    assert positions[0] is None and len(positions) == len(ids)
+    for i in range(1, len(ids)):
+        entry = positions[i][str(ids[i])]
+        assert entry["logprob"] == pytest.approx(want.prompt_logprobs[i][ids[i]].logprob)
+        assert entry["rank"] == want.prompt_logprobs[i][ids[i]].rank
+    chat = client.chat.completions.create(
+        model=base_name,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=2,
+        extra_body={"prompt_logprobs": 0},
+    )
+    assert chat.model_dump()["prompt_logprobs"][0] is None
+
+
+@pytest.fixture(scope="module")
+def resolving(redis_url, prefix, conn, worker, model, tmp_path_factory):
+    """Two gateways with --adapter-root and keys: (URLs, root, admin key, submit key)."""
+    from adapters import build_adapter
+    from gateway_procs import serve, stop
+
+    from lorapool.lifecycle.keys import Keys
+    from lorapool.producer.api_keys import ApiKeys
+
+    root = tmp_path_factory.mktemp("resolver-root")
+    for i, name in enumerate(("fresh", "twin")):
+        build_adapter(model, root / name, rank=8, targets=("q_proj",), seed=40 + i, std=0.2)
+    outside = tmp_path_factory.mktemp("outside")
+    build_adapter(model, outside / "evil", rank=8, targets=("q_proj",), seed=9, std=0.2)
+    (root / "escape").symlink_to(outside / "evil")
+    keys = ApiKeys(conn, Keys(prefix))
+    admin, submit = keys.add("ops", "admin")[1], keys.add("ops", "submit")[1]
+    procs, urls = [], []
+    for i in range(2):
+        cwd = tmp_path_factory.mktemp(f"resolving{i}")
+        url, proc = serve(redis_url, prefix, cwd, "--adapter-root", str(root), auth=True)
+        urls.append(url)
+        procs.append(proc)
+    yield urls, root, admin, submit
+    for proc in procs:
+        stop(proc)
+
+
+def test_the_lora_resolver_registers_and_serves_on_first_use(resolving, producer, llm):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from lorapool.identity import adapter_sha256
+    from lorapool.producer.registry import lora_from_record
+    from lorapool.protocol import SamplingParams
+
+    urls, root, admin, submit = resolving
+    auth = {"Authorization": f"Bearer {submit}"}
+    body = {"model": "fresh", "prompt": "Hello", "max_tokens": 6, "temperature": 0.0}
+    assert producer.registry.get("fresh") is None
+    got = httpx.post(f"{urls[0]}/v1/completions", json=body, headers=auth, timeout=120)
+    assert got.status_code == 200, got.text
+    record = producer.registry.get("fresh")
+    assert record["sha256"] == adapter_sha256(root / "fresh")
+    [want] = llm.generate(
+        ["Hello"],
+        SamplingParams(temperature=0.0, max_tokens=6),
+        lora_request=lora_from_record(record),
+    )
+    assert got.json()["choices"][0]["text"] == want.outputs[0].text
+
+    def call(i):
+        twin = {**body, "model": "twin"}
+        return httpx.post(f"{urls[i % 2]}/v1/completions", json=twin, headers=auth, timeout=120)
+
+    with ThreadPoolExecutor(6) as pool:
+        replies = list(pool.map(call, range(6)))
+    assert all(r.status_code == 200 for r in replies), [r.text for r in replies]
+    twins = [r for r in producer.registry.list() if r["name"] == "twin"]
+    assert len(twins) == 1 and twins[0]["path"] == str((root / "twin").resolve())
+    for name in ("escape", "..", "nowhere"):
+        miss = httpx.post(f"{urls[1]}/v1/completions", json={**body, "model": name}, headers=auth)
+        assert miss.status_code == 404, (name, miss.text)
+        assert producer.registry.get(name) is None
+
+
+def test_admins_turn_the_resolver_off_for_every_gateway(resolving, producer):
+    urls, root, admin, submit = resolving
+    admin_auth, auth = {"Authorization": f"Bearer {admin}"}, {"Authorization": f"Bearer {submit}"}
+    off = httpx.post(f"{urls[0]}/v1/lora_resolver", json={"enabled": False}, headers=admin_auth)
+    assert off.status_code == 200 and off.json()["enabled"] is False
+    refused = httpx.post(f"{urls[0]}/v1/lora_resolver", json={"enabled": False}, headers=auth)
+    assert refused.status_code == 403
+    assert httpx.get(f"{urls[1]}/v1/lora_resolver", headers=admin_auth).json()["enabled"] is False
+    import shutil
+
+    shutil.copytree(root / "fresh", root / "late")
+    body = {"model": "late", "prompt": "Hello", "max_tokens": 2}
+    assert httpx.post(f"{urls[1]}/v1/completions", json=body, headers=auth).status_code == 404
+    on = httpx.post(f"{urls[1]}/v1/lora_resolver", json={"enabled": True}, headers=admin_auth)
+    assert on.json()["enabled"] is True
+    got = httpx.post(f"{urls[0]}/v1/completions", json=body, headers=auth, timeout=120)
+    assert got.status_code == 200, got.text
+    assert producer.registry.get("late")["sha256"] == producer.registry.get("fresh")["sha256"]
