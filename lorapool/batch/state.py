@@ -104,7 +104,7 @@ class BatchState:
         }
         with self.redis.pipeline(transaction=False) as pipe:  # both keys on the meta slot
             pipe.hset(batch_key(self.keys, batch_id), mapping=record)
-            pipe.zadd(self.keys.batches, {batch_id: now})
+            pipe.zadd(self.keys.batches, {batch_id: time.time()})  # exact order, not seconds
             pipe.execute()
         return self.get(batch_id)
 
