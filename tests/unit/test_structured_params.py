@@ -92,3 +92,31 @@ def test_every_kind_compiles():
         StructuredOutputsParams(json=SCHEMA, whitespace_pattern=r"[ ]?"),
     ):
         assert check_grammar(params)
+
+
+def test_a_batch_line_carries_its_constraint_and_tools_into_its_job():
+    """Batch lines go through the gateway's own parser: a line's response_format, guided_*
+    and tools reach the job as they do over HTTP; a bad schema names the line's field."""
+    from lorapool.batch.lines import LineError, parse_line
+    from lorapool.lifecycle.wire import JobLimits
+
+    body = {"model": "m", "prompt": "x", "guided_json": SCHEMA}
+    record = {"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": body}
+    line = parse_line(1, orjson.dumps(record), "batch_1", JobLimits())
+    assert line.parsed.params.structured_outputs.json == SCHEMA
+    tool = {"type": "function", "function": {"name": "f", "parameters": SCHEMA}}
+    chat = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "hi"}],
+        "tools": [tool],
+        "tool_choice": {"type": "function", "function": {"name": "f"}},
+    }
+    record = {"custom_id": "b", "method": "POST", "url": "/v1/chat/completions", "body": chat}
+    line = parse_line(2, orjson.dumps(record), "batch_1", JobLimits())
+    assert line.parsed.params.structured_outputs.json == SCHEMA
+    assert line.parsed.prompts[0]["tools"] == [tool]
+    bad = {**body, "guided_json": {"type": "nope"}}
+    record = {"custom_id": "c", "method": "POST", "url": "/v1/completions", "body": bad}
+    with pytest.raises(LineError) as info:
+        parse_line(3, orjson.dumps(record), "batch_1", JobLimits())
+    assert info.value.field == "body.guided_json" and "nope" in str(info.value)

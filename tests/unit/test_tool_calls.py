@@ -158,3 +158,42 @@ def test_a_template_with_tools_gets_arguments_as_objects():
     assert renders_tools("{% if tools %}...{% endif %}")
     assert renders_tools({"default": "x", "tool_use": "y"}) and not renders_tools("{{ x }}")
     assert json.loads(CALL["function"]["arguments"]) == {"a": 1}  # the input is untouched
+
+
+TOOLS_TEMPLATE = (
+    "{% if tools %}<tools>{% for t in tools %}{{ t['function']['name'] }}:"
+    "{{ t['function'].get('parameters', {}) | tojson }};{% endfor %}</tools>{% endif %}"
+    "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}"
+    "{% for c in m.get('tool_calls', []) %}[call {{ c['function']['name'] }} "
+    "{{ c['function']['arguments'] | tojson }}]{% endfor %}</{{ m['role'] }}>{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+
+
+def test_a_template_with_tools_renders_them_as_transformers_does(tiny_tokenizer_path):
+    """The worker's prompt of a chat job with tools, against transformers'
+    apply_chat_template(tools=...) on a template that has a place for them."""
+    from transformers import AutoTokenizer
+
+    from lorapool.lifecycle.wire import job_from_dict
+    from lorapool.worker.prompt import engine_prompt
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_tokenizer_path)
+    tokenizer.chat_template = TOOLS_TEMPLATE
+    chat = [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": "", "tool_calls": [CALL]},
+        {"role": "tool", "content": "sunny", "tool_call_id": "call_1"},
+    ]
+    job = job_from_dict({"request_id": "r", "messages": chat, "tools": TOOLS})
+
+    class Engine:
+        def get_tokenizer(self):
+            return tokenizer
+
+    got = engine_prompt(job, Engine())
+    want = tokenizer.apply_chat_template(
+        template_chat(chat), tools=TOOLS, tokenize=False, add_generation_prompt=True
+    )
+    assert got == want
+    assert '<tools>f:{"type": "object"};g:' in got and '[call f {"a": 1}]' in got
