@@ -64,41 +64,47 @@ def parse_batch(client, models: list[str]) -> list[Pet]:
 
 
 def json_schema_everywhere(client, model: str) -> None:
-    """response_format json_schema (strict) on chat and completions, streamed and not."""
-    chat = client.chat.completions.create(
-        model=model, messages=ASK, response_format=RESPONSE_FORMAT, max_tokens=MAX_TOKENS
-    )
-    _valid_json(chat.choices[0].message.content, chat.choices[0].finish_reason)
-    stream = client.chat.completions.create(
-        model=model,
-        messages=ASK,
-        response_format=RESPONSE_FORMAT,
-        max_tokens=MAX_TOKENS,
-        stream=True,
-        temperature=1.0,
-    )
+    """response_format json_schema (strict) on chat and completions, streamed and not
+    (the four calls at once: the worker batches them)."""
+    with ThreadPoolExecutor(4) as pool:
+        for text, reason in pool.map(lambda f: f(client, model), _SCHEMA_CALLS):
+            _valid_json(text, reason)
+
+
+def _chat(client, model: str, streamed: bool) -> tuple[str, str | None]:
+    kw = dict(model=model, messages=ASK, response_format=RESPONSE_FORMAT, max_tokens=MAX_TOKENS)
+    if not streamed:
+        got = client.chat.completions.create(**kw)
+        return got.choices[0].message.content, got.choices[0].finish_reason
     text, reason = "", None
-    for chunk in stream:
+    for chunk in client.chat.completions.create(stream=True, temperature=1.0, **kw):
         for choice in chunk.choices:
             text += choice.delta.content or ""
             reason = choice.finish_reason or reason
-    _valid_json(text, reason)
-    for streamed in (False, True):
-        extra = {"response_format": RESPONSE_FORMAT}
-        got = client.completions.create(
-            model=model,
-            prompt="Weather report as JSON:",
-            max_tokens=MAX_TOKENS,
-            stream=streamed,
-            extra_body=extra,
-        )
-        if streamed:
-            chunks = list(got)
-            text = "".join(c.choices[0].text for c in chunks if c.choices)
-            reason = next(c.choices[0].finish_reason for c in reversed(chunks) if c.choices)
-        else:
-            text, reason = got.choices[0].text, got.choices[0].finish_reason
-        _valid_json(text, reason)
+    return text, reason
+
+
+def _completion(client, model: str, streamed: bool) -> tuple[str, str | None]:
+    got = client.completions.create(
+        model=model,
+        prompt="Weather report as JSON:",
+        max_tokens=MAX_TOKENS,
+        stream=streamed,
+        extra_body={"response_format": RESPONSE_FORMAT},
+    )
+    if not streamed:
+        return got.choices[0].text, got.choices[0].finish_reason
+    chunks = list(got)
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    return text, next(c.choices[0].finish_reason for c in reversed(chunks) if c.choices)
+
+
+_SCHEMA_CALLS = [
+    lambda c, m: _chat(c, m, False),
+    lambda c, m: _chat(c, m, True),
+    lambda c, m: _completion(c, m, False),
+    lambda c, m: _completion(c, m, True),
+]
 
 
 def _valid_json(text: str, finish_reason: str | None) -> None:
