@@ -156,36 +156,21 @@ def secure(redis_url, prefix, conn, worker, tmp_path_factory):
     stop(proc)
 
 
-def scrape(url: str) -> tuple[str, dict]:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = httpx.get(url, timeout=30).text
-    return text, {f.name: f for f in text_string_to_metric_families(text)}
-
-
-def value(families: dict, name: str, suffix: str, **labels) -> float:
-    family = families.get(name)
-    return sum(
-        s.value
-        for s in (family.samples if family else ())
-        if s.name == name + suffix and all(s.labels.get(k) == v for k, v in labels.items())
-    )
-
-
 def test_gateway_http_metrics_by_route_status_and_tenant(secure, base_name):
     url, key = secure
     auth = {"Authorization": f"Bearer {key}"}
-    _, before = scrape(f"{url}/metrics")
+    _, before = vllm_checks.scrape(f"{url}/metrics")
     body = {"model": base_name, "prompt": "Hi", "max_tokens": 2}
     assert httpx.post(f"{url}/v1/completions", json=body, headers=auth, timeout=60).is_success
     for _ in range(2):
         assert httpx.post(f"{url}/v1/completions", json=body, headers=auth).status_code == 429
     assert httpx.get(f"{url}/v1/jobs/nope", headers=auth).status_code == 404
     assert httpx.get(f"{url}/no/such/path/{'x' * 40}").status_code == 404
-    text, after = scrape(f"{url}/metrics")
+    text, after = vllm_checks.scrape(f"{url}/metrics")
     assert "_created" not in text
 
     def delta(name, suffix, **labels):
+        value = vllm_checks.value
         return value(after, name, suffix, **labels) - value(before, name, suffix, **labels)
 
     route = dict(handler="/v1/completions", method="POST")
@@ -199,41 +184,21 @@ def test_gateway_http_metrics_by_route_status_and_tenant(secure, base_name):
     assert not any("x" * 40 in h for h in handlers)  # raw paths never become labels
 
 
-PROMQL_WORDS = {
-    "sum", "max", "min", "avg", "count", "rate", "irate", "increase", "by", "without",
-    "histogram_quantile", "clamp_min", "clamp_max", "le", "on", "ignoring", "and", "or",
-    "unless", "bool", "offset", "label_values",
-}  # fmt: skip
-
-
-def promql_metrics(expr: str) -> set[str]:
-    """The metric names a PromQL expression reads (label matchers, grouping clauses,
-    ranges, strings and Grafana variables taken out first)."""
-    import re
-
-    expr = re.sub(r'"(?:[^"\\]|\\.)*"', "", expr)
-    expr = re.sub(r"\{[^}]*\}|\[[^\]]*\]", "", expr)
-    expr = re.sub(r"\b(by|without|on|ignoring)\s*\([^)]*\)", "", expr)
-    expr = re.sub(r"\$\w+", "", expr)
-    expr = re.sub(r"label_values\(([^,)]*),[^)]*\)", r"\1", expr)
-    names = set(re.findall(r"[A-Za-z_:][A-Za-z0-9_:]*", expr))
-    return {n for n in names if n not in PROMQL_WORDS and not re.fullmatch(r"\d.*", n)}
-
-
 def test_every_grafana_query_names_an_exported_metric(secure, metrics_port, base_name, client):
     """deploy/grafana/lorapool.json against what a worker and a gateway export after
     some traffic (every labelled series has a sample then)."""
     import json
     from pathlib import Path
 
-    assert promql_metrics('sum by (le) (rate(a:b_bucket{x="y"}[5m])) / c') == {"a:b_bucket", "c"}
-    assert promql_metrics("label_values(vllm:x, model_name)") == {"vllm:x"}
+    promql = vllm_checks.promql_metrics
+    assert promql('sum by (le) (rate(a:b_bucket{x="y"}[5m])) / c') == {"a:b_bucket", "c"}
+    assert promql("label_values(vllm:x, model_name)") == {"vllm:x"}
     client.completions.create(model=base_name, prompt="Hello", max_tokens=3)
     client.completions.create(model="ad-qv", prompt="Hello", max_tokens=3)  # an adapter loads
     url, _ = secure
     exported = set()
     for source in (f"http://127.0.0.1:{metrics_port}/metrics", f"{url}/metrics"):
-        _, families = scrape(source)
+        _, families = vllm_checks.scrape(source)
         exported |= {s.name for f in families.values() for s in f.samples}
         # a gauge family with no series now (no adapter running) is still exported
         exported |= {f.name for f in families.values() if f.type == "gauge"}
@@ -241,7 +206,7 @@ def test_every_grafana_query_names_an_exported_metric(secure, metrics_port, base
     queries = [t["expr"] for p in board["panels"] for t in p.get("targets", ())]
     queries += [v["definition"] for v in board["templating"]["list"] if "definition" in v]
     assert len(queries) > 30
-    named = set().union(*(promql_metrics(q) for q in queries))
+    named = set().union(*(promql(q) for q in queries))
     assert named - exported == set()
     assert {n for n in named if n.startswith("vllm:")} >= {
         "vllm:time_to_first_token_seconds_bucket",
