@@ -187,6 +187,8 @@ def _auto_device() -> str:
 
 
 def _commit() -> str:
+    if os.environ.get("LORAPOOL_COMMIT"):  # the device's copy of the tree has no .git of ours
+        return os.environ["LORAPOOL_COMMIT"]
     try:
         out = subprocess.run(
             ["git", "-C", str(HERE), "rev-parse", "--short", "HEAD"],

@@ -36,6 +36,14 @@ def top2_margin(model, token_ids: list[int]) -> float:
     return float(top[0] - top[1])
 
 
+@torch.inference_mode()
+def hf_top(model, token_ids: list[int], k: int) -> set[int]:
+    """The oracle's ``k`` most likely next tokens after ``token_ids``."""
+    device = next(model.parameters()).device
+    logits = model(torch.tensor([token_ids], device=device)).logits[0, -1].float()
+    return set(torch.topk(logits, k).indices.tolist())
+
+
 def make_engine(path, device: str, dtype: str, **options):
     from lorapool import EngineArgs, LLMEngine
 
@@ -47,22 +55,65 @@ def make_engine(path, device: str, dtype: str, **options):
 
 def engine_greedy(engine, prompts, max_new_tokens: int, loras=None) -> list[list[int]]:
     """Every request in one continuous batch; the new token ids of each, in order."""
+    return engine_greedy_top(engine, prompts, max_new_tokens, loras)[0]
+
+
+def engine_greedy_top(
+    engine, prompts, max_new_tokens: int, loras=None, k: int | None = None, **extra
+) -> tuple[list[list[int]], list[list[set[int]]] | None]:
+    """``engine_greedy``, and with ``k`` each position's top-``k`` token ids (the
+    engine's own logprobs of the raw distribution, as vLLM's ``logprobs=k``)."""
     from lorapool import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
+    params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, logprobs=k, **extra)
     loras = loras or [None] * len(prompts)
     for i, (prompt, lora) in enumerate(zip(prompts, loras)):
         engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, params, lora_request=lora)
-    done = {}
+    done, tops = {}, {}
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = list(out.outputs[0].token_ids)
-    return [done[f"r{i}"] for i in range(len(prompts))]
+                if k is not None:
+                    tops[out.request_id] = [
+                        {t for t, lp in d.items() if lp.rank is None or lp.rank <= k}
+                        for d in out.outputs[0].logprobs
+                    ]
+    keys = [f"r{i}" for i in range(len(prompts))]
+    return [done[key] for key in keys], ([tops[key] for key in keys] if k is not None else None)
+
+
+def not_near_ties(ours, theirs, our_tops, their_top) -> list[str]:
+    """Each first difference that is not a near tie, described (empty: all close).
+
+    A near tie, as vLLM's ``check_logprobs_close`` judges one: at the first
+    position where the two greedy runs part, each run's token is among the
+    other's top-k there. ``their_top(i, pos)`` gives the other side's top-k set
+    (computed on demand: the oracle's forward pass over the shared prefix).
+    """
+    bad = []
+    for i, (a, b) in enumerate(zip(ours, theirs)):
+        pos = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        if pos is None:
+            if len(a) != len(b):
+                bad.append(f"request {i}: {len(a)} tokens against {len(b)}")
+            continue
+        mine_in_theirs = a[pos] in their_top(i, pos)
+        theirs_in_mine = b[pos] in our_tops[i][pos]
+        if not (mine_in_theirs and theirs_in_mine):
+            bad.append(
+                f"request {i} token {pos}: {a[pos]} vs {b[pos]} "
+                f"(ours in theirs' top: {mine_in_theirs}, theirs in ours': {theirs_in_mine})"
+            )
+    return bad
 
 
 def free(*objects) -> None:
-    """Drop references the caller passes in and return their device memory."""
+    """Collect garbage and return cached device memory.
+
+    Deleting the arguments here cannot drop the caller's own names for them:
+    callers ``del`` (or rebind) theirs first, then call this.
+    """
     del objects
     gc.collect()
     if torch.cuda.is_available():

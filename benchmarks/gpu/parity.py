@@ -7,7 +7,13 @@ Per model (a ~1B Llama and a small Qwen3, generated on the device):
   logits are within ``TIE_MARGIN`` is reported as a near tie (summation order
   may decide it), not as a failure; any other difference fails.
 - bf16: both sides in bf16: the agreement (tokens before the first difference
-  over all tokens) is reported; the first ``bf16_exact_tokens`` must be equal.
+  over all tokens) is reported, and how often the first ``bf16_exact_tokens``
+  are equal; every first difference must be a near tie as vLLM's tests judge
+  one (each side's token among the other's top ``TOP_K`` there). With random
+  weights and no training, logits sit close together, and bf16 rounding in a
+  different summation order (our Triton kernels against transformers' SDPA and
+  cuBLAS) decides near ties either way; how close each side stays to fp32 is
+  reported beside it.
 - LoRA (fp32): adapters of ranks 8-64 on different projections and the base
   model mixed in one batch, against PEFT running each request alone: exact.
 """
@@ -22,6 +28,7 @@ import torch
 from . import models, oracle
 
 TIE_MARGIN = 1e-3
+TOP_K = 5  # vLLM's check_logprobs_close uses the top 5 of each side
 
 
 def run(ctx, rec) -> None:
@@ -44,7 +51,8 @@ def run(ctx, rec) -> None:
                 rec.cut_short(f"{shape.name} {name}")
                 break
             part(ctx, rec, shape, path, hf, prompts, fp32)
-        oracle.free(hf)
+        del hf
+        oracle.free()
 
 
 def _fp32(ctx, rec, shape, path, hf, prompts) -> list[list[int]]:
@@ -53,7 +61,8 @@ def _fp32(ctx, rec, shape, path, hf, prompts) -> list[list[int]]:
     theirs = [oracle.hf_greedy(hf, p, n) for p in prompts]
     engine = oracle.make_engine(path, ctx.device, "float32", max_num_seqs=len(prompts))
     ours = oracle.engine_greedy(engine, prompts, n)
-    oracle.free(engine)
+    del engine
+    oracle.free()
     agree = oracle.agreement(ours, theirs)
     ties, real = [], []
     for i, pos in agree.first_diffs:
@@ -73,17 +82,34 @@ def _bf16(ctx, rec, shape, path, hf_fp32, prompts, fp32_theirs) -> None:
     n, k = ctx.sizes.parity_tokens, ctx.sizes.bf16_exact_tokens
     hf = models.load_hf(path, ctx.device, torch.bfloat16)
     theirs = [oracle.hf_greedy(hf, p, n) for p in prompts]
-    oracle.free(hf)
     engine = oracle.make_engine(path, ctx.device, "bfloat16", max_num_seqs=len(prompts))
-    ours = oracle.engine_greedy(engine, prompts, n)
-    oracle.free(engine)
+    ours, our_tops = oracle.engine_greedy_top(engine, prompts, n, k=TOP_K)
+    del engine
+    oracle.free()
     agree = oracle.agreement(ours, theirs)
     rec.figure(f"{shape.name}_bf16_exact", f"{agree.exact}/{agree.total}")
     rec.figure(f"{shape.name}_bf16_agreement", agree.share)
+    first_k = sum(a[:k] == b[:k] for a, b in zip(ours, theirs))
+    rec.figure(f"{shape.name}_bf16_first{k}_equal", f"{first_k}/{len(prompts)}")
     rec.figure(f"{shape.name}_bf16_vs_fp32_agreement", oracle.agreement(ours, fp32_theirs).share)
-    exact = agree.exact_first(k, ours, theirs)
-    detail = f"first differences (request, token): {agree.first_diffs}"
-    rec.check(f"{shape.name} bf16 first {k} tokens equal transformers bf16", exact, detail)
+    rec.figure(
+        f"{shape.name}_transformers_bf16_vs_fp32_agreement",
+        oracle.agreement(theirs, fp32_theirs).share,
+    )
+    real = oracle.not_near_ties(
+        ours,
+        theirs,
+        our_tops,
+        lambda i, pos: oracle.hf_top(hf, prompts[i] + theirs[i][:pos], TOP_K),
+    )
+    hf = None  # the closure above names it: rebind, then free
+    oracle.free()
+    rec.check(
+        f"{shape.name} bf16 greedy vs transformers bf16: every first difference a near tie "
+        f"(each token in the other's top {TOP_K})",
+        not real,
+        "; ".join(real) + f" (first differences (request, token): {agree.first_diffs})",
+    )
 
 
 def _lora(ctx, rec, shape, path, hf, prompts, base) -> None:
@@ -111,17 +137,20 @@ def _lora(ctx, rec, shape, path, hf, prompts, base) -> None:
         max_lora_rank=max(ranks),
     )
     ours = oracle.engine_greedy(engine, prompts, sizes.parity_tokens, loras)
-    oracle.free(engine)
-    peft = PeftModel.from_pretrained(hf, str(dirs[names[0]]), adapter_name=names[0])
+    del engine
+    oracle.free()
+    # PEFT names adapters as torch modules, which refuse dots ("qwen3-0.6b-...")
+    peft_name = {name: name.replace(".", "_") for name in names}
+    peft = PeftModel.from_pretrained(hf, str(dirs[names[0]]), adapter_name=peft_name[names[0]])
     for name in names[1:]:
-        peft.load_adapter(str(dirs[name]), adapter_name=name)
+        peft.load_adapter(str(dirs[name]), adapter_name=peft_name[name])
     theirs = []
     for prompt, name in zip(prompts, which):
         if name is None:
             with peft.disable_adapter():
                 theirs.append(oracle.hf_greedy(peft, prompt, sizes.parity_tokens))
         else:
-            peft.set_adapter(name)
+            peft.set_adapter(peft_name[name])
             theirs.append(oracle.hf_greedy(peft, prompt, sizes.parity_tokens))
     agree = oracle.agreement(ours, theirs)
     rec.figure(f"{shape.name}_lora_exact", f"{agree.exact}/{agree.total}")

@@ -44,6 +44,12 @@ def run(ctx, rec) -> None:
     which = [names[i % len(names)] for i in range(sizes.queue_requests)]
     prompts = models.prompts(sizes.queue_requests, 32, shape.vocab_size, seed=3)
     expected, engine_tps = _in_process(ctx, path, prompts, which, adapters)
+    oracle.free()  # the in-process engine's KV cache must be gone before the worker sizes its own
+    if ctx.device == "cuda":
+        import torch
+
+        free, total = torch.cuda.mem_get_info()
+        rec.figure("free_GiB_before_worker", round(free / 2**30, 1))
     rec.figure("requests", len(prompts))
     rec.figure("engine_tokens_per_s", round(engine_tps, 1))
     binary = find_binary()
@@ -91,7 +97,8 @@ def _in_process(ctx, path, prompts, which, adapters):
     t0 = time.perf_counter()
     expected = oracle.engine_greedy(engine, prompts, ctx.sizes.queue_tokens, loras)
     seconds = time.perf_counter() - t0
-    oracle.free(engine)
+    del engine
+    oracle.free()
     return expected, sum(map(len, expected)) / seconds
 
 
