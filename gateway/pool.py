@@ -237,6 +237,7 @@ class Pool:
                 untaken.result()  # raises no_worker
             if not waiting.done():
                 waiting.cancel()
+                await asyncio.gather(waiting, return_exceptions=True)  # its CancelledError
                 await _abort(handles)
                 raise APIError(499, "the client closed the request; its jobs were aborted")
             return waiting.result()

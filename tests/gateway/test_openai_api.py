@@ -4,9 +4,15 @@ with the same LoRARequest as the registry's."""
 
 from __future__ import annotations
 
+import contextlib
+import threading
+import time
+import uuid
+
 import httpx
 import openai
 import pytest
+import redis
 
 from lorapool.producer.registry import lora_from_record
 from lorapool.protocol import SamplingParams
@@ -187,14 +193,57 @@ def test_n_completions_per_prompt_of_a_batch(client, llm, registry):
     assert texts == [c.text for c in got.choices]
 
 
-def test_a_client_that_leaves_a_waiting_request_aborts_its_job(gateway, conn, prefix, producer):
+def test_a_client_that_leaves_a_waiting_request_aborts_its_job(
+    gateway, conn, redis_url, prefix, producer
+):
     from lorapool.lifecycle.wire import decode_job
 
     body = {"model": "ad-qv", "prompt": PROMPT, "max_tokens": 480, "ignore_eos": True, "n": 8}
-    with pytest.raises(httpx.ReadTimeout):
+    enqueued = next_entry(conn, redis_url, f"{prefix}:requests")
+    with enqueued as entry, pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{gateway}/v1/completions", json=body, timeout=0.5)
-    [(_, fields)] = conn.xrevrange(f"{prefix}:requests", count=1)
-    job = decode_job(fields[b"data"])
+    job = decode_job(entry()[b"data"])
     assert job.sampling_params.max_tokens == 480
     result = producer.handle(job.request_id).result(timeout=60)
     assert {c.finish_reason for c in result.outputs} == {"abort"}
+
+
+@contextlib.contextmanager
+def next_entry(conn, url: str, stream: str, timeout_s: float = 60.0):
+    """Yields a function that returns the fields of the first entry added to ``stream``
+    inside the block, as a blocking XREAD (issued, and seen blocked by Redis, before the
+    block runs) received it. The stream itself cannot be read afterwards: the gateway
+    may enqueue after the client gave up (a loaded machine), and the entry of a job
+    that ends (aborted) is trimmed from the stream's head by the worker."""
+    start = conn.xinfo_stream(stream)["last-generated-id"] if conn.exists(stream) else b"0-0"
+    name = f"next-entry-{uuid.uuid4().hex[:8]}"
+    watcher = redis.Redis.from_url(url)
+    got: list = []
+    ids: list = []
+
+    def read():
+        watcher.client_setname(name)
+        ids.append(watcher.client_id())
+        got.append(watcher.xread({stream: start}, count=1, block=int(timeout_s * 1000)))
+
+    thread = threading.Thread(target=read, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout_s
+    while not any(c.get("name") == name and "b" in c.get("flags", "") for c in conn.client_list()):
+        assert thread.is_alive() and time.monotonic() < deadline, "XREAD never blocked"
+        time.sleep(0.01)
+
+    def entry():
+        thread.join(timeout_s)
+        assert got and got[0], f"nothing was added to {stream} within {timeout_s:g}s"
+        [(_, [(_, fields)])] = got[0]
+        return fields
+
+    try:
+        yield entry
+    except BaseException:
+        conn.client_unblock(ids[0])  # the block failed: nothing more to wait for
+        raise
+    finally:
+        thread.join(timeout_s)
+        watcher.close()
