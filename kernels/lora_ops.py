@@ -13,8 +13,11 @@ that would show otherwise). Tokens with slot -1 are in no tile, so no program
 ever reads a weight for them, least of all the last slot's.
 
 Shrink splits the H_in reduction over SPLIT_K programs when the tiles alone
-would leave the device idle (decode); the partial sums meet by atomic adds in
-the zeroed fp32 output.
+would leave the device idle (decode). Each split stores its partial sum in a
+buffer of its own and one reduction adds them in a fixed order, so greedy
+decoding with adapters repeats itself bit for bit: atomic adds, whose order
+varies from run to run, made a bf16 decode of 64 sequences with 8 adapters
+repeat exactly in only 20 of 64 sequences on an H200 (benchmarks/RESULTS.md).
 """
 
 import torch
@@ -55,6 +58,7 @@ def _shrink_kernel(
     stride_as,
     stride_al,
     stride_ar,
+    stride_yk,
     stride_ys,
     stride_yt,
     BLOCK_M: tl.constexpr,
@@ -67,7 +71,8 @@ def _shrink_kernel(
     """y[s, t] = scale * x[t] @ A[s, slot]^T for the tokens t of one tile of one slot.
 
     Grid (tile, slice s, k-split): a program sums BLOCK_K columns of H_in out of
-    every BLOCK_K * SPLIT_K into y [S, T, R] fp32, by atomic adds when split.
+    every BLOCK_K * SPLIT_K into its own partial y[k] of y [SPLIT_K, S, T, R] fp32
+    (the caller adds the partials; with no split, y is the output itself).
     """
     s = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -84,12 +89,8 @@ def _shrink_kernel(
         a = tl.load(a_base + offs_k[:, None], mask=mask_k[:, None] & mask_r[None, :], other=0.0)
         acc = tl.dot(x.to(DOT_DTYPE), a.to(DOT_DTYPE), acc, input_precision=PRECISION)
     acc = acc * scale
-    y = y_ptr + s * stride_ys + rows[:, None] * stride_yt + offs_r[None, :]
-    mask = mask_m[:, None] & mask_r[None, :]
-    if SPLIT_K == 1:
-        tl.store(y, acc, mask=mask)
-    else:
-        tl.atomic_add(y, acc, mask=mask)
+    y = y_ptr + pid_k * stride_yk + s * stride_ys + rows[:, None] * stride_yt + offs_r[None, :]
+    tl.store(y, acc, mask=mask_m[:, None] & mask_r[None, :])
 
 
 def _expand_kernel(
@@ -169,11 +170,13 @@ def lora_shrink(
         return out
     block_k = min(128, jit.next_pow2(hidden))
     split_k = split_k_factor(mapping.num_tiles * num_slices, triton.cdiv(hidden, block_k), x.device)
+    # split: one zeroed partial per split (rows of tokens in no tile stay 0), added below
+    dest = out if split_k == 1 else out.new_zeros(split_k, *out.shape)
     grid = (mapping.num_tiles, num_slices, split_k)
     shrink_kernel[grid](
         x,
         lora_a,
-        out,
+        dest,
         mapping.order,
         mapping.tiles,
         mapping.num_tiles,
@@ -184,8 +187,9 @@ def lora_shrink(
         lora_a.stride(0),
         lora_a.stride(1),
         lora_a.stride(2),
-        out.stride(0),
-        out.stride(1),
+        dest.stride(0) if split_k > 1 else 0,
+        dest.stride(-3),
+        dest.stride(-2),
         BLOCK_M=mapping.block_m,
         BLOCK_R=jit.next_pow2(rank),
         BLOCK_K=block_k,
@@ -193,6 +197,8 @@ def lora_shrink(
         DOT_DTYPE=jit.dot_dtype(x.dtype),
         PRECISION=jit.dot_precision(x.dtype),
     )
+    if split_k > 1:
+        torch.sum(dest, dim=0, out=out)  # a fixed order: the same bits every run
     return out
 
 

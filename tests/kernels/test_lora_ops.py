@@ -144,6 +144,20 @@ def test_shrink_overwrites_out_and_uses_the_dispatch():
     torch.testing.assert_close(y, reference.lora_shrink(x, a, slots, 2.0))
 
 
+@pytest.mark.usefixtures("triton_interpret")
+def test_split_k_partials_add_up_and_leave_base_tokens_at_zero():
+    # one adapter token among base tokens: one tile, so the reduction is split (4 ways
+    # on the CPU), each split into a partial of its own, added in a fixed order
+    x = torch.randn(3, 1024, generator=torch.Generator().manual_seed(5))
+    a = torch.randn(1, 4, 16, 1024, generator=torch.Generator().manual_seed(6))
+    slots = torch.tensor([-1, 2, -1])
+    assert lora_ops.split_k_factor(1, 1024 // 128, x.device) > 1
+    y = torch.full((1, 3, 16), float("nan"))
+    kernels.lora_shrink(x, a, slots, 0.5, out=y)
+    torch.testing.assert_close(y, reference.lora_shrink(x, a, slots, 0.5), rtol=1e-5, atol=1e-4)
+    assert not y[:, [0, 2]].any()
+
+
 def _error_batch():
     case = Case(F32, 64, 4, "uniform", (16, 8))
     return _batch(case, num_slots=3)
@@ -200,3 +214,19 @@ def test_cuda_kernels_match_cpu_reference(case, tolerances):
     kernels.lora_expand(y, b.cuda(), slots.cuda(), got, case.widths)
     reference.lora_expand(y.cpu(), b, slots, out, case.widths)
     torch.testing.assert_close(got.cpu().float(), out.float(), **tol)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="needs a CUDA device; the interpreter tests cover the kernels",
+)
+def test_cuda_shrink_repeats_bit_for_bit():
+    # decode-like: few tiles, so the reduction is split; the partials must add the same
+    # way every run (greedy decoding with adapters repeats itself)
+    x, a, _, slots, _ = _batch(CASES[1])
+    mapping = LoRAMapping.from_slots(slots, "cuda")
+    x, a = x.cuda(), a.cuda()
+    first = kernels.lora_shrink(x, a, mapping, 0.5)
+    for _ in range(20):
+        assert torch.equal(kernels.lora_shrink(x, a, mapping, 0.5), first)
