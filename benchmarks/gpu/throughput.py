@@ -10,11 +10,11 @@ On the first model (the ~1B Llama), in the engine's default dtype (bf16 on CUDA)
 - the decode step (``batch`` sequences, every one decoding; the base model, then
   8 adapters) against its floor, the weights' bytes over the copy bandwidth of
   section 1, with CUDA graphs off and on (the same engine, captured per
-  batch-size bucket); greedy tokens must not change with graphs: token for
-  token where eager decoding repeats itself exactly, and up to near ties (each
-  run's token among the other's top 5 where they part) where it does not
-  (the LoRA shrink kernel's split-K partial sums meet by atomic adds, in an
-  order that varies from run to run).
+  batch-size bucket). Eager greedy decoding must repeat itself token for token;
+  with graphs the base model's tokens must not change, and with adapters they
+  must be equal up to near ties (each run's token among the other's top 5 where
+  they part): a graph runs the LoRA kernels over a fixed grid of tiles, which
+  splits the shrink's reduction differently from an eager step.
 """
 
 from __future__ import annotations
@@ -210,17 +210,25 @@ def _graph_parity(ctx, rec, engine, graphs, shape, label, loras) -> None:
     rec.figure(f"{label}_eager_repeat_exact", f"{repeat.exact}/{repeat.total}")
     rec.figure(f"{label}_graphs_vs_eager_exact", f"{same.exact}/{same.total}")
     rec.figure(f"{label}_graphs_vs_eager_agreement", same.share)
-    if repeat.exact == repeat.total:
+    rec.check(
+        f"{label}: eager greedy decoding repeats itself token for token",
+        repeat.exact == repeat.total,
+        f"first differences (request, token): {repeat.first_diffs}",
+    )
+    if loras is None:  # the same kernels on the same shapes, captured or not: the same bits
         rec.check(
-            f"{label}: greedy tokens equal with and without CUDA graphs (eager repeats exactly)",
+            f"{label}: greedy tokens equal with and without CUDA graphs",
             same.exact == same.total,
             f"first differences (request, token): {same.first_diffs}",
         )
         return
+    # A graph runs the LoRA kernels over a fixed grid (cuda_graphs.max_tiles tiles of
+    # LORA_BLOCK_M rows), so the shrink's reduction is split differently from an eager
+    # step's: other sums in another order. Equal up to near ties is what can be asked.
     real = oracle.not_near_ties(graphed, eager, graph_tops, lambda i, pos: eager_tops[i][pos])
     rec.check(
         f"{label}: greedy tokens with CUDA graphs equal eager's up to near ties "
-        f"(eager itself repeats {repeat.exact}/{repeat.total} exactly)",
+        f"(each token in the other's top {TOP_K} where they part)",
         not real,
         "; ".join(real[:10]),
     )
