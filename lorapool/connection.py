@@ -13,9 +13,11 @@ and go on, logging it (see ``Worker.run_guarded`` and ``AuditWriter._retry``).
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import logging
 import re
+import time
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -37,6 +39,8 @@ REDIS_DOWN = (
     *CLUSTER_AWAY,
     redis.exceptions.SlotNotCoveredError,
 )
+# A cluster client's own errors, which are no RedisError (its failure to learn the slots)
+CLUSTER_ERRORS = (redis.exceptions.RedisClusterException, redis.exceptions.SlotNotCoveredError)
 REDIS_TRANSIENT = REDIS_DOWN  # the readers' name for it
 SOCKET_TIMEOUT_S = 10.0  # above every blocking read's BLOCK (worker 0.1 s, client 1 s)
 # Producers: waits of 0.2, 0.4, 0.8, 1.6, 2, 2 s (half of each jittered): 3.5 to 7 s of
@@ -110,6 +114,44 @@ def connection_options(
     return options
 
 
+def _cluster_unreachable(exc: BaseException) -> bool:
+    """Whether ``exc`` is a cluster client's failure to learn the slots because its
+    startup node was away (stalled past the socket timeout, restarting, CLUSTERDOWN):
+    redis-py raises RedisClusterException "cannot be connected" from the node's
+    ConnectionError/TimeoutError. Other RedisClusterExceptions (cluster mode off, nodes
+    that disagree on the slots) are configuration errors, not retried."""
+    if isinstance(exc, REDIS_DOWN):
+        return True
+    return isinstance(exc, redis.exceptions.RedisClusterException) and isinstance(
+        exc.__cause__, REDIS_DOWN
+    )
+
+
+def _backoff() -> EqualJitterBackoff:
+    return EqualJitterBackoff(cap=2.0, base=0.1)
+
+
+def _cluster_client(url: str, options: dict[str, Any], retries: int) -> redis.RedisCluster:
+    """``RedisCluster.from_url``, riding out its startup node being away as a call
+    would (``retries`` tries more, with the same backoff, each logged).
+
+    redis-py's cluster client asks its startup node (the URL's) for the slots in its
+    constructor, once, outside any retry: a producer made while that master was stalled
+    failed with RedisClusterException after one socket timeout, and one made while it
+    restarted failed at once, where a standalone client rides both out. (Once the
+    slots are known, redis-py adds every node it learned to its startup nodes.)"""
+    backoff, log = _backoff(), _failure_logger(retries)
+    for failures in range(1, retries + 2):
+        try:
+            return redis.RedisCluster.from_url(url, **options)
+        except (redis.RedisError, *CLUSTER_ERRORS) as exc:
+            if failures > retries or not _cluster_unreachable(exc):
+                raise
+            log(exc)
+            time.sleep(backoff.compute(failures))
+    raise AssertionError("unreachable")
+
+
 class AsyncCluster(AsyncRedisCluster):
     """redis.asyncio's RedisCluster, which learns the slots before it routes a command.
 
@@ -120,10 +162,23 @@ class AsyncCluster(AsyncRedisCluster):
     drop its connections, those in use by other commands included (an
     ``AttributeError`` on a ``None`` writer, or a read that never returns). redis-py
     asks asyncio users to ``await initialize()`` first; this does it before every
-    command (a no-op once the slots are known)."""
+    command (a no-op once the slots are known), riding out a startup node that is
+    away as ``_cluster_client`` does (redis-py's initialize is outside its retry)."""
 
     async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
-        await self.initialize()
+        if not self._initialize:
+            return await super().execute_command(*args, **kwargs)
+        retries = self.retry.get_retries()
+        backoff, log = _backoff(), _failure_logger(retries)
+        for failures in range(1, retries + 2):
+            try:
+                await self.initialize()
+                break
+            except (redis.RedisError, *CLUSTER_ERRORS) as exc:
+                if failures > retries or not _cluster_unreachable(exc):
+                    raise
+                log(exc)
+                await asyncio.sleep(backoff.compute(failures))
         return await super().execute_command(*args, **kwargs)
 
 
@@ -150,7 +205,7 @@ def connect(url: str, retries: int = RETRIES, **overrides: Any) -> redis.Redis:
     if is_cluster(url):
         url = _node_url(url)
         options = {**connection_options(url, retries), **overrides}
-        return redis.RedisCluster.from_url(url, **_cluster_options(options))
+        return _cluster_client(url, _cluster_options(options), retries)
     return redis.Redis.from_url(url, **{**connection_options(url, retries), **overrides})
 
 
