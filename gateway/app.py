@@ -30,11 +30,11 @@ from lorapool.gateway import (
 )
 from lorapool.gateway.audit_store import AuditStore
 from lorapool.gateway.config import GatewayConfig
+from lorapool.gateway.edge import Edge
 from lorapool.gateway.errors import APIError
-from lorapool.gateway.http_metrics import HttpMetrics, HttpMetricsMiddleware
+from lorapool.gateway.http_metrics import HttpMetrics
 from lorapool.gateway.pool import Pool
-from lorapool.gateway.redis_watch import RedisGate
-from lorapool.gateway.request_stats import RequestStats, RequestStatsMiddleware
+from lorapool.gateway.request_stats import RequestStats
 from lorapool.gateway.schemas import component_schemas
 
 logger = logging.getLogger(__name__)
@@ -69,12 +69,9 @@ def create_app(config: GatewayConfig) -> FastAPI:
                 app.state.audit.close()
 
     app = FastAPI(title="lorapool gateway", version="1", lifespan=lifespan)
-    app.add_middleware(RateHeaders)
     app.state.http_metrics = HttpMetrics()
-    app.add_middleware(HttpMetricsMiddleware, metrics=app.state.http_metrics)
-    app.add_middleware(RedisGate)
-    app.add_middleware(RequestStatsMiddleware)
     app.state.request_stats = RequestStats()
+    app.add_middleware(Edge, metrics=app.state.http_metrics)
     app.include_router(health.router)
     app.include_router(openai_api.router)
     app.include_router(jobs.router)
@@ -95,29 +92,6 @@ def create_app(config: GatewayConfig) -> FastAPI:
             expose_headers=["Location", "Retry-After"],
         )
     return app
-
-
-class RateHeaders:
-    """Adds the ``x-ratelimit-*`` headers a route's rate check left in the request's
-    state (``Pool.check_rate``) to its answer, streamed or not (pure ASGI: no body
-    buffering)."""
-
-    def __init__(self, app):
-        self.app = app
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-
-        async def sending(message):
-            if message["type"] == "http.response.start":
-                extra = (scope.get("state") or {}).get("rate_headers")
-                if extra:
-                    added = [(k.lower().encode(), v.encode()) for k, v in extra.items()]
-                    message = {**message, "headers": [*message.get("headers", ()), *added]}
-            await send(message)
-
-        await self.app(scope, receive, sending)
 
 
 def _describe_bodies(app: FastAPI) -> None:

@@ -26,8 +26,9 @@ class GatewayConfig:
     for a worker to take it (a pool scaled to zero starts one meanwhile); past it the
     call gets 503 ``no_worker`` (a stream, an error event) and the job stays queued.
     redis_retries: retries of a Redis call before 503. redis_timeout_s: how long a Redis
-    call may go unanswered (then it fails: a request meeting a stalled Redis gets 503
-    within ``request_bound_s``; once the gateway's watch has noticed, at once).
+    call may go unanswered (then it fails). A request meeting a stalled Redis gets 503
+    once the gateway's watch notices (within a second: ``gateway/edge.py``), at most
+    ``request_bound_s`` (the calls' own timeouts, should the watch not notice).
     redis_outage_s: how long streams and calls already waiting for results wait for
     Redis to come back before they end with a 503 (``gateway/redis_watch.py``).
     events_max_s: a job-events response ends (cleanly) after this long; the browser's
@@ -108,8 +109,10 @@ class GatewayConfig:
 
     @property
     def request_bound_s(self) -> float:
-        """The longest a request waits on a stalled Redis before its 503: a wait for a
-        pooled connection, then each try of its call (and the backoff between them)."""
+        """The longest one Redis call of a request waits on a stalled Redis before its
+        503, should the watch not notice first: a connection's wait for a pooled one to
+        free itself (whose call times out), then each try of the call (and the backoff
+        between them)."""
         return self.redis_timeout_s * (2 + self.redis_retries) + 0.2 * self.redis_retries
 
     @property

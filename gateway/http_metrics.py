@@ -9,12 +9,11 @@
   ``MAX_TENANTS`` tenant series (later tenants count as ``other``).
 
 The names and labels are those prometheus-fastapi-instrumentator gives vLLM's server,
-so boards made for it read these. An ASGI middleware: the response is not buffered.
+so boards made for it read these. The gateway's edge (``edge.py``) records every
+request.
 """
 
 from __future__ import annotations
-
-import time
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
 
@@ -66,30 +65,3 @@ class HttpMetrics:
             self._tenants.add(name)
             return name
         return OTHER
-
-
-class HttpMetricsMiddleware:
-    """Times every HTTP request through the app and records it in ``metrics``."""
-
-    def __init__(self, app, metrics: HttpMetrics):
-        self.app, self.metrics = app, metrics
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        start, status = time.perf_counter(), [500]
-
-        async def sending(message):
-            if message["type"] == "http.response.start":
-                status[0] = message["status"]
-            await send(message)
-
-        try:
-            await self.app(scope, receive, sending)
-        finally:
-            route = scope.get("route")
-            handler = getattr(route, "path", None) or OTHER
-            tenant = (scope.get("state") or {}).get("tenant")
-            elapsed = time.perf_counter() - start
-            self.metrics.observe(handler, scope["method"], status[0], elapsed, tenant)

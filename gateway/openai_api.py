@@ -18,6 +18,7 @@ from fastapi.responses import StreamingResponse
 from lorapool.gateway.auth import Principal, require
 from lorapool.gateway.body import read_json
 from lorapool.gateway.echo import Echo
+from lorapool.gateway.edge import RIDES_OUTAGES
 from lorapool.gateway.errors import APIError
 from lorapool.gateway.json import JSON
 from lorapool.gateway.openai_format import Shape, fingerprint
@@ -106,6 +107,7 @@ async def _generate(request: Request, parsed: Parsed, kind: str, caller: Princip
                   system_fingerprint=fingerprint(await pool.base_model()),
                   echo=await _echo(pool, parsed))  # fmt: skip
     if not parsed.stream:
+        setattr(request.state, RIDES_OUTAGES, True)  # Pool.results rides out a Redis outage
         return JSON(shape.response(await pool.results(handles, disconnected(request), caller)))
     outage = (pool.watch, pool.config.redis_outage_s)
     events = _stream(shape, handles, parsed.include_usage, pool.untaken(handles, caller), outage)

@@ -155,7 +155,7 @@ class Pool:
         most it may generate, max_tokens x n a prompt; ``params`` None: a request that
         generates nothing, a file upload say): 429 with Retry-After and OpenAI's
         ``x-ratelimit-*`` headers past them; within them, the headers go on the answer
-        (``request``'s state, added by ``RateHeaders``)."""
+        (``request``'s state, added by the edge: ``edge.py``)."""
         if caller.rpm is None and caller.tpm is None:
             return
         tokens = 0
@@ -223,7 +223,7 @@ class Pool:
         )
         watching = asyncio.ensure_future(gone) if gone is not None else None
         untaken = asyncio.ensure_future(self.untaken(handles, caller))
-        outage = asyncio.ensure_future(self.watch.outlasts(self.config.redis_outage_s))
+        outage = self.watch.when_away(self.config.redis_outage_s)
         try:
             await asyncio.wait({waiting, untaken, outage} | ({watching} if watching else set()),
                                return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
@@ -246,7 +246,7 @@ class Pool:
             raise APIError(504, f"no result within {timeout:g}s; the request was aborted") from None
         finally:
             untaken.cancel()
-            outage.cancel()
+            self.watch.forget(outage)
             if watching is not None:
                 watching.cancel()
 
@@ -279,12 +279,15 @@ class Pool:
 def _connect(config: GatewayConfig):
     """A client whose pool waits for a free connection (up to ``redis_connections``):
     redis-py's default pool fails a call past 100 connections in use ("Too many
-    connections", a 503), which a burst of a few hundred open streams reaches."""
+    connections", a 503), which a burst of a few hundred open streams reaches. The wait
+    has no bound of its own: a wait bounded by the call's timeout answered a burst of
+    512 streams on a loaded machine with 503 "the queue is unreachable: No connection
+    available" while Redis answered (`lorapool bench gateway`); a request waiting
+    while Redis stalls gets its 503 from the edge once the watch notices (edge.py)."""
     return connect_async(
         config.redis_url,
         config.redis_retries,
         max_connections=config.redis_connections,
-        pool_timeout=config.redis_timeout_s,
         **config.redis_options(),
     )
 

@@ -1,6 +1,7 @@
 """What this gateway answered lately, for the dashboard: each ``/v1/`` request's status,
 its time to the first byte of the answer (a stream's: about its first token) and to the
-last, kept for ``WINDOW_S`` (at most ``MAX_KEPT``). Pure ASGI: nothing is buffered."""
+last, kept for ``WINDOW_S`` (at most ``MAX_KEPT``), as the gateway's edge (``edge.py``)
+records them."""
 
 from __future__ import annotations
 
@@ -44,29 +45,3 @@ class RequestStats:
             "first_byte": {q: percentile(first, q) for q in (50, 90, 99)},
             "total": {q: percentile(total, q) for q in (50, 90, 99)},
         }
-
-
-class RequestStatsMiddleware:
-    """Records every ``/v1/`` request in the app's ``request_stats``."""
-
-    def __init__(self, app):
-        self.app = app
-
-    async def __call__(self, scope, receive, send):
-        stats = getattr(scope["app"].state, "request_stats", None) if "app" in scope else None
-        if scope["type"] != "http" or stats is None or not scope["path"].startswith("/v1/"):
-            return await self.app(scope, receive, send)
-        start, seen = time.monotonic(), {"status": 500, "first": None}
-
-        async def sending(message):
-            if message["type"] == "http.response.start":
-                seen["status"] = message["status"]
-            elif message["type"] == "http.response.body" and seen["first"] is None:
-                seen["first"] = time.monotonic() - start
-            await send(message)
-
-        try:
-            await self.app(scope, receive, sending)
-        finally:
-            total = time.monotonic() - start
-            stats.add(seen["status"], total if seen["first"] is None else seen["first"], total)

@@ -211,12 +211,15 @@ def test_a_stall_past_the_outage_bound_ends_streams_with_an_error_then_resumes(
         call.join(10)
         status, _, response = waiting["r"]
         assert status == 503 and response.json()["error"]["code"] == "redis_unavailable"
+        time.sleep(max(0.0, stalled + stall_s - 4 - time.monotonic()))
+        late = _check_every_route(url, pool, job_id, BOUND_S)
         time.sleep(max(0.0, stalled + stall_s - time.monotonic()))
     finally:
         redis_server.resume()
     print(
         f"\nRedis stopped {stall_s}s under --redis-outage {outage}: the streams ended "
-        f"{openai.ended_at - stalled:.1f}s and {events.ended_at - stalled:.1f}s into it"
+        f"{openai.ended_at - stalled:.1f}s and {events.ended_at - stalled:.1f}s into it; "
+        f"{len(late)} routes {stall_s - 4}s into it answered within {max(late.values())}s"
     )
     error = openai.data()[-1]["error"]
     assert (error["type"], error["code"]) == ("service_unavailable", "redis_unavailable")
