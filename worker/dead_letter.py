@@ -13,11 +13,18 @@ import math
 from typing import TYPE_CHECKING, Any
 
 import orjson
+import redis
 
 from lorapool.connection import REDIS_DOWN
 from lorapool.lifecycle import append
 from lorapool.lifecycle.append import dead_payload
-from lorapool.lifecycle.wire import MAX_METADATA_BYTES, MAX_REQUEST_ID, Job, JobLimits
+from lorapool.lifecycle.wire import (
+    MAX_METADATA_BYTES,
+    MAX_REQUEST_ID,
+    Job,
+    JobLimits,
+    encode_job,
+)
 from lorapool.producer.registry import decode_record
 from lorapool.protocol import FieldError, LoRARequest, SamplingParams, is_int
 from lorapool.worker.audit import final_audit
@@ -62,7 +69,9 @@ def dead_letter(
             held.take(chunk)
             audit = final_audit(worker, held, chunk)
             publisher = worker.publisher
-            publisher.append([publisher.append_item(held, chunk, audit, dead, reason)])
+            item = publisher.append_item(held, chunk, audit, dead, reason)
+            if publisher.append([item]) == [append.BAD_LOG]:  # no log to write it in
+                publisher.append([without_log(item, held, reason)])
             worker.metrics.failed(given)
             return
     except REDIS_DOWN:
@@ -75,14 +84,47 @@ def dead_letter(
     worker.metrics.failed(given)
 
 
+def without_log(item: append.Append, held: Held, reason: str) -> append.Append:
+    """``item`` (a final one) with no chunk: its ack, audit record and dead letter only,
+    for a request whose chunk log key holds another type than a list."""
+    logger.warning(
+        "request %s: its chunk log key holds another type than a list; failed without "
+        "a final chunk: %s",
+        held.request_id,
+        reason,
+    )
+    return item._replace(seq=-1, chunk=b"", result=b"")
+
+
+def fail_unwritable(worker: Worker, held: Held, key: str) -> None:
+    """Fail a running request whose chunk log cannot be written (APPEND said
+    ``BAD_LOG``: its key holds another type than a list, nothing was written): ack,
+    audit record with finish_reason "error", dead letter; the worker goes on."""
+    rid = held.request_id
+    reason = (
+        f"the chunk log key {key} holds a value of another type than a list "
+        "(written by something other than the pool's workers): WRONGTYPE"
+    )
+    logger.warning("worker %s: failing %s: %s", worker.name, rid, reason)
+    worker.held.pop(rid, None)
+    worker.publisher.pending.pop(rid, None)
+    worker._abort_in_engine(rid)
+    chunk = error_chunk(held, reason, worker.name)
+    held.take(chunk)
+    dead = dead_payload(encode_job(held.job), audited=True)
+    item = worker.publisher.append_item(held, chunk, final_audit(worker, held, chunk), dead, reason)
+    worker.publisher.append([item._replace(seq=-1, chunk=b"", result=b"")])
+    worker.metrics.failed(held)
+
+
 def find_adapter(worker: Worker, held: Held) -> None:
     """The registry record of a failed job's adapter, for its audit record, if it matches."""
     lora = held.job.lora_request
     if held.adapter is None and lora is not None:
         try:
             record = decode_record(worker.redis.hget(worker.keys.adapters, lora.name))
-        except ValueError:  # a damaged registry record: audit the request without it
-            return
+        except (ValueError, redis.ResponseError):  # a damaged registry record or key:
+            return  # audit the request without it
         if record is not None and record.get("id") == lora.lora_int_id:
             held.adapter = record
 

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import TYPE_CHECKING, Any
 
 import orjson
 import redis
 
+from lorapool.connection import REDIS_DOWN
 from lorapool.lifecycle.keys import Keys
 
 if TYPE_CHECKING:
     from lorapool.worker.worker import Worker
+
+logger = logging.getLogger(__name__)
 
 
 class ModelMismatchError(RuntimeError):
@@ -110,7 +114,16 @@ def send_heartbeat(
         pipe.hset(keys.workers, record["name"], orjson.dumps(record))
         pipe.set(keys.alive(record["name"]), 1, ex=alive_ttl_s)
         pipe.hgetall(keys.workers)
-        records = pipe.execute()[2]
+        replies = pipe.execute(raise_on_error=False)
+    for reply in replies:  # Redis away: the loop rides it out; other refusals are ours
+        if isinstance(reply, REDIS_DOWN):
+            raise reply
+    records = replies[2]
+    if isinstance(records, redis.ResponseError):
+        # the workers' hash replaced (a producer may write it): no pool view, the worker
+        # goes on as if alone (fair share of 1) until someone mends the key
+        logger.warning("the workers' record %s is unusable (%s)", keys.workers, records)
+        return []
     names = list(records)
     alive = connection.mget([keys.alive(n.decode()) for n in names])
     live = []

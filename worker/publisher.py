@@ -23,11 +23,12 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from lorapool.lifecycle.append import NOT_OWNER, Append, Appender
+from lorapool.lifecycle.append import BAD_LOG, BAD_MARKER, NOT_OWNER, Append, Appender
 from lorapool.lifecycle.chunk_log import encode_record
 from lorapool.lifecycle.wire import Chunk, encode_chunk
 from lorapool.outputs import RequestOutput
 from lorapool.worker.audit import final_audit
+from lorapool.worker.dead_letter import fail_unwritable
 from lorapool.worker.held import Held, Position, make_chunk, merged
 from lorapool.worker.sender import Sender
 
@@ -232,6 +233,17 @@ class Publisher:
         self.worker.num_tokens += chunk.num_tokens
         if self.worker.held.get(rid) is not held:
             return  # dropped or failed meanwhile
+        if result == BAD_LOG:
+            fail_unwritable(self.worker, held, self.worker.keys_of(held.stream).out(rid))
+            return
+        if result == BAD_MARKER:
+            logger.warning(
+                "worker %s: %s finished, its job marker %s holds another type than a "
+                "hash (left alone; the output stays in the chunk log for its TTL)",
+                self.worker.name,
+                rid,
+                self.worker.keys_of(held.stream).job(rid),
+            )
         if result == NOT_OWNER:
             if not chunk.finished:
                 logger.warning(

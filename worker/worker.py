@@ -125,10 +125,11 @@ class Worker:
             if isinstance(exc, redis.OutOfMemoryError) or OUT_OF_MEMORY in str(exc):
                 self._redis_away(exc, "is out of memory")
                 return
-            if "NOGROUP" not in str(exc):
-                raise
-            logger.warning("worker %s: the consumer group is gone, creating it", self.name)
-            self.ensure_group()
+            if "NOGROUP" in str(exc):
+                logger.warning("worker %s: the consumer group is gone, creating it", self.name)
+                self.ensure_group()
+                return
+            self._refused(exc)
             return
         if self._away_since is not None:
             logger.warning(
@@ -137,6 +138,23 @@ class Worker:
                 time.monotonic() - self._away_since,
             )
             self._away_since, self._backoff_s = None, BACKOFF_S[0]
+
+    def _refused(self, exc: redis.ResponseError) -> None:
+        """Redis refused a call of the loop's own (not one request's: those fail alone,
+        see ``start``, ``dead_letter`` and APPEND's results), say a pool key someone
+        replaced with a value of another type (WRONGTYPE), an ACL that lost a right:
+        logged with what Redis said, then the loop goes on after a backoff, as when Redis
+        is away. A worker never exits on it: what it holds is renewed or returns to
+        the pool after the lease, and the next iteration tries again."""
+        logger.error(
+            "worker %s: Redis refused a call (%s: %s); going on in %.1fs",
+            self.name,
+            type(exc).__name__,
+            exc,
+            self._backoff_s,
+            exc_info=logger.isEnabledFor(logging.DEBUG),
+        )
+        self._redis_away(exc, "refused a call")
 
     def _redis_away(self, exc: Exception, what: str = "unreachable") -> None:
         if self._away_since is None:
@@ -382,9 +400,11 @@ class Worker:
                 self.hand_back()
             self.redis.hdel(self.keys.workers, self.name)
             self.redis.delete(self.keys.alive(self.name))
-        except REDIS_DOWN as exc:  # its entries return to others after the lease
+        except (*REDIS_DOWN, redis.ResponseError) as exc:  # its entries return after the lease
             logger.warning(
-                "worker %s: stopped without saying so, Redis is away (%s)", self.name, exc
+                "worker %s: stopped without saying so, Redis is away or refused (%s)",
+                self.name,
+                exc,
             )
         self.publisher.close()
         self.metrics.close()

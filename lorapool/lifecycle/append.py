@@ -24,7 +24,11 @@ import orjson
 from lorapool.connection import register_script
 from lorapool.lifecycle.keys import WORKERS_GROUP, Keys
 
-NOT_OWNER, DUPLICATE = -1, -2  # APPEND's results besides 0 and 1 (abort asked)
+# APPEND's results besides 0 and 1 (abort asked): not the owner, seq already in the log,
+# the log key holds another type than a list (nothing written for the item), and
+# finished with the job's marker holding another type than a hash (left alone: the
+# whole output stays in the log, kept for the result's TTL)
+NOT_OWNER, DUPLICATE, BAD_LOG, BAD_MARKER = -1, -2, -3, 2
 
 
 class Append(NamedTuple):
@@ -66,18 +70,34 @@ def append_call(
 #       final chunk (s), then per item: final (0/1), entry, seq (-1: no chunk), chunk,
 #       and when final: audit ('' none), ttl, dead ('' none), reason, result (the whole
 #       output)
-# Returns per item: -1 (not the owner), -2 (seq already in the log), else 1 if abort is
-# asked, 0.
+# Returns per item: -1 (not the owner), -2 (seq already in the log), -3 (the log key is
+# not a list: nothing written), else 1 if abort is asked, 2 (finished, the job's marker
+# not a hash: left alone), 0.
+# Nothing it writes for an item comes before what could refuse it (a script's writes
+# before an error stay): the log's and the marker's types are checked first, and a key
+# of another type (a producer may write job and abort keys; anyone may have written
+# the log) is that item's result, never an error of the whole call.
 APPEND = """
--- RPUSH of a chunk: true, or false when the log already holds this seq (a chunk's
--- index in the log is its seq). A log shorter than seq (lost to a Redis that came back
--- empty) takes it all the same: readers wait for the missing seq until the final
--- record, which holds the whole output. Any refusal (out of memory, a key that is not
--- a list) fails the whole call, so the worker sends the trip again.
+-- RPUSH of a chunk: 1, or 0 when the log already holds this seq (a chunk's index in
+-- the log is its seq), -3 when the log key holds another type (the RPUSH refused,
+-- nothing written). A log shorter than seq (lost to a Redis that came back empty)
+-- takes it all the same: readers wait for the missing seq until the final record,
+-- which holds the whole output. Out of memory fails the whole call, so the worker
+-- sends the trip again.
 local function add_chunk(out, seq, chunk)
-  if redis.call('RPUSH', out, chunk) <= seq + 1 then return true end
+  local length = redis.pcall('RPUSH', out, chunk)
+  if type(length) == 'table' then
+    if string.find(length.err, 'WRONGTYPE', 1, true) then return -3 end
+    return redis.error_reply(length.err)
+  end
+  if length <= seq + 1 then return 1 end
   redis.call('RPOP', out)  -- a trip sent again (rare): one command less for the rest
-  return false
+  return 0
+end
+
+local function is_a(key, kind)
+  local t = redis.call('TYPE', key)['ok']
+  return t == 'none' or t == kind
 end
 
 -- Drops the entries every worker is done with from the head of the requests stream:
@@ -113,13 +133,17 @@ while a < #ARGV do
   else
     a, k = a + 4, k + 3
   end
-  local result = 0
+  local result, added, marker = 0, 1, true
   local p = redis.call('XPENDING', stream, ARGV[1], entry, entry, 1)
   if #p == 0 or p[1][2] ~= ARGV[2] then
     result = -1
-  elseif seq >= 0 and not add_chunk(out, seq, chunk) then
-    result = -2
   else
+    if final and seq >= 0 then marker = is_a(job, 'hash') end
+    if seq >= 0 then added = add_chunk(out, seq, chunk) end
+    if type(added) == 'table' then return added end  -- an error reply: the whole call
+    if added == 0 then result = -2 elseif added == -3 then result = -3 end
+  end
+  if result == 0 then
     if seq >= 0 then
       redis.call('PUBLISH', out, chunk)
     end
@@ -134,10 +158,15 @@ while a < #ARGV do
       if seq >= 0 then
         -- compaction: the whole output in the job's hash; the log only for a grace,
         -- for readers following it
-        redis.call('EXPIRE', out, math.min(tonumber(ttl), tonumber(ARGV[4])))
-        redis.call('HSET', job, 'status', dead ~= '' and 'failed' or 'finished',
-                   'result', record)
-        redis.call('EXPIRE', job, ttl)
+        if marker then
+          redis.call('EXPIRE', out, math.min(tonumber(ttl), tonumber(ARGV[4])))
+          redis.call('HSET', job, 'status', dead ~= '' and 'failed' or 'finished',
+                     'result', record)
+          redis.call('EXPIRE', job, ttl)
+        else  -- not the pool's marker: the log is the only record, for the whole TTL
+          redis.call('EXPIRE', out, ttl)
+          result = 2
+        end
         redis.call('DEL', abort)
       end
     else

@@ -1,6 +1,7 @@
-"""The APPEND script against real Redis servers: fencing, duplicates, and a refused
-write (out of memory, a key of another type) failing the call instead of passing for
-a duplicate; and a worker that rides out a Redis out of memory without losing a token.
+"""The APPEND script against real Redis servers: fencing, duplicates, a refused write
+(out of memory) failing the call instead of passing for a duplicate, a key of another
+type failing its item alone, before any write; and a worker that rides out a Redis out
+of memory without losing a token.
 """
 
 import logging
@@ -12,7 +13,15 @@ from redis_server import RedisServer
 from standin import load
 
 from lorapool.connection import register_script
-from lorapool.lifecycle.append import DUPLICATE, NOT_OWNER, Append, append_call, append_script
+from lorapool.lifecycle.append import (
+    BAD_LOG,
+    BAD_MARKER,
+    DUPLICATE,
+    NOT_OWNER,
+    Append,
+    append_call,
+    append_script,
+)
 from lorapool.lifecycle.chunk_log import log_chunks
 from lorapool.lifecycle.keys import WORKERS_GROUP, Keys
 from lorapool.producer import Producer
@@ -64,10 +73,32 @@ def test_a_refused_write_fails_the_call_instead_of_passing_for_a_duplicate(priva
     with pytest.raises(redis.ResponseError, match="OOM|maxmemory"):
         append(conn, keys, "w", Append("r", entry, 1, b"c1", False))
     conn.config_set("maxmemory", 0)
-    conn.set(keys.out("s"), "not a list")
-    with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
-        append(conn, keys, "w", Append("s", entry, 0, b"c0", False))
     assert conn.llen(keys.out("r")) == 1
+
+
+def test_a_key_of_another_type_is_the_items_result_and_nothing_is_written(private_redis):
+    """A log key that is not a list: BAD_LOG for that item alone, nothing written for
+    it (no ack, no audit record), the other items of the call go through. A job marker
+    that is not a hash (a producer may SET job keys): the request finishes, the marker
+    is left alone (BAD_MARKER), the log kept for the result's TTL."""
+    conn, keys = redis.Redis.from_url(private_redis.url), Keys("t")
+    entry = owned_entry(conn, keys, "w")
+    second = conn.xadd(keys.requests, {"data": "{}"}).decode()
+    conn.xreadgroup(WORKERS_GROUP, "w", {keys.requests: ">"})
+    conn.set(keys.out("s"), "not a list")
+    conn.set(keys.job("r"), "not a hash")
+    final = dict(audit=b"a", ttl_s=600, result=b"whole")
+    items = [
+        Append("s", entry, 0, b"c0", True, **final),
+        Append("r", second, 0, b"c0", True, **final),
+    ]
+    assert append(conn, keys, "w", *items) == [BAD_LOG, BAD_MARKER]
+    assert conn.get(keys.out("s")) == b"not a list" and conn.get(keys.job("r")) == b"not a hash"
+    assert conn.lrange(keys.out("r"), 0, -1) == [b"c0"]
+    assert 60 < conn.ttl(keys.out("r")) <= 600  # the only record: kept for the TTL
+    pending = conn.xpending_range(keys.requests, WORKERS_GROUP, "-", "+", 10)
+    assert [p["message_id"].decode() for p in pending] == [entry]  # only "r" acked
+    assert conn.xlen(keys.audit) == 1
 
 
 def test_worker_rides_out_redis_out_of_memory(private_redis, caplog):
