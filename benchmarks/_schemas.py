@@ -8,9 +8,11 @@ The same workload runs twice in one engine, alternating (``rounds`` times each):
   exactly as many tokens as they did under it, so each step batches the same
   sequences as in the schemas run, and only the masks differ.
 "Others" are the requests without a schema in both runs: their tokens over the time
-until the last of them finished. The masks' own cost comes from the engine's
-``MaskStats``: per mask (one token of one sequence) the time filling it took in its
-thread, and the time steps waited for masks after their forward pass.
+until the last of them finished, in wall seconds and in this process's CPU seconds
+(every thread's, the mask thread's included: on a machine shared with other jobs the
+wall clock moves with their load, the CPU time far less). The masks' own cost comes
+from the engine's ``MaskStats``: per mask (one token of one sequence) the time filling
+it took in its thread, and the time steps waited for masks after their forward pass.
 """
 
 from __future__ import annotations
@@ -72,10 +74,10 @@ def _params(i, n, constrained, kind, schema, lengths) -> SamplingParams:
 
 
 def _drive(engine, workload, params, constrained, label) -> dict:
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     for i, ((prompt, _), p) in enumerate(zip(workload, params)):
         engine.add_request(f"{label}{i}", {"prompt_token_ids": prompt}, p)
-    others_tokens, others_end, lengths, steps = 0, start, {}, 0
+    others_tokens, others_end, cpu_end, lengths, steps = 0, start, cpu_start, {}, 0
     while engine.has_unfinished_requests():
         outputs = engine.step()
         steps += 1
@@ -88,12 +90,14 @@ def _drive(engine, workload, params, constrained, label) -> dict:
                 lengths[i] = n
             else:
                 others_tokens += n
-                others_end = time.perf_counter()
-    seconds = others_end - start
+                others_end, cpu_end = time.perf_counter(), time.process_time()
+    seconds, cpu = others_end - start, cpu_end - cpu_start
     return {
         "others_tokens": others_tokens,
         "others_seconds": round(seconds, 3),
         "others_tokens_per_s": round(others_tokens / seconds, 2),
+        "others_cpu_seconds": round(cpu, 3),
+        "others_tokens_per_cpu_s": round(others_tokens / cpu, 2),
         "steps": steps,
         "lengths": lengths,
     }
@@ -122,6 +126,10 @@ def _summary(results: dict, num_constrained: int, num_requests: int) -> dict:
         s["others_tokens_per_s"] / p["others_tokens_per_s"]
         for s, p in zip(results["schemas"], results["plain"])
     )  # each round's schemas run against the plain run right after it
+    cpu = sorted(
+        s["others_tokens_per_cpu_s"] / p["others_tokens_per_cpu_s"]
+        for s, p in zip(results["schemas"], results["plain"])
+    )
     return {
         "requests": num_requests,
         "with_schema": num_constrained,
@@ -129,6 +137,8 @@ def _summary(results: dict, num_constrained: int, num_requests: int) -> dict:
         "others_tokens_per_s_schemas": best["schemas"],
         "ratio_schemas_to_plain": round(best["schemas"] / best["plain"], 3),
         "ratio_median_of_rounds": round(paired[len(paired) // 2], 3),
+        "cpu_ratio_median_of_rounds": round(cpu[len(cpu) // 2], 3),
+        "cpu_ratios": [round(r, 3) for r in cpu],
         "mask_fill_us_per_token": min(r["mask_fill_us_per_token"] for r in masks),
         "mask_wait_us_per_token": min(r["mask_wait_us_per_token"] for r in masks),
         "runs": results,
