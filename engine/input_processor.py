@@ -147,4 +147,16 @@ class InputProcessor:
                 f"max_tokens need {needed} KV cache slots; the cache holds only "
                 f"{capacity} (raise kv_cache_memory or lower max_tokens)"
             )
+        n = max(1, params.n)
+        # n sequences share the prompt's slots and each needs its own max_tokens: at
+        # least this many at once (issue 31 row D: n=128, max_tokens=2000 on a cache of
+        # 364 blocks was admitted, ran 4.5 min for 6% of its tokens and held the worker)
+        together = prompt_len + n * max_tokens
+        if n > 1 and together > capacity:
+            raise ValueError(
+                f"request {request_id}: n={n} sequences of up to {max_tokens} tokens "
+                f"after a {prompt_len}-token prompt need at least {together} KV cache "
+                f"slots together; the cache holds only {capacity} (lower n or max_tokens, "
+                "or raise kv_cache_memory)"
+            )
         return max_tokens

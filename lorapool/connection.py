@@ -366,3 +366,28 @@ def refusal(exc: BaseException) -> str | None:
         f"Redis refused this user: {said} (NOPERM); connect as the user of this "
         "command's role, or give it that right (docs/redis-acl.md)"
     )
+
+
+def persistence_warning(connection: Any) -> str | None:
+    """A warning when the Redis of ``connection`` keeps nothing across a restart (AOF
+    off and no RDB snapshot rule): every queued and running request, every result,
+    would be lost with it (its readers then fail with JobLost). None when it persists,
+    or when this user may not ask (INFO and CONFIG GET refused: no guess). On a cluster,
+    the first node that answers speaks for all."""
+    try:
+        info = connection.info("persistence")
+        if is_cluster_client(connection):  # {node: info}
+            info = next(iter(info.values())) if info and "aof_enabled" not in info else info
+        if int(info.get("aof_enabled", 0)):
+            return None
+        save = connection.config_get("save")
+        if is_cluster_client(connection) and save and "save" not in save:
+            save = next(iter(save.values()))
+        if (save or {}).get("save"):
+            return None
+    except (redis.RedisError, *CLUSTER_ERRORS, StopIteration, AttributeError):
+        return None
+    return (
+        "this Redis keeps no persistence (appendonly no, no RDB save rule): a restart "
+        "loses every queued and running request and every result (docs/redis-memory.md)"
+    )

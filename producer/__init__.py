@@ -4,6 +4,7 @@ May import: redis, orjson and ``lorapool``'s torch-free modules; never torch or 
 (checked by ``tests/unit/test_import_rules.py``).
 """
 
+from lorapool.lifecycle.marker import JobLost
 from lorapool.producer.aio import AsyncJobHandle, AsyncProducer
 from lorapool.producer.client import JobHandle, Producer
 from lorapool.producer.registry import AdapterRegistry, describe_adapter
@@ -13,6 +14,7 @@ __all__ = [
     "AsyncJobHandle",
     "AsyncProducer",
     "JobHandle",
+    "JobLost",
     "Producer",
     "describe_adapter",
 ]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -23,6 +24,7 @@ from lorapool.lifecycle.wire import (
     MAX_REQUEST_ID,
     Job,
     JobLimits,
+    decode_chunk,
     encode_job,
 )
 from lorapool.producer.registry import decode_record
@@ -70,8 +72,12 @@ def dead_letter(
             audit = final_audit(worker, held, chunk)
             publisher = worker.publisher
             item = publisher.append_item(held, chunk, audit, dead, reason)
-            if publisher.append([item]) == [append.BAD_LOG]:  # no log to write it in
+            result = publisher.append([item])
+            if result == [append.BAD_LOG]:  # no log to write it in
                 publisher.append([without_log(item, held, reason)])
+            elif result == [append.ANSWERED]:  # another entry runs or ran the request
+                ack_duplicate(worker, held.request_id, entry_id, stream, "answered elsewhere")
+                return
             worker.metrics.failed(given)
             return
     except REDIS_DOWN:
@@ -94,6 +100,66 @@ def without_log(item: append.Append, held: Held, reason: str) -> append.Append:
         reason,
     )
     return item._replace(seq=-1, chunk=b"", result=b"")
+
+
+def ack_duplicate(worker: Worker, rid: str, entry_id: str, stream: str, why: str) -> None:
+    """Ack an entry of a request id that is answered or run by another entry, without
+    output, audit record or dead letter: at most one run per request id (the client's
+    handle reads the one output of the run that owns it)."""
+    logger.warning(
+        "worker %s: entry %s of request %s is a duplicate (%s): acked without running",
+        worker.name,
+        entry_id,
+        rid,
+        why,
+    )
+    worker.publisher.append([append.Append(rid, entry_id, -1, b"", True, stream=stream)])
+
+
+def fail_vanished(worker: Worker, held: Held) -> None:
+    """Fail a running request whose queue entry was removed under this worker (pending
+    to no one, or gone from its stream): its final error chunk (APPEND writes it though
+    no one owns the entry), audit record with finish_reason "error" and dead letter.
+    Not run again: what removed it was an operator's command (XTRIM, XDEL, XGROUP
+    DESTROY/SETID, DEL of the stream), and the request's client learns it at once."""
+    rid, stream = held.request_id, held.stream or worker.keys_of(held.stream).requests
+    reason = (
+        f"its queue entry {held.entry_id} was removed from {stream} or its consumer group "
+        "while it ran (an operator's XTRIM, XDEL, XGROUP DESTROY/SETID or DEL of the "
+        "stream; see README, operator commands): ended here, not run again"
+    )
+    worker.held.pop(rid, None)
+    worker.publisher.pending.pop(rid, None)
+    worker._abort_in_engine(rid)
+    held = _as_logged(worker, held)
+    chunk = error_chunk(held, reason, worker.name)
+    held.take(chunk)
+    dead = dead_payload(encode_job(held.job), audited=True)
+    item = worker.publisher.append_item(held, chunk, final_audit(worker, held, chunk), dead, reason)
+    result = worker.publisher.append([item._replace(vanished=True)])
+    if result != [append.ANSWERED]:
+        logger.error("worker %s: failed %s: %s", worker.name, rid, reason)
+    if result == [append.ANSWERED]:  # it had finished (its final sent again, acked)
+        logger.info("worker %s: %s had finished; nothing to fail", worker.name, rid)
+        return
+    if result == [append.BAD_LOG]:
+        worker.publisher.append([without_log(item, held, reason)._replace(vanished=True)])
+    worker.metrics.failed(held)
+
+
+def _as_logged(worker: Worker, held: Held) -> Held:
+    """``held`` as its chunk log has it: chunks built after the entry vanished were
+    refused, so the error chunk goes right after the last one that landed (no gap for
+    readers to wait on). ``held`` itself when the log cannot be read."""
+    keys = worker.keys_of(held.stream)
+    try:
+        log = worker.redis.lrange(keys.out(held.request_id), 0, -1)
+        fresh = Held(held.entry_id, held.job, adapter=held.adapter, stream=held.stream)
+        for raw in log:
+            fresh.take(decode_chunk(raw, held.request_id))
+    except (redis.ResponseError, ValueError, KeyError, TypeError):
+        return held
+    return fresh
 
 
 def fail_unwritable(worker: Worker, held: Held, key: str) -> None:
@@ -152,7 +218,13 @@ def _held_for_garbage(entry_id: str, payload: Any, limits: JobLimits) -> Held | 
     try:
         data = orjson.loads(payload)
         rid = data["request_id"]
-    except (orjson.JSONDecodeError, KeyError, TypeError):
+    except orjson.JSONDecodeError:
+        # unparsable (nested past the parser's depth, cut short...): a request id that
+        # can still be read gets its final error chunk (its client is waiting on it)
+        data, rid = {}, _readable_id(payload)
+        if rid is None:
+            return None
+    except (KeyError, TypeError):
         return None
     if not isinstance(rid, str) or not rid or len(rid) > MAX_REQUEST_ID:
         return None
@@ -170,6 +242,21 @@ def _held_for_garbage(entry_id: str, payload: Any, limits: JobLimits) -> Held | 
     elif is_int(arrival) and 0 <= arrival < 2**53:
         job.arrival_time = float(arrival)
     return Held(entry_id, job)
+
+
+_REQUEST_ID = re.compile(rb'"request_id"\s*:\s*"([^"\\{}\x00]{1,256})"')
+
+
+def _readable_id(payload: Any) -> str | None:
+    """The request id of a payload the parser refused, when it names exactly one."""
+    raw = payload if isinstance(payload, bytes) else str(payload).encode("utf-8", "replace")
+    found = set(_REQUEST_ID.findall(raw[: 1 << 20]))
+    if len(found) != 1:
+        return None
+    try:
+        return found.pop().decode()
+    except UnicodeDecodeError:
+        return None
 
 
 def _params(data: dict, limits: JobLimits) -> SamplingParams:

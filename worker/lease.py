@@ -17,31 +17,37 @@ class Lease:
         self.worker = worker
         self._renew = Renew(worker.redis)
 
-    def send(self, held: list[Held], idle_ms: int) -> tuple[set, list]:
+    def send(self, held: list[Held], idle_ms: int) -> tuple[set, list, set]:
         """RENEW (fenced) for ``held``, one call per shard: the positions in ``held`` of
-        the entries lost, and each one's abort flag. Safe on the sender's thread."""
+        the entries another worker took, each one's abort flag, and the positions of
+        those that vanished (``lifecycle.lease.RENEW``). Safe on the sender's thread."""
         worker = self.worker
-        lost, flags = set(), [None] * len(held)
+        lost, flags, vanished = set(), [None] * len(held), set()
         for keys, where in worker.by_shard([h.stream for h in held]).items():
-            shard_lost = self._renew(
+            shard_lost, shard_vanished = self._renew(
                 worker.name,
                 idle_ms,
                 [held[i].stream or keys.requests for i in where],
                 [held[i].entry_id for i in where],
             )
             lost.update(where[i] for i in shard_lost)
+            vanished.update(where[i] for i in shard_vanished)
             shard_flags = abort_flags(worker.redis, keys, [held[i].request_id for i in where])
             for i, flag in zip(where, shard_flags):
                 flags[i] = flag
-        return lost, flags
+        return lost, flags, vanished
 
-    def apply(self, held: list[Held], lost: set, flags: list) -> None:
-        """On the worker's thread: drop the entries lost, abort those asked to."""
+    def apply(self, held: list[Held], lost: set, flags: list, vanished: set = frozenset()) -> None:
+        """On the worker's thread: drop the entries another worker took, abort those
+        asked to; those that vanished are failed at the next upkeep (``Worker.vanished``,
+        after the chunks in flight are in: one that just finished is not failed)."""
         worker = self.worker
         for i, (h, flag) in enumerate(zip(held, flags)):
             if worker.held.get(h.request_id) is not h:
                 continue  # finished, failed or dropped meanwhile
-            if i in lost:
+            if i in vanished:
+                worker.vanished.append(h)
+            elif i in lost:
                 worker._drop(h.request_id)
             elif flag is not None:
                 worker.engine.abort_request(h.request_id)

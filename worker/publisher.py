@@ -23,12 +23,20 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from lorapool.lifecycle.append import BAD_LOG, BAD_MARKER, NOT_OWNER, Append, Appender
+from lorapool.lifecycle.append import (
+    ANSWERED,
+    BAD_LOG,
+    BAD_MARKER,
+    NOT_OWNER,
+    VANISHED,
+    Append,
+    Appender,
+)
 from lorapool.lifecycle.chunk_log import encode_record
 from lorapool.lifecycle.wire import Chunk, encode_chunk
 from lorapool.outputs import RequestOutput
 from lorapool.worker.audit import final_audit
-from lorapool.worker.dead_letter import fail_unwritable
+from lorapool.worker.dead_letter import ack_duplicate, fail_unwritable
 from lorapool.worker.held import Held, Position, make_chunk, merged
 from lorapool.worker.sender import Sender
 
@@ -236,6 +244,11 @@ class Publisher:
         if result == BAD_LOG:
             fail_unwritable(self.worker, held, self.worker.keys_of(held.stream).out(rid))
             return
+        if result == ANSWERED:
+            self.worker._drop(rid)
+            why = "its marker says it finished, or names another entry"
+            ack_duplicate(self.worker, rid, held.entry_id, held.stream, why)
+            return
         if result == BAD_MARKER:
             logger.warning(
                 "worker %s: %s finished, its job marker %s holds another type than a "
@@ -244,6 +257,9 @@ class Publisher:
                 rid,
                 self.worker.keys_of(held.stream).job(rid),
             )
+        if result == VANISHED:  # acked (a final sent again) or removed: upkeep tells
+            self.worker.vanished.append(held)
+            return
         if result == NOT_OWNER:
             if not chunk.finished:
                 logger.warning(

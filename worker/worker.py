@@ -17,7 +17,7 @@ from typing import Any
 import redis
 
 from lorapool import signing
-from lorapool.connection import REDIS_DOWN, ensure_group
+from lorapool.connection import REDIS_DOWN, ensure_group, persistence_warning
 from lorapool.lifecycle.keys import PRIORITIES, WORKERS_GROUP, Keys
 from lorapool.lifecycle.wire import DATA, Chunk, decode_job, encode_job
 from lorapool.outputs import RequestOutput
@@ -66,6 +66,7 @@ class Worker:
         self.name = config.name
         self.base_model = base_model
         self.held: dict[str, Held] = {}
+        self.vanished: list[Held] = []  # entries removed under this worker, to fail
         self.draining = False
         self.stopped = False
         self.num_tokens = 0
@@ -97,6 +98,9 @@ class Worker:
     def run(self) -> None:
         """Serve until stopped (burst: until the queue and the engine are empty)."""
         claim_model(self.redis, self.keys, self.base_model)  # or ModelMismatchError
+        warning = persistence_warning(self.redis)
+        if warning:
+            logger.warning("worker %s: %s", self.name, warning)
         self.ensure_group()
         self._install_signals()
         self.metrics.serve()
@@ -228,7 +232,15 @@ class Worker:
         held = None
         try:
             job = decode_job(payload, self.config.limits)
-            if job.request_id in self.held:
+            running = self.held.get(job.request_id)
+            if running is not None:
+                if running.entry_id != entry_id:  # a second entry of a running request
+                    why = f"entry {running.entry_id} runs it here"
+                    dead_letter.ack_duplicate(self, job.request_id, entry_id, stream, why)
+                return None
+            if log and log[-1].finished:  # claimed, but its log already ends: answered
+                why = "its chunk log already ends in a final chunk"
+                dead_letter.ack_duplicate(self, job.request_id, entry_id, stream, why)
                 return None
             held = Held(entry_id, job, stream=stream)
             for chunk in log or []:
@@ -325,6 +337,8 @@ class Worker:
         """Lease renewal, claims, heartbeat. While the engine runs, renewal and heartbeat
         ride a round trip of the sender (``extra``), handed to it at once when it is
         free: no Redis call of theirs waits on the engine's thread, nor for its step."""
+        if self.vanished:
+            self._fail_vanished()
         busy = self.engine.has_unfinished_requests()
         if self._due("renew", self.config.lease_s / 3) and self.held:
             held = list(self.held.values())
@@ -346,6 +360,18 @@ class Worker:
             # out now if the sender is free, while the engine steps: a renewal that
             # waited for a long step (a loaded CPU) could come after the lease
             self.publisher.flush(wait=False)
+
+    def _fail_vanished(self) -> None:
+        """End the requests whose entries an operator removed under this worker (a
+        renewal or an append found them pending to no one, or gone from the stream):
+        final error chunk, audit record with finish_reason "error", dead letter, a log
+        line naming the cause. The chunks in flight go first: a request that finished
+        meanwhile is not failed (and APPEND refuses a chunk after a final one)."""
+        self.publisher.flush(wait=True)
+        vanished, self.vanished = self.vanished, []
+        for held in vanished:
+            if self.held.get(held.request_id) is held:
+                dead_letter.fail_vanished(self, held)
 
     def renew(self, idle_ms: int = 0) -> None:
         """Renew the lease of every held entry; drop those lost; abort those asked to."""

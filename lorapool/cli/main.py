@@ -20,6 +20,7 @@ COMMANDS = {
     "submit": "lorapool.cli.queue:submit",
     "abort": "lorapool.cli.queue:abort",
     "status": "lorapool.cli.queue:status",
+    "trim": "lorapool.cli.queue:trim",
     "dashboard": "lorapool.cli.dashboard:dashboard",
     "exporter": "lorapool.cli.exporter:exporter",
     "adapters": "lorapool.cli.queue:adapters",

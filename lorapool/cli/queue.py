@@ -246,15 +246,34 @@ def abort(request_id, redis_url, prefix, shards):
 @redis_option
 @prefix_option
 @shards_option
+def trim(redis_url, prefix, shards):
+    """Remove the job streams' entries every worker is done with (acked), never a
+    queued or running one: the safe XTRIM (README, operator commands)."""
+    from lorapool.lifecycle.trim import safe_trim
+
+    producer = _producer(redis_url, prefix, shards)
+    for stream, removed in safe_trim(producer.redis, producer.keys).items():
+        click.echo(f"{stream}: {removed} entries removed")
+
+
+@click.command()
+@redis_option
+@prefix_option
+@shards_option
 def status(redis_url, prefix, shards):
     """Workers, stream length, pending entries, lag and dead letters."""
     from rich.console import Console
 
     from lorapool.cli.queue_status import status_tables
+    from lorapool.connection import persistence_warning
 
     console = Console()
-    for table in status_tables(_producer(redis_url, prefix, shards)):
+    producer = _producer(redis_url, prefix, shards)
+    for table in status_tables(producer):
         console.print(table)
+    warning = persistence_warning(producer.redis)
+    if warning:
+        console.print(f"[bold yellow]warning:[/] {warning}")
 
 
 @click.group()

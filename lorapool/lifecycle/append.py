@@ -28,7 +28,12 @@ from lorapool.lifecycle.keys import WORKERS_GROUP, Keys
 # the log key holds another type than a list (nothing written for the item), and
 # finished with the job's marker holding another type than a hash (left alone: the
 # whole output stays in the log, kept for the result's TTL)
-NOT_OWNER, DUPLICATE, BAD_LOG, BAD_MARKER = -1, -2, -3, 2
+# the request id is answered (its marker says finished or failed) or another entry's
+# (the marker names another entry: a duplicate XADD of a running request): nothing
+# written, the worker acks this entry without output
+# the entry is pending to no one (acked already, or removed under the worker by an
+# operator: XTRIM, XDEL, a group destroyed, the stream deleted)
+NOT_OWNER, DUPLICATE, BAD_LOG, ANSWERED, VANISHED, BAD_MARKER = -1, -2, -3, -4, -5, 2
 
 
 class Append(NamedTuple):
@@ -46,6 +51,7 @@ class Append(NamedTuple):
     reason: str = ""
     result: bytes = b""  # final: the whole output, kept in the job's hash
     stream: str = ""  # the stream the entry came from ('': the interactive one)
+    vanished: bool = False  # final: its entry is pending to no one; written all the same
 
 
 def append_call(
@@ -57,22 +63,27 @@ def append_call(
     args: list = [WORKERS_GROUP, consumer, dead_max_len, log_grace_s]
     for item in items:
         rid = item.request_id
-        call_keys += [item.stream or keys.requests, keys.out(rid), keys.abort(rid)]
-        args += [int(item.final), item.entry_id, item.seq, item.chunk]
-        if item.final:  # most items are not: 7 values a chunk instead of 13
-            call_keys.append(keys.job(rid))
+        call_keys += [item.stream or keys.requests, keys.out(rid), keys.abort(rid), keys.job(rid)]
+        args += [2 if item.vanished else int(item.final), item.entry_id, item.seq, item.chunk]
+        if item.final:  # most items are not: 8 values a chunk instead of 13
             args += [item.audit, item.ttl_s, item.dead, item.reason, item.result]
     return {"keys": call_keys, "args": args}
 
 
-# KEYS: audit, dead, then per item: its stream, out, abort (final: and job)
+# KEYS: audit, dead, then per item: its stream, out, abort, job
 # ARGV: group, consumer, dead stream's MAXLEN (approximate), the log's grace after the
-#       final chunk (s), then per item: final (0/1), entry, seq (-1: no chunk), chunk,
+#       final chunk (s), then per item: final (0/1; 2: final of an entry that vanished,
+#       written though it is pending to no one), entry, seq (-1: no chunk), chunk,
 #       and when final: audit ('' none), ttl, dead ('' none), reason, result (the whole
 #       output)
-# Returns per item: -1 (not the owner), -2 (seq already in the log), -3 (the log key is
-# not a list: nothing written), else 1 if abort is asked, 2 (finished, the job's marker
-# not a hash: left alone), 0.
+# Returns per item: -1 (another consumer owns it), -5 (pending to no one: acked, or
+# removed by an operator), -2 (seq already in the log), -3 (the log key is
+# not a list: nothing written), -4 (a chunk for a request id whose marker says it
+# finished, or names another entry: nothing written), else 1 if abort is asked, 2
+# (finished, the job's marker not a hash: left alone), 0.
+# At most one run per request id: a chunk is taken only for the entry the marker names
+# (SUBMIT writes it; a raw XADD has none) and never after the request's final record,
+# so a duplicate entry cannot add a second final chunk or a second audit record.
 # Nothing it writes for an item comes before what could refuse it (a script's writes
 # before an error stay): the log's and the marker's types are checked first, and a key
 # of another type (a producer may write job and abort keys; anyone may have written
@@ -95,18 +106,15 @@ local function add_chunk(out, seq, chunk)
   return 0
 end
 
-local function is_a(key, kind)
-  local t = redis.call('TYPE', key)['ok']
-  return t == 'none' or t == kind
-end
-
 -- Drops the entries every worker is done with from the head of the requests stream:
 -- those before the oldest pending one (or, none pending, up to the last delivered).
 -- XDEL of a finished entry instead would leave a tombstone at or past the group's
 -- last-delivered id whenever a short request ends before a longer one taken earlier,
 -- and Redis then reports the group's lag, the autoscaling signal, as unknown.
 local function trim_done(stream, group)
-  local minid = redis.call('XPENDING', stream, group)[2]
+  local summary = redis.pcall('XPENDING', stream, group)
+  if summary.err then return end  -- the stream or its group is gone (an operator's)
+  local minid = summary[2]
   if not minid then
     for _, fields in ipairs(redis.call('XINFO', 'GROUPS', stream)) do
       local info = {}
@@ -123,32 +131,45 @@ end
 local results, finished = {}, {}
 local a, k = 4, 2  -- the ARGV and KEYS read so far
 while a < #ARGV do
-  local final, entry, seq = ARGV[a + 1] == '1', ARGV[a + 2], tonumber(ARGV[a + 3])
+  local final, entry, seq = ARGV[a + 1] ~= '0', ARGV[a + 2], tonumber(ARGV[a + 3])
+  local vanished = ARGV[a + 1] == '2'
   local chunk, stream, out, abort = ARGV[a + 4], KEYS[k + 1], KEYS[k + 2], KEYS[k + 3]
-  local audit, ttl, dead, reason, record, job = '', 0, '', '', '', nil
+  local job = KEYS[k + 4]
+  local audit, ttl, dead, reason, record = '', 0, '', '', ''
   if final then
     audit, ttl, dead, reason = ARGV[a + 5], ARGV[a + 6], ARGV[a + 7], ARGV[a + 8]
-    record, job = ARGV[a + 9], KEYS[k + 4]
-    a, k = a + 9, k + 4
+    record = ARGV[a + 9]
+    a = a + 9
   else
-    a, k = a + 4, k + 3
+    a = a + 4
   end
+  k = k + 4
   local result, added, marker = 0, 1, true
-  local p = redis.call('XPENDING', stream, ARGV[1], entry, entry, 1)
-  if #p == 0 or p[1][2] ~= ARGV[2] then
+  local p = redis.pcall('XPENDING', stream, ARGV[1], entry, entry, 1)
+  if p.err then p = {} end  -- the stream or its group is gone
+  if #p > 0 and p[1][2] ~= ARGV[2] then
     result = -1
-  else
-    if final and seq >= 0 then marker = is_a(job, 'hash') end
-    if seq >= 0 then added = add_chunk(out, seq, chunk) end
-    if type(added) == 'table' then return added end  -- an error reply: the whole call
-    if added == 0 then result = -2 elseif added == -3 then result = -3 end
+  elseif #p == 0 and not vanished then
+    result = -5
+  elseif seq >= 0 then
+    local m = redis.pcall('HMGET', job, 'status', 'entry')
+    if m.err then
+      marker = false  -- not a hash: left alone
+    elseif m[1] == 'finished' or m[1] == 'failed' or (m[2] and m[2] ~= entry) then
+      result = -4
+    end
+    if result == 0 then
+      added = add_chunk(out, seq, chunk)
+      if type(added) == 'table' then return added end  -- an error reply: the whole call
+      if added == 0 then result = -2 elseif added == -3 then result = -3 end
+    end
   end
   if result == 0 then
     if seq >= 0 then
       redis.call('PUBLISH', out, chunk)
     end
     if final then
-      redis.call('XACK', stream, ARGV[1], entry)
+      redis.pcall('XACK', stream, ARGV[1], entry)  -- an error: the group is gone
       finished[stream] = true
       if audit ~= '' then redis.call('XADD', KEYS[1], '*', 'data', audit) end
       if dead ~= '' then

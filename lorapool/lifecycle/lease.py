@@ -18,34 +18,45 @@ _DATA = DATA.encode()
 
 # KEYS: each entry's stream. ARGV: group, consumer, idle_ms (0: renew), the entry ids
 # (one per key). Resets the idle time of the entries this consumer still owns; returns
-# the positions (1-based) of those it lost.
+# {the positions (1-based) of those another consumer took, of those that vanished}.
+# Vanished: pending to no one (the entry trimmed or deleted and then dropped from the
+# group by a claim, the group destroyed or reset, the stream deleted), or still pending
+# here while its entry is gone from the stream (XTRIM, XDEL): an operator's doing,
+# never another worker's, and its request must end visibly.
 RENEW = """
-local lost = {}
+local lost, vanished = {}, {}
 for i = 1, #KEYS do
   local entry = ARGV[i + 3]
-  local p = redis.call('XPENDING', KEYS[i], ARGV[1], entry, entry, 1)
-  if #p == 0 or p[1][2] ~= ARGV[2] then
+  local p = redis.pcall('XPENDING', KEYS[i], ARGV[1], entry, entry, 1)
+  if p.err or #p == 0 then
+    table.insert(vanished, i)
+  elseif p[1][2] ~= ARGV[2] then
     table.insert(lost, i)
+  elseif #redis.call('XRANGE', KEYS[i], entry, entry) == 0 then
+    table.insert(vanished, i)
   else
     redis.call('XCLAIM', KEYS[i], ARGV[1], ARGV[2], 0, entry, 'IDLE', ARGV[3], 'JUSTID')
   end
 end
-return lost
+return {lost, vanished}
 """
 
 
 class Renew:
     """``renew(consumer, idle_ms, streams, entry_ids)``: RENEW of entries of one shard
-    (each with its stream); the positions (0-based) of those this consumer lost."""
+    (each with its stream); the positions (0-based) of those another consumer took, and
+    of those that vanished."""
 
     def __init__(self, connection):
         self._script = register_script(connection, RENEW)
 
     def __call__(
         self, consumer: str, idle_ms: int, streams: list[str], entry_ids: list[str]
-    ) -> list[int]:
-        lost = self._script(keys=streams, args=[WORKERS_GROUP, consumer, idle_ms, *entry_ids])
-        return [int(i) - 1 for i in lost]
+    ) -> tuple[list[int], list[int]]:
+        lost, vanished = self._script(
+            keys=streams, args=[WORKERS_GROUP, consumer, idle_ms, *entry_ids]
+        )
+        return [int(i) - 1 for i in lost], [int(i) - 1 for i in vanished]
 
 
 def abort_flags(connection, keys: Keys, request_ids: list[str]) -> list:

@@ -7,30 +7,67 @@ what the client returns: awaitable on an asyncio client.
 
 from __future__ import annotations
 
+from lorapool.connection import register_script
 from lorapool.lifecycle.chunk_log import RESULT_FIELD
 from lorapool.lifecycle.keys import Keys
 
 ABORT_TTL_S = 24 * 3600  # an abort flag outlives any request it can stop
+# an abort for an id with no marker (unknown, or finished and expired): kept only
+# minutes, in case the submit is on its way (500 aborts of unknown ids left 500 keys
+# for 24 h)
+UNKNOWN_ABORT_TTL_S = 300
+
+# KEYS: the job's marker, its abort flag. ARGV: the flag's TTL with a marker, without.
+ABORT = """
+local ttl = ARGV[2]
+if redis.call('EXISTS', KEYS[1]) == 1 then ttl = ARGV[1] end
+return redis.call('SET', KEYS[2], 1, 'EX', ttl)
+"""
 
 
 def abort(connection, keys: Keys, request_id: str):
     """Ask whichever worker holds the request to stop it (finish_reason 'abort'):
-    its abort flag, read with each lease renewal."""
-    return connection.set(keys.abort(request_id), 1, ex=ABORT_TTL_S)
+    its abort flag, read with each lease renewal; for a request id with no marker,
+    a flag that expires in ``UNKNOWN_ABORT_TTL_S``."""
+    script = register_script(connection, ABORT)
+    return script(
+        keys=[keys.job(request_id), keys.abort(request_id)],
+        args=[ABORT_TTL_S, UNKNOWN_ABORT_TTL_S],
+    )
+
+
+class JobLost(RuntimeError):
+    """A request whose job marker and chunk log are both gone from Redis: it will never
+    finish (a Redis restarted without persistence, a FLUSHDB, an operator's DEL, or its
+    result's TTL passed). Readers raise it at their next read of the log, within
+    seconds, instead of waiting until their timeout."""
+
+    def __init__(self, request_id: str):
+        super().__init__(
+            f"request {request_id}: its job marker and chunk log are gone from Redis (a "
+            "Redis restart without persistence, FLUSHDB or DEL, or its result's TTL "
+            "passed); it will not finish"
+        )
+        self.request_id = request_id
 
 
 def read_back(pipe, keys: Keys, request_id: str, after: int, count: int | None = None) -> None:
     """Queue on ``pipe`` the reads that place a reader in the request's output, for one
     round trip: the log's chunks after seq ``after`` (at most ``count``), whether the
-    log is still there, and the final record. ``read_back_result`` reads the replies."""
+    log is still there, the final record and whether the marker is there.
+    ``read_back_result`` reads the replies."""
     end = -1 if count is None else after + count
     pipe.lrange(keys.out(request_id), after + 1, end)
     pipe.exists(keys.out(request_id))
     pipe.hget(keys.job(request_id), RESULT_FIELD)
+    pipe.exists(keys.job(request_id))
 
 
-def read_back_result(replies: list) -> tuple[list, bytes | None]:
+def read_back_result(replies: list, request_id: str = "") -> tuple[list, bytes | None]:
     """The log's entries read, and the final record only once the log is gone
-    (compacted; until then the log holds the whole output)."""
-    entries, exists, result = replies[-3:]
+    (compacted; until then the log holds the whole output). JobLost when the log and
+    the marker are both gone."""
+    entries, exists, result, marker = replies[-4:]
+    if not exists and not marker:
+        raise JobLost(request_id)
     return entries, None if exists else result
