@@ -105,7 +105,8 @@ class JobHandle:
             try:
                 with self.producer.redis.pipeline(transaction=False) as pipe:
                     marker.read_back(pipe, keys, rid, cursor.seq, count=_PAGE)
-                    entries, result = marker.read_back_result(pipe.execute(), rid)
+                    replies = pipe.execute(raise_on_error=False)
+                    entries, result = marker.read_back_result(replies, rid)
             except connection.REDIS_TRANSIENT as exc:
                 logger.warning("request %s: Redis unreachable (%s), waiting", rid, exc)
                 time.sleep(_WAIT_S)

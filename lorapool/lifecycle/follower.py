@@ -137,7 +137,8 @@ class Follower:
         try:
             async with self.fills, self.redis.pipeline(transaction=False) as pipe:
                 read_back(pipe, self.keys, cursor.request_id, cursor.seq)
-                entries, result = read_back_result(await pipe.execute(), cursor.request_id)
+                replies = await pipe.execute(raise_on_error=False)
+                entries, result = read_back_result(replies, cursor.request_id)
         except TRANSIENT as exc:
             logger.warning("follower: Redis unreachable (%s), waiting", exc)
             return []

@@ -66,8 +66,13 @@ def read_back(pipe, keys: Keys, request_id: str, after: int, count: int | None =
 def read_back_result(replies: list, request_id: str = "") -> tuple[list, bytes | None]:
     """The log's entries read, and the final record only once the log is gone
     (compacted; until then the log holds the whole output). JobLost when the log and
-    the marker are both gone."""
+    the marker are both gone. ``replies``: with ``raise_on_error=False``."""
     entries, exists, result, marker = replies[-4:]
+    for reply in (entries, exists, marker):
+        if isinstance(reply, Exception):
+            raise reply
+    if isinstance(result, Exception):  # a marker of another type (a producer's SET):
+        result = None  # the workers leave it alone and keep the log for the result's TTL
     if not exists and not marker:
         raise JobLost(request_id)
     return entries, None if exists else result
