@@ -209,6 +209,7 @@ def bytes_per_row(args, config: DatabaseConfig, sample: int = 20_000) -> dict:
     as JSON-token (version 1) rows, side by side."""
     from audit_scale import KEY, make_record
 
+    from lorapool.audit_db.guard import ChainGuard
     from lorapool.audit_db.rows import prepare
     from lorapool.audit_db.store import append
     from lorapool.audit_record import parse_record
@@ -224,14 +225,16 @@ def bytes_per_row(args, config: DatabaseConfig, sample: int = 20_000) -> dict:
             engine = create_audit_engine(DatabaseConfig(url=args.pg_url, schema=schema))
             migrate(engine)
             compact = mock.patch("lorapool.audit_db.tokens.packed_or_none", return_value=None)
-            with compact if version == 1 else _nothing():
+            guard = ChainGuard(KEY)  # one for the sample, as a writer keeps one: a fresh
+            with compact if version == 1 else _nothing():  # one re-verifies every batch
                 for start in range(0, sample, 500):
                     made = [
                         make_record(i, time.time(), args.days, "p")
                         for i in range(start, start + 500)
                     ]
                     records = [parse_record(m, key=KEY, pool="p") for m in made]
-                    append(engine, [r for record in records for r in prepare(record, "p")], KEY)
+                    rows = [r for record in records for r in prepare(record, "p")]
+                    append(engine, rows, KEY, guard)
             size, rows = _table_bytes(engine)
             found[f"sample v{version}"] = {"bytes_per_row": round(size / rows), "rows": rows}
             engine.dispose()
