@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from lorapool.egress import EgressPolicy
 from lorapool.lifecycle.keys import DEFAULT_PREFIX
 from lorapool.lifecycle.wire import DEFAULT_MAX_N, DEFAULT_MAX_PROMPT_BYTES
+from lorapool.protocol import MAX_STOP
 from lorapool.tool_calls import PARSERS
 
 # A request body may hold a whole prompt (max_prompt_bytes) JSON-escaped: up to 6
@@ -21,6 +22,8 @@ class GatewayConfig:
     max_prompt_bytes, max_n: refused at submit as the workers would (413, 400).
     max_body_bytes: larger bodies get 413 before they are parsed (default: room for
     a max_prompt_bytes prompt, escaped). max_prompts: prompts in one completions call.
+    max_stop: stop strings an OpenAI or job request may name (OpenAI's 4 by default; at
+    most ``protocol.MAX_STOP``, which also bounds each string's and all their characters).
     result_timeout_s: how long a non-streaming call waits for its result (then 504,
     and the job is aborted). queue_timeout_s: how long an OpenAI call's job may wait
     for a worker to take it (a pool scaled to zero starts one meanwhile); past it the
@@ -61,6 +64,7 @@ class GatewayConfig:
     max_n: int = DEFAULT_MAX_N
     max_body_bytes: int | None = None
     max_prompts: int = 128
+    max_stop: int = 4
     result_timeout_s: float = 600.0
     queue_timeout_s: float = 300.0
     redis_retries: int = 1
@@ -86,6 +90,10 @@ class GatewayConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+        if not (isinstance(self.max_stop, int) and 0 <= self.max_stop <= MAX_STOP):
+            raise ValueError(
+                f"max_stop must be an integer in [0, {MAX_STOP}], got {self.max_stop!r}"
+            )
         if not isinstance(self.redis_connections, int) or self.redis_connections < 2:
             raise ValueError(
                 f"redis_connections must be an integer >= 2, got {self.redis_connections!r}"

@@ -8,8 +8,10 @@ every ``REFRESH_S``. With no live worker the bounds are unknown, and the worker 
 tokens are counted by the worker's tokenizer; here it counts as at least one token
 (token-id prompts count exactly), so ``max_tokens`` of at least the whole context is
 refused here, and any prompt the worker finds too long comes back as a 400 on ``prompt``.
-The seed takes what vLLM's API takes (a signed 64-bit integer); stop lists and strings
-are bounded by ``SamplingParams`` itself.
+The seed takes what vLLM's API takes (a signed 64-bit integer). Stop strings: at most
+the gateway's ``max_stop`` (OpenAI's 4 by default), each string's and all their
+characters bounded by ``SamplingParams`` itself (``protocol.MAX_STOP_CHARS``,
+``MAX_STOP_TOTAL_CHARS``; Python producers meet the same bounds, with ``MAX_STOP`` strings).
 """
 
 from __future__ import annotations
@@ -60,6 +62,16 @@ def check_seed(body: dict[str, Any]) -> None:
     seed = body.get("seed")
     if isinstance(seed, int) and not isinstance(seed, bool) and not SEED_MIN <= seed <= SEED_MAX:
         raise bad_request(f"seed must be from {SEED_MIN} to {SEED_MAX}, got {seed}", "seed")
+
+
+def check_stop_count(parsed, max_stop: int) -> None:
+    """400 on ``stop`` when the request names more than ``max_stop`` stop strings."""
+    count = len(parsed.params.stop)
+    if count > max_stop:
+        raise bad_request(
+            f"stop must hold at most {max_stop} strings (the gateway's max_stop), got {count}",
+            "stop",
+        )
 
 
 def check_limits(parsed, limits: PoolLimits) -> None:

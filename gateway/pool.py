@@ -19,7 +19,7 @@ from lorapool.gateway.auth import OPEN, Principal
 from lorapool.gateway.config import GatewayConfig
 from lorapool.gateway.dashboard_session import Sessions
 from lorapool.gateway.errors import APIError, field_error, model_not_found
-from lorapool.gateway.limits import LimitsCache, check_limits
+from lorapool.gateway.limits import LimitsCache, check_limits, check_stop_count
 from lorapool.gateway.redis_watch import RedisWatch
 from lorapool.gateway.tokenizer import TokenizerCache
 from lorapool.lifecycle.queue_position import QueuePosition
@@ -133,7 +133,9 @@ class Pool:
 
     async def check_limits(self, parsed) -> None:
         """400 naming the parameter that passes a bound the pool's workers hold requests
-        to (the context, ``max_logprobs``: ``gateway/limits.py``)."""
+        to (the context, ``max_logprobs``: ``gateway/limits.py``) or the gateway's own
+        ``max_stop``."""
+        check_stop_count(parsed, self.config.max_stop)
         check_limits(parsed, await self.limits.get(self.view))
 
     async def check_backlog(self) -> None:

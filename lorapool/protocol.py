@@ -124,11 +124,7 @@ class SamplingParams:
                 raise FieldError(
                     f"sampling_params.{name} must be true or false, got {short_repr(value)}"
                 )
-        for i, stop in enumerate(self.stop):
-            if not isinstance(stop, str) or stop == "":
-                raise FieldError(
-                    f"sampling_params.stop[{i}] must be a non-empty string, got {short_repr(stop)}"
-                )
+        check_stop(self.stop)
         for i, token in enumerate(self.stop_token_ids):
             _int_field(f"stop_token_ids[{i}]", token, lo=0, hi=INT32_MAX)
 
@@ -151,6 +147,39 @@ class SamplingParams:
 
 
 MAX_LOGIT_BIAS = 1024  # entries (OpenAI allows 300)
+# Stop strings: every one is looked for in each new token's text, so their number and
+# length are bounded (OpenAI allows 4 strings; the gateway's max_stop, 4 by default,
+# holds its OpenAI routes to fewer). Lengths count characters.
+MAX_STOP = 64  # strings
+MAX_STOP_CHARS = 1024  # characters in one string
+MAX_STOP_TOTAL_CHARS = 8192  # characters in all of them together
+
+
+def check_stop(stop: list) -> None:
+    """FieldError naming ``sampling_params.stop`` and the bound it passes: at most
+    MAX_STOP non-empty strings of at most MAX_STOP_CHARS characters, MAX_STOP_TOTAL_CHARS
+    in all."""
+    if len(stop) > MAX_STOP:
+        raise FieldError(
+            f"sampling_params.stop must hold at most {MAX_STOP} strings, got {len(stop)}"
+        )
+    total = 0
+    for i, one in enumerate(stop):
+        if not isinstance(one, str) or one == "":
+            raise FieldError(
+                f"sampling_params.stop[{i}] must be a non-empty string, got {short_repr(one)}"
+            )
+        if len(one) > MAX_STOP_CHARS:
+            raise FieldError(
+                f"sampling_params.stop[{i}] must be at most {MAX_STOP_CHARS} characters, "
+                f"got {len(one)}"
+            )
+        total += len(one)
+    if total > MAX_STOP_TOTAL_CHARS:
+        raise FieldError(
+            f"sampling_params.stop must hold at most {MAX_STOP_TOTAL_CHARS} characters in "
+            f"all, got {total}"
+        )
 
 
 def check_logit_bias(bias: Any) -> dict[int, float]:
@@ -317,6 +346,9 @@ class LoRARequest:
 __all__ = [
     "FINISH_REASONS",
     "FieldError",
+    "MAX_STOP",
+    "MAX_STOP_CHARS",
+    "MAX_STOP_TOTAL_CHARS",
     "WIRE_VERSION",
     "LoRARequest",
     "RequestOutputKind",

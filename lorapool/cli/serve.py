@@ -16,6 +16,7 @@ from lorapool.cli.options import (
     webhook_allow_option,
 )
 from lorapool.lifecycle.wire import DEFAULT_MAX_N, DEFAULT_MAX_PROMPT_BYTES
+from lorapool.protocol import MAX_STOP
 
 
 @click.command()
@@ -23,6 +24,13 @@ from lorapool.lifecycle.wire import DEFAULT_MAX_N, DEFAULT_MAX_PROMPT_BYTES
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535))
 @count_option("--max-n", DEFAULT_MAX_N, "most completions per request")
 @count_option("--max-prompt-bytes", DEFAULT_MAX_PROMPT_BYTES, "larger prompts get 413")
+@click.option(
+    "--max-stop",
+    default=4,
+    show_default=True,
+    type=click.IntRange(0, MAX_STOP),
+    help="stop strings a request may name (OpenAI's bound; more get 400 on stop)",
+)
 @count_option(
     "--redis-connections",
     64,
