@@ -22,10 +22,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import Connection, Engine, func, select
+from sqlalchemy import ARRAY, Connection, Engine, String, any_, bindparam, func, select
 from sqlalchemy.dialects import postgresql, sqlite
 
-from lorapool.audit_db import partitions, rollup
+from lorapool.audit_db import exact_text, partitions, rollup
 from lorapool.audit_db.bulk import bulk_insert
 from lorapool.audit_db.chain import COMPACT_VERSION, GENESIS, content_digest, link, link_v2, logical
 from lorapool.audit_db.checkpoints import Checkpoint
@@ -91,13 +91,21 @@ def _adapter_pks(conn: Connection, rows: list[PreparedRow], known: dict[str, int
 def _stored_digests(conn: Connection, rows: list[PreparedRow]) -> dict[tuple, str]:
     """The content digest of every stored row that has the key of one of ``rows``."""
     wanted = {r.key for r in rows}
+    ids, pools = sorted({k[1] for k in wanted}), sorted({k[0] for k in wanted})
+    if conn.dialect.name == "postgresql":  # one array parameter each: a statement that
+        # is the same for every batch (an IN list of 500 is compiled and parsed anew)
+        where = (
+            completions.c.request_id
+            == any_(bindparam("ids", [exact_text.encode(i) for i in ids], type_=ARRAY(String))),
+            completions.c.pool
+            == any_(bindparam("pools", [exact_text.encode(p) for p in pools], type_=ARRAY(String))),
+        )
+    else:
+        where = (completions.c.request_id.in_(ids), completions.c.pool.in_(pools))
     query = (
         select(completions, adapters.c.fingerprint)
         .select_from(completions.outerjoin(adapters, completions.c.adapter_pk == adapters.c.pk))
-        .where(  # request_id leads the unique index: an index lookup
-            completions.c.request_id.in_(sorted({k[1] for k in wanted})),
-            completions.c.pool.in_(sorted({k[0] for k in wanted})),
-        )
+        .where(*where)  # request_id leads the unique index: an index lookup
     )
     stored = {}
     for row in conn.execute(query).mappings():

@@ -12,7 +12,6 @@ refuse to start unless told ``--insecure-no-key`` or
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import os
 import secrets
@@ -90,11 +89,13 @@ def mac(key: bytes, domain: str, *parts: bytes) -> str:
     Each part is length-prefixed, so (b"ab", b"c") and (b"a", b"bc") differ; the
     domain keeps a signature made for one purpose from being valid for another.
     """
-    digest = hmac.new(key, domain.encode() + b"\0", hashlib.sha256)
+    # one message and one C call (hmac.digest): the same bytes as updating part by
+    # part, at a third of the cost (the writer signs and checks one per row)
+    message = [domain.encode(), b"\0"]
     for part in parts:
-        digest.update(len(part).to_bytes(8, "big"))
-        digest.update(part)
-    return digest.hexdigest()
+        message.append(len(part).to_bytes(8, "big"))
+        message.append(part)
+    return hmac.digest(key, b"".join(message), "sha256").hex()
 
 
 def same(a: str, b: str) -> bool:
