@@ -31,11 +31,12 @@ from lorapool.gateway import (
 from lorapool.gateway.audit_store import AuditStore
 from lorapool.gateway.config import GatewayConfig
 from lorapool.gateway.edge import Edge
-from lorapool.gateway.errors import APIError
+from lorapool.gateway.errors import APIError, job_lost
 from lorapool.gateway.http_metrics import HttpMetrics
 from lorapool.gateway.pool import Pool
 from lorapool.gateway.request_stats import RequestStats
 from lorapool.gateway.schemas import component_schemas
+from lorapool.producer import JobLost
 
 logger = logging.getLogger(__name__)
 
@@ -130,6 +131,10 @@ def _install_errors(app: FastAPI) -> None:
     async def unexpected(request: Request, exc: Exception):
         logger.exception("unexpected error on %s %s", request.method, request.url.path)
         return APIError(500, "the gateway failed unexpectedly", code="internal_error").response()
+
+    @app.exception_handler(JobLost)
+    async def lost(request: Request, exc: JobLost):
+        return job_lost().response()  # (the internal request id is not a tenant's)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError):

@@ -62,6 +62,21 @@ def error_object(status: int, message: str, param: str | None = None, code=None)
     return {"message": message, "type": kind, "param": param, "code": code}
 
 
+def job_lost(public_id: str | None = None) -> APIError:
+    """503 ``job_lost``: a job whose marker and chunk log vanished from Redis (a Redis
+    restarted without persistence, a FLUSHDB, an operator's DEL: ``JobLost``). It will
+    never finish; the same request submitted again runs (the openai client's retry of a
+    503 does that, after Retry-After)."""
+    which = f"job {public_id}" if public_id else "the job"
+    return APIError(
+        503,
+        f"{which} was lost: its state is gone from Redis (a Redis restart without "
+        "persistence, FLUSHDB or DEL); it will not finish, submit it again",
+        code="job_lost",
+        headers={"Retry-After": "1"},
+    )
+
+
 def bad_request(message: str, param: str | None) -> APIError:
     return APIError(400, message, param)
 

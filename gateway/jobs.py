@@ -23,7 +23,7 @@ from fastapi.responses import StreamingResponse
 
 from lorapool.gateway.auth import Principal, require
 from lorapool.gateway.body import read_json
-from lorapool.gateway.errors import APIError, bad_request
+from lorapool.gateway.errors import APIError, bad_request, job_lost
 from lorapool.gateway.job_format import chunk_event, job_body, state_name
 from lorapool.gateway.json import JSON
 from lorapool.gateway.params import parse_job
@@ -31,6 +31,7 @@ from lorapool.gateway.pool import Pool
 from lorapool.gateway.redis_watch import until_outage
 from lorapool.gateway.schemas import JobRequest, body
 from lorapool.gateway.streams import guarded, sse, until_stopped
+from lorapool.producer import JobLost
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 Submitter = Annotated[Principal, Depends(require("submit"))]
@@ -181,6 +182,8 @@ async def _events(
         yield sse({"message": message, "id": name}, "error")
     except APIError as exc:  # Redis away too long: resume with Last-Event-ID later
         yield sse({**exc.body()["error"], "id": name}, "error")
+    except JobLost:  # its state left Redis: nothing will follow
+        yield sse({**job_lost(name).body()["error"], "id": name}, "error")
 
 
 @router.delete("/{job_id}", summary="Abort a job")

@@ -19,7 +19,7 @@ from lorapool.gateway.auth import Principal, require
 from lorapool.gateway.body import read_json
 from lorapool.gateway.echo import Echo
 from lorapool.gateway.edge import RIDES_OUTAGES
-from lorapool.gateway.errors import APIError
+from lorapool.gateway.errors import APIError, job_lost
 from lorapool.gateway.json import JSON
 from lorapool.gateway.openai_format import Shape, fingerprint
 from lorapool.gateway.params import Parsed, parse_chat, parse_completion
@@ -27,6 +27,7 @@ from lorapool.gateway.pool import Pool, disconnected
 from lorapool.gateway.redis_watch import until_outage
 from lorapool.gateway.schemas import ChatRequest, CompletionRequest, body
 from lorapool.gateway.streams import DONE, merged_chunks, sse, until_taken
+from lorapool.producer import JobLost
 
 router = APIRouter(prefix="/v1", tags=["OpenAI-compatible"])
 Submitter = Annotated[Principal, Depends(require("submit"))]
@@ -151,6 +152,8 @@ async def _stream(
                 yield sse(event)
     except APIError as exc:  # typed as the same failure would be without streaming
         yield sse(exc.body())
+    except JobLost as exc:  # its state left Redis: it will never finish
+        yield sse(job_lost(shape.public(exc.request_id)).body())
     else:
         if include_usage:
             yield sse(shape.usage_chunk(prompt_tokens, completion_tokens, cached))

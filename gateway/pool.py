@@ -18,12 +18,12 @@ from lorapool.gateway import resolver
 from lorapool.gateway.auth import OPEN, Principal
 from lorapool.gateway.config import GatewayConfig
 from lorapool.gateway.dashboard_session import Sessions
-from lorapool.gateway.errors import APIError, field_error, model_not_found
+from lorapool.gateway.errors import APIError, field_error, job_lost, model_not_found
 from lorapool.gateway.limits import LimitsCache, check_limits, check_stop_count
 from lorapool.gateway.redis_watch import RedisWatch
 from lorapool.gateway.tokenizer import TokenizerCache
 from lorapool.lifecycle.queue_position import QueuePosition
-from lorapool.producer import AsyncJobHandle, AsyncProducer
+from lorapool.producer import AsyncJobHandle, AsyncProducer, JobLost
 from lorapool.producer.pool_view import PoolView
 from lorapool.producer.rate_limits import RateLimiter
 from lorapool.producer.registry import NAME_PATTERN, AdapterRegistry, lora_from_record
@@ -217,8 +217,10 @@ class Pool:
     ) -> list:
         """The final RequestOutput of each handle; 504 (and the jobs aborted) past the
         configured wait, 503 ``no_worker`` (the jobs kept queued) while no worker has
-        taken a job after ``queue_timeout_s``. ``gone``: an awaitable that returns once
-        the client has left; its jobs are then aborted (no one will read them)."""
+        taken a job after ``queue_timeout_s``, 503 ``job_lost`` once a job's marker and
+        log have left Redis (found at the next poll of its log: within seconds).
+        ``gone``: an awaitable that returns once the client has left; its jobs are then
+        aborted (no one will read them)."""
         timeout = self.config.result_timeout_s
         waiting = asyncio.ensure_future(
             asyncio.gather(*(h.result(timeout=timeout) for h in handles))
@@ -243,6 +245,9 @@ class Pool:
                 await _abort(handles)
                 raise APIError(499, "the client closed the request; its jobs were aborted")
             return waiting.result()
+        except JobLost as exc:  # its state left Redis: the call's other jobs are aborted
+            await _abort(handles)
+            raise job_lost(caller.external_id(exc.request_id)) from None
         except (asyncio.TimeoutError, TimeoutError):
             await _abort(handles)
             raise APIError(504, f"no result within {timeout:g}s; the request was aborted") from None

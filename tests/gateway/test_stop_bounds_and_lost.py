@@ -10,6 +10,8 @@ call, an error event that ends an open stream.
 
 from __future__ import annotations
 
+import threading
+import time
 import uuid
 
 import httpx
@@ -122,3 +124,116 @@ def test_python_api_bounds(conn):
     assert not list(conn.scan_iter(f"{prefix}:*job*"))
     for key in conn.scan_iter(f"{prefix}:*"):
         conn.delete(key)
+
+
+# --- Build 5: JobLost at the gateway -------------------------------------------------
+
+LOST_WITHIN_S = 6.0  # the follower polls a queued job's log at 1, 2, 4 s... (MAX_QUIET_S 8)
+
+
+def _lose_jobs(conn, prefix: str, known: set[bytes]) -> int:
+    """Delete the markers of jobs not in ``known`` (and any log), as a Redis restarted
+    without persistence would lose them: the number deleted."""
+    keys = Keys(prefix)
+    lost = 0
+    for key in conn.scan_iter(keys.job("*")):
+        if key not in known:
+            lost += conn.delete(key)
+    for key in conn.scan_iter(keys.out("*")):
+        lost += conn.delete(key)
+    return lost
+
+
+def _markers(conn, prefix: str) -> set[bytes]:
+    return set(conn.scan_iter(Keys(prefix).job("*")))
+
+
+def _wait_submitted(conn, prefix: str, before: set[bytes], timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while not _markers(conn, prefix) - before:
+        assert time.monotonic() < deadline, "the gateway did not submit the job"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("route", ["completions", "chat/completions"])
+def test_a_lost_job_is_a_prompt_503(pool, conn, route):
+    """No worker: the job waits; its marker vanishes; the waiting call gets a 503
+    job_lost within seconds, not at result_timeout_s (600 s) or queue_timeout_s (300 s)."""
+    before = _markers(conn, pool["prefix"])
+    body = {"model": BASE, "max_tokens": 4}
+    body |= (
+        {"messages": [{"role": "user", "content": "hi"}]} if "chat" in route else {"prompt": "hi"}
+    )
+    answer: dict = {}
+    call = threading.Thread(target=lambda: answer.update(r=_post(pool["url"], route, body)))
+    call.start()
+    _wait_submitted(conn, pool["prefix"], before)
+    time.sleep(0.5)
+    assert _lose_jobs(conn, pool["prefix"], before) >= 1
+    lost_at = time.monotonic()
+    call.join(timeout=30)
+    took = time.monotonic() - lost_at
+    assert not call.is_alive(), "the call still waits 30 s after its job was lost"
+    response = answer["r"]
+    assert response.status_code == 503, response.text[:300]
+    error = response.json()["error"]
+    assert error["code"] == "job_lost" and error["type"] == "service_unavailable"
+    assert "lost" in error["message"] and "again" in error["message"], error["message"]
+    print(f"lost-job answer took {took:.2f} s")
+    assert took < LOST_WITHIN_S, took
+
+
+def test_a_lost_job_ends_its_stream_with_an_error_event(pool, conn):
+    before = _markers(conn, pool["prefix"])
+    client = openai.OpenAI(base_url=f"{pool['url']}/v1", api_key="x", max_retries=0, timeout=30)
+    stream = client.chat.completions.create(
+        model=BASE, messages=[{"role": "user", "content": "hi"}], max_tokens=4, stream=True
+    )
+    _wait_submitted(conn, pool["prefix"], before)
+    time.sleep(0.5)
+    assert _lose_jobs(conn, pool["prefix"], before) >= 1
+    lost_at = time.monotonic()
+    with pytest.raises(openai.APIError) as info:
+        for _ in stream:
+            pass
+    took = time.monotonic() - lost_at
+    assert "lost" in str(info.value.message), info.value.message
+    print(f"lost-job answer took {took:.2f} s")
+    assert took < LOST_WITHIN_S, took
+
+
+def test_a_lost_job_ends_its_raw_stream_and_job_routes(pool, conn):
+    """The raw SSE of /v1/completions: an error event then [DONE]; /v1/jobs/{id}/events:
+    an error event; GET /v1/jobs/{id} of a lost job: 404 (nothing is left of it)."""
+    before = _markers(conn, pool["prefix"])
+    body = {"model": BASE, "prompt": "hi", "max_tokens": 4, "stream": True}
+    with httpx.stream("POST", f"{pool['url']}/v1/completions", json=body, timeout=30) as r:
+        assert r.status_code == 200
+        _wait_submitted(conn, pool["prefix"], before)
+        time.sleep(0.5)
+        assert _lose_jobs(conn, pool["prefix"], before) >= 1
+        lost_at = time.monotonic()
+        events = [line for line in r.iter_lines() if line.startswith("data: ")]
+    took = time.monotonic() - lost_at
+    assert events[-1] == "data: [DONE]"
+    error = orjson.loads(events[-2].removeprefix("data: "))["error"]
+    assert error["code"] == "job_lost" and error["type"] == "service_unavailable"
+    print(f"lost-job answer took {took:.2f} s")
+    assert took < LOST_WITHIN_S, took
+
+    job = _post(pool["url"], "jobs", {"model": BASE, "prompt": "hi", "max_tokens": 4}).json()
+    before = set()  # every marker may go now
+    with httpx.stream("GET", f"{pool['url']}/v1/jobs/{job['id']}/events", timeout=30) as r:
+        assert r.status_code == 200
+        time.sleep(0.5)
+        assert _lose_jobs(conn, pool["prefix"], before) >= 1
+        lost_at = time.monotonic()
+        lines = list(r.iter_lines())
+    took = time.monotonic() - lost_at
+    assert "event: error" in lines, lines
+    data = [line for line in lines if line.startswith("data: ")]
+    error = orjson.loads(data[-1].removeprefix("data: "))
+    assert error["code"] == "job_lost" and job["id"] in error["message"], error
+    print(f"lost-job answer took {took:.2f} s")
+    assert took < LOST_WITHIN_S, took
+    assert httpx.get(f"{pool['url']}/v1/jobs/{job['id']}", timeout=10).status_code == 404
