@@ -278,6 +278,8 @@ def test_a_reader_whose_marker_and_log_vanish_gets_job_lost_within_seconds(conn,
 
 def pool_url_of(conn) -> str:
     kw = conn.connection_pool.connection_kwargs
+    if kw.get("path"):  # the embedded server of a machine with no Redis: a unix socket
+        return f"unix://{kw['path']}?db={kw.get('db', 0)}"
     return f"redis://{kw.get('host', '127.0.0.1')}:{kw.get('port', 6379)}/{kw.get('db', 0)}"
 
 
