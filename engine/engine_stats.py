@@ -13,10 +13,22 @@ class EngineStats:
     """The engine's state as a worker and its metrics read it."""
 
     def capacity(self) -> int:
-        """How many new requests to take now: 0 while some still wait for a batch slot."""
-        if self.scheduler.waiting:
+        """How many new requests to take now: the sequence slots free.
+
+        While sequences wait, the slots neither running nor waiting ones hold, and
+        none when no block is free or a waiting one starves (the scheduler then
+        admits nothing ahead of it): a request waiting for blocks does not stop the
+        worker from reading others that fit, and the read stays bounded by
+        ``max_num_seqs`` (what cannot run here soon is left to other workers).
+        """
+        scheduler = self.scheduler
+        free = self.args.max_num_seqs - len(self.requests)
+        if not scheduler.waiting:
+            return max(0, free)
+        if self.block_manager.num_free_blocks == 0 or scheduler.starving():
             return 0
-        return max(0, self.args.max_num_seqs - len(self.requests))
+        held = len(scheduler.running) + len(scheduler.waiting)
+        return max(0, min(free, self.args.max_num_seqs - held))
 
     def request_counts(self) -> tuple[int, int]:
         """(running, waiting) sequences."""

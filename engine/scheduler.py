@@ -21,6 +21,14 @@ ahead of it, a sequence is admitted within (k + 1) * (S + D) steps, where D is
 the most steps a running sequence needs to finish (its remaining tokens, as
 every running sequence advances every step: max_num_batched_tokens >=
 max_num_seqs).
+
+Blocks: a waiting sequence that cannot get the blocks of its next chunk is
+skipped the same way, so the later ones that fit run meanwhile (no head-of-line
+blocking: a request of many samples waiting for room does not hold up small
+ones). Once it has been skipped S times, nothing behind it is admitted, so the
+running sequences drain and free their blocks: it is admitted within S + D
+steps of reaching the head of the queue (it fits in an empty cache: a request
+that cannot was refused at ``add_request``).
 """
 
 from __future__ import annotations
@@ -85,7 +93,8 @@ class Scheduler:
         self.block_manager = block_manager
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self.num_skipped: dict[int, int] = {}  # seq_id -> steps skipped for want of an adapter slot
+        # seq_id -> steps skipped for want of an adapter slot or of free blocks
+        self.num_skipped: dict[int, int] = {}
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
@@ -93,6 +102,11 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def starving(self) -> bool:
+        """Some waiting sequence was skipped ``starvation_steps`` times: newcomers wait."""
+        limit = self.config.starvation_steps
+        return any(n >= limit for n in self.num_skipped.values())
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -128,8 +142,10 @@ class Scheduler:
                 blocked_new_adapters |= self._note_skipped(seq)
                 continue
             num_new = self._start(seq, budget)
-            if num_new is None:
-                break
+            if num_new is None:  # no blocks for it yet: later ones that fit may go first
+                if self._note_skipped(seq):  # until it starves: then nothing goes ahead
+                    break
+                continue
             self.waiting.remove(seq)
             self.num_skipped.pop(seq.seq_id, None)
             seq.status = SequenceStatus.RUNNING

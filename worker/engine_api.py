@@ -43,7 +43,8 @@ class EngineInterface(Protocol):
     def has_unfinished_requests(self) -> bool: ...
 
     def capacity(self) -> int:
-        """How many new requests to take now (0 while some still wait)."""
+        """How many new requests to take now (free sequence slots; 0 while a waiting
+        one starves or no block is free)."""
 
     def request_counts(self) -> tuple[int, int]:
         """(running, waiting) sequences."""

@@ -23,7 +23,7 @@ def claim(worker: Worker) -> int:
 
     The engine's capacity is counted once, before the first stream: the entries
     claimed from one stream wait in the engine until its next step, and
-    ``capacity()`` is 0 while any waits, so counting it per stream left the other
+    ``capacity()`` counts them as taken, so counting it per stream left the other
     streams (the other shards' on a Redis Cluster) to a later round, ``lease_s / 2``
     each.
     """
