@@ -220,3 +220,29 @@ def test_block_manager_refuses_what_does_not_fit():
     assert manager.can_allocate(seq, 8)
     with pytest.raises(ValueError, match="num_blocks"):
         BlockManager(0, 4)
+
+
+def test_waiting_for_blocks_does_not_block_later_ones_and_its_wait_is_bounded():
+    # 10 blocks of 4 tokens; "long" holds 5 or 6 (20 to 24 tokens), "big" needs 6 to start
+    sched = make_scheduler(
+        num_blocks=10, block_size=4, max_num_batched_tokens=64, starvation_steps=3
+    )
+    long, big = make_seq(20, 4, arrival=0), make_seq(24, 2, arrival=1)
+    sched.add(long)
+    sched.add(big)
+    step(sched)
+    assert sched.waiting[0] is big and not sched.starving()
+    small = make_seq(2, 2, arrival=2)
+    sched.add(small)
+    out, _ = step(sched)  # big is skipped: small (1 block) runs meanwhile
+    assert small in {i.seq for i in out.scheduled} and sched.waiting[0] is big
+    step(sched)  # big skipped a third time: it starves
+    assert sched.starving()
+    late = make_seq(2, 2, arrival=3)
+    sched.add(late)
+    out, _ = step(sched)  # nothing goes ahead of a starving sequence
+    assert late not in {i.seq for i in out.scheduled} and list(sched.waiting) == [big, late]
+    history = run_all(sched, {})
+    order = [s for _, fin in history for s in fin]
+    assert order.index(big) < order.index(late)  # admitted before the newcomer
+    assert all(s.is_finished for s in (long, big, small, late)) and not sched.num_skipped

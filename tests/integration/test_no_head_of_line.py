@@ -30,9 +30,14 @@ def engine(model):
     from lorapool.engine.config import EngineArgs
     from lorapool.engine.llm_engine import LLMEngine
 
-    return LLMEngine.from_engine_args(
+    engine = LLMEngine.from_engine_args(
         EngineArgs(model=model, num_kv_blocks=BLOCKS, max_num_seqs=8, max_num_batched_tokens=512)
     )
+    # the big one starves (nothing goes ahead of it) after this many skipped steps; the
+    # default (8) would make the test depend on how many steps the small jobs' read takes
+    # on a loaded machine (test_scheduler checks the bound itself)
+    engine.scheduler.config.starvation_steps = 64
+    return engine
 
 
 def tokens(n, start):
