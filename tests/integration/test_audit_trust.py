@@ -102,6 +102,35 @@ def test_every_code_point_and_nul_round_trip_through_the_writer(audit_target, au
     assert listed[0]["text"] == "a\0\0b\0"
 
 
+def test_redelivery_and_conflicts_are_found_for_keys_with_nul_and_the_escapes(audit_target):
+    """The append path looks a batch's keys up (on PostgreSQL with one array parameter,
+    in the stored, escaped form): a key with NUL, ESC or MARK in its request id or
+    pool is found again, so a redelivery is a duplicate and a changed record a
+    conflict, never a second row or a refused batch."""
+    from audit_fixtures import make_record
+
+    from lorapool.audit_db.rows import prepare
+    from lorapool.audit_db.store import append
+
+    pools = ["p\0ool", "p\ufdd0\ufdd1"]
+    records = []
+    for i, rid in enumerate(["r\0" + uuid.uuid4().hex, "\ufdd0\ufdd1\\\t" + uuid.uuid4().hex]):
+        record = make_record(i)
+        record["request_id"] = rid
+        records.append(record_from_dict(record))
+    rows = [row for pool in pools for r in records for row in prepare(r, pool)]
+    assert append(audit_target.engine, rows, KEY).written == 4
+    again = append(audit_target.engine, rows, KEY)
+    assert (again.written, again.duplicates, again.conflicts) == (0, 4, [])
+    changed = make_record(0, text_for=lambda i, k: "something else")
+    changed["request_id"] = records[0].request_id
+    found = append(audit_target.engine, prepare(record_from_dict(changed), pools[0]), KEY)
+    assert found.written == 0 and [c.row.key for c in found.conflicts] == [
+        (pools[0], records[0].request_id, 0)
+    ]
+    assert verify_chain(audit_target.engine, key=KEY).ok
+
+
 @settings(
     max_examples=25,
     deadline=None,
