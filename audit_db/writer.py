@@ -196,7 +196,8 @@ class AuditWriter(Retrying):
             if self._unrolled and time.monotonic() >= self._rollup_retry_at:
                 self._refresh_rollup()  # idle: the rollup catches up
             return 0
-        self._prefetch(self.views[(self.views.index(view) + 1) % len(self.views)])
+        if self.config.prefetch:
+            self._prefetch(self.views[(self.views.index(view) + 1) % len(self.views)])
         self._store(items)
         if self.on_commit is not None:
             stored = [i.record for i in items if i.rows and not i.dead]

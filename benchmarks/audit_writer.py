@@ -130,6 +130,7 @@ def drain(label: str, conn, config: DatabaseConfig, keys: Keys, args) -> float:
                 prefix=keys.prefix,
                 consumer=f"bench-{k}",
                 batch_size=args.batch_size,
+                prefetch=args.prefetch,
                 audit_key=KEY,
             ),
         )
@@ -199,6 +200,9 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=500)
     parser.add_argument("--writers", type=int, default=1)
     parser.add_argument(
+        "--no-prefetch", dest="prefetch", action="store_false", help="the writer's prefetch off"
+    )
+    parser.add_argument(
         "--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
     )
     parser.add_argument(
@@ -212,7 +216,7 @@ def main() -> None:
     results = {kind: bench(kind, conn, args) for kind in args.db or ["sqlite", "postgresql"]}
     print(
         f"\nrecords {args.records:,}, batch {args.batch_size}, writers {args.writers}, "
-        f"cpus {os.cpu_count()}"
+        f"prefetch {args.prefetch}, cpus {os.cpu_count()}"
     )
     for kind, rate in results.items():
         print(f"{kind:>10}: {rate:,.0f} rows/s")

@@ -32,6 +32,12 @@ def _install_signals(writer) -> None:
 @click.option("--consumer", help="Consumer name [default: host-pid].")
 @click.option("--batch-size", type=int, default=500, show_default=True)
 @click.option(
+    "--prefetch/--no-prefetch",
+    default=True,
+    show_default=True,
+    help="Read and parse the next batch in a thread while one is stored.",
+)
+@click.option(
     "--claim-idle-ms",
     type=int,
     default=60_000,

@@ -64,6 +64,20 @@ def test_the_same_entry_three_times_gives_one_row(audit_target, audit_redis, bat
     assert verify_chain(audit_target.engine, key=KEY).ok
 
 
+def test_without_prefetch_every_batch_is_read_in_turn(audit_target, audit_redis):
+    """``prefetch=False`` (``--no-prefetch``): batches read and stored one after the
+    other in the writer's thread, every entry stored once and acked."""
+    from audit_fixtures import make_record
+
+    audit_redis.publish([make_record(i) for i in range(7)])
+    writer = _writer(audit_redis, audit_target.engine, batch_size=2, prefetch=False)
+    stats = writer.run(burst=True)
+    assert writer._executor is None  # no thread was started
+    assert (stats.rows_written, stats.entries, audit_target.count()) == (7, 7, 7)
+    assert audit_redis.pending() == 0
+    assert verify_chain(audit_target.engine, key=KEY).ok
+
+
 def test_stale_pending_entries_of_a_dead_writer_are_reclaimed(audit_target, audit_redis):
     from audit_fixtures import make_record
 
