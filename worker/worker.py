@@ -17,10 +17,11 @@ from typing import Any
 import redis
 
 from lorapool import signing
-from lorapool.connection import REDIS_DOWN, ensure_group, persistence_warning
+from lorapool.connection import REDIS_DOWN, ensure_group
 from lorapool.lifecycle.keys import PRIORITIES, WORKERS_GROUP, Keys
 from lorapool.lifecycle.wire import DATA, Chunk, decode_job, encode_job
 from lorapool.outputs import RequestOutput
+from lorapool.persistence import persistence_warning
 from lorapool.producer.registry import check_lora, decode_record
 from lorapool.worker import dead_letter, failover
 from lorapool.worker.config import WorkerConfig

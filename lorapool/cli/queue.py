@@ -265,7 +265,7 @@ def status(redis_url, prefix, shards):
     from rich.console import Console
 
     from lorapool.cli.queue_status import status_tables
-    from lorapool.connection import persistence_warning
+    from lorapool.persistence import persistence_warning
 
     console = Console()
     producer = _producer(redis_url, prefix, shards)

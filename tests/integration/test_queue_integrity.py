@@ -290,7 +290,7 @@ def test_redis_restarted_without_persistence(tmp_path):
 
     from redis_server import RedisServer
 
-    from lorapool.connection import persistence_warning
+    from lorapool.persistence import persistence_warning
     from lorapool.producer import JobLost
 
     server = RedisServer(tmp_path, args=("--appendonly", "no", "--save", "")).start()

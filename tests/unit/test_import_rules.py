@@ -48,9 +48,19 @@ def submodules(package: str, skip: tuple[str, ...] = ()) -> list[str]:
 
 
 def test_the_data_types_need_only_the_standard_library_and_orjson():
-    # these talk to Redis (redis-py is theirs; pool_metrics serves Prometheus too;
-    # batch runs RQ jobs; the lifecycle's Redis side and readers: each checked below)
-    clients = ("cli", "embedded", "connection", "pool_metrics", "batch", "lifecycle", "egress")
+    # these talk to Redis (redis-py is theirs; persistence asks it; pool_metrics serves
+    # Prometheus too; batch runs RQ jobs; the lifecycle's Redis side and readers: each
+    # checked below)
+    clients = (
+        "cli",
+        "embedded",
+        "connection",
+        "persistence",
+        "pool_metrics",
+        "batch",
+        "lifecycle",
+        "egress",
+    )
     modules = [m for m in submodules("lorapool", skip=clients) if m.count(".") <= 1]
     modules += ["lorapool.lifecycle", "lorapool.lifecycle.wire", "lorapool.lifecycle.keys"]
     assert {"lorapool.protocol", "lorapool.identity"} <= set(modules)
