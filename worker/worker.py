@@ -341,7 +341,9 @@ class Worker:
         if self.vanished:
             self._fail_vanished()
         busy = self.engine.has_unfinished_requests()
-        if self._due("renew", self.config.lease_s / 3) and self.held:
+        # held first: an idle loop must not spend the slot, or a job read after a quiet
+        # spell would wait up to a third of the lease for its first abort-flag read
+        if self.held and self._due("renew", self.config.lease_s / 3):
             held = list(self.held.values())
             if busy:
                 call = lambda: self.lease.send(held, 0)  # noqa: E731

@@ -194,16 +194,29 @@ def test_n_completions_per_prompt_of_a_batch(client, llm, registry):
 
 
 def test_a_client_that_leaves_a_waiting_request_aborts_its_job(
-    gateway, conn, redis_url, prefix, producer
+    gateway, conn, redis_url, prefix, producer, worker
 ):
+    import signal
+
     from lorapool.lifecycle.wire import decode_job
 
     body = {"model": "ad-qv", "prompt": PROMPT, "max_tokens": 480, "ignore_eos": True, "n": 8}
-    enqueued = next_entry(conn, redis_url, f"{prefix}:requests")
-    with enqueued as entry, pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{gateway}/v1/completions", json=body, timeout=0.5)
-    job = decode_job(entry()[b"data"])
-    assert job.sampling_params.max_tokens == 480
+    # the worker is held (SIGSTOP) until the gateway has asked for the abort: on an idle
+    # box it could otherwise finish the 8 x 480 tokens before the abort reaches it (CI
+    # once saw finish_reason "length"); a stopped worker is also a busy pool's case
+    worker.send_signal(signal.SIGSTOP)
+    try:
+        enqueued = next_entry(conn, redis_url, f"{prefix}:requests")
+        with enqueued as entry, pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{gateway}/v1/completions", json=body, timeout=0.5)
+        job = decode_job(entry()[b"data"])
+        assert job.sampling_params.max_tokens == 480
+        deadline = time.monotonic() + 10
+        while not conn.exists(producer.keys.abort(job.request_id)):  # the gateway's abort
+            assert time.monotonic() < deadline, "the gateway did not abort the job"
+            time.sleep(0.05)
+    finally:
+        worker.send_signal(signal.SIGCONT)
     result = producer.handle(job.request_id).result(timeout=60)
     assert {c.finish_reason for c in result.outputs} == {"abort"}
 
