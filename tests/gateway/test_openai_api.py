@@ -125,13 +125,27 @@ def test_bad_parameter_names_it(client, param, value):
     assert param in caught.value.body["message"]
 
 
-def test_a_client_that_leaves_a_stream_aborts_its_job(client, producer):
+def test_a_client_that_leaves_a_stream_aborts_its_job(client, producer, conn, worker):
+    import signal
+
     stream = client.completions.create(
         model="ad-qv", prompt=PROMPT, stream=True, max_tokens=480, extra_body={"ignore_eos": True}
     )
     first = next(iter(stream))
-    stream.close()
-    request_id = first.id.removeprefix("cmpl-")
+    # held (SIGSTOP) from the first chunk until the gateway has asked for the abort and a
+    # lease renewal (a third of the fixture's 2 s lease) is due: on an idle box the worker
+    # otherwise made all 480 tokens before its next renewal read the flag (CI: "length")
+    worker.send_signal(signal.SIGSTOP)
+    try:
+        stream.close()
+        request_id = first.id.removeprefix("cmpl-")
+        deadline = time.monotonic() + 10
+        while not conn.exists(producer.keys.abort(request_id)):  # the gateway's abort
+            assert time.monotonic() < deadline, "the gateway did not abort the job"
+            time.sleep(0.05)
+        time.sleep(0.7)
+    finally:
+        worker.send_signal(signal.SIGCONT)
     result = producer.handle(request_id).result(timeout=60)
     assert result.outputs[0].finish_reason == "abort"
     assert len(result.outputs[0].token_ids) < 480
