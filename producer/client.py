@@ -10,7 +10,7 @@ from typing import Any
 import redis
 
 from lorapool import connection
-from lorapool.lifecycle import marker
+from lorapool.lifecycle import marker, unread
 from lorapool.lifecycle.chunk_log import Cursor, OutputAssembler
 from lorapool.lifecycle.keys import DEFAULT_PREFIX, Keys
 from lorapool.lifecycle.listener import Listener
@@ -80,7 +80,7 @@ class JobHandle:
         listener = Listener(self.producer.redis, self.producer.keys.out(self.request_id))
         try:
             while not cursor.done:
-                yield from self._read_log(cursor)
+                yield from self._read_log(cursor, quiet=True)
                 while not cursor.done:
                     if deadline is not None and time.monotonic() >= deadline:
                         raise TimeoutError(
@@ -97,10 +97,18 @@ class JobHandle:
         finally:
             listener.close()
 
-    def _read_log(self, cursor: Cursor) -> Iterator[Any]:
+    def _read_log(self, cursor: Cursor, quiet: bool = False) -> Iterator[Any]:
         """What the log holds past ``cursor`` (page by page), or the rest of the final
-        record once the log is gone (compacted); nothing while Redis is away."""
+        record once the log is gone (compacted); nothing while Redis is away. ``quiet``
+        (a read after a quiet while) with nothing read yet: first ends the request if
+        its queue entry was removed unread (``lifecycle.unread``)."""
         keys, rid = self.producer.keys, self.request_id
+        if quiet and cursor.seq < 0:
+            try:
+                if self.producer._end_unread(rid):
+                    unread.log_ended(rid)
+            except connection.REDIS_TRANSIENT:
+                pass  # the log read below waits for Redis
         while not cursor.done:
             try:
                 with self.producer.redis.pipeline(transaction=False) as pipe:
@@ -174,6 +182,7 @@ class Producer:
         self.keys = Keys(prefix, shards)
         self.registry = AdapterRegistry(self.redis, self.keys)
         self._submit = Submit(self.redis, self.keys)
+        self._end_unread = unread.EndUnread(self.redis, self.keys)
 
     def submit(
         self,

@@ -25,6 +25,7 @@ from collections.abc import AsyncIterator
 import redis
 
 from lorapool.connection import REDIS_TRANSIENT as TRANSIENT
+from lorapool.lifecycle import unread
 from lorapool.lifecycle.chunk_log import Cursor
 from lorapool.lifecycle.keys import Keys
 from lorapool.lifecycle.marker import read_back, read_back_result
@@ -60,6 +61,7 @@ class Follower:
         self.to_subscribe: set[bytes] = set()
         self.to_unsubscribe: set[bytes] = set()
         self.fills = asyncio.Semaphore(MAX_FILLS)
+        self.unread = unread.EndUnread(redis, keys)
         self.error: Exception | None = None  # why the listener stopped (not Redis away)
         self.closed = False
         self.turn = 0  # the node the listener waits on next (a cluster)
@@ -130,6 +132,21 @@ class Follower:
                 yield chunk
             if payload is None and not filled:  # still queued: poll less and less often
                 quiet = min(MAX_QUIET_S, 2 * quiet)
+                if cursor.seq < 0 and await self._end_unread(cursor.request_id):
+                    for chunk in await self._fill(cursor):  # the final error record
+                        yield chunk
+
+    async def _end_unread(self, request_id: str) -> bool:
+        """Whether this call ended ``request_id`` because its queue entry was removed
+        before any worker read it (``lifecycle.unread``); False while Redis is away."""
+        try:
+            async with self.fills:
+                ended = await self.unread(request_id)
+        except TRANSIENT:
+            return False
+        if ended:
+            unread.log_ended(request_id)
+        return bool(ended)
 
     async def _fill(self, cursor: Cursor) -> list[Chunk]:
         """The chunks past ``cursor`` in the log, or the rest of the final record once

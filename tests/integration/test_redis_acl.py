@@ -236,3 +236,32 @@ def test_tenant_security_runs_with_each_roles_user(server):
     finally:
         for client in (operator, gateway, writer, rq):
             client.close()
+
+
+def test_a_reader_ends_an_unread_request_with_its_roles_user(server):
+    """A producer's and a gateway's handles (sync, and the async follower) end a request
+    whose queue entry an operator removed before any worker read it (issue 31 Build 2):
+    the check and the marker's final record are within each role's rights."""
+    from lorapool.lifecycle.unread import REASON
+
+    admin = connect(server.url)
+    params = SamplingParams(max_tokens=2)
+    try:
+        for role in ("producer", "gateway"):
+            producer = Producer(url(server, role), shards=server.shards)
+            handle = producer.submit("hi", params, request_id=f"unread-{role}")
+            following = producer.submit("hi", params, request_id=f"unread-async-{role}")
+
+            async def follow(rid, role=role):
+                reader = AsyncProducer(url(server, role), shards=server.shards)
+                try:
+                    return await (await reader.handle(rid)).result(timeout=30)
+                finally:
+                    await reader.aclose()
+
+            for rid in (handle.request_id, following.request_id):
+                admin.xtrim(producer.keys.for_request(rid).requests, maxlen=0, approximate=False)
+            assert handle.result(timeout=30).error == REASON
+            assert asyncio.run(follow(following.request_id)).error == REASON
+    finally:
+        admin.close()

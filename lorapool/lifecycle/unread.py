@@ -1,0 +1,125 @@
+"""A queued job whose entry an operator removed before any worker read it (``XTRIM``,
+``XDEL``, a consumer group destroyed and re-created at ``$``, ``DEL`` of the stream):
+no worker will ever run it, so its readers end it (issue 31 Build 2).
+
+A reader that has had nothing from a request yet asks ``END_UNREAD`` on each quiet
+poll of its log. The script ends the request only if, at that instant, its marker still
+says ``queued``, it has no chunk log (no worker wrote for it), no worker holds its entry
+(not in the group's pending list) and no worker can read it (the entry is gone from its
+stream, or the group delivered past it). Then it stores a final error record in the
+marker and marks it ``failed``, as a compacted run does: every reader of the request
+(this one at once, the others at their next poll) gets one final chunk with
+``finish_reason`` "error" naming the cause. A worker that took the entry after all (a
+group re-created at ``0``) finds the marker answered and writes nothing.
+
+No audit record and no dead letter: no worker ran the request, the audit trail records
+what workers ran (signed with their key, which readers do not hold), and the producer
+and gateway roles may not write either stream (docs/redis-acl.md). A request ends once:
+the script re-checks all of the above atomically, and a second call finds it failed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from lorapool.connection import register_script
+from lorapool.lifecycle.chunk_log import encode_record
+from lorapool.lifecycle.keys import PRIORITIES, WORKERS_GROUP, Keys
+from lorapool.lifecycle.wire import Chunk
+
+logger = logging.getLogger(__name__)
+RESULT_TTL_S = 24 * 3600  # the ended marker's TTL: the workers' default --result-ttl
+REASON = (
+    "its queue entry was removed before any worker read it (an operator's XTRIM, XDEL, "
+    "XGROUP DESTROY/SETID or DEL of the job stream; see README, operator commands): it "
+    "was never run; submit it again"
+)
+
+# KEYS: the job's marker, then its shard's job streams (``Keys.streams``).
+# ARGV: group, the final record, its TTL (s), the job's chunk log (only read: named here,
+# not in KEYS, for Redis checks a script's declared keys as written, and readers' ACL
+# users may only read logs; it is in the marker's slot), then the priorities in the
+# streams' order (a marker without one: the first).
+# Returns 0 (left alone: not queued, not a hash, a log exists, pending to a worker, or
+# still to be read), else 1 (ended: the marker failed with the record).
+# Read-only until every check has passed; one HSET and one EXPIRE then.
+END_UNREAD = """
+local status = redis.pcall('HGET', KEYS[1], 'status')
+if type(status) ~= 'string' or status ~= 'queued' then return 0 end
+local entry = redis.call('HGET', KEYS[1], 'entry')
+local priority = redis.call('HGET', KEYS[1], 'priority') or ARGV[5]
+if not entry or not string.match(entry, '^%d+%-%d+$') then return 0 end
+if redis.call('EXISTS', ARGV[4]) == 1 then return 0 end  -- a worker wrote for it
+local stream = KEYS[2]
+for i = 5, #ARGV do
+  if ARGV[i] == priority then stream = KEYS[i - 3] end
+end
+-- a stream key of another type (an operator's SET): the queue and the entry are gone
+local found = redis.pcall('XRANGE', stream, entry, entry)
+if found.err == nil then
+  local p = redis.pcall('XPENDING', stream, ARGV[1], entry, entry, 1)
+  if p.err == nil and #p > 0 then return 0 end  -- a worker holds it
+  if #found > 0 then
+    local delivered = nil
+    for _, fields in ipairs(redis.call('XINFO', 'GROUPS', stream)) do
+      local info = {}
+      for j = 1, #fields, 2 do info[fields[j]] = fields[j + 1] end
+      if info['name'] == ARGV[1] then delivered = info['last-delivered-id'] end
+    end
+    -- no group: workers make it again reading from the start, so it will be read
+    if not delivered then return 0 end
+    local ems, eseq = string.match(entry, '^(%d+)%-(%d+)$')
+    local dms, dseq = string.match(delivered, '^(%d+)%-(%d+)$')
+    ems, eseq, dms, dseq = tonumber(ems), tonumber(eseq), tonumber(dms), tonumber(dseq)
+    if ems > dms or (ems == dms and eseq > dseq) then return 0 end  -- still to be read
+  end
+end
+redis.call('HSET', KEYS[1], 'status', 'failed', 'result', ARGV[2])
+redis.call('EXPIRE', KEYS[1], ARGV[3])
+return 1
+"""
+
+
+def unread_record(request_id: str, reason: str) -> bytes:
+    """The final record of a request that never ran: one completion (index 0) with
+    ``finish_reason`` "error" and no tokens, and ``reason`` as the request's error."""
+    output = {
+        "index": 0,
+        "offset": 0,
+        "text": "",
+        "token_ids": [],
+        "finish_reason": "error",
+        "stop_reason": None,
+    }
+    now = time.time()
+    metrics = {"arrival_time": now, "finished_time": now, "num_prompt_tokens": 0}
+    chunk = Chunk(request_id, 0, 0, [output], True, metrics=metrics, error=reason)
+    return encode_record(chunk)
+
+
+class EndUnread:
+    """``end(request_id)``: ``END_UNREAD`` for one request (awaitable on a redis.asyncio
+    client): 1 when this call ended it (logged as a warning by the caller), else 0."""
+
+    def __init__(self, connection, keys: Keys):
+        self.keys = keys
+        self._script = register_script(connection, END_UNREAD)
+
+    def __call__(self, request_id: str):
+        keys = self.keys.for_request(request_id)
+        return self._script(
+            keys=[keys.job(request_id), *keys.streams],
+            args=[
+                WORKERS_GROUP,
+                unread_record(request_id, REASON),
+                RESULT_TTL_S,
+                keys.out(request_id),
+                *PRIORITIES,
+            ],
+        )
+
+
+def log_ended(request_id: str) -> None:
+    """The log line of a request a reader ended (``EndUnread`` returned 1)."""
+    logger.warning("request %s ended: %s", request_id, REASON)
