@@ -28,6 +28,9 @@ class EngineArgs:
     max_num_batched_tokens: int = 2048
     max_logprobs: int = 20
     enable_prefix_caching: bool = False
+    # steps a waiting request may be skipped (no adapter slot, no free blocks) before
+    # nothing behind it is admitted: its wait's bound (engine/scheduler.py)
+    starvation_steps: int = 8
     # CUDA graphs for decode steps (vLLM's flag; here True, eager, until the GPU kit
     # has measured the graphs): one graph per batch-size bucket of cuda_graph_sizes
     enforce_eager: bool = True
@@ -48,6 +51,7 @@ class EngineArgs:
             "max_num_batched_tokens",
             "max_loras",
             "max_lora_rank",
+            "starvation_steps",
         )
         if self.block_size not in (8, 16, 32, 64, 128):
             raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128, got {self.block_size}")

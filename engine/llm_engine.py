@@ -72,6 +72,7 @@ class LLMEngine(EngineStats):
                 max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 max_loras=args.max_loras if args.enable_lora else None,
+                starvation_steps=args.starvation_steps,
             ),
             self.block_manager,
         )

@@ -69,6 +69,13 @@ def _producer(redis_url, prefix, shards=0):
     help="run decode steps eagerly; --no-enforce-eager captures CUDA graphs of them",
 )
 @click.option("--enable-prefix-caching", is_flag=True)
+@count_option(
+    "--starvation-steps",
+    8,  # SchedulerConfig.starvation_steps
+    "engine steps a waiting request may be skipped (no adapter slot or no free KV blocks "
+    "for it) while later ones run; then nothing behind it is admitted until it is: the "
+    "bound of its wait (fewer: fairer, more: fuller batches)",
+)
 @count_option("--max-n", DEFAULT_MAX_N, "most completions per request")
 @count_option("--max-prompt-bytes", DEFAULT_MAX_PROMPT_BYTES, "larger prompts are refused")
 @count_option(
