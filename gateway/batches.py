@@ -43,7 +43,9 @@ def _service(request: Request):
 
         config = request.app.state.pool.config
         queue = os.environ.get("LORAPOOL_BATCH_QUEUE", "lorapool-batch")
-        batch_config = BatchConfig(prefix=config.prefix, shards=config.shards, queue=queue)
+        batch_config = BatchConfig(
+            prefix=config.prefix, shards=config.shards, queue=queue, max_stop=config.max_stop
+        )
         connection = connect(config.redis_url, config.redis_retries, **config.redis_options())
         state.batches = BatchService(connection, batch_config)
     return state.batches

@@ -12,6 +12,7 @@ from typing import Any
 import orjson
 
 from lorapool.gateway.errors import APIError, field_error
+from lorapool.gateway.limits import check_stop_count
 from lorapool.gateway.params import Parsed, parse_chat, parse_completion
 from lorapool.lifecycle.submit import build_job
 from lorapool.lifecycle.wire import JobLimits
@@ -89,6 +90,14 @@ def _custom_id(value: Any) -> str:
     return value
 
 
+def _check_stop(line: BatchLine, max_stop: int) -> None:
+    """The gateway's own bound on stop strings (``--max-stop``), with its message."""
+    try:
+        check_stop_count(line.parsed, max_stop)
+    except APIError as exc:
+        raise LineError(exc.message, f"body.{exc.param}") from None
+
+
 def _parse_body(body: Any, kind: str) -> Parsed:
     try:
         parsed = parse_chat(body) if kind == "chat" else parse_completion(body, 1)
@@ -131,10 +140,12 @@ def check_file(
     limits: JobLimits | None = None,
     check: Callable[[BatchLine], None] | None = None,
     endpoint: str | None = None,
+    max_stop: int = 4,
 ) -> Report:
     """Every line checked (one at a time): shape, url (the batch's ``endpoint``, as
-    OpenAI's Batch API holds it), model, parameters, and custom_ids unique across the
-    file, and ``check`` (raising LineError) when given. Blank lines are skipped."""
+    OpenAI's Batch API holds it), model, parameters (stop strings: at most ``max_stop``,
+    the gateway's ``--max-stop``, as over HTTP), and custom_ids unique across the file,
+    and ``check`` (raising LineError) when given. Blank lines are skipped."""
     report, seen, limits = Report(errors=[]), {}, limits or JobLimits()
     for number, raw in enumerate(lines, start=1):
         if not raw.strip():
@@ -142,6 +153,7 @@ def check_file(
         report.total += 1
         try:
             line = parse_line(number, raw, batch_id, limits)
+            _check_stop(line, max_stop)
         except LineError as exc:
             report.add(number, exc)
             continue

@@ -46,6 +46,7 @@ class BatchConfig:
     retention_s: int = DEFAULT_RETENTION_S
     result_ttl_s: int = RESULT_TTL_S
     poll_s: float = 1.0  # how often a waiting collector looks at the batch's status
+    max_stop: int = 4  # stop strings a line may name: the gateway's --max-stop (OpenAI's 4)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -105,7 +106,13 @@ def validate_batch(batch_id: str, raw: dict[str, Any]) -> str:
     lines = files.lines(batch["input_file_id"])
     pacer = Pacer(connection, config.keys, state.owner(batch_id))
     report = check_file(
-        lines, batch_id, models.__contains__, producer.limits, pacer.check, batch["endpoint"]
+        lines,
+        batch_id,
+        models.__contains__,
+        producer.limits,
+        pacer.check,
+        batch["endpoint"],
+        config.max_stop,
     )
     if report.num_errors:
         errors = [{"code": "invalid_request", **e} for e in report.errors]

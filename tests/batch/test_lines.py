@@ -143,3 +143,20 @@ def test_a_large_file_is_checked_a_line_at_a_time(tmp_path, conn):
     assert peak < path.stat().st_size / 4, (peak, path.stat().st_size)
     for key in conn.scan_iter(keys.pattern):
         conn.delete(key)
+
+
+def test_stop_strings_meet_the_gateways_max_stop():
+    """A line names at most the gateway's ``--max-stop`` stop strings (OpenAI's 4 by
+    default), refused with the message a request over HTTP gets."""
+    lines = [line("a", stop=["1", "2", "3", "4"]), line("b", stop=["1", "2", "3", "4", "5"])]
+    report = check(lines)
+    assert report.num_errors == 1 and report.errors[0]["line"] == 2
+    assert report.errors[0]["param"] == "body.stop"
+    assert report.errors[0]["message"] == (
+        "line 2: stop must hold at most 4 strings (the gateway's max_stop), got 5"
+    )
+    narrow = check_file(iter(lines), "batch_x", MODELS.__contains__, max_stop=2)
+    assert [e["line"] for e in narrow.errors] == [1, 2]
+    assert "at most 2 strings" in narrow.errors[0]["message"]
+    one = check_file(iter([line("c", stop="one")]), "b", MODELS.__contains__, max_stop=1)
+    assert one.errors == []
