@@ -113,9 +113,11 @@ class StandInEngine:
         return bool(self.running or self.waiting or self.aborted)
 
     def capacity(self) -> int:
-        if self.waiting:
-            return 0
-        return max(0, self.max_num_seqs - len(self.running))
+        """The engine's rule (``engine/engine_stats.py``) for a KV cache that never runs
+        out of blocks and one sequence a request: the slots neither running nor waiting
+        requests hold (a request waiting for a slot does not stop the worker from
+        reading into the free ones; none starves, as none is ever skipped)."""
+        return max(0, self.max_num_seqs - len(self.running) - len(self.waiting))
 
     def request_counts(self) -> tuple[int, int]:
         return len(self.running), len(self.waiting)
