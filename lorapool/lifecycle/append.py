@@ -28,7 +28,8 @@ from lorapool.lifecycle.keys import WORKERS_GROUP, Keys
 # the log key holds another type than a list (nothing written for the item), and
 # finished with the job's marker holding another type than a hash (left alone: the
 # whole output stays in the log, kept for the result's TTL)
-# the request id is answered (its marker says finished or failed) or another entry's
+# the request id is answered (its marker says finished or failed; no marker saying,
+# its log ends in a final chunk) or another entry's
 # (the marker names another entry: a duplicate XADD of a running request): nothing
 # written, the worker acks this entry without output
 # the entry is pending to no one (acked already, or removed under the worker by an
@@ -79,11 +80,14 @@ def append_call(
 # Returns per item: -1 (another consumer owns it), -5 (pending to no one: acked, or
 # removed by an operator), -2 (seq already in the log), -3 (the log key is
 # not a list: nothing written), -4 (a chunk for a request id whose marker says it
-# finished, or names another entry: nothing written), else 1 if abort is asked, 2
+# finished, or names another entry, or, no marker saying, whose log ends in a final
+# chunk: nothing written), else 1 if abort is asked, 2
 # (finished, the job's marker not a hash: left alone), 0.
 # At most one run per request id: a chunk is taken only for the entry the marker names
 # (SUBMIT writes it; a raw XADD has none) and never after the request's final record,
-# so a duplicate entry cannot add a second final chunk or a second audit record.
+# so a duplicate entry cannot add a second final chunk or a second audit record. Where
+# no marker says how the request stands (a raw XADD's, one an operator deleted, a key
+# of another type) the log's last chunk does: one that is final refuses the item (-4).
 # Nothing it writes for an item comes before what could refuse it (a script's writes
 # before an error stay): the log's and the marker's types are checked first, and a key
 # of another type (a producer may write job and abort keys; anyone may have written
@@ -128,6 +132,14 @@ local function trim_done(stream, group)
   if minid then redis.call('XTRIM', stream, 'MINID', '=', minid) end
 end
 
+-- Whether the log's last chunk is a final one (no log, or not a list: no).
+local function ends_final(out)
+  local last = redis.pcall('LINDEX', out, -1)
+  if type(last) ~= 'string' then return false end
+  local ok, record = pcall(cjson.decode, last)
+  return ok and type(record) == 'table' and record['f'] == 1
+end
+
 local results, finished = {}, {}
 local a, k = 4, 2  -- the ARGV and KEYS read so far
 while a < #ARGV do
@@ -157,6 +169,9 @@ while a < #ARGV do
       marker = false  -- not a hash: left alone
     elseif m[1] == 'finished' or m[1] == 'failed' or (m[2] and m[2] ~= entry) then
       result = -4
+    end
+    if result == 0 and (not marker or not m[1]) and ends_final(out) then
+      result = -4  -- no marker says so, but the log has its final chunk: answered
     end
     if result == 0 then
       added = add_chunk(out, seq, chunk)

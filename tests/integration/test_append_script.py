@@ -14,6 +14,7 @@ from standin import load
 
 from lorapool.connection import register_script
 from lorapool.lifecycle.append import (
+    ANSWERED,
     BAD_LOG,
     BAD_MARKER,
     DUPLICATE,
@@ -55,6 +56,28 @@ def test_fenced_by_owner_and_by_seq(conn, keys):
     conn.set(keys.abort("r"), 1)
     assert append(conn, keys, "w", chunk._replace(seq=1, chunk=b"c1")) == [1]  # abort asked
     assert conn.lrange(keys.out("r"), 0, -1) == [b"c0", b"c1"]  # at index seq
+
+
+def test_no_chunk_after_a_final_one_when_no_marker_says(conn, keys):
+    """Issue 31, Build 3, where the marker cannot tell (a raw XADD has none, an operator
+    deleted it, a producer SET it to another type): the log's final chunk refuses any
+    later chunk of the request id, a vanished entry's error chunk too, and nothing more
+    is audited."""
+    keys = keys.for_request("r")
+    entry = owned_entry(conn, keys, "w")
+    final = dict(audit=b"a", ttl_s=600, result=b"whole")
+    assert append(
+        conn, keys, "w", Append("r", entry, 0, b'{"s":0,"c":[],"f":1}', True, **final)
+    ) == [0]
+    conn.delete(keys.job("r"))  # compaction wrote it; an operator deletes it
+    twin = conn.xadd(keys.requests, {"data": "{}"}).decode()  # a raw duplicate entry
+    conn.xreadgroup(WORKERS_GROUP, "w", {keys.requests: ">"})
+    assert append(conn, keys, "w", Append("r", twin, 1, b'{"s":1,"c":[]}', False)) == [ANSWERED]
+    vanished = Append("r", entry, 1, b'{"s":1,"c":[],"f":1}', True, **final, vanished=True)
+    assert append(conn, keys, "w", vanished) == [ANSWERED]  # its entry acked: pending to no one
+    conn.set(keys.job("r"), "not a hash")
+    assert append(conn, keys, "w", Append("r", twin, 1, b'{"s":1,"c":[]}', False)) == [ANSWERED]
+    assert conn.llen(keys.out("r")) == 1 and conn.xlen(keys.audit) == 1
 
 
 # Standalone only, from here: a redis-server of their own, made to run out of memory.
@@ -135,3 +158,45 @@ def test_worker_rides_out_redis_out_of_memory(private_redis, caplog):
         assert tokens == [bench.token_of(rid, k) for k in range(30)]
         assert sum(c.finished for c in chunks) == 1
     worker.teardown()
+
+
+def test_a_fenced_worker_ends_nothing_twice_when_the_marker_is_gone(private_redis):
+    """A worker stopped past its lease while another claims and finishes its request,
+    whose marker an operator then deletes: woken, it finds the entry pending to no one
+    and must not add an error chunk after the final one, nor a second audit record
+    (the stateful test's find: the marker alone fenced it)."""
+    bench = load()
+    conn, keys = redis.Redis.from_url(private_redis.url), Keys("fence")
+
+    def worker(name):
+        config = WorkerConfig(
+            prefix=keys.prefix,
+            name=name,
+            audit_key=bench.AUDIT_KEY.encode(),
+            lease_s=1,
+            block_ms=10,
+        )
+        made = Worker(bench.StandInEngine(8, 0.001), conn, config, bench.BASE_MODEL)
+        made.ensure_group()
+        return made
+
+    stopped, other = worker("stopped"), worker("other")
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    Producer(conn, prefix=keys.prefix).submit({"prompt_token_ids": [1]}, params, request_id="r")
+    while "r" not in stopped.held:
+        stopped.run_guarded()
+    time.sleep(1.1)  # stopped past its lease
+    deadline = time.monotonic() + 10
+    while conn.xlen(keys.audit) == 0:
+        assert time.monotonic() < deadline, "the other worker did not claim and finish it"
+        other.run_guarded()
+    conn.delete(keys.job("r"))
+    deadline = time.monotonic() + 3
+    while "r" in stopped.held or time.monotonic() < deadline:
+        stopped.run_guarded()
+    chunks = log_chunks(conn, keys, "r")
+    assert [c.finished for c in chunks] == [False] * (len(chunks) - 1) + [True]
+    assert chunks[-1].worker == "other" and chunks[-1].error is None
+    assert conn.xlen(keys.audit) == 1 and conn.xlen(keys.dead) == 0
+    stopped.teardown()
+    other.teardown()
