@@ -11,9 +11,10 @@ import subprocess
 import sys
 import time
 
+import orjson
 import pytest
 from gateway_procs import lorapool_cmd
-from pool_layout import length, pending
+from pool_layout import entries, length, pending
 
 from lorapool.lifecycle.chunk_log import log_chunks
 from lorapool.producer.registry import lora_from_record
@@ -174,6 +175,12 @@ def _check_logs(conn, producer, ids, expected):
         assert text == ref.text
 
 
+def _check_audited_once(conn, keys, ids):
+    """One audit record per request id: a killed or fenced worker audits nothing twice."""
+    audited = [orjson.loads(f[b"data"])["request_id"] for _, f in entries(conn, keys, "audit")]
+    assert sorted(audited) == sorted(ids)
+
+
 def _submit_long(producer, count=8):
     prompts = [f"long story {i}" for i in range(count)]
     handles = producer.submit_many(prompts, LONG)
@@ -191,6 +198,7 @@ def test_kill_9_worker_loses_nothing(engine, conn, pool_url, keys, producer, mod
     assert second.wait(120) == 0
     assert len(partial) >= 5
     _check_logs(conn, producer, ids, expected)
+    _check_audited_once(conn, keys, ids)
     assert pending(conn, keys) == 0
 
 
@@ -209,6 +217,8 @@ def test_sigstop_past_lease_is_fenced(engine, conn, pool_url, keys, producer, mo
     paused.send_signal(signal.SIGTERM)
     assert paused.wait(30) == 0
     _check_logs(conn, producer, ids, expected)
+    _check_audited_once(conn, keys, ids)
+    assert pending(conn, keys) == 0 and length(conn, keys, "dead") == 0
 
 
 def test_first_sigterm_drains(engine, conn, pool_url, keys, producer, model, tmp_path):
