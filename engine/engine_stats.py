@@ -39,8 +39,14 @@ class EngineStats:
         return {seq.request.request_id for seq in self.scheduler.running}
 
     def request_limits(self) -> dict[str, int]:
-        """The bounds ``add_request`` holds a request to, for a gateway to check first."""
-        return {"max_model_len": self.max_model_len, "max_logprobs": self.args.max_logprobs}
+        """The bounds ``add_request`` holds a request to, for a gateway to check first:
+        the context, ``max_logprobs`` and the KV cache's token slots (a request's n
+        sequences must fit in them together: ``InputProcessor``)."""
+        return {
+            "max_model_len": self.max_model_len,
+            "max_logprobs": self.args.max_logprobs,
+            "kv_capacity_tokens": self.block_manager.capacity_tokens,
+        }
 
     def kv_cache_usage(self) -> float:
         """Share (0..1) of the KV cache's blocks held by requests (for metrics)."""

@@ -1,13 +1,18 @@
 """Limits a worker holds a request to, checked at the door: a 400 naming the request's
 parameter instead of a job that fails on its worker (or runs far past what was meant).
 
-Workers publish their bounds in their heartbeat (``max_model_len``, ``max_logprobs``);
+Workers publish their bounds in their heartbeat (``max_model_len``, ``max_logprobs``,
+``kv_capacity_tokens``);
 the gateway takes the smallest over the live workers of the base model, read at most
 every ``REFRESH_S``. With no live worker the bounds are unknown, and the worker checks
 (its error then names the parameter too: ``errors.failed_request``). A text prompt's
 tokens are counted by the worker's tokenizer; here it counts as at least one token
 (token-id prompts count exactly), so ``max_tokens`` of at least the whole context is
 refused here, and any prompt the worker finds too long comes back as a 400 on ``prompt``.
+A request of n > 1 sequences whose n sequences cannot fit in the KV cache together (the
+prompt's slots once, then ``max_tokens`` each: the worker's own rule, issue 31 Build 4)
+is a 400 on ``n``, judged on the smallest cache of the live workers and, for a prompt
+whose tokens are not counted here, on the fewest tokens it can have.
 The seed takes what vLLM's API takes (a signed 64-bit integer). Stop strings: at most
 the gateway's ``max_stop`` (OpenAI's 4 by default), each string's and all their
 characters bounded by ``SamplingParams`` itself (``protocol.MAX_STOP_CHARS``,
@@ -30,6 +35,7 @@ SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 class PoolLimits:
     max_model_len: int | None = None
     max_logprobs: int | None = None
+    kv_capacity_tokens: int | None = None
 
 
 def pool_limits(workers: list[dict[str, Any]], model: str | None) -> PoolLimits:
@@ -40,7 +46,7 @@ def pool_limits(workers: list[dict[str, Any]], model: str | None) -> PoolLimits:
         values = [w[name] for w in serving if isinstance(w.get(name), int)]
         return min(values) if values else None
 
-    return PoolLimits(least("max_model_len"), least("max_logprobs"))
+    return PoolLimits(least("max_model_len"), least("max_logprobs"), least("kv_capacity_tokens"))
 
 
 class LimitsCache:
@@ -95,6 +101,33 @@ def check_limits(parsed, limits: PoolLimits) -> None:
             )
         if params.max_tokens is not None and known + params.max_tokens > context:
             raise _over_context(params.max_tokens, known, context, names)
+        _check_together(params, known, isinstance(ids, list), context, limits, names)
+
+
+def _check_together(params, known: int, exact: bool, context: int, limits, names) -> None:
+    """400 on ``n`` when the request's n sequences cannot fit in the smallest worker's
+    KV cache together: the prompt's ``p`` slots, then ``min(max_tokens, context - p)``
+    each (``InputProcessor._max_tokens``). A prompt of ``known`` tokens or more
+    (``exact``: just ``known``) needs at least the least of that over its possible
+    lengths, which lies at an end of them (it rises, then falls)."""
+    capacity, n = limits.kv_capacity_tokens, max(1, params.n)
+    if capacity is None or n == 1:
+        return
+
+    def together(p: int) -> int:
+        room = context - p
+        return p + n * (room if params.max_tokens is None else min(params.max_tokens, room))
+
+    least = together(known) if exact else min(together(known), together(context - 1))
+    if least > capacity:
+        name = names.get("n", "n")
+        raise bad_request(
+            f"{name}={n} sequences after a prompt of {known if exact else 'at least 1'} "
+            f"token{'s' if exact and known != 1 else ''} need at least {least} KV cache "
+            f"slots together; the pool's workers hold {capacity} (lower {name} or "
+            "max_tokens)",
+            name,
+        )
 
 
 def _over_context(max_tokens: int, known: int, context: int, names: dict) -> APIError:

@@ -92,7 +92,8 @@ def heartbeat_record(worker: Worker) -> dict[str, Any]:
 
 def engine_limits(engine) -> dict[str, Any]:
     """What the gateway checks at the door and the dashboard shows: the context length,
-    ``max_logprobs`` and the KV cache in use (an engine that does not say: nothing)."""
+    ``max_logprobs``, the KV cache's token slots and the share in use (an engine that
+    does not say: nothing)."""
     limits = engine.request_limits() if hasattr(engine, "request_limits") else {}
     if hasattr(engine, "kv_cache_usage"):
         limits["kv_cache_usage"] = engine.kv_cache_usage()
