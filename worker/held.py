@@ -34,6 +34,9 @@ class Held:
     resumed_tokens: int = 0  # tokens generated before this worker took over
     kept: Accumulator = field(default_factory=Accumulator)  # the chunks in the log
     stream: str = ""  # the stream its entry came from ('': the interactive one)
+    # an append of this run found the job's marker naming this entry: APPEND need not
+    # read it for the next chunks (``lifecycle.append``: SKIP)
+    fenced: bool = False
 
     @property
     def request_id(self) -> str:

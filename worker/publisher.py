@@ -25,9 +25,12 @@ from typing import TYPE_CHECKING
 
 from lorapool.lifecycle.append import (
     ANSWERED,
+    ASK,
     BAD_LOG,
     BAD_MARKER,
+    NAMED,
     NOT_OWNER,
+    SKIP,
     VANISHED,
     Append,
     Appender,
@@ -169,6 +172,8 @@ class Publisher:
                 raise results
             appended, entries, extra = results
             for (held, chunk, _), result in zip(trip.sent, appended):
+                if result >= NAMED and not chunk.finished:  # the marker names the entry
+                    held.fenced, result = True, result - NAMED
                 if result == 0 and not chunk.finished:
                     self.worker.num_tokens += chunk.num_tokens
                 else:
@@ -231,6 +236,7 @@ class Publisher:
             reason,
             result,
             held.stream,
+            fence=SKIP if held.fenced else ASK,
         )
 
     def _after_append(self, held: Held, chunk: Chunk, result: int) -> None:

@@ -35,6 +35,12 @@ from lorapool.lifecycle.keys import WORKERS_GROUP, Keys
 # the entry is pending to no one (acked already, or removed under the worker by an
 # operator: XTRIM, XDEL, a group destroyed, the stream deleted)
 NOT_OWNER, DUPLICATE, BAD_LOG, ANSWERED, VANISHED, BAD_MARKER = -1, -2, -3, -4, -5, 2
+# A chunk's fence on the job's marker (``Append.fence``): read it (results 0/1), read it
+# and say whether it names this entry (NAMED added to 0/1: a marker SUBMIT made for this
+# entry), or not read it again (the marker named this entry at an append of this run:
+# what could change it since is fenced by the pending list; see the script)
+READ, ASK, SKIP = 0, 1, 2
+NAMED = 3
 
 
 class Append(NamedTuple):
@@ -53,6 +59,7 @@ class Append(NamedTuple):
     result: bytes = b""  # final: the whole output, kept in the job's hash
     stream: str = ""  # the stream the entry came from ('': the interactive one)
     vanished: bool = False  # final: its entry is pending to no one; written all the same
+    fence: int = READ  # a chunk that is not final: READ, ASK or SKIP the marker
 
 
 def append_call(
@@ -65,7 +72,8 @@ def append_call(
     for item in items:
         rid = item.request_id
         call_keys += [item.stream or keys.requests, keys.out(rid), keys.abort(rid), keys.job(rid)]
-        args += [2 if item.vanished else int(item.final), item.entry_id, item.seq, item.chunk]
+        flag = (2 if item.vanished else 1) if item.final else (0, 3, 4)[item.fence]
+        args += [flag, item.entry_id, item.seq, item.chunk]
         if item.final:  # most items are not: 8 values a chunk instead of 13
             args += [item.audit, item.ttl_s, item.dead, item.reason, item.result]
     return {"keys": call_keys, "args": args}
@@ -73,8 +81,10 @@ def append_call(
 
 # KEYS: audit, dead, then per item: its stream, out, abort, job
 # ARGV: group, consumer, dead stream's MAXLEN (approximate), the log's grace after the
-#       final chunk (s), then per item: final (0/1; 2: final of an entry that vanished,
-#       written though it is pending to no one), entry, seq (-1: no chunk), chunk,
+#       final chunk (s), then per item: its kind (1: final; 2: final of an entry that
+#       vanished, written though it is pending to no one; not final: 0 read the marker,
+#       3 read it and add 3 to the result when it names this entry, 4 do not read it),
+#       entry, seq (-1: no chunk), chunk,
 #       and when final: audit ('' none), ttl, dead ('' none), reason, result (the whole
 #       output)
 # Returns per item: -1 (another consumer owns it), -5 (pending to no one: acked, or
@@ -82,7 +92,14 @@ def append_call(
 # not a list: nothing written), -4 (a chunk for a request id whose marker says it
 # finished, or names another entry, or, no marker saying, whose log ends in a final
 # chunk: nothing written), else 1 if abort is asked, 2
-# (finished, the job's marker not a hash: left alone), 0.
+# (finished, the job's marker not a hash: left alone), 0; plus 3 for a chunk of kind 3
+# or 4 whose marker names this entry.
+# The marker is read for a chunk of kind 4 no more (a worker sends it once an append of
+# this run found the marker naming its entry): its entry field is SUBMIT's, never
+# rewritten; a second entry of the id is refused at its first chunk; and its status
+# turns final only by a final of this entry (this worker's, or, after a claim, another's:
+# the pending list then refuses this one) or a reader's END_UNREAD (only for an entry
+# pending to no one with no log). So one HMGET a run, not one a chunk.
 # At most one run per request id: a chunk is taken only for the entry the marker names
 # (SUBMIT writes it; a raw XADD has none) and never after the request's final record,
 # so a duplicate entry cannot add a second final chunk or a second audit record. Where
@@ -143,8 +160,9 @@ end
 local results, finished = {}, {}
 local a, k = 4, 2  -- the ARGV and KEYS read so far
 while a < #ARGV do
-  local final, entry, seq = ARGV[a + 1] ~= '0', ARGV[a + 2], tonumber(ARGV[a + 3])
-  local vanished = ARGV[a + 1] == '2'
+  local kind, entry, seq = ARGV[a + 1], ARGV[a + 2], tonumber(ARGV[a + 3])
+  local final, vanished = kind == '1' or kind == '2', kind == '2'
+  local named = kind == '4'
   local chunk, stream, out, abort = ARGV[a + 4], KEYS[k + 1], KEYS[k + 2], KEYS[k + 3]
   local job = KEYS[k + 4]
   local audit, ttl, dead, reason, record = '', 0, '', '', ''
@@ -163,7 +181,7 @@ while a < #ARGV do
     result = -1
   elseif #p == 0 and not vanished then
     result = -5
-  elseif seq >= 0 then
+  elseif seq >= 0 and not named then
     local m = redis.pcall('HMGET', job, 'status', 'entry')
     if m.err then
       marker = false  -- not a hash: left alone
@@ -173,11 +191,12 @@ while a < #ARGV do
     if result == 0 and (not marker or not m[1]) and ends_final(out) then
       result = -4  -- no marker says so, but the log has its final chunk: answered
     end
-    if result == 0 then
-      added = add_chunk(out, seq, chunk)
-      if type(added) == 'table' then return added end  -- an error reply: the whole call
-      if added == 0 then result = -2 elseif added == -3 then result = -3 end
-    end
+    named = kind == '3' and marker and m[2] == entry
+  end
+  if result == 0 and seq >= 0 then
+    added = add_chunk(out, seq, chunk)
+    if type(added) == 'table' then return added end  -- an error reply: the whole call
+    if added == 0 then result = -2 elseif added == -3 then result = -3 end
   end
   if result == 0 then
     if seq >= 0 then
@@ -206,7 +225,7 @@ while a < #ARGV do
         redis.call('DEL', abort)
       end
     else
-      result = redis.call('EXISTS', abort)
+      result = redis.call('EXISTS', abort) + (named and 3 or 0)
     end
   end
   results[#results + 1] = result
