@@ -56,6 +56,13 @@ if TYPE_CHECKING:
 AFFINITY_SLACK = 4
 
 
+def home_of(adapter: str, workers: list[str]) -> str:
+    """Of ``workers``, the one an adapter that none holds goes to: the highest of
+    crc32(adapter, worker) (rendezvous hashing, the same answer in every worker that
+    sees the same pool; a worker joining or leaving moves only its share)."""
+    return max(workers, key=lambda w: zlib.crc32(f"{adapter}\0{w}".encode()))
+
+
 class Intake:
     """The worker's reads of new entries (``READ``, one round trip each)."""
 
@@ -129,11 +136,8 @@ class Intake:
         return not peer.get("draining") and load <= self._load + AFFINITY_SLACK
 
     def home(self, adapter: str) -> str:
-        """The live worker an adapter that no worker holds goes to: the highest of
-        crc32(adapter, worker) (rendezvous hashing, the same answer in every worker
-        that sees the same pool; a worker joining or leaving moves only its share)."""
-        names = [self.worker.name, *self.peers]
-        return max(names, key=lambda w: zlib.crc32(f"{adapter}\0{w}".encode()))
+        """The live worker an adapter that no worker holds goes to (``home_of``)."""
+        return home_of(adapter, [self.worker.name, *self.peers])
 
     def _send(self, items: list[tuple[str, str, str]]) -> None:
         """HANDOFF for ``items`` (stream, entry, peer): at once when the engine is idle,

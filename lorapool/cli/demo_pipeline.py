@@ -8,17 +8,23 @@ its own key prefix, which it clears first, so it never touches another deploymen
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import subprocess
 import sys
 import time
 
+import click
 from rich.console import Console
 from rich.table import Table
 
 from lorapool.cli.demo_gateway import show_gateway
 
 PREFIX = "lorapool-demo"
+# the demo's workers: names under which rendezvous hashing gives its three adapters homes
+# on both (a test holds it), so what a newcomer sees first is the burst split between
+# them; with "worker-a"/"worker-b" every adapter's home was worker-b, which served 6 of 8
+WORKERS = ("worker-0", "worker-1")
 JOBS = [  # (prompt, adapter name or None for the base model)
     ("My order arrived damaged. What should I do?", "support-bot"),
     ("Write a SQL query that counts users per country.", "sql-writer"),
@@ -59,6 +65,31 @@ def ensure_audit_key(console: Console) -> None:
 
 
 def run_demo(model: str, max_tokens: int, console: Console) -> None:
+    with one_demo_at_a_time():
+        pipeline(model, max_tokens, console)
+
+
+@contextlib.contextmanager
+def one_demo_at_a_time():
+    """A lock in the cache dir: two demos share its embedded Redis and key prefix, and
+    each would clear the other's jobs (its readers got JobLost)."""
+    import fcntl
+
+    from lorapool.settings import cache_dir
+
+    cache_dir().mkdir(parents=True, exist_ok=True)
+    with open(cache_dir() / "demo.lock", "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise click.ClickException(
+                "another `lorapool demo` is running on this machine (it holds "
+                f"{lock.name}); wait for it to end"
+            ) from None
+        yield
+
+
+def pipeline(model: str, max_tokens: int, console: Console) -> None:
     from lorapool.connection import connect
     from lorapool.embedded import resolve_url
     from lorapool.producer import Producer
@@ -71,18 +102,18 @@ def run_demo(model: str, max_tokens: int, console: Console) -> None:
     producer = Producer(conn, prefix=PREFIX)
     register_adapters(producer, model, console)
     workers = start_workers(url, model, console)
-    wait_ready(conn, producer.keys.workers, workers, console)
-    started = time.time()
-    handles = submit_jobs(producer, model, max_tokens, console)
-    stream_one(handles[2], JOBS[2][0], console, workers)
-    results = [h.result(timeout=900) for h in handles]
-    show_gateway(url, PREFIX, console)  # the same pool over HTTP
-    for proc in workers:
-        proc.send_signal(signal.SIGTERM)  # first SIGTERM: drain, then exit
-    for proc in workers:
-        proc.wait(timeout=300)
+    try:
+        wait_ready(conn, producer.keys.workers, workers, console)
+        started = time.time()
+        handles = submit_jobs(producer, model, max_tokens, console)
+        stream_one(handles[2], JOBS[2][0], console, workers)
+        results = [h.result(timeout=900) for h in handles]
+        show_gateway(url, PREFIX, console)  # the same pool over HTTP
+    finally:  # never leave the workers running (a failed demo's kept serving the prefix)
+        stop_workers(workers)
     console.print(who_served_what(results))
     console.print(f"{len(results)} jobs served in {time.time() - started:.1f}s by 2 workers.")
+    console.print(how_they_shared(results))
     write_audit(url, console)
     show_audit(results[2].request_id, started, console)
 
@@ -138,8 +169,8 @@ def start_workers(url: str, model: str, console: Console) -> list[subprocess.Pop
     logs.mkdir(parents=True, exist_ok=True)
     console.print(f"starting 2 workers (each loads the model; logs in {logs})…")
     procs = []
-    for name in ("a", "b"):
-        log = open(logs / f"worker-{name}.log", "w")  # noqa: SIM115 - the child owns it
+    for name in WORKERS:
+        log = open(logs / f"{name}.log", "w")  # noqa: SIM115 - the child owns it
         procs.append(
             subprocess.Popen(
                 lorapool_cmd(
@@ -156,7 +187,7 @@ def start_workers(url: str, model: str, console: Console) -> list[subprocess.Pop
                     "--prefix",
                     PREFIX,
                     "--name",
-                    f"worker-{name}",
+                    name,
                 ),
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -166,10 +197,24 @@ def start_workers(url: str, model: str, console: Console) -> list[subprocess.Pop
     return procs
 
 
+def stop_workers(workers: list[subprocess.Popen]) -> None:
+    """SIGTERM (drain, then exit) to every worker still running; SIGKILL after 300 s."""
+    for proc in workers:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    for proc in workers:
+        try:
+            proc.wait(timeout=300)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 def wait_ready(conn, workers_key: str, workers, console: Console, timeout=300) -> None:
-    """Until every worker has sent its first heartbeat (its model is loaded)."""
+    """Until each of the demo's workers has sent its first heartbeat (its model is
+    loaded): by name, so that another process's record does not count."""
     deadline = time.monotonic() + timeout
-    while conn.hlen(workers_key) < len(workers):
+    while not all(conn.hexists(workers_key, name) for name in WORKERS):
         if any(w.poll() is not None for w in workers) or time.monotonic() > deadline:
             raise RuntimeError("a worker did not start; see its log")
         time.sleep(0.2)
@@ -214,6 +259,23 @@ def who_served_what(results) -> Table:
             completion.text[:60].replace("\n", " "),
         )
     return table
+
+
+def how_they_shared(results) -> str:
+    """One line per worker: how many jobs it served, and for which adapters."""
+    served: dict[str, list[str]] = {}
+    for out in results:
+        name = out.lora_request.name if out.lora_request else "base"
+        served.setdefault(out.worker or "?", []).append(name)
+    lines = [
+        f"{worker}: {len(names)} jobs ({', '.join(sorted(set(names)))})"
+        for worker, names in sorted(served.items())
+    ]
+    lines.append(
+        "[dim]each read takes the worker's fair share of the burst; a job whose adapter "
+        "is loaded on (or homed at) the other worker goes there (adapter affinity)[/]"
+    )
+    return "\n".join(lines)
 
 
 def write_audit(url: str, console: Console) -> None:
