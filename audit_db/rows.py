@@ -8,6 +8,7 @@ fit int32, else as a version 1 row (chain.py).
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 from functools import cached_property
@@ -15,7 +16,7 @@ from typing import Any
 
 from lorapool.audit_db import tokens
 from lorapool.audit_db.chain import COMPACT_VERSION, adapter_fingerprint, content_digest, row_body
-from lorapool.audit_record import AuditRecord, Output, RecordError
+from lorapool.audit_record import AdapterInfo, AuditRecord, Output, RecordError
 from lorapool.lifecycle.keys import DEFAULT_PREFIX
 
 
@@ -48,9 +49,18 @@ class PreparedRow:
 
 
 def adapter_row(record: AuditRecord, now: float) -> dict[str, Any] | None:
+    """The ``adapters`` row of the record's adapter (None for the base model), first
+    seen ``now``."""
     info = record.adapter
     if info is None:
         return None
+    return {**_identity(info, repr(info.alpha)), "first_seen": now}
+
+
+@functools.lru_cache(maxsize=4096)  # a pool serves a few adapter versions: each is
+def _identity(info: AdapterInfo, alpha: str) -> dict[str, Any]:  # hashed once, not per row
+    """The identity fields of an adapter row and their fingerprint (do not mutate).
+    ``alpha`` as text is part of the cache key: 0.0 == -0.0, but they hash apart."""
     row = {
         "name": info.name,
         "adapter_id": info.id,
@@ -62,7 +72,6 @@ def adapter_row(record: AuditRecord, now: float) -> dict[str, Any] | None:
         "base_model": info.base_model,
     }
     row["fingerprint"] = adapter_fingerprint(row)
-    row["first_seen"] = now
     return row
 
 
@@ -71,7 +80,7 @@ def _outputs(record: AuditRecord) -> tuple[Output, ...]:
     if record.outputs:
         return record.outputs
     reason = "error" if record.error else "abort"
-    return (Output(0, "", (), None, reason, None),)
+    return (Output(0, "", (), finish_reason=reason),)
 
 
 def _tenant(metadata: dict[str, Any]) -> str | None:

@@ -27,12 +27,12 @@ from dataclasses import dataclass
 import redis
 from sqlalchemy import Engine
 
-from lorapool.audit_db import store
+from lorapool.audit_db import decoder, store
 from lorapool.audit_db.database import is_current, migrate
 from lorapool.audit_db.guard import ChainGuard
 from lorapool.audit_db.writer_config import WriterConfig, WriterStats
 from lorapool.audit_db.writer_retry import REJECTED, RETRYABLE, Retrying, SchemaNotReady, Stopped
-from lorapool.audit_record import AuditRecord, RecordError, parse_record
+from lorapool.audit_record import AuditRecord, RecordError
 from lorapool.connection import ensure_group
 from lorapool.lifecycle.keys import AUDIT_GROUP, Keys
 
@@ -266,7 +266,7 @@ class AuditWriter(Retrying):
         pool, key = self.config.prefix, self.config.audit_key
         source = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
         try:
-            record = parse_record(payload, key=key, pool=pool)
+            record = decoder.parse(payload, key=key, pool=pool)
             rows = store.prepare(record, pool, source=source)
             return _Item(view, entry_id, payload, rows, record)
         except RecordError as exc:

@@ -10,8 +10,8 @@ builds the dict from a finished ``RequestOutput``.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal, get_args
 
 import orjson
 
@@ -19,7 +19,8 @@ from lorapool import signing
 
 RECORD_VERSION = 1
 SIGNATURE_DOMAIN = "lorapool audit record v1"
-FINISH_REASONS = ("stop", "length", "abort", "error")
+FinishReason = Literal["stop", "length", "abort", "error"]
+FINISH_REASONS = get_args(FinishReason)
 
 
 class RecordError(ValueError):
@@ -43,17 +44,17 @@ class AdapterInfo:
     rank: int
     alpha: float
     target_modules: tuple[str, ...]
-    base_model: str | None
+    base_model: str | None = field(default=None, kw_only=True)
 
 
 @dataclass(frozen=True)
 class Metrics:
     arrival_time: float
-    first_scheduled_time: float | None
-    first_token_time: float | None
-    last_token_time: float | None
-    finished_time: float | None
-    queue_time: float | None
+    first_scheduled_time: float | None = field(default=None, kw_only=True)
+    first_token_time: float | None = field(default=None, kw_only=True)
+    last_token_time: float | None = field(default=None, kw_only=True)
+    finished_time: float | None = field(default=None, kw_only=True)
+    queue_time: float | None = field(default=None, kw_only=True)
     num_prompt_tokens: int
     num_generated_tokens: int
 
@@ -63,24 +64,27 @@ class Output:
     index: int
     text: str
     token_ids: tuple[int, ...]
-    cumulative_logprob: float | None
-    finish_reason: str
-    stop_reason: int | str | None
+    cumulative_logprob: float | None = field(default=None, kw_only=True)
+    finish_reason: FinishReason
+    stop_reason: int | str | None = field(default=None, kw_only=True)
 
 
 @dataclass(frozen=True)
 class AuditRecord:
+    """One finished request. The fields a record may leave out (or, for the optional
+    ones, set to null) have defaults: the wire's optional fields, written once."""
+
     request_id: str
-    prompt: str | None
-    prompt_token_ids: tuple[int, ...]
-    sampling_params: dict[str, Any]
-    metadata: dict[str, Any]
+    prompt: str | None = field(default=None, kw_only=True)
+    prompt_token_ids: tuple[int, ...] = field(default=(), kw_only=True)
+    sampling_params: dict[str, Any] = field(default_factory=dict, kw_only=True)
+    metadata: dict[str, Any] = field(default_factory=dict, kw_only=True)
     worker: str
     base_model: BaseModelInfo
-    adapter: AdapterInfo | None
+    adapter: AdapterInfo | None = field(default=None, kw_only=True)
     metrics: Metrics
     outputs: tuple[Output, ...]
-    error: str | None
+    error: str | None = field(default=None, kw_only=True)
 
     def to_dict(self) -> dict[str, Any]:
         """The wire dict (``"v": 1``), tuples as lists."""
@@ -271,10 +275,9 @@ def check_signature(data: Any, key: bytes, pool: str) -> None:
         )
 
 
-def parse_record(
-    payload: bytes | str, key: bytes | None = None, pool: str | None = None
-) -> AuditRecord:
-    """Decode, authenticate (when ``key`` is given) and validate one ``{p}:audit`` entry."""
+def decode_signed(payload: bytes | str, key: bytes | None = None, pool: str | None = None) -> Any:
+    """The JSON value of one ``{p}:audit`` entry, its signature checked when ``key`` is
+    given; not validated yet."""
     try:
         data = orjson.loads(payload)
     except orjson.JSONDecodeError as exc:
@@ -283,7 +286,14 @@ def parse_record(
         if pool is None:
             raise ValueError("checking a signature needs the pool")
         check_signature(data, key, pool)
-    return record_from_dict(data)
+    return data
+
+
+def parse_record(
+    payload: bytes | str, key: bytes | None = None, pool: str | None = None
+) -> AuditRecord:
+    """Decode, authenticate (when ``key`` is given) and validate one ``{p}:audit`` entry."""
+    return record_from_dict(decode_signed(payload, key, pool))
 
 
 def encode_record(record: AuditRecord | dict[str, Any]) -> bytes:
