@@ -22,6 +22,7 @@ rows/s. Everything it makes is removed at the end unless ``--keep``.
 from __future__ import annotations
 
 import argparse
+import gc
 import multiprocessing
 import os
 import random
@@ -45,6 +46,7 @@ from lorapool.audit_db import (  # noqa: E402  # noqa: E402
     migrate,
     store,  # noqa: E402
 )
+from lorapool.audit_db.writer_config import own_the_collector  # noqa: E402
 from lorapool.audit_record import sign_record  # noqa: E402
 from lorapool.lifecycle.keys import Keys  # noqa: E402
 from lorapool.signing import key_from_env  # noqa: E402
@@ -57,6 +59,7 @@ WORDS = (  # noqa: SIM905 (a sentence reads better than a list of strings)
 ).split()
 AHEAD = 20_000  # records the feeder keeps in the stream ahead of the writer
 WINDOW = 30_000  # rows the writer's rate is taken over, at the start and at the end
+DEFAULT_GC = gc.get_threshold()
 NEEDLE = "zebracorn"  # in one output text in 5,000
 
 
@@ -177,6 +180,7 @@ def fill(args, config: DatabaseConfig, keys: Keys, end: float) -> dict:
     writer.ensure_group()
     window = min(WINDOW, args.rows // 2)
     feed_args = (args.redis_url, keys.audit, keys.prefix)
+    own_the_collector()  # as `lorapool audit-writer` does; undone after the fill
     rates, start = {}, time.perf_counter()
     spans = [(0, window, "first"), (window, args.rows - window, None)]
     spans.append((args.rows - window, args.rows, "last"))
@@ -193,6 +197,8 @@ def fill(args, config: DatabaseConfig, keys: Keys, end: float) -> dict:
         if name is not None:
             rates[f"rows_per_s_{name}"] = round((high - low) / took)
     total = time.perf_counter() - start
+    gc.unfreeze()
+    gc.set_threshold(*DEFAULT_GC)  # the queries after it run as in any process
     store.refresh_rollup(engine)  # what the writer does once idle
     with engine.begin() as conn:  # what autovacuum does; the test server runs without it,
         conn.execute(text("ANALYZE completions"))  # and unanalyzed partitions get seq scans
@@ -214,6 +220,15 @@ def _schema(pg_url: str, name: str, drop: bool = False) -> None:
     admin.dispose()
 
 
+def _newest_arrival(config: DatabaseConfig) -> float:
+    """The end of a reused schema's arrivals: the windows end where its fill's did."""
+    engine = create_audit_engine(config)
+    with engine.connect() as conn:
+        newest = conn.execute(text("SELECT max(arrival_time) FROM completions")).scalar()
+    engine.dispose()
+    return newest
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=1_000_000)
@@ -231,13 +246,16 @@ def main() -> None:
         "--schema", help="reuse this schema (already filled) instead of filling one"
     )
     parser.add_argument("--keep", action="store_true", help="keep the schema and Redis keys")
+    parser.add_argument(
+        "--fill-only", action="store_true", help="fill and keep the schema (for --schema later)"
+    )
     parser.add_argument("--json", help="write the results here too")
     args = parser.parse_args()
     run = uuid.uuid4().hex[:8]
     schema = args.schema or f"lorapool_bench_scale_{run}"
     keys = Keys(f"bench-scale-{run}")
     config = DatabaseConfig(url=args.pg_url, schema=schema)
-    end = time.time()
+    end = time.time() if args.schema is None else _newest_arrival(config)
     results: dict = {"rows": args.rows, "load_start": os.getloadavg(), "cpus": os.cpu_count()}
     try:
         if args.schema is None:
@@ -246,6 +264,10 @@ def main() -> None:
             print(f"filling {schema} with {args.rows:,} rows through the writer", file=sys.stderr)
             results["write"] = fill(args, config, keys, end)
             print(f"write: {results['write']}", file=sys.stderr, flush=True)
+        if args.fill_only:
+            args.keep = True
+            print(f"kept {schema}: measure it with --schema {schema}", file=sys.stderr)
+            return _report(results, args)
         with tempfile.TemporaryDirectory() as tmp:
             context = {"config": config, "keys": keys, "args": args, "tmp": tmp, "end": end}
             results["queries"] = queries(context)
@@ -258,6 +280,10 @@ def main() -> None:
             conn = redis.Redis.from_url(args.redis_url)
             for key in conn.scan_iter(match=keys.pattern):
                 conn.delete(key)
+    _report(results, args)
+
+
+def _report(results: dict, args) -> None:
     results["load_end"] = os.getloadavg()
     print(orjson.dumps(results, option=orjson.OPT_INDENT_2).decode())
     if args.json:

@@ -34,6 +34,7 @@ from lorapool.audit_db import (
     migrate,
     verify_chain,
 )
+from lorapool.audit_db.writer_config import own_the_collector
 from lorapool.audit_record import sign_record
 from lorapool.lifecycle.keys import Keys
 from lorapool.signing import key_from_env
@@ -140,6 +141,8 @@ def drain(label: str, conn, config: DatabaseConfig, keys: Keys, args) -> float:
     threading.Thread(
         target=_progress, args=(label, writers, args.records, done), daemon=True
     ).start()
+    if args.own_gc:
+        own_the_collector()  # as `lorapool audit-writer` does
     start, cpu = time.perf_counter(), time.process_time()
     threads = [threading.Thread(target=w.run, kwargs={"burst": True}) for w in writers]
     for thread in threads:
@@ -203,6 +206,12 @@ def main() -> None:
         "--no-prefetch", dest="prefetch", action="store_false", help="the writer's prefetch off"
     )
     parser.add_argument(
+        "--default-gc",
+        dest="own_gc",
+        action="store_false",
+        help="keep Python's collector settings (the CLI writer freezes and tunes them)",
+    )
+    parser.add_argument(
         "--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
     )
     parser.add_argument(
@@ -216,7 +225,7 @@ def main() -> None:
     results = {kind: bench(kind, conn, args) for kind in args.db or ["sqlite", "postgresql"]}
     print(
         f"\nrecords {args.records:,}, batch {args.batch_size}, writers {args.writers}, "
-        f"prefetch {args.prefetch}, cpus {os.cpu_count()}"
+        f"prefetch {args.prefetch}, own gc {args.own_gc}, cpus {os.cpu_count()}"
     )
     for kind, rate in results.items():
         print(f"{kind:>10}: {rate:,.0f} rows/s")

@@ -131,6 +131,9 @@ def audit_writer(
     writer = AuditWriter(connection, engine, config, on_commit=callbacks)
     _install_signals(writer)
     from lorapool.audit_db.guard import ChainTampered
+    from lorapool.audit_db.writer_config import own_the_collector
+
+    own_the_collector()  # this process is the writer's
 
     try:
         stats = writer.run(burst=burst)
