@@ -34,7 +34,7 @@ import orjson
 
 from lorapool import signing
 from lorapool.audit_db.schema import ADAPTER_IDENTITY
-from lorapool.audit_db.tokens import packed
+from lorapool.audit_db.tokens import as_packed
 
 GENESIS = "0" * 64
 CHAIN_DOMAIN = "lorapool audit chain v1"
@@ -152,10 +152,14 @@ def link_v2(
 def row_hash(
     row: Mapping[str, Any], prev_hash: str, fingerprint: str | None, key: bytes | None
 ) -> str:
-    """The hash a (logical) row at ``row["seq"]`` must have after ``prev_hash``."""
+    """The hash a row at ``row["seq"]`` must have after ``prev_hash``: a logical row, or
+    a stored one as it is (a version 2 row's token ids in its compact columns, as lists
+    or as the packed bytes themselves: a walk reads those, nothing to unpack and pack)."""
     version = row.get("chain_version", 1)
     body = row_body(row, fingerprint, version)
     if version >= COMPACT_VERSION:
-        tokens = (packed(row["prompt_token_ids"]), packed(row["token_ids"]))
-        return link_v2(prev_hash, row["seq"], body, tokens, key)
+        compact = "prompt_tokens" in row  # as logical() reads it
+        prompt = row["prompt_tokens" if compact else "prompt_token_ids"]
+        output = row["output_tokens" if compact else "token_ids"]
+        return link_v2(prev_hash, row["seq"], body, (as_packed(prompt), as_packed(output)), key)
     return link(prev_hash, row["seq"], body, key)

@@ -180,7 +180,7 @@ class ChainGuard:
             keyed_from=self.keyed_start,
             fingerprints=fingerprints(conn),
         )
-        walk.take_all(rows_after(conn, start.seq, head.seq), stop_at_bad=True)
+        walk.take_all(rows_after(conn, start.seq, head.seq, packed=True), stop_at_bad=True)
         if walk.first_bad is None and walk.seq != head.seq:
             reason = f"the chain should reach row {head.seq} but stops at {walk.seq}"
             raise ChainTampered(f"{reason}. Refusing to extend the chain.")

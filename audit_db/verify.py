@@ -280,7 +280,7 @@ def verify_chain(
 
 def _walk(conn: Connection, walk: Walk, last: int, progress: Progress | None) -> None:
     total = max(last - walk.seq, 0)
-    for row in rows_after(conn, walk.seq):
+    for row in rows_after(conn, walk.seq, packed=True):
         walk.take(row)
         if progress is not None and walk.num_rows % 5000 == 0:
             progress(walk, total)

@@ -15,10 +15,11 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import Connection, func, select
+from sqlalchemy import Connection, LargeBinary, func, select, type_coerce
 
-from lorapool.audit_db.chain import GENESIS, logical, row_hash
+from lorapool.audit_db.chain import GENESIS, row_hash
 from lorapool.audit_db.schema import completions
+from lorapool.audit_db.tokens import TokenArray
 
 STREAM_ROWS = 2000  # rows a server-side cursor hands over at a time
 
@@ -66,7 +67,8 @@ class Walk:
     first_bad: BadRow | None = None
 
     def reason(self, row: Mapping[str, Any]) -> str | None:
-        """Why ``row`` (a logical row, see chain.logical) does not follow; None if it does."""
+        """Why ``row`` (logical or stored, see chain.row_hash) does not follow; None if it
+        does."""
         if row["seq"] != self.seq + 1:
             return f"chain position {self.seq + 1} is missing (rows deleted before this one)"
         if row["prev_hash"] != self.row_hash:
@@ -96,7 +98,6 @@ class Walk:
 
     def take(self, row: Mapping[str, Any]) -> bool:
         """Check one row and move on past it; False once a row was bad."""
-        row = logical(row)
         if self.first_bad is None:
             reason = self.reason(row)
             if reason is not None:
@@ -111,12 +112,24 @@ class Walk:
                 return
 
 
+_PACKED = [  # a walk hashes the compact token ids as stored: no lists made of them
+    type_coerce(c, LargeBinary).label(c.name) if isinstance(c.type, TokenArray) else c
+    for c in completions.columns
+]
+
+
 def rows_after(
-    conn: Connection, seq: int, until: int | None = None, page: int = STREAM_ROWS
+    conn: Connection,
+    seq: int,
+    until: int | None = None,
+    page: int = STREAM_ROWS,
+    packed: bool = False,
 ) -> Iterator[Mapping[str, Any]]:
     """Completion rows after position ``seq`` (up to ``until``), in chain order, from
-    a server-side cursor: memory stays bounded at any table size."""
-    query = select(completions).where(completions.c.seq > seq).order_by(completions.c.seq)
+    a server-side cursor: memory stays bounded at any table size. ``packed``: compact
+    token ids as their stored bytes (for a walk), not lists."""
+    query = select(*_PACKED) if packed else select(completions)
+    query = query.where(completions.c.seq > seq).order_by(completions.c.seq)
     if until is not None:
         query = query.where(completions.c.seq <= until)
     options = {"stream_results": True, "yield_per": page}  # this statement's, not the connection's

@@ -100,6 +100,24 @@ def test_changed_output_text_is_named(audit_target):
     assert "does not match its row_hash" in bad.reason
 
 
+@pytest.mark.parametrize(
+    "packed",
+    [
+        "x'0100000002000000'",  # other ids (a walk hashes the stored bytes as they are)
+        "x'01000000020000'",  # not whole int32s: no list could be made of them
+    ],
+)
+def test_changed_compact_token_ids_are_named(audit_target, packed):
+    _seed(audit_target)
+    seq = _seq_of(audit_target, "req-17", 1)
+    packed = packed if audit_target.kind == "sqlite" else "'\\x" + packed[2:]
+    statement = f"UPDATE completions SET output_tokens = {packed} WHERE seq = :s"
+    _bypassing_triggers(audit_target, (statement, {"s": seq}))
+    bad = verify_chain(audit_target.engine, key=KEY).first_bad
+    assert (bad.key, bad.request_id) == (seq, "req-17")
+    assert "does not match its row_hash" in bad.reason
+
+
 def test_rehashing_a_changed_row_with_the_key_breaks_the_next_link(audit_target):
     _seed(audit_target)
     seq = _seq_of(audit_target, "req-20", 0)
