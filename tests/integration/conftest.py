@@ -96,3 +96,25 @@ def keys(prefix, shards):
 @pytest.fixture
 def producer(conn, prefix, shards):
     return Producer(conn, prefix=prefix, shards=shards)
+
+
+# --- the deployment conformance tests (test_deployment.py, test_compose.py) ---------
+
+
+@pytest.fixture(scope="module")
+def tree(tmp_path_factory, model):
+    """The volumes: /models/base (the tiny model) and /adapters/ad (an adapter of it)."""
+    from adapters import build_adapter
+
+    root = tmp_path_factory.mktemp("volumes")
+    (root / "models").mkdir()
+    (root / "models" / "base").symlink_to(model)
+    build_adapter(model, root / "adapters" / "ad", rank=8, seed=3, std=0.2)
+    return root
+
+
+@pytest.fixture(scope="module")
+def audit_key_text():
+    from lorapool import signing
+
+    return signing.new_key()

@@ -18,8 +18,7 @@ worker and a gateway scraped and parsed, `lorapool audit verify`. A command run 
 another role's user fails with one line. Redis's ACL LOG then holds no refusal of any
 role that ran: every user had enough.
 
-compose.yaml: its Redis users must be the doc's; every service runs (one worker, one
-gateway), the operator's command, one completion through the gateway.
+compose.yaml's own test: test_compose.py; the pool's helpers: tests/support/deployment_pool.py.
 
 Replicas other than the gateway's: one each (2 CPU cores); the test's own admin is the
 Redis default user. What it costs: about 60-90 s on an idle 2-core machine.
@@ -27,189 +26,27 @@ Redis default user. What it costs: about 60-90 s on an idle 2-core machine.
 
 from __future__ import annotations
 
-import contextlib
-import math
-import os
-import re
-import subprocess
-import sys
 import uuid
 from pathlib import Path
 
 import httpx
 import orjson
 import pytest
-import redis
-from deployment import Compose, Manifests, MissingReference, Site
+from deployment import Manifests, Site
+from deployment_pool import (
+    SQL_ROLES,
+    Pool,
+    keda_wanted,
+    lorapool,
+    private_pg,
+    ready,
+    set_users,
+    url_user,
+)
 from gateway_procs import free_port, wait_until
 from redis_server import RedisServer
 
 pytestmark = pytest.mark.integration
-ROOT = Path(__file__).resolve().parents[2]
-DOC = ROOT / "docs" / "redis-acl.md"
-PG_DEFAULT = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
-SQL_ROLES = ("lorapool_owner", "lorapool_writer", "lorapool_reader")
-
-
-def acl_rules() -> dict[str, str]:
-    """role -> its (standalone) ACL SETUSER line, from docs/redis-acl.md."""
-    blocks = re.findall(r"```acl ([\w-]+)\n(ACL SETUSER [^\n]+)\n```", DOC.read_text())
-    return dict(blocks)
-
-
-def set_users(admin: redis.Redis, passwords: dict[str, str]) -> None:
-    """The doc's users, each with the password its role's URL carries."""
-    for _role, line in acl_rules().items():
-        user = line.split()[2]
-        words = [f">{passwords[user]}" if w == ">CHANGE-ME" else w for w in line.split()[2:]]
-        admin.execute_command("ACL", "SETUSER", *words)
-
-
-def url_user(url: str) -> tuple[str, str]:
-    parsed = httpx.URL(url.replace("redis://", "http://"))
-    return parsed.username, parsed.password
-
-
-# --- the environment the pool runs in ---------------------------------------
-
-
-@pytest.fixture(scope="module")
-def tree(tmp_path_factory, model):
-    """The volumes: /models/base (the tiny model) and /adapters/ad (an adapter of it)."""
-    from adapters import build_adapter
-
-    root = tmp_path_factory.mktemp("volumes")
-    (root / "models").mkdir()
-    (root / "models" / "base").symlink_to(model)
-    build_adapter(model, root / "adapters" / "ad", rank=8, seed=3, std=0.2)
-    return root
-
-
-@pytest.fixture(scope="module")
-def audit_key_text():
-    from lorapool import signing
-
-    return signing.new_key()
-
-
-@contextlib.contextmanager
-def private_pg(names: dict[str, str]):
-    """A database of its own on the test PostgreSQL (created, then dropped with the run's
-    roles), or None when none is reachable."""
-    from sqlalchemy import create_engine, text
-
-    url = os.environ.get("LORAPOOL_TEST_PG_URL") or PG_DEFAULT
-    if not url.startswith("postgresql"):
-        yield None
-        return
-    database = f"lp_deploy_{uuid.uuid4().hex[:10]}"
-    try:
-        admin = create_engine(
-            url, isolation_level="AUTOCOMMIT", connect_args={"connect_timeout": 3}
-        )
-        with admin.connect() as conn:
-            conn.execute(text(f"CREATE DATABASE {database}"))
-    except Exception:  # noqa: BLE001 - no server: the SQLite path
-        yield None
-        return
-    try:
-        yield url.rsplit("/", 1)[0].split("@")[-1], database
-    finally:
-        with admin.connect() as conn:
-            conn.execute(text(f"DROP DATABASE IF EXISTS {database} WITH (FORCE)"))
-            for role in names.values():
-                conn.execute(text(f"DROP ROLE IF EXISTS {role}"))
-        admin.dispose()
-
-
-class Pool:
-    """The processes of one deployment, their logs, and how to stop them all."""
-
-    def __init__(self, workdir: Path):
-        self.workdir, self.procs = workdir, []
-
-    def start(self, *processes):
-        for process in processes:
-            process.start(self.workdir, self.workdir / f"{process.name}.log")
-            self.procs.append(process)
-        return list(processes)
-
-    def run(self, process, timeout: float = 120) -> str:
-        self.start(process)
-        try:
-            process.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            process.stop()
-        log = self.log(process)
-        assert process.proc.returncode == 0, f"{process.name} failed:\n{log}"
-        return log
-
-    def log(self, process) -> str:
-        return (self.workdir / f"{process.name}.log").read_text(errors="replace")
-
-    def alive(self, process) -> bool:
-        assert process.proc.poll() is None, f"{process.name} exited:\n{self.log(process)[-3000:]}"
-        return True
-
-    def stop(self):
-        for process in reversed(self.procs):
-            process.stop()
-
-    def dump(self):
-        """What each process said, for a failure's report."""
-        for process in self.procs:
-            print(f"--- {process.name}\n{self.log(process)[-4000:]}")
-
-
-def ready(pool: Pool, process, path: str, timeout: float = 90) -> None:
-    def answering() -> bool:
-        pool.alive(process)
-        try:
-            return httpx.get(f"{process.url()}{path}", timeout=5).status_code == 200
-        except httpx.TransportError:
-            return False
-
-    wait_until(answering, f"{process.name} answering {path}", timeout)
-
-
-def lorapool(*args: str, env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-c", "from lorapool.cli.main import main; main()", *args]
-    own = ("REDIS_URL", "LORAPOOL_DB_URL", "LORAPOOL_AUDIT_KEY")  # only what a caller gives
-    full = {k: v for k, v in os.environ.items() if k not in own}
-    return subprocess.run(cmd, env={**full, **env}, cwd=cwd, capture_output=True, text=True)
-
-
-# --- KEDA -------------------------------------------------------------------
-
-
-def keda_wanted(manifests: Manifests, site: Site, redis_port: int) -> int:
-    """The worker replicas KEDA's redis-streams scaler (lag mode) asks for, computed from
-    the ScaledObject's triggers as its TriggerAuthentication's user: per trigger, the
-    group's lag (XLEN before the group exists; 0 without the stream), active above
-    activationLagCount, wanting ceil(lag / lagCount); KEDA takes the largest."""
-    (scaled,) = manifests.of("ScaledObject").values()
-    wanted = scaled["spec"].get("minReplicaCount", 0)
-    for trigger in scaled["spec"]["triggers"]:
-        meta = trigger["metadata"]
-        auth = manifests.trigger_auth(trigger["authenticationRef"]["name"], "ScaledObject")
-        host, port = site.localize(f"@{meta['address']}").lstrip("@").split(":")
-        client = redis.Redis(host=host, port=int(port), username=auth["username"],
-                             password=site.localize(auth["password"]))  # fmt: skip
-        assert int(client.info("server")["redis_version"].split(".")[0]) >= 7
-        lag = _lag(client, meta["stream"], meta["consumerGroup"])
-        client.close()
-        if lag > int(meta.get("activationLagCount", "0")):
-            wanted = max(wanted, math.ceil(lag / int(meta["lagCount"])))
-    return min(wanted, scaled["spec"]["maxReplicaCount"])
-
-
-def _lag(client: redis.Redis, stream: str, group: str) -> int:
-    if not client.exists(stream):
-        return 0
-    for info in client.xinfo_groups(stream):
-        if info["name"].decode() == group:
-            return info["lag"] or 0
-    return client.xlen(stream)
 
 
 # --- deploy/ ----------------------------------------------------------------
@@ -491,141 +328,3 @@ def _metrics(pool, exporter, worker, gateways, keys) -> None:
     assert any(name.startswith("lorapool_") for name in worker_metrics)
     gateway_metrics = samples(gateways[1].url(), {"Authorization": f"Bearer {keys['audit']}"})
     assert gateway_metrics["lorapool_workers_live"] == 1
-
-
-# --- compose.yaml -----------------------------------------------------------
-
-
-def test_compose_redis_users_are_the_docs():
-    compose = Compose({})
-    command = compose.argv("redis")
-    users = " ".join(command).split(" --user ")[1:]
-    got = {u.split()[0]: u.split() for u in users}
-    assert got.pop("default") == ["default", "off"]
-    for line in acl_rules().values():
-        words = line.split()[2:]
-        user = words[0]
-        assert [w for w in got[user] if not w.startswith(">")] == [
-            w for w in words if not w.startswith(">")
-        ], user
-
-
-def test_manifests_name_only_what_exists(tmp_path):
-    """The check that fails a manifest naming what deploy/ lacks is real."""
-    manifests = Manifests()
-    broken = manifests.of("Deployment")["lorapool-gateway"]
-    broken["spec"]["template"]["spec"]["containers"][0]["env"][0]["valueFrom"]["secretKeyRef"][
-        "key"
-    ] = "nope"
-    with pytest.raises(MissingReference, match="nope"):
-        manifests.check_references()
-    manifests = Manifests()
-    container = manifests.of("Deployment")["lorapool-worker"]["spec"]["template"]["spec"]
-    container["containers"][0]["env"].append({"name": "LORAPOOL_NO_SUCH_SETTING", "value": "1"})
-    with pytest.raises(MissingReference, match="LORAPOOL_NO_SUCH_SETTING"):
-        manifests.check_references()
-    manifests = Manifests()
-    container = manifests.of("Deployment")["lorapool-gateway"]["spec"]["template"]["spec"]
-    container["volumes"][0]["secret"]["secretName"] = "lorapool-elsewhere"
-    with pytest.raises(MissingReference, match="lorapool-elsewhere"):
-        manifests.check_references()
-    compose = Compose({})
-    compose.services["worker"]["environment"]["LORAPOOL_NO_SUCH_SETTING"] = "1"
-    with pytest.raises(MissingReference, match="LORAPOOL_NO_SUCH_SETTING"):
-        compose.check_references()
-
-
-def test_compose_runs_as_written(tmp_path, tree, audit_key_text):
-    """Every service of compose.yaml as a process (one worker, one gateway), each with the
-    Redis user compose gives it, on a Redis started with compose's users."""
-    compose = Compose({"LORAPOOL_MODEL": "base", "LORAPOOL_DEVICE": "cpu"})
-    compose.check_references()
-    users = compose.argv("redis")[1:]
-    users = users[: users.index("--user")] + users[users.index("--user") + 3 :]  # default off:
-    # the test's admin is the default user
-    server = RedisServer(tmp_path / "redis", args=tuple(users)).start()
-    admin = server.client()
-    secrets = tmp_path / "secrets"
-    secrets.mkdir()
-    (secrets / "audit_key").write_text(audit_key_text)
-    mounts = {"/run/secrets": secrets, "/models": tree / "models", "/adapters": tree / "adapters"}
-    suffix = uuid.uuid4().hex[:8]
-    sql_names = {role: f"{role}_{suffix}" for role in SQL_ROLES}
-    pool = Pool(tmp_path / "run")
-    pool.workdir.mkdir()
-    try:
-        with private_pg(sql_names) as pg:
-            site = compose_site(server.port, pg, sql_names, mounts, tmp_path)
-            try:
-                _drive_compose(compose, site, pool, pg, sql_names, admin)
-            except BaseException:
-                pool.stop()
-                pool.dump()
-                for entry in admin.acl_log(count=200):
-                    print("ACL LOG", entry["username"], entry["reason"], entry["object"])
-                raise
-    finally:
-        pool.stop()
-        admin.close()
-        server.stop()
-
-
-def compose_site(redis_port, pg, sql_names, mounts, tmp_path) -> Site:
-    replace, hosts = {}, {"redis": f"127.0.0.1:{redis_port}"}
-    if pg is None:
-        sqlite = f"sqlite:///{tmp_path / 'audit.sqlite'}"
-        pattern = "postgresql+psycopg://lorapool_{}:change-me-{}@postgres:5432/lorapool"
-        replace.update({pattern.format(r, r): sqlite for r in ("writer", "reader")})
-    else:
-        address, database = pg
-        hosts["postgres"] = address
-        replace["postgres:5432/lorapool"] = f"postgres:5432/{database}"
-        replace.update({f"{role}:": f"{name}:" for role, name in sql_names.items()})
-    return Site(hosts=hosts, mounts=mounts, workdir=tmp_path, replace=replace)
-
-
-def _drive_compose(compose, site, pool, pg, sql_names, admin):
-    if pg is not None:
-        (setup,) = compose.processes("audit-setup", site, free_port)
-        setup.argv += [f"--{r.split('_')[1]}={n}" for r, n in sql_names.items()]
-        pool.run(setup)
-        db_env = {}
-    else:
-        print("no PostgreSQL reachable: audit-setup skipped, SQLite migrated instead")
-        db_env = {"LORAPOOL_DB_SCHEMA": ""}
-        (writer,) = compose.processes("audit-writer", site, free_port)
-        done = lorapool(
-            "audit",
-            "migrate",
-            env={"LORAPOOL_DB_URL": writer.env["LORAPOOL_DB_URL"]},
-            cwd=pool.workdir,
-        )
-        assert done.returncode == 0, done.stderr
-    (gateway,) = pool.start(*compose.processes("gateway", site, free_port))
-    (writer,) = compose.processes("audit-writer", site, free_port)
-    writer.env.update(db_env)
-    (worker,) = compose.processes("worker", site, free_port)
-    (exporter,) = compose.processes("exporter", site, free_port)
-    pool.start(writer, worker, exporter)
-    pool.start(*compose.processes("rq-batch", site, free_port))
-    pool.start(*compose.processes("rq-callbacks", site, free_port))
-    ready(pool, gateway, "/readyz?min_workers=1", timeout=180)
-    (operator,) = compose.processes("operator", site, free_port)
-    assert "lorapool:requests" in pool.run(operator)  # `lorapool status`
-    operator_env = {"REDIS_URL": operator.env["REDIS_URL"]}
-    made = lorapool("keys", "add", "acme", env=operator_env, cwd=pool.workdir)
-    assert made.returncode == 0, made.stderr
-    import openai
-
-    client = openai.OpenAI(
-        base_url=f"{gateway.url()}/v1", api_key=made.stdout.strip(), max_retries=0, timeout=120
-    )
-    done = client.completions.create(model="base", prompt="Hello", max_tokens=4)
-    assert done.choices[0].finish_reason in ("length", "stop")
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = httpx.get(f"{exporter.url()}/metrics", timeout=30).text
-    live = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
-    assert live["lorapool_workers_live"] == 1
-    assert httpx.get(f"{worker.url('--metrics-port')}/metrics", timeout=30).status_code == 200
-    assert [e for e in admin.acl_log(count=1000)] == []
