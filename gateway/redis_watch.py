@@ -20,6 +20,7 @@ later with ``Last-Event-ID`` and gets the rest exactly.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -129,18 +130,22 @@ async def until_outage(
 
     One task a stream moves ``items`` into a queue that the watch's verdict also goes
     into: racing each item against the watch with a task and ``asyncio.wait`` of its own
-    cost 14 µs a chunk (``until_outage`` over a local queue, 50,000 items), this 1-2."""
+    cost 14 µs a chunk (``until_outage`` over a local queue, 50,000 items), this 1-2.
+    The queue holds at most ``BUFFERED`` items: a client that reads slowly slows the
+    stream's reads from Redis instead of growing the gateway's memory."""
     if watch is None:
         async for item in items:
             yield item
         return
-    queue: asyncio.Queue = asyncio.Queue()
+    queue: asyncio.Queue = asyncio.Queue(BUFFERED)
     pump = asyncio.ensure_future(_pump(items, queue))
     gone = watch.when_away(outage_s)
-    gone.add_done_callback(lambda f: f.cancelled() or queue.put_nowait(_OUTAGE))
+    gone.add_done_callback(lambda f: f.cancelled() or _put_outage(queue))
     ended = False
     try:
         while True:
+            if queue.empty() and gone.done() and not gone.cancelled():
+                raise watch.unavailable(outage_s)  # its verdict found the queue full
             item = await queue.get()
             if item is _END:
                 ended = True
@@ -163,6 +168,14 @@ async def until_outage(
 
 
 _END, _OUTAGE = object(), object()
+BUFFERED = 64  # items a stream's pump reads ahead of its client
+
+
+def _put_outage(queue: asyncio.Queue) -> None:
+    """The watch's verdict, unless the queue is full: its reader then has items to
+    take, and finds the verdict once it has taken them (``until_outage``)."""
+    with contextlib.suppress(asyncio.QueueFull):
+        queue.put_nowait(_OUTAGE)
 
 
 class _Failed:
@@ -173,11 +186,11 @@ class _Failed:
 async def _pump(items: AsyncIterator, queue: asyncio.Queue) -> None:
     try:
         async for item in items:
-            queue.put_nowait(item)
+            await queue.put(item)
     except Exception as exc:  # noqa: BLE001 - the reader raises it
-        queue.put_nowait(_Failed(exc))
+        await queue.put(_Failed(exc))
     else:
-        queue.put_nowait(_END)
+        await queue.put(_END)
 
 
 async def _close(pump, items: AsyncIterator) -> None:
