@@ -20,6 +20,7 @@ import click
 import orjson
 
 from lorapool.cli.options import prefix_option, redis_option, shards_option
+from lorapool.protocol import MAX_STOP
 
 FINAL = {"completed", "failed", "expired", "cancelled"}
 
@@ -31,11 +32,11 @@ queue_option = click.option(
 )
 
 
-def _service(redis_url, prefix, queue, shards):
+def _service(redis_url, prefix, queue, shards, max_stop=4):
     from lorapool.batch import BatchConfig, BatchService
     from lorapool.producer.client import connect
 
-    config = BatchConfig(prefix=prefix, shards=shards, queue=queue)
+    config = BatchConfig(prefix=prefix, shards=shards, queue=queue, max_stop=max_stop)
     return BatchService(connect(redis_url), config)
 
 
@@ -68,10 +69,18 @@ def batch():
     type=click.Choice(["/v1/completions", "/v1/chat/completions"]),
     help="the batch's endpoint (every line's url must be it)",
 )
+@click.option(
+    "--max-stop",
+    default=4,
+    show_default=True,
+    type=click.IntRange(0, MAX_STOP),
+    help="stop strings a line may name (as `lorapool serve --max-stop`; more fail the "
+    "batch's validation)",
+)
 @_options
-def submit(path, endpoint, redis_url, prefix, queue, shards):
+def submit(path, endpoint, max_stop, redis_url, prefix, queue, shards):
     """Upload PATH (JSONL, OpenAI's batch input lines) and start a batch over it."""
-    service = _service(redis_url, prefix, queue, shards)
+    service = _service(redis_url, prefix, queue, shards, max_stop)
     with open(path, "rb") as source:
         info = _batch_errors(lambda: service.upload(source, Path(path).name))
     created = _batch_errors(lambda: service.create(info["id"], endpoint))

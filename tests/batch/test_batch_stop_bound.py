@@ -59,3 +59,33 @@ def test_a_batch_line_over_the_gateways_max_stop_fails_validation(
     assert error["message"] == f"line 2: {over_http['message']}"
     assert over_http["param"] == "stop" and "at most 2 strings" in over_http["message"]
     assert conn.xlen(keys.batch_requests) == 0
+
+
+def test_lorapool_batch_submit_takes_max_stop(redis_url, conn, prefix, config, rq_worker, tmp_path):
+    """``lorapool batch submit --max-stop N`` (4 unless given, as the gateway's): a line
+    over it fails the batch's validation, naming ``body.stop``."""
+    from click.testing import CliRunner
+
+    from lorapool.batch import BatchService
+    from lorapool.cli.main import cli
+
+    conn.set(Keys(prefix).model, orjson.dumps({"name": BASE, "sha256": "0" * 64}))
+    body = {"model": BASE, "prompt": "hi", "max_tokens": 2, "stop": ["a", "b"]}
+    source = tmp_path / "in.jsonl"
+    source.write_bytes(orjson.dumps({"custom_id": "x", "method": "POST",
+                                     "url": "/v1/completions", "body": body}) + b"\n")  # fmt: skip
+    common = ["--redis-url", redis_url, "--prefix", prefix, "--queue", config.queue]
+    submitted = CliRunner().invoke(
+        cli, ["batch", "submit", str(source), "--max-stop", "1", *common]
+    )
+    assert submitted.exit_code == 0, submitted.output
+    rq_worker()
+    service, batch_id = BatchService(conn, config), submitted.stdout.strip()
+    deadline = time.monotonic() + 60
+    while (batch := service.retrieve(batch_id))["status"] not in ("failed", "completed"):
+        assert time.monotonic() < deadline, batch["status"]
+        time.sleep(0.2)
+    (error,) = batch["errors"]["data"]
+    assert error["param"] == "body.stop" and "at most 1 strings" in error["message"]
+    bad = CliRunner().invoke(cli, ["batch", "submit", str(source), "--max-stop", "65", *common])
+    assert bad.exit_code == 2 and "--max-stop" in bad.output
