@@ -59,7 +59,7 @@ _LAZY = {
 _RECORD = {
     "AuditRecord",
     "RecordError",
-    "encode_record",
+    "encode_audit_record",
     "parse_record",
     "record_from_dict",
     "record_from_output",
@@ -94,7 +94,7 @@ __all__ = [
     "create_audit_engine",
     "current_revision",
     "default_url",
-    "encode_record",
+    "encode_audit_record",
     "get_request",
     "head_revision",
     "list_conflicts",

@@ -36,10 +36,10 @@ def finished_bytes(conn, keys, ids) -> tuple[int, int, int]:
     """Of finished requests: (MEMORY USAGE of their job hashes, their final records'
     bytes as a reader gets them (the compact chunk's JSON), those records' bytes as
     stored (compressed))."""
-    from lorapool.lifecycle.chunk_log import RESULT_FIELD, decode_record
+    from lorapool.lifecycle.chunk_log import RESULT_FIELD, decode_result
     from lorapool.lifecycle.wire import encode_chunk
 
     memory = sum(conn.memory_usage(keys.job(rid), samples=0) or 0 for rid in ids)
     stored = [conn.hget(keys.job(rid), RESULT_FIELD) or b"" for rid in ids]
-    records = sum(len(encode_chunk(decode_record(r, rid))) for r, rid in zip(stored, ids) if r)
+    records = sum(len(encode_chunk(decode_result(r, rid))) for r, rid in zip(stored, ids) if r)
     return memory, records, sum(map(len, stored))

@@ -296,7 +296,7 @@ def parse_record(
     return record_from_dict(decode_signed(payload, key, pool))
 
 
-def encode_record(record: AuditRecord | dict[str, Any]) -> bytes:
+def encode_audit_record(record: AuditRecord | dict[str, Any]) -> bytes:
     """The bytes to put in the ``data`` field of an ``{p}:audit`` entry."""
     data = record.to_dict() if isinstance(record, AuditRecord) else record
     return orjson.dumps(data)

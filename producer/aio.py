@@ -24,7 +24,7 @@ from lorapool.lifecycle.wire import (
 from lorapool.outputs import RequestOutput
 from lorapool.producer.client import _deadline
 from lorapool.producer.job import per_prompt
-from lorapool.producer.registry import check_lora, decode_record
+from lorapool.producer.registry import check_lora, decode_adapter_record
 from lorapool.protocol import LoRARequest, RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -125,7 +125,7 @@ class AsyncProducer:
         if requested is None:
             return None
         name = requested if isinstance(requested, str) else requested.lora_name
-        record = decode_record(await self.redis.hget(self.keys.adapters, name))
+        record = decode_adapter_record(await self.redis.hget(self.keys.adapters, name))
         return check_lora(requested, record)
 
     async def submit(

@@ -103,7 +103,7 @@ def check_lora(requested: LoRARequest | str, record: dict[str, Any] | None) -> L
     return lora_from_record(record)
 
 
-def decode_record(raw: bytes | str | None) -> dict[str, Any] | None:
+def decode_adapter_record(raw: bytes | str | None) -> dict[str, Any] | None:
     return None if raw is None else orjson.loads(raw)
 
 
@@ -118,7 +118,7 @@ class AdapterRegistry:
         self.roots = roots_from_env() if roots is None else list(roots)
 
     def get(self, name: str) -> dict[str, Any] | None:
-        return decode_record(self.redis.hget(self.keys.adapters, name))
+        return decode_adapter_record(self.redis.hget(self.keys.adapters, name))
 
     def list(self) -> list[dict[str, Any]]:
         records = [orjson.loads(v) for v in self.redis.hvals(self.keys.adapters)]
@@ -159,7 +159,7 @@ class AdapterRegistry:
 
     def _add_once(self, pipe, name: str, adapter_id: int | None, info: dict) -> dict:
         pipe.watch(self.keys.adapters, self.keys.adapter_ids)
-        existing = decode_record(pipe.hget(self.keys.adapters, name))
+        existing = decode_adapter_record(pipe.hget(self.keys.adapters, name))
         if existing is not None:
             pipe.unwatch()
             return _same_or_refuse(existing, adapter_id, info)

@@ -27,7 +27,7 @@ from lorapool.lifecycle.wire import (
     decode_chunk,
     encode_job,
 )
-from lorapool.producer.registry import decode_record
+from lorapool.producer.registry import decode_adapter_record
 from lorapool.protocol import FieldError, LoRARequest, SamplingParams, is_int
 from lorapool.worker.audit import final_audit
 from lorapool.worker.held import Held, error_chunk
@@ -188,7 +188,7 @@ def find_adapter(worker: Worker, held: Held) -> None:
     lora = held.job.lora_request
     if held.adapter is None and lora is not None:
         try:
-            record = decode_record(worker.redis.hget(worker.keys.adapters, lora.name))
+            record = decode_adapter_record(worker.redis.hget(worker.keys.adapters, lora.name))
         except (ValueError, redis.ResponseError):  # a damaged registry record or key:
             return  # audit the request without it
         if record is not None and record.get("id") == lora.lora_int_id:

@@ -35,7 +35,7 @@ from lorapool.lifecycle.append import (
     Append,
     Appender,
 )
-from lorapool.lifecycle.chunk_log import encode_record
+from lorapool.lifecycle.chunk_log import encode_result
 from lorapool.lifecycle.wire import Chunk, encode_chunk
 from lorapool.outputs import RequestOutput
 from lorapool.worker.audit import final_audit
@@ -223,7 +223,7 @@ class Publisher:
     ) -> Append:
         """``held`` has kept ``chunk``: a final one carries the whole output too."""
         ttl_s = held.job.result_ttl_s or self.worker.config.result_ttl_s
-        result = encode_record(held.whole()) if chunk.finished else b""
+        result = encode_result(held.whole()) if chunk.finished else b""
         return Append(
             held.request_id,
             held.entry_id,

@@ -22,7 +22,7 @@ from lorapool.lifecycle.keys import PRIORITIES, WORKERS_GROUP, Keys
 from lorapool.lifecycle.wire import DATA, Chunk, decode_job, encode_job
 from lorapool.outputs import RequestOutput
 from lorapool.persistence import persistence_warning
-from lorapool.producer.registry import check_lora, decode_record
+from lorapool.producer.registry import check_lora, decode_adapter_record
 from lorapool.worker import dead_letter, failover
 from lorapool.worker.config import WorkerConfig
 from lorapool.worker.dead_letter import reason_of
@@ -263,7 +263,9 @@ class Worker:
     def _add_to_engine(self, held: Held) -> None:
         job = held.job
         if job.lora_request is not None:
-            record = decode_record(self.redis.hget(self.keys.adapters, job.lora_request.name))
+            record = decode_adapter_record(
+                self.redis.hget(self.keys.adapters, job.lora_request.name)
+            )
             check_lora(job.lora_request, record)
             held.adapter = record
             self.engine.expect_lora_weights(job.lora_request, record["sha256"])

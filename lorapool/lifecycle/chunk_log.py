@@ -7,7 +7,7 @@ last chunk it has with one LRANGE. (A list, not a stream: Redis 7 preallocates 4
 a stream's first node, more than most requests' whole output; a list grows with what it
 holds, ~15 B per chunk besides the chunk.) When the request finishes, the same atomic
 call stores the whole output as one compact record in the job's hash (field
-``result``, compressed: ``encode_record``) and lets the log expire after a short grace,
+``result``, compressed: ``encode_result``) and lets the log expire after a short grace,
 so a reader that is following the log reads the final chunk from it, and a reader that
 comes later reads everything in one HGET. Torch-free.
 """
@@ -28,18 +28,18 @@ RESULT_FIELD = "result"  # the job hash's field holding the compacted output
 MAX_RECORD_BYTES = 256 << 20  # a compressed record inflates to at most this
 
 
-def encode_record(whole: Chunk) -> bytes:
+def encode_result(whole: Chunk) -> bytes:
     """The final record of a request (``whole``: its output as one chunk): the compact
     chunk, zlib-compressed (RFC 1950, level 1) when that is smaller, as it is past a
     few tokens (ids and text take about half). A compressed record starts with byte
-    0x78, a JSON one with ``{``; ``decode_record`` reads both."""
+    0x78, a JSON one with ``{``; ``decode_result`` reads both."""
     raw = encode_chunk(whole)
     packed = zlib.compress(raw, 1)
     return packed if len(packed) < len(raw) else raw
 
 
-def decode_record(payload: bytes | str | None, request_id: str) -> Chunk:
-    """The chunk a final record holds (``encode_record``); ValueError when malformed."""
+def decode_result(payload: bytes | str | None, request_id: str) -> Chunk:
+    """The chunk a final record holds (``encode_result``); ValueError when malformed."""
     if isinstance(payload, bytes) and payload.startswith(b"x"):
         inflater = zlib.decompressobj()
         try:
@@ -96,7 +96,7 @@ class Cursor:
 
     def rest(self, payload: bytes | str) -> Iterator[Chunk]:
         """What the final record ``payload`` holds past this cursor, as one chunk."""
-        whole = decode_record(payload, self.request_id)
+        whole = decode_result(payload, self.request_id)
         if whole.seq <= self.seq:
             self.done = True
             return

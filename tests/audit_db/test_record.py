@@ -8,7 +8,7 @@ import pytest
 from lorapool import CompletionOutput, RequestMetrics, RequestOutput
 from lorapool.audit_record import (
     RecordError,
-    encode_record,
+    encode_audit_record,
     parse_record,
     record_from_dict,
     record_from_output,
@@ -32,7 +32,7 @@ def test_valid_record_round_trips():
         "v_proj",
     )
     assert [o.index for o in record.outputs] == [0, 1]
-    assert orjson.loads(encode_record(record)) == data
+    assert orjson.loads(encode_audit_record(record)) == data
 
 
 def test_base_model_record_has_no_adapter():

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from standin import load
 
-from lorapool.lifecycle.chunk_log import LogCompacted, encode_record
+from lorapool.lifecycle.chunk_log import LogCompacted, encode_result
 from lorapool.lifecycle.wire import Chunk, encode_chunk
 from lorapool.producer.client import JobHandle
 from lorapool.protocol import SamplingParams
@@ -140,7 +140,7 @@ def test_a_finished_request_reads_without_subscribing(conn, keys, producer):
     # begins (its offsets unknown) and says so
     out = {"index": 0, "offset": 0, "text": " t0 t1 t2", "token_ids": [0, 1, 2]}
     conn.delete(keys.out(rid))
-    conn.hset(keys.job(rid), "result", encode_record(Chunk(rid, 2, 0, [out], True)))
+    conn.hset(keys.job(rid), "result", encode_result(Chunk(rid, 2, 0, [out], True)))
     (whole,) = JobHandle(producer, rid).chunks(timeout=5)
     assert whole.outputs[0]["token_ids"] == [0, 1, 2] and whole.finished
     with pytest.raises(LogCompacted):

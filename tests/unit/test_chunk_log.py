@@ -14,8 +14,8 @@ from lorapool.lifecycle.chunk_log import (
     Cursor,
     LogCompacted,
     OutputAssembler,
-    decode_record,
-    encode_record,
+    decode_result,
+    encode_result,
 )
 from lorapool.lifecycle.wire import Chunk, encode_chunk
 
@@ -80,7 +80,7 @@ def test_chunks_then_the_rest_of_the_record_join_to_the_whole(n, steps, data):
     cursor = Cursor("r")
     got = list(cursor.take(_entries(log[:seen])))
     # a record as workers store it (compressed) or as JSON: both read the same
-    encode = data.draw(st.sampled_from([encode_record, encode_chunk]))
+    encode = data.draw(st.sampled_from([encode_result, encode_chunk]))
     got += list(cursor.rest(encode(whole)))
     assert cursor.done and got[-1].finished
     assert [c.seq for c in got] == sorted({c.seq for c in got})  # in order, no repeat
@@ -133,11 +133,11 @@ def test_the_compact_record_says_only_what_is_not_default():
 def test_a_long_record_is_stored_compressed_and_reads_back_whole():
     text = [(f" word{i}", [1000 + i]) for i in range(96)]
     whole = _whole(_chunks([[piece] for piece in text], 1), 1)
-    raw, record = encode_chunk(whole), encode_record(whole)
+    raw, record = encode_chunk(whole), encode_result(whole)
     assert record[:1] == b"x" and len(record) < len(raw) * 0.7  # zlib's header byte
-    assert encode_chunk(decode_record(record, "r")) == raw
+    assert encode_chunk(decode_result(record, "r")) == raw
     short = Chunk("r", 0, 0, [{"index": 0, "offset": 0, "text": "a", "token_ids": [1]}], True)
-    assert encode_record(short) == encode_chunk(short)  # nothing to gain: left as JSON
+    assert encode_result(short) == encode_chunk(short)  # nothing to gain: left as JSON
 
 
 @pytest.mark.parametrize(
@@ -150,7 +150,7 @@ def test_a_long_record_is_stored_compressed_and_reads_back_whole():
 )
 def test_a_broken_record_says_what_is_wrong(payload, problem):
     with pytest.raises(ValueError, match=problem):
-        decode_record(payload, "r")
+        decode_result(payload, "r")
 
 
 @settings(max_examples=200, deadline=None)

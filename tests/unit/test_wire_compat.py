@@ -18,7 +18,7 @@ import orjson
 import pytest
 
 from lorapool.audit_record import RecordError, parse_record
-from lorapool.lifecycle.chunk_log import decode_record
+from lorapool.lifecycle.chunk_log import decode_result
 from lorapool.lifecycle.wire import decode_chunk, decode_job
 
 FIXTURES = sorted((Path(__file__).parent / "wire_fixtures").glob("*.json"))
@@ -120,7 +120,7 @@ def test_chunks_and_final_records_decode_as_they_did(fixture):
         for chunk in request["chunks"]:
             assert read_chunk(decode_chunk(raw(chunk["raw"]), rid)) == chunk["meaning"], rid
         record = request["final_record"]
-        assert read_chunk(decode_record(raw(record["raw"]), rid)) == record["meaning"], rid
+        assert read_chunk(decode_result(raw(record["raw"]), rid)) == record["meaning"], rid
         assert record["meaning"]["output"] == request["result"] or request["status"] == "failed"
 
 
@@ -150,7 +150,7 @@ def test_dead_letters_of_both_writers_read_as_one_shape(fixture):
 
 
 def test_registry_heartbeat_and_model_records_read_as_they_did(fixture):
-    from lorapool.producer.registry import decode_record as decode_adapter
+    from lorapool.producer.registry import decode_adapter_record as decode_adapter
 
     for name, value in fixture["adapters"].items():
         record = decode_adapter(raw(value))

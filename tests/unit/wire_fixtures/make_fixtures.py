@@ -241,7 +241,7 @@ def collect_audit(conn) -> list[dict]:
 
 def collect(conn, requests: dict[str, str]) -> dict:
     """Everything the run left in Redis, raw, with this commit's meaning of it."""
-    from lorapool.lifecycle.chunk_log import RESULT_FIELD, decode_record
+    from lorapool.lifecycle.chunk_log import RESULT_FIELD, decode_result
     from lorapool.lifecycle.keys import Keys
     from lorapool.lifecycle.wire import decode_chunk
     from lorapool.producer import Producer
@@ -261,7 +261,7 @@ def collect(conn, requests: dict[str, str]) -> dict:
             "job_hash": {k: raw_of(v) for k, v in sorted(marker.items())},
             "final_record": None
             if record is None
-            else {"raw": raw_of(record), "meaning": meaning_chunk(decode_record(record, rid))},
+            else {"raw": raw_of(record), "meaning": meaning_chunk(decode_result(record, rid))},
             "status": handle.status(),
             "result": meaning_output(handle.result(timeout=5)),
             "stream": [meaning_output(o) for o in handle.stream(timeout=5)],
