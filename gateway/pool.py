@@ -22,11 +22,12 @@ from lorapool.gateway.errors import APIError, field_error, job_lost, model_not_f
 from lorapool.gateway.limits import LimitsCache, check_limits, check_stop_count
 from lorapool.gateway.redis_watch import RedisWatch
 from lorapool.gateway.tokenizer import TokenizerCache
+from lorapool.lifecycle.adapter_record import lora_from_record
 from lorapool.lifecycle.queue_position import QueuePosition
 from lorapool.producer import AsyncJobHandle, AsyncProducer, JobLost
 from lorapool.producer.pool_view import PoolView
 from lorapool.producer.rate_limits import RateLimiter
-from lorapool.producer.registry import NAME_PATTERN, AdapterRegistry, lora_from_record
+from lorapool.producer.registry import NAME_PATTERN, AdapterRegistry
 from lorapool.protocol import FieldError, LoRARequest, SamplingParams
 from lorapool.tool_calls import parser_for
 

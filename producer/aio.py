@@ -12,6 +12,7 @@ import redis.asyncio as aioredis
 
 from lorapool.connection import connect_async
 from lorapool.lifecycle import marker
+from lorapool.lifecycle.adapter_record import check_lora, decode_adapter_record
 from lorapool.lifecycle.chunk_log import OutputAssembler
 from lorapool.lifecycle.follower import Follower
 from lorapool.lifecycle.keys import DEFAULT_PREFIX, Keys
@@ -24,7 +25,6 @@ from lorapool.lifecycle.wire import (
 from lorapool.outputs import RequestOutput
 from lorapool.producer.client import _deadline
 from lorapool.producer.job import per_prompt
-from lorapool.producer.registry import check_lora, decode_adapter_record
 from lorapool.protocol import LoRARequest, RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)

@@ -19,6 +19,10 @@ import redis
 
 from lorapool.connection import client_for
 from lorapool.identity import ADAPTER_WEIGHTS, adapter_sha256
+from lorapool.lifecycle.adapter_record import (  # the worker reads the records too
+    check_lora,
+    decode_adapter_record,
+)
 from lorapool.lifecycle.keys import Keys
 from lorapool.protocol import INT32_MAX, LoRARequest, is_int, short_repr
 
@@ -73,38 +77,6 @@ def describe_adapter(path: str | Path) -> dict[str, Any]:
         "target_modules": sorted(targets) if isinstance(targets, list) else [targets],
         "base_model": config.get("base_model_name_or_path"),
     }
-
-
-def lora_from_record(record: dict[str, Any]) -> LoRARequest:
-    return LoRARequest(record["name"], int(record["id"]), record["path"], record.get("base_model"))
-
-
-def check_lora(requested: LoRARequest | str, record: dict[str, Any] | None) -> LoRARequest:
-    """The LoRARequest to enqueue for ``requested`` given its registry record (or None).
-
-    Raises ValueError when the adapter is unknown or its id or path collides.
-    """
-    name = requested if isinstance(requested, str) else requested.lora_name
-    if record is None:
-        raise ValueError(
-            f"unknown adapter {name!r}: register it with `lorapool adapters add {name} PATH`"
-        )
-    if isinstance(requested, LoRARequest):
-        if requested.lora_int_id != record["id"]:
-            raise ValueError(
-                f"adapter {name!r} has id {record['id']} in the registry, "
-                f"not {requested.lora_int_id} (colliding adapter id)"
-            )
-        if requested.lora_path and str(Path(requested.lora_path).resolve()) != record["path"]:
-            raise ValueError(
-                f"adapter {name!r} is registered with path {record['path']}, "
-                f"not {requested.lora_path}"
-            )
-    return lora_from_record(record)
-
-
-def decode_adapter_record(raw: bytes | str | None) -> dict[str, Any] | None:
-    return None if raw is None else orjson.loads(raw)
 
 
 class AdapterRegistry:

@@ -1,7 +1,8 @@
 """The queue worker: drives one engine from the ``workers`` consumer group.
 
 May import: the engine, redis, orjson, ``lorapool.audit_record`` (to build audit records)
-and the producer's registry helpers; never SQLAlchemy sessions or the CLI.
+and the lifecycle (an adapter's registry record: ``lifecycle.adapter_record``); never
+the producer, SQLAlchemy sessions or the CLI.
 """
 
 from lorapool.worker.config import WorkerConfig

@@ -18,6 +18,7 @@ import redis
 
 from lorapool.connection import REDIS_DOWN
 from lorapool.lifecycle import append
+from lorapool.lifecycle.adapter_record import decode_adapter_record
 from lorapool.lifecycle.append import dead_payload
 from lorapool.lifecycle.wire import (
     MAX_METADATA_BYTES,
@@ -27,7 +28,6 @@ from lorapool.lifecycle.wire import (
     decode_chunk,
     encode_job,
 )
-from lorapool.producer.registry import decode_adapter_record
 from lorapool.protocol import FieldError, LoRARequest, SamplingParams, is_int
 from lorapool.worker.audit import final_audit
 from lorapool.worker.held import Held, error_chunk

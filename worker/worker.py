@@ -18,11 +18,11 @@ import redis
 
 from lorapool import signing
 from lorapool.connection import REDIS_DOWN, ensure_group
+from lorapool.lifecycle.adapter_record import check_lora, decode_adapter_record
 from lorapool.lifecycle.keys import PRIORITIES, WORKERS_GROUP, Keys
 from lorapool.lifecycle.wire import DATA, Chunk, decode_job, encode_job
 from lorapool.outputs import RequestOutput
 from lorapool.persistence import persistence_warning
-from lorapool.producer.registry import check_lora, decode_adapter_record
 from lorapool.worker import dead_letter, failover
 from lorapool.worker.config import WorkerConfig
 from lorapool.worker.dead_letter import reason_of

@@ -15,9 +15,9 @@ import pytest
 from gateway_procs import serve, start_worker, stop, wait_until
 
 from lorapool.connection import connect
+from lorapool.lifecycle.adapter_record import lora_from_record
 from lorapool.lifecycle.keys import Keys
 from lorapool.producer import Producer
-from lorapool.producer.registry import lora_from_record
 from lorapool.protocol import SamplingParams
 
 pytestmark = pytest.mark.integration

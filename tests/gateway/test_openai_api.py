@@ -14,7 +14,7 @@ import openai
 import pytest
 import redis
 
-from lorapool.producer.registry import lora_from_record
+from lorapool.lifecycle.adapter_record import lora_from_record
 from lorapool.protocol import SamplingParams
 
 pytestmark = pytest.mark.integration

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from lorapool.producer.registry import lora_from_record
+from lorapool.lifecycle.adapter_record import lora_from_record
 from lorapool.protocol import SamplingParams
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

@@ -335,7 +335,7 @@ def test_the_lora_resolver_registers_and_serves_on_first_use(resolving, producer
     from concurrent.futures import ThreadPoolExecutor
 
     from lorapool.identity import adapter_sha256
-    from lorapool.producer.registry import lora_from_record
+    from lorapool.lifecycle.adapter_record import lora_from_record
     from lorapool.protocol import SamplingParams
 
     urls, root, admin, submit = resolving

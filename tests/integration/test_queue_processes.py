@@ -16,8 +16,8 @@ import pytest
 from gateway_procs import lorapool_cmd
 from pool_layout import entries, length, pending
 
+from lorapool.lifecycle.adapter_record import lora_from_record
 from lorapool.lifecycle.chunk_log import log_chunks
-from lorapool.producer.registry import lora_from_record
 from lorapool.protocol import SamplingParams
 from lorapool.worker import Worker, WorkerConfig
 from lorapool.worker.serve import base_model_info

@@ -130,6 +130,19 @@ def test_the_worker_never_imports_sqlalchemy_or_the_cli():
     assert not loaded & {"sqlalchemy", "click", "rich"}
 
 
+def test_the_worker_never_imports_the_producer():
+    """Read, not imported: what a worker shares with producers lives in the lifecycle
+    (issue 36: the adapter record is ``lifecycle.adapter_record``)."""
+    for path in (ROOT / "worker").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            assert not [n for n in names if n.startswith("lorapool.producer")], path.name
+
+
 def test_the_kernels_never_import_the_engine():
     # Read, not imported: which lorapool modules each kernel module names.
     for path in (ROOT / "kernels").glob("*.py"):

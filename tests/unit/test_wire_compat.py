@@ -150,7 +150,7 @@ def test_dead_letters_of_both_writers_read_as_one_shape(fixture):
 
 
 def test_registry_heartbeat_and_model_records_read_as_they_did(fixture):
-    from lorapool.producer.registry import decode_adapter_record as decode_adapter
+    from lorapool.lifecycle.adapter_record import decode_adapter_record as decode_adapter
 
     for name, value in fixture["adapters"].items():
         record = decode_adapter(raw(value))
