@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import re
+import time
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -121,8 +122,22 @@ def fail_vanished(worker: Worker, held: Held) -> None:
     to no one, or gone from its stream): its final error chunk (APPEND writes it though
     no one owns the entry), audit record with finish_reason "error" and dead letter.
     Not run again: what removed it was an operator's command (XTRIM, XDEL, XGROUP
-    DESTROY/SETID, DEL of the stream), and the request's client learns it at once."""
+    DESTROY/SETID, DEL of the stream), and the request's client learns it at once.
+
+    One held past its lease (a worker stopped, then woken) is dropped instead: another
+    worker may have claimed and finished it, and then only its marker or its log can
+    say so, which an operator may have deleted too (one run, one audit record, ever)."""
     rid, stream = held.request_id, held.stream or worker.keys_of(held.stream).requests
+    if time.monotonic() - held.since >= worker.config.lease_s:
+        logger.warning(
+            "worker %s: the entry %s of %s is pending to no one after its lease ran out "
+            "here (another worker may have finished it): dropping it",
+            worker.name,
+            held.entry_id,
+            rid,
+        )
+        worker._drop(rid)
+        return
     reason = (
         f"its queue entry {held.entry_id} was removed from {stream} or its consumer group "
         "while it ran (an operator's XTRIM, XDEL, XGROUP DESTROY/SETID or DEL of the "

@@ -160,11 +160,13 @@ def test_worker_rides_out_redis_out_of_memory(private_redis, caplog):
     worker.teardown()
 
 
-def test_a_fenced_worker_ends_nothing_twice_when_the_marker_is_gone(private_redis):
+@pytest.mark.parametrize("deleted", [("job",), ("job", "out")])
+def test_a_fenced_worker_ends_nothing_twice_when_the_marker_is_gone(private_redis, deleted):
     """A worker stopped past its lease while another claims and finishes its request,
-    whose marker an operator then deletes: woken, it finds the entry pending to no one
-    and must not add an error chunk after the final one, nor a second audit record
-    (the stateful test's find: the marker alone fenced it)."""
+    whose marker (and log) an operator then deletes: woken, it finds the entry pending
+    to no one and must not add an error chunk after the final one, nor a second audit
+    record (the stateful test's finds: the marker alone fenced it; with the log gone
+    too, nothing in Redis says it finished, and a worker past its lease drops it)."""
     bench = load()
     conn, keys = redis.Redis.from_url(private_redis.url), Keys("fence")
 
@@ -190,13 +192,16 @@ def test_a_fenced_worker_ends_nothing_twice_when_the_marker_is_gone(private_redi
     while conn.xlen(keys.audit) == 0:
         assert time.monotonic() < deadline, "the other worker did not claim and finish it"
         other.run_guarded()
-    conn.delete(keys.job("r"))
+    conn.delete(*[getattr(keys, key)("r") for key in deleted])
     deadline = time.monotonic() + 3
     while "r" in stopped.held or time.monotonic() < deadline:
         stopped.run_guarded()
     chunks = log_chunks(conn, keys, "r")
-    assert [c.finished for c in chunks] == [False] * (len(chunks) - 1) + [True]
-    assert chunks[-1].worker == "other" and chunks[-1].error is None
+    if "out" in deleted:
+        assert chunks == []  # nothing written after the operator's DEL
+    else:
+        assert [c.finished for c in chunks] == [False] * (len(chunks) - 1) + [True]
+        assert chunks[-1].worker == "other" and chunks[-1].error is None
     assert conn.xlen(keys.audit) == 1 and conn.xlen(keys.dead) == 0
     stopped.teardown()
     other.teardown()
