@@ -1,20 +1,48 @@
 """A stateful property test of queue integrity (issue 31, Acceptance): hypothesis drives
-a pool of 2 workers (the real Worker loop around the stand-in engine, real Redis) with
-producers, duplicate XADDs, aborts and an operator's actions: XTRIM, XDEL, a group
-destroyed and re-created, DEL of a marker or a log, SET of a wrong type on a key a
-producer may write.
+a pool of 2 workers (the real Worker loop around the stand-in engine, on a private
+redis-server) with producers, duplicate XADDs, aborts and an operator's actions: XTRIM,
+XDEL, a group destroyed and re-created, DEL of a marker or a log, SET of a wrong type
+on a key a producer may write; worker SIGKILL and SIGSTOP; Redis restarts with and
+without AOF.
+
+Workers are in-process, stepped by the test. A SIGKILL or SIGSTOP is made where Redis
+could see one land (tests/support/worker_faults.py): at a drawn send of the worker's
+or its sender's thread, before the send or after it and before its reply is read (the
+command ran, its result never applied): so also between an engine step and the APPEND
+of its tokens, and in the sender mid-trip. A killed worker never tears down; its
+entries return after the lease and a replacement with a new name joins. A stopped one
+is held there past its lease while the other claims what it held, then goes on: it must
+not run, append or audit anything twice. The same faults on real worker processes
+(``lorapool worker``, kill -9 and SIGSTOP past the lease) are in
+test_queue_processes.py (test_kill_9_worker_loses_nothing,
+test_sigstop_past_lease_is_fenced), and Redis stalls and restarts under worker
+processes in test_redis_faults.py and test_queue_integrity.py.
+
+A Redis restart is a SIGKILL of the server and a start: with AOF (``appendfsync
+always``) on what it acknowledged, so nothing is lost; without persistence its files
+are removed first (what a server that keeps none comes back as: empty).
 
 Invariant after every run: every submitted id ends exactly once, with a final chunk (ok
-or a named error) that its reader receives, or JobLost when its marker and log are both
-gone; at most one audit record per id; no worker stops or raises; nothing pending,
-nothing unread. An entry an operator removed before any worker read it (XTRIM, a group
-re-created at '$') is never run: its id is left out of the invariant (README: not
-safe; its reader waits until its timeout, a known gap). Bounded examples in CI;
-``--hypothesis-profile=long`` runs it at length.
+or a named error) that its reader receives, or JobLost, allowed only for ids whose
+marker or log an operator deleted or that a restart without persistence lost; at most
+one audit record per id (in the audit stream: one a lossy restart wiped is not seen);
+no worker stops or raises; nothing pending, nothing unread. An entry an operator
+removed (XTRIM, XDEL, a group re-created at '$') while no live worker held it, before
+any read or held by a killed worker whose lease no one had taken over yet, is never
+run: its reader gets a final error chunk when its marker still says queued and no chunk
+log exists (lifecycle/unread.py); an id with no such marker (a raw XADD's, one deleted
+or of another type) or with a log a killed worker began is left out (nothing can tell
+it will not run: its reader waits until its timeout, a known gap). A request whose log
+was deleted while it ran ends, but its reader waits for the chunks the log lost until
+the log expires (log_grace_s, 60 s; a known gap): for it the test checks the final
+record or chunk. Bounded examples in CI; ``--hypothesis-profile=long`` runs it at
+length.
 """
 
 from __future__ import annotations
 
+import shutil
+import threading
 import time
 import uuid
 
@@ -22,52 +50,82 @@ import pytest
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+from redis_server import RedisServer
 from standin import load
+from worker_faults import Killed, Switch, switched_client
 
+from lorapool.connection import connect
 from lorapool.lifecycle.chunk_log import log_chunks
 from lorapool.lifecycle.keys import WORKERS_GROUP, Keys
 from lorapool.lifecycle.submit import build_job
 from lorapool.lifecycle.wire import encode_job
 from lorapool.producer import JobLost, Producer
+from lorapool.producer.client import JobHandle
 from lorapool.protocol import SamplingParams
 from lorapool.worker import Worker, WorkerConfig
 
 pytestmark = pytest.mark.integration
 bench = load()
+LEASE_S = 1
+STOP_S = 2.0  # a SIGSTOP outlasts the lease and the other's next claim (every LEASE_S / 2)
 
 
 @pytest.fixture
-def machine(conn, layout):
+def server(layout, tmp_path):
+    """A private redis-server (AOF, appendfsync always) that the test may kill."""
     if layout != "standalone":
         pytest.skip("standalone only")
-    return conn
+    server = RedisServer(tmp_path / "redis").start()
+    yield server
+    server.stop()
 
 
-def test_queue_integrity_stateful(machine):
-    conn = machine
+def wipe(directory) -> None:
+    """A stopped server's data files removed: it starts as one without persistence does."""
+    for path in directory.iterdir():
+        if path.name != "redis.log":
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+
+
+def request_id(fields: dict) -> str:
+    """The request id in a job or audit entry's JSON (read without decoding it whole)."""
+    return fields[b"data"].split(b'"request_id":"', 1)[-1].split(b'"', 1)[0].decode()
+
+
+def test_queue_integrity_stateful(server):
+    conn = connect(server.url)
 
     class Pool(RuleBasedStateMachine):
         @initialize()
         def start(self):
             self.keys = Keys(f"test-sm-{uuid.uuid4().hex[:8]}")
             self.producer = Producer(conn, prefix=self.keys.prefix)
-            self.workers = []
-            for name in ("w1", "w2"):
-                config = WorkerConfig(
-                    prefix=self.keys.prefix,
-                    name=name,
-                    audit_key=bench.AUDIT_KEY.encode(),
-                    lease_s=1,
-                    block_ms=10,
-                )
-                worker = Worker(bench.StandInEngine(8, 0.001), conn, config, bench.BASE_MODEL)
-                worker.ensure_group()
-                self.workers.append(worker)
+            self.switches: dict[str, Switch] = {}
+            self.workers = [self._worker(), self._worker()]
             self.submitted: dict[str, SamplingParams] = {}
-            self.never_read: set[str] = set()
+            self.removed: set[str] = set()  # entries removed while no live worker held them
+            self.dead: set[str] = set()  # the names of killed workers
+            self.may_lose: set[str] = set()  # ids whose marker or log may be gone
+            self.log_deleted: set[str] = set()
             self.count = 0
             for tokens in (8, 40, 90):  # some work from the start, short and long
                 self.submit(tokens)
+
+        def _worker(self) -> Worker:
+            """A worker of the pool with a name of its own (a replacement's is new)."""
+            name = f"w{len(self.switches) + 1}"
+            switch = self.switches[name] = Switch()
+            config = WorkerConfig(
+                prefix=self.keys.prefix,
+                name=name,
+                audit_key=bench.AUDIT_KEY.encode(),
+                lease_s=LEASE_S,
+                block_ms=10,
+            )
+            client = switched_client(server.url, switch)
+            worker = Worker(bench.StandInEngine(8, 0.001), client, config, bench.BASE_MODEL)
+            worker.ensure_group()
+            return worker
 
         def _ids(self):
             return sorted(self.submitted)
@@ -98,31 +156,55 @@ def test_queue_integrity_stateful(machine):
                 for worker in self.workers:
                     worker.run_guarded()
 
+        def _group(self) -> dict | None:
+            if not conn.exists(self.keys.requests):
+                return None
+            groups = {g["name"]: g for g in conn.xinfo_groups(self.keys.requests)}
+            return groups.get(WORKERS_GROUP.encode())
+
         def _unread(self) -> set[str]:
             """The ids of entries no worker has read yet (removed, they never run)."""
-            groups = {g["name"]: g for g in conn.xinfo_groups(self.keys.requests)}
-            last = groups[WORKERS_GROUP.encode()]["last-delivered-id"].decode()
+            group = self._group()
+            last = group["last-delivered-id"].decode() if group else "0-0"
             ids = set()
             for _, fields in conn.xrange(self.keys.requests, f"({last}", "+"):
-                rid = fields[b"data"].split(b'"request_id":"', 1)[-1].split(b'"', 1)[0]
-                ids.add(rid.decode())
+                ids.add(request_id(fields))
+            return ids
+
+        def _orphans(self, entries: set[bytes] | None = None) -> set[str]:
+            """The ids of entries (of ``entries``; None: all) pending to a killed worker:
+            no one holds them until another claims them after the lease."""
+            if self._group() is None:
+                return set()
+            pending = conn.xpending_range(self.keys.requests, WORKERS_GROUP, "-", "+", 1000)
+            ids = set()
+            for p in pending:
+                entry = p["message_id"]
+                if p["consumer"].decode() in self.dead and (entries is None or entry in entries):
+                    found = conn.xrange(self.keys.requests, entry, entry)
+                    ids.update(request_id(fields) for _, fields in found)
             return ids
 
         @rule()
         def xtrim(self):
-            self.never_read |= self._unread() - self._read_elsewhere()
+            self.removed |= (self._unread() - self._read_elsewhere()) | self._orphans()
             conn.xtrim(self.keys.requests, maxlen=0)
 
         @rule(data=st.data())
         def xdel(self, data):
+            if self._group() is None:
+                return
             pending = conn.xpending_range(self.keys.requests, WORKERS_GROUP, "-", "+", 50)
             if pending:
                 entry = data.draw(st.sampled_from([p["message_id"] for p in pending]))
+                self.removed |= self._orphans({entry})
                 conn.xdel(self.keys.requests, entry)
 
         @rule()
         def group_reset(self):
-            self.never_read |= self._unread() - self._read_elsewhere()
+            if self._group() is None:
+                return
+            self.removed |= (self._unread() - self._read_elsewhere()) | self._orphans()
             conn.xgroup_destroy(self.keys.requests, WORKERS_GROUP)
             conn.xgroup_create(self.keys.requests, WORKERS_GROUP, id="$")
 
@@ -135,6 +217,9 @@ def test_queue_integrity_stateful(machine):
             if self.submitted:
                 rid = data.draw(st.sampled_from(self._ids()))
                 conn.delete(getattr(self.keys, what)(rid))
+                self.may_lose.add(rid)
+                if what == "out":
+                    self.log_deleted.add(rid)
 
         @rule(data=st.data(), what=st.sampled_from(["job", "abort"]))
         def wrong_type(self, data, what):
@@ -143,6 +228,58 @@ def test_queue_integrity_stateful(machine):
                 key = getattr(self.keys, what)(rid)
                 conn.delete(key)
                 conn.rpush(key, "x") if what == "job" else conn.hset(key, "x", 1)
+
+        @rule(which=st.integers(0, 1), after=st.integers(0, 12), reply=st.booleans())
+        def sigkill(self, which, after, reply):
+            """A worker killed at a send (worker_faults); a new one takes its place."""
+            worker = self.workers[which]
+            self.switches[worker.name].arm("kill", after, reply)
+            try:
+                for _ in range(100):  # an idle iteration sends at least its read
+                    worker.run_guarded()
+            except Killed:
+                pass
+            self.switches[worker.name].arm("kill", 0, False)  # dead from here on anyway
+            self.dead.add(worker.name)
+            worker.publisher.close()  # its sender's thread: a trip of it gets Killed
+            worker.redis.close()
+            self.workers[which] = self._worker()
+
+        @rule(which=st.integers(0, 1), after=st.integers(0, 12), reply=st.booleans())
+        def sigstop(self, which, after, reply):
+            """A worker stopped at a send for longer than its lease while the other goes
+            on, then continued (SIGCONT)."""
+            worker, other = self.workers[which], self.workers[1 - which]
+            switch, failed = self.switches[worker.name], []
+
+            def stepped():
+                try:
+                    while not switch.fired:  # until a send of its holds it, then on
+                        worker.run_guarded()
+                except BaseException as exc:  # noqa: BLE001 - raised on the test's thread
+                    failed.append(exc)
+
+            switch.arm("stop", after, reply)
+            thread = threading.Thread(target=stepped, name=f"stopped-{worker.name}")
+            thread.start()
+            try:
+                assert switch.wait_stopped(10), f"{worker.name} never got to a send"
+                until = time.monotonic() + STOP_S
+                while time.monotonic() < until:
+                    other.run_guarded()
+            finally:
+                switch.resume()
+                thread.join(30)
+            assert not failed, failed
+
+        @rule(aof=st.booleans())
+        def redis_restart(self, aof):
+            """Redis killed and started: on its AOF, or empty (no persistence)."""
+            server.kill()
+            if not aof:
+                wipe(server.directory)
+                self.may_lose |= set(self.submitted)
+            server.start()
 
         @invariant()
         def workers_run(self):
@@ -156,8 +293,8 @@ def test_queue_integrity_stateful(machine):
             finally:
                 for worker in self.workers:
                     worker.teardown()
-                for key in list(conn.scan_iter(match=self.keys.pattern)):
-                    conn.delete(key)
+                    worker.redis.close()
+                conn.flushall()
 
         def _settle(self):
             deadline = time.monotonic() + 30
@@ -166,8 +303,7 @@ def test_queue_integrity_stateful(machine):
                     worker.run_guarded()
                     assert not worker.stopped
                 busy = any(w.held or w.engine.has_unfinished_requests() for w in self.workers)
-                groups = {g["name"]: g for g in conn.xinfo_groups(self.keys.requests)}
-                group = groups.get(WORKERS_GROUP.encode())
+                group = self._group()
                 if not busy and group and group["pending"] == 0 and not group["lag"]:
                     return
                 assert time.monotonic() < deadline, f"not settled: {group}"
@@ -175,30 +311,48 @@ def test_queue_integrity_stateful(machine):
         def _check(self):
             audits: dict[str, int] = {}
             for _, fields in conn.xrange(self.keys.audit):
-                rid = fields[b"data"].split(b'"request_id":"', 1)[-1].split(b'"', 1)[0]
-                audits[rid.decode()] = audits.get(rid.decode(), 0) + 1
+                rid = request_id(fields)
+                audits[rid] = audits.get(rid, 0) + 1
             assert all(count == 1 for count in audits.values()), audits
             for rid in self._ids():
-                if rid in self.never_read:
-                    continue
-                handle = (
-                    self.producer.handle(rid) if conn.type(self.keys.job(rid)) == b"hash" else None
-                )
-                if handle is None:
-                    from lorapool.producer.client import JobHandle
+                out_type = conn.type(self.keys.out(rid))
+                chunks = log_chunks(conn, self.keys, rid) if out_type == b"list" else []
+                assert [c.finished for c in chunks].count(True) <= 1, rid
+                self._check_reader(rid, out_type)
 
-                    handle = JobHandle(self.producer, rid)
-                try:
-                    output = handle.result(timeout=5)
-                except JobLost:
-                    continue
-                assert output.finished
-                chunks = (
-                    log_chunks(conn, self.keys, rid)
-                    if conn.type(self.keys.out(rid)) == b"list"
-                    else []
-                )
-                assert [c.finished for c in chunks].count(True) <= 1
+        def _check_reader(self, rid: str, out_type: bytes) -> None:
+            """The reader of ``rid`` gets its final output, or JobLost if it may be lost."""
+            marker = conn.type(self.keys.job(rid))
+            if rid in self.removed and (marker != b"hash" or out_type != b"none"):
+                return  # removed unread with no marker to end it by, or a dead worker's
+            if rid in self.may_lose and marker not in (b"hash", b"none") and out_type == b"none":
+                return  # lost, and a key of another type at its marker: no one can tell
+            if self._headless(rid, marker, out_type):
+                return
+            handle = (
+                self.producer.handle(rid) if marker == b"hash" else JobHandle(self.producer, rid)
+            )
+            try:
+                output = handle.result(timeout=5)
+            except JobLost:
+                assert rid in self.may_lose, f"{rid}: JobLost, nothing removed it"
+                return
+            assert output.finished
+
+        def _headless(self, rid: str, marker: bytes, out_type: bytes) -> bool:
+            """Whether ``rid``'s log was deleted while it ran: the log its worker made
+            again lacks the first chunks, and its reader waits for them until the log
+            expires (log_grace_s, 60 s; a known gap) and then reads the final record.
+            It ended all the same: its marker holds the final record, or its log the
+            final chunk."""
+            if rid not in self.log_deleted or out_type != b"list":
+                return False
+            chunks = log_chunks(conn, self.keys, rid)
+            if not chunks or chunks[0].seq == 0:
+                return False
+            result = marker == b"hash" and conn.hget(self.keys.job(rid), "result")
+            assert result or chunks[-1].finished, rid
+            return True
 
     at_length = settings.default.max_examples >= 1000  # --hypothesis-profile=long
     Pool.TestCase.settings = settings(
@@ -208,4 +362,7 @@ def test_queue_integrity_stateful(machine):
         phases=[Phase.explicit, Phase.reuse, Phase.generate],
         suppress_health_check=list(HealthCheck),
     )
-    Pool.TestCase().runTest()
+    try:
+        Pool.TestCase().runTest()
+    finally:
+        conn.close()
