@@ -156,23 +156,6 @@ def _requests_at_most(conn: Connection, since, until, rolled: int) -> int:
     return conn.execute(query).scalar() + max(head - rolled, 0)
 
 
-_EDGE_COLUMNS = [
-    completions.c[name]
-    for name in (
-        "pool",
-        "request_id",
-        "adapter_pk",
-        "tenant",
-        "num_prompt_tokens",
-        "num_output_tokens",
-        "error",
-        "finish_reason",
-        "arrival_time",
-        "finished_time",
-    )
-]
-
-
 def _spans(since, until, first_day, end_day) -> list[tuple]:
     """The parts of the period the rollup's whole days leave out."""
     if first_day is not None and end_day is not None and first_day > end_day:
@@ -185,15 +168,17 @@ def _spans(since, until, first_day, end_day) -> list[tuple]:
     return spans
 
 
-def _edges(conn: Connection, spans: list[tuple], since, until, rolled: int) -> Iterable[dict]:
-    """The rows the rollup leaves out: of the partial days at the ends of the period
-    (up to the rollup's position), and any of the period after that position."""
+def _edges(conn: Connection, spans: list[tuple], since, until, rolled: int) -> Iterable[tuple]:
+    """The rows the rollup leaves out (tuples of ``rollup.ROW_COLUMNS``): of the partial
+    days at the ends of the period (up to the rollup's position), and any of the period
+    after that position."""
     covered = completions.c.seq <= rolled
     for low, high in spans:
-        query = select(*_EDGE_COLUMNS).where(*_time_filters(low, high), covered)
-        yield from conn.execute(query).mappings()
-    query = select(*_EDGE_COLUMNS).where(*_time_filters(since, until), completions.c.seq > rolled)
-    yield from conn.execute(query).mappings()
+        query = select(*rollup.ROW_SELECT).where(*_time_filters(low, high), covered)
+        yield from conn.execute(query).all()  # at most a day's rows at each end
+    after = completions.c.seq > rolled
+    query = select(*rollup.ROW_SELECT).where(*_time_filters(since, until), after)
+    yield from conn.execute(query).all()
 
 
 def _group_names(conn: Connection, by: str) -> dict[str, str]:
