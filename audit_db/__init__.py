@@ -19,8 +19,8 @@ Torch-free (SQLAlchemy, redis, orjson only). The pieces:
 - :mod:`.queries`: compliance queries and conflicts;
 - :mod:`.roles`: PostgreSQL roles (owner, insert-only writer, reader).
 
-May import: SQLAlchemy, alembic, redis, orjson and ``lorapool``'s torch-free modules;
-never torch (checked by ``tests/unit/test_import_rules.py``).
+May import: SQLAlchemy, alembic, redis, orjson, msgspec (decoder.py) and ``lorapool``'s
+torch-free modules; never torch (checked by ``tests/unit/test_import_rules.py``).
 """
 
 from importlib import import_module
