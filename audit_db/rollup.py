@@ -131,10 +131,18 @@ def requests_of(rows: Iterable[Sequence[Any]]) -> list[Request]:
     return list(found.values())
 
 
-def cells_of(requests: Iterable[Request]) -> dict[Key, Cell]:
+def cells_of(
+    requests: Iterable[Request], dimensions: tuple[str, ...] = (ADAPTER, TENANT)
+) -> dict[Key, Cell]:
+    """The requests' cells in ``dimensions`` (usage asks for the one it groups by)."""
+    adapter, tenant = ADAPTER in dimensions, TENANT in dimensions
     cells: dict[Key, Cell] = {}
     for r in requests:
-        keys = ((r.day, ADAPTER, adapter_key(r.adapter_pk)), (r.day, TENANT, tenant_key(r.tenant)))
+        keys = []
+        if adapter:
+            keys.append((r.day, ADAPTER, adapter_key(r.adapter_pk)))
+        if tenant:
+            keys.append((r.day, TENANT, tenant_key(r.tenant)))
         for key in keys:
             cell = cells.get(key)
             if cell is None:

@@ -204,10 +204,10 @@ def _rolled(conn: Connection, by: str, since, until, rolled: int) -> list[UsageR
     spans = _spans(since, until, first_day, end_day)
     whole_days = not (spans and spans[0] == (since, until))
     cells = rollup.read(conn, dimension, first_day, end_day) if whole_days else {}
-    edge = rollup.cells_of(rollup.requests_of(_edges(conn, spans, since, until, rolled)))
-    for (_day, dim, key), cell in edge.items():
-        if dim == dimension:
-            cells.setdefault(key, rollup.Cell()).merge(cell)
+    edge_rows = _edges(conn, spans, since, until, rolled)
+    edge = rollup.cells_of(rollup.requests_of(edge_rows), (dimension,))
+    for (_day, _dim, key), cell in edge.items():
+        cells.setdefault(key, rollup.Cell()).merge(cell)
     names = _group_names(conn, by)
     merged: dict[str, rollup.Cell] = defaultdict(rollup.Cell)
     for key, cell in cells.items():
