@@ -17,8 +17,8 @@ from fastapi import APIRouter, Depends, Request
 
 from lorapool.gateway.auth import Principal, require
 from lorapool.gateway.body import read_json
-from lorapool.gateway.errors import APIError, bad_request, model_not_found
 from lorapool.gateway.json import JSON
+from lorapool.openai.errors import APIError, bad_request, model_not_found
 from lorapool.protocol import short_repr
 
 router = APIRouter(prefix="/v1", tags=["adapter administration"])

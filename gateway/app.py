@@ -31,11 +31,12 @@ from lorapool.gateway import (
 from lorapool.gateway.audit_store import AuditStore
 from lorapool.gateway.config import GatewayConfig
 from lorapool.gateway.edge import Edge
-from lorapool.gateway.errors import APIError, job_lost
 from lorapool.gateway.http_metrics import HttpMetrics
+from lorapool.gateway.json import error_response
 from lorapool.gateway.pool import Pool
 from lorapool.gateway.request_stats import RequestStats
 from lorapool.gateway.schemas import component_schemas
+from lorapool.openai.errors import APIError, job_lost
 from lorapool.producer import JobLost
 
 logger = logging.getLogger(__name__)
@@ -114,7 +115,7 @@ def _install_errors(app: FastAPI) -> None:
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError):
-        return exc.response()
+        return error_response(exc)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
@@ -125,22 +126,24 @@ def _install_errors(app: FastAPI) -> None:
         elif exc.status_code == 405:
             message = f"{request.method} is not allowed on {path}"
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-        return APIError(exc.status_code, message, None, code, exc.headers).response()
+        return error_response(APIError(exc.status_code, message, None, code, exc.headers))
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception):
         logger.exception("unexpected error on %s %s", request.method, request.url.path)
-        return APIError(500, "the gateway failed unexpectedly", code="internal_error").response()
+        return error_response(
+            APIError(500, "the gateway failed unexpectedly", code="internal_error")
+        )
 
     @app.exception_handler(JobLost)
     async def lost(request: Request, exc: JobLost):
-        return job_lost().response()  # (the internal request id is not a tenant's)
+        return error_response(job_lost())  # (the internal request id is not a tenant's)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {}
         param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
-        return APIError(400, first.get("msg", "invalid request"), param).response()
+        return error_response(APIError(400, first.get("msg", "invalid request"), param))
 
     @app.exception_handler(redis.ResponseError)
     async def refused(request: Request, exc: redis.ResponseError):
@@ -148,16 +151,18 @@ def _install_errors(app: FastAPI) -> None:
         if message is None:
             raise exc
         logger.error("%s %s: %s", request.method, request.url.path, message)
-        return APIError(503, message, code="redis_permission_denied").response()
+        return error_response(APIError(503, message, code="redis_permission_denied"))
 
     for kind in REDIS_DOWN:
 
         @app.exception_handler(kind)
         async def redis_down(request: Request, exc: Exception):
             retry = str(request.app.state.pool.config.retry_after_s)
-            return APIError(
-                503,
-                f"the queue is unreachable: {exc}",
-                code="redis_unavailable",
-                headers={"Retry-After": retry},
-            ).response()
+            return error_response(
+                APIError(
+                    503,
+                    f"the queue is unreachable: {exc}",
+                    code="redis_unavailable",
+                    headers={"Retry-After": retry},
+                )
+            )

@@ -19,7 +19,7 @@ import orjson
 
 from lorapool.audit_export import encode_all
 from lorapool.gateway.auth import Principal
-from lorapool.gateway.errors import APIError, bad_request
+from lorapool.openai.errors import APIError, bad_request
 from lorapool.times import epoch_seconds
 
 MAX_LIMIT = 1000

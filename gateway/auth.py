@@ -16,7 +16,7 @@ from typing import Any
 
 from fastapi import Request
 
-from lorapool.gateway.errors import APIError
+from lorapool.openai.errors import APIError
 
 
 @dataclass(frozen=True)

@@ -26,8 +26,8 @@ from fastapi.responses import StreamingResponse
 
 from lorapool.gateway.auth import Principal, require
 from lorapool.gateway.body import read_json
-from lorapool.gateway.errors import APIError
 from lorapool.gateway.json import JSON
+from lorapool.openai.errors import APIError
 
 router = APIRouter(prefix="/v1", tags=["batches"])
 Submitter = Annotated[Principal, Depends(require("submit"))]

@@ -7,7 +7,7 @@ from typing import Any
 import orjson
 from fastapi import Request
 
-from lorapool.gateway.errors import APIError
+from lorapool.openai.errors import APIError
 
 
 async def read_json(request: Request, limit: int) -> Any:

@@ -27,7 +27,7 @@ from lorapool.gateway.dashboard_session import (
     check_origin,
     cookie_header,
 )
-from lorapool.gateway.errors import APIError
+from lorapool.openai.errors import APIError
 
 router = APIRouter(tags=["operations"])
 ROLES = ("audit", "admin")

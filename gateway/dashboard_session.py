@@ -27,7 +27,7 @@ from urllib.parse import urlsplit
 
 import orjson
 
-from lorapool.gateway.errors import APIError
+from lorapool.openai.errors import APIError
 
 COOKIE = "lorapool_session"
 WRONG_TRIES_PER_MINUTE = 10

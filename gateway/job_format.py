@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from lorapool.gateway.openai_format import usage
 from lorapool.lifecycle.wire import Chunk
+from lorapool.openai.format import usage
 from lorapool.outputs import RequestOutput
 
 

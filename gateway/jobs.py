@@ -23,14 +23,14 @@ from fastapi.responses import StreamingResponse
 
 from lorapool.gateway.auth import Principal, require
 from lorapool.gateway.body import read_json
-from lorapool.gateway.errors import APIError, bad_request, job_lost
 from lorapool.gateway.job_format import chunk_event, job_body, state_name
 from lorapool.gateway.json import JSON
-from lorapool.gateway.params import parse_job
 from lorapool.gateway.pool import Pool
 from lorapool.gateway.redis_watch import until_outage
 from lorapool.gateway.schemas import JobRequest, body
 from lorapool.gateway.streams import guarded, sse, until_stopped
+from lorapool.openai.errors import APIError, bad_request, job_lost
+from lorapool.openai.params import parse_job
 from lorapool.producer import JobLost
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])

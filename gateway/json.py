@@ -12,3 +12,8 @@ from starlette.responses import JSONResponse
 class JSON(JSONResponse):
     def render(self, content: Any) -> bytes:
         return orjson.dumps(content)
+
+
+def error_response(error) -> JSON:
+    """An ``APIError`` (``lorapool.openai.errors``) as the gateway answers it."""
+    return JSON(error.body(), status_code=error.status, headers=error.headers)

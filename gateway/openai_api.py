@@ -17,16 +17,16 @@ from fastapi.responses import StreamingResponse
 
 from lorapool.gateway.auth import Principal, require
 from lorapool.gateway.body import read_json
-from lorapool.gateway.echo import Echo
 from lorapool.gateway.edge import RIDES_OUTAGES
-from lorapool.gateway.errors import APIError, job_lost
 from lorapool.gateway.json import JSON
-from lorapool.gateway.openai_format import Shape, fingerprint
-from lorapool.gateway.params import Parsed, parse_chat, parse_completion
 from lorapool.gateway.pool import Pool, disconnected
 from lorapool.gateway.redis_watch import until_outage
 from lorapool.gateway.schemas import ChatRequest, CompletionRequest, body
 from lorapool.gateway.streams import DONE, merged_chunks, sse, until_taken
+from lorapool.openai.echo import Echo
+from lorapool.openai.errors import APIError, job_lost
+from lorapool.openai.format import Shape, fingerprint
+from lorapool.openai.params import Parsed, parse_chat, parse_completion
 from lorapool.producer import JobLost
 
 router = APIRouter(prefix="/v1", tags=["OpenAI-compatible"])

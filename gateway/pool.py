@@ -18,12 +18,12 @@ from lorapool.gateway import resolver
 from lorapool.gateway.auth import OPEN, Principal
 from lorapool.gateway.config import GatewayConfig
 from lorapool.gateway.dashboard_session import Sessions
-from lorapool.gateway.errors import APIError, field_error, job_lost, model_not_found
-from lorapool.gateway.limits import LimitsCache, check_limits, check_stop_count
 from lorapool.gateway.redis_watch import RedisWatch
 from lorapool.gateway.tokenizer import TokenizerCache
 from lorapool.lifecycle.adapter_record import lora_from_record
 from lorapool.lifecycle.queue_position import QueuePosition
+from lorapool.openai.errors import APIError, field_error, job_lost, model_not_found
+from lorapool.openai.limits import LimitsCache, check_limits, check_stop_count
 from lorapool.producer import AsyncJobHandle, AsyncProducer, JobLost
 from lorapool.producer.pool_view import PoolView
 from lorapool.producer.rate_limits import RateLimiter
@@ -134,7 +134,7 @@ class Pool:
 
     async def check_limits(self, parsed) -> None:
         """400 naming the parameter that passes a bound the pool's workers hold requests
-        to (the context, ``max_logprobs``: ``gateway/limits.py``) or the gateway's own
+        to (the context, ``max_logprobs``: ``lorapool/openai/limits.py``) or the gateway's own
         ``max_stop``."""
         check_stop_count(parsed, self.config.max_stop)
         check_limits(parsed, await self.limits.get(self.view))

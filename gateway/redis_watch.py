@@ -26,7 +26,7 @@ import time
 from collections.abc import AsyncIterator
 
 from lorapool.connection import REDIS_DOWN, connect_async
-from lorapool.gateway.errors import APIError
+from lorapool.openai.errors import APIError
 
 logger = logging.getLogger(__name__)
 PING_EVERY_S = 0.25

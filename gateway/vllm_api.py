@@ -18,11 +18,11 @@ from fastapi import APIRouter, Depends, Request, Response
 from lorapool.connection import REDIS_DOWN
 from lorapool.gateway.auth import Principal, require
 from lorapool.gateway.body import read_json
-from lorapool.gateway.errors import APIError, bad_request
 from lorapool.gateway.json import JSON
-from lorapool.gateway.params import _message, _message_list
 from lorapool.gateway.tokenizer import PoolTokenizer
 from lorapool.messages import check_messages, check_tools
+from lorapool.openai.errors import APIError, bad_request
+from lorapool.openai.params import _message, _message_list
 from lorapool.protocol import FieldError, is_int, short_repr
 
 router = APIRouter(tags=["vLLM"])

@@ -2,9 +2,9 @@
 that validate a file, submit its lines as ordinary pool jobs and collect their outputs;
 and completion callbacks (``lorapool.batch.callbacks``).
 
-May import redis, rq, orjson, the lifecycle and the gateway's request parser (the
-batch lines are checked by it, so ``BatchService`` needs the ``gateway`` extra's
-FastAPI; the callbacks need only RQ); never torch or SQLAlchemy. Names are imported
+May import redis, rq, orjson, the lifecycle and ``lorapool.openai`` (a batch line is
+parsed and answered as the gateway's requests are); never the gateway (nor FastAPI),
+torch or SQLAlchemy. Names are imported
 on first use, so the audit writer can load the callbacks alone.
 """
 

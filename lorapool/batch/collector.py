@@ -17,9 +17,9 @@ from typing import Any
 from lorapool.batch.files import FileStore, LineWriter
 from lorapool.batch.lines import BatchLine, read_lines
 from lorapool.batch.state import USAGE, BatchState, Status
-from lorapool.gateway.echo import Echo
-from lorapool.gateway.errors import APIError
-from lorapool.gateway.openai_format import Shape
+from lorapool.openai.echo import Echo
+from lorapool.openai.errors import APIError
+from lorapool.openai.format import Shape
 from lorapool.outputs import RequestOutput
 from lorapool.producer import Producer
 

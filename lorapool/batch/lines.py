@@ -11,11 +11,11 @@ from typing import Any
 
 import orjson
 
-from lorapool.gateway.errors import APIError, field_error
-from lorapool.gateway.limits import check_stop_count
-from lorapool.gateway.params import Parsed, parse_chat, parse_completion
 from lorapool.lifecycle.submit import build_job
 from lorapool.lifecycle.wire import JobLimits
+from lorapool.openai.errors import APIError, field_error
+from lorapool.openai.limits import check_stop_count
+from lorapool.openai.params import Parsed, parse_chat, parse_completion
 from lorapool.protocol import FieldError, short_repr
 
 ENDPOINTS = {"/v1/completions": "completion", "/v1/chat/completions": "chat"}

@@ -117,7 +117,7 @@ def test_percentile_matches_linear_interpolation(values):
 
 def test_the_gateway_reads_times_as_the_cli_does():
     from lorapool.gateway.audit_store import parse_time as gateway_time
-    from lorapool.gateway.errors import APIError
+    from lorapool.openai.errors import APIError
 
     for value in ("1700000000.5", "2023-11-14T22:13:20", "2023-11-14T23:13:20+01:00"):
         assert gateway_time(value, "since") == parse_time(value)

@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from lorapool.gateway.errors import APIError
 from lorapool.gateway.redis_watch import BUFFERED, RedisWatch, until_outage
+from lorapool.openai.errors import APIError
 
 
 def _watch() -> RedisWatch:

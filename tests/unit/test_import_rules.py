@@ -92,11 +92,12 @@ def test_the_gateway_imports_without_torch_or_sqlalchemy():
     assert not loaded & (GPU_STACK | {"sqlalchemy"})
 
 
-def test_batches_import_without_torch_or_sqlalchemy():
-    # lorapool.batch checks lines with the gateway's parser and runs RQ jobs.
-    loaded = imported(submodules("lorapool.batch"))
+def test_batches_import_without_torch_sqlalchemy_or_a_web_framework():
+    # lorapool.batch checks lines with lorapool.openai's parser and runs RQ jobs: the
+    # batch service needs no gateway (issue 36 Build 2)
+    loaded = imported(submodules("lorapool.batch") + submodules("lorapool.openai"))
     assert {"rq", "redis"} <= loaded  # the probe really imported the batch package
-    assert not loaded & (GPU_STACK | {"sqlalchemy"})
+    assert not loaded & (GPU_STACK | {"sqlalchemy", "fastapi", "starlette", "uvicorn"})
 
 
 def test_egress_needs_only_the_standard_library_and_h11():
@@ -130,17 +131,36 @@ def test_the_worker_never_imports_sqlalchemy_or_the_cli():
     assert not loaded & {"sqlalchemy", "click", "rich"}
 
 
-def test_the_worker_never_imports_the_producer():
-    """Read, not imported: what a worker shares with producers lives in the lifecycle
-    (issue 36: the adapter record is ``lifecycle.adapter_record``)."""
-    for path in (ROOT / "worker").glob("*.py"):
+def names_imported(folder: Path) -> dict[str, set[str]]:
+    """Read, not imported: file name -> the modules its import statements name (at any
+    depth: a function's lazy import counts)."""
+    found = {}
+    for path in folder.glob("*.py"):
+        names = set()
         for node in ast.walk(ast.parse(path.read_text())):
-            names = []
             if isinstance(node, ast.ImportFrom) and node.module:
-                names = [node.module]
+                names.add(node.module)
             elif isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            assert not [n for n in names if n.startswith("lorapool.producer")], path.name
+                names.update(a.name for a in node.names)
+        found[path.name] = names
+    return found
+
+
+@pytest.mark.parametrize(
+    "folder, never",
+    [
+        # what a worker shares with producers lives in the lifecycle (issue 36 Build 2)
+        ("worker", "lorapool.producer"),
+        # a batch line is parsed and answered by lorapool.openai, as a gateway request is
+        ("lorapool/batch", "lorapool.gateway"),
+        ("lorapool/openai", "lorapool.gateway"),
+        ("lorapool/openai", "lorapool.batch"),
+    ],
+)
+def test_arrows_that_must_not_exist(folder, never):
+    for name, names in names_imported(ROOT / folder).items():
+        wrong = {n for n in names if n == never or n.startswith(f"{never}.")}
+        assert not wrong, f"{folder}/{name} imports {wrong}"
 
 
 def test_the_kernels_never_import_the_engine():
@@ -164,6 +184,7 @@ PACKAGES = [
     "lorapool.cli",
     "lorapool.lifecycle",
     "lorapool.batch",
+    "lorapool.openai",
     "lorapool.engine",
     "lorapool.engine.models",
     "lorapool.engine.lora",

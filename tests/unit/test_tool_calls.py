@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lorapool.gateway.tool_stream import ToolStream
-from lorapool.gateway.tools import ToolRequest
+from lorapool.openai.tool_stream import ToolStream
+from lorapool.openai.tools import ToolRequest
 from lorapool.tool_calls import (
     parse_tool_calls,
     parser_for,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lorapool.gateway.errors import bad_request
+from lorapool.openai.errors import bad_request
 from lorapool.protocol import FieldError, short_repr
 from lorapool.structured import StructuredOutputsParams, check_grammar
 

@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from lorapool.gateway.errors import APIError, bad_request
+from lorapool.openai.errors import APIError, bad_request
 
 REFRESH_S = 5.0
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1

@@ -10,8 +10,6 @@ from __future__ import annotations
 import re
 from http import HTTPStatus
 
-from lorapool.gateway.json import JSON
-
 _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -47,9 +45,6 @@ class APIError(Exception):
 
     def body(self) -> dict:
         return {"error": error_object(self.status, self.message, self.param, self.code)}
-
-    def response(self) -> JSON:
-        return JSON(self.body(), status_code=self.status, headers=self.headers)
 
 
 def error_object(status: int, message: str, param: str | None = None, code=None) -> dict:

@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from lorapool.gateway.errors import bad_request
 from lorapool.messages import check_tools
+from lorapool.openai.errors import bad_request
 from lorapool.protocol import FieldError, short_repr
 from lorapool.structured import StructuredOutputsParams, check_grammar
 from lorapool.tool_calls import ToolCall, parse_tool_calls, required_schema, scan_required

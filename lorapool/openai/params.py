@@ -11,13 +11,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lorapool.egress import EgressRefused, split_url
-from lorapool.gateway.errors import bad_request, field_error
-from lorapool.gateway.limits import check_seed
-from lorapool.gateway.structured import PARAMETERS as STRUCTURED
-from lorapool.gateway.structured import structured_of
-from lorapool.gateway.tools import PARAMETERS as TOOLS
-from lorapool.gateway.tools import ToolRequest, tools_of
 from lorapool.lifecycle.submit import check_on_finish
+from lorapool.openai.errors import bad_request, field_error
+from lorapool.openai.limits import check_seed
+from lorapool.openai.structured import PARAMETERS as STRUCTURED
+from lorapool.openai.structured import structured_of
+from lorapool.openai.tools import PARAMETERS as TOOLS
+from lorapool.openai.tools import ToolRequest, tools_of
 from lorapool.protocol import FieldError, SamplingParams, short_repr
 
 # request parameter -> SamplingParams field, the same name unless said

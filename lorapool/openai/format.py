@@ -13,17 +13,17 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from lorapool.gateway.echo import Echo
-from lorapool.gateway.errors import failed_request
-from lorapool.gateway.logprobs import (
+from lorapool.lifecycle.wire import Chunk
+from lorapool.openai.echo import Echo
+from lorapool.openai.errors import failed_request
+from lorapool.openai.logprobs import (
     chat_logprobs,
     completion_logprobs,
     joined,
     prompt_logprobs_json,
 )
-from lorapool.gateway.tool_stream import ToolStream
-from lorapool.gateway.tools import ToolRequest
-from lorapool.lifecycle.wire import Chunk
+from lorapool.openai.tool_stream import ToolStream
+from lorapool.openai.tools import ToolRequest
 from lorapool.outputs import RequestOutput
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lorapool.gateway.tools import ToolRequest
+from lorapool.openai.tools import ToolRequest
 from lorapool.tool_calls import OPEN, PYTHON_TAG, ToolCall, parse_tool_calls, scan_required
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from lorapool.gateway.logprobs import echo_logprobs
+from lorapool.openai.logprobs import echo_logprobs
 
 
 class Echo:
