@@ -99,7 +99,8 @@ class JobHandle:
 
     def _read_log(self, cursor: Cursor, quiet: bool = False) -> Iterator[Any]:
         """What the log holds past ``cursor`` (page by page), or the rest of the final
-        record once the log is gone (compacted); nothing while Redis is away. ``quiet``
+        record once there is one and the log has nothing to follow on with (compacted,
+        or made again without its head); nothing while Redis is away. ``quiet``
         (a read after a quiet while) with nothing read yet: first ends the request if
         its queue entry was removed unread (``lifecycle.unread``)."""
         keys, rid = self.producer.keys, self.request_id
@@ -119,11 +120,12 @@ class JobHandle:
                 logger.warning("request %s: Redis unreachable (%s), waiting", rid, exc)
                 time.sleep(_WAIT_S)
                 return
-            if entries:
-                yield from cursor.take(entries)
-                if len(entries) == _PAGE:
+            before = cursor.seq
+            yield from cursor.take(entries)
+            if cursor.seq != before:
+                if len(entries) == _PAGE and not cursor.done:
                     continue
-            elif result is not None:
+            elif result is not None:  # compacted, or a log made again without its head
                 yield from cursor.rest(result)
             return
 

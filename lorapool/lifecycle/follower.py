@@ -150,7 +150,8 @@ class Follower:
 
     async def _fill(self, cursor: Cursor) -> list[Chunk]:
         """The chunks past ``cursor`` in the log, or the rest of the final record once
-        the log is compacted; none while Redis is away."""
+        there is one and the log has nothing to follow on with (compacted, or made
+        again without its head); none while Redis is away."""
         try:
             async with self.fills, self.redis.pipeline(transaction=False) as pipe:
                 read_back(pipe, self.keys, cursor.request_id, cursor.seq)
@@ -159,10 +160,8 @@ class Follower:
         except TRANSIENT as exc:
             logger.warning("follower: Redis unreachable (%s), waiting", exc)
             return []
-        chunks = []
-        if entries:
-            chunks = list(cursor.take(entries))
-        elif result is not None:
+        chunks = list(cursor.take(entries))
+        if not chunks and result is not None:  # compacted, or a log made without its head
             chunks = list(cursor.rest(result))
         self.num_filled += len(chunks)
         return chunks

@@ -64,9 +64,12 @@ def read_back(pipe, keys: Keys, request_id: str, after: int, count: int | None =
 
 
 def read_back_result(replies: list, request_id: str = "") -> tuple[list, bytes | None]:
-    """The log's entries read, and the final record only once the log is gone
-    (compacted; until then the log holds the whole output). JobLost when the log and
-    the marker are both gone. ``replies``: with ``raise_on_error=False``."""
+    """The log's entries read, and the final record once the request has one (None
+    before). Readers take the log's chunks while they follow on from their cursor and
+    the final record's rest when the log is gone (compacted) or holds nothing they can
+    take: a log an operator deleted while its request ran is made again without its
+    first chunks, which no reader would ever get. JobLost when the log and the marker
+    are both gone. ``replies``: with ``raise_on_error=False``."""
     entries, exists, result, marker = replies[-4:]
     for reply in (entries, exists, marker):
         if isinstance(reply, Exception):
@@ -75,4 +78,4 @@ def read_back_result(replies: list, request_id: str = "") -> tuple[list, bytes |
         result = None  # the workers leave it alone and keep the log for the result's TTL
     if not exists and not marker:
         raise JobLost(request_id)
-    return entries, None if exists else result
+    return entries, result
