@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import math
 import re
-import time
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -122,22 +121,8 @@ def fail_vanished(worker: Worker, held: Held) -> None:
     to no one, or gone from its stream): its final error chunk (APPEND writes it though
     no one owns the entry), audit record with finish_reason "error" and dead letter.
     Not run again: what removed it was an operator's command (XTRIM, XDEL, XGROUP
-    DESTROY/SETID, DEL of the stream), and the request's client learns it at once.
-
-    One held past its lease (a worker stopped, then woken) is dropped instead: another
-    worker may have claimed and finished it, and then only its marker or its log can
-    say so, which an operator may have deleted too (one run, one audit record, ever)."""
+    DESTROY/SETID, DEL of the stream), and the request's client learns it at once."""
     rid, stream = held.request_id, held.stream or worker.keys_of(held.stream).requests
-    if time.monotonic() - held.since >= worker.config.lease_s:
-        logger.warning(
-            "worker %s: the entry %s of %s is pending to no one after its lease ran out "
-            "here (another worker may have finished it): dropping it",
-            worker.name,
-            held.entry_id,
-            rid,
-        )
-        worker._drop(rid)
-        return
     reason = (
         f"its queue entry {held.entry_id} was removed from {stream} or its consumer group "
         "while it ran (an operator's XTRIM, XDEL, XGROUP DESTROY/SETID or DEL of the "
@@ -154,8 +139,9 @@ def fail_vanished(worker: Worker, held: Held) -> None:
     result = worker.publisher.append([item._replace(vanished=True)])
     if result != [append.ANSWERED]:
         logger.error("worker %s: failed %s: %s", worker.name, rid, reason)
-    if result == [append.ANSWERED]:  # it had finished (its final sent again, acked)
-        logger.info("worker %s: %s had finished; nothing to fail", worker.name, rid)
+    if result == [append.ANSWERED]:  # it had finished (its final sent again, acked), or
+        # nothing in Redis says it runs (marker and log deleted): not failed twice
+        logger.info("worker %s: %s had finished, or is forgotten: left", worker.name, rid)
         return
     if result == [append.BAD_LOG]:
         worker.publisher.append([without_log(item, held, reason)._replace(vanished=True)])

@@ -37,9 +37,6 @@ class Held:
     # an append of this run found the job's marker naming this entry: APPEND need not
     # read it for the next chunks (``lifecycle.append``: SKIP)
     fenced: bool = False
-    # monotonic time its lease is known to run from: taken (``Worker.start``), or the
-    # send of its last renewal that found it still ours (``Lease.apply``)
-    since: float = field(default_factory=time.monotonic)
 
     @property
     def request_id(self) -> str:

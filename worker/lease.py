@@ -3,7 +3,6 @@ and the abort flags read with it; what a lost entry or an abort asked means here
 
 from __future__ import annotations
 
-import time
 from typing import TYPE_CHECKING
 
 from lorapool.lifecycle.lease import Renew, abort_flags
@@ -18,12 +17,11 @@ class Lease:
         self.worker = worker
         self._renew = Renew(worker.redis)
 
-    def send(self, held: list[Held], idle_ms: int) -> tuple[set, list, set, float]:
+    def send(self, held: list[Held], idle_ms: int) -> tuple[set, list, set]:
         """RENEW (fenced) for ``held``, one call per shard: the positions in ``held`` of
-        the entries another worker took, each one's abort flag, the positions of those
-        that vanished (``lifecycle.lease.RENEW``), and when it was sent (the renewed
-        leases run from no earlier). Safe on the sender's thread."""
-        worker, sent = self.worker, time.monotonic()
+        the entries another worker took, each one's abort flag, and the positions of
+        those that vanished (``lifecycle.lease.RENEW``). Safe on the sender's thread."""
+        worker = self.worker
         lost, flags, vanished = set(), [None] * len(held), set()
         for keys, where in worker.by_shard([h.stream for h in held]).items():
             shard_lost, shard_vanished = self._renew(
@@ -37,26 +35,19 @@ class Lease:
             shard_flags = abort_flags(worker.redis, keys, [held[i].request_id for i in where])
             for i, flag in zip(where, shard_flags):
                 flags[i] = flag
-        return lost, flags, vanished, sent
+        return lost, flags, vanished
 
-    def apply(
-        self, held: list[Held], lost: set, flags: list, vanished: set = frozenset(), sent=None
-    ) -> None:
+    def apply(self, held: list[Held], lost: set, flags: list, vanished: set = frozenset()) -> None:
         """On the worker's thread: drop the entries another worker took, abort those
         asked to; those that vanished are failed at the next upkeep (``Worker.vanished``,
-        after the chunks in flight are in: one that just finished is not failed). The
-        others' leases run from ``sent`` (``Held.since``)."""
+        after the chunks in flight are in: one that just finished is not failed)."""
         worker = self.worker
         for i, (h, flag) in enumerate(zip(held, flags)):
             if worker.held.get(h.request_id) is not h:
                 continue  # finished, failed or dropped meanwhile
             if i in vanished:
                 worker.vanished.append(h)
-                continue
-            if i in lost:
+            elif i in lost:
                 worker._drop(h.request_id)
-                continue
-            if sent is not None:
-                h.since = max(h.since, sent)
-            if flag is not None:
+            elif flag is not None:
                 worker.engine.abort_request(h.request_id)

@@ -60,7 +60,6 @@ class _Trip:
     read: tuple[int, int, int] | None
     extra: list = field(default_factory=list)  # (call on the sender, apply on the worker)
     sent: list | None = None  # (held, chunk, APPEND item), built on the first try
-    read_at: float | None = None  # when its read was sent (the entries' leases run from)
 
 
 class Publisher:
@@ -179,7 +178,7 @@ class Publisher:
                     self.worker.num_tokens += chunk.num_tokens
                 else:
                     self._after_append(held, chunk, result)
-            self.worker._start_read(entries, trip.read_at)
+            self.worker._start_read(entries)
             for (_, apply), result in zip(trip.extra, extra):
                 if apply is not None:
                     apply(result)
@@ -197,7 +196,6 @@ class Publisher:
             trip.sent = [self._build(held, outs, pos) for held, outs, pos in trip.outputs]
         items = [item for _, _, item in trip.sent]
         appended = self.append(items) if items else []
-        trip.read_at = time.monotonic()
         entries = self.worker.intake.read(trip.read, None) if trip.read is not None else []
         return appended, entries, [call() for call, _ in trip.extra]
 

@@ -208,12 +208,10 @@ class Worker:
             return 0
         return self._start_read(self.intake.read(self.intake.plan(count), self.config.block_ms))
 
-    def _start_read(self, entries: list, since: float | None = None) -> int:
-        """Start the entries a read delivered; ``since``: when the read was sent (their
-        leases run from then), if not just now."""
+    def _start_read(self, entries: list) -> int:
         self.intake.new_read(entries)
         for stream, entry_id, fields, handed in entries:
-            self.start(entry_id.decode(), fields, stream=stream, handed=handed, since=since)
+            self.start(entry_id.decode(), fields, stream=stream, handed=handed)
         return len(entries)
 
     def start(
@@ -223,7 +221,6 @@ class Worker:
         log: list[Chunk] | None = None,
         stream: str = "",
         handed: bool = False,
-        since: float | None = None,
     ) -> None:
         """Put one delivered entry into the engine, or fail it alone with a clear error.
 
@@ -247,7 +244,6 @@ class Worker:
                 dead_letter.ack_duplicate(self, job.request_id, entry_id, stream, why)
                 return None
             held = Held(entry_id, job, stream=stream)
-            held.since = since or held.since
             for chunk in log or []:
                 held.take(chunk)
             held.resumed_tokens = held.total

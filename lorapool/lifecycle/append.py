@@ -104,7 +104,10 @@ def append_call(
 # (SUBMIT writes it; a raw XADD has none) and never after the request's final record,
 # so a duplicate entry cannot add a second final chunk or a second audit record. Where
 # no marker says how the request stands (a raw XADD's, one an operator deleted, a key
-# of another type) the log's last chunk does: one that is final refuses the item (-4).
+# of another type) the log's last chunk does: one that is final refuses the item (-4),
+# and so does no log at all for the error final of an entry pending to no one (a worker
+# woken past its lease cannot tell an operator's removal from another worker's finish
+# when the marker and the log were deleted since: it must not audit the id again).
 # Nothing it writes for an item comes before what could refuse it (a script's writes
 # before an error stay): the log's and the marker's types are checked first, and a key
 # of another type (a producer may write job and abort keys; anyone may have written
@@ -188,8 +191,14 @@ while a < #ARGV do
     elseif m[1] == 'finished' or m[1] == 'failed' or (m[2] and m[2] ~= entry) then
       result = -4
     end
-    if result == 0 and (not marker or not m[1]) and ends_final(out) then
-      result = -4  -- no marker says so, but the log has its final chunk: answered
+    if result == 0 and (not marker or not m[1]) then
+      if ends_final(out) then
+        result = -4  -- no marker says so, but the log has its final chunk: answered
+      elseif vanished and redis.call('EXISTS', out) == 0 then
+        -- pending to no one, and neither a marker nor a log says it runs: another
+        -- worker may have finished it before they were deleted (its readers: JobLost)
+        result = -4
+      end
     end
     named = kind == '3' and marker and m[2] == entry
   end

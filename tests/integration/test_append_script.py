@@ -78,6 +78,9 @@ def test_no_chunk_after_a_final_one_when_no_marker_says(conn, keys):
     conn.set(keys.job("r"), "not a hash")
     assert append(conn, keys, "w", Append("r", twin, 1, b'{"s":1,"c":[]}', False)) == [ANSWERED]
     assert conn.llen(keys.out("r")) == 1 and conn.xlen(keys.audit) == 1
+    conn.delete(keys.job("r"), keys.out("r"))  # nothing says it ran: no error final either
+    assert append(conn, keys, "w", vanished._replace(seq=0)) == [ANSWERED]
+    assert conn.exists(keys.out("r")) == 0 and conn.xlen(keys.audit) == 1
 
 
 # Standalone only, from here: a redis-server of their own, made to run out of memory.
@@ -166,7 +169,7 @@ def test_a_fenced_worker_ends_nothing_twice_when_the_marker_is_gone(private_redi
     whose marker (and log) an operator then deletes: woken, it finds the entry pending
     to no one and must not add an error chunk after the final one, nor a second audit
     record (the stateful test's finds: the marker alone fenced it; with the log gone
-    too, nothing in Redis says it finished, and a worker past its lease drops it)."""
+    too, nothing in Redis says it still runs, and APPEND refuses its error final)."""
     bench = load()
     conn, keys = redis.Redis.from_url(private_redis.url), Keys("fence")
 
