@@ -116,6 +116,18 @@ def ack_duplicate(worker: Worker, rid: str, entry_id: str, stream: str, why: str
     worker.publisher.append([append.Append(rid, entry_id, -1, b"", True, stream=stream)])
 
 
+def fail_all_vanished(worker: Worker) -> None:
+    """End the requests whose entries an operator removed under this worker (a
+    renewal or an append found them pending to no one, or gone from the stream):
+    ``fail_vanished`` each. The chunks in flight go first: a request that finished
+    meanwhile is not failed (and APPEND refuses a chunk after a final one)."""
+    worker.publisher.flush(wait=True)
+    vanished, worker.vanished = worker.vanished, []
+    for held in vanished:
+        if worker.held.get(held.request_id) is held:
+            fail_vanished(worker, held)
+
+
 def fail_vanished(worker: Worker, held: Held) -> None:
     """Fail a running request whose queue entry was removed under this worker (pending
     to no one, or gone from its stream): its final error chunk (APPEND writes it though

@@ -1,12 +1,44 @@
 """What a job asks the engine to continue: its prompt, or its chat under the model's
-chat template (applied here, as ``LLM.chat`` does, so the gateway needs no tokenizer)."""
+chat template (applied here, as ``LLM.chat`` does, so the gateway needs no tokenizer);
+``add_to_engine`` puts it in the engine, with its adapter and what was streamed."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from lorapool.lifecycle.adapter_record import check_lora, decode_adapter_record
 from lorapool.lifecycle.wire import Job
 from lorapool.tool_calls import plain_chat, renders_tools, template_chat
+from lorapool.worker.held import Held, engine_params, resumed_token_ids
+
+if TYPE_CHECKING:
+    from lorapool.worker.worker import Worker
+
+
+def add_to_engine(worker: Worker, held: Held) -> None:
+    """``held``'s job into the worker's engine (raises what makes it fail alone: an
+    adapter not in the registry or not matching it, a resumed request with n > 1)."""
+    job, engine = held.job, worker.engine
+    if job.lora_request is not None:
+        record = decode_adapter_record(
+            worker.redis.hget(worker.keys.adapters, job.lora_request.name)
+        )
+        check_lora(job.lora_request, record)
+        held.adapter = record
+        engine.expect_lora_weights(job.lora_request, record["sha256"])
+    if held.total and job.sampling_params.n > 1:
+        raise ValueError(
+            f"request {job.request_id}: cannot resume a request with n > 1 "
+            f"after {held.total} tokens were streamed"
+        )
+    engine.add_request(
+        job.request_id,
+        engine_prompt(job, engine),
+        engine_params(job.sampling_params),
+        arrival_time=job.arrival_time,
+        lora_request=job.lora_request,
+        resume_token_ids=resumed_token_ids(held),
+    )
 
 
 def engine_prompt(job: Job, engine: Any) -> str | dict[str, Any]:

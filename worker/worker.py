@@ -9,8 +9,6 @@ the publisher (``publisher.py``), whose sender thread appends them (fenced; see
 from __future__ import annotations
 
 import logging
-import signal
-import threading
 import time
 from typing import Any
 
@@ -18,21 +16,20 @@ import redis
 
 from lorapool import signing
 from lorapool.connection import REDIS_DOWN, ensure_group
-from lorapool.lifecycle.adapter_record import check_lora, decode_adapter_record
 from lorapool.lifecycle.keys import PRIORITIES, WORKERS_GROUP, Keys
 from lorapool.lifecycle.wire import DATA, Chunk, decode_job, encode_job
 from lorapool.outputs import RequestOutput
 from lorapool.persistence import persistence_warning
-from lorapool.worker import dead_letter, failover
+from lorapool.worker import dead_letter, failover, signals
 from lorapool.worker.config import WorkerConfig
 from lorapool.worker.dead_letter import reason_of
 from lorapool.worker.engine_api import EngineInterface
-from lorapool.worker.held import Held, engine_params, resumed_token_ids
+from lorapool.worker.held import Held
 from lorapool.worker.intake import Intake
 from lorapool.worker.lease import Lease
 from lorapool.worker.metrics import worker_metrics
 from lorapool.worker.pool import claim_model, heartbeat_record, send_heartbeat
-from lorapool.worker.prompt import engine_prompt
+from lorapool.worker.prompt import add_to_engine
 from lorapool.worker.publisher import Publisher
 
 logger = logging.getLogger(__name__)
@@ -103,7 +100,7 @@ class Worker:
         if warning:
             logger.warning("worker %s: %s", self.name, warning)
         self.ensure_group()
-        self._install_signals()
+        signals.install(self)
         self.metrics.serve()
         logger.info("worker %s: serving %s", self.name, ", ".join(self.streams))
         try:
@@ -249,7 +246,7 @@ class Worker:
             held.resumed_tokens = held.total
             if not handed and log is None and self.intake.hand_off(held):
                 return None
-            self._add_to_engine(held)
+            add_to_engine(self, held)
         except REDIS_DOWN:
             raise
         except Exception as exc:  # noqa: BLE001 - one bad job must not end the worker
@@ -259,29 +256,6 @@ class Worker:
         self.held[job.request_id] = held
         self.metrics.admitted(held)
         return None
-
-    def _add_to_engine(self, held: Held) -> None:
-        job = held.job
-        if job.lora_request is not None:
-            record = decode_adapter_record(
-                self.redis.hget(self.keys.adapters, job.lora_request.name)
-            )
-            check_lora(job.lora_request, record)
-            held.adapter = record
-            self.engine.expect_lora_weights(job.lora_request, record["sha256"])
-        if held.total and job.sampling_params.n > 1:
-            raise ValueError(
-                f"request {job.request_id}: cannot resume a request with n > 1 "
-                f"after {held.total} tokens were streamed"
-            )
-        self.engine.add_request(
-            job.request_id,
-            engine_prompt(job, self.engine),
-            engine_params(job.sampling_params),
-            arrival_time=job.arrival_time,
-            lora_request=job.lora_request,
-            resume_token_ids=resumed_token_ids(held),
-        )
 
     def _step(self) -> None:
         """One engine step and its chunks; a step that raises fails only its requests."""
@@ -341,7 +315,7 @@ class Worker:
         ride a round trip of the sender (``extra``), handed to it at once when it is
         free: no Redis call of theirs waits on the engine's thread, nor for its step."""
         if self.vanished:
-            self._fail_vanished()
+            dead_letter.fail_all_vanished(self)
         busy = self.engine.has_unfinished_requests()
         # held first: an idle loop must not spend the slot, or a job read after a quiet
         # spell would wait up to a third of the lease for its first abort-flag read
@@ -366,18 +340,6 @@ class Worker:
             # waited for a long step (a loaded CPU) could come after the lease
             self.publisher.flush(wait=False)
 
-    def _fail_vanished(self) -> None:
-        """End the requests whose entries an operator removed under this worker (a
-        renewal or an append found them pending to no one, or gone from the stream):
-        final error chunk, audit record with finish_reason "error", dead letter, a log
-        line naming the cause. The chunks in flight go first: a request that finished
-        meanwhile is not failed (and APPEND refuses a chunk after a final one)."""
-        self.publisher.flush(wait=True)
-        vanished, self.vanished = self.vanished, []
-        for held in vanished:
-            if self.held.get(held.request_id) is held:
-                dead_letter.fail_vanished(self, held)
-
     def renew(self, idle_ms: int = 0) -> None:
         """Renew the lease of every held entry; drop those lost; abort those asked to."""
         if self.held:
@@ -397,26 +359,6 @@ class Worker:
 
     # --- shutdown ----------------------------------------------------------------
 
-    def _install_signals(self) -> None:
-        if threading.current_thread() is threading.main_thread():
-            for signum in (signal.SIGTERM, signal.SIGINT):
-                self._saved_signals[signum] = signal.signal(signum, self._on_sigterm)
-
-    def _restore_signals(self) -> None:
-        for signum, handler in self._saved_signals.items():
-            signal.signal(signum, handler)
-        self._saved_signals.clear()
-
-    def _on_sigterm(self, signum, frame) -> None:
-        """Only flags: the loop acts on them between steps, never inside a Redis call."""
-        if not self.draining:
-            logger.info("worker %s: draining (again to hand entries back)", self.name)
-            self.draining = True
-            self._drain_deadline = time.monotonic() + self.config.drain_timeout_s
-        else:
-            logger.info("worker %s: handing entries back", self.name)
-            self._drain_deadline = 0.0  # the loop hands back and stops at once
-
     def hand_back(self) -> None:
         """Mark every held entry long idle so that another worker claims it at once
         (after the chunks of its last steps are in its log)."""
@@ -425,7 +367,7 @@ class Worker:
         self.held.clear()
 
     def teardown(self) -> None:
-        self._restore_signals()
+        signals.restore(self)
         try:
             if self.held:
                 self.hand_back()
