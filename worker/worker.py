@@ -20,7 +20,7 @@ from lorapool.lifecycle.keys import PRIORITIES, WORKERS_GROUP, Keys
 from lorapool.lifecycle.wire import DATA, Chunk, decode_job, encode_job
 from lorapool.outputs import RequestOutput
 from lorapool.persistence import persistence_warning
-from lorapool.worker import dead_letter, failover, signals
+from lorapool.worker import dead_letter, failover, signals, unread_audit
 from lorapool.worker.config import WorkerConfig
 from lorapool.worker.dead_letter import reason_of
 from lorapool.worker.engine_api import EngineInterface
@@ -70,7 +70,7 @@ class Worker:
         self.num_tokens = 0
         self.lease = Lease(self)
         self.intake = Intake(self)
-        self._last = {"renew": 0.0, "claim": 0.0, "heartbeat": 0.0}
+        self._last = {"renew": 0.0, "claim": 0.0, "heartbeat": 0.0, "unread": 0.0}
         self._drain_deadline: float | None = None
         self.publisher = Publisher(self)
         self.metrics = worker_metrics(config, engine, base_model)
@@ -311,7 +311,8 @@ class Worker:
         return True
 
     def _upkeep(self) -> None:
-        """Lease renewal, claims, heartbeat. While the engine runs, renewal and heartbeat
+        """Lease renewal, claims, audit records of requests readers ended unread,
+        heartbeat. While the engine runs, renewal and heartbeat
         ride a round trip of the sender (``extra``), handed to it at once when it is
         free: no Redis call of theirs waits on the engine's thread, nor for its step."""
         if self.vanished:
@@ -328,6 +329,8 @@ class Worker:
                 self.lease.apply(held, *self.lease.send(held, 0))
         if not self.draining and self._due("claim", self.config.lease_s / 2):
             failover.claim(self)
+        if self._due("unread", self.config.lease_s / 2):  # requests readers ended unread
+            unread_audit.record_ended(self)
         if self._due("heartbeat", self.config.heartbeat_s):
             if busy:
                 record = heartbeat_record(self)

@@ -139,6 +139,12 @@ class Keys:
         "Stream of batch jobs (group ``workers``): a worker reads it only with capacity left "
         "after ``requests``, so batch files never starve interactive traffic.",
     )
+    unread_ended = _shard_key(
+        "unread-ended",
+        "List: ids of requests a reader ended because their queue entry was removed before "
+        "any worker read it (lifecycle/unread.py); workers take them to write their audit "
+        "records (worker/unread_audit.py). Readers may only push to it.",
+    )
     # The pool's own keys (the meta shard)
     adapters = _meta_key("adapters", "Hash: adapter name -> registry record.")
     adapter_ids = _meta_key(

@@ -12,10 +12,14 @@ marker and marks it ``failed``, as a compacted run does: every reader of the req
 ``finish_reason`` "error" naming the cause. A worker that took the entry after all (a
 group re-created at ``0``) finds the marker answered and writes nothing.
 
-No audit record and no dead letter: no worker ran the request, the audit trail records
-what workers ran (signed with their key, which readers do not hold), and the producer
-and gateway roles may not write either stream (docs/redis-acl.md). A request ends once:
-the script re-checks all of the above atomically, and a second call finds it failed.
+Its audit record (finish_reason "error", the same error) is a worker's to write: the
+audit trail holds what workers sign with their key, which readers do not hold, and the
+producer and gateway roles may not write the audit stream (docs/redis-acl.md). So the
+script also flags the marker (``unread``: when it ended it) and pushes the request id
+on its shard's ``unread-ended`` list, the one key of the workers' that readers may
+write (push only); a worker's upkeep takes the ids from there, checks each again and
+writes one signed record each (``worker/unread_audit.py``). A request ends once: the
+script re-checks all of the above atomically, and a second call finds it failed.
 """
 
 from __future__ import annotations
@@ -37,23 +41,25 @@ REASON = (
 )
 
 # KEYS: the job's marker, then its shard's job streams (``Keys.streams``).
-# ARGV: group, the final record, its TTL (s), the job's chunk log (only read: named here,
-# not in KEYS, for Redis checks a script's declared keys as written, and readers' ACL
-# users may only read logs; it is in the marker's slot), then the priorities in the
-# streams' order (a marker without one: the first).
+# ARGV: group, the final record, its TTL (s), the job's chunk log (only read), the
+# shard's ended list (``Keys.unread_ended``, only pushed to), the request id, the time,
+# then the priorities in the streams' order (a marker without one: the first). The log
+# and the list are named here, not in KEYS, for Redis checks a script's declared keys as
+# read and written, and readers' ACL users may only read logs and only push to the list;
+# both are in the marker's slot.
 # Returns 0 (left alone: not queued, not a hash, a log exists, pending to a worker, or
-# still to be read), else 1 (ended: the marker failed with the record).
-# Read-only until every check has passed; one HSET and one EXPIRE then.
+# still to be read), else 1 (ended: the marker failed with the record, the id pushed).
+# Read-only until every check has passed; RPUSH, HSET and EXPIRE then.
 END_UNREAD = """
 local status = redis.pcall('HGET', KEYS[1], 'status')
 if type(status) ~= 'string' or status ~= 'queued' then return 0 end
 local entry = redis.call('HGET', KEYS[1], 'entry')
-local priority = redis.call('HGET', KEYS[1], 'priority') or ARGV[5]
+local priority = redis.call('HGET', KEYS[1], 'priority') or ARGV[8]
 if not entry or not string.match(entry, '^%d+%-%d+$') then return 0 end
 if redis.call('EXISTS', ARGV[4]) == 1 then return 0 end  -- a worker wrote for it
 local stream = KEYS[2]
-for i = 5, #ARGV do
-  if ARGV[i] == priority then stream = KEYS[i - 3] end
+for i = 8, #ARGV do
+  if ARGV[i] == priority then stream = KEYS[i - 6] end
 end
 -- a stream key of another type (an operator's SET): the queue and the entry are gone
 local found = redis.pcall('XRANGE', stream, entry, entry)
@@ -75,7 +81,9 @@ if found.err == nil then
     if ems > dms or (ems == dms and eseq > dseq) then return 0 end  -- still to be read
   end
 end
-redis.call('HSET', KEYS[1], 'status', 'failed', 'result', ARGV[2])
+-- the push first: a user whose ACL refuses it (rules older than the doc's) writes nothing
+redis.call('RPUSH', ARGV[5], ARGV[6])
+redis.call('HSET', KEYS[1], 'status', 'failed', 'result', ARGV[2], 'unread', ARGV[7])
 redis.call('EXPIRE', KEYS[1], ARGV[3])
 return 1
 """
@@ -115,6 +123,9 @@ class EndUnread:
                 unread_record(request_id, REASON),
                 RESULT_TTL_S,
                 keys.out(request_id),
+                keys.unread_ended,
+                request_id,
+                time.time(),
                 *PRIORITIES,
             ],
         )

@@ -18,6 +18,7 @@ import pytest
 import redis
 from pool_layout import length
 from redis_cluster import private_redis
+from standin import load
 
 from lorapool.audit_db import AuditWriter, DatabaseConfig, WriterConfig, create_audit_engine
 from lorapool.audit_db.database import migrate
@@ -238,16 +239,21 @@ def test_tenant_security_runs_with_each_roles_user(server):
             client.close()
 
 
-def test_a_reader_ends_an_unread_request_with_its_roles_user(server):
-    """A producer's and a gateway's handles (sync, and the async follower) end a request
-    whose queue entry an operator removed before any worker read it (issue 31 Build 2):
-    the check and the marker's final record are within each role's rights."""
+def test_a_reader_ends_an_unread_request_with_its_roles_user(server, tmp_path):
+    """A producer's, a gateway's and an RQ worker's handles (sync, and the async
+    follower) end a request whose queue entry an operator removed before any worker read
+    it (issue 31 Build 2): the check, the marker's final record and the push of its id
+    for the workers are within each role's rights; a worker, as its user, writes the
+    requests' audit records and the audit writer, as its user, stores one row each.
+    Readers may push ids for the workers but not read them."""
     from lorapool.lifecycle.unread import REASON
+    from lorapool.worker import unread_audit
 
     admin = connect(server.url)
     params = SamplingParams(max_tokens=2)
+    roles = ("producer", "gateway", "rq-worker")
     try:
-        for role in ("producer", "gateway"):
+        for role in roles:
             producer = Producer(url(server, role), shards=server.shards)
             handle = producer.submit("hi", params, request_id=f"unread-{role}")
             following = producer.submit("hi", params, request_id=f"unread-async-{role}")
@@ -263,5 +269,22 @@ def test_a_reader_ends_an_unread_request_with_its_roles_user(server):
                 admin.xtrim(producer.keys.for_request(rid).requests, maxlen=0, approximate=False)
             assert handle.result(timeout=30).error == REASON
             assert asyncio.run(follow(following.request_id)).error == REASON
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                producer.redis.lrange(
+                    producer.keys.for_request(handle.request_id).unread_ended, 0, -1
+                )
+        config = WorkerConfig(shards=server.shards, name="w")
+        engine = load().StandInEngine(8, 0.001)
+        worker = Worker(
+            engine, connect(url(server, "worker")), config, {"name": "m", "sha256": "0"}
+        )
+        assert unread_audit.record_ended(worker) == 2 * len(roles)
+        audit_db = create_audit_engine(DatabaseConfig(url=f"sqlite:///{tmp_path / 'audit.db'}"))
+        migrate(audit_db)
+        writer_conn = connect(url(server, "audit-writer"))
+        writer = AuditWriter(writer_conn, audit_db, WriterConfig(shards=server.shards))
+        assert writer.run(burst=True).rows_written == 2 * len(roles)
+        writer_conn.close()
+        worker.redis.close()
     finally:
         admin.close()

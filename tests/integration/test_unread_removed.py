@@ -6,7 +6,8 @@ finish_reason "error" naming the cause, not a wait until its timeout.
 
 Real Redis (both layouts); the readers are the producers' own; a real ``Worker`` loop
 around the stand-in engine shows that what is still to be read, or held by a worker,
-is left alone, and that an ended request is never run.
+is left alone, that an ended request is never run, and that a worker then writes its
+one audit record.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import time
 import pytest
 from standin import load
 
+from lorapool.audit_record import parse_record
 from lorapool.lifecycle.keys import WORKERS_GROUP
 from lorapool.lifecycle.unread import EndUnread
 from lorapool.producer import AsyncProducer
@@ -82,7 +84,12 @@ def test_an_entry_removed_before_any_worker_read_it_ends_its_request(
             worker.run_guarded()
         assert not worker.stopped
         assert conn.exists(keys.out(rid)) == 0  # never run
-        assert conn.xlen(keys.for_request(rid).audit) == 0  # no worker ran it
+        # no worker ran it; its one audit record, by the worker's upkeep
+        # (tests/integration/test_unread_audit.py)
+        (_, fields), *more = conn.xrange(keys.for_request(rid).audit)
+        record = parse_record(fields[b"data"], bench.AUDIT_KEY.encode(), keys.prefix)
+        assert not more and record.request_id == rid and record.error == output.error
+        assert [o.finish_reason for o in record.outputs] == ["error"]
         assert conn.hget(keys.job(rid), "status") == b"failed"
     finally:
         worker.teardown()

@@ -1,0 +1,187 @@
+"""Audit records of the requests their readers ended unread (issue 31 Build 2).
+
+A reader that finds a request's queue entry removed before any worker read it ends the
+request (``lifecycle/unread.py``: a final error record in its marker) and pushes its id
+on its shard's ``unread-ended`` list: readers hold no audit key and may not write the
+audit stream. Each worker's upkeep takes a few ids from there (``record_ended``) and
+writes one signed audit record each, finish_reason "error" and the reader's error, into
+the shard's audit stream, with a log line naming the cause.
+
+Exactly one record a request: ``RECORD_UNREAD`` takes an id off the list (``LREM``) and
+writes its record in the same atomic call, so of two workers that read the same ids
+only one writes each; the marker's ``unread`` flag goes with it, so an id pushed again
+writes nothing. The list is pushed to by readers (and so by anyone with a producer's
+rights): an id is recorded only if its marker says a reader ended it (``unread``),
+the request has no chunk log (no worker wrote for it) and no worker holds its entry;
+anything else is taken off the list and logged, not recorded. What a record holds is
+what is left of a job whose entry is gone: its id, when it was submitted and ended, the
+error; not its prompt, parameters or metadata (the marker does not keep them).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from lorapool.audit_record import (
+    AuditRecord,
+    BaseModelInfo,
+    Metrics,
+    Output,
+    encode_audit_record,
+    sign_record,
+)
+from lorapool.connection import register_script
+from lorapool.lifecycle.keys import PRIORITIES, WORKERS_GROUP, Keys
+from lorapool.lifecycle.unread import REASON
+
+if TYPE_CHECKING:
+    from lorapool.worker.worker import Worker
+
+logger = logging.getLogger(__name__)
+BATCH = 32  # ids taken from a shard's list in one upkeep
+
+# KEYS: the shard's ended list, its audit stream, its job streams (``Keys.streams``),
+# then per request: its marker, its chunk log.
+# ARGV: group, the number of job streams, their priorities in the same order, then per
+# request: its id, its signed audit record.
+# Per request: the id off the list (LREM; nothing more unless it was there), then, only
+# if the marker (a hash) has ``unread`` and status failed, no log exists and the entry is
+# pending to no worker: the record into the audit stream and ``unread`` off the marker.
+# Returns {recorded ids, refused ids} (ids no longer on the list: neither).
+RECORD_UNREAD = """
+local n = tonumber(ARGV[2])
+local function ended(marker, log)
+  local status = redis.pcall('HGET', marker, 'status')
+  if type(status) ~= 'string' or status ~= 'failed' then return false end
+  if not redis.call('HGET', marker, 'unread') then return false end
+  if redis.call('EXISTS', log) == 1 then return false end
+  local entry = redis.call('HGET', marker, 'entry')
+  local priority = redis.call('HGET', marker, 'priority') or ARGV[3]
+  local stream = KEYS[3]
+  for i = 1, n do
+    if ARGV[2 + i] == priority then stream = KEYS[2 + i] end
+  end
+  if not entry then return true end
+  local p = redis.pcall('XPENDING', stream, ARGV[1], entry, entry, 1)
+  return p.err ~= nil or #p == 0
+end
+local recorded, refused = {}, {}
+local k, a = 3 + n, 3 + n
+while k < #KEYS do
+  local id = ARGV[a]
+  if redis.call('LREM', KEYS[1], 0, id) > 0 then
+    if ended(KEYS[k], KEYS[k + 1]) then
+      redis.call('XADD', KEYS[2], '*', 'data', ARGV[a + 1])
+      redis.call('HDEL', KEYS[k], 'unread')
+      recorded[#recorded + 1] = id
+    else
+      refused[#refused + 1] = id
+    end
+  end
+  k, a = k + 2, a + 2
+end
+return {recorded, refused}
+"""
+
+
+def record_ended(worker: Worker) -> int:
+    """Audit up to ``BATCH`` ended requests of each shard's list; how many were recorded.
+    Run by the worker's upkeep; Redis errors go to its loop (logged, retried)."""
+    script = register_script(worker.redis, RECORD_UNREAD)
+    recorded = 0
+    for view in worker.keys.shard_views:
+        ids = _ids(worker, view, worker.redis.lrange(view.unread_ended, 0, BATCH - 1))
+        if ids:
+            recorded += _record(worker, script, view, ids)
+    return recorded
+
+
+def _ids(worker: Worker, view: Keys, raw: list[bytes]) -> list[str]:
+    """The request ids of ``raw`` (once each); what is not one (not UTF-8: no request's
+    id) is taken off the list at once, or it would hold a place there for good."""
+    ids = []
+    for item in dict.fromkeys(raw):
+        try:
+            ids.append(item.decode())
+        except UnicodeDecodeError:
+            logger.warning(
+                "worker %s: %r on %s is no request id", worker.name, item, view.unread_ended
+            )
+            worker.redis.lrem(view.unread_ended, 0, item)
+    return ids
+
+
+def _record(worker: Worker, script, view: Keys, ids: list[str]) -> int:
+    markers = _markers(worker, view, ids)
+    keys, args = [view.unread_ended, view.audit, *view.streams], [WORKERS_GROUP, len(PRIORITIES)]
+    args += list(PRIORITIES)
+    for rid in ids:
+        keys += [view.job(rid), view.out(rid)]
+        args += [rid, encode_audit_record(unread_record(worker, rid, markers[rid]))]
+    recorded, refused = script(keys=keys, args=args)
+    for rid in recorded:
+        rid = rid.decode("utf-8", "replace")
+        logger.error(
+            "worker %s: request %s (entry %s) was ended by a reader, never run: %s; "
+            "audit record written",
+            worker.name,
+            rid,
+            markers.get(rid, {}).get("entry"),
+            REASON,
+        )
+    for rid in refused:
+        logger.warning(
+            "worker %s: %s on %s is not a request a reader ended unread (its marker says "
+            "otherwise, or a worker ran or holds it): no audit record",
+            worker.name,
+            rid.decode("utf-8", "replace"),
+            view.unread_ended,
+        )
+    return len(recorded)
+
+
+def _markers(worker: Worker, view: Keys, ids: list[str]) -> dict[str, dict]:
+    """Each id's marker fields the record needs (entry, submitted, unread); {} for a
+    marker that is gone or of another type (the script refuses those)."""
+    fields = ("entry", "submitted", "unread")
+    with worker.redis.pipeline(transaction=False) as pipe:
+        for rid in ids:
+            pipe.hmget(view.job(rid), *fields)
+        replies = pipe.execute(raise_on_error=False)
+    markers = {}
+    for rid, reply in zip(ids, replies):
+        values = [] if isinstance(reply, Exception) else reply
+        markers[rid] = {f: v.decode() for f, v in zip(fields, values) if v is not None}
+    return markers
+
+
+def unread_record(worker: Worker, request_id: str, marker: dict[str, str]) -> dict:
+    """The audit record of a request a reader ended unread (signed unless the worker runs
+    with --insecure-no-key): one completion (index 0) with finish_reason "error", no
+    tokens, the reader's error; arrival when it was submitted, finished when it ended."""
+    ended = _time(marker.get("unread")) or time.time()
+    record = AuditRecord(
+        request_id=request_id,
+        worker=worker.name,
+        base_model=BaseModelInfo(worker.base_model["name"], worker.base_model["sha256"]),
+        metrics=Metrics(
+            _time(marker.get("submitted")) or ended,
+            finished_time=ended,
+            num_prompt_tokens=0,
+            num_generated_tokens=0,
+        ),
+        outputs=(Output(0, "", (), finish_reason="error"),),
+        error=REASON,
+    ).to_dict()
+    if worker.config.audit_key is None:
+        return record
+    return sign_record(record, worker.config.audit_key, worker.config.prefix)
+
+
+def _time(value: str | None) -> float | None:
+    try:
+        return float(value) if value is not None else None
+    except ValueError:
+        return None
