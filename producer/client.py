@@ -110,6 +110,8 @@ class JobHandle:
                     unread.log_ended(rid)
             except connection.REDIS_TRANSIENT:
                 pass  # the log read below waits for Redis
+            except redis.ResponseError as exc:  # an ACL refusal: it wrote nothing
+                unread.log_refused(rid, exc)
         while not cursor.done:
             try:
                 with self.producer.redis.pipeline(transaction=False) as pipe:

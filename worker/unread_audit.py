@@ -65,7 +65,8 @@ local function ended(marker, log)
   end
   if not entry then return true end
   local p = redis.pcall('XPENDING', stream, ARGV[1], entry, entry, 1)
-  return p.err ~= nil or #p == 0
+  if p.err ~= nil then return string.find(p.err, 'NOGROUP', 1, true) ~= nil end
+  return #p == 0
 end
 local recorded, refused = {}, {}
 local k, a = 3 + n, 3 + n

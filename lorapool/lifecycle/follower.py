@@ -144,6 +144,9 @@ class Follower:
                 ended = await self.unread(request_id)
         except TRANSIENT:
             return False
+        except redis.ResponseError as exc:  # an ACL refusal: it wrote nothing
+            unread.log_refused(request_id, exc)
+            return False
         if ended:
             unread.log_ended(request_id)
         return bool(ended)

@@ -66,6 +66,8 @@ local found = redis.pcall('XRANGE', stream, entry, entry)
 if found.err == nil then
   local p = redis.pcall('XPENDING', stream, ARGV[1], entry, entry, 1)
   if p.err == nil and #p > 0 then return 0 end  -- a worker holds it
+  -- no group is no holder; any other refusal (an ACL without XPENDING) tells nothing
+  if p.err ~= nil and not string.find(p.err, 'NOGROUP', 1, true) then return 0 end
   if #found > 0 then
     local delivered = nil
     for _, fields in ipairs(redis.call('XINFO', 'GROUPS', stream)) do
@@ -129,6 +131,23 @@ class EndUnread:
                 *PRIORITIES,
             ],
         )
+
+
+_refusals = [0]  # how many refusals this process has had (the first is a warning)
+
+
+def log_refused(request_id: str, exc: Exception) -> None:
+    """The log line of a reader whose Redis user may not run ``END_UNREAD`` (ACL rules
+    older than docs/redis-acl.md's): it wrote nothing, and the reader waits as before.
+    A warning the first time in a process, then at debug level (readers poll often)."""
+    _refusals[0] += 1
+    logger.log(
+        logging.WARNING if _refusals[0] == 1 else logging.DEBUG,
+        "request %s: could not check whether its queue entry was removed unread (%s); "
+        "its reader's Redis user needs the rules of docs/redis-acl.md",
+        request_id,
+        exc,
+    )
 
 
 def log_ended(request_id: str) -> None:

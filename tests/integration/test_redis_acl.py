@@ -288,3 +288,42 @@ def test_a_reader_ends_an_unread_request_with_its_roles_user(server, tmp_path):
         worker.redis.close()
     finally:
         admin.close()
+
+
+def test_a_reader_with_older_rules_writes_nothing_and_waits(server, layout):
+    """Readers whose users have rules older than the doc's: one without XPENDING cannot
+    tell whether a worker holds an entry, so it leaves a held request whose entry was
+    trimmed alone (the worker's to end); one without the push to ``unread-ended`` is
+    refused before END_UNREAD writes anything. Each reader raises nothing but its
+    timeout, and the marker stays queued."""
+    from lorapool.connection import ensure_group
+    from lorapool.lifecycle.keys import WORKERS_GROUP
+
+    rules = acl_rules(layout)["producer"]
+    stale = {
+        "no-xpending": rules.replace(" +xpending", ""),
+        "no-push": re.sub(r" %W~\S*unread-ended", "", rules),
+    }
+    admin = connect(server.url)
+    try:
+        for name, line in stale.items():
+            line = line.replace("lorapool-producer", f"lorapool-{name}")
+            assert line != rules.replace("lorapool-producer", f"lorapool-{name}")
+            for node in server.nodes:
+                client = node.client()
+                client.execute_command(*line.split())
+                client.close()
+            producer = Producer(url(server, name), shards=server.shards)
+            rid = f"stale-{name}"
+            stream = producer.keys.for_request(rid).requests
+            ensure_group(admin, stream, WORKERS_GROUP)
+            handle = producer.submit("hi", SamplingParams(max_tokens=2), request_id=rid)
+            if name == "no-xpending":  # held by a worker, with nothing written yet
+                assert admin.xreadgroup(WORKERS_GROUP, "someone", {stream: ">"}, count=1)
+            admin.xtrim(stream, maxlen=0, approximate=False)
+            with pytest.raises(TimeoutError):
+                handle.result(timeout=3)
+            assert admin.hget(producer.keys.job(rid), "status") == b"queued"
+            assert admin.llen(producer.keys.for_request(rid).unread_ended) == 0
+    finally:
+        admin.close()
