@@ -106,8 +106,9 @@ class JobHandle:
         keys, rid = self.producer.keys, self.request_id
         if quiet and cursor.seq < 0:
             try:
-                if self.producer._end_unread(rid):
-                    unread.log_ended(rid)
+                ended = self.producer._end_unread(rid)
+                if ended:
+                    unread.log_ended(rid, ended)
             except connection.REDIS_TRANSIENT:
                 pass  # the log read below waits for Redis
             except redis.ResponseError as exc:  # an ACL refusal: it wrote nothing

@@ -24,6 +24,8 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
+import redis
+
 from lorapool.audit_record import (
     AuditRecord,
     BaseModelInfo,
@@ -93,7 +95,18 @@ def record_ended(worker: Worker) -> int:
     script = register_script(worker.redis, RECORD_UNREAD)
     recorded = 0
     for view in worker.keys.shard_views:
-        ids = _ids(worker, view, worker.redis.lrange(view.unread_ended, 0, BATCH - 1))
+        try:
+            raw = worker.redis.lrange(view.unread_ended, 0, BATCH - 1)
+        except redis.ResponseError as exc:  # a producer's SET of it: WRONGTYPE
+            logger.warning(
+                "worker %s: %s holds another type than a list (%s): requests readers end "
+                "unread get no audit record until it is deleted",
+                worker.name,
+                view.unread_ended,
+                exc,
+            )
+            continue
+        ids = _ids(worker, view, raw)
         if ids:
             recorded += _record(worker, script, view, ids)
     return recorded

@@ -148,7 +148,7 @@ class Follower:
             unread.log_refused(request_id, exc)
             return False
         if ended:
-            unread.log_ended(request_id)
+            unread.log_ended(request_id, ended)
         return bool(ended)
 
     async def _fill(self, cursor: Cursor) -> list[Chunk]:

@@ -48,7 +48,8 @@ REASON = (
 # read and written, and readers' ACL users may only read logs and only push to the list;
 # both are in the marker's slot.
 # Returns 0 (left alone: not queued, not a hash, a log exists, pending to a worker, or
-# still to be read), else 1 (ended: the marker failed with the record, the id pushed).
+# still to be read), else 1 (ended: the marker failed with the record, the id pushed)
+# or 2 (ended, but the list holds another type than a list: no audit record).
 # Read-only until every check has passed; RPUSH, HSET and EXPIRE then.
 END_UNREAD = """
 local status = redis.pcall('HGET', KEYS[1], 'status')
@@ -83,10 +84,16 @@ if found.err == nil then
     if ems > dms or (ems == dms and eseq > dseq) then return 0 end  -- still to be read
   end
 end
--- the push first: a user whose ACL refuses it (rules older than the doc's) writes nothing
-redis.call('RPUSH', ARGV[5], ARGV[6])
+-- the push first: a user whose ACL refuses it (rules older than the doc's) writes
+-- nothing; a list key of another type (a producer's SET) loses the audit record only
+local pushed = redis.pcall('RPUSH', ARGV[5], ARGV[6])
+if type(pushed) == 'table' and pushed.err then
+  if not string.find(pushed.err, 'WRONGTYPE', 1, true) then return redis.error_reply(pushed.err) end
+  pushed = nil
+end
 redis.call('HSET', KEYS[1], 'status', 'failed', 'result', ARGV[2], 'unread', ARGV[7])
 redis.call('EXPIRE', KEYS[1], ARGV[3])
+if pushed == nil then return 2 end
 return 1
 """
 
@@ -150,6 +157,13 @@ def log_refused(request_id: str, exc: Exception) -> None:
     )
 
 
-def log_ended(request_id: str) -> None:
-    """The log line of a request a reader ended (``EndUnread`` returned 1)."""
+def log_ended(request_id: str, ended: int = 1) -> None:
+    """The log line of a request a reader ended (``EndUnread`` returned ``ended``: 1, or
+    2 when its id could not be pushed for the workers' audit record)."""
     logger.warning("request %s ended: %s", request_id, REASON)
+    if ended == 2:
+        logger.error(
+            "request %s: no audit record will be written for it: the pool's unread-ended "
+            "key holds another type than a list (delete it; docs/redis-acl.md)",
+            request_id,
+        )

@@ -190,3 +190,31 @@ def test_the_record_reads_back_as_the_audit_writer_reads_it(conn, keys, producer
         }
     finally:
         worker.teardown()
+
+
+def test_a_list_of_another_type_costs_the_record_only(conn, keys, producer, caplog):
+    """``unread-ended`` SET to a string (a producer may write it): the reader still ends
+    the request, saying no audit record will follow; the worker's loop logs it and goes
+    on (not as if Redis were away). Once an operator deletes the key, the next one is
+    recorded."""
+    worker = make_worker(conn, keys)
+    try:
+        for view in keys.shard_views:
+            conn.set(view.unread_ended, "x")
+        with caplog.at_level(logging.WARNING):
+            ended_unread(producer, conn, keys, ["lost-record"])
+            for _ in range(3):
+                worker.run_guarded()
+        assert not worker.stopped and worker._away_since is None
+        said = [r.getMessage() for r in caplog.records]
+        assert any("lost-record: no audit record" in line for line in said), said
+        assert any("holds another type than a list" in line for line in said), said
+        assert audit_records(conn, keys) == {}
+        for view in keys.shard_views:
+            conn.delete(view.unread_ended)
+        ended_unread(producer, conn, keys, ["recorded"])
+        worker._last["unread"] = 0.0
+        worker.run_guarded()
+        assert list(audit_records(conn, keys)) == ["recorded"]
+    finally:
+        worker.teardown()
