@@ -36,7 +36,7 @@ from lorapool.audit_record import (
 )
 from lorapool.connection import register_script
 from lorapool.lifecycle.keys import PRIORITIES, WORKERS_GROUP, Keys
-from lorapool.lifecycle.unread import REASON
+from lorapool.lifecycle.unread import CAUSES, REASON
 
 if TYPE_CHECKING:
     from lorapool.worker.worker import Worker
@@ -143,7 +143,7 @@ def _record(worker: Worker, script, view: Keys, ids: list[str]) -> int:
             worker.name,
             rid,
             markers.get(rid, {}).get("entry"),
-            REASON,
+            error_of(markers.get(rid, {})),
         )
     for rid in refused:
         logger.warning(
@@ -159,7 +159,7 @@ def _record(worker: Worker, script, view: Keys, ids: list[str]) -> int:
 def _markers(worker: Worker, view: Keys, ids: list[str]) -> dict[str, dict]:
     """Each id's marker fields the record needs (entry, submitted, unread); {} for a
     marker that is gone or of another type (the script refuses those)."""
-    fields = ("entry", "submitted", "unread")
+    fields = ("entry", "submitted", "unread", "unread_cause")
     with worker.redis.pipeline(transaction=False) as pipe:
         for rid in ids:
             pipe.hmget(view.job(rid), *fields)
@@ -187,11 +187,17 @@ def unread_record(worker: Worker, request_id: str, marker: dict[str, str]) -> di
             num_generated_tokens=0,
         ),
         outputs=(Output(0, "", (), finish_reason="error"),),
-        error=REASON,
+        error=error_of(marker),
     ).to_dict()
     if worker.config.audit_key is None:
         return record
     return sign_record(record, worker.config.audit_key, worker.config.prefix)
+
+
+def error_of(marker: dict[str, str]) -> str:
+    """The record's error: the reader's, and what it found (``CAUSES``) when known."""
+    found = CAUSES.get(marker.get("unread_cause", ""))
+    return REASON if found is None else f"{REASON}; found: {found}"
 
 
 def _time(value: str | None) -> float | None:

@@ -33,6 +33,17 @@ from lorapool.lifecycle.keys import PRIORITIES, WORKERS_GROUP, Keys
 from lorapool.lifecycle.wire import Chunk
 
 logger = logging.getLogger(__name__)
+# What END_UNREAD found (the marker's ``unread_cause``), as the audit record and the
+# worker's log line say it
+CAUSES = {
+    "entry": "its entry was gone from its job stream (XTRIM or XDEL)",
+    "stream": "its job stream no longer existed (DEL of the stream)",
+    "stream-type": "its job stream key held another type (SET of the stream key)",
+    "group": (
+        "its entry was behind the consumer group's last delivered id, held by no worker "
+        "(XGROUP SETID, or the group destroyed and re-created at $)"
+    ),
+}
 RESULT_TTL_S = 24 * 3600  # the ended marker's TTL: the workers' default --result-ttl
 REASON = (
     "its queue entry was removed before any worker read it (an operator's XTRIM, XDEL, "
@@ -50,7 +61,8 @@ REASON = (
 # Returns 0 (left alone: not queued, not a hash, a log exists, pending to a worker, or
 # still to be read), else 1 (ended: the marker failed with the record, the id pushed)
 # or 2 (ended, but the list holds another type than a list: no audit record).
-# Read-only until every check has passed; RPUSH, HSET and EXPIRE then.
+# Read-only until every check has passed; RPUSH, HSET and EXPIRE then. The marker keeps
+# what was found (``unread_cause``, one of ``CAUSES``) for the audit record.
 END_UNREAD = """
 local status = redis.pcall('HGET', KEYS[1], 'status')
 if type(status) ~= 'string' or status ~= 'queued' then return 0 end
@@ -64,7 +76,10 @@ for i = 8, #ARGV do
 end
 -- a stream key of another type (an operator's SET): the queue and the entry are gone
 local found = redis.pcall('XRANGE', stream, entry, entry)
+local cause = 'stream-type'  -- what was found, for the workers' audit record
 if found.err == nil then
+  cause = 'group'
+  if #found == 0 then cause = redis.call('EXISTS', stream) == 1 and 'entry' or 'stream' end
   local p = redis.pcall('XPENDING', stream, ARGV[1], entry, entry, 1)
   if p.err == nil and #p > 0 then return 0 end  -- a worker holds it
   -- no group is no holder; any other refusal (an ACL without XPENDING) tells nothing
@@ -91,7 +106,8 @@ if type(pushed) == 'table' and pushed.err then
   if not string.find(pushed.err, 'WRONGTYPE', 1, true) then return redis.error_reply(pushed.err) end
   pushed = nil
 end
-redis.call('HSET', KEYS[1], 'status', 'failed', 'result', ARGV[2], 'unread', ARGV[7])
+redis.call('HSET', KEYS[1], 'status', 'failed', 'result', ARGV[2], 'unread', ARGV[7],
+           'unread_cause', cause)
 redis.call('EXPIRE', KEYS[1], ARGV[3])
 if pushed == nil then return 2 end
 return 1

@@ -22,7 +22,7 @@ from lorapool.audit_db import AuditWriter, WriterConfig
 from lorapool.audit_db.queries import get_request
 from lorapool.audit_record import parse_record
 from lorapool.lifecycle.keys import WORKERS_GROUP
-from lorapool.lifecycle.unread import REASON
+from lorapool.lifecycle.unread import CAUSES, REASON
 from lorapool.protocol import SamplingParams
 from lorapool.worker import Worker, WorkerConfig, unread_audit
 
@@ -32,6 +32,7 @@ LAYOUTS = ("standalone", "cluster")
 PARAMS = SamplingParams(max_tokens=6, ignore_eos=True)
 bench = load()
 KEY = bench.AUDIT_KEY.encode()
+TRIMMED = f"{REASON}; found: {CAUSES['entry']}"  # the record's error after an XTRIM
 
 
 def make_worker(conn, keys, name: str = "w") -> Worker:
@@ -84,11 +85,11 @@ def test_an_xtrimmed_job_gets_one_error_audit_row_and_a_log_line(
                 worker.run_guarded()
         assert not worker.stopped
         lines = [r.getMessage() for r in caplog.records if r.name == unread_audit.__name__]
-        assert len(lines) == 1 and "request trimmed" in lines[0] and REASON in lines[0]
+        assert len(lines) == 1 and "request trimmed" in lines[0] and TRIMMED in lines[0]
         records = audit_records(conn, keys)
         assert list(records) == ["trimmed"] and len(records["trimmed"]) == 1
         record = records["trimmed"][0]
-        assert record.error == REASON and record.worker == "w"
+        assert record.error == TRIMMED and record.worker == "w"
         assert [(o.index, o.finish_reason, o.token_ids) for o in record.outputs] == [
             (0, "error", ())
         ]
@@ -98,7 +99,7 @@ def test_an_xtrimmed_job_gets_one_error_audit_row_and_a_log_line(
         assert conn.hget(keys.job("trimmed"), "unread") is None  # recorded: flag taken
         assert write_rows(conn, keys, audit_target) == 1
         rows = get_request(audit_target.engine, "trimmed")
-        assert [(r["finish_reason"], r["error"]) for r in rows] == [("error", REASON)]
+        assert [(r["finish_reason"], r["error"]) for r in rows] == [("error", TRIMMED)]
         assert conn.exists(keys.out("trimmed")) == 0  # never run
     finally:
         worker.teardown()
@@ -137,7 +138,7 @@ def test_two_workers_racing_write_one_record_each(conn, keys, producer, audit_ta
         assert write_rows(conn, keys, audit_target) == len(rids)
         for rid in rids:
             rows = get_request(audit_target.engine, rid)
-            assert [(r["finish_reason"], r["error"]) for r in rows] == [("error", REASON)]
+            assert [(r["finish_reason"], r["error"]) for r in rows] == [("error", TRIMMED)]
     finally:
         for worker in workers:
             worker.teardown()

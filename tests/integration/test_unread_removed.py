@@ -20,7 +20,7 @@ from standin import load
 
 from lorapool.audit_record import parse_record
 from lorapool.lifecycle.keys import WORKERS_GROUP
-from lorapool.lifecycle.unread import EndUnread
+from lorapool.lifecycle.unread import CAUSES, EndUnread
 from lorapool.producer import AsyncProducer
 from lorapool.protocol import SamplingParams
 from lorapool.worker import Worker, WorkerConfig
@@ -88,7 +88,9 @@ def test_an_entry_removed_before_any_worker_read_it_ends_its_request(
         # (tests/integration/test_unread_audit.py)
         (_, fields), *more = conn.xrange(keys.for_request(rid).audit)
         record = parse_record(fields[b"data"], bench.AUDIT_KEY.encode(), keys.prefix)
-        assert not more and record.request_id == rid and record.error == output.error
+        found = {"xtrim": "entry", "xdel": "entry", "group-reset": "group", "del-stream": "stream"}
+        assert not more and record.request_id == rid
+        assert record.error == f"{output.error}; found: {CAUSES[found[how]]}"
         assert [o.finish_reason for o in record.outputs] == ["error"]
         assert conn.hget(keys.job(rid), "status") == b"failed"
     finally:
