@@ -65,6 +65,9 @@ def ensure_audit_key(console: Console) -> None:
 
 
 def run_demo(model: str, max_tokens: int, console: Console) -> None:
+    # a SIGTERM ends the demo as Ctrl-C does, through its clean-up: its workers stop
+    # (Python's default for SIGTERM exits at once, leaving them serving its prefix)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     with one_demo_at_a_time():
         pipeline(model, max_tokens, console)
 
