@@ -307,3 +307,15 @@ class TcpProxy:
             pass
         with contextlib.suppress(OSError):
             sink.shutdown(socket.SHUT_WR)
+
+
+def drain_writer(audit_redis, target, prefix=None, consumer="w-test"):
+    """Run an audit writer over ``audit_redis``'s audit stream into ``target`` until it
+    is empty (burst); its summary."""
+    from lorapool.audit_db import AuditWriter, WriterConfig
+
+    prefix = prefix or audit_redis.prefix
+    config = WriterConfig(
+        prefix=prefix, shards=audit_redis.shards, consumer=consumer, **FAST_WRITER
+    )
+    return AuditWriter(audit_redis.conn, target.engine, config).run(burst=True)
