@@ -127,8 +127,7 @@ def _keys_lookup(keys: list[tuple]):
     ]
     wanted = func.unnest(*columns).table_valued("pool", "request_id", "idx").render_derived()
     one = (
-        select(completions, adapters.c.fingerprint)
-        .select_from(completions.outerjoin(adapters, completions.c.adapter_pk == adapters.c.pk))
+        select(completions)
         .where(
             completions.c.request_id == wanted.c.request_id,
             completions.c.completion_index == wanted.c.idx,
@@ -137,7 +136,8 @@ def _keys_lookup(keys: list[tuple]):
         .limit(1)  # the key is unique (the writer keeps it so under the chain lock)
         .lateral("stored")
     )
-    return select(one).select_from(wanted).join(one, true())
+    found = wanted.join(one, true()).outerjoin(adapters, one.c.adapter_pk == adapters.c.pk)
+    return select(one, adapters.c.fingerprint).select_from(found)
 
 
 def chain_head(conn: Connection) -> Head:
