@@ -26,9 +26,22 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import Connection, String, delete, func, select, tuple_, type_coerce
+from sqlalchemy import (
+    ARRAY,
+    Connection,
+    Integer,
+    String,
+    bindparam,
+    delete,
+    func,
+    select,
+    true,
+    tuple_,
+    type_coerce,
+)
 from sqlalchemy.dialects import postgresql, sqlite
 
+from lorapool.audit_db import exact_text
 from lorapool.audit_db.schema import completions, usage_daily, usage_progress
 
 DAY_S = 86_400
@@ -159,12 +172,41 @@ def _cell(row: Mapping[str, Any]) -> Cell:
 
 def _stored(conn: Connection, keys: list[Key]) -> dict[Key, Cell]:
     found: dict[Key, Cell] = {}
-    columns = tuple_(usage_daily.c.day, usage_daily.c.dimension, usage_daily.c.group_key)
-    for start in range(0, len(keys), 500):
-        query = select(usage_daily).where(columns.in_(keys[start : start + 500]))
-        for row in conn.execute(query).mappings():
+    step = len(keys) if conn.dialect.name == "postgresql" else 500  # SQLite: bound variables
+    for start in range(0, len(keys), max(step, 1)):
+        for row in conn.execute(_stored_query(conn, keys[start : start + step])).mappings():
             found[(row["day"], row["dimension"], row["group_key"])] = _cell(row)
     return found
+
+
+def _stored_query(conn: Connection, keys: list[Key]):
+    """The stored cells of ``keys``. PostgreSQL: one index probe per key (a LATERAL
+    join with LIMIT 1), whatever the statistics; a refresh of 10,000 rows spread over
+    90 days touches ~13,000 cells, and ``(day, dimension, group_key) IN (500 rows)``
+    spent ~100 ms planning each chunk of 500 (1.3 s a refresh). SQLite: the IN list."""
+    if conn.dialect.name != "postgresql":
+        columns = tuple_(usage_daily.c.day, usage_daily.c.dimension, usage_daily.c.group_key)
+        return select(usage_daily).where(columns.in_(keys))
+    wanted = (
+        func.unnest(
+            bindparam("days", [k[0] for k in keys], type_=ARRAY(Integer)),
+            bindparam("dimensions", [k[1] for k in keys], type_=ARRAY(String)),
+            bindparam("groups", [exact_text.encode(k[2]) for k in keys], type_=ARRAY(String)),
+        )
+        .table_valued("day", "dimension", "group_key")
+        .render_derived()
+    )
+    one = (
+        select(usage_daily)
+        .where(
+            usage_daily.c.day == wanted.c.day,
+            usage_daily.c.dimension == wanted.c.dimension,
+            usage_daily.c.group_key == wanted.c.group_key,
+        )
+        .limit(1)  # the primary key
+        .lateral("cell")
+    )
+    return select(one).select_from(wanted).join(one, true())
 
 
 def _row(key: Key, cell: Cell) -> dict[str, Any]:
