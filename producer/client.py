@@ -10,7 +10,7 @@ from typing import Any
 import redis
 
 from lorapool import connection
-from lorapool.lifecycle import marker, unread
+from lorapool.lifecycle import marker, orphaned, unread
 from lorapool.lifecycle.chunk_log import Cursor, OutputAssembler
 from lorapool.lifecycle.keys import DEFAULT_PREFIX, Keys
 from lorapool.lifecycle.listener import Listener
@@ -74,6 +74,7 @@ class JobHandle:
         ``timeout`` seconds.
         """
         cursor, deadline = Cursor(self.request_id, after), _deadline(timeout)
+        self._quiet = orphaned.Quiet()
         yield from self._read_log(cursor)
         if cursor.done:  # finished already: no subscription
             return
@@ -102,9 +103,11 @@ class JobHandle:
         record once there is one and the log has nothing to follow on with (compacted,
         or made again without its head); nothing while Redis is away. ``quiet``
         (a read after a quiet while) with nothing read yet: first ends the request if
-        its queue entry was removed unread (``lifecycle.unread``)."""
+        its queue entry was removed unread (``lifecycle.unread``); with a log, once no
+        chunk came for a while, if its worker stopped partway and its entry is gone
+        (``lifecycle.orphaned``)."""
         keys, rid = self.producer.keys, self.request_id
-        if quiet and cursor.seq < 0:
+        if quiet and cursor.seq < 0 and not cursor.logged:
             try:
                 ended = self.producer._end_unread(rid)
                 if ended:
@@ -113,6 +116,8 @@ class JobHandle:
                 pass  # the log read below waits for Redis
             except redis.ResponseError as exc:  # an ACL refusal: it wrote nothing
                 unread.log_refused(rid, exc)
+        elif quiet and self._quiet.due(cursor.seq):
+            self._end_orphaned(cursor)
         while not cursor.done:
             try:
                 with self.producer.redis.pipeline(transaction=False) as pipe:
@@ -131,6 +136,19 @@ class JobHandle:
             elif result is not None:  # compacted, or a log made again without its head
                 yield from cursor.rest(result)
             return
+
+    def _end_orphaned(self, cursor: Cursor) -> None:
+        """End the request if its worker stopped partway and its entry is gone
+        (``lifecycle.orphaned``); the log read that follows gives the final chunk."""
+        producer, rid = self.producer, self.request_id
+        try:
+            ended = orphaned.end(producer.redis, producer._end_unread, producer.keys, rid)
+            if ended:
+                orphaned.log_ended(rid, ended)
+        except connection.REDIS_TRANSIENT:
+            pass  # the log read waits for Redis
+        except redis.ResponseError as exc:  # an ACL refusal: it wrote nothing
+            unread.log_refused(rid, exc)
 
     def stream(self, after: int = -1, timeout: float | None = None) -> Iterator[RequestOutput]:
         """RequestOutputs in the job's ``output_kind``; ``after``: skip chunks up to that seq.

@@ -12,7 +12,9 @@ writes its record in the same atomic call, so of two workers that read the same 
 only one writes each; the marker's ``unread`` flag goes with it, so an id pushed again
 writes nothing. The list is pushed to by readers (and so by anyone with a producer's
 rights): an id is recorded only if its marker says a reader ended it (``unread``),
-the request has no chunk log (no worker wrote for it) and no worker holds its entry;
+the request has no chunk log (no worker wrote for it; or the reader ended a run whose
+worker stopped partway, ``lifecycle/orphaned.py``: then the record holds what the log
+held) and no worker holds its entry;
 anything else is taken off the list and logged, not recorded. What a record holds is
 what is left of a job whose entry is gone: its id, when it was submitted and ended, the
 error; not its prompt, parameters or metadata (the marker does not keep them).
@@ -35,6 +37,8 @@ from lorapool.audit_record import (
     sign_record,
 )
 from lorapool.connection import register_script
+from lorapool.lifecycle import orphaned
+from lorapool.lifecycle.chunk_log import RESULT_FIELD, decode_result
 from lorapool.lifecycle.keys import PRIORITIES, WORKERS_GROUP, Keys
 from lorapool.lifecycle.unread import CAUSES, REASON
 
@@ -46,11 +50,13 @@ BATCH = 32  # ids taken from a shard's list in one upkeep
 
 # KEYS: the shard's ended list, its audit stream, its job streams (``Keys.streams``),
 # then per request: its marker, its chunk log.
-# ARGV: group, the number of job streams, their priorities in the same order, then per
-# request: its id, its signed audit record.
+# ARGV: group, the number of job streams, the log's grace (s), the streams' priorities
+# in the same order, then per request: its id, its signed audit record.
 # Per request: the id off the list (LREM; nothing more unless it was there), then, only
-# if the marker (a hash) has ``unread`` and status failed, no log exists and the entry is
-# pending to no worker: the record into the audit stream and ``unread`` off the marker.
+# if the marker (a hash) has ``unread`` and status failed, no log exists (or the reader
+# ended a run stopped partway: ``unread_log``) and the entry is pending to no worker:
+# the record into the audit stream, ``unread`` off the marker and the log, if any, kept
+# only for the grace (its final record is in the marker, as after a compaction).
 # Returns {recorded ids, refused ids} (ids no longer on the list: neither).
 RECORD_UNREAD = """
 local n = tonumber(ARGV[2])
@@ -58,12 +64,13 @@ local function ended(marker, log)
   local status = redis.pcall('HGET', marker, 'status')
   if type(status) ~= 'string' or status ~= 'failed' then return false end
   if not redis.call('HGET', marker, 'unread') then return false end
-  if redis.call('EXISTS', log) == 1 then return false end
+  local ran = redis.call('HGET', marker, 'unread_log')
+  if not ran and redis.call('EXISTS', log) == 1 then return false end
   local entry = redis.call('HGET', marker, 'entry')
-  local priority = redis.call('HGET', marker, 'priority') or ARGV[3]
+  local priority = redis.call('HGET', marker, 'priority') or ARGV[4]
   local stream = KEYS[3]
   for i = 1, n do
-    if ARGV[2 + i] == priority then stream = KEYS[2 + i] end
+    if ARGV[3 + i] == priority then stream = KEYS[2 + i] end
   end
   if not entry then return true end
   local p = redis.pcall('XPENDING', stream, ARGV[1], entry, entry, 1)
@@ -71,13 +78,14 @@ local function ended(marker, log)
   return #p == 0
 end
 local recorded, refused = {}, {}
-local k, a = 3 + n, 3 + n
+local k, a = 3 + n, 4 + n
 while k < #KEYS do
   local id = ARGV[a]
   if redis.call('LREM', KEYS[1], 0, id) > 0 then
     if ended(KEYS[k], KEYS[k + 1]) then
       redis.call('XADD', KEYS[2], '*', 'data', ARGV[a + 1])
       redis.call('HDEL', KEYS[k], 'unread')
+      redis.call('EXPIRE', KEYS[k + 1], ARGV[3])  -- a log only where a run stopped
       recorded[#recorded + 1] = id
     else
       refused[#refused + 1] = id
@@ -129,8 +137,8 @@ def _ids(worker: Worker, view: Keys, raw: list[bytes]) -> list[str]:
 
 def _record(worker: Worker, script, view: Keys, ids: list[str]) -> int:
     markers = _markers(worker, view, ids)
-    keys, args = [view.unread_ended, view.audit, *view.streams], [WORKERS_GROUP, len(PRIORITIES)]
-    args += list(PRIORITIES)
+    keys = [view.unread_ended, view.audit, *view.streams]
+    args = [WORKERS_GROUP, len(PRIORITIES), worker.config.log_grace_s, *PRIORITIES]
     for rid in ids:
         keys += [view.job(rid), view.out(rid)]
         args += [rid, encode_audit_record(unread_record(worker, rid, markers[rid]))]
@@ -138,8 +146,7 @@ def _record(worker: Worker, script, view: Keys, ids: list[str]) -> int:
     for rid in recorded:
         rid = rid.decode("utf-8", "replace")
         logger.error(
-            "worker %s: request %s (entry %s) was ended by a reader, never run: %s; "
-            "audit record written",
+            "worker %s: request %s (entry %s) was ended by a reader: %s; audit record written",
             worker.name,
             rid,
             markers.get(rid, {}).get("entry"),
@@ -159,7 +166,7 @@ def _record(worker: Worker, script, view: Keys, ids: list[str]) -> int:
 def _markers(worker: Worker, view: Keys, ids: list[str]) -> dict[str, dict]:
     """Each id's marker fields the record needs (entry, submitted, unread); {} for a
     marker that is gone or of another type (the script refuses those)."""
-    fields = ("entry", "submitted", "unread", "unread_cause")
+    fields = ("entry", "submitted", "unread", "unread_cause", "unread_log", RESULT_FIELD)
     with worker.redis.pipeline(transaction=False) as pipe:
         for rid in ids:
             pipe.hmget(view.job(rid), *fields)
@@ -167,15 +174,20 @@ def _markers(worker: Worker, view: Keys, ids: list[str]) -> dict[str, dict]:
     markers = {}
     for rid, reply in zip(ids, replies):
         values = [] if isinstance(reply, Exception) else reply
-        markers[rid] = {f: v.decode() for f, v in zip(fields, values) if v is not None}
+        markers[rid] = {f: v for f, v in zip(fields, values) if v is not None}
+        for f, v in markers[rid].items():
+            if f != RESULT_FIELD:
+                markers[rid][f] = v.decode("utf-8", "replace")
     return markers
 
 
 def unread_record(worker: Worker, request_id: str, marker: dict[str, str]) -> dict:
     """The audit record of a request a reader ended unread (signed unless the worker runs
-    with --insecure-no-key): one completion (index 0) with finish_reason "error", no
-    tokens, the reader's error; arrival when it was submitted, finished when it ended."""
+    with --insecure-no-key): finish_reason "error" and the reader's error; one completion
+    (index 0) with no tokens, or, for a run stopped partway, the output the reader found
+    (``lifecycle.orphaned``); arrival when it was submitted, finished when it ended."""
     ended = _time(marker.get("unread")) or time.time()
+    prompt, outputs = _output(request_id, marker)
     record = AuditRecord(
         request_id=request_id,
         worker=worker.name,
@@ -183,10 +195,10 @@ def unread_record(worker: Worker, request_id: str, marker: dict[str, str]) -> di
         metrics=Metrics(
             _time(marker.get("submitted")) or ended,
             finished_time=ended,
-            num_prompt_tokens=0,
-            num_generated_tokens=0,
+            num_prompt_tokens=len(prompt),
+            num_generated_tokens=sum(len(o.token_ids) for o in outputs),
         ),
-        outputs=(Output(0, "", (), finish_reason="error"),),
+        outputs=outputs,
         error=error_of(marker),
     ).to_dict()
     if worker.config.audit_key is None:
@@ -194,10 +206,33 @@ def unread_record(worker: Worker, request_id: str, marker: dict[str, str]) -> di
     return sign_record(record, worker.config.audit_key, worker.config.prefix)
 
 
+def _output(request_id: str, marker: dict) -> tuple[list[int], tuple[Output, ...]]:
+    """The prompt's token ids and the completions of the reader's final record (a run
+    stopped partway), else none and one empty completion (never run, or unreadable)."""
+    empty = ([], (Output(0, "", (), finish_reason="error"),))
+    if "unread_log" not in marker or RESULT_FIELD not in marker:
+        return empty
+    try:
+        whole = decode_result(marker[RESULT_FIELD], request_id)
+        outputs = tuple(
+            Output(
+                o["index"],
+                o["text"],
+                tuple(o["token_ids"]),
+                finish_reason=o.get("finish_reason") or "error",
+            )
+            for o in whole.outputs
+        )
+    except (ValueError, KeyError, TypeError):
+        return empty
+    return list(whole.prompt_token_ids or []), outputs or empty[1]
+
+
 def error_of(marker: dict[str, str]) -> str:
     """The record's error: the reader's, and what it found (``CAUSES``) when known."""
     found = CAUSES.get(marker.get("unread_cause", ""))
-    return REASON if found is None else f"{REASON}; found: {found}"
+    reason = orphaned.REASON if "unread_log" in marker else REASON
+    return reason if found is None else f"{reason}; found: {found}"
 
 
 def _time(value: str | None) -> float | None:

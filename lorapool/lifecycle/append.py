@@ -99,7 +99,8 @@ def append_call(
 # rewritten; a second entry of the id is refused at its first chunk; and its status
 # turns final only by a final of this entry (this worker's, or, after a claim, another's:
 # the pending list then refuses this one) or a reader's END_UNREAD (only for an entry
-# pending to no one with no log). So one HMGET a run, not one a chunk.
+# pending to no one, with no log or one a killed worker left unchanged since the reader
+# read it: lifecycle/orphaned.py). So one HMGET a run, not one a chunk.
 # At most one run per request id: a chunk is taken only for the entry the marker names
 # (SUBMIT writes it; a raw XADD has none) and never after the request's final record,
 # so a duplicate entry cannot add a second final chunk or a second audit record. Where

@@ -75,10 +75,12 @@ class Cursor:
         self.placed = after < 0  # knows every offset since the start
         self.given: dict[int, tuple[int, int]] = {}  # index -> (tokens, characters)
         self.done = False
+        self.logged = False  # a read found the log holding chunks (taken or not)
 
     def take(self, entries: list) -> Iterator[Chunk]:
         """Chunks of the log's ``entries`` (read from index ``seq + 1``), in order, to the
         final one."""
+        self.logged = self.logged or bool(entries)
         for raw in entries:
             chunk = decode_chunk(raw, self.request_id)
             if self.accepts(chunk):

@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator
 import redis
 
 from lorapool.connection import REDIS_TRANSIENT as TRANSIENT
-from lorapool.lifecycle import unread
+from lorapool.lifecycle import orphaned, unread
 from lorapool.lifecycle.chunk_log import Cursor
 from lorapool.lifecycle.keys import Keys
 from lorapool.lifecycle.marker import read_back, read_back_result
@@ -112,7 +112,7 @@ class Follower:
             raise self.error
 
     async def _chunks(self, followed: _Followed) -> AsyncIterator[Chunk]:
-        cursor, quiet = followed.cursor, self.poll_s
+        cursor, quiet, still = followed.cursor, self.poll_s, orphaned.Quiet()
         for chunk in await self._fill(cursor):  # what came before the subscription
             yield chunk
         while not cursor.done:
@@ -132,7 +132,11 @@ class Follower:
                 yield chunk
             if payload is None and not filled:  # still queued: poll less and less often
                 quiet = min(MAX_QUIET_S, 2 * quiet)
-                if cursor.seq < 0 and await self._end_unread(cursor.request_id):
+                if cursor.seq < 0 and not cursor.logged:
+                    ended = await self._end_unread(cursor.request_id)
+                else:
+                    ended = still.due(cursor.seq) and await self._end_orphaned(cursor)
+                if ended:
                     for chunk in await self._fill(cursor):  # the final error record
                         yield chunk
 
@@ -149,6 +153,22 @@ class Follower:
             return False
         if ended:
             unread.log_ended(request_id, ended)
+        return bool(ended)
+
+    async def _end_orphaned(self, cursor: Cursor) -> bool:
+        """Whether this call ended the request because its worker stopped partway and
+        its entry is gone (``lifecycle.orphaned``); False while Redis is away."""
+        rid = cursor.request_id
+        try:
+            async with self.fills:
+                ended = await orphaned.end_async(self.redis, self.unread, self.keys, rid)
+        except TRANSIENT:
+            return False
+        except redis.ResponseError as exc:  # an ACL refusal: it wrote nothing
+            unread.log_refused(rid, exc)
+            return False
+        if ended:
+            orphaned.log_ended(rid, ended)
         return bool(ended)
 
     async def _fill(self, cursor: Cursor) -> list[Chunk]:

@@ -20,6 +20,9 @@ on its shard's ``unread-ended`` list, the one key of the workers' that readers m
 write (push only); a worker's upkeep takes the ids from there, checks each again and
 writes one signed record each (``worker/unread_audit.py``). A request ends once: the
 script re-checks all of the above atomically, and a second call finds it failed.
+
+The same script ends a request a killed worker had begun whose entry is gone, given
+the log as its reader read it (``lifecycle/orphaned.py``).
 """
 
 from __future__ import annotations
@@ -54,25 +57,42 @@ REASON = (
 # KEYS: the job's marker, then its shard's job streams (``Keys.streams``).
 # ARGV: group, the final record, its TTL (s), the job's chunk log (only read), the
 # shard's ended list (``Keys.unread_ended``, only pushed to), the request id, the time,
-# then the priorities in the streams' order (a marker without one: the first). The log
+# the log it must have ('0': none; n: n chunks, the last not final, ``lifecycle.orphaned``;
+# 'check': any such log, and nothing written: -1 where it would end it), then the
+# priorities in the streams' order (a marker without one: the first). The log
 # and the list are named here, not in KEYS, for Redis checks a script's declared keys as
 # read and written, and readers' ACL users may only read logs and only push to the list;
 # both are in the marker's slot.
-# Returns 0 (left alone: not queued, not a hash, a log exists, pending to a worker, or
-# still to be read), else 1 (ended: the marker failed with the record, the id pushed)
+# Returns 0 (left alone: not queued, not a hash, a log exists (or not the one asked),
+# pending to a worker, or still to be read), else 1 (ended: the marker failed with the
+# record, the id pushed)
 # or 2 (ended, but the list holds another type than a list: no audit record).
 # Read-only until every check has passed; RPUSH, HSET and EXPIRE then. The marker keeps
-# what was found (``unread_cause``, one of ``CAUSES``) for the audit record.
+# what was found (``unread_cause``, one of ``CAUSES``) for the audit record, and for a
+# run stopped partway its log's length (``unread_log``).
 END_UNREAD = """
 local status = redis.pcall('HGET', KEYS[1], 'status')
 if type(status) ~= 'string' or status ~= 'queued' then return 0 end
 local entry = redis.call('HGET', KEYS[1], 'entry')
-local priority = redis.call('HGET', KEYS[1], 'priority') or ARGV[8]
+local priority = redis.call('HGET', KEYS[1], 'priority') or ARGV[9]
 if not entry or not string.match(entry, '^%d+%-%d+$') then return 0 end
-if redis.call('EXISTS', ARGV[4]) == 1 then return 0 end  -- a worker wrote for it
+local expect = ARGV[8]
+if expect == '0' then
+  if redis.call('EXISTS', ARGV[4]) == 1 then return 0 end  -- a worker wrote for it
+else  -- a run stopped partway: a log of ARGV[8] chunks (any: 'check') not ending final
+  local last = redis.pcall('LRANGE', ARGV[4], -1, -1)
+  if last.err or #last == 0 then return 0 end
+  local ok, record = pcall(cjson.decode, last[1])
+  if ok and type(record) == 'table' and record['f'] == 1 then return 0 end
+  if expect ~= 'check' then  -- no chunk since the reader read it (LRANGE: its ACL's)
+    local n = tonumber(expect)
+    if #redis.call('LRANGE', ARGV[4], n, n) > 0 then return 0 end
+    if #redis.call('LRANGE', ARGV[4], n - 1, n - 1) == 0 then return 0 end
+  end
+end
 local stream = KEYS[2]
-for i = 8, #ARGV do
-  if ARGV[i] == priority then stream = KEYS[i - 6] end
+for i = 9, #ARGV do
+  if ARGV[i] == priority then stream = KEYS[i - 7] end
 end
 -- a stream key of another type (an operator's SET): the queue and the entry are gone
 local found = redis.pcall('XRANGE', stream, entry, entry)
@@ -99,6 +119,7 @@ if found.err == nil then
     if ems > dms or (ems == dms and eseq > dseq) then return 0 end  -- still to be read
   end
 end
+if expect == 'check' then return -1 end
 -- the push first: a user whose ACL refuses it (rules older than the doc's) writes
 -- nothing; a list key of another type (a producer's SET) loses the audit record only
 local pushed = redis.pcall('RPUSH', ARGV[5], ARGV[6])
@@ -108,6 +129,7 @@ if type(pushed) == 'table' and pushed.err then
 end
 redis.call('HSET', KEYS[1], 'status', 'failed', 'result', ARGV[2], 'unread', ARGV[7],
            'unread_cause', cause)
+if expect ~= '0' then redis.call('HSET', KEYS[1], 'unread_log', expect) end
 redis.call('EXPIRE', KEYS[1], ARGV[3])
 if pushed == nil then return 2 end
 return 1
@@ -139,18 +161,20 @@ class EndUnread:
         self.keys = keys
         self._script = register_script(connection, END_UNREAD)
 
-    def __call__(self, request_id: str):
+    def __call__(self, request_id: str, log: int | str = 0, record: bytes | None = None):
+        """``log``/``record``: a run stopped partway (``lifecycle.orphaned``)."""
         keys = self.keys.for_request(request_id)
         return self._script(
             keys=[keys.job(request_id), *keys.streams],
             args=[
                 WORKERS_GROUP,
-                unread_record(request_id, REASON),
+                record or (b"" if log == "check" else unread_record(request_id, REASON)),
                 RESULT_TTL_S,
                 keys.out(request_id),
                 keys.unread_ended,
                 request_id,
                 time.time(),
+                log,
                 *PRIORITIES,
             ],
         )

@@ -327,3 +327,63 @@ def test_a_reader_with_older_rules_writes_nothing_and_waits(server, layout):
             assert admin.llen(producer.keys.for_request(rid).unread_ended) == 0
     finally:
         admin.close()
+
+
+def test_a_reader_ends_a_run_stopped_partway_with_its_roles_user(server):
+    """A run a killed worker began, whose entry an operator deleted and another worker's
+    claim dropped (issue 31 Build 2, ``lifecycle/orphaned.py``): a producer's and an RQ
+    worker's handles and the gateway's follower end it with their roles' users (the log
+    read by LRANGE only), and a worker, as its user, writes the audit records and lets
+    the logs expire."""
+    from lorapool.lifecycle.keys import WORKERS_GROUP
+    from lorapool.lifecycle.orphaned import REASON
+    from lorapool.worker import unread_audit
+
+    def worker(name: str) -> Worker:
+        config = WorkerConfig(shards=server.shards, name=name, lease_s=1.0)
+        made = Worker(
+            load().StandInEngine(8, 0.005),
+            connect(url(server, "worker")),
+            config,
+            {"name": "m", "sha256": "0"},
+        )
+        made.ensure_group()
+        return made
+
+    admin, killed, survivor = connect(server.url), worker("killed"), worker("survivor")
+    roles = ("producer", "gateway", "rq-worker")
+    params = SamplingParams(max_tokens=500, ignore_eos=True)
+    producers = {role: Producer(url(server, role), shards=server.shards) for role in roles}
+    keys = {role: p.keys.for_request(f"ran-{role}") for role, p in producers.items()}
+    try:
+        for role, producer in producers.items():
+            producer.submit("hi", params, request_id=f"ran-{role}")
+        while any(admin.llen(keys[role].out(f"ran-{role}")) < 2 for role in roles):
+            killed.run_guarded()
+        killed.publisher.close()  # SIGKILL: nothing of it reaches Redis any more
+        for role in roles:
+            view, rid = keys[role], f"ran-{role}"
+            assert admin.xdel(view.requests, admin.hget(view.job(rid), "entry")) == 1
+        while any(admin.xpending(k.requests, WORKERS_GROUP)["pending"] for k in keys.values()):
+            survivor.run_guarded()  # its claim drops the deleted entries
+
+        async def follow(rid):
+            reader = AsyncProducer(url(server, "gateway"), shards=server.shards)
+            try:
+                return await (await reader.handle(rid)).result(timeout=30)
+            finally:
+                await reader.aclose()
+
+        for role in ("producer", "rq-worker"):
+            output = producers[role].handle(f"ran-{role}").result(timeout=30)
+            assert output.error == REASON and output.outputs[0].token_ids
+        assert asyncio.run(follow("ran-gateway")).error == REASON
+        assert unread_audit.record_ended(survivor) == len(roles)
+        for role in roles:
+            assert 0 < admin.ttl(keys[role].out(f"ran-{role}")) <= survivor.config.log_grace_s
+    finally:
+        for made in (killed, survivor):
+            made.redis.close()
+        for producer in producers.values():
+            producer.redis.close()
+        admin.close()

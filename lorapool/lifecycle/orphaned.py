@@ -1,0 +1,111 @@
+"""A request a worker started and never ended whose queue entry is gone (issue 31 Build 2):
+its worker stopped (SIGKILL, a lost machine) after writing some chunks, and an operator
+removed the entry (``XTRIM``, ``XDEL``, the group destroyed and re-created, ``DEL`` of
+the stream); another worker's claim then drops the entry from the pending list without
+its request id (``lease.claim_idle``), so no worker will resume it.
+
+Its readers end it, as ``lifecycle.unread`` does for a request no worker read: a reader
+whose request's log holds chunks (taken or not: a log an operator deleted is made again
+without its head) and has had no new chunk for ``QUIET_S`` asks ``END_UNREAD`` (``log``
+'check', nothing written) whether the request is queued, with a log that does not end
+in a final chunk, pending to no worker and not to be read. Only then does it read the
+whole log, build its output so far as one final record (``orphan_record``: finish_reason
+"error", ``REASON``), and ask again with the log's length: the script re-checks all of
+it atomically, and that no chunk came since, before it stores the record in the marker
+(status failed) and pushes the id for the workers' audit record
+(``worker/unread_audit.py``). Every reader then gets one final chunk, after exactly the
+chunks it had, from the record's rest (``marker.read_back_result``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+from lorapool.lifecycle.accumulator import Accumulator
+from lorapool.lifecycle.chunk_log import encode_result
+from lorapool.lifecycle.wire import decode_chunk
+
+logger = logging.getLogger(__name__)
+QUIET_S = 3.0  # no new chunk this long: a reader asks whether its request was orphaned
+REASON = (
+    "its queue entry was removed while no live worker held it (an operator's XTRIM, "
+    "XDEL, XGROUP DESTROY/SETID or DEL of the job stream after its worker stopped; see "
+    "README, operator commands): it ran partially and cannot resume; submit it again"
+)
+
+
+def orphan_record(request_id: str, raws: list[bytes]) -> bytes | None:
+    """The final record of a request whose log holds ``raws``: the whole output so far,
+    one chunk past the last (finished, the error ``REASON``; completions not finished
+    get finish_reason "error"). None when the log is empty, malformed or finished."""
+    output = Accumulator()
+    try:
+        for raw in raws:
+            output.add(decode_chunk(raw, request_id))
+    except ValueError:
+        return None
+    whole = output.whole(request_id)
+    if whole is None or whole.finished:
+        return None
+    now = time.time()  # metrics: the latest a chunk had (arrival at least), finished now
+    metrics = {"arrival_time": now, **(whole.metrics or output.first.metrics or {})}
+    metrics["finished_time"] = now
+    outputs = [
+        o if o.get("finish_reason") else {**o, "finish_reason": "error", "stop_reason": None}
+        for o in whole.outputs
+    ]
+    final = dataclasses.replace(
+        whole, seq=whole.seq + 1, finished=True, error=REASON, outputs=outputs, metrics=metrics
+    )
+    return encode_result(final)
+
+
+class Quiet:
+    """When a reader's request last moved (its cursor's seq), to ask ``END_UNREAD``
+    about it only after ``QUIET_S`` without a new chunk (``due``)."""
+
+    def __init__(self):
+        self.seq, self.since = -1, time.monotonic()
+
+    def due(self, seq: int) -> bool:
+        now = time.monotonic()
+        if seq != self.seq:
+            self.seq, self.since = seq, now
+        return now - self.since >= QUIET_S
+
+
+def end(connection, end_unread, keys, request_id: str) -> int:
+    """End ``request_id`` if it was orphaned (sync client): ``END_UNREAD``'s reply (0: left
+    alone). One round trip while it is not orphaned, two more when it is."""
+    if end_unread(request_id, "check") != -1:
+        return 0
+    raws = connection.lrange(keys.out(request_id), 0, -1)
+    record = orphan_record(request_id, raws)
+    if record is None:
+        return 0
+    return end_unread(request_id, len(raws), record)
+
+
+async def end_async(connection, end_unread, keys, request_id: str) -> int:
+    """``end`` on a redis.asyncio client."""
+    if await end_unread(request_id, "check") != -1:
+        return 0
+    raws = await connection.lrange(keys.out(request_id), 0, -1)
+    record = orphan_record(request_id, raws)
+    if record is None:
+        return 0
+    return await end_unread(request_id, len(raws), record)
+
+
+def log_ended(request_id: str, ended: int) -> None:
+    """The log line of a request a reader ended (``ended``: 2 when its id could not be
+    pushed for the workers' audit record)."""
+    logger.warning("request %s ended: %s", request_id, REASON)
+    if ended == 2:
+        logger.error(
+            "request %s: no audit record will be written for it: the pool's unread-ended "
+            "key holds another type than a list (delete it; docs/redis-acl.md)",
+            request_id,
+        )
