@@ -63,9 +63,12 @@ class Edge:
                 first = time.perf_counter() - start
             await send(message)
 
-        async def sending(message):  # the app's, unless the edge has answered for it
-            if not cut:
-                await edge_sending(message)
+        def sending(message):  # the app's, unless the edge has answered for it
+            if cut:
+                return _nothing()
+            # past the first body message there is nothing left to note: a stream's
+            # events go to the server's send with no coroutine of ours around them
+            return send(message) if first is not None else edge_sending(message)
 
         cut = False
         try:
@@ -85,6 +88,10 @@ class Edge:
             self.metrics.observe(handler, scope["method"], status, total, tenant)
             if stats is not None:
                 stats.add(status, total if first is None else first, total)
+
+
+async def _nothing() -> None:
+    return None
 
 
 async def _raced(task: asyncio.Future, watch, begun, scope) -> bool:
