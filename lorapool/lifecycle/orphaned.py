@@ -23,6 +23,7 @@ import dataclasses
 import logging
 import time
 
+from lorapool.lifecycle import unread
 from lorapool.lifecycle.accumulator import Accumulator
 from lorapool.lifecycle.chunk_log import encode_result
 from lorapool.lifecycle.wire import decode_chunk
@@ -100,12 +101,5 @@ async def end_async(connection, end_unread, keys, request_id: str) -> int:
 
 
 def log_ended(request_id: str, ended: int) -> None:
-    """The log line of a request a reader ended (``ended``: 2 when its id could not be
-    pushed for the workers' audit record)."""
-    logger.warning("request %s ended: %s", request_id, REASON)
-    if ended == 2:
-        logger.error(
-            "request %s: no audit record will be written for it: the pool's unread-ended "
-            "key holds another type than a list (delete it; docs/redis-acl.md)",
-            request_id,
-        )
+    """The log line of a request a reader ended (``unread.log_ended`` with this REASON)."""
+    unread.log_ended(request_id, ended, REASON)

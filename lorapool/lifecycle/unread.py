@@ -197,10 +197,10 @@ def log_refused(request_id: str, exc: Exception) -> None:
     )
 
 
-def log_ended(request_id: str, ended: int = 1) -> None:
+def log_ended(request_id: str, ended: int = 1, reason: str = REASON) -> None:
     """The log line of a request a reader ended (``EndUnread`` returned ``ended``: 1, or
-    2 when its id could not be pushed for the workers' audit record)."""
-    logger.warning("request %s ended: %s", request_id, REASON)
+    2 when its id could not be pushed for the workers' audit record) for ``reason``."""
+    logger.warning("request %s ended: %s", request_id, reason)
     if ended == 2:
         logger.error(
             "request %s: no audit record will be written for it: the pool's unread-ended "
