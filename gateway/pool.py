@@ -20,7 +20,7 @@ from lorapool.gateway.config import GatewayConfig
 from lorapool.gateway.dashboard_session import Sessions
 from lorapool.gateway.redis_watch import RedisWatch
 from lorapool.gateway.tokenizer import TokenizerCache
-from lorapool.lifecycle.adapter_record import lora_from_record
+from lorapool.lifecycle.adapter_record import UnknownAdapter, lora_from_record
 from lorapool.lifecycle.queue_position import QueuePosition
 from lorapool.openai.errors import APIError, field_error, job_lost, model_not_found
 from lorapool.openai.limits import LimitsCache, check_limits, check_stop_count
@@ -125,11 +125,10 @@ class Pool:
                 prompts, params, lora, ids, metadata or None, priority, on_finish
             )
         except FieldError as exc:
-            rid = next((r for r in ids if str(exc).startswith(f"job {r}: ")), "")
-            raise field_error(exc, rid, names) from None
-        except ValueError as exc:  # the adapter left the registry meanwhile
-            if "unknown adapter" in str(exc) and lora is not None:
-                raise model_not_found(lora.lora_name) from None
+            raise field_error(exc, exc.request_id, names) from None
+        except UnknownAdapter as exc:  # the adapter left the registry meanwhile
+            raise model_not_found(exc.name) from None
+        except ValueError as exc:
             raise APIError(400, str(exc)) from None
 
     async def check_limits(self, parsed) -> None:

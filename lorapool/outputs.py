@@ -121,6 +121,10 @@ class RequestMetrics:
         return None if data is None else cls(**data)
 
 
+# the request's own fields ``RequestOutput.add`` takes from a later output that has them
+_LATEST = ("metrics", "error", "error_kind", "worker", "num_cached_tokens", "prompt_logprobs")
+
+
 class RequestOutput:
     """The output of one request: its prompt, completions, adapter and metrics."""
 
@@ -151,6 +155,8 @@ class RequestOutput:
         self.encoder_prompt_token_ids = encoder_prompt_token_ids
         self.num_cached_tokens = num_cached_tokens
         self.error: str | None = kwargs.pop("error", None)
+        # with an error, what failed it (``lifecycle.error_kind.ErrorKind``, a str)
+        self.error_kind: str | None = kwargs.pop("error_kind", None)
         self.worker: str | None = kwargs.pop("worker", None)
 
     def add(self, next_output: RequestOutput, aggregate: bool) -> None:
@@ -161,7 +167,7 @@ class RequestOutput:
         replaces the completion with the same index. Unknown indices are appended.
         """
         self.finished |= next_output.finished
-        for key in ("metrics", "error", "worker", "num_cached_tokens", "prompt_logprobs"):
+        for key in _LATEST:
             if getattr(next_output, key) is not None:
                 setattr(self, key, getattr(next_output, key))
         for nxt in next_output.outputs:
@@ -183,6 +189,7 @@ class RequestOutput:
             "lora_request": _lora_dict(self.lora_request),
             "num_cached_tokens": self.num_cached_tokens,
             "error": self.error,
+            "error_kind": self.error_kind,
             "worker": self.worker,
         }
 
@@ -202,6 +209,7 @@ class RequestOutput:
             lora_request=lora,
             num_cached_tokens=data.get("num_cached_tokens"),
             error=data.get("error"),
+            error_kind=data.get("error_kind"),
             worker=data.get("worker"),
         )
 

@@ -203,7 +203,13 @@ def check_logit_bias(bias: Any) -> dict[int, float]:
 
 
 class FieldError(ValueError):
-    """A field of a job of the wrong type or out of range; the message names it and its value."""
+    """A field of a job of the wrong type or out of range; the message names it and its value.
+    ``request_id``: the job's, once the job boundary knows it (the message then starts
+    ``job <request_id>: ``), so a caller of many jobs tells which one without reading it."""
+
+    def __init__(self, message: str, request_id: str = ""):
+        super().__init__(message)
+        self.request_id = request_id
 
 
 MAX_LORA_NAME = 1024

@@ -20,6 +20,7 @@ from lorapool.connection import REDIS_DOWN
 from lorapool.lifecycle import append
 from lorapool.lifecycle.adapter_record import decode_adapter_record
 from lorapool.lifecycle.append import dead_payload
+from lorapool.lifecycle.error_kind import ErrorKind
 from lorapool.lifecycle.wire import (
     MAX_METADATA_BYTES,
     MAX_REQUEST_ID,
@@ -51,9 +52,12 @@ def dead_letter(
     reason: str,
     held: Held | None,
     stream: str = "",
+    *,
+    kind: ErrorKind,
 ) -> None:
     """Final error chunk (when the request is known), XACK and ``{p}:dead``, at once,
-    counted in the worker's metrics. ``stream``: the entry's ('': the interactive one).
+    counted in the worker's metrics. ``stream``: the entry's ('': the interactive one);
+    ``kind``: what failed it, for its readers (``ErrorKind``).
 
     The dead letter keeps the payload only when no audit record keeps the
     prompt (see ``dead_payload``).
@@ -66,7 +70,7 @@ def dead_letter(
         if held is not None:
             worker.held.pop(held.request_id, None)
             find_adapter(worker, held)
-            chunk = error_chunk(held, reason, worker.name)
+            chunk = error_chunk(held, reason, worker.name, kind)
             dead = dead_payload(payload, audited=True)
             held.take(chunk)
             audit = final_audit(worker, held, chunk)
@@ -144,7 +148,7 @@ def fail_vanished(worker: Worker, held: Held) -> None:
     worker.publisher.pending.pop(rid, None)
     worker._abort_in_engine(rid)
     held = _as_logged(worker, held)
-    chunk = error_chunk(held, reason, worker.name)
+    chunk = error_chunk(held, reason, worker.name, ErrorKind.REMOVED)
     held.take(chunk)
     dead = dead_payload(encode_job(held.job), audited=True)
     item = worker.publisher.append_item(held, chunk, final_audit(worker, held, chunk), dead, reason)
@@ -188,7 +192,7 @@ def fail_unwritable(worker: Worker, held: Held, key: str) -> None:
     worker.held.pop(rid, None)
     worker.publisher.pending.pop(rid, None)
     worker._abort_in_engine(rid)
-    chunk = error_chunk(held, reason, worker.name)
+    chunk = error_chunk(held, reason, worker.name, ErrorKind.STORAGE)
     held.take(chunk)
     dead = dead_payload(encode_job(held.job), audited=True)
     item = worker.publisher.append_item(held, chunk, final_audit(worker, held, chunk), dead, reason)

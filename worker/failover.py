@@ -6,6 +6,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from lorapool.lifecycle import lease
+from lorapool.lifecycle.error_kind import ErrorKind
 from lorapool.lifecycle.wire import DATA, Chunk
 from lorapool.worker import dead_letter
 
@@ -65,4 +66,5 @@ def _give_up(
     except Exception:  # noqa: BLE001 - a damaged log: fail the request without it
         logger.exception("worker %s: unreadable chunk log of %s", worker.name, entry_id)
         held = dead_letter.held_for_garbage(entry_id, payload, worker.config.limits, stream)
-    dead_letter.dead_letter(worker, entry_id, payload, reason, held, stream)
+    kind = ErrorKind.GIVEN_UP
+    dead_letter.dead_letter(worker, entry_id, payload, reason, held, stream, kind=kind)

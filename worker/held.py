@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from lorapool.lifecycle.accumulator import Accumulator
+from lorapool.lifecycle.error_kind import ErrorKind
 from lorapool.lifecycle.wire import Chunk, Job, completion_wire
 from lorapool.outputs import RequestOutput, logprobs_to_wire
 from lorapool.protocol import RequestOutputKind, SamplingParams
@@ -131,7 +132,7 @@ def merged(outs: list[RequestOutput]) -> RequestOutput:
         if later.metrics is not None:
             out.metrics = later.metrics
         if later.error is not None:
-            out.error = later.error
+            out.error, out.error_kind = later.error, later.error_kind
         if later.worker is not None:
             out.worker = later.worker
         if later.num_cached_tokens is not None:
@@ -156,6 +157,8 @@ def make_chunk(held: Held, out: RequestOutput, worker: str, position: Position) 
     offsets, seq, finished = position.offsets, position.seq, out.finished
     outputs = [completion_wire(c, offsets[c.index]) for c in out.outputs]
     chunk = _chunk(held, seq, position.total, outputs, finished, out.error)
+    if out.error is not None:  # the engine ended it alone (its adapter, its grammar)
+        chunk.error_kind = out.error_kind or ErrorKind.REQUEST
     if seq == 0:
         chunk.prompt = held.job.prompt if held.job.prompt is not None else out.prompt
         chunk.prompt_token_ids = list(out.prompt_token_ids or [])
@@ -177,8 +180,8 @@ def _metrics(held: Held, out: RequestOutput, before: int) -> dict[str, Any] | No
     return metrics
 
 
-def error_chunk(held: Held, error: str, worker: str) -> Chunk:
-    """A final chunk that fails ``held`` with ``error`` (carrying its adapter)."""
+def error_chunk(held: Held, error: str, worker: str, kind: ErrorKind) -> Chunk:
+    """A final chunk that fails ``held`` with ``error`` of ``kind`` (carrying its adapter)."""
     n = held.job.sampling_params.n
     outputs = [
         {
@@ -192,7 +195,7 @@ def error_chunk(held: Held, error: str, worker: str) -> Chunk:
         for i in range(n)
     ]
     chunk = _chunk(held, held.seq, held.total, outputs, True, error)
-    chunk.worker, chunk.metrics = worker, _error_metrics(held)
+    chunk.worker, chunk.metrics, chunk.error_kind = worker, _error_metrics(held), kind
     if held.seq == 0:
         chunk.prompt, chunk.prompt_token_ids = held.job.prompt, held.job.prompt_token_ids
     return chunk

@@ -16,6 +16,7 @@ import redis
 
 from lorapool import signing
 from lorapool.connection import REDIS_DOWN, ensure_group
+from lorapool.lifecycle.error_kind import ErrorKind
 from lorapool.lifecycle.keys import PRIORITIES, WORKERS_GROUP, Keys
 from lorapool.lifecycle.wire import DATA, Chunk, decode_job, encode_job
 from lorapool.outputs import RequestOutput
@@ -252,7 +253,8 @@ class Worker:
         except Exception as exc:  # noqa: BLE001 - one bad job must not end the worker
             if held is not None:
                 self._abort_in_engine(held.request_id)
-            return dead_letter.dead_letter(self, entry_id, payload, reason_of(exc), held, stream)
+            reason, kind = reason_of(exc), ErrorKind.REQUEST
+            return dead_letter.dead_letter(self, entry_id, payload, reason, held, stream, kind=kind)
         self.held[job.request_id] = held
         self.metrics.admitted(held)
         return None
@@ -280,8 +282,10 @@ class Worker:
         failed = [h for rid, h in self.held.items() if rid in running] or list(self.held.values())
         for held in failed:
             self._abort_in_engine(held.request_id)
+            payload = encode_job(held.job)
+            kind = ErrorKind.ENGINE  # the step's fault, not the request's
             dead_letter.dead_letter(
-                self, held.entry_id, encode_job(held.job), reason, held, held.stream
+                self, held.entry_id, payload, reason, held, held.stream, kind=kind
             )
 
     # --- publishing --------------------------------------------------------------

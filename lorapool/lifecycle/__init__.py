@@ -4,6 +4,7 @@ audit writer and every reader of streams share.
 - ``keys``: every Redis key name, both layouts (one standalone Redis; shards on a Redis
   Cluster);
 - ``wire``: the records on the queue (jobs) and on the chunk logs (chunks);
+- ``error_kind``: what failed a request, carried in its final chunk, read by readers;
 - ``adapter_record``: an adapter's registry record as producers and workers read it;
 - each Lua script of a request's life with its one typed wrapper, which writes the
   script's KEYS/ARGV out once: ``submit`` (SUBMIT, and the job it enqueues), ``intake``

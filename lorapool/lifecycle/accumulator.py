@@ -116,6 +116,7 @@ class Accumulator:
             metrics=last.metrics,
             worker=last.worker,
             error=last.error,
+            error_kind=last.error_kind,
             prompt=self.prompt,
             prompt_token_ids=self.prompt_token_ids,
             prompt_logprobs=self.prompt_logprobs,

@@ -13,6 +13,16 @@ import orjson
 from lorapool.protocol import LoRARequest
 
 
+class UnknownAdapter(ValueError):
+    """The registry holds no adapter of the name a request gives (``name``)."""
+
+    def __init__(self, name: str):
+        super().__init__(
+            f"unknown adapter {name!r}: register it with `lorapool adapters add {name} PATH`"
+        )
+        self.name = name
+
+
 def lora_from_record(record: dict[str, Any]) -> LoRARequest:
     return LoRARequest(record["name"], int(record["id"]), record["path"], record.get("base_model"))
 
@@ -20,13 +30,12 @@ def lora_from_record(record: dict[str, Any]) -> LoRARequest:
 def check_lora(requested: LoRARequest | str, record: dict[str, Any] | None) -> LoRARequest:
     """The LoRARequest to enqueue for ``requested`` given its registry record (or None).
 
-    Raises ValueError when the adapter is unknown or its id or path collides.
+    Raises UnknownAdapter (a ValueError) when the adapter is unknown, ValueError when
+    its id or path collides.
     """
     name = requested if isinstance(requested, str) else requested.lora_name
     if record is None:
-        raise ValueError(
-            f"unknown adapter {name!r}: register it with `lorapool adapters add {name} PATH`"
-        )
+        raise UnknownAdapter(name)
     if isinstance(requested, LoRARequest):
         if requested.lora_int_id != record["id"]:
             raise ValueError(

@@ -26,6 +26,7 @@ import time
 from lorapool.lifecycle import unread
 from lorapool.lifecycle.accumulator import Accumulator
 from lorapool.lifecycle.chunk_log import encode_result
+from lorapool.lifecycle.error_kind import ErrorKind
 from lorapool.lifecycle.wire import decode_chunk
 
 logger = logging.getLogger(__name__)
@@ -57,9 +58,8 @@ def orphan_record(request_id: str, raws: list[bytes]) -> bytes | None:
         o if o.get("finish_reason") else {**o, "finish_reason": "error", "stop_reason": None}
         for o in whole.outputs
     ]
-    final = dataclasses.replace(
-        whole, seq=whole.seq + 1, finished=True, error=REASON, outputs=outputs, metrics=metrics
-    )
+    final = dataclasses.replace(whole, seq=whole.seq + 1, finished=True, outputs=outputs)
+    final.metrics, final.error, final.error_kind = metrics, REASON, ErrorKind.REMOVED
     return encode_result(final)
 
 

@@ -32,6 +32,7 @@ import time
 
 from lorapool.connection import register_script
 from lorapool.lifecycle.chunk_log import encode_result
+from lorapool.lifecycle.error_kind import ErrorKind
 from lorapool.lifecycle.keys import PRIORITIES, WORKERS_GROUP, Keys
 from lorapool.lifecycle.wire import Chunk
 
@@ -150,6 +151,7 @@ def unread_record(request_id: str, reason: str) -> bytes:
     now = time.time()
     metrics = {"arrival_time": now, "finished_time": now, "num_prompt_tokens": 0}
     chunk = Chunk(request_id, 0, 0, [output], True, metrics=metrics, error=reason)
+    chunk.error_kind = ErrorKind.REMOVED
     return encode_result(chunk)
 
 

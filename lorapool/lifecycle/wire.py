@@ -15,6 +15,7 @@ from typing import Any
 
 import orjson
 
+from lorapool.lifecycle.error_kind import ErrorKind, read_kind
 from lorapool.messages import check_messages, check_tools, utf8_size
 from lorapool.outputs import (
     CompletionOutput,
@@ -189,10 +190,8 @@ def job_from_dict(data: Any, limits: JobLimits | None = None) -> Job:
                 f"result_ttl_s must be an integer in [1, {MAX_RESULT_TTL_S}] (seconds), "
                 f"got {short_repr(ttl)}"
             )
-    except TypeError as exc:  # a constructor given the wrong shape
-        raise FieldError(f"{where}{exc}") from None
-    except FieldError as exc:
-        raise FieldError(f"{where}{exc}") from None
+    except (TypeError, FieldError) as exc:  # TypeError: a constructor given the wrong shape
+        raise FieldError(f"{where}{exc}", rid) from None
     return Job(rid, prompt, ids, sampling, lora, metadata, float(arrival), ttl, messages, tools)
 
 
@@ -262,6 +261,7 @@ class Chunk:
     metrics: dict[str, Any] | None = None
     worker: str | None = None
     error: str | None = None
+    error_kind: ErrorKind | None = None  # with an error (older chunks: ``read_kind``)
     prompt: str | None = None  # first chunk only
     prompt_token_ids: list[int] | None = None  # first chunk only
     prompt_logprobs: list | None = None  # first chunk only, when asked (logprobs_to_wire)
@@ -296,6 +296,7 @@ class Chunk:
             RequestMetrics.from_dict(self.metrics),
             lora,
             error=self.error,
+            error_kind=self.error_kind,
             worker=self.worker,
         )
 
@@ -317,14 +318,15 @@ def completion_wire(c: CompletionOutput, offset: int) -> dict[str, Any]:
 # A chunk on the wire is compact (most of a GPU worker's Redis memory is chunk logs):
 # short keys, and only what says something. Record: s seq, o offset (omitted: 0),
 # c completions, f finished (1; omitted: not), a adapter id (omitted: 0), and on the
-# first or final chunk lora, m metrics, w worker, e error, p prompt, pi prompt ids,
-# pl prompt logprobs.
+# first or final chunk lora, m metrics, w worker, e error, ek its kind, p prompt,
+# pi prompt ids, pl prompt logprobs.
 # Completion: i index (omitted: 0), o offset (omitted: the chunk's), t text,
 # k token ids, l logprobs, c cumulative logprob, f finish reason, r stop reason
 # (the last four omitted when null). The request id is the key's or channel's.
 CHUNK_VERSION = 2
 _CHUNK_KEYS = (("lora_request", "lora"), ("metrics", "m"), ("worker", "w"), ("error", "e"))
-_CHUNK_KEYS += (("prompt", "p"), ("prompt_token_ids", "pi"), ("prompt_logprobs", "pl"))
+_CHUNK_KEYS += (("error_kind", "ek"), ("prompt", "p"), ("prompt_token_ids", "pi"))
+_CHUNK_KEYS += (("prompt_logprobs", "pl"),)
 _COMPLETION_KEYS = (
     ("logprobs", "l"),
     ("cumulative_logprob", "c"),
@@ -368,8 +370,7 @@ def _compact(out: dict[str, Any], offset: int) -> dict[str, Any]:
 
 
 def decode_chunk(payload: bytes | str | None, request_id: str = "") -> Chunk:
-    """A validated Chunk of request ``request_id``; ValueError naming the problem when
-    malformed."""
+    """A validated Chunk of ``request_id``; ValueError naming the problem when malformed."""
     data = _loads(payload, "chunk", CHUNK_VERSION, CHUNK_VERSION)
     try:
         seq, offset = data["s"], data.get("o", 0)
@@ -379,6 +380,8 @@ def decode_chunk(payload: bytes | str | None, request_id: str = "") -> Chunk:
         chunk.adapter_id = data.get("a", 0)
         for name, key in _CHUNK_KEYS:
             setattr(chunk, name, data.get(key))
+        if chunk.error is not None:
+            chunk.error_kind = read_kind(chunk.error_kind, chunk.error)
     except (KeyError, TypeError, AttributeError, FieldError) as exc:
         raise ValueError(f"malformed chunk of {request_id!r}: {exc!r}") from None
     return chunk

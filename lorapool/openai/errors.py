@@ -10,6 +10,8 @@ from __future__ import annotations
 import re
 from http import HTTPStatus
 
+from lorapool.lifecycle.error_kind import ErrorKind
+
 _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -121,13 +123,18 @@ _WORKER_FIELDS = re.compile(
 
 
 def failed_request(
-    error: str, request_id: str, public_id: str, names: dict[str, str] | None = None
+    error: str,
+    kind: str | None,
+    request_id: str,
+    public_id: str,
+    names: dict[str, str] | None = None,
 ) -> APIError:
-    """The APIError of a request its worker failed: 500 for an engine fault, else 400
-    naming the request's parameter (chat's ``top_logprobs`` as such), the internal
-    request id replaced by the one the client knows."""
+    """The APIError of a request its worker failed, by its ``kind`` (``ErrorKind``): 500
+    for an engine fault, else 400 naming the request's parameter (chat's
+    ``top_logprobs`` as such), the internal request id replaced by the one the client
+    knows."""
     message = error.replace(request_id, public_id) if request_id else error
-    if error.startswith("engine step failed"):
+    if kind == ErrorKind.ENGINE:
         return APIError(500, message, code="engine_error")
     match = _WORKER_FIELDS.search(message)
     field = match.group(1) if match else None

@@ -43,7 +43,7 @@ def check_failed(output: RequestOutput | Chunk, public_id: str, names=None) -> N
     parameter (a prompt too long for the model, a token outside its vocabulary), with
     the job id the client knows (``public_id``)."""
     if output.error:
-        raise failed_request(output.error, output.request_id, public_id, names)
+        raise failed_request(output.error, output.error_kind, output.request_id, public_id, names)
 
 
 def fingerprint(base: dict[str, Any] | None) -> str | None:

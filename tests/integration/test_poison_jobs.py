@@ -122,6 +122,7 @@ def test_poison_job_fails_alone(case, engine, expected, conn, keys, producer, mo
     }
     failed = producer.handle("poison").result(timeout=5)  # the client learns why
     assert failed.outputs[0].finish_reason == "error" and re.search(reason, failed.error)
+    assert failed.error_kind == "request"  # readers route by it (a 400), not by the text
     audit = entries(conn, keys, "audit")
     logged = sum(len(encode_chunk(c)) for c in log_chunks(conn, keys, "poison"))
     kept = logged + sum(len(f[b"data"]) for _, f in audit)
@@ -172,6 +173,7 @@ def test_engine_step_that_raises_fails_only_its_requests(model, conn, keys, prod
         out = handle.result(timeout=5)
         assert out.outputs[0].finish_reason == "error"
         assert "engine step failed: RuntimeError: device-side assert" in out.error
+        assert out.error_kind == "engine"
     assert [h.result(timeout=5).outputs[0].token_ids for h in later] == expected
     assert not engine.has_unfinished_requests()
     assert length(conn, keys, "audit") == 4

@@ -117,6 +117,7 @@ def test_a_killed_run_whose_entry_was_removed_ends_once(conn, keys, producer, po
         *chunks, final = seen
         assert [c.seq for c in chunks] == [c.seq for c in logged] == list(range(length))
         assert final.seq == length and final.finished and SAYS in final.error
+        assert final.error_kind == "removed"
         assert [o["finish_reason"] for o in final.outputs] == ["error"]
         assert [o["token_ids"] for o in final.outputs] == [[]]  # nothing it had not
         assert conn.hget(view.job(rid), "status") == b"failed"

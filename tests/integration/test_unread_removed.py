@@ -58,6 +58,7 @@ def remove(conn, stream: str, entry: str, how: str) -> None:
 def assert_ended(output, started: float) -> None:
     assert time.monotonic() - started < ENDED_WITHIN_S
     assert output.finished and SAYS in output.error, output.error
+    assert output.error_kind == "removed"
     assert [c.finish_reason for c in output.outputs] == ["error"]
     assert output.outputs[0].token_ids == []
 

@@ -64,6 +64,17 @@ def read_chunk(chunk) -> dict:
     }
 
 
+def same_chunk(chunk, want: dict) -> bool:
+    """``chunk`` read as ``want`` says; a fixture made before error kinds has none in its
+    meaning: today's reader gives one exactly when there is an error (the old text
+    rule's, ``lifecycle.error_kind.read_kind``)."""
+    got = read_chunk(chunk)
+    if "error_kind" not in want["output"]:
+        kind = got["output"].pop("error_kind")
+        assert (kind is None) == (want["output"]["error"] is None), kind
+    return got == want
+
+
 def read_audit(payload: bytes, key: str, pool: str) -> dict:
     return plain(parse_record(payload, key.encode(), pool).to_dict())
 
@@ -118,9 +129,9 @@ def test_jobs_decode_as_they_did(fixture):
 def test_chunks_and_final_records_decode_as_they_did(fixture):
     for rid, request in fixture["requests"].items():
         for chunk in request["chunks"]:
-            assert read_chunk(decode_chunk(raw(chunk["raw"]), rid)) == chunk["meaning"], rid
+            assert same_chunk(decode_chunk(raw(chunk["raw"]), rid), chunk["meaning"]), rid
         record = request["final_record"]
-        assert read_chunk(decode_result(raw(record["raw"]), rid)) == record["meaning"], rid
+        assert same_chunk(decode_result(raw(record["raw"]), rid), record["meaning"]), rid
         assert record["meaning"]["output"] == request["result"] or request["status"] == "failed"
 
 
