@@ -34,7 +34,8 @@ from lorapool.worker.audit import final_audit
 from lorapool.worker.held import Held, error_chunk
 
 if TYPE_CHECKING:
-    from lorapool.worker.worker import Worker
+    from lorapool.worker.publisher import Publisher
+    from lorapool.worker.state import WorkerState
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +47,8 @@ def reason_of(exc: BaseException) -> str:
 
 
 def dead_letter(
-    worker: Worker,
+    state: WorkerState,
+    publisher: Publisher,
     entry_id: str,
     payload: bytes | None,
     reason: str,
@@ -56,42 +58,43 @@ def dead_letter(
     kind: ErrorKind,
 ) -> None:
     """Final error chunk (when the request is known), XACK and ``{p}:dead``, at once,
-    counted in the worker's metrics. ``stream``: the entry's ('': the interactive one);
-    ``kind``: what failed it, for its readers (``ErrorKind``).
+    counted in the worker's metrics; written with ``publisher``'s APPEND, on the
+    worker's thread with no trip out that holds the request. ``stream``: the entry's
+    ('': the interactive one); ``kind``: what failed it, for its readers (``ErrorKind``).
 
     The dead letter keeps the payload only when no audit record keeps the
     prompt (see ``dead_payload``).
     """
     given = held  # what the metrics count: the request, if it was known
-    logger.warning("worker %s: dead-lettering %s: %s", worker.name, entry_id, reason)
+    logger.warning("worker %s: dead-lettering %s: %s", state.name, entry_id, reason)
     try:
         if held is None:
-            held = held_for_garbage(entry_id, payload, worker.config.limits, stream)
+            held = held_for_garbage(entry_id, payload, state.config.limits, stream)
         if held is not None:
-            worker.held.pop(held.request_id, None)
-            find_adapter(worker, held)
-            chunk = error_chunk(held, reason, worker.name, kind)
+            state.release(held.request_id)
+            find_adapter(state, held)
+            chunk = error_chunk(held, reason, state.name, kind)
             dead = dead_payload(payload, audited=True)
             held.take(chunk)
-            audit = final_audit(worker, held, chunk)
-            publisher = worker.publisher
+            audit = final_audit(state, held, chunk)
             item = publisher.append_item(held, chunk, audit, dead, reason)
             result = publisher.append([item])
             if result == [append.BAD_LOG]:  # no log to write it in
                 publisher.append([without_log(item, held, reason)])
             elif result == [append.ANSWERED]:  # another entry runs or ran the request
-                ack_duplicate(worker, held.request_id, entry_id, stream, "answered elsewhere")
+                why = "answered elsewhere"
+                ack_duplicate(state, publisher, held.request_id, entry_id, stream, why)
                 return
-            worker.metrics.failed(given)
+            state.metrics.failed(given)
             return
     except REDIS_DOWN:
         raise
     except Exception as exc:  # noqa: BLE001 - the dead-letter path must not raise
-        logger.exception("worker %s: no error output for %s", worker.name, entry_id)
+        logger.exception("worker %s: no error output for %s", state.name, entry_id)
         reason = f"{reason} (and its error output could not be written: {reason_of(exc)})"
     dead = dead_payload(payload, audited=False)
-    worker.publisher.append([append.dead_letter(entry_id, dead, reason, stream)])
-    worker.metrics.failed(given)
+    publisher.append([append.dead_letter(entry_id, dead, reason, stream)])
+    state.metrics.failed(given)
 
 
 def without_log(item: append.Append, held: Held, reason: str) -> append.Append:
@@ -106,71 +109,71 @@ def without_log(item: append.Append, held: Held, reason: str) -> append.Append:
     return item._replace(seq=-1, chunk=b"", result=b"")
 
 
-def ack_duplicate(worker: Worker, rid: str, entry_id: str, stream: str, why: str) -> None:
+def ack_duplicate(
+    state: WorkerState, publisher: Publisher, rid: str, entry_id: str, stream: str, why: str
+) -> None:
     """Ack an entry of a request id that is answered or run by another entry, without
     output, audit record or dead letter: at most one run per request id (the client's
     handle reads the one output of the run that owns it)."""
     logger.warning(
         "worker %s: entry %s of request %s is a duplicate (%s): acked without running",
-        worker.name,
+        state.name,
         entry_id,
         rid,
         why,
     )
-    worker.publisher.append([append.Append(rid, entry_id, -1, b"", True, stream=stream)])
+    publisher.append([append.Append(rid, entry_id, -1, b"", True, stream=stream)])
 
 
-def fail_all_vanished(worker: Worker) -> None:
+def fail_all_vanished(state: WorkerState, publisher: Publisher) -> None:
     """End the requests whose entries an operator removed under this worker (a
     renewal or an append found them pending to no one, or gone from the stream):
     ``fail_vanished`` each. The chunks in flight go first: a request that finished
     meanwhile is not failed (and APPEND refuses a chunk after a final one)."""
-    worker.publisher.flush(wait=True)
-    vanished, worker.vanished = worker.vanished, []
+    publisher.flush(wait=True)
+    vanished, state.vanished = state.vanished, []
     for held in vanished:
-        if worker.held.get(held.request_id) is held:
-            fail_vanished(worker, held)
+        if state.held.get(held.request_id) is held:
+            fail_vanished(state, publisher, held)
 
 
-def fail_vanished(worker: Worker, held: Held) -> None:
+def fail_vanished(state: WorkerState, publisher: Publisher, held: Held) -> None:
     """Fail a running request whose queue entry was removed under this worker (pending
     to no one, or gone from its stream): its final error chunk (APPEND writes it though
     no one owns the entry), audit record with finish_reason "error" and dead letter.
     Not run again: what removed it was an operator's command (XTRIM, XDEL, XGROUP
     DESTROY/SETID, DEL of the stream), and the request's client learns it at once."""
-    rid, stream = held.request_id, held.stream or worker.keys_of(held.stream).requests
+    rid, stream = held.request_id, held.stream or state.keys_of(held.stream).requests
     reason = (
         f"its queue entry {held.entry_id} was removed from {stream} or its consumer group "
         "while it ran (an operator's XTRIM, XDEL, XGROUP DESTROY/SETID or DEL of the "
         "stream; see README, operator commands): ended here, not run again"
     )
-    worker.held.pop(rid, None)
-    worker.publisher.pending.pop(rid, None)
-    worker._abort_in_engine(rid)
-    held = _as_logged(worker, held)
-    chunk = error_chunk(held, reason, worker.name, ErrorKind.REMOVED)
+    state.forget(rid)
+    held = _as_logged(state, held)
+    chunk = error_chunk(held, reason, state.name, ErrorKind.REMOVED)
     held.take(chunk)
     dead = dead_payload(encode_job(held.job), audited=True)
-    item = worker.publisher.append_item(held, chunk, final_audit(worker, held, chunk), dead, reason)
-    result = worker.publisher.append([item._replace(vanished=True)])
+    item = publisher.append_item(held, chunk, final_audit(state, held, chunk), dead, reason)
+    result = publisher.append([item._replace(vanished=True)])
     if result != [append.ANSWERED]:
-        logger.error("worker %s: failed %s: %s", worker.name, rid, reason)
+        logger.error("worker %s: failed %s: %s", state.name, rid, reason)
     if result == [append.ANSWERED]:  # it had finished (its final sent again, acked), or
         # nothing in Redis says it runs (marker and log deleted): not failed twice
-        logger.info("worker %s: %s had finished, or is forgotten: left", worker.name, rid)
+        logger.info("worker %s: %s had finished, or is forgotten: left", state.name, rid)
         return
     if result == [append.BAD_LOG]:
-        worker.publisher.append([without_log(item, held, reason)._replace(vanished=True)])
-    worker.metrics.failed(held)
+        publisher.append([without_log(item, held, reason)._replace(vanished=True)])
+    state.metrics.failed(held)
 
 
-def _as_logged(worker: Worker, held: Held) -> Held:
+def _as_logged(state: WorkerState, held: Held) -> Held:
     """``held`` as its chunk log has it: chunks built after the entry vanished were
     refused, so the error chunk goes right after the last one that landed (no gap for
     readers to wait on). ``held`` itself when the log cannot be read."""
-    keys = worker.keys_of(held.stream)
+    keys = state.keys_of(held.stream)
     try:
-        log = worker.redis.lrange(keys.out(held.request_id), 0, -1)
+        log = state.redis.lrange(keys.out(held.request_id), 0, -1)
         fresh = Held(held.entry_id, held.job, adapter=held.adapter, stream=held.stream)
         for raw in log:
             fresh.take(decode_chunk(raw, held.request_id))
@@ -179,7 +182,7 @@ def _as_logged(worker: Worker, held: Held) -> Held:
     return fresh
 
 
-def fail_unwritable(worker: Worker, held: Held, key: str) -> None:
+def fail_unwritable(state: WorkerState, publisher: Publisher, held: Held, key: str) -> None:
     """Fail a running request whose chunk log cannot be written (APPEND said
     ``BAD_LOG``: its key holds another type than a list, nothing was written): ack,
     audit record with finish_reason "error", dead letter; the worker goes on."""
@@ -188,24 +191,22 @@ def fail_unwritable(worker: Worker, held: Held, key: str) -> None:
         f"the chunk log key {key} holds a value of another type than a list "
         "(written by something other than the pool's workers): WRONGTYPE"
     )
-    logger.warning("worker %s: failing %s: %s", worker.name, rid, reason)
-    worker.held.pop(rid, None)
-    worker.publisher.pending.pop(rid, None)
-    worker._abort_in_engine(rid)
-    chunk = error_chunk(held, reason, worker.name, ErrorKind.STORAGE)
+    logger.warning("worker %s: failing %s: %s", state.name, rid, reason)
+    state.forget(rid)
+    chunk = error_chunk(held, reason, state.name, ErrorKind.STORAGE)
     held.take(chunk)
     dead = dead_payload(encode_job(held.job), audited=True)
-    item = worker.publisher.append_item(held, chunk, final_audit(worker, held, chunk), dead, reason)
-    worker.publisher.append([item._replace(seq=-1, chunk=b"", result=b"")])
-    worker.metrics.failed(held)
+    item = publisher.append_item(held, chunk, final_audit(state, held, chunk), dead, reason)
+    publisher.append([item._replace(seq=-1, chunk=b"", result=b"")])
+    state.metrics.failed(held)
 
 
-def find_adapter(worker: Worker, held: Held) -> None:
+def find_adapter(state: WorkerState, held: Held) -> None:
     """The registry record of a failed job's adapter, for its audit record, if it matches."""
     lora = held.job.lora_request
     if held.adapter is None and lora is not None:
         try:
-            record = decode_adapter_record(worker.redis.hget(worker.keys.adapters, lora.name))
+            record = decode_adapter_record(state.redis.hget(state.keys.adapters, lora.name))
         except (ValueError, redis.ResponseError):  # a damaged registry record or key:
             return  # audit the request without it
         if record is not None and record.get("id") == lora.lora_int_id:

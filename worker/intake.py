@@ -49,7 +49,7 @@ from lorapool.lifecycle.keys import WORKERS_GROUP
 from lorapool.worker.pool import loaded_adapters
 
 if TYPE_CHECKING:
-    from lorapool.worker.worker import Worker
+    from lorapool.worker.state import WorkerState
 
 # a peer is handed an entry while its load (requests running and waiting, and handed
 # to it since its heartbeat) is at most this much above this worker's
@@ -64,10 +64,14 @@ def home_of(adapter: str, workers: list[str]) -> str:
 
 
 class Intake:
-    """The worker's reads of new entries (``READ``, one round trip each)."""
+    """The worker's reads of new entries (``READ``, one round trip each).
 
-    def __init__(self, worker: Worker):
-        self.worker = worker
+    ``read`` (a ``plan``'s, without blocking) runs on the sender's thread too: it reads
+    the pool view (``live_workers``), which the worker's thread changes only while no
+    trip is out (a heartbeat's result is applied with its trip's)."""
+
+    def __init__(self, state: WorkerState):
+        self.state = state
         self.live_workers = 1  # set by the worker's heartbeat
         self.peers: dict[str, dict[str, Any]] = {}  # live peers' last heartbeat records
         self.handed = Counter()  # entries handed to each peer since its record
@@ -75,22 +79,22 @@ class Intake:
         self._here: set[str] | None = None  # adapters in device slots here, for a read
         self.interactive_at = -math.inf  # when an interactive entry was last read
         self._load = 0  # requests running and waiting here, for a read
-        self._interactive = {view.requests for view in worker.keys.shard_views}
+        self._interactive = {view.requests for view in state.keys.shard_views}
         self._turn = 0  # the shard the next blocking read waits on
-        self._read_script = Read(worker.redis)
-        self._handoff = Handoff(worker.redis)
+        self._read_script = Read(state.redis)
+        self._handoff = Handoff(state.redis)
 
     def queue_empty(self) -> bool:
         """Nothing held here, nothing pending anywhere (``--burst`` stops then)."""
-        return not self.worker.held and all(
-            self.worker.redis.xpending(stream, WORKERS_GROUP)["pending"] == 0
-            for stream in self.worker.streams
+        return not self.state.held and all(
+            self.state.redis.xpending(stream, WORKERS_GROUP)["pending"] == 0
+            for stream in self.state.streams
         )
 
     def pool_seen(self, live: list[dict[str, Any]]) -> None:
         """The live workers' records, from a heartbeat."""
         self.live_workers = max(1, len(live))
-        me = self.worker.name
+        me = self.state.name
         self.peers = {r.get("name"): r for r in live if r.get("name") != me}
         self.handed.clear()
 
@@ -104,11 +108,11 @@ class Intake:
         """Give a new entry to the peer that holds its adapter, if one can take it
         (see the module's docstring); True when it went."""
         lora = held.job.lora_request
-        if lora is None or not self.worker.config.affinity or not self.peers:
+        if lora is None or not self.state.config.affinity or not self.peers:
             return False
         if self._here is None:
-            self._here = set(loaded_adapters(self.worker.engine))
-            self._load = sum(self.worker.engine.request_counts())
+            self._here = set(loaded_adapters(self.state.engine))
+            self._load = sum(self.state.engine.request_counts())
         name = lora.lora_name
         if name in self._here:
             return False
@@ -137,30 +141,30 @@ class Intake:
 
     def home(self, adapter: str) -> str:
         """The live worker an adapter that no worker holds goes to (``home_of``)."""
-        return home_of(adapter, [self.worker.name, *self.peers])
+        return home_of(adapter, [self.state.name, *self.peers])
 
     def _send(self, items: list[tuple[str, str, str]]) -> None:
         """HANDOFF for ``items`` (stream, entry, peer): at once when the engine is idle,
         else on the sender's next round trip (the engine never waits for it)."""
-        name, ttl_s = self.worker.name, self._list_ttl_s()
-        shards = self.worker.by_shard([stream for stream, _, _ in items]).items()
+        name, ttl_s = self.state.name, self._list_ttl_s()
+        shards = self.state.by_shard([stream for stream, _, _ in items]).items()
         calls = [(keys, [items[i] for i in where]) for keys, where in shards]
         call = lambda: [self._handoff(keys, name, ttl_s, its) for keys, its in calls]  # noqa: E731
-        if self.worker.engine.has_unfinished_requests():
-            self.worker.publisher.extra.append((call, None))
+        if self.state.engine.has_unfinished_requests():
+            self.state.extra.append((call, None))
         else:
             call()
 
     def _list_ttl_s(self) -> int:
         """A handoff list outlives its entries' lease by far: claimed by then."""
-        return max(60, int(self.worker.config.lease_s * 10))
+        return max(60, int(self.state.config.lease_s * 10))
 
     def plan(self, count: int) -> tuple[int, Counter, int]:
         """(count, entries held per shard view, batch room) for a read of up to
         ``count``: taken on the worker's thread, whose ``held`` the sender's thread must
         not iterate."""
-        keys_of = self.worker.keys_of
-        held = Counter(keys_of(h.stream) for h in self.worker.held.values())
+        keys_of = self.state.keys_of
+        held = Counter(keys_of(h.stream) for h in self.state.held.values())
         return count, held, self._batch_room(count)
 
     def read(
@@ -174,11 +178,11 @@ class Intake:
         entries = self._read(count, held, room)
         if entries or block is None:
             return entries
-        views = self.worker.keys.shard_views
+        views = self.state.keys.shard_views
         self._turn = (self._turn + 1) % len(views)
-        reply = self.worker.redis.xreadgroup(
+        reply = self.state.redis.xreadgroup(
             WORKERS_GROUP,
-            self.worker.name,
+            self.state.name,
             dict.fromkeys(views[self._turn].streams, ">"),
             count=1,
             block=block,
@@ -186,7 +190,7 @@ class Intake:
         entries = [(s.decode(), i, f, False) for s, got in reply or [] for i, f in got]
         if entries and count > len(entries):
             batch = sum(1 for e in entries if e[0] not in self._interactive)
-            held = held + Counter(self.worker.keys_of(e[0]) for e in entries)
+            held = held + Counter(self.state.keys_of(e[0]) for e in entries)
             entries += self._read(count - len(entries), held, room - batch)
         return entries
 
@@ -195,8 +199,8 @@ class Intake:
         (one read in the last ``interactive_window_s``), batch jobs fill no more than
         ``batch_share`` of the engine's sequences (those held plus ``count`` free), so
         that the next interactive job finds a free slot; else all of them."""
-        config = self.worker.config
-        held = self.worker.held.values()
+        config = self.state.config
+        held = self.state.held.values()
         total = len(held) + count
         if time.monotonic() - self.interactive_at < config.interactive_window_s:
             total = max(1, int(config.batch_share * total))
@@ -208,8 +212,8 @@ class Intake:
         ``count`` lasts). Sharded, the interactive streams of every shard come first:
         a first pass with no batch room, then, with ``count`` and room left, a pass
         for the batch streams (one READ unsharded: the script keeps the order)."""
-        views = self.worker.keys.shard_views
-        live = self.live_workers if self.worker.config.fair_share else 1
+        views = self.state.keys.shard_views
+        live = self.live_workers if self.state.config.fair_share else 1
         passes = [room] if len(views) == 1 else [0, room]
         read: list[tuple[str, bytes, dict, bool]] = []
         held = Counter(held)  # the plan's own stays as it was
@@ -219,7 +223,7 @@ class Intake:
             for keys in views:
                 reply = self._read_script(
                     keys,
-                    self.worker.name,
+                    self.state.name,
                     max(0, count),
                     live,
                     held[keys],

@@ -9,45 +9,45 @@ from lorapool.lifecycle.lease import Renew, abort_flags
 from lorapool.worker.held import Held
 
 if TYPE_CHECKING:
-    from lorapool.worker.worker import Worker
+    from lorapool.worker.state import WorkerState
 
 
 class Lease:
-    def __init__(self, worker: Worker):
-        self.worker = worker
-        self._renew = Renew(worker.redis)
+    def __init__(self, state: WorkerState):
+        self.state = state
+        self._renew = Renew(state.redis)
 
     def send(self, held: list[Held], idle_ms: int) -> tuple[set, list, set]:
         """RENEW (fenced) for ``held``, one call per shard: the positions in ``held`` of
         the entries another worker took, each one's abort flag, and the positions of
         those that vanished (``lifecycle.lease.RENEW``). Safe on the sender's thread."""
-        worker = self.worker
+        state = self.state
         lost, flags, vanished = set(), [None] * len(held), set()
-        for keys, where in worker.by_shard([h.stream for h in held]).items():
+        for keys, where in state.by_shard([h.stream for h in held]).items():
             shard_lost, shard_vanished = self._renew(
-                worker.name,
+                state.name,
                 idle_ms,
                 [held[i].stream or keys.requests for i in where],
                 [held[i].entry_id for i in where],
             )
             lost.update(where[i] for i in shard_lost)
             vanished.update(where[i] for i in shard_vanished)
-            shard_flags = abort_flags(worker.redis, keys, [held[i].request_id for i in where])
+            shard_flags = abort_flags(state.redis, keys, [held[i].request_id for i in where])
             for i, flag in zip(where, shard_flags):
                 flags[i] = flag
         return lost, flags, vanished
 
     def apply(self, held: list[Held], lost: set, flags: list, vanished: set = frozenset()) -> None:
         """On the worker's thread: drop the entries another worker took, abort those
-        asked to; those that vanished are failed at the next upkeep (``Worker.vanished``,
+        asked to; those that vanished are failed at the next upkeep (``WorkerState.vanished``,
         after the chunks in flight are in: one that just finished is not failed)."""
-        worker = self.worker
+        state = self.state
         for i, (h, flag) in enumerate(zip(held, flags)):
-            if worker.held.get(h.request_id) is not h:
+            if state.held.get(h.request_id) is not h:
                 continue  # finished, failed or dropped meanwhile
             if i in vanished:
-                worker.vanished.append(h)
+                state.vanished.append(h)
             elif i in lost:
-                worker._drop(h.request_id)
+                state.drop(h.request_id)
             elif flag is not None:
-                worker.engine.abort_request(h.request_id)
+                state.engine.abort_request(h.request_id)

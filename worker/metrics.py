@@ -108,7 +108,7 @@ class WorkerMetrics:
         self.cache_config = cache() if callable(cache) else None
         self._live: dict[str, str] = {}  # request id -> label, while in the engine
         self._last_token: dict[str, float] = {}  # request id -> time of its latest token
-        self._snapshot = _Snapshot()
+        self.snapshot = _Snapshot()
         self._device: set[str] = set()  # adapter names in device slots at the last snapshot
         self._server = None
         self._define()
@@ -191,8 +191,8 @@ class WorkerMetrics:
                 self._token(out.request_id, label, new, now)
             if out.finished:
                 self._finished(out, label, out.request_id in held)
-        if not self.engine.has_unfinished_requests() or now - self._snapshot.taken > REFRESH_S:
-            self._snapshot = self._take_snapshot(now)
+        if not self.engine.has_unfinished_requests() or now - self.snapshot.taken > REFRESH_S:
+            self.snapshot = self._take_snapshot(now)
 
     def failed(self, held: Held | None) -> None:
         """A request dead-lettered (its error output written by the worker, not the engine)."""
@@ -265,7 +265,7 @@ class _StateCollector:
         self.metrics = metrics
 
     def collect(self):
-        s, m = self.metrics._snapshot, self.metrics
+        s, m = self.metrics.snapshot, self.metrics
         yield _gauge("lorapool_requests_running", "requests in the running batch", s.running)
         yield _gauge("lorapool_requests_waiting", "requests waiting for a batch slot", s.waiting)
         yield _gauge("lorapool_kv_cache_usage_ratio", "share of KV-cache blocks in use", s.kv_usage)

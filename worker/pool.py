@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import time
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -13,7 +12,7 @@ from lorapool.connection import REDIS_DOWN
 from lorapool.lifecycle.keys import Keys
 
 if TYPE_CHECKING:
-    from lorapool.worker.worker import Worker
+    from lorapool.worker.state import WorkerState
 
 logger = logging.getLogger(__name__)
 
@@ -65,29 +64,25 @@ def publish_tokenizer(
     )
 
 
-def heartbeat_record(worker: Worker) -> dict[str, Any]:
+def heartbeat_record(state: WorkerState) -> dict[str, Any]:
     """The worker's row of ``lorapool status`` (and resets its token counter)."""
-    now = time.time()
-    elapsed = max(1e-6, now - worker._last.get("tokens_at", now - 1))
-    worker._last["tokens_at"] = now
-    held = worker.held.values()
-    running, waiting = worker.engine.request_counts()
-    record = {
-        "name": worker.name,
-        "device": worker.engine.device_name,
-        "model": worker.base_model.get("name"),
-        "updated": now,
+    engine, held = state.engine, state.held.values()
+    tokens_per_s = state.tokens_per_s()
+    running, waiting = engine.request_counts()
+    return {
+        "name": state.name,
+        "device": engine.device_name,
+        "model": state.base_model.get("name"),
+        "updated": state.tokens_since,
         "running": running,
         "waiting": waiting,
-        "held": len(worker.held),
-        "tokens_per_s": worker.num_tokens / elapsed,
+        "held": len(held),
+        "tokens_per_s": tokens_per_s,
         "adapters": sorted({h.job.lora_request.name for h in held if h.job.lora_request}),
-        "loaded": loaded_adapters(worker.engine),
-        "draining": worker.draining,
-        **engine_limits(worker.engine),
+        "loaded": loaded_adapters(engine),
+        "draining": state.draining,
+        **engine_limits(engine),
     }
-    worker.num_tokens = 0
-    return record
 
 
 def engine_limits(engine) -> dict[str, Any]:

@@ -12,17 +12,15 @@ from lorapool.tool_calls import plain_chat, renders_tools, template_chat
 from lorapool.worker.held import Held, engine_params, resumed_token_ids
 
 if TYPE_CHECKING:
-    from lorapool.worker.worker import Worker
+    from lorapool.worker.state import WorkerState
 
 
-def add_to_engine(worker: Worker, held: Held) -> None:
+def add_to_engine(state: WorkerState, held: Held) -> None:
     """``held``'s job into the worker's engine (raises what makes it fail alone: an
     adapter not in the registry or not matching it, a resumed request with n > 1)."""
-    job, engine = held.job, worker.engine
+    job, engine = held.job, state.engine
     if job.lora_request is not None:
-        record = decode_adapter_record(
-            worker.redis.hget(worker.keys.adapters, job.lora_request.name)
-        )
+        record = decode_adapter_record(state.redis.hget(state.keys.adapters, job.lora_request.name))
         check_lora(job.lora_request, record)
         held.adapter = record
         engine.expect_lora_weights(job.lora_request, record["sha256"])

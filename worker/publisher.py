@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -44,7 +45,9 @@ from lorapool.worker.held import Held, Position, make_chunk, merged
 from lorapool.worker.sender import Sender
 
 if TYPE_CHECKING:
-    from lorapool.worker.worker import Worker
+    from lorapool.worker.intake import Intake
+    from lorapool.worker.lease import Lease
+    from lorapool.worker.state import WorkerState
 
 logger = logging.getLogger(__name__)
 MAX_BEHIND = 4  # steps whose chunks may wait for the round trip on its way
@@ -66,18 +69,22 @@ class Publisher:
     """The worker's chunks on their way to Redis; all state but the sender's is touched
     by the worker's thread only."""
 
-    def __init__(self, worker: Worker):
-        self.worker = worker
-        # engine outputs not yet handed to the sender, per request, and their steps
-        self.pending: dict[str, list[RequestOutput]] = {}
-        self.pending_steps = 0
+    def __init__(
+        self,
+        state: WorkerState,
+        intake: Intake,
+        lease: Lease,
+        admit: Callable[[list], int],
+    ):
+        self.state, self.intake, self.lease = state, intake, lease
+        self._admit = admit  # starts the entries a trip read (``Worker.start``)
+        self.pending_steps = 0  # steps whose outputs wait in ``state.pending``
         self.retry: _Trip | None = None  # a trip whose send failed: sent again first
-        self.extra: list = []  # upkeep calls for the next trip (see ``Worker._upkeep``)
         self.next_trip = 0.0  # monotonic time before which chunks wait (max_chunk_rate)
-        self._append = Appender(worker.redis)
+        self._append = Appender(state.redis)
         self._step_held: list[Held] = []  # what the engine runs in the current step
         self._sender = Sender(
-            self._send_trip, worker.name, self._keepalive, worker.config.lease_s / 3
+            self._send_trip, state.name, self._keepalive, state.config.lease_s / 3
         )
 
     def close(self) -> None:
@@ -87,22 +94,23 @@ class Publisher:
         """Around each engine step: during one that outlasts a third of the lease, the
         sender renews the lease of what the worker held at its start (``_keepalive``)."""
         if on:
-            self._step_held = list(self.worker.held.values())
+            self._step_held = list(self.state.held.values())
         self._sender.stepping(on)
 
     def _keepalive(self) -> _Trip | None:
         """On the sender's thread: a trip that renews the step's entries (applied after
         the step, as the renewals of ``Worker._upkeep`` are)."""
-        held, lease = self._step_held, self.worker.lease
+        held, lease = self._step_held, self.lease
         if not held:
             return None
         return _Trip([], None, [(lambda: lease.send(held, 0), lambda r: lease.apply(held, *r))])
 
     def publish(self, outputs: list[RequestOutput]) -> None:
         """Queue a step's outputs for the sender (see the module's docstring)."""
+        held, pending = self.state.held, self.state.pending
         for out in outputs:
-            if out.request_id in self.worker.held:  # else lost to another worker, or failed
-                self.pending.setdefault(out.request_id, []).append(out)
+            if out.request_id in held:  # else lost to another worker, or failed
+                pending.setdefault(out.request_id, []).append(out)
         self.pending_steps += 1
         self.flush(wait=False)
 
@@ -132,17 +140,18 @@ class Publisher:
         batch = self._build_batch(first_only=gated)
         if not gated:
             self.pending_steps = 0
-        rate = self.worker.config.max_chunk_rate
+        state = self.state
+        rate = state.config.max_chunk_rate
         if rate and batch:
             self.next_trip = max(self.next_trip, time.monotonic()) + len(batch) / rate
         # new entries for the slots the engine has free, read in the same trip
-        engine = self.worker.engine
-        busy = engine.has_unfinished_requests() and not self.worker.draining
+        engine = state.engine
+        busy = engine.has_unfinished_requests() and not state.draining
         free = engine.capacity() if busy else 0
-        read = self.worker.intake.plan(free) if busy and (free or not gated) else None
-        if batch or (read and read[0] > 0) or self.extra:
-            self._sender.hand(_Trip(batch, read, self.extra))
-            self.extra = []
+        read = self.intake.plan(free) if busy and (free or not gated) else None
+        if batch or (read and read[0] > 0) or state.extra:
+            self._sender.hand(_Trip(batch, read, state.extra))
+            state.extra = []
         if wait and not self._sender.idle:
             self._sender.wait()
             self._collect()
@@ -151,16 +160,16 @@ class Publisher:
         """Per pending request its steps' outputs and the position of their chunk; the
         sender merges them, builds and encodes the chunks off this thread.
         ``first_only``: only requests whose first chunk it is; the others stay pending."""
-        batch, wait = [], {}
-        for rid, outs in self.pending.items():
-            held = self.worker.held.get(rid)
+        batch, wait, holding = [], {}, self.state.held
+        for rid, outs in self.state.pending.items():
+            held = holding.get(rid)
             if held is None:
                 continue
             if first_only and held.seq:
                 wait[rid] = outs
                 continue
             batch.append((held, outs, held.advance(outs)))
-        self.pending = wait
+        self.state.pending = wait
         return batch
 
     def _collect(self) -> None:
@@ -175,10 +184,10 @@ class Publisher:
                 if result >= NAMED and not chunk.finished:  # the marker names the entry
                     held.fenced, result = True, result - NAMED
                 if result == 0 and not chunk.finished:
-                    self.worker.num_tokens += chunk.num_tokens
+                    self.state.num_tokens += chunk.num_tokens
                 else:
                     self._after_append(held, chunk, result)
-            self.worker._start_read(entries)
+            self._admit(entries)
             for (_, apply), result in zip(trip.extra, extra):
                 if apply is not None:
                     apply(result)
@@ -196,20 +205,20 @@ class Publisher:
             trip.sent = [self._build(held, outs, pos) for held, outs, pos in trip.outputs]
         items = [item for _, _, item in trip.sent]
         appended = self.append(items) if items else []
-        entries = self.worker.intake.read(trip.read, None) if trip.read is not None else []
+        entries = self.intake.read(trip.read, None) if trip.read is not None else []
         return appended, entries, [call() for call, _ in trip.extra]
 
     def _build(self, held: Held, outs: list[RequestOutput], position: Position) -> tuple:
-        chunk = make_chunk(held, merged(outs), self.worker.name, position)
+        chunk = make_chunk(held, merged(outs), self.state.name, position)
         held.keep(chunk)
-        return held, chunk, self.append_item(held, chunk, final_audit(self.worker, held, chunk))
+        return held, chunk, self.append_item(held, chunk, final_audit(self.state, held, chunk))
 
     def append(self, items: list[Append]) -> list[int]:
         """One APPEND call (``lifecycle.append``) per shard the items are on (one call
         unsharded); its result per item."""
-        config, name = self.worker.config, self.worker.name
+        config, name = self.state.config, self.state.name
         results = [0] * len(items)
-        for keys, where in self.worker.by_shard([item.stream for item in items]).items():
+        for keys, where in self.state.by_shard([item.stream for item in items]).items():
             shard_items = [items[i] for i in where]
             appended = self._append(
                 keys, name, config.dead_max_len, config.log_grace_s, shard_items
@@ -222,7 +231,7 @@ class Publisher:
         self, held: Held, chunk: Chunk, audit: bytes, dead: bytes = b"", reason: str = ""
     ) -> Append:
         """``held`` has kept ``chunk``: a final one carries the whole output too."""
-        ttl_s = held.job.result_ttl_s or self.worker.config.result_ttl_s
+        ttl_s = held.job.result_ttl_s or self.state.config.result_ttl_s
         result = encode_result(held.whole()) if chunk.finished else b""
         return Append(
             held.request_id,
@@ -243,36 +252,34 @@ class Publisher:
         """Account an append (``held`` advanced past it when it was built). While this
         worker owns the entry, nobody else appends to its log, so DUPLICATE means this
         chunk already landed (a send repeated after a broken connection)."""
-        rid = held.request_id
-        self.worker.num_tokens += chunk.num_tokens
-        if self.worker.held.get(rid) is not held:
+        rid, state = held.request_id, self.state
+        state.num_tokens += chunk.num_tokens
+        if state.held.get(rid) is not held:
             return  # dropped or failed meanwhile
         if result == BAD_LOG:
-            fail_unwritable(self.worker, held, self.worker.keys_of(held.stream).out(rid))
+            fail_unwritable(state, self, held, state.keys_of(held.stream).out(rid))
             return
         if result == ANSWERED:
-            self.worker._drop(rid)
+            state.drop(rid)
             why = "its marker says it finished, or names another entry"
-            ack_duplicate(self.worker, rid, held.entry_id, held.stream, why)
+            ack_duplicate(state, self, rid, held.entry_id, held.stream, why)
             return
         if result == BAD_MARKER:
             logger.warning(
                 "worker %s: %s finished, its job marker %s holds another type than a "
                 "hash (left alone; the output stays in the chunk log for its TTL)",
-                self.worker.name,
+                state.name,
                 rid,
-                self.worker.keys_of(held.stream).job(rid),
+                state.keys_of(held.stream).job(rid),
             )
         if result == VANISHED:  # acked (a final sent again) or removed: upkeep tells
-            self.worker.vanished.append(held)
+            state.vanished.append(held)
             return
         if result == NOT_OWNER:
             if not chunk.finished:
-                logger.warning(
-                    "worker %s: lost %s to another worker, dropping it", self.worker.name, rid
-                )
-            self.worker._drop(rid)
+                logger.warning("worker %s: lost %s to another worker, dropping it", state.name, rid)
+            state.drop(rid)
         elif chunk.finished:
-            self.worker.held.pop(rid, None)
+            state.release(rid)
         elif result == 1:
-            self.worker.engine.abort_request(rid)
+            state.engine.abort_request(rid)

@@ -43,7 +43,7 @@ from lorapool.lifecycle.keys import PRIORITIES, WORKERS_GROUP, Keys
 from lorapool.lifecycle.unread import CAUSES, REASON
 
 if TYPE_CHECKING:
-    from lorapool.worker.worker import Worker
+    from lorapool.worker.state import WorkerState
 
 logger = logging.getLogger(__name__)
 BATCH = 32  # ids taken from a shard's list in one upkeep
@@ -97,30 +97,30 @@ return {recorded, refused}
 """
 
 
-def record_ended(worker: Worker) -> int:
+def record_ended(state: WorkerState) -> int:
     """Audit up to ``BATCH`` ended requests of each shard's list; how many were recorded.
     Run by the worker's upkeep; Redis errors go to its loop (logged, retried)."""
-    script = register_script(worker.redis, RECORD_UNREAD)
+    script = register_script(state.redis, RECORD_UNREAD)
     recorded = 0
-    for view in worker.keys.shard_views:
+    for view in state.keys.shard_views:
         try:
-            raw = worker.redis.lrange(view.unread_ended, 0, BATCH - 1)
+            raw = state.redis.lrange(view.unread_ended, 0, BATCH - 1)
         except redis.ResponseError as exc:  # a producer's SET of it: WRONGTYPE
             logger.warning(
                 "worker %s: %s holds another type than a list (%s): requests readers end "
                 "unread get no audit record until it is deleted",
-                worker.name,
+                state.name,
                 view.unread_ended,
                 exc,
             )
             continue
-        ids = _ids(worker, view, raw)
+        ids = _ids(state, view, raw)
         if ids:
-            recorded += _record(worker, script, view, ids)
+            recorded += _record(state, script, view, ids)
     return recorded
 
 
-def _ids(worker: Worker, view: Keys, raw: list[bytes]) -> list[str]:
+def _ids(state: WorkerState, view: Keys, raw: list[bytes]) -> list[str]:
     """The request ids of ``raw`` (once each); what is not one (not UTF-8: no request's
     id) is taken off the list at once, or it would hold a place there for good."""
     ids = []
@@ -129,25 +129,25 @@ def _ids(worker: Worker, view: Keys, raw: list[bytes]) -> list[str]:
             ids.append(item.decode())
         except UnicodeDecodeError:
             logger.warning(
-                "worker %s: %r on %s is no request id", worker.name, item, view.unread_ended
+                "worker %s: %r on %s is no request id", state.name, item, view.unread_ended
             )
-            worker.redis.lrem(view.unread_ended, 0, item)
+            state.redis.lrem(view.unread_ended, 0, item)
     return ids
 
 
-def _record(worker: Worker, script, view: Keys, ids: list[str]) -> int:
-    markers = _markers(worker, view, ids)
+def _record(state: WorkerState, script, view: Keys, ids: list[str]) -> int:
+    markers = _markers(state, view, ids)
     keys = [view.unread_ended, view.audit, *view.streams]
-    args = [WORKERS_GROUP, len(PRIORITIES), worker.config.log_grace_s, *PRIORITIES]
+    args = [WORKERS_GROUP, len(PRIORITIES), state.config.log_grace_s, *PRIORITIES]
     for rid in ids:
         keys += [view.job(rid), view.out(rid)]
-        args += [rid, encode_audit_record(unread_record(worker, rid, markers[rid]))]
+        args += [rid, encode_audit_record(unread_record(state, rid, markers[rid]))]
     recorded, refused = script(keys=keys, args=args)
     for rid in recorded:
         rid = rid.decode("utf-8", "replace")
         logger.error(
             "worker %s: request %s (entry %s) was ended by a reader: %s; audit record written",
-            worker.name,
+            state.name,
             rid,
             markers.get(rid, {}).get("entry"),
             error_of(markers.get(rid, {})),
@@ -156,18 +156,18 @@ def _record(worker: Worker, script, view: Keys, ids: list[str]) -> int:
         logger.warning(
             "worker %s: %s on %s is not a request a reader ended unread (its marker says "
             "otherwise, or a worker ran or holds it): no audit record",
-            worker.name,
+            state.name,
             rid.decode("utf-8", "replace"),
             view.unread_ended,
         )
     return len(recorded)
 
 
-def _markers(worker: Worker, view: Keys, ids: list[str]) -> dict[str, dict]:
+def _markers(state: WorkerState, view: Keys, ids: list[str]) -> dict[str, dict]:
     """Each id's marker fields the record needs (entry, submitted, unread); {} for a
     marker that is gone or of another type (the script refuses those)."""
     fields = ("entry", "submitted", "unread", "unread_cause", "unread_log", RESULT_FIELD)
-    with worker.redis.pipeline(transaction=False) as pipe:
+    with state.redis.pipeline(transaction=False) as pipe:
         for rid in ids:
             pipe.hmget(view.job(rid), *fields)
         replies = pipe.execute(raise_on_error=False)
@@ -181,7 +181,7 @@ def _markers(worker: Worker, view: Keys, ids: list[str]) -> dict[str, dict]:
     return markers
 
 
-def unread_record(worker: Worker, request_id: str, marker: dict[str, str]) -> dict:
+def unread_record(state: WorkerState, request_id: str, marker: dict[str, str]) -> dict:
     """The audit record of a request a reader ended unread (signed unless the worker runs
     with --insecure-no-key): finish_reason "error" and the reader's error; one completion
     (index 0) with no tokens, or, for a run stopped partway, the output the reader found
@@ -190,8 +190,8 @@ def unread_record(worker: Worker, request_id: str, marker: dict[str, str]) -> di
     prompt, outputs = _output(request_id, marker)
     record = AuditRecord(
         request_id=request_id,
-        worker=worker.name,
-        base_model=BaseModelInfo(worker.base_model["name"], worker.base_model["sha256"]),
+        worker=state.name,
+        base_model=BaseModelInfo(state.base_model["name"], state.base_model["sha256"]),
         metrics=Metrics(
             _time(marker.get("submitted")) or ended,
             finished_time=ended,
@@ -201,9 +201,9 @@ def unread_record(worker: Worker, request_id: str, marker: dict[str, str]) -> di
         outputs=outputs,
         error=error_of(marker),
     ).to_dict()
-    if worker.config.audit_key is None:
+    if state.config.audit_key is None:
         return record
-    return sign_record(record, worker.config.audit_key, worker.config.prefix)
+    return sign_record(record, state.config.audit_key, state.config.prefix)
 
 
 def _output(request_id: str, marker: dict) -> tuple[list[int], tuple[Output, ...]]:

@@ -4,6 +4,10 @@ Loop: periodic upkeep (lease renewal, claiming abandoned entries, heartbeat)
 → admit what the engine can take now → one engine step → its outputs handed to
 the publisher (``publisher.py``), whose sender thread appends them (fenced; see
 ``lorapool.lifecycle.append``) in one round trip while the engine runs its next step.
+
+What the helpers work on (the engine, the connection, the config and keys, the held
+requests) is one ``WorkerState`` (``state.py``), handed to each; none gets the
+``Worker``, and none reaches a private member (tests/unit/test_worker_privacy.py).
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import redis
 from lorapool import signing
 from lorapool.connection import REDIS_DOWN, ensure_group
 from lorapool.lifecycle.error_kind import ErrorKind
-from lorapool.lifecycle.keys import PRIORITIES, WORKERS_GROUP, Keys
+from lorapool.lifecycle.keys import WORKERS_GROUP
 from lorapool.lifecycle.wire import DATA, Chunk, decode_job, encode_job
 from lorapool.outputs import RequestOutput
 from lorapool.persistence import persistence_warning
@@ -28,10 +32,10 @@ from lorapool.worker.engine_api import EngineInterface
 from lorapool.worker.held import Held
 from lorapool.worker.intake import Intake
 from lorapool.worker.lease import Lease
-from lorapool.worker.metrics import worker_metrics
 from lorapool.worker.pool import claim_model, heartbeat_record, send_heartbeat
 from lorapool.worker.prompt import add_to_engine
 from lorapool.worker.publisher import Publisher
+from lorapool.worker.state import WorkerState
 
 logger = logging.getLogger(__name__)
 BACKOFF_S = (0.1, 5.0)  # first and longest wait between tries while Redis is away
@@ -54,43 +58,28 @@ class Worker:
         base_model: dict[str, str],
     ):
         signing.require_key(config.audit_key, config.insecure_no_key)
-        self.engine = engine
-        self.redis = connection
-        self.config = config
-        self.keys = Keys(config.prefix, config.shards)
-        views = self.keys.shard_views
-        # every shard's job streams, the interactive ones first (claims go in this order)
-        self.streams = tuple(view.stream(p) for p in PRIORITIES for view in views)
-        self._view_of = {view.stream(p): view for p in PRIORITIES for view in views}
-        self.name = config.name
-        self.base_model = base_model
-        self.held: dict[str, Held] = {}
-        self.vanished: list[Held] = []  # entries removed under this worker, to fail
-        self.draining = False
+        self.state = state = WorkerState(engine, connection, config, base_model)
         self.stopped = False
-        self.num_tokens = 0
-        self.lease = Lease(self)
-        self.intake = Intake(self)
+        self.lease = Lease(state)
+        self.intake = Intake(state)
+        self.publisher = Publisher(state, self.intake, self.lease, self._start_read)
         self._last = {"renew": 0.0, "claim": 0.0, "heartbeat": 0.0, "unread": 0.0}
         self._drain_deadline: float | None = None
-        self.publisher = Publisher(self)
-        self.metrics = worker_metrics(config, engine, base_model)
         self._away_since: float | None = None  # Redis unreachable since (monotonic)
         self._backoff_s = BACKOFF_S[0]
         self._saved_signals: dict[int, Any] = {}
 
-    def keys_of(self, stream: str) -> Keys:
-        """The keys of the shard an entry of ``stream`` came from: its request's job, out
-        and abort keys, and the audit and dead streams it goes to ('': shard 0)."""
-        return self._view_of.get(stream) or self.keys.on(0)
-
-    def by_shard(self, streams: list[str]) -> dict[Keys, list[int]]:
-        """The positions in ``streams`` grouped by shard (one script call each: a call
-        touches the keys of one shard only, a Redis Cluster's rule)."""
-        groups: dict[Keys, list[int]] = {}
-        for i, stream in enumerate(streams):
-            groups.setdefault(self.keys_of(stream), []).append(i)
-        return groups
+    # what tests, benchmarks and the CLI read of it (the helpers get ``state``)
+    engine = property(lambda self: self.state.engine)
+    redis = property(lambda self: self.state.redis)
+    config = property(lambda self: self.state.config)
+    name = property(lambda self: self.state.name)
+    base_model = property(lambda self: self.state.base_model)
+    keys = property(lambda self: self.state.keys)
+    streams = property(lambda self: self.state.streams)
+    held = property(lambda self: self.state.held)
+    draining = property(lambda self: self.state.draining)
+    metrics = property(lambda self: self.state.metrics)
 
     # --- the loop --------------------------------------------------------------
 
@@ -101,7 +90,7 @@ class Worker:
         if warning:
             logger.warning("worker %s: %s", self.name, warning)
         self.ensure_group()
-        signals.install(self)
+        self._saved_signals = signals.install(self.on_signal)
         self.metrics.serve()
         logger.info("worker %s: serving %s", self.name, ", ".join(self.streams))
         try:
@@ -235,11 +224,15 @@ class Worker:
             if running is not None:
                 if running.entry_id != entry_id:  # a second entry of a running request
                     why = f"entry {running.entry_id} runs it here"
-                    dead_letter.ack_duplicate(self, job.request_id, entry_id, stream, why)
+                    dead_letter.ack_duplicate(
+                        self.state, self.publisher, job.request_id, entry_id, stream, why
+                    )
                 return None
             if log and log[-1].finished:  # claimed, but its log already ends: answered
                 why = "its chunk log already ends in a final chunk"
-                dead_letter.ack_duplicate(self, job.request_id, entry_id, stream, why)
+                dead_letter.ack_duplicate(
+                    self.state, self.publisher, job.request_id, entry_id, stream, why
+                )
                 return None
             held = Held(entry_id, job, stream=stream)
             for chunk in log or []:
@@ -247,15 +240,17 @@ class Worker:
             held.resumed_tokens = held.total
             if not handed and log is None and self.intake.hand_off(held):
                 return None
-            add_to_engine(self, held)
+            add_to_engine(self.state, held)
         except REDIS_DOWN:
             raise
         except Exception as exc:  # noqa: BLE001 - one bad job must not end the worker
             if held is not None:
-                self._abort_in_engine(held.request_id)
+                self.state.abort_in_engine(held.request_id)
             reason, kind = reason_of(exc), ErrorKind.REQUEST
-            return dead_letter.dead_letter(self, entry_id, payload, reason, held, stream, kind=kind)
-        self.held[job.request_id] = held
+            return dead_letter.dead_letter(
+                self.state, self.publisher, entry_id, payload, reason, held, stream, kind=kind
+            )
+        self.state.hold(held)
         self.metrics.admitted(held)
         return None
 
@@ -281,29 +276,24 @@ class Worker:
         running = self.engine.running_request_ids()
         failed = [h for rid, h in self.held.items() if rid in running] or list(self.held.values())
         for held in failed:
-            self._abort_in_engine(held.request_id)
+            self.state.abort_in_engine(held.request_id)
             payload = encode_job(held.job)
             kind = ErrorKind.ENGINE  # the step's fault, not the request's
             dead_letter.dead_letter(
-                self, held.entry_id, payload, reason, held, held.stream, kind=kind
+                self.state,
+                self.publisher,
+                held.entry_id,
+                payload,
+                reason,
+                held,
+                held.stream,
+                kind=kind,
             )
 
     # --- publishing --------------------------------------------------------------
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
         self.publisher.publish(outputs)
-
-    def _drop(self, request_id: str) -> None:
-        self.held.pop(request_id, None)
-        self.publisher.pending.pop(request_id, None)
-        self.engine.abort_request(request_id)
-
-    def _abort_in_engine(self, request_id: str) -> None:
-        """Free whatever a request that failed half-way into the engine left there."""
-        try:
-            self.engine.abort_request(request_id)
-        except Exception:  # noqa: BLE001 - it may never have got in
-            logger.debug("worker %s: %s was not in the engine", self.name, request_id)
 
     # --- upkeep ------------------------------------------------------------------
 
@@ -319,8 +309,8 @@ class Worker:
         heartbeat. While the engine runs, renewal and heartbeat
         ride a round trip of the sender (``extra``), handed to it at once when it is
         free: no Redis call of theirs waits on the engine's thread, nor for its step."""
-        if self.vanished:
-            dead_letter.fail_all_vanished(self)
+        if self.state.vanished:
+            dead_letter.fail_all_vanished(self.state, self.publisher)
         busy = self.engine.has_unfinished_requests()
         # held first: an idle loop must not spend the slot, or a job read after a quiet
         # spell would wait up to a third of the lease for its first abort-flag read
@@ -328,21 +318,21 @@ class Worker:
             held = list(self.held.values())
             if busy:
                 call = lambda: self.lease.send(held, 0)  # noqa: E731
-                self.publisher.extra.append((call, lambda result: self.lease.apply(held, *result)))
+                self.state.extra.append((call, lambda result: self.lease.apply(held, *result)))
             else:
                 self.lease.apply(held, *self.lease.send(held, 0))
         if not self.draining and self._due("claim", self.config.lease_s / 2):
-            failover.claim(self)
+            failover.claim(self.state, self.publisher, self.start)
         if self._due("unread", self.config.lease_s / 2):  # requests readers ended unread
-            unread_audit.record_ended(self)
+            unread_audit.record_ended(self.state)
         if self._due("heartbeat", self.config.heartbeat_s):
             if busy:
-                record = heartbeat_record(self)
+                record = heartbeat_record(self.state)
                 call = lambda: self._send_heartbeat(record)  # noqa: E731
-                self.publisher.extra.append((call, self._apply_heartbeat))
+                self.state.extra.append((call, self._apply_heartbeat))
             else:
                 self.heartbeat()
-        if busy and self.publisher.extra:
+        if busy and self.state.extra:
             # out now if the sender is free, while the engine steps: a renewal that
             # waited for a long step (a loaded CPU) could come after the lease
             self.publisher.flush(wait=False)
@@ -356,7 +346,7 @@ class Worker:
     def heartbeat(self) -> None:
         """The worker's record for ``status``, and ``{p}:alive:{name}``, which expires
         ``alive_ttl_s`` after the last heartbeat (a killed worker drops out of ``status``)."""
-        self._apply_heartbeat(self._send_heartbeat(heartbeat_record(self)))
+        self._apply_heartbeat(self._send_heartbeat(heartbeat_record(self.state)))
 
     def _send_heartbeat(self, record: dict) -> list[dict]:
         return send_heartbeat(self.redis, self.keys, record, self.config.alive_ttl_s)
@@ -366,15 +356,26 @@ class Worker:
 
     # --- shutdown ----------------------------------------------------------------
 
+    def on_signal(self) -> None:
+        """SIGTERM/SIGINT (``signals.py``): the first drains, the second hands entries
+        back. Only flags: the loop acts on them between steps, never inside a Redis call."""
+        if not self.state.draining:
+            logger.info("worker %s: draining (again to hand entries back)", self.name)
+            self.state.draining = True
+            self._drain_deadline = time.monotonic() + self.config.drain_timeout_s
+        else:
+            logger.info("worker %s: handing entries back", self.name)
+            self._drain_deadline = 0.0  # the loop hands back and stops at once
+
     def hand_back(self) -> None:
         """Mark every held entry long idle so that another worker claims it at once
         (after the chunks of its last steps are in its log)."""
         self.publisher.flush(wait=True)
         self.renew(idle_ms=self.config.lease_ms * 10)
-        self.held.clear()
+        self.state.release_all()
 
     def teardown(self) -> None:
-        signals.restore(self)
+        signals.restore(self._saved_signals)
         try:
             if self.held:
                 self.hand_back()

@@ -278,7 +278,7 @@ def test_a_reader_ends_an_unread_request_with_its_roles_user(server, tmp_path):
         worker = Worker(
             engine, connect(url(server, "worker")), config, {"name": "m", "sha256": "0"}
         )
-        assert unread_audit.record_ended(worker) == 2 * len(roles)
+        assert unread_audit.record_ended(worker.state) == 2 * len(roles)
         audit_db = create_audit_engine(DatabaseConfig(url=f"sqlite:///{tmp_path / 'audit.db'}"))
         migrate(audit_db)
         writer_conn = connect(url(server, "audit-writer"))
@@ -378,7 +378,7 @@ def test_a_reader_ends_a_run_stopped_partway_with_its_roles_user(server):
             output = producers[role].handle(f"ran-{role}").result(timeout=30)
             assert output.error == REASON and output.outputs[0].token_ids
         assert asyncio.run(follow("ran-gateway")).error == REASON
-        assert unread_audit.record_ended(survivor) == len(roles)
+        assert unread_audit.record_ended(survivor.state) == len(roles)
         for role in roles:
             assert 0 < admin.ttl(keys[role].out(f"ran-{role}")) <= survivor.config.log_grace_s
     finally:

@@ -114,7 +114,7 @@ def test_two_workers_racing_write_one_record_each(conn, keys, producer, audit_ta
 
         def record(worker):
             start.wait()
-            counts[worker.name] = unread_audit.record_ended(worker)
+            counts[worker.name] = unread_audit.record_ended(worker.state)
 
         threads = [threading.Thread(target=record, args=(w,)) for w in workers]
         for thread in threads:
@@ -158,7 +158,7 @@ def test_an_id_no_reader_ended_gets_no_record(conn, keys, producer):
         for rid in ("queued", "held", "nobody"):
             conn.rpush(keys.for_request(rid).unread_ended, rid)
         conn.rpush(keys.on(0).unread_ended, b"\xff\xfe")
-        assert unread_audit.record_ended(worker) == 0
+        assert unread_audit.record_ended(worker.state) == 0
         assert listed(conn, keys) == 0 and audit_records(conn, keys) == {}
         conn.xgroup_setid(stream, WORKERS_GROUP, id="0")  # queued: to be read again
         conn.hset(keys.job("held"), "status", "queued")
@@ -168,7 +168,7 @@ def test_an_id_no_reader_ended_gets_no_record(conn, keys, producer):
             assert time.monotonic() < deadline, "the worker did not run them"
             worker.run_guarded()
         conn.rpush(keys.for_request("queued").unread_ended, "queued")  # one that ran
-        assert unread_audit.record_ended(worker) == 0
+        assert unread_audit.record_ended(worker.state) == 0
         records = audit_records(conn, keys)
         assert sorted(records) == ["held", "queued"]
         assert [r.outputs[0].finish_reason for r in records["queued"]] == ["length"]
@@ -181,7 +181,7 @@ def test_the_record_reads_back_as_the_audit_writer_reads_it(conn, keys, producer
     worker = make_worker(conn, keys)
     try:
         ended_unread(producer, conn, keys, ["plain"])
-        assert unread_audit.record_ended(worker) == 1
+        assert unread_audit.record_ended(worker.state) == 1
         (_, fields), *_ = conn.xrange(keys.for_request("plain").audit)
         data = orjson.loads(fields[b"data"])
         assert data["v"] == 1 and data["sig"] and data["metadata"] == {}
