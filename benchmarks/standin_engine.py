@@ -91,6 +91,25 @@ class StandInEngine:
     def running_request_ids(self) -> set[str]:
         return set(self.running)
 
+    # no tokenizer, adapter slots or KV cache to report (``EngineInterface`` says how)
+    def get_tokenizer(self):
+        return None
+
+    def lora_state(self) -> dict:
+        return {"device": [], "cpu": [], "max_loras": 0}
+
+    def kv_cache_usage(self) -> float | None:
+        return None
+
+    def request_limits(self) -> dict[str, int]:
+        return {}
+
+    def step_stats(self) -> dict[str, int]:
+        return {}
+
+    def cache_config(self) -> dict | None:
+        return None
+
     def step(self) -> list:
         from lorapool.outputs import CompletionOutput, RequestMetrics, RequestOutput
 

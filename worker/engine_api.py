@@ -1,9 +1,11 @@
 """What a worker needs of an engine: the whole surface it drives.
 
-``LLMEngine`` implements it; so does the benchmark's stand-in for a GPU engine
-(``benchmarks/queue_gpu.py``), which is how the queue path is measured at GPU
-step rates on a machine without one. The worker reaches nothing else of the
-engine (no scheduler, no engine args).
+``LLMEngine`` implements it (its reads in ``engine/engine_stats.py``); so does
+the stand-in for a GPU engine (``benchmarks/standin_engine.py``), which is how
+the queue path is measured at GPU step rates on a machine without one, and
+tests/unit/test_engine_interface.py holds both to it. The worker reaches nothing
+else of the engine (no scheduler, no engine args) and probes for nothing: an
+engine without a tokenizer, adapters or a KV cache says so through these methods.
 """
 
 from __future__ import annotations
@@ -51,3 +53,25 @@ class EngineInterface(Protocol):
 
     def running_request_ids(self) -> set[str]:
         """The requests of the running batch: those a step that raises fails."""
+
+    def get_tokenizer(self) -> Any:
+        """The model's tokenizer (a ``transformers`` one: chat templates, the gateway's
+        ``/tokenize``), or None for an engine without one (its chat jobs fail)."""
+
+    def lora_state(self) -> dict[str, Any]:
+        """{"device": [adapter names in device slots, least recently used first],
+        "cpu": [names in the CPU cache], "max_loras": slots} (all empty: no adapters)."""
+
+    def kv_cache_usage(self) -> float | None:
+        """Share (0..1) of the KV cache's blocks in use; None: no KV cache to report."""
+
+    def request_limits(self) -> dict[str, int]:
+        """The bounds ``add_request`` holds a request to, for the gateway to check first
+        ({"max_model_len", "max_logprobs", "kv_capacity_tokens"}; {}: none said)."""
+
+    def step_stats(self) -> dict[str, int]:
+        """Counters of the last step for metrics ({"num_step_tokens",
+        "num_preemptions"}; {}: none kept)."""
+
+    def cache_config(self) -> dict[str, Any] | None:
+        """The KV cache's configuration (vLLM's ``cache_config_info``), or None."""

@@ -20,7 +20,7 @@ from __future__ import annotations
 import time
 from collections import Counter as Tally
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING
 
 from prometheus_client import (
     CollectorRegistry,
@@ -46,16 +46,6 @@ SECONDS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0
 SECONDS += (7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 TOKENS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
 BATCH = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
-
-
-class EngineStats(Protocol):
-    """What metrics read of an engine beyond ``EngineInterface`` (optional: an engine
-    without these reports 0 and no adapters)."""
-
-    def kv_cache_usage(self) -> float: ...
-
-    def lora_state(self) -> dict[str, Any]:
-        """{"device": [names], "cpu": [names], "max_loras": int}"""
 
 
 class AdapterLabels:
@@ -104,8 +94,7 @@ class WorkerMetrics:
         disable_created_metrics()  # no _created series (vLLM's and Prometheus' advice)
         self.registry = CollectorRegistry(auto_describe=True)
         self.vllm = VllmMetrics(self.registry, model)
-        cache = getattr(engine, "cache_config", None)
-        self.cache_config = cache() if callable(cache) else None
+        self.cache_config = engine.cache_config()
         self._live: dict[str, str] = {}  # request id -> label, while in the engine
         self._last_token: dict[str, float] = {}  # request id -> time of its latest token
         self.snapshot = _Snapshot()
@@ -182,8 +171,7 @@ class WorkerMetrics:
         now = time.time()
         self.steps.inc()
         self.batch.observe(len(outputs))
-        if hasattr(self.engine, "step_stats"):
-            self.vllm.stepped(self.engine.step_stats())
+        self.vllm.stepped(self.engine.step_stats())
         for out in outputs:
             label = self._live.get(out.request_id) or self.labels(_lora_name(out))
             new = sum(len(c.token_ids) for c in out.outputs)
@@ -235,8 +223,8 @@ class WorkerMetrics:
     def _take_snapshot(self, now: float) -> _Snapshot:
         engine = self.engine
         running, waiting = engine.request_counts()
-        kv = engine.kv_cache_usage() if hasattr(engine, "kv_cache_usage") else 0.0
-        lora = engine.lora_state() if hasattr(engine, "lora_state") else {}
+        kv = engine.kv_cache_usage() or 0.0
+        lora = engine.lora_state()
         self._count_loads(lora.get("device", []))
         ids = engine.running_request_ids()
         return _Snapshot(

@@ -12,6 +12,7 @@ from lorapool.connection import REDIS_DOWN
 from lorapool.lifecycle.keys import Keys
 
 if TYPE_CHECKING:
+    from lorapool.worker.engine_api import EngineInterface
     from lorapool.worker.state import WorkerState
 
 logger = logging.getLogger(__name__)
@@ -42,12 +43,12 @@ def claim_model(connection: redis.Redis, keys: Keys, base_model: dict[str, str])
 
 
 def publish_tokenizer(
-    connection: redis.Redis, keys: Keys, engine: Any, base_model: dict[str, str]
+    connection: redis.Redis, keys: Keys, engine: EngineInterface, base_model: dict[str, str]
 ) -> None:
     """The engine's tokenizer into ``{p}:tokenizer`` for the gateways' /tokenize (which load
     it with ``tokenizers``, no model files, no torch); an engine without a fast tokenizer
     publishes nothing. One worker of the pool writing it is enough; each rewrites it."""
-    tokenizer = engine.get_tokenizer() if hasattr(engine, "get_tokenizer") else None
+    tokenizer = engine.get_tokenizer()
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
         return
@@ -85,20 +86,20 @@ def heartbeat_record(state: WorkerState) -> dict[str, Any]:
     }
 
 
-def engine_limits(engine) -> dict[str, Any]:
+def engine_limits(engine: EngineInterface) -> dict[str, Any]:
     """What the gateway checks at the door and the dashboard shows: the context length,
     ``max_logprobs``, the KV cache's token slots and the share in use (an engine that
     does not say: nothing)."""
-    limits = engine.request_limits() if hasattr(engine, "request_limits") else {}
-    if hasattr(engine, "kv_cache_usage"):
-        limits["kv_cache_usage"] = engine.kv_cache_usage()
+    limits = dict(engine.request_limits())
+    usage = engine.kv_cache_usage()
+    if usage is not None:
+        limits["kv_cache_usage"] = usage
     return limits
 
 
-def loaded_adapters(engine) -> list[str]:
-    """The adapters in the engine's device slots (none if it does not say)."""
-    state = engine.lora_state() if hasattr(engine, "lora_state") else {}
-    return list(state.get("device", []))
+def loaded_adapters(engine: EngineInterface) -> list[str]:
+    """The adapters in the engine's device slots."""
+    return list(engine.lora_state().get("device", []))
 
 
 def send_heartbeat(

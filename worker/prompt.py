@@ -12,6 +12,7 @@ from lorapool.tool_calls import plain_chat, renders_tools, template_chat
 from lorapool.worker.held import Held, engine_params, resumed_token_ids
 
 if TYPE_CHECKING:
+    from lorapool.worker.engine_api import EngineInterface
     from lorapool.worker.state import WorkerState
 
 
@@ -39,7 +40,7 @@ def add_to_engine(state: WorkerState, held: Held) -> None:
     )
 
 
-def engine_prompt(job: Job, engine: Any) -> str | dict[str, Any]:
+def engine_prompt(job: Job, engine: EngineInterface) -> str | dict[str, Any]:
     """The prompt ``engine.add_request`` takes for ``job``.
 
     A chat job's messages go through the engine tokenizer's chat template with the
@@ -53,6 +54,8 @@ def engine_prompt(job: Job, engine: Any) -> str | dict[str, Any]:
     if job.messages is None:
         return job.engine_prompt
     tokenizer = engine.get_tokenizer()
+    if tokenizer is None:
+        raise ValueError("this worker's engine has no tokenizer: it runs no chat jobs")
     messages, extra = job.messages, {}
     uses_tools = job.tools or any("tool_calls" in m or m["role"] == "tool" for m in messages)
     if uses_tools and renders_tools(tokenizer.chat_template):
