@@ -5,7 +5,7 @@ audit key for this pool, see ``lorapool.audit_record.sign_record``), parsed, sto
 transaction (see store.py) and acked only after the commit. While the database is unreachable the
 writer retries the same batch with exponential backoff, acks nothing and says so in its
 log. An unsigned, wrongly signed or malformed record is moved to ``{p}:dead``
-(``source=audit``, with the reason) and acked; a record the database rejects is found by
+(a ``DeadLetter`` with the reason) and acked; a record the database rejects is found by
 bisecting the batch and dead-lettered the same way. A record that contradicts the stored
 row for its (pool, request, completion) is kept in the ``conflicts`` table and logged as
 an error (``lorapool audit conflicts``). On start the writer first re-reads its own
@@ -34,6 +34,7 @@ from lorapool.audit_db.writer_config import WriterConfig, WriterStats
 from lorapool.audit_db.writer_retry import REJECTED, RETRYABLE, Retrying, SchemaNotReady, Stopped
 from lorapool.audit_record import AuditRecord, RecordError
 from lorapool.connection import ensure_group
+from lorapool.lifecycle.dead_letter import AUDIT, DeadLetter
 from lorapool.lifecycle.keys import AUDIT_GROUP, Keys
 
 log = logging.getLogger(__name__)
@@ -348,13 +349,15 @@ class AuditWriter(Retrying):
             item.entry_id,
             reason,
         )
-        fields = {
-            "source": "audit",
-            "stream": item.view.audit,
-            "id": item.entry_id,
-            "reason": reason,
-            "data": item.payload or b"",
-        }
+        entry, data = item.entry_id, item.payload or b""
+        fields = DeadLetter(
+            source=AUDIT,
+            stream=item.view.audit,
+            entry=entry.decode() if isinstance(entry, bytes) else entry,
+            worker=self.config.consumer,
+            reason=reason,
+            data=data.encode() if isinstance(data, str) else data,
+        ).fields()
 
         def move():
             pipe = self.redis.pipeline(transaction=True)

@@ -18,6 +18,7 @@ from typing import Any
 import orjson
 
 from lorapool.gateway.auth import Principal
+from lorapool.lifecycle.dead_letter import decode_dead_letter
 from lorapool.lifecycle.keys import AUDIT_GROUP, WORKERS_GROUP
 from lorapool.pool_metrics import lag_of
 
@@ -96,7 +97,8 @@ async def sample_forever(pool, history: QueueHistory) -> None:
 
 
 async def dead_letters(pool, count: int = ROWS) -> list[dict[str, str]]:
-    """The newest dead letters: entry id, worker, reason."""
+    """The newest dead letters: the entry given up on, who gave up (a worker, an audit
+    writer), why."""
     redis, rows = pool.producer.redis, []
     letters = [
         letter
@@ -104,9 +106,15 @@ async def dead_letters(pool, count: int = ROWS) -> list[dict[str, str]]:
         for letter in await redis.xrevrange(keys.dead, count=count)
     ]
     letters.sort(key=lambda letter: tuple(map(int, letter[0].split(b"-"))), reverse=True)
-    for entry_id, fields in letters[:count]:
-        text = {k.decode(): v.decode("utf-8", "replace") for k, v in fields.items() if k != b"data"}
-        rows.append({"id": entry_id.decode(), **text})
+    for _, fields in letters[:count]:
+        try:
+            letter = decode_dead_letter(fields)
+        except ValueError as exc:
+            rows.append({"id": "?", "worker": "?", "reason": str(exc)})
+            continue
+        rows.append(
+            {"id": letter.entry, "worker": letter.worker or letter.source, "reason": letter.reason}
+        )
     return rows
 
 

@@ -24,6 +24,7 @@ from lorapool.audit_db import (
     migrate,
     verify_chain,
 )
+from lorapool.lifecycle.dead_letter import decode_dead_letter
 
 pytest_plugins = ["audit_fixtures"]
 pytestmark = pytest.mark.integration
@@ -133,8 +134,12 @@ def test_malformed_entries_are_dead_lettered(audit_target, audit_redis):
     stats = _writer(audit_redis, audit_target.engine).run(burst=True)
     assert audit_target.count() == 2 and stats.dead_lettered == 3
     dead = audit_redis.dead()
-    reasons = [fields[b"reason"].decode() for _id, fields in dead]
-    assert {fields[b"source"] for _id, fields in dead} == {b"audit"}
+    letters = [decode_dead_letter(fields) for _id, fields in dead]
+    reasons = [letter.reason for letter in letters]
+    assert {(letter.source, letter.stream) for letter in letters} == {
+        ("audit", audit_redis.audit("req-2"))
+    }
+    assert all(letter.worker and letter.entry for letter in letters)
     assert "unknown record version 99" in reasons[0]
     assert "not valid JSON" in reasons[1] and "no 'data' field" in reasons[2]
     assert audit_redis.pending() == 0

