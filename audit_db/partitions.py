@@ -22,8 +22,8 @@ from sqlalchemy import Connection, text
 
 PARTITION_PREFIX = "completions_p"
 
-ENSURE_FUNCTION = """
-CREATE FUNCTION audit_ensure_period(p integer) RETURNS boolean
+_ENSURE = """
+{verb} FUNCTION audit_ensure_period(p integer) RETURNS boolean
 LANGUAGE plpgsql SECURITY DEFINER SET search_path FROM CURRENT AS $$
 DECLARE
     part text := 'completions_p' || p;
@@ -34,7 +34,7 @@ BEGIN
     IF to_regclass(part) IS NOT NULL THEN
         RETURN false;
     END IF;
-    EXECUTE format('CREATE TABLE %I (LIKE completions INCLUDING DEFAULTS)', part);
+    EXECUTE format('CREATE TABLE %I (LIKE completions INCLUDING DEFAULTS{including})', part);
     EXECUTE format('ALTER TABLE %I ADD CONSTRAINT %I CHECK (period = %s)', part,
                    part || '_period', p);
     EXECUTE format('ALTER TABLE completions ATTACH PARTITION %I FOR VALUES IN (%s)', part, p);
@@ -42,6 +42,16 @@ BEGIN
 END
 $$
 """
+
+
+def ensure_function(replace: bool = False) -> str:
+    """``audit_ensure_period`` as revision 0003 made it, or (``replace``) as 0007
+    replaces it: its partitions also copy the columns' compression (lz4, 0007)."""
+    verb, including = ("CREATE OR REPLACE", " INCLUDING COMPRESSION") if replace else ("CREATE", "")
+    return _ENSURE.replace("{verb}", verb).replace("{including}", including)
+
+
+ENSURE_FUNCTION = ensure_function()
 
 
 def period_of(timestamp: float) -> int:

@@ -162,3 +162,46 @@ def test_int4_token_arrays_become_packed_bytes_and_still_verify(audit_location):
     assert [r["token_ids"] for r in back] == [o["token_ids"] for o in records[2]["outputs"]]
     assert back[0]["prompt_token_ids"] == records[2]["prompt_token_ids"]
     engine.dispose()
+
+
+COMPRESSION = (
+    "SELECT c.relname, a.attname, a.attcompression FROM pg_attribute a "
+    "JOIN pg_class c ON c.oid = a.attrelid JOIN pg_namespace n ON n.oid = c.relnamespace "
+    "WHERE n.nspname = current_schema() AND c.relname LIKE 'completions%' "
+    "AND c.relkind IN ('r', 'p') "
+    "AND a.attname IN ('prompt', 'text', 'prompt_tokens', 'output_tokens')"
+)
+
+
+def test_0007_compresses_long_columns_with_lz4_in_old_and_new_partitions(audit_location):
+    """Rows written under 0006 (pglz) still verify after 0007; the partitions there were
+    and the ones made after it (a later month) compress new values with lz4."""
+    kind, url, schema = audit_location
+    if kind != "postgresql":
+        pytest.skip("SQLite does not compress")
+    engine = create_audit_engine(DatabaseConfig(url=url, schema=schema))
+    migrate(engine, "0006")
+    records = [make_record(i, adapter=make_adapter(), n=2) for i in range(4)]
+    append_records(engine, [record_from_dict(r) for r in records], "p", KEY)
+    with engine.connect() as conn:
+        if not conn.execute(text("SELECT 'lz4' = ANY(enumvals) FROM pg_settings "
+                                 "WHERE name = 'default_toast_compression'")).scalar():  # fmt: skip
+            pytest.skip("this server has no lz4")
+    assert migrate(engine) == head_revision()
+    later = partitions.next_period(partitions.next_period(partitions.period_of(time.time())))
+    with engine.begin() as conn:
+        assert conn.execute(text("SELECT audit_ensure_period(:p)"), {"p": later}).scalar()
+        found = conn.execute(text(COMPRESSION)).all()
+    tables = {table for table, _, _ in found}
+    assert f"{partitions.PARTITION_PREFIX}{later}" in tables and len(tables) >= 4
+    assert not [f for f in found if f[2] != "l"]
+    long = lambda i, k: f"{i}/{k} " + "a long output " * 300  # noqa: E731 (past TOAST's 2 kB)
+    more = [make_record(i, adapter=make_adapter(), n=2, text_for=long) for i in range(4, 8)]
+    append_records(engine, [record_from_dict(r) for r in more], "p", KEY)
+    with engine.connect() as conn:
+        query = "SELECT DISTINCT pg_column_compression(text) FROM completions WHERE seq > 8"
+        assert conn.execute(text(query)).scalars().all() == ["lz4"]
+    report = verify_chain(engine, key=KEY)
+    assert report.ok and report.num_rows == 16, report.describe_failure()
+    assert get_request(engine, "req-5")[1]["text"] == more[1]["outputs"][1]["text"]
+    engine.dispose()
