@@ -14,6 +14,22 @@ a request's first chunk never waits for the rate (time to first token). The roun
 trip also reads new entries for the engine's free slots and carries the
 worker's lease renewal and heartbeat (``extra``): while the engine runs, no
 Redis call waits on its thread.
+
+The two threads share no state: the worker's thread hands a trip over
+(``Sender.hand``) and takes it back (``Sender.take_done``, in ``_collect``):
+- A trip's requests (their ``Held``: the chunks it keeps, ``fenced``) are the
+  sender's from the hand-over until the trip is taken back; the worker's thread
+  touches a ``Held``'s chunks only while no trip holds it (``flush(wait=True)``
+  returns with none out: the dead-letter paths call it first).
+- The worker's thread takes every finished trip back before it hands the next
+  (``flush`` looks again once the sender is idle; ``Sender.hand`` refuses
+  otherwise), so no trip's results are applied while a later trip is out.
+- What a trip carries besides (chunk positions, the read plan, the lease's list
+  of entries, the heartbeat record, ``extra``) is built for it and not touched
+  again by the worker's thread. The sender's thread reads, beside them, only
+  what is fixed before it starts (the name, config, keys, base model) and the
+  pool view of ``Intake``, which the worker's thread changes only with no trip out.
+tests/integration/test_sender_handover.py checks this under stress.
 """
 
 from __future__ import annotations
@@ -67,7 +83,7 @@ class _Trip:
 
 class Publisher:
     """The worker's chunks on their way to Redis; all state but the sender's is touched
-    by the worker's thread only."""
+    by the worker's thread only (see the module's docstring: the hand-over)."""
 
     def __init__(
         self,
@@ -117,17 +133,17 @@ class Publisher:
     def flush(self, wait: bool) -> None:
         """Apply what the sender finished; hand it the pending chunks if it is free.
 
-        ``wait``: until every chunk so far is in Redis. Without it, waits only
-        when ``MAX_BEHIND`` steps are pending, and before ``next_trip`` hands over
-        only requests' first chunks, a read and upkeep calls. A failed send raises
-        here, on the worker's thread, and its batch is sent again first.
+        ``wait``: until every chunk so far is in Redis and its trip taken back. Without
+        it, waits only when ``MAX_BEHIND`` steps are pending, and before ``next_trip``
+        hands over only requests' first chunks, a read and upkeep calls. A failed send
+        raises here, on the worker's thread, and its batch is sent again first.
         """
         self._collect()
         if not self._sender.idle:
             if not wait and self.pending_steps < MAX_BEHIND:
                 return
             self._sender.wait()
-            self._collect()
+        self._collect()  # a trip that ended since the first look: back before the next
         if self.retry is not None:
             trip, self.retry = self.retry, None
             self._sender.hand(trip)
@@ -152,7 +168,7 @@ class Publisher:
         if batch or (read and read[0] > 0) or state.extra:
             self._sender.hand(_Trip(batch, read, state.extra))
             state.extra = []
-        if wait and not self._sender.idle:
+        if wait:
             self._sender.wait()
             self._collect()
 

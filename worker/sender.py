@@ -2,11 +2,11 @@
 steps on.
 
 One trip is on its way at a time, in the order handed over: chunk ``seq`` order
-per request, and so the fencing of ``lifecycle.append``, is as if sent inline. The
-publisher hands a trip over only when the previous one is done (``idle``) and
-applies the results on the worker's thread (``take_done``). The sender's thread
-touches a request's ``Held`` only to keep the chunks it builds (``Held.keep``);
-the worker's thread reads that part only while the sender is idle.
+per request, and so the fencing of ``lifecycle.append``, is as if sent inline. A
+trip is handed over (``hand``), never shared: what it carries is the sender's
+thread's until the worker's thread takes it back with its results (``take_done``),
+and ``hand`` refuses a trip while one is on its way or a finished one is not yet
+taken back. (What that means for a request's ``Held``: ``publisher.py``.)
 
 While the worker's thread is in an engine step (``stepping``) that lasts ``idle_s``
 with nothing handed over, the sender sends ``idle_trip()`` of its own accord: the
@@ -47,6 +47,8 @@ class Sender:
         with self._cond:
             if self._trip is not None:
                 raise RuntimeError("a trip is still on its way")
+            if self._done:
+                raise RuntimeError("a finished trip is not taken back yet (take_done)")
             self._trip = trip
             self._cond.notify_all()
         if self._thread.ident is None:  # started with the first trip
