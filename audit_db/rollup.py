@@ -26,6 +26,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
 from sqlalchemy import (
     ARRAY,
     Connection,
@@ -35,6 +36,7 @@ from sqlalchemy import (
     delete,
     func,
     select,
+    text,
     true,
     tuple_,
     type_coerce,
@@ -232,14 +234,34 @@ def add(conn: Connection, rows: Iterable[Mapping[str, Any]]) -> None:
     for key, cell in stored.items():
         cell.merge(cells[key])
         cells[key] = cell
-    dialect = postgresql if conn.dialect.name == "postgresql" else sqlite
-    insert = dialect.insert(usage_daily)
+    if conn.dialect.name == "postgresql":
+        cells_json = orjson.dumps([_pg_row(*i) for i in cells.items()]).decode()
+        conn.execute(_PG_UPSERT, {"cells": cells_json})
+        return
+    insert = sqlite.insert(usage_daily)
     update = {c: insert.excluded[c] for c in _row((0, "", ""), Cell()) if c not in _KEY}
     upsert = insert.on_conflict_do_update(index_elements=list(_KEY), set_=update)
     conn.execute(upsert, [_row(key, cell) for key, cell in cells.items()])
 
 
 _KEY = ("day", "dimension", "group_key")
+_VALUES = ("requests", "prompt_tokens", "completion_tokens", "errors", "latency_hist")
+# PostgreSQL: every cell in one statement, one JSON parameter (a refresh of 10,000 rows
+# spread over 90 days writes ~14,000 cells: a pipelined INSERT each cost ~20 µs a cell)
+_PG_UPSERT = text(
+    f"INSERT INTO usage_daily ({', '.join(_KEY + _VALUES)}) "
+    f"SELECT {', '.join(_KEY + _VALUES)} FROM json_to_recordset(CAST(:cells AS json)) AS c("
+    "day integer, dimension text, group_key text, requests bigint, prompt_tokens bigint, "
+    "completion_tokens bigint, errors bigint, latency_hist json) "
+    f"ON CONFLICT ({', '.join(_KEY)}) DO UPDATE SET "
+    + ", ".join(f"{c} = excluded.{c}" for c in _VALUES)
+)
+
+
+def _pg_row(key: Key, cell: Cell) -> dict[str, Any]:
+    row = _row(key, cell)
+    row["group_key"] = exact_text.encode(key[2])  # as the column type stores it
+    return row
 
 
 ROLLED = "rolled"

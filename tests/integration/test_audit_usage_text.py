@@ -36,7 +36,7 @@ def _records(count: int, seed: int = 5) -> list[dict]:
             make_record(
                 i,
                 adapter=rng.choice(adapters),
-                tenant=rng.choice(["acme", "globex", "initech", None]),
+                tenant=rng.choice(["acme", "globex", "initech", None, "n\0l \ufdd0"]),
                 n=rng.choice([1, 1, 2]),
                 arrival=T0 + rng.uniform(0, 6 * DAY),
                 latency=10 ** rng.uniform(-2, 1.3),
