@@ -1,8 +1,9 @@
 """The request bodies as the OpenAPI description at ``/docs`` shows them.
 
-Documentation only: bodies are read as JSON and checked by ``params.py`` and the job
-boundary (``wire.job_from_dict``), so HTTP clients and Python producers meet one
-check with one set of messages.
+Documentation only: bodies are read as JSON and checked by ``lorapool.openai.params`` and
+the job boundary (``wire.job_from_dict``), so HTTP clients and Python producers meet one
+check with one set of messages. The bounds shown are those checks' own constants, imported,
+so the description cannot drift from what is enforced.
 """
 
 from __future__ import annotations
@@ -10,6 +11,11 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from lorapool.lifecycle.submit import MAX_ON_FINISH
+from lorapool.lifecycle.wire import MAX_REQUEST_ID
+from lorapool.openai.params import MAX_USER
+from lorapool.protocol import PENALTY_MAX, SEED_MAX, SEED_MIN
 
 
 class _Sampling(BaseModel):
@@ -23,15 +29,15 @@ class _Sampling(BaseModel):
     min_p: float | None = Field(None, ge=0, le=1)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
-    seed: int | None = None
-    presence_penalty: float | None = Field(None, ge=-2, le=2)
-    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
+    presence_penalty: float | None = Field(None, ge=-PENALTY_MAX, le=PENALTY_MAX)
+    frequency_penalty: float | None = Field(None, ge=-PENALTY_MAX, le=PENALTY_MAX)
     repetition_penalty: float | None = Field(None, gt=0)
     min_tokens: int | None = Field(None, ge=0)
     ignore_eos: bool | None = None
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
-    user: str | None = Field(None, max_length=256, description="kept in the job's metadata")
+    user: str | None = Field(None, max_length=MAX_USER, description="kept in the job's metadata")
 
 
 class _Streamed(BaseModel):
@@ -71,11 +77,13 @@ class JobRequest(_Sampling):
     messages: list[Message] | None = None
     max_tokens: int | None = Field(16, ge=1)
     request_id: str | None = Field(
-        None, max_length=256, description="the client's own id: a retry finds the same job"
+        None,
+        max_length=MAX_REQUEST_ID,
+        description="the client's own id: a retry finds the same job",
     )
     on_finish: str | None = Field(
         None,
-        max_length=2048,
+        max_length=MAX_ON_FINISH,
         description="a webhook URL (http or https) POSTed the result, signed, once it is stored",
     )
 

@@ -103,8 +103,8 @@ class SamplingParams:
         check(self.top_k != 0, "sampling_params.top_k must be -1 (disabled) or at least 1, got 0")
         _real_field("min_p", self.min_p, lo=0.0, hi=1.0)
         _int_field("seed", self.seed, lo=SEED_MIN, hi=SEED_MAX, optional=True)
-        _real_field("presence_penalty", self.presence_penalty, lo=-2.0, hi=2.0)
-        _real_field("frequency_penalty", self.frequency_penalty, lo=-2.0, hi=2.0)
+        _real_field("presence_penalty", self.presence_penalty, lo=-PENALTY_MAX, hi=PENALTY_MAX)
+        _real_field("frequency_penalty", self.frequency_penalty, lo=-PENALTY_MAX, hi=PENALTY_MAX)
         _real_field("repetition_penalty", self.repetition_penalty, lo=0.0)
         check(
             self.repetition_penalty > 0.0,
@@ -214,6 +214,7 @@ class FieldError(ValueError):
 
 MAX_LORA_NAME = 1024
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed takes
+PENALTY_MAX = 2.0  # presence and frequency penalties lie in [-PENALTY_MAX, PENALTY_MAX] (OpenAI's)
 INT32_MAX = 2**31 - 1
 _BOOL_FIELDS = (
     "ignore_eos",
