@@ -56,7 +56,7 @@ async def load_lora_adapter(request: Request, caller: Admin) -> JSON:
         message = str(exc)
         by_name = message.startswith("adapter name") or "already registered" in message
         raise bad_request(message, "lora_name" if by_name else "lora_path") from None
-    return JSON({"status": "loaded", "adapter": record})
+    return JSON({"status": "loaded", "adapter": record.to_dict()})
 
 
 @router.post("/unload_lora_adapter", summary="Remove an adapter from the registry")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from lorapool.lifecycle.adapter_record import AdapterRecord
 from lorapool.lifecycle.wire import Chunk
 from lorapool.openai.format import usage
 from lorapool.outputs import RequestOutput
@@ -21,25 +22,25 @@ def state_name(state: dict[str, Any], output: RequestOutput | None) -> str:
 
 
 def adapter_identity(
-    output: RequestOutput, record: dict | None, internals: bool = True
+    output: RequestOutput, record: AdapterRecord | None, internals: bool = True
 ) -> dict[str, Any] | None:
     """Name, id and (with ``internals``) path of the adapter that ran the job, and its
     weights' sha256 (from the registry record of that name and id)."""
     lora = output.lora_request
     if lora is None:
         return None
-    same = record is not None and record.get("id") == lora.lora_int_id
+    same = record is not None and record.id == lora.lora_int_id
     identity = {"name": lora.lora_name, "id": lora.lora_int_id, "path": lora.lora_path}
     if not internals:
         del identity["path"]
-    return {**identity, "sha256": record.get("sha256") if same else None}
+    return {**identity, "sha256": record.sha256 if same else None}
 
 
 def job_body(
     job_id: str,
     status: str,
     output: RequestOutput,
-    adapter: dict | None,
+    adapter: AdapterRecord | None,
     base: dict | None,
     internals: bool = True,
 ) -> dict[str, Any]:

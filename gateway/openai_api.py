@@ -49,11 +49,11 @@ async def list_models(request: Request, caller: Annotated[Principal, Depends(req
     if base is not None:
         data.append(_model_card(base_name, None, base_name, sha256=base.get("sha256")))
     for record in await view.adapters():
-        if not caller.may_use(record["name"]):
+        if not caller.may_use(record.name):
             continue
-        root = record["path"] if caller.sees_internals else record["name"]
-        card = _model_card(record["name"], base_name, root, sha256=record["sha256"])
-        card["adapter_id"] = record["id"]
+        root = record.path if caller.sees_internals else record.name
+        card = _model_card(record.name, base_name, root, sha256=record.sha256)
+        card["adapter_id"] = record.id
         data.append(card)
     return JSON({"object": "list", "data": data})
 

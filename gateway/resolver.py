@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 from fastapi import APIRouter, Depends, Request
 
 from lorapool.gateway.auth import Principal, require
 from lorapool.gateway.body import read_json
 from lorapool.gateway.json import JSON
+from lorapool.lifecycle.adapter_record import AdapterRecord
 from lorapool.openai.errors import APIError, bad_request
 from lorapool.producer.registry import WEIGHTS_FILE
 
@@ -48,7 +49,7 @@ def candidate(roots: tuple[str, ...], name: str) -> Path | None:
     return None
 
 
-async def resolve(pool, name: str) -> dict[str, Any] | None:
+async def resolve(pool, name: str) -> AdapterRecord | None:
     """The registry record of adapter ``name``, registered now from an adapter root; None
     when the resolver is off or no root holds it."""
     if not await enabled(pool):

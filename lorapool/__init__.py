@@ -4,7 +4,7 @@ The data types are torch-free and imported eagerly. The engine and the
 producers are imported on first use, so that a web app that only submits
 jobs never imports torch.
 
-May import: the standard library and orjson (the data types); the engine and
+May import: the standard library, orjson and msgspec (the data types); the engine and
 producers only lazily, through ``__getattr__``. The CLI lives in ``cli/``.
 
 The repository's other folders are packages of this namespace: ``engine/`` is

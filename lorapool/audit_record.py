@@ -16,6 +16,7 @@ from typing import Any, Literal, get_args
 import orjson
 
 from lorapool import signing
+from lorapool.lifecycle.adapter_record import AdapterRecord
 
 RECORD_VERSION = 1
 SIGNATURE_DOMAIN = "lorapool audit record v1"
@@ -33,18 +34,9 @@ class BaseModelInfo:
     sha256: str
 
 
-@dataclass(frozen=True)
-class AdapterInfo:
-    """The full identity of one adapter version."""
-
-    name: str
-    id: int
-    path: str
-    sha256: str
-    rank: int
-    alpha: float
-    target_modules: tuple[str, ...]
-    base_model: str | None = field(default=None, kw_only=True)
+# The full identity of one adapter version: its registry record as it was when the
+# request ran (one definition, ``lifecycle.adapter_record``)
+AdapterInfo = AdapterRecord
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from typing import Any
 
 import orjson
 
+from lorapool.lifecycle.adapter_record import AdapterRecord, decode_adapter_record
 from lorapool.lifecycle.chunk_log import RESULT_FIELD
 from lorapool.lifecycle.keys import WORKERS_GROUP
 from lorapool.producer.aio import AsyncProducer
@@ -33,14 +34,13 @@ class PoolView:
         raw = await self.redis.get(self.keys.model)
         return None if raw is None else orjson.loads(raw)
 
-    async def adapters(self) -> list[dict[str, Any]]:
-        """Every registry record (name, id, path, sha256, rank, ...), by adapter id."""
-        records = [orjson.loads(v) for v in await self.redis.hvals(self.keys.adapters)]
-        return sorted(records, key=lambda r: r["id"])
+    async def adapters(self) -> list[AdapterRecord]:
+        """Every registry record, by adapter id."""
+        records = [decode_adapter_record(v) for v in await self.redis.hvals(self.keys.adapters)]
+        return sorted(records, key=lambda r: r.id)
 
-    async def adapter(self, name: str) -> dict[str, Any] | None:
-        raw = await self.redis.hget(self.keys.adapters, name)
-        return None if raw is None else orjson.loads(raw)
+    async def adapter(self, name: str) -> AdapterRecord | None:
+        return decode_adapter_record(await self.redis.hget(self.keys.adapters, name))
 
     async def api_key(self, key: str) -> dict[str, Any] | None:
         """The record (tenant, role, adapters) of an API key; None if unknown or revoked."""

@@ -1,9 +1,9 @@
 """The adapter registry in Redis: name -> id, path, sha256, rank, alpha, targets.
 
-``{p}:adapters`` maps a name to its orjson record; ``{p}:adapter-ids`` maps an
-int id to its name, which keeps ids unique. Torch-free: the sha256 is taken
-over the bytes of ``adapter_model.safetensors`` and the rest is read from
-``adapter_config.json``.
+``{p}:adapters`` maps a name to its record (``lifecycle.adapter_record``);
+``{p}:adapter-ids`` maps an int id to its name, which keeps ids unique. Torch-free:
+the sha256 is taken over the bytes of ``adapter_model.safetensors`` and the rest is
+read from ``adapter_config.json``.
 """
 
 from __future__ import annotations
@@ -14,14 +14,16 @@ import re
 from pathlib import Path
 from typing import Any
 
-import orjson
 import redis
 
 from lorapool.connection import client_for
 from lorapool.identity import ADAPTER_WEIGHTS, adapter_sha256
 from lorapool.lifecycle.adapter_record import (  # the worker reads the records too
+    AdapterRecord,
+    adapter_record,
     check_lora,
     decode_adapter_record,
+    encode_adapter_record,
 )
 from lorapool.lifecycle.keys import Keys
 from lorapool.protocol import INT32_MAX, LoRARequest, is_int, short_repr
@@ -60,7 +62,8 @@ def check_inside_roots(path: str | Path, roots: list[str]) -> Path:
 
 
 def describe_adapter(path: str | Path) -> dict[str, Any]:
-    """Read an adapter folder: sha256 of its weights, rank, alpha, targets, base model."""
+    """Read an adapter folder: sha256 of its weights, rank, alpha, targets, base model
+    (an ``AdapterRecord``'s fields but its name and id)."""
     path = Path(path)
     weights = path / WEIGHTS_FILE
     if not weights.is_file():
@@ -89,12 +92,12 @@ class AdapterRegistry:
         self.keys = keys
         self.roots = roots_from_env() if roots is None else list(roots)
 
-    def get(self, name: str) -> dict[str, Any] | None:
+    def get(self, name: str) -> AdapterRecord | None:
         return decode_adapter_record(self.redis.hget(self.keys.adapters, name))
 
-    def list(self) -> list[dict[str, Any]]:
-        records = [orjson.loads(v) for v in self.redis.hvals(self.keys.adapters)]
-        return sorted(records, key=lambda r: r["id"])
+    def list(self) -> list[AdapterRecord]:
+        records = [decode_adapter_record(v) for v in self.redis.hvals(self.keys.adapters)]
+        return sorted(records, key=lambda r: r.id)
 
     def resolve(self, requested: LoRARequest | str | None) -> LoRARequest | None:
         """The registered LoRARequest for a name or LoRARequest; ValueError if unknown."""
@@ -109,7 +112,7 @@ class AdapterRegistry:
         path: str | Path,
         adapter_id: int | None = None,
         info: dict[str, Any] | None = None,
-    ) -> dict[str, Any]:
+    ) -> AdapterRecord:
         """Register an adapter; idempotent for the same name, id, path and weights.
 
         Refuses (ValueError) a name registered with other weights, path or id,
@@ -129,7 +132,7 @@ class AdapterRegistry:
                 except redis.WatchError:
                     continue
 
-    def _add_once(self, pipe, name: str, adapter_id: int | None, info: dict) -> dict:
+    def _add_once(self, pipe, name: str, adapter_id: int | None, info: dict) -> AdapterRecord:
         pipe.watch(self.keys.adapters, self.keys.adapter_ids)
         existing = decode_adapter_record(pipe.hget(self.keys.adapters, name))
         if existing is not None:
@@ -140,9 +143,9 @@ class AdapterRegistry:
         if new_id in ids:
             pipe.unwatch()
             raise ValueError(f"adapter id {new_id} is already used by adapter {ids[new_id]!r}")
-        record = {"name": name, "id": new_id, **info}
+        record = adapter_record(name, new_id, info)
         pipe.multi()
-        pipe.hset(self.keys.adapters, name, orjson.dumps(record))
+        pipe.hset(self.keys.adapters, name, encode_adapter_record(record))
         pipe.hset(self.keys.adapter_ids, new_id, name)
         pipe.execute()
         return record
@@ -153,19 +156,19 @@ class AdapterRegistry:
             return False
         with client_for(self.redis, self.keys.adapters).pipeline() as pipe:
             pipe.hdel(self.keys.adapters, name)
-            pipe.hdel(self.keys.adapter_ids, record["id"])
+            pipe.hdel(self.keys.adapter_ids, record.id)
             pipe.execute()
         return True
 
 
-def _same_or_refuse(existing: dict, adapter_id: int | None, info: dict) -> dict:
-    name = existing["name"]
-    if adapter_id is not None and adapter_id != existing["id"]:
-        raise ValueError(f"adapter {name!r} is already registered with id {existing['id']}")
-    if (existing["path"], existing["sha256"]) != (info["path"], info["sha256"]):
+def _same_or_refuse(existing: AdapterRecord, adapter_id: int | None, info: dict) -> AdapterRecord:
+    name = existing.name
+    if adapter_id is not None and adapter_id != existing.id:
+        raise ValueError(f"adapter {name!r} is already registered with id {existing.id}")
+    if (existing.path, existing.sha256) != (info["path"], info["sha256"]):
         raise ValueError(
             f"adapter {name!r} is already registered with other weights "
-            f"({existing['path']}, sha256 {existing['sha256'][:12]}); remove it "
+            f"({existing.path}, sha256 {existing.sha256[:12]}); remove it "
             f"first or register the new version under a new name"
         )
     return existing

@@ -13,8 +13,6 @@ from lorapool.worker.held import Held
 if TYPE_CHECKING:
     from lorapool.worker.state import WorkerState
 
-ADAPTER_FIELDS = ("name", "id", "path", "sha256", "rank", "alpha", "target_modules", "base_model")
-
 
 def final_audit(state: WorkerState, held: Held, chunk: Chunk) -> bytes:
     """The audit record of a final chunk (every finished request, failed ones too), else b"".
@@ -27,9 +25,7 @@ def final_audit(state: WorkerState, held: Held, chunk: Chunk) -> bytes:
 
 
 def audit_record(state: WorkerState, held: Held) -> dict[str, Any]:
-    adapter = None
-    if held.adapter is not None:
-        adapter = {k: held.adapter.get(k) for k in ADAPTER_FIELDS}
+    adapter = None if held.adapter is None else held.adapter.to_dict()
     output = held.output()
     record = record_from_output(
         output,

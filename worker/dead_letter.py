@@ -209,7 +209,7 @@ def find_adapter(state: WorkerState, held: Held) -> None:
             record = decode_adapter_record(state.redis.hget(state.keys.adapters, lora.name))
         except (ValueError, redis.ResponseError):  # a damaged registry record or key:
             return  # audit the request without it
-        if record is not None and record.get("id") == lora.lora_int_id:
+        if record is not None and record.id == lora.lora_int_id:
             held.adapter = record
 
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from lorapool.lifecycle.accumulator import Accumulator
+from lorapool.lifecycle.adapter_record import AdapterRecord
 from lorapool.lifecycle.error_kind import ErrorKind
 from lorapool.lifecycle.wire import Chunk, Job, completion_wire
 from lorapool.outputs import RequestOutput, logprobs_to_wire
@@ -28,7 +29,7 @@ class Held:
 
     entry_id: str
     job: Job
-    adapter: dict[str, Any] | None = None  # registry record, None for the base model
+    adapter: AdapterRecord | None = None  # registry record, None for the base model
     seq: int = 0  # seq of the next chunk
     total: int = 0  # tokens of all completions already in the log
     offsets: dict[int, int] = field(default_factory=dict)  # per completion index

@@ -24,7 +24,7 @@ def add_to_engine(state: WorkerState, held: Held) -> None:
         record = decode_adapter_record(state.redis.hget(state.keys.adapters, job.lora_request.name))
         check_lora(job.lora_request, record)
         held.adapter = record
-        engine.expect_lora_weights(job.lora_request, record["sha256"])
+        engine.expect_lora_weights(job.lora_request, record.sha256)
     if held.total and job.sampling_params.n > 1:
         raise ValueError(
             f"request {job.request_id}: cannot resume a request with n > 1 "

@@ -128,8 +128,7 @@ def register_adapters(producer, model: str, console: Console) -> None:
     for name, path in ensure_demo_adapters(model, cache_dir() / "demo-adapters").items():
         record = producer.registry.add(name, path)
         console.print(
-            f"adapter [bold]{name}[/] registered: id {record['id']}, "
-            f"sha256 {record['sha256'][:12]}…"
+            f"adapter [bold]{name}[/] registered: id {record.id}, sha256 {record.sha256[:12]}…"
         )
 
 

@@ -312,8 +312,8 @@ def adapters_add(name, path, adapter_id, adapter_roots, redis_url, prefix, shard
     except ValueError as exc:
         raise click.ClickException(str(exc)) from None
     click.echo(
-        f"{record['name']}: id {record['id']}, rank {record['rank']}, "
-        f"sha256 {record['sha256'][:16]}…, {record['path']}"
+        f"{record.name}: id {record.id}, rank {record.rank}, "
+        f"sha256 {record.sha256[:16]}…, {record.path}"
     )
 
 
@@ -324,9 +324,7 @@ def adapters_add(name, path, adapter_id, adapter_roots, redis_url, prefix, shard
 def adapters_list(redis_url, prefix, shards):
     """List registered adapters."""
     for r in _producer(redis_url, prefix, shards).registry.list():
-        click.echo(
-            f"{r['id']:>4}  {r['name']:<24} rank {r['rank']:<4} {r['sha256'][:16]}  {r['path']}"
-        )
+        click.echo(f"{r.id:>4}  {r.name:<24} rank {r.rank:<4} {r.sha256[:16]}  {r.path}")
 
 
 @adapters.command("remove")

@@ -1,16 +1,66 @@
-"""An adapter's registry record as the pool reads it from ``{p}:adapters`` (written by
-``lorapool.producer.registry``): decoded, checked against what a request names, and
-turned into the ``LoRARequest`` a job carries. Producers check at submit and workers
-again at intake, so both read it here (the worker never imports the producer)."""
+"""An adapter's identity: its registry record in ``{p}:adapters`` (name -> this record,
+written by ``lorapool.producer.registry``), the same fields every audit record of a
+request it ran carries (``audit_record.AdapterInfo`` is this class).
+
+Decoded and checked here (``decode_adapter_record``: msgspec, every field's type),
+compared with what a request names (``check_lora``) and turned into the
+``LoRARequest`` a job carries. Producers check at submit and workers again at intake,
+so both read it here (the worker never imports the producer).
+"""
 
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import orjson
 
 from lorapool.protocol import LoRARequest
+
+
+@dataclass(frozen=True)
+class AdapterRecord:
+    """The full identity of one adapter version: ``sha256`` of its weights file
+    (``identity.adapter_sha256``), ``rank``, ``alpha``, ``target_modules`` and
+    ``base_model`` from its ``adapter_config.json``, ``path`` resolved."""
+
+    name: str
+    id: int
+    path: str
+    sha256: str
+    rank: int
+    alpha: float
+    target_modules: tuple[str, ...]
+    base_model: str | None = field(default=None, kw_only=True)
+
+    def to_dict(self) -> dict[str, Any]:
+        """As JSON has it (the registry's, the admin API's, the audit record's ``adapter``)."""
+        return {**asdict(self), "target_modules": list(self.target_modules)}
+
+
+def adapter_record(name: str, adapter_id: int, info: dict[str, Any]) -> AdapterRecord:
+    """The record of adapter ``name`` with id ``adapter_id`` and ``info`` (the rest of
+    the fields, ``producer.registry.describe_adapter``); ValueError naming a bad field."""
+    try:
+        return msgspec.convert({"name": name, "id": adapter_id, **info}, AdapterRecord)
+    except msgspec.ValidationError as exc:
+        raise ValueError(f"adapter {name!r}: {exc}") from None
+
+
+def encode_adapter_record(record: AdapterRecord) -> bytes:
+    return orjson.dumps(record.to_dict())
+
+
+def decode_adapter_record(raw: bytes | str | None) -> AdapterRecord | None:
+    """The record ``raw`` holds (None: no record); ValueError when it holds none."""
+    if raw is None:
+        return None
+    try:
+        return msgspec.json.decode(raw, type=AdapterRecord)
+    except msgspec.DecodeError as exc:  # ValidationError too
+        raise ValueError(f"malformed adapter record: {exc}") from None
 
 
 class UnknownAdapter(ValueError):
@@ -23,11 +73,11 @@ class UnknownAdapter(ValueError):
         self.name = name
 
 
-def lora_from_record(record: dict[str, Any]) -> LoRARequest:
-    return LoRARequest(record["name"], int(record["id"]), record["path"], record.get("base_model"))
+def lora_from_record(record: AdapterRecord) -> LoRARequest:
+    return LoRARequest(record.name, record.id, record.path, record.base_model)
 
 
-def check_lora(requested: LoRARequest | str, record: dict[str, Any] | None) -> LoRARequest:
+def check_lora(requested: LoRARequest | str, record: AdapterRecord | None) -> LoRARequest:
     """The LoRARequest to enqueue for ``requested`` given its registry record (or None).
 
     Raises UnknownAdapter (a ValueError) when the adapter is unknown, ValueError when
@@ -37,18 +87,13 @@ def check_lora(requested: LoRARequest | str, record: dict[str, Any] | None) -> L
     if record is None:
         raise UnknownAdapter(name)
     if isinstance(requested, LoRARequest):
-        if requested.lora_int_id != record["id"]:
+        if requested.lora_int_id != record.id:
             raise ValueError(
-                f"adapter {name!r} has id {record['id']} in the registry, "
+                f"adapter {name!r} has id {record.id} in the registry, "
                 f"not {requested.lora_int_id} (colliding adapter id)"
             )
-        if requested.lora_path and str(Path(requested.lora_path).resolve()) != record["path"]:
+        if requested.lora_path and str(Path(requested.lora_path).resolve()) != record.path:
             raise ValueError(
-                f"adapter {name!r} is registered with path {record['path']}, "
-                f"not {requested.lora_path}"
+                f"adapter {name!r} is registered with path {record.path}, not {requested.lora_path}"
             )
     return lora_from_record(record)
-
-
-def decode_adapter_record(raw: bytes | str | None) -> dict[str, Any] | None:
-    return None if raw is None else orjson.loads(raw)

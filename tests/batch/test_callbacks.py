@@ -84,5 +84,5 @@ def test_100_finished_jobs_get_one_json_callback_each(
         if lora is None:
             assert g["adapter"] is None
         else:
-            assert g["adapter"]["sha256"] == registry[lora.lora_name]["sha256"]
+            assert g["adapter"]["sha256"] == registry[lora.lora_name].sha256
             assert g["adapter"]["name"] == lora.lora_name

@@ -47,8 +47,8 @@ def test_load_list_unload(admin, producer):
     )
     assert loaded.status_code == 200, loaded.text
     record = producer.registry.get("new-lora")
-    assert record["sha256"] == hashlib.sha256(b"weights v1").hexdigest()
-    assert loaded.json()["adapter"] == record
+    assert record.sha256 == hashlib.sha256(b"weights v1").hexdigest()
+    assert loaded.json()["adapter"] == record.to_dict()
     models = httpx.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {key}"}).json()
     assert "new-lora" in [m["id"] for m in models["data"]]
     gone = post(url, "/v1/unload_lora_adapter", {"lora_name": "new-lora"}, key)

@@ -85,7 +85,7 @@ def test_audit_rows_name_adapter_tenant_and_key(
         assert row["tenant"] == "acme"
         assert row["request_metadata"] == {"tenant": "acme", "key_id": keys["acme"]["id"]}
         assert row["adapter_name"] == adapter
-        assert row["adapter_sha256"] == registry[adapter]["sha256"]
+        assert row["adapter_sha256"] == registry[adapter].sha256
         if text is not None:
             assert row["text"] == text
     db = ["--audit-db-url", audit_target.url]

@@ -40,9 +40,9 @@ def test_result_names_the_adapter_and_its_weights(gateway, registry):
     record = registry["ad-mlp"]
     assert job["result"]["adapter"] == {
         "name": "ad-mlp",
-        "id": record["id"],
-        "path": record["path"],
-        "sha256": record["sha256"],
+        "id": record.id,
+        "path": record.path,
+        "sha256": record.sha256,
     }
 
 

@@ -43,9 +43,9 @@ def test_models_lists_base_and_adapters(client, registry, base_name):
     for name, record in registry.items():
         card = models[name].model_dump()
         assert card["parent"] == base_name
-        assert card["root"] == record["path"]
-        assert card["sha256"] == record["sha256"] and len(card["sha256"]) == 64
-        assert card["adapter_id"] == record["id"]
+        assert card["root"] == record.path
+        assert card["sha256"] == record.sha256 and len(card["sha256"]) == 64
+        assert card["adapter_id"] == record.id
 
 
 @pytest.mark.parametrize("adapter", ["ad-qv", "ad-mlp", None])

@@ -345,7 +345,7 @@ def test_the_lora_resolver_registers_and_serves_on_first_use(resolving, producer
     got = httpx.post(f"{urls[0]}/v1/completions", json=body, headers=auth, timeout=120)
     assert got.status_code == 200, got.text
     record = producer.registry.get("fresh")
-    assert record["sha256"] == adapter_sha256(root / "fresh")
+    assert record.sha256 == adapter_sha256(root / "fresh")
     [want] = llm.generate(
         ["Hello"],
         SamplingParams(temperature=0.0, max_tokens=6),
@@ -360,8 +360,8 @@ def test_the_lora_resolver_registers_and_serves_on_first_use(resolving, producer
     with ThreadPoolExecutor(6) as pool:
         replies = list(pool.map(call, range(6)))
     assert all(r.status_code == 200 for r in replies), [r.text for r in replies]
-    twins = [r for r in producer.registry.list() if r["name"] == "twin"]
-    assert len(twins) == 1 and twins[0]["path"] == str((root / "twin").resolve())
+    twins = [r for r in producer.registry.list() if r.name == "twin"]
+    assert len(twins) == 1 and twins[0].path == str((root / "twin").resolve())
     for name in ("escape", "..", "nowhere"):
         miss = httpx.post(f"{urls[1]}/v1/completions", json={**body, "model": name}, headers=auth)
         assert miss.status_code == 404, (name, miss.text)
@@ -385,4 +385,4 @@ def test_admins_turn_the_resolver_off_for_every_gateway(resolving, producer):
     assert on.json()["enabled"] is True
     got = httpx.post(f"{urls[0]}/v1/completions", json=body, headers=auth, timeout=120)
     assert got.status_code == 200, got.text
-    assert producer.registry.get("late")["sha256"] == producer.registry.get("fresh")["sha256"]
+    assert producer.registry.get("late").sha256 == producer.registry.get("fresh").sha256

@@ -72,7 +72,7 @@ def test_one_identity_everywhere(
     adapter = adapter_dir
     expected = _sha(adapter / "adapter_model.safetensors")
     record = producer.registry.add("ad", adapter)
-    assert record["sha256"] == describe_adapter(adapter)["sha256"] == expected
+    assert record.sha256 == describe_adapter(adapter)["sha256"] == expected
     assert adapter_sha256(adapter) == expected
     loaded = load_adapter(producer.registry.resolve("ad"), lora_engine.lora_manager.shapes, 8)
     assert loaded.sha256 == expected
@@ -160,5 +160,5 @@ def test_weights_changed_after_registration_fail_their_requests(
     assert "weights changed since registration" in failed.error and "'swapped'" in failed.error
     for name in ("kept", "base"):
         assert handles[name].result(timeout=5).outputs[0].finish_reason == "length"
-    assert kept["sha256"] != _sha(swapped / "adapter_model.safetensors")
+    assert kept.sha256 != _sha(swapped / "adapter_model.safetensors")
     assert pool_layout.pending(conn, keys, "requests", "workers") == 0

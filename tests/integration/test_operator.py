@@ -40,11 +40,11 @@ def test_registry_refuses_paths_outside_its_roots(conn, producer, tmp_path):
     inside = _adapter(root / "inside")
     (root / "link").symlink_to(outside)
     registry = AdapterRegistry(conn, producer.keys, roots=[str(root)])
-    assert registry.add("ok.v1_2-x", inside)["path"] == str(inside.resolve())
+    assert registry.add("ok.v1_2-x", inside).path == str(inside.resolve())
     for path in (outside, root / ".." / "outside", root / "link"):
         with pytest.raises(ValueError, match="outside the adapter roots"):
             registry.add("bad", path)
-    assert [r["name"] for r in registry.list()] == ["ok.v1_2-x"]
+    assert [r.name for r in registry.list()] == ["ok.v1_2-x"]
 
 
 def test_cli_adapters_add_with_roots(pool_url, prefix, shards, tmp_path, monkeypatch):

@@ -4,7 +4,7 @@ Each check imports the modules in a fresh interpreter and reads ``sys.modules``:
 a producer must import without torch, the audit trail never imports torch, the
 scheduler and block manager are plain Python, the torch-free data types of
 ``lorapool/`` (``protocol``, ``lifecycle.wire``, ``lifecycle.keys``, ...) need only the
-standard library and orjson, the request's life on Redis needs no torch, the worker
+standard library, orjson and msgspec, the request's life on Redis needs no torch, the worker
 needs no SQLAlchemy and the kernels no engine.
 """
 
@@ -47,7 +47,7 @@ def submodules(package: str, skip: tuple[str, ...] = ()) -> list[str]:
     return names
 
 
-def test_the_data_types_need_only_the_standard_library_and_orjson():
+def test_the_data_types_need_only_the_standard_library_orjson_and_msgspec():
     # these talk to Redis (redis-py is theirs; persistence asks it; pool_metrics serves
     # Prometheus too; batch runs RQ jobs; the lifecycle's Redis side and readers: each
     # checked below)
@@ -64,7 +64,9 @@ def test_the_data_types_need_only_the_standard_library_and_orjson():
     modules = [m for m in submodules("lorapool", skip=clients) if m.count(".") <= 1]
     modules += ["lorapool.lifecycle", "lorapool.lifecycle.wire", "lorapool.lifecycle.keys"]
     assert {"lorapool.protocol", "lorapool.identity"} <= set(modules)
-    extra = imported(modules) - {"lorapool", "orjson", "_distutils_hack"}
+    # msgspec (and what it loads): the typed records (lifecycle.adapter_record, ...)
+    allowed = {"lorapool", "orjson", "_distutils_hack"} | imported(["msgspec"])
+    extra = imported(modules) - allowed
     assert not {m for m in extra if not m.startswith("_")}, extra
 
 

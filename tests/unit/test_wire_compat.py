@@ -164,9 +164,9 @@ def test_registry_heartbeat_and_model_records_read_as_they_did(fixture):
     from lorapool.lifecycle.adapter_record import decode_adapter_record as decode_adapter
 
     for name, value in fixture["adapters"].items():
-        record = decode_adapter(raw(value))
-        assert record["name"] == name and fixture["adapter_ids"][str(record["id"])] == name
-        assert {"path", "sha256", "rank", "alpha", "target_modules", "base_model"} <= set(record)
+        record = decode_adapter(raw(value))  # every field typed (lifecycle.adapter_record)
+        assert record.name == name and fixture["adapter_ids"][str(record.id)] == name
+        assert record.to_dict() == orjson.loads(raw(value))  # all of it, as written
     for name, value in fixture["workers"].items():
         heartbeat = orjson.loads(raw(value))
         assert heartbeat["name"] == name
