@@ -40,6 +40,9 @@ def _encoder(column) -> Callable[[Any], Any] | None:
     return None
 
 
+# rows encoded and sent at a time: the server inserts one chunk (its indexes, the
+# trigram GIN among them: ~100 µs a row) while the next is encoded (~14 µs a row)
+COPY_CHUNK = 50
 _COPY_ESCAPES = str.maketrans({"\\": "\\\\", "\t": "\\t", "\n": "\\n", "\r": "\\r"})
 
 
@@ -120,7 +123,8 @@ def bulk_insert(conn: Connection, rows: list[dict[str, Any]]) -> int:
                 cursor.executemany(_INSERT, [_cells(row, _SQLITE_ENCODERS) for row in rows])
                 return cursor.rowcount
             with cursor.copy(_COPY) as copy:
-                copy.write(_copy_lines(rows))
+                for start in range(0, len(rows), COPY_CHUNK):
+                    copy.write(_copy_lines(rows[start : start + COPY_CHUNK]))
             return cursor.rowcount
         finally:
             cursor.close()
