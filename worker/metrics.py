@@ -8,7 +8,7 @@ The worker calls ``WorkerMetrics`` at four points, all on its own thread:
 outputs), ``failed`` (a request dead-lettered) and ``serve``/``close``. The
 HTTP thread of prometheus-client only reads: counters and histograms (which
 lock), and a snapshot of the engine's state that the worker's thread replaces
-whole (``_Snapshot``), so a scrape never touches the engine or ``Worker.held``.
+whole (``_Snapshot``), so a scrape never touches the engine or ``WorkerState.held``.
 
 Adapter labels are capped (``AdapterLabels``): the first ``max_series - 1``
 adapter names seen keep their own label, every later one is ``other``, so any
