@@ -143,32 +143,32 @@ class Follower:
     async def _end_unread(self, request_id: str) -> bool:
         """Whether this call ended ``request_id`` because its queue entry was removed
         before any worker read it (``lifecycle.unread``); False while Redis is away."""
-        try:
-            async with self.fills:
-                ended = await self.unread(request_id)
-        except TRANSIENT:
-            return False
-        except redis.ResponseError as exc:  # an ACL refusal: it wrote nothing
-            unread.log_refused(request_id, exc)
-            return False
-        if ended:
-            unread.log_ended(request_id, ended)
-        return bool(ended)
+        return await self._ended(request_id, lambda: self.unread(request_id), unread.log_ended)
 
     async def _end_orphaned(self, cursor: Cursor) -> bool:
         """Whether this call ended the request because its worker stopped partway and
         its entry is gone (``lifecycle.orphaned``); False while Redis is away."""
         rid = cursor.request_id
+        return await self._ended(
+            rid,
+            lambda: orphaned.end_async(self.redis, self.unread, self.keys, rid),
+            orphaned.log_ended,
+        )
+
+    async def _ended(self, request_id: str, ending, log_ended) -> bool:
+        """Awaits ``ending()`` (an END_UNREAD call) among the fills; whether it ended the
+        request (logged by ``log_ended``). False while Redis is away, and on an ACL
+        refusal, which wrote nothing."""
         try:
             async with self.fills:
-                ended = await orphaned.end_async(self.redis, self.unread, self.keys, rid)
+                ended = await ending()
         except TRANSIENT:
             return False
-        except redis.ResponseError as exc:  # an ACL refusal: it wrote nothing
-            unread.log_refused(rid, exc)
+        except redis.ResponseError as exc:
+            unread.log_refused(request_id, exc)
             return False
         if ended:
-            orphaned.log_ended(rid, ended)
+            log_ended(request_id, ended)
         return bool(ended)
 
     async def _fill(self, cursor: Cursor) -> list[Chunk]:
