@@ -8,7 +8,13 @@ import signal
 import click
 
 from lorapool.cli.audit import audit_key, db_options, insecure_option
-from lorapool.cli.options import config_from, count_option, shards_option, webhook_allow_option
+from lorapool.cli.options import (
+    config_from,
+    count_option,
+    seconds_option,
+    shards_option,
+    webhook_allow_option,
+)
 from lorapool.connection import LOOP_RETRIES, connect
 from lorapool.lifecycle.keys import DEAD_MAX_LEN
 
@@ -68,13 +74,13 @@ def _install_signals(writer) -> None:
     help="RQ queue of completion callbacks (jobs submitted with on_finish).",
 )
 @webhook_allow_option
-@click.option(
+@seconds_option(
     "--webhook-deadline",
     "webhook_deadline_s",
-    type=click.FloatRange(0.1, 300),
-    default=10.0,
-    show_default=True,
-    help="seconds one webhook attempt may take in all (connect, send, read)",
+    10.0,
+    "one webhook attempt may take in all (connect, send, read)",
+    0.1,
+    300,
 )
 @count_option("--webhook-max-attempts", 8, "attempts before a delivery is dead-lettered")
 @count_option("--webhook-tenant-concurrency", 2, "a tenant's webhook deliveries in flight at most")

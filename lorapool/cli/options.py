@@ -41,6 +41,19 @@ def count_option(flag: str, default: int, help: str, dest: str | None = None, le
     )
 
 
+def seconds_option(flag: str, dest: str, default: float, help: str, least: float, most=None):
+    """An option taking seconds from ``least`` to ``most`` (None: no bound), its default
+    shown, stored under ``dest`` (the config's ``..._s`` field)."""
+    return click.option(
+        flag,
+        dest,
+        type=click.FloatRange(least, most),
+        default=default,
+        show_default=True,
+        help=f"seconds {help}",
+    )
+
+
 def optional_option(flag: str, type: click.ParamType, help: str):
     """An option that is unset (None) unless given; ``help`` says what unset means."""
     return click.option(flag, type=type, default=None, help=help)

@@ -12,6 +12,7 @@ from lorapool.cli.options import (
     prefix_option,
     redis_option,
     repeated_option,
+    seconds_option,
     shards_option,
     webhook_allow_option,
 )
@@ -95,32 +96,32 @@ from lorapool.protocol import MAX_STOP
     show_default=True,
     help="how tool_choice=auto replies are read for calls (auto: from the base model's name)",
 )
-@click.option(
+@seconds_option(
     "--redis-timeout",
     "redis_timeout_s",
-    type=click.FloatRange(0.05, 3600),
-    default=2.0,
-    show_default=True,
-    help="seconds a Redis call may go unanswered before the request gets 503 (with one "
+    2.0,
+    "a Redis call may go unanswered before the request gets 503 (with one "
     "retry and a wait for a pooled connection: 503 within 3x this plus 0.2 s; at once "
     "once the gateway's 4-a-second ping has noticed)",
+    0.05,
+    3600,
 )
-@click.option(
+@seconds_option(
     "--redis-outage",
     "redis_outage_s",
-    type=click.FloatRange(0.5, 3600),
-    default=30.0,
-    show_default=True,
-    help="seconds open streams and calls waiting for results wait for Redis to come back "
+    30.0,
+    "open streams and calls waiting for results wait for Redis to come back "
     "(then they resume exactly); past it they end with a 503 / an error event",
+    0.5,
+    3600,
 )
-@click.option(
+@seconds_option(
     "--header-timeout",
     "header_timeout_s",
-    type=click.FloatRange(0.5, 3600),
-    default=10.0,
-    show_default=True,
-    help="seconds a connection has to send a request's headers (then 408 and closed: slowloris)",
+    10.0,
+    "a connection has to send a request's headers (then 408 and closed: slowloris)",
+    0.5,
+    3600,
 )
 @click.option(
     "--max-connections-per-client",
