@@ -15,10 +15,9 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any
 
-import orjson
-
 from lorapool.gateway.auth import Principal
 from lorapool.lifecycle.dead_letter import decode_dead_letter
+from lorapool.lifecycle.heartbeat import decode_heartbeats
 from lorapool.lifecycle.keys import AUDIT_GROUP, WORKERS_GROUP
 from lorapool.pool_metrics import lag_of
 
@@ -178,15 +177,11 @@ async def workers_seen(pool) -> list[dict[str, Any]]:
     """Every heartbeat record, live or not: ``stale`` when its liveness flag expired or
     its last heartbeat is over ``STALE_S`` old (the page marks those)."""
     view, now = pool.view, time.time()
-    records = {
-        n.decode(): orjson.loads(raw)
-        for n, raw in (await view.redis.hgetall(view.keys.workers)).items()
-    }
-    names = sorted(records)
-    alive = await view.redis.mget([view.keys.alive(n) for n in names]) if names else []
+    records = decode_heartbeats(await view.redis.hgetall(view.keys.workers))
+    alive = await view.redis.mget([view.keys.alive(n) for n in records]) if records else []
     return [
-        {**records[n], "stale": flag is None or now - (records[n].get("updated") or 0) > STALE_S}
-        for n, flag in zip(names, alive)
+        {**h.to_dict(), "stale": flag is None or now - (h.updated or 0) > STALE_S}
+        for h, flag in zip(records.values(), alive)
     ]
 
 

@@ -19,6 +19,7 @@ from fastapi import APIRouter, Query, Request
 from lorapool.connection import REDIS_DOWN
 from lorapool.gateway.json import JSON
 from lorapool.gateway.redis_watch import READY_DEADLINE_S
+from lorapool.lifecycle.heartbeat import Heartbeat
 
 router = APIRouter(tags=["operations"])
 AUDIT_DB_TIMEOUT_S = 5.0
@@ -48,7 +49,7 @@ async def readyz(
     if problem is not None:
         return _not_ready(f"the audit database is unreachable: {problem}")
     name = base.get("name") if base else None
-    serving = [w for w in workers if w.get("model") == name and not w.get("draining")]
+    serving = [w for w in workers if w.model == name and not w.draining]
     body = {"status": "ready", "model": name, "workers": len(serving)}
     if len(serving) < min_workers:
         reason = f"{len(serving)} live workers serve the base model {name!r}, {min_workers} asked"
@@ -56,7 +57,7 @@ async def readyz(
     return JSON(body)
 
 
-async def _pool_state(view) -> tuple[dict | None, list[dict]]:
+async def _pool_state(view) -> tuple[dict | None, list[Heartbeat]]:
     await view.ping()
     return await view.base_model(), await view.live_workers()
 

@@ -13,6 +13,7 @@ import orjson
 
 from lorapool.lifecycle.adapter_record import AdapterRecord, decode_adapter_record
 from lorapool.lifecycle.chunk_log import RESULT_FIELD
+from lorapool.lifecycle.heartbeat import Heartbeat, decode_heartbeats
 from lorapool.lifecycle.keys import WORKERS_GROUP
 from lorapool.producer.aio import AsyncProducer
 from lorapool.producer.api_keys import authenticate
@@ -56,15 +57,11 @@ class PoolView:
         """Whether deliveries of ``tenant`` ('' for none) can be signed."""
         return bool(await self.redis.hexists(self.keys.webhook_secrets, tenant))
 
-    async def live_workers(self) -> list[dict[str, Any]]:
+    async def live_workers(self) -> list[Heartbeat]:
         """Heartbeat records of the workers whose liveness flag has not expired."""
-        records = {
-            n.decode(): orjson.loads(raw)
-            for n, raw in (await self.redis.hgetall(self.keys.workers)).items()
-        }
-        names = sorted(records)
-        alive = await self.redis.mget([self.keys.alive(n) for n in names]) if names else []
-        return [records[n] for n, flag in zip(names, alive) if flag is not None]
+        records = decode_heartbeats(await self.redis.hgetall(self.keys.workers))
+        alive = await self.redis.mget([self.keys.alive(n) for n in records]) if records else []
+        return [h for h, flag in zip(records.values(), alive) if flag is not None]
 
     async def job_state(self, request_id: str) -> dict[str, Any] | None:
         """A job's ``status`` (queued, finished, failed), whether its output has begun

@@ -42,8 +42,9 @@ import math
 import time
 import zlib
 from collections import Counter
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from lorapool.lifecycle.heartbeat import Heartbeat
 from lorapool.lifecycle.intake import Handoff, Read
 from lorapool.lifecycle.keys import WORKERS_GROUP
 from lorapool.worker.pool import loaded_adapters
@@ -73,7 +74,7 @@ class Intake:
     def __init__(self, state: WorkerState):
         self.state = state
         self.live_workers = 1  # set by the worker's heartbeat
-        self.peers: dict[str, dict[str, Any]] = {}  # live peers' last heartbeat records
+        self.peers: dict[str, Heartbeat] = {}  # live peers' last heartbeat records
         self.handed = Counter()  # entries handed to each peer since its record
         self.handed_total = 0
         self._here: set[str] | None = None  # adapters in device slots here, for a read
@@ -91,11 +92,11 @@ class Intake:
             for stream in self.state.streams
         )
 
-    def pool_seen(self, live: list[dict[str, Any]]) -> None:
+    def pool_seen(self, live: list[Heartbeat]) -> None:
         """The live workers' records, from a heartbeat."""
         self.live_workers = max(1, len(live))
         me = self.state.name
-        self.peers = {r.get("name"): r for r in live if r.get("name") != me}
+        self.peers = {r.name: r for r in live if r.name != me}
         self.handed.clear()
 
     def new_read(self, entries: list) -> None:
@@ -116,28 +117,28 @@ class Intake:
         name = lora.lora_name
         if name in self._here:
             return False
-        holding = [p for p in self.peers.values() if name in (p.get("loaded") or ())]
+        holding = [p for p in self.peers.values() if name in p.loaded]
         peer = min((p for p in holding if self._can_take(p)), key=self._peer_load, default=None)
         if peer is None and not holding:
             peer = self.peers.get(self.home(name))
             peer = peer if peer is not None and self._can_take(peer) else None
         if peer is None:
             return False
-        self.handed[peer["name"]] += 1
+        self.handed[peer.name] += 1
         self.handed_total += 1
-        self._send([(held.stream, held.entry_id, peer["name"])])
+        self._send([(held.stream, held.entry_id, peer.name)])
         return True
 
-    def _peer_load(self, peer: dict[str, Any]) -> int:
+    def _peer_load(self, peer: Heartbeat) -> int:
         """Requests running and waiting at the peer's last heartbeat, and handed since."""
-        return peer["running"] + peer["waiting"] + self.handed[peer["name"]]
+        return peer.running + peer.waiting + self.handed[peer.name]
 
-    def _can_take(self, peer: dict[str, Any]) -> bool:
+    def _can_take(self, peer: Heartbeat) -> bool:
         try:
             load = self._peer_load(peer)
-        except (KeyError, TypeError):  # a record of another version
+        except TypeError:  # a record of another version, without its load
             return False
-        return not peer.get("draining") and load <= self._load + AFFINITY_SLACK
+        return not peer.draining and load <= self._load + AFFINITY_SLACK
 
     def home(self, adapter: str) -> str:
         """The live worker an adapter that no worker holds goes to (``home_of``)."""

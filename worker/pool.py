@@ -9,6 +9,7 @@ import orjson
 import redis
 
 from lorapool.connection import REDIS_DOWN
+from lorapool.lifecycle.heartbeat import Heartbeat, decode_heartbeats, encode_heartbeat
 from lorapool.lifecycle.keys import Keys
 
 if TYPE_CHECKING:
@@ -65,25 +66,29 @@ def publish_tokenizer(
     )
 
 
-def heartbeat_record(state: WorkerState) -> dict[str, Any]:
+def heartbeat_record(state: WorkerState) -> Heartbeat:
     """The worker's row of ``lorapool status`` (and resets its token counter)."""
     engine, held = state.engine, state.held.values()
     tokens_per_s = state.tokens_per_s()
     running, waiting = engine.request_counts()
-    return {
-        "name": state.name,
-        "device": engine.device_name,
-        "model": state.base_model.get("name"),
-        "updated": state.tokens_since,
-        "running": running,
-        "waiting": waiting,
-        "held": len(held),
-        "tokens_per_s": tokens_per_s,
-        "adapters": sorted({h.job.lora_request.name for h in held if h.job.lora_request}),
-        "loaded": loaded_adapters(engine),
-        "draining": state.draining,
-        **engine_limits(engine),
-    }
+    limits = engine_limits(engine)
+    return Heartbeat(
+        name=state.name,
+        device=engine.device_name,
+        model=state.base_model.get("name"),
+        updated=state.tokens_since,
+        running=running,
+        waiting=waiting,
+        held=len(held),
+        tokens_per_s=tokens_per_s,
+        adapters=sorted({h.job.lora_request.name for h in held if h.job.lora_request}),
+        loaded=loaded_adapters(engine),
+        draining=state.draining,
+        max_model_len=limits.get("max_model_len"),
+        max_logprobs=limits.get("max_logprobs"),
+        kv_capacity_tokens=limits.get("kv_capacity_tokens"),
+        kv_cache_usage=limits.get("kv_cache_usage"),
+    )
 
 
 def engine_limits(engine: EngineInterface) -> dict[str, Any]:
@@ -103,13 +108,13 @@ def loaded_adapters(engine: EngineInterface) -> list[str]:
 
 
 def send_heartbeat(
-    connection: redis.Redis, keys: Keys, record: dict, alive_ttl_s: int
-) -> list[dict[str, Any]]:
+    connection: redis.Redis, keys: Keys, record: Heartbeat, alive_ttl_s: int
+) -> list[Heartbeat]:
     """Store a worker's ``record`` and its ``{p}:alive:{name}`` flag, which expires
     ``alive_ttl_s`` later; returns the records of the pool's live workers."""
     with connection.pipeline(transaction=False) as pipe:
-        pipe.hset(keys.workers, record["name"], orjson.dumps(record))
-        pipe.set(keys.alive(record["name"]), 1, ex=alive_ttl_s)
+        pipe.hset(keys.workers, record.name, encode_heartbeat(record))
+        pipe.set(keys.alive(record.name), 1, ex=alive_ttl_s)
         pipe.hgetall(keys.workers)
         replies = pipe.execute(raise_on_error=False)
     for reply in replies:  # Redis away: the loop rides it out; other refusals are ours
@@ -121,13 +126,6 @@ def send_heartbeat(
         # goes on as if alone (fair share of 1) until someone mends the key
         logger.warning("the workers' record %s is unusable (%s)", keys.workers, records)
         return []
-    names = list(records)
-    alive = connection.mget([keys.alive(n.decode()) for n in names])
-    live = []
-    for name, flag in zip(names, alive):
-        if flag is not None:
-            try:
-                live.append(orjson.loads(records[name]))
-            except orjson.JSONDecodeError:
-                continue
-    return live
+    heartbeats = decode_heartbeats(records)
+    alive = connection.mget([keys.alive(n) for n in heartbeats]) if heartbeats else []
+    return [h for h, flag in zip(heartbeats.values(), alive) if flag is not None]

@@ -21,6 +21,7 @@ import redis
 from lorapool import signing
 from lorapool.connection import REDIS_DOWN, ensure_group
 from lorapool.lifecycle.error_kind import ErrorKind
+from lorapool.lifecycle.heartbeat import Heartbeat
 from lorapool.lifecycle.keys import WORKERS_GROUP
 from lorapool.lifecycle.wire import DATA, Chunk, decode_job, encode_job
 from lorapool.outputs import RequestOutput
@@ -348,10 +349,10 @@ class Worker:
         ``alive_ttl_s`` after the last heartbeat (a killed worker drops out of ``status``)."""
         self._apply_heartbeat(self._send_heartbeat(heartbeat_record(self.state)))
 
-    def _send_heartbeat(self, record: dict) -> list[dict]:
+    def _send_heartbeat(self, record: Heartbeat) -> list[Heartbeat]:
         return send_heartbeat(self.redis, self.keys, record, self.config.alive_ttl_s)
 
-    def _apply_heartbeat(self, live: list[dict]) -> None:
+    def _apply_heartbeat(self, live: list[Heartbeat]) -> None:
         self.intake.pool_seen(live)
 
     # --- shutdown ----------------------------------------------------------------

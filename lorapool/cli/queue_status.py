@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import time
 
-import orjson
 from rich.table import Table
 
+from lorapool.lifecycle.heartbeat import Heartbeat, decode_heartbeats
 from lorapool.lifecycle.keys import WORKERS_GROUP
 
 
@@ -17,24 +17,24 @@ def worker_table(producer) -> Table:
     now = time.time()
     for w in live_workers(producer.redis, producer.keys):
         table.add_row(
-            w["name"],
-            w.get("device", "?"),
-            ", ".join(w.get("adapters", [])) or "-",
-            str(w.get("running", 0)),
-            str(w.get("waiting", 0)),
-            f"{w.get('tokens_per_s', 0):.1f}",
-            f"{now - w.get('updated', now):.1f}s ago",
+            w.name,
+            w.device or "?",
+            ", ".join(w.adapters) or "-",
+            str(w.running or 0),
+            str(w.waiting or 0),
+            f"{w.tokens_per_s or 0:.1f}",
+            f"{now - (w.updated or now):.1f}s ago",
         )
     return table
 
 
-def live_workers(r, keys) -> list[dict]:
+def live_workers(r, keys) -> list[Heartbeat]:
     """Heartbeat records of the workers whose ``{p}:alive:{name}`` has not expired.
 
     Records of workers that stopped without saying so (killed) are removed.
     """
-    records = {name.decode(): orjson.loads(raw) for name, raw in r.hgetall(keys.workers).items()}
-    names = sorted(records)
+    records = decode_heartbeats(r.hgetall(keys.workers))
+    names = list(records)
     alive = r.mget([keys.alive(n) for n in names]) if names else []
     dead = [n for n, flag in zip(names, alive) if flag is None]
     if dead:

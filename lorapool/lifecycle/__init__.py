@@ -6,6 +6,8 @@ audit writer and every reader of streams share.
 - ``wire``: the records on the queue (jobs) and on the chunk logs (chunks);
 - ``error_kind``: what failed a request, carried in its final chunk, read by readers;
 - ``dead_letter``: an entry given up on (``{p}:dead``), as both its writers write it;
+- ``heartbeat``: a worker's record in ``{p}:workers``, as its peers, the gateway and
+  ``lorapool status`` read it;
 - ``adapter_record``: an adapter's registry record as producers and workers read it;
 - each Lua script of a request's life with its one typed wrapper, which writes the
   script's KEYS/ARGV out once: ``submit`` (SUBMIT, and the job it enqueues), ``intake``
@@ -25,9 +27,9 @@ The worker's policy (when to renew, claim, hand off, dead-letter) stays in
 ``lorapool.worker``; what each of those does to Redis is here.
 
 Torch-free. May import: the standard library, orjson, msgspec (the typed records:
-``dead_letter``) and lorapool's torch-free data types (``protocol``, ``outputs``,
-``messages``); redis-py only in the modules that talk
-to Redis (never ``keys`` and ``wire``, which a producer's data types need alone). Never
+``dead_letter``, ``adapter_record``, ``heartbeat``) and lorapool's torch-free data types
+(``protocol``, ``outputs``, ``messages``); redis-py only in the modules that talk to
+Redis (never ``keys`` and ``wire``, which a producer's data types need alone). Never
 torch, SQLAlchemy, the CLI, or the packages that use it (worker, producer, gateway,
 audit_db).
 """

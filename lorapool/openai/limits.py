@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from lorapool.lifecycle.heartbeat import Heartbeat
 from lorapool.openai.errors import APIError, bad_request
 
 REFRESH_S = 5.0
@@ -38,15 +39,20 @@ class PoolLimits:
     kv_capacity_tokens: int | None = None
 
 
-def pool_limits(workers: list[dict[str, Any]], model: str | None) -> PoolLimits:
-    """The tightest bounds of the live workers that serve ``model``."""
-    serving = [w for w in workers if w.get("model") == model and not w.get("draining")]
+def pool_limits(workers: list[Heartbeat], model: str | None) -> PoolLimits:
+    """The tightest bounds of the live workers that serve ``model`` (a worker that says
+    none: no bound of its own)."""
+    serving = [w for w in workers if w.model == model and not w.draining]
 
-    def least(name: str) -> int | None:
-        values = [w[name] for w in serving if isinstance(w.get(name), int)]
+    def least(values) -> int | None:
+        values = [v for v in values if v is not None]
         return min(values) if values else None
 
-    return PoolLimits(least("max_model_len"), least("max_logprobs"), least("kv_capacity_tokens"))
+    return PoolLimits(
+        least(w.max_model_len for w in serving),
+        least(w.max_logprobs for w in serving),
+        least(w.kv_capacity_tokens for w in serving),
+    )
 
 
 class LimitsCache:

@@ -20,6 +20,7 @@ import pytest
 from lorapool.audit_record import RecordError, parse_record
 from lorapool.lifecycle.chunk_log import decode_result
 from lorapool.lifecycle.dead_letter import decode_dead_letter
+from lorapool.lifecycle.heartbeat import decode_heartbeat
 from lorapool.lifecycle.wire import decode_chunk, decode_job
 
 FIXTURES = sorted((Path(__file__).parent / "wire_fixtures").glob("*.json"))
@@ -171,5 +172,7 @@ def test_registry_heartbeat_and_model_records_read_as_they_did(fixture):
         heartbeat = orjson.loads(raw(value))
         assert heartbeat["name"] == name
         assert {"running", "waiting", "loaded", "draining", "updated"} <= set(heartbeat)
+        typed = decode_heartbeat(raw(value)).to_dict()  # lifecycle.heartbeat, every field
+        assert {k: typed[k] for k in heartbeat} == heartbeat
     model = orjson.loads(raw(fixture["model"]))
     assert set(model) == {"name", "sha256"}
