@@ -130,15 +130,19 @@ def check_tools(tools: Any, max_prompt_bytes: int, chat: bool) -> list[dict[str,
         _short_text(function.get("name"), f"tools[{i}].function.name")
         if not isinstance(function.get("parameters", {}), dict):
             raise FieldError(f"tools[{i}].function.parameters must be an object (a JSON schema)")
-    try:
-        size = len(orjson.dumps(tools))
-    except orjson.JSONEncodeError as exc:
-        raise FieldError(f"tools must be JSON: {exc}") from None
-    _check(
-        size <= max_prompt_bytes,
-        f"tools are {size} bytes, over the limit of {max_prompt_bytes} (max_prompt_bytes)",
-    )
+    check_json_size(tools, "tools", max_prompt_bytes, " (max_prompt_bytes)")
     return tools
+
+
+def check_json_size(value: Any, what: str, limit: int, limit_name: str = "") -> None:
+    """FieldError naming ``what`` unless ``value`` encodes as JSON (string keys) in at
+    most ``limit`` bytes (``limit_name``: the setting it comes from, for the message)."""
+    try:
+        size = len(orjson.dumps(value))
+    except orjson.JSONEncodeError as exc:
+        raise FieldError(f"{what} must be JSON with string keys: {exc}") from None
+    if size > limit:
+        raise FieldError(f"{what} is {size} bytes as JSON, over the limit of {limit}{limit_name}")
 
 
 def utf8_size(text: str, what: str) -> int:

@@ -16,7 +16,7 @@ from typing import Any
 import orjson
 
 from lorapool.lifecycle.error_kind import ErrorKind, read_kind
-from lorapool.messages import check_messages, check_tools, utf8_size
+from lorapool.messages import check_json_size, check_messages, check_tools, utf8_size
 from lorapool.outputs import (
     CompletionOutput,
     RequestMetrics,
@@ -236,14 +236,7 @@ def _metadata(metadata: Any) -> dict[str, Any]:
         return {}
     if not isinstance(metadata, dict):
         raise FieldError(f"metadata must be an object, got {short_repr(metadata)}")
-    try:
-        size = len(orjson.dumps(metadata))
-    except orjson.JSONEncodeError as exc:
-        raise FieldError(f"metadata must be JSON with string keys: {exc}") from None
-    check(
-        size <= MAX_METADATA_BYTES,
-        f"metadata is {size} bytes encoded, over the limit of {MAX_METADATA_BYTES}",
-    )
+    check_json_size(metadata, "metadata", MAX_METADATA_BYTES)
     return metadata
 
 
