@@ -7,6 +7,10 @@ doors; ``Worker``'s private members stay in ``worker.py``. Dunders and the
 named-tuple API (``_replace``, ``_asdict``, ``_fields``, ``_make``) are public.
 Checked on the source's syntax tree, so a new ``publisher.worker._drop()`` fails
 here before any run.
+
+And what a worker holds changes only through ``WorkerState``'s methods (``hold``,
+``release``, ``drop``, ``forget``, ``release_all``): no other module writes into a
+``.held`` mapping, so ``state.py`` and its callers are the whole story.
 """
 
 import ast
@@ -30,6 +34,41 @@ def private_reaches(source: str) -> list[tuple[int, str]]:
             continue
         found.append((node.lineno, f"{ast.unparse(owner)}.{name}"))
     return sorted(found)
+
+
+MUTATORS = {"pop", "popitem", "clear", "update", "setdefault", "__setitem__", "__delitem__"}
+
+
+def held_writes(source: str) -> list[tuple[int, str]]:
+    """(line, code) of each write into an attribute named ``held`` (``x.held[k] = v``,
+    ``del x.held[k]``, ``x.held.pop(k)``, ``x.held = ...``...)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        targets = []
+        if isinstance(node, ast.Assign | ast.AugAssign | ast.AnnAssign | ast.Delete):
+            targets = node.targets if isinstance(node, ast.Assign | ast.Delete) else [node.target]
+        for target in targets:
+            inner = target.value if isinstance(target, ast.Subscript) else target
+            if isinstance(inner, ast.Attribute) and inner.attr == "held":
+                found.append((node.lineno, ast.unparse(node)))
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            owner = node.func.value
+            named = isinstance(owner, ast.Attribute) and owner.attr == "held"
+            if named and node.func.attr in MUTATORS:
+                found.append((node.lineno, ast.unparse(node)))
+    return sorted(found)
+
+
+def test_only_the_state_changes_what_a_worker_holds():
+    writes = {
+        path.name: hits
+        for path in sorted((ROOT / "worker").glob("*.py"))
+        if path.name != "state.py" and (hits := held_writes(path.read_text()))
+    }
+    assert writes == {}
+    assert held_writes((ROOT / "worker" / "state.py").read_text())  # where they are
+    bad = "def f(worker, h):\n    worker.held[h.request_id] = h\n    worker.held.pop(1)\n"
+    assert [line for line, _ in held_writes(bad)] == [2, 3]
 
 
 def test_no_worker_module_reaches_a_private_member_of_another_object():
