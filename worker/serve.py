@@ -25,10 +25,10 @@ def serve(engine_args, config: WorkerConfig, connection: redis.Redis) -> Worker:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     base_model = base_model_info(engine_args.model)
-    # before loading anything, on the key the worker's loop claims (a sharded pool's too)
-    claim_model(connection, Keys(config.prefix, config.shards), base_model)
+    keys = Keys(config.prefix, config.shards)  # the worker's loop's (``WorkerState.keys``)
+    claim_model(connection, keys, base_model)  # before loading anything, on the same key
     engine = LLMEngine.from_engine_args(engine_args)
-    publish_tokenizer(connection, Keys(config.prefix, config.shards), engine, base_model)
+    publish_tokenizer(connection, keys, engine, base_model)
     worker = Worker(engine, connection, config, base_model)
     saved = heap.quiet()  # the model and the engine frozen out of collections
     try:
