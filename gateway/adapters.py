@@ -19,6 +19,7 @@ from lorapool.gateway.auth import Principal, require
 from lorapool.gateway.body import read_json
 from lorapool.gateway.json import JSON
 from lorapool.openai.errors import APIError, bad_request, model_not_found
+from lorapool.producer.registry import NameRefused
 from lorapool.protocol import short_repr
 
 router = APIRouter(prefix="/v1", tags=["adapter administration"])
@@ -52,10 +53,10 @@ async def load_lora_adapter(request: Request, caller: Admin) -> JSON:
     registry = pool.sync_registry()
     try:  # reads the weights for their sha256: off the event loop
         record = await asyncio.to_thread(registry.add, body["lora_name"], body["lora_path"])
-    except ValueError as exc:
-        message = str(exc)
-        by_name = message.startswith("adapter name") or "already registered" in message
-        raise bad_request(message, "lora_name" if by_name else "lora_path") from None
+    except NameRefused as exc:
+        raise bad_request(str(exc), "lora_name") from None
+    except ValueError as exc:  # the folder: outside the roots, no weights, no config
+        raise bad_request(str(exc), "lora_path") from None
     return JSON({"status": "loaded", "adapter": record.to_dict()})
 
 

@@ -34,6 +34,11 @@ NAME_PATTERN = re.compile(r"[A-Za-z0-9._-]{1,128}")
 ROOTS_ENV = "LORAPOOL_ADAPTER_ROOTS"  # directories, separated by os.pathsep
 
 
+class NameRefused(ValueError):
+    """The registry refused an adapter for its name: not a valid name, or one registered
+    with another id or other weights (the gateway's 400 names ``lora_name``)."""
+
+
 def roots_from_env() -> list[str]:
     return [r for r in os.environ.get(ROOTS_ENV, "").split(os.pathsep) if r]
 
@@ -41,7 +46,7 @@ def roots_from_env() -> list[str]:
 def check_name(name: Any) -> str:
     """An adapter name: 1 to 128 of ``A-Z a-z 0-9 . _ -``; ValueError otherwise."""
     if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
-        raise ValueError(
+        raise NameRefused(
             f"adapter name {short_repr(name)} is not 1 to 128 characters of "
             "letters, digits, '.', '_' and '-'"
         )
@@ -164,9 +169,9 @@ class AdapterRegistry:
 def _same_or_refuse(existing: AdapterRecord, adapter_id: int | None, info: dict) -> AdapterRecord:
     name = existing.name
     if adapter_id is not None and adapter_id != existing.id:
-        raise ValueError(f"adapter {name!r} is already registered with id {existing.id}")
+        raise NameRefused(f"adapter {name!r} is already registered with id {existing.id}")
     if (existing.path, existing.sha256) != (info["path"], info["sha256"]):
-        raise ValueError(
+        raise NameRefused(
             f"adapter {name!r} is already registered with other weights "
             f"({existing.path}, sha256 {existing.sha256[:12]}); remove it "
             f"first or register the new version under a new name"

@@ -86,3 +86,14 @@ def test_only_admins(admin):
 def test_off_unless_enabled(gateway):
     response = httpx.post(f"{gateway}/v1/load_lora_adapter", json={"lora_name": "x"})
     assert response.status_code == 404
+
+
+def test_a_name_taken_by_other_weights_is_refused_on_lora_name(admin):
+    url, root, key, _ = admin
+    first, second = fake_adapter(root / "one", b"one"), fake_adapter(root / "two", b"two")
+    body = {"lora_name": "taken", "lora_path": str(first)}
+    assert post(url, "/v1/load_lora_adapter", body, key).status_code == 200
+    response = post(url, "/v1/load_lora_adapter", {**body, "lora_path": str(second)}, key)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "lora_name" and "already registered" in error["message"]
