@@ -18,7 +18,7 @@ import redis
 
 from lorapool.connection import REDIS_DOWN
 from lorapool.lifecycle import append
-from lorapool.lifecycle.adapter_record import decode_adapter_record
+from lorapool.lifecycle.adapter_record import UnknownAdapter, decode_adapter_record
 from lorapool.lifecycle.append import dead_payload
 from lorapool.lifecycle.error_kind import ErrorKind
 from lorapool.lifecycle.wire import (
@@ -41,9 +41,11 @@ logger = logging.getLogger(__name__)
 
 
 def reason_of(exc: BaseException) -> str:
-    """An exception as a dead letter's reason: its type unless it is a plain ValueError."""
+    """An exception as a dead letter's reason: its type unless it is a plain ValueError
+    (or one of the pool's own refusals, which say what they are)."""
     text = str(exc) or type(exc).__name__
-    return text if type(exc) in (ValueError, FieldError) else f"{type(exc).__name__}: {text}"
+    plain = type(exc) in (ValueError, FieldError, UnknownAdapter)
+    return text if plain else f"{type(exc).__name__}: {text}"
 
 
 def dead_letter(
