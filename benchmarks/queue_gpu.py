@@ -221,6 +221,12 @@ def main(argv=None) -> dict:
         return {}
     os.environ.setdefault("LORAPOOL_AUDIT_KEY", AUDIT_KEY)
     num = args.requests or 4 * args.sequences
+    if num < 2 * args.sequences:
+        # the steady state is the steps that ran a full batch while work was queued
+        parser.error(
+            f"--requests must be at least twice --sequences ({2 * args.sequences}), got {num}: "
+            "with fewer the batch never runs full and there is no steady state to measure"
+        )
     results = {}
     for step_ms in args.step_ms:
         jobs = workload(num, args.max_tokens, f"r{step_ms:g}")
