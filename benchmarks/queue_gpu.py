@@ -122,7 +122,7 @@ def check_streams(conn, keys, jobs) -> tuple[int, int]:
         chunks += len(log)
         for chunk in log:
             for out in chunk.outputs:
-                tokens += out["token_ids"]
+                tokens += out.token_ids
             finals += chunk.finished
         bad += tokens != [token_of(rid, k) for k in range(max_tokens)] or finals != 1
     return bad, chunks

@@ -3,8 +3,9 @@
 The candidates for "one typed definition per record", each encoding and decoding the
 same records to the same compact JSON (checked before timing):
 
-- ``baseline``: today's code (``lifecycle.wire``: a ``Chunk`` dataclass with dict
-  completions, a compact dict built by hand, orjson; ``decode_job``'s hand checks);
+- ``baseline``: today's code (``lifecycle.chunk``'s ``Chunk``, a msgspec Struct since
+  issue 36's helper 64; before it, a dataclass with dict completions, a compact dict
+  built by hand, orjson; ``lifecycle.wire``'s ``decode_job`` with its hand checks);
 - ``msgspec``: ``msgspec.Struct`` definitions with the compact names as field names
   (``omit_defaults``), a typed completion delta, bounds as ``Meta`` constraints;
 - ``pydantic``: pydantic v2 ``BaseModel`` definitions with aliases and ``Field``
@@ -52,6 +53,7 @@ except ImportError as exc:  # msgspec: a dependency once the records use it (pha
     raise SystemExit(f"benchmarks/records.py needs msgspec and pydantic: {exc}") from None
 
 from lorapool.lifecycle import wire
+from lorapool.lifecycle.chunk import Chunk, Delta, decode_chunk, encode_chunk
 from lorapool.outputs import CompletionOutput
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -71,20 +73,26 @@ from records_pydantic import (  # noqa: E402
     pydantic_job_encode,
 )
 
-# --- baseline: today's lifecycle.wire ----------------------------------------------------
+# --- baseline: today's lifecycle.chunk (a msgspec Struct since issue 36's helper 64) ---
 
 
 def baseline_encode(c: CompletionOutput, final: bool) -> bytes:
-    chunk = wire.Chunk("rid", 5 if not final else 95, 5, [wire.completion_wire(c, 5)], final)
-    chunk.adapter_id = LORA.lora_int_id
+    chunk = Chunk(
+        request_id="rid",
+        seq=5 if not final else 95,
+        offset=5,
+        outputs=[Delta.of(c)],
+        finished=final,
+        adapter_id=LORA.lora_int_id,
+    )
     if final:
         chunk.lora_request, chunk.worker = LORA.to_dict(), "worker-1"
         chunk.metrics = METRICS.to_dict()
-    return wire.encode_chunk(chunk)
+    return encode_chunk(chunk)
 
 
 def baseline_decode(raw: bytes) -> Any:
-    return wire.decode_chunk(raw, "rid")
+    return decode_chunk(raw, "rid")
 
 
 # --- timing -----------------------------------------------------------------------------------

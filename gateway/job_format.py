@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from lorapool.lifecycle.adapter_record import AdapterRecord
-from lorapool.lifecycle.wire import Chunk
+from lorapool.lifecycle.chunk import Chunk
 from lorapool.openai.format import usage
 from lorapool.outputs import RequestOutput
 
@@ -82,10 +82,10 @@ def chunk_event(chunk: Chunk, public_id: str | None = None) -> dict[str, Any]:
         "seq": chunk.seq,
         "outputs": [
             {
-                "index": o["index"],
-                "text": o["text"],
-                "token_ids": o["token_ids"],
-                "finish_reason": o.get("finish_reason"),
+                "index": o.index,
+                "text": o.text,
+                "token_ids": o.token_ids,
+                "finish_reason": o.finish_reason,
             }
             for o in chunk.outputs
         ],

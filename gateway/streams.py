@@ -9,7 +9,7 @@ from typing import Any
 
 import orjson
 
-from lorapool.lifecycle.wire import Chunk
+from lorapool.lifecycle.chunk import Chunk
 from lorapool.producer import AsyncJobHandle
 
 DONE = b"data: [DONE]\n\n"

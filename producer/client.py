@@ -11,16 +11,12 @@ import redis
 
 from lorapool import connection
 from lorapool.lifecycle import marker, orphaned, unread
+from lorapool.lifecycle.chunk import decode_chunk
 from lorapool.lifecycle.chunk_log import Cursor, OutputAssembler
 from lorapool.lifecycle.keys import DEFAULT_PREFIX, Keys
 from lorapool.lifecycle.listener import Listener
 from lorapool.lifecycle.submit import Submit, build_job, check_on_finish
-from lorapool.lifecycle.wire import (
-    DEFAULT_MAX_N,
-    DEFAULT_MAX_PROMPT_BYTES,
-    JobLimits,
-    decode_chunk,
-)
+from lorapool.lifecycle.wire import DEFAULT_MAX_N, DEFAULT_MAX_PROMPT_BYTES, JobLimits
 from lorapool.outputs import RequestOutput
 from lorapool.producer.job import per_prompt
 from lorapool.producer.registry import AdapterRegistry

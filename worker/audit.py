@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from lorapool.audit_record import record_from_output, sign_record
-from lorapool.lifecycle.wire import Chunk
+from lorapool.lifecycle.chunk import Chunk
 from lorapool.worker.held import Held
 
 if TYPE_CHECKING:

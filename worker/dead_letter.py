@@ -20,15 +20,9 @@ from lorapool.connection import REDIS_DOWN
 from lorapool.lifecycle import append
 from lorapool.lifecycle.adapter_record import UnknownAdapter, decode_adapter_record
 from lorapool.lifecycle.append import dead_payload
+from lorapool.lifecycle.chunk import decode_chunk
 from lorapool.lifecycle.error_kind import ErrorKind
-from lorapool.lifecycle.wire import (
-    MAX_METADATA_BYTES,
-    MAX_REQUEST_ID,
-    Job,
-    JobLimits,
-    decode_chunk,
-    encode_job,
-)
+from lorapool.lifecycle.wire import MAX_METADATA_BYTES, MAX_REQUEST_ID, Job, JobLimits, encode_job
 from lorapool.protocol import FieldError, LoRARequest, SamplingParams, is_int
 from lorapool.worker.audit import final_audit
 from lorapool.worker.held import Held, error_chunk

@@ -6,8 +6,9 @@ import logging
 from typing import TYPE_CHECKING
 
 from lorapool.lifecycle import lease
+from lorapool.lifecycle.chunk import Chunk
 from lorapool.lifecycle.error_kind import ErrorKind
-from lorapool.lifecycle.wire import DATA, Chunk
+from lorapool.lifecycle.wire import DATA
 from lorapool.worker import dead_letter
 
 if TYPE_CHECKING:

@@ -9,8 +9,9 @@ from typing import Any, NamedTuple
 
 from lorapool.lifecycle.accumulator import Accumulator
 from lorapool.lifecycle.adapter_record import AdapterRecord
+from lorapool.lifecycle.chunk import Chunk, Delta
 from lorapool.lifecycle.error_kind import ErrorKind
-from lorapool.lifecycle.wire import Chunk, Job, completion_wire
+from lorapool.lifecycle.wire import Job
 from lorapool.outputs import RequestOutput, logprobs_to_wire
 from lorapool.protocol import RequestOutputKind, SamplingParams
 
@@ -75,7 +76,7 @@ class Held:
         keep it and move past it."""
         self.keep(chunk)
         for out in chunk.outputs:
-            self.offsets[out["index"]] = out.get("offset", 0) + len(out["token_ids"])
+            self.offsets[out.index] = chunk.offset_of(out) + len(out.token_ids)
         self.seq = chunk.seq + 1
         self.total = chunk.offset + chunk.num_tokens
 
@@ -104,9 +105,16 @@ def resumed_token_ids(held: Held) -> list[int]:
 
 def _chunk(held: Held, seq: int, offset: int, outputs: list, finished: bool, error=None) -> Chunk:
     """A chunk of ``held``: the adapter in full on the first (seq 0) and the last. (The
-    sender builds one per request per trip: attribute reads, no keyword forwarding.)"""
+    sender builds one per request per trip: a Struct built in C, attribute reads.)"""
     lora = held.job.lora_request
-    chunk = Chunk(held.job.request_id, seq, offset, outputs, finished, error=error)
+    chunk = Chunk(
+        request_id=held.job.request_id,
+        seq=seq,
+        offset=offset,
+        outputs=outputs,
+        finished=finished,
+        error=error,
+    )
     if lora is not None:
         chunk.adapter_id = lora.lora_int_id
         if seq == 0 or finished:
@@ -156,8 +164,9 @@ def merged(outs: list[RequestOutput]) -> RequestOutput:
 def make_chunk(held: Held, out: RequestOutput, worker: str, position: Position) -> Chunk:
     """The chunk of ``held`` at ``position`` (``Held.advance``) from one engine delta."""
     offsets, seq, finished = position.offsets, position.seq, out.finished
-    outputs = [completion_wire(c, offsets[c.index]) for c in out.outputs]
-    chunk = _chunk(held, seq, position.total, outputs, finished, out.error)
+    total = position.total
+    outputs = [Delta.of(c, None if (o := offsets[c.index]) == total else o) for c in out.outputs]
+    chunk = _chunk(held, seq, total, outputs, finished, out.error)
     if out.error is not None:  # the engine ended it alone (its adapter, its grammar)
         chunk.error_kind = out.error_kind or ErrorKind.REQUEST
     if seq == 0:
@@ -185,14 +194,13 @@ def error_chunk(held: Held, error: str, worker: str, kind: ErrorKind) -> Chunk:
     """A final chunk that fails ``held`` with ``error`` of ``kind`` (carrying its adapter)."""
     n = held.job.sampling_params.n
     outputs = [
-        {
-            "index": i,
-            "offset": held.offsets.get(i, 0),
-            "text": "",
-            "token_ids": [],
-            "finish_reason": "error",
-            "stop_reason": None,
-        }
+        Delta(
+            text="",
+            token_ids=[],
+            index=i,
+            offset=None if (o := held.offsets.get(i, 0)) == held.total else o,
+            finish_reason="error",
+        )
         for i in range(n)
     ]
     chunk = _chunk(held, held.seq, held.total, outputs, True, error)

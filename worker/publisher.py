@@ -52,8 +52,8 @@ from lorapool.lifecycle.append import (
     Append,
     Appender,
 )
+from lorapool.lifecycle.chunk import Chunk, encode_chunk
 from lorapool.lifecycle.chunk_log import encode_result
-from lorapool.lifecycle.wire import Chunk, encode_chunk
 from lorapool.outputs import RequestOutput
 from lorapool.worker.audit import final_audit
 from lorapool.worker.dead_letter import ack_duplicate, fail_unwritable

@@ -215,12 +215,7 @@ def _output(request_id: str, marker: dict) -> tuple[list[int], tuple[Output, ...
     try:
         whole = decode_result(marker[RESULT_FIELD], request_id)
         outputs = tuple(
-            Output(
-                o["index"],
-                o["text"],
-                tuple(o["token_ids"]),
-                finish_reason=o.get("finish_reason") or "error",
-            )
+            Output(o.index, o.text, tuple(o.token_ids), finish_reason=o.finish_reason or "error")
             for o in whole.outputs
         )
     except (ValueError, KeyError, TypeError):

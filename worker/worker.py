@@ -20,10 +20,11 @@ import redis
 
 from lorapool import signing
 from lorapool.connection import REDIS_DOWN, ensure_group
+from lorapool.lifecycle.chunk import Chunk
 from lorapool.lifecycle.error_kind import ErrorKind
 from lorapool.lifecycle.heartbeat import Heartbeat
 from lorapool.lifecycle.keys import WORKERS_GROUP
-from lorapool.lifecycle.wire import DATA, Chunk, decode_job, encode_job
+from lorapool.lifecycle.wire import DATA, decode_job, encode_job
 from lorapool.outputs import RequestOutput
 from lorapool.persistence import persistence_warning
 from lorapool.worker import dead_letter, failover, signals, unread_audit

@@ -233,7 +233,7 @@ def stream_one(handle, prompt: str, console: Console, workers) -> None:
         try:
             for chunk in handle.chunks(after=last, timeout=10):
                 last = chunk.seq
-                console.print(chunk.outputs[0]["text"], end="", highlight=False, soft_wrap=True)
+                console.print(chunk.outputs[0].text, end="", highlight=False, soft_wrap=True)
                 if chunk.finished:
                     adapter = (chunk.lora_request or {}).get("lora_name", "base model")
                     console.print(f"\n[dim]({adapter}, served by {chunk.worker})[/]")

@@ -3,7 +3,9 @@ audit writer and every reader of streams share.
 
 - ``keys``: every Redis key name, both layouts (one standalone Redis; shards on a Redis
   Cluster);
-- ``wire``: the records on the queue (jobs) and on the chunk logs (chunks);
+- ``wire``: the records on the queue (jobs);
+- ``chunk``: a chunk of a request's log and its per-completion ``Delta``, typed, with
+  its encode and decode;
 - ``error_kind``: what failed a request, carried in its final chunk, read by readers;
 - ``dead_letter``: an entry given up on (``{p}:dead``), as both its writers write it;
 - ``heartbeat``: a worker's record in ``{p}:workers``, as its peers, the gateway and
@@ -27,8 +29,8 @@ The worker's policy (when to renew, claim, hand off, dead-letter) stays in
 ``lorapool.worker``; what each of those does to Redis is here.
 
 Torch-free. May import: the standard library, orjson, msgspec (the typed records:
-``dead_letter``, ``adapter_record``, ``heartbeat``) and lorapool's torch-free data types
-(``protocol``, ``outputs``, ``messages``); redis-py only in the modules that talk to
+``chunk``, ``dead_letter``, ``adapter_record``, ``heartbeat``) and lorapool's torch-free
+data types (``protocol``, ``outputs``, ``messages``); redis-py only in the modules that talk to
 Redis (never ``keys`` and ``wire``, which a producer's data types need alone). Never
 torch, SQLAlchemy, the CLI, or the packages that use it (worker, producer, gateway,
 audit_db).

@@ -10,15 +10,16 @@ reader (its text joined, its flat lists copied: a memcpy each, never a deep copy
 
 from __future__ import annotations
 
-from typing import Any
+import msgspec
 
-from lorapool.lifecycle.wire import Chunk
+from lorapool.lifecycle.chunk import Chunk, Delta
+from lorapool.outputs import CompletionOutput
 
 
 class Completion:
     """One completion's part of the output: pieces appended per chunk, joined on demand.
 
-    ``last`` is the latest delta as its caller keeps it (a chunk's wire record, or a
+    ``last`` is the latest delta as its caller keeps it (a chunk's ``Delta``, or a
     CompletionOutput): its finish and stop reasons and cumulative logprob are the
     completion's."""
 
@@ -29,9 +30,11 @@ class Completion:
         self.token_ids: list[int] = []
         self.pieces: list[str] = []
         self.logprobs: list | None = None  # None until a delta carries some
-        self.last: Any = None
+        self.last: Delta | CompletionOutput | None = None
 
-    def add(self, text: str, token_ids: list[int], logprobs: list | None, last: Any) -> None:
+    def add(
+        self, text: str, token_ids: list[int], logprobs: list | None, last: Delta | CompletionOutput
+    ) -> None:
         self.token_ids += token_ids
         self.pieces.append(text)
         if logprobs is not None:
@@ -47,15 +50,11 @@ class Completion:
             self.pieces = ["".join(self.pieces)]
         return self.pieces[0]
 
-    def wire(self, offset: int) -> dict[str, Any]:
-        """The whole completion as a chunk's wire record (``last`` a wire record)."""
-        return {
-            **self.last,
-            "offset": offset,
-            "text": self.text,
-            "token_ids": self.token_ids,
-            "logprobs": self.logprobs,
-        }
+    def whole(self) -> Delta:
+        """The whole completion as one delta from its start (``last`` a ``Delta``)."""
+        return msgspec.structs.replace(
+            self.last, offset=None, text=self.text, token_ids=self.token_ids, logprobs=self.logprobs
+        )
 
 
 class Accumulator:
@@ -71,7 +70,7 @@ class Accumulator:
 
     def add(self, chunk: Chunk, outputs: list | None = None) -> None:
         """Keep what ``chunk`` holds. ``outputs``: its completions as the caller keeps
-        them (a reader's CompletionOutputs); by default the chunk's wire records."""
+        them (a reader's CompletionOutputs); by default the chunk's ``Delta``s."""
         if self.first is None:
             self.first = chunk
         if chunk.prompt_token_ids is not None:
@@ -79,13 +78,9 @@ class Accumulator:
         if chunk.prompt_logprobs is not None:
             self.prompt_logprobs = chunk.prompt_logprobs
         if outputs is None:
-            for out in chunk.outputs:
-                self.completion(out["index"]).add(
-                    out["text"], out["token_ids"], out.get("logprobs"), out
-                )
-        else:
-            for out in outputs:
-                self.completion(out.index).add(out.text, out.token_ids, out.logprobs, out)
+            outputs = chunk.outputs
+        for out in outputs:
+            self.completion(out.index).add(out.text, out.token_ids, out.logprobs, out)
         self.last = chunk
 
     def completion(self, index: int) -> Completion:
@@ -100,7 +95,7 @@ class Accumulator:
         return [c for _, c in sorted(self.completions.items())]
 
     def whole(self, request_id: str) -> Chunk | None:
-        """Everything kept so far as one chunk from offset 0 (kept as wire records): the
+        """Everything kept so far as one chunk from offset 0 (kept as ``Delta``s): the
         record a finished request's log is compacted into."""
         if self.first is None:
             return None
@@ -109,7 +104,7 @@ class Accumulator:
             request_id=request_id,
             seq=last.seq,
             offset=0,
-            outputs=[c.wire(0) for c in self.in_order()],
+            outputs=[c.whole() for c in self.in_order()],
             finished=last.finished,
             lora_request=last.lora_request or self.first.lora_request,
             adapter_id=last.adapter_id,

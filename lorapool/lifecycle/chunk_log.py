@@ -14,13 +14,13 @@ comes later reads everything in one HGET. Torch-free.
 
 from __future__ import annotations
 
-import dataclasses
 import zlib
 from collections.abc import Iterator
-from typing import Any
+
+import msgspec
 
 from lorapool.lifecycle.accumulator import Accumulator, Completion
-from lorapool.lifecycle.wire import Chunk, decode_chunk, encode_chunk
+from lorapool.lifecycle.chunk import Chunk, Delta, decode_chunk, encode_chunk
 from lorapool.outputs import CompletionOutput, RequestOutput, logprobs_from_wire
 from lorapool.protocol import RequestOutputKind
 
@@ -107,8 +107,10 @@ class Cursor:
                 f"request {self.request_id}: its chunk log was compacted; read the whole "
                 f"output (result()) instead of the chunks after {self.seq}"
             )
-        rest = dataclasses.replace(whole, outputs=[self._cut(o) for o in whole.outputs])
-        rest.offset = sum(tokens for tokens, _ in self.given.values())
+        offset = sum(tokens for tokens, _ in self.given.values())
+        rest = msgspec.structs.replace(
+            whole, offset=offset, outputs=[self._cut(o, offset) for o in whole.outputs]
+        )
         if self.seq >= 0:  # the first chunk's prompt is not repeated
             rest.prompt = rest.prompt_token_ids = rest.prompt_logprobs = None
         self._give(rest)
@@ -117,19 +119,19 @@ class Cursor:
     def _give(self, chunk: Chunk) -> None:
         self.seq, self.done = chunk.seq, chunk.finished
         for out in chunk.outputs:
-            tokens, chars = self.given.get(out["index"], (0, 0))
-            self.given[out["index"]] = (tokens + len(out["token_ids"]), chars + len(out["text"]))
+            tokens, chars = self.given.get(out.index, (0, 0))
+            self.given[out.index] = (tokens + len(out.token_ids), chars + len(out.text))
 
-    def _cut(self, out: dict[str, Any]) -> dict[str, Any]:
-        tokens, chars = self.given.get(out["index"], (0, 0))
-        logprobs = out.get("logprobs")
-        return {
-            **out,
-            "offset": tokens,
-            "text": out["text"][chars:],
-            "token_ids": out["token_ids"][tokens:],
-            "logprobs": None if logprobs is None else logprobs[tokens:],
-        }
+    def _cut(self, out: Delta, offset: int) -> Delta:
+        """What of completion ``out`` (whole) this reader has not been given."""
+        tokens, chars = self.given.get(out.index, (0, 0))
+        return msgspec.structs.replace(
+            out,
+            offset=None if tokens == offset else tokens,
+            text=out.text[chars:],
+            token_ids=out.token_ids[tokens:],
+            logprobs=None if out.logprobs is None else out.logprobs[tokens:],
+        )
 
 
 class OutputAssembler:

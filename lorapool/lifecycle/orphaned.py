@@ -19,15 +19,16 @@ chunks it had, from the record's rest (``marker.read_back_result``).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 
+from msgspec.structs import replace
+
 from lorapool.lifecycle import unread
 from lorapool.lifecycle.accumulator import Accumulator
+from lorapool.lifecycle.chunk import decode_chunk
 from lorapool.lifecycle.chunk_log import encode_result
 from lorapool.lifecycle.error_kind import ErrorKind
-from lorapool.lifecycle.wire import decode_chunk
 
 logger = logging.getLogger(__name__)
 QUIET_S = 3.0  # no new chunk this long: a reader asks whether its request was orphaned
@@ -55,10 +56,10 @@ def orphan_record(request_id: str, raws: list[bytes]) -> bytes | None:
     metrics = {"arrival_time": now, **(whole.metrics or output.first.metrics or {})}
     metrics["finished_time"] = now
     outputs = [
-        o if o.get("finish_reason") else {**o, "finish_reason": "error", "stop_reason": None}
+        o if o.finish_reason else replace(o, finish_reason="error", stop_reason=None)
         for o in whole.outputs
     ]
-    final = dataclasses.replace(whole, seq=whole.seq + 1, finished=True, outputs=outputs)
+    final = replace(whole, seq=whole.seq + 1, finished=True, outputs=outputs)
     final.metrics, final.error, final.error_kind = metrics, REASON, ErrorKind.REMOVED
     return encode_result(final)
 

@@ -31,10 +31,10 @@ import logging
 import time
 
 from lorapool.connection import register_script
+from lorapool.lifecycle.chunk import Chunk, Delta
 from lorapool.lifecycle.chunk_log import encode_result
 from lorapool.lifecycle.error_kind import ErrorKind
 from lorapool.lifecycle.keys import PRIORITIES, WORKERS_GROUP, Keys
-from lorapool.lifecycle.wire import Chunk
 
 logger = logging.getLogger(__name__)
 # What END_UNREAD found (the marker's ``unread_cause``), as the audit record and the
@@ -140,18 +140,16 @@ return 1
 def unread_record(request_id: str, reason: str) -> bytes:
     """The final record of a request that never ran: one completion (index 0) with
     ``finish_reason`` "error" and no tokens, and ``reason`` as the request's error."""
-    output = {
-        "index": 0,
-        "offset": 0,
-        "text": "",
-        "token_ids": [],
-        "finish_reason": "error",
-        "stop_reason": None,
-    }
     now = time.time()
-    metrics = {"arrival_time": now, "finished_time": now, "num_prompt_tokens": 0}
-    chunk = Chunk(request_id, 0, 0, [output], True, metrics=metrics, error=reason)
-    chunk.error_kind = ErrorKind.REMOVED
+    chunk = Chunk(
+        request_id=request_id,
+        seq=0,
+        outputs=[Delta(text="", token_ids=[], finish_reason="error")],
+        finished=True,
+        metrics={"arrival_time": now, "finished_time": now, "num_prompt_tokens": 0},
+        error=reason,
+        error_kind=ErrorKind.REMOVED,
+    )
     return encode_result(chunk)
 
 

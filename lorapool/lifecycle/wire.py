@@ -1,9 +1,7 @@
-"""Wire records on the queue: jobs on ``{p}:requests`` and chunks on ``{p}:out:<id>``.
-
-Both are orjson in a stream entry's field ``data``: a job with ``"v": 1``, a chunk
-in the compact form described at ``encode_chunk`` (version 2). Decoding
-validates everything a worker or a client relies on and raises ValueError
-naming the problem (workers dead-letter such entries). Torch-free.
+"""Jobs on the queue ``{p}:requests``: orjson in a stream entry's field ``data``, with
+``"v": 1``. (Chunks, on ``{p}:out:<id>``, are ``lifecycle.chunk``'s.) Decoding
+validates everything a worker relies on and raises ValueError naming the problem
+(workers dead-letter such entries). Torch-free.
 """
 
 from __future__ import annotations
@@ -15,14 +13,8 @@ from typing import Any
 
 import orjson
 
-from lorapool.lifecycle.error_kind import ErrorKind, read_kind
 from lorapool.messages import check_json_size, check_messages, check_tools, utf8_size
 from lorapool.outputs import (
-    CompletionOutput,
-    RequestMetrics,
-    RequestOutput,
-    logprobs_from_wire,
-    logprobs_to_wire,
     wire_head,
 )
 from lorapool.protocol import (
@@ -238,154 +230,3 @@ def _metadata(metadata: Any) -> dict[str, Any]:
         raise FieldError(f"metadata must be an object, got {short_repr(metadata)}")
     check_json_size(metadata, "metadata", MAX_METADATA_BYTES)
     return metadata
-
-
-@dataclass
-class Chunk:
-    """One delta of a request's output: what the chunk log holds per step."""
-
-    request_id: str
-    seq: int  # 0, 1, 2, ... per request, continuing across failover
-    offset: int  # tokens of all completions emitted before this chunk
-    outputs: list[dict[str, Any]]  # per completion: index, offset, text, token_ids, ...
-    finished: bool = False
-    lora_request: dict[str, Any] | None = None  # full on first and final chunk
-    adapter_id: int = 0  # 0 = base model
-    metrics: dict[str, Any] | None = None
-    worker: str | None = None
-    error: str | None = None
-    error_kind: ErrorKind | None = None  # with an error (older chunks: ``read_kind``)
-    prompt: str | None = None  # first chunk only
-    prompt_token_ids: list[int] | None = None  # first chunk only
-    prompt_logprobs: list | None = None  # first chunk only, when asked (logprobs_to_wire)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(len(o["token_ids"]) for o in self.outputs)
-
-    def to_output(self) -> RequestOutput:
-        """This chunk as a delta RequestOutput (completion texts and tokens are deltas)."""
-        lora = LoRARequest.from_dict(self.lora_request)
-        outs = [
-            CompletionOutput(
-                o["index"],
-                o["text"],
-                list(o["token_ids"]),
-                o.get("cumulative_logprob"),
-                logprobs_from_wire(o.get("logprobs")),
-                o.get("finish_reason"),
-                o.get("stop_reason"),
-                lora,
-            )
-            for o in self.outputs
-        ]
-        return RequestOutput(
-            self.request_id,
-            self.prompt,
-            self.prompt_token_ids,
-            logprobs_from_wire(self.prompt_logprobs),
-            outs,
-            self.finished,
-            RequestMetrics.from_dict(self.metrics),
-            lora,
-            error=self.error,
-            error_kind=self.error_kind,
-            worker=self.worker,
-        )
-
-
-def completion_wire(c: CompletionOutput, offset: int) -> dict[str, Any]:
-    """One completion's delta as it goes into a chunk."""
-    return {
-        "index": c.index,
-        "offset": offset,
-        "text": c.text,
-        "token_ids": list(c.token_ids),
-        "cumulative_logprob": c.cumulative_logprob,
-        "logprobs": logprobs_to_wire(c.logprobs),
-        "finish_reason": c.finish_reason,
-        "stop_reason": c.stop_reason,
-    }
-
-
-# A chunk on the wire is compact (most of a GPU worker's Redis memory is chunk logs):
-# short keys, and only what says something. Record: s seq, o offset (omitted: 0),
-# c completions, f finished (1; omitted: not), a adapter id (omitted: 0), and on the
-# first or final chunk lora, m metrics, w worker, e error, ek its kind, p prompt,
-# pi prompt ids, pl prompt logprobs.
-# Completion: i index (omitted: 0), o offset (omitted: the chunk's), t text,
-# k token ids, l logprobs, c cumulative logprob, f finish reason, r stop reason
-# (the last four omitted when null). The request id is the key's or channel's.
-CHUNK_VERSION = 2
-_CHUNK_KEYS = (("lora_request", "lora"), ("metrics", "m"), ("worker", "w"), ("error", "e"))
-_CHUNK_KEYS += (("error_kind", "ek"), ("prompt", "p"), ("prompt_token_ids", "pi"))
-_CHUNK_KEYS += (("prompt_logprobs", "pl"),)
-_COMPLETION_KEYS = (
-    ("logprobs", "l"),
-    ("cumulative_logprob", "c"),
-    ("finish_reason", "f"),
-    ("stop_reason", "r"),
-)
-
-
-def encode_chunk(chunk: Chunk) -> bytes:
-    return orjson.dumps(chunk_record(chunk))
-
-
-def chunk_record(chunk: Chunk) -> dict[str, Any]:
-    """The compact record of ``chunk`` (see above)."""
-    record: dict[str, Any] = {"s": chunk.seq}
-    if chunk.offset:
-        record["o"] = chunk.offset
-    record["c"] = [_compact(out, chunk.offset) for out in chunk.outputs]
-    if chunk.finished:
-        record["f"] = 1
-    if chunk.adapter_id:
-        record["a"] = chunk.adapter_id
-    for name, key in _CHUNK_KEYS:
-        value = getattr(chunk, name)
-        if value is not None:
-            record[key] = value
-    return record
-
-
-def _compact(out: dict[str, Any], offset: int) -> dict[str, Any]:
-    record = {"t": out["text"], "k": out["token_ids"]}
-    if out["index"]:
-        record["i"] = out["index"]
-    if out.get("offset", offset) != offset:
-        record["o"] = out["offset"]
-    for name, key in _COMPLETION_KEYS:
-        value = out.get(name)
-        if value is not None:
-            record[key] = value
-    return record
-
-
-def decode_chunk(payload: bytes | str | None, request_id: str = "") -> Chunk:
-    """A validated Chunk of ``request_id``; ValueError naming the problem when malformed."""
-    data = _loads(payload, "chunk", CHUNK_VERSION, CHUNK_VERSION)
-    try:
-        seq, offset = data["s"], data.get("o", 0)
-        check(is_int(seq) and is_int(offset), "seq and offset must be integers")
-        outputs = [_expand(out, offset) for out in data["c"]]
-        chunk = Chunk(request_id, seq, offset, outputs, bool(data.get("f", 0)))
-        chunk.adapter_id = data.get("a", 0)
-        for name, key in _CHUNK_KEYS:
-            setattr(chunk, name, data.get(key))
-        if chunk.error is not None:
-            chunk.error_kind = read_kind(chunk.error_kind, chunk.error)
-    except (KeyError, TypeError, AttributeError, FieldError) as exc:
-        raise ValueError(f"malformed chunk of {request_id!r}: {exc!r}") from None
-    return chunk
-
-
-def _expand(record: dict[str, Any], offset: int) -> dict[str, Any]:
-    """A completion's compact record as the Chunk holds it."""
-    text, ids = record["t"], record["k"]
-    check(isinstance(text, str) and isinstance(ids, list), "bad completion text or ids")
-    out = {"index": record.get("i", 0), "offset": record.get("o", offset)}
-    out["text"], out["token_ids"] = text, ids
-    for name, key in _COMPLETION_KEYS:
-        out[name] = record.get(key)
-    return out

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from lorapool.lifecycle.wire import Chunk
+from lorapool.lifecycle.chunk import Chunk
 from lorapool.openai.echo import Echo
 from lorapool.openai.errors import failed_request
 from lorapool.openai.logprobs import (
@@ -173,22 +173,22 @@ class Shape:
         if self.echo is not None and chunk.prompt_token_ids is not None:
             self.echo.remember(job, chunk.prompt, chunk.prompt_token_ids, chunk.prompt_logprobs)
         for out in chunk.outputs:
-            if not out["text"] and not out["token_ids"] and out.get("finish_reason") is None:
+            if not out.text and not out.token_ids and out.finish_reason is None:
                 continue
-            index, reason = job * self.n + out["index"], out.get("finish_reason")
-            head, head_logprobs = self._echo_head(job, index, out.get("logprobs") is not None)
+            index, reason = job * self.n + out.index, out.finish_reason
+            head, head_logprobs = self._echo_head(job, index, out.logprobs is not None)
             offset = self.chars.get(index, len(head))
-            logprobs = self.logprobs(out["token_ids"], out.get("logprobs"), offset)
+            logprobs = self.logprobs(out.token_ids, out.logprobs, offset)
             if logprobs is not None and not self.chat:  # text_offset counts the tokens' text
                 self.chars[index] = offset + sum(map(len, logprobs["tokens"]))
             logprobs = joined(head_logprobs, logprobs)
             choice: dict[str, Any] = {"index": index, "logprobs": logprobs, "finish_reason": reason}
             if reason is not None:
-                choice["stop_reason"] = out.get("stop_reason")
+                choice["stop_reason"] = out.stop_reason
             if self.chat:
-                choice["delta"] = self._delta(index, out["text"], choice)
+                choice["delta"] = self._delta(index, out.text, choice)
             else:
-                choice["text"] = head + out["text"]
+                choice["text"] = head + out.text
                 if chunk.prompt_logprobs is not None and index not in self.chars_prompt:
                     self.chars_prompt.add(index)
                     choice["prompt_logprobs"] = prompt_logprobs_json(chunk.prompt_logprobs)

@@ -97,7 +97,7 @@ def test_a_worker_reads_each_marker_once_a_run(tmp_path):
     finally:
         server.stop()
     for rid, logged in chunks.items():
-        tokens = [t for c in logged for o in c.outputs for t in o["token_ids"]]
+        tokens = [t for c in logged for o in c.outputs for t in o.token_ids]
         assert tokens == [bench.token_of(rid, k) for k in range(30)]
     num_chunks = sum(len(logged) for logged in chunks.values())
     assert num_chunks >= 10 * len(ids)  # chunks of a few tokens at most: many a request

@@ -157,7 +157,7 @@ def test_worker_rides_out_redis_out_of_memory(private_redis, caplog):
     for rid in ids:
         chunks = log_chunks(conn, keys, rid)
         assert [c.seq for c in chunks] == list(range(len(chunks)))
-        tokens = [t for c in chunks for o in c.outputs for t in o["token_ids"]]
+        tokens = [t for c in chunks for o in c.outputs for t in o.token_ids]
         assert tokens == [bench.token_of(rid, k) for k in range(30)]
         assert sum(c.finished for c in chunks) == 1
     worker.teardown()

@@ -41,7 +41,7 @@ def run(conn, keys, producer, requests: int, step_s: float, rate: int) -> list[l
     sizes = []
     for rid in ids:
         chunks = log_chunks(conn, keys, rid)
-        tokens = [t for chunk in chunks for out in chunk.outputs for t in out["token_ids"]]
+        tokens = [t for chunk in chunks for out in chunk.outputs for t in out.token_ids]
         assert tokens == [bench.token_of(rid, k) for k in range(TOKENS)], rid
         assert [chunk.seq for chunk in chunks] == list(range(len(chunks)))
         assert [chunk.finished for chunk in chunks].count(True) == 1 and chunks[-1].finished

@@ -79,7 +79,7 @@ def test_one_connection_follows_every_stream_exactly(pool_url, conn, keys, tmp_p
     for (rid, n), log in zip(jobs, logs):
         assert [c.seq for c in log] == sorted({c.seq for c in log})  # in order, no repeat
         assert [c.finished for c in log].count(True) == 1 and log[-1].finished
-        tokens = [t for c in log for o in c.outputs for t in o["token_ids"]]
+        tokens = [t for c in log for o in c.outputs for t in o.token_ids]
         assert tokens == [bench.token_of(rid, k) for k in range(n)], rid
     total = sum(len(log) for log in logs)
     assert follower.num_live + follower.num_filled == total
@@ -147,7 +147,7 @@ def test_a_new_client_follows_before_any_other_command(pool_url, conn, keys, pro
 
     chunks = asyncio.run(follow())
     assert "no subscribe confirmation" not in caplog.text
-    tokens = [t for c in chunks for o in c.outputs for t in o["token_ids"]]
+    tokens = [t for c in chunks for o in c.outputs for t in o.token_ids]
     assert tokens == [bench.token_of("n1", k) for k in range(5)] and chunks[-1].finished
 
 
@@ -192,7 +192,7 @@ def test_a_cluster_moving_its_slots_does_not_stop_the_follower(pool_url, keys, p
         worker.terminate()
         worker.wait(30)
     assert error is None and "resubscribing" in caplog.text
-    tokens = [t for c in chunks for o in c.outputs for t in o["token_ids"]]
+    tokens = [t for c in chunks for o in c.outputs for t in o.token_ids]
     assert tokens == [bench.token_of(rid, k) for k in range(200)] and chunks[-1].finished
     # 200 steps of 20 ms: after the fault the listener waits a second (poll_s), the
     # reader's log polls fill it, and the rest comes over the channel again

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 from standin import load
 
+from lorapool.lifecycle.chunk import Chunk, Delta, encode_chunk
 from lorapool.lifecycle.chunk_log import LogCompacted, encode_result
-from lorapool.lifecycle.wire import Chunk, encode_chunk
 from lorapool.producer.client import JobHandle
 from lorapool.protocol import SamplingParams
 
@@ -57,7 +57,7 @@ def test_handles_stream_live_and_exact(pool_url, keys, producer, tmp_path):
         chunks = [chunk for chunk, _ in got[rid]]
         assert [c.seq for c in chunks] == list(range(len(chunks)))
         assert [c.finished for c in chunks].count(True) == 1 and chunks[-1].finished
-        tokens = [t for c in chunks for o in c.outputs for t in o["token_ids"]]
+        tokens = [t for c in chunks for o in c.outputs for t in o.token_ids]
         assert tokens == [bench.token_of(rid, k) for k in range(n)]
         # live: chunks came as they were made (~1 s of 5 ms steps), not in a read of the
         # log a second (the quiet interval) apart
@@ -66,9 +66,8 @@ def test_handles_stream_live_and_exact(pool_url, keys, producer, tmp_path):
 
 
 def _chunk(rid: str, seq: int, final: bool = False) -> Chunk:
-    out = {"index": 0, "offset": seq, "text": f" t{seq}", "token_ids": [seq]}
-    out["finish_reason"] = "length" if final else None
-    return Chunk(rid, seq, seq, [out], final)
+    out = Delta(text=f" t{seq}", token_ids=[seq], finish_reason="length" if final else None)
+    return Chunk(request_id=rid, seq=seq, offset=seq, outputs=[out], finished=final)
 
 
 class _Writer:
@@ -124,7 +123,7 @@ def test_a_lost_publish_is_read_from_the_log(conn, keys, producer):
     writer.append(4, final=True, publish=False)  # the final one lost: a quiet second
     assert done.wait(5)
     assert [c.seq for c in got] == [0, 1, 2, 3, 4] and got[-1].finished
-    assert [c.outputs[0]["token_ids"] for c in got] == [[0], [1], [2], [3], [4]]
+    assert [c.outputs[0].token_ids for c in got] == [[0], [1], [2], [3], [4]]
 
 
 def test_a_finished_request_reads_without_subscribing(conn, keys, producer):
@@ -138,11 +137,15 @@ def test_a_finished_request_reads_without_subscribing(conn, keys, producer):
     # compacted: the log gone, the record in the job's hash: a reader from the start
     # gets the whole output as one chunk; one from midway cannot tell where the rest
     # begins (its offsets unknown) and says so
-    out = {"index": 0, "offset": 0, "text": " t0 t1 t2", "token_ids": [0, 1, 2]}
+    out = Delta(text=" t0 t1 t2", token_ids=[0, 1, 2])
     conn.delete(keys.out(rid))
-    conn.hset(keys.job(rid), "result", encode_result(Chunk(rid, 2, 0, [out], True)))
+    conn.hset(
+        keys.job(rid),
+        "result",
+        encode_result(Chunk(request_id=rid, seq=2, outputs=[out], finished=True)),
+    )
     (whole,) = JobHandle(producer, rid).chunks(timeout=5)
-    assert whole.outputs[0]["token_ids"] == [0, 1, 2] and whole.finished
+    assert whole.outputs[0].token_ids == [0, 1, 2] and whole.finished
     with pytest.raises(LogCompacted):
         list(JobHandle(producer, rid).chunks(after=0, timeout=5))
     assert _channels(conn) == channels_before

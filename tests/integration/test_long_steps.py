@@ -48,7 +48,7 @@ def test_a_step_longer_than_the_lease_keeps_its_entries(conn, keys, producer):
     assert stolen == []
     for rid in ids:
         chunks = log_chunks(conn, keys, rid)
-        tokens = [t for c in chunks for o in c.outputs for t in o["token_ids"]]
+        tokens = [t for c in chunks for o in c.outputs for t in o.token_ids]
         assert tokens == [bench.token_of(rid, k) for k in range(2)]
         assert [c.finished for c in chunks].count(True) == 1
         assert chunks[-1].worker == "slow" and chunks[-1].error is None

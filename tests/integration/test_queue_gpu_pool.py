@@ -112,7 +112,7 @@ def test_ten_thousand_requests_through_a_kill_and_a_stop(pool, tmp_path):
     wrong = []
     for rid, max_tokens in jobs:
         chunks = log_chunks(conn, keys, rid)
-        tokens = [t for c in chunks for o in c.outputs for t in o["token_ids"]]
+        tokens = [t for c in chunks for o in c.outputs for t in o.token_ids]
         finals = sum(c.finished for c in chunks)
         seqs = [c.seq for c in chunks]
         finishers.update(c.worker for c in chunks if c.finished)

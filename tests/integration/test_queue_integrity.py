@@ -72,7 +72,7 @@ def settled(conn, keys) -> bool:
 
 
 def tokens(conn, keys, rid: str) -> list[int]:
-    return [t for c in log_chunks(conn, keys, rid) for o in c.outputs for t in o["token_ids"]]
+    return [t for c in log_chunks(conn, keys, rid) for o in c.outputs for t in o.token_ids]
 
 
 def test_a_job_marker_of_another_type_ends_its_request_not_the_worker(conn, keys, worker):

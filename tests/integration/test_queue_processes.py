@@ -171,9 +171,9 @@ def _check_logs(conn, producer, ids, expected):
         sizes = [c.num_tokens for c in log]
         assert offsets == [sum(sizes[:i]) for i in range(len(log))]
         assert [c.finished for c in log] == [False] * (len(log) - 1) + [True]
-        tokens = [t for c in log for o in c.outputs for t in o["token_ids"]]
+        tokens = [t for c in log for o in c.outputs for t in o.token_ids]
         assert tokens == ref.token_ids
-        text = "".join(o["text"] for c in log for o in c.outputs)
+        text = "".join(o.text for c in log for o in c.outputs)
         assert text == ref.text
 
 

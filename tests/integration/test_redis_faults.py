@@ -36,9 +36,9 @@ from sqlalchemy import create_engine, text
 
 from lorapool.cli.queue_status import live_workers
 from lorapool.connection import connect
+from lorapool.lifecycle.chunk import decode_chunk
 from lorapool.lifecycle.chunk_log import log_chunks
 from lorapool.lifecycle.keys import Keys
-from lorapool.lifecycle.wire import decode_chunk
 from lorapool.producer import Producer
 from lorapool.protocol import SamplingParams
 

@@ -118,12 +118,12 @@ def test_a_killed_run_whose_entry_was_removed_ends_once(conn, keys, producer, po
         assert [c.seq for c in chunks] == [c.seq for c in logged] == list(range(length))
         assert final.seq == length and final.finished and SAYS in final.error
         assert final.error_kind == "removed"
-        assert [o["finish_reason"] for o in final.outputs] == ["error"]
-        assert [o["token_ids"] for o in final.outputs] == [[]]  # nothing it had not
+        assert [o.finish_reason for o in final.outputs] == ["error"]
+        assert [o.token_ids for o in final.outputs] == [[]]  # nothing it had not
         assert conn.hget(view.job(rid), "status") == b"failed"
         assert EndUnread(conn, keys)(rid, "check") == 0  # ended once
         # a reader that comes later, and the follower (AsyncJobHandle, the gateway's)
-        tokens = [t for c in logged for o in c.outputs for t in o["token_ids"]]
+        tokens = [t for c in logged for o in c.outputs for t in o.token_ids]
         later = producer.handle(rid).result(timeout=10)
         assert later.outputs[0].token_ids == tokens and SAYS in later.error
         followed = asyncio.run(follow(pool_url, keys, rid))
@@ -214,7 +214,7 @@ def test_a_log_made_again_without_its_head_ends_with_what_it_holds(conn, keys, p
         output = handle.result(timeout=30)
         assert time.monotonic() - started < orphaned.QUIET_S + 4
         assert output.finished and SAYS in output.error
-        tokens = [t for c in logged for o in c.outputs for t in o["token_ids"]]
+        tokens = [t for c in logged for o in c.outputs for t in o.token_ids]
         assert output.outputs[0].token_ids == tokens
     finally:
         survivor.teardown()

@@ -4,12 +4,14 @@ cumulative outputs equal the joined deltas at every chunk."""
 
 import zlib
 
+import msgspec
 import orjson
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lorapool.lifecycle.accumulator import Accumulator
+from lorapool.lifecycle.chunk import Chunk, Delta, encode_chunk
 from lorapool.lifecycle.chunk_log import (
     Cursor,
     LogCompacted,
@@ -17,7 +19,6 @@ from lorapool.lifecycle.chunk_log import (
     decode_result,
     encode_result,
 )
-from lorapool.lifecycle.wire import Chunk, encode_chunk
 
 _PROMPT = {"prompt": "p", "prompt_token_ids": [7]}
 piece = st.tuples(st.text(max_size=4), st.lists(st.integers(0, 50_000), max_size=3))
@@ -30,14 +31,14 @@ def _chunks(steps: list[list[tuple[str, list[int]]]], n: int) -> list[Chunk]:
         final = seq == len(steps) - 1
         outputs = []
         for i, (text, ids) in enumerate(pieces):
-            out = {"index": i, "offset": offsets[i], "text": text, "token_ids": ids}
-            out["logprobs"] = [[[t, -1.0, 1, "x"]] for t in ids]
-            out["finish_reason"] = "length" if final else None
+            out = Delta(text=text, token_ids=ids, index=i, offset=offsets[i])
+            out.logprobs = [[[t, -1.0, 1, "x"]] for t in ids]
+            out.finish_reason = "length" if final else None
             outputs.append(out)
             offsets[i] += len(ids)
-        log.append(
-            Chunk("r", seq, total, outputs, final, adapter_id=2, **(_PROMPT if not seq else {}))
-        )
+        first = _PROMPT if not seq else {}
+        chunk = Chunk(request_id="r", seq=seq, offset=total, outputs=outputs, finished=final)
+        log.append(msgspec.structs.replace(chunk, adapter_id=2, **first))
         total += sum(len(ids) for _, ids in pieces)
     return log
 
@@ -48,16 +49,16 @@ def _whole(log: list[Chunk], n: int) -> Chunk:
     for i in range(n):
         outs = [c.outputs[i] for c in log]
         outputs.append(
-            {
-                "index": i,
-                "offset": 0,
-                "text": "".join(o["text"] for o in outs),
-                "token_ids": [t for o in outs for t in o["token_ids"]],
-                "logprobs": [lp for o in outs for lp in o["logprobs"]],
-                "finish_reason": "length",
-            }
+            Delta(
+                index=i,
+                text="".join(o.text for o in outs),
+                token_ids=[t for o in outs for t in o.token_ids],
+                logprobs=[lp for o in outs for lp in o.logprobs],
+                finish_reason="length",
+            )
         )
-    return Chunk("r", log[-1].seq, 0, outputs, True, adapter_id=2, **_PROMPT)
+    whole = Chunk(request_id="r", seq=log[-1].seq, outputs=outputs, finished=True, adapter_id=2)
+    return msgspec.structs.replace(whole, **_PROMPT)
 
 
 def _entries(log: list[Chunk]) -> list:
@@ -85,10 +86,10 @@ def test_chunks_then_the_rest_of_the_record_join_to_the_whole(n, steps, data):
     assert cursor.done and got[-1].finished
     assert [c.seq for c in got] == sorted({c.seq for c in got})  # in order, no repeat
     for i in range(n):
-        outs = [o for c in got for o in c.outputs if o["index"] == i]
-        assert "".join(o["text"] for o in outs) == whole.outputs[i]["text"]
-        assert [t for o in outs for t in o["token_ids"]] == whole.outputs[i]["token_ids"]
-        assert [lp for o in outs for lp in o["logprobs"]] == whole.outputs[i]["logprobs"]
+        outs = [o for c in got for o in c.outputs if o.index == i]
+        assert "".join(o.text for o in outs) == whole.outputs[i].text
+        assert [t for o in outs for t in o.token_ids] == whole.outputs[i].token_ids
+        assert [lp for o in outs for lp in o.logprobs] == whole.outputs[i].logprobs
     cumulative = [OutputAssembler("cumulative").feed(c) for c in [whole]][0]
     assembler = OutputAssembler("cumulative")
     outputs = [assembler.feed(c) for c in got]
@@ -119,13 +120,14 @@ def test_a_reader_started_midway_cannot_cut_a_compacted_log():
 
 def test_the_compact_record_says_only_what_is_not_default():
     log = _chunks([[("ab", [1])], [("cd", [2])]], 1)
-    log[0].outputs[0]["logprobs"] = None
+    log[0].outputs[0].logprobs = None
     record = orjson.loads(encode_chunk(log[1]))
+    assert b',"f":1,' in encode_chunk(log[1])  # not true: what APPEND's Lua looks for
     assert record == {
         "s": 1,
         "o": 1,
         "c": [{"t": "cd", "k": [2], "l": [[[2, -1.0, 1, "x"]]], "f": "length"}],
-        "f": 1,
+        "f": 1,  # what APPEND's Lua looks for
         "a": 2,
     }
 
@@ -136,7 +138,7 @@ def test_a_long_record_is_stored_compressed_and_reads_back_whole():
     raw, record = encode_chunk(whole), encode_result(whole)
     assert record[:1] == b"x" and len(record) < len(raw) * 0.7  # zlib's header byte
     assert encode_chunk(decode_result(record, "r")) == raw
-    short = Chunk("r", 0, 0, [{"index": 0, "offset": 0, "text": "a", "token_ids": [1]}], True)
+    short = Chunk(request_id="r", seq=0, outputs=[Delta(text="a", token_ids=[1])], finished=True)
     assert encode_result(short) == encode_chunk(short)  # nothing to gain: left as JSON
 
 
@@ -145,7 +147,7 @@ def test_a_long_record_is_stored_compressed_and_reads_back_whole():
     [
         (zlib.compress(b'{"s": 0')[:-3], "truncated"),
         (b"x\x01garbage", "malformed record"),
-        (zlib.compress(b"[1, 2]"), "expected an object"),
+        (zlib.compress(b"[1, 2]"), "Expected `object`"),
     ],
 )
 def test_a_broken_record_says_what_is_wrong(payload, problem):
@@ -169,7 +171,7 @@ def test_one_accumulator_keeps_the_whole_output_for_the_worker_and_the_readers(n
         output = assembler.feed(chunk)
         for i, completion in enumerate(output.outputs):
             outs = [c.outputs[i] for c in log[: k + 1]]
-            assert completion.text == "".join(o["text"] for o in outs)
-            assert completion.token_ids == [t for o in outs for t in o["token_ids"]]
+            assert completion.text == "".join(o.text for o in outs)
+            assert completion.token_ids == [t for o in outs for t in o.token_ids]
             assert len(completion.logprobs) == len(completion.token_ids)
     assert encode_chunk(kept.whole("r")) == encode_chunk(_whole(log, n))

@@ -7,9 +7,10 @@ import pytest
 
 from lorapool.lifecycle.accumulator import Accumulator
 from lorapool.lifecycle.adapter_record import UnknownAdapter, check_lora
+from lorapool.lifecycle.chunk import Chunk, Delta, decode_chunk, encode_chunk
 from lorapool.lifecycle.chunk_log import OutputAssembler, decode_result, encode_result
 from lorapool.lifecycle.error_kind import ErrorKind
-from lorapool.lifecycle.wire import Chunk, decode_chunk, encode_chunk, job_from_dict
+from lorapool.lifecycle.wire import job_from_dict
 from lorapool.openai.errors import APIError, failed_request
 from lorapool.openai.format import check_failed
 from lorapool.protocol import FieldError, LoRARequest
@@ -26,11 +27,20 @@ OLD_REQUEST = (
     b"the prompt has 297 tokens; the model's context is 256, which leaves no room to "
     b'generate"}'
 )
-FAILED = [{"index": 0, "offset": 0, "text": "", "token_ids": [], "finish_reason": "error"}]
+FAILED = [Delta(text="", token_ids=[], offset=0, finish_reason="error")]
+A = [Delta(text="a", token_ids=[1])]
 
 
 def failed(error: str, kind: ErrorKind | None) -> Chunk:
-    return Chunk("r", 0, 0, FAILED, True, worker="w1", error=error, error_kind=kind)
+    return Chunk(
+        request_id="r",
+        seq=0,
+        outputs=FAILED,
+        finished=True,
+        worker="w1",
+        error=error,
+        error_kind=kind,
+    )
 
 
 def status(chunk: Chunk) -> int:
@@ -63,14 +73,22 @@ def test_a_kind_this_build_does_not_know_reads_by_the_old_rule():
 
 
 def test_chunks_without_an_error_have_no_kind_and_cost_no_key():
-    chunk = Chunk("r", 0, 0, [{"index": 0, "offset": 0, "text": "a", "token_ids": [1]}])
+    chunk = Chunk(request_id="r", seq=0, outputs=A)
     assert b"ek" not in encode_chunk(chunk)
     assert decode_chunk(encode_chunk(chunk), "r").error_kind is None
 
 
 def test_the_kind_survives_accumulation_and_assembly():
-    first = Chunk("r", 0, 0, [{"index": 0, "offset": 0, "text": "a", "token_ids": [1]}])
-    last = Chunk("r", 1, 1, FAILED, True, error="gone", error_kind=ErrorKind.REMOVED)
+    first = Chunk(request_id="r", seq=0, outputs=A)
+    last = Chunk(
+        request_id="r",
+        seq=1,
+        offset=1,
+        outputs=FAILED,
+        finished=True,
+        error="gone",
+        error_kind=ErrorKind.REMOVED,
+    )
     kept = Accumulator()
     for chunk in (first, last):
         kept.add(chunk)

@@ -3,38 +3,23 @@
 import orjson
 import pytest
 
+from lorapool.lifecycle.chunk import Chunk, Delta, decode_chunk, encode_chunk
 from lorapool.lifecycle.chunk_log import OutputAssembler
 from lorapool.lifecycle.submit import build_job
-from lorapool.lifecycle.wire import (
-    Chunk,
-    chunk_record,
-    decode_chunk,
-    decode_job,
-    encode_chunk,
-    encode_job,
-)
+from lorapool.lifecycle.wire import decode_job, encode_job
 from lorapool.protocol import LoRARequest, SamplingParams
 
 
 def _chunk(seq, tokens, text, finished=False):
-    out = {
-        "index": 0,
-        "offset": seq * 2,
-        "text": text,
-        "token_ids": tokens,
-        "cumulative_logprob": None,
-        "logprobs": None,
-        "finish_reason": "length" if finished else None,
-        "stop_reason": None,
-    }
+    out = Delta(text=text, token_ids=tokens, finish_reason="length" if finished else None)
     lora = {"lora_name": "a", "lora_int_id": 3, "lora_path": "/a", "base_model_name": None}
     return Chunk(
-        "r1",
-        seq,
-        seq * 2,
-        [out],
-        finished,
-        lora if seq == 0 or finished else None,
+        request_id="r1",
+        seq=seq,
+        offset=seq * 2,
+        outputs=[out],
+        finished=finished,
+        lora_request=lora if seq == 0 or finished else None,
         adapter_id=3,
         prompt_token_ids=[1, 2] if seq == 0 else None,
     )
@@ -101,7 +86,7 @@ def test_chunk_round_trip_and_version():
     chunk = _chunk(0, [5, 6], "ab")
     assert decode_chunk(encode_chunk(chunk), chunk.request_id) == chunk
     with pytest.raises(ValueError, match="unknown wire version"):
-        decode_chunk(orjson.dumps({**chunk_record(chunk), "v": 9}))
+        decode_chunk(orjson.dumps({**orjson.loads(encode_chunk(chunk)), "v": 9}))
 
 
 @pytest.mark.parametrize(

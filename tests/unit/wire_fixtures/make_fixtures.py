@@ -70,7 +70,7 @@ def meaning_chunk(chunk) -> dict:
         "finished": chunk.finished,
         "adapter_id": chunk.adapter_id,
         "num_tokens": chunk.num_tokens,
-        "offsets": {str(o["index"]): o["offset"] for o in chunk.outputs},
+        "offsets": {str(o.index): chunk.offset_of(o) for o in chunk.outputs},
         "output": meaning_output(chunk.to_output()),
     }
 
@@ -241,9 +241,9 @@ def collect_audit(conn) -> list[dict]:
 
 def collect(conn, requests: dict[str, str]) -> dict:
     """Everything the run left in Redis, raw, with this commit's meaning of it."""
+    from lorapool.lifecycle.chunk import decode_chunk
     from lorapool.lifecycle.chunk_log import RESULT_FIELD, decode_result
     from lorapool.lifecycle.keys import Keys
-    from lorapool.lifecycle.wire import decode_chunk
     from lorapool.producer import Producer
 
     keys, producer = Keys(PREFIX), Producer(conn, PREFIX)
