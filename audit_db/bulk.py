@@ -19,11 +19,25 @@ from collections.abc import Callable
 from typing import Any
 
 import orjson
-from sqlalchemy import Connection, Double, String
+from sqlalchemy import Connection, Double, String, bindparam, cast, func
+from sqlalchemy.dialects.postgresql import JSON
 from sqlalchemy.exc import DBAPIError
 
 from lorapool.audit_db import exact_text, tokens
 from lorapool.audit_db.schema import JSONValue, completions
+
+
+def wanted_rows(rows: list[dict[str, Any]], *columns):
+    """PostgreSQL: ``rows`` as a derived table ``wanted`` of ``columns`` (SQLAlchemy
+    ``column``s), sent as one JSON parameter (``json_to_recordset``): the keys a batch
+    looks up (the writer's stored keys, the rollup's cells), where one array parameter
+    a column cost psycopg a Python call an element."""
+    keys = cast(bindparam("keys", orjson.dumps(rows).decode()), JSON)
+    return (
+        func.json_to_recordset(keys)
+        .table_valued(*columns)
+        .render_derived("wanted", with_types=True)
+    )
 
 
 def _json(value: Any) -> str:

@@ -29,6 +29,7 @@ from lorapool.audit_db.usage import (
     USAGE_GROUPS,
     UsageRow,
     percentile,
+    time_filters,
     usage,
 )
 from lorapool.audit_db.walk import STREAM_ROWS
@@ -126,15 +127,6 @@ def get_request(engine: Engine, request_id: str, pool: str | None = None) -> lis
     return _rows(engine, query)
 
 
-def _time_filters(since: float | None, until: float | None) -> list:
-    filters = []
-    if since is not None:
-        filters.append(completions.c.arrival_time >= since)
-    if until is not None:
-        filters.append(completions.c.arrival_time < until)
-    return filters
-
-
 def _adapter_pks(conn: Connection, f: SearchFilter) -> list[int] | None:
     """The adapters the filter names (None: it names none), looked up first so that
     the rows are found through the ``(adapter_pk, arrival_time)`` index."""
@@ -151,7 +143,7 @@ def _adapter_pks(conn: Connection, f: SearchFilter) -> list[int] | None:
 
 
 def _filters(conn: Connection, f: SearchFilter) -> list:
-    filters = _time_filters(f.since, f.until)
+    filters = time_filters(f.since, f.until)
     if f.pool is not None:
         filters.append(completions.c.pool == f.pool)
     pks = _adapter_pks(conn, f)

@@ -32,8 +32,6 @@ from sqlalchemy import (
     Integer,
     String,
     Text,
-    bindparam,
-    cast,
     column,
     delete,
     func,
@@ -44,9 +42,9 @@ from sqlalchemy import (
     type_coerce,
 )
 from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.dialects.postgresql import JSON
 
 from lorapool.audit_db import exact_text
+from lorapool.audit_db.bulk import wanted_rows
 from lorapool.audit_db.schema import completions, usage_daily, usage_progress
 
 DAY_S = 86_400
@@ -196,11 +194,7 @@ def _stored_query(conn: Connection, keys: list[Key]):
         return select(usage_daily).where(columns.in_(keys))
     encoded = [{"day": k[0], "dimension": k[1], "group_key": exact_text.encode(k[2])} for k in keys]
     columns = (column("day", Integer), column("dimension", Text), column("group_key", Text))
-    wanted = (
-        func.json_to_recordset(cast(bindparam("keys", orjson.dumps(encoded).decode()), JSON))
-        .table_valued(*columns)
-        .render_derived("wanted", with_types=True)
-    )
+    wanted = wanted_rows(encoded, *columns)
     one = (
         select(usage_daily)
         .where(

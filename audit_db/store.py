@@ -22,24 +22,20 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import orjson
 from sqlalchemy import (
     Connection,
     Engine,
     Integer,
     Text,
-    bindparam,
-    cast,
     column,
     func,
     select,
     true,
 )
 from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.dialects.postgresql import JSON
 
 from lorapool.audit_db import exact_text, partitions, rollup
-from lorapool.audit_db.bulk import bulk_insert
+from lorapool.audit_db.bulk import bulk_insert, wanted_rows
 from lorapool.audit_db.chain import COMPACT_VERSION, GENESIS, content_digest, link, link_v2, logical
 from lorapool.audit_db.checkpoints import Checkpoint
 from lorapool.audit_db.database import write_transaction
@@ -138,10 +134,8 @@ def _keys_lookup(keys: list[tuple]):
         {"pool": exact_text.encode(k[0]), "request_id": exact_text.encode(k[1]), "idx": k[2]}
         for k in keys
     ]
-    wanted = (
-        func.json_to_recordset(cast(bindparam("keys", orjson.dumps(encoded).decode()), JSON))
-        .table_valued(column("pool", Text), column("request_id", Text), column("idx", Integer))
-        .render_derived("wanted", with_types=True)
+    wanted = wanted_rows(
+        encoded, column("pool", Text), column("request_id", Text), column("idx", Integer)
     )
     one = (
         select(completions)

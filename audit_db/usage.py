@@ -61,7 +61,8 @@ def percentile(values: list[float], q: float) -> float | None:
     return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
-def _time_filters(since: float | None, until: float | None) -> list:
+def time_filters(since: float | None, until: float | None) -> list:
+    """Where clauses of rows that arrived in [since, until) (None: no bound)."""
     filters = []
     if since is not None:
         filters.append(completions.c.arrival_time >= since)
@@ -92,7 +93,7 @@ def _per_request(by: str, since: float | None, until: float | None) -> Select:
             latency.label("latency"),
         )
         .select_from(_JOINED)
-        .where(*_time_filters(since, until))
+        .where(*time_filters(since, until))
         .group_by(key, completions.c.pool, completions.c.request_id)
     )
 
@@ -174,10 +175,10 @@ def _edges(conn: Connection, spans: list[tuple], since, until, rolled: int) -> I
     after that position."""
     covered = completions.c.seq <= rolled
     for low, high in spans:
-        query = select(*rollup.ROW_SELECT).where(*_time_filters(low, high), covered)
+        query = select(*rollup.ROW_SELECT).where(*time_filters(low, high), covered)
         yield from conn.execute(query).all()  # at most a day's rows at each end
     after = completions.c.seq > rolled
-    query = select(*rollup.ROW_SELECT).where(*_time_filters(since, until), after)
+    query = select(*rollup.ROW_SELECT).where(*time_filters(since, until), after)
     yield from conn.execute(query).all()
 
 
