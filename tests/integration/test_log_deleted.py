@@ -15,10 +15,10 @@ import asyncio
 import time
 
 import pytest
+from pool_layout import async_result
 from standin import load
 
 from lorapool.lifecycle.chunk_log import log_chunks
-from lorapool.producer import AsyncProducer
 from lorapool.protocol import SamplingParams
 from lorapool.worker import Worker, WorkerConfig
 
@@ -26,14 +26,6 @@ pytestmark = pytest.mark.integration
 LAYOUTS = ("standalone", "cluster")
 TOKENS = 60
 bench = load()
-
-
-async def follow(url: str, keys, rid: str):
-    producer = AsyncProducer(url, prefix=keys.prefix, shards=keys.shards)
-    try:
-        return await (await producer.handle(rid)).result(timeout=30)
-    finally:
-        await producer.aclose()
 
 
 def test_readers_of_a_log_deleted_while_it_ran_get_the_output(conn, keys, producer, pool_url):
@@ -58,9 +50,9 @@ def test_readers_of_a_log_deleted_while_it_ran_get_the_output(conn, keys, produc
         assert time.monotonic() - started < 5
         expected = [bench.token_of("headless", k) for k in range(TOKENS)]
         assert output.finished and output.outputs[0].token_ids == expected
-        assert [o.token_ids for o in asyncio.run(follow(pool_url, keys, "headless")).outputs] == [
-            expected
-        ]
+        assert [
+            o.token_ids for o in asyncio.run(async_result(pool_url, keys, "headless")).outputs
+        ] == [expected]
         assert time.monotonic() - started < 10
     finally:
         worker.teardown()

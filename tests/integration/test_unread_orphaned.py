@@ -18,6 +18,7 @@ import threading
 import time
 
 import pytest
+from pool_layout import async_result
 from standin import load
 
 from lorapool.audit_record import parse_record
@@ -25,7 +26,6 @@ from lorapool.lifecycle import orphaned
 from lorapool.lifecycle.chunk_log import log_chunks
 from lorapool.lifecycle.keys import WORKERS_GROUP
 from lorapool.lifecycle.unread import EndUnread
-from lorapool.producer import AsyncProducer
 from lorapool.protocol import SamplingParams
 from lorapool.worker import Worker, WorkerConfig
 
@@ -126,7 +126,7 @@ def test_a_killed_run_whose_entry_was_removed_ends_once(conn, keys, producer, po
         tokens = [t for c in logged for o in c.outputs for t in o.token_ids]
         later = producer.handle(rid).result(timeout=10)
         assert later.outputs[0].token_ids == tokens and SAYS in later.error
-        followed = asyncio.run(follow(pool_url, keys, rid))
+        followed = asyncio.run(async_result(pool_url, keys, rid))
         assert followed.outputs[0].token_ids == tokens and followed.error == later.error
         # its one audit record, by a worker's upkeep, with the tokens the log held
         run_until(survivor, lambda: audit_records(conn, keys))
@@ -145,14 +145,6 @@ def test_a_killed_run_whose_entry_was_removed_ends_once(conn, keys, producer, po
         survivor.teardown()
 
 
-async def follow(url: str, keys, rid: str):
-    producer = AsyncProducer(url, prefix=keys.prefix, shards=keys.shards)
-    try:
-        return await (await producer.handle(rid)).result(timeout=30)
-    finally:
-        await producer.aclose()
-
-
 def test_an_async_reader_following_it_gets_the_end(conn, keys, producer, pool_url):
     rid = "orphan-async"
     survivor = make_worker(conn, keys, "survivor")
@@ -161,7 +153,7 @@ def test_an_async_reader_following_it_gets_the_end(conn, keys, producer, pool_ur
         length = kill_partway(conn, keys, rid, how="xtrim")
 
         async def main():
-            result = asyncio.ensure_future(follow(pool_url, keys, rid))
+            result = asyncio.ensure_future(async_result(pool_url, keys, rid))
             await asyncio.sleep(0.5)  # it follows, quiet
             await asyncio.to_thread(drop_by_claim, conn, keys, rid, survivor)
             started = time.monotonic()

@@ -24,3 +24,15 @@ def ids_on_shard(keys: Keys, shard: int, count: int, tag: str) -> list[str]:
     """``count`` request ids of shard ``shard`` (any ids on one standalone Redis)."""
     ids = (f"{tag}-{i}" for i in range(10_000))
     return [rid for rid, _ in zip((r for r in ids if keys.shard_of(r) == shard), range(count))]
+
+
+async def async_result(url: str, keys: Keys, rid: str, timeout: float = 30):
+    """``rid``'s final output as a fresh ``AsyncProducer`` of the pool reads it (its own
+    follower: the channel, the log, the final record)."""
+    from lorapool.producer import AsyncProducer
+
+    producer = AsyncProducer(url, prefix=keys.prefix, shards=keys.shards)
+    try:
+        return await (await producer.handle(rid)).result(timeout=timeout)
+    finally:
+        await producer.aclose()
