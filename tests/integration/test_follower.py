@@ -7,6 +7,8 @@ meanwhile comes from the logs, so every stream is still exact.
 """
 
 import asyncio
+import functools
+import signal
 import subprocess
 import sys
 import time
@@ -31,7 +33,10 @@ def start_worker(url, keys, tmp_path):
         return subprocess.Popen(cmd, stderr=log)
 
 
-async def follow_all(url, keys, jobs, cut_after_s):
+async def follow_all(url, keys, jobs, cut_after_s, release=None):
+    """``release``: called once the follower has every stream subscribed (the worker
+    is held until then: on a loaded machine it once finished all 200 requests before
+    the subscriptions, so no chunk came over the channel and the test proved nothing)."""
     producer = AsyncProducer(url, prefix=keys.prefix, shards=keys.shards)
     handles = await producer.submit_many(
         [{"prompt_token_ids": [1, 2, 3]}] * len(jobs),
@@ -43,6 +48,12 @@ async def follow_all(url, keys, jobs, cut_after_s):
         return [chunk async for chunk in handle.chunks(timeout=120)]
 
     async def cut():
+        if release is not None:
+            deadline = time.monotonic() + 30
+            while not _all_subscribed(producer.follower, len(jobs)):
+                assert time.monotonic() < deadline, "the follower did not subscribe"
+                await asyncio.sleep(0.01)
+            release()
         # mid-stream: once the channel has delivered (on a loaded machine the cluster's
         # 200 SSUBSCRIBEs, one a channel, can outlast a fixed delay)
         await asyncio.sleep(cut_after_s)
@@ -63,6 +74,12 @@ async def follow_all(url, keys, jobs, cut_after_s):
     return logs, follower
 
 
+def _all_subscribed(follower, count: int) -> bool:
+    """Whether the follower follows ``count`` channels, each confirmed by Redis."""
+    followed = [f for readers in follower.followed.values() for f in readers]
+    return len(followed) == count and all(f.subscribed.is_set() for f in followed)
+
+
 def test_one_connection_follows_every_stream_exactly(pool_url, conn, keys, tmp_path):
     bench = load()
     jobs = [(f"f{i}", 4 + (i * 7) % 60) for i in range(REQUESTS)]
@@ -72,8 +89,11 @@ def test_one_connection_follows_every_stream_exactly(pool_url, conn, keys, tmp_p
         while not conn.hlen(keys.workers):
             assert worker.poll() is None and time.monotonic() < deadline, "worker did not start"
             time.sleep(0.05)
-        logs, follower = asyncio.run(follow_all(pool_url, keys, jobs, cut_after_s=0.5))
+        worker.send_signal(signal.SIGSTOP)
+        release = functools.partial(worker.send_signal, signal.SIGCONT)
+        logs, follower = asyncio.run(follow_all(pool_url, keys, jobs, 0.5, release))
     finally:
+        worker.send_signal(signal.SIGCONT)
         worker.terminate()
         worker.wait(30)
     for (rid, n), log in zip(jobs, logs):
