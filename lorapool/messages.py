@@ -15,13 +15,9 @@ from typing import Any
 
 import orjson
 
+from lorapool.bounds import MAX_MESSAGES, MAX_NAME, MAX_ROLE, MAX_TOOL_CALLS, MAX_TOOLS
 from lorapool.protocol import FieldError, short_repr
 
-MAX_MESSAGES = 4096
-MAX_ROLE = 64
-MAX_NAME = 256  # a message's name, a tool call's id, a function's name
-MAX_TOOLS = 128
-MAX_TOOL_CALLS = 128
 _MESSAGE_FIELDS = frozenset(("role", "content", "name", "tool_calls", "tool_call_id"))
 
 

@@ -13,6 +13,18 @@ import reprlib
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from lorapool.bounds import (
+    INT32_MAX,
+    MAX_LOGIT_BIAS,
+    MAX_LORA_NAME,
+    MAX_STOP,
+    MAX_STOP_CHARS,
+    MAX_STOP_TOTAL_CHARS,
+    PENALTY_MAX,
+    SEED_MAX,
+    SEED_MIN,
+)
+
 WIRE_VERSION = 1
 FINISH_REASONS = ("stop", "length", "abort", "error")
 _GREEDY_EPS = 1e-5
@@ -146,15 +158,6 @@ class SamplingParams:
         return cls(**_fields_of(cls, data, "sampling_params", "sampling parameter(s)"))
 
 
-MAX_LOGIT_BIAS = 1024  # entries (OpenAI allows 300)
-# Stop strings: every one is looked for in each new token's text, so their number and
-# length are bounded (OpenAI allows 4 strings; the gateway's max_stop, 4 by default,
-# holds its OpenAI routes to fewer). Lengths count characters.
-MAX_STOP = 64  # strings
-MAX_STOP_CHARS = 1024  # characters in one string
-MAX_STOP_TOTAL_CHARS = 8192  # characters in all of them together
-
-
 def check_stop(stop: list) -> None:
     """FieldError naming ``sampling_params.stop`` and the bound it passes: at most
     MAX_STOP non-empty strings of at most MAX_STOP_CHARS characters, MAX_STOP_TOTAL_CHARS
@@ -212,10 +215,6 @@ class FieldError(ValueError):
         self.request_id = request_id
 
 
-MAX_LORA_NAME = 1024
-SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed takes
-PENALTY_MAX = 2.0  # presence and frequency penalties lie in [-PENALTY_MAX, PENALTY_MAX] (OpenAI's)
-INT32_MAX = 2**31 - 1
 _BOOL_FIELDS = (
     "ignore_eos",
     "include_stop_str_in_output",

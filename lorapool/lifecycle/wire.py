@@ -13,6 +13,7 @@ from typing import Any
 
 import orjson
 
+from lorapool.bounds import MAX_REQUEST_ID, MAX_RESULT_TTL_S
 from lorapool.messages import check_json_size, check_messages, check_tools, utf8_size
 from lorapool.outputs import (
     wire_head,
@@ -95,8 +96,6 @@ def encode_job(job: Job) -> bytes:
 DEFAULT_MAX_PROMPT_BYTES = 1 << 20
 DEFAULT_MAX_N = 128
 MAX_METADATA_BYTES = 64 << 10
-MAX_REQUEST_ID = 256
-MAX_RESULT_TTL_S = 366 * 24 * 3600
 _JOB_FIELDS = frozenset(
     ("v", "request_id", "prompt", "prompt_token_ids", "sampling_params")
     + ("lora_request", "metadata", "arrival_time", "result_ttl_s", "messages", "tools")
