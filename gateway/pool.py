@@ -20,7 +20,7 @@ from lorapool.gateway.config import GatewayConfig
 from lorapool.gateway.dashboard_session import Sessions
 from lorapool.gateway.redis_watch import RedisWatch
 from lorapool.gateway.tokenizer import TokenizerCache
-from lorapool.lifecycle.adapter_record import UnknownAdapter, lora_from_record
+from lorapool.lifecycle.adapter_record import AdapterRecord, UnknownAdapter
 from lorapool.lifecycle.queue_position import QueuePosition
 from lorapool.openai.errors import APIError, field_error, job_lost, model_not_found
 from lorapool.openai.limits import LimitsCache, check_limits, check_stop_count
@@ -86,8 +86,9 @@ class Pool:
             return self.config.tool_call_parser
         return parser_for((await self.base_model() or {}).get("name"))
 
-    async def resolve_model(self, model: str, caller: Principal = OPEN) -> LoRARequest | None:
-        """The LoRARequest ``model`` names (None: the base model), or 404 model_not_found
+    async def resolve_model(self, model: str, caller: Principal = OPEN) -> AdapterRecord | None:
+        """The adapter ``model`` names, its registry record as read now, which ``submit``
+        enqueues without reading it again (None: the base model), or 404 model_not_found
         (also for an adapter the caller's tenant may not use). An unregistered name is
         tried under the adapter roots (``resolver.py``). The base model's name is the
         cached one (``base_model``): a Redis read a request less."""
@@ -103,13 +104,13 @@ class Pool:
         record = await self.view.adapter(model) or await resolver.resolve(self, model)
         if record is None:
             raise model_not_found(model)
-        return lora_from_record(record)
+        return record
 
     async def submit(
         self,
         prompts: list[Any],
         params: SamplingParams,
-        lora: LoRARequest | None,
+        lora: AdapterRecord | LoRARequest | None,
         request_ids: list[str | None] | None = None,
         metadata: dict[str, Any] | None = None,
         names: dict[str, str] | None = None,

@@ -12,7 +12,12 @@ import redis.asyncio as aioredis
 
 from lorapool.connection import connect_async
 from lorapool.lifecycle import marker
-from lorapool.lifecycle.adapter_record import check_lora, decode_adapter_record
+from lorapool.lifecycle.adapter_record import (
+    AdapterRecord,
+    check_lora,
+    decode_adapter_record,
+    lora_from_record,
+)
 from lorapool.lifecycle.chunk_log import OutputAssembler
 from lorapool.lifecycle.follower import Follower
 from lorapool.lifecycle.keys import DEFAULT_PREFIX, Keys
@@ -24,7 +29,7 @@ from lorapool.lifecycle.wire import (
 )
 from lorapool.outputs import RequestOutput
 from lorapool.producer.client import _deadline
-from lorapool.producer.job import per_prompt
+from lorapool.producer.job import distinct, per_prompt
 from lorapool.protocol import LoRARequest, RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -121,9 +126,17 @@ class AsyncProducer:
         self._submit = Submit(self.redis, self.keys)
         self.follower = Follower(self.redis, self.keys)
 
-    async def resolve(self, requested: LoRARequest | str | None) -> LoRARequest | None:
+    async def resolve(
+        self, requested: LoRARequest | AdapterRecord | str | None
+    ) -> LoRARequest | None:
+        """The LoRARequest to enqueue for an adapter's name or LoRARequest, checked against
+        its registry record (UnknownAdapter, a ValueError, when it has none). A record the
+        caller has just read (the gateway's model look-up) is taken as it is: no second
+        read of the registry for the same request."""
         if requested is None:
             return None
+        if isinstance(requested, AdapterRecord):
+            return lora_from_record(requested)
         name = requested if isinstance(requested, str) else requested.lora_name
         record = decode_adapter_record(await self.redis.hget(self.keys.adapters, name))
         return check_lora(requested, record)
@@ -148,7 +161,7 @@ class AsyncProducer:
         self,
         prompts: Sequence[str | dict[str, Any]],
         params: SamplingParams | list[SamplingParams] | None = None,
-        lora_request: LoRARequest | str | None | list = None,
+        lora_request: LoRARequest | AdapterRecord | str | None | list = None,
         request_ids: list[str | None] | None = None,
         metadata: dict[str, Any] | None = None,
         priority: str = "interactive",
@@ -158,7 +171,9 @@ class AsyncProducer:
         self.keys.on(0).stream(priority)  # an unknown priority fails before anything is sent
         callback = check_on_finish(on_finish)
         count = len(prompts)
-        loras = [await self.resolve(x) for x in per_prompt(lora_request, count, "adapters")]
+        unique, at = distinct(per_prompt(lora_request, count, "adapters"))
+        resolved = [await self.resolve(x) for x in unique]
+        loras = [resolved[i] for i in at]
         jobs = [
             build_job(p, sp, lora, rid, metadata, self.limits, self.result_ttl_s)
             for p, sp, lora, rid in zip(

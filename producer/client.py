@@ -11,6 +11,7 @@ import redis
 
 from lorapool import connection
 from lorapool.lifecycle import marker, orphaned, unread
+from lorapool.lifecycle.adapter_record import AdapterRecord
 from lorapool.lifecycle.chunk import decode_chunk
 from lorapool.lifecycle.chunk_log import Cursor, OutputAssembler
 from lorapool.lifecycle.keys import DEFAULT_PREFIX, Keys
@@ -18,7 +19,7 @@ from lorapool.lifecycle.listener import Listener
 from lorapool.lifecycle.submit import Submit, build_job, check_on_finish
 from lorapool.lifecycle.wire import DEFAULT_MAX_N, DEFAULT_MAX_PROMPT_BYTES, JobLimits
 from lorapool.outputs import RequestOutput
-from lorapool.producer.job import per_prompt
+from lorapool.producer.job import distinct, per_prompt
 from lorapool.producer.registry import AdapterRegistry
 from lorapool.protocol import LoRARequest, RequestOutputKind, SamplingParams
 
@@ -232,7 +233,7 @@ class Producer:
         self,
         prompts: Sequence[str | dict[str, Any]],
         params: SamplingParams | list[SamplingParams] | None = None,
-        lora_request: LoRARequest | str | None | list = None,
+        lora_request: LoRARequest | AdapterRecord | str | None | list = None,
         request_ids: list[str | None] | None = None,
         metadata: dict[str, Any] | None = None,
         priority: str = "interactive",
@@ -242,7 +243,9 @@ class Producer:
         self.keys.on(0).stream(priority)  # an unknown priority fails before anything is sent
         callback = check_on_finish(on_finish)
         count = len(prompts)
-        loras = [self.registry.resolve(x) for x in per_prompt(lora_request, count, "adapters")]
+        unique, at = distinct(per_prompt(lora_request, count, "adapters"))
+        resolved = [self.registry.resolve(x) for x in unique]
+        loras = [resolved[i] for i in at]
         jobs = [
             build_job(p, sp, lora, rid, metadata, self.limits, self.result_ttl_s)
             for p, sp, lora, rid in zip(

@@ -24,6 +24,7 @@ from lorapool.lifecycle.adapter_record import (  # the worker reads the records 
     check_lora,
     decode_adapter_record,
     encode_adapter_record,
+    lora_from_record,
 )
 from lorapool.lifecycle.keys import Keys
 from lorapool.protocol import INT32_MAX, LoRARequest, is_int, short_repr
@@ -104,10 +105,13 @@ class AdapterRegistry:
         records = [decode_adapter_record(v) for v in self.redis.hvals(self.keys.adapters)]
         return sorted(records, key=lambda r: r.id)
 
-    def resolve(self, requested: LoRARequest | str | None) -> LoRARequest | None:
-        """The registered LoRARequest for a name or LoRARequest; ValueError if unknown."""
+    def resolve(self, requested: LoRARequest | AdapterRecord | str | None) -> LoRARequest | None:
+        """The registered LoRARequest for a name or LoRARequest; ValueError if unknown.
+        A record just read is taken as it is (``AsyncProducer.resolve``)."""
         if requested is None:
             return None
+        if isinstance(requested, AdapterRecord):
+            return lora_from_record(requested)
         name = requested if isinstance(requested, str) else requested.lora_name
         return check_lora(requested, self.get(name))
 

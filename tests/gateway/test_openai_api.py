@@ -289,3 +289,40 @@ def next_entry(conn, url: str, stream: str, timeout_s: float = 60.0):
     finally:
         thread.join(timeout_s)
         watcher.close()
+
+
+def test_a_request_reads_its_adapters_record_once(client, conn, producer, worker):
+    """The gateway reads the adapter's registry record once a request, however many
+    prompts it holds: the record its model look-up read is what it enqueues (it read
+    it 1 + once a prompt before). Counted by Redis itself (MONITOR, this pool's key)
+    while the worker, which reads it too, is held (SIGSTOP)."""
+    import signal
+
+    key = producer.keys.adapters
+    reads, ready, done = [], threading.Event(), threading.Event()
+
+    def watch():
+        with conn.monitor() as monitor:
+            ready.set()
+            while not done.is_set():
+                command = monitor.next_command()["command"]
+                if key in command:
+                    reads.append(command)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    assert ready.wait(10)
+    worker.send_signal(signal.SIGSTOP)
+    try:
+        time.sleep(0.2)  # MONITOR is on before the request
+        stream = client.completions.create(
+            model="ad-qv", prompt=[PROMPT, "b", "c"], stream=True, **greedy(max_tokens=2)
+        )  # returns once the gateway has enqueued the jobs and answered with its headers
+        time.sleep(0.2)
+        done.set()
+        conn.ping()  # wakes the watcher's read
+        watcher.join(10)
+    finally:
+        worker.send_signal(signal.SIGCONT)
+    assert {c.choices[0].index for c in stream if c.choices} == {0, 1, 2}
+    assert [c.split()[0].upper() for c in reads] == ["HGET"], reads
