@@ -279,5 +279,12 @@ class ChainGuard:
         return made
 
     def rolled_back(self) -> None:
+        """The transaction rolled back: forget what it did, as the database did. Its
+        keyed start (``audit_meta`` was not written: the next write records it) and the
+        partitions it made are gone too; a rejected first batch left both behind, so
+        the next batch checkpointed a keyed start that ``audit_meta`` lacked and the
+        writer then refused its own chain as a key downgrade."""
         self._pending, self._fresh_head, self._new_adapters = [], None, {}
         self.trusted = None  # verify again from the checkpoint next time
+        self.keyed_start = self.last.keyed_from if self.last is not None else None
+        self.periods.clear()  # made again (if missing) by the next write

@@ -160,6 +160,56 @@ def test_a_nul_byte_in_the_text_is_stored_on_both_dialects(audit_target, audit_r
     assert audit_redis.pending() == 0 and verify_chain(audit_target.engine, key=KEY).ok
 
 
+def test_a_value_its_column_cannot_hold_dead_letters_its_entry_alone(audit_target, audit_redis):
+    """A record whose token count does not fit PostgreSQL's ``integer``: its entry is
+    dead-lettered with the column named (the binary COPY refuses it before the server
+    would), the rest of its batch is stored and the chain verifies. SQLite's integers
+    hold it: stored there."""
+    from audit_fixtures import make_record
+
+    huge = make_record(3)
+    huge["metrics"] = {**huge["metrics"], "num_prompt_tokens": 2**40}
+    audit_redis.publish([make_record(i) for i in range(3)] + [huge, make_record(4)])
+    stats = _writer(audit_redis, audit_target.engine, batch_size=10).run(burst=True)
+    if audit_target.engine.dialect.name == "postgresql":
+        assert audit_target.count() == 4 and stats.dead_lettered == 1
+        (letter,) = [decode_dead_letter(fields) for _id, fields in audit_redis.dead()]
+        assert "num_prompt_tokens" in letter.reason and str(2**40) in letter.reason
+    else:
+        assert audit_target.count() == 5 and stats.dead_lettered == 0
+    assert audit_redis.pending() == 0 and verify_chain(audit_target.engine, key=KEY).ok
+
+
+def test_a_rolled_back_first_write_leaves_no_keyed_start_or_partition_behind(audit_target):
+    """A refused first write in a month with no partition yet rolls back the partition
+    and the chain's keyed start; one guard's next write makes both again (it used to
+    skip the partition, which no longer existed, and checkpoint a keyed start that
+    ``audit_meta`` lacked) and the chain verifies."""
+    from audit_fixtures import make_record
+    from sqlalchemy.exc import DataError
+
+    from lorapool.audit_db.guard import ChainGuard
+    from lorapool.audit_db.rows import prepare
+    from lorapool.audit_db.store import append
+    from lorapool.audit_record import record_from_dict
+
+    at = 2_000_000_000.0  # 2033-05: no partition made by the migrations
+    bad = make_record(1)
+    bad["metrics"] = {**bad["metrics"], "num_prompt_tokens": 2**40}
+    guard = ChainGuard(KEY)
+
+    def rows(records):
+        return [row for r in records for row in prepare(record_from_dict(r), "p", now=at)]
+
+    if audit_target.kind == "postgresql":
+        with pytest.raises(DataError, match="num_prompt_tokens"):
+            append(audit_target.engine, rows([make_record(0), bad]), KEY, guard, now=at)
+        assert audit_target.count() == 0
+    assert append(audit_target.engine, rows([make_record(2)]), KEY, guard, now=at).written == 1
+    assert append(audit_target.engine, rows([make_record(3)]), KEY, guard, now=at).written == 1
+    assert verify_chain(audit_target.engine, key=KEY).ok
+
+
 def _consumers(audit_redis) -> int:
     """The consumers of the audit group, on the shard that has the fewest."""
     try:
