@@ -1,27 +1,40 @@
 """The bulk path of chained rows into ``completions``, past SQLAlchemy's per-row work.
 
-PostgreSQL: one COPY (per row a fraction of a pipelined INSERT on both sides of
-the wire). The rows are new by construction: the append path looked their keys
-up under the chain lock in the same transaction, and no other writer can add a
-row while it holds the lock, so no ``ON CONFLICT`` is needed (nor possible on a
-table partitioned by month, see partitions.py). SQLite: one ``executemany`` of
-``INSERT ... ON CONFLICT DO NOTHING`` on the driver's cursor. Both bypass
-SQLAlchemy's types, so cells are encoded here as the column types would:
-text escaped as :class:`ExactText` does, JSON dumped with orjson, token ids
-packed (tokens.py). Driver errors are
-re-raised as SQLAlchemy's (``IntegrityError``/``DataError`` for a row the
-database refuses).
+PostgreSQL: one COPY in the binary format (per row a fraction of a pipelined
+INSERT on both sides of the wire; the binary format spares the server parsing
+text: benchmarks/RESULTS.md, helper 71). The rows are new by construction: the
+append path looked their keys up under the chain lock in the same transaction,
+and no other writer can add a row while it holds the lock, so no ``ON CONFLICT``
+is needed (nor possible on a table partitioned by month, see partitions.py).
+SQLite: one ``executemany`` of ``INSERT ... ON CONFLICT DO NOTHING`` on the
+driver's cursor. Both bypass SQLAlchemy's types, so cells are encoded here as
+the column types would: text escaped as :class:`ExactText` does, JSON dumped
+with orjson, token ids packed (tokens.py). Driver errors are re-raised as
+SQLAlchemy's (``IntegrityError``/``DataError`` for a row the database refuses;
+a value its column's binary form cannot hold is a ``DataError`` too, before the
+server sees it).
 """
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Callable
 from typing import Any
 
 import orjson
-from sqlalchemy import Connection, Double, String, bindparam, cast, func
+from sqlalchemy import (
+    BigInteger,
+    Connection,
+    Double,
+    Integer,
+    SmallInteger,
+    String,
+    bindparam,
+    cast,
+    func,
+)
 from sqlalchemy.dialects.postgresql import JSON
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import DataError, DBAPIError
 
 from lorapool.audit_db import exact_text, tokens
 from lorapool.audit_db.schema import JSONValue, completions
@@ -55,56 +68,92 @@ def _encoder(column) -> Callable[[Any], Any] | None:
 
 
 # rows encoded and sent at a time: the server inserts one chunk (its indexes, the
-# trigram GIN among them: ~100 µs a row) while the next is encoded (~14 µs a row)
+# trigram GIN among them: ~100 µs a row) while the next is encoded
 COPY_CHUNK = 50
-_COPY_ESCAPES = str.maketrans({"\\": "\\\\", "\t": "\\t", "\n": "\\n", "\r": "\\r"})
+# COPY's binary format (PostgreSQL docs, "COPY", "Binary Format"): a signature, flags
+# and header extension length, then per row the field count and each field as its
+# length (-1 for NULL) and bytes in the column type's binary form; -1 ends the data
+_SIGNATURE = b"PGCOPY\n\xff\r\n\x00" + bytes(8)
+_TRAILER = b"\xff\xff"
+_NULL = b"\xff\xff\xff\xff"
+_LENGTH = struct.Struct(">i").pack
+_INT8, _INT4 = struct.Struct(">iq").pack, struct.Struct(">ii").pack  # length and value
+_INT2, _FLOAT8 = struct.Struct(">ih").pack, struct.Struct(">id").pack
 
 
-def _copy_text(value: str) -> str:
-    """``value`` as a field of COPY's text format (backslash, tab, newline, CR escaped)."""
-    if "\\" in value or "\t" in value or "\n" in value or "\r" in value:  # C-speed tests
-        return value.translate(_COPY_ESCAPES)
-    return value
+def _binary_text(value: str) -> bytes:
+    data = value.encode()
+    return _LENGTH(len(data)) + data
 
 
-def _copy_encoder(column) -> Callable[[Any], str]:
-    """How one column's values are written in COPY's text format (None is ``\\N``)."""
-    kind = column.type
+def _binary_bytes(data: bytes) -> bytes:
+    return _LENGTH(len(data)) + data
+
+
+def _binary_json(value: Any) -> bytes:
+    return _binary_bytes(orjson.dumps(value))  # json's binary input is its text
+
+
+class Unencodable(ValueError):
+    """A value its column's type cannot hold (an integer out of range, say): the
+    database would refuse the row; raised to the writer as a ``DataError``."""
+
+
+def _fixed(pack, size: int, column: str, kind: str) -> Callable[[Any], bytes]:
+    def encode(value: Any) -> bytes:
+        try:
+            return pack(size, value)
+        except (struct.error, OverflowError, TypeError) as exc:
+            raise Unencodable(f"column {column}: {value!r} is not a valid {kind} ({exc})") from None
+
+    return encode
+
+
+def _binary_encoder(column) -> Callable[[Any], bytes]:
+    """How one column's (non-NULL) values are written in COPY's binary format: what the
+    server's receive function of the column's type reads."""
+    kind, name = column.type, str(column.name)
     if isinstance(kind, JSONValue):
-        return lambda v: _copy_text(orjson.dumps(v).decode())
+        return _binary_json
     if isinstance(kind, exact_text.ExactText):
-        return lambda v: _copy_text(exact_text.encode(v))
+        return lambda v: _binary_text(exact_text.encode(v))
     if isinstance(kind, tokens.TokenArray):
-        return tokens.copy_text
+        return lambda v: _binary_bytes(tokens.as_packed(v))
     if isinstance(kind, Double):
-        return repr  # the shortest text that reads back as the same double
+        return _fixed(_FLOAT8, 8, name, "double precision")
     if isinstance(kind, String):
-        return _copy_text
-    return str  # integers
+        return _binary_text
+    if isinstance(kind, BigInteger):
+        return _fixed(_INT8, 8, name, "bigint")
+    if isinstance(kind, SmallInteger):
+        return _fixed(_INT2, 2, name, "smallint")
+    if isinstance(kind, Integer):
+        return _fixed(_INT4, 4, name, "integer")
+    raise TypeError(f"no binary COPY encoding for column {name} ({kind!r})")
 
 
 _COLUMNS = [str(c.name) for c in completions.columns]
-_COPY_ENCODERS = [(str(c.name), _copy_encoder(c)) for c in completions.columns]
+_BINARY_ENCODERS = [(str(c.name), _binary_encoder(c)) for c in completions.columns]
 _SQLITE_ENCODERS = [(str(c.name), _encoder(c)) for c in completions.columns]
-_COPY = f"COPY completions ({', '.join(_COLUMNS)}) FROM STDIN"
+_COPY = f"COPY completions ({', '.join(_COLUMNS)}) FROM STDIN (FORMAT BINARY)"
+_FIELDS = struct.pack(">h", len(_COLUMNS))
 _INSERT = (
     f"INSERT INTO completions ({', '.join(_COLUMNS)}) VALUES ({', '.join('?' * len(_COLUMNS))}) "
     "ON CONFLICT (request_id, completion_index, pool) DO NOTHING"
 )
 
 
-def _copy_lines(rows: list[dict[str, Any]]) -> bytes:
-    """The rows as COPY text: a line each, fields tab-separated (one string built per
-    row instead of a driver call per field: about a third of the time)."""
-    lines = []
+def _copy_binary(rows: list[dict[str, Any]]) -> bytes:
+    """The rows in COPY's binary format, without signature or trailer. Nothing to
+    escape or to print, and the server parses no text: no hex of the packed token
+    ids (1.8 kB a bench row), no digits of the seven doubles."""
+    parts = []
     for row in rows:
-        fields = []
-        for name, encode in _COPY_ENCODERS:
+        parts.append(_FIELDS)
+        for name, encode in _BINARY_ENCODERS:
             value = row[name]
-            fields.append("\\N" if value is None else encode(value))
-        lines.append("\t".join(fields))
-    lines.append("")
-    return "\n".join(lines).encode()
+            parts.append(_NULL if value is None else encode(value))
+    return b"".join(parts)
 
 
 def _cells(row: dict[str, Any], encoders) -> list[Any]:
@@ -137,10 +186,14 @@ def bulk_insert(conn: Connection, rows: list[dict[str, Any]]) -> int:
                 cursor.executemany(_INSERT, [_cells(row, _SQLITE_ENCODERS) for row in rows])
                 return cursor.rowcount
             with cursor.copy(_COPY) as copy:
+                copy.write(_SIGNATURE)
                 for start in range(0, len(rows), COPY_CHUNK):
-                    copy.write(_copy_lines(rows[start : start + COPY_CHUNK]))
+                    copy.write(_copy_binary(rows[start : start + COPY_CHUNK]))
+                copy.write(_TRAILER)
             return cursor.rowcount
         finally:
             cursor.close()
     except errors as exc:
         reraise(exc)
+    except Unencodable as exc:  # refused before the server saw it, as it would refuse it
+        raise DataError(_COPY, None, exc) from exc

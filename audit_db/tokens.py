@@ -55,11 +55,6 @@ def as_packed(ids: Sequence[int] | bytes) -> bytes:
     return ids if isinstance(ids, bytes) else packed(ids)
 
 
-def copy_text(ids: Sequence[int] | bytes) -> str:
-    """The packed ids as a field of COPY's text format: ``\\x`` and hex."""
-    return "\\\\x" + as_packed(ids).hex()
-
-
 class TokenArray(TypeDecorator):
     """A list of int32 token ids, stored packed (``bytea`` / BLOB); binds lists or
     packed bytes, reads back lists."""

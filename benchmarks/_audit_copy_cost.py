@@ -68,7 +68,7 @@ class Rows:
             values["text"] = values["text"].rsplit(" ", 1)[0] + f" #{self.seq}"
             values["arrival_time"] = self.now - self.rng.random() * 90 * 86_400
             out.append(values)
-        return bulk._copy_lines(out)
+        return bulk._SIGNATURE + bulk._copy_binary(out) + bulk._TRAILER  # as bulk_insert sends
 
 
 def _cpu_s(pid: int) -> float:
