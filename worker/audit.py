@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-import orjson
-
-from lorapool.audit_record import record_from_output, sign_record
+from lorapool.audit_record import AuditRecord, encode_audit_record, record_from_output
 from lorapool.lifecycle.chunk import Chunk
 from lorapool.worker.held import Held
 
@@ -21,22 +19,18 @@ def final_audit(state: WorkerState, held: Held, chunk: Chunk) -> bytes:
     sender's thread for the chunks of a trip: ``state``'s name, model and config only.)"""
     if not chunk.finished:
         return b""
-    return orjson.dumps(audit_record(state, held))
+    config = state.config  # no key: --insecure-no-key, the writer cannot check it
+    return encode_audit_record(audit_record(state, held), config.audit_key, config.prefix)
 
 
-def audit_record(state: WorkerState, held: Held) -> dict[str, Any]:
-    adapter = None if held.adapter is None else held.adapter.to_dict()
+def audit_record(state: WorkerState, held: Held) -> AuditRecord:
     output = held.output()
-    record = record_from_output(
+    return record_from_output(
         output,
         worker=state.name,
         base_model=state.base_model,
-        adapter=adapter,
+        adapter=held.adapter,
         sampling_params=held.job.sampling_params.to_dict(),
         metadata=held.job.metadata,
         error=output.error,
     )
-    config = state.config
-    if config.audit_key is None:  # --insecure-no-key: the writer cannot check it
-        return record
-    return sign_record(record, config.audit_key, config.prefix)

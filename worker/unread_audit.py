@@ -34,7 +34,6 @@ from lorapool.audit_record import (
     Metrics,
     Output,
     encode_audit_record,
-    sign_record,
 )
 from lorapool.connection import register_script
 from lorapool.lifecycle import orphaned
@@ -141,7 +140,8 @@ def _record(state: WorkerState, script, view: Keys, ids: list[str]) -> int:
     args = [WORKERS_GROUP, len(PRIORITIES), state.config.log_grace_s, *PRIORITIES]
     for rid in ids:
         keys += [view.job(rid), view.out(rid)]
-        args += [rid, encode_audit_record(unread_record(state, rid, markers[rid]))]
+        record = unread_record(state, rid, markers[rid])  # signed unless --insecure-no-key:
+        args += [rid, encode_audit_record(record, state.config.audit_key, state.config.prefix)]
     recorded, refused = script(keys=keys, args=args)
     for rid in recorded:
         rid = rid.decode("utf-8", "replace")
@@ -181,29 +181,26 @@ def _markers(state: WorkerState, view: Keys, ids: list[str]) -> dict[str, dict]:
     return markers
 
 
-def unread_record(state: WorkerState, request_id: str, marker: dict[str, str]) -> dict:
-    """The audit record of a request a reader ended unread (signed unless the worker runs
-    with --insecure-no-key): finish_reason "error" and the reader's error; one completion
-    (index 0) with no tokens, or, for a run stopped partway, the output the reader found
-    (``lifecycle.orphaned``); arrival when it was submitted, finished when it ended."""
+def unread_record(state: WorkerState, request_id: str, marker: dict[str, str]) -> AuditRecord:
+    """The audit record of a request a reader ended unread: finish_reason "error" and
+    the reader's error; one completion (index 0) with no tokens, or, for a run stopped
+    partway, the output the reader found (``lifecycle.orphaned``); arrival when it was
+    submitted, finished when it ended."""
     ended = _time(marker.get("unread")) or time.time()
     prompt, outputs = _output(request_id, marker)
-    record = AuditRecord(
+    return AuditRecord(
         request_id=request_id,
         worker=state.name,
         base_model=BaseModelInfo(state.base_model["name"], state.base_model["sha256"]),
         metrics=Metrics(
-            _time(marker.get("submitted")) or ended,
+            arrival_time=_time(marker.get("submitted")) or ended,
             finished_time=ended,
             num_prompt_tokens=len(prompt),
             num_generated_tokens=sum(len(o.token_ids) for o in outputs),
         ),
         outputs=outputs,
         error=error_of(marker),
-    ).to_dict()
-    if state.config.audit_key is None:
-        return record
-    return sign_record(record, state.config.audit_key, state.config.prefix)
+    )
 
 
 def _output(request_id: str, marker: dict) -> tuple[list[int], tuple[Output, ...]]:

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import hashlib
 import time
-from dataclasses import asdict
 from typing import Any
 
 import orjson
@@ -59,8 +58,8 @@ def payload(record: AuditRecord) -> dict[str, Any]:
         "num_prompt_tokens": len(record.prompt_token_ids),
         "num_generated_tokens": sum(o["num_tokens"] for o in outputs),
         "error": record.error,
-        "adapter": None if record.adapter is None else asdict(record.adapter),
-        "base_model": asdict(record.base_model),
+        "adapter": None if record.adapter is None else record.adapter.to_dict(),
+        "base_model": {"name": record.base_model.name, "sha256": record.base_model.sha256},
         "worker": record.worker,
         "metadata": record.metadata,
     }

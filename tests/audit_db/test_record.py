@@ -63,23 +63,27 @@ def _drop(path):
 
 MALFORMED = [
     (_set(["v"], 2), "unknown record version"),
-    (_drop(["request_id"]), "missing field 'request_id'"),
-    (_set(["request_id"], ""), "must not be empty"),
-    (_set(["request_id"], 5), "request_id: expected a string"),
+    (_drop(["request_id"]), "record: Object missing required field `request_id`"),
+    (_set(["request_id"], ""), "request_id: Expected `str` of length >= 1"),
+    (_set(["request_id"], 5), "request_id: Expected `str`, got `int`"),
     (_set(["prompt_token_ids"], [1, "x"]), "prompt_token_ids"),
-    (_drop(["worker"]), "missing field 'worker'"),
-    (_set(["base_model"], "smol"), "base_model: expected an object"),
-    (_drop(["adapter", "sha256"]), "adapter: missing field 'sha256'"),
-    (_set(["adapter", "id"], True), "adapter.id: expected an integer"),
-    (_set(["adapter", "alpha"], "16"), "adapter.alpha: expected a number"),
+    (_drop(["worker"]), "missing required field `worker`"),
+    (_set(["base_model"], "smol"), "base_model: Expected `object`, got `str`"),
+    (_drop(["adapter", "sha256"]), "adapter: Object missing required field `sha256`"),
+    (_set(["adapter", "id"], True), "adapter.id: Expected `int`, got `bool`"),
+    (_set(["adapter", "alpha"], "16"), "adapter.alpha: Expected `float`, got `str`"),
     (_set(["metrics", "arrival_time"], None), "metrics.arrival_time"),
     (_drop(["metrics", "num_prompt_tokens"]), "num_prompt_tokens"),
-    (_set(["outputs"], {}), "outputs: expected a list"),
-    (_set(["outputs", 0, "finish_reason"], "eos"), "finish_reason"),
+    (_set(["outputs"], {}), "outputs: Expected `array`, got `object`"),
+    (
+        _set(["outputs", 0, "finish_reason"], "eos"),
+        "finish_reason: Invalid enum value 'eos', not one of",
+    ),
     (_set(["outputs", 0, "finish_reason"], None), "finish_reason"),
     (_set(["outputs", 1, "index"], 0), "duplicate completion index"),
     (_set(["outputs", 0, "stop_reason"], [1]), "stop_reason"),
-    (_set(["outputs", 0, "text"], None), "outputs[0].text"),
+    (_set(["outputs", 0, "text"], None), "outputs[0].text: Expected `str`, got `null`"),
+    (_set(["outputs", 0, "token_ids"], [1, True]), "outputs[0].token_ids[1]: Expected `int`"),
     (_set(["sampling_params"], [1]), "sampling_params"),
 ]
 
@@ -119,7 +123,7 @@ def _finished_output(error=None, outputs=None):
 def test_record_from_output_builds_a_valid_record():
     from audit_fixtures import BASE_MODEL, make_adapter
 
-    data = record_from_output(
+    record = record_from_output(
         _finished_output(),
         worker="gpu-0",
         base_model=BASE_MODEL,
@@ -127,7 +131,7 @@ def test_record_from_output_builds_a_valid_record():
         sampling_params={"max_tokens": 8},
         metadata={"tenant": "acme"},
     )
-    record = parse_record(orjson.dumps(data))
+    assert parse_record(encode_audit_record(record)) == record
     assert record.metrics.queue_time == 0.1 and record.metrics.finished_time == 101.0
     assert record.outputs[0].stop_reason == 8 and record.outputs[0].token_ids == (5, 6, 7, 8)
     assert record.adapter.sha256 == make_adapter()["sha256"]
@@ -139,9 +143,8 @@ def test_record_from_output_of_a_failed_request():
 
     unfinished = CompletionOutput(0, "par", [5], None, None, None, None)
     output = _finished_output(error="CUDA out of memory", outputs=[unfinished])
-    record = record_from_dict(
-        record_from_output(output, worker="gpu-0", base_model=BASE_MODEL, adapter=None)
-    )
+    record = record_from_output(output, worker="gpu-0", base_model=BASE_MODEL, adapter=None)
+    assert parse_record(encode_audit_record(record)) == record
     assert record.error == "CUDA out of memory"
     assert record.outputs[0].finish_reason == "error"
 
@@ -202,3 +205,11 @@ def test_the_writers_decoder_refuses_garbage_as_parse_record_does(payload):
 
     assert _outcome(parse, payload).startswith("RecordError")
     assert _outcome(parse, payload) == _outcome(parse_record, payload)
+
+
+def test_null_where_the_wire_has_an_empty_default_reads_as_left_out():
+    data = _valid()
+    data.update(prompt_token_ids=None, sampling_params=None, metadata=None)
+    record = record_from_dict(data)
+    assert (record.prompt_token_ids, record.sampling_params, record.metadata) == ((), {}, {})
+    assert data["metadata"] is None  # the caller's dict is left as it was
