@@ -27,16 +27,9 @@ BASE_MODEL = {"name": "smol", "sha256": "cd" * 32}
 
 
 def finished_output() -> RequestOutput:
-    metrics = RequestMetrics(
-        arrival_time=1_700_000_000.25,
-        first_scheduled_time=1_700_000_000.5,
-        first_token_time=1_700_000_001.0,
-        last_token_time=1_700_000_002.125,
-        finished_time=1_700_000_002.5,
-        time_in_queue=0.25,
-        num_prompt_tokens=3,
-        num_generated_tokens=5,
-    )
+    # arrival, first scheduled, first token, last token, finished, in queue, counts
+    times = (1_700_000_000.25, 1_700_000_000.5, 1_700_000_001.0, 1_700_000_002.125)
+    metrics = RequestMetrics(*times, 1_700_000_002.5, 0.25, 3, 5)
     outputs = [
         CompletionOutput(0, 'héllo \u2028 "wörld"\n', [5, 6, 7], -2.5, None, "stop", 8),
         CompletionOutput(1, "par", [9, 2**40], None, None, None, "###"),
