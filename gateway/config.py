@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Annotated
 
+from msgspec import Meta
+
+from lorapool.bounds import FINITE, NonNegative
+from lorapool.config_fields import check_fields
 from lorapool.egress import EgressPolicy
 from lorapool.lifecycle.keys import DEFAULT_PREFIX
 from lorapool.lifecycle.wire import DEFAULT_MAX_N, DEFAULT_MAX_PROMPT_BYTES
@@ -13,6 +18,9 @@ from lorapool.tool_calls import PARSERS
 # A request body may hold a whole prompt (max_prompt_bytes) JSON-escaped: up to 6
 # bytes a character for control characters, plus the other fields.
 BODY_OVERHEAD = 64 << 10
+
+Timeout = Annotated[float, Meta(gt=0, le=FINITE)]  # seconds
+RedisWait = Annotated[float, Meta(gt=0, le=3600)]  # seconds: a Redis call's, an outage's
 
 
 @dataclass(frozen=True)
@@ -60,16 +68,16 @@ class GatewayConfig:
     redis_url: str
     prefix: str = DEFAULT_PREFIX
     shards: int = 0  # the pool's shard count on a Redis Cluster (``lorapool.lifecycle.keys``)
-    max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES
-    max_n: int = DEFAULT_MAX_N
+    max_prompt_bytes: NonNegative = DEFAULT_MAX_PROMPT_BYTES
+    max_n: NonNegative = DEFAULT_MAX_N
     max_body_bytes: int | None = None
-    max_prompts: int = 128
-    max_stop: int = 4
-    result_timeout_s: float = 600.0
-    queue_timeout_s: float = 300.0
-    redis_retries: int = 1
-    redis_timeout_s: float = 2.0
-    redis_outage_s: float = 30.0
+    max_prompts: NonNegative = 128
+    max_stop: Annotated[int, Meta(ge=0, le=MAX_STOP)] = 4
+    result_timeout_s: Timeout = 600.0
+    queue_timeout_s: Timeout = 300.0
+    redis_retries: NonNegative = 1
+    redis_timeout_s: RedisWait = 2.0
+    redis_outage_s: RedisWait = 30.0
     auth: bool = True
     max_backlog: int | None = None
     cors_origins: tuple[str, ...] = ()
@@ -80,34 +88,16 @@ class GatewayConfig:
     adapter_roots: tuple[str, ...] = ()
     retry_after_s: int = 1
     tool_call_parser: str = "auto"
-    redis_connections: int = 64
+    redis_connections: Annotated[int, Meta(ge=2)] = 64
     webhook_allow: tuple[str, ...] = ()
     trust_proxy: bool = False
     session_ttl_s: int = 3600
 
     def __post_init__(self):
-        for name in ("max_prompt_bytes", "max_n", "max_prompts", "redis_retries"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
-        if not (isinstance(self.max_stop, int) and 0 <= self.max_stop <= MAX_STOP):
-            raise ValueError(
-                f"max_stop must be an integer in [0, {MAX_STOP}], got {self.max_stop!r}"
-            )
-        if not isinstance(self.redis_connections, int) or self.redis_connections < 2:
-            raise ValueError(
-                f"redis_connections must be an integer >= 2, got {self.redis_connections!r}"
-            )
-        for name in ("result_timeout_s", "queue_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        check_fields(self)
         EgressPolicy(tuple(self.webhook_allow))  # raises ValueError naming a bad entry
         if self.tool_call_parser not in ("auto", *PARSERS):
             raise ValueError(f"tool_call_parser must be auto or one of {', '.join(PARSERS)}")
-        for name in ("redis_timeout_s", "redis_outage_s"):
-            value = getattr(self, name)
-            if not (isinstance(value, int | float) and 0 < value <= 3600):
-                raise ValueError(f"{name} must be in (0, 3600] seconds, got {value!r}")
 
     def redis_options(self) -> dict:
         """The socket options of every Redis client of the gateway: a call that gets no
