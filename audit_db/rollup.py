@@ -29,22 +29,17 @@ from typing import Any
 import orjson
 from sqlalchemy import (
     Connection,
-    Integer,
     String,
-    Text,
-    column,
     delete,
     func,
     select,
     text,
-    true,
     tuple_,
     type_coerce,
 )
 from sqlalchemy.dialects import postgresql, sqlite
 
 from lorapool.audit_db import exact_text
-from lorapool.audit_db.bulk import wanted_rows
 from lorapool.audit_db.schema import completions, usage_daily, usage_progress
 
 DAY_S = 86_400
@@ -174,38 +169,15 @@ def _cell(row: Mapping[str, Any]) -> Cell:
 
 
 def _stored(conn: Connection, keys: list[Key]) -> dict[Key, Cell]:
+    """SQLite: the stored cells of ``keys`` (an IN list, 500 keys a statement: SQLite's
+    bound variables); PostgreSQL adds to them in the upsert instead."""
     found: dict[Key, Cell] = {}
-    step = len(keys) if conn.dialect.name == "postgresql" else 500  # SQLite: bound variables
-    for start in range(0, len(keys), max(step, 1)):
-        for row in conn.execute(_stored_query(conn, keys[start : start + step])).mappings():
+    columns = tuple_(usage_daily.c.day, usage_daily.c.dimension, usage_daily.c.group_key)
+    for start in range(0, len(keys), 500):
+        query = select(usage_daily).where(columns.in_(keys[start : start + 500]))
+        for row in conn.execute(query).mappings():
             found[(row["day"], row["dimension"], row["group_key"])] = _cell(row)
     return found
-
-
-def _stored_query(conn: Connection, keys: list[Key]):
-    """The stored cells of ``keys``. PostgreSQL: one index probe per key (a LATERAL
-    join with LIMIT 1), whatever the statistics; a refresh of 10,000 rows spread over
-    90 days touches ~13,000 cells, and ``(day, dimension, group_key) IN (500 rows)``
-    spent ~100 ms planning each chunk of 500 (1.3 s a refresh); the keys go as one JSON
-    parameter (three arrays of 13,000 were ~40,000 Python calls in psycopg). SQLite: the
-    IN list."""
-    if conn.dialect.name != "postgresql":
-        columns = tuple_(usage_daily.c.day, usage_daily.c.dimension, usage_daily.c.group_key)
-        return select(usage_daily).where(columns.in_(keys))
-    encoded = [{"day": k[0], "dimension": k[1], "group_key": exact_text.encode(k[2])} for k in keys]
-    columns = (column("day", Integer), column("dimension", Text), column("group_key", Text))
-    wanted = wanted_rows(encoded, *columns)
-    one = (
-        select(usage_daily)
-        .where(
-            usage_daily.c.day == wanted.c.day,
-            usage_daily.c.dimension == wanted.c.dimension,
-            usage_daily.c.group_key == wanted.c.group_key,
-        )
-        .limit(1)  # the primary key
-        .lateral("cell")
-    )
-    return select(one).select_from(wanted).join(one, true())
 
 
 def _row(key: Key, cell: Cell) -> dict[str, Any]:
@@ -227,14 +199,14 @@ def add(conn: Connection, rows: Iterable[Mapping[str, Any]]) -> None:
     cells = cells_of(requests_of(rows))
     if not cells:
         return
+    if conn.dialect.name == "postgresql":  # the stored cells are added to in SQL
+        cells_json = orjson.dumps([_pg_row(*i) for i in cells.items()]).decode()
+        conn.execute(_PG_UPSERT, {"cells": cells_json})
+        return
     stored = _stored(conn, list(cells))
     for key, cell in stored.items():
         cell.merge(cells[key])
         cells[key] = cell
-    if conn.dialect.name == "postgresql":
-        cells_json = orjson.dumps([_pg_row(*i) for i in cells.items()]).decode()
-        conn.execute(_PG_UPSERT, {"cells": cells_json})
-        return
     insert = sqlite.insert(usage_daily)
     update = {c: insert.excluded[c] for c in _row((0, "", ""), Cell()) if c not in _KEY}
     upsert = insert.on_conflict_do_update(index_elements=list(_KEY), set_=update)
@@ -244,14 +216,25 @@ def add(conn: Connection, rows: Iterable[Mapping[str, Any]]) -> None:
 _KEY = ("day", "dimension", "group_key")
 _VALUES = ("requests", "prompt_tokens", "completion_tokens", "errors", "latency_hist")
 # PostgreSQL: every cell in one statement, one JSON parameter (a refresh of 10,000 rows
-# spread over 90 days writes ~14,000 cells: a pipelined INSERT each cost ~20 µs a cell)
+# spread over 90 days writes ~14,000 cells: a pipelined INSERT each cost ~20 µs a cell),
+# a stored cell added to in the statement itself: reading the stored cells first (an
+# index probe each) and decoding their histograms in Python cost more (RESULTS.md,
+# helper 71). Histograms are added bucket by bucket, buckets in numeric order.
+_HIST_SUM = (
+    "(SELECT coalesce(json_object_agg(b, n ORDER BY b::integer), '{}'::json) FROM ("
+    "SELECT key AS b, sum(value::text::bigint) AS n FROM ("
+    "SELECT * FROM json_each(usage_daily.latency_hist) "
+    "UNION ALL SELECT * FROM json_each(excluded.latency_hist)) AS both_hists "
+    "GROUP BY key) AS summed)"
+)
 _PG_UPSERT = text(
     f"INSERT INTO usage_daily ({', '.join(_KEY + _VALUES)}) "
     f"SELECT {', '.join(_KEY + _VALUES)} FROM json_to_recordset(CAST(:cells AS json)) AS c("
     "day integer, dimension text, group_key text, requests bigint, prompt_tokens bigint, "
     "completion_tokens bigint, errors bigint, latency_hist json) "
     f"ON CONFLICT ({', '.join(_KEY)}) DO UPDATE SET "
-    + ", ".join(f"{c} = excluded.{c}" for c in _VALUES)
+    + ", ".join(f"{c} = usage_daily.{c} + excluded.{c}" for c in _VALUES[:-1])
+    + f", latency_hist = {_HIST_SUM}"
 )
 
 

@@ -205,3 +205,32 @@ def test_the_writer_keeps_the_rollup(audit_target, audit_redis):
         ]
         exact = [(u.key, u.requests, u.errors) for u in usage(audit_target.engine, by, exact=True)]
         assert rolled == exact
+
+
+def test_refreshes_add_up_to_the_rollup_of_every_row(audit_target):
+    """Cells refreshed a few rows at a time (each refresh adds to cells stored by the
+    ones before: counters and latency histograms, bucket by bucket) are the cells a
+    rebuild from every row makes in one go."""
+    from sqlalchemy import select
+
+    from lorapool.audit_db.database import write_transaction
+    from lorapool.audit_db.rollup import rebuild
+    from lorapool.audit_db.schema import usage_daily
+
+    def cells():
+        with audit_target.engine.connect() as conn:
+            rows = conn.execute(select(usage_daily)).mappings().all()
+        return {(r["day"], r["dimension"], r["group_key"]): dict(r) for r in rows}
+
+    records = _records(240, seed=13)
+    for start in range(0, len(records), 30):  # eight transactions, a refresh after each
+        chunk = records[start : start + 30]
+        append_records(audit_target.engine, [record_from_dict(r) for r in chunk], key=KEY)
+        refresh_rollup(audit_target.engine)
+    refreshed = cells()
+    with write_transaction(audit_target.engine) as conn:
+        rebuild(conn)
+    rebuilt = cells()
+    assert refreshed == rebuilt
+    assert sum(cell["requests"] for cell in rebuilt.values()) == 2 * len(records)
+    assert any(sum(cell["latency_hist"].values()) > 1 for cell in rebuilt.values())
