@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from collections.abc import Sequence
 from typing import Any
+
+import msgspec
 
 from lorapool.engine.config import EngineArgs
 from lorapool.engine.llm_engine import LLMEngine
@@ -43,7 +44,7 @@ class LLM:
         ids = []
         for prompt, p, lora in zip(prompts, params, loras):
             request_id = str(next(self._ids))
-            final_only = dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
+            final_only = msgspec.structs.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
             self.llm_engine.add_request(request_id, prompt, final_only, lora_request=lora)
             ids.append(request_id)
         return self._run(ids)

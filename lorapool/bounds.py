@@ -22,6 +22,7 @@ from typing import Annotated, Any, get_args, get_origin
 from msgspec import Meta
 
 INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1  # a count's most: what every JSON writer of the wire (orjson) holds
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed takes
 PENALTY_MAX = 2.0  # presence and frequency penalties lie in [-PENALTY_MAX, PENALTY_MAX] (OpenAI's)
 LOGIT_BIAS_MAX = 100.0  # a token's bias lies in [-LOGIT_BIAS_MAX, LOGIT_BIAS_MAX] (OpenAI's)
@@ -48,15 +49,16 @@ FINITE = sys.float_info.max
 _NO_NUL = "^[^\x00]*$"
 
 # -- counts and token ids ---------------------------------------------------------------
-Count = Annotated[int, Meta(ge=1)]  # n, max_tokens
-NonNegative = Annotated[int, Meta(ge=0)]  # min_tokens, logprobs, prompt_logprobs
-TokenId = Annotated[int, Meta(ge=0, le=INT32_MAX)]  # prompt_token_ids, stop_token_ids
-TopK = Annotated[int, Meta(ge=-1)]  # -1: disabled; 0 is refused by a check (top_k != 0)
+Count = Annotated[int, Meta(ge=1, le=INT64_MAX)]  # n, max_tokens
+NonNegative = Annotated[int, Meta(ge=0, le=INT64_MAX)]  # min_tokens, logprobs, prompt_logprobs
+TokenId = Annotated[int, Meta(ge=0, le=INT32_MAX, title="token id")]  # prompt, stop, bias
+TopK = Annotated[int, Meta(ge=-1, le=INT64_MAX)]  # -1: disabled; 0 refused by a check
 # Seed's upper bound, SEED_MAX (2**64 - 1), lies past the int64 msgspec's bounds hold:
 # the record that carries a seed checks it (``protocol.SamplingParams``).
 Seed = Annotated[int, Meta(ge=SEED_MIN)]
 AdapterId = Annotated[int, Meta(ge=1, le=INT32_MAX)]  # lora_int_id; 0 is the base model
 ResultTtl = Annotated[int, Meta(ge=1, le=MAX_RESULT_TTL_S)]  # seconds
+TokenIds = Annotated[list[TokenId], Meta(min_length=1)]  # a prompt's
 
 # -- real numbers (finite; an int is taken as a float) ----------------------------------
 Temperature = Annotated[float, Meta(ge=0.0, le=FINITE)]
@@ -66,6 +68,7 @@ Penalty = Annotated[float, Meta(ge=-PENALTY_MAX, le=PENALTY_MAX)]  # presence, f
 RepetitionPenalty = Annotated[float, Meta(gt=0.0, le=FINITE)]
 LogitBias = Annotated[float, Meta(ge=-LOGIT_BIAS_MAX, le=LOGIT_BIAS_MAX)]
 Seconds = Annotated[float, Meta(ge=0.0, le=FINITE)]  # arrival_time (Unix time)
+LogitBiases = Annotated[dict[TokenId, LogitBias], Meta(max_length=MAX_LOGIT_BIAS)]
 
 # -- text -------------------------------------------------------------------------------
 RequestId = Annotated[str, Meta(min_length=1, max_length=MAX_REQUEST_ID, pattern="^[^{}\x00]*$")]
@@ -101,7 +104,9 @@ def explain(tp: Any) -> str:
     2147483647]", "a finite number >= 0.0", "a non-empty string of at most 256
     characters without NUL"."""
     base = get_args(tp)[0] if get_origin(tp) is Annotated else tp
-    b = bounds_of(tp)
+    b, title = bounds_of(tp), getattr(meta_of(tp), "title", None)
+    if title:
+        return f"a {title} ({explain(Annotated[base, Meta(**b)])})"
     if base is int or base is float:
         noun = "an integer" if base is int else "a finite number"
         lo = ("(", b["gt"]) if "gt" in b else ("[", b.get("ge"))
@@ -115,8 +120,28 @@ def explain(tp: Any) -> str:
         most = b.get("max_length")
         text = "a non-empty string" if b.get("min_length") else "a string"
         text += f" of at most {most} characters" if most else ""
-        return text + (" without NUL" if "\x00" in b.get("pattern", "") else "")
+        pattern = b.get("pattern", "")
+        return text + (
+            " without braces or NUL"
+            if "{" in pattern
+            else " without NUL"
+            if "\x00" in pattern
+            else ""
+        )
+    container = get_origin(base) or base
+    if container in (list, dict):
+        text = "a list" if container is list else "an object"
+        text = f"a non-empty {text[2:]}" if b.get("min_length") else text
+        items = _plural(get_args(base)[0]) if container is list and get_args(base) else ""
+        most = f" at most {b['max_length']}" if "max_length" in b else ""
+        return f"{text} of{most} {items}" if items else text + (f" of{most}" if most else "")
     return f"a {getattr(base, '__name__', base)}"
+
+
+def _plural(item: Any) -> str:
+    title = getattr(meta_of(item), "title", None)
+    base = get_args(item)[0] if get_origin(item) is Annotated else item
+    return f"{title}s" if title else {str: "strings", int: "integers"}.get(base, "")
 
 
 __all__ = [
@@ -124,7 +149,9 @@ __all__ = [
     "Count",
     "FINITE",
     "INT32_MAX",
+    "INT64_MAX",
     "LogitBias",
+    "LogitBiases",
     "LoraName",
     "LoraPath",
     "MinP",
@@ -141,6 +168,7 @@ __all__ = [
     "StopStrings",
     "Temperature",
     "TokenId",
+    "TokenIds",
     "TopK",
     "TopP",
     "bounds_of",

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
+
+import msgspec
 
 from lorapool.lifecycle.accumulator import Accumulator
 from lorapool.lifecycle.adapter_record import AdapterRecord
@@ -94,7 +95,7 @@ class Held:
 
 def engine_params(params: SamplingParams) -> SamplingParams:
     """The job's params as the engine runs them: deltas (the client rebuilds its kind)."""
-    return dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
+    return msgspec.structs.replace(params, output_kind=RequestOutputKind.DELTA)
 
 
 def resumed_token_ids(held: Held) -> list[int]:

@@ -1,25 +1,30 @@
-"""Jobs on the queue ``{p}:requests``: orjson in a stream entry's field ``data``, with
-``"v": 1``. (Chunks, on ``{p}:out:<id>``, are ``lifecycle.chunk``'s.) Decoding
-validates everything a worker relies on and raises ValueError naming the problem
-(workers dead-letter such entries). Torch-free.
+"""Jobs on the queue ``{p}:requests``: JSON in a stream entry's field ``data``, with
+``"v": 1``. (Chunks, on ``{p}:out:<id>``, are ``lifecycle.chunk``'s.)
+
+``Job`` is a msgspec Struct whose field types carry their bounds (``lorapool.bounds``;
+its ``SamplingParams`` and ``LoRARequest`` are Structs too): decoding (bytes from Redis,
+``decode_job``) and a producer's check (a dict, ``job_from_dict``) are msgspec's typed
+decoding, then the few checks no one field's type says (``_check``: one prompt within
+``JobLimits``' size, ``n`` at most ``max_n``, the metadata's size, the chats' messages).
+Every refusal is a FieldError (a ValueError) naming the field, by text and by path
+(workers dead-letter such entries). Encoding is orjson of ``Job.to_dict``, the same
+bytes as before the job was typed. Torch-free.
 """
 
 from __future__ import annotations
 
-import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import orjson
 
-from lorapool.bounds import MAX_REQUEST_ID, MAX_RESULT_TTL_S
+from lorapool.bounds import MAX_REQUEST_ID, RequestId, ResultTtl, Seconds, TokenIds
+from lorapool.field_errors import invalid
 from lorapool.messages import check_json_size, check_messages, check_tools, utf8_size
-from lorapool.outputs import (
-    wire_head,
-)
+from lorapool.outputs import wire_head
 from lorapool.protocol import (
-    INT32_MAX,
     WIRE_VERSION,
     FieldError,
     LoRARequest,
@@ -27,26 +32,30 @@ from lorapool.protocol import (
     check,
     is_int,
     short_repr,
+    with_token_keys,
 )
 
 DATA = "data"  # the stream entry field holding the record
 
 
-@dataclass
-class Job:
-    """One generation job as producers enqueue it."""
+class Job(msgspec.Struct, forbid_unknown_fields=True):
+    """One generation job as producers enqueue it. Each field's bound is its type
+    (``lorapool.bounds``); ``decode_job``/``job_from_dict`` have msgspec check them and
+    then check what no one field says (``_check``)."""
 
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int] | None
-    sampling_params: SamplingParams
+    request_id: RequestId
+    prompt: str | None = None
+    prompt_token_ids: TokenIds | None = None
+    sampling_params: SamplingParams | None = None  # None: the defaults (decoded: never None)
     lora_request: LoRARequest | None = None
-    metadata: dict[str, Any] = field(default_factory=dict)
-    arrival_time: float = field(default_factory=time.time)
-    result_ttl_s: int | None = None  # None: the worker's --result-ttl
+    metadata: dict[str, Any] | None = msgspec.field(default_factory=dict)  # None: {}
+    arrival_time: Seconds | None = msgspec.field(default_factory=time.time)  # None: now
+    result_ttl_s: ResultTtl | None = None  # None: the worker's --result-ttl
     # a chat: [{"role", "content"}, ...]; the worker applies the model's chat template
-    messages: list[dict[str, Any]] | None = None
-    tools: list[dict[str, Any]] | None = None  # a chat's tools, for its chat template
+    # (their shapes: ``lorapool.messages``)
+    messages: Any = None
+    tools: Any = None  # a chat's tools, for its chat template
+    version: Any = msgspec.field(default=WIRE_VERSION, name="v")
 
     @property
     def engine_prompt(self) -> str | dict[str, Any]:
@@ -96,10 +105,6 @@ def encode_job(job: Job) -> bytes:
 DEFAULT_MAX_PROMPT_BYTES = 1 << 20
 DEFAULT_MAX_N = 128
 MAX_METADATA_BYTES = 64 << 10
-_JOB_FIELDS = frozenset(
-    ("v", "request_id", "prompt", "prompt_token_ids", "sampling_params")
-    + ("lora_request", "metadata", "arrival_time", "result_ttl_s", "messages", "tools")
-)
 
 
 @dataclass(frozen=True)
@@ -120,9 +125,21 @@ class JobLimits:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
+_DECODER = msgspec.json.Decoder(Job)
+
+
 def decode_job(payload: bytes | str | None, limits: JobLimits | None = None) -> Job:
     """A validated Job from a stream entry's payload; ValueError naming the problem."""
-    return job_from_dict(_loads(payload, "job"), limits)
+    if payload is None:
+        _fail(f"malformed job: no {DATA!r} field")
+    try:
+        job = _DECODER.decode(payload)
+    except msgspec.ValidationError as exc:
+        raise _refused(exc, _loads(payload, "job")) from None
+    except msgspec.DecodeError as exc:
+        _loads(payload, "job")  # says how it is malformed, where orjson finds it so
+        raise ValueError(f"malformed job: {exc}") from None
+    return _check(job, limits or JobLimits())
 
 
 def job_from_dict(data: Any, limits: JobLimits | None = None) -> Job:
@@ -131,101 +148,89 @@ def job_from_dict(data: Any, limits: JobLimits | None = None) -> Job:
     Checks the type and range of every field; raises FieldError (a ValueError)
     naming the field and its value.
     """
-    limits = limits or JobLimits()
     if not isinstance(data, dict):
         raise FieldError(f"a job must be an object, got {short_repr(data)}")
-    unknown = sorted(map(str, set(data) - _JOB_FIELDS))
-    if unknown:
-        raise FieldError(f"unknown job field(s): {short_repr(', '.join(unknown))}")
-    version = data.get("v", WIRE_VERSION)
+    params = data.get("sampling_params")
+    if isinstance(params, dict):
+        data = {**data, "sampling_params": with_token_keys(params)}
+    try:
+        job = msgspec.convert(data, Job)
+    except msgspec.ValidationError as exc:
+        raise _refused(exc, data) from None
+    return _check(job, limits or JobLimits())
+
+
+def _refused(exc: msgspec.ValidationError, data: dict[str, Any]) -> FieldError:
+    """The FieldError of a job msgspec refused (``data``: the job as Python objects), its
+    message opening ``job <request_id>: `` once the id itself is good."""
+    _check_version(data.get("v", WIRE_VERSION))
+    error = invalid(exc, data, Job)
+    rid = data.get("request_id")
+    if error.field == "request_id" or not _good_id(rid):
+        return error
+    return FieldError(f"job {rid}: {error}", rid, error.field)
+
+
+def _good_id(rid: Any) -> bool:
+    return isinstance(rid, str) and 0 < len(rid) <= MAX_REQUEST_ID and not _BAD_ID.intersection(rid)
+
+
+def _check_version(version: Any) -> None:
     if version != WIRE_VERSION:
         raise FieldError(
             f"unknown wire version {short_repr(version)} in job (this build speaks {WIRE_VERSION})"
         )
-    rid = data.get("request_id")
-    if not (
-        isinstance(rid, str) and 0 < len(rid) <= MAX_REQUEST_ID and not _BAD_ID.intersection(rid)
-    ):
-        raise FieldError(
-            f"request_id must be a non-empty string of at most {MAX_REQUEST_ID} characters "
-            f"without braces or NUL, got {short_repr(rid)}"
-        )
-    where = f"job {rid}: "
+
+
+def _check(job: Job, limits: JobLimits) -> Job:
+    """What msgspec's types cannot say: the version, one prompt of a size, at most
+    ``max_n`` completions, the metadata's size; the defaults of what was null."""
+    _check_version(job.version)
     try:
-        messages = check_messages(data.get("messages"), limits.max_prompt_bytes)
-        tools = check_tools(data.get("tools"), limits.max_prompt_bytes, messages is not None)
-        prompt, ids = _job_prompt(
-            data.get("prompt"), data.get("prompt_token_ids"), limits, messages is not None
-        )
-        params = data.get("sampling_params")
-        sampling = SamplingParams.from_dict({} if params is None else params)
+        job.messages = check_messages(job.messages, limits.max_prompt_bytes)
+        job.tools = check_tools(job.tools, limits.max_prompt_bytes, job.messages is not None)
+        _check_prompt(job, limits)
+        if job.sampling_params is None:
+            job.sampling_params = SamplingParams()
+        n = job.sampling_params.n
         check(
-            sampling.n <= limits.max_n,
-            f"sampling_params.n must be at most {limits.max_n} (max_n), got {sampling.n}",
+            n <= limits.max_n,
+            f"sampling_params.n must be at most {limits.max_n} (max_n), got {n}",
+            "sampling_params.n",
         )
-        lora = LoRARequest.from_dict(data.get("lora_request"))
-        metadata = _metadata(data.get("metadata"))
-        arrival = data.get("arrival_time")
-        if arrival is None:
-            arrival = time.time()
-        if not (
-            (is_int(arrival) and 0 <= arrival < 2**53)
-            or (isinstance(arrival, float) and math.isfinite(arrival) and arrival >= 0)
-        ):
-            raise FieldError(
-                f"arrival_time must be a finite number >= 0 (seconds), got {short_repr(arrival)}"
-            )
-        ttl = data.get("result_ttl_s")
-        if not (ttl is None or (is_int(ttl) and 1 <= ttl <= MAX_RESULT_TTL_S)):
-            raise FieldError(
-                f"result_ttl_s must be an integer in [1, {MAX_RESULT_TTL_S}] (seconds), "
-                f"got {short_repr(ttl)}"
-            )
-    except (TypeError, FieldError) as exc:  # TypeError: a constructor given the wrong shape
-        raise FieldError(f"{where}{exc}", rid) from None
-    return Job(rid, prompt, ids, sampling, lora, metadata, float(arrival), ttl, messages, tools)
+        if job.metadata is None:
+            job.metadata = {}
+        check_json_size(job.metadata, "metadata", MAX_METADATA_BYTES)
+    except FieldError as exc:
+        raise FieldError(f"job {job.request_id}: {exc}", job.request_id, exc.field) from None
+    if job.arrival_time is None:
+        job.arrival_time = time.time()
+    return job
 
 
 _BAD_ID = frozenset("{}\x00")
 
 
-def _job_prompt(prompt: Any, ids: Any, limits: JobLimits, chat: bool = False) -> tuple:
-    if not (prompt is None or isinstance(prompt, str)):
-        raise FieldError(f"prompt must be a string, got {short_repr(prompt)}")
-    if chat:
+def _check_prompt(job: Job, limits: JobLimits) -> None:
+    if job.messages is not None:
         check(
-            prompt is None and ids is None,
+            job.prompt is None and job.prompt_token_ids is None,
             "a job has either messages or a prompt (prompt_token_ids), not both",
+            "prompt",
         )
-        return None, None
-    if ids is None:
-        check(bool(prompt), "the job needs a non-empty prompt, prompt_token_ids or messages")
-    else:
-        if not (isinstance(ids, list) and len(ids) > 0):
-            raise FieldError(
-                f"prompt_token_ids must be a non-empty list of token ids, got {short_repr(ids)}"
-            )
-        for i, token in enumerate(ids):
-            if not (is_int(token) and 0 <= token <= INT32_MAX):
-                raise FieldError(
-                    f"prompt_token_ids[{i}] must be a token id (an integer >= 0), "
-                    f"got {short_repr(token)}"
-                )
-    size = 4 * len(ids or ())
-    if prompt:
-        size += utf8_size(prompt, "prompt")
+        return
+    if job.prompt_token_ids is None:
+        check(
+            bool(job.prompt),
+            "the job needs a non-empty prompt, prompt_token_ids or messages",
+            "prompt",
+        )
+    size = 4 * len(job.prompt_token_ids or ())
+    if job.prompt:
+        size += utf8_size(job.prompt, "prompt")
     check(
         size <= limits.max_prompt_bytes,
         f"the prompt is {size} bytes, over the limit of {limits.max_prompt_bytes} "
         "(max_prompt_bytes)",
+        "prompt",
     )
-    return prompt, None if ids is None else list(ids)
-
-
-def _metadata(metadata: Any) -> dict[str, Any]:
-    if metadata is None:
-        return {}
-    if not isinstance(metadata, dict):
-        raise FieldError(f"metadata must be an object, got {short_repr(metadata)}")
-    check_json_size(metadata, "metadata", MAX_METADATA_BYTES)
-    return metadata

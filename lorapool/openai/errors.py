@@ -11,6 +11,7 @@ import re
 from http import HTTPStatus
 
 from lorapool.lifecycle.error_kind import ErrorKind
+from lorapool.protocol import SamplingParams
 
 _TYPES = {
     400: "invalid_request_error",
@@ -82,18 +83,20 @@ def model_not_found(model: str) -> APIError:
     return APIError(404, f"The model {model!r} does not exist", "model", code="model_not_found")
 
 
-def _named_field(message: str) -> str | None:
-    """The job field a FieldError's message begins with; "prompt" for one about the
-    prompt in general ("the job needs a non-empty prompt ...")."""
-    from lorapool.protocol import SamplingParams
-
-    match = _FIELD.match(message)
+def _named_field(exc: ValueError, message: str) -> str | None:
+    """The job field a FieldError is about, by its ``field`` path
+    (``"sampling_params.seed"``, ``"prompt_token_ids[3]"``); "prompt" for one about the
+    prompt in general. A FieldError raised without a path (a check of the chat's
+    messages, a stand-in's): read from its message, which begins with the field."""
+    path = getattr(exc, "field", None)
+    about = path if path is not None else message
+    match = _FIELD.match(about)
     field = match.group(1) if match else None
-    if message.startswith("sampling_params.") and field in SamplingParams.__dataclass_fields__:
+    if about.startswith("sampling_params.") and field in SamplingParams.__struct_fields__:
         return field
     if field in _JOB_FIELDS:
         return "prompt" if field == "prompt_token_ids" else field
-    return "prompt" if "prompt" in message else None
+    return "prompt" if path is None and "prompt" in message else None
 
 
 def field_error(
@@ -107,7 +110,7 @@ def field_error(
     message = str(exc).removeprefix(f"job {request_id}: ") if request_id else str(exc)
     if "over the limit of" in message and "max_prompt_bytes" in message:
         return APIError(413, message, "prompt", code="prompt_too_large")
-    field = _named_field(message)
+    field = _named_field(exc, message)
     param = (names or {}).get(field, field)
     prefix = f"sampling_params.{field}"
     if message.startswith(prefix) and param:

@@ -106,8 +106,15 @@ def test_python_api_bounds(conn):
     assert len(ok.stop) == MAX_STOP
     SamplingParams(stop=["x" * MAX_STOP_CHARS] * (MAX_STOP_TOTAL_CHARS // MAX_STOP_CHARS))
     for bad, says in [
-        (["s"] * (MAX_STOP + 1), f"sampling_params.stop must hold at most {MAX_STOP} strings"),
-        (["x" * (MAX_STOP_CHARS + 1)], f"sampling_params.stop[0] must be at most {MAX_STOP_CHARS}"),
+        (
+            ["s"] * (MAX_STOP + 1),
+            f"sampling_params.stop must be a list of at most {MAX_STOP} strings",
+        ),
+        (
+            ["x" * (MAX_STOP_CHARS + 1)],
+            f"sampling_params.stop[0] must be a non-empty string of at most {MAX_STOP_CHARS} "
+            "characters",
+        ),
         (["x" * MAX_STOP_CHARS] * 9, f"at most {MAX_STOP_TOTAL_CHARS} characters in all"),
         (["z" * 1024] * 20_000, "at most 64 strings"),
     ]:

@@ -190,7 +190,7 @@ def test_engine_step_that_raises_fails_only_its_requests(model, conn, keys, prod
 json_values = any_json(text_size=12, width=3, leaves=8)
 FIELDS = ["v", "request_id", "prompt", "prompt_token_ids", "sampling_params", "lora_request"]
 FIELDS += ["metadata", "arrival_time", "extra"]
-PARAMS = sorted(SamplingParams.__dataclass_fields__)
+PARAMS = sorted(SamplingParams.__struct_fields__)
 
 
 @st.composite

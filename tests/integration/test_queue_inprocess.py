@@ -147,7 +147,7 @@ def test_bad_input(engine, conn, keys, producer, model, tmp_path):
     assert "enable_lora" in refused.error and refused.lora_request.name == "sql"
     reasons = sorted(f[b"reason"].decode() for _, f in entries(conn, keys, "dead"))
     expected = [
-        "job badp: sampling_params.temperature must be >= 0.0, got -1",
+        "job badp: sampling_params.temperature must be a finite number >= 0.0, got -1",
         f"request {long.request_id}: the prompt has 600 tokens",
         "malformed job: not valid JSON",
         "unknown adapter 'ghost'",

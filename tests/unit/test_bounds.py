@@ -12,7 +12,7 @@ from lorapool import bounds
 @pytest.mark.parametrize(
     "alias, good, bad",
     [
-        (bounds.Count, [1, 2**40], [0, -1, True, 1.0, "1"]),
+        (bounds.Count, [1, 2**40, 2**63 - 1], [0, -1, True, 1.0, "1", 2**63]),
         (bounds.TokenId, [0, bounds.INT32_MAX], [-1, bounds.INT32_MAX + 1, False]),
         (bounds.Seed, [bounds.SEED_MIN, bounds.SEED_MAX], [bounds.SEED_MIN - 1, 1.0]),
         (bounds.TopK, [-1, 0, 5], [-2]),  # 0 is the record's own check (top_k != 0)
@@ -35,12 +35,13 @@ def test_each_alias_keeps_what_it_says(alias, good, bad):
 
 
 def test_explain_names_the_bound_msgspec_enforces():
-    assert bounds.explain(bounds.TokenId) == f"an integer in [0, {bounds.INT32_MAX}]"
-    assert bounds.explain(bounds.Count) == "an integer >= 1"
+    assert bounds.explain(bounds.TokenId) == f"a token id (an integer in [0, {bounds.INT32_MAX}])"
+    assert bounds.explain(bounds.Count) == f"an integer in [1, {bounds.INT64_MAX}]"
+    assert bounds.explain(bounds.Seed) == f"an integer >= {bounds.SEED_MIN}"
     assert bounds.explain(bounds.TopP) == "a finite number in (0.0, 1.0]"
     assert bounds.explain(bounds.Temperature) == "a finite number >= 0.0"
     assert bounds.explain(bounds.RequestId) == (
-        f"a non-empty string of at most {bounds.MAX_REQUEST_ID} characters without NUL"
+        f"a non-empty string of at most {bounds.MAX_REQUEST_ID} characters without braces or NUL"
     )
     assert bounds.explain(int) == "an integer"
 
@@ -49,4 +50,5 @@ def test_bounds_of_gives_keyword_arguments_for_other_schemas():
     assert bounds.bounds_of(bounds.Penalty) == {"ge": -2.0, "le": 2.0}
     assert bounds.bounds_of(bounds.Temperature) == {"ge": 0.0}  # FINITE left out
     assert bounds.bounds_of(bounds.StopStrings) == {"max_length": bounds.MAX_STOP}
+    assert bounds.explain(bounds.AdapterId) == f"an integer in [1, {bounds.INT32_MAX}]"
     assert bounds.bounds_of(str) == {}

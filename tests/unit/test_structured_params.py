@@ -53,10 +53,13 @@ def test_a_malformed_constraint_is_named(value, problem):
 @pytest.mark.parametrize(
     "bias, problem",
     [
-        ({"x": 1}, "keys must be token ids"),
-        ({"-1": 1}, "keys must be token ids"),
+        (
+            {"x": 1},
+            r"logit_bias keys must be a token id \(an integer in \[0, 2147483647\]\), got 'x'",
+        ),
+        ({"-1": 1}, "logit_bias keys must be a token id"),
         ({"1": math.nan}, r"logit_bias\[1\] must be a finite number"),
-        ({"1": 101}, r"logit_bias\[1\] must be in \[-100.0, 100.0\]"),
+        ({"1": 101}, r"logit_bias\[1\] must be a finite number in \[-100.0, 100.0\], got 101"),
         ({"1": "2"}, "finite number"),
         ([1], "must be an object"),
         ({str(i): 0 for i in range(1025)}, "at most 1024"),

@@ -151,7 +151,7 @@ def test_prompt_that_is_not_unicode_text_is_named():
 
 
 def test_metadata_that_is_not_json_is_named():
-    with pytest.raises(FieldError, match="metadata must be JSON"):
+    with pytest.raises(FieldError, match="metadata keys must be a string, got 1"):
         build_job("p", None, None, None, {1: "int key"})
     with pytest.raises(FieldError, match="metadata is"):
         build_job("p", None, None, None, {"x": "y" * 70_000})
@@ -172,7 +172,7 @@ def test_valid_unicode_and_nul_in_prompt_pass():
 # --- property: arbitrary JSON only ever yields a Job or a ValueError -----------------
 
 json_values = any_json()
-param_names = st.sampled_from(sorted(SamplingParams.__dataclass_fields__) + ["bogus"])
+param_names = st.sampled_from(sorted(SamplingParams.__struct_fields__) + ["bogus"])
 job_fields = st.sampled_from(sorted(VALID) + ["extra"])
 
 
@@ -197,3 +197,72 @@ def test_any_json_gives_a_job_or_a_field_error(data):
         assert str(exc)
         return
     assert decode_job(encode_job(job)).to_dict() == job.to_dict()
+
+
+# --- property: a Python-built SamplingParams or LoRARequest is checked as the wire is ---
+
+python_values = (
+    any_json()
+    | st.floats()  # NaN and infinities: Python has them, JSON does not
+    | st.integers(min_value=-(2**80), max_value=2**80)  # past 64 bits
+    | st.text(alphabet=st.characters(codec="utf-8") | st.sampled_from("\x00{}"), max_size=8)
+    | st.tuples(st.integers(0, 5))
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.sampled_from(sorted(SamplingParams.__struct_fields__)), python_values)
+def test_any_python_value_gives_params_the_wire_keeps_or_a_field_error_naming_it(name, value):
+    """Either the params are built, and a job of them decodes to the same params (the
+    worker's msgspec check accepts what the Python check did), or FieldError whose
+    ``field`` path names the field, as its message does."""
+    try:
+        params = SamplingParams(**{name: value})
+    except FieldError as exc:
+        assert exc.field is not None and exc.field.startswith(f"sampling_params.{name}")
+        assert name in str(exc)
+        return
+    limits = JobLimits(max_n=2**80)  # n's bound is the deployment's, not the record's
+    job = build_job("p", params, None, "r", None, limits)
+    assert decode_job(encode_job(job), limits).sampling_params.to_dict() == params.to_dict()
+
+
+@settings(max_examples=200, deadline=None)
+@given(python_values, python_values)
+def test_any_python_lora_request_is_built_or_names_its_field(name, adapter_id):
+    try:
+        lora = LoRARequest(name, adapter_id, "/p")
+    except FieldError as exc:
+        assert exc.field in ("lora_request.lora_name", "lora_request.lora_int_id")
+        assert str(exc).startswith(exc.field)
+        return
+    job = build_job("p", None, lora, "r", None)
+    back = decode_job(encode_job(job)).lora_request
+    assert (back.lora_name, back.lora_int_id) == (name, adapter_id)
+
+
+@pytest.mark.parametrize(
+    "changes, field, message",
+    [
+        ({"prompt_token_ids": [1, -2]}, "prompt_token_ids[1]", "must be a token id"),
+        ({"prompt_token_ids": [1, True]}, "prompt_token_ids[1]", "must be an integer, got True"),
+        ({"sp_seed": 7}, "sampling_params.seed", "must be in"),  # made 2**64 below
+        ({"sp_n": True}, "sampling_params.n", "must be an integer, got True"),
+        ({"sp_stop": ["a", ""]}, "sampling_params.stop[1]", "must be a non-empty string"),
+        ({"sp_logit_bias": {"3": 1e9}}, "sampling_params.logit_bias[3]", "got 1000000000.0"),
+        ({"request_id": "x" * 257}, "request_id", "at most 256 characters"),
+        ({"result_ttl_s": 0}, "result_ttl_s", "must be an integer in [1, 31622400]"),
+        ({"arrival_time": -1}, "arrival_time", "must be a finite number >= 0.0, got -1"),
+        ({"lora_request": {"lora_name": "a"}}, "lora_request", "needs lora_int_id"),
+        ({"sp_bogus": 1}, "sampling_params", "unknown sampling_params field(s): 'bogus'"),
+        ({"request_id": "日本\x00"}, "request_id", "without braces or NUL, got '日本\\x00'"),
+        ({"prompt": None}, "prompt", "needs a non-empty prompt"),
+    ],
+)
+def test_a_refused_job_names_the_field_by_path(changes, field, message):
+    payload = _with(**changes).replace(b'"seed":7', b'"seed":%d' % 2**64)  # orjson's limit
+    with pytest.raises(FieldError) as info:
+        decode_job(payload)
+    assert info.value.field == field
+    assert str(info.value).startswith("job r1: ") or field == "request_id"
+    assert message in str(info.value)
