@@ -13,8 +13,10 @@ from __future__ import annotations
 from importlib.metadata import PackageNotFoundError, version
 from typing import Annotated, Any
 
+import msgspec
 from fastapi import APIRouter, Depends, Request, Response
 
+from lorapool.bounds import TokenId, explain
 from lorapool.connection import REDIS_DOWN
 from lorapool.gateway.auth import Principal, require
 from lorapool.gateway.body import read_json
@@ -23,11 +25,12 @@ from lorapool.gateway.tokenizer import PoolTokenizer
 from lorapool.messages import check_messages, check_tools
 from lorapool.openai.errors import APIError, bad_request
 from lorapool.openai.params import _message, _message_list
-from lorapool.protocol import FieldError, is_int, short_repr
+from lorapool.protocol import FieldError, short_repr
 
 router = APIRouter(tags=["vLLM"])
 Caller = Annotated[Principal, Depends(require())]
 MAX_TOKENS = 1 << 20  # token ids in one /detokenize
+Tokens = Annotated[list[TokenId], msgspec.Meta(max_length=MAX_TOKENS)]
 
 
 async def _health(request: Request) -> Response:
@@ -80,16 +83,14 @@ async def tokenize(request: Request, caller: Caller) -> JSON:
 @router.post("/detokenize", summary="The text of token ids (vLLM's)")
 async def detokenize(request: Request, caller: Caller) -> JSON:
     body = await _body(request, caller)
-    tokens = body.get("tokens")
-    if not (
-        isinstance(tokens, list)
-        and len(tokens) <= MAX_TOKENS
-        and all(is_int(t) and 0 <= t < 2**31 for t in tokens)
-    ):
+    try:
+        tokens = msgspec.convert(body.get("tokens"), Tokens)
+    except msgspec.ValidationError:
         raise bad_request(
-            f"tokens must be a list of at most {MAX_TOKENS} token ids, got {short_repr(tokens)}",
+            f"tokens must be a list of at most {MAX_TOKENS} token ids "
+            f"({explain(TokenId)}), got {short_repr(body.get('tokens'))}",
             "tokens",
-        )
+        ) from None
     tokenizer = await _tokenizer(request.app.state.pool)
     size = tokenizer.tokenizer.get_vocab_size(with_added_tokens=True)
     outside = [t for t in tokens if t >= size]

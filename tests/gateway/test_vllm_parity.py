@@ -113,6 +113,9 @@ def test_tokenize_and_detokenize_match_transformers(gateway, model, base_name):
         ("/tokenize", {"messages": [{"role": "user"}]}, 400, "messages"),
         ("/detokenize", {"tokens": [1, "a"]}, 400, "tokens"),
         ("/detokenize", {"tokens": [10**9]}, 400, "tokens"),
+        ("/detokenize", {"tokens": [True]}, 400, "tokens"),
+        ("/detokenize", {"tokens": [2**31]}, 400, "tokens"),
+        ("/detokenize", {"tokens": None}, 400, "tokens"),
         ("/detokenize", [1, 2], 400, None),
     ],
 )
