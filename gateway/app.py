@@ -35,7 +35,7 @@ from lorapool.gateway.http_metrics import HttpMetrics
 from lorapool.gateway.json import error_response
 from lorapool.gateway.pool import Pool
 from lorapool.gateway.request_stats import RequestStats
-from lorapool.gateway.schemas import component_schemas
+from lorapool.openai.bodies import schema_components
 from lorapool.openai.errors import APIError, job_lost
 from lorapool.producer import JobLost
 
@@ -97,12 +97,12 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
 
 def _describe_bodies(app: FastAPI) -> None:
-    """The request models join the OpenAPI document's components (see schemas.py)."""
+    """The request bodies join the OpenAPI document's components (``openai.bodies``)."""
     generate = app.openapi
 
     def openapi() -> dict:
         document = generate()
-        document.setdefault("components", {}).setdefault("schemas", {}).update(component_schemas())
+        document.setdefault("components", {}).setdefault("schemas", {}).update(schema_components())
         return document
 
     app.openapi = openapi

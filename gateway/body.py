@@ -13,6 +13,16 @@ from lorapool.openai.errors import APIError
 async def read_json(request: Request, limit: int) -> Any:
     """The body's JSON value; 413 when it is over ``limit`` bytes, whatever its
     Content-Length says; 400 when it is not JSON."""
+    body = await read_body(request, limit)
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise APIError(400, f"the request body is not valid JSON: {exc}") from None
+
+
+async def read_body(request: Request, limit: int) -> bytearray:
+    """The body's bytes (``read_json``'s limit), for a parser that reads JSON itself
+    (``lorapool.openai.bodies``)."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise _too_large(limit)
@@ -21,10 +31,7 @@ async def read_json(request: Request, limit: int) -> Any:
         body += part
         if len(body) > limit:
             raise _too_large(limit)
-    try:
-        return orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
-        raise APIError(400, f"the request body is not valid JSON: {exc}") from None
+    return body
 
 
 def _too_large(limit: int) -> APIError:

@@ -22,13 +22,13 @@ from fastapi import APIRouter, Depends, Header, Request
 from fastapi.responses import StreamingResponse
 
 from lorapool.gateway.auth import Principal, require
-from lorapool.gateway.body import read_json
+from lorapool.gateway.body import read_body
 from lorapool.gateway.job_format import chunk_event, job_body, state_name
 from lorapool.gateway.json import JSON
 from lorapool.gateway.pool import Pool
 from lorapool.gateway.redis_watch import until_outage
-from lorapool.gateway.schemas import JobRequest, body
 from lorapool.gateway.streams import guarded, sse, until_stopped
+from lorapool.openai.bodies import ChatJob, CompletionJob, openapi_body
 from lorapool.openai.errors import APIError, bad_request, job_lost
 from lorapool.openai.params import parse_job
 from lorapool.producer import JobLost
@@ -51,7 +51,7 @@ def idempotent_id(key: str) -> str:
     "",
     status_code=202,
     summary="Submit a job; 202 with its id and Location",
-    openapi_extra=body(JobRequest),
+    openapi_extra=openapi_body(CompletionJob, ChatJob),
 )
 async def submit_job(
     request: Request,
@@ -59,7 +59,7 @@ async def submit_job(
     idempotency_key: str | None = Header(default=None, max_length=256),
 ) -> JSON:
     pool = _pool(request)
-    parsed, request_id, on_finish = parse_job(await read_json(request, pool.config.body_limit))
+    parsed, request_id, on_finish = parse_job(await read_body(request, pool.config.body_limit))
     if idempotency_key is not None:
         if request_id is not None:
             raise bad_request("give either request_id or Idempotency-Key", "request_id")

@@ -16,13 +16,13 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import StreamingResponse
 
 from lorapool.gateway.auth import Principal, require
-from lorapool.gateway.body import read_json
+from lorapool.gateway.body import read_body
 from lorapool.gateway.edge import RIDES_OUTAGES
 from lorapool.gateway.json import JSON
 from lorapool.gateway.pool import Pool, disconnected
 from lorapool.gateway.redis_watch import until_outage
-from lorapool.gateway.schemas import ChatRequest, CompletionRequest, body
 from lorapool.gateway.streams import DONE, merged_chunks, sse, until_taken
+from lorapool.openai.bodies import ChatRequest, CompletionRequest, openapi_body
 from lorapool.openai.echo import Echo
 from lorapool.openai.errors import APIError, job_lost
 from lorapool.openai.format import Shape, fingerprint
@@ -71,22 +71,26 @@ def _model_card(name: str, parent: str | None, root: str, sha256: str | None) ->
 
 
 @router.post(
-    "/completions", summary="Text completions (OpenAI's API)", openapi_extra=body(CompletionRequest)
+    "/completions",
+    summary="Text completions (OpenAI's API)",
+    openapi_extra=openapi_body(CompletionRequest),
 )
 async def completions(request: Request, caller: Submitter):
     pool = pool_of(request)
     parsed = parse_completion(
-        await read_json(request, pool.config.body_limit), pool.config.max_prompts
+        await read_body(request, pool.config.body_limit), pool.config.max_prompts
     )
     return await _generate(request, parsed, "completion", caller)
 
 
 @router.post(
-    "/chat/completions", summary="Chat completions (OpenAI's API)", openapi_extra=body(ChatRequest)
+    "/chat/completions",
+    summary="Chat completions (OpenAI's API)",
+    openapi_extra=openapi_body(ChatRequest),
 )
 async def chat_completions(request: Request, caller: Submitter):
     pool = pool_of(request)
-    body = await read_json(request, pool.config.body_limit)
+    body = await read_body(request, pool.config.body_limit)
     parsed = parse_chat(body, await pool.tool_parser(), pool.config.max_prompt_bytes)
     return await _generate(request, parsed, "chat", caller)
 

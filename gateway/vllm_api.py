@@ -24,7 +24,7 @@ from lorapool.gateway.json import JSON
 from lorapool.gateway.tokenizer import PoolTokenizer
 from lorapool.messages import check_messages, check_tools
 from lorapool.openai.errors import APIError, bad_request
-from lorapool.openai.params import _message, _message_list
+from lorapool.openai.params import chat_messages
 from lorapool.protocol import FieldError, short_repr
 
 router = APIRouter(tags=["vLLM"])
@@ -134,7 +134,7 @@ def _flag(body: dict[str, Any], name: str, default: bool) -> bool:
 
 
 def _chat_text(body: dict[str, Any], tokenizer: PoolTokenizer, max_bytes: int) -> str:
-    messages = [_message(i, m) for i, m in enumerate(_message_list(body.get("messages")))]
+    messages = chat_messages(body)
     try:
         messages = check_messages(messages, max_bytes)
         tools = check_tools(body.get("tools") or None, max_bytes, chat=True)

@@ -13,9 +13,9 @@ A request of n > 1 sequences whose n sequences cannot fit in the KV cache togeth
 prompt's slots once, then ``max_tokens`` each: the worker's own rule, issue 31 Build 4)
 is a 400 on ``n``, judged on the smallest cache of the live workers and, for a prompt
 whose tokens are not counted here, on the fewest tokens it can have.
-The seed takes what vLLM's API takes (a signed 64-bit integer). Stop strings: at most
-the gateway's ``max_stop`` (OpenAI's 4 by default), each string's and all their
-characters bounded by ``SamplingParams`` itself (``protocol.MAX_STOP_CHARS``,
+The seed takes what vLLM's API takes (a signed 64-bit integer: ``bodies.Int64``).
+Stop strings: at most the gateway's ``max_stop`` (OpenAI's 4 by default), each string's
+and all their characters bounded by ``SamplingParams`` itself (``protocol.MAX_STOP_CHARS``,
 ``MAX_STOP_TOTAL_CHARS``; Python producers meet the same bounds, with ``MAX_STOP`` strings).
 """
 
@@ -23,13 +23,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
 
 from lorapool.lifecycle.heartbeat import Heartbeat
 from lorapool.openai.errors import APIError, bad_request
 
 REFRESH_S = 5.0
-SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
 
 @dataclass(frozen=True)
@@ -68,12 +66,6 @@ class LimitsCache:
             self.limits = pool_limits(workers, base.get("name") if base else None)
             self.read_at = time.monotonic()
         return self.limits
-
-
-def check_seed(body: dict[str, Any]) -> None:
-    seed = body.get("seed")
-    if isinstance(seed, int) and not isinstance(seed, bool) and not SEED_MIN <= seed <= SEED_MAX:
-        raise bad_request(f"seed must be from {SEED_MIN} to {SEED_MAX}, got {seed}", "seed")
 
 
 def check_stop_count(parsed, max_stop: int) -> None:

@@ -8,6 +8,7 @@ gets a 400 naming the parameter and the problem rather than a failed job.
 
 from __future__ import annotations
 
+from operator import attrgetter
 from typing import Any
 
 from lorapool.openai.errors import bad_request
@@ -20,16 +21,15 @@ GUIDED = {
     "guided_choice": "choice",
     "guided_grammar": "grammar",
 }
-# accepted and ignored: one engine serves every constraint
-GUIDED_OPTIONS = ("guided_decoding_backend", "guided_whitespace_pattern")
-PARAMETERS = {"response_format", "structured_outputs", *GUIDED, *GUIDED_OPTIONS}
+PARAMETERS = ("response_format", "structured_outputs", *GUIDED)
+_GIVEN = attrgetter(*PARAMETERS)
 
 
-def structured_of(body: dict[str, Any]) -> tuple[StructuredOutputsParams | None, str | None]:
-    """(the request's constraint, the parameter it came from); (None, None) without one."""
-    given = [name for name in ("response_format", "structured_outputs", *GUIDED)
-             if body.get(name) is not None]  # fmt: skip
-    if body.get("response_format") is not None and _is_text(body["response_format"]):
+def structured_of(request) -> tuple[StructuredOutputsParams | None, str | None]:
+    """(the constraint of ``request``, a ``bodies`` Struct; the parameter it came from);
+    (None, None) without one."""
+    given = [name for name, value in zip(PARAMETERS, _GIVEN(request)) if value is not None]
+    if request.response_format is not None and _is_text(request.response_format):
         given.remove("response_format")
     if len(given) > 1:
         raise bad_request(f"give one of {', '.join(given)}, not several", given[1])
@@ -37,7 +37,7 @@ def structured_of(body: dict[str, Any]) -> tuple[StructuredOutputsParams | None,
         return None, None
     name = given[0]
     try:
-        params = _params(name, body[name], body.get("guided_whitespace_pattern"))
+        params = _params(name, getattr(request, name), request.guided_whitespace_pattern)
         check_grammar(params)
     except FieldError as exc:
         message = str(exc).removeprefix("sampling_params.structured_outputs")

@@ -19,7 +19,6 @@ from lorapool.protocol import FieldError, short_repr
 from lorapool.structured import StructuredOutputsParams, check_grammar
 from lorapool.tool_calls import ToolCall, parse_tool_calls, required_schema, scan_required
 
-PARAMETERS = {"tools", "tool_choice", "parallel_tool_calls"}
 MODES = ("none", "auto", "required")
 
 
@@ -51,9 +50,10 @@ class ToolRequest:
         return reason
 
 
-def tools_of(body: dict[str, Any], max_bytes: int, parser: str) -> ToolRequest | None:
-    """The request's ToolRequest (None without tools); 400 naming the bad parameter."""
-    tools, choice = body.get("tools"), body.get("tool_choice")
+def tools_of(request, max_bytes: int, parser: str) -> ToolRequest | None:
+    """The ToolRequest of ``request`` (a ``bodies.ChatRequest``; None without tools); 400
+    naming the bad parameter."""
+    tools, choice = request.tools, request.tool_choice
     if not tools:
         if choice not in (None, "none"):
             raise bad_request("tool_choice needs tools", "tool_choice")
@@ -62,15 +62,10 @@ def tools_of(body: dict[str, Any], max_bytes: int, parser: str) -> ToolRequest |
         tools = check_tools(tools, max_bytes, chat=True)
     except FieldError as exc:
         raise bad_request(str(exc), "tools") from None
-    parallel = body.get("parallel_tool_calls")
-    if parallel is not None and not isinstance(parallel, bool):
-        raise bad_request(
-            f"parallel_tool_calls must be true or false, got {short_repr(parallel)}",
-            "parallel_tool_calls",
-        )
-    request = ToolRequest(tools, *_mode(choice, tools), parallel is not False, parser)
-    request.constraint = _constraint(request)
-    return request
+    parallel = request.parallel_tool_calls is not False
+    wanted = ToolRequest(tools, *_mode(choice, tools), parallel, parser)
+    wanted.constraint = _constraint(wanted)
+    return wanted
 
 
 def _mode(choice: Any, tools: list[dict[str, Any]]) -> tuple[str, str | None]:

@@ -3,6 +3,8 @@ OpenAPI description. Each test runs its own gateway process (no torch, quick).""
 
 from __future__ import annotations
 
+import json
+import re
 import time
 
 import httpx
@@ -127,10 +129,19 @@ def test_openapi_describes_every_endpoint(gateway):
         assert path in paths
     assert httpx.get(f"{gateway}/docs").status_code == 200
     document = httpx.get(f"{gateway}/openapi.json").json()
-    for path, model in (("/v1/completions", "CompletionRequest"), ("/v1/jobs", "JobRequest")):
+    schemas = document["components"]["schemas"]
+    for path, models in (
+        ("/v1/completions", ["CompletionRequest"]),
+        ("/v1/chat/completions", ["ChatRequest"]),
+        ("/v1/jobs", ["CompletionJob", "ChatJob"]),
+    ):
         body = paths[path]["post"]["requestBody"]["content"]["application/json"]["schema"]
-        assert body == {"$ref": f"#/components/schemas/{model}"}
-        assert "model" in document["components"]["schemas"][model]["properties"]
+        refs = [{"$ref": f"#/components/schemas/{model}"} for model in models]
+        assert body == (refs[0] if len(refs) == 1 else {"anyOf": refs})
+        for model in models:
+            assert "model" in schemas[model]["properties"]
+    refs = re.findall(r'"\$ref": ?"#/components/schemas/([^"]+)"', json.dumps(document))
+    assert refs and set(refs) <= set(schemas)  # every reference resolves
 
 
 def test_cors_for_a_configured_origin_only(gateway_on, redis_url, prefix):

@@ -58,7 +58,7 @@ TOO_MANY = ["a", "b", "c", "d", "e"]
         (TOO_MANY, "at most 4 strings"),
         (["x" * (MAX_STOP_CHARS + 1)], f"at most {MAX_STOP_CHARS} characters"),
         # (the 20 MB list is over the body limit here: 413; see the Python API test)
-        (["z" * 100] * 1000, f"at most {MAX_STOP} strings"),
+        (["z" * 100] * 1000, f"at most {MAX_STOP} non-empty strings"),
     ],
     ids=["five", "long-string", "1000"],
 )

@@ -1,0 +1,230 @@
+"""The OpenAI request bodies (``/v1/completions``, ``/v1/chat/completions``, ``/v1/jobs``)
+as msgspec Structs: one definition that parses a body, bounds its values and describes it
+in the gateway's OpenAPI document (``schema_components``), so the document cannot drift
+from what is enforced.
+
+A bound here is the job boundary's own (``SamplingParams`` meets the same values again,
+for Python producers and workers); what no type can say (``top_k`` not 0, ``min_tokens``
+up to ``max_tokens``, a grammar that compiles) stays with the checks that know it.
+Every field may be null, as OpenAI's clients send them; null is "not given".
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta, Struct
+
+from lorapool.bounds import (
+    MAX_LOGIT_BIAS,
+    MAX_MESSAGES,
+    Count,
+    LogitBias,
+    MinP,
+    NonNegative,
+    Penalty,
+    RepetitionPenalty,
+    RequestId,
+    Role,
+    ShortName,
+    StopString,
+    StopStrings,
+    Temperature,
+    TokenId,
+    TopK,
+    TopP,
+)
+from lorapool.lifecycle.submit import MAX_ON_FINISH
+from lorapool.openai.body_errors import invalid
+from lorapool.openai.errors import APIError
+
+# The bounds are the job boundary's own (``lorapool.bounds``, which ``SamplingParams``
+# checks); these two are the OpenAI routes' alone.
+MAX_USER = 256
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+Int64 = Annotated[int, Meta(ge=INT64_MIN, le=INT64_MAX)]  # vLLM's API: seed, priority
+TokenBias = Annotated[
+    dict[Annotated[str, Meta(pattern="^[0-9]{1,10}$", description="a token id")], LogitBias],
+    Meta(max_length=MAX_LOGIT_BIAS),
+]
+
+
+class _Body(Struct, kw_only=True, forbid_unknown_fields=True):
+    """What every generation body may carry: the pool's sampling parameters (vLLM's)."""
+
+    model: Annotated[
+        str, Meta(min_length=1, description="an adapter of the registry, or the base model")
+    ]
+    n: Annotated[Count, Meta(description="completions per prompt")] | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: Annotated[TopK, Meta(description="-1 (off) or at least 1")] | None = None
+    min_p: MinP | None = None
+    stop: StopString | StopStrings | None = None
+    stop_token_ids: list[TokenId] | None = None
+    seed: Int64 | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: RepetitionPenalty | None = None
+    min_tokens: NonNegative | None = None
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    logit_bias: TokenBias | None = None
+    prompt_logprobs: NonNegative | None = None
+    user: (
+        Annotated[str, Meta(max_length=MAX_USER, description="kept in the job's metadata")] | None
+    ) = None
+    priority: Annotated[Int64, Meta(description="above 0: the batch stream")] | None = None
+    # structured outputs (checked and compiled by ``structured.structured_of``)
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: Any = None  # accepted and ignored: one engine serves all
+    guided_whitespace_pattern: str | None = None
+    best_of: Annotated[None, Meta(description="not supported")] = None
+
+
+class StreamOptions(Struct, forbid_unknown_fields=True):
+    include_usage: bool = False
+
+
+class _Streamed(_Body, kw_only=True):
+    stream: Annotated[bool, Meta(description="OpenAI's SSE chunks, then data: [DONE]")] | None = (
+        None
+    )
+    stream_options: StreamOptions | None = None
+
+
+class CompletionRequest(_Streamed, kw_only=True):
+    """POST /v1/completions."""
+
+    prompt: Annotated[
+        str | list[int | str | list[int]],
+        Meta(description="a string, token ids, or a batch of either (one job each)"),
+    ]
+    max_tokens: Annotated[Count, Meta(description="16 when not given")] | None = None
+    logprobs: Annotated[NonNegative, Meta(description="top alternatives per token")] | None = None
+    echo: bool | None = None
+    suffix: Annotated[None, Meta(description="not supported")] = None
+
+
+class TextPart(Struct, forbid_unknown_fields=True):
+    type: Literal["text"]
+    text: str
+
+
+class Message(Struct, kw_only=True, forbid_unknown_fields=True):
+    """One chat message (its fields as ``lorapool.messages`` checks them)."""
+
+    role: Role
+    content: (
+        Annotated[str | list[str | TextPart], Meta(description="text, or parts of type text")]
+        | None
+    ) = None
+    name: ShortName | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: ShortName | None = None
+    # a reply's fields that a client sends back with it (openai's
+    # ``messages.append(completion.choices[0].message)``): dropped, they never reach the model
+    refusal: Any = None
+    annotations: Any = None
+    audio: Any = None
+    function_call: Any = None
+    reasoning_content: Any = None
+
+    def to_job(self) -> dict[str, Any]:
+        """The message as a chat job carries it: null and echoed fields dropped, text
+        parts joined."""
+        out: dict[str, Any] = {"role": self.role}
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(p if isinstance(p, str) else p.text for p in content)
+        if content is not None:
+            out["content"] = content
+        for name in ("name", "tool_calls", "tool_call_id"):
+            if (value := getattr(self, name)) is not None:
+                out[name] = value
+        return out
+
+
+Messages = Annotated[list[Message], Meta(min_length=1, max_length=MAX_MESSAGES)]
+
+
+class Chat(Struct):
+    """A body's messages, its other fields not read (vLLM's /tokenize)."""
+
+    messages: Messages
+
+
+class ChatRequest(_Streamed, kw_only=True):
+    """POST /v1/chat/completions: the worker applies the model's chat template."""
+
+    messages: Messages
+    max_tokens: Annotated[Count, Meta(description="up to the context when not given")] | None = None
+    max_completion_tokens: Count | None = None
+    logprobs: bool | None = None
+    top_logprobs: NonNegative | None = None
+    tools: list[dict[str, Any]] | None = None  # checked by ``tools.tools_of``
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+
+
+RETRY = "the client's own id: a retry finds the same job"
+WEBHOOK = "a webhook URL (http or https) POSTed the result, signed, once it is stored"
+_JOB = [
+    ("request_id", Annotated[RequestId, Meta(description=RETRY)] | None, None),
+    ("on_finish", Annotated[str, Meta(max_length=MAX_ON_FINISH, description=WEBHOOK)] | None, None),
+]
+_JOB_DOC = "POST /v1/jobs: one {} (no stream), read back through /v1/jobs/{{id}}."
+CompletionJob = msgspec.defstruct(
+    "CompletionJob", _JOB, bases=(CompletionRequest,), namespace={"__doc__": _JOB_DOC.format(
+        "prompt")}, kw_only=True, forbid_unknown_fields=True
+)  # fmt: skip
+ChatJob = msgspec.defstruct(
+    "ChatJob", _JOB, bases=(ChatRequest,), namespace={"__doc__": _JOB_DOC.format("chat")},
+    kw_only=True, forbid_unknown_fields=True,
+)  # fmt: skip
+BODIES = (CompletionRequest, ChatRequest, CompletionJob, ChatJob)
+
+
+class JobKind(Struct):
+    """What tells a /v1/jobs body's kind, read without building the rest (``Raw``):
+    a chat has ``messages``; ``stream``, even null, is refused."""
+
+    messages: msgspec.Raw | msgspec.UnsetType = msgspec.UNSET
+    stream: msgspec.Raw | msgspec.UnsetType = msgspec.UNSET
+
+
+def parse(body: bytes | Any, kind: type[Struct]) -> Any:
+    """``body`` (the request's JSON bytes, or its value already read) as ``kind``; a
+    400 naming the request's parameter otherwise."""
+    try:
+        if isinstance(body, bytes | bytearray | memoryview):
+            return msgspec.json.decode(body, type=kind)
+        return msgspec.convert(body, kind)
+    except msgspec.ValidationError as exc:
+        raise invalid(str(exc), body, kind) from None
+    except msgspec.DecodeError as exc:
+        raise APIError(400, f"the request body is not valid JSON: {exc}") from None
+
+
+REF = "#/components/schemas/{name}"
+
+
+def schema_components() -> dict[str, Any]:
+    """The bodies and what they refer to, as OpenAPI component schemas."""
+    _, components = msgspec.json.schema_components(BODIES, ref_template=REF)
+    return components
+
+
+def openapi_body(*kinds: type[Struct]) -> dict[str, Any]:
+    """``openapi_extra`` describing a route's JSON body as one of ``kinds``."""
+    refs = [{"$ref": REF.format(name=kind.__name__)} for kind in kinds]
+    schema = refs[0] if len(refs) == 1 else {"anyOf": refs}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
