@@ -17,6 +17,7 @@ import msgspec
 from msgspec import Meta, Struct
 
 from lorapool.bounds import (
+    INT64_MAX,
     MAX_LOGIT_BIAS,
     MAX_MESSAGES,
     Count,
@@ -42,7 +43,7 @@ from lorapool.openai.errors import APIError
 # The bounds are the job boundary's own (``lorapool.bounds``, which ``SamplingParams``
 # checks); these two are the OpenAI routes' alone.
 MAX_USER = 256
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+INT64_MIN = -INT64_MAX - 1
 Int64 = Annotated[int, Meta(ge=INT64_MIN, le=INT64_MAX)]  # vLLM's API: seed, priority
 TokenBias = Annotated[
     dict[Annotated[str, Meta(pattern="^[0-9]{1,10}$", description="a token id")], LogitBias],

@@ -58,6 +58,10 @@ CASES = [
 ]
 
 
+# what a value at the bound needs beside it (a check across fields: min_tokens <= max_tokens)
+COMPANIONS = {"min_tokens": lambda at: {"max_tokens": max(at, 1)}}
+
+
 def _value(name: str, text: str):
     return "https://example.com/" + text[20:] if name == "on_finish" else text
 
@@ -71,6 +75,7 @@ def test_each_bound_shown_is_the_one_enforced(body, name, bound, limit):
     at, past = BOUNDS[bound](limit, kind)
     if kind == "string":
         at, past = _value(name, at), _value(name, past)
+    base = {**base, **(COMPANIONS[name](at) if name in COMPANIONS else {})}
     document = _validator(body)
     document.validate({**base, name: at})
     parse({**base, name: at})
