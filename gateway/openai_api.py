@@ -151,7 +151,7 @@ async def _stream(
             shape.failed(chunk)
             prompt_tokens += len(chunk.prompt_token_ids or ())
             completion_tokens += chunk.num_tokens
-            cached += (chunk.metrics or {}).get("num_cached_tokens") or 0
+            cached += (chunk.metrics and chunk.metrics.num_cached_tokens) or 0
             for event in shape.delta_chunks(job, chunk, include_usage):
                 yield sse(event)
     except APIError as exc:  # typed as the same failure would be without streaming

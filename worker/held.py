@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import NamedTuple
+
+from msgspec.structs import replace
 
 import msgspec
 
@@ -13,7 +15,7 @@ from lorapool.lifecycle.adapter_record import AdapterRecord
 from lorapool.lifecycle.chunk import Chunk, Delta
 from lorapool.lifecycle.error_kind import ErrorKind
 from lorapool.lifecycle.wire import Job
-from lorapool.outputs import RequestOutput, logprobs_to_wire
+from lorapool.outputs import RequestMetrics, RequestOutput, logprobs_to_wire
 from lorapool.protocol import RequestOutputKind, SamplingParams
 
 
@@ -180,15 +182,16 @@ def make_chunk(held: Held, out: RequestOutput, worker: str, position: Position) 
     return chunk
 
 
-def _metrics(held: Held, out: RequestOutput, before: int) -> dict[str, Any] | None:
+def _metrics(held: Held, out: RequestOutput, before: int) -> RequestMetrics | None:
     if out.metrics is None:
         return None
-    metrics = out.metrics.to_dict()
-    metrics["arrival_time"] = held.job.arrival_time
-    if held.prompt_token_ids is not None:
-        metrics["num_prompt_tokens"] = len(held.prompt_token_ids)
-    metrics["num_generated_tokens"] = before + sum(len(c.token_ids) for c in out.outputs)
-    return metrics
+    prompt = held.prompt_token_ids
+    return replace(
+        out.metrics,
+        arrival_time=held.job.arrival_time,
+        num_prompt_tokens=out.metrics.num_prompt_tokens if prompt is None else len(prompt),
+        num_generated_tokens=before + sum(len(c.token_ids) for c in out.outputs),
+    )
 
 
 def error_chunk(held: Held, error: str, worker: str, kind: ErrorKind) -> Chunk:
@@ -211,12 +214,12 @@ def error_chunk(held: Held, error: str, worker: str, kind: ErrorKind) -> Chunk:
     return chunk
 
 
-def _error_metrics(held: Held) -> dict[str, Any]:
+def _error_metrics(held: Held) -> RequestMetrics:
     """What is known of a request that failed: arrival, end and token counts."""
     prompt = held.prompt_token_ids or held.job.prompt_token_ids or []
-    return {
-        "arrival_time": held.job.arrival_time or time.time(),
-        "finished_time": time.time(),
-        "num_prompt_tokens": len(prompt),
-        "num_generated_tokens": held.total,
-    }
+    return RequestMetrics(
+        arrival_time=held.job.arrival_time or time.time(),
+        finished_time=time.time(),
+        num_prompt_tokens=len(prompt),
+        num_generated_tokens=held.total,
+    )

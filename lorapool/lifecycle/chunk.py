@@ -84,7 +84,7 @@ class Chunk(msgspec.Struct, omit_defaults=True, kw_only=True, gc=False):
     finished: bool | int = msgspec.field(default=False, name="f")  # wire: 1; read: a bool
     adapter_id: int = msgspec.field(default=0, name="a")  # 0 = base model
     lora_request: dict[str, Any] | None = msgspec.field(default=None, name="lora")
-    metrics: dict[str, Any] | None = msgspec.field(default=None, name="m")
+    metrics: RequestMetrics | None = msgspec.field(default=None, name="m")
     worker: str | None = msgspec.field(default=None, name="w")
     error: str | None = msgspec.field(default=None, name="e")
     error_kind: str | None = msgspec.field(default=None, name="ek")  # an ErrorKind once read
@@ -112,7 +112,7 @@ class Chunk(msgspec.Struct, omit_defaults=True, kw_only=True, gc=False):
             logprobs_from_wire(self.prompt_logprobs),
             [d.to_output(lora) for d in self.outputs],
             bool(self.finished),
-            RequestMetrics.from_dict(self.metrics),
+            self.metrics,
             lora,
             error=self.error,
             error_kind=self.error_kind,

@@ -29,6 +29,7 @@ from lorapool.lifecycle.accumulator import Accumulator
 from lorapool.lifecycle.chunk import decode_chunk
 from lorapool.lifecycle.chunk_log import encode_result
 from lorapool.lifecycle.error_kind import ErrorKind
+from lorapool.outputs import RequestMetrics
 
 logger = logging.getLogger(__name__)
 QUIET_S = 3.0  # no new chunk this long: a reader asks whether its request was orphaned
@@ -53,8 +54,10 @@ def orphan_record(request_id: str, raws: list[bytes]) -> bytes | None:
     if whole is None or whole.finished:
         return None
     now = time.time()  # metrics: the latest a chunk had (arrival at least), finished now
-    metrics = {"arrival_time": now, **(whole.metrics or output.first.metrics or {})}
-    metrics["finished_time"] = now
+    metrics = replace(
+        whole.metrics or output.first.metrics or RequestMetrics(arrival_time=now),
+        finished_time=now,
+    )
     outputs = [
         o if o.finish_reason else replace(o, finish_reason="error", stop_reason=None)
         for o in whole.outputs

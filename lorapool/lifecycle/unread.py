@@ -35,6 +35,7 @@ from lorapool.lifecycle.chunk import Chunk, Delta
 from lorapool.lifecycle.chunk_log import encode_result
 from lorapool.lifecycle.error_kind import ErrorKind
 from lorapool.lifecycle.keys import PRIORITIES, WORKERS_GROUP, Keys
+from lorapool.outputs import RequestMetrics
 
 logger = logging.getLogger(__name__)
 # What END_UNREAD found (the marker's ``unread_cause``), as the audit record and the
@@ -146,7 +147,7 @@ def unread_record(request_id: str, reason: str) -> bytes:
         seq=0,
         outputs=[Delta(text="", token_ids=[], finish_reason="error")],
         finished=True,
-        metrics={"arrival_time": now, "finished_time": now, "num_prompt_tokens": 0},
+        metrics=RequestMetrics(arrival_time=now, finished_time=now),
         error=reason,
         error_kind=ErrorKind.REMOVED,
     )

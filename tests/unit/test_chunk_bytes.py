@@ -10,6 +10,8 @@ from __future__ import annotations
 import base64
 import zlib
 
+import orjson
+
 from lorapool.lifecycle.chunk import decode_chunk, encode_chunk
 from lorapool.lifecycle.chunk_log import decode_result, encode_result
 from lorapool.lifecycle.submit import build_job
@@ -97,7 +99,7 @@ def test_todays_reader_reads_them_and_writes_them_back_unchanged():
     assert [(d.index, second.offset_of(d), d.text) for d in second.outputs] == [(1, 2, "d")]
     assert [d.stop_reason for d in last.outputs] == [7, "END"] and last.finished is True
     assert first.prompt_token_ids == [5, 6, 7] and first.prompt_logprobs[1] == [[6, -0.25, 1, "x"]]
-    assert last.metrics["num_generated_tokens"] == 6 and last.lora_request["lora_int_id"] == 3
+    assert last.metrics.num_generated_tokens == 6 and last.lora_request["lora_int_id"] == 3
     whole = decode_result(FINAL, "r-64")
     assert [d.text for d in whole.outputs] == ["ae", "bcdf"] and whole.offset_of(
         whole.outputs[1]
@@ -106,5 +108,10 @@ def test_todays_reader_reads_them_and_writes_them_back_unchanged():
     assert (
         failed.error_kind == "engine" and [d.finish_reason for d in failed.outputs] == ["error"] * 2
     )
-    for raw in [*CHUNKS, zlib.decompress(FINAL), FAILED]:
+    for raw in [*CHUNKS, zlib.decompress(FINAL)]:
         assert encode_chunk(decode_chunk(raw)) == raw
+    # the failed chunk's metrics were a dict of the four fields known; they are a
+    # RequestMetrics now, written whole (its other fields at their defaults)
+    again, was = orjson.loads(encode_chunk(decode_chunk(FAILED))), orjson.loads(FAILED)
+    assert again.pop("m") == {**RequestMetrics(arrival_time=0).to_dict(), **was.pop("m")}
+    assert again == was
