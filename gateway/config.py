@@ -7,7 +7,7 @@ from typing import Annotated
 
 from msgspec import Meta
 
-from lorapool.bounds import FINITE, NonNegative
+from lorapool.bounds import FINITE
 from lorapool.config_fields import check_fields
 from lorapool.egress import EgressPolicy
 from lorapool.lifecycle.keys import DEFAULT_PREFIX
@@ -19,6 +19,7 @@ from lorapool.tool_calls import PARSERS
 # bytes a character for control characters, plus the other fields.
 BODY_OVERHEAD = 64 << 10
 
+Limit = Annotated[int, Meta(ge=0)]  # a count the deployment sets (no wire bound)
 Timeout = Annotated[float, Meta(gt=0, le=FINITE)]  # seconds
 RedisWait = Annotated[float, Meta(gt=0, le=3600)]  # seconds: a Redis call's, an outage's
 
@@ -68,14 +69,14 @@ class GatewayConfig:
     redis_url: str
     prefix: str = DEFAULT_PREFIX
     shards: int = 0  # the pool's shard count on a Redis Cluster (``lorapool.lifecycle.keys``)
-    max_prompt_bytes: NonNegative = DEFAULT_MAX_PROMPT_BYTES
-    max_n: NonNegative = DEFAULT_MAX_N
+    max_prompt_bytes: Limit = DEFAULT_MAX_PROMPT_BYTES
+    max_n: Limit = DEFAULT_MAX_N
     max_body_bytes: int | None = None
-    max_prompts: NonNegative = 128
+    max_prompts: Limit = 128
     max_stop: Annotated[int, Meta(ge=0, le=MAX_STOP)] = 4
     result_timeout_s: Timeout = 600.0
     queue_timeout_s: Timeout = 300.0
-    redis_retries: NonNegative = 1
+    redis_retries: Limit = 1
     redis_timeout_s: RedisWait = 2.0
     redis_outage_s: RedisWait = 30.0
     auth: bool = True
