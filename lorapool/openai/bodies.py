@@ -20,15 +20,15 @@ from lorapool.bounds import (
     INT64_MAX,
     MAX_LOGIT_BIAS,
     MAX_MESSAGES,
+    MAX_NAME,
+    MAX_REQUEST_ID,
+    MAX_ROLE,
     Count,
     LogitBias,
     MinP,
     NonNegative,
     Penalty,
     RepetitionPenalty,
-    RequestId,
-    Role,
-    ShortName,
     StopString,
     StopStrings,
     Temperature,
@@ -45,6 +45,12 @@ from lorapool.openai.errors import APIError
 MAX_USER = 256
 INT64_MIN = -INT64_MAX - 1
 Int64 = Annotated[int, Meta(ge=INT64_MIN, le=INT64_MAX)]  # vLLM's API: seed, priority
+# A message's role and names, a job's request_id: the lengths of bounds.Role, ShortName
+# and RequestId; their patterns (no NUL, no braces: msgspec matches a pattern with a
+# regex, 0.4 us a string) are left to the job boundary, which every job meets anyway.
+RoleText = Annotated[str, Meta(min_length=1, max_length=MAX_ROLE)]
+NameText = Annotated[str, Meta(min_length=1, max_length=MAX_NAME)]
+RequestIdText = Annotated[str, Meta(min_length=1, max_length=MAX_REQUEST_ID)]
 TokenBias = Annotated[
     dict[Annotated[str, Meta(pattern="^[0-9]{1,10}$", description="a token id")], LogitBias],
     Meta(max_length=MAX_LOGIT_BIAS),
@@ -123,14 +129,14 @@ class TextPart(Struct, forbid_unknown_fields=True):
 class Message(Struct, kw_only=True, forbid_unknown_fields=True):
     """One chat message (its fields as ``lorapool.messages`` checks them)."""
 
-    role: Role
+    role: RoleText
     content: (
         Annotated[str | list[str | TextPart], Meta(description="text, or parts of type text")]
         | None
     ) = None
-    name: ShortName | None = None
+    name: NameText | None = None
     tool_calls: list[dict[str, Any]] | None = None
-    tool_call_id: ShortName | None = None
+    tool_call_id: NameText | None = None
     # a reply's fields that a client sends back with it (openai's
     # ``messages.append(completion.choices[0].message)``): dropped, they never reach the model
     refusal: Any = None
@@ -144,13 +150,16 @@ class Message(Struct, kw_only=True, forbid_unknown_fields=True):
         parts joined."""
         out: dict[str, Any] = {"role": self.role}
         content = self.content
-        if isinstance(content, list):
+        if content.__class__ is list:
             content = "".join(p if isinstance(p, str) else p.text for p in content)
         if content is not None:
             out["content"] = content
-        for name in ("name", "tool_calls", "tool_call_id"):
-            if (value := getattr(self, name)) is not None:
-                out[name] = value
+        if self.name is not None:
+            out["name"] = self.name
+        if self.tool_calls is not None:
+            out["tool_calls"] = self.tool_calls
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
         return out
 
 
@@ -179,7 +188,7 @@ class ChatRequest(_Streamed, kw_only=True):
 RETRY = "the client's own id: a retry finds the same job"
 WEBHOOK = "a webhook URL (http or https) POSTed the result, signed, once it is stored"
 _JOB = [
-    ("request_id", Annotated[RequestId, Meta(description=RETRY)] | None, None),
+    ("request_id", Annotated[RequestIdText, Meta(description=RETRY)] | None, None),
     ("on_finish", Annotated[str, Meta(max_length=MAX_ON_FINISH, description=WEBHOOK)] | None, None),
 ]
 _JOB_DOC = "POST /v1/jobs: one {} (no stream), read back through /v1/jobs/{{id}}."

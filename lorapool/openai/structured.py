@@ -28,7 +28,10 @@ _GIVEN = attrgetter(*PARAMETERS)
 def structured_of(request) -> tuple[StructuredOutputsParams | None, str | None]:
     """(the constraint of ``request``, a ``bodies`` Struct; the parameter it came from);
     (None, None) without one."""
-    given = [name for name, value in zip(PARAMETERS, _GIVEN(request)) if value is not None]
+    values = _GIVEN(request)
+    if values.count(None) == len(PARAMETERS):  # (most requests: at once)
+        return None, None
+    given = [name for name, value in zip(PARAMETERS, values) if value is not None]
     if request.response_format is not None and _is_text(request.response_format):
         given.remove("response_format")
     if len(given) > 1:
