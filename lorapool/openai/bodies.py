@@ -57,6 +57,31 @@ TokenBias = Annotated[
 ]
 
 
+class JsonSchema(Struct, kw_only=True):
+    """OpenAI's ``json_schema``: the JSON schema the reply follows; ``strict`` closes
+    every object of it to unlisted properties (OpenAI's strict mode)."""
+
+    schema: dict[str, Any] = msgspec.field(default_factory=dict)
+    name: str | None = None
+    description: str | None = None
+    strict: bool | None = None
+
+
+class TextFormat(Struct, tag="text", tag_field="type"):
+    """Plain text: no constraint."""
+
+
+class JsonObjectFormat(Struct, tag="json_object", tag_field="type"):
+    """Any JSON object."""
+
+
+class JsonSchemaFormat(Struct, tag="json_schema", tag_field="type"):
+    json_schema: JsonSchema
+
+
+ResponseFormat = TextFormat | JsonObjectFormat | JsonSchemaFormat
+
+
 class _Body(Struct, kw_only=True, forbid_unknown_fields=True):
     """What every generation body may carry: the pool's sampling parameters (vLLM's)."""
 
@@ -86,7 +111,7 @@ class _Body(Struct, kw_only=True, forbid_unknown_fields=True):
     ) = None
     priority: Annotated[Int64, Meta(description="above 0: the batch stream")] | None = None
     # structured outputs (checked and compiled by ``structured.structured_of``)
-    response_format: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
     structured_outputs: dict[str, Any] | None = None
     guided_json: str | dict[str, Any] | None = None
     guided_regex: str | None = None

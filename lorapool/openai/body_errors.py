@@ -43,9 +43,11 @@ def invalid(message: str, body: Any, kind: type) -> APIError:
     if param in _INERT and len(steps) == 1:
         return bad_request(f"{param} is not supported, got {short_repr(value)}", param)
     wanted = _type_at(mi.type_info(kind), steps)
+    if wanted is None and text.startswith("Invalid value"):  # a tag: the kind of an object
+        wanted = _tags(_type_at(mi.type_info(kind), steps[:-1]), steps[-1])
     if key and isinstance(dict_type := _concrete(wanted, _VALUE), mi.DictType):
         where, wanted, value = f"{where} keys", dict_type.key_type, _MISSING
-    if wanted is None or not text.startswith(("Expected", "Invalid enum")):
+    if wanted is None or not text.startswith(("Expected", "Invalid enum", "Invalid value")):
         return bad_request(f"{where}: {text[:1].lower()}{text[1:]}", param)
     got = "" if value is _MISSING else f", got {short_repr(value)}"
     return bad_request(f"{where} must be {describe(_member(wanted, value))}{got}", param)
@@ -92,14 +94,27 @@ def _type_at(info: mi.Type, steps: list) -> mi.Type | None:
 
 
 def _concrete(info: mi.Type, step: Any) -> mi.Type:
-    """``info`` without its description, and the member of a union that ``step`` enters."""
-    while isinstance(info, mi.Metadata):
-        info = info.type
-    if isinstance(info, mi.UnionType):
-        enters = mi.StructType if isinstance(step, str) and step != _VALUE else mi.ListType
-        enters = mi.DictType if step == _VALUE else enters
-        return next((m for m in _members(info) if isinstance(m, enters)), info)
-    return info
+    """``info`` without its description, and the member of a union that ``step`` enters
+    (of several objects, the one with that field)."""
+    info = _plain(info)
+    if not isinstance(info, mi.UnionType):
+        return info
+    if step == _VALUE:
+        enters = [m for m in _members(info) if isinstance(m, mi.DictType)]
+    elif isinstance(step, str):
+        enters = [m for m in _members(info) if isinstance(m, mi.StructType)]
+        enters = [m for m in enters if any(f.name == step for f in m.fields)] or enters
+    else:
+        enters = [m for m in _members(info) if isinstance(m, mi.ListType)]
+    return enters[0] if enters else info
+
+
+def _tags(info: mi.Type | None, field: Any) -> mi.Type | None:
+    """The values ``field`` may take as the tag of the objects of a union ``info``."""
+    info = _plain(info) if info is not None else None
+    members = _members(info) if isinstance(info, mi.UnionType) else []
+    tags = [m.tag for m in members if isinstance(m, mi.StructType) and m.tag_field == field]
+    return mi.LiteralType(tuple(tags)) if tags else None
 
 
 def _members(union: mi.UnionType) -> list[mi.Type]:
@@ -161,11 +176,13 @@ def describe(info: mi.Type, plural: bool = False) -> str:
     info = _plain(info)
     if isinstance(info, mi.UnionType):
         members = [m for m in _members(info) if not isinstance(m, mi.NoneType)]
-        return " or ".join(describe(m, plural) for m in members)
+        return " or ".join(dict.fromkeys(describe(m, plural) for m in members))
     if isinstance(info, mi.LiteralType):
         return "one of " + ", ".join(map(repr, info.values))
     if isinstance(info, mi.NoneType):
         return "null"
+    if isinstance(info, mi.StructType) and info.tag is not None:
+        return f"{'objects' if plural else 'an object'} of {info.tag_field} {info.tag!r}"
     one, many = _NOUNS.get(type(info), ("a value", "values"))
     noun = many if plural else one
     if getattr(info, "min_length", None) == 1:

@@ -11,8 +11,9 @@ from __future__ import annotations
 from operator import attrgetter
 from typing import Any
 
+from lorapool.openai.bodies import JsonObjectFormat, JsonSchemaFormat, TextFormat
 from lorapool.openai.errors import bad_request
-from lorapool.protocol import FieldError, short_repr
+from lorapool.protocol import FieldError
 from lorapool.structured import StructuredOutputsParams, check_grammar
 
 GUIDED = {
@@ -32,7 +33,7 @@ def structured_of(request) -> tuple[StructuredOutputsParams | None, str | None]:
     if values.count(None) == len(PARAMETERS):  # (most requests: at once)
         return None, None
     given = [name for name, value in zip(PARAMETERS, values) if value is not None]
-    if request.response_format is not None and _is_text(request.response_format):
+    if isinstance(request.response_format, TextFormat):
         given.remove("response_format")
     if len(given) > 1:
         raise bad_request(f"give one of {', '.join(given)}, not several", given[1])
@@ -50,10 +51,6 @@ def structured_of(request) -> tuple[StructuredOutputsParams | None, str | None]:
     return params, name
 
 
-def _is_text(response_format: Any) -> bool:
-    return isinstance(response_format, dict) and response_format.get("type") == "text"
-
-
 def _params(name: str, value: Any, whitespace: Any) -> StructuredOutputsParams:
     extra = {} if whitespace is None else {"whitespace_pattern": whitespace}
     if name == "response_format":
@@ -63,25 +60,11 @@ def _params(name: str, value: Any, whitespace: Any) -> StructuredOutputsParams:
     return StructuredOutputsParams(**{GUIDED[name]: value}, **extra)
 
 
-def _response_format(value: Any) -> StructuredOutputsParams:
+def _response_format(value: JsonObjectFormat | JsonSchemaFormat) -> StructuredOutputsParams:
     """OpenAI's ``{"type": "json_object"}`` or ``{"type": "json_schema", "json_schema":
-    {"name", "schema", "strict", "description"}}``."""
-    kind = value.get("type") if isinstance(value, dict) else None
-    if kind == "json_object":
+    {"name", "schema", "strict", "description"}}`` (their shapes: ``bodies``)."""
+    if isinstance(value, JsonObjectFormat):
         return StructuredOutputsParams(json_object=True)
-    if kind != "json_schema":
-        raise FieldError(
-            "type must be 'text', 'json_object' or 'json_schema', got "
-            f"{short_repr(kind if isinstance(value, dict) else value)}"
-        )
-    spec = value.get("json_schema")
-    if not isinstance(spec, dict):
-        raise FieldError(f"json_schema must be an object, got {short_repr(spec)}")
-    schema = spec.get("schema", {})
-    if not isinstance(schema, dict):
-        raise FieldError(f"json_schema.schema must be an object, got {short_repr(schema)}")
-    strict = spec.get("strict")
-    if strict is not None and not isinstance(strict, bool):
-        raise FieldError(f"json_schema.strict must be true or false, got {short_repr(strict)}")
-    # strict: OpenAI's strict mode, which closes every object to unlisted properties
-    return StructuredOutputsParams(json=schema, disable_additional_properties=bool(strict))
+    spec = value.json_schema
+    strict = bool(spec.strict)
+    return StructuredOutputsParams(json=spec.schema, disable_additional_properties=strict)
