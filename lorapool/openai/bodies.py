@@ -188,6 +188,20 @@ class Message(Struct, kw_only=True, forbid_unknown_fields=True):
         return out
 
 
+class FunctionName(Struct):
+    name: Annotated[str, Meta(min_length=1)]
+
+
+class NamedToolChoice(Struct):
+    """The function of ``tools`` the reply calls."""
+
+    type: Literal["function"]
+    function: FunctionName
+
+
+# none: the reply is content; auto (the default with tools): the model's text parsed for
+# calls; required: calls forced (``tools.ToolRequest``)
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 Messages = Annotated[list[Message], Meta(min_length=1, max_length=MAX_MESSAGES)]
 
 
@@ -206,7 +220,7 @@ class ChatRequest(_Streamed, kw_only=True):
     logprobs: bool | None = None
     top_logprobs: NonNegative | None = None
     tools: list[dict[str, Any]] | None = None  # checked by ``tools.tools_of``
-    tool_choice: str | dict[str, Any] | None = None
+    tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import Any
 
+import msgspec
 from msgspec import UNSET
 
 from lorapool.egress import EgressRefused, split_url
@@ -85,7 +86,9 @@ def _sampling(request, extra: dict[str, Any], names: dict[str, str]) -> Sampling
     constraint, name = structured_of(request)
     if constraint is not None and "structured_outputs" in values:
         raise bad_request(
-            f"{name} cannot be combined with tool_choice={request.tool_choice!r}", name
+            f"{name} cannot be combined with tool_choice="
+            f"{msgspec.to_builtins(request.tool_choice)!r}",
+            name,
         )
     if constraint is not None:
         values["structured_outputs"] = constraint

@@ -14,12 +14,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lorapool.messages import check_tools
+from lorapool.openai.bodies import NamedToolChoice, ToolChoice
 from lorapool.openai.errors import bad_request
-from lorapool.protocol import FieldError, short_repr
+from lorapool.protocol import FieldError
 from lorapool.structured import StructuredOutputsParams, check_grammar
 from lorapool.tool_calls import ToolCall, parse_tool_calls, required_schema, scan_required
-
-MODES = ("none", "auto", "required")
 
 
 @dataclass
@@ -68,16 +67,10 @@ def tools_of(request, max_bytes: int, parser: str) -> ToolRequest | None:
     return wanted
 
 
-def _mode(choice: Any, tools: list[dict[str, Any]]) -> tuple[str, str | None]:
-    if choice is None or choice in MODES:
+def _mode(choice: ToolChoice | None, tools: list[dict[str, Any]]) -> tuple[str, str | None]:
+    if not isinstance(choice, NamedToolChoice):
         return choice or "auto", None
-    name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
-    if not (isinstance(choice, dict) and choice.get("type") == "function" and name):
-        raise bad_request(
-            "tool_choice must be 'none', 'auto', 'required' or "
-            f"{{'type': 'function', 'function': {{'name': ...}}}}, got {short_repr(choice)}",
-            "tool_choice",
-        )
+    name = choice.function.name
     if name not in {t["function"]["name"] for t in tools}:
         raise bad_request(f"tool_choice names {name!r}, which is not in tools", "tool_choice")
     return "named", name
