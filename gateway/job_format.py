@@ -91,10 +91,12 @@ def chunk_event(chunk: Chunk, public_id: str | None = None) -> dict[str, Any]:
         ],
         "finished": chunk.finished,
     }
-    for name in ("error", "worker", "lora_request"):
+    for name in ("error", "worker"):
         value = getattr(chunk, name)
         if value is not None:
             event[name] = value
+    if chunk.lora_request is not None:
+        event["lora_request"] = chunk.lora_request.to_dict()
     if public_id is not None:
         event.pop("worker", None)
         if isinstance(event.get("lora_request"), dict):

@@ -6,9 +6,8 @@ import time
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from msgspec.structs import replace
-
 import msgspec
+from msgspec.structs import replace
 
 from lorapool.lifecycle.accumulator import Accumulator
 from lorapool.lifecycle.adapter_record import AdapterRecord
@@ -121,7 +120,7 @@ def _chunk(held: Held, seq: int, offset: int, outputs: list, finished: bool, err
     if lora is not None:
         chunk.adapter_id = lora.lora_int_id
         if seq == 0 or finished:
-            chunk.lora_request = lora.to_dict()
+            chunk.lora_request = lora
     return chunk
 
 

@@ -17,8 +17,6 @@ scripts that look for ``"f": 1`` included) read both. Torch-free.
 
 from __future__ import annotations
 
-from typing import Any
-
 import msgspec
 from msgspec.structs import replace
 
@@ -83,7 +81,7 @@ class Chunk(msgspec.Struct, omit_defaults=True, kw_only=True, gc=False):
     outputs: list[Delta] = msgspec.field(name="c")
     finished: bool | int = msgspec.field(default=False, name="f")  # wire: 1; read: a bool
     adapter_id: int = msgspec.field(default=0, name="a")  # 0 = base model
-    lora_request: dict[str, Any] | None = msgspec.field(default=None, name="lora")
+    lora_request: LoRARequest | None = msgspec.field(default=None, name="lora")
     metrics: RequestMetrics | None = msgspec.field(default=None, name="m")
     worker: str | None = msgspec.field(default=None, name="w")
     error: str | None = msgspec.field(default=None, name="e")
@@ -104,7 +102,7 @@ class Chunk(msgspec.Struct, omit_defaults=True, kw_only=True, gc=False):
 
     def to_output(self) -> RequestOutput:
         """This chunk as a delta RequestOutput (completion texts and tokens are deltas)."""
-        lora = LoRARequest.from_dict(self.lora_request)
+        lora = self.lora_request
         return RequestOutput(
             self.request_id,
             self.prompt,

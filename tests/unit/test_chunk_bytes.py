@@ -99,7 +99,7 @@ def test_todays_reader_reads_them_and_writes_them_back_unchanged():
     assert [(d.index, second.offset_of(d), d.text) for d in second.outputs] == [(1, 2, "d")]
     assert [d.stop_reason for d in last.outputs] == [7, "END"] and last.finished is True
     assert first.prompt_token_ids == [5, 6, 7] and first.prompt_logprobs[1] == [[6, -0.25, 1, "x"]]
-    assert last.metrics.num_generated_tokens == 6 and last.lora_request["lora_int_id"] == 3
+    assert last.metrics.num_generated_tokens == 6 and last.lora_request.lora_int_id == 3
     whole = decode_result(FINAL, "r-64")
     assert [d.text for d in whole.outputs] == ["ae", "bcdf"] and whole.offset_of(
         whole.outputs[1]

@@ -12,7 +12,7 @@ from lorapool.protocol import LoRARequest, SamplingParams
 
 def _chunk(seq, tokens, text, finished=False):
     out = Delta(text=text, token_ids=tokens, finish_reason="length" if finished else None)
-    lora = {"lora_name": "a", "lora_int_id": 3, "lora_path": "/a", "base_model_name": None}
+    lora = LoRARequest("a", 3, "/a")
     return Chunk(
         request_id="r1",
         seq=seq,
