@@ -37,6 +37,11 @@ CASES = [
     (CHAT, {"messages": [{"content": "x"}]}, "messages", ["messages[0].role is required"]),
     (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages",
      ["messages[0].content[0].type must be one of 'text', got 'image_url'"]),
+    (CHAT, {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "often"},
+     "tool_choice", ["tool_choice must be one of 'auto', 'none', 'required' or an object"]),
+    (CHAT, {"tools": [{"type": "function", "function": {"name": "f"}}],
+            "tool_choice": {"type": "function", "function": {"name": "g"}}},
+     "tool_choice", ["tool_choice names 'g', which is not in tools"]),
     (CHAT, {"top_logprobs": -1}, "top_logprobs", ["top_logprobs must be an integer in [0, "]),
     (CHAT, {"model": None}, "model", ["model must be a non-empty string, got None"]),
 ]  # fmt: skip
