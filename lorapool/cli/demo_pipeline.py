@@ -235,7 +235,8 @@ def stream_one(handle, prompt: str, console: Console, workers) -> None:
                 last = chunk.seq
                 console.print(chunk.outputs[0].text, end="", highlight=False, soft_wrap=True)
                 if chunk.finished:
-                    adapter = (chunk.lora_request or {}).get("lora_name", "base model")
+                    lora = chunk.lora_request
+                    adapter = "base model" if lora is None else lora.lora_name
                     console.print(f"\n[dim]({adapter}, served by {chunk.worker})[/]")
                     console.rule()
                     return
