@@ -1,0 +1,126 @@
+"""The audit writer's CPU a row, its own and its database backends': the measure that
+still tells two versions apart on a loaded two-core machine, where rows/s follows the
+load (RESULTS.md, helper 71: whole-fill rates of one code varied 1.5x at load 3-8).
+
+``--rows`` ``audit_scale`` records are put on a stream of their own first (``--pre``
+more are drained before, untimed), then one ``AuditWriter`` drains them into a fresh
+schema. Reported: rows/s, wall a row, the writer process's CPU a row
+(``time.process_time``: its prefetch thread included), the CPU a row of the server
+backends connected to the schema's database (``/proc/<pid>/stat``: the server must run
+on this machine, and the database should be the benchmark's own, or other sessions'
+backends count too), the load average. Run it from a base's and a head's checkout in
+turn, alternated. The schema and the Redis keys are removed at the end.
+
+    .venv/bin/python benchmarks/_audit_writer_cpu.py --rows 20000 \
+        --pg-url postgresql+psycopg://postgres@127.0.0.1:5432/bench71
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import uuid
+
+import redis
+from sqlalchemy import create_engine, make_url, text
+
+sys.path.insert(0, os.path.dirname(__file__))
+from audit_scale import KEY, feed  # noqa: E402
+
+from lorapool.audit_db import (  # noqa: E402
+    AuditWriter,
+    DatabaseConfig,
+    WriterConfig,
+    create_audit_engine,
+    migrate,
+)
+from lorapool.audit_db.writer_config import own_the_collector  # noqa: E402
+from lorapool.lifecycle.keys import Keys  # noqa: E402
+
+
+def backends_cpu_s(admin, database: str) -> float:
+    """CPU seconds of the server backends connected to ``database`` (not this one)."""
+    with admin.connect() as conn:
+        pids = conn.execute(
+            text(
+                "SELECT pid FROM pg_stat_activity WHERE datname = :db AND pid <> pg_backend_pid()"
+            ),
+            {"db": database},
+        ).scalars()
+        total = 0
+        for pid in pids:
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:  # a backend that ended meanwhile
+                continue
+            total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def drain(writer: AuditWriter, rows: int) -> None:
+    while writer.stats.rows_written < rows:
+        writer.step(block=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=20_000, help="records drained, timed")
+    parser.add_argument("--pre", type=int, default=0, help="records drained first, untimed")
+    parser.add_argument("--no-prefetch", action="store_true")
+    parser.add_argument(
+        "--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
+    )
+    parser.add_argument(
+        "--pg-url",
+        default=os.environ.get(
+            "LORAPOOL_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+        ),
+    )
+    args = parser.parse_args()
+    run = uuid.uuid4().hex[:8]
+    schema, keys = f"bench_writer_cpu_{run}", Keys(f"bench-writer-cpu-{run}")
+    admin = create_engine(args.pg_url)
+    database = make_url(args.pg_url).database
+    with admin.begin() as conn:
+        conn.execute(text(f'CREATE SCHEMA "{schema}"'))
+    engine = create_audit_engine(DatabaseConfig(url=args.pg_url, schema=schema))
+    conn = redis.Redis.from_url(args.redis_url)
+    try:
+        migrate(engine)
+        config = WriterConfig(
+            prefix=keys.prefix, consumer="cpu", audit_key=KEY, prefetch=not args.no_prefetch
+        )
+        writer = AuditWriter(conn, engine, config)
+        writer.ensure_group()
+        own_the_collector()  # as `lorapool audit-writer` does
+        end, total = time.time(), args.pre + args.rows
+        if args.pre:
+            feed(args.redis_url, keys.audit, keys.prefix, 0, args.pre, end, 90.0, args.pre)
+            drain(writer, args.pre)
+        feed(args.redis_url, keys.audit, keys.prefix, args.pre, total, end, 90.0, total)
+        load = os.getloadavg()[0]
+        server, cpu = backends_cpu_s(admin, database), time.process_time()
+        began = time.perf_counter()
+        drain(writer, total)
+        wall = time.perf_counter() - began
+        cpu, server = time.process_time() - cpu, backends_cpu_s(admin, database) - server
+        n = writer.stats.rows_written - args.pre
+        print(
+            f"rows/s {n / wall:,.0f}  wall {1e6 * wall / n:.0f} µs a row  "
+            f"writer CPU {1e6 * cpu / n:.0f}  server CPU {1e6 * server / n:.0f}  "
+            f"load {load:.2f} -> {os.getloadavg()[0]:.2f}"
+        )
+    finally:
+        engine.dispose()
+        with admin.begin() as c:
+            c.execute(text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
+        admin.dispose()
+        for key in conn.scan_iter(match=keys.pattern):
+            conn.delete(key)
+
+
+if __name__ == "__main__":
+    main()
