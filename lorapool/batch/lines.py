@@ -1,5 +1,6 @@
 """One line of a batch input file, checked: OpenAI's ``custom_id``, ``method``, ``url``,
-``body``; the body through the gateway's own parser and the job boundary
+``body`` as the Struct ``Line`` (msgspec, worded as the OpenAI bodies' errors are:
+``body_errors``); the body through the gateway's own parser and the job boundary
 (``wire.job_from_dict`` via ``build_job``), so a batch line is refused exactly when
 the same request over HTTP would be."""
 
@@ -7,22 +8,39 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any, Literal
 
-import orjson
+import msgspec
+from msgspec import Meta, Struct
 
 from lorapool.lifecycle.submit import build_job
 from lorapool.lifecycle.wire import JobLimits
+from lorapool.openai.body_errors import invalid
 from lorapool.openai.errors import APIError, field_error
 from lorapool.openai.limits import check_stop_count
 from lorapool.openai.params import Parsed, parse_chat, parse_completion
 from lorapool.protocol import FieldError, short_repr
 
 ENDPOINTS = {"/v1/completions": "completion", "/v1/chat/completions": "chat"}
-LINE_FIELDS = {"custom_id", "method", "url", "body"}
+Endpoint = Literal[tuple(ENDPOINTS)]  # the urls a line may name
 MAX_LINE_BYTES = 1 << 20
 MAX_CUSTOM_ID = 64
 MAX_ERRORS = 1000  # reasons kept for one file; the count goes on
+
+
+class Line(Struct, forbid_unknown_fields=True):
+    """A line of the input file as OpenAI's Batch API writes it; ``body`` is kept as
+    its JSON text for the endpoint's own body parser (``parse_chat``,
+    ``parse_completion``). Braces and NUL in ``custom_id`` are refused beside it
+    (``_custom_id``): a pattern's message would name a regex."""
+
+    custom_id: Annotated[str, Meta(min_length=1, max_length=MAX_CUSTOM_ID)]
+    method: Literal["POST"]
+    url: Endpoint
+    body: msgspec.Raw
+
+
+_decode = msgspec.json.Decoder(Line).decode
 
 
 class LineError(ValueError):
@@ -56,33 +74,22 @@ def parse_line(number: int, raw: bytes, batch_id: str, limits: JobLimits) -> Bat
     if len(raw) > MAX_LINE_BYTES:
         raise LineError(f"the line is over {MAX_LINE_BYTES} bytes")
     try:
-        record = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
+        record = _decode(raw)
+    except msgspec.ValidationError as exc:
+        error = invalid(str(exc), raw, Line)
+        if error.param is None:  # not an object: worded for a line, not a request body
+            raise LineError(error.message.replace("the request body", "a line", 1)) from None
+        raise LineError(error.message, error.param) from None
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:  # msgspec's for bad UTF-8
         raise LineError(f"not valid JSON: {exc}") from None
-    if not isinstance(record, dict):
-        raise LineError(f"a line must be a JSON object, got {short_repr(record)}")
-    unknown = sorted(str(k) for k in set(record) - LINE_FIELDS)
-    if unknown:
-        raise LineError(f"unknown field {short_repr(unknown[0])}", unknown[0])
-    custom_id = _custom_id(record.get("custom_id"))
-    if record.get("method") != "POST":
-        raise LineError(f"method must be 'POST', got {short_repr(record.get('method'))}", "method")
-    url = record.get("url")
-    if not isinstance(url, str) or url not in ENDPOINTS:
-        raise LineError(f"url must be one of {sorted(ENDPOINTS)}, got {short_repr(url)}", "url")
-    parsed = _parse_body(record.get("body"), ENDPOINTS[url])
-    line = BatchLine(number, custom_id, url, parsed)
+    custom_id = _custom_id(record.custom_id)
+    parsed = _parse_body(memoryview(record.body), ENDPOINTS[record.url])
+    line = BatchLine(number, custom_id, record.url, parsed)
     _check_job(line, batch_id, limits)
     return line
 
 
-def _custom_id(value: Any) -> str:
-    if not isinstance(value, str) or not 0 < len(value) <= MAX_CUSTOM_ID:
-        raise LineError(
-            f"custom_id must be a string of 1 to {MAX_CUSTOM_ID} characters, "
-            f"got {short_repr(value)}",
-            "custom_id",
-        )
+def _custom_id(value: str) -> str:
     if any(c in value for c in "{}\x00"):
         raise LineError(
             f"custom_id must not hold braces or NUL, got {short_repr(value)}", "custom_id"
@@ -103,6 +110,8 @@ def _parse_body(body: Any, kind: str) -> Parsed:
         parsed = parse_chat(body) if kind == "chat" else parse_completion(body, 1)
     except APIError as exc:
         raise LineError(exc.message, f"body.{exc.param}" if exc.param else "body") from None
+    except UnicodeDecodeError as exc:  # msgspec's for bad UTF-8 in a string
+        raise LineError(f"not valid JSON: {exc}", "body") from None
     if parsed.stream:
         raise LineError("a batch line cannot stream", "body.stream")
     return parsed

@@ -1,9 +1,11 @@
 """Checking a batch input file, no server: every bad line is reported with its number
 and the field at fault, and nothing else is."""
 
+import json
 import uuid
 
 import orjson
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -160,3 +162,56 @@ def test_stop_strings_meet_the_gateways_max_stop():
     assert "at most 2 strings" in narrow.errors[0]["message"]
     one = check_file(iter([line("c", stop="one")]), "b", MODELS.__contains__, max_stop=1)
     assert one.errors == []
+
+
+def _with(**fields) -> bytes:
+    record = {**orjson.loads(line("a")), **fields}
+    return json.dumps(record).encode()  # the standard library's: it writes ints past 64 bits
+
+
+@pytest.mark.parametrize(
+    ("raw", "param", "words"),
+    [
+        (b"[1, 2]", None, "a line must be a JSON object, got [1, 2]"),
+        (b'{"custom_id": NaN}', None, "not valid JSON"),
+        (b'{"custom_id": "\xff"}', None, "not valid JSON"),  # not UTF-8
+        (
+            line("a", model="MARK").replace(b"MARK", b"\xff"),
+            "body",
+            "not valid JSON",
+        ),  # in the body
+        (_with(custom_id=True), "custom_id", "at most 64 characters, got True"),
+        (_with(custom_id=2**70), "custom_id", f"got {2**70}"),
+        (_with(custom_id=""), "custom_id", "non-empty string"),
+        (_with(custom_id="x" * 65), "custom_id", "at most 64 characters"),
+        (_with(custom_id="a{b}"), "custom_id", "must not hold braces or NUL"),
+        (_with(method="post"), "method", "method must be one of 'POST', got 'post'"),
+        (_with(method=None), "method", "got None"),
+        (_with(url="/v1/completions/"), "url", "got '/v1/completions/'"),
+        (_with(url=["/v1/completions"]), "url", "url must be one of"),
+        (_with(body=None), "body", "must be a JSON object, got None"),
+        (_with(body=[1]), "body", "got [1]"),
+        (
+            _with(body={"model": "ad-1", "prompt": "x", "max_tokens": True}),
+            "body.max_tokens",
+            "True",
+        ),
+        (_with(body={"model": "ad-1", "prompt": "x", "n": 2**70}), "body.n", f"got {2**70}"),
+        (_with(**{"custom_id\x00": 1}), "custom_id\x00", "unknown parameter"),
+    ],
+)
+def test_a_hostile_line_is_refused_naming_its_field(raw, param, words):
+    """Wrong types, bools for ints, ints past 64 bits, NaN, bytes that are not UTF-8, NUL
+    and unknown fields: each refused with the line's number and the field at fault."""
+    (error,) = check([raw]).errors
+    assert error["param"] == param and error["message"].startswith("line 1: "), error
+    assert words in error["message"], error
+
+
+def test_a_missing_field_is_named_and_unicode_ids_pass():
+    record = orjson.loads(line("a"))
+    for name in ("custom_id", "method", "url", "body"):
+        without = orjson.dumps({k: v for k, v in record.items() if k != name})
+        (error,) = check([without]).errors
+        assert (error["param"], error["message"]) == (name, f"line 1: {name} is required")
+    assert check([line("é中-\u200b")]).errors == []
