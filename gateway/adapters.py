@@ -14,13 +14,13 @@ import asyncio
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
+from msgspec import Meta, Struct
 
 from lorapool.gateway.auth import Principal, require
-from lorapool.gateway.body import read_json
+from lorapool.gateway.body import read_struct
 from lorapool.gateway.json import JSON
 from lorapool.openai.errors import APIError, bad_request, model_not_found
 from lorapool.producer.registry import NameRefused
-from lorapool.protocol import short_repr
 
 router = APIRouter(prefix="/v1", tags=["adapter administration"])
 Admin = Annotated[Principal, Depends(require("admin"))]
@@ -33,26 +33,33 @@ def _enabled(request: Request):
     return pool
 
 
-async def _fields(request: Request, names: tuple[str, ...]) -> dict[str, Any]:
-    body = await read_json(request, 64 << 10)
-    if not isinstance(body, dict):
-        raise bad_request(f"the body must be an object, got {short_repr(body)}", None)
-    unknown = sorted(set(body) - set(names) - {"lora_int_id", "load_inplace"})
-    if unknown:
-        raise bad_request(f"unknown parameter {short_repr(unknown[0])}", str(unknown[0]))
-    for name in names:
-        if not isinstance(body.get(name), str) or not body[name]:
-            raise bad_request(f"{name} must be a non-empty string", name)
-    return body
+# the name's rule and the folder's are the registry's (``NameRefused``, ValueError)
+Text = Annotated[str, Meta(min_length=1)]
+MAX_BODY = 64 << 10
+
+
+class UnloadAdapter(Struct, kw_only=True, forbid_unknown_fields=True):
+    """vLLM's unload body; its ``lora_int_id`` and ``load_inplace`` are taken and unused
+    (the registry names adapters and numbers them itself)."""
+
+    lora_name: Text
+    lora_int_id: Any = None
+    load_inplace: Any = None
+
+
+class LoadAdapter(UnloadAdapter, kw_only=True, forbid_unknown_fields=True):
+    """vLLM's load body: the adapter's folder, readable by the workers."""
+
+    lora_path: Text
 
 
 @router.post("/load_lora_adapter", summary="Register an adapter (vLLM's body)")
 async def load_lora_adapter(request: Request, caller: Admin) -> JSON:
     pool = _enabled(request)
-    body = await _fields(request, ("lora_name", "lora_path"))
+    body = await read_struct(request, MAX_BODY, LoadAdapter)
     registry = pool.sync_registry()
     try:  # reads the weights for their sha256: off the event loop
-        record = await asyncio.to_thread(registry.add, body["lora_name"], body["lora_path"])
+        record = await asyncio.to_thread(registry.add, body.lora_name, body.lora_path)
     except NameRefused as exc:
         raise bad_request(str(exc), "lora_name") from None
     except ValueError as exc:  # the folder: outside the roots, no weights, no config
@@ -63,8 +70,8 @@ async def load_lora_adapter(request: Request, caller: Admin) -> JSON:
 @router.post("/unload_lora_adapter", summary="Remove an adapter from the registry")
 async def unload_lora_adapter(request: Request, caller: Admin) -> JSON:
     pool = _enabled(request)
-    body = await _fields(request, ("lora_name",))
-    removed = await asyncio.to_thread(pool.sync_registry().remove, body["lora_name"])
+    body = await read_struct(request, MAX_BODY, UnloadAdapter)
+    removed = await asyncio.to_thread(pool.sync_registry().remove, body.lora_name)
     if not removed:
-        raise model_not_found(body["lora_name"])
-    return JSON({"status": "unloaded", "lora_name": body["lora_name"]})
+        raise model_not_found(body.lora_name)
+    return JSON({"status": "unloaded", "lora_name": body.lora_name})

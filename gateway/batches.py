@@ -23,14 +23,25 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Form, Request, UploadFile
 from fastapi.responses import StreamingResponse
+from msgspec import Struct
 
 from lorapool.gateway.auth import Principal, require
-from lorapool.gateway.body import read_json
+from lorapool.gateway.body import read_struct
 from lorapool.gateway.json import JSON
 from lorapool.openai.errors import APIError
 
 router = APIRouter(prefix="/v1", tags=["batches"])
 Submitter = Annotated[Principal, Depends(require("submit"))]
+
+
+class CreateBatch(Struct, kw_only=True, forbid_unknown_fields=True):
+    """OpenAI's ``batches.create`` body; which endpoints and windows exist, and that the
+    file is the caller's, the service checks (``BatchService.create``, the CLI's too)."""
+
+    input_file_id: str
+    endpoint: str
+    completion_window: str = "24h"
+    metadata: dict[str, str] | None = None
 
 
 def _service(request: Request):
@@ -114,17 +125,8 @@ async def _iterate(lines):
 async def create_batch(request: Request, caller: Submitter) -> JSON:
     _unrestricted(caller)
     await request.app.state.pool.check_rate(caller, 1, None, request)
-    body = await read_json(request, 1 << 20)
-    if not isinstance(body, dict):
-        raise APIError(400, "the request body must be a JSON object")
-    unknown = sorted(set(body) - {"input_file_id", "endpoint", "completion_window", "metadata"})
-    if unknown:
-        raise APIError(400, f"unknown parameter {unknown[0]!r}", unknown[0])
-    for name in ("input_file_id", "endpoint"):
-        if not isinstance(body.get(name), str):
-            raise APIError(400, f"{name} must be a string", name)
-    window = body.get("completion_window", "24h")
-    args = (body["input_file_id"], body["endpoint"], window, body.get("metadata"))
+    body = await read_struct(request, 1 << 20, CreateBatch)
+    args = (body.input_file_id, body.endpoint, body.completion_window, body.metadata)
     # its tenant and key id: into every line's job; its lines are paced by the key's limits
     args += (caller.metadata() or None,)
     return JSON(await _call(request, "create", *args))

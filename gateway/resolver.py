@@ -18,17 +18,24 @@ from pathlib import Path
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Request
+from msgspec import Struct
 
 from lorapool.gateway.auth import Principal, require
-from lorapool.gateway.body import read_json
+from lorapool.gateway.body import read_struct
 from lorapool.gateway.json import JSON
 from lorapool.lifecycle.adapter_record import AdapterRecord
-from lorapool.openai.errors import APIError, bad_request
+from lorapool.openai.errors import APIError
 from lorapool.producer.registry import WEIGHTS_FILE
 
 router = APIRouter(prefix="/v1", tags=["adapter administration"])
 Admin = Annotated[Principal, Depends(require("admin"))]
 OFF = b"off"
+
+
+class ResolverState(Struct, forbid_unknown_fields=True):
+    """POST /v1/lora_resolver's body."""
+
+    enabled: bool
 
 
 async def enabled(pool) -> bool:
@@ -72,14 +79,12 @@ async def resolver_state(request: Request, caller: Admin) -> JSON:
 @router.post("/lora_resolver", summary="Turn the LoRA resolver on or off for the pool")
 async def set_resolver(request: Request, caller: Admin) -> JSON:
     pool = request.app.state.pool
-    body = await read_json(request, 4096)
-    if not (isinstance(body, dict) and isinstance(body.get("enabled"), bool)):
-        raise bad_request("the body must be {'enabled': true|false}", "enabled")
+    body = await read_struct(request, 4096, ResolverState)
     if not pool.config.adapter_roots:
         raise APIError(409, "this gateway has no --adapter-root to resolve adapters from")
     key = pool.producer.keys.lora_resolver
-    if body["enabled"]:
+    if body.enabled:
         await pool.producer.redis.delete(key)
     else:
         await pool.producer.redis.set(key, OFF)
-    return JSON({"enabled": body["enabled"], "roots": list(pool.config.adapter_roots)})
+    return JSON({"enabled": body.enabled, "roots": list(pool.config.adapter_roots)})

@@ -70,6 +70,17 @@ def test_bad_batch_requests_are_refused_in_openai_shape(client, tmp_path):
         (b'{"input_file_id": "file-x", "endpoint": "/v1/completions", "extra": 1}', 400, "extra"),
         (b'{"input_file_id": 7, "endpoint": "/v1/completions"}', 400, "input_file_id"),
         (b'{"input_file_id": "file-x", "endpoint": "/v1/embeddings"}', 400, "endpoint"),
+        (b'{"endpoint": "/v1/completions"}', 400, "input_file_id"),
+        (b'{"input_file_id": "file-x", "endpoint": true}', 400, "endpoint"),
+        (b'{"input_file_id": "f\xff", "endpoint": "/v1/completions"}', 400, None),  # not UTF-8
+        (b'{"input_file_id": "file-x", "endpoint": "/v1/completions", "completion_window": 1e400}',
+         400, "completion_window"),
+        (b'{"input_file_id": "file-x", "endpoint": "/v1/completions", "completion_window": "1h"}',
+         400, "completion_window"),
+        (b'{"input_file_id": "file-x", "endpoint": "/v1/completions", "metadata": {"k": 1}}', 400,
+         "metadata"),
+        (b'{"input_file_id": "file-x", "endpoint": "/v1/completions", "metadata": [1]}', 400,
+         "metadata"),
         (b'{"input_file_id": "file-' + b"0" * 32 + b'", "endpoint": "/v1/completions"}', 404,
          "file_id"),
     ]  # fmt: skip

@@ -66,14 +66,50 @@ def test_load_list_unload(admin, producer):
         ({"lora_name": 5, "lora_path": "{root}/x"}, "lora_name"),
         ({"lora_name": "x"}, "lora_path"),
         ({"lora_name": "x", "lora_path": "{root}/x", "extra": 1}, "extra"),
+        ({"lora_name": True, "lora_path": "{root}/x"}, "lora_name"),
+        ({"lora_name": "", "lora_path": "{root}/x"}, "lora_name"),
+        ({"lora_name": "x", "lora_path": ["{root}/x"]}, "lora_path"),
+        ({"lora_name": "x", "lora_path": "{root}/x\x00y"}, "lora_path"),
+        ({"lora_name": "x\x00y", "lora_path": "{root}/x"}, "lora_name"),
+        ({"lora_name": "x", "lora_path": 2**70}, "lora_path"),
+        ([{"lora_name": "x"}], None),
     ],
 )
 def test_refusals_name_the_field(admin, body, param):
     url, root, key, _ = admin
-    body = {k: v.replace("{root}", str(root)) if isinstance(v, str) else v for k, v in body.items()}
+    if isinstance(body, dict):
+        body = {k: v.replace("{root}", str(root)) if isinstance(v, str) else v
+                for k, v in body.items()}  # fmt: skip
     response = post(url, "/v1/load_lora_adapter", body, key)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param
+
+
+@pytest.mark.parametrize(
+    ("path", "raw", "param", "words"),
+    [
+        ("/v1/unload_lora_adapter", b'{"lora_name": "x", "lora_path": "/x"}', "lora_path",
+         "unknown parameter 'lora_path'"),
+        ("/v1/unload_lora_adapter", b'{"lora_name": 5}', "lora_name",
+         "lora_name must be a non-empty string, got 5"),
+        ("/v1/unload_lora_adapter", b"{}", "lora_name", "lora_name is required"),
+        ("/v1/load_lora_adapter", b'{"lora_name": "\xff", "lora_path": "/x"}', None,
+         "not valid JSON"),
+        ("/v1/lora_resolver", b'{"enabled": 1}', "enabled", "enabled must be true or false, got 1"),
+        ("/v1/lora_resolver", b'{"enabled": "false"}', "enabled", "got 'false'"),
+        ("/v1/lora_resolver", b'{"enabled": true, "roots": []}', "roots", "unknown parameter"),
+        ("/v1/lora_resolver", b"null", None, "must be a JSON object, got None"),
+    ],
+)  # fmt: skip
+def test_admin_bodies_refused_naming_the_field(admin, path, raw, param, words):
+    """Wrong types, an int for a bool, unknown fields, bytes that are not UTF-8: each a
+    400 in OpenAI's shape naming the field (vLLM's bodies; the resolver's toggle)."""
+    url, _, key, _ = admin
+    headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+    response = httpx.post(f"{url}{path}", content=raw, headers=headers)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and words in error["message"], error
 
 
 def test_only_admins(admin):
