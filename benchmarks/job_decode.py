@@ -2,8 +2,8 @@
 
 Runs on any build (the same calls before and after the job became typed): times
 ``decode_job(payload, JobLimits())`` for a typical job (16 prompt token ids,
-``max_tokens=96``, an adapter, metadata), a chat job (4 messages) and a large one (a
-500 KB prompt), best of ``--rounds`` rounds of ``--number`` calls, and prints µs per
+``max_tokens=96``, an adapter, metadata), a chat job (4 messages) and large ones (a
+500 KB prompt, ASCII and not), best of ``--rounds`` rounds of ``--number`` calls, and prints µs per
 call as JSON. Alternate builds with ``PYTHONPATH=<tree> python benchmarks/job_decode.py``.
 """
 
@@ -27,6 +27,7 @@ def payloads() -> dict[str, bytes]:
         "typical": build_job({"prompt_token_ids": list(range(16))}, params, lora, None, meta),
         "chat": build_job(chat, params, lora, None, meta),
         "large": build_job("x" * 500_000, params, None, None, meta),
+        "large_utf8": build_job("é" * 250_000, params, None, None, meta),  # 500 KB too
     }
     return {name: encode_job(job) for name, job in jobs.items()}
 
@@ -38,7 +39,7 @@ def main() -> None:
     args = parser.parse_args()
     limits, out = JobLimits(), {}
     for name, payload in payloads().items():
-        number = max(1, args.number // 40) if name == "large" else args.number
+        number = max(1, args.number // 40) if name.startswith("large") else args.number
         times = timeit.repeat(
             lambda p=payload: decode_job(p, limits), number=number, repeat=args.rounds
         )

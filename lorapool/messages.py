@@ -142,7 +142,13 @@ def check_json_size(value: Any, what: str, limit: int, limit_name: str = "") -> 
 
 
 def utf8_size(text: str, what: str) -> int:
-    """Bytes of ``text`` in UTF-8; FieldError naming ``what`` for lone surrogates."""
+    """Bytes of ``text`` in UTF-8; FieldError naming ``what`` for lone surrogates.
+
+    ASCII text (CPython keeps the flag: O(1)) is its length, without encoding a copy:
+    a copy of a fresh megabyte string costs a worker hundreds of µs a job in page
+    faults (``benchmarks/job_decode.py``, a 500 KB prompt)."""
+    if text.isascii():
+        return len(text)
     try:
         return len(text.encode("utf-8"))
     except UnicodeEncodeError as exc:

@@ -139,7 +139,7 @@ def decode_job(payload: bytes | str | None, limits: JobLimits | None = None) -> 
     except msgspec.DecodeError as exc:
         _loads(payload, "job")  # says how it is malformed, where orjson finds it so
         raise ValueError(f"malformed job: {exc}") from None
-    return _check(job, limits or JobLimits())
+    return _check(job, limits or JobLimits(), from_json=True)
 
 
 def job_from_dict(data: Any, limits: JobLimits | None = None) -> Job:
@@ -182,14 +182,16 @@ def _check_version(version: Any) -> None:
         )
 
 
-def _check(job: Job, limits: JobLimits) -> Job:
+def _check(job: Job, limits: JobLimits, from_json: bool = False) -> Job:
     """What msgspec's types cannot say: the version, one prompt of a size, at most
-    ``max_n`` completions, the metadata's size; the defaults of what was null."""
+    ``max_n`` completions, the metadata's size; the defaults of what was null.
+    ``from_json``: decoded from JSON text, whose strings are valid Unicode (msgspec
+    refuses lone surrogates), which Python's need not be."""
     _check_version(job.version)
     try:
         job.messages = check_messages(job.messages, limits.max_prompt_bytes)
         job.tools = check_tools(job.tools, limits.max_prompt_bytes, job.messages is not None)
-        _check_prompt(job, limits)
+        _check_prompt(job, limits, from_json)
         if job.sampling_params is None:
             job.sampling_params = SamplingParams()
         n = job.sampling_params.n
@@ -211,7 +213,7 @@ def _check(job: Job, limits: JobLimits) -> Job:
 _BAD_ID = frozenset("{}\x00")
 
 
-def _check_prompt(job: Job, limits: JobLimits) -> None:
+def _check_prompt(job: Job, limits: JobLimits, from_json: bool) -> None:
     if job.messages is not None:
         check(
             job.prompt is None and job.prompt_token_ids is None,
@@ -226,7 +228,9 @@ def _check_prompt(job: Job, limits: JobLimits) -> None:
             "prompt",
         )
     size = 4 * len(job.prompt_token_ids or ())
-    if job.prompt:
+    if job.prompt and not (from_json and size + 4 * len(job.prompt) <= limits.max_prompt_bytes):
+        # (valid text of at most a quarter of the limit's characters fits whatever it is:
+        # UTF-8 takes at most 4 bytes a character; a worker need not encode a copy)
         size += utf8_size(job.prompt, "prompt")
     check(
         size <= limits.max_prompt_bytes,

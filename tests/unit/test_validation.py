@@ -145,6 +145,39 @@ def test_prompt_size_limit_at_submit_and_decode():
         decode_job(big)  # the default, 1 MB
 
 
+@pytest.mark.parametrize(
+    "prompt, ids, size",
+    [
+        ("x" * 1000, None, 1000),  # ASCII: its length
+        ("é" * 500, None, 1000),  # 2 bytes a character
+        ("日" * 333 + "x", None, 1000),  # 3
+        ("🎉" * 250, None, 1000),  # 4
+        ("🎉" * 200 + "x" * 196, [1], 1000),  # characters a quarter of the limit or less
+        ("é" * 249, [1], 502),
+    ],
+)
+def test_the_prompt_size_is_its_utf8_bytes_on_the_wire_as_at_submit(prompt, ids, size):
+    """A worker counts a decoded prompt without encoding a copy where its characters
+    cannot pass the limit however wide; the oracle: Python's UTF-8 encoder."""
+    assert len(prompt.encode()) + 4 * len(ids or ()) == size
+    fits = JobLimits(max_prompt_bytes=size)
+    over = JobLimits(max_prompt_bytes=size - 1)
+    job = {"prompt": prompt} if ids is None else {"prompt": prompt, "prompt_token_ids": ids}
+    payload = _with(**job, request_id="r1")
+    assert decode_job(payload, fits).prompt == prompt
+    widest = 4 * len(prompt) + 4 * len(ids or ())  # the shortcut's edge: passes uncounted
+    assert decode_job(payload, JobLimits(max_prompt_bytes=widest)).prompt == prompt
+    job_from_dict(orjson.loads(payload), fits)
+    for check in (
+        lambda: decode_job(payload, over),
+        lambda: job_from_dict(orjson.loads(payload), over),
+    ):
+        with pytest.raises(
+            FieldError, match=f"the prompt is {size} bytes, over the limit of {size - 1}"
+        ):
+            check()
+
+
 def test_prompt_that_is_not_unicode_text_is_named():
     with pytest.raises(FieldError, match="prompt is not valid Unicode"):
         build_job("a\ud800b", None, None, None, None)
