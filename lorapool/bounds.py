@@ -108,7 +108,8 @@ def explain(tp: Any) -> str:
     if title:
         return f"a {title} ({explain(Annotated[base, Meta(**b)])})"
     if base is int or base is float:
-        noun = "an integer" if base is int else "a finite number"
+        bounded_above = getattr(meta_of(tp), "le", None) is not None  # FINITE included
+        noun = "an integer" if base is int else "a finite number" if bounded_above else "a number"
         lo = ("(", b["gt"]) if "gt" in b else ("[", b.get("ge"))
         hi = b.get("le")
         if lo[1] is not None and hi is not None:

@@ -6,8 +6,13 @@ import os
 import socket
 import uuid
 from dataclasses import dataclass, field
+from typing import Annotated
+
+from msgspec import Meta
 
 from lorapool import signing
+from lorapool.bounds import Count, NonNegative, ResultTtl
+from lorapool.config_fields import OptionError, Wait, check_fields
 from lorapool.lifecycle.keys import DEAD_MAX_LEN, DEFAULT_PREFIX, Keys
 from lorapool.lifecycle.wire import DEFAULT_MAX_N, DEFAULT_MAX_PROMPT_BYTES, JobLimits
 
@@ -15,6 +20,13 @@ from lorapool.lifecycle.wire import DEFAULT_MAX_N, DEFAULT_MAX_PROMPT_BYTES, Job
 # tokens): 3,000 chunks/s a worker is a third of a Redis core for 10 workers, so one
 # core serves 20 with a third to spare for reads, audit records and readers
 DEFAULT_MAX_CHUNK_RATE = 3000
+
+# The options' bounds, checked by ``check_fields`` (a bool is no integer, NaN no
+# number; counts stay within what Redis takes). A description keeps each alias its own
+# object (``config_fields.Wait`` says why).
+Window = Annotated[float, Meta(ge=0, description="seconds; inf: always")]
+Share = Annotated[float, Meta(gt=0, le=1, description="a share of the engine")]
+Port = Annotated[int, Meta(ge=0, le=65535)]
 
 
 def default_name() -> str:
@@ -30,61 +42,50 @@ class WorkerConfig:
     # 0: one standalone Redis, keys unsharded
     shards: int = 0
     name: str = field(default_factory=default_name)
-    lease_s: float = 10.0  # an entry idle this long is claimable by another worker
-    max_deliveries: int = 3  # deliveries beyond this dead-letter the entry
-    block_ms: int = 100  # XREADGROUP BLOCK when the engine is idle
+    lease_s: Wait = 10.0  # an entry idle this long is claimable by another worker
+    max_deliveries: Count = 3  # deliveries beyond this dead-letter the entry
+    block_ms: Count = 100  # XREADGROUP BLOCK when the engine is idle
     burst: bool = False  # return once the queue and the engine are empty
-    drain_timeout_s: float = 30.0  # first SIGTERM: finish in-flight work up to this long
+    drain_timeout_s: Window = 30.0  # first SIGTERM: finish in-flight work up to this long
     # job markers with the whole output expire this long after the end (a job may set
     # its own)
-    result_ttl_s: int = 24 * 3600
-    dead_max_len: int = DEAD_MAX_LEN  # {p}:dead keeps about this many entries
+    result_ttl_s: ResultTtl = 24 * 3600
+    dead_max_len: Count = DEAD_MAX_LEN  # {p}:dead keeps about this many entries
     # a finished request's chunk log stays this long for readers following it; the
     # whole output stays, compacted into one record, for result_ttl_s
-    log_grace_s: int = 60
+    log_grace_s: Count = 60
     # chunks a second this worker writes at most: above it, a request's tokens of several
     # steps go out as one chunk (``publisher.py``); 0: every step's tokens at once
-    max_chunk_rate: int = DEFAULT_MAX_CHUNK_RATE
+    max_chunk_rate: NonNegative = DEFAULT_MAX_CHUNK_RATE
     # a read takes at most this worker's share of the pool's work (``intake.py``)
     fair_share: bool = True
     # while interactive jobs come (one read in the last interactive_window_s), batch
     # jobs fill at most batch_share of the engine's sequences (``intake.py``)
-    batch_share: float = 0.5
-    interactive_window_s: float = 60.0
+    batch_share: Share = 0.5
+    interactive_window_s: Window = 60.0
     # hand an entry to a live peer that has its adapter in a device slot (``intake.py``)
     affinity: bool = True
-    heartbeat_s: float = 1.0
-    alive_ttl_s: int = 5  # status drops a worker this long after its last heartbeat
+    heartbeat_s: Wait = 1.0
+    alive_ttl_s: Count = 5  # status drops a worker this long after its last heartbeat
     max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES  # larger prompts are refused
     max_n: int = DEFAULT_MAX_N  # completions per request
     # signs audit records (default: from the environment, see lorapool.signing)
     audit_key: bytes | None = field(default_factory=signing.key_from_env, repr=False)
     insecure_no_key: bool = field(default_factory=signing.insecure_from_env)
-    metrics_port: int | None = None  # serve Prometheus metrics here (0: any free port)
+    metrics_port: Port | None = None  # serve Prometheus metrics here (0: any free port)
     metrics_addr: str = "0.0.0.0"
-    metrics_max_adapters: int = 32  # series per adapter-labelled metric, `other` included
+    # series per adapter-labelled metric, `other` included
+    metrics_max_adapters: Annotated[int, Meta(ge=2)] = 32
     metrics_vllm_names: bool = True  # kept for old command lines: vLLM's names are always on
 
     def __post_init__(self):
-        if self.lease_s <= 0:
-            raise ValueError(f"lease_s must be > 0, got {self.lease_s}")
-        if self.alive_ttl_s < 1 or self.alive_ttl_s <= self.heartbeat_s:
-            raise ValueError(
+        check_fields(self)  # each option against its annotation
+        if self.alive_ttl_s <= self.heartbeat_s:
+            raise OptionError(
+                "alive_ttl_s",
                 f"alive_ttl_s ({self.alive_ttl_s}) must be a whole number of seconds "
-                f"above heartbeat_s ({self.heartbeat_s})"
+                f"above heartbeat_s ({self.heartbeat_s})",
             )
-        if self.max_deliveries < 1:
-            raise ValueError(f"max_deliveries must be >= 1, got {self.max_deliveries}")
-        if min(self.block_ms, self.result_ttl_s, self.dead_max_len, self.log_grace_s) < 1:
-            raise ValueError("block_ms, result_ttl_s, dead_max_len, log_grace_s must be > 0")
-        if self.max_chunk_rate < 0:
-            raise ValueError(f"max_chunk_rate must be >= 0, got {self.max_chunk_rate}")
-        if not 0 < self.batch_share <= 1:
-            raise ValueError(f"batch_share must be in (0, 1], got {self.batch_share}")
-        if not self.interactive_window_s >= 0:
-            raise ValueError(f"interactive_window_s must be >= 0, got {self.interactive_window_s}")
-        if self.metrics_max_adapters < 2:
-            raise ValueError(f"metrics_max_adapters must be >= 2, got {self.metrics_max_adapters}")
         Keys(self.prefix, self.shards)  # refuses a bad prefix or shard count
         self.limits  # noqa: B018 - JobLimits checks max_prompt_bytes and max_n
 

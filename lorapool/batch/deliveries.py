@@ -36,6 +36,7 @@ from rq.serializers import JSONSerializer
 
 from lorapool import egress
 from lorapool.batch.webhook_secrets import WebhookSecrets, signed_headers
+from lorapool.config_fields import AtLeast1, OptionError, Wait, check_fields
 from lorapool.connection import register_script
 from lorapool.lifecycle.keys import DEAD_MAX_LEN, DEFAULT_PREFIX, Keys
 
@@ -59,23 +60,24 @@ class WebhookConfig:
     shards: int = 0
     queue: str = DEFAULT_QUEUE
     allow: tuple[str, ...] = ()
-    deadline_s: float = egress.DEFAULT_DEADLINE_S
+    deadline_s: float = egress.DEFAULT_DEADLINE_S  # these two: EgressPolicy checks them
     max_response_bytes: int = egress.DEFAULT_MAX_RESPONSE_BYTES
-    max_attempts: int = 8
-    backoff_s: float = 2.0
-    backoff_cap_s: float = 600.0
-    tenant_concurrency: int = 2
+    max_attempts: AtLeast1 = 8
+    backoff_s: Wait = 2.0
+    backoff_cap_s: Wait = 600.0
+    tenant_concurrency: AtLeast1 = 2
     policy: egress.EgressPolicy = field(init=False, repr=False)
 
     def __post_init__(self):
-        self.allow = tuple(self.allow)
+        self.allow = tuple(self.allow)  # a list when read back from the RQ job's JSON
+        check_fields(self)
         self.policy = egress.EgressPolicy(self.allow, self.deadline_s, self.max_response_bytes)
-        for name in ("max_attempts", "tenant_concurrency"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        if not 0 < self.backoff_s <= self.backoff_cap_s:
-            raise ValueError("backoff_s must be > 0 and at most backoff_cap_s")
+        if self.backoff_s > self.backoff_cap_s:
+            raise OptionError(
+                "backoff_s",
+                f"backoff_s ({self.backoff_s}) must be at most "
+                f"backoff_cap_s ({self.backoff_cap_s})",
+            )
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)

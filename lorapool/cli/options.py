@@ -66,9 +66,24 @@ def repeated_option(flag: str, dest: str, help: str, **kwargs):
 
 def config_from(cls: type, options: dict[str, Any], **given: Any):
     """The dataclass ``cls`` from the command's options named as its fields, and
-    ``given`` for the fields whose option is named otherwise or needs converting."""
+    ``given`` for the fields whose option is named otherwise or needs converting. A
+    value it refuses (ValueError) is a usage error naming the option where the error
+    names its field (``config_fields.OptionError``), not a traceback."""
     names = {field.name for field in dataclasses.fields(cls)}
-    return cls(**{**{k: v for k, v in options.items() if k in names}, **given})
+    try:
+        return cls(**{**{k: v for k, v in options.items() if k in names}, **given})
+    except ValueError as exc:
+        raise _refused(exc) from None
+
+
+def _refused(exc: ValueError) -> click.UsageError:
+    ctx = click.get_current_context(silent=True)
+    field = getattr(exc, "field", None)
+    params = ctx.command.params if ctx is not None else []
+    param = next((p for p in params if field is not None and p.name == field), None)
+    if param is not None:
+        return click.BadParameter(str(exc), ctx=ctx, param=param)
+    return click.UsageError(str(exc), ctx=ctx)
 
 
 webhook_allow_option = click.option(

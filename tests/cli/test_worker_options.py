@@ -33,3 +33,23 @@ def test_starvation_steps_is_refused_below_one(bad):
 def test_starvation_steps_is_in_the_help():
     shown = CliRunner().invoke(cli, ["worker", "--help"], terminal_width=200).output
     assert "--starvation-steps" in shown and "default: 8" in shown.split("--starvation-steps")[1]
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "words"),
+    [
+        ("--lease", "0", "lease_s must be a finite number > 0, got 0.0"),
+        ("--lease", "nan", "lease_s must be a finite number > 0, got nan"),
+        ("--metrics-port", "70000", "metrics_port must be an integer in [0, 65535]"),
+        ("--log-grace", str(2**70), f"got {2**70}"),
+        ("--result-ttl", str(400 * 24 * 3600), "result_ttl_s must be an integer in [1, "),
+    ],
+)
+def test_a_value_the_worker_config_refuses_is_a_usage_error_naming_the_option(option, value, words):
+    """WorkerConfig's own bounds (``check_fields``), met on the command line: exit 2 and
+    one line naming the option and the value, not a traceback."""
+    line = ["worker", "--model", "m", "--redis-url", "redis://127.0.0.1:1/0"]
+    done = CliRunner().invoke(cli, [*line, "--insecure-no-key", option, value])
+    assert done.exit_code == 2, done.output
+    assert f"Invalid value for '{option}'" in done.output and words in done.output, done.output
+    assert "Traceback" not in done.output
