@@ -17,6 +17,7 @@ from typing import Any
 from fastapi import Request
 
 from lorapool.openai.errors import APIError
+from lorapool.producer.api_keys import KeyRecord
 
 
 @dataclass(frozen=True)
@@ -65,33 +66,33 @@ def require(*roles: str) -> Callable:
         if not pool.config.auth:
             return OPEN
         record = await _record(request)
-        request.state.tenant = record["tenant"]  # for the HTTP metrics' 429s by tenant
+        request.state.tenant = record.tenant  # for the HTTP metrics' 429s by tenant
         return principal(record, roles)
 
     return caller
 
 
-def principal(record: dict[str, Any], roles: tuple[str, ...] = ()) -> Principal:
+def principal(record: KeyRecord, roles: tuple[str, ...] = ()) -> Principal:
     """The caller a key's record names; 403 unless its role is one of ``roles``."""
-    if roles and record["role"] not in roles:
+    if roles and record.role not in roles:
         raise APIError(
             403,
-            f"this key's role ({record['role']}) may not do this; it needs " + " or ".join(roles),
+            f"this key's role ({record.role}) may not do this; it needs " + " or ".join(roles),
             code="forbidden",
         )
-    adapters = record.get("adapters")
+    adapters = record.adapters
     return Principal(
-        record["tenant"],
-        record["role"],
-        record["id"],
+        record.tenant,
+        record.role,
+        record.id,
         None if adapters is None else frozenset(adapters),
-        record.get("rpm"),
-        record.get("tpm"),
-        bool(record.get("all_tenants")),
+        record.rpm,
+        record.tpm,
+        record.all_tenants,
     )
 
 
-async def _record(request: Request) -> dict[str, Any]:
+async def _record(request: Request) -> KeyRecord:
     header = request.headers.get("authorization", "")
     scheme, _, key = header.partition(" ")
     if scheme.lower() != "bearer" or not key.strip():

@@ -94,8 +94,8 @@ async def login(request: Request) -> Response:
     record = await pool.view.api_key(key) if key else None
     if record is None:
         return _login_page("invalid API key", 401)
-    if record["role"] not in ROLES:
-        return _login_page(f"a key of role {record['role']} may not open the dashboard", 403)
+    if record.role not in ROLES:
+        return _login_page(f"a key of role {record.role} may not open the dashboard", 403)
     response = RedirectResponse("/dashboard", status_code=303)
     cookie = await pool.sessions.create(record)
     secure = request.url.scheme == "https" or config.trust_proxy

@@ -22,12 +22,12 @@ import hashlib
 import hmac
 import secrets
 import time
-from typing import Any
 from urllib.parse import urlsplit
 
 import orjson
 
 from lorapool.openai.errors import APIError
+from lorapool.producer.api_keys import KeyRecord
 
 COOKIE = "lorapool_session"
 WRONG_TRIES_PER_MINUTE = 10
@@ -57,11 +57,11 @@ class Sessions:
     def _stored(self, token: str) -> str:
         return self.keys.session(hashlib.sha256(token.encode()).hexdigest())
 
-    async def create(self, record: dict[str, Any]) -> str:
+    async def create(self, record: KeyRecord) -> str:
         """A session for the key ``record``; the cookie's value."""
         token = _b64(secrets.token_bytes(32))
         expires = time.time() + self.ttl_s
-        data = {"key_id": record["id"], "expires": expires}
+        data = {"key_id": record.id, "expires": expires}
         await self.redis.set(self._stored(token), orjson.dumps(data), ex=self.ttl_s)
         return f"{token}.{self._sign(await self._key(), token)}"
 

@@ -13,17 +13,39 @@ import hmac
 import re
 import secrets
 import time
-from typing import Any
+from typing import Annotated, Any, Literal, get_args
 
-import orjson
+import msgspec
+from msgspec import Meta, Struct
 
 from lorapool.lifecycle.keys import Keys
+from lorapool.openai.body_errors import invalid
 from lorapool.producer.registry import check_name
 from lorapool.protocol import short_repr
 
-ROLES = ("submit", "audit", "admin")
-TENANT_PATTERN = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+Role = Literal["submit", "audit", "admin"]
+ROLES = get_args(Role)
+Tenant = Annotated[str, Meta(pattern="^[A-Za-z0-9_.-]{1,64}$")]
+PerMinute = Annotated[int, Meta(ge=1)]  # requests or tokens
 _KEY_PATTERN = re.compile(r"lp_([0-9a-f]{16})_[A-Za-z0-9_-]{43}")
+
+
+class KeyRecord(Struct, kw_only=True, frozen=True):
+    """A key's record in ``{p}:api-keys`` (JSON): what the key may do, never the key.
+    Fields a later version adds are ignored by this one (no ``forbid_unknown_fields``)."""
+
+    id: str
+    tenant: Tenant
+    role: Role
+    sha256: str  # of the whole key
+    adapters: list[str] | None = None  # None: all
+    rpm: PerMinute | None = None
+    tpm: PerMinute | None = None
+    all_tenants: bool = False  # an audit key that reads every tenant's trail
+    created: float = 0.0
+
+
+_decode = msgspec.json.Decoder(KeyRecord).decode
 
 
 def key_sha256(key: str) -> str:
@@ -31,25 +53,33 @@ def key_sha256(key: str) -> str:
 
 
 def check_tenant(tenant: Any) -> str:
-    if not isinstance(tenant, str) or not TENANT_PATTERN.fullmatch(tenant):
+    try:
+        return msgspec.convert(tenant, Tenant)
+    except msgspec.ValidationError:
         raise ValueError(
             f"tenant {short_repr(tenant)} is not 1 to 64 letters, digits, '.', '_' and '-'"
-        )
-    return tenant
+        ) from None
 
 
-def _check_limits(**limits: int | None) -> None:
-    for name, value in limits.items():
-        if value is not None and (not isinstance(value, int) or value < 1):
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+def _checked(fields: dict[str, Any]) -> KeyRecord:
+    """``fields`` as a KeyRecord, each against its type; ValueError naming the first
+    that does not fit and its value (worded as a refused request body is)."""
+    try:
+        return msgspec.convert(fields, KeyRecord)
+    except msgspec.ValidationError as exc:
+        raise ValueError(invalid(str(exc), fields, KeyRecord).message) from None
 
 
-def matching_record(key: str, raw: bytes | None) -> dict[str, Any] | None:
+def matching_record(key: str, raw: bytes | None) -> KeyRecord | None:
     """The record ``raw`` if ``key`` is the key it was made for, else None."""
     if raw is None:
         return None
-    record = orjson.loads(raw)
-    return record if hmac.compare_digest(record["sha256"], key_sha256(key)) else None
+    record = _decode(raw)
+    return record if hmac.compare_digest(record.sha256, key_sha256(key)) else None
+
+
+def decode_key_record(raw: bytes | None) -> KeyRecord | None:
+    return None if raw is None else _decode(raw)
 
 
 def key_id_of(key: str) -> str | None:
@@ -73,7 +103,7 @@ class ApiKeys:
         rpm: int | None = None,
         tpm: int | None = None,
         all_tenants: bool = False,
-    ) -> tuple[dict[str, Any], str]:
+    ) -> tuple[KeyRecord, str]:
         """Add a key; its record and the key (shown once; only its sha256 is stored).
 
         ``all_tenants``: an ``audit`` key that reads every tenant's audit trail.
@@ -81,42 +111,42 @@ class ApiKeys:
         ``rpm`` / ``tpm``: the tenant's requests and tokens per minute through this key
         (None: unlimited); tokens are what a request may generate (max_tokens x n).
         """
-        check_tenant(tenant)
-        if all_tenants and role != "audit":
-            raise ValueError(f"only an audit key may read all tenants, not a {role} key")
-        _check_limits(rpm=rpm, tpm=tpm)
-        if role not in ROLES:
-            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
-        adapters = None if adapters is None else sorted({check_name(a) for a in adapters})
+        check_tenant(tenant)  # its own words: the rule, not a regex
+        if adapters is not None:
+            adapters = sorted({check_name(a) for a in adapters})
         key_id = secrets.token_hex(8)
         key = f"lp_{key_id}_{secrets.token_urlsafe(32)}"
-        record = {
-            "id": key_id,
-            "tenant": tenant,
-            "role": role,
-            "adapters": adapters,
-            "rpm": rpm,
-            "tpm": tpm,
-            "all_tenants": all_tenants,
-            "sha256": key_sha256(key),
-            "created": time.time(),
-        }
-        self.redis.hset(self.keys.api_keys, record["id"], orjson.dumps(record))
+        record = _checked(
+            {
+                "id": key_id,
+                "tenant": tenant,
+                "role": role,
+                "adapters": adapters,
+                "rpm": rpm,
+                "tpm": tpm,
+                "all_tenants": all_tenants,
+                "sha256": key_sha256(key),
+                "created": time.time(),
+            }
+        )
+        if all_tenants and role != "audit":
+            raise ValueError(f"only an audit key may read all tenants, not a {role} key")
+        self.redis.hset(self.keys.api_keys, key_id, msgspec.json.encode(record))
         return record, key
 
-    def list(self) -> list[dict[str, Any]]:
-        records = [orjson.loads(v) for v in self.redis.hvals(self.keys.api_keys)]
-        return sorted(records, key=lambda r: (r["tenant"], r["created"]))
+    def list(self) -> list[KeyRecord]:
+        records = [_decode(v) for v in self.redis.hvals(self.keys.api_keys)]
+        return sorted(records, key=lambda r: (r.tenant, r.created))
 
     def revoke(self, key_id: str) -> bool:
         return bool(self.redis.hdel(self.keys.api_keys, key_id))
 
 
 # what a lookup compares against when the key id is unknown or the key malformed
-_ABSENT = orjson.dumps({"id": "0" * 16, "tenant": "-", "role": "-", "sha256": "0" * 64})
+_ABSENT = msgspec.json.encode(KeyRecord(id="0" * 16, tenant="-", role="submit", sha256="0" * 64))
 
 
-async def authenticate(connection, keys: Keys, key: str) -> dict[str, Any] | None:
+async def authenticate(connection, keys: Keys, key: str) -> KeyRecord | None:
     """The record of ``key`` (an asyncio Redis client's read), None when unknown or
     revoked. The same work whether or not the key id exists, or the key is well formed
     (one read, one parse, one sha256 and a constant-time comparison), so its time does

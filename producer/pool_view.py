@@ -16,7 +16,7 @@ from lorapool.lifecycle.chunk_log import RESULT_FIELD
 from lorapool.lifecycle.heartbeat import Heartbeat, decode_heartbeats
 from lorapool.lifecycle.keys import WORKERS_GROUP
 from lorapool.producer.aio import AsyncProducer
-from lorapool.producer.api_keys import authenticate
+from lorapool.producer.api_keys import KeyRecord, authenticate, decode_key_record
 
 
 class PoolView:
@@ -43,15 +43,14 @@ class PoolView:
     async def adapter(self, name: str) -> AdapterRecord | None:
         return decode_adapter_record(await self.redis.hget(self.keys.adapters, name))
 
-    async def api_key(self, key: str) -> dict[str, Any] | None:
+    async def api_key(self, key: str) -> KeyRecord | None:
         """The record (tenant, role, adapters) of an API key; None if unknown or revoked."""
         return await authenticate(self.redis, self.keys, key)
 
-    async def api_key_by_id(self, key_id: str) -> dict[str, Any] | None:
+    async def api_key_by_id(self, key_id: str) -> KeyRecord | None:
         """The record of the key with id ``key_id`` (a dashboard session's); None once
         revoked."""
-        raw = await self.redis.hget(self.keys.api_keys, key_id)
-        return None if raw is None else orjson.loads(raw)
+        return decode_key_record(await self.redis.hget(self.keys.api_keys, key_id))
 
     async def has_webhook_secret(self, tenant: str) -> bool:
         """Whether deliveries of ``tenant`` ('' for none) can be signed."""

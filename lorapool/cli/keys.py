@@ -45,7 +45,7 @@ def keys_add(tenant, role, adapters, rpm, tpm, all_tenants, redis_url, prefix, s
         record, key = store.add(tenant, role, list(adapters) or None, rpm, tpm, all_tenants)
     except ValueError as exc:
         raise click.ClickException(str(exc)) from None
-    click.echo(f"key id {record['id']} for tenant {tenant!r}, role {role}:", err=True)
+    click.echo(f"key id {record.id} for tenant {tenant!r}, role {role}:", err=True)
     click.echo(key)
 
 
@@ -61,9 +61,9 @@ def keys_list(redis_url, prefix, shards):
     records = _api_keys(redis_url, prefix, shards).list()
     click.echo(f"{'id':<{_ID_WIDTH}}  {'tenant':<24} {'role':<7} {'rpm':>6} {'tpm':>8}  adapters")
     for r in records:
-        adapters = ", ".join(r["adapters"]) if r["adapters"] is not None else "all adapters"
-        rpm, tpm = (str(r.get(k) or "-") for k in ("rpm", "tpm"))
-        row = f"{r['id']:<{_ID_WIDTH}}  {r['tenant']:<24} {r['role']:<7} {rpm:>6} {tpm:>8}"
+        adapters = ", ".join(r.adapters) if r.adapters is not None else "all adapters"
+        rpm, tpm = (str(limit or "-") for limit in (r.rpm, r.tpm))
+        row = f"{r.id:<{_ID_WIDTH}}  {r.tenant:<24} {r.role:<7} {rpm:>6} {tpm:>8}"
         click.echo(f"{row}  {adapters}")
 
 

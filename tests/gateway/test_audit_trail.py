@@ -32,7 +32,7 @@ def keys(conn, prefix):
         "acme-audit": store.add("acme", "audit"),
         "all-audit": store.add("compliance", "audit", all_tenants=True),
     }
-    return {name: {"id": record["id"], "key": key} for name, (record, key) in made.items()}
+    return {name: {"id": record.id, "key": key} for name, (record, key) in made.items()}
 
 
 def _start(redis_url, prefix, cwd, *extra) -> tuple:

@@ -39,7 +39,7 @@ def keys(conn, prefix):
         "submit": store.add("acme", "submit"),
         "doomed": store.add("acme", "audit"),
     }
-    return {name: key for name, (_, key) in made.items()} | {"doomed-id": made["doomed"][0]["id"]}
+    return {name: key for name, (_, key) in made.items()} | {"doomed-id": made["doomed"][0].id}
 
 
 @pytest.fixture(scope="module")

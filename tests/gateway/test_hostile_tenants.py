@@ -57,7 +57,7 @@ def keys(conn, prefix):
         "batcher": store.add("batcher", "submit", rpm=30),
     }
     keys = {name: key for name, (_, key) in made.items()}
-    keys["acme-id"] = made["acme"][0]["id"]
+    keys["acme-id"] = made["acme"][0].id
     keys["secret-acme"] = secrets.current("acme")
     keys["secret-globex"] = secrets.current("globex")
     return keys

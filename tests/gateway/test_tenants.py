@@ -43,9 +43,9 @@ def api_keys(conn, prefix, tmp_path_factory, producer):
         "slow": store.add("slow", "submit", rpm=2),
         "thrifty": store.add("thrifty", "submit", tpm=5),
     }
-    store.revoke(made["revoked"][0]["id"])
+    store.revoke(made["revoked"][0].id)
     return {name: key for name, (_, key) in made.items()} | {
-        f"{name}-id": record["id"] for name, (record, _) in made.items()
+        f"{name}-id": record.id for name, (record, _) in made.items()
     }
 
 

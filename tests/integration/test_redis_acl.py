@@ -220,7 +220,7 @@ def test_tenant_security_runs_with_each_roles_user(server):
             finally:
                 await client.aclose()
 
-        assert asyncio.run(session()) == record["id"]
+        assert asyncio.run(session()) == record.id
         if not server.shards:  # RQ (the lanes' executor) runs on a standalone Redis only
             config = WebhookConfig(keys.prefix, keys.shards, queue="acl-test-callbacks")
             delivery = "msg_" + "0" * 36
@@ -232,7 +232,7 @@ def test_tenant_security_runs_with_each_roles_user(server):
             lanes.release("acme", delivery)
             assert lanes.pump("acme") == 0
         assert WebhookSecrets(rq, keys).valid("acme") == [secret]
-        pacer = Pacer(rq, keys, {"tenant": "acme", "key_id": record["id"]})
+        pacer = Pacer(rq, keys, {"tenant": "acme", "key_id": record.id})
         assert pacer.rpm == 60 and pacer.limiter.take("acme", 60, 1000, 1, 10).taken
     finally:
         for client in (operator, gateway, writer, rq):
