@@ -80,7 +80,8 @@ def _refused(exc: ValueError) -> click.UsageError:
     ctx = click.get_current_context(silent=True)
     field = getattr(exc, "field", None)
     params = ctx.command.params if ctx is not None else []
-    param = next((p for p in params if field is not None and p.name == field), None)
+    names = {field, field.removesuffix("_s")} if field else set()  # --result-timeout: ..._s
+    param = next((p for p in params if p.name in names), None)
     if param is not None:
         return click.BadParameter(str(exc), ctx=ctx, param=param)
     return click.UsageError(str(exc), ctx=ctx)

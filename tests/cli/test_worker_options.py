@@ -1,6 +1,7 @@
 """``lorapool worker``'s engine options reach the engine: ``--starvation-steps`` (the
 scheduler's bound on a skipped request's wait, issue 31 Build 4) is in ``--help`` and
-sets the real engine's ``SchedulerConfig``."""
+sets the real engine's ``SchedulerConfig``; a value the worker's (or the gateway's)
+config refuses is a usage error naming the option, not a traceback."""
 
 import pytest
 from click.testing import CliRunner
@@ -53,3 +54,13 @@ def test_a_value_the_worker_config_refuses_is_a_usage_error_naming_the_option(op
     assert done.exit_code == 2, done.output
     assert f"Invalid value for '{option}'" in done.output and words in done.output, done.output
     assert "Traceback" not in done.output
+
+
+def test_a_gateway_option_its_config_refuses_names_the_option():
+    """``lorapool serve``'s config (``GatewayConfig``), refusing an option whose field
+    is named with its unit (``result_timeout_s`` from ``--result-timeout``)."""
+    line = ["serve", "--redis-url", "redis://127.0.0.1:1/0", "--result-timeout", "inf"]
+    done = CliRunner().invoke(cli, line)
+    assert done.exit_code == 2, done.output
+    assert "Invalid value for '--result-timeout'" in done.output, done.output
+    assert "result_timeout_s must be a finite number > 0, got inf" in done.output
