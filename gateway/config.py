@@ -71,7 +71,7 @@ class GatewayConfig:
     shards: int = 0  # the pool's shard count on a Redis Cluster (``lorapool.lifecycle.keys``)
     max_prompt_bytes: Limit = DEFAULT_MAX_PROMPT_BYTES
     max_n: Limit = DEFAULT_MAX_N
-    max_body_bytes: int | None = None
+    max_body_bytes: Annotated[int, Meta(ge=1)] | None = None
     max_prompts: Limit = 128
     max_stop: Annotated[int, Meta(ge=0, le=MAX_STOP)] = 4
     result_timeout_s: Timeout = 600.0
@@ -80,19 +80,19 @@ class GatewayConfig:
     redis_timeout_s: RedisWait = 2.0
     redis_outage_s: RedisWait = 30.0
     auth: bool = True
-    max_backlog: int | None = None
+    max_backlog: Limit | None = None
     cors_origins: tuple[str, ...] = ()
-    events_max_s: float | None = None
+    events_max_s: Timeout | None = None
     adapter_admin: bool = False
     audit_db_url: str | None = None
     audit_db_schema: str | None = None
     adapter_roots: tuple[str, ...] = ()
-    retry_after_s: int = 1
+    retry_after_s: Limit = 1
     tool_call_parser: str = "auto"
     redis_connections: Annotated[int, Meta(ge=2)] = 64
     webhook_allow: tuple[str, ...] = ()
     trust_proxy: bool = False
-    session_ttl_s: int = 3600
+    session_ttl_s: Annotated[int, Meta(ge=1)] = 3600
 
     def __post_init__(self):
         check_fields(self)
