@@ -11,121 +11,128 @@ tool message's ``tool_call_id``, and a ``name``.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
+import msgspec
 import orjson
 
-from lorapool.bounds import MAX_MESSAGES, MAX_NAME, MAX_ROLE, MAX_TOOL_CALLS, MAX_TOOLS
-from lorapool.protocol import FieldError, short_repr
-
-_MESSAGE_FIELDS = frozenset(("role", "content", "name", "tool_calls", "tool_call_id"))
+from lorapool.bounds import MAX_MESSAGES, MAX_TOOL_CALLS, MAX_TOOLS, Role, ShortName
+from lorapool.field_errors import FieldError, check, invalid
 
 
-def _check(ok: bool, message: str) -> None:
-    if not ok:
-        raise FieldError(message)
+class ToolFunction(msgspec.Struct, forbid_unknown_fields=True):
+    """The function an assistant's tool call names, and its arguments as JSON text."""
+
+    name: ShortName
+    arguments: str = "{}"
+
+
+class ToolCall(msgspec.Struct, forbid_unknown_fields=True):
+    """An assistant's call of a tool (``type`` "function", the only kind)."""
+
+    function: ToolFunction
+    type: str = "function"
+    id: ShortName | None = None
+
+
+class Message(msgspec.Struct, forbid_unknown_fields=True):
+    """One message of a chat job (OpenAI's fields; content None only beside tool_calls)."""
+
+    role: Role
+    content: str | None = None
+    name: ShortName | None = None
+    tool_calls: Annotated[list[ToolCall], msgspec.Meta(max_length=MAX_TOOL_CALLS)] | None = None
+    tool_call_id: ShortName | None = None
+
+
+Messages = Annotated[list[Message], msgspec.Meta(min_length=1, max_length=MAX_MESSAGES)]
+
+
+class ToolSpec(msgspec.Struct):
+    """The function a tool offers: a name, and its parameters' JSON schema (an object);
+    other fields (description, strict) go to the chat template as they are."""
+
+    name: ShortName
+    parameters: dict[str, Any] | None = None
+
+
+class Tool(msgspec.Struct):
+    type: str
+    function: ToolSpec
+
+
+Tools = Annotated[list[Tool], msgspec.Meta(max_length=MAX_TOOLS)]
+
+
+def _typed(value: Any, tp: Any, root: str) -> Any:
+    """``value`` as ``tp``; the FieldError naming the field msgspec refuses."""
+    try:
+        return msgspec.convert(value, tp, strict=True)
+    except msgspec.ValidationError as exc:
+        raise invalid(exc, value, tp, root) from None
 
 
 def check_messages(messages: Any, max_prompt_bytes: int) -> list[dict[str, Any]] | None:
-    """The messages of a chat (None: not a chat), or FieldError naming the bad field.
+    """The messages of a chat (None: not a chat) as the worker's chat template takes
+    them (content "" where None), or FieldError naming the bad field.
 
-    1 to MAX_MESSAGES objects (the fields above); their UTF-8 size counts against
-    ``max_prompt_bytes`` as a prompt's does.
+    1 to MAX_MESSAGES ``Message``s; their UTF-8 size counts against ``max_prompt_bytes``
+    as a prompt's does.
     """
     if messages is None:
         return None
-    if not (isinstance(messages, list) and 0 < len(messages) <= MAX_MESSAGES):
-        raise FieldError(
-            f"messages must be a list of 1 to {MAX_MESSAGES} messages, got {short_repr(messages)}"
-        )
-    checked = [_message(i, m) for i, m in enumerate(messages)]
+    checked = [_message(i, m) for i, m in enumerate(_typed(messages, Messages, "messages"))]
     size = sum(size for _, size in checked)
-    _check(
+    check(
         size <= max_prompt_bytes,
         f"the prompt is {size} bytes, over the limit of {max_prompt_bytes} (max_prompt_bytes)",
+        "messages",
     )
     return [m for m, _ in checked]
 
 
-def _message(i: int, message: Any) -> tuple[dict[str, Any], int]:
-    if not (isinstance(message, dict) and "role" in message and set(message) <= _MESSAGE_FIELDS):
-        raise FieldError(
-            f"messages[{i}] must be an object with 'role', 'content' and optionally "
-            f"'name', 'tool_calls' or 'tool_call_id', got {short_repr(message)}"
-        )
-    role, content = message["role"], message.get("content")
-    if not (isinstance(role, str) and 0 < len(role) <= MAX_ROLE and "\x00" not in role):
-        raise FieldError(
-            f"messages[{i}].role must be a non-empty string of at most {MAX_ROLE} characters "
-            f"without NUL, got {short_repr(role)}"
-        )
-    calls = message.get("tool_calls")
-    if content is None and calls is None:
-        raise FieldError(f"messages[{i}].content must be a string, got None")
-    if not (content is None or isinstance(content, str)):
-        raise FieldError(f"messages[{i}].content must be a string, got {short_repr(content)}")
-    size = len(role) + utf8_size(content or "", f"messages[{i}].content")
-    out: dict[str, Any] = {"role": role, "content": content or ""}
+def _message(i: int, message: Message) -> tuple[dict[str, Any], int]:
+    where = f"messages[{i}]"
+    calls = message.tool_calls
+    if message.content is None and calls is None:
+        raise FieldError(f"{where}.content must be a string, got None", field=f"{where}.content")
+    content = message.content or ""
+    size = len(message.role) + utf8_size(content, f"{where}.content")
+    out: dict[str, Any] = {"role": message.role, "content": content}
     for name in ("name", "tool_call_id"):
-        if message.get(name) is not None:
-            out[name] = _short_text(message[name], f"messages[{i}].{name}")
-            size += len(out[name])
+        if (value := getattr(message, name)) is not None:
+            out[name] = value
+            size += len(value)
     if calls is not None:
-        where = f"messages[{i}].tool_calls"
-        calls = _list(calls, where, MAX_TOOL_CALLS)
-        out["tool_calls"] = [_tool_call(f"{where}[{j}]", c) for j, c in enumerate(calls)]
+        out["tool_calls"] = [_tool_call(f"{where}.tool_calls[{j}]", c) for j, c in enumerate(calls)]
         size += len(orjson.dumps(out["tool_calls"]))
     return out, size
 
 
-def _list(value: Any, what: str, most: int) -> list:
-    if not (isinstance(value, list) and len(value) <= most):
-        raise FieldError(f"{what} must be a list of at most {most}, got {short_repr(value)}")
-    return value
-
-
-def _short_text(value: Any, what: str) -> str:
-    if not (isinstance(value, str) and 0 < len(value) <= MAX_NAME and "\x00" not in value):
-        raise FieldError(
-            f"{what} must be a non-empty string of at most {MAX_NAME} characters without NUL, "
-            f"got {short_repr(value)}"
-        )
-    return value
-
-
-def _tool_call(what: str, call: Any) -> dict[str, Any]:
-    """``{"id", "type": "function", "function": {"name", "arguments"}}``, arguments text."""
-    function = call.get("function") if isinstance(call, dict) else None
-    if not isinstance(function, dict) or call.get("type", "function") != "function":
-        raise FieldError(
-            f"{what} must be {{'id', 'type': 'function', 'function': {{'name', 'arguments'}}}}"
-        )
-    arguments = function.get("arguments", "{}")
-    if not isinstance(arguments, str):
-        raise FieldError(f"{what}.function.arguments must be a string (JSON)")
-    utf8_size(arguments, f"{what}.function.arguments")
+def _tool_call(where: str, call: ToolCall) -> dict[str, Any]:
+    """``{"type": "function", "function": {"name", "arguments"}, "id"}``, arguments text."""
+    check(
+        call.type == "function",
+        f"{where}.type must be 'function', got {call.type!r}",
+        f"{where}.type",
+    )
+    utf8_size(call.function.arguments, f"{where}.function.arguments")
     out = {"type": "function", "function": {
-        "name": _short_text(function.get("name"), f"{what}.function.name"),
-        "arguments": arguments,
+        "name": call.function.name, "arguments": call.function.arguments,
     }}  # fmt: skip
-    if call.get("id") is not None:
-        out["id"] = _short_text(call["id"], f"{what}.id")
+    if call.id is not None:
+        out["id"] = call.id
     return out
 
 
 def check_tools(tools: Any, max_prompt_bytes: int, chat: bool) -> list[dict[str, Any]] | None:
     """The tools a chat offers (OpenAI's ``[{"type": "function", "function": {"name",
-    "description", "parameters"}}]``, for the chat template), or FieldError."""
+    "description", "parameters"}}]``, for the chat template, as given), or FieldError."""
     if tools is None:
         return None
-    _check(chat, "tools need messages (a chat)")
-    for i, tool in enumerate(_list(tools, "tools", MAX_TOOLS)):
-        function = tool.get("function") if isinstance(tool, dict) else None
-        if not isinstance(function, dict) or tool.get("type") != "function":
-            raise FieldError(f"tools[{i}] must be {{'type': 'function', 'function': {{...}}}}")
-        _short_text(function.get("name"), f"tools[{i}].function.name")
-        if not isinstance(function.get("parameters", {}), dict):
-            raise FieldError(f"tools[{i}].function.parameters must be an object (a JSON schema)")
+    check(chat, "tools need messages (a chat)", "tools")
+    for i, tool in enumerate(_typed(tools, Tools, "tools")):
+        check(tool.type == "function", f"tools[{i}].type must be 'function'", f"tools[{i}].type")
     check_json_size(tools, "tools", max_prompt_bytes, " (max_prompt_bytes)")
     return tools
 
@@ -153,5 +160,5 @@ def utf8_size(text: str, what: str) -> int:
         return len(text.encode("utf-8"))
     except UnicodeEncodeError as exc:
         raise FieldError(
-            f"{what} is not valid Unicode text ({exc.reason} at position {exc.start})"
+            f"{what} is not valid Unicode text ({exc.reason} at position {exc.start})", field=what
         ) from None
