@@ -259,7 +259,7 @@ def parse(body: bytes | Any, kind: type[Struct]) -> Any:
         return msgspec.convert(body, kind)
     except msgspec.ValidationError as exc:
         raise invalid(str(exc), body, kind) from None
-    except msgspec.DecodeError as exc:
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:  # the latter: bad UTF-8 in a string
         raise APIError(400, f"the request body is not valid JSON: {exc}") from None
 
 

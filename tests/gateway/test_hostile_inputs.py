@@ -76,6 +76,9 @@ def test_not_json_and_not_an_object(gateway):
     raw = httpx.post(f"{gateway}/v1/completions", content=b"\x00{", timeout=30)
     assert "not valid JSON" in _error(raw)["message"]
     assert _error(httpx.post(f"{gateway}/v1/completions", json=[1, 2]))["param"] is None
+    for route in ("completions", "chat/completions", "jobs"):  # invalid UTF-8 in a string
+        raw = httpx.post(f"{gateway}/v1/{route}", content=b'{"model": "\xff", "prompt": "x"}')
+        assert raw.status_code == 400 and "not valid JSON" in _error(raw)["message"], route
 
 
 @pytest.mark.parametrize("number", [b"1e400", b"-1e400", b"NaN", b"1" * 5000])
