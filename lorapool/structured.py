@@ -19,24 +19,29 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import asdict, dataclass, fields
-from typing import Any
+from typing import Annotated, Any
 
-from lorapool.protocol import FieldError, short_repr
+import msgspec
+
+from lorapool.field_errors import FieldError, invalid
 
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
 MAX_CONSTRAINT_BYTES = 256 << 10  # a schema, regex, grammar or the choices, encoded
 MAX_CHOICES = 1024
+WHERE = "sampling_params.structured_outputs"
+
+Text = Annotated[str, msgspec.Meta(min_length=1)]
+Choices = Annotated[list[Text], msgspec.Meta(min_length=1, max_length=MAX_CHOICES)]
 
 
-@dataclass
-class StructuredOutputsParams:
-    """What a request's completions must match (vLLM's fields; one kind at a time)."""
+class StructuredOutputsParams(msgspec.Struct, forbid_unknown_fields=True):
+    """What a request's completions must match (vLLM's fields; one kind at a time). The
+    types are the checks (msgspec's, when a job is decoded and in ``verify``)."""
 
     json: dict[str, Any] | str | None = None
-    regex: str | None = None
-    choice: list[str] | None = None
-    grammar: str | None = None
+    regex: Text | None = None
+    choice: Choices | None = None
+    grammar: Text | None = None
     json_object: bool | None = None
     disable_any_whitespace: bool = True
     disable_additional_properties: bool = False
@@ -48,50 +53,27 @@ class StructuredOutputsParams:
     def verify(self) -> None:
         """FieldError naming the field when the shape is wrong (not the grammar's content:
         ``check_grammar`` compiles it)."""
-        where = "sampling_params.structured_outputs"
+        if isinstance(self.choice, tuple):
+            self.choice = list(self.choice)
+        try:
+            msgspec.convert(self, _Checked, from_attributes=True)
+        except msgspec.ValidationError as exc:
+            raise invalid(exc, self, StructuredOutputsParams, WHERE) from None
         kinds = [k for k in KINDS if getattr(self, k) not in (None, False)]
         if len(kinds) != 1:
             raise FieldError(
-                f"{where} must set exactly one of {', '.join(KINDS)}, got "
-                f"{', '.join(kinds) or 'none'}"
+                f"{WHERE} must set exactly one of {', '.join(KINDS)}, got "
+                f"{', '.join(kinds) or 'none'}",
+                field=WHERE,
             )
-        self._verify_kind(where, kinds[0])
-        for name in ("disable_any_whitespace", "disable_additional_properties"):
-            if not isinstance(getattr(self, name), bool):
-                raise FieldError(f"{where}.{name} must be true or false")
-        if not (self.whitespace_pattern is None or isinstance(self.whitespace_pattern, str)):
-            raise FieldError(f"{where}.whitespace_pattern must be a string")
+        if kinds[0] == "json":
+            self.json = _schema(self.json)
         size = len(self.spec.encode("utf-8", "surrogatepass"))
         if size > MAX_CONSTRAINT_BYTES:
             raise FieldError(
-                f"{where}.{kinds[0]} is {size} bytes, over the limit of {MAX_CONSTRAINT_BYTES}"
+                f"{WHERE}.{kinds[0]} is {size} bytes, over the limit of {MAX_CONSTRAINT_BYTES}",
+                field=f"{WHERE}.{kinds[0]}",
             )
-
-    def _verify_kind(self, where: str, kind: str) -> None:
-        value = getattr(self, kind)
-        if kind == "json":
-            if isinstance(value, str):
-                try:
-                    value = json.loads(value)
-                except ValueError as exc:
-                    raise FieldError(f"{where}.json is not valid JSON: {exc}") from None
-            if not isinstance(value, dict):
-                raise FieldError(f"{where}.json must be a JSON schema, got {short_repr(value)}")
-            self.json = value
-        elif kind == "choice":
-            if not (isinstance(value, (list, tuple)) and 0 < len(value) <= MAX_CHOICES):
-                raise FieldError(
-                    f"{where}.choice must be a list of 1 to {MAX_CHOICES} strings, "
-                    f"got {short_repr(value)}"
-                )
-            if not all(isinstance(c, str) and c for c in value):
-                raise FieldError(f"{where}.choice must hold non-empty strings")
-            self.choice = list(value)
-        elif kind == "json_object":
-            if value is not True:
-                raise FieldError(f"{where}.json_object must be true, got {short_repr(value)}")
-        elif not (isinstance(value, str) and value):
-            raise FieldError(f"{where}.{kind} must be a non-empty string, got {short_repr(value)}")
 
     @property
     def kind(self) -> str:
@@ -104,20 +86,40 @@ class StructuredOutputsParams:
         return value if isinstance(value, str) else json.dumps(value, sort_keys=True)
 
     def to_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in asdict(self).items() if v is not None}
+        return {k: v for k, v in msgspec.structs.asdict(self).items() if v is not None}
 
     @classmethod
     def from_dict(cls, data: Any) -> StructuredOutputsParams | None:
+        """The constraint ``data`` (an object of the fields above) describes; FieldError."""
         if data is None or isinstance(data, cls):
             return data
-        if not isinstance(data, dict):
+        try:
+            return msgspec.convert(data, cls, strict=True)
+        except msgspec.ValidationError as exc:
+            raise invalid(exc, data, cls, WHERE) from None
+
+
+def _schema(value: dict[str, Any] | str) -> dict[str, Any]:
+    """A JSON schema given as an object or its text, as an object."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as exc:
             raise FieldError(
-                f"sampling_params.structured_outputs must be an object, got {short_repr(data)}"
-            )
-        unknown = sorted(map(str, set(data) - {f.name for f in fields(cls)}))
-        if unknown:
-            raise FieldError(f"unknown structured_outputs field(s): {', '.join(unknown)}")
-        return cls(**data)
+                f"{WHERE}.json is not valid JSON: {exc}", field=f"{WHERE}.json"
+            ) from None
+    if not isinstance(value, dict):
+        raise FieldError(
+            f"{WHERE}.json must be a JSON schema (an object), got {value!r:.60}",
+            field=f"{WHERE}.json",
+        )
+    return value
+
+
+_Checked = msgspec.defstruct(
+    "_CheckedStructuredOutputs",
+    [(f.name, f.type) for f in msgspec.structs.fields(StructuredOutputsParams)],
+)
 
 
 GuidedDecodingParams = StructuredOutputsParams  # vLLM's earlier name
