@@ -10,6 +10,7 @@ whose engines may be scaled to zero (``/readyz`` says whether workers are live).
 
 from __future__ import annotations
 
+import re
 from importlib.metadata import PackageNotFoundError, version
 from typing import Annotated, Any
 
@@ -139,7 +140,8 @@ def _chat_text(body: dict[str, Any], tokenizer: PoolTokenizer, max_bytes: int) -
         messages = check_messages(messages, max_bytes)
         tools = check_tools(body.get("tools") or None, max_bytes, chat=True)
     except FieldError as exc:
-        raise bad_request(str(exc), "messages" if "tools" not in str(exc) else "tools") from None
+        param = re.match(r"[a-z_]+", exc.field or "messages").group()  # "tools[0].type": tools
+        raise bad_request(str(exc), param) from None
     try:
         return tokenizer.render(messages, tools, _flag(body, "add_generation_prompt", True))
     except Exception as exc:  # noqa: BLE001 - the template's own error names the problem

@@ -111,6 +111,13 @@ def test_tokenize_and_detokenize_match_transformers(gateway, model, base_name):
         ("/tokenize", {"prompt": "x", "add_special_tokens": "yes"}, 400, "add_special_tokens"),
         ("/tokenize", {"model": "no-such-model", "prompt": "x"}, 404, "model"),
         ("/tokenize", {"messages": [{"role": "user"}]}, 400, "messages"),
+        ("/tokenize", {"messages": [{"role": "user", "content": "x", "x": 1}]}, 400, "messages"),
+        (
+            "/tokenize",
+            {"messages": [{"role": "user", "content": "x"}], "tools": [{"function": {}}]},
+            400,
+            "tools",
+        ),
         ("/detokenize", {"tokens": [1, "a"]}, 400, "tokens"),
         ("/detokenize", {"tokens": [10**9]}, 400, "tokens"),
         ("/detokenize", {"tokens": [True]}, 400, "tokens"),
