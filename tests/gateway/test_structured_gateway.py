@@ -60,7 +60,7 @@ def test_guided_choice_and_regex_through_extra_body(client, base_name):
             "type",
         ),
         ({"guided_regex": "(("}, "guided_regex", "unclosed group"),
-        ({"guided_choice": []}, "guided_choice", "1 to"),
+        ({"guided_choice": []}, "guided_choice", "non-empty list of at most 1024"),
         ({"guided_grammar": "start: nowhere"}, "guided_grammar", "nowhere"),
         ({"guided_json": "{not json"}, "guided_json", "not valid JSON"),
         ({"response_format": {"type": "yaml"}}, "response_format", "'yaml'"),
