@@ -12,15 +12,15 @@ from __future__ import annotations
 
 import re
 from importlib.metadata import PackageNotFoundError, version
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 import msgspec
 from fastapi import APIRouter, Depends, Request, Response
 
-from lorapool.bounds import TokenId, explain
+from lorapool.bounds import TokenId
 from lorapool.connection import REDIS_DOWN
 from lorapool.gateway.auth import Principal, require
-from lorapool.gateway.body import read_json
+from lorapool.gateway.body import read_struct
 from lorapool.gateway.json import JSON
 from lorapool.gateway.tokenizer import PoolTokenizer
 from lorapool.messages import check_messages, check_tools
@@ -29,9 +29,30 @@ from lorapool.openai.params import chat_messages
 from lorapool.protocol import FieldError, short_repr
 
 router = APIRouter(tags=["vLLM"])
+T = TypeVar("T", bound=msgspec.Struct)
 Caller = Annotated[Principal, Depends(require())]
 MAX_TOKENS = 1 << 20  # token ids in one /detokenize
 Tokens = Annotated[list[TokenId], msgspec.Meta(max_length=MAX_TOKENS)]
+
+
+class TokenizeBody(msgspec.Struct):
+    """vLLM's /tokenize body: a prompt, or a chat's messages (and tools). Fields of vLLM's
+    this gateway does not use are ignored, as vLLM ignores fields it does not know."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[Any] | None = None
+    tools: list[Any] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool | None = None
+    return_token_strs: bool | None = None
+
+
+class DetokenizeBody(msgspec.Struct):
+    """vLLM's /detokenize body."""
+
+    tokens: Tokens
+    model: str | None = None
 
 
 async def _health(request: Request) -> Response:
@@ -58,40 +79,30 @@ async def version_route() -> JSON:
 @router.post("/tokenize", summary="Token ids of a prompt or a chat (vLLM's)")
 async def tokenize(request: Request, caller: Caller) -> JSON:
     pool = request.app.state.pool
-    body = await _body(request, caller)
+    body = await _body(request, caller, TokenizeBody)
     tokenizer = await _tokenizer(pool)
-    wants_strs = _flag(body, "return_token_strs", False)
-    if "messages" in body:
+    special = body.add_special_tokens
+    if body.messages is not None:
         text = _chat_text(body, tokenizer, pool.config.max_prompt_bytes)
-        ids = tokenizer.encode(text, _flag(body, "add_special_tokens", False))
-    elif isinstance(body.get("prompt"), str):
-        ids = tokenizer.encode(body["prompt"], _flag(body, "add_special_tokens", True))
+        ids = tokenizer.encode(text, bool(special))  # the template has them: default off
+    elif body.prompt is not None:
+        ids = tokenizer.encode(body.prompt, special is not False)
     else:
-        raise bad_request(
-            f"give a prompt (a string) or messages, got {short_repr(body.get('prompt'))}", "prompt"
-        )
+        raise bad_request("give a prompt (a string) or messages", "prompt")
     limits = await pool.limits.get(pool.view)
     return JSON(
         {
             "count": len(ids),
             "max_model_len": limits.max_model_len,
             "tokens": ids,
-            "token_strs": tokenizer.token_strs(ids) if wants_strs else None,
+            "token_strs": tokenizer.token_strs(ids) if body.return_token_strs else None,
         }
     )
 
 
 @router.post("/detokenize", summary="The text of token ids (vLLM's)")
 async def detokenize(request: Request, caller: Caller) -> JSON:
-    body = await _body(request, caller)
-    try:
-        tokens = msgspec.convert(body.get("tokens"), Tokens)
-    except msgspec.ValidationError:
-        raise bad_request(
-            f"tokens must be a list of at most {MAX_TOKENS} token ids "
-            f"({explain(TokenId)}), got {short_repr(body.get('tokens'))}",
-            "tokens",
-        ) from None
+    tokens = (await _body(request, caller, DetokenizeBody)).tokens
     tokenizer = await _tokenizer(request.app.state.pool)
     size = tokenizer.tokenizer.get_vocab_size(with_added_tokens=True)
     outside = [t for t in tokens if t >= size]
@@ -102,15 +113,11 @@ async def detokenize(request: Request, caller: Caller) -> JSON:
     return JSON({"prompt": tokenizer.decode(tokens)})
 
 
-async def _body(request: Request, caller: Principal) -> dict[str, Any]:
+async def _body(request: Request, caller: Principal, kind: type[T]) -> T:
     pool = request.app.state.pool
-    body = await read_json(request, pool.config.body_limit)
-    if not isinstance(body, dict):
-        raise bad_request(f"the request body must be a JSON object, got {short_repr(body)}", None)
-    if body.get("model") is not None:
-        if not isinstance(body["model"], str):
-            raise bad_request("model must be a string", "model")
-        await pool.resolve_model(body["model"], caller)  # 404 for an unknown one
+    body = await read_struct(request, pool.config.body_limit, kind)
+    if body.model is not None:
+        await pool.resolve_model(body.model, caller)  # 404 for an unknown one
     return body
 
 
@@ -125,24 +132,15 @@ async def _tokenizer(pool) -> PoolTokenizer:
     return tokenizer
 
 
-def _flag(body: dict[str, Any], name: str, default: bool) -> bool:
-    value = body.get(name, default)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise bad_request(f"{name} must be true or false, got {short_repr(value)}", name)
-    return value
-
-
-def _chat_text(body: dict[str, Any], tokenizer: PoolTokenizer, max_bytes: int) -> str:
-    messages = chat_messages(body)
+def _chat_text(body: TokenizeBody, tokenizer: PoolTokenizer, max_bytes: int) -> str:
+    messages = chat_messages({"messages": body.messages})
     try:
         messages = check_messages(messages, max_bytes)
-        tools = check_tools(body.get("tools") or None, max_bytes, chat=True)
+        tools = check_tools(body.tools or None, max_bytes, chat=True)
     except FieldError as exc:
         param = re.match(r"[a-z_]+", exc.field or "messages").group()  # "tools[0].type": tools
         raise bad_request(str(exc), param) from None
     try:
-        return tokenizer.render(messages, tools, _flag(body, "add_generation_prompt", True))
+        return tokenizer.render(messages, tools, body.add_generation_prompt is not False)
     except Exception as exc:  # noqa: BLE001 - the template's own error names the problem
         raise bad_request(f"the chat template refused the messages: {exc}", "messages") from None

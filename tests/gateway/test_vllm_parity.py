@@ -110,6 +110,9 @@ def test_tokenize_and_detokenize_match_transformers(gateway, model, base_name):
         ("/tokenize", {"prompt": 3}, 400, "prompt"),
         ("/tokenize", {"prompt": "x", "add_special_tokens": "yes"}, 400, "add_special_tokens"),
         ("/tokenize", {"model": "no-such-model", "prompt": "x"}, 404, "model"),
+        ("/tokenize", {"model": 3, "prompt": "x"}, 400, "model"),
+        ("/tokenize", {"prompt": "x", "return_token_strs": 1}, 400, "return_token_strs"),
+        ("/tokenize", {}, 400, "prompt"),
         ("/tokenize", {"messages": [{"role": "user"}]}, 400, "messages"),
         ("/tokenize", {"messages": [{"role": "user", "content": "x", "x": 1}]}, 400, "messages"),
         (
