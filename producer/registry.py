@@ -14,8 +14,10 @@ import re
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import redis
 
+from lorapool.bounds import AdapterId, explain
 from lorapool.connection import client_for
 from lorapool.identity import ADAPTER_WEIGHTS, adapter_sha256
 from lorapool.lifecycle.adapter_record import (  # the worker reads the records too
@@ -27,7 +29,7 @@ from lorapool.lifecycle.adapter_record import (  # the worker reads the records 
     lora_from_record,
 )
 from lorapool.lifecycle.keys import Keys
-from lorapool.protocol import INT32_MAX, LoRARequest, is_int, short_repr
+from lorapool.protocol import LoRARequest, short_repr
 
 WEIGHTS_FILE = ADAPTER_WEIGHTS
 CONFIG_FILE = "adapter_config.json"
@@ -131,8 +133,13 @@ class AdapterRegistry:
         check_name(name)
         path = check_inside_roots(path, self.roots)
         info = info if info is not None else describe_adapter(path)
-        if adapter_id is not None and not (is_int(adapter_id) and 1 <= adapter_id <= INT32_MAX):
-            raise ValueError(f"adapter id must be an integer in [1, {INT32_MAX}], got {adapter_id}")
+        if adapter_id is not None:
+            try:  # the bound lora_request.lora_int_id has (lorapool.bounds)
+                msgspec.convert(adapter_id, AdapterId, strict=True)
+            except msgspec.ValidationError:
+                raise ValueError(
+                    f"adapter id must be {explain(AdapterId)}, got {short_repr(adapter_id)}"
+                ) from None
         # the registry's two hashes share the meta shard's slot (its node, on a cluster)
         with client_for(self.redis, self.keys.adapters).pipeline() as pipe:
             while True:

@@ -133,3 +133,12 @@ def test_a_name_taken_by_other_weights_is_refused_on_lora_name(admin):
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == "lora_name" and "already registered" in error["message"]
+
+
+@pytest.mark.parametrize("adapter_id", [0, True, 2**31, "3", 1.0, -1])
+def test_a_registry_refuses_an_adapter_id_out_of_bounds(producer, tmp_path, adapter_id):
+    """The id a LoRARequest may carry (``bounds.AdapterId``), checked before Redis."""
+    path = fake_adapter(tmp_path / "an-adapter", b"weights")
+    with pytest.raises(ValueError, match=r"adapter id must be an integer in \[1, 2147483647\]"):
+        producer.registry.add("bad-id", path, adapter_id)
+    assert producer.registry.get("bad-id") is None
