@@ -115,12 +115,7 @@ def test_tokenize_and_detokenize_match_transformers(gateway, model, base_name):
         ("/tokenize", {}, 400, "prompt"),
         ("/tokenize", {"messages": [{"role": "user"}]}, 400, "messages"),
         ("/tokenize", {"messages": [{"role": "user", "content": "x", "x": 1}]}, 400, "messages"),
-        (
-            "/tokenize",
-            {"messages": [{"role": "user", "content": "x"}], "tools": [{"function": {}}]},
-            400,
-            "tools",
-        ),
+        ("/tokenize", {"messages": [{"role": "u", "content": "x"}], "tools": [{}]}, 400, "tools"),
         ("/detokenize", {"tokens": [1, "a"]}, 400, "tokens"),
         ("/detokenize", {"tokens": [10**9]}, 400, "tokens"),
         ("/detokenize", {"tokens": [True]}, 400, "tokens"),
