@@ -20,8 +20,12 @@ from lorapool.tool_calls import PARSERS
 BODY_OVERHEAD = 64 << 10
 
 Limit = Annotated[int, Meta(ge=0)]  # a count the deployment sets (no wire bound)
-Timeout = Annotated[float, Meta(gt=0, le=FINITE)]  # seconds
-RedisWait = Annotated[float, Meta(gt=0, le=3600)]  # seconds: a Redis call's, an outage's
+# (each with a description: typing caches Annotated by equal arguments, Meta(gt=0) equals
+# bounds.RepetitionPenalty's Meta(gt=0.0), and whichever was made first would word the bound)
+Timeout = Annotated[float, Meta(gt=0, le=FINITE, description="seconds")]
+RedisWait = Annotated[
+    float, Meta(gt=0, le=3600, description="seconds: a Redis call's, an outage's")
+]
 
 
 @dataclass(frozen=True)
