@@ -153,10 +153,11 @@ def _step(value: Any, tp: Any, name: str | int) -> tuple[Any, Any]:
         inner = get_args(_unannotated(_arm(tp, list)))
         ok = isinstance(value, (list, tuple)) and name < len(value)
         return (value[name] if ok else _NOTHING), (inner[0] if inner else Any)
-    struct = _arm(tp, msgspec.Struct)
+    struct = _unannotated(_arm(tp, msgspec.Struct))  # a generic one's alias too: Message[R, N]
+    base = get_origin(struct) or struct
     hints = (
         {f.encode_name: f.type for f in msgspec.structs.fields(struct)}
-        if (isinstance(struct, type) and issubclass(struct, msgspec.Struct))
+        if (isinstance(base, type) and issubclass(base, msgspec.Struct))
         else {}
     )
     if isinstance(value, dict):
