@@ -7,6 +7,12 @@ A message has a ``role`` and ``content`` (a string; an assistant message that ca
 tools may have none), and, as OpenAI's API sends them, an assistant's ``tool_calls``
 (``[{"id", "type": "function", "function": {"name", "arguments": JSON text}}]``) and a
 tool message's ``tool_call_id``, and a ``name``.
+
+``check_messages`` runs every job twice a life (submit, the worker's decode), so it
+checks in one cheap pass: bounds' lengths in msgspec and a NUL scan of each message's
+role and names in Python (bounds' no-NUL pattern is a regex search a string, which cost
+more than the rest of the check). Only a refused chat meets the second pass, with
+bounds' own types, so that its refusal is worded and ordered as msgspec words it.
 """
 
 from __future__ import annotations
@@ -108,28 +114,30 @@ def check_messages(messages: Any, max_prompt_bytes: int) -> list[dict[str, Any]]
     """
     if messages is None:
         return None
+    wrapped = {"messages": messages}
     try:
-        return _checked(messages, max_prompt_bytes, _Lengths)
+        checked, size = _checked(msgspec.convert(wrapped, _Lengths, strict=True))
     except Exception:  # noqa: BLE001 - the check below decides: it raises, as it always has
-        # Refused (a FieldError, or a lone surrogate's error from msgspec or orjson): again
-        # with bounds' own types, so the refusal is the first fault msgspec meets, NUL or
-        # not; both passes accept the same messages, and return the same dicts.
-        return _checked(messages, max_prompt_bytes, _Bounded)
-
-
-def _checked(messages: Any, max_prompt_bytes: int, chat: type[Chat]) -> list[dict[str, Any]]:
-    typed = _typed({"messages": messages}, chat, "").messages
-    out, size = [], 0
-    for i, message in enumerate(typed):
-        as_dict, message_size = _message(i, message)
-        out.append(as_dict)
-        size += message_size
+        # Refused (by msgspec, a check, or a lone surrogate's error in msgspec or orjson):
+        # again with bounds' own types, so the refusal is the first fault msgspec meets,
+        # NUL or not; both passes accept the same messages, and return the same dicts.
+        checked, size = _checked(_typed(wrapped, _Bounded, ""))
     if size > max_prompt_bytes:
         raise FieldError(
             f"the prompt is {size} bytes, over the limit of {max_prompt_bytes} (max_prompt_bytes)",
             field="messages",
         )
-    return out
+    return checked
+
+
+def _checked(chat: Chat) -> tuple[list[dict[str, Any]], int]:
+    """The messages as dicts, and their size."""
+    out, size = [], 0
+    for i, message in enumerate(chat.messages):
+        as_dict, message_size = _message(i, message)
+        out.append(as_dict)
+        size += message_size
+    return out, size
 
 
 def _message(i: int, message: Message) -> tuple[dict[str, Any], int]:

@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from lorapool import messages
-from lorapool.field_errors import FieldError
+from lorapool.field_errors import FieldError, check
 from lorapool.messages import check_messages
 
 NO_LIMIT = 1 << 20
@@ -94,9 +94,9 @@ MESSAGE = st.fixed_dictionaries(
 )
 
 
-def _outcome(check, chat, limit):
+def _outcome(checker, chat, limit):
     try:
-        return check(chat, limit)
+        return checker(chat, limit)
     except Exception as exc:  # noqa: BLE001 - a lone surrogate's error is compared too
         return type(exc), str(exc), getattr(exc, "field", None)
 
@@ -104,6 +104,14 @@ def _outcome(check, chat, limit):
 @given(st.lists(MESSAGE, min_size=1, max_size=4), st.sampled_from([40, NO_LIMIT]))
 def test_the_fast_pass_answers_as_bounds_own_types_do(chat, limit):
     def bounded(chat, limit):
-        return messages._checked(chat, limit, messages._Bounded)
+        checked, size = messages._checked(
+            messages._typed({"messages": chat}, messages._Bounded, "")
+        )
+        check(
+            size <= limit,
+            f"the prompt is {size} bytes, over the limit of {limit} (max_prompt_bytes)",
+            "messages",
+        )
+        return checked
 
     assert _outcome(check_messages, chat, limit) == _outcome(bounded, chat, limit)
