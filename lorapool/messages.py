@@ -94,7 +94,10 @@ class Tool(msgspec.Struct):
     function: ToolSpec
 
 
-Tools = Annotated[list[Tool], msgspec.Meta(max_length=MAX_TOOLS)]
+class Tools(msgspec.Struct):
+    """A chat's tools, as a record (a Struct's types are parsed once, as ``Chat``'s)."""
+
+    tools: Annotated[list[Tool], msgspec.Meta(max_length=MAX_TOOLS)]
 
 
 def _typed(value: Any, tp: Any, root: str) -> Any:
@@ -200,7 +203,7 @@ def check_tools(tools: Any, max_prompt_bytes: int, chat: bool) -> list[dict[str,
     if tools is None:
         return None
     check(chat, "tools need messages (a chat)", "tools")
-    for i, tool in enumerate(_typed(tools, Tools, "tools")):
+    for i, tool in enumerate(_typed({"tools": tools}, Tools, "").tools):
         check(tool.type == "function", f"tools[{i}].type must be 'function'", f"tools[{i}].type")
     check_json_size(tools, "tools", max_prompt_bytes, " (max_prompt_bytes)")
     return tools
