@@ -1,11 +1,11 @@
-"""A chat job's messages check, ``lorapool.messages.check_messages``, against a base
-build's, in one process (issue 36): the base module's source comes from ``git show
-<rev>:lorapool/messages.py`` and is loaded beside today's, so both meet the same
+"""A chat job's messages check, ``lorapool.messages.check_messages``, against base
+builds', in one process (issue 36): each base module's source comes from ``git show
+<rev>:lorapool/messages.py`` and is loaded beside today's, so all meet the same
 interpreter, caches and load. A 4-message chat (system, user, an assistant tool call,
 a tool reply); each build's best of ``--number`` calls x ``--rounds``, the builds
 alternated ``--alternations`` times:
 
-    python benchmarks/messages_check.py [--base 9b0bc78^] [--rounds 5] [--number 20000]
+    python benchmarks/messages_check.py [--base 9b0bc78^ [--base main]] [--rounds 5]
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import subprocess
+import sys
 import time
 import timeit
 import types
@@ -45,7 +46,8 @@ def load_base(rev: str) -> types.ModuleType:
         ["git", "show", f"{rev}:lorapool/messages.py"],
         cwd=root, check=True, capture_output=True, text=True,
     ).stdout  # fmt: skip
-    module = types.ModuleType("base_messages")
+    module = types.ModuleType(f"base_messages_{rev}")
+    sys.modules[module.__name__] = module  # where msgspec resolves its Structs' annotations
     exec(compile(source, f"{rev}:lorapool/messages.py", "exec"), module.__dict__)  # noqa: S102
     return module
 
@@ -63,17 +65,21 @@ def per_call(module: types.ModuleType, args: argparse.Namespace) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--base", default="9b0bc78^")
+    parser.add_argument(
+        "--base", action="append", help="a git revision (9b0bc78^: the hand checks)"
+    )
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--number", type=int, default=20000)
     parser.add_argument("--alternations", type=int, default=3)
     args = parser.parse_args()
-    base = load_base(args.base)
-    same = base.check_messages(CHAT, MAX_BYTES) == head.check_messages(CHAT, MAX_BYTES)
-    out = {"base": args.base, "outputs_equal": same, "base_us": [], "head_us": []}
+    builds = {rev: load_base(rev) for rev in args.base or ["9b0bc78^"]}
+    builds["head"] = head
+    want = head.check_messages(CHAT, MAX_BYTES)
+    out = {"outputs_equal": all(b.check_messages(CHAT, MAX_BYTES) == want for b in builds.values())}
+    out |= {f"{name}_us": [] for name in builds}
     for _ in range(args.alternations):
-        out["base_us"].append(per_call(base, args))
-        out["head_us"].append(per_call(head, args))
+        for name, build in builds.items():
+            out[f"{name}_us"].append(per_call(build, args))
     print(json.dumps(out))
 
 

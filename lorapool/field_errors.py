@@ -153,7 +153,8 @@ def _step(value: Any, tp: Any, name: str | int) -> tuple[Any, Any]:
         inner = get_args(_unannotated(_arm(tp, list)))
         ok = isinstance(value, (list, tuple)) and name < len(value)
         return (value[name] if ok else _NOTHING), (inner[0] if inner else Any)
-    struct = _unannotated(_arm(tp, msgspec.Struct))  # a generic one's alias too: Message[R, N]
+    # a Struct, or a generic one's alias (messages.Message[Role, ShortName])
+    struct = _arm(tp, msgspec.Struct)
     base = get_origin(struct) or struct
     hints = (
         {f.encode_name: f.type for f in msgspec.structs.fields(struct)}
