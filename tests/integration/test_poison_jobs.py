@@ -22,6 +22,7 @@ import orjson
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from job_changes import changed
 from json_strategies import json_values as any_json
 from pool_layout import entries, ids_on_shard, length, pending
 
@@ -72,18 +73,8 @@ def run_worker(engine, conn, keys, model) -> Worker:
 
 
 def _job(rid: str, **changes) -> dict:
-    job = {
-        "v": 1,
-        "request_id": rid,
-        "prompt": "poison",
-        "sampling_params": {"temperature": 0.0, "max_tokens": 4},
-    }
-    for key, value in changes.items():
-        if key.startswith("sp_"):
-            job["sampling_params"][key[3:]] = value
-        else:
-            job[key] = value
-    return job
+    job = {"v": 1, "prompt": "poison", "sampling_params": {"temperature": 0.0, "max_tokens": 4}}
+    return changed({**job, "request_id": rid}, **changes)
 
 
 # The poison jobs of issue 14 point 1, as raw XADDs: (job changes, what the reason names)

@@ -5,20 +5,17 @@ from __future__ import annotations
 
 import orjson
 import pytest
+from job_changes import changed
 
 from lorapool.lifecycle.wire import decode_job, job_from_dict
 from lorapool.openai.errors import field_error
 from lorapool.protocol import FieldError, SamplingParams
 
+JOB = {"v": 1, "request_id": "r9", "prompt": "hi", "sampling_params": {"max_tokens": 4}}
+
 
 def _job(**changes) -> bytes:
-    data = {"v": 1, "request_id": "r9", "prompt": "hi", "sampling_params": {"max_tokens": 4}}
-    for key, value in changes.items():
-        if key.startswith("sp_"):
-            data["sampling_params"][key[3:]] = value
-        else:
-            data[key] = value
-    return orjson.dumps(data)
+    return orjson.dumps(changed(JOB, **changes))
 
 
 @pytest.mark.parametrize(

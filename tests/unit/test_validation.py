@@ -15,6 +15,7 @@ import orjson
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from job_changes import changed
 from json_strategies import json_values as any_json
 
 from lorapool.lifecycle.submit import build_job
@@ -35,13 +36,7 @@ VALID = {
 
 def _with(**changes) -> bytes:
     """VALID with top-level or sampling_params (``sp_`` prefix) fields replaced, as raw JSON."""
-    data = {**VALID, "sampling_params": dict(VALID["sampling_params"])}
-    for key, value in changes.items():
-        if key.startswith("sp_"):
-            data["sampling_params"][key[3:]] = value
-        else:
-            data[key] = value
-    return orjson.dumps(data)
+    return orjson.dumps(changed(VALID, **changes))
 
 
 # (SamplingParams keyword, bad value, what the message must say)
