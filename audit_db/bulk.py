@@ -22,6 +22,10 @@ from collections.abc import Callable
 from typing import Any
 
 import orjson
+from psycopg import errors as pg_errors
+from psycopg import generators, pq
+from psycopg.copy import LibpqWriter
+from psycopg.waiting import Wait
 from sqlalchemy import (
     BigInteger,
     Connection,
@@ -174,8 +178,54 @@ def _driver_errors(conn: Connection, sql: str):
     return dbapi.Error, reraise
 
 
-def bulk_insert(conn: Connection, rows: list[dict[str, Any]]) -> int:
-    """Insert completion rows (every column) in bulk; returns how many went in."""
+class _WorkWhileInserting(LibpqWriter):
+    """Ends the COPY, runs ``meanwhile`` until it returns False, then reads the server's
+    answer. A binary COPY of fewer than 1,000 rows is inserted only at its end (the
+    server buffers rows for a multi-insert until 1,000 or 64 kB of *text* lines, and a
+    binary row counts no bytes): the writer waited ~100 µs a row there, idle, the
+    server busy (RESULTS.md, session 6). The generators are psycopg's own steps of
+    ``LibpqWriter.finish`` (``psycopg.generators.copy_end``), split in two."""
+
+    def __init__(self, cursor, meanwhile: Callable[[], bool]):
+        super().__init__(cursor)
+        self._meanwhile = meanwhile
+
+    def finish(self, exc: BaseException | None = None) -> None:
+        if exc is not None:  # the COPY is cancelled: nothing to overlap
+            super().finish(exc)
+            return
+        self.connection.wait(_send_copy_end(self._pgconn))
+        try:
+            while self._meanwhile():
+                pass
+        finally:  # the answer is read whatever happened, or the connection stays busy
+            (result,) = self.connection.wait(generators.fetch_many(self._pgconn))
+        if result.status != pq.ExecStatus.COMMAND_OK:
+            raise pg_errors.error_from_result(result, encoding=self._pgconn._encoding)
+        self.cursor._results = [result]
+
+
+def _send_copy_end(pgconn):
+    """Send CopyDone and flush it, without waiting for the result (psycopg's
+    ``copy_end`` up to its fetch)."""
+    while pgconn.put_copy_end(None) == 0:
+        while not (yield Wait.W):
+            continue
+    while True:
+        while not (yield Wait.W):
+            continue
+        if pgconn.flush() == 0:
+            return
+
+
+def bulk_insert(
+    conn: Connection, rows: list[dict[str, Any]], meanwhile: Callable[[], bool] | None = None
+) -> int:
+    """Insert completion rows (every column) in bulk; returns how many went in.
+
+    ``meanwhile`` (PostgreSQL): the caller's work, run a slice a call (until it returns
+    False) once every row is sent, while the server inserts them (the writer parses its
+    next batch there); the COPY's result is read after it."""
     driver = conn.connection.driver_connection
     postgres = conn.dialect.name == "postgresql"
     errors, reraise = _driver_errors(conn, _COPY if postgres else _INSERT)
@@ -185,7 +235,8 @@ def bulk_insert(conn: Connection, rows: list[dict[str, Any]]) -> int:
             if not postgres:
                 cursor.executemany(_INSERT, [_cells(row, _SQLITE_ENCODERS) for row in rows])
                 return cursor.rowcount
-            with cursor.copy(_COPY) as copy:
+            writer = None if meanwhile is None else _WorkWhileInserting(cursor, meanwhile)
+            with cursor.copy(_COPY, writer=writer) as copy:
                 copy.write(_SIGNATURE)
                 for start in range(0, len(rows), COPY_CHUNK):
                     copy.write(_copy_binary(rows[start : start + COPY_CHUNK]))

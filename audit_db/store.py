@@ -19,6 +19,7 @@ month, never less than the row before's (partitions.py).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -229,13 +230,13 @@ def _chain(
     return chained
 
 
-def _insert_chained(conn: Connection, rows: list[dict[str, Any]], head: Head) -> None:
+def _insert_chained(conn: Connection, rows: list[dict[str, Any]], head: Head, meanwhile) -> None:
     """COPY the chained rows, then check that the chain now ends with exactly them
     (cannot fail under the lock; never leave a gap). Both reads are index look-ups
     whatever the statistics: an open ``seq > head`` (a third of the table to a planner
     without statistics) was a scan of the whole partition at every batch, the writer's
     cost growing with the table (190 ms a batch at 200,000 rows)."""
-    bulk_insert(conn, rows)  # its row count is not reliable on every driver: count
+    bulk_insert(conn, rows, meanwhile)  # its row count is not reliable on every driver: count
     last = rows[-1]
     window = (completions.c.seq > head.seq) & (completions.c.seq <= last["seq"])
     added = conn.execute(select(func.count()).where(window)).scalar()
@@ -258,7 +259,9 @@ def _period(conn: Connection, guard: ChainGuard, head: Head, now: float) -> int:
     return period
 
 
-def _extend(conn: Connection, fresh: list[PreparedRow], guard: ChainGuard, now: float) -> None:
+def _extend(
+    conn: Connection, fresh: list[PreparedRow], guard: ChainGuard, now: float, meanwhile
+) -> None:
     pks = {**guard.adapter_pks, **guard.new_adapters(_adapter_pks(conn, fresh, guard.adapter_pks))}
     head = chain_head(conn)
     guard.check(conn, head)
@@ -266,7 +269,7 @@ def _extend(conn: Connection, fresh: list[PreparedRow], guard: ChainGuard, now: 
     period = _period(conn, guard, head, now)
     guard.before_period(conn, head, period)
     chained = _chain(fresh, pks, head, guard.key, period)
-    _insert_chained(conn, chained, head)
+    _insert_chained(conn, chained, head, meanwhile)
     last = chained[-1]
     guard.after_rows(conn, Head(last["seq"], last["row_hash"], period), now)
 
@@ -277,6 +280,7 @@ def append(
     key: bytes | None = None,
     guard: ChainGuard | None = None,
     now: float | None = None,
+    meanwhile: Callable[[], bool] | None = None,
 ) -> AppendResult:
     """Store the rows not stored yet, chained (keyed with ``key``), in one transaction.
 
@@ -286,6 +290,8 @@ def append(
     writes checkpoints; without it a fresh one is used, which verifies from the
     newest checkpoint. Raises :class:`ChainTampered` when the chain does not verify.
     ``now`` (default: the time) sets the rows' period: tests and imports of old rows.
+    ``meanwhile``: the caller's work for while the server inserts the rows (a slice a
+    call, False once none is left; see bulk.py); it must not use the database.
     """
     if not rows:
         return AppendResult()
@@ -295,7 +301,7 @@ def append(
             fresh, result = _sort_out(rows, _stored_digests(conn, rows))
             _record_conflicts(conn, result.conflicts, time.time())
             if fresh:
-                _extend(conn, fresh, guard, time.time() if now is None else now)
+                _extend(conn, fresh, guard, time.time() if now is None else now, meanwhile)
     except BaseException:
         guard.rolled_back()
         raise

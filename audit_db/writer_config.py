@@ -25,8 +25,8 @@ class WriterConfig:
     shards: int = 0  # the pool's shard count (``lifecycle.keys``): every shard's stream is read
     consumer: str = field(default_factory=default_consumer)
     batch_size: int = 500
-    # read and parse the next batch in a thread while this one is stored; on a 2-core
-    # box with PostgreSQL local, off was 1.03-1.28x faster (benchmarks/RESULTS.md)
+    # read the next batch before this one is stored and parse it while PostgreSQL
+    # inserts this one (writer._Ahead; benchmarks/RESULTS.md, session 6)
     prefetch: bool = True
     block_ms: int = 1000
     claim_idle_ms: int = 60_000

@@ -43,10 +43,10 @@ def _timed(engine, times: dict, last: dict) -> None:
 
     copy = store.bulk_insert
 
-    def timed_copy(conn, rows):
+    def timed_copy(conn, rows, meanwhile=None):
         start = time.perf_counter()
         try:
-            return copy(conn, rows)
+            return copy(conn, rows, meanwhile)
         finally:
             times["COPY"] += time.perf_counter() - start
 

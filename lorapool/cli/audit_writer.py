@@ -41,7 +41,7 @@ def _install_signals(writer) -> None:
     "--prefetch/--no-prefetch",
     default=True,
     show_default=True,
-    help="Read and parse the next batch in a thread while one is stored.",
+    help="Read the next batch before one is stored, and parse it while PostgreSQL inserts.",
 )
 @click.option(
     "--claim-idle-ms",

@@ -73,7 +73,7 @@ def test_without_prefetch_every_batch_is_read_in_turn(audit_target, audit_redis)
     audit_redis.publish([make_record(i) for i in range(7)])
     writer = _writer(audit_redis, audit_target.engine, batch_size=2, prefetch=False)
     stats = writer.run(burst=True)
-    assert writer._executor is None  # no thread was started
+    assert writer._ahead is None  # nothing was read ahead
     assert (stats.rows_written, stats.entries, audit_target.count()) == (7, 7, 7)
     assert audit_redis.pending() == 0
     assert verify_chain(audit_target.engine, key=KEY).ok
