@@ -160,6 +160,12 @@ def _copy_binary(rows: list[dict[str, Any]]) -> bytes:
     return b"".join(parts)
 
 
+def encode(rows: list[dict[str, Any]]) -> list[bytes]:
+    """The rows as the COPY chunks :func:`bulk_insert` sends (PostgreSQL); raises
+    :class:`Unencodable` for a value its column cannot hold."""
+    return [_copy_binary(rows[i : i + COPY_CHUNK]) for i in range(0, len(rows), COPY_CHUNK)]
+
+
 def _cells(row: dict[str, Any], encoders) -> list[Any]:
     cells = []
     for name, encode in encoders:
@@ -219,9 +225,13 @@ def _send_copy_end(pgconn):
 
 
 def bulk_insert(
-    conn: Connection, rows: list[dict[str, Any]], meanwhile: Callable[[], bool] | None = None
+    conn: Connection,
+    rows: list[dict[str, Any]],
+    meanwhile: Callable[[], bool] | None = None,
+    encoded: list[bytes] | None = None,
 ) -> int:
     """Insert completion rows (every column) in bulk; returns how many went in.
+    ``encoded``: the rows' COPY chunks already made by :func:`encode` (PostgreSQL).
 
     ``meanwhile`` (PostgreSQL): the caller's work, run a slice a call (until it returns
     False) once every row is sent, while the server inserts them (the writer parses its
@@ -238,8 +248,8 @@ def bulk_insert(
             writer = None if meanwhile is None else _WorkWhileInserting(cursor, meanwhile)
             with cursor.copy(_COPY, writer=writer) as copy:
                 copy.write(_SIGNATURE)
-                for start in range(0, len(rows), COPY_CHUNK):
-                    copy.write(_copy_binary(rows[start : start + COPY_CHUNK]))
+                for chunk in encode(rows) if encoded is None else encoded:
+                    copy.write(chunk)
                 copy.write(_TRAILER)
             return cursor.rowcount
         finally:

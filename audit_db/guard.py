@@ -92,6 +92,7 @@ class ChainGuard:
     _new_adapters: dict[str, int] = field(default_factory=dict)
     _pending: list[Checkpoint] = field(default_factory=list)
     _fresh_head: Head | None = None
+    sending: Head | None = None  # the end of the rows being inserted (chaining.ahead)
 
     # --- before the rows ---------------------------------------------------------
 
@@ -257,6 +258,10 @@ class ChainGuard:
 
     # --- after the commit ----------------------------------------------------------
 
+    def known_pks(self) -> dict[str, int]:
+        """fingerprint -> pk of every adapter committed or stored by this transaction."""
+        return {**self.adapter_pks, **self._new_adapters}
+
     def new_adapters(self, found: dict[str, int]) -> dict[str, int]:
         """Adapter pks this transaction found or stored: known once it commits."""
         self._new_adapters.update(found)
@@ -266,7 +271,7 @@ class ChainGuard:
         """The transaction committed: take its head and checkpoints as trusted (and write
         the checkpoint files); returns the checkpoints it made."""
         self.adapter_pks.update(self._new_adapters)
-        self._new_adapters = {}
+        self._new_adapters, self.sending = {}, None
         made, self._pending = self._pending, []
         if made:
             self.last = made[-1]
@@ -285,6 +290,6 @@ class ChainGuard:
         the next batch checkpointed a keyed start that ``audit_meta`` lacked and the
         writer then refused its own chain as a key downgrade."""
         self._pending, self._fresh_head, self._new_adapters = [], None, {}
-        self.trusted = None  # verify again from the checkpoint next time
+        self.trusted, self.sending = None, None  # verify again from the checkpoint next time
         self.keyed_start = self.last.keyed_from if self.last is not None else None
         self.periods.clear()  # made again (if missing) by the next write

@@ -37,7 +37,8 @@ from sqlalchemy.dialects import postgresql, sqlite
 
 from lorapool.audit_db import exact_text, partitions, rollup
 from lorapool.audit_db.bulk import bulk_insert, wanted_rows
-from lorapool.audit_db.chain import COMPACT_VERSION, GENESIS, content_digest, link, link_v2, logical
+from lorapool.audit_db.chain import GENESIS, content_digest, logical
+from lorapool.audit_db.chaining import Ahead, chain
 from lorapool.audit_db.checkpoints import Checkpoint
 from lorapool.audit_db.database import write_transaction
 from lorapool.audit_db.guard import (
@@ -73,6 +74,7 @@ class AppendResult:
     written: int = 0
     duplicates: int = 0
     conflicts: list[Conflict] = field(default_factory=list)
+    chained_ahead: bool = False  # the rows went in as chained ahead (``early``)
 
 
 def _insert(conn: Connection, table, rows: list[dict[str, Any]], key: list[str]) -> None:
@@ -203,40 +205,15 @@ def _record_conflicts(conn: Connection, found: list[Conflict], now: float) -> No
     )
 
 
-def _stored_values(row: PreparedRow, seq: int, prev: str, row_hash: str, pk, period) -> dict:
-    values = {**row.values, "seq": seq, "adapter_pk": pk, "prev_hash": prev, "row_hash": row_hash}
-    values["chain_version"], values["period"] = row.version, period
-    if row.version == COMPACT_VERSION:  # stored as hashed: the packed bytes
-        values["prompt_tokens"], values["output_tokens"] = row.tokens
-        values["prompt_token_ids"] = values["token_ids"] = None
-    else:
-        values["prompt_tokens"] = values["output_tokens"] = None
-    return values
-
-
-def _chain(
-    rows: list[PreparedRow], pks: dict[str, int], head: Head, key: bytes | None, period: int
-) -> list[dict]:
-    chained, seq, prev = [], head.seq, head.row_hash
-    for row in rows:
-        seq += 1
-        if row.version == COMPACT_VERSION:
-            row_hash = link_v2(prev, seq, row.body, row.tokens, key)
-        else:
-            row_hash = link(prev, seq, row.body, key)
-        pk = pks[row.adapter["fingerprint"]] if row.adapter else None
-        chained.append(_stored_values(row, seq, prev, row_hash, pk, period))
-        prev = row_hash
-    return chained
-
-
-def _insert_chained(conn: Connection, rows: list[dict[str, Any]], head: Head, meanwhile) -> None:
+def _insert_chained(
+    conn: Connection, rows: list[dict[str, Any]], head: Head, meanwhile, encoded=None
+) -> None:
     """COPY the chained rows, then check that the chain now ends with exactly them
     (cannot fail under the lock; never leave a gap). Both reads are index look-ups
     whatever the statistics: an open ``seq > head`` (a third of the table to a planner
     without statistics) was a scan of the whole partition at every batch, the writer's
     cost growing with the table (190 ms a batch at 200,000 rows)."""
-    bulk_insert(conn, rows, meanwhile)  # its row count is not reliable on every driver: count
+    bulk_insert(conn, rows, meanwhile, encoded)  # not every driver's row count is reliable: count
     last = rows[-1]
     window = (completions.c.seq > head.seq) & (completions.c.seq <= last["seq"])
     added = conn.execute(select(func.count()).where(window)).scalar()
@@ -260,18 +237,30 @@ def _period(conn: Connection, guard: ChainGuard, head: Head, now: float) -> int:
 
 
 def _extend(
-    conn: Connection, fresh: list[PreparedRow], guard: ChainGuard, now: float, meanwhile
-) -> None:
+    conn: Connection,
+    fresh: list[PreparedRow],
+    guard: ChainGuard,
+    now: float,
+    meanwhile,
+    early: Ahead | None,
+) -> bool:
+    """Chain and insert the fresh rows; True when they went in as chained ahead."""
     pks = {**guard.adapter_pks, **guard.new_adapters(_adapter_pks(conn, fresh, guard.adapter_pks))}
     head = chain_head(conn)
     guard.check(conn, head)
     guard.start_keyed(conn, head)
     period = _period(conn, guard, head, now)
     guard.before_period(conn, head, period)
-    chained = _chain(fresh, pks, head, guard.key, period)
-    _insert_chained(conn, chained, head, meanwhile)
+    held = early is not None and early.holds(fresh, pks, head, guard.key, period)
+    if held:
+        chained, encoded = early.chained, early.encoded
+    else:
+        chained, encoded = chain(fresh, pks, head, guard.key, period), None
+    guard.sending = Head(chained[-1]["seq"], chained[-1]["row_hash"], period)
+    _insert_chained(conn, chained, head, meanwhile, encoded)
     last = chained[-1]
     guard.after_rows(conn, Head(last["seq"], last["row_hash"], period), now)
+    return held
 
 
 def append(
@@ -281,6 +270,7 @@ def append(
     guard: ChainGuard | None = None,
     now: float | None = None,
     meanwhile: Callable[[], bool] | None = None,
+    early: Ahead | None = None,
 ) -> AppendResult:
     """Store the rows not stored yet, chained (keyed with ``key``), in one transaction.
 
@@ -292,6 +282,8 @@ def append(
     ``now`` (default: the time) sets the rows' period: tests and imports of old rows.
     ``meanwhile``: the caller's work for while the server inserts the rows (a slice a
     call, False once none is left; see bulk.py); it must not use the database.
+    ``early``: these rows chained and encoded ahead of time (chaining.py), used when
+    it holds under the lock.
     """
     if not rows:
         return AppendResult()
@@ -301,7 +293,8 @@ def append(
             fresh, result = _sort_out(rows, _stored_digests(conn, rows))
             _record_conflicts(conn, result.conflicts, time.time())
             if fresh:
-                _extend(conn, fresh, guard, time.time() if now is None else now, meanwhile)
+                at = time.time() if now is None else now
+                result.chained_ahead = _extend(conn, fresh, guard, at, meanwhile, early)
     except BaseException:
         guard.rolled_back()
         raise

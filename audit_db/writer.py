@@ -21,14 +21,14 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import redis
 from sqlalchemy import Engine
 
-from lorapool.audit_db import decoder, store
+from lorapool.audit_db import chaining, decoder, store
 from lorapool.audit_db.database import is_current, migrate
 from lorapool.audit_db.guard import ChainGuard
+from lorapool.audit_db.writer_batch import Item, NextBatch
 from lorapool.audit_db.writer_config import WriterConfig, WriterStats
 from lorapool.audit_db.writer_retry import REJECTED, RETRYABLE, Retrying, SchemaNotReady, Stopped
 from lorapool.audit_record import AuditRecord, RecordError
@@ -37,51 +37,6 @@ from lorapool.lifecycle.dead_letter import AUDIT, DeadLetter
 from lorapool.lifecycle.keys import AUDIT_GROUP, Keys
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class _Item:
-    """One stream entry and the rows it became."""
-
-    view: Keys  # the shard view its entry was read from
-    entry_id: bytes | str
-    payload: bytes | str | None
-    rows: list[store.PreparedRow]
-    record: AuditRecord | None = None
-    dead: bool = False
-    error: str | None = None  # why it is dead-lettered (not done yet)
-
-
-# entries of the next batch parsed a call of ``_Ahead.work``
-PARSE_SLICE = 50
-
-
-@dataclass
-class _Ahead:
-    """The next batch, read before this one is stored, and parsed a slice at a time
-    once this one's rows are sent, while the server inserts them (``store.append``'s
-    ``meanwhile``, bulk.py), in the writer's own thread. The parse thread this
-    replaces bought no overlap on a two-core box with the database local: the server
-    inserted only after the COPY's end, and the thread's GIL switches cost a quarter
-    of the writer's CPU (RESULTS.md)."""
-
-    view: Keys
-    entries: list
-    parse: Callable[[Keys, object], _Item]
-    items: list[_Item] = field(default_factory=list)
-
-    def work(self) -> bool:
-        """Parse the next slice of entries; False once every entry is parsed."""
-        done = len(self.items)
-        if done >= len(self.entries):
-            return False
-        self.items.extend(self.parse(self.view, e) for e in self.entries[done : done + PARSE_SLICE])
-        return True
-
-    def finish(self) -> list[_Item]:
-        while self.work():
-            pass
-        return self.items
 
 
 class AuditWriter(Retrying):
@@ -112,7 +67,7 @@ class AuditWriter(Retrying):
         self.guard = ChainGuard(self.config.audit_key, self.config.checkpoint_policy())
         self._stopping = threading.Event()
         self._unrolled, self._rolled_at = 0, time.monotonic()  # rows since the rollup
-        self._ahead: _Ahead | None = None  # the next batch, read while this one is stored
+        self._ahead: NextBatch | None = None  # the next batch, read while this one is stored
         self._rollup_retry_at = 0.0  # after a failed refresh, not before this
         self._own_pending = dict.fromkeys(self.views, True)
         self._claim_cursor = dict.fromkeys(self.views, "0-0")
@@ -188,28 +143,30 @@ class AuditWriter(Retrying):
         finally:
             self.keys = self.views[(self.views.index(self.keys) + 1) % len(self.views)]
 
-    def _fetch(self, view: Keys, block: bool) -> tuple[list, list[_Item]]:
+    def _fetch(self, view: Keys, block: bool) -> tuple[list, list[Item], None]:
         """Read one batch of ``view``'s stream and parse it (invalid entries are
         dead-lettered on the way)."""
         entries = self._retry("read from Redis", self._next_entries, view, block)
-        return entries, self._valid([self._parse(view, e) for e in entries])
+        return entries, self._valid([self._parse(view, e) for e in entries]), None
 
-    def _valid(self, items: list[_Item]) -> list[_Item]:
+    def _valid(self, items: list[Item]) -> list[Item]:
         """The items that parsed; the others are dead-lettered."""
         for item in items:
             if item.error is not None:
                 self._dead_letter(item, item.error)
         return [item for item in items if item.error is None]
 
-    def _prefetched(self, view: Keys) -> tuple[list, list[_Item]] | None:
-        """The batch read ahead while the last one was stored, parsed."""
+    def _prefetched(self, view: Keys) -> tuple[list, list[Item], chaining.Ahead | None] | None:
+        """The batch read ahead while the last one was stored: parsed, and chained
+        ahead where that could be done."""
         ahead, self._ahead = self._ahead, None
         if ahead is None:
             return None
         if ahead.view is not view:  # not expected: read them again, they are still ours
             self._own_pending[ahead.view] = True
             return None
-        return ahead.entries, self._valid(ahead.finish())
+        ahead.finish()
+        return ahead.entries, self._valid(ahead.items), ahead.early
 
     def _read_ahead(self, view: Keys) -> Callable[[], bool] | None:
         """Read ``view``'s next batch now (without waiting); returns the work that
@@ -221,12 +178,12 @@ class AuditWriter(Retrying):
         entries = self._retry("read from Redis", self._next_entries, view, False)
         if not entries:
             return None
-        self._ahead = _Ahead(view, entries, self._parse)
+        self._ahead = NextBatch(view, entries, self._parse, self.guard)
         return self._ahead.work
 
     def _step(self, block: bool) -> int:
         view = self.keys
-        entries, items = self._prefetched(view) or self._fetch(view, block)
+        entries, items, early = self._prefetched(view) or self._fetch(view, block)
         if not entries:
             if self.guard.heartbeat_due(time.time()):  # idle: a checkpoint at least daily
                 self._retry("checkpoint", self._checkpoint)
@@ -236,7 +193,7 @@ class AuditWriter(Retrying):
         meanwhile = None
         if self.config.prefetch:
             meanwhile = self._read_ahead(self.views[(self.views.index(view) + 1) % len(self.views)])
-        self._store(items, meanwhile)
+        self._store(items, meanwhile, early)
         if self.on_commit is not None:
             stored = [i.record for i in items if i.rows and not i.dead]
             self._retry("run on_commit", self.on_commit, stored)
@@ -295,27 +252,28 @@ class AuditWriter(Retrying):
                 self._next_claim[view] = time.monotonic() + self.config.claim_every_s
                 return []
 
-    def _parse(self, view: Keys, entry) -> _Item:
+    def _parse(self, view: Keys, entry) -> Item:
         """One entry as an item: its rows, or the ``error`` it is dead-lettered for
-        (no I/O here: it runs while the store's COPY is open, see ``_Ahead``)."""
+        (no I/O here: it runs while the store's COPY is open, see ``NextBatch``)."""
         entry_id, fields = entry
         payload = (fields or {}).get(b"data", (fields or {}).get("data"))
         if payload is None:
-            return _Item(view, entry_id, None, [], error="entry has no 'data' field")
+            return Item(view, entry_id, None, [], error="entry has no 'data' field")
         pool, key = self.config.prefix, self.config.audit_key
         source = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
         try:
             record = decoder.parse(payload, key=key, pool=pool)
             rows = store.prepare(record, pool, source=source)
-            return _Item(view, entry_id, payload, rows, record)
+            return Item(view, entry_id, payload, rows, record)
         except RecordError as exc:
-            return _Item(view, entry_id, payload, [], error=str(exc))
+            return Item(view, entry_id, payload, [], error=str(exc))
 
     # --- storing, with retries and bisection -----------------------------------
 
-    def _store(self, items: list[_Item], meanwhile: Callable[[], bool] | None = None) -> None:
+    def _store(self, items: list[Item], meanwhile=None, early=None) -> None:
         """Store the items' rows; rows the database rejects are dead-lettered.
-        ``meanwhile``: work for the pauses of the COPY (store.append)."""
+        ``meanwhile``, ``early``: the next batch's work, these rows chained ahead
+        (store.append)."""
         rows = [row for item in items for row in item.rows]
         if not rows:
             return
@@ -329,6 +287,7 @@ class AuditWriter(Retrying):
                 self.guard,
                 None,
                 meanwhile,
+                early,
             )
         except REJECTED as exc:
             if len(items) == 1:
@@ -341,6 +300,7 @@ class AuditWriter(Retrying):
         self.stats.rows_written += result.written
         self._unrolled += result.written
         self.stats.duplicates += result.duplicates
+        self.stats.chained_ahead += result.chained_ahead
         self.stats.conflicts += len(result.conflicts)
         for conflict in result.conflicts:
             pool, request_id, index = conflict.row.key
@@ -382,7 +342,7 @@ class AuditWriter(Retrying):
             pipe.xdel(view.audit, *entry_ids)
             pipe.execute()
 
-    def _dead_letter(self, item: _Item, reason: str) -> None:
+    def _dead_letter(self, item: Item, reason: str) -> None:
         log.error(
             "audit writer %s: dead-lettering entry %s: %s",
             self.config.consumer,

@@ -26,7 +26,7 @@ class WriterConfig:
     consumer: str = field(default_factory=default_consumer)
     batch_size: int = 500
     # read the next batch before this one is stored and parse it while PostgreSQL
-    # inserts this one (writer._Ahead; benchmarks/RESULTS.md, session 6)
+    # inserts this one (writer_batch.NextBatch; RESULTS.md, session 6)
     prefetch: bool = True
     block_ms: int = 1000
     claim_idle_ms: int = 60_000
@@ -71,6 +71,7 @@ class WriterStats:
     conflicts: int = 0  # rows that contradict the stored row, kept in the conflicts table
     db_retries: int = 0  # database calls that failed and were tried again (Redis ones are not)
     checkpoints: int = 0  # signed checkpoints written
+    chained_ahead: int = 0  # batches stored as chained while the one before was inserted
 
 
 # The writer's rows are freed by reference counts, yet a batch's containers, alive

@@ -30,6 +30,7 @@ from audit_scale import KEY, make_record  # noqa: E402
 from lorapool.audit_db import (  # noqa: E402
     DatabaseConfig,
     bulk,
+    chaining,
     create_audit_engine,
     decoder,
     migrate,
@@ -61,7 +62,7 @@ class Rows:
             self.seq += 1
             row = self.rows[self.seq % len(self.rows)]
             pk = self.pks[row.adapter["fingerprint"]] if row.adapter else None
-            values = store._stored_values(
+            values = chaining.stored_values(
                 row, self.seq, "0" * 64, f"{self.seq:064x}", pk, self.period
             )
             values["request_id"] = f"r-{self.seq}"

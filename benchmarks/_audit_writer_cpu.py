@@ -112,6 +112,7 @@ def main() -> None:
             f"rows/s {n / wall:,.0f}  wall {1e6 * wall / n:.0f} µs a row  "
             f"writer CPU {1e6 * cpu / n:.0f}  server CPU {1e6 * server / n:.0f}  "
             f"load {load:.2f} -> {os.getloadavg()[0]:.2f}"
+            + f"  batches chained ahead {getattr(writer.stats, 'chained_ahead', '-')}"
         )
     finally:
         engine.dispose()

@@ -1,14 +1,17 @@
 """The writer's work while PostgreSQL inserts a batch (bulk.py's ``meanwhile``): it runs
 after the COPY is ended and before its answer is read, so the server inserts while the
-writer parses its next batch; a failure on either side leaves the connection usable
-and nothing half-stored. PostgreSQL only (SQLite inserts in the writer's process)."""
+writer parses its next batch and chains it ahead (chaining.py); a failure on either
+side leaves the connection usable and nothing half-stored, and a batch chained ahead
+is stored as chained only when nothing it assumed has changed. PostgreSQL only (SQLite
+inserts in the writer's own process)."""
 
 import pytest
 from audit_fixtures import FAST_WRITER, KEY, make_record
 from sqlalchemy import create_engine, event, text
 from sqlalchemy.exc import IntegrityError
 
-from lorapool.audit_db import AuditWriter, WriterConfig, verify_chain
+from lorapool.audit_db import AuditWriter, WriterConfig, chaining, verify_chain
+from lorapool.audit_db.guard import ChainGuard
 from lorapool.audit_db.rows import prepare
 from lorapool.audit_db.store import append
 from lorapool.audit_record import record_from_dict
@@ -124,4 +127,81 @@ def test_the_writer_reading_ahead_dead_letters_only_the_refused_entry(audit_targ
     (letter,) = [decode_dead_letter(fields) for _id, fields in audit_redis.dead()]
     assert "refused by a test" in letter.reason
     assert audit_target.count() == 8 and audit_redis.pending() == 0
+    assert verify_chain(audit_target.engine, key=KEY).ok
+
+
+def _chain_ahead(guard: ChainGuard, rows):
+    """A ``meanwhile`` that chains ``rows`` ahead onto the rows being inserted, as the
+    writer's NextBatch does, and the list it puts the result in."""
+    made = []
+
+    def meanwhile() -> bool:
+        made.append(chaining.ahead(rows, guard))
+        return False
+
+    return meanwhile, made
+
+
+def test_a_batch_chained_ahead_is_stored_as_chained(audit_target):
+    guard = ChainGuard(KEY)
+    meanwhile, made = _chain_ahead(guard, later := _rows(range(5, 10)))
+    append(audit_target.engine, _rows(range(5)), KEY, guard, meanwhile=meanwhile)
+    (early,) = made
+    assert early is not None and early.head.seq == 5
+    result = append(audit_target.engine, later, KEY, guard, early=early)
+    assert result.chained_ahead and result.written == 5
+    assert audit_target.count() == 10 and verify_chain(audit_target.engine, key=KEY).ok
+
+
+def _another_writer(audit_target, guard):
+    """Another writer stores three rows between the two batches."""
+    append(audit_target.engine, _rows(range(20, 23)), KEY, ChainGuard(KEY))
+
+
+def _a_redelivery(audit_target, guard):
+    """Nothing between: the later batch repeats a row of the first."""
+
+
+@pytest.mark.parametrize("between", [_another_writer, _a_redelivery])
+def test_a_batch_chained_ahead_is_chained_again_when_the_chain_moved(audit_target, between):
+    guard = ChainGuard(KEY)
+    first = _rows(range(5))
+    later = _rows(range(5, 9)) + (first[-1:] if between is _a_redelivery else [])
+    meanwhile, made = _chain_ahead(guard, later)
+    append(audit_target.engine, first, KEY, guard, meanwhile=meanwhile)
+    between(audit_target, guard)
+    result = append(audit_target.engine, later, KEY, guard, early=made[0])
+    assert not result.chained_ahead and result.written == 4
+    assert result.duplicates == (between is _a_redelivery)
+    expected = 9 + 3 * (between is _another_writer)
+    assert audit_target.count() == expected and verify_chain(audit_target.engine, key=KEY).ok
+
+
+def test_a_batch_chained_onto_a_refused_one_is_chained_again(audit_target):
+    """The batch before was refused when its answer was read (after the later one was
+    chained onto it): the later one goes in chained onto what is stored."""
+    with audit_target.engine.begin() as conn:
+        conn.exec_driver_sql(REFUSE)
+    guard = ChainGuard(KEY)
+    meanwhile, made = _chain_ahead(guard, later := _rows(range(5, 9)))
+    with pytest.raises(IntegrityError):
+        append(audit_target.engine, _rows(range(5)), KEY, guard, meanwhile=meanwhile)
+    assert made[0] is not None and made[0].head.seq == 5
+    result = append(audit_target.engine, later, KEY, guard, early=made[0])
+    assert not result.chained_ahead and result.written == 4
+    assert audit_target.count() == 4 and verify_chain(audit_target.engine, key=KEY).ok
+
+
+def test_the_writer_stores_each_batch_after_the_first_as_chained_ahead(audit_target, audit_redis):
+    audit_redis.publish([make_record(i) for i in range(20)])
+    config = WriterConfig(
+        prefix=audit_redis.prefix,
+        shards=audit_redis.shards,
+        consumer="w-chained",
+        batch_size=3,
+        **FAST_WRITER,
+    )
+    stats = AuditWriter(audit_redis.conn, audit_target.engine, config).run(burst=True)
+    assert (stats.rows_written, stats.chained_ahead, stats.duplicates) == (20, 6, 0)
+    assert audit_target.count() == 20 and audit_redis.pending() == 0
     assert verify_chain(audit_target.engine, key=KEY).ok
