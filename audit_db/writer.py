@@ -68,6 +68,7 @@ class AuditWriter(Retrying):
         self._stopping = threading.Event()
         self._unrolled, self._rolled_at = 0, time.monotonic()  # rows since the rollup
         self._ahead: NextBatch | None = None  # the next batch, read while this one is stored
+        self._retired: object = None  # the batch stored last, until the next one's work
         self._rollup_retry_at = 0.0  # after a failed refresh, not before this
         self._own_pending = dict.fromkeys(self.views, True)
         self._claim_cursor = dict.fromkeys(self.views, "0-0")
@@ -107,7 +108,7 @@ class AuditWriter(Retrying):
             log.error("audit writer %s: REFUSING TO WRITE: %s", name, exc)
             raise
         finally:  # a batch read ahead stays pending: the next start reads it again
-            self._ahead = None
+            self._ahead = self._retired = None
         log.info("audit writer %s: stopped; %s", name, self.stats)
         return self.stats
 
@@ -173,12 +174,13 @@ class AuditWriter(Retrying):
         parses it a slice at a time, for the store to run while the server inserts.
         Not when the writer's own pending entries are due to be read again: they would
         include the batch in hand (``_next_entries`` reads them when nothing is)."""
+        retired, self._retired = self._retired, None
         if self._own_pending[view] or time.monotonic() >= self._next_claim[view]:
             return None
         entries = self._retry("read from Redis", self._next_entries, view, False)
         if not entries:
             return None
-        self._ahead = NextBatch(view, entries, self._parse, self.guard)
+        self._ahead = NextBatch(view, entries, self._parse, self.guard, retired)
         return self._ahead.work
 
     def _step(self, block: bool) -> int:
@@ -204,6 +206,8 @@ class AuditWriter(Retrying):
         if (many or (self._unrolled and due)) and time.monotonic() >= self._rollup_retry_at:
             self._refresh_rollup()
         self.stats.entries += len(entries)
+        if self.config.prefetch:  # freed while the server inserts the next batch (NextBatch)
+            self._retired = (entries, items, early)
         return len(entries)
 
     def _next_entries(self, view: Keys, block: bool) -> list:

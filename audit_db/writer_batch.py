@@ -43,12 +43,16 @@ class NextBatch:
     entries: list
     parse: Callable[[Keys, object], Item]
     guard: ChainGuard
+    # the batch stored before, freed by the first call: its objects' deallocation took
+    # ~12 µs a row at the end of each step, the server idle (RESULTS.md, session 6)
+    retired: object = None
     items: list[Item] = field(default_factory=list)
     early: chaining.Ahead | None = None
     _chained: bool = False
 
     def work(self) -> bool:
         """Do the next slice of work; False once all is done."""
+        self.retired = None
         done = len(self.items)
         if done < len(self.entries):
             batch = self.entries[done : done + PARSE_SLICE]
