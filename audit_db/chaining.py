@@ -9,15 +9,18 @@ what it assumed (:meth:`Ahead.holds`): the head is the last row it chained onto 
 when the batch before rolled back or another writer wrote since), every row is fresh
 (a redelivered row makes the set differ), the pks and the period are the same. Else
 the rows are chained again, as if nothing had been done ahead. The database's checks
-after the COPY (store._insert_chained) and the guard are unchanged.
+after the COPY (store._insert_chained) and the guard are unchanged. What the rows add
+to the usage rollup is counted then too (``Ahead.usage``): the writer keeps it for the
+next refresh when they went in as chained (:class:`Known`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
-from lorapool.audit_db import bulk
+from lorapool.audit_db import bulk, rollup
 from lorapool.audit_db.chain import COMPACT_VERSION, link, link_v2
 from lorapool.audit_db.guard import ChainGuard, Head
 from lorapool.audit_db.rows import PreparedRow
@@ -65,6 +68,7 @@ class Ahead:
     pks: dict[str, int]  # the pks it used, of its rows' adapters
     chained: list[dict]
     encoded: list[bytes]  # bulk.encode's COPY chunks of ``chained``
+    usage: dict  # what ``chained`` adds to the usage rollup (rollup.Known)
 
     def holds(
         self, fresh: list[PreparedRow], pks: dict[str, int], head: Head, key, period: int
@@ -98,4 +102,38 @@ def ahead(rows: list[PreparedRow], guard: ChainGuard) -> Ahead | None:
         encoded = bulk.encode(chained)
     except bulk.Unencodable:
         return None
-    return Ahead(rows, head, guard.key, pks, chained, encoded)
+    return Ahead(rows, head, guard.key, pks, chained, encoded, cells_of_values(chained))
+
+
+def cells_of_values(rows: Iterable[Mapping[str, Any]]) -> dict[rollup.Key, rollup.Cell]:
+    """The cells of chained rows' stored values: what ``rollup.refresh`` would read back
+    for them (the writer's own rows, in memory, see :class:`Known`)."""
+    return rollup.cells_of(
+        rollup.requests_of([tuple(row[c] for c in rollup.ROW_COLUMNS) for row in rows])
+    )
+
+
+@dataclass
+class Known:
+    """The cells of the chain's rows ``start < seq <= end``, all stored by one writer
+    that kept them as it went (their batches in turn, each made while the server
+    inserted the one before): ``rollup.refresh`` from ``start`` adds them instead of
+    reading those rows back (~20 µs a row at 10,000 rows a refresh, RESULTS.md)."""
+
+    start: int
+    end: int
+    cells: dict[rollup.Key, rollup.Cell] = field(default_factory=dict)
+
+    def extend(self, after: int, end: int, cells: dict[rollup.Key, rollup.Cell]) -> bool:
+        """Add the cells of rows ``after < seq <= end``; False (nothing added) when they
+        do not follow on."""
+        if after != self.end:
+            return False
+        for key, cell in cells.items():
+            mine = self.cells.get(key)
+            if mine is None:
+                self.cells[key] = cell
+            else:
+                mine.merge(cell)
+        self.end = end
+        return True

@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 from sqlalchemy import (
@@ -41,6 +41,9 @@ from sqlalchemy.dialects import postgresql, sqlite
 
 from lorapool.audit_db import exact_text
 from lorapool.audit_db.schema import completions, usage_daily, usage_progress
+
+if TYPE_CHECKING:
+    from lorapool.audit_db.chaining import Known
 
 DAY_S = 86_400
 BASE = 1.01
@@ -196,7 +199,11 @@ def _row(key: Key, cell: Cell) -> dict[str, Any]:
 def add(conn: Connection, rows: Iterable[Mapping[str, Any]]) -> None:
     """Add the usage of rows not counted yet (under the chain lock: no other writer
     changes the rollup meanwhile)."""
-    cells = cells_of(requests_of(rows))
+    add_cells(conn, cells_of(requests_of(rows)))
+
+
+def add_cells(conn: Connection, cells: dict[Key, Cell]) -> None:
+    """Add cells to the stored ones (see :func:`add`)."""
     if not cells:
         return
     if conn.dialect.name == "postgresql":  # the stored cells are added to in SQL
@@ -269,13 +276,19 @@ def rows_between(conn: Connection, after: int, upto: int | None = None):
     return conn.execute(query.order_by(completions.c.seq), execution_options=options)
 
 
-def refresh(conn: Connection, upto: int) -> int:
+def refresh(conn: Connection, upto: int, known: Known | None = None) -> int:
     """Add the rows after the rollup's position up to ``upto`` (a batch boundary: a
-    request's rows are never split) and move the position; returns rows added."""
+    request's rows are never split) and move the position; returns rows added.
+    ``known``: cells of rows from the position on, kept by the writer that stored
+    them (chaining.Known); used only when they start exactly at the position."""
     after = rolled_seq(conn)
     if upto <= after:
         return 0
-    added = _add_streamed(conn, rows_between(conn, after, upto))
+    if known is not None and known.start == after and after < known.end <= upto:
+        add_cells(conn, known.cells)
+        added = known.end - after + _add_streamed(conn, rows_between(conn, known.end, upto))
+    else:
+        added = _add_streamed(conn, rows_between(conn, after, upto))
     _set_rolled(conn, upto)
     return added
 

@@ -38,7 +38,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from lorapool.audit_db import exact_text, partitions, rollup
 from lorapool.audit_db.bulk import bulk_insert, wanted_rows
 from lorapool.audit_db.chain import GENESIS, content_digest, logical
-from lorapool.audit_db.chaining import Ahead, chain
+from lorapool.audit_db.chaining import Ahead, Known, chain
 from lorapool.audit_db.checkpoints import Checkpoint
 from lorapool.audit_db.database import write_transaction
 from lorapool.audit_db.guard import (
@@ -303,11 +303,11 @@ def append(
     return result
 
 
-def refresh_rollup(engine: Engine) -> int:
+def refresh_rollup(engine: Engine, known: Known | None = None) -> int:
     """Bring the usage rollup up to the chain's head (rollup.py), under the chain lock;
-    returns the rows it added."""
+    returns the rows it added. ``known``: the cells a writer kept of its own rows."""
     with write_transaction(engine) as conn:
-        return rollup.refresh(conn, chain_head(conn).seq)
+        return rollup.refresh(conn, chain_head(conn).seq, known)
 
 
 def check_chain(engine: Engine, guard: ChainGuard) -> None:

@@ -69,6 +69,7 @@ class AuditWriter(Retrying):
         self._unrolled, self._rolled_at = 0, time.monotonic()  # rows since the rollup
         self._ahead: NextBatch | None = None  # the next batch, read while this one is stored
         self._retired: object = None  # the batch stored last, until the next one's work
+        self._known: chaining.Known | None = None  # usage of its rows since the last refresh
         self._rollup_retry_at = 0.0  # after a failed refresh, not before this
         self._own_pending = dict.fromkeys(self.views, True)
         self._claim_cursor = dict.fromkeys(self.views, "0-0")
@@ -195,7 +196,7 @@ class AuditWriter(Retrying):
         meanwhile = None
         if self.config.prefetch:
             meanwhile = self._read_ahead(self.views[(self.views.index(view) + 1) % len(self.views)])
-        self._store(items, meanwhile, early)
+        self._keep_usage(early, self._store(items, meanwhile, early))
         if self.on_commit is not None:
             stored = [i.record for i in items if i.rows and not i.dead]
             self._retry("run on_commit", self.on_commit, stored)
@@ -274,13 +275,13 @@ class AuditWriter(Retrying):
 
     # --- storing, with retries and bisection -----------------------------------
 
-    def _store(self, items: list[Item], meanwhile=None, early=None) -> None:
+    def _store(self, items: list[Item], meanwhile=None, early=None) -> bool:
         """Store the items' rows; rows the database rejects are dead-lettered.
         ``meanwhile``, ``early``: the next batch's work, these rows chained ahead
-        (store.append)."""
+        (store.append). True when the rows went in as chained ahead."""
         rows = [row for item in items for row in item.rows]
         if not rows:
-            return
+            return False
         try:
             result = self._retry(
                 "write to the database",
@@ -296,11 +297,11 @@ class AuditWriter(Retrying):
         except REJECTED as exc:
             if len(items) == 1:
                 self._dead_letter(items[0], f"rejected by the database: {exc.orig}")
-                return
+                return False
             middle = len(items) // 2
             self._store(items[:middle], meanwhile)
             self._store(items[middle:], meanwhile)
-            return
+            return False
         self.stats.rows_written += result.written
         self._unrolled += result.written
         self.stats.duplicates += result.duplicates
@@ -317,12 +318,24 @@ class AuditWriter(Retrying):
                 index,
                 conflict.row.source,
             )
+        return result.chained_ahead
+
+    def _keep_usage(self, early: chaining.Ahead | None, stored_ahead: bool) -> None:
+        """Keep the usage of rows stored as chained ahead for the next refresh
+        (chaining.Known); after any other batch the refresh reads the rows back."""
+        if not stored_ahead or early is None:
+            self._known = None
+            return
+        after, end = early.head.seq, early.chained[-1]["seq"]
+        if self._known is None or not self._known.extend(after, end, early.usage):
+            self._known = chaining.Known(after, end, dict(early.usage))
 
     def _refresh_rollup(self) -> None:
         """Bring the usage rollup up to date; when the database is away, try again
         later (usage adds the rows it does not cover, so nothing waits on it)."""
+        known, self._known = self._known, None  # a failed refresh may have changed it
         try:
-            store.refresh_rollup(self.engine)
+            store.refresh_rollup(self.engine, known)
         except RETRYABLE as exc:
             self.stats.db_retries += 1
             self._rollup_retry_at = time.monotonic() + self.config.backoff_max_s

@@ -5,14 +5,18 @@ side leaves the connection usable and nothing half-stored, and a batch chained a
 is stored as chained only when nothing it assumed has changed. PostgreSQL only (SQLite
 inserts in the writer's own process)."""
 
+import random
+
 import pytest
-from audit_fixtures import FAST_WRITER, KEY, make_record
-from sqlalchemy import create_engine, event, text
+from audit_fixtures import FAST_WRITER, KEY, make_adapter, make_record
+from sqlalchemy import create_engine, event, select, text
 from sqlalchemy.exc import IntegrityError
 
-from lorapool.audit_db import AuditWriter, WriterConfig, chaining, verify_chain
+from lorapool.audit_db import AuditWriter, WriterConfig, chaining, rollup, verify_chain
+from lorapool.audit_db.database import write_transaction
 from lorapool.audit_db.guard import ChainGuard
 from lorapool.audit_db.rows import prepare
+from lorapool.audit_db.schema import usage_daily
 from lorapool.audit_db.store import append
 from lorapool.audit_record import record_from_dict
 from lorapool.lifecycle.dead_letter import decode_dead_letter
@@ -205,3 +209,59 @@ def test_the_writer_stores_each_batch_after_the_first_as_chained_ahead(audit_tar
     assert (stats.rows_written, stats.chained_ahead, stats.duplicates) == (20, 6, 0)
     assert audit_target.count() == 20 and audit_redis.pending() == 0
     assert verify_chain(audit_target.engine, key=KEY).ok
+
+
+def test_the_usage_the_writer_kept_adds_up_to_the_rollup_of_every_row(
+    audit_target, audit_redis, monkeypatch
+):
+    """Refreshes that add the cells the writer kept of its own rows (chaining.Known)
+    instead of reading the rows back give the cells a rebuild from every row makes:
+    adapters, tenants (one with a NUL, one none), two completions, errors, latencies."""
+    rng = random.Random(7)
+    adapters = [None] + [make_adapter(f"lora-{k}", k) for k in range(1, 4)]
+    records = [
+        make_record(
+            i,
+            adapter=rng.choice(adapters),
+            tenant=rng.choice(["acme", None, "n\0l"]),
+            n=rng.choice([1, 2]),
+            arrival=1_700_000_000 + rng.uniform(0, 4 * 86_400),
+            latency=10 ** rng.uniform(-2, 1),
+            finish_reason=rng.choice(["stop", "length", "error"]),
+        )
+        for i in range(60)
+    ]
+    read_back, real = [], rollup.rows_between
+
+    def rows_between(conn, after, upto=None):
+        read_back.append(upto - after)
+        return real(conn, after, upto)
+
+    monkeypatch.setattr(rollup, "rows_between", rows_between)
+    audit_redis.publish(records)
+    config = WriterConfig(
+        prefix=audit_redis.prefix,
+        shards=audit_redis.shards,
+        consumer="w-usage",
+        batch_size=4,
+        rollup_rows=8,
+        **FAST_WRITER,
+    )
+    stats = AuditWriter(audit_redis.conn, audit_target.engine, config).run(burst=True)
+    rows = sum(len(r["outputs"]) for r in records)
+    # of 15 batches, the first and any with an adapter not stored yet are chained in turn
+    assert stats.rows_written == rows and stats.chained_ahead >= 10
+
+    def cells():
+        with audit_target.engine.connect() as conn:
+            found = conn.execute(select(usage_daily)).mappings().all()
+        return {(r["day"], r["dimension"], r["group_key"]): dict(r) for r in found}
+
+    kept = cells()
+    # the first refresh read its rows back (the first batch is not chained ahead);
+    # the later ones added what the writer kept
+    assert len(read_back) > 3 and sum(read_back) < rows / 3
+    with write_transaction(audit_target.engine) as conn:
+        rollup.rebuild(conn)
+    assert kept == cells()
+    assert sum(cell["requests"] for cell in kept.values()) == 2 * len(records)
