@@ -83,12 +83,17 @@ def _template(k: int) -> dict:
 _TEMPLATES: list[dict] = []
 
 
-def make_record(i: int, end: float, days: float, pool: str) -> bytes:
-    """Record ``i``: a template's texts and tokens, its own id, time, adapter and tenant."""
+def make_record(i: int, end: float, days: float, pool: str, in_order_of: int = 0) -> bytes:
+    """Record ``i``: a template's texts and tokens, its own id, time, adapter and tenant.
+    Arrivals are scattered over ``days`` (the default: every time index takes inserts
+    all over); ``in_order_of`` N: record i arrives at i/N of the way, as a writer
+    meets them in service."""
     if not _TEMPLATES:
         _TEMPLATES.extend(_template(k) for k in range(TEMPLATES))
     t = _TEMPLATES[i % TEMPLATES]
     spread = (i * 2654435761) % 2**32 / 2**32  # a fixed scatter of i over [0, 1)
+    if in_order_of:
+        spread = 1 - i / in_order_of
     adapter = (i * 40503) % 500
     arrival = end - spread * days * DAY
     answer = t["text"] + (f" {NEEDLE}{i}" if i % 5000 == 7 else f" #{i}")
@@ -138,7 +143,7 @@ def make_record(i: int, end: float, days: float, pool: str) -> bytes:
     return orjson.dumps(sign_record(record, KEY, pool))
 
 
-def feed(redis_url, stream, pool, start: int, stop: int, end, days, ahead: int) -> None:
+def feed(redis_url, stream, pool, start: int, stop: int, end, days, ahead: int, in_order_of=0):
     """Records ``start..stop`` onto ``stream``, keeping at most ``ahead`` unread there."""
     conn = redis.Redis.from_url(redis_url)
     i = start
@@ -148,7 +153,7 @@ def feed(redis_url, stream, pool, start: int, stop: int, end, days, ahead: int) 
             continue
         pipe = conn.pipeline(transaction=False)
         for k in range(i, min(i + 1000, stop)):
-            pipe.xadd(stream, {"data": make_record(k, end, days, pool)})
+            pipe.xadd(stream, {"data": make_record(k, end, days, pool, in_order_of)})
         pipe.execute()
         i = min(i + 1000, stop)
 
@@ -186,9 +191,8 @@ def fill(args, config: DatabaseConfig, keys: Keys, end: float) -> dict:
     spans.append((args.rows - window, args.rows, "last"))
     for low, high, name in spans:
         ahead = AHEAD if name is None else high
-        feeder = multiprocessing.Process(
-            target=feed, args=(*feed_args, low, high, end, args.days, ahead)
-        )
+        span = (low, high, end, args.days, ahead, args.in_order and args.rows)
+        feeder = multiprocessing.Process(target=feed, args=(*feed_args, *span))
         feeder.start()
         if name is not None:
             feeder.join()  # every record of the window on the stream first
@@ -250,6 +254,11 @@ def main() -> None:
         "--fill-only", action="store_true", help="fill and keep the schema (for --schema later)"
     )
     parser.add_argument("--json", help="write the results here too")
+    parser.add_argument(
+        "--in-order",
+        action="store_true",
+        help="rows arrive in time order (default: scattered over --days)",
+    )
     args = parser.parse_args()
     run = uuid.uuid4().hex[:8]
     schema = args.schema or f"lorapool_bench_scale_{run}"
