@@ -61,6 +61,13 @@ def _backend_pids(engine) -> list[int]:
     return pids
 
 
+def _run_writer(audit_target, audit_redis, **config):
+    """One writer's burst over what is on the streams (quick polls); its stats."""
+    layout = {"prefix": audit_redis.prefix, "shards": audit_redis.shards, "consumer": "w-1"}
+    writer_config = WriterConfig(**layout, **FAST_WRITER, **config)
+    return AuditWriter(audit_redis.conn, audit_target.engine, writer_config).run(burst=True)
+
+
 def test_the_callers_work_runs_while_the_server_inserts(audit_target):
     with audit_target.engine.begin() as conn:
         conn.exec_driver_sql(SLOW)
@@ -119,14 +126,7 @@ def test_the_writer_reading_ahead_dead_letters_only_the_refused_entry(audit_targ
     with audit_target.engine.begin() as conn:
         conn.exec_driver_sql(REFUSE)
     audit_redis.publish([make_record(i) for i in range(9)])
-    config = WriterConfig(
-        prefix=audit_redis.prefix,
-        shards=audit_redis.shards,
-        consumer="w-ahead",
-        batch_size=2,
-        **FAST_WRITER,
-    )
-    stats = AuditWriter(audit_redis.conn, audit_target.engine, config).run(burst=True)
+    stats = _run_writer(audit_target, audit_redis, batch_size=2)
     assert (stats.rows_written, stats.dead_lettered, stats.duplicates) == (8, 1, 0)
     (letter,) = [decode_dead_letter(fields) for _id, fields in audit_redis.dead()]
     assert "refused by a test" in letter.reason
@@ -198,14 +198,7 @@ def test_a_batch_chained_onto_a_refused_one_is_chained_again(audit_target):
 
 def test_the_writer_stores_each_batch_after_the_first_as_chained_ahead(audit_target, audit_redis):
     audit_redis.publish([make_record(i) for i in range(20)])
-    config = WriterConfig(
-        prefix=audit_redis.prefix,
-        shards=audit_redis.shards,
-        consumer="w-chained",
-        batch_size=3,
-        **FAST_WRITER,
-    )
-    stats = AuditWriter(audit_redis.conn, audit_target.engine, config).run(burst=True)
+    stats = _run_writer(audit_target, audit_redis, batch_size=3)
     assert (stats.rows_written, stats.chained_ahead, stats.duplicates) == (20, 6, 0)
     assert audit_target.count() == 20 and audit_redis.pending() == 0
     assert verify_chain(audit_target.engine, key=KEY).ok
@@ -239,15 +232,7 @@ def test_the_usage_the_writer_kept_adds_up_to_the_rollup_of_every_row(
 
     monkeypatch.setattr(rollup, "rows_between", rows_between)
     audit_redis.publish(records)
-    config = WriterConfig(
-        prefix=audit_redis.prefix,
-        shards=audit_redis.shards,
-        consumer="w-usage",
-        batch_size=4,
-        rollup_rows=8,
-        **FAST_WRITER,
-    )
-    stats = AuditWriter(audit_redis.conn, audit_target.engine, config).run(burst=True)
+    stats = _run_writer(audit_target, audit_redis, batch_size=4, rollup_rows=8)
     rows = sum(len(r["outputs"]) for r in records)
     # of 15 batches, the first and any with an adapter not stored yet are chained in turn
     assert stats.rows_written == rows and stats.chained_ahead >= 10
