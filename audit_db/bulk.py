@@ -189,8 +189,9 @@ class _WorkWhileInserting(LibpqWriter):
     answer. A binary COPY of fewer than 1,000 rows is inserted only at its end (the
     server buffers rows for a multi-insert until 1,000 or 64 kB of *text* lines, and a
     binary row counts no bytes): the writer waited ~100 µs a row there, idle, the
-    server busy (RESULTS.md, session 6). The generators are psycopg's own steps of
-    ``LibpqWriter.finish`` (``psycopg.generators.copy_end``), split in two."""
+    server busy (RESULTS.md, session 6). The steps are psycopg's own (3.3) of
+    ``LibpqWriter.finish`` and ``psycopg.generators.copy_end``, split in two; the
+    connection waits as psycopg's do, so a stall or a dropped server raises as there."""
 
     def __init__(self, cursor, meanwhile: Callable[[], bool]):
         super().__init__(cursor)
