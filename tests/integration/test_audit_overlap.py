@@ -105,6 +105,34 @@ def test_a_failure_of_the_callers_work_rolls_the_batch_back(audit_target):
     assert audit_target.count() == 4 and verify_chain(audit_target.engine, key=KEY).ok
 
 
+def test_a_backend_gone_while_the_caller_works_is_an_error_to_retry(audit_target):
+    """The server's backend ends (a restart, an admin) between the COPY's end and its
+    answer: a DBAPIError the writer retries, nothing stored, and the pool's next
+    connection stores the same rows."""
+    from sqlalchemy.exc import DBAPIError
+
+    from lorapool.audit_db.writer_retry import REJECTED
+
+    pids = _backend_pids(audit_target.engine)
+    admin = create_engine(audit_target.url)
+
+    def meanwhile() -> bool:
+        with admin.connect() as conn:
+            conn.execute(text("SELECT pg_terminate_backend(:pid)"), {"pid": pids[-1]})
+        return False
+
+    rows = _rows(range(5))
+    try:
+        with pytest.raises(DBAPIError) as raised:
+            append(audit_target.engine, rows, KEY, meanwhile=meanwhile)
+    finally:
+        admin.dispose()
+    assert not isinstance(raised.value, REJECTED)  # retried, not bisected and dead-lettered
+    assert audit_target.count() == 0
+    assert append(audit_target.engine, rows, KEY).written == 5
+    assert verify_chain(audit_target.engine, key=KEY).ok
+
+
 def test_a_row_the_server_refuses_is_reported_after_the_callers_work(audit_target):
     with audit_target.engine.begin() as conn:
         conn.exec_driver_sql(REFUSE)
