@@ -6,6 +6,7 @@ is stored as chained only when nothing it assumed has changed. PostgreSQL only (
 inserts in the writer's own process)."""
 
 import random
+import threading
 
 import pytest
 from audit_fixtures import FAST_WRITER, KEY, make_adapter, make_record
@@ -278,3 +279,52 @@ def test_the_usage_the_writer_kept_adds_up_to_the_rollup_of_every_row(
         rollup.rebuild(conn)
     assert kept == cells()
     assert sum(cell["requests"] for cell in kept.values()) == 2 * len(records)
+
+
+def test_two_writers_at_once_store_every_row_once_in_one_chain(audit_target, audit_redis):
+    """Two writers (as two replicas would) drain one stream at once: each chains its
+    next batch onto its own rows being inserted, the other's rows move the head under
+    it, so its chains ahead are redone when they no longer hold and its kept usage is
+    read back instead; every row is stored once, the chain verifies and the rollup is
+    the rollup of every row."""
+    rng = random.Random(11)
+    records = [
+        make_record(i, tenant=rng.choice(["acme", "globex", None]), n=rng.choice([1, 2]))
+        for i in range(300)
+    ]
+    audit_redis.publish(records)
+    layout = {"prefix": audit_redis.prefix, "shards": audit_redis.shards}
+    writers = [
+        AuditWriter(
+            audit_redis.conn,
+            audit_target.engine,
+            WriterConfig(**layout, consumer=f"w-{k}", batch_size=7, rollup_rows=20, **FAST_WRITER),
+        )
+        for k in range(2)
+    ]
+    stats, together = [], threading.Barrier(2)
+
+    def run(writer):
+        together.wait(10)  # both read their first batch at once
+        stats.append(writer.run(burst=True))
+
+    threads = [threading.Thread(target=run, args=(w,)) for w in writers]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    rows = sum(len(r["outputs"]) for r in records)
+    assert len(stats) == 2 and sum(s.rows_written for s in stats) == rows
+    assert all(s.rows_written for s in stats)  # both took part
+    assert audit_target.count() == rows and audit_redis.pending() == 0
+    assert verify_chain(audit_target.engine, key=KEY).ok
+
+    def cells(conn):
+        found = conn.execute(select(usage_daily)).mappings().all()
+        return {(r["day"], r["dimension"], r["group_key"]): dict(r) for r in found}
+
+    with write_transaction(audit_target.engine) as conn:
+        rollup.refresh(conn, rows)  # what is left after the last refresh
+        refreshed = cells(conn)
+        rollup.rebuild(conn)
+        assert refreshed and refreshed == cells(conn)
