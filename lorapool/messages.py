@@ -215,7 +215,7 @@ def check_json_size(value: Any, what: str, limit: int, limit_name: str = "") -> 
     try:
         size = len(orjson.dumps(value))
     except orjson.JSONEncodeError as exc:
-        raise FieldError(f"{what} must be JSON with string keys: {exc}") from None
+        raise FieldError(f"{what} must be JSON with string keys: {exc}", field=what) from None
     if size > limit:
         raise FieldError(f"{what} is {size} bytes as JSON, over the limit of {limit}{limit_name}")
 

@@ -17,6 +17,7 @@ from lorapool.lifecycle.adapter_record import (
     check_lora,
     decode_adapter_record,
     lora_from_record,
+    requested_name,
 )
 from lorapool.lifecycle.chunk_log import OutputAssembler
 from lorapool.lifecycle.follower import Follower
@@ -137,7 +138,7 @@ class AsyncProducer:
             return None
         if isinstance(requested, AdapterRecord):
             return lora_from_record(requested)
-        name = requested if isinstance(requested, str) else requested.lora_name
+        name = requested_name(requested)
         record = decode_adapter_record(await self.redis.hget(self.keys.adapters, name))
         return check_lora(requested, record)
 

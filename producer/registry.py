@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from pathlib import Path
 from typing import Any
 
@@ -21,19 +20,20 @@ from lorapool.bounds import AdapterId, explain
 from lorapool.connection import client_for
 from lorapool.identity import ADAPTER_WEIGHTS, adapter_sha256
 from lorapool.lifecycle.adapter_record import (  # the worker reads the records too
+    NAME_PATTERN,
     AdapterRecord,
     adapter_record,
     check_lora,
     decode_adapter_record,
     encode_adapter_record,
     lora_from_record,
+    requested_name,
 )
 from lorapool.lifecycle.keys import Keys
 from lorapool.protocol import LoRARequest, short_repr
 
 WEIGHTS_FILE = ADAPTER_WEIGHTS
 CONFIG_FILE = "adapter_config.json"
-NAME_PATTERN = re.compile(r"[A-Za-z0-9._-]{1,128}")
 ROOTS_ENV = "LORAPOOL_ADAPTER_ROOTS"  # directories, separated by os.pathsep
 
 
@@ -114,8 +114,7 @@ class AdapterRegistry:
             return None
         if isinstance(requested, AdapterRecord):
             return lora_from_record(requested)
-        name = requested if isinstance(requested, str) else requested.lora_name
-        return check_lora(requested, self.get(name))
+        return check_lora(requested, self.get(requested_name(requested)))
 
     def add(
         self,

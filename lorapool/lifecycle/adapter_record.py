@@ -10,6 +10,7 @@ so both read it here (the worker never imports the producer).
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,8 @@ import msgspec
 import orjson
 
 from lorapool.protocol import LoRARequest
+
+NAME_PATTERN = re.compile(r"[A-Za-z0-9._-]{1,128}")  # what the registry accepts as a name
 
 
 @dataclass(frozen=True)
@@ -75,6 +78,16 @@ class UnknownAdapter(ValueError):
 
 def lora_from_record(record: AdapterRecord) -> LoRARequest:
     return LoRARequest(record.name, record.id, record.path, record.base_model)
+
+
+def requested_name(requested: LoRARequest | str) -> str:
+    """The registry name a request gives. One no adapter can have is UnknownAdapter at
+    once, without a look-up (a lone surrogate in a name built in Python could not even
+    be sent to Redis)."""
+    name = requested if isinstance(requested, str) else requested.lora_name
+    if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
+        raise UnknownAdapter(name)
+    return name
 
 
 def check_lora(requested: LoRARequest | str, record: AdapterRecord | None) -> LoRARequest:

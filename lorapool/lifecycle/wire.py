@@ -99,7 +99,50 @@ def _loads(
 
 
 def encode_job(job: Job) -> bytes:
-    return orjson.dumps(job.to_dict())
+    """The job's JSON. A job built in Python may hold a lone surrogate where no check
+    counts UTF-8 (a stop string, a message's role, the request id): a FieldError naming
+    the field, looked for only once orjson has refused the job."""
+    data = job.to_dict()
+    try:
+        return orjson.dumps(data)
+    except orjson.JSONEncodeError:
+        found = _unencodable(data, "")
+        if found is None:
+            raise
+    path, bad = found
+    try:
+        utf8_size(bad, path)  # raises: ``bad`` has no UTF-8
+    except FieldError as exc:
+        error = exc
+    if path != "request_id":
+        error = FieldError(f"job {job.request_id}: {error}", job.request_id, path)
+    raise error
+
+
+def _unencodable(value: Any, path: str) -> tuple[str, str] | None:
+    """The path and text of the first string in ``value`` that UTF-8 cannot hold (a
+    dict's own path for one of its keys)."""
+    if isinstance(value, str):
+        return None if value.isascii() or _encodes(value) else (path, value)
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if isinstance(key, str) and not _encodes(key):
+                return (path, key)
+            if found := _unencodable(item, f"{path}.{key}" if path else str(key)):
+                return found
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            if found := _unencodable(item, f"{path}[{i}]"):
+                return found
+    return None
+
+
+def _encodes(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 DEFAULT_MAX_PROMPT_BYTES = 1 << 20
