@@ -71,6 +71,16 @@ def main() -> None:
     parser.add_argument("--pre", type=int, default=0, help="records drained first, untimed")
     parser.add_argument("--no-prefetch", action="store_true")
     parser.add_argument(
+        "--into", help="drain into this schema (a filled one, kept) instead of a fresh one"
+    )
+    parser.add_argument(
+        "--in-order-of",
+        type=int,
+        default=0,
+        help="arrivals in time order after N rows (audit_scale --in-order --rows N); "
+        "the records are numbered from N",
+    )
+    parser.add_argument(
         "--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
     )
     parser.add_argument(
@@ -81,11 +91,12 @@ def main() -> None:
     )
     args = parser.parse_args()
     run = uuid.uuid4().hex[:8]
-    schema, keys = f"bench_writer_cpu_{run}", Keys(f"bench-writer-cpu-{run}")
+    schema, keys = args.into or f"bench_writer_cpu_{run}", Keys(f"bench-writer-cpu-{run}")
     admin = create_engine(args.pg_url)
     database = make_url(args.pg_url).database
-    with admin.begin() as conn:
-        conn.execute(text(f'CREATE SCHEMA "{schema}"'))
+    if not args.into:
+        with admin.begin() as conn:
+            conn.execute(text(f'CREATE SCHEMA "{schema}"'))
     engine = create_audit_engine(DatabaseConfig(url=args.pg_url, schema=schema))
     conn = redis.Redis.from_url(args.redis_url)
     try:
@@ -96,11 +107,16 @@ def main() -> None:
         writer = AuditWriter(conn, engine, config)
         writer.ensure_group()
         own_the_collector()  # as `lorapool audit-writer` does
-        end, total = time.time(), args.pre + args.rows
+        end, total, first = time.time(), args.pre + args.rows, args.in_order_of
+        order = {"in_order_of": args.in_order_of}
+        if args.in_order_of:  # the filled schema's fill ended where its newest row is
+            with engine.connect() as c:
+                end = c.execute(text("SELECT max(arrival_time) FROM completions")).scalar()
+        feed_to = (args.redis_url, keys.audit, keys.prefix)
         if args.pre:
-            feed(args.redis_url, keys.audit, keys.prefix, 0, args.pre, end, 90.0, args.pre)
+            feed(*feed_to, first, first + args.pre, end, 90.0, args.pre, **order)
             drain(writer, args.pre)
-        feed(args.redis_url, keys.audit, keys.prefix, args.pre, total, end, 90.0, total)
+        feed(*feed_to, first + args.pre, first + total, end, 90.0, total, **order)
         load = os.getloadavg()[0]
         server, cpu = backends_cpu_s(admin, database), time.process_time()
         began = time.perf_counter()
@@ -116,8 +132,9 @@ def main() -> None:
         )
     finally:
         engine.dispose()
-        with admin.begin() as c:
-            c.execute(text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
+        if not args.into:
+            with admin.begin() as c:
+                c.execute(text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
         admin.dispose()
         for key in conn.scan_iter(match=keys.pattern):
             conn.delete(key)
