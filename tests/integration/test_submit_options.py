@@ -107,6 +107,30 @@ def test_an_adapter_name_no_adapter_can_have_is_unknown_without_a_look_up(conn, 
     assert conn.exists(keys.job("r")) == 0
 
 
+def test_the_async_producer_refuses_them_the_same_way(pool_url, conn, keys):
+    import asyncio
+
+    from lorapool.lifecycle.adapter_record import UnknownAdapter
+    from lorapool.producer import AsyncProducer
+    from lorapool.protocol import LoRARequest, SamplingParams
+
+    async def submit():
+        producer = AsyncProducer(pool_url, prefix=keys.prefix, shards=keys.shards)
+        try:
+            lora = LoRARequest("a" + SURROGATE, 1, "/a")
+            with pytest.raises(UnknownAdapter):
+                await producer.submit(PROMPT, lora_request=lora, request_id="r")
+            with pytest.raises(FieldError) as refused:
+                await producer.submit(PROMPT, SamplingParams(stop=[SURROGATE]), request_id="r")
+            assert refused.value.field == "sampling_params.stop[0]"
+        finally:
+            await producer.aclose()
+
+    asyncio.run(submit())
+    assert conn.exists(keys.job("r")) == 0
+    assert sum(conn.exists(view.requests) for view in keys.shard_views) == 0
+
+
 def test_a_lone_surrogate_in_the_request_id_is_named(conn, keys, producer):
     with pytest.raises(FieldError, match="request_id is not valid Unicode") as refused:
         producer.submit(PROMPT, request_id="r" + SURROGATE)
