@@ -90,6 +90,8 @@ def main() -> None:
         ),
     )
     args = parser.parse_args()
+    if args.in_order_of and not args.into:
+        parser.error("--in-order-of goes on from a filled schema: name it with --into")
     run = uuid.uuid4().hex[:8]
     schema, keys = args.into or f"bench_writer_cpu_{run}", Keys(f"bench-writer-cpu-{run}")
     admin = create_engine(args.pg_url)

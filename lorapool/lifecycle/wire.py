@@ -106,43 +106,26 @@ def encode_job(job: Job) -> bytes:
     try:
         return orjson.dumps(data)
     except orjson.JSONEncodeError:
-        found = _unencodable(data, "")
-        if found is None:
-            raise
-    path, bad = found
-    try:
-        utf8_size(bad, path)  # raises: ``bad`` has no UTF-8
-    except FieldError as exc:
-        error = exc
-    if path != "request_id":
-        error = FieldError(f"job {job.request_id}: {error}", job.request_id, path)
-    raise error
+        try:
+            _check_utf8(data, "")
+        except FieldError as exc:
+            raise _for_job(job.request_id, exc) from None
+        raise
 
 
-def _unencodable(value: Any, path: str) -> tuple[str, str] | None:
-    """The path and text of the first string in ``value`` that UTF-8 cannot hold (a
-    dict's own path for one of its keys)."""
+def _check_utf8(value: Any, path: str) -> None:
+    """FieldError (``utf8_size``'s) at the first string of ``value`` that UTF-8 cannot
+    hold, named by its path (a dict's own path for one of its keys)."""
     if isinstance(value, str):
-        return None if value.isascii() or _encodes(value) else (path, value)
-    if isinstance(value, dict):
+        utf8_size(value, path)
+    elif isinstance(value, dict):
         for key, item in value.items():
-            if isinstance(key, str) and not _encodes(key):
-                return (path, key)
-            if found := _unencodable(item, f"{path}.{key}" if path else str(key)):
-                return found
+            if isinstance(key, str):
+                utf8_size(key, path)
+            _check_utf8(item, f"{path}.{key}" if path else str(key))
     elif isinstance(value, (list, tuple)):
         for i, item in enumerate(value):
-            if found := _unencodable(item, f"{path}[{i}]"):
-                return found
-    return None
-
-
-def _encodes(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
+            _check_utf8(item, f"{path}[{i}]")
 
 
 DEFAULT_MAX_PROMPT_BYTES = 1 << 20
@@ -207,8 +190,12 @@ def _refused(exc: msgspec.ValidationError, data: dict[str, Any]) -> FieldError:
     """The FieldError of a job msgspec refused (``data``: the job as Python objects), its
     message opening ``job <request_id>: `` once the id itself is good."""
     _check_version(data.get("v", WIRE_VERSION))
-    error = invalid(exc, data, Job)
-    rid = data.get("request_id")
+    return _for_job(data.get("request_id"), invalid(exc, data, Job))
+
+
+def _for_job(rid: Any, error: FieldError) -> FieldError:
+    """``error`` opening ``job <request_id>: ``, unless the id is what it is about or is
+    not good enough to print."""
     if error.field == "request_id" or not _good_id(rid):
         return error
     return FieldError(f"job {rid}: {error}", rid, error.field)
