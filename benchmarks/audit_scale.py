@@ -4,8 +4,9 @@ then every query, verify, export and the bytes a row takes (issue 34).
 A feeder process signs realistic records (500 adapters, 50 tenants, arrivals over
 90 days, ~600-character prompt and output, 256 prompt and 192 output tokens; texts
 and token ids from 1,000 templates, so the feeder stays cheap next to the writer) onto
-``{p}:audit`` while one ``AuditWriter`` drains it into a schema of its own; the rate
-is taken over the first and the last 50,000 rows. Then, each in process (median
+``{p}:audit`` while one ``AuditWriter`` drains it into a schema of its own; the rate,
+and the CPU a row of the writer and of its PostgreSQL backends (when the server runs
+on this machine), are taken over the first and the last 30,000 rows. Then, each in process (median
 wall time, time in SQL, peak memory), through the CLI (a process of its own: wall
 time, peak RSS) and over HTTP (``lorapool serve``): a request by id, one adapter's
 first page over 7 days, usage over 30 days, a text search in a 7-day window; full
@@ -33,7 +34,7 @@ import uuid
 
 import orjson
 import redis
-from sqlalchemy import create_engine, text
+from sqlalchemy import create_engine, make_url, text
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _audit_scale_queries import bytes_per_row, queries, verify_and_export  # noqa: E402
@@ -158,6 +159,47 @@ def feed(redis_url, stream, pool, start: int, stop: int, end, days, ahead: int, 
         i = min(i + 1000, stop)
 
 
+def backends_cpu_s(admin, database: str) -> float | None:
+    """CPU seconds of the server backends connected to ``database`` (not this one's),
+    read from ``/proc/<pid>/stat``; None when none can be read there (a server on
+    another machine). Other sessions' backends on the same database count too."""
+    with admin.connect() as conn:
+        pids = conn.execute(
+            text(
+                "SELECT pid FROM pg_stat_activity WHERE datname = :db AND pid <> pg_backend_pid()"
+            ),
+            {"db": database},
+        ).scalars()
+        total, seen = 0, False
+        for pid in pids:
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:  # a backend that ended meanwhile, or not on this machine
+                continue
+            total, seen = total + int(fields[11]) + int(fields[12]), True
+    return total / os.sysconf("SC_CLK_TCK") if seen else None
+
+
+class _CPU:
+    """The writer's CPU (this process: the feeder is done before a window starts) and
+    its database backends' over a window, in µs a row: unlike rows/s, what another
+    machine's run can be held against (the two processes share this machine's cores)."""
+
+    def __init__(self, pg_url: str):
+        self.admin, self.database = create_engine(pg_url), make_url(pg_url).database
+
+    def start(self) -> None:
+        self.began = time.process_time(), backends_cpu_s(self.admin, self.database)
+
+    def per_row(self, rows: int) -> dict:
+        cpu, server = time.process_time(), backends_cpu_s(self.admin, self.database)
+        out = {"writer_cpu_us": round(1e6 * (cpu - self.began[0]) / rows)}
+        if server is not None and self.began[1] is not None:
+            out["server_cpu_us"] = round(1e6 * (server - self.began[1]) / rows)
+        return out
+
+
 def _drain(writer: AuditWriter, until_rows: int, total: int, start: float) -> float:
     """Let the writer store rows until it has ``until_rows``; returns the seconds."""
     began, last_report = time.perf_counter(), 0.0
@@ -186,7 +228,7 @@ def fill(args, config: DatabaseConfig, keys: Keys, end: float) -> dict:
     window = min(WINDOW, args.rows // 2)
     feed_args = (args.redis_url, keys.audit, keys.prefix)
     own_the_collector()  # as `lorapool audit-writer` does; undone after the fill
-    rates, start = {}, time.perf_counter()
+    rates, cpu, start = {}, _CPU(args.pg_url), time.perf_counter()
     spans = [(0, window, "first"), (window, args.rows - window, None)]
     spans.append((args.rows - window, args.rows, "last"))
     for low, high, name in spans:
@@ -196,10 +238,12 @@ def fill(args, config: DatabaseConfig, keys: Keys, end: float) -> dict:
         feeder.start()
         if name is not None:
             feeder.join()  # every record of the window on the stream first
+            cpu.start()
         took = _drain(writer, high, args.rows, start)
         feeder.join()
         if name is not None:
             rates[f"rows_per_s_{name}"] = round((high - low) / took)
+            rates[f"cpu_{name}"] = cpu.per_row(high - low)
     total = time.perf_counter() - start
     gc.unfreeze()
     gc.set_threshold(*DEFAULT_GC)  # the queries after it run as in any process
@@ -207,6 +251,7 @@ def fill(args, config: DatabaseConfig, keys: Keys, end: float) -> dict:
     with engine.begin() as conn:  # what autovacuum does; the test server runs without it,
         conn.execute(text("ANALYZE completions"))  # and unanalyzed partitions get seq scans
     engine.dispose()
+    cpu.admin.dispose()
     overall = round(writer.stats.rows_written / total)
     return {
         "rows": writer.stats.rows_written,
