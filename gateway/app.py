@@ -38,6 +38,7 @@ from lorapool.gateway.request_stats import RequestStats
 from lorapool.openai.bodies import schema_components
 from lorapool.openai.errors import APIError, job_lost
 from lorapool.producer import JobLost
+from lorapool.tasks import cancel_and_wait
 
 logger = logging.getLogger(__name__)
 
@@ -64,8 +65,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
             async with dashboard.sampling(app):
                 yield
         finally:
-            watching.cancel()
-            await asyncio.gather(watching, return_exceptions=True)
+            await cancel_and_wait(watching)
             await app.state.pool.close()
             if app.state.audit is not None:
                 app.state.audit.close()

@@ -28,6 +28,7 @@ from lorapool.gateway.dashboard_session import (
     cookie_header,
 )
 from lorapool.openai.errors import APIError
+from lorapool.tasks import cancel_and_wait
 
 router = APIRouter(tags=["operations"])
 ROLES = ("audit", "admin")
@@ -165,8 +166,7 @@ async def sampling(app: FastAPI):
     try:
         yield
     finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+        await cancel_and_wait(task)
 
 
 def create_dashboard_app(config) -> FastAPI:

@@ -29,6 +29,7 @@ from lorapool.producer.pool_view import PoolView
 from lorapool.producer.rate_limits import RateLimiter
 from lorapool.producer.registry import NAME_PATTERN, AdapterRegistry
 from lorapool.protocol import FieldError, LoRARequest, SamplingParams
+from lorapool.tasks import cancel_and_wait
 from lorapool.tool_calls import parser_for
 
 BASE_TTL_S = 5.0  # the base model changes only when the pool is rebuilt
@@ -238,12 +239,10 @@ class Pool:
                 waiting.add_done_callback(lambda f: f.cancelled() or f.exception())
                 raise self.watch.unavailable(self.config.redis_outage_s)
             if untaken.done():
-                waiting.cancel()
-                await asyncio.gather(waiting, return_exceptions=True)  # its CancelledError
+                await cancel_and_wait(waiting)
                 untaken.result()  # raises no_worker
             if not waiting.done():
-                waiting.cancel()
-                await asyncio.gather(waiting, return_exceptions=True)  # its CancelledError
+                await cancel_and_wait(waiting)
                 await _abort(handles)
                 raise APIError(499, "the client closed the request; its jobs were aborted")
             return waiting.result()

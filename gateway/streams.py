@@ -11,6 +11,7 @@ import orjson
 
 from lorapool.lifecycle.chunk import Chunk
 from lorapool.producer import AsyncJobHandle
+from lorapool.tasks import cancel_and_wait
 
 DONE = b"data: [DONE]\n\n"
 
@@ -44,9 +45,8 @@ async def merged_chunks(
                 if isinstance(item, BaseException):
                     raise item
                 yield item
-    finally:
-        for task in tasks:
-            task.cancel()
+    finally:  # ended, not only cancelled: one that swallowed it would follow on forever
+        await cancel_and_wait(*tasks)
 
 
 async def _feed(index: int, handle: AsyncJobHandle, queue: asyncio.Queue, kept) -> None:
@@ -72,8 +72,7 @@ async def until_stopped(
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             await asyncio.wait({step, stop}, timeout=left, return_when=asyncio.FIRST_COMPLETED)
             if not step.done():
-                step.cancel()
-                await asyncio.gather(step, return_exceptions=True)  # then it may be closed
+                await cancel_and_wait(step)  # then it may be closed
                 return
             try:
                 yield step.result()
@@ -107,8 +106,7 @@ async def until_taken(items: AsyncIterator, watch: asyncio.Future) -> AsyncItera
         step = asyncio.ensure_future(items.__anext__())
         await asyncio.wait({step, watch}, return_when=asyncio.FIRST_COMPLETED)
         if not step.done():
-            step.cancel()
-            await asyncio.gather(step, return_exceptions=True)
+            await cancel_and_wait(step)
             watch.result()  # raises its error
         try:
             first = step.result()

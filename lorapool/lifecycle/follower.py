@@ -30,6 +30,7 @@ from lorapool.lifecycle.chunk import Chunk, decode_chunk
 from lorapool.lifecycle.chunk_log import Cursor
 from lorapool.lifecycle.keys import Keys
 from lorapool.lifecycle.marker import read_back, read_back_result
+from lorapool.tasks import cancel_and_wait
 
 logger = logging.getLogger(__name__)
 MAX_FILLS = 8  # log reads in flight at once (each holds a pooled connection)
@@ -89,11 +90,10 @@ class Follower:
 
     async def close(self) -> None:
         # the flag as well as the cancel: on Python 3.11 redis-py's writes (asyncio.wait_for
-        # around drain) can swallow a cancel that lands as the write completes
+        # around drain) can swallow a cancel that lands as the write completes (tasks.py)
         self.closed = True
         if self.task is not None:
-            self.task.cancel()
-            await asyncio.gather(self.task, return_exceptions=True)
+            await cancel_and_wait(self.task)
         if self.pubsub is not None:
             await self.pubsub.aclose()
 

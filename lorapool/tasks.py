@@ -1,0 +1,31 @@
+"""Ending asyncio tasks for sure.
+
+On Python 3.10 and 3.11, ``asyncio.wait_for`` returns its inner future's result when a
+cancel reaches the waiting task in the same turn of the loop as that future completes,
+and the task runs on as if nothing had happened (CPython gh-86296; 3.12's rewrite fixed
+it). redis-py's asyncio client waits that way around its writes and reads, and so do
+loops of ours: a task cancelled while its Redis command completed went on reading, and
+whoever awaited its end waited forever (a gateway stream that never ended, a gateway
+that never stopped). :func:`cancel_and_wait` cancels again until the task has ended.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+RECANCEL_S = 0.1  # a task still running this long after a cancel is cancelled again
+
+
+async def cancel_and_wait(*tasks: asyncio.Future, every_s: float = RECANCEL_S) -> None:
+    """Cancel ``tasks`` and return once every one has ended, cancelling those still
+    running every ``every_s``. Their results and errors are dropped (retrieved: asyncio
+    logs none of them). A cancel of the caller itself is not absorbed: it raises here,
+    the tasks left cancelled."""
+    pending = {task for task in tasks if not task.done()}
+    while pending:
+        for task in pending:
+            task.cancel()
+        _, pending = await asyncio.wait(pending, timeout=every_s)
+    for task in tasks:
+        if not task.cancelled():
+            task.exception()
