@@ -57,13 +57,14 @@ def start_gateway(url: str, prefix: str, console: Console) -> tuple[subprocess.P
 
 def show_gateway(url: str, prefix: str, console: Console, adapter: str = "poet") -> None:
     """One OpenAI chat completion and one asynchronous job through the gateway."""
+    from lorapool.cli.demo_pipeline import stop_children
+
     proc, base = start_gateway(url, prefix, console)
     try:
         _openai_chat(base, adapter, console)
         _job(base, adapter, console)
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+    finally:  # never left running (a gateway that did not stop in 30 s outlived the demo)
+        stop_children([proc], timeout_s=30)
 
 
 def _openai_chat(base: str, adapter: str, console: Console) -> None:

@@ -113,7 +113,7 @@ def pipeline(model: str, max_tokens: int, console: Console) -> None:
         results = [h.result(timeout=900) for h in handles]
         show_gateway(url, PREFIX, console)  # the same pool over HTTP
     finally:  # never leave the workers running (a failed demo's kept serving the prefix)
-        stop_workers(workers)
+        stop_children(workers)
     console.print(who_served_what(results))
     console.print(f"{len(results)} jobs served in {time.time() - started:.1f}s by 2 workers.")
     console.print(how_they_shared(results))
@@ -199,14 +199,15 @@ def start_workers(url: str, model: str, console: Console) -> list[subprocess.Pop
     return procs
 
 
-def stop_workers(workers: list[subprocess.Popen]) -> None:
-    """SIGTERM (drain, then exit) to every worker still running; SIGKILL after 300 s."""
-    for proc in workers:
+def stop_children(procs: list[subprocess.Popen], timeout_s: float = 300) -> None:
+    """SIGTERM (a worker drains, then exits) to every child still running; SIGKILL to
+    those still running after ``timeout_s``."""
+    for proc in procs:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
-    for proc in workers:
+    for proc in procs:
         try:
-            proc.wait(timeout=300)
+            proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
