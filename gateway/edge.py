@@ -29,6 +29,7 @@ from starlette.responses import Response
 from lorapool.gateway.http_metrics import OTHER, HttpMetrics
 from lorapool.gateway.json import error_response
 from lorapool.gateway.redis_watch import NEEDS_NO_REDIS, REDIS_DOWN_METRICS, not_ready
+from lorapool.tasks import cancel_and_wait
 
 RIDES_OUTAGES = "rides_redis_outages"  # set in a request's state: not cut off by the edge
 
@@ -109,8 +110,10 @@ async def _raced(task: asyncio.Future, watch, begun, scope) -> bool:
         await task
         return True
     task.cancel()
-    watch.closing.add(task)  # a task runs to its end only while referenced
-    task.add_done_callback(_forgotten(watch.closing))
+    ending = asyncio.ensure_future(cancel_and_wait(task))  # again, until it has ended
+    for running in (task, ending):
+        watch.closing.add(running)  # a task runs to its end only while referenced
+        running.add_done_callback(_forgotten(watch.closing))
     return False
 
 

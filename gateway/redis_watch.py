@@ -27,6 +27,7 @@ from collections.abc import AsyncIterator
 
 from lorapool.connection import REDIS_DOWN, connect_async
 from lorapool.openai.errors import APIError
+from lorapool.tasks import cancel_and_wait
 
 logger = logging.getLogger(__name__)
 PING_EVERY_S = 0.25
@@ -195,7 +196,7 @@ async def _pump(items: AsyncIterator, queue: asyncio.Queue) -> None:
 
 async def _close(pump, items: AsyncIterator) -> None:
     try:
-        await asyncio.gather(pump, return_exceptions=True)
+        await cancel_and_wait(pump)
         await items.aclose()
     except REDIS_DOWN as exc:  # an abort on the way out, with Redis away
         logger.warning("a stream ended while Redis is away: %s", exc)
