@@ -40,3 +40,32 @@ def test_a_second_demo_refuses_to_start_while_one_runs(tmp_path, monkeypatch):
         pass
     with one_demo_at_a_time():  # free again once the first ended
         pass
+
+
+def test_the_demo_kills_a_child_that_outlives_its_sigterm():
+    """stop_children: SIGTERM, then SIGKILL past the timeout; a child that ignores SIGTERM
+    (as a gateway stuck in its shutdown did) is not left running, one that heeds it exits
+    by it."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from lorapool.cli.demo_pipeline import stop_children
+
+    deaf = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); " + (
+        "print('ready', flush=True); time.sleep(60)"
+    )
+    heeds = "import time; print('ready', flush=True); time.sleep(60)"
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+        for code in (deaf, heeds)
+    ]
+    for proc in procs:  # the handler is in place before the signal comes
+        assert proc.stdout.readline() == b"ready\n"
+    started = time.monotonic()
+    stop_children(procs, timeout_s=1)
+    assert time.monotonic() - started < 10
+    assert [proc.returncode for proc in procs] == [-signal.SIGKILL, -signal.SIGTERM]
+    for proc in procs:
+        proc.stdout.close()
