@@ -20,6 +20,7 @@ from lorapool.gateway.edge import RIDES_OUTAGES, Edge
 from lorapool.gateway.http_metrics import HttpMetrics
 from lorapool.gateway.redis_watch import RedisWatch
 from lorapool.gateway.request_stats import RequestStats
+from lorapool.tasks import cancel_and_wait
 
 
 def _closed_port() -> int:
@@ -71,8 +72,7 @@ async def _call_while_redis_goes(path: str) -> tuple[httpx.Response, float, dict
             response = await call
             seen["away"] = watch.away
         finally:
-            watching.cancel()
-            await asyncio.gather(watching, return_exceptions=True)
+            await cancel_and_wait(watching)  # its wait_for may swallow one cancel
             await watch.close()
         await asyncio.sleep(0.05)  # the cut handler's cancellation runs
     return response, time.monotonic() - start, seen

@@ -14,6 +14,7 @@ import pytest
 
 from lorapool.gateway.redis_watch import BUFFERED, RedisWatch, until_outage
 from lorapool.openai.errors import APIError
+from lorapool.tasks import cancel_and_wait
 
 
 def _watch() -> RedisWatch:
@@ -66,8 +67,7 @@ def test_the_outage_reaches_a_client_whose_buffer_was_full():
                 async for item in stream:
                     taken.append(item)
         finally:
-            watching.cancel()
-            await asyncio.gather(watching, return_exceptions=True)
+            await cancel_and_wait(watching)  # its wait_for may swallow one cancel
             await watch.close()
         return taken, caught.value, time.monotonic() - start
 
