@@ -6,8 +6,8 @@ A feeder process signs realistic records (500 adapters, 50 tenants, arrivals ove
 and token ids from 1,000 templates, so the feeder stays cheap next to the writer) onto
 ``{p}:audit`` while one ``AuditWriter`` drains it into a schema of its own; the rate,
 and the CPU a row of the writer and of its PostgreSQL backends (when the server runs
-on this machine), are taken over the first and the last 30,000 rows. Then, each in process (median
-wall time, time in SQL, peak memory), through the CLI (a process of its own: wall
+on this machine), are taken over the first and the last 30,000 rows. Then, each in
+process (median wall time, time in SQL, peak memory), through the CLI (a process of its own: wall
 time, peak RSS) and over HTTP (``lorapool serve``): a request by id, one adapter's
 first page over 7 days, usage over 30 days, a text search in a 7-day window; full
 and incremental verify (a day's rows: 1/90 of the table); CSV exports of 100k rows
