@@ -63,24 +63,47 @@ def engine_greedy_top(
 ) -> tuple[list[list[int]], list[list[set[int]]] | None]:
     """``engine_greedy``, and with ``k`` each position's top-``k`` token ids (the
     engine's own logprobs of the raw distribution, as vLLM's ``logprobs=k``)."""
+    outs = engine_greedy_outputs(engine, prompts, max_new_tokens, loras, k, **extra)
+    tokens = [ids for ids, _ in outs]
+    return tokens, ([tops_of(lps, k) for _, lps in outs] if k is not None else None)
+
+
+def engine_greedy_outputs(
+    engine, prompts, max_new_tokens: int, loras=None, k: int | None = None, **extra
+) -> list[tuple[list[int], list[dict] | None]]:
+    """Every request in one continuous batch: (new token ids, their logprobs) of each."""
     from lorapool import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, logprobs=k, **extra)
     loras = loras or [None] * len(prompts)
     for i, (prompt, lora) in enumerate(zip(prompts, loras)):
         engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, params, lora_request=lora)
-    done, tops = {}, {}
+    done = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:
-                done[out.request_id] = list(out.outputs[0].token_ids)
-                if k is not None:
-                    tops[out.request_id] = [
-                        {t for t, lp in d.items() if lp.rank is None or lp.rank <= k}
-                        for d in out.outputs[0].logprobs
-                    ]
-    keys = [f"r{i}" for i in range(len(prompts))]
-    return [done[key] for key in keys], ([tops[key] for key in keys] if k is not None else None)
+                first = out.outputs[0]
+                done[out.request_id] = (list(first.token_ids), first.logprobs)
+    return [done[f"r{i}"] for i in range(len(prompts))]
+
+
+def tops_of(logprobs: list[dict], k: int) -> list[set[int]]:
+    """Each position's top-``k`` token ids, from vLLM-style logprobs (the sampled
+    token rides along outside the top ``k``; its rank says so)."""
+    return [{t for t, lp in d.items() if lp.rank is None or lp.rank <= k} for d in logprobs]
+
+
+def logprob_gap(a: list[int], a_lps: list[dict], b: list[int], b_lps: list[dict]) -> float:
+    """The largest difference between two runs' logprobs of one token where both runs
+    saw the same context: every position up to and including the first where their
+    tokens part, each token both runs report there."""
+    part = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)) - 1)
+    gap = 0.0
+    for pos in range(part + 1):
+        mine, theirs = a_lps[pos], b_lps[pos]
+        for token in mine.keys() & theirs.keys():
+            gap = max(gap, abs(mine[token].logprob - theirs[token].logprob))
+    return gap
 
 
 def not_near_ties(ours, theirs, our_tops, their_top) -> list[str]:

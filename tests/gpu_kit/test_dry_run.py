@@ -184,6 +184,8 @@ def test_dry_run_checks_what_it_reports(dry_run):
     assert engine["tiny-llama_lora_requests_changed_by_adapter"] >= 1  # adapters matter
     queue = sections["queue"]["figures"]
     assert queue["results_equal"] == "24/24"
+    assert queue["misroute_logprob_gap_min"] > 0  # a wrong adapter shows in the logprobs
+    assert queue["worker_logprob_max_diff"] <= queue["misroute_logprob_gap_min"] / 10
 
 
 FAULT = """
@@ -207,6 +209,34 @@ def test_a_wrong_kernel_result_fails_the_run(tmp_path):
     assert report["status"] == "fail" and kernels["status"] == "fail"
     failed = [c["name"] for c in kernels["checks"] if not c["ok"]]
     assert failed and all(name.startswith("lora ") for name in failed), failed
+
+
+# In the worker's process only (started as ``python -c ... worker``): every adapter's
+# scaling 0.8 of what its config says, a bug whose greedy tokens can still match.
+MISSCALED = """
+import sys
+if "worker" in sys.argv:
+    from lorapool.engine.lora import adapter as _adapter
+    _scaling = _adapter.LoRAAdapter.scaling.fget
+    _adapter.LoRAAdapter.scaling = property(lambda self: 0.8 * _scaling(self))
+"""
+
+
+def test_a_worker_that_misscales_its_adapters_fails_the_queue_section(tmp_path):
+    if server_binary() is None:
+        pytest.skip("no Redis-compatible server binary (lorapool[embedded] or one on PATH)")
+    fault = tmp_path / "fault"
+    fault.mkdir()
+    (fault / "sitecustomize.py").write_text((GUARD / "sitecustomize.py").read_text() + MISSCALED)
+    env = guarded_env(tmp_path, extra_path=str(fault))
+    proc, report, _ = run_kit(tmp_path, env, "--sections", "device,queue", timeout=120)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    queue = report["sections"][1]
+    assert queue["status"] == "fail", queue
+    failed = [c["name"] for c in queue["checks"] if not c["ok"]]
+    assert any(name.startswith("the worker's logprobs") for name in failed), failed
+    figures = queue["figures"]
+    assert figures["worker_logprob_max_diff"] > figures["misroute_logprob_gap_min"] / 10
 
 
 @pytest.mark.parametrize(
