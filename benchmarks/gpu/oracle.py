@@ -94,16 +94,30 @@ def tops_of(logprobs: list[dict], k: int) -> list[set[int]]:
 
 
 def logprob_gap(a: list[int], a_lps: list[dict], b: list[int], b_lps: list[dict]) -> float:
-    """The largest difference between two runs' logprobs of one token where both runs
-    saw the same context: every position up to and including the first where their
-    tokens part, each token both runs report there."""
+    """How far two runs' logprobs lie apart where both runs saw the same context: every
+    position up to and including the first where their tokens part.
+
+    At each such position, the largest of: the difference in the logprob of each token
+    both runs report, and the difference between the r-th largest logprob of each run
+    for every rank r both report. The ranked values are there for two distributions
+    whose top tokens share none (a random-weight model with a wrong adapter can move
+    every one of them): each is continuous in the logits, so rounding moves it by
+    rounding's size and a real change by the change's.
+    """
     part = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)) - 1)
     gap = 0.0
     for pos in range(part + 1):
         mine, theirs = a_lps[pos], b_lps[pos]
         for token in mine.keys() & theirs.keys():
             gap = max(gap, abs(mine[token].logprob - theirs[token].logprob))
+        for x, y in zip(_ranked(mine), _ranked(theirs)):
+            gap = max(gap, abs(x - y))
     return gap
+
+
+def _ranked(logprobs: dict) -> list[float]:
+    """One position's logprobs, largest first (each token once, whatever its rank says)."""
+    return sorted((lp.logprob for lp in logprobs.values()), reverse=True)
 
 
 def not_near_ties(ours, theirs, our_tops, their_top) -> list[str]:
