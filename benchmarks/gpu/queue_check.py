@@ -26,6 +26,8 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 from . import models, oracle
 from .parity import TOP_K
 from .server import Server, find_binary
@@ -109,6 +111,16 @@ def _in_process(ctx, path, prompts, which, adapters):
         return None if name is None else LoRARequest(name, ids[name], str(adapters[name]))
 
     loras = [lora(w) for w in which]
+    # the worker's CPU threads (``_start_worker``): the engine alone must not differ in them
+    threads = torch.get_num_threads()
+    torch.set_num_threads(_worker_threads())
+    try:
+        return _engine_alone(ctx, path, prompts, which, adapters, lora, loras)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _engine_alone(ctx, path, prompts, which, adapters, lora, loras):
     engine = oracle.make_engine(path, ctx.device, "float32", **_engine_options(ctx))
     # warm-up at the workload's shapes: the first call of a kernel at a new shape compiles
     # it, and the worker, started after, finds Triton's on-disk cache filled by this one
@@ -202,10 +214,14 @@ def _start_worker(ctx, url: str, path, log: Path) -> subprocess.Popen:
         cmd += ["--gpu-memory-utilization", str(WORKER_GPU_SHARE)]
     else:
         cmd += ["--kv-cache-memory", str(64 << 20)]
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    env = dict(os.environ, OMP_NUM_THREADS=str(_worker_threads()))
     env.pop("TRITON_INTERPRET", None)
     with open(log, "w") as out:  # cwd outside the checkout: its folders would shadow lorapool
         return subprocess.Popen(cmd, cwd=ctx.workdir, env=env, stdout=out, stderr=out)
+
+
+def _worker_threads() -> int:
+    return int(os.environ.get("OMP_NUM_THREADS") or 1)
 
 
 def _wait_worker(producer, worker, log: Path, deadline: float) -> None:
