@@ -56,8 +56,6 @@ def run(ctx, rec) -> None:
     expected, engine_tps, misroute = _in_process(ctx, path, prompts, which, adapters)
     oracle.free()  # the in-process engine's KV cache must be gone before the worker sizes its own
     if ctx.device == "cuda":
-        import torch
-
         free, total = torch.cuda.mem_get_info()
         rec.figure("free_GiB_before_worker", round(free / 2**30, 1))
     rec.figure("requests", len(prompts))
@@ -102,7 +100,17 @@ def _params(ctx, tokens: int | None = None):
 
 def _in_process(ctx, path, prompts, which, adapters):
     """The expected (tokens, logprobs) of each request, the engine's tokens/s, and the
-    smallest logprob gap a wrong adapter makes on ``PROBES`` of the adapter requests."""
+    smallest logprob gap a wrong adapter makes on ``PROBES`` of the adapter requests,
+    with the worker's CPU threads (``_start_worker``): the engine alone must not differ."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(_worker_threads())
+    try:
+        return _engine_alone(ctx, path, prompts, which, adapters)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _engine_alone(ctx, path, prompts, which, adapters):
     from lorapool import LoRARequest
 
     ids = {name: i + 1 for i, name in enumerate(adapters)}
@@ -111,16 +119,6 @@ def _in_process(ctx, path, prompts, which, adapters):
         return None if name is None else LoRARequest(name, ids[name], str(adapters[name]))
 
     loras = [lora(w) for w in which]
-    # the worker's CPU threads (``_start_worker``): the engine alone must not differ in them
-    threads = torch.get_num_threads()
-    torch.set_num_threads(_worker_threads())
-    try:
-        return _engine_alone(ctx, path, prompts, which, adapters, lora, loras)
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _engine_alone(ctx, path, prompts, which, adapters, lora, loras):
     engine = oracle.make_engine(path, ctx.device, "float32", **_engine_options(ctx))
     # warm-up at the workload's shapes: the first call of a kernel at a new shape compiles
     # it, and the worker, started after, finds Triton's on-disk cache filled by this one
