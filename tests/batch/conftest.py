@@ -41,6 +41,9 @@ def prefix(conn):
     conn.srem("rq:queues", f"rq:queue:{prefix}")
     for pattern in (f"{prefix}:*", f"rq:*{prefix}*"):
         for key in conn.scan_iter(pattern):
+            if conn.type(key) == b"zset":  # an RQ registry (a webhook's retry, scheduled)
+                for job in conn.zrange(key, 0, -1):
+                    conn.delete(b"rq:job:" + job, b"rq:results:" + job)
             conn.delete(key)
 
 

@@ -81,7 +81,7 @@ def deliveries(redis_url, prefix, conn, tmp_path_factory):
     yield
     for proc in procs:
         stop(proc)
-    conn.srem("rq:queues", f"rq:queue:{prefix}")
+    conn.srem("rq:queues", f"rq:queue:{prefix}", f"rq:queue:{prefix}-batch")
     for key in conn.scan_iter(f"rq:*{prefix}*"):
         conn.delete(key)
 

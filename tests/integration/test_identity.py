@@ -19,6 +19,7 @@ import pytest
 
 from lorapool.audit_record import record_from_dict
 from lorapool.identity import adapter_sha256, model_identity, weights_sha256
+from lorapool.lifecycle.keys import Keys
 from lorapool.producer.registry import describe_adapter
 from lorapool.protocol import SamplingParams
 from lorapool.worker import ModelMismatchError, Worker, WorkerConfig
@@ -108,14 +109,24 @@ def test_second_base_model_refuses_to_start(
     assert conn.hlen(keys.workers) == 0
 
 
+@pytest.fixture
+def two_shard_prefix(conn, prefix):
+    """``prefix`` for a pool of 2 shards on a standalone Redis: ``prefix`` deletes the
+    keys of the layout's own shard count (0), so those of 2 shards are deleted here."""
+    yield prefix
+    for key in list(conn.scan_iter(match=Keys(prefix, 2).pattern)):
+        conn.delete(key)
+
+
 @pytest.mark.layouts("standalone")
 def test_a_sharded_pool_refuses_another_model_before_loading_it(
-    model, other_model, lora_engine, conn, prefix, pool_url, tmp_path
+    model, other_model, lora_engine, conn, two_shard_prefix, pool_url, tmp_path
 ):
     """``lorapool worker`` claims the pool before it loads the engine, on the same key
     as the worker's loop: with ``--shards`` that is the meta shard's (``{p}:model``).
     The other model's weights here cannot load, so only that early claim refuses it
     with the mismatch."""
+    prefix = two_shard_prefix
     first = WorkerConfig(prefix=prefix, shards=2, burst=True)
     Worker(lora_engine, conn, first, model_identity(model)).run()  # claims {p}:model
     broken = tmp_path / "broken"
