@@ -56,9 +56,14 @@ def pool(conn, keys, producer):
         )
         w = Worker(engine, conn, config, bench.BASE_MODEL)
         w.ensure_group()
+        made.append(w)
         return w
 
-    return worker
+    made = []
+    yield worker
+    for w in made:  # what their senders still hold lands before the prefix's clean-up
+        w.publisher.flush(wait=True)
+        w.publisher.close()
 
 
 def see_each_other(*workers):
