@@ -62,8 +62,10 @@ def pool(conn, keys, producer):
     made = []
     yield worker
     for w in made:  # what their senders still hold lands before the prefix's clean-up
-        w.publisher.flush(wait=True)
-        w.publisher.close()
+        try:
+            w.publisher.flush(wait=True)
+        finally:
+            w.publisher.close()  # its sender thread ends even where a send failed
 
 
 def see_each_other(*workers):
