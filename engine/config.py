@@ -31,9 +31,13 @@ class EngineArgs:
     # steps a waiting request may be skipped (no adapter slot, no free blocks) before
     # nothing behind it is admitted: its wait's bound (engine/scheduler.py)
     starvation_steps: int = 8
-    # CUDA graphs for decode steps (vLLM's flag; here True, eager, until the GPU kit
-    # has measured the graphs): one graph per batch-size bucket of cuda_graph_sizes
-    enforce_eager: bool = True
+    # CUDA graphs for decode steps (vLLM's flag and default): one graph per batch-size
+    # bucket of cuda_graph_sizes, on CUDA only (a CPU engine runs eagerly whatever this
+    # says). The GPU kit measured them on an H200 at 733426d (benchmarks/RESULTS.md): a
+    # ~1B Llama's decode step at batch 64 took 3.17 ms with graphs against 10.6 eager,
+    # 4.82 against 24.3 with 8 adapters, and decoded the same tokens (up to near ties
+    # with adapters); True runs every step eagerly
+    enforce_eager: bool = False
     cuda_graph_sizes: list[int] | None = None  # None: 1, 2, 4, then every 8 to max_num_seqs
     # multi-LoRA
     enable_lora: bool = False

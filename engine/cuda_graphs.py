@@ -21,8 +21,8 @@ zeros past an adapter's rank), its token order and tiles copied into static
 buffers at each replay (``StaticLoRA``).
 
 A step runs eagerly when it is no pure decode step (a prefill, or prompt
-logprobs) or has more sequences than the largest graph. Only on CUDA;
-``EngineArgs.enforce_eager`` (default True until measured) turns it off.
+logprobs) or has more sequences than the largest graph. Only on CUDA, and on by
+default there; ``EngineArgs.enforce_eager`` turns it off.
 """
 
 from __future__ import annotations

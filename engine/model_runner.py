@@ -60,7 +60,7 @@ class ModelRunner:
         if args.enforce_eager:
             return
         if self.device.type != "cuda":
-            logger.info("CUDA graphs need a CUDA device; running eagerly on %s", self.device)
+            logger.debug("CUDA graphs need a CUDA device; running eagerly on %s", self.device)
             return
         max_blocks = -(-self.max_model_len // self.block_size)
         sizes = capture_sizes(args.cuda_graph_sizes, args.max_num_seqs)

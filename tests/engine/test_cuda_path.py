@@ -62,10 +62,10 @@ def test_cuda_graph_sizes_are_checked(bad):
         EngineArgs(model="m", cuda_graph_sizes=bad)
 
 
-def test_cuda_graph_sizes_are_sorted_without_duplicates_and_eager_is_the_default():
+def test_cuda_graph_sizes_are_sorted_without_duplicates_and_graphs_are_the_default():
     args = EngineArgs(model="m", cuda_graph_sizes=[8, 1, 8, 4])
     assert args.cuda_graph_sizes == [1, 4, 8]
-    assert EngineArgs(model="m").enforce_eager is True  # graphs stay off until measured
+    assert EngineArgs(model="m").enforce_eager is False  # measured by the GPU kit: vLLM's default
 
 
 def test_default_buckets_follow_vllm():
@@ -186,7 +186,7 @@ def test_graphs_fall_back_to_eager_off_cuda(tiny_model_path, caplog):
     from lorapool import EngineArgs as Args
     from lorapool import LLMEngine, SamplingParams
 
-    caplog.set_level(logging.INFO, logger="lorapool.engine.model_runner")
+    caplog.set_level(logging.DEBUG, logger="lorapool.engine.model_runner")
     path = str(tiny_model_path("llama"))
     outs = []
     for eager in (True, False):
@@ -215,6 +215,17 @@ def test_worker_refuses_a_gpu_memory_utilization_outside_its_range(value):
     result = CliRunner().invoke(cli, args)
     assert result.exit_code == 2, result.output
     assert "--gpu-memory-utilization" in result.output
+
+
+def test_a_worker_started_without_the_flag_captures_graphs():
+    """The worker's default is the engine's: CUDA graphs on (``--enforce-eager`` to opt out)."""
+    from lorapool.cli.options import config_from
+    from lorapool.cli.queue import worker
+
+    for argv, eager in (([], False), (["--enforce-eager"], True)):
+        ctx = worker.make_context("worker", ["--model", "m", *argv])
+        args = config_from(EngineArgs, dict(ctx.params))
+        assert args.enforce_eager is eager
 
 
 def test_worker_options_reach_engine_args():
