@@ -12,7 +12,8 @@ from sqlalchemy.exc import DataError, DBAPIError, IntegrityError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 from lorapool.audit_db import store
-from lorapool.connection import REDIS_DOWN
+from lorapool.connection import REDIS_DOWN, out_of_memory
+from lorapool.startup import why_waiting
 
 log = logging.getLogger("lorapool.audit_db.writer")
 
@@ -44,21 +45,23 @@ class Retrying:
                 result = fn(*args)
             except REJECTED:
                 raise
-            except RETRYABLE + REDIS_ERRORS as exc:  # before ResponseError: CLUSTERDOWN is one
+            except (*RETRYABLE, *REDIS_ERRORS, redis.ResponseError) as exc:
+                if isinstance(exc, redis.ResponseError) and "NOGROUP" in str(exc):
+                    log.warning(  # Redis came back without its data: start the group again
+                        "audit writer %s: the consumer group is gone, creating it",
+                        self.config.consumer,
+                    )
+                    self._retry("create the consumer group", self.ensure_group)
+                    continue
+                # CLUSTERDOWN is a ResponseError too; a Redis at maxmemory refuses writes
+                # (the consumer group at start-up) until an operator makes room
+                if not isinstance(exc, RETRYABLE + REDIS_ERRORS) and not out_of_memory(exc):
+                    raise
                 attempts += 1
                 self._log_failure(what, attempts, delay, exc)
                 if self._stopping.wait(delay):
                     raise Stopped() from None
                 delay = min(delay * 2, self.config.backoff_max_s)
-                continue
-            except redis.ResponseError as exc:
-                if "NOGROUP" not in str(exc):
-                    raise
-                log.warning(  # Redis came back without its data: start the group again
-                    "audit writer %s: the consumer group is gone, creating it",
-                    self.config.consumer,
-                )
-                self._retry("create the consumer group", self.ensure_group)
                 continue
             if attempts:
                 log.warning(
@@ -71,9 +74,11 @@ class Retrying:
             return result
 
     def _log_failure(self, what: str, attempts: int, delay: float, exc: Exception) -> None:
-        if not isinstance(exc, REDIS_ERRORS):
+        if not isinstance(exc, (redis.RedisError, *REDIS_ERRORS)):  # the database's
             self.stats.db_retries += 1
         reason = str(getattr(exc, "orig", None) or exc).splitlines()[0]
+        if out_of_memory(exc):  # redis-py keeps "OOM" only in the exception's type
+            reason = f"Redis {why_waiting(exc)}: {reason}"
         level = logging.WARNING if attempts == 1 or attempts % 10 == 0 else logging.DEBUG
         log.log(
             level,

@@ -340,6 +340,18 @@ async def run_scripts_async(connection, script, calls: list[dict[str, list]]) ->
         return await pipe.execute()
 
 
+# Redis's refusal of a write at maxmemory (noeviction) from inside a script; redis-py
+# raises the plain command's as OutOfMemoryError
+OUT_OF_MEMORY = "OOM command not allowed"
+
+
+def out_of_memory(exc: BaseException) -> bool:
+    """Whether Redis refused a call because it is at maxmemory (a script's call too)."""
+    return isinstance(exc, redis.OutOfMemoryError) or (
+        isinstance(exc, redis.ResponseError) and OUT_OF_MEMORY in str(exc)
+    )
+
+
 def ensure_group(connection: redis.Redis, stream: str, group: str) -> None:
     """Create ``group`` on ``stream`` (and the stream), reading from its start, unless it exists."""
     try:

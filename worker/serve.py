@@ -8,6 +8,7 @@ import redis
 
 from lorapool.identity import model_identity
 from lorapool.lifecycle.keys import Keys
+from lorapool.startup import until_redis_takes
 from lorapool.worker import heap
 from lorapool.worker.config import WorkerConfig
 from lorapool.worker.pool import claim_model, publish_tokenizer
@@ -26,9 +27,15 @@ def serve(engine_args, config: WorkerConfig, connection: redis.Redis) -> Worker:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     base_model = base_model_info(engine_args.model)
     keys = Keys(config.prefix, config.shards)  # the worker's loop's (``WorkerState.keys``)
-    claim_model(connection, keys, base_model)  # before loading anything, on the same key
+    who = f"worker {config.name}"  # Redis away or at maxmemory: wait, saying why
+    # before loading anything, on the same key (or ModelMismatchError)
+    until_redis_takes(lambda: claim_model(connection, keys, base_model), who, "claim the pool")
     engine = LLMEngine.from_engine_args(engine_args)
-    publish_tokenizer(connection, keys, engine, base_model)
+    until_redis_takes(
+        lambda: publish_tokenizer(connection, keys, engine, base_model),
+        who,
+        "publish the tokenizer",
+    )
     worker = Worker(engine, connection, config, base_model)
     saved = heap.quiet()  # the model and the engine frozen out of collections
     try:

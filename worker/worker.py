@@ -19,7 +19,7 @@ from typing import Any
 import redis
 
 from lorapool import signing
-from lorapool.connection import REDIS_DOWN, ensure_group
+from lorapool.connection import REDIS_DOWN, ensure_group, out_of_memory
 from lorapool.lifecycle.chunk import Chunk
 from lorapool.lifecycle.error_kind import ErrorKind
 from lorapool.lifecycle.heartbeat import Heartbeat
@@ -27,6 +27,7 @@ from lorapool.lifecycle.keys import WORKERS_GROUP
 from lorapool.lifecycle.wire import DATA, decode_job, encode_job
 from lorapool.outputs import RequestOutput
 from lorapool.persistence import persistence_warning
+from lorapool.startup import until_redis_takes
 from lorapool.worker import dead_letter, failover, signals, unread_audit
 from lorapool.worker.config import WorkerConfig
 from lorapool.worker.dead_letter import reason_of
@@ -41,8 +42,6 @@ from lorapool.worker.state import WorkerState
 
 logger = logging.getLogger(__name__)
 BACKOFF_S = (0.1, 5.0)  # first and longest wait between tries while Redis is away
-# Redis's refusal from inside a script (redis-py makes the plain one OutOfMemoryError)
-OUT_OF_MEMORY = "OOM command not allowed"
 
 
 class Worker:
@@ -87,11 +86,14 @@ class Worker:
 
     def run(self) -> None:
         """Serve until stopped (burst: until the queue and the engine are empty)."""
-        claim_model(self.redis, self.keys, self.base_model)  # or ModelMismatchError
+        who = f"worker {self.name}"  # Redis away or full: wait, as the loop does
+        until_redis_takes(
+            lambda: claim_model(self.redis, self.keys, self.base_model), who, "claim the pool"
+        )  # or ModelMismatchError
         warning = persistence_warning(self.redis)
         if warning:
             logger.warning("worker %s: %s", self.name, warning)
-        self.ensure_group()
+        until_redis_takes(self.ensure_group, who, "create the consumer group")
         self._saved_signals = signals.install(self.on_signal)
         self.metrics.serve()
         logger.info("worker %s: serving %s", self.name, ", ".join(self.streams))
@@ -116,7 +118,7 @@ class Worker:
             self._redis_away(exc)
             return
         except redis.ResponseError as exc:
-            if isinstance(exc, redis.OutOfMemoryError) or OUT_OF_MEMORY in str(exc):
+            if out_of_memory(exc):
                 self._redis_away(exc, "is out of memory")
                 return
             if "NOGROUP" in str(exc):

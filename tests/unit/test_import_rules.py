@@ -50,11 +50,12 @@ def submodules(package: str, skip: tuple[str, ...] = ()) -> list[str]:
 def test_the_data_types_need_only_the_standard_library_orjson_and_msgspec():
     # these talk to Redis (redis-py is theirs; persistence asks it; pool_metrics serves
     # Prometheus too; batch runs RQ jobs; the lifecycle's Redis side and readers: each
-    # checked below)
+    # checked below; startup waits for Redis)
     clients = (
         "cli",
         "embedded",
         "connection",
+        "startup",
         "persistence",
         "pool_metrics",
         "batch",
