@@ -45,6 +45,7 @@ class DatabaseConfig:
     busy_timeout_ms: int = 30_000
     connect_timeout_s: int = 10
     echo: bool = False
+    application_name: str | None = None  # PostgreSQL: who this is in pg_stat_activity
 
     @property
     def resolved_url(self) -> str:
@@ -65,6 +66,8 @@ def create_audit_engine(config: DatabaseConfig | None = None) -> Engine:
         _install_sqlite_events(engine, config.busy_timeout_ms)
         return engine
     connect_args = {"connect_timeout": config.connect_timeout_s}
+    if config.application_name:
+        connect_args["application_name"] = config.application_name
     if config.schema:
         connect_args["options"] = f"-csearch_path={config.schema}"
     return create_engine(url, pool_pre_ping=True, connect_args=connect_args, **kwargs)
@@ -91,6 +94,28 @@ def _install_sqlite_events(engine: Engine, busy_timeout_ms: int) -> None:
 _LOCK = text(
     "SELECT pg_advisory_xact_lock(:cls, hashtext(current_schema())), set_config('jit', 'off', true)"
 )
+# An engine's execution option (``with_stall_timeout``): milliseconds a write transaction
+# may wait for the chain lock, run one statement, or sit idle before PostgreSQL ends it
+STALL_OPTION = "audit_stall_timeout_ms"
+_STALL = text(
+    "SELECT set_config('lock_timeout', :ms, true), set_config('statement_timeout', :ms, true),"
+    " set_config('idle_in_transaction_session_timeout', :ms, true)"
+)
+
+
+def with_stall_timeout(engine: Engine, seconds: float | None) -> Engine:
+    """``engine`` whose write transactions (PostgreSQL) give up on the chain lock, a
+    statement or an idle client after ``seconds`` (None: never, the server's settings).
+
+    A writer that stops answering mid-batch (SIGSTOP, a VM frozen, a partition) holds
+    the chain lock in an open transaction; with these the server rolls that batch back
+    and frees the lock within ``seconds``, a writer waiting for it gives up and retries
+    instead of queueing behind it forever, and the stopped one's batch is redone by
+    whoever claims its entries (its rows stored once). Not for migrations, whose
+    statements may rightly run long (``migrate`` drops the option)."""
+    return engine.execution_options(
+        **{STALL_OPTION: None if seconds is None else round(seconds * 1000)}
+    )
 
 
 @contextlib.contextmanager
@@ -105,6 +130,9 @@ def write_transaction(engine: Engine) -> Iterator[Connection]:
     """
     with engine.execution_options(audit_write=True).begin() as conn:
         if conn.dialect.name == "postgresql":
+            stall_ms = conn.get_execution_options().get(STALL_OPTION)
+            if stall_ms:  # before the lock: its wait is bounded too
+                conn.execute(_STALL, {"ms": str(stall_ms)})
             conn.execute(_LOCK, {"cls": _CHAIN_LOCK_CLASS})
         yield conn
 
@@ -140,7 +168,7 @@ def migrate(engine: Engine, revision: str = "head") -> str | None:
 
     _ensure_sqlite_dir(engine)
     _ensure_schema(engine)
-    with write_transaction(engine) as conn:
+    with write_transaction(with_stall_timeout(engine, None)) as conn:  # may run long
         command.upgrade(_alembic_config(conn), revision)
     return current_revision(engine)
 

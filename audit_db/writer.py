@@ -26,7 +26,7 @@ import redis
 from sqlalchemy import Engine
 
 from lorapool.audit_db import chaining, decoder, store
-from lorapool.audit_db.database import is_current, migrate
+from lorapool.audit_db.database import is_current, migrate, with_stall_timeout
 from lorapool.audit_db.guard import ChainGuard
 from lorapool.audit_db.writer_batch import Item, NextBatch
 from lorapool.audit_db.writer_config import WriterConfig, WriterStats
@@ -59,8 +59,8 @@ class AuditWriter(Retrying):
         idempotent: a batch is redelivered after a crash between the two)."""
         self.on_commit = on_commit
         self.redis = connection
-        self.engine = engine
         self.config = config or WriterConfig()
+        self.engine = with_stall_timeout(engine, self.config.db_stall_timeout_s)
         self.views = Keys(self.config.prefix, self.config.shards).shard_views
         self.keys = self.views[0]  # the shard being read (steps take the shards in turn)
         self.stats = WriterStats()

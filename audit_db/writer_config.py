@@ -33,6 +33,10 @@ class WriterConfig:
     claim_every_s: float = 10.0
     backoff_initial_s: float = 0.1
     backoff_max_s: float = 10.0
+    # PostgreSQL: a write transaction stuck this long (its writer stopped mid-batch, a
+    # lock held by one) is ended by the server and retried (database.with_stall_timeout);
+    # a healthy batch takes well under a second (docs/audit-roles.md). None: never
+    db_stall_timeout_s: float | None = 10.0
     migrate: bool = False  # run the migrations on start instead of waiting for them
     checkpoint_rows: int = 10_000  # a signed checkpoint at least every this many rows
     checkpoint_interval_s: float = 86_400.0  # and at least this often (idle or not)
@@ -51,6 +55,8 @@ class WriterConfig:
         if self.backoff_initial_s <= 0 or self.backoff_max_s < self.backoff_initial_s:
             raise ValueError("backoff must satisfy 0 < backoff_initial_s <= backoff_max_s")
         self.checkpoint_policy()  # checks the checkpoint settings
+        if self.db_stall_timeout_s is not None and not self.db_stall_timeout_s >= 0.1:
+            raise ValueError(f"db_stall_timeout_s must be >= 0.1, got {self.db_stall_timeout_s}")
         if self.rollup_rows < 1 or not self.rollup_interval_s > 0:
             raise ValueError("the rollup needs rollup_rows >= 1 and rollup_interval_s > 0")
 

@@ -82,6 +82,16 @@ def _install_signals(writer) -> None:
     0.1,
     300,
 )
+@seconds_option(
+    "--db-stall-timeout",
+    "db_stall_timeout_s",
+    10.0,
+    "a write transaction may wait for the chain lock, run one statement or sit idle "
+    "(PostgreSQL) before the server ends it and the batch is retried: a writer stopped "
+    "mid-batch holds the others up at most this long",
+    0.1,
+    3600,
+)
 @count_option("--webhook-max-attempts", 8, "attempts before a delivery is dead-lettered")
 @count_option("--webhook-tenant-concurrency", 2, "a tenant's webhook deliveries in flight at most")
 @insecure_option
@@ -110,7 +120,6 @@ def audit_writer(
     if not redis_url:
         raise click.UsageError("audit-writer needs Redis: pass --redis-url or set REDIS_URL")
     key = audit_key(insecure)
-    engine = create_audit_engine(DatabaseConfig(url=db_url, schema=schema))
     config = config_from(
         WriterConfig,
         options,
@@ -119,6 +128,8 @@ def audit_writer(
         migrate=run_migrate,
         **({"consumer": consumer} if consumer else {}),
     )
+    name = f"lorapool audit-writer {config.consumer}"  # in pg_stat_activity
+    engine = create_audit_engine(DatabaseConfig(url=db_url, schema=schema, application_name=name))
     from lorapool.batch.callbacks import Callbacks
     from lorapool.batch.deliveries import WebhookConfig
     from lorapool.lifecycle.keys import Keys
