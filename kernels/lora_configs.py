@@ -30,7 +30,8 @@ FIELDS = {
     "lora_expand": ("BLOCK_N", "num_warps", "num_stages"),
     "lora_linear": ("BLOCK_K", "SPLIT_K", "BLOCK_N", "num_warps", "num_stages"),
 }
-# What a sweep tries per field (``candidates``); the heuristics' choices are among them.
+# What a sweep tries per field (``candidates``); the heuristics' choices at model shapes
+# (H_in >= 32; Triton's default num_warps 4, num_stages 3) are among them.
 SPACE = {
     "BLOCK_K": (32, 64, 128, 256),
     "SPLIT_K": (1, 2, 4, 8),
@@ -63,7 +64,7 @@ def candidates(op: str, hidden: int | None = None, widths=None) -> list[dict]:
     fields = FIELDS[op]
     space = dict(SPACE)
     if hidden is not None:
-        space["BLOCK_K"] = [b for b in SPACE["BLOCK_K"] if b <= jit.next_pow2(hidden)]
+        space["BLOCK_K"] = [b for b in SPACE["BLOCK_K"] if b <= jit.next_pow2(hidden, 32)]
     if widths is not None:
         space["BLOCK_N"] = [b for b in SPACE["BLOCK_N"] if b <= jit.next_pow2(max(widths), 32)]
     found = []
