@@ -238,3 +238,55 @@ def test_rejects_bad_configs(config, message):
     x, a, _, _, slots = _batch(CASES[0])
     with pytest.raises(ValueError, match=message):
         lora_ops.lora_shrink(x, a, slots, config=config)
+
+
+needs_cuda = pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="needs a CUDA device; the interpreter tests cover the kernels",
+)
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("case", [CASES[1], CASES[3], CASES[4]], ids=str)
+def test_cuda_live_path_matches_reference_and_repeats_bit_for_bit(case, tolerances):
+    x, a, b, out, slots = _batch(case)
+    want = _want(x, a, b, out, slots, case.widths)
+    mapping = LoRAMapping.from_slots(slots, "cuda")
+    x, a, b = x.cuda(), a.cuda(), b.cuda()
+    runs = []
+    for _ in range(20):
+        got = out.cuda()
+        lora_ops.lora_linear(x, a, b, mapping, got, case.widths)  # heuristic split-K
+        runs.append(got)
+    torch.testing.assert_close(runs[0].cpu().float(), want.float(), **tolerances[case.dtype])
+    assert all(torch.equal(run, runs[0]) for run in runs)
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_cuda_graph_replays_the_live_path_over_static_tiles(tolerances):
+    """Captured once over ``StaticLoRA``'s buffers, replayed for two different steps."""
+    from lorapool.engine.cuda_graphs import StaticLoRA
+
+    case = Case(BF16, 577, 16, "zipf", (40, 12, 12), None)
+    x, a, b, out, _ = _batch(case)
+    size = x.shape[0]
+    static = StaticLoRA(size, NUM_SLOTS, torch.device("cuda"))
+    x_dev, a_dev, b_dev, out_dev = x.cuda(), a.cuda(), b.cuda(), out.cuda()
+
+    def step():
+        lora_ops.lora_linear(x_dev, a_dev, b_dev, static.mapping, out_dev, case.widths)
+
+    static.fill([0] * size)
+    step()  # compiles outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for slots in ([1, -1, 3, 3, 0, 7] + [-1] * 10, [5] * 9 + [2] * 7):
+        static.fill(slots)
+        out_dev.copy_(out)
+        graph.replay()
+        want = _want(x, a, b, out, slots, case.widths)
+        torch.testing.assert_close(out_dev.cpu().float(), want.float(), **tolerances[BF16])
