@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lorapool import kernels
 from lorapool.kernels import LoRAMapping, attention_ops, lora_ops, reference
 
 
@@ -115,7 +116,29 @@ def _lora_rows(shape: Shape, tokens: int, dtype, popularity: str) -> list[Row]:
             2 * tokens * sum(widths) * RANK / 1e9,
             lambda: _check_expand(y, b, mapping, widths, out, dtype),
         ),
+        *(
+            _row(
+                f"lora_linear qkv {name}",
+                case,
+                lambda live=live: kernels.lora_linear(x, a, b, mapping, out, widths, live),
+                lambda: reference.lora_expand(
+                    reference.lora_shrink(x, a, mapping), b, mapping, out, widths
+                ),
+                (shrink_bytes + expand_bytes) / 1e9,
+                2 * tokens * RANK * (3 * shape.hidden + sum(widths)) / 1e9,
+                lambda live=live: _check_linear(x, a, b, y, mapping, widths, out, dtype, live),
+            )
+            # EngineArgs.lora_live_work off (shrink, zeroing, sum, expand) and on (2 launches)
+            for name, live in (("5 launches", False), ("live work", True))
+        ),
     ]
+
+
+def _check_linear(x, a, b, y, mapping, widths, out, dtype, live_work: bool) -> bool:
+    got, want = out.clone(), out.clone()
+    kernels.lora_linear(x, a, b, mapping, got, widths, live_work)
+    reference.lora_expand(y, b, mapping, want, widths)
+    return _close(got, want, dtype)
 
 
 def _check_expand(y, b, mapping, widths, out, dtype) -> bool:

@@ -46,6 +46,10 @@ class EngineArgs:
     max_cpu_loras: int | None = None
     lora_dtype: str = "auto"
     adapter_roots: list[str] = field(default_factory=list)
+    # the LoRA kernels' live-work path (kernels/lora_ops.py): two launches a projection,
+    # split-K partials added inside the expand, split-K sized by the live tiles. Off (the
+    # shrink, zeroing and torch.sum launches as before) until the GPU kit has measured both
+    lora_live_work: bool = False
 
     def __post_init__(self):
         _positive(

@@ -18,7 +18,10 @@ adapters: the LoRA kernels' grid and tile rows must be fixed too, so that graph
 runs them over ``max_tiles`` tiles of ``LORA_BLOCK_M`` rows (a step's real tiles
 first, then empty ones, which touch nothing) at ``max_lora_rank`` (slots hold
 zeros past an adapter's rank), its token order and tiles copied into static
-buffers at each replay (``StaticLoRA``).
+buffers at each replay (``StaticLoRA``). The kernels return at once from an
+empty tile; with ``EngineArgs.lora_live_work`` they also size their split of
+the reduction by ``live_tiles``, the tiles a step of the bucket is expected
+to fill, instead of ``max_tiles``.
 
 A step runs eagerly when it is no pure decode step (a prefill, or prompt
 logprobs) or has more sequences than the largest graph. Only on CUDA, and on by
@@ -73,6 +76,17 @@ def max_tiles(size: int, max_loras: int) -> int:
     return -(-size // LORA_BLOCK_M) + min(size, max_loras)
 
 
+def live_tiles(size: int, max_loras: int) -> int:
+    """The tiles a graph of ``size`` tokens expects to be live, to size the kernels' work:
+    those of ``size`` tokens spread evenly over min(size, max_loras) adapters, each
+    adapter's share in ceil(share / M) tiles. It is the count of a full batch of the
+    busiest mix the scheduler admits, at most ``max_tiles``; a step with fewer live
+    tiles runs with a little more split than it needs, which costs far less than
+    the idle programs of too little (decode LoRA is memory bound)."""
+    adapters = min(size, max_loras)
+    return adapters * -(-size // (adapters * LORA_BLOCK_M))
+
+
 def padded_plan(host_slots, size: int, num_tiles: int) -> tuple[list[int], list[int]]:
     """(token order [size], tiles [3 * num_tiles] as starts, ends, slots) of a decode step
     whose tokens have ``host_slots`` (-1: no adapter), padded to ``size`` tokens of no
@@ -111,6 +125,7 @@ class StaticLoRA:
             order=self.order,
             tiles=self.tiles,
             block_m=LORA_BLOCK_M,
+            live_tiles=live_tiles(size, max_loras),
         )
 
     def fill(self, host_slots) -> None:

@@ -100,15 +100,33 @@ def lora_expand(y, lora_b, slots, out, slice_widths=None) -> None:
     impl.lora_expand(y, lora_b, slots, out, slice_widths)
 
 
-def lora_linear(x, lora_a, lora_b, mapping: LoRAMapping, out, slice_widths=None) -> None:
+def lora_linear(
+    x,
+    lora_a,
+    lora_b,
+    mapping: LoRAMapping,
+    out,
+    slice_widths=None,
+    live_work: bool = False,
+    config: dict | None = None,
+) -> None:
     """``lora_expand(lora_shrink(x, lora_a, mapping), lora_b, mapping, out, slice_widths)``.
 
-    On CUDA (or under the interpreter) the two Triton kernels; on the CPU the
-    fused path of ``lora_cpu``, planned once per step from the mapping.
+    On CUDA (or under the interpreter) the Triton kernels: with ``live_work``,
+    ``lora_ops.lora_linear``'s two launches (split-K partials added inside the
+    expand, split-K sized by the live tiles; ``config`` is its launch
+    configuration), else ``lora_shrink`` then ``lora_expand`` as before
+    (``EngineArgs.lora_live_work``). On the CPU the fused path of ``lora_cpu``,
+    planned once per step from the mapping; ``live_work`` and ``config`` do not apply.
     """
     if use_triton(x):
         from lorapool.kernels import lora_ops
 
+        if live_work:
+            lora_ops.lora_linear(x, lora_a, lora_b, mapping, out, slice_widths, config)
+            return
+        if config is not None:
+            raise ValueError("config applies to the live-work path only (live_work=True)")
         y = lora_ops.lora_shrink(x, lora_a, mapping)
         lora_ops.lora_expand(y, lora_b, mapping, out, slice_widths)
         return

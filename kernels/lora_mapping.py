@@ -34,6 +34,9 @@ class LoRAMapping:
             ``order[start:min(start + block_m, end)]``, all of one slot.
         block_m: rows per tile.
         host_slots: the slot of each token, on the host (the CPU path plans from it).
+        live_tiles: how many tiles are expected to hold tokens when ``tiles`` is
+            padded with empty ones (a CUDA graph's, ``engine.cuda_graphs``); None
+            when every tile is live. Sizes work (split-K), never decides results.
     """
 
     num_tokens: int
@@ -43,6 +46,7 @@ class LoRAMapping:
     tiles: torch.Tensor
     block_m: int
     host_slots: tuple[int, ...] = field(default=(), compare=False, repr=False)
+    live_tiles: int | None = None
 
     @classmethod
     def from_slots(cls, slots, device: torch.device | str | None = None) -> "LoRAMapping":
@@ -79,6 +83,11 @@ class LoRAMapping:
     @property
     def num_tiles(self) -> int:
         return self.tiles.shape[1]
+
+    @property
+    def work_tiles(self) -> int:
+        """Tiles to size the kernels' work by: the live ones, or all when none are padding."""
+        return self.num_tiles if self.live_tiles is None else min(self.live_tiles, self.num_tiles)
 
     @property
     def device(self) -> torch.device:

@@ -199,7 +199,12 @@ def lora_expand(
 
 def slice_widths_of(y: torch.Tensor, lora_b: torch.Tensor, slice_widths) -> list[int]:
     """The validated slice widths of an expand call."""
-    num_slices, total = y.shape[0], lora_b.shape[1]
+    return check_slice_widths(y.shape[0], lora_b.shape[1], slice_widths)
+
+
+def check_slice_widths(num_slices: int, total: int, slice_widths) -> list[int]:
+    """``slice_widths`` as ints: ``num_slices`` positive widths summing to ``total``
+    (None: one slice of all ``total`` columns)."""
     widths = [total] if slice_widths is None else [int(w) for w in slice_widths]
     if len(widths) != num_slices:
         raise ValueError(f"y has {num_slices} slices but slice_widths gives {len(widths)}")

@@ -34,11 +34,13 @@ def stage(
 
 
 class LoRAStep:
-    """The per-step state every LoRA layer reads: token mapping and active rank."""
+    """The per-step state every LoRA layer reads: token mapping and active rank, and
+    whether the kernels take the live-work path (``EngineArgs.lora_live_work``)."""
 
-    def __init__(self):
+    def __init__(self, live_work: bool = False):
         self.mapping: LoRAMapping | None = None
         self.rank = 0
+        self.live_work = live_work
 
     def set(self, mapping: LoRAMapping | None, rank: int) -> None:
         self.mapping = mapping if mapping is not None and mapping.max_slot >= 0 else None
@@ -114,7 +116,9 @@ class LoRALayer:
         if kernels.use_triton(x):
             lora_a = self.lora_a[:, :, :rank].transpose(0, 1)
             lora_b = self.lora_b[:, :rank].transpose(1, 2)
-            kernels.lora_linear(x, lora_a, lora_b, mapping, out, self.output_sizes)
+            kernels.lora_linear(
+                x, lora_a, lora_b, mapping, out, self.output_sizes, self.step.live_work
+            )
         else:  # the layout work of a call done once per rank: 120 calls a step add up
             lora_cpu.lora_linear(x, self._cpu_weights_at(rank), mapping.cpu_plan, out)
         return out

@@ -54,7 +54,7 @@ class LoRAManager:
         self.max_cpu_loras = args.max_cpu_loras
         self.adapter_roots = list(args.adapter_roots)
         self.shapes = ModelShapes.of(model)
-        self.step = LoRAStep()
+        self.step = LoRAStep(args.lora_live_work)
         self.lora_dtype = args.resolve_lora_dtype(dtype)
         self.layers = _attach_layers(model, args, device, self.lora_dtype, self.step)
         # adapters of the CPU cache as the slots hold them, in pinned memory on CUDA, so

@@ -58,6 +58,17 @@ def test_lora_kernels_compile(launches, dtype, slots):
     _compile_all(launches)
 
 
+@pytest.mark.parametrize("split_k", [1, 4])
+def test_live_work_lora_kernels_compile(launches, split_k):
+    """The two-launch path: partials [SPLIT_K, S, T, R] added inside the expand."""
+    mapping = LoRAMapping.from_slots([0, 1, -1, 1])
+    x, out = torch.zeros(4, 576, dtype=BF16), torch.zeros(4, 960, dtype=BF16)
+    a, b = torch.zeros(3, 4, 16, 576, dtype=BF16), torch.zeros(4, 960, 16, dtype=BF16)
+    lora_ops.lora_linear(x, a, b, mapping, out, (576, 192, 192), {"SPLIT_K": split_k})
+    assert [constexprs["SPLIT_K"] for _, _, constexprs in launches] == [split_k, split_k]
+    _compile_all(launches)
+
+
 @pytest.mark.parametrize(
     "q_lens, ctx_lens", [([1, 1], [1000, 5]), ([30, 1], [70, 9])], ids=["decode-split", "prefill"]
 )

@@ -105,3 +105,38 @@ def test_mixed_adapter_batch_unchanged_under_the_interpreter(
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert _greedy_lora_twice(path, jobs, **engine_kw) == want
     assert launches, "the Triton LoRA kernels did not run"
+
+
+def test_live_work_lora_path_changes_no_token(tiny_model_path, tmp_path, monkeypatch):
+    """``EngineArgs.lora_live_work``: the two-launch LoRA path gives the tokens of the old
+    one and of PEFT, interpreted, over a mix of adapters of two ranks, base requests and
+    chunked prefills (several tiles of one adapter)."""
+    from adapters import ALL_TARGETS, build_adapter, peft_greedy
+
+    from lorapool import LoRARequest
+    from lorapool.kernels import lora_ops
+
+    path = tiny_model_path("llama")
+    loras = [
+        LoRARequest(
+            f"l{n}", n + 1, str(build_adapter(path, tmp_path / f"l{n}", rank=r, targets=t, seed=n))
+        )
+        for n, (r, t) in enumerate([(4, ["q_proj", "v_proj", "down_proj"]), (16, ALL_TARGETS)])
+    ]
+    rng = random.Random(2)
+    jobs = [
+        ([rng.randrange(3, 512) for _ in range(n)], m, lora)
+        for n, m, lora in [(5, 4, loras[0]), (19, 3, None), (23, 4, loras[1]), (2, 5, loras[1])]
+    ]
+    engine_kw = dict(
+        block_size=8, max_num_batched_tokens=16, max_num_seqs=4, enable_lora=True, max_loras=2
+    )
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    old = _greedy_lora_twice(path, jobs, **engine_kw)
+    launches = []
+    linear = lora_ops.lora_linear
+    monkeypatch.setattr(lora_ops, "lora_linear", lambda *a: launches.append(1) or linear(*a))
+    assert _greedy_lora_twice(path, jobs, lora_live_work=True, **engine_kw) == old
+    assert launches, "the live-work path did not run"
+    for (prompt, max_tokens, lora), (tokens, _) in zip(jobs, old):
+        assert tokens == peft_greedy(path, lora and lora.lora_path, prompt, max_tokens)

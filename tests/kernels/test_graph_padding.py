@@ -71,16 +71,18 @@ def test_padded_decode_batch_equals_the_unpadded_one(tiny_model_path, triton_int
         torch.testing.assert_close(flat[written], flat0[written], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("live_work", [False, True], ids=["launches-5", "live-work"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_lora_over_a_graphs_static_tiles_equals_the_steps_own(triton_interpret, dtype):
+def test_lora_over_a_graphs_static_tiles_equals_the_steps_own(triton_interpret, dtype, live_work):
     """The LoRA update of a padded decode batch over ``StaticLoRA``'s fixed tiles (empty
-    ones included) at the largest rank equals the eager step's over its own tiles."""
+    ones included) at the largest rank equals the eager step's over its own tiles, on
+    both kernel paths (``EngineArgs.lora_live_work``)."""
     from lorapool.engine.lora.layers import LoRALayer, LoRAStep
     from lorapool.kernels import LoRAMapping
 
     gen = torch.Generator().manual_seed(0)
     slots, max_loras, max_rank, size = [2, -1, 0, 2, 0, 1, 2], 4, 16, 16
-    step = LoRAStep()
+    step = LoRAStep(live_work)
     layer = LoRALayer(32, [24, 8, 8], max_loras, max_rank, dtype, torch.device("cpu"), step)
     for slot, rank in enumerate([4, 8, 16, 8]):  # ranks below max_rank: zeros past them
         for index, width in enumerate([24, 8, 8]):
@@ -91,6 +93,7 @@ def test_lora_over_a_graphs_static_tiles_equals_the_steps_own(triton_interpret, 
     step.set(LoRAMapping.from_slots(slots, "cpu"), 16)
     want = layer.apply(x[: len(slots)], base[: len(slots)].clone())
     static = StaticLoRA(size, max_loras, torch.device("cpu"))
+    assert static.mapping.work_tiles < static.num_tiles  # split-K sized by the live tiles
     static.fill(slots)
     step.set(static.mapping, max_rank)
     got = layer.apply(x, base.clone())
