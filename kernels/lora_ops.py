@@ -54,14 +54,12 @@ import torch
 import triton
 import triton.language as tl
 
-from lorapool.kernels import jit
+from lorapool.kernels import jit, lora_checks
 from lorapool.kernels.lora_configs import candidates, config_key, launch_options, resolve
 from lorapool.kernels.lora_mapping import LoRAMapping, as_mapping
-from lorapool.kernels.reference import check_slice_widths
 
 __all__ = ["candidates", "config_key", "lora_expand", "lora_linear", "lora_shrink"]
 
-MAX_SLICES = 3
 MAX_SPLIT_K = 8
 
 
@@ -214,13 +212,13 @@ def lora_shrink(
 
     ``config``: launch configuration (module docstring); None: tuned, else heuristics.
     """
-    _check_shrink(x, lora_a)
+    lora_checks.check_shrink(x, lora_a)
     num_slices, num_slots, rank, hidden = lora_a.shape
     mapping = as_mapping(slots, x.device)
-    _check_mapping(mapping, x, num_slots)
+    lora_checks.check_mapping(mapping, x, num_slots)
     if out is None:
         out = x.new_empty(num_slices, x.shape[0], rank, dtype=torch.float32)
-    _check_out(out, (num_slices, x.shape[0], rank), x.device)
+    lora_checks.check_out(out, (num_slices, x.shape[0], rank), x.device)
     out.zero_()
     if mapping.num_tiles == 0:
         return out
@@ -248,10 +246,10 @@ def lora_expand(
 
     ``config``: launch configuration (module docstring); None: tuned, else heuristics.
     """
-    _check_expand(y, lora_b, out)
-    widths = _widths(y.shape[0], lora_b, slice_widths)
+    lora_checks.check_expand(y, lora_b, out)
+    widths = lora_checks.widths_of(y.shape[0], lora_b, slice_widths)
     mapping = as_mapping(slots, out.device)
-    _check_mapping(mapping, out, lora_b.shape[0])
+    lora_checks.check_mapping(mapping, out, lora_b.shape[0])
     if mapping.num_tiles == 0:
         return
     shape = dict(num_tokens=out.shape[0], rank=y.shape[2], num_slices=len(widths), widths=widths)
@@ -278,11 +276,11 @@ def lora_linear(
             summing to N, None for one slice.
         config: launch configuration (module docstring); None: tuned, else heuristics.
     """
-    _check_shrink(x, lora_a)
+    lora_checks.check_shrink(x, lora_a)
     num_slices, num_slots, rank, hidden = lora_a.shape
-    _check_b_out(lora_b, out, x.shape[0], rank)
-    widths = _widths(num_slices, lora_b, slice_widths)
-    _check_mapping(mapping, x, num_slots)
+    lora_checks.check_b_out(lora_b, out, x.shape[0], rank)
+    widths = lora_checks.widths_of(num_slices, lora_b, slice_widths)
+    lora_checks.check_mapping(mapping, x, num_slots)
     jit.check_device(x.device, out=out, lora_b=lora_b, mapping=mapping.order)
     if mapping.num_tiles == 0:
         return
@@ -375,48 +373,3 @@ def _launch_expand(partials, lora_b, out, mapping, widths, cfg) -> None:
         PRECISION=jit.dot_precision(out.dtype),
         **launch_options(cfg),
     )
-
-
-def _widths(num_slices: int, lora_b: torch.Tensor, slice_widths) -> list[int]:
-    widths = check_slice_widths(num_slices, lora_b.shape[1], slice_widths)
-    if len(widths) > MAX_SLICES:
-        raise ValueError(f"at most {MAX_SLICES} slices are supported; got {len(widths)}")
-    return widths
-
-
-def _check_shrink(x: torch.Tensor, lora_a: torch.Tensor) -> None:
-    jit.check_shape("x", x, (None, None))
-    jit.check_shape("lora_a", lora_a, (None, None, None, x.shape[1]))
-    jit.check_dtype("x", x, jit.FLOAT_DTYPES)
-    if lora_a.dtype != x.dtype:
-        raise ValueError(f"lora_a has dtype {lora_a.dtype} but x has {x.dtype}")
-    jit.check_device(x.device, lora_a=lora_a)
-    jit.check_last_contiguous(x=x, lora_a=lora_a)
-
-
-def _check_expand(y: torch.Tensor, lora_b: torch.Tensor, out: torch.Tensor) -> None:
-    jit.check_shape("y", y, (None, out.shape[0] if out.dim() == 2 else None, None))
-    jit.check_dtype("y", y, (torch.float32,))
-    _check_b_out(lora_b, out, y.shape[1], y.shape[2])
-    jit.check_device(out.device, y=y, lora_b=lora_b)
-    jit.check_last_contiguous(y=y)
-
-
-def _check_b_out(lora_b: torch.Tensor, out: torch.Tensor, num_tokens: int, rank: int) -> None:
-    jit.check_shape("lora_b", lora_b, (None, None, rank))
-    jit.check_shape("out", out, (num_tokens, lora_b.shape[1]))
-    jit.check_dtype("lora_b", lora_b, jit.FLOAT_DTYPES)
-    jit.check_dtype("out", out, jit.FLOAT_DTYPES)
-    jit.check_last_contiguous(out=out)  # lora_b: any strides
-
-
-def _check_out(out: torch.Tensor, shape, device: torch.device) -> None:
-    jit.check_shape("out", out, shape)
-    jit.check_dtype("out", out, (torch.float32,))
-    jit.check_device(device, out=out)
-    jit.check_last_contiguous(out=out)
-
-
-def _check_mapping(mapping: LoRAMapping, t: torch.Tensor, num_slots: int) -> None:
-    mapping.check_fits(t.shape[0], num_slots)
-    jit.check_device(t.device, mapping=mapping.order)
