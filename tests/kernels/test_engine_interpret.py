@@ -83,8 +83,9 @@ def _greedy_lora_twice(path, jobs, **engine_kw):
     return results
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
 def test_mixed_adapter_batch_unchanged_under_the_interpreter(
-    tiny_model_path, tmp_path, monkeypatch
+    tiny_model_path, tmp_path, monkeypatch, fused
 ):
     from adapters import ALL_TARGETS, build_adapter
 
@@ -121,5 +122,5 @@ def test_mixed_adapter_batch_unchanged_under_the_interpreter(
     shrink = lora_ops.lora_shrink
     monkeypatch.setattr(lora_ops, "lora_shrink", lambda *a: launches.append(1) or shrink(*a))
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert _greedy_lora_twice(path, jobs, **engine_kw) == want
+    assert _greedy_lora_twice(path, jobs, fused_layer_kernels=fused, **engine_kw) == want
     assert launches, "the Triton LoRA kernels did not run"
