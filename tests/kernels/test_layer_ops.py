@@ -16,6 +16,16 @@ def _exact(dtype, tolerances) -> dict:
     return tolerances[dtype] if dtype == torch.bfloat16 else {"rtol": 0, "atol": 0}
 
 
+def _rounded(dtype, tolerances, want) -> dict:
+    """Tolerances of a result rounded several times on the way (norm, products, sum): in
+    bf16 the interpreter's truncations may each leave an ulp of the largest operand,
+    more than the absolute tolerance where a difference cancels, so atol scales with it."""
+    if dtype != torch.bfloat16:
+        return tolerances[dtype]
+    scale = max(1.0, want.abs().max().item())
+    return {"rtol": tolerances[dtype]["rtol"], "atol": tolerances[dtype]["atol"] * scale}
+
+
 def _randn(*shape, dtype, seed=0):
     g = torch.Generator().manual_seed(seed)
     return torch.randn(*shape, generator=g).to(dtype)
@@ -67,10 +77,11 @@ def _rotary_case(dtype, num_tokens, head_dim, num_q_heads=5, num_kv_heads=3):
     q = q.view(num_tokens, num_q_heads, head_dim)
     k = k.view(num_tokens, num_kv_heads, head_dim)
     v = v.view(num_tokens, num_kv_heads, head_dim)
-    angles = torch.arange(40).float()[:, None] * torch.rand(head_dim // 2)[None, :]
+    g = torch.Generator().manual_seed(num_tokens * head_dim)
+    angles = torch.arange(40).float()[:, None] * torch.rand(head_dim // 2, generator=g)[None, :]
     cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
-    positions = torch.randint(0, 40, (num_tokens,))
-    slots = torch.randperm(4 * 8)[:num_tokens]
+    positions = torch.randint(0, 40, (num_tokens,), generator=g)
+    slots = torch.randperm(4 * 8, generator=g)[:num_tokens]
     slots[::3] = -1  # padding rows write nothing
     cache_shape = (4, 8, num_kv_heads, head_dim)
     caches = _randn(*cache_shape, dtype=dtype, seed=3), _randn(*cache_shape, dtype=dtype, seed=4)
@@ -91,8 +102,8 @@ def test_rotary_write_kv(triton_interpret, tolerances, dtype, num_tokens, head_d
     want_k, want_v = key_cache.clone(), value_cache.clone()
     want_q = reference.rotary_write_kv(*args, want_k, want_v, slots, norm)
     got_q = rotary_ops.rotary_write_kv(*args, key_cache, value_cache, slots, norm)
-    torch.testing.assert_close(got_q, want_q, **tolerances[dtype])
-    torch.testing.assert_close(key_cache, want_k, **tolerances[dtype])
+    torch.testing.assert_close(got_q, want_q, **_rounded(dtype, tolerances, want_q))
+    torch.testing.assert_close(key_cache, want_k, **_rounded(dtype, tolerances, want_k))
     torch.testing.assert_close(value_cache, want_v, rtol=0, atol=0)
 
 
