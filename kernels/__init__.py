@@ -25,6 +25,11 @@ the largest rank R:
 or both at once, as the engine does: ``lora_linear(x, lora_a, lora_b, mapping,
 out, slice_widths)``, which on the CPU runs the fused plan of ``lora_cpu``.
 
+The layer ops (``rms_norm``, ``fused_add_rms_norm``, ``rotary_write_kv``,
+``silu_and_mul``) are one Triton launch each where the Triton kernels run; their
+references are the torch ops the model's unfused path runs, rounding included.
+The model takes them with ``EngineArgs.fused_layer_kernels``.
+
 May import: torch and triton only (the Triton modules lazily); never the engine.
 """
 
