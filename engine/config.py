@@ -39,6 +39,10 @@ class EngineArgs:
     # with adapters); True runs every step eagerly
     enforce_eager: bool = False
     cuda_graph_sizes: list[int] | None = None  # None: 1, 2, 4, then every 8 to max_num_seqs
+    # fused Triton layer kernels (residual add + RMSNorm, RoPE + KV write, SiLU-mul) on
+    # CUDA or under the interpreter: at most 10 launches a decoder layer instead of ~32.
+    # Off until the GPU kit has measured it against the unfused path (issue 47).
+    fused_layer_kernels: bool = False
     # multi-LoRA
     enable_lora: bool = False
     max_loras: int = 1

@@ -18,9 +18,15 @@ __all__ = ["eos_token_ids", "iter_weights", "load_model", "safetensors_files", "
 
 
 def load_model(
-    path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+    path: str | Path,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    fused: bool = False,
 ) -> tuple[torch.nn.Module, PretrainedConfig]:
     """Build the model of the directory ``path`` and load its weights.
+
+    ``fused``: run the fused layer kernels where the Triton kernels run
+    (``EngineArgs.fused_layer_kernels``).
 
     Returns (model in eval mode on ``device`` in ``dtype``, the transformers config).
     Raises ValueError for an unsupported architecture or a pickle-only checkpoint.
@@ -29,7 +35,7 @@ def load_model(
     model_class = get_model_class(config)
     files = safetensors_files(path)
     with torch.device(device):
-        model = model_class(config, dtype=dtype)
+        model = model_class(config, dtype=dtype, fused=fused)
     model.load_weights(iter_weights(files))
     return model.eval(), config
 

@@ -35,7 +35,9 @@ class ModelRunner:
         self.device = args.resolve_device()
         checkpoint_dtype = getattr(AutoConfig.from_pretrained(args.model), "dtype", None)
         self.dtype = args.resolve_dtype(self.device, checkpoint_dtype)
-        self.model, self.hf_config = load_model(args.model, dtype=self.dtype, device=self.device)
+        self.model, self.hf_config = load_model(
+            args.model, dtype=self.dtype, device=self.device, fused=args.fused_layer_kernels
+        )
         self.block_size = args.block_size
         self.num_blocks = self._num_blocks(args)
         shape = self.model.kv_cache_shape(self.num_blocks, self.block_size)

@@ -25,6 +25,11 @@ the largest rank R:
 or both at once, as the engine does: ``lora_linear(x, lora_a, lora_b, mapping,
 out, slice_widths)``, which on the CPU runs the fused plan of ``lora_cpu``.
 
+The layer ops (``rms_norm``, ``fused_add_rms_norm``, ``rotary_write_kv``,
+``silu_and_mul``) are one Triton launch each where the Triton kernels run; their
+references are the torch ops the model's unfused path runs, rounding included.
+The model takes them with ``EngineArgs.fused_layer_kernels``.
+
 May import: torch and triton only (the Triton modules lazily); never the engine.
 """
 
@@ -39,10 +44,14 @@ from lorapool.kernels.lora_mapping import LoRAMapping
 __all__ = [
     "AttentionPlan",
     "LoRAMapping",
+    "fused_add_rms_norm",
     "lora_expand",
     "lora_linear",
     "lora_shrink",
     "paged_attention",
+    "rms_norm",
+    "rotary_write_kv",
+    "silu_and_mul",
     "use_triton",
     "write_kv_cache",
 ]
@@ -60,6 +69,54 @@ def write_kv_cache(key, value, key_cache, value_cache, slot_mapping) -> None:
     else:
         impl = reference
     impl.write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
+
+
+def rms_norm(x, weight, eps: float) -> torch.Tensor:
+    """See ``reference.rms_norm``."""
+    if use_triton(x):
+        from lorapool.kernels import norm_ops as impl
+    else:
+        impl = reference
+    return impl.rms_norm(x, weight, eps)
+
+
+def fused_add_rms_norm(x, residual, weight, eps: float) -> torch.Tensor:
+    """See ``reference.fused_add_rms_norm``: residual += x in place; returns its norm."""
+    if use_triton(residual):
+        from lorapool.kernels import norm_ops as impl
+    else:
+        impl = reference
+    return impl.fused_add_rms_norm(x, residual, weight, eps)
+
+
+def rotary_write_kv(
+    query,
+    key,
+    value,
+    cos_table,
+    sin_table,
+    positions,
+    key_cache,
+    value_cache,
+    slot_mapping,
+    qk_norm=None,
+) -> torch.Tensor:
+    """See ``reference.rotary_write_kv``: returns the rotated queries."""
+    if use_triton(query):
+        from lorapool.kernels import rotary_ops as impl
+    else:
+        impl = reference
+    args = (query, key, value, cos_table, sin_table, positions)
+    return impl.rotary_write_kv(*args, key_cache, value_cache, slot_mapping, qk_norm)
+
+
+def silu_and_mul(gate_up) -> torch.Tensor:
+    """See ``reference.silu_and_mul``."""
+    if use_triton(gate_up):
+        from lorapool.kernels import activation_ops as impl
+    else:
+        impl = reference
+    return impl.silu_and_mul(gate_up)
 
 
 def paged_attention(

@@ -1,9 +1,10 @@
-"""Plain fp32 torch implementations of every kernel op.
+"""Plain torch implementations of every kernel op.
 
 These are the specification the Triton kernels are tested against, and the
 path CPU tensors take. Shapes use T = tokens in the batch, B = sequences,
 H = heads, D = head size; for LoRA, S = slices of a packed projection, L =
-adapter slots, R = the largest rank.
+adapter slots, R = the largest rank. Attention and LoRA compute in fp32; the
+layer ops (RMSNorm, RoPE, SiLU) round as the model's torch ops do, in its dtype.
 """
 
 import torch
@@ -218,3 +219,98 @@ def _check_slots(mapping: LoRAMapping, num_slots: int) -> None:
         raise ValueError(
             f"LoRA slot {mapping.max_slot} is out of range: the weights have {num_slots} slots"
         )
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Semantics: y = x / sqrt(mean(x^2) + eps) * weight over the last axis.
+
+    Normalised in fp32; in half precision the normalised x is rounded to its
+    dtype before the weight multiplies it (in that dtype), as transformers does.
+
+    Args:
+        x: [..., D] in the model dtype.
+        weight: [D] in x's dtype.
+    Returns:
+        [..., D] in x's dtype.
+    """
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    normed = F.rms_norm(x.float(), (x.shape[-1],), eps=eps)
+    return weight * normed.to(x.dtype)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """Semantics: residual += x (added in residual's dtype, in place); y = rms_norm(residual).
+
+    Args:
+        x, residual: [T, D]; residual is updated in place.
+        weight: [D].
+    Returns:
+        y: [T, D] in residual's dtype.
+    """
+    residual.add_(x)
+    return rms_norm(residual, weight, eps)
+
+
+def rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Semantics: [x1, x2] -> [x1 * cos - x2 * sin, x2 * cos + x1 * sin], each op in x's dtype.
+
+    Args:
+        x: [T, H, D]; cos, sin: [T, 1, D/2] (broadcast over heads).
+    """
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def rotary_write_kv(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cos_table: torch.Tensor,
+    sin_table: torch.Tensor,
+    positions: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+) -> torch.Tensor:
+    """RoPE on the new queries and keys; the keys and values written to the paged cache.
+
+    Semantics: with c = cos_table[positions[t]], s = sin_table[positions[t]],
+    q'[t] = rotate_half(norm_q(q[t]), c, s) is returned,
+    cache[slot[t]] = (rotate_half(norm_k(k[t]), c, s), v[t]) where slot[t] >= 0
+    (a negative slot, padding, writes nothing). norm_q, norm_k are the identity,
+    or with ``qk_norm = (q_weight, k_weight, eps)`` (Qwen3) ``rms_norm`` of each
+    head vector. Computed in the model dtype, as the unfused layers do.
+
+    Args:
+        query: [T, H_q, D]; key, value: [T, H_kv, D] (any token and head strides).
+        cos_table, sin_table: [P, D/2] in the model dtype; positions: [T] int.
+        key_cache, value_cache: [num_blocks, block_size, H_kv, D], updated in place.
+        slot_mapping: [T] int, flat slot of each token, negative for none.
+    Returns:
+        q': [T, H_q, D] in query's dtype.
+    """
+    if qk_norm is not None:
+        q_weight, k_weight, eps = qk_norm
+        query, key = rms_norm(query, q_weight, eps), rms_norm(key, k_weight, eps)
+    cos, sin = cos_table[positions].unsqueeze(1), sin_table[positions].unsqueeze(1)
+    rotated_q, rotated_k = rotate_half(query, cos, sin), rotate_half(key, cos, sin)
+    keep = slot_mapping >= 0
+    write_kv_cache(rotated_k[keep], value[keep], key_cache, value_cache, slot_mapping[keep])
+    return rotated_q
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """Semantics: y = silu(gate) * up, where [gate, up] are the two halves of gate_up's
+    last axis and silu(g) = g / (1 + exp(-g)); each op in the input's dtype.
+
+    Args:
+        gate_up: [T, 2I].
+    Returns:
+        y: [T, I] in gate_up's dtype.
+    """
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up

@@ -4,6 +4,12 @@ Module names follow the Hugging Face checkpoints (``model.layers.N.self_attn``â€
 except that q/k/v are packed into ``qkv_proj`` and gate/up into
 ``gate_up_proj``. Shapes: T = tokens in the batch, D = hidden size,
 Hq / Hkv = query / key-value heads, d = head size.
+
+With ``fused`` (``EngineArgs.fused_layer_kernels``), where the Triton kernels run
+(CUDA, or the CPU under ``TRITON_INTERPRET=1``), each layer runs the fused kernels:
+the residual add folded into the next RMSNorm, RoPE (and Qwen3's q/k norms) into
+the KV-cache write, SiLU into the multiply. Same numbers, at most 10 launches a
+layer (tests/kernels/test_launch_count.py); the CPU reference path is unchanged.
 """
 
 from collections.abc import Iterable
@@ -52,16 +58,38 @@ class LlamaAttention(nn.Module):
         batch: BatchMetadata,
         kv_cache: KVCache,
     ) -> torch.Tensor:
+        q, k, v = self._project(x)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        kernels.write_kv_cache(k, v, *kv_cache, batch.slot_mapping)
+        return self._attend(q, batch, kv_cache)
+
+    def forward_fused(
+        self, x: torch.Tensor, rope_tables, batch: BatchMetadata, kv_cache: KVCache
+    ) -> torch.Tensor:
+        """``forward`` with the q/k norms and RoPE in the KV-cache write; ``rope_tables``:
+        the (cos, sin) tables [P, d/2], indexed by ``batch.positions`` in the kernel."""
+        q, k, v = self._project(x)
+        qk_norm = None
+        if self.q_norm is not None:  # one eps: both norms are built with rms_norm_eps
+            qk_norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+        q = kernels.rotary_write_kv(
+            q, k, v, *rope_tables, batch.positions, *kv_cache, batch.slot_mapping, qk_norm
+        )
+        return self._attend(q, batch, kv_cache)
+
+    def _project(self, x: torch.Tensor):
         num_tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.qkv_proj.output_sizes, dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, Hq, d]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, d]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        return q, k, v
+
+    def _attend(self, q: torch.Tensor, batch: BatchMetadata, kv_cache: KVCache) -> torch.Tensor:
+        num_tokens = q.shape[0]
         key_cache, value_cache = kv_cache
-        kernels.write_kv_cache(k, v, key_cache, value_cache, batch.slot_mapping)
         out = kernels.paged_attention(
             q,
             key_cache,
@@ -86,6 +114,9 @@ class LlamaMLP(nn.Module):
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # views of a tensor of our own
         return self.down_proj(F.silu(gate, inplace=True).mul_(up))
 
+    def forward_fused(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))
+
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, args: ModelArgs, dtype: torch.dtype):
@@ -101,10 +132,28 @@ class LlamaDecoderLayer(nn.Module):
         h = h + self.self_attn(self.input_layernorm(h), rope, batch, kv_cache)
         return h + self.mlp(self.post_attention_layernorm(h))
 
+    def forward_fused(self, h, residual, rope_tables, batch: BatchMetadata, kv_cache: KVCache):
+        """``forward`` with the residual carried apart, each add fused into the norm after it.
+
+        Takes the previous layer's MLP output ``h`` and its input ``residual`` (None at the
+        first layer: ``h`` is the embedding); returns this layer's pair. ``residual`` is
+        updated in place, so ``h + residual`` is always the unfused path's hidden state.
+        """
+        norm = self.input_layernorm
+        if residual is None:
+            residual, x = h, kernels.rms_norm(h, norm.weight, norm.eps)
+        else:
+            x = kernels.fused_add_rms_norm(h, residual, norm.weight, norm.eps)
+        h = self.self_attn.forward_fused(x, rope_tables, batch, kv_cache)
+        norm = self.post_attention_layernorm
+        x = kernels.fused_add_rms_norm(h, residual, norm.weight, norm.eps)
+        return self.mlp.forward_fused(x), residual
+
 
 class LlamaModel(nn.Module):
-    def __init__(self, args: ModelArgs, dtype: torch.dtype):
+    def __init__(self, args: ModelArgs, dtype: torch.dtype, fused: bool = False):
         super().__init__()
+        self.fused = fused
         self.embed_tokens = nn.Embedding(
             args.vocab_size,
             args.hidden_size,
@@ -120,10 +169,21 @@ class LlamaModel(nn.Module):
 
     def forward(self, batch: BatchMetadata, kv_caches: list[KVCache]) -> torch.Tensor:
         h = self.embed_tokens(batch.input_ids)  # [T, D]
+        if self.fused and kernels.use_triton(h):
+            return self._forward_fused(h, batch, kv_caches)
         rope = self.rotary_emb(batch.positions)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             h = layer(h, rope, batch, kv_cache)
         return self.norm(h)
+
+    def _forward_fused(self, h: torch.Tensor, batch: BatchMetadata, kv_caches) -> torch.Tensor:
+        rope_tables = (self.rotary_emb.cos, self.rotary_emb.sin)
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            h, residual = layer.forward_fused(h, residual, rope_tables, batch, kv_cache)
+        if residual is None:
+            return kernels.rms_norm(h, self.norm.weight, self.norm.eps)
+        return kernels.fused_add_rms_norm(h, residual, self.norm.weight, self.norm.eps)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -133,10 +193,10 @@ class LlamaForCausalLM(nn.Module):
     are uninitialised until :meth:`load_weights`.
     """
 
-    def __init__(self, hf_config, dtype: torch.dtype = torch.float32):
+    def __init__(self, hf_config, dtype: torch.dtype = torch.float32, fused: bool = False):
         super().__init__()
         self.args = ModelArgs.from_hf_config(hf_config)
-        self.model = LlamaModel(self.args, dtype)
+        self.model = LlamaModel(self.args, dtype, fused)
         self.lm_head = PackedLinear(self.args.hidden_size, [self.args.vocab_size], False, dtype)
         if self.args.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

@@ -29,7 +29,14 @@ if importlib.util.find_spec("triton") is None:  # e.g. macOS: the kernels need T
     collect_ignore_glob = ["test_*.py"]
 elif INTERPRETING_PROCESS:
     # Jit every kernel now, interpreted, before any test unsets the variable.
-    from lorapool.kernels import attention_ops, kv_cache_ops, lora_ops  # noqa: F401
+    from lorapool.kernels import (  # noqa: F401
+        activation_ops,
+        attention_ops,
+        kv_cache_ops,
+        lora_ops,
+        norm_ops,
+        rotary_ops,
+    )
 
 
 def pytest_collection_modifyitems(config, items):

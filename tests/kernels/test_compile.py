@@ -8,7 +8,15 @@ to its launch, which is captured and compiled exactly as it would be issued.
 import pytest
 import torch
 
-from lorapool.kernels import LoRAMapping, attention_ops, kv_cache_ops, lora_ops
+from lorapool.kernels import (
+    LoRAMapping,
+    activation_ops,
+    attention_ops,
+    kv_cache_ops,
+    lora_ops,
+    norm_ops,
+    rotary_ops,
+)
 from lorapool.kernels.jit import Kernel
 
 triton = pytest.importorskip("triton", reason="Triton is not installed")
@@ -80,4 +88,32 @@ def test_attention_kernels_compile(launches, q_lens, ctx_lens):
     qsl = torch.tensor([0, *q_lens]).cumsum(0).int()
     attention_ops.paged_attention(q, cache, cache, tables, seq_lens, qsl, 0.125)
     kv_cache_ops.write_kv_cache(q[:, :3], q[:, 3:6], cache, cache, torch.arange(len(q)))
+    _compile_all(launches)
+
+
+@pytest.mark.parametrize("dtype", [BF16, F32])
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_fused_layer_kernels_compile(launches, dtype, qk_norm):
+    x = torch.zeros(3, 576, dtype=dtype)
+    weight = torch.zeros(576, dtype=dtype)
+    norm_ops.rms_norm(x, weight, 1e-5)
+    norm_ops.fused_add_rms_norm(x, x.clone(), weight, 1e-5)
+    activation_ops.silu_and_mul(torch.zeros(3, 2 * 1536, dtype=dtype))
+    qkv = torch.zeros(3, 15 * 80, dtype=dtype)
+    q, k, v = qkv.split([9 * 80, 3 * 80, 3 * 80], dim=-1)
+    cache = torch.zeros(8, 16, 3, 80, dtype=dtype)
+    table = torch.zeros(64, 40, dtype=dtype)
+    norm = (torch.zeros(80, dtype=dtype), torch.zeros(80, dtype=dtype), 1e-6) if qk_norm else None
+    rotary_ops.rotary_write_kv(
+        q.view(3, 9, 80),
+        k.view(3, 3, 80),
+        v.view(3, 3, 80),
+        table,
+        table,
+        torch.arange(3),
+        cache,
+        cache,
+        torch.tensor([5, -1, 7]),
+        norm,
+    )
     _compile_all(launches)

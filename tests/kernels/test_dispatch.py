@@ -8,7 +8,15 @@ import pytest
 import torch
 
 from lorapool import kernels
-from lorapool.kernels import attention_ops, kv_cache_ops, lora_ops, reference
+from lorapool.kernels import (
+    activation_ops,
+    attention_ops,
+    kv_cache_ops,
+    lora_ops,
+    norm_ops,
+    reference,
+    rotary_ops,
+)
 
 triton = pytest.importorskip("triton", reason="Triton is not installed")
 
@@ -51,6 +59,29 @@ def test_cpu_tensors_take_the_reference_without_the_interpreter(monkeypatch):
     assert kernels.paged_attention(q, cache, cache, *seq, 0.3).shape == q.shape
 
 
+def test_layer_ops_on_cpu_tensors_take_the_reference_without_the_interpreter(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    for module, name in (
+        (norm_ops, "rms_norm"),
+        (norm_ops, "fused_add_rms_norm"),
+        (rotary_ops, "rotary_write_kv"),
+        (activation_ops, "silu_and_mul"),
+    ):
+        monkeypatch.setattr(module, name, _fail)
+    x, w = torch.randn(3, 8), torch.randn(8)
+    torch.testing.assert_close(kernels.rms_norm(x, w, 1e-5), reference.rms_norm(x, w, 1e-5))
+    residual = torch.zeros(3, 8)
+    torch.testing.assert_close(
+        kernels.fused_add_rms_norm(x, residual, w, 1e-5), reference.rms_norm(x, w, 1e-5)
+    )
+    torch.testing.assert_close(residual, x)
+    assert kernels.silu_and_mul(x).shape == (3, 4)
+    cache, table = torch.zeros(2, 16, 1, 8), torch.randn(4, 4)
+    kv, positions, slots = torch.randn(2, 1, 8), torch.tensor([0, 3]), torch.tensor([1, -1])
+    q = kernels.rotary_write_kv(kv, kv, kv, table, table, positions, cache, cache, slots)
+    assert q.shape == kv.shape and cache[0, 1].abs().sum() > 0 and not cache[0, 0].any()
+
+
 def test_interpreter_mode_is_set_by_the_fixture_only(triton_interpret):
     assert kernels.use_triton(torch.zeros(1))
     assert triton.knobs.runtime.interpret
@@ -61,7 +92,13 @@ def test_the_interpreting_process_runs_every_kernel_interpreted():
     x, lora_a = torch.randn(4, 32), torch.randn(1, 2, 4, 32)
     interpreted = lora_ops.lora_shrink(x, lora_a, [0, 1, 1, -1])
     torch.testing.assert_close(interpreted, reference.lora_shrink(x, lora_a, [0, 1, 1, -1]))
-    for kernel in (lora_ops.shrink_kernel, attention_ops.attention_kernel):
+    for kernel in (
+        lora_ops.shrink_kernel,
+        attention_ops.attention_kernel,
+        norm_ops.rms_norm_kernel,
+        rotary_ops.rotary_kv_kernel,
+        activation_ops.silu_and_mul_kernel,
+    ):
         assert kernel.interpreted
 
 

@@ -38,6 +38,24 @@ def test_greedy_outputs_unchanged_under_the_interpreter(tiny_model_path, monkeyp
     assert _greedy(path, prompts, **engine_kw) == want
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_fused_layer_kernels_keep_greedy_outputs(tiny_model_path, monkeypatch, arch):
+    """The fused layer kernels (qwen3: with its q/k norms fused) change no greedy token."""
+    path = tiny_model_path(arch)
+    rng = random.Random(2)
+    prompts = [([rng.randrange(3, 512) for _ in range(n)], m) for n, m in [(1, 5), (37, 6), (9, 4)]]
+    engine_kw = dict(block_size=16, max_num_batched_tokens=32, max_num_seqs=4)
+    want = _greedy(path, prompts, **engine_kw)
+    from lorapool.kernels import rotary_ops
+
+    launches = []
+    rotary = rotary_ops.rotary_write_kv
+    monkeypatch.setattr(rotary_ops, "rotary_write_kv", lambda *a: launches.append(1) or rotary(*a))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert _greedy(path, prompts, fused_layer_kernels=True, **engine_kw) == want
+    assert launches, "the fused kernels did not run"
+
+
 def _greedy_lora_twice(path, jobs, **engine_kw):
     """Run the mixed-adapter jobs, then again on the same engine (prefix cache warm)."""
     from lorapool import EngineArgs, LLMEngine, SamplingParams
@@ -65,8 +83,9 @@ def _greedy_lora_twice(path, jobs, **engine_kw):
     return results
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
 def test_mixed_adapter_batch_unchanged_under_the_interpreter(
-    tiny_model_path, tmp_path, monkeypatch
+    tiny_model_path, tmp_path, monkeypatch, fused
 ):
     from adapters import ALL_TARGETS, build_adapter
 
@@ -103,7 +122,7 @@ def test_mixed_adapter_batch_unchanged_under_the_interpreter(
     shrink = lora_ops.lora_shrink
     monkeypatch.setattr(lora_ops, "lora_shrink", lambda *a: launches.append(1) or shrink(*a))
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert _greedy_lora_twice(path, jobs, **engine_kw) == want
+    assert _greedy_lora_twice(path, jobs, fused_layer_kernels=fused, **engine_kw) == want
     assert launches, "the Triton LoRA kernels did not run"
 
 
