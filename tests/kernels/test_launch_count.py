@@ -30,6 +30,8 @@ kernel, +1 a layer):
         projection today (zero_, shrink, expand; kernels/lora_ops.py):
         unfused 38, fused 21 a layer (the bound applies to the launches outside
         ``kernels.lora_linear``)
+    with ``lora_live_work`` (the shrink's split-K partials added inside the expand):
+        2 LoRA launches per packed projection, 8 a layer (qkv, o, gate_up, down)
 """
 
 import collections
@@ -161,3 +163,27 @@ def test_unfused_decode_step_launches_more_than_10_per_layer(
     per_layer, diff = _per_layer(tiny_model_path, monkeypatch, tmp_path)
     print(f"unfused: {per_layer} launches a layer; 2 layers: {dict(diff)}")
     assert per_layer > MAX_FUSED_LAUNCHES_PER_LAYER, diff
+
+
+PACKED_PROJECTIONS = 4  # qkv_proj, o_proj, gate_up_proj, down_proj
+
+
+@pytest.mark.parametrize("live_work", [False, True])
+def test_lora_launches_per_layer(
+    tiny_model_path, monkeypatch, tmp_path, triton_interpret, live_work
+):
+    """``lora_live_work``: a LoRA projection is 2 launches (shrink, expand), no zeroing or sum."""
+    _, diff = _per_layer(
+        tiny_model_path,
+        monkeypatch,
+        tmp_path,
+        with_lora=True,
+        fused_layer_kernels=True,
+        lora_live_work=live_work,
+    )
+    lora = _halve(sum(n for name, n in diff.items() if name.startswith("lora.")))
+    print(f"lora_live_work={live_work}: {lora} LoRA launches a layer: {dict(diff)}")
+    if live_work:
+        assert lora == 2 * PACKED_PROJECTIONS, diff
+    else:
+        assert lora > 2 * PACKED_PROJECTIONS, diff
