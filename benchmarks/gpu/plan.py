@@ -44,9 +44,13 @@ class ModelShape:
 # ~1B Llama (Llama-3.2-1B's shape, vocab cut to 32k so building takes seconds) and
 # Qwen3-0.6B's shape: nothing downloaded, weights drawn on the device.
 LLAMA_1B = ModelShape("llama-1b", "llama", 2048, 8192, 16, 32, 8, 32000)
+# Llama-3.1-8B's shape (16 GB of weights in bf16): built on the device by the engine alone
+# (``big_model``), never written to disk nor loaded by transformers.
+LLAMA_8B = ModelShape("llama-8b", "llama", 4096, 14336, 32, 32, 8, 128256)
 QWEN3_SMALL = ModelShape("qwen3-0.6b", "qwen3", 1024, 3072, 28, 16, 8, 151936, 128, True)
 TINY_LLAMA = ModelShape("tiny-llama", "llama", 64, 128, 2, 4, 2, 512, max_position_embeddings=512)
 TINY_QWEN3 = ModelShape("tiny-qwen3", "qwen3", 64, 128, 3, 4, 2, 512, 32, True, 512)
+TINY_BIG = ModelShape("tiny-big", "llama", 128, 256, 2, 4, 2, 1024, max_position_embeddings=512)
 
 
 @dataclass(frozen=True)
@@ -64,7 +68,13 @@ class Sizes:
     adapter_counts: tuple[int, ...] = (8, 64)
     adapter_rank: int = 16
     decode_tokens: int = 64  # decode-step timing: tokens per request
-    graph_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    decode_batches: tuple[int, ...] = (64, 256)  # decode-step timing: sequences at once
+    graph_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)  # and decode_batches
+    # engine speed flags measured on against off in one run (``flags``); the dry run adds
+    # a field EngineArgs has today so that the flag path runs before the others land
+    engine_flags: tuple[str, ...] = ("fused_layer_kernels", "lora_live_work")
+    big_model: ModelShape | None = None  # the ``big`` section's shape (random, on the device)
+    big_adapters: int = 8
     gpu_memory_utilization: float = 0.85
     queue_requests: int = 256
     queue_adapters: int = 8
@@ -73,7 +83,7 @@ class Sizes:
     kernel_shapes: str = "full"
 
 
-FULL = Sizes(models=(LLAMA_1B, QWEN3_SMALL))
+FULL = Sizes(models=(LLAMA_1B, QWEN3_SMALL), big_model=LLAMA_8B)
 TINY = Sizes(
     models=(TINY_LLAMA, TINY_QWEN3),
     parity_prompts=3,
@@ -85,7 +95,11 @@ TINY = Sizes(
     adapter_counts=(2, 4),
     adapter_rank=4,
     decode_tokens=6,
+    decode_batches=(4, 8),
     graph_sizes=(1, 2, 4, 8),
+    engine_flags=("fused_layer_kernels", "lora_live_work", "enable_prefix_caching"),
+    big_model=TINY_BIG,
+    big_adapters=2,
     queue_requests=24,
     queue_adapters=3,
     queue_tokens=6,

@@ -37,7 +37,12 @@ GUARD = ROOT / "tests" / "support" / "kit_guard"
 SECTIONS = ["device", "kernels", "engine", "throughput", "queue"]
 FIGURES = {  # figures each section's report must hold
     "device": ["torch", "triton", "copy_GBps"],
-    "kernels": ["triton_mode", "max_err_by_dtype", "best_bandwidth_fraction"],
+    "kernels": [
+        "triton_mode",
+        "max_err_by_dtype",
+        "best_bandwidth_fraction",
+        "kernels_timed_windows",
+    ],
     "engine": [
         "tiny-llama_fp32_exact",
         "tiny-llama_bf16_agreement",
@@ -50,9 +55,19 @@ FIGURES = {  # figures each section's report must hold
         "adapters_2_over_base",
         "adapters_4_over_base",
         "kv_blocks",
-        "decode_floor_ms",
-        "decode_step_over_floor_base_eager",
-        "decode_step_over_floor_lora2_eager",
+        "acceptance_tokens_per_s_over_10110",
+        "practical_floor_ms_b4",
+        "practical_floor_ms_b8",
+        "bytes_floor_ms_base_b4",
+        "step_over_bytes_floor_base_b4_eager",
+        "step_over_practical_floor_base_b8_eager",
+        "step_over_practical_floor_lora2_b8_eager",
+        "step_lora4_over_base_b4_eager",
+        "acceptance_step_lora4_over_base",
+        "flag_fused_layer_kernels",
+        "flag_lora_live_work",
+        "flag_enable_prefix_caching_on_over_off_lora2_b8",
+        "throughput_timed_windows",
     ],
     "queue": ["server", "results_equal", "worker_over_engine", "engine_tokens_per_s"],
 }
