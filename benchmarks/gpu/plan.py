@@ -12,16 +12,30 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-SECTIONS = ("device", "kernels", "engine", "throughput", "queue")
+SECTIONS = ("device", "kernels", "engine", "throughput", "big", "queue")
 
 # Seconds per section (the whole-run budget caps them too). The full run's boxes add
 # to 450 s, leaving 30 s of the 480 s for five interpreter starts and the reports. On
 # an H200 (733426d, 5a6215d) the sections took: kernels 39, engine 100-106 (the Qwen3
 # LoRA check included), throughput 60-70, queue 56 before it asked for logprobs and
 # ran its wrong-adapter probes, ~90 after (its 80 s box cut it short).
-FULL_BOXES = {"device": 15, "kernels": 65, "engine": 150, "throughput": 90, "queue": 130}
+FULL_BOXES = {
+    "device": 15,
+    "kernels": 65,
+    "engine": 150,
+    "throughput": 150,
+    "big": 90,
+    "queue": 130,
+}
 # The dry run takes ~40 s on an idle 2-core box; the boxes leave room for a loaded one.
-TINY_BOXES = {"device": 10, "kernels": 25, "engine": 45, "throughput": 30, "queue": 40}
+TINY_BOXES = {
+    "device": 10,
+    "kernels": 25,
+    "engine": 45,
+    "throughput": 45,
+    "big": 25,
+    "queue": 40,
+}
 
 
 @dataclass(frozen=True)

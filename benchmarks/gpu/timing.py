@@ -59,7 +59,10 @@ def l2_bytes(device: str) -> int:
 
 
 def copies_for(nbytes_one: int, device: str, most: int = 64) -> int:
-    """How many copies of a call's inputs (``nbytes_one``) outgrow L2 ``L2_MULTIPLE`` times."""
+    """How many copies of a call's inputs (``nbytes_one``) outgrow L2 ``L2_MULTIPLE`` times
+    (one on the CPU, where the dry run only walks the code)."""
+    if device != "cuda":
+        return 1
     need = L2_MULTIPLE * l2_bytes(device)
     return max(2, min(most, -(-need // max(1, nbytes_one))))
 
@@ -70,7 +73,7 @@ def replay_time(calls, device: str, samples: int | None = None, window=None) -> 
     On CUDA: one warm-up pass, a graph of every call captured on a side stream,
     then ``samples`` (default ``MIN_GPU_SAMPLES``) replays each timed by events;
     the figure is the median replay over ``len(calls)``. On the CPU: the calls
-    in a loop, timed by the wall clock, 3 samples. Returns median, p10 and p90
+    in a loop, timed by the wall clock, 2 samples. Returns median, p10 and p90
     seconds per call, the sample count and the method. ``window``: a context
     manager around the timed part only (a ``CompileGuard.window``), the warm-up
     on the identical calls before it.
@@ -78,7 +81,7 @@ def replay_time(calls, device: str, samples: int | None = None, window=None) -> 
     window = window or contextlib.nullcontext()
     if device == "cuda":
         return _graph_replay(calls, samples or MIN_GPU_SAMPLES, window)
-    samples = samples or 3
+    samples = samples or 2
     for call in calls:  # warm-up
         call()
     times = []

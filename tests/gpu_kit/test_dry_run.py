@@ -34,7 +34,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 KIT = ROOT / "benchmarks" / "gpu_check.py"
 GUARD = ROOT / "tests" / "support" / "kit_guard"
-SECTIONS = ["device", "kernels", "engine", "throughput", "queue"]
+SECTIONS = ["device", "kernels", "engine", "throughput", "big", "queue"]
 FIGURES = {  # figures each section's report must hold
     "device": ["torch", "triton", "copy_GBps"],
     "kernels": [
@@ -68,6 +68,14 @@ FIGURES = {  # figures each section's report must hold
         "flag_lora_live_work",
         "flag_enable_prefix_caching_on_over_off_lora2_b8",
         "throughput_timed_windows",
+    ],
+    "big": [
+        "parameters_B",
+        "practical_floor_ms_b8",
+        "step_over_bytes_floor_lora2_b8_eager",
+        "tokens_per_s_base_b4",
+        "acceptance_8b_step_over_practical_floor",
+        "big_timed_windows",
     ],
     "queue": ["server", "results_equal", "worker_over_engine", "engine_tokens_per_s"],
 }
