@@ -44,8 +44,10 @@ GRACE_S = 15  # after its deadline a section gets this long to stop before it is
 MODULES = {  # section -> its module in benchmarks/gpu/, imported by that section alone
     "device": "device_info",
     "kernels": "kernel_check",
+    "sweep": "sweep",
     "engine": "parity",
     "throughput": "throughput",
+    "big": "big_model",
     "queue": "queue_check",
 }
 
@@ -122,7 +124,7 @@ def run_all(args) -> int:
             sections.append(_skipped(name, "no time left in the run's budget"))
         else:
             deadline = time.time() + min(boxes[name], left)
-            ctx = Context(device, args.tiny, str(workdir), deadline, dict(earlier))
+            ctx = Context(device, args.tiny, str(workdir), deadline, dict(earlier), str(out))
             result = _spawn(name, ctx, workdir, log)
             sections.append(result)
             earlier[name] = result.get("figures", {})
@@ -143,7 +145,7 @@ def _spawn(name: str, ctx: Context, workdir: Path, log: Path) -> dict:
     result.unlink(missing_ok=True)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.pop("TRITON_INTERPRET", None)
-    if name == "kernels" and ctx.device == "cpu":  # Triton's mode is chosen per process
+    if name in ("kernels", "sweep") and ctx.device == "cpu":  # Triton's mode: per process
         env["TRITON_INTERPRET"] = "1"
     cmd = [sys.executable, str(Path(__file__).resolve()), "--section", name]
     cmd += ["--context", str(ctx_path), "--result", str(result)]

@@ -22,8 +22,9 @@ Launch configuration: today's heuristics (``_heuristic``) unless the device has
 a tuned entry for the call's shape (``kernels/tuned.py``: ``lookup(device,
 "paged_attention", config_key(...))``, written by the GPU kit's sweep into
 ``kernels/configs/<device>.json``), or the caller passes ``config=`` (the sweep
-does). A config is a dict of any of ``block_n``, ``num_splits``, ``num_warps``,
-``num_stages``; a key it lacks keeps the heuristic's value.
+does; ``config={}`` is the heuristics alone). A config is a dict of any of
+``block_n``, ``num_splits``, ``num_warps``, ``num_stages``; a key it lacks keeps
+the heuristic's value.
 """
 
 import math
@@ -216,8 +217,9 @@ def paged_attention(
 ) -> torch.Tensor:
     """Triton ``reference.paged_attention``: same arguments, shapes and result.
 
-    ``config``: launch settings that override the tuned entry and the heuristics
-    (``CONFIG_KEYS``); the result is the same up to summation order.
+    ``config``: launch settings (``CONFIG_KEYS``) over the heuristics, instead of the
+    tuned entry (None: the tuned entry, else the heuristics); the result is the same
+    up to summation order.
     """
     _check_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc)
     num_tokens, num_heads, head_size = query.shape
@@ -233,7 +235,7 @@ def paged_attention(
     key = config_key(
         num_tokens, num_seqs, num_heads, num_kv_heads, head_size, max_context, query.dtype
     )
-    launch |= _tuned(query.device, key) | _checked(config or {})
+    launch |= _tuned(query.device, key) if config is None else _checked(config)
     block_n = max(int(launch["block_n"]), block_size)
     num_splits = max(1, min(int(launch["num_splits"]), _MAX_SPLITS)) if block_q == 1 else 1
     split_size = max_context  # one split: the whole context (as the heuristics had it)

@@ -12,7 +12,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-SECTIONS = ("device", "kernels", "engine", "throughput", "big", "queue")
+SECTIONS = ("device", "kernels", "sweep", "engine", "throughput", "big", "queue")
 
 # Seconds per section (the whole-run budget caps them too). The full run's boxes add
 # to 450 s, leaving 30 s of the 480 s for five interpreter starts and the reports. On
@@ -22,6 +22,7 @@ SECTIONS = ("device", "kernels", "engine", "throughput", "big", "queue")
 FULL_BOXES = {
     "device": 15,
     "kernels": 65,
+    "sweep": 90,
     "engine": 150,
     "throughput": 150,
     "big": 90,
@@ -31,6 +32,7 @@ FULL_BOXES = {
 TINY_BOXES = {
     "device": 10,
     "kernels": 25,
+    "sweep": 30,
     "engine": 45,
     "throughput": 45,
     "big": 25,
@@ -89,6 +91,7 @@ class Sizes:
     engine_flags: tuple[str, ...] = ("fused_layer_kernels", "lora_live_work")
     big_model: ModelShape | None = None  # the ``big`` section's shape (random, on the device)
     big_adapters: int = 8
+    sweep_candidates: int = 6  # per op and shape in the sweep, besides the old launch
     gpu_memory_utilization: float = 0.85
     queue_requests: int = 256
     queue_adapters: int = 8
@@ -114,6 +117,7 @@ TINY = Sizes(
     engine_flags=("fused_layer_kernels", "lora_live_work", "enable_prefix_caching"),
     big_model=TINY_BIG,
     big_adapters=2,
+    sweep_candidates=1,
     queue_requests=24,
     queue_adapters=3,
     queue_tokens=6,
@@ -131,6 +135,7 @@ class Context:
     workdir: str  # shared by the sections: models and adapters built once
     deadline: float  # time.time() by which the section must be done
     earlier: dict = field(default_factory=dict)  # name -> figures of the sections before
+    out: str = ""  # the run's report directory (files a section hands back: the sweep's)
 
     @property
     def sizes(self) -> Sizes:

@@ -34,7 +34,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 KIT = ROOT / "benchmarks" / "gpu_check.py"
 GUARD = ROOT / "tests" / "support" / "kit_guard"
-SECTIONS = ["device", "kernels", "engine", "throughput", "big", "queue"]
+SECTIONS = ["device", "kernels", "sweep", "engine", "throughput", "big", "queue"]
 FIGURES = {  # figures each section's report must hold
     "device": ["torch", "triton", "copy_GBps"],
     "kernels": [
@@ -43,6 +43,7 @@ FIGURES = {  # figures each section's report must hold
         "best_bandwidth_fraction",
         "kernels_timed_windows",
     ],
+    "sweep": ["device_key", "cases", "launches", "compile_s", "sweep_timed_windows", "winners"],
     "engine": [
         "tiny-llama_fp32_exact",
         "tiny-llama_bf16_agreement",
@@ -77,7 +78,15 @@ FIGURES = {  # figures each section's report must hold
         "acceptance_8b_step_over_practical_floor",
         "big_timed_windows",
     ],
-    "queue": ["server", "results_equal", "worker_over_engine", "engine_tokens_per_s"],
+    "queue": [
+        "server",
+        "results_equal",
+        "worker_over_engine",
+        "engine_tokens_per_s",
+        "served_engine_tokens_per_s",
+        "served_worker_tokens_per_s",
+        "queue_overhead",
+    ],
 }
 
 
