@@ -111,6 +111,13 @@ def run(ctx, rec) -> None:
     ]
     if fractions:
         rec.figure("best_bandwidth_fraction", max(fractions))
+    lora = [
+        r["bw_fraction"]
+        for r in rec.data["tables"].get("cases", [])
+        if r["op"] == "lora" and r["case"].startswith("decode") and "bw_fraction" in r
+    ]
+    if lora:  # the LoRA kernels' share of the copy bandwidth at decode shapes (bf16 first)
+        rec.figure("lora_decode_bw_fraction", lora[0])
 
 
 def _run_case(case, dtype, device, gen, ctx) -> dict:

@@ -202,6 +202,52 @@ def test_dry_run_passes_with_every_section_reported(dry_run):
     print(f"modules the guard refused (optional imports the run did without): {blocked!r}")
 
 
+def test_dry_run_names_its_report_by_date_and_commit(dry_run):
+    _, report, out, _ = dry_run
+    named = out / f"{report['date']}-{report['commit']}.json"
+    assert json.loads(named.read_text())["sections"] == report["sections"]
+    assert (out / "configs" / "cpu.json").is_file()  # the sweep's winners, to commit per device
+    assert "acceptance" in report and "throughput" in report["acceptance"]
+    assert "Acceptance figures" in (out / "report.md").read_text()
+
+
+def test_dry_run_measures_the_decode_step_fairly(dry_run):
+    _, report, _, _ = dry_run
+    sections = {s["name"]: s for s in report["sections"]}
+    throughput = sections["throughput"]
+    figures = throughput["figures"]
+    for flag in ("fused_layer_kernels", "lora_live_work"):  # absent here until they land
+        assert figures[f"flag_{flag}"] in ("present", "flag absent")
+    assert figures["flag_enable_prefix_caching"] == "present"  # the flag path, run
+    assert figures["flag_enable_prefix_caching_tokens_vs_off_base_b8"] == "8/8"
+    rows = throughput["tables"]["step_timeline"]
+    assert {(r["label"], r["batch"]) for r in rows} >= {("base", 4), ("lora2", 8), ("lora4", 4)}
+    for row in rows:  # the phases add up to the step
+        parts = sum(row[f"{p}_ms"] for p in ("schedule", "prepare", "execute", "sample"))
+        parts += row["output_ms"] + row["other_ms"]
+        assert abs(parts - row["step_ms"]) < 0.01 + 1e-3 * row["step_ms"], row
+    gemm = figures["practical_floor_ms_b4"]
+    assert gemm > 0 and figures["bytes_floor_ms_base_b4"] > 0
+    for name in ("kernels", "throughput", "big", "sweep"):
+        assert any("nothing compiled inside" in c["name"] for c in sections[name]["checks"])
+    rows = sections["kernels"]["tables"]["cases"]
+    assert all(r["samples"] >= 2 for r in rows if "us" in r)
+    sweep = sections["sweep"]["tables"]["sweep"]
+    assert {r["op"] for r in sweep} >= {"paged_attention"}
+    assert all(r["old_us"] > 0 and r["new_us"] > 0 for r in sweep)
+
+
+def test_the_two_parts_cover_every_section_within_8_minutes():
+    spec = importlib.util.spec_from_file_location("gpu_plan", ROOT / "benchmarks/gpu/plan.py")
+    plan = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_plan"] = plan  # dataclasses look their module up
+    spec.loader.exec_module(plan)
+    covered = {name for part in plan.PARTS.values() for name in part}
+    assert covered == set(plan.SECTIONS)
+    for part in plan.PARTS.values():
+        assert sum(plan.FULL_BOXES[name] for name in part) + 30 <= 480, part
+
+
 def test_dry_run_checks_what_it_reports(dry_run):
     _, report, _, _ = dry_run
     sections = {s["name"]: s for s in report["sections"]}
