@@ -102,7 +102,7 @@ class Sizes:
     engine_flags: tuple[str, ...] = ("fused_layer_kernels", "lora_live_work")
     big_model: ModelShape | None = None  # the ``big`` section's shape (random, on the device)
     big_adapters: int = 8
-    sweep_candidates: int = 6  # per op and shape in the sweep, besides the old launch
+    sweep_candidates: int = 5  # per op and shape in the sweep, besides the old launch
     gpu_memory_utilization: float = 0.85
     queue_requests: int = 256
     queue_adapters: int = 8

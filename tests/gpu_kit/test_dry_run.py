@@ -43,7 +43,15 @@ FIGURES = {  # figures each section's report must hold
         "best_bandwidth_fraction",
         "kernels_timed_windows",
     ],
-    "sweep": ["device_key", "cases", "launches", "compile_s", "sweep_timed_windows", "winners"],
+    "sweep": [
+        "device_key",
+        "cases",
+        "launches",
+        "compile_s",
+        "launches_failed",
+        "sweep_timed_windows",
+        "winners",
+    ],
     "engine": [
         "tiny-llama_fp32_exact",
         "tiny-llama_bf16_agreement",
