@@ -22,6 +22,7 @@ section goes on.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 
@@ -54,11 +55,11 @@ def run(ctx, rec) -> None:
     hf_tps = _transformers(ctx, rec, path, prompts)
     guard = CompileGuard()
     engine = make_engine(ctx, rec, path, len(adapters), flags.old_path(sizes.engine_flags))
-    ours = _timed_run(engine, prompts, sizes.new_tokens)
+    ours = _timed_run(engine, prompts, sizes.new_tokens, guard=guard)
     rec.figure("ours_tokens_per_s", round(ours, 1))
     rec.figure("ours_over_transformers", round(ours / hf_tps, 3))
     rec.figure("acceptance_tokens_per_s_over_10110", round(ours / BASELINE_TOKENS_PER_S, 3))
-    _adapters(ctx, rec, engine, prompts, adapters, ours)
+    _adapters(ctx, rec, engine, prompts, adapters, ours, guard)
     old = _decode(ctx, rec, engine, shape, adapters, guard)
     _parity(ctx, rec, engine, shape, adapters)
     del engine
@@ -143,8 +144,9 @@ def make_engine(ctx, rec, path, max_loras: int, extra: dict | None = None, tag: 
     return engine
 
 
-def _timed_run(engine, prompts, new_tokens: int, loras=None) -> float:
-    """Output tokens a second of one continuous batch (a short warm-up run first)."""
+def _timed_run(engine, prompts, new_tokens: int, loras=None, guard=None) -> float:
+    """Output tokens a second of one continuous batch, after a warm-up on the identical
+    workload; the timed run inside ``guard``'s window."""
     from lorapool import SamplingParams
 
     def drive(tokens, tag):
@@ -155,19 +157,22 @@ def _timed_run(engine, prompts, new_tokens: int, loras=None) -> float:
         while engine.has_unfinished_requests():
             engine.step()
 
-    drive(2, "warm")
-    t0 = time.perf_counter()
-    drive(new_tokens, "run")
-    return len(prompts) * new_tokens / (time.perf_counter() - t0)
+    drive(new_tokens, "warm")
+    label = f"throughput run, {len({r.lora_int_id for r in loras or ()})} adapters"
+    with guard.window(label) if guard else contextlib.nullcontext():
+        t0 = time.perf_counter()
+        drive(new_tokens, "run")
+        seconds = time.perf_counter() - t0
+    return len(prompts) * new_tokens / seconds
 
 
-def _adapters(ctx, rec, engine, prompts, adapters: dict, base_tps: float) -> None:
+def _adapters(ctx, rec, engine, prompts, adapters: dict, base_tps: float, guard) -> None:
     for count in ctx.sizes.adapter_counts:
         if ctx.time_left() < 0:
             rec.cut_short(f"the {count}-adapter run")
             return
         loras = loras_of(adapters, count, len(prompts))
-        tps = _timed_run(engine, prompts, ctx.sizes.new_tokens, loras)
+        tps = _timed_run(engine, prompts, ctx.sizes.new_tokens, loras, guard)
         rec.figure(f"adapters_{count}_tokens_per_s", round(tps, 1))
         rec.figure(f"adapters_{count}_over_base", round(tps / base_tps, 3))
 
