@@ -40,12 +40,15 @@ class StepTimeline:
 
     def __enter__(self):
         for phase, (path, attr) in _TARGETS.items():
-            owner = getattr(self.engine, path) if path else self.engine
-            original = getattr(owner, attr, None)
+            owner = getattr(self.engine, path, None) if path else self.engine
+            original = getattr(owner, attr, None) if owner is not None else None
             if original is None:
                 continue
             self.saved.append((owner, attr, owner.__dict__.get(attr)))
-            setattr(owner, attr, self._timed(phase, original))
+            timed = self._timed(phase, original)
+            if not callable(getattr(original, "__func__", None)):  # an object (the sampler)
+                timed = _Proxy(original, timed)  # its other attributes still answer
+            setattr(owner, attr, timed)
         return self
 
     def __exit__(self, *exc):
@@ -98,3 +101,16 @@ class StepTimeline:
             return {}
         keys = [k for k in (*PHASES, "other", "gpu", "step") if k in steps[0]]
         return {f"{k}_ms": round(statistics.fmean(s[k] for s in steps) * 1e3, 3) for k in keys}
+
+
+class _Proxy:
+    """An object whose calls are timed; every other attribute is the object's own."""
+
+    def __init__(self, target, timed_call):
+        self._target, self._timed_call = target, timed_call
+
+    def __call__(self, *args, **kwargs):
+        return self._timed_call(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._target, name)
