@@ -165,8 +165,10 @@ def triton_cache_entries() -> int | None:
         if not name.startswith("lorapool.") or module is None:
             continue
         for value in list(vars(module).values()):
-            fn = getattr(value, "jitted", value)
-            count = _cache_size(fn)
+            try:  # a module's names may be lazy objects whose lookups raise anything
+                count = _cache_size(getattr(value, "jitted", value))
+            except Exception:
+                continue
             if count is not None:
                 total, found = total + count, True
     return total if found else None
