@@ -75,6 +75,20 @@ def run(ctx, rec) -> None:
             winners.setdefault(case.op, {})[case.key] = best
     guard.report(rec, "sweep")
     _write(ctx, rec, winners)
+    _acceptance(ctx, rec)
+
+
+def _acceptance(ctx, rec) -> None:
+    """The LoRA kernels' share of the copy bandwidth at the first decode batch: the
+    engine's path per projection (lora_linear where there, else shrink + expand)."""
+    rows = [r for r in rec.data["tables"].get("sweep", []) if "bw_fraction" in r]
+    first = f"t{ctx.sizes.decode_batches[0]}-"
+    lora = [r for r in rows if r["op"].startswith("lora") and r["key"].startswith(first)]
+    if lora:
+        rec.figure(
+            "acceptance_lora_decode_bw_fraction",
+            {r["key"] + " " + r["op"]: r["bw_fraction"] for r in lora},
+        )
 
 
 # --- the cases --------------------------------------------------------------------
@@ -370,19 +384,41 @@ def _sweep_case(ctx, rec, case: Case, configs: list[dict], guard) -> dict | None
         return None  # the old launch's own result failed its check: recorded
     best_s, best = min(timings, key=lambda t: t[0])
     winner = best if best and best_s < old_s * (1 - MIN_GAIN) else None
-    rec.row(
-        "sweep",
-        {
-            "op": case.op,
-            "key": case.key,
-            "old_us": round(old_s * 1e6, 2),
-            "new_us": round((best_s if winner else old_s) * 1e6, 2),
-            "speedup": round(old_s / (best_s if winner else old_s), 3),
-            "winner": winner or "old",
-            "tried": len(timings),
-        },
-    )
+    new_s = best_s if winner else old_s
+    row = {
+        "op": case.op,
+        "key": case.key,
+        "old_us": round(old_s * 1e6, 2),
+        "new_us": round(new_s * 1e6, 2),
+        "speedup": round(old_s / new_s, 3),
+        "winner": winner or "old",
+        "tried": len(timings),
+    }
+    if ctx.copy_gbps:  # the least bytes the op moves over its time, as a share of a copy's
+        gbps = least_bytes(case) / new_s / 1e9
+        row["bw_fraction"] = float(f"{gbps / ctx.copy_gbps:.3g}")
+    rec.row("sweep", row)
     return winner
+
+
+def least_bytes(case: Case) -> int:
+    """Bytes the op must read and write at least: each tensor once, adapters' weights
+    once per adapter, the output read and written where it accumulates."""
+    spec = case.spec
+    item = getattr(torch, spec["dtype"]).itemsize
+    if case.op == "paged_attention":
+        kv = 2 * spec["tokens"] * spec["context"] * spec["kv_heads"] * spec["head_size"]
+        return item * (kv + 2 * spec["tokens"] * spec["heads"] * spec["head_size"])
+    tokens, hidden, rank = spec["tokens"], spec["hidden"], spec["rank"]
+    slices, n = len(spec["widths"]), sum(spec["widths"])
+    adapters = min(ADAPTERS, tokens)
+    x, a, y = (
+        tokens * hidden * item,
+        adapters * slices * rank * hidden * item,
+        4 * slices * tokens * rank,
+    )
+    b, out = adapters * n * rank * item, 2 * tokens * n * item
+    return {"lora_shrink": x + a + y, "lora_expand": y + b + out}.get(case.op, x + a + b + out)
 
 
 # --- the configs file -------------------------------------------------------------
