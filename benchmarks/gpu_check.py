@@ -1,17 +1,22 @@
-"""GPU proof kit: the engine, the kernels and the worker proven on a real GPU in one go.
+"""GPU proof kit: the engine, the kernels and the worker proven on a real GPU.
 
-    lorapool bench gpu --out DIR            # on a GPU: at most 8 minutes on an H100
-    lorapool bench gpu --device cpu --tiny --out DIR   # the CPU dry run (CI)
+    lorapool bench gpu --part 1 --out DIR   # on a GPU: two calls of at most 8 minutes
+    lorapool bench gpu --part 2 --out DIR
+    lorapool bench gpu --device cpu --tiny --out DIR   # the CPU dry run (CI), every section
 
-Five sections, in order, each in a process of its own with a time box, so that
+Seven sections, in order, each in a process of its own with a time box, so that
 an early stop still reports what came before (``benchmarks/gpu/plan.py`` sizes
-them): 1 device (versions, copy bandwidth), 2 kernels (Triton against the
-reference, bandwidth), 3 engine (greedy parity against transformers and PEFT),
-4 throughput (against transformers' generate, adapters against the base model,
-the decode step against its floor, CUDA graphs), 5 queue (a ``lorapool worker``
-against the engine alone, through an embedded Redis-compatible server).
+them and splits them into ``PARTS``): device (versions, copy bandwidth), kernels
+(Triton against the reference, bandwidth by graph replay), sweep (launch configs
+of the LoRA and attention kernels, old against new, the winners written), engine
+(greedy parity against transformers and PEFT), throughput (against transformers'
+generate, adapters against the base model, the decode step at batch 64 and 256
+against its bytes and GEMM floors with and without CUDA graphs and with each
+engine flag on and off), big (the decode step of an 8B shape), queue (a
+``lorapool worker`` against the engine alone, parity and then speed).
 
-Writes DIR/report.json, DIR/report.md and DIR/kit.log after every section.
+Writes DIR/report.json (and its copy DIR/<date>-<commit>[-part<N>].json, to commit
+under benchmarks/gpu/reports/), DIR/report.md and DIR/kit.log after every section.
 Exit status: 0 every check held, 1 a check failed (a wrong result), 2 a section
 did not finish (error, time box) but nothing was wrong.
 """
@@ -36,7 +41,7 @@ if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
 from gpu import report  # noqa: E402
-from gpu.plan import FULL_BOXES, SECTIONS, TINY_BOXES, Context  # noqa: E402
+from gpu.plan import FULL_BOXES, PARTS, SECTIONS, TINY_BOXES, Context  # noqa: E402
 
 GRACE_S = 15  # after its deadline a section gets this long to stop before it is killed
 
@@ -44,8 +49,10 @@ GRACE_S = 15  # after its deadline a section gets this long to stop before it is
 MODULES = {  # section -> its module in benchmarks/gpu/, imported by that section alone
     "device": "device_info",
     "kernels": "kernel_check",
+    "sweep": "sweep",
     "engine": "parity",
     "throughput": "throughput",
+    "big": "big_model",
     "queue": "queue_check",
 }
 
@@ -61,11 +68,18 @@ def parse(argv=None) -> argparse.Namespace:
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (the CPU dry run)")
     parser.add_argument("--budget-s", type=float, default=None, help="whole-run limit")
     parser.add_argument("--sections", default=",".join(SECTIONS), help="comma-separated")
+    parser.add_argument(
+        "--part",
+        choices=sorted(PARTS),
+        help="one of the two calls the full run is split into (plan.PARTS): its sections",
+    )
     parser.add_argument("--workdir", default=None, help="models and adapters (default: temp)")
     parser.add_argument("--section", help=argparse.SUPPRESS)
     parser.add_argument("--context", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.part:
+        args.sections = ",".join(PARTS[args.part])
     unknown = set(args.sections.split(",")) - set(SECTIONS)
     if unknown:
         parser.error(f"unknown sections {sorted(unknown)}; choose from {', '.join(SECTIONS)}")
@@ -99,7 +113,8 @@ def run_section(name: str, context: Path, result: Path) -> int:
 def run_all(args) -> int:
     device = args.device if args.device != "auto" else _auto_device()
     boxes = TINY_BOXES if args.tiny else FULL_BOXES
-    budget = args.budget_s or sum(boxes.values()) + 30
+    wanted = args.sections.split(",")
+    budget = args.budget_s or sum(boxes[name] for name in SECTIONS if name in wanted) + 30
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="lorapool-gpu-kit-"))
@@ -109,8 +124,9 @@ def run_all(args) -> int:
         "commit": _commit(),
         "mode": f"{device}{' tiny' if args.tiny else ''}",
         "budget_s": budget,
+        "date": time.strftime("%Y-%m-%d", time.gmtime(start)),
+        "part": args.part or "",
     }
-    wanted = args.sections.split(",")
     sections, earlier = [], {}
     log = out / "kit.log"
     log.write_text("")
@@ -122,7 +138,7 @@ def run_all(args) -> int:
             sections.append(_skipped(name, "no time left in the run's budget"))
         else:
             deadline = time.time() + min(boxes[name], left)
-            ctx = Context(device, args.tiny, str(workdir), deadline, dict(earlier))
+            ctx = Context(device, args.tiny, str(workdir), deadline, dict(earlier), str(out))
             result = _spawn(name, ctx, workdir, log)
             sections.append(result)
             earlier[name] = result.get("figures", {})
@@ -143,7 +159,7 @@ def _spawn(name: str, ctx: Context, workdir: Path, log: Path) -> dict:
     result.unlink(missing_ok=True)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.pop("TRITON_INTERPRET", None)
-    if name == "kernels" and ctx.device == "cpu":  # Triton's mode is chosen per process
+    if name in ("kernels", "sweep") and ctx.device == "cpu":  # Triton's mode: per process
         env["TRITON_INTERPRET"] = "1"
     cmd = [sys.executable, str(Path(__file__).resolve()), "--section", name]
     cmd += ["--context", str(ctx_path), "--result", str(result)]

@@ -17,6 +17,14 @@ A program reads only positions inside its sequence's context (loads past it
 are masked, so never read), and selects masked scores and probabilities away
 rather than multiplying them by zero: whatever other slots hold, a freed
 block's NaN or Inf included, cannot reach the result.
+
+Launch configuration: today's heuristics (``_heuristic``) unless the device has
+a tuned entry for the call's shape (``kernels/tuned.py``: ``lookup(device,
+"paged_attention", config_key(...))``, written by the GPU kit's sweep into
+``kernels/configs/<device>.json``), or the caller passes ``config=`` (the sweep
+does; ``config={}`` is the heuristics alone). A config is a dict of any of
+``block_n``, ``num_splits``, ``num_warps``, ``num_stages``; a key it lacks keeps
+the heuristic's value.
 """
 
 import math
@@ -29,7 +37,14 @@ from lorapool.kernels import jit
 from lorapool.kernels.kv_cache_ops import INDEX_DTYPES as _INDEX_DTYPES
 from lorapool.kernels.kv_cache_ops import check_cache
 
+try:  # the tuned-config store (kernels/tuned.py) lands with the LoRA kernels' change
+    from lorapool.kernels import tuned
+except ImportError:  # pragma: no cover - until then, the heuristics alone
+    tuned = None
+
 _MAX_SPLITS = 32
+OP = "paged_attention"  # the op's name in kernels/configs/<device>.json
+CONFIG_KEYS = ("block_n", "num_splits", "num_warps", "num_stages")
 
 
 @triton.jit
@@ -191,9 +206,21 @@ combine_kernel = jit.Kernel(_combine_kernel)
 
 
 def paged_attention(
-    query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale: float
+    query,
+    key_cache,
+    value_cache,
+    block_tables,
+    seq_lens,
+    query_start_loc,
+    scale: float,
+    config: dict | None = None,
 ) -> torch.Tensor:
-    """Triton ``reference.paged_attention``: same arguments, shapes and result."""
+    """Triton ``reference.paged_attention``: same arguments, shapes and result.
+
+    ``config``: launch settings (``CONFIG_KEYS``) over the heuristics, instead of the
+    tuned entry (None: the tuned entry, else the heuristics); the result is the same
+    up to summation order.
+    """
     _check_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc)
     num_tokens, num_heads, head_size = query.shape
     num_seqs, num_kv_heads, block_size = seq_lens.shape[0], key_cache.shape[2], key_cache.shape[1]
@@ -203,14 +230,18 @@ def paged_attention(
         return out
     block_q, block_m = _query_blocking(num_tokens, num_seqs, group)
     num_q_blocks = num_tokens if block_q == 1 else num_tokens // block_q + num_seqs
-    block_n = max(32 if query.dtype == torch.float32 else 64, block_size)  # fp32: less smem
-    num_splits, split_size = kv_splits(
-        num_q_blocks * num_kv_heads,
-        block_q,
-        block_tables.shape[1] * block_size,
-        block_n,
-        query.device,
+    max_context = block_tables.shape[1] * block_size
+    launch = _heuristic(query, block_q, num_q_blocks * num_kv_heads, max_context, block_size)
+    key = config_key(
+        num_tokens, num_seqs, num_heads, num_kv_heads, head_size, max_context, query.dtype
     )
+    launch |= _tuned(query.device, key) if config is None else _checked(config)
+    block_n = max(int(launch["block_n"]), block_size)
+    num_splits = max(1, min(int(launch["num_splits"]), _MAX_SPLITS)) if block_q == 1 else 1
+    split_size = max_context  # one split: the whole context (as the heuristics had it)
+    if num_splits > 1:
+        split_size = triton.cdiv(triton.cdiv(max_context, num_splits), block_n) * block_n
+    options = {k: int(launch[k]) for k in ("num_warps", "num_stages") if launch.get(k)}
     part = query.new_empty(
         num_splits if num_splits > 1 else 0,
         num_tokens,
@@ -249,6 +280,7 @@ def paged_attention(
         NUM_SPLITS=num_splits,
         DOT_DTYPE=jit.dot_dtype(query.dtype),
         PRECISION=jit.dot_precision(query.dtype),
+        **options,
     )
     if num_splits > 1:
         combine_kernel[(num_tokens, num_heads)](
@@ -264,6 +296,54 @@ def paged_attention(
             BLOCK_D=jit.next_pow2(head_size),
         )
     return out
+
+
+def config_key(
+    num_tokens: int,
+    num_seqs: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_size: int,
+    max_context: int,
+    dtype: torch.dtype,
+) -> str:
+    """The tuned-config key of a call: decode or prefill, heads, head size, dtype, and
+    the tokens and the block table's reach rounded up to powers of two (a CUDA graph's
+    decode step reaches ``max_model_len``)."""
+    kind = "decode" if num_tokens <= num_seqs else "prefill"
+    name = str(dtype).removeprefix("torch.")
+    tokens, reach = triton.next_power_of_2(num_tokens), triton.next_power_of_2(max_context)
+    return f"{kind}-h{num_heads}-kv{num_kv_heads}-d{head_size}-{name}-t{tokens}-c{reach}"
+
+
+def candidates(block_q: int = 1) -> list[dict]:
+    """Launch configs the GPU kit's sweep tries (a handful: the sweep must stay short)."""
+    out = []
+    for block_n in (32, 64, 128):
+        for num_warps in (4, 8):
+            for num_splits in (1, 4, 16) if block_q == 1 else (1,):
+                out.append({"block_n": block_n, "num_warps": num_warps, "num_splits": num_splits})
+    return out
+
+
+def _heuristic(query, block_q: int, num_programs: int, max_context: int, block_size: int) -> dict:
+    """Today's launch: BLOCK_N 64 (32 in fp32: less shared memory), splits to fill the device."""
+    block_n = max(32 if query.dtype == torch.float32 else 64, block_size)
+    num_splits, _ = kv_splits(num_programs, block_q, max_context, block_n, query.device)
+    return {"block_n": block_n, "num_splits": num_splits}
+
+
+def _tuned(device: torch.device, key: str) -> dict:
+    if tuned is None or device.type != "cuda":
+        return {}
+    return _checked(tuned.lookup(device, OP, key) or {})
+
+
+def _checked(config: dict) -> dict:
+    unknown = set(config) - set(CONFIG_KEYS)
+    if unknown:
+        raise ValueError(f"unknown paged_attention config keys {sorted(unknown)}")
+    return dict(config)
 
 
 def _query_blocking(num_tokens: int, num_seqs: int, group: int) -> tuple[int, int]:

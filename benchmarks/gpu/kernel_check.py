@@ -7,7 +7,10 @@ ranks 8-64, 1-64 adapter slots, hidden sizes 2048 and 4096 and sizes that are
 no power of two, decode and prefill batches. Error: max |kernel - reference|
 over max(1, max |reference|). Cases marked timed also give the kernel's
 achieved bandwidth (the least bytes the op must move over its median time) as
-a fraction of the copy bandwidth of section 1.
+a fraction of the copy bandwidth of section 1: timed by replaying a CUDA graph
+of one call per copy of the inputs, enough copies to outgrow L2, at least 50
+timed replays, nothing but the calls in the window (``timing.replay_time``),
+and no Triton compile inside it (``timing.CompileGuard``).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import torch
 
 from lorapool.kernels import LoRAMapping, attention_ops, jit, kv_cache_ops, lora_ops, reference
 
-from .timing import time_call
+from .timing import CompileGuard, copies_for, replay_time
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 TOLERANCE = {torch.float32: 2e-3, torch.float16: 1e-2, torch.bfloat16: 3e-2}
@@ -92,6 +95,7 @@ def run(ctx, rec) -> None:
     rec.check(f"Triton kernels run {want}", mode == want, mode)
     lora, attn = (LORA_TINY, ATTN_TINY) if ctx.tiny else (LORA_FULL, ATTN_FULL)
     gen = torch.Generator(device=device).manual_seed(0)
+    ctx.guard = CompileGuard()
     for dtype in DTYPES:
         for case in (*lora, *attn, "kv"):
             if ctx.time_left() < 0:
@@ -101,11 +105,19 @@ def run(ctx, rec) -> None:
             rec.row("cases", row)
             rec.check(f"{row['op']} {row['case']} {row['dtype']}", row["ok"], f"err {row['err']}")
     rec.figure("max_err_by_dtype", _max_errors(rec.data["tables"].get("cases", [])))
+    ctx.guard.report(rec, "kernels")
     fractions = [
         r["bw_fraction"] for r in rec.data["tables"].get("cases", []) if "bw_fraction" in r
     ]
     if fractions:
         rec.figure("best_bandwidth_fraction", max(fractions))
+    lora = [
+        r["bw_fraction"]
+        for r in rec.data["tables"].get("cases", [])
+        if r["op"] == "lora" and r["case"].startswith("decode") and "bw_fraction" in r
+    ]
+    if lora:  # the LoRA kernels' share of the copy bandwidth at decode shapes (bf16 first)
+        rec.figure("lora_decode_bw_fraction", lora[0])
 
 
 def _run_case(case, dtype, device, gen, ctx) -> dict:
@@ -153,7 +165,16 @@ def _lora_case(c: LoraCase, dtype, device, gen, ctx) -> dict:
         nbytes = dtype.itemsize * (
             x.numel() + used * (a[:, 0].numel() + b[0].numel()) + 2 * out0.numel()
         )
-        row |= _bandwidth(kernel, nbytes, device, ctx)
+        tensors = (x, a, b, out0)
+        n = copies_for(sum(t.numel() * t.element_size() for t in tensors), device)
+
+        def call_on(x, a, b, out):  # accumulates into out: a timing, not a result
+            return lambda: lora_ops.lora_expand(
+                lora_ops.lora_shrink(x, a, mapping), b, mapping, out, c.widths
+            )
+
+        calls = [call_on(*(t.clone() for t in tensors)) for _ in range(n)]
+        row |= _bandwidth(calls, nbytes, device, ctx, f"lora {c.name} {row['dtype']}")
     return row
 
 
@@ -187,7 +208,13 @@ def _attn_case(c: AttnCase, dtype, device, gen, ctx) -> dict:
     if c.timed:
         context = sum(ctx_len for _, ctx_len in c.seqs)
         nbytes = dtype.itemsize * (2 * context * c.kv_heads * c.head_size + 2 * query.numel())
-        row |= _bandwidth(lambda: attention_ops.paged_attention(*args), nbytes, device, ctx)
+        n = copies_for(sum(t.numel() * t.element_size() for t in args[:3]), device)
+
+        def call_on(q, k, v):
+            return lambda: attention_ops.paged_attention(q, k, v, *args[3:])
+
+        calls = [call_on(*(t.clone() for t in args[:3])) for _ in range(n)]
+        row |= _bandwidth(calls, nbytes, device, ctx, f"attention {c.name} {row['dtype']}")
     return row
 
 
@@ -208,10 +235,13 @@ def _kv_case(dtype, device, gen, tokens: int) -> dict:
     return _row("write_kv_cache", f"{tokens} tokens, every 7th padding", dtype, err)
 
 
-def _bandwidth(fn, nbytes: int, device: str, ctx) -> dict:
-    seconds = time_call(fn, device, reps=10 if device == "cuda" else 2, warmup=2)
+def _bandwidth(calls, nbytes: int, device: str, ctx, label: str) -> dict:
+    timed = replay_time(calls, device, window=ctx.guard.window(label))
+    seconds = timed["median_s"]
     gbps = nbytes / seconds / 1e9
-    out = {"us": round(seconds * 1e6, 1), "GBps": float(f"{gbps:.4g}")}
+    out = {"us": round(seconds * 1e6, 2), "GBps": float(f"{gbps:.4g}")}
+    out |= {"samples": timed["samples"], "copies": len(calls)}
+    out["p90_us"] = round(timed["p90_s"] * 1e6, 2)
     if ctx.copy_gbps:
         out["bw_fraction"] = float(f"{gbps / ctx.copy_gbps:.3g}")
     return out

@@ -1,8 +1,9 @@
 """What the kit runs in each mode: sections, time boxes, shapes, model sizes, workloads.
 
-Two modes run the same code: the full run on a GPU (at most 8 minutes on an
-H100, warm-up included) and ``--tiny`` (tiny shapes, the CPU dry run of CI, under
-2 minutes on a 2-core box). Every number that sizes the run lives here.
+Two modes run the same code: the full run on a GPU (two calls, ``PARTS``, of at
+most 8 minutes each on an H100, warm-up included) and ``--tiny`` (tiny shapes, the
+CPU dry run of CI, under 2 minutes on a 2-core box). Every number that sizes the
+run lives here.
 """
 
 from __future__ import annotations
@@ -12,16 +13,44 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-SECTIONS = ("device", "kernels", "engine", "throughput", "queue")
+SECTIONS = ("device", "kernels", "sweep", "engine", "throughput", "big", "queue")
 
-# Seconds per section (the whole-run budget caps them too). The full run's boxes add
-# to 450 s, leaving 30 s of the 480 s for five interpreter starts and the reports. On
-# an H200 (733426d, 5a6215d) the sections took: kernels 39, engine 100-106 (the Qwen3
-# LoRA check included), throughput 60-70, queue 56 before it asked for logprobs and
-# ran its wrong-adapter probes, ~90 after (its 80 s box cut it short).
-FULL_BOXES = {"device": 15, "kernels": 65, "engine": 150, "throughput": 90, "queue": 130}
+# Seconds per section (the whole-run budget, the boxes of the sections asked for + 30 s
+# for interpreter starts and the reports, caps them too). On an H200 (733426d, 5a6215d)
+# the sections took: kernels 39, engine 100-106 (the Qwen3 LoRA check included),
+# throughput 60-70, queue 56 before it asked for logprobs and ran its wrong-adapter
+# probes, ~90 after (its 80 s box cut it short). The boxes of the sections issue 47
+# added or grew are estimates, not yet measured on a GPU (below).
+FULL_BOXES = {
+    "device": 15,
+    "kernels": 65,
+    "sweep": 90,
+    "engine": 150,
+    "throughput": 150,
+    "big": 90,
+    "queue": 190,
+}
+# Issue 47 added the sweep (~50 s: ~145 launches compiled in 16 processes, each timed by
+# 50 graph replays), the 8B shape (~60 s: random weights drawn on the device, 8 adapters
+# written, graphs at 64 and 256), the decode step at batch 256 with each engine flag on
+# and off (throughput ~110-130 s: an engine per flag) and a second worker with the
+# production settings (queue ~+50 s). All of it (780 s of boxes) no longer fits one
+# 8-minute call: ``PARTS`` splits it in two calls of at most 8 minutes each (boxes
+# 360 + 30 and 405 + 30 s; expected ~250 and ~300 s).
+PARTS = {
+    "1": ("device", "kernels", "sweep", "queue"),
+    "2": ("device", "engine", "throughput", "big"),
+}
 # The dry run takes ~40 s on an idle 2-core box; the boxes leave room for a loaded one.
-TINY_BOXES = {"device": 10, "kernels": 25, "engine": 45, "throughput": 30, "queue": 40}
+TINY_BOXES = {
+    "device": 10,
+    "kernels": 25,
+    "sweep": 30,
+    "engine": 45,
+    "throughput": 45,
+    "big": 25,
+    "queue": 55,
+}
 
 
 @dataclass(frozen=True)
@@ -44,9 +73,13 @@ class ModelShape:
 # ~1B Llama (Llama-3.2-1B's shape, vocab cut to 32k so building takes seconds) and
 # Qwen3-0.6B's shape: nothing downloaded, weights drawn on the device.
 LLAMA_1B = ModelShape("llama-1b", "llama", 2048, 8192, 16, 32, 8, 32000)
+# Llama-3.1-8B's shape (16 GB of weights in bf16): built on the device by the engine alone
+# (``big_model``), never written to disk nor loaded by transformers.
+LLAMA_8B = ModelShape("llama-8b", "llama", 4096, 14336, 32, 32, 8, 128256)
 QWEN3_SMALL = ModelShape("qwen3-0.6b", "qwen3", 1024, 3072, 28, 16, 8, 151936, 128, True)
 TINY_LLAMA = ModelShape("tiny-llama", "llama", 64, 128, 2, 4, 2, 512, max_position_embeddings=512)
 TINY_QWEN3 = ModelShape("tiny-qwen3", "qwen3", 64, 128, 3, 4, 2, 512, 32, True, 512)
+TINY_BIG = ModelShape("tiny-big", "llama", 128, 256, 2, 4, 2, 1024, max_position_embeddings=512)
 
 
 @dataclass(frozen=True)
@@ -64,7 +97,14 @@ class Sizes:
     adapter_counts: tuple[int, ...] = (8, 64)
     adapter_rank: int = 16
     decode_tokens: int = 64  # decode-step timing: tokens per request
-    graph_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    decode_batches: tuple[int, ...] = (64, 256)  # decode-step timing: sequences at once
+    graph_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)  # and decode_batches
+    # engine speed flags measured on against off in one run (``flags``); the dry run adds
+    # a field EngineArgs has today so that the flag path runs before the others land
+    engine_flags: tuple[str, ...] = ("fused_layer_kernels", "lora_live_work")
+    big_model: ModelShape | None = None  # the ``big`` section's shape (random, on the device)
+    big_adapters: int = 8
+    sweep_candidates: int = 5  # per op and shape in the sweep, besides the old launch
     gpu_memory_utilization: float = 0.85
     queue_requests: int = 256
     queue_adapters: int = 8
@@ -73,7 +113,7 @@ class Sizes:
     kernel_shapes: str = "full"
 
 
-FULL = Sizes(models=(LLAMA_1B, QWEN3_SMALL))
+FULL = Sizes(models=(LLAMA_1B, QWEN3_SMALL), big_model=LLAMA_8B)
 TINY = Sizes(
     models=(TINY_LLAMA, TINY_QWEN3),
     parity_prompts=3,
@@ -85,7 +125,12 @@ TINY = Sizes(
     adapter_counts=(2, 4),
     adapter_rank=4,
     decode_tokens=6,
+    decode_batches=(4, 8),
     graph_sizes=(1, 2, 4, 8),
+    engine_flags=("fused_layer_kernels", "lora_live_work", "enable_prefix_caching"),
+    big_model=TINY_BIG,
+    big_adapters=2,
+    sweep_candidates=1,
     queue_requests=24,
     queue_adapters=3,
     queue_tokens=6,
@@ -103,6 +148,7 @@ class Context:
     workdir: str  # shared by the sections: models and adapters built once
     deadline: float  # time.time() by which the section must be done
     earlier: dict = field(default_factory=dict)  # name -> figures of the sections before
+    out: str = ""  # the run's report directory (files a section hands back: the sweep's)
 
     @property
     def sizes(self) -> Sizes:

@@ -15,6 +15,15 @@ what serving a request with the wrong adapter moves them (measured in the same
 run on ``PROBES`` requests), so an adapter mixed up, mis-scaled or left out
 cannot pass as rounding. The worker's tokens/s (submit to the last result, both
 warmed up on the whole workload at 2 tokens) is reported against the engine alone.
+
+Then the worker's speed, fairly (issue 47): a second worker runs the workload as
+it serves in production (the engine's default dtype, bf16 on CUDA; CUDA graphs;
+no logprobs), and the engine alone runs it under the same settings (the
+worker's CPU threads, its heap settings (``worker.heap.quiet``), DELTA outputs,
+the same dtype and graphs), timing each ``step``:
+``queue_overhead = 1 - sum of the engine's step times / the worker's wall time``
+(submit to the last result), the share of the worker's time spent outside the
+engine's steps: reading, admitting, publishing, waiting.
 """
 
 from __future__ import annotations
@@ -69,6 +78,10 @@ def run(ctx, rec) -> None:
     try:
         served = (prompts, which, adapters, expected)
         _through_worker(ctx, rec, server, path, served, engine_tps, misroute)
+        if ctx.time_left() < 0:
+            rec.cut_short("the worker-settings speed runs")
+            return
+        _speed(ctx, rec, server, path, served)
     finally:
         server.stop()
 
@@ -91,11 +104,18 @@ def _engine_options(ctx) -> dict:
     )
 
 
-def _params(ctx, tokens: int | None = None):
-    from lorapool import SamplingParams
+def _params(ctx, tokens: int | None = None, logprobs: bool = True, delta: bool = False):
+    from lorapool import RequestOutputKind, SamplingParams
 
     n = tokens or ctx.sizes.queue_tokens
-    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=TOP_K)
+    kind = RequestOutputKind.DELTA if delta else RequestOutputKind.CUMULATIVE
+    return SamplingParams(
+        temperature=0.0,
+        max_tokens=n,
+        ignore_eos=True,
+        logprobs=TOP_K if logprobs else None,
+        output_kind=kind,
+    )
 
 
 def _in_process(ctx, path, prompts, which, adapters):
@@ -142,31 +162,40 @@ def _engine_alone(ctx, path, prompts, which, adapters):
     return expected, sum(len(ids) for ids, _ in expected) / seconds, min(gaps, default=0.0)
 
 
-def _through_worker(ctx, rec, server, path, served, engine_tps, moved):
+def _served(ctx, rec, server, path, served, fast: bool, tag: str = ""):
+    """One worker (``fast``: the production settings, else float32 eager) serving the
+    workload after a warm-up on it at 2 tokens: (results, seconds submit to last result)."""
     from lorapool.producer import Producer
 
-    prompts, which, adapters, expected = served
+    prompts, which, adapters, _ = served
     producer = Producer(server.url, prefix=PREFIX)
     for name, directory in adapters.items():
         producer.registry.add(name, str(directory))
-    log = Path(ctx.workdir) / "worker.log"
-    worker = _start_worker(ctx, server.url, path, log)
+    log = Path(ctx.workdir) / f"worker{tag}.log"
+    worker = _start_worker(ctx, server.url, path, log, fast)
     try:
         t_start = time.time()
         _wait_worker(producer, worker, log, ctx.deadline)
-        rec.figure("worker_start_s", round(time.time() - t_start, 1))
-        params = _params(ctx)
+        rec.figure(f"worker_start_s{tag}", round(time.time() - t_start, 1))
+        logprobs = not fast
         warm = producer.submit_many(  # as the engine's warm-up: every request, 2 tokens
-            [{"prompt_token_ids": p} for p in prompts], _params(ctx, 2), which
+            [{"prompt_token_ids": p} for p in prompts], _params(ctx, 2, logprobs), which
         )
         for handle in warm:
             handle.result(timeout=max(5, ctx.deadline - time.time()))
+        params = _params(ctx, None, logprobs)
         t0 = time.perf_counter()
         handles = producer.submit_many([{"prompt_token_ids": p} for p in prompts], params, which)
         got = [h.result(timeout=max(5, ctx.deadline - time.time())) for h in handles]
         seconds = time.perf_counter() - t0
     finally:
         _stop(worker)
+    return got, seconds
+
+
+def _through_worker(ctx, rec, server, path, served, engine_tps, moved):
+    prompts, which, adapters, expected = served
+    got, seconds = _served(ctx, rec, server, path, served, fast=False)
     outs = [(list(out.outputs[0].token_ids), out.outputs[0].logprobs) for out in got]
     tokens = [ids for ids, _ in outs]
     worker_tps = sum(map(len, tokens)) / seconds
@@ -200,10 +229,12 @@ def _through_worker(ctx, rec, server, path, served, engine_tps, moved):
     rec.check("results name their adapters", loras == set(which), str(sorted(map(str, loras))))
 
 
-def _start_worker(ctx, url: str, path, log: Path) -> subprocess.Popen:
+def _start_worker(ctx, url: str, path, log: Path, fast: bool = False) -> subprocess.Popen:
+    """``fast``: the engine's default dtype and CUDA graphs (as served), else float32 eager."""
     sizes = ctx.sizes
     cmd = [sys.executable, "-c", "from lorapool.cli.main import main; main()", "worker"]
-    cmd += ["--model", str(path), "--device", ctx.device, "--dtype", "float32"]
+    cmd += ["--model", str(path), "--device", ctx.device]
+    cmd += ["--dtype", "auto", "--no-enforce-eager"] if fast else ["--dtype", "float32"]
     cmd += ["--redis-url", url, "--prefix", PREFIX, "--insecure-no-key"]
     cmd += ["--max-num-seqs", str(sizes.queue_requests), "--enable-lora"]
     cmd += ["--max-num-batched-tokens", str(max(2048, sizes.queue_requests))]
@@ -216,6 +247,63 @@ def _start_worker(ctx, url: str, path, log: Path) -> subprocess.Popen:
     env.pop("TRITON_INTERPRET", None)
     with open(log, "w") as out:  # cwd outside the checkout: its folders would shadow lorapool
         return subprocess.Popen(cmd, cwd=ctx.workdir, env=env, stdout=out, stderr=out)
+
+
+def _speed(ctx, rec, server, path, served) -> None:
+    """The worker against the engine alone, both with the worker's production settings."""
+    prompts, which, adapters, _ = served
+    threads = torch.get_num_threads()
+    torch.set_num_threads(_worker_threads())
+    try:
+        steps_s, tokens = _engine_as_served(ctx, path, prompts, which, adapters)
+    finally:
+        torch.set_num_threads(threads)
+    oracle.free()
+    rec.figure("served_engine_steps_s", round(steps_s, 3))
+    rec.figure("served_engine_tokens_per_s", round(tokens / steps_s, 1))
+    got, seconds = _served(ctx, rec, server, path, served, fast=True, tag="_served")
+    made = sum(len(out.outputs[0].token_ids) for out in got)
+    rec.figure("served_worker_wall_s", round(seconds, 3))
+    rec.figure("served_worker_tokens_per_s", round(made / seconds, 1))
+    rec.figure("queue_overhead", round(1 - steps_s / seconds, 3))
+    rec.check(
+        "the served worker made every token the engine alone made",
+        made == tokens,
+        f"worker {made}, engine {tokens}",
+    )
+
+
+def _engine_as_served(ctx, path, prompts, which, adapters) -> tuple[float, int]:
+    """(sum of step seconds, tokens) of the engine alone running the workload as the fast
+    worker does: default dtype, graphs, DELTA outputs, no logprobs, the worker's heap."""
+    from lorapool import LoRARequest
+    from lorapool.worker import heap
+
+    ids = {name: i + 1 for i, name in enumerate(adapters)}
+    loras = [None if w is None else LoRARequest(w, ids[w], str(adapters[w])) for w in which]
+    options = _engine_options(ctx) | {"enforce_eager": False}
+    engine = oracle.make_engine(path, ctx.device, "auto", **options)
+
+    def drive(tokens: int, tag: str) -> tuple[float, int]:
+        params = _params(ctx, tokens, logprobs=False, delta=True)
+        for i, (prompt, lora) in enumerate(zip(prompts, loras)):
+            engine.add_request(f"{tag}{i}", {"prompt_token_ids": prompt}, params, lora_request=lora)
+        spent, made = 0.0, 0
+        while engine.has_unfinished_requests():
+            t0 = time.perf_counter()
+            outs = engine.step()
+            spent += time.perf_counter() - t0
+            made += sum(len(c.token_ids) for out in outs for c in out.outputs)
+        return spent, made
+
+    drive(2, "warm")  # as the worker's warm-up
+    saved = heap.quiet()
+    try:
+        result = drive(ctx.sizes.queue_tokens, "run")
+    finally:
+        heap.restore(saved)
+    engine = None  # noqa: F841 - the closure names it: rebind, then the caller frees
+    return result
 
 
 def _worker_threads() -> int:

@@ -89,11 +89,36 @@ def overall(sections: list[dict]) -> str:
 
 
 def write_reports(out: Path, meta: dict, sections: list[dict]) -> None:
-    """``report.json`` and ``report.md`` in ``out``, rewritten after every section."""
+    """``report.json``, its copy named by ``report_name`` (the file to commit under
+    ``benchmarks/gpu/reports/``) and ``report.md`` in ``out``, after every section."""
     out.mkdir(parents=True, exist_ok=True)
     report = {**meta, "status": overall(sections), "sections": sections}
-    (out / "report.json").write_text(json.dumps(report, indent=1, default=str))
+    report["acceptance"] = acceptance(sections)
+    text = json.dumps(report, indent=1, default=str)
+    (out / "report.json").write_text(text)
+    (out / report_name(meta)).write_text(text)
     (out / "report.md").write_text(markdown(report))
+
+
+def report_name(meta: dict) -> str:
+    """``<date>-<commit>[-part<N>].json``: runs compare field by field, file by file."""
+    part = f"-part{meta['part']}" if meta.get("part") else ""
+    commit = "".join(c for c in str(meta.get("commit", "unknown")) if c.isalnum()) or "unknown"
+    return f"{meta.get('date', 'undated')}-{commit}{part}.json"
+
+
+def acceptance(sections: list[dict]) -> dict:
+    """The figures issue 47 accepts the kit by (``acceptance_*`` of every section, and
+    the LoRA kernels' best share of the copy bandwidth at decode shapes), by section."""
+    found = {}
+    for s in sections:
+        figures = s.get("figures", {})
+        picked = {k: v for k, v in figures.items() if k.startswith("acceptance_")}
+        if s["name"] == "kernels" and "lora_decode_bw_fraction" in figures:
+            picked["lora_decode_bw_fraction"] = figures["lora_decode_bw_fraction"]
+        if picked:
+            found[s["name"]] = picked
+    return found
 
 
 def markdown(report: dict) -> str:
@@ -105,6 +130,16 @@ def markdown(report: dict) -> str:
         f"wall: {report.get('wall_s', '?')} s of a {report.get('budget_s', '?')} s budget",
         "",
     ]
+    if report.get("acceptance"):
+        lines += [
+            "Acceptance figures (issue 47):",
+            "",
+            "| section | figure | value |",
+            "|---|---|---|",
+        ]
+        for name, figures in report["acceptance"].items():
+            lines += [f"| {name} | {k} | {_fmt(v)} |" for k, v in figures.items()]
+        lines.append("")
     for i, section in enumerate(report["sections"], 1):
         lines += _section_md(i, section)
     return "\n".join(lines) + "\n"

@@ -3,30 +3,35 @@
 On the first model (the ~1B Llama), in the engine's default dtype (bf16 on CUDA):
 
 - ours against transformers' ``generate``: ``batch`` requests of ``prompt_len``
-  tokens, ``new_tokens`` each (no early stop), both warmed up first;
+  tokens, ``new_tokens`` each (no early stop), both warmed up first; and
+  against ``BASELINE_TOKENS_PER_S`` (today's figure on the H200);
 - 8 and 64 adapters (rank ``adapter_rank``, one per request in turn) against
   the base model, on one engine whose KV cache is sized from free memory
   (``gpu_memory_utilization``);
-- the decode step (``batch`` sequences, every one decoding; the base model, then
-  8 adapters) against its floor, the weights' bytes over the copy bandwidth of
-  section 1, with CUDA graphs off and on (the same engine, captured per
-  batch-size bucket). Eager greedy decoding must repeat itself token for token;
-  with graphs the base model's tokens must not change, and with adapters they
-  must be equal up to near ties (each run's token among the other's top 5 where
-  they part): a graph runs the LoRA kernels over a fixed grid of tiles, which
-  splits the shrink's reduction differently from an eager step.
+- the decode step (``decode_step``) at each of ``decode_batches`` (64 and
+  256), the base model, 8 adapters and (at the first batch) 64, with CUDA
+  graphs and eagerly, against its bytes floor and its practical floor
+  (``floors``), split into host phases and GPU time;
+- greedy tokens with graphs against eager (``graph_parity``);
+- each engine speed flag (``flags``) on against the old path, the same decode
+  steps with graphs, one engine per flag: "flag absent" where EngineArgs lacks it.
+
+Every measurement is wrapped: one that raises records a failed check and the
+section goes on.
 """
 
 from __future__ import annotations
 
-import statistics
+import contextlib
 import time
 from pathlib import Path
 
 import torch
 
-from . import models, oracle
-from .timing import Stopwatch
+from . import decode_step, flags, graph_parity, models, oracle
+from .timing import CompileGuard, Stopwatch
+
+BASELINE_TOKENS_PER_S = 10_110  # ours at batch 64 on the H200 before issue 47 (RESULTS.md)
 
 
 def run(ctx, rec) -> None:
@@ -48,12 +53,19 @@ def run(ctx, rec) -> None:
         device,
     )
     hf_tps = _transformers(ctx, rec, path, prompts)
-    engine = _engine(ctx, rec, path, len(adapters))
-    ours = _timed_run(engine, prompts, sizes.new_tokens)
+    guard = CompileGuard()
+    engine = make_engine(ctx, rec, path, len(adapters), flags.old_path(sizes.engine_flags))
+    ours = _timed_run(engine, prompts, sizes.new_tokens, guard=guard)
     rec.figure("ours_tokens_per_s", round(ours, 1))
     rec.figure("ours_over_transformers", round(ours / hf_tps, 3))
-    _adapters(ctx, rec, engine, prompts, adapters, ours)
-    _decode_floor(ctx, rec, engine, shape, adapters)
+    rec.figure("acceptance_tokens_per_s_over_10110", round(ours / BASELINE_TOKENS_PER_S, 3))
+    _adapters(ctx, rec, engine, prompts, adapters, ours, guard)
+    old = _decode(ctx, rec, engine, shape, adapters, guard)
+    _parity(ctx, rec, engine, shape, adapters)
+    del engine
+    oracle.free()
+    _flags(ctx, rec, path, shape, adapters, old, guard)
+    guard.report(rec, "throughput")
 
 
 def _transformers(ctx, rec, path, prompts) -> float:
@@ -90,18 +102,21 @@ def _engine_dtype(device: str) -> torch.dtype:
     return EngineArgs(model="-").resolve_dtype(torch.device(device), torch.float32)
 
 
-def _engine(ctx, rec, path, max_loras: int):
+def make_engine(ctx, rec, path, max_loras: int, extra: dict | None = None, tag: str = ""):
+    """An engine for ``batch`` and every decode batch, graphs captured on CUDA (eager if the
+    capture fails: a failed check); ``extra``: more EngineArgs (the flags)."""
     sizes = ctx.sizes
+    seqs = max(sizes.batch, *sizes.decode_batches)
     options = dict(
-        max_num_seqs=sizes.batch,
-        max_num_batched_tokens=max(2048, sizes.batch * 2),
+        max_num_seqs=seqs,
+        max_num_batched_tokens=max(2048, seqs * 2),
         enable_lora=True,
         max_loras=max_loras,
         max_cpu_loras=max_loras,
         max_lora_rank=sizes.adapter_rank,
         enforce_eager=ctx.device != "cuda",
-        cuda_graph_sizes=list(sizes.graph_sizes),
-    )
+        cuda_graph_sizes=sorted({*sizes.graph_sizes, *sizes.decode_batches}),
+    ) | (extra or {})
     if ctx.device == "cuda":
         options |= {"kv_cache_memory": None, "gpu_memory_utilization": sizes.gpu_memory_utilization}
     t0 = time.time()
@@ -110,11 +125,13 @@ def _engine(ctx, rec, path, max_loras: int):
     except Exception as exc:  # graphs that fail to capture must not cost the section
         if options["enforce_eager"]:
             raise
-        rec.check("CUDA graphs capture", False, repr(exc)[:800])
+        rec.check(f"{tag}CUDA graphs capture", False, repr(exc)[:800])
         oracle.free()
         engine = oracle.make_engine(path, ctx.device, "auto", **options | {"enforce_eager": True})
     runner = engine.runner
-    rec.figure("engine_start_s", round(time.time() - t0, 1))
+    rec.figure(f"{tag}engine_start_s", round(time.time() - t0, 1))
+    if tag:
+        return engine
     rec.figure("engine_dtype", str(runner.dtype).removeprefix("torch."))
     rec.figure("kv_blocks", runner.num_blocks)
     rec.figure("kv_cache_GiB", round(runner.num_blocks * runner._block_bytes() / 2**30, 2))
@@ -127,8 +144,9 @@ def _engine(ctx, rec, path, max_loras: int):
     return engine
 
 
-def _timed_run(engine, prompts, new_tokens: int, loras=None) -> float:
-    """Output tokens a second of one continuous batch (a short warm-up run first)."""
+def _timed_run(engine, prompts, new_tokens: int, loras=None, guard=None) -> float:
+    """Output tokens a second of one continuous batch, after a warm-up on the identical
+    workload; the timed run inside ``guard``'s window."""
     from lorapool import SamplingParams
 
     def drive(tokens, tag):
@@ -139,102 +157,186 @@ def _timed_run(engine, prompts, new_tokens: int, loras=None) -> float:
         while engine.has_unfinished_requests():
             engine.step()
 
-    drive(2, "warm")
-    t0 = time.perf_counter()
-    drive(new_tokens, "run")
-    return len(prompts) * new_tokens / (time.perf_counter() - t0)
+    drive(new_tokens, "warm")
+    label = f"throughput run, {len({r.lora_int_id for r in loras or ()})} adapters"
+    with guard.window(label) if guard else contextlib.nullcontext():
+        t0 = time.perf_counter()
+        drive(new_tokens, "run")
+        seconds = time.perf_counter() - t0
+    return len(prompts) * new_tokens / seconds
 
 
-def _adapters(ctx, rec, engine, prompts, adapters: dict, base_tps: float) -> None:
+def _adapters(ctx, rec, engine, prompts, adapters: dict, base_tps: float, guard) -> None:
     for count in ctx.sizes.adapter_counts:
         if ctx.time_left() < 0:
             rec.cut_short(f"the {count}-adapter run")
             return
-        loras = _loras(adapters, count, len(prompts))
-        tps = _timed_run(engine, prompts, ctx.sizes.new_tokens, loras)
+        loras = loras_of(adapters, count, len(prompts))
+        tps = _timed_run(engine, prompts, ctx.sizes.new_tokens, loras, guard)
         rec.figure(f"adapters_{count}_tokens_per_s", round(tps, 1))
         rec.figure(f"adapters_{count}_over_base", round(tps / base_tps, 3))
 
 
-def _decode_floor(ctx, rec, engine, shape, adapters: dict) -> None:
-    runner = engine.runner
-    weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
-    rec.figure("weights_GB", round(weight_bytes / 1e9, 3))
-    floor_s = weight_bytes / (ctx.copy_gbps * 1e9) if ctx.copy_gbps else None
-    if floor_s:
-        rec.figure("decode_floor_ms", round(floor_s * 1e3, 3))
-    graphs = getattr(runner, "graphs", None)
+def configurations(ctx, adapters: dict, modes, labels=None):
+    """(where, loras) of every decode configuration: batch x adapters x mode; the most
+    adapters at the first batch only (and only among ``labels`` when given)."""
+    sizes = ctx.sizes
+    few, most = min(sizes.adapter_counts), max(sizes.adapter_counts)
+    for i, batch in enumerate(sizes.decode_batches):
+        counts = [0, few] + ([most] if i == 0 and most != few else [])
+        for count in counts:
+            label = f"lora{count}" if count else "base"
+            if labels is not None and label not in labels:
+                continue
+            names = list(adapters)[:count]
+            loras = loras_of(adapters, count, batch) if count else None
+            for mode in modes:
+                where = {"label": label, "batch": batch, "mode": mode}
+                yield where | {"adapters": [adapters[n] for n in names]}, loras
+
+
+def _decode(ctx, rec, engine, shape, adapters, guard) -> dict:
+    """The old path's decode steps: {(label, batch, mode): StepRun}."""
+    graphs = getattr(engine.runner, "graphs", None)
     if graphs is None:
         rec.note("CUDA graphs: not on this device (eager only)")
-    count = min(ctx.sizes.adapter_counts)
-    loras = _loras(adapters, count, ctx.sizes.batch)
-    for label, requests_loras in (("base", None), (f"lora{count}", loras)):
-        tokens = {}
-        for mode in ("eager", "graphs") if graphs is not None else ("eager",):
-            if ctx.time_left() < 0:
-                rec.cut_short(f"the {label} {mode} decode timing")
-                return
-            if graphs is not None:
-                graphs.enabled, graphs.replays = mode == "graphs", 0
-            step_s, tokens[mode] = _decode_steps(engine, ctx.sizes, shape, requests_loras)
-            rec.figure(f"decode_step_ms_{label}_{mode}", round(step_s * 1e3, 3))
-            if floor_s:
-                rec.figure(f"decode_step_over_floor_{label}_{mode}", round(step_s / floor_s, 2))
-            if graphs is not None:
-                rec.figure(f"graph_replays_{label}_{mode}", graphs.replays)
-        if "graphs" in tokens:
-            replayed = graphs.replays
-            rec.check(f"{label}: CUDA graphs replayed", replayed > 0, str(replayed))
-            _graph_parity(ctx, rec, engine, graphs, shape, label, requests_loras)
-
-
-TOP_K = 5
-
-
-def _graph_parity(ctx, rec, engine, graphs, shape, label, loras) -> None:
-    """Greedy tokens with graphs against eager; eager against itself gives the noise floor."""
-    if ctx.time_left() < 0:
-        rec.cut_short(f"the {label} graph parity runs")
-        return
-    prompts = models.prompts(ctx.sizes.batch, 16, shape.vocab_size, seed=2)
-    n = ctx.sizes.decode_tokens
+    modes = ("graphs", "eager") if graphs is not None else ("eager",)
+    practical = decode_step.practical_floors(ctx, rec, engine, guard)
     runs = {}
-    for mode in ("eager", "eager_again", "graphs"):
-        graphs.enabled, graphs.replays = mode == "graphs", 0
-        runs[mode] = oracle.engine_greedy_top(engine, prompts, n, loras, k=TOP_K, ignore_eos=True)
-    rec.figure(f"{label}_parity_graph_replays", graphs.replays)
-    graphs.enabled = True
-    (eager, eager_tops), (again, _), (graphed, graph_tops) = runs.values()
-    repeat = oracle.agreement(again, eager)
-    same = oracle.agreement(graphed, eager)
-    rec.figure(f"{label}_eager_repeat_exact", f"{repeat.exact}/{repeat.total}")
-    rec.figure(f"{label}_graphs_vs_eager_exact", f"{same.exact}/{same.total}")
-    rec.figure(f"{label}_graphs_vs_eager_agreement", same.share)
-    rec.check(
-        f"{label}: eager greedy decoding repeats itself token for token",
-        repeat.exact == repeat.total,
-        f"first differences (request, token): {repeat.first_diffs}",
-    )
-    if loras is None:  # the same kernels on the same shapes, captured or not: the same bits
-        rec.check(
-            f"{label}: greedy tokens equal with and without CUDA graphs",
-            same.exact == same.total,
-            f"first differences (request, token): {same.first_diffs}",
+    for where, loras in configurations(ctx, adapters, modes):
+        key = (where["label"], where["batch"], where["mode"])
+        if ctx.time_left() < 0:
+            rec.cut_short(f"the decode step {key} and what follows")
+            break
+        if graphs is not None:
+            graphs.enabled, graphs.replays = where["mode"] == "graphs", 0
+        run = _measured(
+            rec,
+            f"decode step {key}",
+            decode_step.decode_run,
+            engine,
+            ctx,
+            shape,
+            where["batch"],
+            loras,
+            guard,
+            f"decode {key}",
         )
+        if run is None:
+            continue
+        runs[key] = run
+        decode_step.record(ctx, rec, engine, shape, run, where, practical)
+        if graphs is not None and where["mode"] == "graphs":
+            rec.check(f"{key}: CUDA graphs replayed", graphs.replays > 0, str(graphs.replays))
+    if graphs is not None:
+        graphs.enabled = True
+    _ratios(ctx, rec, runs)
+    return runs
+
+
+def _measured(rec, what: str, fn, *args):
+    try:
+        return fn(*args)
+    except Exception as exc:  # one measurement's failure must not cost the section
+        rec.check(f"{what} ran", False, repr(exc)[:800])
+        oracle.free()
+        return None
+
+
+def _ratios(ctx, rec, runs: dict) -> None:
+    for (label, batch, mode), run in runs.items():
+        base = runs.get(("base", batch, mode))
+        if label != "base" and base:
+            ratio = round(run.step_s / base.step_s, 3)
+            rec.figure(f"step_{label}_over_base_b{batch}_{mode}", ratio)
+    first, mode = ctx.sizes.decode_batches[0], next(iter(runs), (0, 0, "eager"))[2]
+    figures = rec.data["figures"]
+    for key, name in (
+        (f"step_over_practical_floor_base_b{first}_{mode}", "step_over_practical_floor"),
+        (f"step_over_bytes_floor_base_b{first}_{mode}", "step_over_bytes_floor"),
+    ):
+        if key in figures:
+            rec.figure(f"acceptance_{mode}_{name}", figures[key])
+    for count in ctx.sizes.adapter_counts:
+        key = f"step_lora{count}_over_base_b{first}_{mode}"
+        if key in figures:
+            rec.figure(f"acceptance_step_lora{count}_over_base", figures[key])
+
+
+def _parity(ctx, rec, engine, shape, adapters) -> None:
+    graphs = getattr(engine.runner, "graphs", None)
+    if graphs is None:
         return
-    # A graph runs the LoRA kernels over a fixed grid (cuda_graphs.max_tiles tiles of
-    # LORA_BLOCK_M rows), so the shrink's reduction is split differently from an eager
-    # step's: other sums in another order. Equal up to near ties is what can be asked.
-    real = oracle.not_near_ties(graphed, eager, graph_tops, lambda i, pos: eager_tops[i][pos])
-    rec.check(
-        f"{label}: greedy tokens with CUDA graphs equal eager's up to near ties "
-        f"(each token in the other's top {TOP_K} where they part)",
-        not real,
-        "; ".join(real[:10]),
-    )
+    count = min(ctx.sizes.adapter_counts)
+    for label, loras in (
+        ("base", None),
+        (f"lora{count}", loras_of(adapters, count, ctx.sizes.batch)),
+    ):
+        _measured(
+            rec,
+            f"{label} graph parity",
+            graph_parity.check,
+            ctx,
+            rec,
+            engine,
+            graphs,
+            shape,
+            label,
+            loras,
+        )
 
 
-def _loras(adapters: dict, count: int, num: int) -> list:
+def _flags(ctx, rec, path, shape, adapters, old: dict, guard) -> None:
+    """Each present flag on, alone, against the old path's decode steps (graphs where there)."""
+    names = ctx.sizes.engine_flags
+    mode = next(iter(old), (0, 0, "eager"))[2]
+    for name, there in flags.present(names).items():
+        rec.figure(f"flag_{name}", "present" if there else "flag absent")
+        if not there:
+            continue
+        if ctx.time_left() < 0:
+            rec.cut_short(f"the {name} runs")
+            return
+        tag = f"{name}_on_"
+        options = flags.old_path(names) | {name: True}
+        engine = _measured(
+            rec, f"an engine with {name}", make_engine, ctx, rec, path, len(adapters), options, tag
+        )
+        if engine is None:
+            continue
+        wanted = ("base", f"lora{min(ctx.sizes.adapter_counts)}")
+        for where, loras in configurations(ctx, adapters, (mode,), wanted):
+            key = (where["label"], where["batch"], mode)
+            if ctx.time_left() < 0:
+                rec.cut_short(f"the {name} decode step {key}")
+                break
+            run = _measured(
+                rec,
+                f"{name} decode step {key}",
+                decode_step.decode_run,
+                engine,
+                ctx,
+                shape,
+                where["batch"],
+                loras,
+                guard,
+                f"{name} {key}",
+            )
+            if run is None:
+                continue
+            decode_step.record(ctx, rec, engine, shape, run, where | {"tag": tag}, {})
+            suffix = f"{key[0]}_b{key[1]}"
+            if key in old:
+                rec.figure(
+                    f"flag_{name}_on_over_off_{suffix}", round(run.step_s / old[key].step_s, 3)
+                )
+                same = oracle.agreement(run.tokens, old[key].tokens)
+                rec.figure(f"flag_{name}_tokens_vs_off_{suffix}", f"{same.exact}/{same.total}")
+        del engine
+        oracle.free()
+
+
+def loras_of(adapters: dict, count: int, num: int) -> list:
     from lorapool import LoRARequest
 
     names = list(adapters)
@@ -242,33 +344,3 @@ def _loras(adapters: dict, count: int, num: int) -> list:
         LoRARequest(names[i % count], i % count + 1, str(adapters[names[i % count]]))
         for i in range(num)
     ]
-
-
-def _decode_steps(engine, sizes, shape, loras=None) -> tuple[float, list]:
-    """Median seconds of steps in which all ``batch`` sequences decode; the tokens made."""
-    from lorapool import SamplingParams
-
-    params = SamplingParams(temperature=0.0, max_tokens=sizes.decode_tokens, ignore_eos=True)
-    prompts = models.prompts(sizes.batch, 16, shape.vocab_size, seed=2)
-    for i, prompt in enumerate(prompts):
-        lora = loras[i] if loras else None
-        engine.add_request(f"dec{i}", {"prompt_token_ids": prompt}, params, lora_request=lora)
-    times, done = [], {}
-    while engine.has_unfinished_requests():
-        decoding = _all_decoding(engine, sizes.batch)
-        t0 = time.perf_counter()
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = list(out.outputs[0].token_ids)
-        if decoding:
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times[2:] or times), [done[k] for k in sorted(done)]
-
-
-def _all_decoding(engine, batch: int) -> bool:
-    running = engine.scheduler.running
-    return (
-        not engine.scheduler.waiting
-        and len(running) == batch
-        and all(s.num_computed_tokens >= s.num_prompt_tokens for s in running)
-    )

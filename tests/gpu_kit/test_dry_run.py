@@ -34,10 +34,24 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 KIT = ROOT / "benchmarks" / "gpu_check.py"
 GUARD = ROOT / "tests" / "support" / "kit_guard"
-SECTIONS = ["device", "kernels", "engine", "throughput", "queue"]
+SECTIONS = ["device", "kernels", "sweep", "engine", "throughput", "big", "queue"]
 FIGURES = {  # figures each section's report must hold
     "device": ["torch", "triton", "copy_GBps"],
-    "kernels": ["triton_mode", "max_err_by_dtype", "best_bandwidth_fraction"],
+    "kernels": [
+        "triton_mode",
+        "max_err_by_dtype",
+        "best_bandwidth_fraction",
+        "kernels_timed_windows",
+    ],
+    "sweep": [
+        "device_key",
+        "cases",
+        "launches",
+        "compile_s",
+        "launches_failed",
+        "sweep_timed_windows",
+        "winners",
+    ],
     "engine": [
         "tiny-llama_fp32_exact",
         "tiny-llama_bf16_agreement",
@@ -50,11 +64,37 @@ FIGURES = {  # figures each section's report must hold
         "adapters_2_over_base",
         "adapters_4_over_base",
         "kv_blocks",
-        "decode_floor_ms",
-        "decode_step_over_floor_base_eager",
-        "decode_step_over_floor_lora2_eager",
+        "acceptance_tokens_per_s_over_10110",
+        "practical_floor_ms_b4",
+        "practical_floor_ms_b8",
+        "bytes_floor_ms_base_b4",
+        "step_over_bytes_floor_base_b4_eager",
+        "step_over_practical_floor_base_b8_eager",
+        "step_over_practical_floor_lora2_b8_eager",
+        "step_lora4_over_base_b4_eager",
+        "acceptance_step_lora4_over_base",
+        "flag_fused_layer_kernels",
+        "flag_lora_live_work",
+        "flag_enable_prefix_caching_on_over_off_lora2_b8",
+        "throughput_timed_windows",
     ],
-    "queue": ["server", "results_equal", "worker_over_engine", "engine_tokens_per_s"],
+    "big": [
+        "parameters_B",
+        "practical_floor_ms_b8",
+        "step_over_bytes_floor_lora2_b8_eager",
+        "tokens_per_s_base_b4",
+        "acceptance_8b_step_over_practical_floor",
+        "big_timed_windows",
+    ],
+    "queue": [
+        "server",
+        "results_equal",
+        "worker_over_engine",
+        "engine_tokens_per_s",
+        "served_engine_tokens_per_s",
+        "served_worker_tokens_per_s",
+        "queue_overhead",
+    ],
 }
 
 
@@ -168,6 +208,52 @@ def test_dry_run_passes_with_every_section_reported(dry_run):
     for i, name in enumerate(SECTIONS, 1):
         assert f"## {i}. {name}: ok" in markdown
     print(f"modules the guard refused (optional imports the run did without): {blocked!r}")
+
+
+def test_dry_run_names_its_report_by_date_and_commit(dry_run):
+    _, report, out, _ = dry_run
+    named = out / f"{report['date']}-{report['commit']}.json"
+    assert json.loads(named.read_text())["sections"] == report["sections"]
+    assert (out / "configs" / "cpu.json").is_file()  # the sweep's winners, to commit per device
+    assert "acceptance" in report and "throughput" in report["acceptance"]
+    assert "Acceptance figures" in (out / "report.md").read_text()
+
+
+def test_dry_run_measures_the_decode_step_fairly(dry_run):
+    _, report, _, _ = dry_run
+    sections = {s["name"]: s for s in report["sections"]}
+    throughput = sections["throughput"]
+    figures = throughput["figures"]
+    for flag in ("fused_layer_kernels", "lora_live_work"):  # absent here until they land
+        assert figures[f"flag_{flag}"] in ("present", "flag absent")
+    assert figures["flag_enable_prefix_caching"] == "present"  # the flag path, run
+    assert figures["flag_enable_prefix_caching_tokens_vs_off_base_b8"] == "8/8"
+    rows = throughput["tables"]["step_timeline"]
+    assert {(r["label"], r["batch"]) for r in rows} >= {("base", 4), ("lora2", 8), ("lora4", 4)}
+    for row in rows:  # the phases add up to the step
+        parts = sum(row[f"{p}_ms"] for p in ("schedule", "prepare", "execute", "sample"))
+        parts += row["output_ms"] + row["other_ms"]
+        assert abs(parts - row["step_ms"]) < 0.01 + 1e-3 * row["step_ms"], row
+    gemm = figures["practical_floor_ms_b4"]
+    assert gemm > 0 and figures["bytes_floor_ms_base_b4"] > 0
+    for name in ("kernels", "throughput", "big", "sweep"):
+        assert any("nothing compiled inside" in c["name"] for c in sections[name]["checks"])
+    rows = sections["kernels"]["tables"]["cases"]
+    assert all(r["samples"] >= 2 for r in rows if "us" in r)
+    sweep = sections["sweep"]["tables"]["sweep"]
+    assert {r["op"] for r in sweep} >= {"paged_attention"}
+    assert all(r["old_us"] > 0 and r["new_us"] > 0 for r in sweep)
+
+
+def test_the_two_parts_cover_every_section_within_8_minutes():
+    spec = importlib.util.spec_from_file_location("gpu_plan", ROOT / "benchmarks/gpu/plan.py")
+    plan = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_plan"] = plan  # dataclasses look their module up
+    spec.loader.exec_module(plan)
+    covered = {name for part in plan.PARTS.values() for name in part}
+    assert covered == set(plan.SECTIONS)
+    for part in plan.PARTS.values():
+        assert sum(plan.FULL_BOXES[name] for name in part) + 30 <= 480, part
 
 
 def test_dry_run_checks_what_it_reports(dry_run):

@@ -95,6 +95,39 @@ def test_paged_attention_matches_reference(batch, tolerances):
     torch.testing.assert_close(got.float(), want.float(), **tolerances[batch.dtype])
 
 
+# Launch configs the GPU kit's sweep tries: the result is the reference's whatever the
+# tiles, splits and warps (a decode split in 1, 4 and 16; a prefill never splits).
+CONFIGS = [
+    {},
+    {"block_n": 32, "num_splits": 4, "num_warps": 8, "num_stages": 2},
+    {"block_n": 128, "num_splits": 16},
+    {"num_splits": 1},
+]
+
+
+@pytest.mark.usefixtures("triton_interpret")
+@pytest.mark.parametrize("config", CONFIGS, ids=str)
+@pytest.mark.parametrize("batch", [DECODE[3], PREFILL[1]], ids=str)
+def test_paged_attention_launch_configs_match_reference(batch, config, tolerances):
+    args = _make(batch)
+    scale = batch.head_size**-0.5
+    got = attention_ops.paged_attention(*args, scale, config=config)
+    want = reference.paged_attention(*args, scale)
+    torch.testing.assert_close(got.float(), want.float(), **tolerances[batch.dtype])
+
+
+def test_paged_attention_config_keys_and_candidates():
+    key = attention_ops.config_key(64, 64, 32, 8, 64, 4096, torch.bfloat16)
+    assert key == "decode-h32-kv8-d64-bfloat16-t64-c4096"
+    assert attention_ops.config_key(100, 3, 32, 8, 64, 300, torch.float16).startswith("prefill")
+    configs = attention_ops.candidates()
+    assert configs and all(set(c) <= set(attention_ops.CONFIG_KEYS) for c in configs)
+    assert {c["num_splits"] for c in attention_ops.candidates(block_q=4)} == {1}
+    args = _make(DECODE[0])
+    with pytest.raises(ValueError, match="unknown paged_attention config keys"):
+        attention_ops.paged_attention(*args, 0.1, config={"BLOCK_K": 64})
+
+
 # Decode rows padded to the longest of their group, and prefill beside decode.
 POISONED = [
     Batch(((1, 100), (1, 90), (1, 83), (1, 3)), 2, 16, F32),
