@@ -109,15 +109,16 @@ def _patch_loader(device: str) -> None:
             module.load_model = random_model
 
 
-def random_model(path, dtype: torch.dtype = torch.float32, device="cpu"):
-    """``loader.load_model``'s contract, the weights drawn on ``device`` (seed 0)."""
+def random_model(path, dtype: torch.dtype = torch.float32, device="cpu", **model_options):
+    """``loader.load_model``'s contract, the weights drawn on ``device`` (seed 0);
+    ``model_options`` (``fused``, ...) go to the model class as the loader passes them."""
     from transformers import AutoConfig
 
     from lorapool.engine.models import get_model_class
 
     config = AutoConfig.from_pretrained(path)
     with torch.device(device):
-        model = get_model_class(config)(config, dtype=dtype)
+        model = get_model_class(config)(config, dtype=dtype, **model_options)
     gen = torch.Generator(device=device).manual_seed(0)
     with torch.no_grad():
         for name, param in model.named_parameters():
