@@ -160,9 +160,20 @@ class Pool:
         most it may generate, max_tokens x n a prompt; ``params`` None: a request that
         generates nothing, a file upload say): 429 with Retry-After and OpenAI's
         ``x-ratelimit-*`` headers past them; within them, the headers go on the answer
-        (``request``'s state, added by the edge: ``edge.py``)."""
+        (``request``'s state, added by the edge: ``edge.py``). A request that could never
+        fit (more requests or tokens than the key's whole minute) is a 400: waiting would
+        not help, so no Retry-After invites the client to try again."""
         if caller.rpm is None and caller.tpm is None:
             return
+        if caller.rpm is not None and requests > caller.rpm:
+            raise APIError(
+                400,
+                f"this request is {requests} requests (one a prompt), over this key's "
+                f"{caller.rpm} requests per minute: it can never fit; send at most "
+                f"{caller.rpm} prompts a request",
+                "prompt",
+                code="exceeds_rate_limit",
+            )
         tokens = 0
         if params is not None:
             if caller.tpm is not None and params.max_tokens is None:
