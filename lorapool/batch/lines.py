@@ -18,6 +18,7 @@ from lorapool.lifecycle.wire import JobLimits
 from lorapool.openai.body_errors import invalid
 from lorapool.openai.errors import APIError, field_error
 from lorapool.openai.limits import check_stop_count
+from lorapool.openai.nesting import check_nesting
 from lorapool.openai.params import Parsed, parse_chat, parse_completion
 from lorapool.protocol import FieldError, short_repr
 
@@ -74,7 +75,10 @@ def parse_line(number: int, raw: bytes, batch_id: str, limits: JobLimits) -> Bat
     if len(raw) > MAX_LINE_BYTES:
         raise LineError(f"the line is over {MAX_LINE_BYTES} bytes")
     try:
+        check_nesting(raw, "the line")
         record = _decode(raw)
+    except APIError as exc:
+        raise LineError(exc.message) from None
     except msgspec.ValidationError as exc:
         error = invalid(str(exc), raw, Line)
         if error.param is None:  # not an object: worded for a line, not a request body

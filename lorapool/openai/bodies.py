@@ -39,6 +39,7 @@ from lorapool.bounds import (
 from lorapool.lifecycle.submit import MAX_ON_FINISH
 from lorapool.openai.body_errors import invalid
 from lorapool.openai.errors import APIError
+from lorapool.openai.nesting import check_nesting
 
 # The bounds are the job boundary's own (``lorapool.bounds``, which ``SamplingParams``
 # checks); these two are the OpenAI routes' alone.
@@ -252,15 +253,19 @@ class JobKind(Struct):
 
 def parse(body: bytes | Any, kind: type[Struct]) -> Any:
     """``body`` (the request's JSON bytes, or its value already read) as ``kind``; a
-    400 naming the request's parameter otherwise."""
+    400 naming the request's parameter otherwise, or the nesting past ``MAX_JSON_DEPTH``
+    (``nesting.py``), refused before it is decoded."""
     try:
         if isinstance(body, bytes | bytearray | memoryview):
+            check_nesting(body)
             return msgspec.json.decode(body, type=kind)
         return msgspec.convert(body, kind)
     except msgspec.ValidationError as exc:
         raise invalid(str(exc), body, kind) from None
     except (msgspec.DecodeError, UnicodeDecodeError) as exc:  # the latter: bad UTF-8 in a string
         raise APIError(400, f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:  # a value already read, nested past Python's stack
+        raise APIError(400, "the request body nests too deep", code="json_too_deep") from None
 
 
 REF = "#/components/schemas/{name}"

@@ -215,3 +215,10 @@ def test_a_missing_field_is_named_and_unicode_ids_pass():
         (error,) = check([without]).errors
         assert (error["param"], error["message"]) == (name, f"line 1: {name} is required")
     assert check([line("é中-\u200b")]).errors == []
+
+
+def test_a_deeply_nested_line_is_refused_not_raised():
+    """msgspec's recursion raised RecursionError out of the check (issue 51 row 10)."""
+    deep = line("a").replace(b'"hi"', b"[" * 5000 + b"]" * 5000)
+    (error,) = check([deep]).errors
+    assert "nests arrays and objects deeper than" in error["message"], error

@@ -19,6 +19,7 @@ import pytest
 from gateway_procs import free_port, lorapool_cmd, stop, wait_answering
 
 from lorapool.lifecycle.keys import Keys
+from lorapool.openai.nesting import MAX_JSON_DEPTH
 from lorapool.producer.api_keys import ApiKeys
 
 pytestmark = pytest.mark.integration
@@ -54,6 +55,50 @@ def gateway(redis_url, prefix, registry, tmp_path_factory):
 
 def _lines(log) -> list[str]:
     return log.read_text(errors="replace").splitlines()
+
+
+DEEP = 5000
+DEEP_VALUE = "[" * DEEP + "]" * DEEP
+MESSAGES = [{"role": "user", "content": "hi"}]
+# every POST route that reads a JSON body, the deep value where its parser reads it
+DEEP_BODIES = [
+    ("/v1/completions", "acme", {**JOB, "structured_outputs": {"json": "@"}}),
+    ("/v1/chat/completions", "acme", {"model": "ad-qv", "messages": MESSAGES, "tools": ["@"]}),
+    ("/v1/jobs", "acme", {**JOB, "guided_json": {"a": "@"}}),
+    ("/v1/jobs", "acme", {**JOB, "unknown": "@"}),
+    (
+        "/v1/batches",
+        "acme",
+        {"input_file_id": "file-x", "endpoint": "/v1/completions", "metadata": {"a": "@"}},
+    ),  # fmt: skip
+    ("/tokenize", "acme", {"model": "ad-qv", "messages": ["@"]}),
+    ("/detokenize", "acme", {"tokens": [1], "extra": "@"}),
+    ("/v1/load_lora_adapter", "ops", {"lora_name": "x", "lora_path": "/x", "lora_int_id": "@"}),
+    ("/v1/unload_lora_adapter", "ops", {"lora_name": "x", "lora_int_id": "@"}),
+]  # (/v1/lora_resolver reads 4 KB at most: 413 comes first)
+
+
+# Row 10: a body nested 5,000 deep
+@pytest.mark.parametrize(("path", "who", "body"), DEEP_BODIES)
+def test_row10_a_deeply_nested_body_is_a_400_naming_the_nesting(gateway, keys, path, who, body):
+    import orjson
+
+    raw = orjson.dumps(body).replace(b'"@"', DEEP_VALUE.encode())
+    headers = {**keys[who], "Content-Type": "application/json"}
+    answer = httpx.post(f"{gateway[0]}{path}", content=raw, headers=headers, timeout=30)
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert error["code"] == "json_too_deep", error
+    assert f"deeper than {MAX_JSON_DEPTH} levels" in error["message"], error
+
+
+def test_row10_a_body_at_the_nesting_limit_is_read(gateway, keys):
+    deep = {"type": "object"}
+    for _ in range((MAX_JSON_DEPTH - 4) // 2):  # two levels a schema level
+        deep = {"type": "object", "properties": {"a": deep}}
+    body = {**JOB, "structured_outputs": {"json": deep}}
+    answer = httpx.post(f"{gateway[0]}/v1/jobs", json=body, headers=keys["acme"], timeout=30)
+    assert answer.status_code != 500 and "json_too_deep" not in answer.text, answer.text
 
 
 # Row 11: more prompts in one request than the key's requests a minute

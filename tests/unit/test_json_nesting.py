@@ -1,0 +1,43 @@
+"""The request bodies' nesting bound (``lorapool.openai.nesting``, issue 51 row 10):
+brackets inside strings do not count, the bound itself passes, one level more is a 400
+before msgspec's recursion is reached."""
+
+import orjson
+import pytest
+
+from lorapool.openai.bodies import CompletionRequest, parse
+from lorapool.openai.errors import APIError
+from lorapool.openai.nesting import MAX_JSON_DEPTH, depth_over
+
+
+def nested(depth: int) -> bytes:
+    return b"[" * depth + b"]" * depth
+
+
+@pytest.mark.parametrize(
+    ("body", "over"),
+    [
+        (nested(MAX_JSON_DEPTH), False),
+        (nested(MAX_JSON_DEPTH + 1), True),
+        (b'{"a":' * MAX_JSON_DEPTH + b"1" + b"}" * MAX_JSON_DEPTH, False),
+        (b'{"a":' * (MAX_JSON_DEPTH + 1) + b"1" + b"}" * (MAX_JSON_DEPTH + 1), True),
+        (orjson.dumps(["[" * 1000, "{" * 1000]), False),  # brackets in strings
+        (orjson.dumps(['\\"[' * 1000]), False),  # escaped quotes do not end a string
+        (b"[" + b"[1]," * 5000 + b"[1]]", False),  # many brackets, two levels
+        (bytearray(nested(5000)), True),
+        (b"", False),
+    ],
+)
+def test_depth_over(body, over):
+    assert depth_over(body) is over
+
+
+def test_a_deep_body_is_a_400_naming_the_nesting_before_it_is_decoded():
+    value = orjson.loads(nested(MAX_JSON_DEPTH - 3))
+    ok = {"model": "m", "prompt": "x", "structured_outputs": {"json": value}}
+    assert parse(orjson.dumps(ok), CompletionRequest).structured_outputs == {"json": value}
+    deep = orjson.dumps(ok).replace(b"[]", nested(5000))
+    with pytest.raises(APIError) as raised:
+        parse(memoryview(deep), CompletionRequest)
+    assert raised.value.status == 400 and raised.value.code == "json_too_deep"
+    assert f"deeper than {MAX_JSON_DEPTH} levels" in raised.value.message
