@@ -7,6 +7,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+import anyio
 import orjson
 
 from lorapool.lifecycle.chunk import Chunk
@@ -66,6 +67,7 @@ async def until_stopped(
     reconnects (to this gateway or another) with Last-Event-ID."""
     stop = asyncio.ensure_future(stopping.wait())
     deadline = None if max_s is None else time.monotonic() + max_s
+    step = None
     try:
         while True:
             step = asyncio.ensure_future(items.__anext__())
@@ -80,6 +82,18 @@ async def until_stopped(
                 return
     finally:
         stop.cancel()
+        await _close(items, step)
+
+
+async def _close(items: AsyncIterator, step: asyncio.Future | None) -> None:
+    """Close ``items`` once ``step``, a task running its ``__anext__``, has ended: an
+    async generator cannot be closed while it runs (``aclose()`` raised "asynchronous
+    generator is already running" at every client that left a waiting stream, and the
+    step ran on, holding its job's reads). Shielded: the cancel that brought the
+    caller here (Starlette's, at a disconnect) would cancel each await of it again."""
+    with anyio.CancelScope(shield=True):
+        if step is not None:
+            await cancel_and_wait(step)
         await items.aclose()
 
 
@@ -102,6 +116,7 @@ async def guarded(
 async def until_taken(items: AsyncIterator, watch: asyncio.Future) -> AsyncIterator:
     """``items``; if ``watch`` (``Pool.untaken``) raises before the first item comes,
     that error instead. ``watch`` is cancelled at the first item or the end."""
+    step = None
     try:
         step = asyncio.ensure_future(items.__anext__())
         await asyncio.wait({step, watch}, return_when=asyncio.FIRST_COMPLETED)
@@ -118,4 +133,4 @@ async def until_taken(items: AsyncIterator, watch: asyncio.Future) -> AsyncItera
             yield item
     finally:
         watch.cancel()
-        await items.aclose()
+        await _close(items, step)

@@ -13,6 +13,7 @@ answer the issue asks for checked.
 from __future__ import annotations
 
 import subprocess
+import time
 
 import httpx
 import pytest
@@ -55,6 +56,53 @@ def gateway(redis_url, prefix, registry, tmp_path_factory):
 
 def _lines(log) -> list[str]:
     return log.read_text(errors="replace").splitlines()
+
+
+# Row 6: leaving a waiting job-events stream
+def test_row6_leaving_waiting_event_streams_is_quiet_and_the_gateway_serves_on(
+    gateway, keys, conn, prefix
+):
+    """Each left stream ends with its read of the job (the stream's task did not: it
+    still ran when the close of its generator failed), and logs no more than its
+    access line."""
+    url, log = gateway
+    job = httpx.post(f"{url}/v1/jobs", json=JOB, headers=keys["acme"], timeout=30)
+    assert job.status_code == 202, job.text
+    events = f"{url}/v1/jobs/{job.json()['id']}/events"
+    time.sleep(0.5)
+    before = len(_lines(log))
+    count = 50
+    for _ in range(count):
+        with httpx.stream("GET", events, headers=keys["acme"], timeout=30) as stream:
+            assert stream.status_code == 200
+            assert next(stream.iter_raw()).startswith(b"retry:")  # the stream waits now
+    time.sleep(2)  # the gateway has noticed every disconnect
+    following = conn.pubsub_channels(f"{prefix}:out:*")  # a live read of the job
+    assert following == [], following
+    lines = _lines(log)[before:]
+    assert not [line for line in lines if "aclose" in line or "Traceback" in line], lines[:40]
+    assert len(lines) <= count, lines[:40]  # the access log's line each, no more
+    assert httpx.get(f"{url}/healthz", timeout=10).status_code == 200
+    again = httpx.get(f"{url}/v1/jobs/{job.json()['id']}", headers=keys["acme"], timeout=10)
+    assert again.status_code == 200 and again.json()["status"] == "queued", again.text
+
+
+def test_row6_leaving_waiting_openai_streams_is_quiet_too(gateway, keys, conn, prefix):
+    """The OpenAI streams wait for their first chunk the same way (``until_taken``)."""
+    url, log = gateway
+    before, count = len(_lines(log)), 20
+    body = {**JOB, "stream": True}
+    for _ in range(count):
+        with httpx.stream(
+            "POST", f"{url}/v1/completions", json=body, headers=keys["acme"], timeout=30
+        ) as stream:
+            assert stream.status_code == 200
+    time.sleep(2)
+    lines = _lines(log)[before:]
+    assert not [line for line in lines if "aclose" in line or "Traceback" in line], lines[:40]
+    assert len(lines) <= count, lines[:40]
+    assert conn.pubsub_channels(f"{prefix}:out:*") == []
+    assert httpx.get(f"{url}/healthz", timeout=10).status_code == 200
 
 
 DEEP = 5000

@@ -142,3 +142,37 @@ def test_until_stopped_ends_though_the_read_swallowed_the_cancel():
         assert got == []
 
     asyncio.run(asyncio.wait_for(main(), 5))
+
+
+@pytest.mark.parametrize("stream", ["until_stopped", "until_taken"])
+def test_a_stream_left_while_it_waits_closes_its_read_once_it_has_ended(stream):
+    """Starlette ends a response whose client left by cancelling its task group's scope,
+    which anyio cancels again at each await: the stream's generator, cancelled while its
+    step task ran the read, raised "aclose(): asynchronous generator is already running"
+    and left the read running (issue 51 row 6)."""
+    import anyio
+
+    closed: list = []
+
+    async def waiting():
+        try:
+            await asyncio.Event().wait()  # a queued job: no chunk comes
+            yield "never"
+        finally:
+            closed.append("read closed")
+
+    async def respond():
+        watch = asyncio.get_running_loop().create_future()  # no verdict on workers yet
+        wrap = {"until_stopped": lambda items: until_stopped(items, asyncio.Event()),
+                "until_taken": lambda items: until_taken(items, watch)}[stream]  # fmt: skip
+        async for _ in wrap(waiting()):
+            pass
+
+    async def main():
+        async with anyio.create_task_group() as group:
+            group.start_soon(respond)
+            await asyncio.sleep(0.05)
+            group.cancel_scope.cancel()  # the client left
+        assert closed == ["read closed"]
+
+    asyncio.run(asyncio.wait_for(main(), 5))
