@@ -46,7 +46,13 @@ from lorapool.engine.loader import eos_token_ids
 from lorapool.engine.lora.manager import LoRAManager, adapter_key
 from lorapool.engine.model_runner import LogitsRows, ModelRunner
 from lorapool.engine.output_processor import OutputProcessor
-from lorapool.engine.sampler import Sampler, SamplingRow, prompt_logprobs
+from lorapool.engine.sampler import (
+    Sampler,
+    SamplingRow,
+    argmax_only,
+    finite_argmax,
+    prompt_logprobs,
+)
 from lorapool.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from lorapool.engine.sequence import Request, Sequence, SequenceStatus
 from lorapool.outputs import RequestOutput
@@ -137,6 +143,7 @@ class LLMEngine(EngineStats):
             next(self._seq_ids), request, 0, request.prompt_token_ids + request.resumed_token_ids
         )
         seq.guide = self._guide(request)
+        request.argmax_only = argmax_only(request.params)
         request.seqs.append(seq)
         self.outputs.start(seq)
         self.scheduler.add(seq)
@@ -272,16 +279,38 @@ class LLMEngine(EngineStats):
     def _process_logits(
         self, logits: torch.Tensor, layout: list[LogitsRows], masks=None
     ) -> list[Request]:
-        rows, targets, logit_rows = [], [], []
-        if masks is not None:
-            job, mask_of = masks
-            ok = allowed(job.result(), logits.shape[1])
+        seqs, logit_rows = [], []
         for entry in layout:
             seq = entry.item.seq
             if len(entry.prompt_rows):
                 self._prompt_logprobs(seq.request, entry, logits)
-            if entry.sample_row is None:
-                continue
+            if entry.sample_row is not None:
+                seqs.append(seq)
+                logit_rows.append(entry.sample_row)
+        if not seqs:
+            return []
+        if all(map(_takes_argmax, seqs)):
+            return self._take_argmax(_rows(logits, logit_rows), seqs)
+        return self._sample(logits, seqs, logit_rows, masks)
+
+    def _take_argmax(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[Request]:
+        """The greedy fast path: argmax and finite check in one op, one host copy."""
+        tokens = finite_argmax(logits)
+        if -1 in tokens:
+            self._fail_non_finite({s.request.request_id for s, t in zip(seqs, tokens) if t < 0})
+        touched, now = {}, time.time()
+        for seq, token in zip(seqs, tokens):
+            if token >= 0:
+                self.outputs.append(seq, token, None, None, now)
+                touched[seq.request.request_id] = seq.request
+        return list(touched.values())
+
+    def _sample(self, logits, seqs, logit_rows, masks) -> list[Request]:
+        rows, targets, sample_rows = [], [], []
+        if masks is not None:
+            job, mask_of = masks
+            ok = allowed(job.result(), logits.shape[1])
+        for seq, logit_row in zip(seqs, logit_rows):
             num = seq.request.params.n if seq.request.needs_fork else 1
             mask = None if seq.guide is None else ok[mask_of[seq.seq_id]]
             for i in range(num):
@@ -295,17 +324,15 @@ class LLMEngine(EngineStats):
                     )
                 )
                 targets.append((seq, i))
-                logit_rows.append(entry.sample_row)
+                sample_rows.append(logit_row)
+        rows, targets, sample_rows = self._drop_non_finite(logits, rows, targets, sample_rows)
         if not rows:
             return []
-        rows, targets, logit_rows = self._drop_non_finite(logits, rows, targets, logit_rows)
-        if not rows:
-            return []
-        results = self.sampler(logits[logit_rows], rows)
-        touched = {}
+        results = self.sampler(logits[sample_rows], rows)
+        touched, now = {}, time.time()
         for (seq, i), result in zip(targets, results):
             target = self._fork(seq, i) if i else seq
-            self.outputs.append(target, result.token_id, result.logprob, result.top_logprobs)
+            self.outputs.append(target, result.token_id, result.logprob, result.top_logprobs, now)
             if target.guide is not None:
                 advance_guide(target, result.token_id)
             touched[target.request.request_id] = target.request
@@ -321,6 +348,11 @@ class LLMEngine(EngineStats):
         if all(finite):
             return rows, targets, logit_rows
         bad = {seq.request.request_id for (seq, _), ok in zip(targets, finite) if not ok}
+        self._fail_non_finite(bad)
+        keep = [i for i, (seq, _) in enumerate(targets) if seq.request.request_id not in bad]
+        return [rows[i] for i in keep], [targets[i] for i in keep], [logit_rows[i] for i in keep]
+
+    def _fail_non_finite(self, bad: set[str]) -> None:
         for request_id in bad:
             request = self.requests.get(request_id)
             done = 0 if request is None else sum(len(s.output_token_ids) for s in request.seqs)
@@ -329,8 +361,6 @@ class LLMEngine(EngineStats):
                 f"request {request_id}: the model's logits became non-finite (NaN or Inf) "
                 f"after {done} generated tokens; its adapter or input overflows in this dtype",
             )
-        keep = [i for i, (seq, _) in enumerate(targets) if seq.request.request_id not in bad]
-        return [rows[i] for i in keep], [targets[i] for i in keep], [logit_rows[i] for i in keep]
 
     def _fork(self, parent: Sequence, index: int) -> Sequence:
         request = parent.request
@@ -363,3 +393,21 @@ class LLMEngine(EngineStats):
         if request.is_finished:
             self._pop(request.request_id)
         return [] if output is None else [output]
+
+
+def _takes_argmax(seq: Sequence) -> bool:
+    """Whether ``seq``'s next token is the raw argmax (no grammar, no fork, min_tokens met)."""
+    request = seq.request
+    return (
+        request.argmax_only
+        and seq.guide is None
+        and not request.needs_fork
+        and seq.num_output_tokens >= request.params.min_tokens
+    )
+
+
+def _rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """``logits[rows]``, a view when the rows are consecutive (a decode step's all)."""
+    if rows[-1] - rows[0] + 1 == len(rows):
+        return logits[rows[0] : rows[-1] + 1]
+    return logits[rows]

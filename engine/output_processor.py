@@ -41,15 +41,17 @@ class OutputProcessor:
         token_id: int,
         logprob: float | None,
         top_logprobs: dict[int, Logprob] | None,
+        now: float | None = None,
     ) -> None:
-        """Add one sampled token to ``seq`` and decide whether it finished."""
+        """Add one sampled token to ``seq`` and decide whether it finished; ``now``:
+        the step's time.time() (one call a step, not one a token)."""
         seq.append_token(token_id)
         if logprob is not None:
             seq.cumulative_logprob += logprob
         if top_logprobs is not None:
             seq.logprobs.append(self._decode_logprobs(top_logprobs))
         self.check_stop(seq, token_id)
-        now = time.time()
+        now = time.time() if now is None else now
         metrics = seq.request.metrics
         metrics.first_token_time = metrics.first_token_time or now
         metrics.last_token_time = now
@@ -116,7 +118,7 @@ class OutputProcessor:
         return CompletionOutput(
             index=seq.index,
             text=text,
-            token_ids=seq.output_token_ids[begin:],
+            token_ids=seq.token_ids[seq.num_prompt_tokens + begin :],  # only the delta copied
             cumulative_logprob=seq.cumulative_logprob if wants_logprobs else None,
             logprobs=seq.logprobs[begin:] if wants_logprobs else None,
             finish_reason=seq.finish_reason,

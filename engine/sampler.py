@@ -97,6 +97,28 @@ class Sampler:
         return u
 
 
+def argmax_only(params: SamplingParams) -> bool:
+    """Whether a row of ``params`` takes the argmax of the raw logits, untouched: greedy,
+    no logprobs, no logit_bias, no penalties (min_tokens, which ends, is checked per row)."""
+    return (
+        params.greedy
+        and params.logprobs is None
+        and not params.logit_bias
+        and params.repetition_penalty == 1.0
+        and params.presence_penalty == 0.0
+        and params.frequency_penalty == 0.0
+    )
+
+
+def finite_argmax(logits: torch.Tensor) -> list[int]:
+    """Per row of ``logits`` [S, V]: its argmax, or -1 where the row holds NaN or Inf.
+
+    One op chain and one device-to-host copy: the greedy step's only sync.
+    """
+    finite = torch.isfinite(logits).all(dim=-1)
+    return torch.where(finite, logits.argmax(dim=-1), -1).tolist()
+
+
 def seeded_uniform(seed: int, seq_index: int, step: int) -> float:
     """A number in (0, 1], a pure function of its arguments (splitmix64 mixing)."""
     h = _mix(seed & _MASK64)
