@@ -143,7 +143,9 @@ class LLMEngine(EngineStats):
             next(self._seq_ids), request, 0, request.prompt_token_ids + request.resumed_token_ids
         )
         seq.guide = self._guide(request)
-        request.argmax_only = argmax_only(request.params)
+        request.argmax_only = (
+            argmax_only(request.params) and not request.guided and request.params.n == 1
+        )
         request.seqs.append(seq)
         self.outputs.start(seq)
         self.scheduler.add(seq)
@@ -222,7 +224,9 @@ class LLMEngine(EngineStats):
         logits = self.runner.execute(batch)  # the masks are filled meanwhile
         self.scheduler.postprocess(scheduled)
         for request in self._process_logits(logits, layout, masks):
-            outputs += self._collect(request)
+            output = self._collect(request)
+            if output is not None:
+                outputs.append(output)
         return outputs
 
     def _activate_loras(self, scheduled: SchedulerOutput) -> None:
@@ -278,8 +282,8 @@ class LLMEngine(EngineStats):
 
     def _process_logits(
         self, logits: torch.Tensor, layout: list[LogitsRows], masks=None
-    ) -> list[Request]:
-        seqs, logit_rows = [], []
+    ) -> Iterable[Request]:
+        seqs, logit_rows, all_argmax = [], [], True
         for entry in layout:
             seq = entry.item.seq
             if len(entry.prompt_rows):
@@ -287,25 +291,26 @@ class LLMEngine(EngineStats):
             if entry.sample_row is not None:
                 seqs.append(seq)
                 logit_rows.append(entry.sample_row)
+                all_argmax = all_argmax and _takes_argmax(seq)
         if not seqs:
             return []
-        if all(map(_takes_argmax, seqs)):
+        if all_argmax:
             return self._take_argmax(_rows(logits, logit_rows), seqs)
         return self._sample(logits, seqs, logit_rows, masks)
 
-    def _take_argmax(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[Request]:
+    def _take_argmax(self, logits: torch.Tensor, seqs: list[Sequence]) -> Iterable[Request]:
         """The greedy fast path: argmax and finite check in one op, one host copy."""
         tokens = finite_argmax(logits)
         if -1 in tokens:
             self._fail_non_finite({s.request.request_id for s, t in zip(seqs, tokens) if t < 0})
-        touched, now = {}, time.time()
+        touched, now, append = {}, time.time(), self.outputs.append
         for seq, token in zip(seqs, tokens):
             if token >= 0:
-                self.outputs.append(seq, token, None, None, now)
+                append(seq, token, None, None, now)
                 touched[seq.request.request_id] = seq.request
-        return list(touched.values())
+        return touched.values()
 
-    def _sample(self, logits, seqs, logit_rows, masks) -> list[Request]:
+    def _sample(self, logits, seqs, logit_rows, masks) -> Iterable[Request]:
         rows, targets, sample_rows = [], [], []
         if masks is not None:
             job, mask_of = masks
@@ -385,25 +390,22 @@ class LLMEngine(EngineStats):
                 self.outputs._decode_logprobs(position)
         request.prompt_logprobs = existing + (values if start == 0 else values[1:])
 
-    def _collect(self, request: Request) -> list[RequestOutput]:
+    def _collect(self, request: Request) -> RequestOutput | None:
         for seq in request.seqs:
             if seq.finish_reason is not None and not seq.is_finished:
                 self.scheduler.finish(seq)
         output = self.outputs.make_output(request)
-        if request.is_finished:
+        if output.finished if output is not None else request.is_finished:
             self._pop(request.request_id)
-        return [] if output is None else [output]
+        return output
 
 
 def _takes_argmax(seq: Sequence) -> bool:
-    """Whether ``seq``'s next token is the raw argmax (no grammar, no fork, min_tokens met)."""
+    """Whether ``seq``'s next token is the raw argmax: ``Request.argmax_only`` (greedy, no
+    logprobs, bias, penalties, grammar or fork) once min_tokens are generated."""
     request = seq.request
-    return (
-        request.argmax_only
-        and seq.guide is None
-        and not request.needs_fork
-        and seq.num_output_tokens >= request.params.min_tokens
-    )
+    min_tokens = request.params.min_tokens
+    return request.argmax_only and (not min_tokens or seq.num_output_tokens >= min_tokens)
 
 
 def _rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:

@@ -163,7 +163,8 @@ class ModelRunner:
             end = begin + item.num_new_tokens
             first_token = len(input_ids)
             table = seq.block_table
-            if end - begin == 1:  # decoding: one token
+            decoding = end - begin == 1 and end == len(seq.token_ids) > seq.num_prompt_tokens
+            if end - begin == 1:
                 input_ids.append(seq.token_ids[begin])
                 positions.append(begin)
                 slots.append(table[begin // size] * size + begin % size)
@@ -178,7 +179,12 @@ class ModelRunner:
             seq_lens.append(end)
             starts.append(len(input_ids))
             tables.append(table)
-            layout.append(self._logits_rows(item, first_token, logits_indices))
+            if decoding:  # no prompt logprobs left; samples its next token
+                num = len(logits_indices)
+                layout.append(LogitsRows(item, range(num, num), num))
+                logits_indices.append(first_token)
+            else:
+                layout.append(self._logits_rows(item, first_token, logits_indices))
         batch = pack_batch(
             self.device,
             (input_ids, positions, slots, logits_indices),

@@ -113,9 +113,11 @@ def argmax_only(params: SamplingParams) -> bool:
 def finite_argmax(logits: torch.Tensor) -> list[int]:
     """Per row of ``logits`` [S, V]: its argmax, or -1 where the row holds NaN or Inf.
 
-    One op chain and one device-to-host copy: the greedy step's only sync.
+    One op chain and one device-to-host copy: the greedy step's only sync. A row is
+    finite iff sum(row * 0) is (0 * NaN and 0 * Inf are NaN): on the CPU that costs a
+    third of ``isfinite(row).all()``, which reduces over bools.
     """
-    finite = torch.isfinite(logits).all(dim=-1)
+    finite = logits.mul(0).sum(dim=-1).isfinite()
     return torch.where(finite, logits.argmax(dim=-1), -1).tolist()
 
 

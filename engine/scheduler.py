@@ -116,10 +116,15 @@ class Scheduler:
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        i = 0
+        i, manager, scheduled = 0, self.block_manager, out.scheduled
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_uncomputed_tokens, budget)
+            if manager.fits_in_place(seq, num_new):  # the common decode step: no blocks
+                scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, num_new))
+                budget -= num_new
+                i += 1
+                continue
             while not self.block_manager.can_allocate(seq, num_new):
                 victim = self.running[-1]
                 self._preempt(victim, out)
@@ -206,10 +211,12 @@ class Scheduler:
 
     def postprocess(self, out: SchedulerOutput) -> None:
         """The step ran: the scheduled tokens are now in the cache."""
+        caching = self.block_manager.enable_prefix_caching
         for item in out.scheduled:
             end = item.start + item.num_new_tokens
             item.seq.num_computed_tokens = end
-            self.block_manager.cache_blocks(item.seq, item.start, end)
+            if caching:
+                self.block_manager.cache_blocks(item.seq, item.start, end)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """``child`` starts running beside ``parent``, sharing its blocks."""

@@ -42,7 +42,7 @@ class Sequence:
         self.num_preemptions = 0
         self.detokenizer: Any = None  # set by the engine's output processor
         self.num_sent_tokens = 0  # output tokens already in a streamed output
-        self.sent_text = ""  # output text already in a streamed output
+        self.sent_text = ""  # output text already streamed (CUMULATIVE, FINAL_ONLY only)
         self.guide: Any = None  # a structured output's grammar state (engine.guide.Guide)
 
     @property
@@ -109,7 +109,7 @@ class Request:
     max_tokens: int = 16  # params.max_tokens resolved against the model length
     resumed_token_ids: list[int] = field(default_factory=list)  # generated elsewhere, streamed
     guided: bool = False  # has a structured output (its sequences carry a Guide)
-    argmax_only: bool = False  # its token is the raw logits' argmax (sampler.argmax_only)
+    argmax_only: bool = False  # takes the raw argmax: sampler.argmax_only, n == 1, no grammar
 
     def __post_init__(self):
         if self.metrics is None:
