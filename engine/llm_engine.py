@@ -223,10 +223,7 @@ class LLMEngine(EngineStats):
         masks = start_masks(self.mask_pool, layout) if self._num_guided else None
         logits = self.runner.execute(batch)  # the masks are filled meanwhile
         self.scheduler.postprocess(scheduled)
-        for request in self._process_logits(logits, layout, masks):
-            output = self._collect(request)
-            if output is not None:
-                outputs.append(output)
+        outputs += self._process_logits(logits, layout, masks)
         return outputs
 
     def _activate_loras(self, scheduled: SchedulerOutput) -> None:
@@ -282,7 +279,8 @@ class LLMEngine(EngineStats):
 
     def _process_logits(
         self, logits: torch.Tensor, layout: list[LogitsRows], masks=None
-    ) -> Iterable[Request]:
+    ) -> list[RequestOutput]:
+        """Sample the step's tokens; the outputs of the requests that advanced."""
         seqs, logit_rows, all_argmax = [], [], True
         for entry in layout:
             seq = entry.item.seq
@@ -298,19 +296,26 @@ class LLMEngine(EngineStats):
             return self._take_argmax(_rows(logits, logit_rows), seqs)
         return self._sample(logits, seqs, logit_rows, masks)
 
-    def _take_argmax(self, logits: torch.Tensor, seqs: list[Sequence]) -> Iterable[Request]:
-        """The greedy fast path: argmax and finite check in one op, one host copy."""
+    def _take_argmax(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[RequestOutput]:
+        """The greedy fast path: argmax and finite check in one op, one host copy.
+
+        Each sequence is a request of its own (``argmax_only`` means n == 1), so its
+        output is made as soon as its token is in.
+        """
         tokens = finite_argmax(logits)
         if -1 in tokens:
             self._fail_non_finite({s.request.request_id for s, t in zip(seqs, tokens) if t < 0})
-        touched, now, append = {}, time.time(), self.outputs.append
+        outputs, now = [], time.time()
+        append, collect = self.outputs.append, self._collect
         for seq, token in zip(seqs, tokens):
             if token >= 0:
                 append(seq, token, None, None, now)
-                touched[seq.request.request_id] = seq.request
-        return touched.values()
+                output = collect(seq.request)
+                if output is not None:
+                    outputs.append(output)
+        return outputs
 
-    def _sample(self, logits, seqs, logit_rows, masks) -> Iterable[Request]:
+    def _sample(self, logits, seqs, logit_rows, masks) -> list[RequestOutput]:
         rows, targets, sample_rows = [], [], []
         if masks is not None:
             job, mask_of = masks
@@ -341,7 +346,8 @@ class LLMEngine(EngineStats):
             if target.guide is not None:
                 advance_guide(target, result.token_id)
             touched[target.request.request_id] = target.request
-        return list(touched.values())
+        outputs = [self._collect(request) for request in touched.values()]
+        return [output for output in outputs if output is not None]
 
     def _drop_non_finite(self, logits, rows, targets, logit_rows):
         """Fail, alone, each request whose logits hold NaN or Inf; keep the others' rows.

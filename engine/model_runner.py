@@ -22,7 +22,7 @@ from lorapool.engine.scheduler import ScheduledSeq, SchedulerOutput
 logger = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(slots=True)
 class LogitsRows:
     """Where one scheduled sequence's rows sit in the step's logits."""
 

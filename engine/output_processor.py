@@ -97,7 +97,11 @@ class OutputProcessor:
         kind = request.params.output_kind
         if kind == RequestOutputKind.FINAL_ONLY and not finished:
             return None
-        completions = [self._completion(seq, kind) for seq in request.seqs]
+        seqs = request.seqs
+        if len(seqs) == 1:  # most requests: no list comprehension
+            completions = [self._completion(seqs[0], kind)]
+        else:
+            completions = [self._completion(seq, kind) for seq in seqs]
         metrics = request.metrics
         if finished:
             metrics.finished_time = time.time()

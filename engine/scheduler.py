@@ -55,7 +55,7 @@ class SchedulerConfig:
             raise ValueError(f"max_loras must be at least 1, got {self.max_loras}")
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledSeq:
     seq: Sequence
     start: int  # tokens of seq already in the cache before this step
