@@ -120,12 +120,26 @@ class IncrementalDetokenizer:
         return None
 
     def add_token(self, token_id: int, check_stop: bool = True) -> str | None:
-        """``add_tokens([token_id], check_stop)``, the decode step's case."""
+        """``add_tokens([token_id], check_stop)``, the decode step's case.
+
+        Settles what the new token completes: the window from ``_prefix`` decoded,
+        less the prefix's text, unless it ends in an incomplete character.
+        """
         if self.stop_reason is not None:
             return None
-        self.token_ids.append(token_id)
-        num_new = self._advance()
-        if num_new and check_stop and self._stops and self._check_stop(num_new):
+        token_ids = self.token_ids
+        token_ids.append(token_id)
+        prefix_text = self._prefix_text
+        if prefix_text is None:
+            prefix_text = self._window_prefix()
+        window = self._decode_many(token_ids[self._prefix :])
+        num_prefix = len(prefix_text)
+        if len(window) <= num_prefix or window[-1] == REPLACEMENT_CHAR:
+            return None
+        self._text += window[num_prefix:]
+        self._prefix, self._read = self._read, len(token_ids)
+        self._prefix_text = None
+        if check_stop and self._stops and self._check_stop(len(window) - num_prefix):
             return self.stop_reason
         return None
 
@@ -148,20 +162,6 @@ class IncrementalDetokenizer:
         if self._prefix_text is None:
             self._prefix_text = self._decode(self.token_ids[self._prefix : self._read])
         return self._prefix_text
-
-    def _advance(self) -> int:
-        """Settle what the newest token completes; the number of new characters."""
-        prefix_text = self._prefix_text
-        if prefix_text is None:
-            prefix_text = self._window_prefix()
-        window = self._decode_many(self.token_ids[self._prefix :])
-        num_prefix = len(prefix_text)
-        if len(window) <= num_prefix or window.endswith(REPLACEMENT_CHAR):
-            return 0
-        self._text += window[num_prefix:]
-        self._prefix, self._read = self._read, len(self.token_ids)
-        self._prefix_text = None
-        return len(window) - num_prefix
 
     def _check_stop(self, num_new: int) -> bool:
         """Cut the text at the earliest stop string that ends in the new characters."""

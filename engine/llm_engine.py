@@ -50,7 +50,6 @@ from lorapool.engine.sampler import (
     Sampler,
     SamplingRow,
     argmax_only,
-    finite_argmax,
     prompt_logprobs,
 )
 from lorapool.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -221,6 +220,10 @@ class LLMEngine(EngineStats):
         if self.lora_manager is not None:
             self.lora_manager.set_step_for(scheduled, self.runner.device)
         masks = start_masks(self.mask_pool, layout) if self._num_guided else None
+        if _all_argmax(layout):  # tokens made with the forward, one host copy
+            logits, tokens = self.runner.execute(batch, greedy=True)
+            self.scheduler.postprocess(scheduled)
+            return outputs + self._take_argmax(logits, tokens.tolist(), layout)
         logits = self.runner.execute(batch)  # the masks are filled meanwhile
         self.scheduler.postprocess(scheduled)
         outputs += self._process_logits(logits, layout, masks)
@@ -281,7 +284,7 @@ class LLMEngine(EngineStats):
         self, logits: torch.Tensor, layout: list[LogitsRows], masks=None
     ) -> list[RequestOutput]:
         """Sample the step's tokens; the outputs of the requests that advanced."""
-        seqs, logit_rows, all_argmax = [], [], True
+        seqs, logit_rows = [], []
         for entry in layout:
             seq = entry.item.seq
             if len(entry.prompt_rows):
@@ -289,26 +292,29 @@ class LLMEngine(EngineStats):
             if entry.sample_row is not None:
                 seqs.append(seq)
                 logit_rows.append(entry.sample_row)
-                all_argmax = all_argmax and _takes_argmax(seq)
         if not seqs:
             return []
-        if all_argmax:
-            return self._take_argmax(_rows(logits, logit_rows), seqs)
         return self._sample(logits, seqs, logit_rows, masks)
 
-    def _take_argmax(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[RequestOutput]:
-        """The greedy fast path: argmax and finite check in one op, one host copy.
-
-        Each sequence is a request of its own (``argmax_only`` means n == 1), so its
-        output is made as soon as its token is in.
-        """
-        tokens = finite_argmax(logits)
+    def _take_argmax(self, logits, tokens: list[int], layout: list[LogitsRows]):
+        """The greedy fast path (``_all_argmax``): ``tokens`` per logits row, -1 where
+        the row is not finite. Each sequence is a request of its own (n == 1), so its
+        output is made as soon as its token is in."""
+        if any(len(entry.prompt_rows) for entry in layout):
+            for entry in layout:
+                if len(entry.prompt_rows):
+                    self._prompt_logprobs(entry.item.seq.request, entry, logits)
+        entries = [entry for entry in layout if entry.sample_row is not None]
+        if len(entries) != len(tokens):  # rows other than sample rows: pick those
+            tokens = [tokens[entry.sample_row] for entry in entries]
         if -1 in tokens:
-            self._fail_non_finite({s.request.request_id for s, t in zip(seqs, tokens) if t < 0})
+            bad = {e.item.seq.request.request_id for e, t in zip(entries, tokens) if t < 0}
+            self._fail_non_finite(bad)
         outputs, now = [], time.time()
         append, collect = self.outputs.append, self._collect
-        for seq, token in zip(seqs, tokens):
+        for entry, token in zip(entries, tokens):
             if token >= 0:
+                seq = entry.item.seq
                 append(seq, token, None, None, now)
                 output = collect(seq.request)
                 if output is not None:
@@ -406,16 +412,20 @@ class LLMEngine(EngineStats):
         return output
 
 
-def _takes_argmax(seq: Sequence) -> bool:
-    """Whether ``seq``'s next token is the raw argmax: ``Request.argmax_only`` (greedy, no
-    logprobs, bias, penalties, grammar or fork) once min_tokens are generated."""
-    request = seq.request
-    min_tokens = request.params.min_tokens
-    return request.argmax_only and (not min_tokens or seq.num_output_tokens >= min_tokens)
-
-
-def _rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """``logits[rows]``, a view when the rows are consecutive (a decode step's all)."""
-    if rows[-1] - rows[0] + 1 == len(rows):
-        return logits[rows[0] : rows[-1] + 1]
-    return logits[rows]
+def _all_argmax(layout: list[LogitsRows]) -> bool:
+    """Whether the step samples some row and every sampled row takes the raw argmax:
+    ``Request.argmax_only`` (greedy; no logprobs, bias, penalties, grammar or fork)
+    with its min_tokens generated."""
+    num_sampled = 0
+    for entry in layout:
+        if entry.sample_row is None:
+            continue
+        seq = entry.item.seq
+        request = seq.request
+        if not request.argmax_only:
+            return False
+        min_tokens = request.params.min_tokens
+        if min_tokens and seq.num_output_tokens < min_tokens:
+            return False
+        num_sampled += 1
+    return num_sampled > 0

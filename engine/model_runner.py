@@ -17,6 +17,7 @@ from lorapool.engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineArgs
 from lorapool.engine.cuda_graphs import DecodeGraphs, capture_sizes
 from lorapool.engine.kv_budget import activation_reserve, kv_cache_budget
 from lorapool.engine.loader import load_model
+from lorapool.engine.sampler import finite_argmax
 from lorapool.engine.scheduler import ScheduledSeq, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -159,27 +160,27 @@ class ModelRunner:
         seq_lens, starts, tables, logits_indices, layout = [], [0], [], [], []
         uses_lora = False
         for item in out.scheduled:
-            seq, begin = item.seq, item.start
-            end = begin + item.num_new_tokens
+            seq, begin, num_new = item.seq, item.start, item.num_new_tokens
+            end = begin + num_new
+            token_ids, table = seq.token_ids, seq.block_table
             first_token = len(input_ids)
-            table = seq.block_table
-            decoding = end - begin == 1 and end == len(seq.token_ids) > seq.num_prompt_tokens
-            if end - begin == 1:
-                input_ids.append(seq.token_ids[begin])
+            if num_new == 1:
+                input_ids.append(token_ids[begin])
                 positions.append(begin)
                 slots.append(table[begin // size] * size + begin % size)
             else:
-                input_ids += seq.token_ids[begin:end]
+                input_ids += token_ids[begin:end]
                 positions += range(begin, end)
                 slots += [table[p // size] * size + p % size for p in range(begin, end)]
             if lora_slot_of is not None:
                 lora_slot = lora_slot_of(seq)
                 uses_lora = uses_lora or lora_slot >= 0
-                lora_slots += [lora_slot] * (end - begin)
+                lora_slots += [lora_slot] * num_new
             seq_lens.append(end)
-            starts.append(len(input_ids))
+            starts.append(first_token + num_new)
             tables.append(table)
-            if decoding:  # no prompt logprobs left; samples its next token
+            if num_new == 1 and end == len(token_ids) > seq.num_prompt_tokens:
+                # decoding: no prompt logprobs left, samples its next token
                 num = len(logits_indices)
                 layout.append(LogitsRows(item, range(num, num), num))
                 logits_indices.append(first_token)
@@ -216,14 +217,19 @@ class ModelRunner:
         return LogitsRows(item, prompt_rows, sample_row)
 
     @torch.inference_mode()
-    def execute(self, batch: BatchMetadata) -> torch.Tensor:
+    def execute(self, batch: BatchMetadata, greedy: bool = False):
         """Forward the batch; returns float32 logits [S, vocab] for ``logits_indices``.
 
+        ``greedy``: returns (logits, tokens), tokens [S] int64 on the device being each
+        row's argmax, -1 where the row is not finite (``sampler.finite_argmax``): the
+        step's tokens, enqueued with the forward, one device-to-host copy away.
         A decode step replays its CUDA graph when graphs are captured (``cuda_graphs``).
         """
         if self.graphs is not None and self.graphs.can_run(batch, batch.uses_lora):
-            return self.graphs.run(batch)
-        return self._forward(batch)
+            logits = self.graphs.run(batch)
+        else:
+            logits = self._forward(batch)
+        return (logits, finite_argmax(logits)) if greedy else logits
 
     def _forward(self, batch: BatchMetadata) -> torch.Tensor:
         hidden = self.model.forward(batch, self.kv_caches)

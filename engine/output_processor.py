@@ -53,33 +53,32 @@ class OutputProcessor:
         top_logprobs: dict[int, Logprob] | None,
         now: float | None = None,
     ) -> None:
-        """Add one sampled token to ``seq`` and decide whether it finished; ``now``:
-        the step's time.time() (one call a step, not one a token)."""
-        seq.token_ids.append(token_id)
+        """Add one sampled token to ``seq`` and decide whether it finished (EOS, stop
+        token ids, stop strings, max_tokens, model length); ``now``: the step's
+        time.time() (one call a step, not one a token)."""
+        token_ids = seq.token_ids
+        token_ids.append(token_id)
         if logprob is not None:
             seq.cumulative_logprob += logprob
         if top_logprobs is not None:
             seq.logprobs.append(self._decode_logprobs(top_logprobs))
-        self.check_stop(seq, token_id)
-        metrics = seq.request.metrics
-        metrics.last_token_time = now = time.time() if now is None else now
-        if metrics.first_token_time is None:
-            metrics.first_token_time = now
-
-    def check_stop(self, seq: Sequence, token_id: int) -> None:
         request = seq.request
         params = request.params
-        num_output = len(seq.token_ids) - seq.num_prompt_tokens
+        num_output = len(token_ids) - seq.num_prompt_tokens
         can_stop = num_output >= params.min_tokens
-        stop_str = seq.detokenizer.add_token(token_id, check_stop=can_stop)
+        stop_str = seq.detokenizer.add_token(token_id, can_stop)
         if can_stop and not params.ignore_eos and token_id in self.eos_token_ids:
             self._finish(seq, "stop", None)
         elif can_stop and token_id in params.stop_token_ids:
             self._finish(seq, "stop", token_id)
         elif stop_str is not None:
             self._finish(seq, "stop", stop_str)
-        elif num_output >= request.max_tokens or len(seq.token_ids) >= self.max_model_len:
+        elif num_output >= request.max_tokens or len(token_ids) >= self.max_model_len:
             self._finish(seq, "length", None)
+        metrics = request.metrics
+        metrics.last_token_time = now = time.time() if now is None else now
+        if metrics.first_token_time is None:
+            metrics.first_token_time = now
 
     @staticmethod
     def _finish(seq: Sequence, reason: str, stop_reason: int | str | None) -> None:

@@ -110,15 +110,16 @@ def argmax_only(params: SamplingParams) -> bool:
     )
 
 
-def finite_argmax(logits: torch.Tensor) -> list[int]:
+def finite_argmax(logits: torch.Tensor) -> torch.Tensor:
     """Per row of ``logits`` [S, V]: its argmax, or -1 where the row holds NaN or Inf.
 
-    One op chain and one device-to-host copy: the greedy step's only sync. A row is
+    [S] int64 on the logits' device, made by the forward (``ModelRunner.execute``),
+    so that the greedy step's only sync is one copy of it to the host. A row is
     finite iff sum(row * 0) is (0 * NaN and 0 * Inf are NaN): on the CPU that costs a
     third of ``isfinite(row).all()``, which reduces over bools.
     """
     finite = logits.mul(0).sum(dim=-1).isfinite()
-    return torch.where(finite, logits.argmax(dim=-1), -1).tolist()
+    return torch.where(finite, logits.argmax(dim=-1), -1)
 
 
 def seeded_uniform(seed: int, seq_index: int, step: int) -> float:
