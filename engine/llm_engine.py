@@ -311,12 +311,15 @@ class LLMEngine(EngineStats):
             bad = {e.item.seq.request.request_id for e, t in zip(entries, tokens) if t < 0}
             self._fail_non_finite(bad)
         outputs, now = [], time.time()
-        append, collect = self.outputs.append, self._collect
+        append, running_output = self.outputs.append, self.outputs.running_output
         for entry, token in zip(entries, tokens):
             if token >= 0:
                 seq = entry.item.seq
                 append(seq, token, None, None, now)
-                output = collect(seq.request)
+                if seq.finish_reason is None:
+                    output = running_output(seq)
+                else:
+                    output = self._collect(seq.request)
                 if output is not None:
                     outputs.append(output)
         return outputs

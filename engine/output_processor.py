@@ -96,16 +96,23 @@ class OutputProcessor:
         kind = request.params.output_kind
         if kind == RequestOutputKind.FINAL_ONLY and not finished:
             return None
-        seqs = request.seqs
-        if len(seqs) == 1:  # most requests: no list comprehension
-            completions = [self._completion(seqs[0], kind)]
-        else:
-            completions = [self._completion(seq, kind) for seq in seqs]
-        metrics = request.metrics
+        completions = [self._completion(seq, kind) for seq in request.seqs]
         if finished:
+            metrics = request.metrics
             metrics.finished_time = time.time()
             metrics.num_generated_tokens = sum(s.num_output_tokens for s in request.seqs)
             metrics.num_cached_tokens = request.num_cached_tokens
+        return self._output(request, completions, finished)
+
+    def running_output(self, seq: Sequence) -> RequestOutput | None:
+        """``make_output`` of a request of one sequence that goes on (no finish reason)."""
+        kind = seq.request.params.output_kind
+        if kind == RequestOutputKind.FINAL_ONLY:
+            return None
+        return self._output(seq.request, [self._completion(seq, kind)], False)
+
+    @staticmethod
+    def _output(request: Request, completions: list[CompletionOutput], finished: bool):
         output = RequestOutput(  # positional: a step builds one per running request
             request.request_id,
             request.prompt,
@@ -113,7 +120,7 @@ class OutputProcessor:
             request.prompt_logprobs,
             completions,
             finished,
-            metrics,
+            request.metrics,
             request.lora_request,
             None,
             None,

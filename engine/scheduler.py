@@ -29,6 +29,18 @@ ones). Once it has been skipped S times, nothing behind it is admitted, so the
 running sequences drain and free their blocks: it is admitted within S + D
 steps of reaching the head of the queue (it fits in an empty cache: a request
 that cannot was refused at ``add_request``).
+
+Not yet (issue 47 item 4, to design with the fair-share scheduler): async
+scheduling as vLLM's, scheduling and preparing step N+1 while step N runs on the
+device. Step N+1 would be scheduled before N's tokens are known, so: every
+running sequence is assumed to decode one more token (its slot allocated
+ahead; a sequence that step N finishes is dropped from N+1's outputs and its
+extra block freed); N+1's input token ids are filled on the device from N's
+sampled tokens (a gather, no host round trip); stop checks and outputs of N
+run on the host while N+1 runs. What ties it to fair share: a fair-share
+scheduler charges tenants for the tokens scheduled, so the charge for a
+speculated token that a finished sequence never uses must be refunded, and
+preemption decisions made for N+1 must not depend on N's outcome.
 """
 
 from __future__ import annotations
