@@ -220,10 +220,11 @@ class LLMEngine(EngineStats):
         if self.lora_manager is not None:
             self.lora_manager.set_step_for(scheduled, self.runner.device)
         masks = start_masks(self.mask_pool, layout) if self._num_guided else None
-        if _all_argmax(layout):  # tokens made with the forward, one host copy
+        sampled = _argmax_rows(layout)
+        if sampled is not None:  # tokens made with the forward, one host copy
             logits, tokens = self.runner.execute(batch, greedy=True)
             self.scheduler.postprocess(scheduled)
-            return outputs + self._take_argmax(logits, tokens.tolist(), layout)
+            return outputs + self._take_argmax(logits, tokens.tolist(), layout, sampled)
         logits = self.runner.execute(batch)  # the masks are filled meanwhile
         self.scheduler.postprocess(scheduled)
         outputs += self._process_logits(logits, layout, masks)
@@ -296,16 +297,15 @@ class LLMEngine(EngineStats):
             return []
         return self._sample(logits, seqs, logit_rows, masks)
 
-    def _take_argmax(self, logits, tokens: list[int], layout: list[LogitsRows]):
-        """The greedy fast path (``_all_argmax``): ``tokens`` per logits row, -1 where
-        the row is not finite. Each sequence is a request of its own (n == 1), so its
-        output is made as soon as its token is in."""
-        if any(len(entry.prompt_rows) for entry in layout):
+    def _take_argmax(self, logits, tokens: list[int], layout, entries: list[LogitsRows]):
+        """The greedy fast path: ``tokens`` per logits row, -1 where the row is not
+        finite; ``entries``: the layout's sampling ones (``_argmax_rows``). Each
+        sequence is a request of its own (n == 1), so its output is made as soon as
+        its token is in."""
+        if len(entries) != len(tokens):  # prompt logprobs rows, or entries sampling none
             for entry in layout:
                 if len(entry.prompt_rows):
                     self._prompt_logprobs(entry.item.seq.request, entry, logits)
-        entries = [entry for entry in layout if entry.sample_row is not None]
-        if len(entries) != len(tokens):  # rows other than sample rows: pick those
             tokens = [tokens[entry.sample_row] for entry in entries]
         if -1 in tokens:
             bad = {e.item.seq.request.request_id for e, t in zip(entries, tokens) if t < 0}
@@ -415,20 +415,20 @@ class LLMEngine(EngineStats):
         return output
 
 
-def _all_argmax(layout: list[LogitsRows]) -> bool:
-    """Whether the step samples some row and every sampled row takes the raw argmax:
-    ``Request.argmax_only`` (greedy; no logprobs, bias, penalties, grammar or fork)
-    with its min_tokens generated."""
-    num_sampled = 0
+def _argmax_rows(layout: list[LogitsRows]) -> list[LogitsRows] | None:
+    """The entries that sample a token, if there are some and each takes the raw
+    argmax: ``Request.argmax_only`` (greedy; no logprobs, bias, penalties, grammar or
+    fork) with its min_tokens generated. None otherwise."""
+    sampled = []
     for entry in layout:
         if entry.sample_row is None:
             continue
         seq = entry.item.seq
         request = seq.request
         if not request.argmax_only:
-            return False
+            return None
         min_tokens = request.params.min_tokens
         if min_tokens and seq.num_output_tokens < min_tokens:
-            return False
-        num_sampled += 1
-    return num_sampled > 0
+            return None
+        sampled.append(entry)
+    return sampled or None

@@ -150,6 +150,8 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        if not self.waiting:  # most decode steps: no need to look at the running adapters
+            return
         active = {s.lora_int_id for s in self.running} - {0}
         blocked_new_adapters = False
         for seq in list(self.waiting):
