@@ -50,6 +50,7 @@ from lorapool.engine.sampler import (
     Sampler,
     SamplingRow,
     argmax_only,
+    finite_argmax,
     prompt_logprobs,
 )
 from lorapool.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -220,13 +221,12 @@ class LLMEngine(EngineStats):
         if self.lora_manager is not None:
             self.lora_manager.set_step_for(scheduled, self.runner.device)
         masks = start_masks(self.mask_pool, layout) if self._num_guided else None
-        sampled = _argmax_rows(layout)
-        if sampled is not None:  # tokens made with the forward, one host copy
-            logits, tokens = self.runner.execute(batch, greedy=True)
-            self.scheduler.postprocess(scheduled)
-            return outputs + self._take_argmax(logits, tokens.tolist(), layout, sampled)
         logits = self.runner.execute(batch)  # the masks are filled meanwhile
         self.scheduler.postprocess(scheduled)
+        sampled = _argmax_rows(layout)
+        if sampled is not None:  # argmax and finite check queued after the forward
+            tokens = finite_argmax(logits).tolist()  # the step's one device-to-host copy
+            return outputs + self._take_argmax(logits, tokens, layout, sampled)
         outputs += self._process_logits(logits, layout, masks)
         return outputs
 

@@ -17,7 +17,6 @@ from lorapool.engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineArgs
 from lorapool.engine.cuda_graphs import DecodeGraphs, capture_sizes
 from lorapool.engine.kv_budget import activation_reserve, kv_cache_budget
 from lorapool.engine.loader import load_model
-from lorapool.engine.sampler import finite_argmax
 from lorapool.engine.scheduler import ScheduledSeq, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -217,19 +216,14 @@ class ModelRunner:
         return LogitsRows(item, prompt_rows, sample_row)
 
     @torch.inference_mode()
-    def execute(self, batch: BatchMetadata, greedy: bool = False):
+    def execute(self, batch: BatchMetadata) -> torch.Tensor:
         """Forward the batch; returns float32 logits [S, vocab] for ``logits_indices``.
 
-        ``greedy``: returns (logits, tokens), tokens [S] int64 on the device being each
-        row's argmax, -1 where the row is not finite (``sampler.finite_argmax``): the
-        step's tokens, enqueued with the forward, one device-to-host copy away.
         A decode step replays its CUDA graph when graphs are captured (``cuda_graphs``).
         """
         if self.graphs is not None and self.graphs.can_run(batch, batch.uses_lora):
-            logits = self.graphs.run(batch)
-        else:
-            logits = self._forward(batch)
-        return (logits, finite_argmax(logits)) if greedy else logits
+            return self.graphs.run(batch)
+        return self._forward(batch)
 
     def _forward(self, batch: BatchMetadata) -> torch.Tensor:
         hidden = self.model.forward(batch, self.kv_caches)

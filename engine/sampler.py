@@ -113,8 +113,8 @@ def argmax_only(params: SamplingParams) -> bool:
 def finite_argmax(logits: torch.Tensor) -> torch.Tensor:
     """Per row of ``logits`` [S, V]: its argmax, or -1 where the row holds NaN or Inf.
 
-    [S] int64 on the logits' device, made by the forward (``ModelRunner.execute``),
-    so that the greedy step's only sync is one copy of it to the host. A row is
+    [S] int64 on the logits' device, queued right after the forward, so that the
+    greedy step's only sync is one copy of it to the host. A row is
     finite iff sum(row * 0) is (0 * NaN and 0 * Inf are NaN): on the CPU that costs a
     third of ``isfinite(row).all()``, which reduces over bools.
     """
