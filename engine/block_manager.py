@@ -66,6 +66,14 @@ class BlockManager:
         last = seq.num_computed_tokens // self.block_size
         return last < len(seq.block_table) and self.ref_counts[seq.block_table[last]] > 1
 
+    def fits_in_place(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Whether the tokens fit in blocks ``seq`` holds alone: nothing to allocate
+        or copy (most decode steps). Implies ``can_allocate``; ``allocate`` is a no-op."""
+        computed, table, size = seq.num_computed_tokens, seq.block_table, self.block_size
+        if computed + num_new_tokens > len(table) * size:
+            return False
+        return computed % size == 0 or self.ref_counts[table[computed // size]] == 1
+
     def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Whether ``num_new_tokens`` more tokens of ``seq`` fit in free blocks."""
         return self._num_new_blocks(seq, num_new_tokens) <= self.num_free_blocks

@@ -46,7 +46,13 @@ from lorapool.engine.loader import eos_token_ids
 from lorapool.engine.lora.manager import LoRAManager, adapter_key
 from lorapool.engine.model_runner import LogitsRows, ModelRunner
 from lorapool.engine.output_processor import OutputProcessor
-from lorapool.engine.sampler import Sampler, SamplingRow, prompt_logprobs
+from lorapool.engine.sampler import (
+    Sampler,
+    SamplingRow,
+    argmax_only,
+    finite_argmax,
+    prompt_logprobs,
+)
 from lorapool.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from lorapool.engine.sequence import Request, Sequence, SequenceStatus
 from lorapool.outputs import RequestOutput
@@ -137,6 +143,9 @@ class LLMEngine(EngineStats):
             next(self._seq_ids), request, 0, request.prompt_token_ids + request.resumed_token_ids
         )
         seq.guide = self._guide(request)
+        request.argmax_only = (
+            argmax_only(request.params) and not request.guided and request.params.n == 1
+        )
         request.seqs.append(seq)
         self.outputs.start(seq)
         self.scheduler.add(seq)
@@ -214,8 +223,11 @@ class LLMEngine(EngineStats):
         masks = start_masks(self.mask_pool, layout) if self._num_guided else None
         logits = self.runner.execute(batch)  # the masks are filled meanwhile
         self.scheduler.postprocess(scheduled)
-        for request in self._process_logits(logits, layout, masks):
-            outputs += self._collect(request)
+        sampled = _argmax_rows(layout)
+        if sampled is not None:  # argmax and finite check queued after the forward
+            tokens = finite_argmax(logits).tolist()  # the step's one device-to-host copy
+            return outputs + self._take_argmax(logits, tokens, layout, sampled)
+        outputs += self._process_logits(logits, layout, masks)
         return outputs
 
     def _activate_loras(self, scheduled: SchedulerOutput) -> None:
@@ -271,17 +283,53 @@ class LLMEngine(EngineStats):
 
     def _process_logits(
         self, logits: torch.Tensor, layout: list[LogitsRows], masks=None
-    ) -> list[Request]:
-        rows, targets, logit_rows = [], [], []
-        if masks is not None:
-            job, mask_of = masks
-            ok = allowed(job.result(), logits.shape[1])
+    ) -> list[RequestOutput]:
+        """Sample the step's tokens; the outputs of the requests that advanced."""
+        seqs, logit_rows = [], []
         for entry in layout:
             seq = entry.item.seq
             if len(entry.prompt_rows):
                 self._prompt_logprobs(seq.request, entry, logits)
-            if entry.sample_row is None:
-                continue
+            if entry.sample_row is not None:
+                seqs.append(seq)
+                logit_rows.append(entry.sample_row)
+        if not seqs:
+            return []
+        return self._sample(logits, seqs, logit_rows, masks)
+
+    def _take_argmax(self, logits, tokens: list[int], layout, entries: list[LogitsRows]):
+        """The greedy fast path: ``tokens`` per logits row, -1 where the row is not
+        finite; ``entries``: the layout's sampling ones (``_argmax_rows``). Each
+        sequence is a request of its own (n == 1), so its output is made as soon as
+        its token is in."""
+        if len(entries) != len(tokens):  # prompt logprobs rows, or entries sampling none
+            for entry in layout:
+                if len(entry.prompt_rows):
+                    self._prompt_logprobs(entry.item.seq.request, entry, logits)
+            tokens = [tokens[entry.sample_row] for entry in entries]
+        if -1 in tokens:
+            bad = {e.item.seq.request.request_id for e, t in zip(entries, tokens) if t < 0}
+            self._fail_non_finite(bad)
+        outputs, now = [], time.time()
+        append, running_output = self.outputs.append, self.outputs.running_output
+        for entry, token in zip(entries, tokens):
+            if token >= 0:
+                seq = entry.item.seq
+                append(seq, token, None, None, now)
+                if seq.finish_reason is None:
+                    output = running_output(seq)
+                else:
+                    output = self._collect(seq.request)
+                if output is not None:
+                    outputs.append(output)
+        return outputs
+
+    def _sample(self, logits, seqs, logit_rows, masks) -> list[RequestOutput]:
+        rows, targets, sample_rows = [], [], []
+        if masks is not None:
+            job, mask_of = masks
+            ok = allowed(job.result(), logits.shape[1])
+        for seq, logit_row in zip(seqs, logit_rows):
             num = seq.request.params.n if seq.request.needs_fork else 1
             mask = None if seq.guide is None else ok[mask_of[seq.seq_id]]
             for i in range(num):
@@ -295,21 +343,20 @@ class LLMEngine(EngineStats):
                     )
                 )
                 targets.append((seq, i))
-                logit_rows.append(entry.sample_row)
+                sample_rows.append(logit_row)
+        rows, targets, sample_rows = self._drop_non_finite(logits, rows, targets, sample_rows)
         if not rows:
             return []
-        rows, targets, logit_rows = self._drop_non_finite(logits, rows, targets, logit_rows)
-        if not rows:
-            return []
-        results = self.sampler(logits[logit_rows], rows)
-        touched = {}
+        results = self.sampler(logits[sample_rows], rows)
+        touched, now = {}, time.time()
         for (seq, i), result in zip(targets, results):
             target = self._fork(seq, i) if i else seq
-            self.outputs.append(target, result.token_id, result.logprob, result.top_logprobs)
+            self.outputs.append(target, result.token_id, result.logprob, result.top_logprobs, now)
             if target.guide is not None:
                 advance_guide(target, result.token_id)
             touched[target.request.request_id] = target.request
-        return list(touched.values())
+        outputs = [self._collect(request) for request in touched.values()]
+        return [output for output in outputs if output is not None]
 
     def _drop_non_finite(self, logits, rows, targets, logit_rows):
         """Fail, alone, each request whose logits hold NaN or Inf; keep the others' rows.
@@ -321,6 +368,11 @@ class LLMEngine(EngineStats):
         if all(finite):
             return rows, targets, logit_rows
         bad = {seq.request.request_id for (seq, _), ok in zip(targets, finite) if not ok}
+        self._fail_non_finite(bad)
+        keep = [i for i, (seq, _) in enumerate(targets) if seq.request.request_id not in bad]
+        return [rows[i] for i in keep], [targets[i] for i in keep], [logit_rows[i] for i in keep]
+
+    def _fail_non_finite(self, bad: set[str]) -> None:
         for request_id in bad:
             request = self.requests.get(request_id)
             done = 0 if request is None else sum(len(s.output_token_ids) for s in request.seqs)
@@ -329,8 +381,6 @@ class LLMEngine(EngineStats):
                 f"request {request_id}: the model's logits became non-finite (NaN or Inf) "
                 f"after {done} generated tokens; its adapter or input overflows in this dtype",
             )
-        keep = [i for i, (seq, _) in enumerate(targets) if seq.request.request_id not in bad]
-        return [rows[i] for i in keep], [targets[i] for i in keep], [logit_rows[i] for i in keep]
 
     def _fork(self, parent: Sequence, index: int) -> Sequence:
         request = parent.request
@@ -355,11 +405,30 @@ class LLMEngine(EngineStats):
                 self.outputs._decode_logprobs(position)
         request.prompt_logprobs = existing + (values if start == 0 else values[1:])
 
-    def _collect(self, request: Request) -> list[RequestOutput]:
+    def _collect(self, request: Request) -> RequestOutput | None:
         for seq in request.seqs:
             if seq.finish_reason is not None and not seq.is_finished:
                 self.scheduler.finish(seq)
         output = self.outputs.make_output(request)
-        if request.is_finished:
+        if output.finished if output is not None else request.is_finished:
             self._pop(request.request_id)
-        return [] if output is None else [output]
+        return output
+
+
+def _argmax_rows(layout: list[LogitsRows]) -> list[LogitsRows] | None:
+    """The entries that sample a token, if there are some and each takes the raw
+    argmax: ``Request.argmax_only`` (greedy; no logprobs, bias, penalties, grammar or
+    fork) with its min_tokens generated. None otherwise."""
+    sampled = []
+    for entry in layout:
+        if entry.sample_row is None:
+            continue
+        seq = entry.item.seq
+        request = seq.request
+        if not request.argmax_only:
+            return None
+        min_tokens = request.params.min_tokens
+        if min_tokens and seq.num_output_tokens < min_tokens:
+            return None
+        sampled.append(entry)
+    return sampled or None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
+from itertools import chain
 
 import torch
 from transformers import AutoConfig
@@ -21,13 +22,51 @@ from lorapool.engine.scheduler import ScheduledSeq, SchedulerOutput
 logger = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(slots=True)
 class LogitsRows:
     """Where one scheduled sequence's rows sit in the step's logits."""
 
     item: ScheduledSeq
     prompt_rows: range  # rows predicting prompt tokens start+1 .. (prompt logprobs)
     sample_row: int | None  # row to sample the next token from
+
+
+def pack_batch(device: torch.device, longs, ints, tables: list[list[int]]) -> BatchMetadata:
+    """A BatchMetadata whose tensors are views of one buffer, copied to ``device`` once.
+
+    ``longs``: (input_ids, positions, slot_mapping, logits_indices), int64;
+    ``ints``: (seq_lens, query_start_loc, lora_slots or None), int32 on the device;
+    ``tables``: the block tables, padded with 0 to the widest. The int32 part is
+    converted on the device by one op after the copy.
+    """
+    width = max(map(len, tables))
+    flat = list(chain(*longs, *(x for x in ints if x is not None)))
+    for table in tables:
+        flat += table
+        flat += [0] * (width - len(table))
+    host = torch.tensor(flat, dtype=torch.long, pin_memory=device.type == "cuda")
+    moved = host.to(device, non_blocking=True)
+    num_longs = sum(map(len, longs))
+    as_int = moved[num_longs:].to(torch.int32)
+    views, at = [], 0
+    for part in longs:
+        views.append(moved[at : at + len(part)])
+        at += len(part)
+    at = 0
+    for part in ints:
+        views.append(None if part is None else as_int[at : at + len(part)])
+        at += 0 if part is None else len(part)
+    input_ids, positions, slot_mapping, logits_indices, seq_lens, starts, lora_slots = views
+    return BatchMetadata(
+        input_ids=input_ids,
+        positions=positions,
+        slot_mapping=slot_mapping,
+        block_tables=as_int[at:].view(len(tables), width),
+        seq_lens=seq_lens,
+        query_start_loc=starts,
+        logits_indices=logits_indices,
+        lora_slots=lora_slots,
+    )
 
 
 class ModelRunner:
@@ -114,36 +153,47 @@ class ModelRunner:
         """Pack the scheduled tokens into one flat batch.
 
         ``lora_slot_of(seq) -> int`` gives each sequence's adapter slot (-1 base);
-        None means no adapters in this engine.
+        None means no adapters in this engine. Every field travels in one int64
+        host buffer (pinned on CUDA) with one non-blocking copy (``pack_batch``).
         """
+        size = block_manager.block_size
         input_ids, positions, slots, lora_slots = [], [], [], []
         seq_lens, starts, tables, logits_indices, layout = [], [0], [], [], []
+        uses_lora = False
         for item in out.scheduled:
-            seq, begin, end = item.seq, item.start, item.start + item.num_new_tokens
+            seq, begin, num_new = item.seq, item.start, item.num_new_tokens
+            end = begin + num_new
+            token_ids, table = seq.token_ids, seq.block_table
             first_token = len(input_ids)
-            input_ids += seq.token_ids[begin:end]
-            positions += range(begin, end)
-            slots += [block_manager.slot(seq, p) for p in range(begin, end)]
+            if num_new == 1:
+                input_ids.append(token_ids[begin])
+                positions.append(begin)
+                slots.append(table[begin // size] * size + begin % size)
+            else:
+                input_ids += token_ids[begin:end]
+                positions += range(begin, end)
+                slots += [table[p // size] * size + p % size for p in range(begin, end)]
             if lora_slot_of is not None:
-                lora_slots += [lora_slot_of(seq)] * (end - begin)
+                lora_slot = lora_slot_of(seq)
+                uses_lora = uses_lora or lora_slot >= 0
+                lora_slots += [lora_slot] * num_new
             seq_lens.append(end)
-            starts.append(len(input_ids))
-            tables.append(seq.block_table)
-            layout.append(self._logits_rows(item, first_token, logits_indices))
-        max_blocks = max(len(t) for t in tables)
-        padded = [t + [0] * (max_blocks - len(t)) for t in tables]
-        batch = BatchMetadata(
-            input_ids=torch.tensor(input_ids, dtype=torch.long),
-            positions=torch.tensor(positions, dtype=torch.long),
-            slot_mapping=torch.tensor(slots, dtype=torch.long),
-            block_tables=torch.tensor(padded, dtype=torch.int32),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-            query_start_loc=torch.tensor(starts, dtype=torch.int32),
-            logits_indices=torch.tensor(logits_indices, dtype=torch.long),
-            lora_slots=torch.tensor(lora_slots, dtype=torch.int32) if lora_slot_of else None,
-            uses_lora=any(s >= 0 for s in lora_slots),
+            starts.append(first_token + num_new)
+            tables.append(table)
+            if num_new == 1 and end == len(token_ids) > seq.num_prompt_tokens:
+                # decoding: no prompt logprobs left, samples its next token
+                num = len(logits_indices)
+                layout.append(LogitsRows(item, range(num, num), num))
+                logits_indices.append(first_token)
+            else:
+                layout.append(self._logits_rows(item, first_token, logits_indices))
+        batch = pack_batch(
+            self.device,
+            (input_ids, positions, slots, logits_indices),
+            (seq_lens, starts, lora_slots if lora_slot_of else None),
+            tables,
         )
-        batch = batch.to(self.device)
+        batch.uses_lora = uses_lora
         if not kernels.use_triton(batch.input_ids):  # the CPU attention plans once a step
             batch.attention_plan = kernels.AttentionPlan.build(
                 batch.block_tables, batch.seq_lens, batch.query_start_loc, self.block_size

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 
-from lorapool.engine.detokenizer import IncrementalDetokenizer
+from lorapool.engine.detokenizer import CachedDecode, IncrementalDetokenizer, make_decode
 from lorapool.engine.sequence import Request, Sequence
 from lorapool.outputs import CompletionOutput, Logprob, RequestOutput
 from lorapool.protocol import RequestOutputKind
@@ -21,6 +21,7 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
+        self._decoders: dict[tuple, CachedDecode] = {}  # per decode option
 
     def start(self, seq: Sequence) -> None:
         """Give a new sequence its detokenizer.
@@ -29,11 +30,20 @@ class OutputProcessor:
         worker) and counts their text as sent, so its stream goes on gaplessly.
         """
         params = seq.request.params
-        seq.detokenizer = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, params)
+        seq.detokenizer = IncrementalDetokenizer(
+            self.tokenizer, seq.prompt_token_ids, params, self._decoder(params)
+        )
         if seq.num_output_tokens:
             seq.detokenizer.add_tokens(seq.output_token_ids, check_stop=False)
             seq.sent_text = seq.detokenizer.take_delta(False)
             seq.num_sent_tokens = seq.num_output_tokens
+
+    def _decoder(self, params) -> CachedDecode:
+        key = (params.skip_special_tokens, params.spaces_between_special_tokens)
+        decoder = self._decoders.get(key)
+        if decoder is None:
+            decoder = self._decoders[key] = CachedDecode(make_decode(self.tokenizer, params))
+        return decoder
 
     def append(
         self,
@@ -41,31 +51,34 @@ class OutputProcessor:
         token_id: int,
         logprob: float | None,
         top_logprobs: dict[int, Logprob] | None,
+        now: float | None = None,
     ) -> None:
-        """Add one sampled token to ``seq`` and decide whether it finished."""
-        seq.append_token(token_id)
+        """Add one sampled token to ``seq`` and decide whether it finished (EOS, stop
+        token ids, stop strings, max_tokens, model length); ``now``: the step's
+        time.time() (one call a step, not one a token)."""
+        token_ids = seq.token_ids
+        token_ids.append(token_id)
         if logprob is not None:
             seq.cumulative_logprob += logprob
         if top_logprobs is not None:
             seq.logprobs.append(self._decode_logprobs(top_logprobs))
-        self.check_stop(seq, token_id)
-        now = time.time()
-        metrics = seq.request.metrics
-        metrics.first_token_time = metrics.first_token_time or now
-        metrics.last_token_time = now
-
-    def check_stop(self, seq: Sequence, token_id: int) -> None:
-        params, request = seq.request.params, seq.request
-        can_stop = seq.num_output_tokens >= params.min_tokens
-        stop_str = seq.detokenizer.add_tokens([token_id], check_stop=can_stop)
+        request = seq.request
+        params = request.params
+        num_output = len(token_ids) - seq.num_prompt_tokens
+        can_stop = num_output >= params.min_tokens
+        stop_str = seq.detokenizer.add_token(token_id, can_stop)
         if can_stop and not params.ignore_eos and token_id in self.eos_token_ids:
             self._finish(seq, "stop", None)
         elif can_stop and token_id in params.stop_token_ids:
             self._finish(seq, "stop", token_id)
         elif stop_str is not None:
             self._finish(seq, "stop", stop_str)
-        elif seq.num_output_tokens >= request.max_tokens or seq.num_tokens >= self.max_model_len:
+        elif num_output >= request.max_tokens or len(token_ids) >= self.max_model_len:
             self._finish(seq, "length", None)
+        metrics = request.metrics
+        metrics.last_token_time = now = time.time() if now is None else now
+        if metrics.first_token_time is None:
+            metrics.first_token_time = now
 
     @staticmethod
     def _finish(seq: Sequence, reason: str, stop_reason: int | str | None) -> None:
@@ -85,41 +98,56 @@ class OutputProcessor:
             return None
         completions = [self._completion(seq, kind) for seq in request.seqs]
         if finished:
-            request.metrics.finished_time = time.time()
-            request.metrics.num_generated_tokens = sum(s.num_output_tokens for s in request.seqs)
-            request.metrics.num_cached_tokens = request.num_cached_tokens
-        return RequestOutput(
-            request_id=request.request_id,
-            prompt=request.prompt,
-            prompt_token_ids=request.prompt_token_ids,
-            prompt_logprobs=request.prompt_logprobs,
-            outputs=completions,
-            finished=finished,
-            metrics=request.metrics,
-            lora_request=request.lora_request,
-            num_cached_tokens=request.num_cached_tokens,
-            error=request.error,
+            metrics = request.metrics
+            metrics.finished_time = time.time()
+            metrics.num_generated_tokens = sum(s.num_output_tokens for s in request.seqs)
+            metrics.num_cached_tokens = request.num_cached_tokens
+        return self._output(request, completions, finished)
+
+    def running_output(self, seq: Sequence) -> RequestOutput | None:
+        """``make_output`` of a request of one sequence that goes on (no finish reason)."""
+        kind = seq.request.params.output_kind
+        if kind == RequestOutputKind.FINAL_ONLY:
+            return None
+        return self._output(seq.request, [self._completion(seq, kind)], False)
+
+    @staticmethod
+    def _output(request: Request, completions: list[CompletionOutput], finished: bool):
+        output = RequestOutput(  # positional: a step builds one per running request
+            request.request_id,
+            request.prompt,
+            request.prompt_token_ids,
+            request.prompt_logprobs,
+            completions,
+            finished,
+            request.metrics,
+            request.lora_request,
+            None,
+            None,
+            request.num_cached_tokens,
         )
+        output.error = request.error
+        return output
 
     @staticmethod
     def _completion(seq: Sequence, kind: RequestOutputKind) -> CompletionOutput:
         delta = seq.detokenizer.take_delta(seq.finish_reason is not None)
-        seq.sent_text += delta
         wants_logprobs = seq.request.params.logprobs is not None
-        if kind == RequestOutputKind.DELTA:
+        if kind == RequestOutputKind.DELTA:  # sent_text is not kept: no copy of the whole text
             begin = seq.num_sent_tokens
             text = delta
         else:
+            seq.sent_text += delta
             begin = 0
             text = seq.sent_text
-        seq.num_sent_tokens = seq.num_output_tokens
+        seq.num_sent_tokens = len(seq.token_ids) - seq.num_prompt_tokens
         return CompletionOutput(
-            index=seq.index,
-            text=text,
-            token_ids=seq.output_token_ids[begin:],
-            cumulative_logprob=seq.cumulative_logprob if wants_logprobs else None,
-            logprobs=seq.logprobs[begin:] if wants_logprobs else None,
-            finish_reason=seq.finish_reason,
-            stop_reason=seq.stop_reason,
-            lora_request=seq.request.lora_request,
+            seq.index,
+            text,
+            seq.token_ids[seq.num_prompt_tokens + begin :],  # only the delta is copied
+            seq.cumulative_logprob if wants_logprobs else None,
+            seq.logprobs[begin:] if wants_logprobs else None,
+            seq.finish_reason,
+            seq.stop_reason,
+            seq.request.lora_request,
         )

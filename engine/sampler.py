@@ -97,6 +97,31 @@ class Sampler:
         return u
 
 
+def argmax_only(params: SamplingParams) -> bool:
+    """Whether a row of ``params`` takes the argmax of the raw logits, untouched: greedy,
+    no logprobs, no logit_bias, no penalties (min_tokens, which ends, is checked per row)."""
+    return (
+        params.greedy
+        and params.logprobs is None
+        and not params.logit_bias
+        and params.repetition_penalty == 1.0
+        and params.presence_penalty == 0.0
+        and params.frequency_penalty == 0.0
+    )
+
+
+def finite_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Per row of ``logits`` [S, V]: its argmax, or -1 where the row holds NaN or Inf.
+
+    [S] int64 on the logits' device, queued right after the forward, so that the
+    greedy step's only sync is one copy of it to the host. A row is
+    finite iff sum(row * 0) is (0 * NaN and 0 * Inf are NaN): on the CPU that costs a
+    third of ``isfinite(row).all()``, which reduces over bools.
+    """
+    finite = logits.mul(0).sum(dim=-1).isfinite()
+    return torch.where(finite, logits.argmax(dim=-1), -1)
+
+
 def seeded_uniform(seed: int, seq_index: int, step: int) -> float:
     """A number in (0, 1], a pure function of its arguments (splitmix64 mixing)."""
     h = _mix(seed & _MASK64)

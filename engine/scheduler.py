@@ -29,6 +29,18 @@ ones). Once it has been skipped S times, nothing behind it is admitted, so the
 running sequences drain and free their blocks: it is admitted within S + D
 steps of reaching the head of the queue (it fits in an empty cache: a request
 that cannot was refused at ``add_request``).
+
+Not yet (issue 47 item 4, to design with the fair-share scheduler): async
+scheduling as vLLM's, scheduling and preparing step N+1 while step N runs on the
+device. Step N+1 would be scheduled before N's tokens are known, so: every
+running sequence is assumed to decode one more token (its slot allocated
+ahead; a sequence that step N finishes is dropped from N+1's outputs and its
+extra block freed); N+1's input token ids are filled on the device from N's
+sampled tokens (a gather, no host round trip); stop checks and outputs of N
+run on the host while N+1 runs. What ties it to fair share: a fair-share
+scheduler charges tenants for the tokens scheduled, so the charge for a
+speculated token that a finished sequence never uses must be refunded, and
+preemption decisions made for N+1 must not depend on N's outcome.
 """
 
 from __future__ import annotations
@@ -55,7 +67,7 @@ class SchedulerConfig:
             raise ValueError(f"max_loras must be at least 1, got {self.max_loras}")
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledSeq:
     seq: Sequence
     start: int  # tokens of seq already in the cache before this step
@@ -116,10 +128,15 @@ class Scheduler:
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        i = 0
+        i, manager, scheduled = 0, self.block_manager, out.scheduled
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_uncomputed_tokens, budget)
+            if manager.fits_in_place(seq, num_new):  # the common decode step: no blocks
+                scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, num_new))
+                budget -= num_new
+                i += 1
+                continue
             while not self.block_manager.can_allocate(seq, num_new):
                 victim = self.running[-1]
                 self._preempt(victim, out)
@@ -133,6 +150,8 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        if not self.waiting:  # most decode steps: no need to look at the running adapters
+            return
         active = {s.lora_int_id for s in self.running} - {0}
         blocked_new_adapters = False
         for seq in list(self.waiting):
@@ -206,10 +225,12 @@ class Scheduler:
 
     def postprocess(self, out: SchedulerOutput) -> None:
         """The step ran: the scheduled tokens are now in the cache."""
+        caching = self.block_manager.enable_prefix_caching
         for item in out.scheduled:
             end = item.start + item.num_new_tokens
             item.seq.num_computed_tokens = end
-            self.block_manager.cache_blocks(item.seq, item.start, end)
+            if caching:
+                self.block_manager.cache_blocks(item.seq, item.start, end)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """``child`` starts running beside ``parent``, sharing its blocks."""

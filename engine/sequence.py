@@ -42,7 +42,7 @@ class Sequence:
         self.num_preemptions = 0
         self.detokenizer: Any = None  # set by the engine's output processor
         self.num_sent_tokens = 0  # output tokens already in a streamed output
-        self.sent_text = ""  # output text already in a streamed output
+        self.sent_text = ""  # output text already streamed (CUMULATIVE, FINAL_ONLY only)
         self.guide: Any = None  # a structured output's grammar state (engine.guide.Guide)
 
     @property
@@ -68,7 +68,7 @@ class Sequence:
 
     @property
     def is_finished(self) -> bool:
-        return self.status == SequenceStatus.FINISHED
+        return self.status is SequenceStatus.FINISHED
 
     @property
     def num_uncomputed_tokens(self) -> int:
@@ -109,6 +109,7 @@ class Request:
     max_tokens: int = 16  # params.max_tokens resolved against the model length
     resumed_token_ids: list[int] = field(default_factory=list)  # generated elsewhere, streamed
     guided: bool = False  # has a structured output (its sequences carry a Guide)
+    argmax_only: bool = False  # takes the raw argmax: sampler.argmax_only, n == 1, no grammar
 
     def __post_init__(self):
         if self.metrics is None:
@@ -126,7 +127,12 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return len(self.seqs) == self.params.n and all(s.is_finished for s in self.seqs)
+        seqs = self.seqs
+        if len(seqs) != self.params.n:
+            return False
+        if len(seqs) == 1:
+            return seqs[0].status is SequenceStatus.FINISHED
+        return all(s.is_finished for s in seqs)
 
     @property
     def needs_fork(self) -> bool:
