@@ -32,6 +32,7 @@ from transformers import AutoTokenizer
 
 from lorapool.engine.block_manager import BlockManager
 from lorapool.engine.config import EngineArgs
+from lorapool.engine.engine_adapters import EngineAdapters
 from lorapool.engine.engine_stats import EngineStats
 from lorapool.engine.guide import (
     GuideFactory,
@@ -43,7 +44,7 @@ from lorapool.engine.guide import (
 )
 from lorapool.engine.input_processor import InputLimits, InputProcessor
 from lorapool.engine.loader import eos_token_ids
-from lorapool.engine.lora.manager import LoRAManager, adapter_key
+from lorapool.engine.lora.manager import LoRAManager
 from lorapool.engine.model_runner import LogitsRows, ModelRunner
 from lorapool.engine.output_processor import OutputProcessor
 from lorapool.engine.sampler import (
@@ -61,7 +62,7 @@ from lorapool.protocol import LoRARequest, SamplingParams
 logger = logging.getLogger(__name__)
 
 
-class LLMEngine(EngineStats):
+class LLMEngine(EngineStats, EngineAdapters):
     """Continuous-batching engine: ``add_request`` any time, ``step`` to advance all."""
 
     def __init__(self, args: EngineArgs):
@@ -229,48 +230,6 @@ class LLMEngine(EngineStats):
             return outputs + self._take_argmax(logits, tokens, layout, sampled)
         outputs += self._process_logits(logits, layout, masks)
         return outputs
-
-    def _activate_loras(self, scheduled: SchedulerOutput) -> None:
-        """Adapters of the step into device slots; requests of one that fails to load fail."""
-        wanted = [item.seq.request.lora_request for item in scheduled.scheduled]
-        errors = self.lora_manager.activate(r for r in wanted if r is not None)
-        if not errors:
-            return
-        for request in list(self.requests.values()):
-            error = request.lora_request and errors.get(adapter_key(request.lora_request))
-            if error:
-                self.fail_request(request.request_id, str(error))
-        scheduled.scheduled = [
-            s for s in scheduled.scheduled if s.seq.request.request_id in self.requests
-        ]
-
-    # --- adapters (vLLM's names) -------------------------------------------
-    def add_lora(self, lora_request: LoRARequest) -> bool:
-        """Load and validate an adapter ahead of its requests; raises AdapterError."""
-        return self._loras().add_lora(lora_request)
-
-    def expect_lora_weights(self, lora_request: LoRARequest, sha256: str) -> None:
-        """Load ``lora_request`` only if its weights have this sha256 (e.g. the registry's).
-
-        A load that finds other weights fails that adapter's requests with an
-        AdapterError saying the weights changed since registration.
-        """
-        self._loras().expect(lora_request, sha256)
-
-    def remove_lora(self, lora_id: int) -> bool:
-        self.block_manager.forget_adapter(lora_id)  # the id may come back with other weights
-        return self._loras().remove_lora(lora_id)
-
-    def pin_lora(self, lora_id: int) -> bool:
-        return self._loras().pin_lora(lora_id)
-
-    def list_loras(self) -> set[int]:
-        return self._loras().list_loras()
-
-    def _loras(self) -> LoRAManager:
-        if self.lora_manager is None:
-            raise ValueError("LoRA is not enabled: start the engine with enable_lora=True")
-        return self.lora_manager
 
     def _mark_scheduled(self, scheduled: SchedulerOutput) -> None:
         now = time.time()

@@ -34,17 +34,19 @@ import triton
 import triton.language as tl
 
 from lorapool.kernels import jit
+from lorapool.kernels.attention_configs import (  # noqa: F401 - the sweep's names here too
+    CONFIG_KEYS,
+    MAX_SPLITS,
+    OP,
+    candidates,
+    checked,
+    config_key,
+    heuristic,
+    kv_splits,
+    tuned_config,
+)
 from lorapool.kernels.kv_cache_ops import INDEX_DTYPES as _INDEX_DTYPES
 from lorapool.kernels.kv_cache_ops import check_cache
-
-try:  # the tuned-config store (kernels/tuned.py) lands with the LoRA kernels' change
-    from lorapool.kernels import tuned
-except ImportError:  # pragma: no cover - until then, the heuristics alone
-    tuned = None
-
-_MAX_SPLITS = 32
-OP = "paged_attention"  # the op's name in kernels/configs/<device>.json
-CONFIG_KEYS = ("block_n", "num_splits", "num_warps", "num_stages")
 
 
 @triton.jit
@@ -231,13 +233,13 @@ def paged_attention(
     block_q, block_m = _query_blocking(num_tokens, num_seqs, group)
     num_q_blocks = num_tokens if block_q == 1 else num_tokens // block_q + num_seqs
     max_context = block_tables.shape[1] * block_size
-    launch = _heuristic(query, block_q, num_q_blocks * num_kv_heads, max_context, block_size)
+    launch = heuristic(query, block_q, num_q_blocks * num_kv_heads, max_context, block_size)
     key = config_key(
         num_tokens, num_seqs, num_heads, num_kv_heads, head_size, max_context, query.dtype
     )
-    launch |= _tuned(query.device, key) if config is None else _checked(config)
+    launch |= tuned_config(query.device, key) if config is None else checked(config)
     block_n = max(int(launch["block_n"]), block_size)
-    num_splits = max(1, min(int(launch["num_splits"]), _MAX_SPLITS)) if block_q == 1 else 1
+    num_splits = max(1, min(int(launch["num_splits"]), MAX_SPLITS)) if block_q == 1 else 1
     split_size = max_context  # one split: the whole context (as the heuristics had it)
     if num_splits > 1:
         split_size = triton.cdiv(triton.cdiv(max_context, num_splits), block_n) * block_n
@@ -298,77 +300,12 @@ def paged_attention(
     return out
 
 
-def config_key(
-    num_tokens: int,
-    num_seqs: int,
-    num_heads: int,
-    num_kv_heads: int,
-    head_size: int,
-    max_context: int,
-    dtype: torch.dtype,
-) -> str:
-    """The tuned-config key of a call: decode or prefill, heads, head size, dtype, and
-    the tokens and the block table's reach rounded up to powers of two (a CUDA graph's
-    decode step reaches ``max_model_len``)."""
-    kind = "decode" if num_tokens <= num_seqs else "prefill"
-    name = str(dtype).removeprefix("torch.")
-    tokens, reach = triton.next_power_of_2(num_tokens), triton.next_power_of_2(max_context)
-    return f"{kind}-h{num_heads}-kv{num_kv_heads}-d{head_size}-{name}-t{tokens}-c{reach}"
-
-
-def candidates(block_q: int = 1) -> list[dict]:
-    """Launch configs the GPU kit's sweep tries (a handful: the sweep must stay short)."""
-    out = []
-    for block_n in (32, 64, 128):
-        for num_warps in (4, 8):
-            for num_splits in (1, 4, 16) if block_q == 1 else (1,):
-                out.append({"block_n": block_n, "num_warps": num_warps, "num_splits": num_splits})
-    return out
-
-
-def _heuristic(query, block_q: int, num_programs: int, max_context: int, block_size: int) -> dict:
-    """Today's launch: BLOCK_N 64 (32 in fp32: less shared memory), splits to fill the device."""
-    block_n = max(32 if query.dtype == torch.float32 else 64, block_size)
-    num_splits, _ = kv_splits(num_programs, block_q, max_context, block_n, query.device)
-    return {"block_n": block_n, "num_splits": num_splits}
-
-
-def _tuned(device: torch.device, key: str) -> dict:
-    if tuned is None or device.type != "cuda":
-        return {}
-    return _checked(tuned.lookup(device, OP, key) or {})
-
-
-def _checked(config: dict) -> dict:
-    unknown = set(config) - set(CONFIG_KEYS)
-    if unknown:
-        raise ValueError(f"unknown paged_attention config keys {sorted(unknown)}")
-    return dict(config)
-
-
 def _query_blocking(num_tokens: int, num_seqs: int, group: int) -> tuple[int, int]:
     """(BLOCK_Q, BLOCK_M): one query per program in decode, a tile of them in prefill."""
     if num_tokens <= num_seqs:
         return 1, jit.next_pow2(group)
     block_m = jit.next_pow2(group, 64)
     return block_m // group, block_m
-
-
-def kv_splits(
-    num_programs: int, block_q: int, max_context: int, block_n: int, device: torch.device
-) -> tuple[int, int]:
-    """(splits, positions per split) of each sequence's context (flash-decoding).
-
-    Decode has one program per token and KV head: too few to fill the device
-    for a small batch, and each walks the whole context. Splitting the context
-    over programs, whose partial softmax results a second kernel combines,
-    restores the parallelism. Prefill has enough query blocks; it never splits.
-    """
-    target = 2 * jit.num_sms(device) if device.type == "cuda" else 16
-    splits = min(target // num_programs, triton.cdiv(max_context, 256), _MAX_SPLITS)
-    if block_q > 1 or splits < 2:
-        return 1, max_context
-    return splits, triton.cdiv(triton.cdiv(max_context, splits), block_n) * block_n
 
 
 def _check_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc):
