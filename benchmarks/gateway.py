@@ -194,14 +194,15 @@ def worker_up(url: str, prefix: str, sequences: int, step_ms: float, tmp: str):
     """The real Worker around the stand-in (``queue_gpu``'s serve-worker mode), once live."""
     import redis
 
+    from lorapool.cli.queue_status import live_workers
     from lorapool.lifecycle.keys import Keys
 
     stats = Path(tmp) / f"stats-{step_ms:g}.json"
     proc = start_worker(url, prefix, sequences, step_ms, stats)
-    alive = Keys(prefix).alive(f"gpu-{prefix}")  # the name start_worker gives it
+    name = f"gpu-{prefix}"  # the name start_worker gives it (its consumer: name#incarnation)
     deadline = time.monotonic() + 60
     with redis.Redis.from_url(url) as conn:
-        while not conn.exists(alive):
+        while name not in {w.name for w in live_workers(conn, Keys(prefix))}:
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError("the worker did not start")
             time.sleep(0.05)

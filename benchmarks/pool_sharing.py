@@ -138,6 +138,7 @@ def pool_run(args, flags: list[str], body) -> dict:
     """Two fresh workers on a fresh prefix; ``body(producer)``; their stats."""
     import redis
 
+    from lorapool.cli.queue_status import live_workers
     from lorapool.producer import Producer
 
     conn = redis.Redis.from_url(args.redis_url)
@@ -146,7 +147,8 @@ def pool_run(args, flags: list[str], body) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         procs = start_workers(args, prefix, flags, Path(tmp))
         try:
-            alive = lambda: all(conn.exists(producer.keys.alive(n)) for n in ("wa", "wb"))  # noqa: E731
+            live = lambda: {w.name for w in live_workers(conn, producer.keys)}  # noqa: E731
+            alive = lambda: live() == {"wa", "wb"}  # noqa: E731
             wait_for(alive, 60, "two workers")
             time.sleep(2.5)  # a heartbeat or two: each has counted the other
             result = body(producer)

@@ -45,7 +45,7 @@ def _claim(
     state: WorkerState, publisher: Publisher, start: Callable[..., None], stream: str, count: int
 ) -> int:
     name, config = state.name, state.config
-    entries = lease.claim_idle(state.redis, stream, name, config.lease_ms, count)
+    entries = lease.claim_idle(state.redis, stream, state.consumer, config.lease_ms, count)
     for entry_id, fields in entries:
         deliveries = lease.deliveries(state.redis, stream, entry_id)
         logger.info("worker %s: claimed %s %s (delivery %s)", name, stream, entry_id, deliveries)

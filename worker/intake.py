@@ -44,7 +44,7 @@ import zlib
 from collections import Counter
 from typing import TYPE_CHECKING
 
-from lorapool.lifecycle.heartbeat import Heartbeat
+from lorapool.lifecycle.heartbeat import Heartbeat, consumer_of
 from lorapool.lifecycle.intake import Handoff, Read
 from lorapool.lifecycle.keys import WORKERS_GROUP
 from lorapool.worker.pool import loaded_adapters
@@ -95,8 +95,8 @@ class Intake:
     def pool_seen(self, live: list[Heartbeat]) -> None:
         """The live workers' records, from a heartbeat."""
         self.live_workers = max(1, len(live))
-        me = self.state.name
-        self.peers = {r.name: r for r in live if r.name != me}
+        me = self.state.consumer
+        self.peers = {consumer_of(r): r for r in live if consumer_of(r) != me}
         self.handed.clear()
 
     def new_read(self, entries: list) -> None:
@@ -124,14 +124,14 @@ class Intake:
             peer = peer if peer is not None and self._can_take(peer) else None
         if peer is None:
             return False
-        self.handed[peer.name] += 1
+        self.handed[consumer_of(peer)] += 1
         self.handed_total += 1
-        self._send([(held.stream, held.entry_id, peer.name)])
+        self._send([(held.stream, held.entry_id, consumer_of(peer))])
         return True
 
     def _peer_load(self, peer: Heartbeat) -> int:
         """Requests running and waiting at the peer's last heartbeat, and handed since."""
-        return peer.running + peer.waiting + self.handed[peer.name]
+        return peer.running + peer.waiting + self.handed[consumer_of(peer)]
 
     def _can_take(self, peer: Heartbeat) -> bool:
         try:
@@ -142,12 +142,12 @@ class Intake:
 
     def home(self, adapter: str) -> str:
         """The live worker an adapter that no worker holds goes to (``home_of``)."""
-        return home_of(adapter, [self.state.name, *self.peers])
+        return home_of(adapter, [self.state.consumer, *self.peers])
 
     def _send(self, items: list[tuple[str, str, str]]) -> None:
         """HANDOFF for ``items`` (stream, entry, peer): at once when the engine is idle,
         else on the sender's next round trip (the engine never waits for it)."""
-        name, ttl_s = self.state.name, self._list_ttl_s()
+        name, ttl_s = self.state.consumer, self._list_ttl_s()
         shards = self.state.by_shard([stream for stream, _, _ in items]).items()
         calls = [(keys, [items[i] for i in where]) for keys, where in shards]
         call = lambda: [self._handoff(keys, name, ttl_s, its) for keys, its in calls]  # noqa: E731
@@ -183,7 +183,7 @@ class Intake:
         self._turn = (self._turn + 1) % len(views)
         reply = self.state.redis.xreadgroup(
             WORKERS_GROUP,
-            self.state.name,
+            self.state.consumer,
             dict.fromkeys(views[self._turn].streams, ">"),
             count=1,
             block=block,
@@ -224,7 +224,7 @@ class Intake:
             for keys in views:
                 reply = self._read_script(
                     keys,
-                    self.state.name,
+                    self.state.consumer,
                     max(0, count),
                     live,
                     held[keys],

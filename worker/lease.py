@@ -3,6 +3,7 @@ and the abort flags read with it; what a lost entry or an abort asked means here
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 from lorapool.lifecycle.lease import Renew, abort_flags
@@ -10,6 +11,8 @@ from lorapool.worker.held import Held
 
 if TYPE_CHECKING:
     from lorapool.worker.state import WorkerState
+
+logger = logging.getLogger(__name__)
 
 
 class Lease:
@@ -25,7 +28,7 @@ class Lease:
         lost, flags, vanished = set(), [None] * len(held), set()
         for keys, where in state.by_shard([h.stream for h in held]).items():
             shard_lost, shard_vanished = self._renew(
-                state.name,
+                state.consumer,
                 idle_ms,
                 [held[i].stream or keys.requests for i in where],
                 [held[i].entry_id for i in where],
@@ -48,6 +51,12 @@ class Lease:
             if i in vanished:
                 state.vanished.append(h)
             elif i in lost:
+                logger.warning(
+                    "worker %s: lost %s to another worker (its lease ran out, another "
+                    "consumer took the entry): dropping it, appending nothing more",
+                    state.consumer,
+                    h.request_id,
+                )
                 state.drop(h.request_id)
             elif flag is not None:
                 state.engine.abort_request(h.request_id)

@@ -9,7 +9,12 @@ import orjson
 import redis
 
 from lorapool.connection import REDIS_DOWN
-from lorapool.lifecycle.heartbeat import Heartbeat, decode_heartbeats, encode_heartbeat
+from lorapool.lifecycle.heartbeat import (
+    Heartbeat,
+    consumer_of,
+    decode_heartbeats,
+    encode_heartbeat,
+)
 from lorapool.lifecycle.keys import Keys
 
 if TYPE_CHECKING:
@@ -74,6 +79,7 @@ def heartbeat_record(state: WorkerState) -> Heartbeat:
     limits = engine_limits(engine)
     return Heartbeat(
         name=state.name,
+        consumer=state.consumer,
         device=engine.device_name,
         model=state.base_model.get("name"),
         updated=state.tokens_since,
@@ -107,14 +113,41 @@ def loaded_adapters(engine: EngineInterface) -> list[str]:
     return list(engine.lora_state().get("device", []))
 
 
+def warn_same_name(state: WorkerState) -> None:
+    """At start: log a warning naming the other live processes started with this
+    worker's ``--name``. Allowed (each is its own consumer, fenced apart), but usually a
+    supervisor's restart while the old process is frozen or partitioned: it will append
+    nothing for the entries this one takes over, and says so when it wakes."""
+    try:
+        twins = same_name_alive(state.redis, state.keys, state.name, state.consumer)
+    except (*REDIS_DOWN, redis.ResponseError):  # a warning, not a start's condition
+        return
+    if twins:
+        logger.warning(
+            "worker %s: another live process has this --name (%s); this one is %s, "
+            "and each keeps its own entries",
+            state.name,
+            ", ".join(twins),
+            state.consumer,
+        )
+
+
+def same_name_alive(connection: redis.Redis, keys: Keys, name: str, consumer: str) -> list[str]:
+    """The consumers of other live processes that show the worker name ``name``."""
+    records = decode_heartbeats(connection.hgetall(keys.workers))
+    others = [c for c, h in records.items() if h.name == name and c != consumer]
+    alive = connection.mget([keys.alive(c) for c in others]) if others else []
+    return [c for c, flag in zip(others, alive) if flag is not None]
+
+
 def send_heartbeat(
     connection: redis.Redis, keys: Keys, record: Heartbeat, alive_ttl_s: int
 ) -> list[Heartbeat]:
-    """Store a worker's ``record`` and its ``{p}:alive:{name}`` flag, which expires
+    """Store a worker's ``record`` and its ``{p}:alive:{consumer}`` flag, which expires
     ``alive_ttl_s`` later; returns the records of the pool's live workers."""
     with connection.pipeline(transaction=False) as pipe:
-        pipe.hset(keys.workers, record.name, encode_heartbeat(record))
-        pipe.set(keys.alive(record.name), 1, ex=alive_ttl_s)
+        pipe.hset(keys.workers, consumer_of(record), encode_heartbeat(record))
+        pipe.set(keys.alive(consumer_of(record)), 1, ex=alive_ttl_s)
         pipe.hgetall(keys.workers)
         replies = pipe.execute(raise_on_error=False)
     for reply in replies:  # Redis away: the loop rides it out; other refusals are ours

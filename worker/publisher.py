@@ -232,12 +232,12 @@ class Publisher:
     def append(self, items: list[Append]) -> list[int]:
         """One APPEND call (``lifecycle.append``) per shard the items are on (one call
         unsharded); its result per item."""
-        config, name = self.state.config, self.state.name
+        config, consumer = self.state.config, self.state.consumer
         results = [0] * len(items)
         for keys, where in self.state.by_shard([item.stream for item in items]).items():
             shard_items = [items[i] for i in where]
             appended = self._append(
-                keys, name, config.dead_max_len, config.log_grace_s, shard_items
+                keys, consumer, config.dead_max_len, config.log_grace_s, shard_items
             )
             for i, result in zip(where, appended):
                 results[i] = result
@@ -293,7 +293,12 @@ class Publisher:
             return
         if result == NOT_OWNER:
             if not chunk.finished:
-                logger.warning("worker %s: lost %s to another worker, dropping it", state.name, rid)
+                logger.warning(
+                    "worker %s: lost %s to another worker (its lease ran out, another "
+                    "consumer took the entry): dropping it, appending nothing more",
+                    state.consumer,
+                    rid,
+                )
             state.drop(rid)
         elif chunk.finished:
             state.release(rid)

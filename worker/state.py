@@ -14,6 +14,7 @@ touches only what a trip hands it: see ``publisher.py``.
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 from typing import Any
 
@@ -42,7 +43,14 @@ class WorkerState:
         self.engine = engine
         self.redis = connection
         self.config = config
-        self.name = config.name
+        self.name = config.name  # what logs, chunks, audit rows and ``lorapool status`` show
+        # the process's consumer in the group: the name and a random incarnation, so that
+        # two processes started with one --name (a restart while the old one is frozen)
+        # are two consumers, and the fence (XPENDING's consumer: APPEND, RENEW) tells
+        # them apart. Everything that reads, claims, renews, appends or hands an entry
+        # to a peer, and the heartbeat's hash field and alive key, use it.
+        self.incarnation = secrets.token_hex(4)
+        self.consumer = f"{config.name}#{self.incarnation}"
         self.base_model = base_model
         self.keys = Keys(config.prefix, config.shards)
         views = self.keys.shard_views

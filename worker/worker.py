@@ -35,7 +35,7 @@ from lorapool.worker.engine_api import EngineInterface
 from lorapool.worker.held import Held
 from lorapool.worker.intake import Intake
 from lorapool.worker.lease import Lease
-from lorapool.worker.pool import claim_model, heartbeat_record, send_heartbeat
+from lorapool.worker.pool import claim_model, heartbeat_record, send_heartbeat, warn_same_name
 from lorapool.worker.prompt import add_to_engine
 from lorapool.worker.publisher import Publisher
 from lorapool.worker.state import WorkerState
@@ -75,6 +75,7 @@ class Worker:
     redis = property(lambda self: self.state.redis)
     config = property(lambda self: self.state.config)
     name = property(lambda self: self.state.name)
+    consumer = property(lambda self: self.state.consumer)  # name#incarnation, in the group
     base_model = property(lambda self: self.state.base_model)
     keys = property(lambda self: self.state.keys)
     streams = property(lambda self: self.state.streams)
@@ -93,10 +94,11 @@ class Worker:
         warning = persistence_warning(self.redis)
         if warning:
             logger.warning("worker %s: %s", self.name, warning)
+        warn_same_name(self.state)
         until_redis_takes(self.ensure_group, who, "create the consumer group")
         self._saved_signals = signals.install(self.on_signal)
         self.metrics.serve()
-        logger.info("worker %s: serving %s", self.name, ", ".join(self.streams))
+        logger.info("worker %s: serving %s", self.state.consumer, ", ".join(self.streams))
         try:
             while not self.stopped:
                 self.run_guarded()
@@ -383,8 +385,8 @@ class Worker:
         try:
             if self.held:
                 self.hand_back()
-            self.redis.hdel(self.keys.workers, self.name)
-            self.redis.delete(self.keys.alive(self.name))
+            self.redis.hdel(self.keys.workers, self.state.consumer)
+            self.redis.delete(self.keys.alive(self.state.consumer))
         except (*REDIS_DOWN, redis.ResponseError) as exc:  # its entries return after the lease
             logger.warning(
                 "worker %s: stopped without saying so, Redis is away or refused (%s)",

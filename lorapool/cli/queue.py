@@ -100,7 +100,14 @@ def _producer(redis_url, prefix, shards=0):
     "steps (at most 4) go out as one chunk; 0: every step's at once",
     least=0,
 )
-@click.option("--name", default=None, help="worker name (default: host-pid-random)")
+@click.option(
+    "--name",
+    default=None,
+    help="worker name that status, logs, chunks and audit rows show (default: "
+    "host-pid-random). Two live processes may share one (a restart while the old one is "
+    "frozen): each is its own consumer, NAME#incarnation, fenced apart; the second "
+    "warns at start, naming the first",
+)
 @click.option("--lease", "lease_s", default=10.0, show_default=True, help="lease seconds")
 @click.option("--max-deliveries", default=3, show_default=True)
 @click.option("--drain-timeout", default=30.0, show_default=True)

@@ -3,7 +3,10 @@ ack, audit record and (failed) dead letter, all in one atomic call.
 
 Fencing: a worker writes for an entry only while XPENDING names it as the entry's
 consumer. Another worker that claims the entry (XAUTOCLAIM) takes that name away, so a
-paused worker that wakes up can neither append nor renew. A chunk's index in its log
+paused worker that wakes up can neither append nor renew. The consumer is the process's
+(``name#incarnation``, ``worker/state.py``), not its ``--name``: a process restarted
+under the name of a frozen one is another consumer, and the frozen one, woken, is
+refused too. A chunk's index in its log
 (a list) is its seq, and an append whose seq the log already holds is taken back (the
 length RPUSH returns is past it; no read of the log), so a log never holds a duplicate
 or a chunk out of order.

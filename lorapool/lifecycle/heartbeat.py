@@ -1,5 +1,7 @@
-"""A worker's heartbeat: its record in ``{p}:workers`` (name -> this record), written
-every ``heartbeat_s`` beside its liveness flag ``{p}:alive:{name}`` (``worker/pool.py``).
+"""A worker's heartbeat: its record in ``{p}:workers`` (consumer -> this record), written
+every ``heartbeat_s`` beside its liveness flag ``{p}:alive:{consumer}`` (``worker/pool.py``).
+The consumer is the process's (``name#incarnation``, ``worker/state.py``): two
+processes started with one ``--name`` are two records, each showing that name.
 
 Read by the worker's peers (fair share, adapter hand-off: ``worker/intake.py``), the
 gateway (the bounds it checks at the door: ``openai/limits.py``; readiness; the
@@ -20,6 +22,9 @@ class Heartbeat(msgspec.Struct, kw_only=True):
     the engine's bounds (``EngineInterface.request_limits``) and KV cache usage last."""
 
     name: str
+    # the process's consumer in the group (``name#incarnation``; None: an older worker,
+    # whose consumer was its name): the field and alive key of its record
+    consumer: str | None = None
     device: str | None = None
     model: str | None = None  # the base model's name
     updated: float | None = None
@@ -37,6 +42,11 @@ class Heartbeat(msgspec.Struct, kw_only=True):
 
     def to_dict(self) -> dict:
         return msgspec.structs.asdict(self)
+
+
+def consumer_of(heartbeat: Heartbeat) -> str:
+    """The worker's consumer in the ``workers`` group (an older worker's: its name)."""
+    return heartbeat.consumer or heartbeat.name
 
 
 def encode_heartbeat(heartbeat: Heartbeat) -> bytes:

@@ -238,11 +238,13 @@ class Keys:
         return self._meta(f"webhook-busy:{tenant}")
 
     def alive(self, worker: str) -> str:
-        """A worker's liveness flag: expires a few heartbeats after its last one."""
+        """A worker's liveness flag (``worker``: its consumer, ``name#incarnation``):
+        expires a few heartbeats after its last one."""
         return self._meta(f"alive:{worker}")
 
     def handoff(self, worker: str) -> str:
-        """List of entries other workers handed to ``worker`` (adapter affinity): each
+        """List of entries other workers handed to ``worker`` (its consumer; adapter
+        affinity): each
         "<stream's position in ``streams``, 1-based> <entry id>"."""
         return self._in_shard(f"handoff:{worker}")
 

@@ -22,6 +22,7 @@ from lorapool.audit_db import (
     create_audit_engine,
     migrate,
 )
+from lorapool.lifecycle.heartbeat import decode_heartbeats
 from lorapool.lifecycle.keys import Keys
 from lorapool.producer.api_keys import ApiKeys
 
@@ -72,8 +73,9 @@ def _job(url: str, key: str, body: dict) -> str:
 
 
 def _live_names(conn, prefix) -> set[str]:
-    names = {n.decode() for n in conn.hkeys(f"{prefix}:workers")}
-    return {n for n in names if conn.exists(f"{prefix}:alive:{n}")}
+    """The names the live workers' records show (each record under its consumer)."""
+    records = decode_heartbeats(conn.hgetall(f"{prefix}:workers"))
+    return {h.name for c, h in records.items() if conn.exists(f"{prefix}:alive:{c}")}
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="no chromium (apt-get install chromium)")

@@ -106,7 +106,7 @@ def test_an_entry_goes_to_the_peer_that_holds_its_adapter_once(conn, producer, p
 
     a.run_once()  # reads r1, lacks "hot", hands it to b
     assert a.intake.handed_total == 1 and "r1" not in a.held
-    assert pending(conn, keys, "r1") == ("b", 1)  # moved; delivered once still
+    assert pending(conn, keys, "r1") == (b.consumer, 1)  # moved; delivered once still
     b.run_once()  # takes it first, though b never read the stream
     assert "r1" in b.held
     # b lacks nothing here, and a handed entry never moves again
@@ -114,7 +114,7 @@ def test_an_entry_goes_to_the_peer_that_holds_its_adapter_once(conn, producer, p
     run_until_done(conn, keys, [a, b], 1)
     assert audit_workers(conn, keys) == {"r1": "b"}
     assert pending_total(conn, keys) == 0
-    assert sum(conn.llen(view.handoff("b")) for view in keys.shard_views) == 0
+    assert sum(conn.llen(view.handoff(b.consumer)) for view in keys.shard_views) == 0
 
 
 def test_a_new_adapter_goes_to_its_home_and_stays_there(conn, producer, pool):
@@ -122,8 +122,9 @@ def test_a_new_adapter_goes_to_its_home_and_stays_there(conn, producer, pool):
     it loads once, not on both."""
     a, b = pool("a"), pool("b")
     see_each_other(a, b)
-    home = a.intake.home("cold")
+    home = a.intake.home("cold")  # a worker's consumer: its name and incarnation
     assert home == b.intake.home("cold")
+    home = {a.consumer: "a", b.consumer: "b"}[home]
     keys = producer.keys
     ids = [f"c{i}" for i in range(4)]
     producer.submit_many([PROMPT] * 4, SamplingParams(max_tokens=2), "cold", request_ids=ids)
@@ -148,7 +149,7 @@ def test_a_busier_peer_is_not_handed_work(conn, producer, pool):
     producer.submit(PROMPT, SamplingParams(max_tokens=2), "hot", request_id="r1")
     a.run_once()  # a takes r1 itself
     assert a.intake.handed_total == 0 and "r1" in a.held
-    assert pending(conn, producer.keys, "r1") == ("a", 1)
+    assert pending(conn, producer.keys, "r1") == (a.consumer, 1)
 
 
 def test_a_peer_that_dies_holding_a_handed_entry_gives_it_up_after_the_lease(conn, producer, pool):
@@ -158,16 +159,16 @@ def test_a_peer_that_dies_holding_a_handed_entry_gives_it_up_after_the_lease(con
     keys = producer.keys
     producer.submit(PROMPT, SamplingParams(max_tokens=3), "hot", request_id="r1")
     a.run_once()
-    assert pending(conn, keys, "r1") == ("b", 1)
+    assert pending(conn, keys, "r1") == (b.consumer, 1)
     # b dies before its next read; a goes on alone and claims it after the lease
-    conn.delete(keys.alive("b"))
+    conn.delete(keys.alive(b.consumer))
     handed_at = time.monotonic()
     deadline = handed_at + 10 * lease_s
     while "r1" not in a.held:
         assert time.monotonic() < deadline, "the handed entry was never claimed"
         a.run_once()
     assert time.monotonic() - handed_at >= lease_s
-    assert pending(conn, keys, "r1") == ("a", 2)
+    assert pending(conn, keys, "r1") == (a.consumer, 2)
     run_until_done(conn, keys, [a], 1)
     assert audit_workers(conn, keys) == {"r1": "a"}
 
@@ -190,14 +191,14 @@ def test_garbage_in_a_handoff_list_is_passed_over(conn, producer, pool):
     settle(a)  # a holds "theirs"
     theirs = conn.hget(keys.job("theirs"), "entry").decode()
     junk = ["", "x", "1", "0 " + theirs, "3 " + theirs, "1 " + theirs, "1 9-9", "2 \x00", "1 -"]
-    conn.rpush(keys.for_request("r1").handoff("b"), *junk)  # where r1 will be handed
+    conn.rpush(keys.for_request("r1").handoff(b.consumer), *junk)  # where r1 will be handed
     see_each_other(a, b)
     producer.submit(PROMPT, SamplingParams(max_tokens=2), "hot", request_id="r1")
     settle(a)  # hands r1 to b, behind the junk
-    assert pending(conn, keys, "r1") == ("b", 1)
+    assert pending(conn, keys, "r1") == (b.consumer, 1)
     settle(b)
     assert set(b.held) == {"r1"}
-    assert pending(conn, keys, "theirs") == ("a", 1)
+    assert pending(conn, keys, "theirs") == (a.consumer, 1)
     run_until_done(conn, keys, [a, b], 2)
     assert audit_workers(conn, keys) == {"theirs": "a", "r1": "b"}
 
@@ -218,6 +219,6 @@ def test_a_full_peer_takes_what_it_was_handed_at_its_next_step(conn, producer, p
     see_each_other(a, b)
     producer.submit(PROMPT, SamplingParams(max_tokens=2), "hot", request_id="r1")
     settle(a)
-    assert pending(conn, keys, "r1") == ("b", 1)
+    assert pending(conn, keys, "r1") == (b.consumer, 1)
     settle(b)  # still full, but its step's round trip takes the handed entry
     assert "r1" in b.held and b.engine.request_counts()[1] >= 1  # waiting in its engine

@@ -16,6 +16,7 @@ from gateway_procs import wait_until
 from pool_layout import entries, length, pending
 from standin import BENCH, load
 
+from lorapool.cli.queue_status import live_workers
 from lorapool.lifecycle.wire import DATA
 from lorapool.protocol import SamplingParams
 from lorapool.worker import Worker, WorkerConfig
@@ -89,7 +90,7 @@ def test_a_burst_spreads_over_two_worker_processes(pool_url, conn, keys, produce
     flags = [] if fair else ["--no-fair-share"]
     procs = [start_sharing_worker(pool_url, keys, n, *flags) for n in ("wa", "wb")]
     try:
-        alive = lambda: all(conn.exists(keys.alive(n)) for n in ("wa", "wb"))  # noqa: E731
+        alive = lambda: {w.name for w in live_workers(conn, keys)} == {"wa", "wb"}  # noqa: E731
         wait_until(alive, "both workers", 60)
         time.sleep(2.5)  # a heartbeat or two: each has counted the other
         params = SamplingParams(max_tokens=8, ignore_eos=True)

@@ -239,10 +239,12 @@ def test_first_sigterm_drains(engine, conn, pool_url, keys, producer, model, tmp
 
 
 def _all_taken_by(conn, keys, name: str) -> bool:
-    """Every entry pending in the workers' group is held by consumer ``name``."""
+    """Every entry pending in the workers' group is held by the worker ``name`` (its
+    consumer: ``name#incarnation``)."""
     for view in keys.shard_views:
         consumers = conn.xpending(view.requests, WORKERS_GROUP)["consumers"]
-        if any(c["name"].decode() != name and c["pending"] for c in consumers):
+        names = [(c["name"].decode().rsplit("#", 1)[0], c["pending"]) for c in consumers]
+        if any(n != name and pending for n, pending in names):
             return False
     return True
 

@@ -104,7 +104,7 @@ def test_queue_integrity_stateful(server):
             self.workers = [self._worker(), self._worker()]
             self.submitted: dict[str, SamplingParams] = {}
             self.removed: set[str] = set()  # entries removed while no live worker held them
-            self.dead: set[str] = set()  # the names of killed workers
+            self.dead: set[str] = set()  # the consumers of killed workers
             self.may_lose: set[str] = set()  # ids whose marker or log may be gone
             self.forgotten: set[str] = set()  # ids whose marker and log were both gone
             self.count = 0
@@ -256,7 +256,7 @@ def test_queue_integrity_stateful(server):
             except Killed:
                 pass
             self.switches[worker.name].arm("kill", 0, False)  # dead from here on anyway
-            self.dead.add(worker.name)
+            self.dead.add(worker.consumer)
             self.removed |= self._gone(worker)
             worker.publisher.close()  # its sender's thread: a trip of it gets Killed
             worker.redis.close()

@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import orjson
 
-from lorapool.lifecycle.heartbeat import Heartbeat, decode_heartbeats, encode_heartbeat
+from lorapool.lifecycle.heartbeat import (
+    Heartbeat,
+    consumer_of,
+    decode_heartbeats,
+    encode_heartbeat,
+)
 from lorapool.openai.limits import pool_limits
 
 # ``{p}:workers``'s value as main at 89a94dd wrote it (an engine that says its bounds)
@@ -18,9 +23,22 @@ OLD = (
 
 
 def test_a_record_written_before_reads_typed_and_whole():
+    # its consumer in the group was its name (no incarnation then)
     [(name, heartbeat)] = decode_heartbeats({b"w1": OLD}).items()
-    assert name == "w1" and heartbeat.to_dict() == orjson.loads(OLD)
-    assert orjson.loads(encode_heartbeat(heartbeat)) == orjson.loads(OLD)
+    whole = {**orjson.loads(OLD), "consumer": None}
+    assert name == "w1" and heartbeat.to_dict() == whole
+    assert orjson.loads(encode_heartbeat(heartbeat)) == whole
+    assert consumer_of(heartbeat) == "w1"
+
+
+def test_two_processes_under_one_name_are_two_records_showing_that_name():
+    records = {
+        b"gpu0#1a2b3c4d": b'{"name":"gpu0","consumer":"gpu0#1a2b3c4d"}',
+        b"gpu0#5e6f7a8b": b'{"name":"gpu0","consumer":"gpu0#5e6f7a8b"}',
+    }
+    found = decode_heartbeats(records)
+    assert [consumer_of(h) for h in found.values()] == list(found)
+    assert {h.name for h in found.values()} == {"gpu0"}
 
 
 def test_what_is_not_a_heartbeat_is_left_out_and_missing_fields_read_empty():
