@@ -25,6 +25,7 @@ import sys
 import time
 
 import pytest
+from engine_runs import engine_tokens
 from redis_cluster import private_redis
 from sqlalchemy import create_engine
 
@@ -46,16 +47,7 @@ CLI = [sys.executable, "-c", "from lorapool.cli.main import main; main()"]
 
 @pytest.fixture(scope="module")
 def expected(model):
-    from lorapool.engine.config import EngineArgs
-    from lorapool.engine.llm_engine import LLMEngine
-
-    engine = LLMEngine.from_engine_args(EngineArgs(model=model, max_num_seqs=16))
-    for i, prompt in enumerate(PROMPTS):
-        engine.add_request(str(i), prompt, PARAMS)
-    done = {}
-    while engine.has_unfinished_requests():
-        done.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
-    return [done[str(i)] for i in range(len(PROMPTS))]
+    return engine_tokens(model, PROMPTS, PARAMS, max_num_seqs=16)
 
 
 class Processes:

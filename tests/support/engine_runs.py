@@ -70,3 +70,16 @@ def run_until_finished(engine):
             if out.finished:
                 finals[out.request_id] = out
     return finals
+
+
+def engine_tokens(model: str, prompts: list[str], params, max_num_seqs: int) -> list[list[int]]:
+    """Each prompt's tokens from an in-process engine of ``model``, in prompt order: what a
+    pool of worker processes must give for the same jobs."""
+    from lorapool.engine.config import EngineArgs
+    from lorapool.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine.from_engine_args(EngineArgs(model=model, max_num_seqs=max_num_seqs))
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, params)
+    finals = run_until_finished(engine)
+    return [finals[str(i)].outputs[0].token_ids for i in range(len(prompts))]
