@@ -114,6 +114,10 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True):
             raise invalid(exc, self, SamplingParams, "sampling_params") from None
         if checked.logit_bias is not None:
             self.logit_bias = checked.logit_bias  # biases as floats
+        for name in _FLOAT_FIELDS:  # an int for a float field: the float the wire carries
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, float):
+                setattr(self, name, getattr(checked, name))
         self._cross_check()
         if self.structured_outputs is not None:
             from lorapool.structured import StructuredOutputsParams
@@ -198,6 +202,22 @@ def _unchecked(cls: type) -> type:
 
 
 _CheckedSampling = _unchecked(SamplingParams)
+
+
+def _float_fields(cls: type) -> tuple[str, ...]:
+    """The fields of ``cls`` typed float (or float or None)."""
+
+    def is_float(info) -> bool:
+        if isinstance(info, msgspec.inspect.UnionType):
+            return any(is_float(t) for t in info.types)
+        return isinstance(info, msgspec.inspect.FloatType)
+
+    return tuple(
+        f.name for f in msgspec.structs.fields(cls) if is_float(msgspec.inspect.type_info(f.type))
+    )
+
+
+_FLOAT_FIELDS = _float_fields(SamplingParams)
 
 
 def is_int(value: Any) -> bool:

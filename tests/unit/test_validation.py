@@ -255,6 +255,17 @@ def test_any_python_value_gives_params_the_wire_keeps_or_a_field_error_naming_it
     assert decode_job(encode_job(job), limits).sampling_params.to_dict() == params.to_dict()
 
 
+@pytest.mark.parametrize("name", ["temperature", "top_p", "repetition_penalty"])
+def test_an_int_for_a_float_field_is_the_float_the_wire_carries(name):
+    """2**53 + 1 has no float: the params hold the float the job decodes to (Hypothesis
+    found the params holding the int, which the wire then rounded)."""
+    value = 2**53 + 1 if name == "temperature" else 1
+    params = SamplingParams(**{name: value})
+    assert isinstance(getattr(params, name), float) and getattr(params, name) == float(value)
+    job = build_job("p", params, None, "r", None)
+    assert decode_job(encode_job(job)).sampling_params.to_dict() == params.to_dict()
+
+
 @settings(max_examples=200, deadline=None)
 @given(python_values, python_values)
 def test_any_python_lora_request_is_built_or_names_its_field(name, adapter_id):
