@@ -19,6 +19,7 @@ from rich.console import Console
 from rich.table import Table
 
 from lorapool.cli.demo_gateway import show_gateway
+from lorapool.lifecycle.heartbeat import decode_heartbeats
 
 PREFIX = "lorapool-demo"
 # the demo's workers: names under which rendezvous hashing gives its three adapters homes
@@ -215,9 +216,14 @@ def stop_children(procs: list[subprocess.Popen], timeout_s: float = 300) -> None
 
 def wait_ready(conn, workers_key: str, workers, console: Console, timeout=300) -> None:
     """Until each of the demo's workers has sent its first heartbeat (its model is
-    loaded): by name, so that another process's record does not count."""
+    loaded): by name, so that another process's record does not count (the records are
+    keyed by each process's consumer, ``name#incarnation``; the name is in the record)."""
     deadline = time.monotonic() + timeout
-    while not all(conn.hexists(workers_key, name) for name in WORKERS):
+
+    def names() -> set[str]:
+        return {record.name for record in decode_heartbeats(conn.hgetall(workers_key)).values()}
+
+    while not set(WORKERS) <= names():
         if any(w.poll() is not None for w in workers) or time.monotonic() > deadline:
             raise RuntimeError("a worker did not start; see its log")
         time.sleep(0.2)
