@@ -165,6 +165,8 @@ class ModelRunner:
             end = begin + num_new
             token_ids, table = seq.token_ids, seq.block_table
             first_token = len(input_ids)
+            # slots: BlockManager.slot written inline, one method call a token less on
+            # the step's host path (benchmarks/host_step.py measures that path)
             if num_new == 1:
                 input_ids.append(token_ids[begin])
                 positions.append(begin)
