@@ -43,7 +43,7 @@ class GrammarLimits:
     max_grammar_depth: int = 64
     max_schema_refs: int = 256
     max_ref_depth: int = 32
-    max_schema_depth: int = 32
+    max_schema_depth: int = 64
     max_enum_values: int = 1024
     max_regex_chars: int = 4096
     compile_timeout_s: float = 10.0

@@ -29,6 +29,9 @@ from lorapool.field_errors import FieldError
 from lorapool.grammar_limits import DEFAULT_LIMITS, GrammarLimits, check_structure
 
 MAX_VERDICTS = 1024  # cached verdicts (a digest and a message each)
+# a child's start (an interpreter, llguidance imported): not counted in a compile's time;
+# ~0.3 s on a 2-core CPU VM, several seconds when it is loaded
+STARTUP_S = 60.0
 
 
 class GrammarSandbox:
@@ -117,10 +120,16 @@ class _Child:
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
         )
+        self.ready = False
 
     def compile(self, params, limits: GrammarLimits) -> tuple[str | None, bool]:
         """(the error or None, whether the child can take another)."""
         kind = f"{WHERE}.{params.kind}"
+        if not self.ready:  # its "ready" line: imports done
+            self.ready = bool(self._read_line(STARTUP_S))
+            if not self.ready:
+                self.kill()
+                return f"{kind}: the grammar compiler did not start", False
         try:
             self.proc.stdin.write(orjson.dumps({"params": params.to_dict()}) + b"\n")
             self.proc.stdin.flush()
@@ -170,8 +179,12 @@ def _serve(memory_mb: int) -> None:
 
     limit = memory_mb << 20
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    import llguidance  # noqa: F401 - loaded before "ready": a compile's time is its own
+
     from lorapool.structured import StructuredOutputsParams, check_grammar
 
+    sys.stdout.buffer.write(b"ready\n")
+    sys.stdout.buffer.flush()
     for line in sys.stdin.buffer:
         try:
             params = StructuredOutputsParams.from_dict(orjson.loads(line)["params"])

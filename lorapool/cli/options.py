@@ -151,6 +151,6 @@ grammar_limit_option = click.option(
     metavar="NAME=VALUE",
     help="a limit on structured outputs' grammars and schemas, refused with a 400 naming "
     "it: max_grammar_rules (512), max_grammar_depth (64), max_schema_refs (256), "
-    "max_ref_depth (32), max_schema_depth (32), max_enum_values (1024), max_regex_chars "
+    "max_ref_depth (32), max_schema_depth (64), max_enum_values (1024), max_regex_chars "
     "(4096), compile_timeout_s (10), compile_memory_mb (2048) (repeatable)",
 )
