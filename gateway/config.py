@@ -10,6 +10,7 @@ from msgspec import Meta
 from lorapool.bounds import FINITE
 from lorapool.config_fields import check_fields
 from lorapool.egress import EgressPolicy
+from lorapool.grammar_limits import DEFAULT_LIMITS, GrammarLimits
 from lorapool.lifecycle.keys import DEFAULT_PREFIX
 from lorapool.lifecycle.wire import DEFAULT_MAX_N, DEFAULT_MAX_PROMPT_BYTES
 from lorapool.protocol import MAX_STOP
@@ -68,6 +69,10 @@ class GatewayConfig:
     trust_proxy: the gateway stands behind a TLS-terminating proxy whose
     X-Forwarded-Proto/-For/-Host it believes (dashboard cookies are then Secure).
     session_ttl_s: a dashboard session's lifetime (``gateway/dashboard_session.py``).
+    grammar_limits: the limits on a structured output's shape, each refused with a 400
+    naming it (``lorapool.grammar_limits``). heavy_workers: grammar compiles (in sandbox
+    processes) and tokenizations that run at once, each kind off the event loop
+    (``gateway/heavy.py``); more wait their turn.
     """
 
     redis_url: str
@@ -97,6 +102,8 @@ class GatewayConfig:
     webhook_allow: tuple[str, ...] = ()
     trust_proxy: bool = False
     session_ttl_s: Annotated[int, Meta(ge=1)] = 3600
+    grammar_limits: GrammarLimits = DEFAULT_LIMITS
+    heavy_workers: Annotated[int, Meta(ge=1, le=64)] = 2
 
     def __post_init__(self):
         check_fields(self)

@@ -100,6 +100,7 @@ async def _generate(request: Request, parsed: Parsed, kind: str, caller: Princip
     lora = await pool.resolve_model(parsed.model, caller)
     await pool.check_limits(parsed)
     await pool.check_rate(caller, len(parsed.prompts), parsed.params, request)
+    await pool.heavy.check_grammar(parsed)  # compiled after the rate checks, off the loop
     ids = [caller.job_id(uuid.uuid4().hex) for _ in parsed.prompts]
     metadata = {**parsed.metadata, **caller.metadata()}
     handles = await pool.submit(
