@@ -208,6 +208,8 @@ def test_keda_holds_busy_workers_under_steady_load_and_scales_to_zero_only_when_
         for _ in range(3):
             for worker in workers:
                 worker.run_once()
+        for worker in workers:  # no final chunk (and its ack) lands between top_up and poll
+            worker.publisher.flush(wait=True)
         top_up()
         assert poll() == 2, f"busy workers scaled to {loop.replicas} at t={loop.now}s"
     deadline = time.monotonic() + 60
