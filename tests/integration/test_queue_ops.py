@@ -215,3 +215,22 @@ def _shutdown(r) -> None:
 def resolve_in(cache_dir) -> str:
     """The unix URL of the embedded server of ``cache_dir``."""
     return EmbeddedServer(cache_dir / "redis").url
+
+
+def test_cli_status_shows_the_loaded_adapters_and_never_a_negative_age(conn, pool_url, keys):
+    """A worker's row names the adapters in its device slots (its record's ``loaded``),
+    not only those of the requests it runs; a record written by a clock a little ahead
+    (another host's) reads "0.0s ago", never a negative age ("-0.0s ago", "-4.7s ago")."""
+    from lorapool.lifecycle.heartbeat import Heartbeat
+    from lorapool.worker.pool import send_heartbeat
+
+    ahead = time.time() + 5  # another host's clock, 5 s ahead
+    record = Heartbeat(name="w-seen", consumer="w-seen#1", device="cpu", updated=ahead,
+                       adapters=["sql"], loaded=["sql", "chat-v2"])  # fmt: skip
+    send_heartbeat(conn, keys, record, 30)
+    pool = ["--redis-url", pool_url, "--prefix", keys.prefix, "--shards", str(keys.shards)]
+    result = CliRunner().invoke(cli, ["status", *pool], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    row = next(line for line in result.output.splitlines() if "w-seen" in line)
+    assert "chat-v2" in row and "sql" in row
+    assert "0.0s ago" in row and "-" not in row.split("chat-v2")[1]
