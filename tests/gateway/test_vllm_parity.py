@@ -164,16 +164,6 @@ def secure(redis_url, prefix, conn, worker, tmp_path_factory):
     stop(proc)
 
 
-@pytest.fixture(scope="module")
-def scraper(secure, conn, prefix) -> dict:
-    """The headers Prometheus scrapes the gateway's /metrics with: an audit key's."""
-    from lorapool.lifecycle.keys import Keys
-    from lorapool.producer.api_keys import ApiKeys
-
-    _, key = ApiKeys(conn, Keys(prefix)).add("ops", "audit", all_tenants=True)
-    return {"Authorization": f"Bearer {key}"}
-
-
 def test_gateway_http_metrics_by_route_status_and_tenant(secure, base_name, scraper):
     url, key = secure
     auth = {"Authorization": f"Bearer {key}"}
