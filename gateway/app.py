@@ -53,6 +53,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         app.state.pool = Pool(config)
+        await app.state.pool.ensure_groups()
         app.state.stopping = asyncio.Event()
         loop = asyncio.get_running_loop()
         app.state.begin_shutdown = lambda: loop.call_soon_threadsafe(app.state.stopping.set)

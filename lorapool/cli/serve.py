@@ -184,7 +184,20 @@ def serve(
 ):
     """Serve the pool over HTTP: /v1/completions, /v1/chat/completions, /v1/models,
     /v1/jobs (asynchronous jobs and their events), /healthz, /readyz; OpenAPI docs at
-    /docs."""
+    /docs.
+
+    \b
+    Environment it reads:
+      REDIS_URL               --redis-url (unset: the shared embedded Redis)
+      LORAPOOL_CACHE_DIR      where that embedded Redis lives (~/.cache/lorapool)
+      LORAPOOL_SHARDS         --shards
+      LORAPOOL_WEBHOOK_ALLOW  --webhook-allow
+      LORAPOOL_AUDIT_KEY      the audit key POST /v1/audit/verify checks with,
+      LORAPOOL_AUDIT_KEY_FILE   or a file holding it (no key: verify answers 503)
+      LORAPOOL_ADAPTER_ROOTS  adapter roots without --adapter-root (os.pathsep)
+      LORAPOOL_BATCH_QUEUE    the RQ queue batches go to (lorapool-batch)
+      LORAPOOL_EGRESS_RESOLVE host=address pins for webhook hosts (comma-separated)
+    """
     from lorapool.embedded import resolve_url
     from lorapool.gateway import GatewayConfig, create_app
     from lorapool.gateway.server import run
