@@ -193,7 +193,8 @@ def _drip(port: int, key: str, result: dict, index: int, every_s: float = 0.5) -
 
 
 def test_row7_dripped_bodies_are_cut_at_the_deadline_and_others_are_served(gateway, keys):
-    url, _log = gateway
+    url, log = gateway
+    before = len(log.read_text(errors="replace").splitlines())
     port = int(url.rsplit(":", 1)[1])
     count, result = 20, {}
     key = keys["initech"]["Authorization"]
@@ -224,3 +225,35 @@ def test_row7_dripped_bodies_are_cut_at_the_deadline_and_others_are_served(gatew
         assert received.startswith(b"HTTP/1.1 408"), received[:200]
         assert b"did not arrive within 2s" in received, received
     assert httpx.get(f"{url}/healthz", timeout=10).status_code == 200
+    lines = log.read_text(errors="replace").splitlines()[before:]
+    assert not [line for line in lines if "Traceback" in line or "ERROR" in line], lines[:40]
+
+
+def test_an_upload_left_half_way_is_quiet_and_gives_its_hold_back(gateway, keys):
+    """A client leaving mid-upload: no traceback (one debug line at most), and its hold
+    comes back (the tenant may upload ``PER_TENANT`` more at once)."""
+    url, log = gateway
+    port = int(url.rsplit(":", 1)[1])
+    before = len(log.read_text(errors="replace").splitlines())
+    part = b'--x\r\nContent-Disposition: form-data; name="file"; filename="a.jsonl"\r\n\r\n{}'
+    for _ in range(PER_TENANT + 2):
+        sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+        head = (
+            f"POST /v1/files HTTP/1.1\r\nHost: x\r\n{_auth(keys['acme'])}"
+            "Content-Type: multipart/form-data; boundary=x\r\nContent-Length: 100000\r\n\r\n"
+        )
+        sock.sendall(head.encode() + part)
+        time.sleep(0.3)  # its handler reads the form now
+        sock.close()
+    time.sleep(1.0)
+    lines = log.read_text(errors="replace").splitlines()[before:]
+    assert not [line for line in lines if "Traceback" in line or "ERROR" in line], lines[:40]
+    files = {"file": ("in.jsonl", b'{"custom_id": "a"}\n')}
+    done = httpx.post(
+        f"{url}/v1/files", files=files, data={"purpose": "batch"}, headers=keys["acme"]
+    )
+    assert done.status_code == 200, done.text
+
+
+def _auth(headers: dict) -> str:
+    return f"Authorization: {headers['Authorization']}\r\n"
