@@ -22,7 +22,6 @@ import os
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import StreamingResponse
 from msgspec import Struct
 
 from lorapool.gateway.auth import Principal, require
@@ -139,8 +138,13 @@ async def retrieve_file(request: Request, file_id: str, caller: Submitter) -> JS
 
 @router.get("/files/{file_id}/content", summary="A file's content")
 async def file_content(request: Request, file_id: str, caller: Submitter):
-    lines = await _call(request, "content", file_id, caller.tenant)
-    return StreamingResponse(_iterate(lines), media_type="application/jsonl")
+    hold = holds_of(request).take(caller.tenant)  # a slow reader holds a thread
+    try:
+        lines = await _call(request, "content", file_id, caller.tenant)
+    except BaseException:
+        hold.release()
+        raise
+    return hold.stream(_iterate(lines), media_type="application/jsonl")
 
 
 async def _iterate(lines):

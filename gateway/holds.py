@@ -1,8 +1,9 @@
 """Long-lived requests, bounded per tenant and in total.
 
-A job-events stream, an OpenAI ``stream: true`` call and a file upload each hold a
-connection, a Pub/Sub subscription or a spooled body, and memory, for as long as the
-client likes. The per-address cap (``server.py``) does not bound one tenant: its
+A job-events stream, an OpenAI ``stream: true`` call, a file upload and a download (a
+file's content, an audit export) each hold a connection, a Pub/Sub subscription, a
+spooled body or a thread and a database cursor, and memory, for as long as the client
+likes. The per-address cap (``server.py``) does not bound one tenant: its
 clients come from many addresses. So each such request takes a hold before any work
 (before its job is submitted, before an upload's body is read), and gives it back when
 its answer ends, however it ends:
@@ -27,7 +28,7 @@ from fastapi.responses import StreamingResponse
 
 from lorapool.openai.errors import APIError
 
-KINDS = "job-events streams, streamed completions and file uploads"
+KINDS = "job-events streams, streamed completions, uploads and downloads"
 
 
 class Holds:

@@ -119,6 +119,11 @@ def test_row5_a_tenant_at_its_cap_gets_429_while_another_is_served(gateway, keys
     url, log = gateway
     acme, globex, initech = keys["acme"], keys["globex"], keys["initech"]
     events = f"{url}/v1/jobs/{_job(url, acme)}/events"
+    files = {"file": ("in.jsonl", b'{"custom_id": "a"}\n')}
+    made = httpx.post(
+        f"{url}/v1/files", files=files, data={"purpose": "batch"}, headers=acme, timeout=30
+    )
+    assert made.status_code == 200, made.text
     held = Held()
     try:
         for _ in range(PER_TENANT):
@@ -135,6 +140,8 @@ def test_row5_a_tenant_at_its_cap_gets_429_while_another_is_served(gateway, keys
             f"{url}/v1/files", files=files, data={"purpose": "batch"}, headers=acme, timeout=30
         )
         _refused(upload, 429, "--max-streams-per-tenant")
+        content = f"{url}/v1/files/{made.json()['id']}/content"
+        _refused(httpx.get(content, headers=acme, timeout=30), 429, "--max-streams-per-tenant")
         # its other calls go on, and another tenant connects and is served
         assert httpx.get(events.removesuffix("/events"), headers=acme).status_code == 200
         other = f"{url}/v1/jobs/{_job(url, globex)}/events"

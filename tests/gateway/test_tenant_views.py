@@ -26,7 +26,9 @@ from gateway_procs import free_port, lorapool_cmd, stop, wait_answering
 from lorapool.audit_db import append_records
 from lorapool.audit_record import record_from_dict
 from lorapool.lifecycle.keys import Keys
+from lorapool.producer import Producer
 from lorapool.producer.api_keys import ApiKeys
+from lorapool.protocol import SamplingParams
 
 pytest_plugins = ["audit_fixtures"]
 pytestmark = pytest.mark.integration
@@ -40,6 +42,7 @@ def keys(conn, prefix):
     made = {
         "acme-audit": store.add("acme", "audit"),
         "all-audit": store.add("compliance", "audit", all_tenants=True),
+        "acme": store.add("acme", "submit"),
     }
     return {name: {"Authorization": f"Bearer {key}"} for name, (_, key) in made.items()}
 
@@ -154,3 +157,25 @@ def test_row9_no_csv_cell_starts_a_formula_whatever_the_separator(audit_gateway,
         # read as written, the prompt differs from what was sent by the added ' alone
         prompts = [r["prompt"] for r in csv.DictReader(io.StringIO(answer.text, newline=""))]
         assert "X;'=1+1;x" in prompts, prompts
+
+
+def test_an_audit_export_counts_against_the_tenants_long_lived_requests(
+    redis_url, prefix, conn, seeded, keys, tmp_path
+):
+    """An export read slowly holds a database cursor and a thread: with a cap of one, a
+    tenant holding a job-events stream gets 429 on its export (row 5's caps)."""
+    Producer(conn, prefix=prefix).submit(
+        "waits", SamplingParams(max_tokens=1), request_id="acme~held"
+    )
+    env = {"LORAPOOL_MAX_STREAMS_PER_TENANT": "1"}
+    url, proc = _gateway(redis_url, prefix, seeded, tmp_path, **env)
+    try:
+        with httpx.stream("GET", f"{url}/v1/jobs/held/events", headers=keys["acme"]) as events:
+            assert events.status_code == 200
+            reading = events.iter_raw()
+            next(reading)  # held
+            export = httpx.get(f"{url}/v1/audit/export", headers=keys["acme-audit"], timeout=30)
+            assert export.status_code == 429, export.text
+            assert export.json()["error"]["code"] == "too_many_streams"
+    finally:
+        stop(proc)
