@@ -69,7 +69,7 @@ class GatewayConfig:
     X-Forwarded-Proto/-For/-Host it believes (dashboard cookies are then Secure).
     session_ttl_s: a dashboard session's lifetime (``gateway/dashboard_session.py``).
     max_streams_per_tenant, max_streams: long-lived requests (job-events streams, OpenAI
-    ``stream: true`` calls, file uploads) one tenant may hold open at once (429 past it),
+    ``stream: true`` calls, uploads, downloads) one tenant may hold open at once (429 past it),
     and all of them together (503 past it); 0: no cap (``gateway/holds.py``).
     tenant_audit_internals: a tenant's auditor sees its rows' adapter paths, worker
     names and key ids too (by default only admin keys and auditors of every tenant do).

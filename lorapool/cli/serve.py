@@ -155,7 +155,8 @@ from lorapool.protocol import MAX_STOP
     type=click.IntRange(0),
     default=64,
     show_default=True,
-    help="job-events streams, streamed completions and uploads one tenant may hold open "
+    help="job-events streams, streamed completions, uploads and downloads one tenant may "
+    "hold open "
     "(past it: 429 too_many_streams; 0: no cap)",
 )
 @click.option(
