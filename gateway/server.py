@@ -86,7 +86,7 @@ class GuardedH11Protocol(H11Protocol):
         super().connection_made(transport)
         self._header_timer: asyncio.TimerHandle | None = None
         self._body_timer: asyncio.TimerHandle | None = None
-        self._body_bytes, self._counted, self._in_total = 0, False, False
+        self._body_bytes, self._counted = 0, False
         if self._refused(transport):
             return
         self._arm()

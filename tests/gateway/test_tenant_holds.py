@@ -260,3 +260,30 @@ def _abandon_uploads(url: str, who: dict, count: int) -> None:
 
 def _auth(headers: dict) -> str:
     return f"Authorization: {headers['Authorization']}\r\n"
+
+
+def test_connections_past_the_gateways_total_get_503(redis_url, prefix, tmp_path):
+    """``--max-connections`` (here 4, by ``$LORAPOOL_MAX_CONNECTIONS``): idle connections
+    from anywhere count; the next one is answered 503 and closed, and once one closes
+    a new one is served."""
+    port = free_port()
+    cmd = lorapool_cmd("serve", "--port", str(port), "--prefix", prefix, "--redis-url", redis_url)
+    env = {**os.environ, "LORAPOOL_MAX_CONNECTIONS": "4"}
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_answering(proc, f"{url}/healthz", "the gateway")
+        time.sleep(0.5)  # the readiness probe's connection has closed
+        idle = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(4)]
+        try:
+            time.sleep(0.3)
+            answer = httpx.get(f"{url}/healthz", timeout=10)
+            assert answer.status_code == 503, answer.text
+            assert "over 4 connections to this gateway" in answer.json()["error"]["message"]
+        finally:
+            for sock in idle:
+                sock.close()
+        time.sleep(0.3)
+        assert httpx.get(f"{url}/healthz", timeout=10).status_code == 200
+    finally:
+        stop(proc)
