@@ -10,6 +10,7 @@ from msgspec import Meta
 from lorapool.bounds import FINITE
 from lorapool.config_fields import check_fields
 from lorapool.egress import EgressPolicy
+from lorapool.grammar_limits import DEFAULT_LIMITS, GrammarLimits
 from lorapool.lifecycle.keys import DEFAULT_PREFIX
 from lorapool.lifecycle.wire import DEFAULT_MAX_N, DEFAULT_MAX_PROMPT_BYTES
 from lorapool.protocol import MAX_STOP
@@ -73,6 +74,10 @@ class GatewayConfig:
     and all of them together (503 past it); 0: no cap (``gateway/holds.py``).
     tenant_audit_internals: a tenant's auditor sees its rows' adapter paths, worker
     names and key ids too (by default only admin keys and auditors of every tenant do).
+    grammar_limits: the limits on a structured output's shape, each refused with a 400
+    naming it (``lorapool.grammar_limits``). heavy_workers: grammar compiles (in sandbox
+    processes) and tokenizations that run at once, each kind off the event loop
+    (``gateway/heavy.py``); more wait their turn.
     """
 
     redis_url: str
@@ -105,6 +110,8 @@ class GatewayConfig:
     max_streams_per_tenant: Limit = 64
     max_streams: Limit = 1024
     tenant_audit_internals: bool = False
+    grammar_limits: GrammarLimits = DEFAULT_LIMITS
+    heavy_workers: Annotated[int, Meta(ge=1, le=64)] = 2
 
     def __post_init__(self):
         check_fields(self)

@@ -71,6 +71,7 @@ async def submit_job(
     if on_finish is not None:
         await pool.check_webhook(on_finish, caller)
     await pool.check_rate(caller, 1, parsed.params, request)
+    await pool.heavy.check_grammar(parsed)  # compiled after the rate checks, off the loop
     job_id = caller.job_id(request_id or uuid.uuid4().hex)
     metadata = {**parsed.metadata, **caller.metadata()}
     [handle] = await pool.submit(

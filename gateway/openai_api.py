@@ -112,6 +112,7 @@ async def _generate(request: Request, parsed: Parsed, kind: str, caller: Princip
 async def _submitted(request, parsed: Parsed, kind: str, caller: Principal, lora, hold: Hold):
     pool = pool_of(request)
     await pool.check_rate(caller, len(parsed.prompts), parsed.params, request)
+    await pool.heavy.check_grammar(parsed)  # compiled after the rate checks, off the loop
     ids = [caller.job_id(uuid.uuid4().hex) for _ in parsed.prompts]
     metadata = {**parsed.metadata, **caller.metadata()}
     handles = await pool.submit(

@@ -18,6 +18,7 @@ from lorapool.gateway import resolver
 from lorapool.gateway.auth import OPEN, Principal
 from lorapool.gateway.config import GatewayConfig
 from lorapool.gateway.dashboard_session import Sessions
+from lorapool.gateway.heavy import HeavyWork
 from lorapool.gateway.redis_watch import RedisWatch
 from lorapool.gateway.tokenizer import TokenizerCache
 from lorapool.lifecycle.adapter_record import AdapterRecord, UnknownAdapter
@@ -53,10 +54,12 @@ class Pool:
         self.rates = RateLimiter(self.producer.redis, self.producer.keys)
         self.watch = RedisWatch(config.redis_url, config.retry_after_s)
         self.sessions = Sessions(self.producer.redis, self.producer.keys, config.session_ttl_s)
+        self.heavy = HeavyWork(config.grammar_limits, config.heavy_workers)
         self._registry: AdapterRegistry | None = None
         self._base: tuple[float, dict[str, Any] | None] = (0.0, None)
 
     async def close(self) -> None:
+        self.heavy.close()
         await self.watch.close()
         await self.producer.aclose()
         if self._registry is not None:

@@ -12,6 +12,7 @@ import click
 from lorapool.cli.options import (
     config_from,
     count_option,
+    grammar_limit_option,
     host_option,
     prefix_option,
     redis_option,
@@ -156,6 +157,7 @@ def _producer(redis_url, prefix, shards=0):
     envvar="LORAPOOL_AUDIT_INSECURE",
     help="run without an audit key: audit records go out unsigned",
 )
+@grammar_limit_option
 @redis_option
 @prefix_option
 @shards_option

@@ -7,6 +7,7 @@ import click
 from lorapool.cli.options import (
     config_from,
     count_option,
+    grammar_limit_option,
     host_option,
     optional_option,
     prefix_option,
@@ -202,6 +203,14 @@ from lorapool.protocol import MAX_STOP
     default=3600,
     show_default=True,
     help="seconds a dashboard login lasts (the session cookie expires with it)",
+)
+@grammar_limit_option
+@count_option(
+    "--heavy-workers",
+    2,
+    "grammar compiles (sandbox processes) and large tokenizations run at once, off the "
+    "event loop; more wait",
+    least=1,
 )
 @webhook_allow_option
 @click.option("--log-level", default="info", show_default=True)
