@@ -125,6 +125,58 @@ from lorapool.protocol import MAX_STOP
     3600,
 )
 @click.option(
+    "--body-timeout",
+    "body_timeout_s",
+    envvar="LORAPOOL_BODY_TIMEOUT",
+    type=click.FloatRange(0.5, 3600),
+    default=20.0,
+    show_default=True,
+    help="seconds a request's body has after its headers, plus one for every "
+    "--body-min-rate bytes received (then 408 and closed: a body sent a byte at a time)",
+)
+@click.option(
+    "--body-min-rate",
+    envvar="LORAPOOL_BODY_MIN_RATE",
+    type=click.IntRange(1),
+    default=500,
+    show_default=True,
+    help="bytes a second that extend --body-timeout (Apache mod_reqtimeout's MinRate)",
+)
+@click.option(
+    "--max-connections",
+    envvar="LORAPOOL_MAX_CONNECTIONS",
+    type=click.IntRange(0),
+    default=4096,
+    show_default=True,
+    help="connections the gateway holds open in all (past it: 503 and closed; 0: no cap)",
+)
+@click.option(
+    "--max-streams-per-tenant",
+    envvar="LORAPOOL_MAX_STREAMS_PER_TENANT",
+    type=click.IntRange(0),
+    default=64,
+    show_default=True,
+    help="job-events streams, streamed completions, uploads and downloads one tenant may "
+    "hold open "
+    "(past it: 429 too_many_streams; 0: no cap)",
+)
+@click.option(
+    "--max-streams",
+    envvar="LORAPOOL_MAX_STREAMS",
+    type=click.IntRange(0),
+    default=1024,
+    show_default=True,
+    help="those of every tenant together on this gateway (past it: 503 too_many_streams; "
+    "0: no cap)",
+)
+@click.option(
+    "--tenant-audit-internals",
+    envvar="LORAPOOL_TENANT_AUDIT_INTERNALS",
+    is_flag=True,
+    help="a tenant's audit key sees its rows' adapter paths, worker names and key ids "
+    "(by default only admin keys and --all-tenants auditors do)",
+)
+@click.option(
     "--max-connections-per-client",
     "max_per_client",
     type=click.IntRange(0),
@@ -175,6 +227,9 @@ def serve(
     adapter_roots,
     webhook_allow,
     header_timeout_s,
+    body_timeout_s,
+    body_min_rate,
+    max_connections,
     max_per_client,
     ssl_certfile,
     ssl_keyfile,
@@ -217,4 +272,9 @@ def serve(
         raise click.UsageError("--ssl-certfile and --ssl-keyfile go together")
     tls = (ssl_certfile, ssl_keyfile) if ssl_certfile else None
     app = create_app(config)
-    run(app, host, port, log_level, header_timeout_s, max_per_client, config.trust_proxy, tls)
+    guards = {
+        "header_timeout_s": header_timeout_s, "body_timeout_s": body_timeout_s,
+        "body_min_rate": body_min_rate, "max_per_client": max_per_client,
+        "max_connections": max_connections,
+    }  # fmt: skip
+    run(app, host, port, log_level, guards, config.trust_proxy, tls)
