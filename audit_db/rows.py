@@ -70,6 +70,8 @@ def _identity(info: AdapterInfo, alpha: str) -> dict[str, Any]:  # hashed once, 
         "alpha": float(info.alpha),
         "target_modules": list(info.target_modules),
         "base_model": info.base_model,
+        "config_sha256": info.config_sha256,
+        "digest": info.digest,
     }
     row["fingerprint"] = adapter_fingerprint(row)
     return row

@@ -86,8 +86,13 @@ class AuditRecord(msgspec.Struct, frozen=True, kw_only=True):
     error: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        """The wire dict (``"v": 1`` first; orjson writes its tuples as arrays)."""
-        return msgspec.to_builtins(self)
+        """The wire dict (``"v": 1`` first; orjson writes its tuples as arrays). The
+        adapter's hashes only when known: a record of an adapter registered before them
+        is the bytes it always was."""
+        data = msgspec.to_builtins(self)
+        if self.adapter is not None:
+            data["adapter"] = self.adapter.to_dict()
+        return data
 
 
 # --- decoding --------------------------------------------------------------------

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+from lorapool.adapter_config import AdapterIdentity
+from lorapool.lifecycle.adapter_record import AdapterRecord
 from lorapool.outputs import RequestOutput
 from lorapool.protocol import LoRARequest, SamplingParams
 
@@ -39,8 +41,13 @@ class EngineInterface(Protocol):
     def abort_request(self, request_id: str | list[str]) -> None:
         """End requests now (each gets a final output with finish_reason 'abort')."""
 
-    def expect_lora_weights(self, lora_request: LoRARequest, sha256: str) -> None:
-        """Load the adapter only if its weights hash to ``sha256``."""
+    def expect_lora(self, lora_request: LoRARequest, registered: AdapterRecord) -> None:
+        """Load the adapter only if its files are the registered ones (weights and config
+        hashes); else its requests fail, saying what changed."""
+
+    def lora_identity(self, lora_id: int) -> AdapterIdentity | None:
+        """What the adapter's files were when this engine loaded them (None: not loaded,
+        or an engine that loads no files): what its audit rows record."""
 
     def has_unfinished_requests(self) -> bool: ...
 
