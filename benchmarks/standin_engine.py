@@ -73,9 +73,6 @@ class StandInEngine:
         self.waiting = deque(r for r in self.waiting if r.request_id not in ids)
 
     def expect_lora(self, lora_request, registered):
-        return None
-
-    def lora_identity(self, lora_id):
         return None  # loads no adapter files
 
     def has_unfinished_requests(self) -> bool:

@@ -36,18 +36,19 @@ class EngineAdapters:
         """Load and validate an adapter ahead of its requests; raises AdapterError."""
         return self._loras().add_lora(lora_request)
 
-    def expect_lora(self, lora_request: LoRARequest, registered: Any) -> None:
-        """Load ``lora_request`` only if its files are ``registered``'s (the registry's
-        record: weights sha256 and config sha256, ``adapter_config``).
+    def expect_lora(self, lora_request: LoRARequest, registered: Any) -> AdapterIdentity:
+        """Load ``lora_request``'s adapter now (if it is not loaded yet) and check that its
+        files are ``registered``'s (the registry's record: weights sha256, config sha256,
+        ``adapter_config``); its identity as loaded, which every later load must match.
 
-        A load that finds other files fails that adapter's requests with an
-        AdapterError saying what changed since registration.
+        Raises AdapterError saying what changed since registration (the request fails
+        alone, before it runs); a later load that finds other files fails that
+        adapter's requests with the same message.
         """
-        self._loras().expect(lora_request, registered)
-
-    def lora_identity(self, lora_id: int) -> AdapterIdentity | None:
-        """The identity of adapter ``lora_id`` as this engine loaded it, None before."""
-        return self._loras().identity(lora_id) if self.lora_manager is not None else None
+        loras = self._loras()
+        loras.expect(lora_request, registered)
+        loras.add_lora(lora_request)
+        return loras.identity(lora_request.lora_int_id)
 
     def remove_lora(self, lora_id: int) -> bool:
         self.block_manager.forget_adapter(lora_id)  # the id may come back with other weights

@@ -41,13 +41,12 @@ class EngineInterface(Protocol):
     def abort_request(self, request_id: str | list[str]) -> None:
         """End requests now (each gets a final output with finish_reason 'abort')."""
 
-    def expect_lora(self, lora_request: LoRARequest, registered: AdapterRecord) -> None:
-        """Load the adapter only if its files are the registered ones (weights and config
-        hashes); else its requests fail, saying what changed."""
-
-    def lora_identity(self, lora_id: int) -> AdapterIdentity | None:
-        """What the adapter's files were when this engine loaded them (None: not loaded,
-        or an engine that loads no files): what its audit rows record."""
+    def expect_lora(
+        self, lora_request: LoRARequest, registered: AdapterRecord
+    ) -> AdapterIdentity | None:
+        """Load the adapter (if not loaded) only if its files are the registered ones
+        (weights and config hashes); its identity as loaded, which the audit record
+        carries (None: an engine that loads no files). ValueError saying what changed."""
 
     def has_unfinished_requests(self) -> bool: ...
 

@@ -33,7 +33,6 @@ class Held:
     entry_id: str
     job: Job
     adapter: AdapterRecord | None = None  # registry record, None for the base model
-    adapter_loaded: bool = False  # ``adapter`` is as the engine loaded it (prompt.py)
     seq: int = 0  # seq of the next chunk
     total: int = 0  # tokens of all completions already in the log
     offsets: dict[int, int] = field(default_factory=dict)  # per completion index

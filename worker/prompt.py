@@ -23,8 +23,10 @@ def add_to_engine(state: WorkerState, held: Held) -> None:
     if job.lora_request is not None:
         record = decode_adapter_record(state.redis.hget(state.keys.adapters, job.lora_request.name))
         check_lora(job.lora_request, record)
-        held.adapter = record
-        engine.expect_lora(job.lora_request, record)
+        held.adapter = record  # as registered, until the engine has loaded it
+        loaded = engine.expect_lora(job.lora_request, record)
+        if loaded is not None:  # what its audit record says: the files that run
+            held.adapter = record.as_loaded(loaded)
     if held.total and job.sampling_params.n > 1:
         raise ValueError(
             f"request {job.request_id}: cannot resume a request with n > 1 "
@@ -38,15 +40,6 @@ def add_to_engine(state: WorkerState, held: Held) -> None:
         lora_request=job.lora_request,
         resume_token_ids=resumed_token_ids(held),
     )
-
-
-def take_loaded_adapter(engine: EngineInterface, held: Held) -> None:
-    """``held``'s adapter as the engine loaded it (once it has: its first output), for
-    its audit record: rank, alpha, targets and hashes of the files that ran."""
-    loaded = engine.lora_identity(held.adapter.id)
-    if loaded is not None:
-        held.adapter = held.adapter.as_loaded(loaded)
-        held.adapter_loaded = True
 
 
 def engine_prompt(job: Job, engine: EngineInterface) -> str | dict[str, Any]:

@@ -58,7 +58,6 @@ from lorapool.outputs import RequestOutput
 from lorapool.worker.audit import final_audit
 from lorapool.worker.dead_letter import ack_duplicate, fail_unwritable
 from lorapool.worker.held import Held, Position, make_chunk, merged
-from lorapool.worker.prompt import take_loaded_adapter
 from lorapool.worker.sender import Sender
 
 if TYPE_CHECKING:
@@ -126,12 +125,8 @@ class Publisher:
         """Queue a step's outputs for the sender (see the module's docstring)."""
         held, pending = self.state.held, self.state.pending
         for out in outputs:
-            one = held.get(out.request_id)
-            if one is None:  # lost to another worker, or failed
-                continue
-            if one.adapter is not None and not one.adapter_loaded:
-                take_loaded_adapter(self.state.engine, one)
-            pending.setdefault(out.request_id, []).append(out)
+            if out.request_id in held:  # else lost to another worker, or failed
+                pending.setdefault(out.request_id, []).append(out)
         self.pending_steps += 1
         self.flush(wait=False)
 
