@@ -114,8 +114,11 @@ def test_the_audit_row_names_the_files_the_worker_loaded(
     weights = hashlib.sha256((adapter / "adapter_model.safetensors").read_bytes()).hexdigest()
     config = json.loads((adapter / "adapter_config.json").read_text())
     files = identity_of(config, weights)
-    assert row.get("adapter_config_sha256") == files.config_sha256 == record.config_sha256
-    assert row.get("adapter_digest") == files.digest == record.digest
+    assert (row.get("adapter_config_sha256"), row.get("adapter_digest")) == (
+        files.config_sha256,
+        files.digest,
+    )
+    assert (record.config_sha256, record.digest) == (files.config_sha256, files.digest)
     loaded = engine.lora_manager.identity(12)  # the engine's own record of its load
     assert row["adapter_sha256"] == loaded.sha256 == weights and loaded == files
 
