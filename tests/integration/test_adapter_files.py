@@ -127,3 +127,26 @@ def test_the_audit_row_names_the_files_the_worker_loaded(
     run_pool(fresh_engine(model), conn, keys, model, audit_target)
     assert "lora_alpha 32.0 -> 3200.0" in refused.result(timeout=10).error
     assert verify_chain(audit_target.engine, key=KEY).ok
+
+
+def test_the_registry_pins_the_config_and_upgrades_an_old_record(
+    model, conn, keys, producer, tmp_path
+):
+    """``adapters add`` again of the same files writes the hashes into a record the old
+    registry wrote; another config under a registered name is refused, naming it."""
+    from lorapool.producer.registry import NameRefused
+
+    adapter = build_adapter(model, tmp_path / "pin", rank=4, alpha=8, seed=2)
+    record = producer.registry.add("pin", adapter)
+    old = {k: v for k, v in record.to_dict().items() if k not in ("config_sha256", "digest")}
+    conn.hset(keys.adapters, "pin", orjson.dumps(old))
+    assert producer.registry.get("pin").digest is None
+    assert producer.registry.add("pin", adapter) == record  # pinned now
+    assert producer.registry.get("pin") == record
+    edit_config(adapter, lora_alpha=800)
+    with pytest.raises(NameRefused, match="another adapter_config.json"):
+        producer.registry.add("pin", adapter)
+    conn.hset(keys.adapters, "pin", orjson.dumps(old))
+    with pytest.raises(NameRefused, match=r"lora_alpha 8\.0 -> 800\.0"):
+        producer.registry.add("pin", adapter)
+    assert producer.registry.get("pin").digest is None  # nothing written
