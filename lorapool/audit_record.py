@@ -22,7 +22,7 @@ import msgspec
 import orjson
 
 from lorapool import signing
-from lorapool.lifecycle.adapter_record import AdapterRecord
+from lorapool.lifecycle.adapter_record import HASHES, AdapterRecord
 
 RECORD_VERSION = 1
 SIGNATURE_DOMAIN = "lorapool audit record v1"
@@ -90,8 +90,11 @@ class AuditRecord(msgspec.Struct, frozen=True, kw_only=True):
         adapter's hashes only when known: a record of an adapter registered before them
         is the bytes it always was."""
         data = msgspec.to_builtins(self)
-        if self.adapter is not None:
-            data["adapter"] = self.adapter.to_dict()
+        adapter = data["adapter"]
+        if adapter is not None:
+            for name in HASHES:
+                if name in adapter and adapter[name] is None:
+                    del adapter[name]
         return data
 
 
