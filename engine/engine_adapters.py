@@ -37,18 +37,15 @@ class EngineAdapters:
         return self._loras().add_lora(lora_request)
 
     def expect_lora(self, lora_request: LoRARequest, registered: Any) -> AdapterIdentity:
-        """Load ``lora_request``'s adapter now (if it is not loaded yet) and check that its
-        files are ``registered``'s (the registry's record: weights sha256, config sha256,
-        ``adapter_config``); its identity as loaded, which every later load must match.
+        """Check now that ``lora_request``'s adapter files are ``registered``'s (the
+        registry's record: weights sha256, config sha256, ``adapter_config``), loading
+        it when the CPU cache has room; its identity, which every later load must match.
 
         Raises AdapterError saying what changed since registration (the request fails
         alone, before it runs); a later load that finds other files fails that
         adapter's requests with the same message.
         """
-        loras = self._loras()
-        loras.expect(lora_request, registered)
-        loras.add_lora(lora_request)
-        return loras.identity(lora_request.lora_int_id)
+        return self._loras().check(lora_request, registered)
 
     def remove_lora(self, lora_id: int) -> bool:
         self.block_manager.forget_adapter(lora_id)  # the id may come back with other weights

@@ -26,7 +26,7 @@ from lorapool.adapter_config import (
     refusal,
 )
 from lorapool.engine.models.llama import PACKED_MODULES
-from lorapool.identity import ADAPTER_WEIGHTS
+from lorapool.identity import ADAPTER_WEIGHTS, adapter_sha256
 from lorapool.protocol import LoRARequest
 
 WEIGHTS_FILE = ADAPTER_WEIGHTS
@@ -135,6 +135,13 @@ def load_adapter(
         identity,
         pairs,
     )
+
+
+def read_identity(lora_request: LoRARequest, adapter_roots: list[str]) -> AdapterIdentity:
+    """The identity of the adapter's files as they are now, without loading it."""
+    path = resolve_path(lora_request, adapter_roots)
+    config = _read_config(lora_request, path)
+    return identity_of(config, adapter_sha256(path))
 
 
 def resolve_path(lora_request: LoRARequest, adapter_roots: list[str]) -> Path:

@@ -35,6 +35,7 @@ from lorapool.engine.lora.adapter import (
     LoRAAdapter,
     ModelShapes,
     load_adapter,
+    read_identity,
     resolve_path,
 )
 from lorapool.engine.lora.layers import LoRALayer, LoRAStep, stage
@@ -174,11 +175,7 @@ class LoRAManager:
     def _load(self, request: LoRARequest) -> LoRAAdapter:
         adapter = load_adapter(request, self.shapes, self.max_rank, self.adapter_roots)
         expected = self.expected.get(request.lora_int_id)
-        changed = changes(expected, adapter.identity) if expected is not None else []
-        if changed:
-            raise AdapterError(
-                request, "; ".join(changed) + "; register the new version under a new name"
-            )
+        _refuse_changes(request, changes(expected, adapter.identity) if expected else [])
         known = self.registry.get(request.lora_int_id)
         if known is not None and known[0] != adapter.path:
             raise AdapterError(
@@ -211,6 +208,25 @@ class LoRAManager:
                 "registered ones: " + "; ".join(changed),
             )
         self.expected[request.lora_int_id] = registered
+
+    def check(self, request: LoRARequest, registered: Any) -> AdapterIdentity:
+        """``expect`` ``registered`` and check the adapter's files now; their identity.
+
+        Loaded into the CPU cache when that evicts no other adapter (or already there);
+        else its files are read and hashed, not kept, and its later load must have
+        exactly this identity. Raises AdapterError naming what changed.
+        """
+        self.expect(request, registered)
+        lora_id = request.lora_int_id
+        if lora_id in self.cpu or len(self.cpu) < self.max_cpu_loras:
+            self.add_lora(request)
+            return self.registry[lora_id][1]
+        if lora_id in self.registry:  # loaded before: a reload must match that
+            return self.registry[lora_id][1]
+        identity = read_identity(request, self.adapter_roots)
+        _refuse_changes(request, changes(registered, identity))
+        self.expected[lora_id] = identity
+        return identity
 
     def identity(self, lora_id: int) -> AdapterIdentity | None:
         """The identity of adapter ``lora_id`` as loaded (None: not loaded yet)."""
@@ -284,6 +300,13 @@ class LoRAManager:
             if lora_id in self.cpu:  # kept while the adapter is
                 self.staged[lora_id] = staged
         return staged
+
+
+def _refuse_changes(request: LoRARequest, changed: list[str]) -> None:
+    if changed:
+        raise AdapterError(
+            request, "; ".join(changed) + "; register the new version under a new name"
+        )
 
 
 def _attach_layers(model, args: EngineArgs, device, dtype, step: LoRAStep):
