@@ -338,7 +338,8 @@ def adapters():
 @prefix_option
 @shards_option
 def adapters_add(name, path, adapter_id, adapter_roots, redis_url, prefix, shards):
-    """Register adapter NAME from the folder PATH (sha256 of its safetensors weights)."""
+    """Register adapter NAME from the folder PATH (its weights' and config's hashes; again
+    with the same folder pins the config of a record registered before config hashes)."""
     from lorapool.producer.registry import AdapterRegistry
 
     try:
@@ -349,7 +350,7 @@ def adapters_add(name, path, adapter_id, adapter_roots, redis_url, prefix, shard
         raise click.ClickException(str(exc)) from None
     click.echo(
         f"{record.name}: id {record.id}, rank {record.rank}, "
-        f"sha256 {record.sha256[:16]}…, {record.path}"
+        f"sha256 {record.sha256[:16]}…, digest {record.digest[:16]}…, {record.path}"
     )
 
 
@@ -358,9 +359,13 @@ def adapters_add(name, path, adapter_id, adapter_roots, redis_url, prefix, shard
 @prefix_option
 @shards_option
 def adapters_list(redis_url, prefix, shards):
-    """List registered adapters."""
+    """List registered adapters (digest: of weights and config; '-': registered before
+    config hashes, `adapters add` it again to pin its config)."""
     for r in _producer(redis_url, prefix, shards).registry.list():
-        click.echo(f"{r.id:>4}  {r.name:<24} rank {r.rank:<4} {r.sha256[:16]}  {r.path}")
+        digest = (r.digest or "-")[:16]
+        click.echo(
+            f"{r.id:>4}  {r.name:<24} rank {r.rank:<4} {r.sha256[:16]}  {digest:<16}  {r.path}"
+        )
 
 
 @adapters.command("remove")
