@@ -92,10 +92,10 @@ BASE = [
         ),
         ("lorapool[audit]", WORKER | EMBEDDED | DEV, [*BASE, "lorapool.audit_db"]),
         # `make demo`'s install (extra `demo`): the demo's own modules need all three
-        # extras, and gguf for prepare-model; nothing of the test toolchain
+        # extras, and gguf and accelerate for prepare-model; nothing of the test toolchain
         (
             "lorapool[demo]",
-            DEV - {"gguf"},
+            DEV - {"gguf", "accelerate"},
             [*BASE, "lorapool.worker", "lorapool.engine", "lorapool.kernels", "lorapool.audit_db"],
         ),
     ],
