@@ -11,14 +11,14 @@ is built in CI; tests/support/dockerignore.py applies Docker's rules to the cont
 
 import re
 import subprocess
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 import yaml
 from dockerignore import excluded, read_patterns
-from packaging.specifiers import SpecifierSet
 from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILE = (ROOT / "Dockerfile").read_text()
@@ -153,6 +153,4 @@ def test_compose_builds_its_services_from_the_two_targets():
             continue
         want = "worker" if name == "worker" else "gateway"
         assert service["build"] == {"context": ".", "target": want}, name
-        assert service["image"].split(":")[0] == {"worker": "lorapool-worker"}.get(
-            want, "lorapool"
-        )
+        assert service["image"].split(":")[0] == {"worker": "lorapool-worker"}.get(want, "lorapool")
