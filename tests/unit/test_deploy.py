@@ -179,6 +179,7 @@ def test_the_kustomizations_build():
     kubectl = shutil.which("kubectl")
     if kubectl is None:
         pytest.skip("no kubectl")
+    assert len(_kustomizations()) == 4  # setup, pool, autoscale/keda, autoscale/hpa
     for folder in _kustomizations():
         built = subprocess.run(
             [kubectl, "kustomize", str(DEPLOY / folder)], capture_output=True, text=True
