@@ -6,7 +6,7 @@ deploy/ (and the Helm chart deploy/helm/lorapool as `helm template` renders it w
 its default values, the same test run on its resources): every Deployment and Job its
 manifests define, with their commands, arguments,
 environment and mounted Secrets; each role connects with its own Redis user (the rules
-of docs/redis-acl.md, with the passwords of deploy/secrets.example.yaml) on a private
+of docs/redis-acl.md, with the passwords of deploy/examples/secrets.example.yaml) on a private
 redis-server; 2 gateway replicas, as gateway.yaml says; the audit roles made by the
 audit-setup Job in a private PostgreSQL database (SQLite and `audit migrate` when no
 PostgreSQL is reachable). The pool starts with no worker, as KEDA leaves it: a job is
