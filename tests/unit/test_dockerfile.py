@@ -36,7 +36,7 @@ NEVER = [
     "lorapool.egg-info/PKG-INFO", "build/lib/lorapool/__init__.py", ".whl/torch.whl",
     "tests/unit/test_deploy.py", "tests/support/deployment.py", "lorapool/tests/x.py",
     ".git/config", "audit.sqlite", "worker/audit.sqlite", "audit_log.json", "benchmarks/x.py",
-    "deploy/secrets.example.yaml", "docs/dashboard.png", "compose.yaml",
+    "deploy/examples/secrets.example.yaml", "docs/dashboard.png", "compose.yaml",
 ]  # fmt: skip
 
 
