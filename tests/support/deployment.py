@@ -34,6 +34,13 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 COMPOSE = ROOT / "compose.yaml"
+# what KEDA's redis-streams trigger reads (keda.sh/docs/scalers/redis-streams)
+KEDA_REDIS_STREAMS = {
+    "address", "host", "port", "usernameFromEnv", "passwordFromEnv", "stream",
+    "consumerGroup", "pendingEntriesCount", "streamLength", "lagCount",
+    "activationLagCount", "enableTLS", "unsafeSsl", "databaseIndex",
+    "addressFromEnv", "hostFromEnv", "portFromEnv",
+}  # fmt: skip
 LISTEN_PORTS = ("--port", "--metrics-port")
 LISTEN_HOSTS = ("--host", "--metrics-host")
 
@@ -76,8 +83,12 @@ class Site:
             text = text.replace(old, new)
         for host, address in sorted(self.hosts.items(), key=lambda h: -len(h[0])):
             text = re.sub(rf"(?<=[@/]){re.escape(host)}:\d+", address, text)
-        for path, local in sorted(self.mounts.items(), key=lambda m: -len(m[0])):
-            text = re.sub(rf"(?<![\w/]){re.escape(path)}(?=/|$|\b)", str(local), text)
+        # one pass: a mount's local path is never read again as a container path
+        paths = sorted(self.mounts, key=len, reverse=True)
+        if paths:
+            alternatives = "|".join(re.escape(p) for p in paths)
+            pattern = rf"(?<![\w/])({alternatives})(?=/|$|\b)"
+            text = re.sub(pattern, lambda m: str(self.mounts[m.group(1)]), text)
         return text
 
 
@@ -146,13 +157,24 @@ def localize_argv(argv: list[str], site: Site, free_port) -> tuple[list[str], di
 # --- Kubernetes -------------------------------------------------------------
 
 
-class Manifests:
-    """deploy/'s resources, by kind and name."""
+def manifest_files(directory: Path = DEPLOY) -> list[Path]:
+    """deploy/'s manifests, in every folder (setup/, pool/, autoscale/*, examples/): the
+    YAML files but the kustomizations and the Helm chart's."""
+    return sorted(
+        p
+        for p in directory.rglob("*.yaml")
+        if p.name != "kustomization.yaml" and "helm" not in p.relative_to(directory).parts
+    )
 
-    def __init__(self, directory: Path = DEPLOY):
-        self.resources = []
-        for path in sorted(directory.glob("*.yaml")):
-            self.resources += [d for d in yaml.safe_load_all(path.read_text()) if d]
+
+class Manifests:
+    """deploy/'s resources (or ``resources``, a chart's rendering), by kind and name."""
+
+    def __init__(self, directory: Path = DEPLOY, resources: list[dict] | None = None):
+        self.resources = list(resources or [])
+        if resources is None:
+            for path in manifest_files(directory):
+                self.resources += [d for d in yaml.safe_load_all(path.read_text()) if d]
 
     def of(self, kind: str) -> dict[str, dict]:
         return {r["metadata"]["name"]: r for r in self.resources if r["kind"] == kind}

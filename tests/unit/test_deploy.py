@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 from click.testing import CliRunner
+from deployment import KEDA_REDIS_STREAMS
 
 from lorapool.cli.main import cli
 from lorapool.lifecycle.keys import DEFAULT_PREFIX, WORKERS_GROUP, Keys
@@ -21,18 +22,13 @@ kubernetes_validate = pytest.importorskip("kubernetes_validate")
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 K8S_VERSION = "1.33.0"
-# what KEDA's redis-streams trigger reads (keda.sh/docs/scalers/redis-streams)
-KEDA_REDIS_STREAMS = {
-    "address", "host", "port", "usernameFromEnv", "passwordFromEnv", "stream",
-    "consumerGroup", "pendingEntriesCount", "streamLength", "lagCount",
-    "activationLagCount", "enableTLS", "unsafeSsl", "databaseIndex",
-    "addressFromEnv", "hostFromEnv", "portFromEnv",
-}  # fmt: skip
 
 
 def resources() -> list[dict]:
+    from deployment import manifest_files
+
     docs = []
-    for path in sorted(DEPLOY.glob("*.yaml")):
+    for path in manifest_files(DEPLOY):
         docs += [d for d in yaml.safe_load_all(path.read_text()) if d]
     return docs
 
@@ -147,3 +143,68 @@ def test_the_hpa_reads_the_exporters_work_gauge():
 
 def _worker_deployment() -> dict:
     return next(d for d in by_kind("Deployment") if worker() in _containers_of(d))
+
+
+AUTOSCALERS = {"ScaledObject", "HorizontalPodAutoscaler"}
+
+
+def _kustomizations() -> dict[str, list[dict]]:
+    """Each kustomization's folder (relative to deploy/) -> the resources it applies."""
+    found = {}
+    for path in sorted(DEPLOY.rglob("kustomization.yaml")):
+        listed = yaml.safe_load(path.read_text())["resources"]
+        docs = [d for name in listed for d in yaml.safe_load_all((path.parent / name).read_text())]
+        found[path.parent.relative_to(DEPLOY).as_posix()] = [d for d in docs if d]
+    return found
+
+
+def test_no_kustomization_applies_the_example_secrets_or_two_autoscalers():
+    """`kubectl apply -k` of any folder never applies the example Secrets, and no folder
+    holds both autoscalers; every manifest but the example is in exactly one folder."""
+    from deployment import manifest_files
+
+    kustomizations = _kustomizations()
+    assert set(kustomizations) == {"setup", "pool", "autoscale/keda", "autoscale/hpa"}
+    for folder, docs in kustomizations.items():
+        kinds = [d["kind"] for d in docs]
+        assert "Secret" not in kinds, folder
+        assert len(AUTOSCALERS & set(kinds)) == (folder.startswith("autoscale/")), folder
+    listed = sorted(
+        (path.parent / name).resolve()
+        for path in DEPLOY.rglob("kustomization.yaml")
+        for name in yaml.safe_load(path.read_text())["resources"]
+    )
+    rest = [p for p in manifest_files(DEPLOY) if p.resolve() not in listed]
+    assert [p.relative_to(DEPLOY).as_posix() for p in rest] == ["examples/secrets.example.yaml"]
+    assert len(listed) == len(set(listed))
+    readme = (DEPLOY / "README.md").read_text()
+    for folder in kustomizations:
+        assert f"kubectl apply -k deploy/{folder}" in readme or folder == "autoscale/hpa"
+    assert "kubectl apply -f deploy/examples" not in readme
+
+
+def test_the_kustomizations_build():
+    import shutil
+    import subprocess
+
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("no kubectl")
+    assert len(_kustomizations()) == 4  # setup, pool, autoscale/keda, autoscale/hpa
+    for folder in _kustomizations():
+        built = subprocess.run(
+            [kubectl, "kustomize", str(DEPLOY / folder)], capture_output=True, text=True
+        )
+        assert built.returncode == 0, built.stderr
+
+
+def test_the_gateway_mounts_the_adapters_it_registers():
+    """storage.yaml says the gateway mounts the adapters and registers adapters in them."""
+    gateway = next(c for c in containers() if c["command"][1:] == ["serve"])
+    assert options(gateway)["--adapter-root"] == "/adapters"
+    assert "--enable-adapter-admin" in options(gateway)
+    mount = next(m for m in gateway["volumeMounts"] if m["mountPath"] == "/adapters")
+    assert mount["readOnly"] is True
+    (deployment,) = [d for d in by_kind("Deployment") if gateway in _containers_of(d)]
+    volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
+    assert volumes[mount["name"]]["persistentVolumeClaim"]["claimName"] == "lorapool-adapters"
