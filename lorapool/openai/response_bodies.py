@@ -15,7 +15,7 @@ import msgspec
 from msgspec import Meta, Struct
 
 from lorapool.bounds import Count, Temperature, TopP
-from lorapool.openai.bodies import IGNORED_DOC, JsonObjectFormat, NameText, TextFormat
+from lorapool.openai.bodies import IGNORED_DOC, MAX_USER, JsonObjectFormat, NameText, TextFormat
 from lorapool.openai.errors import bad_request
 
 
@@ -106,7 +106,7 @@ class ResponsesRequest(Struct, kw_only=True, forbid_unknown_fields=True):
     parallel_tool_calls: bool | None = None
     text: TextConfig | None = None
     metadata: Annotated[dict[str, str], Meta(description="echoed in the response")] | None = None
-    user: Annotated[str, Meta(max_length=256)] | None = None
+    user: Annotated[str, Meta(max_length=MAX_USER)] | None = None
     # accepted and ignored (named in the reply's header): they do not change the output
     reasoning: Annotated[dict[str, Any], Meta(description=IGNORED_DOC)] | None = None
     truncation: Annotated[str, Meta(description=IGNORED_DOC)] | None = None
