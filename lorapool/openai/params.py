@@ -134,12 +134,14 @@ def stream_of(priority: int | None) -> str:
     return "batch" if priority is not None and priority > 0 else "interactive"
 
 
-def parse_completion(body: Any, max_prompts: int) -> Parsed:
+def parse_completion(body: Any, max_prompts: int, drop_unknown: bool = True) -> Parsed:
     """POST /v1/completions: prompt (a string, token ids, or a batch of either);
-    ``body``: the JSON bytes, or their value."""
-    unknown: list[str] = []
+    ``body``: the JSON bytes, or their value. ``drop_unknown``: a field no route knows
+    is dropped and named in ``Parsed.ignored`` (else a 400: a batch line's, which has no
+    reply to name it in)."""
+    unknown: list[str] | None = [] if drop_unknown else None
     parsed = _completion(parse(body, CompletionRequest, unknown), max_prompts)
-    parsed.ignored += unknown
+    parsed.ignored += unknown or []
     return parsed
 
 
@@ -168,12 +170,15 @@ def _prompts(prompt: str | list, max_prompts: int) -> list[Any]:
     )
 
 
-def parse_chat(body: Any, tool_parser: str = "hermes", max_bytes: int = 1 << 20) -> Parsed:
+def parse_chat(
+    body: Any, tool_parser: str = "hermes", max_bytes: int = 1 << 20, drop_unknown: bool = True
+) -> Parsed:
     """POST /v1/chat/completions: messages (and tools), the template applied by the
-    worker; ``tool_parser``: the family parser of ``tool_choice="auto"`` replies."""
-    unknown: list[str] = []
+    worker; ``tool_parser``: the family parser of ``tool_choice="auto"`` replies;
+    ``drop_unknown`` as ``parse_completion``'s."""
+    unknown: list[str] | None = [] if drop_unknown else None
     parsed = _chat(parse(body, ChatRequest, unknown), tool_parser, max_bytes)
-    parsed.ignored += unknown
+    parsed.ignored += unknown or []
     return parsed
 
 
