@@ -132,7 +132,8 @@ class ResponseEvents:
 
     def failed(self, error: dict[str, Any]) -> list[dict[str, Any]]:
         """``response.failed`` with the error (OpenAI's ``{"code", "message"}``)."""
-        code = error.get("code") or error.get("type") or "server_error"
+        invalid = error.get("type") == "invalid_request_error"  # the job's input refused
+        code = error.get("code") or ("invalid_prompt" if invalid else "server_error")
         failure = {"code": code, "message": error.get("message", "")}
         response = self.shape.envelope("failed", self.output, usage_of(self.usage), failure)
         return [self._event("failed", response=response)]

@@ -65,6 +65,7 @@ def to_parsed(
         exc.param = _RENAMED.get(exc.param, exc.param)
         raise
     parsed.names = {k: _RENAMED.get(v, v) for k, v in parsed.names.items()}
+    parsed.names |= {"prompt": "input", "messages": "input"}  # a worker's refusal of them
     parsed.include_usage = True
     parsed.ignored = [n for n in IGNORED_RESPONSES if getattr(request, n) is not None]
     if request.text is not None and request.text.verbosity is not None:

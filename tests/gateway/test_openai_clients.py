@@ -282,3 +282,21 @@ def test_a_bad_response_request_is_a_400_naming_it(gateway, body, param):
     got = httpx.post(f"{gateway}/v1/responses", json={"model": "ad-qv", **body})
     assert got.status_code == 400, got.text
     assert got.json()["error"]["param"] == param, got.text
+
+
+def test_a_job_its_worker_refuses_fails_the_response(client):
+    """An input past the model's context is refused by the worker: a 400 naming
+    ``input``, or, streamed, ``response.failed`` after ``response.created``; neither
+    is stored."""
+    long = "the lazy dog sleeps " * 800  # past the tiny model's 2048 tokens
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.create(model="ad-qv", input=long)
+    assert caught.value.body["param"] == "input"
+    events = list(client.responses.create(model="ad-qv", input=long, stream=True))
+    assert [e.type for e in events] == ["response.created", "response.in_progress",
+                                        "response.failed"]  # fmt: skip
+    failed = events[-1].response
+    assert failed.status == "failed" and failed.error.code == "invalid_prompt"
+    assert "prompt" in failed.error.message
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(failed.id)
