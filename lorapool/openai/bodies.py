@@ -201,7 +201,7 @@ class Message(Struct, kw_only=True, forbid_unknown_fields=True):
     annotations: Any = None
     audio: Any = None
     reasoning_content: Any = None
-    function_call: LegacyCall | None = None  # legacy: the tool call it made (``legacy.py``)
+    function_call: LegacyCall | None = None  # legacy: its one tool call (``_legacy_turn``)
 
     def to_job(self) -> dict[str, Any]:
         """The message as a chat job carries it: null and echoed fields dropped, text
@@ -218,7 +218,22 @@ class Message(Struct, kw_only=True, forbid_unknown_fields=True):
             out["tool_calls"] = self.tool_calls
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
+        if self.function_call is not None or self.role == "function":
+            _legacy_turn(self, out)
         return out
+
+
+def _legacy_turn(message: Message, out: dict[str, Any]) -> None:
+    """A legacy turn as tools carry it: an assistant's ``function_call`` as its one tool
+    call, a ``function`` message as the ``tool`` message answering it (the id
+    ``call_<function>`` pairs them: a legacy turn makes one call)."""
+    call = message.function_call
+    if call is not None and message.tool_calls is None:
+        function = {"name": call.name, "arguments": call.arguments}
+        out["tool_calls"] = [{"id": f"call_{call.name}", "type": "function", "function": function}]
+    elif message.role == "function":
+        out["role"] = "tool"
+        out.setdefault("tool_call_id", f"call_{message.name or ''}")
 
 
 class FunctionName(Struct):

@@ -1,8 +1,7 @@
 """OpenAI's legacy function calling: a chat's ``functions`` and ``function_call`` as the
 ``tools`` and ``tool_choice`` that replaced them, one call at most (the reply carries
-``message.function_call`` and finish_reason ``function_call``: ``format.py``), and a
-conversation's legacy turns (an assistant's ``function_call``, a ``function`` message's
-result) as the tool calls and tool messages a chat job carries.
+``message.function_call`` and finish_reason ``function_call``: ``format.py``). A
+conversation's legacy turns become tool calls and tool messages in ``Message.to_job``.
 """
 
 from __future__ import annotations
@@ -11,7 +10,7 @@ from typing import Any
 
 import msgspec
 
-from lorapool.openai.bodies import ChatRequest, FunctionName, Message, NamedToolChoice
+from lorapool.openai.bodies import ChatRequest, FunctionName, NamedToolChoice
 from lorapool.openai.errors import bad_request
 
 
@@ -36,24 +35,6 @@ def legacy_functions(request: ChatRequest) -> ChatRequest:
 
 def _function(function: Any) -> dict[str, Any]:
     return {k: v for k, v in msgspec.to_builtins(function).items() if v is not None}
-
-
-def job_messages(messages: list[Message]) -> list[dict[str, Any]]:
-    """The messages as a chat job carries them: an assistant's legacy ``function_call``
-    as its one tool call, a ``function`` message as the ``tool`` message answering it."""
-    out, call_id = [], None
-    for i, message in enumerate(messages):
-        job = message.to_job()
-        call = message.function_call
-        if call is not None and message.tool_calls is None:
-            call_id = f"call_{i}"
-            function = {"name": call.name, "arguments": call.arguments}
-            job["tool_calls"] = [{"id": call_id, "type": "function", "function": function}]
-        elif message.role == "function":
-            job["role"] = "tool"
-            job["tool_call_id"] = call_id or message.name or "call"
-        out.append(job)
-    return out
 
 
 def legacy_delta(calls: list[dict[str, Any]]) -> dict[str, Any] | None:

@@ -28,7 +28,7 @@ from lorapool.openai.bodies import (
     parse,
 )
 from lorapool.openai.errors import APIError, bad_request, field_error
-from lorapool.openai.legacy import job_messages, legacy_functions
+from lorapool.openai.legacy import legacy_functions
 from lorapool.openai.structured import structured_of
 from lorapool.openai.tools import ToolRequest, tools_of
 from lorapool.protocol import FieldError, SamplingParams, short_repr
@@ -105,7 +105,10 @@ def ignored_header(names: list[str]) -> dict[str, str]:
 
 def ignored_of(request: CompletionRequest | ChatRequest) -> list[str]:
     """The parameters of ``IGNORED`` that ``request`` gives (not null)."""
-    return [name for name, value in zip(IGNORED, _IGNORED(request)) if value is not None]
+    values = _IGNORED(request)
+    if values.count(None) == len(IGNORED):  # (most requests: at once)
+        return []
+    return [name for name, value in zip(IGNORED, values) if value is not None]
 
 
 def _sampling(request, extra: dict[str, Any], names: dict[str, str]) -> SamplingParams:
@@ -210,7 +213,7 @@ def _chat(request: ChatRequest, tool_parser: str = "hermes", max_bytes: int = 1 
     if tools is not None and tools.constraint is not None:
         extra["structured_outputs"] = tools.constraint
     params = _sampling(request, extra, names)
-    chat = {"messages": job_messages(request.messages)}
+    chat = {"messages": [m.to_job() for m in request.messages]}
     if tools:
         chat["tools"] = tools.tools
     parsed = _parsed(request, [chat], params)
@@ -227,7 +230,7 @@ def _chat_logprobs(request: ChatRequest) -> dict[str, Any]:
 
 def chat_messages(body: Any) -> list[dict[str, Any]]:
     """A body's ``messages`` as a chat job carries them (its other fields not read)."""
-    return job_messages(parse(body, Chat).messages)
+    return [m.to_job() for m in parse(body, Chat).messages]
 
 
 def parse_job(body: Any) -> tuple[Parsed, str | None, str | None]:

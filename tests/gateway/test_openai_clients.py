@@ -124,9 +124,14 @@ def test_legacy_functions_reply_with_a_function_call(client):
         temperature=0.0,
     )  # fmt: skip
     call = message.function_call
-    calls = [{"id": "call_1", "type": "function",
+    calls = [{"id": "call_get_time", "type": "function",
               "function": {"name": call.name, "arguments": call.arguments}}]  # fmt: skip
-    result = {"role": "tool", "tool_call_id": "call_1", "name": "get_time", "content": "12:00"}
+    result = {
+        "role": "tool",
+        "tool_call_id": "call_get_time",
+        "name": "get_time",
+        "content": "12:00",
+    }
     same = [*ask, {"role": "assistant", "tool_calls": calls}, result]
     want = client.chat.completions.create(
         model="ad-qv", messages=same, tools=[{"type": "function", "function": function}],

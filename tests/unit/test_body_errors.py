@@ -137,8 +137,8 @@ def test_legacy_functions_are_tools_with_one_call():
     assert (tools.mode, tools.name, tools.parallel, tools.legacy) == ("named", "add", False, True)
     assert tools.tools == [{"type": "function", "function": function}]
     chat = parsed.prompts[0]["messages"]
-    call = {"id": "call_1", "type": "function",
+    call = {"id": "call_add", "type": "function",
             "function": {"name": "add", "arguments": '{"a": 1}'}}  # fmt: skip
     assert chat[1] == {"role": "assistant", "tool_calls": [call]}
-    assert chat[2] == {"role": "tool", "content": "1", "name": "add", "tool_call_id": "call_1"}
+    assert chat[2] == {"role": "tool", "content": "1", "name": "add", "tool_call_id": "call_add"}
     assert parse_chat({**CHAT, "functions": [function]}).tools.mode == "auto"
