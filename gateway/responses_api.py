@@ -77,7 +77,7 @@ async def _events(
     events: ResponseEvents, chunks: AsyncIterator[dict], store, conversation
 ) -> AsyncIterator[bytes]:
     """The response's SSE events (``event:`` its type) of the chat job's chunks; the
-    response stored once complete."""
+    response stored once complete, before its last events are sent."""
     for event in events.start():
         yield sse(event, event["type"])
     async with aclosing(chunks):
@@ -88,10 +88,11 @@ async def _events(
                 return
             for event in events.feed(chunk):
                 yield sse(event, event["type"])
-    for event in events.finish():
-        yield sse(event, event["type"])
-    if store is not None:
+    last = events.finish()
+    if store is not None:  # before the last event: a client gone after it finds it stored
         await store.save(events.response, replied(conversation, events.response))
+    for event in last:
+        yield sse(event, event["type"])
 
 
 @router.get("/responses/{response_id}", summary="A stored response")
