@@ -387,35 +387,3 @@ def test_a_reader_ends_a_run_stopped_partway_with_its_roles_user(server):
         for producer in producers.values():
             producer.redis.close()
         admin.close()
-
-
-def test_the_gateway_stores_responses_with_its_user(server):
-    """The Responses API's stored responses (gateway/responses_store.py): saved, read and
-    deleted with the gateway's user; the exporter's may not read them."""
-    from lorapool.gateway.auth import Principal
-    from lorapool.gateway.responses_store import ResponseStore
-    from lorapool.openai.errors import APIError
-
-    keys = Keys(shards=server.shards)
-    response = {"id": "resp_acl", "object": "response", "output": []}
-
-    async def round_trip() -> dict:
-        client = connect_async(url(server, "gateway"))
-        try:
-            store = ResponseStore(client, keys, Principal("acme"))
-            await store.save(response, [{"role": "user", "content": "x"}])
-            record = await store.load("resp_acl")
-            await store.delete("resp_acl")
-            with pytest.raises(APIError):
-                await store.load("resp_acl")
-            return record
-        finally:
-            await client.aclose()
-
-    assert asyncio.run(round_trip())["response"] == response
-    exporter = connect(url(server, "exporter"))
-    try:
-        with pytest.raises(redis.exceptions.NoPermissionError):
-            exporter.get(keys.response("acme~resp_acl"))
-    finally:
-        exporter.close()
