@@ -20,6 +20,7 @@ from fastapi.responses import StreamingResponse
 from lorapool.gateway.auth import Principal, require
 from lorapool.gateway.body import read_body
 from lorapool.gateway.edge import RIDES_OUTAGES
+from lorapool.gateway.holds import Hold, holds_of
 from lorapool.gateway.json import JSON
 from lorapool.gateway.pool import Pool, disconnected
 from lorapool.gateway.redis_watch import until_outage
@@ -126,15 +127,14 @@ async def chat_completions(request: Request, caller: Submitter):
 
 async def _generate(request: Request, parsed: Parsed, kind: str, caller: Principal):
     pool = pool_of(request)
-    handles, shape = await submit_jobs(request, parsed, kind, caller)
+    handles, shape, hold = await submit_jobs(request, parsed, kind, caller)
     headers = warned(parsed, request)
-    if not parsed.stream:
+    if hold is None:
         setattr(request.state, RIDES_OUTAGES, True)  # Pool.results rides out a Redis outage
         outputs = await pool.results(handles, disconnected(request), caller)
         return JSON(shape.response(outputs), headers=headers)
     events = _stream(shape, handles, parsed.include_usage, *watching(pool, handles, caller))
-    headers.update(NO_BUFFERING)
-    return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+    return held_stream(hold, events, headers)
 
 
 def watching(pool: Pool, handles: list, caller: Principal) -> tuple:
@@ -142,17 +142,34 @@ def watching(pool: Pool, handles: list, caller: Principal) -> tuple:
     return pool.untaken(handles, caller), (pool.watch, pool.config.redis_outage_s)
 
 
+def held_stream(hold: Hold, events: AsyncIterator[bytes], headers: dict) -> StreamingResponse:
+    """The SSE response of ``events``, which gives its hold back when it ends."""
+    return hold.stream(events, media_type="text/event-stream", headers={**headers, **NO_BUFFERING})
+
+
 async def submit_jobs(
-    request: Request, parsed: Parsed, kind: str, caller: Principal, job: str | None = None
-) -> tuple[list, Shape]:
-    """The jobs of ``parsed`` submitted (``job``: the first one's id the client will
-    know; a random one by default), and the Shape of their reply."""
+    request: Request, parsed: Parsed, kind: str, caller: Principal
+) -> tuple[list, Shape, Hold | None]:
+    """The jobs of ``parsed`` submitted, the Shape of their reply, and a stream's hold
+    (``gateway/holds.py``; None for a call that waits), taken before its rate check and
+    job, and given back if they fail."""
     pool = pool_of(request)
     lora = await pool.resolve_model(parsed.model, caller)
     await pool.check_limits(parsed)
+    hold = holds_of(request).take(caller.tenant) if parsed.stream else None
+    try:
+        return (*await _submitted(request, parsed, kind, caller, lora), hold)
+    except BaseException:
+        if hold is not None:
+            hold.release()
+        raise
+
+
+async def _submitted(request, parsed: Parsed, kind: str, caller: Principal, lora):
+    pool = pool_of(request)
     await pool.check_rate(caller, len(parsed.prompts), parsed.params, request)
-    ids = [caller.job_id(job if i == 0 and job else uuid.uuid4().hex)
-           for i in range(len(parsed.prompts))]  # fmt: skip
+    await pool.heavy.check_grammar(parsed)  # compiled after the rate checks, off the loop
+    ids = [caller.job_id(uuid.uuid4().hex) for _ in parsed.prompts]
     metadata = {**parsed.metadata, **caller.metadata()}
     handles = await pool.submit(
         parsed.prompts, parsed.params, lora, ids, metadata, parsed.names, None, parsed.priority

@@ -12,15 +12,14 @@ from contextlib import aclosing
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import StreamingResponse
 
 from lorapool.gateway.auth import Principal, require
 from lorapool.gateway.body import read_body
 from lorapool.gateway.edge import RIDES_OUTAGES
 from lorapool.gateway.json import JSON
 from lorapool.gateway.openai_api import (
-    NO_BUFFERING,
     chat_events,
+    held_stream,
     pool_of,
     submit_jobs,
     warned,
@@ -56,11 +55,11 @@ async def create_response(request: Request, caller: Submitter):
     parser, max_bytes = await pool.tool_parser(), pool.config.max_prompt_bytes
     parsed, conversation = to_parsed(body, previous, parser, max_bytes)
     parsed.ignored += unknown
-    handles, chat = await submit_jobs(request, parsed, "chat", caller)
+    handles, chat, hold = await submit_jobs(request, parsed, "chat", caller)
     shape = ResponseShape(body, chat.id.removeprefix("chatcmpl-"), body.store is not False)
     saving = store if shape.store else None
     headers = warned(parsed, request)
-    if not parsed.stream:
+    if hold is None:
         setattr(request.state, RIDES_OUTAGES, True)  # Pool.results rides out a Redis outage
         outputs = await pool.results(handles, disconnected(request), caller)
         response = shape.of_chat(chat.response(outputs))
@@ -68,9 +67,7 @@ async def create_response(request: Request, caller: Submitter):
             await saving.save(response, replied(conversation, response))
         return JSON(response, headers=headers)
     chunks = chat_events(chat, handles, True, *watching(pool, handles, caller))
-    events = _events(ResponseEvents(shape), chunks, saving, conversation)
-    headers.update(NO_BUFFERING)
-    return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+    return held_stream(hold, _events(ResponseEvents(shape), chunks, saving, conversation), headers)
 
 
 async def _events(
