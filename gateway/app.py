@@ -28,6 +28,7 @@ from lorapool.gateway import (
     jobs,
     openai_api,
     resolver,
+    responses_api,
     vllm_api,
 )
 from lorapool.gateway.audit_store import AuditStore
@@ -83,6 +84,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     app.add_middleware(Edge, metrics=app.state.http_metrics)
     app.include_router(health.router)
     app.include_router(openai_api.router)
+    app.include_router(responses_api.router)
     app.include_router(jobs.router)
     app.include_router(adapters.router)
     app.include_router(audit.router)

@@ -26,6 +26,7 @@ from lorapool.gateway.body import read_body
 from lorapool.gateway.holds import holds_of
 from lorapool.gateway.job_format import chunk_event, job_body, state_name
 from lorapool.gateway.json import JSON
+from lorapool.gateway.openai_api import warned
 from lorapool.gateway.pool import Pool
 from lorapool.gateway.redis_watch import until_outage
 from lorapool.gateway.streams import guarded, sse, until_stopped
@@ -84,7 +85,8 @@ async def submit_job(
     # a URI reference: the id percent-encoded (a header holds latin-1 only; a request
     # id "Ā" answered 500), which the GET route decodes back
     location = f"/v1/jobs/{quote(external, safe='')}"
-    return JSON(body, status_code=202, headers={"Location": location})
+    headers = {"Location": location, **warned(parsed, request)}
+    return JSON(body, status_code=202, headers=headers)
 
 
 def _check_request_id(request_id) -> None:

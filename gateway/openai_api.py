@@ -8,11 +8,14 @@ SSE chunks read from the jobs' chunk logs, ending with ``data: [DONE]``.
 from __future__ import annotations
 
 import asyncio
+import logging
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
+from fastapi.responses import StreamingResponse
 
 from lorapool.gateway.auth import Principal, require
 from lorapool.gateway.body import read_body
@@ -24,11 +27,18 @@ from lorapool.gateway.redis_watch import until_outage
 from lorapool.gateway.streams import DONE, merged_chunks, sse, until_taken
 from lorapool.openai.bodies import ChatRequest, CompletionRequest, openapi_body
 from lorapool.openai.echo import Echo
-from lorapool.openai.errors import APIError, job_lost
+from lorapool.openai.errors import APIError, job_lost, model_not_found
 from lorapool.openai.format import Shape, fingerprint
-from lorapool.openai.params import Parsed, parse_chat, parse_completion
+from lorapool.openai.params import (
+    IGNORED_HEADER,
+    Parsed,
+    ignored_header,
+    parse_chat,
+    parse_completion,
+)
 from lorapool.producer import JobLost
 
+logger = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1", tags=["OpenAI-compatible"])
 Submitter = Annotated[Principal, Depends(require("submit"))]
 
@@ -56,6 +66,26 @@ async def list_models(request: Request, caller: Annotated[Principal, Depends(req
         card["adapter_id"] = record.id
         data.append(card)
     return JSON({"object": "list", "data": data})
+
+
+@router.get("/models/{model_id}", summary="One model: the base model or an adapter")
+async def retrieve_model(
+    model_id: str, request: Request, caller: Annotated[Principal, Depends(require())]
+) -> JSON:
+    """``/v1/models``' card of ``model_id`` (OpenAI's ``models.retrieve``); 404
+    ``model_not_found`` for a name that is neither, or an adapter the key may not use."""
+    view = pool_of(request).view
+    base = await view.base_model()
+    base_name = base["name"] if base else None
+    if base is not None and model_id == base_name:
+        return JSON(_model_card(base_name, None, base_name, sha256=base.get("sha256")))
+    record = await view.adapter(model_id) if caller.may_use(model_id) else None
+    if record is None:
+        raise model_not_found(model_id)
+    root = record.path if caller.sees_internals else record.name
+    card = _model_card(record.name, base_name, root, sha256=record.sha256)
+    card["adapter_id"] = record.id
+    return JSON(card)
 
 
 def _model_card(name: str, parent: str | None, root: str, sha256: str | None) -> dict[str, Any]:
@@ -96,20 +126,46 @@ async def chat_completions(request: Request, caller: Submitter):
 
 
 async def _generate(request: Request, parsed: Parsed, kind: str, caller: Principal):
-    """A stream takes its hold (``gateway/holds.py``) before its rate check and job."""
+    pool = pool_of(request)
+    handles, shape, hold = await submit_jobs(request, parsed, kind, caller)
+    headers = warned(parsed, request)
+    if hold is None:
+        setattr(request.state, RIDES_OUTAGES, True)  # Pool.results rides out a Redis outage
+        outputs = await pool.results(handles, disconnected(request), caller)
+        return JSON(shape.response(outputs), headers=headers)
+    events = _stream(shape, handles, parsed.include_usage, *watching(pool, handles, caller))
+    return held_stream(hold, events, headers)
+
+
+def watching(pool: Pool, handles: list, caller: Principal) -> tuple:
+    """``chat_events``' ``untaken`` and ``outage`` of ``handles``."""
+    return pool.untaken(handles, caller), (pool.watch, pool.config.redis_outage_s)
+
+
+def held_stream(hold: Hold, events: AsyncIterator[bytes], headers: dict) -> StreamingResponse:
+    """The SSE response of ``events``, which gives its hold back when it ends."""
+    return hold.stream(events, media_type="text/event-stream", headers={**headers, **NO_BUFFERING})
+
+
+async def submit_jobs(
+    request: Request, parsed: Parsed, kind: str, caller: Principal
+) -> tuple[list, Shape, Hold | None]:
+    """The jobs of ``parsed`` submitted, the Shape of their reply, and a stream's hold
+    (``gateway/holds.py``; None for a call that waits), taken before its rate check and
+    job, and given back if they fail."""
     pool = pool_of(request)
     lora = await pool.resolve_model(parsed.model, caller)
     await pool.check_limits(parsed)
     hold = holds_of(request).take(caller.tenant) if parsed.stream else None
     try:
-        return await _submitted(request, parsed, kind, caller, lora, hold)
+        return (*await _submitted(request, parsed, kind, caller, lora), hold)
     except BaseException:
         if hold is not None:
             hold.release()
         raise
 
 
-async def _submitted(request, parsed: Parsed, kind: str, caller: Principal, lora, hold: Hold):
+async def _submitted(request, parsed: Parsed, kind: str, caller: Principal, lora):
     pool = pool_of(request)
     await pool.check_rate(caller, len(parsed.prompts), parsed.params, request)
     await pool.heavy.check_grammar(parsed)  # compiled after the rate checks, off the loop
@@ -124,12 +180,15 @@ async def _submitted(request, parsed: Parsed, kind: str, caller: Principal, lora
                   caller.external_id, parsed.names, tools=parsed.tools,
                   system_fingerprint=fingerprint(await pool.base_model()),
                   echo=await _echo(pool, parsed))  # fmt: skip
-    if not parsed.stream:
-        setattr(request.state, RIDES_OUTAGES, True)  # Pool.results rides out a Redis outage
-        return JSON(shape.response(await pool.results(handles, disconnected(request), caller)))
-    outage = (pool.watch, pool.config.redis_outage_s)
-    events = _stream(shape, handles, parsed.include_usage, pool.untaken(handles, caller), outage)
-    return hold.stream(events, media_type="text/event-stream", headers=NO_BUFFERING)
+    return handles, shape
+
+
+def warned(parsed: Parsed, request: Request) -> dict[str, str]:
+    """The reply's header naming the parameters accepted and ignored, and their log line."""
+    headers = ignored_header(parsed.ignored)
+    if headers:
+        logger.warning("%s: ignored parameters %s", request.url.path, headers[IGNORED_HEADER])
+    return headers
 
 
 async def _echo(pool: Pool, parsed: Parsed) -> Echo | None:
@@ -149,13 +208,23 @@ NO_BUFFERING = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 async def _stream(
     shape: Shape, handles: list, include_usage: bool, untaken, outage=(None, 0.0)
 ) -> AsyncIterator[bytes]:
-    """The jobs' chunks as OpenAI stream chunks; an error ends the stream with an error
-    event and ``[DONE]``. ``untaken`` (``Pool.untaken``) ends it so while no worker has
-    taken the jobs, which are then kept queued."""
+    """``chat_events`` as SSE, ending with ``[DONE]``."""
+    async with aclosing(chat_events(shape, handles, include_usage, untaken, outage)) as events:
+        async for event in events:
+            yield sse(event)
+    yield DONE
+
+
+async def chat_events(
+    shape: Shape, handles: list, include_usage: bool, untaken, outage=(None, 0.0)
+) -> AsyncIterator[dict]:
+    """The jobs' chunks as OpenAI stream chunks; an error ends them with an error
+    object. ``untaken`` (``Pool.untaken``) ends them so while no worker has taken the
+    jobs, which are then kept queued."""
     prompt_tokens = completion_tokens = cached = 0
     if shape.chat:
         for event in shape.role_chunks(range(len(handles) * shape.n), include_usage):
-            yield sse(event)
+            yield event
     kept: set[str] = set()
     watch = asyncio.ensure_future(_keeping(untaken, kept, handles))
     try:
@@ -166,15 +235,14 @@ async def _stream(
             completion_tokens += chunk.num_tokens
             cached += (chunk.metrics and chunk.metrics.num_cached_tokens) or 0
             for event in shape.delta_chunks(job, chunk, include_usage):
-                yield sse(event)
+                yield event
     except APIError as exc:  # typed as the same failure would be without streaming
-        yield sse(exc.body())
+        yield exc.body()
     except JobLost as exc:  # its state left Redis: it will never finish
-        yield sse(job_lost(shape.public(exc.request_id)).body())
+        yield job_lost(shape.public(exc.request_id)).body()
     else:
         if include_usage:
-            yield sse(shape.usage_chunk(prompt_tokens, completion_tokens, cached))
-    yield DONE
+            yield shape.usage_chunk(prompt_tokens, completion_tokens, cached)
 
 
 async def _keeping(untaken, kept: set[str], handles: list) -> None:

@@ -112,7 +112,11 @@ def _check_stop(line: BatchLine, max_stop: int) -> None:
 
 def _parse_body(body: Any, kind: str) -> Parsed:
     try:
-        parsed = parse_chat(body) if kind == "chat" else parse_completion(body, 1)
+        # a field no route knows is refused here: a line's reply has no header to name it
+        if kind == "chat":
+            parsed = parse_chat(body, drop_unknown=False)
+        else:
+            parsed = parse_completion(body, 1, drop_unknown=False)
     except APIError as exc:
         raise LineError(exc.message, f"body.{exc.param}" if exc.param else "body") from None
     except UnicodeDecodeError as exc:  # msgspec's for bad UTF-8 in a string

@@ -195,6 +195,11 @@ class Keys:
         "Set once a request's completion callback is in RQ (lorapool/batch/callbacks.py).",
     )
     job = _request_key("job", "Idempotency marker and status of one job.")
+    response = _request_key(
+        "response",
+        "String: a stored Responses API response (orjson {response, conversation}) by its "
+        "tenant's id; expires (gateway/responses_store.py).",
+    )
     out = _request_key("out", "Chunk log (stream) and live channel (pub/sub) of one request.")
     abort = _request_key("abort", "Abort flag of one request, read by whichever worker holds it.")
 

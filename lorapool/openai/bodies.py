@@ -11,6 +11,8 @@ Every field may be null, as OpenAI's clients send them; null is "not given".
 
 from __future__ import annotations
 
+import functools
+import re
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -38,8 +40,9 @@ from lorapool.bounds import (
 )
 from lorapool.lifecycle.submit import MAX_ON_FINISH
 from lorapool.openai.body_errors import invalid
-from lorapool.openai.errors import APIError
+from lorapool.openai.errors import APIError, bad_request
 from lorapool.openai.nesting import check_nesting
+from lorapool.protocol import short_repr
 
 # The bounds are the job boundary's own (``lorapool.bounds``, which ``SamplingParams``
 # checks); these two are the OpenAI routes' alone.
@@ -52,6 +55,8 @@ Int64 = Annotated[int, Meta(ge=INT64_MIN, le=INT64_MAX)]  # vLLM's API: seed, pr
 RoleText = Annotated[str, Meta(min_length=1, max_length=MAX_ROLE)]
 NameText = Annotated[str, Meta(min_length=1, max_length=MAX_NAME)]
 RequestIdText = Annotated[str, Meta(min_length=1, max_length=MAX_REQUEST_ID)]
+IGNORED_DOC = "accepted and ignored: it does not change the output"
+LEGACY = "the legacy form of tools: the reply's function_call (tools.py)"
 TokenBias = Annotated[
     dict[Annotated[str, Meta(pattern="^[0-9]{1,10}$", description="a token id")], LogitBias],
     Meta(max_length=MAX_LOGIT_BIAS),
@@ -121,10 +126,30 @@ class _Body(Struct, kw_only=True, forbid_unknown_fields=True):
     guided_decoding_backend: Any = None  # accepted and ignored: one engine serves all
     guided_whitespace_pattern: str | None = None
     best_of: Annotated[None, Meta(description="not supported")] = None
+    # OpenAI's fields that do not change what the pool generates: accepted, ignored,
+    # named in the reply's ``IGNORED_HEADER`` (``IGNORED``)
+    store: Annotated[bool, Meta(description=IGNORED_DOC)] | None = None
+    metadata: Annotated[dict[str, Any], Meta(description=IGNORED_DOC)] | None = None
+    service_tier: Annotated[str, Meta(description=IGNORED_DOC)] | None = None
+    reasoning_effort: Annotated[str, Meta(description=IGNORED_DOC)] | None = None
+    prompt_cache_key: Annotated[str, Meta(description=IGNORED_DOC)] | None = None
+    safety_identifier: Annotated[str, Meta(description=IGNORED_DOC)] | None = None
+    verbosity: Annotated[str, Meta(description=IGNORED_DOC)] | None = None
+    prediction: Annotated[Any, Meta(description=IGNORED_DOC)] = None
+    # text out only: audio (or any other modality) would change the output
+    modalities: list[Literal["text"]] | None = None
+    audio: Annotated[None, Meta(description="not supported")] = None
+    web_search_options: Annotated[None, Meta(description="not supported")] = None
+
+
+# the _Body fields of IGNORED_DOC, whose value is dropped (named in the reply's header)
+IGNORED = ("store", "metadata", "service_tier", "reasoning_effort", "prompt_cache_key",
+           "safety_identifier", "verbosity", "prediction", "modalities")  # fmt: skip
 
 
 class StreamOptions(Struct, forbid_unknown_fields=True):
     include_usage: bool = False
+    include_obfuscation: bool | None = None  # no obfuscation padding is sent: ignored
 
 
 class _Streamed(_Body, kw_only=True):
@@ -152,6 +177,13 @@ class TextPart(Struct, forbid_unknown_fields=True):
     text: str
 
 
+class LegacyCall(Struct, kw_only=True):
+    """An assistant's legacy ``function_call``: the function and its JSON arguments."""
+
+    name: NameText
+    arguments: str = "{}"
+
+
 class Message(Struct, kw_only=True, forbid_unknown_fields=True):
     """One chat message (its fields as ``lorapool.messages`` checks them)."""
 
@@ -168,8 +200,8 @@ class Message(Struct, kw_only=True, forbid_unknown_fields=True):
     refusal: Any = None
     annotations: Any = None
     audio: Any = None
-    function_call: Any = None
     reasoning_content: Any = None
+    function_call: LegacyCall | None = None  # legacy: its one tool call (``_legacy_turn``)
 
     def to_job(self) -> dict[str, Any]:
         """The message as a chat job carries it: null and echoed fields dropped, text
@@ -186,11 +218,35 @@ class Message(Struct, kw_only=True, forbid_unknown_fields=True):
             out["tool_calls"] = self.tool_calls
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
+        if self.function_call is not None or self.role == "function":
+            _legacy_turn(self, out)
         return out
+
+
+def _legacy_turn(message: Message, out: dict[str, Any]) -> None:
+    """A legacy turn as tools carry it: an assistant's ``function_call`` as its one tool
+    call, a ``function`` message as the ``tool`` message answering it (the id
+    ``call_<function>`` pairs them: a legacy turn makes one call)."""
+    call = message.function_call
+    if call is not None and message.tool_calls is None:
+        function = {"name": call.name, "arguments": call.arguments}
+        out["tool_calls"] = [{"id": f"call_{call.name}", "type": "function", "function": function}]
+    elif message.role == "function":
+        out["role"] = "tool"
+        out.setdefault("tool_call_id", f"call_{message.name or ''}")
 
 
 class FunctionName(Struct):
     name: Annotated[str, Meta(min_length=1)]
+
+
+class FunctionDef(Struct, kw_only=True):
+    """A legacy ``functions`` entry (``tools``' function, before tools)."""
+
+    name: NameText
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
 
 
 class NamedToolChoice(Struct):
@@ -223,6 +279,9 @@ class ChatRequest(_Streamed, kw_only=True):
     tools: list[dict[str, Any]] | None = None  # checked by ``tools.tools_of``
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # OpenAI's legacy form of tools and tool_choice (one call, ``message.function_call``)
+    functions: Annotated[list[FunctionDef], Meta(description=LEGACY)] | None = None
+    function_call: Literal["none", "auto"] | FunctionName | None = None
 
 
 RETRY = "the client's own id: a retry finds the same job"
@@ -251,16 +310,21 @@ class JobKind(Struct):
     stream: msgspec.Raw | msgspec.UnsetType = msgspec.UNSET
 
 
-def parse(body: bytes | Any, kind: type[Struct]) -> Any:
+def parse(body: bytes | Any, kind: type[Struct], unknown: list[str] | None = None) -> Any:
     """``body`` (the request's JSON bytes, or its value already read) as ``kind``; a
     400 naming the request's parameter otherwise, or the nesting past ``MAX_JSON_DEPTH``
-    (``nesting.py``), refused before it is decoded."""
+    (``nesting.py``), refused before it is decoded.
+
+    ``unknown`` (a list): top-level fields ``kind`` does not know are dropped and named
+    in it (vLLM's way with fields it does not know); without it they are a 400."""
     try:
         if isinstance(body, bytes | bytearray | memoryview):
             check_nesting(body)
             return msgspec.json.decode(body, type=kind)
         return msgspec.convert(body, kind)
     except msgspec.ValidationError as exc:
+        if unknown is not None and _UNKNOWN_TOP.match(str(exc)):
+            return parse(_known(body, kind, unknown), kind)
         raise invalid(str(exc), body, kind) from None
     except (msgspec.DecodeError, UnicodeDecodeError) as exc:  # the latter: bad UTF-8 in a string
         raise APIError(400, f"the request body is not valid JSON: {exc}") from None
@@ -268,12 +332,40 @@ def parse(body: bytes | Any, kind: type[Struct]) -> Any:
         raise APIError(400, "the request body nests too deep", code="json_too_deep") from None
 
 
+_UNKNOWN_TOP = re.compile(r"Object contains unknown field `[^`]*`$")  # no "- at `$...`"
+
+
+def _known(body: bytes | Any, kind: type[Struct], unknown: list[str]) -> dict[str, Any]:
+    """``body``'s object without the fields ``kind`` does not know (named in ``unknown``);
+    a 400 for one that another route's body knows (chat's ``top_logprobs`` given to a
+    completion would change the output there: it is refused, not dropped)."""
+    if isinstance(body, bytes | bytearray | memoryview):
+        body = msgspec.json.decode(body)
+    fields = kind.__struct_fields__
+    extra = [name for name in body if name not in fields]
+    if misplaced := [name for name in extra if name in _route_fields()]:
+        raise bad_request(f"unknown parameter {short_repr(misplaced[0])}", misplaced[0])
+    unknown += extra
+    return {name: value for name, value in body.items() if name in fields}
+
+
+@functools.cache
+def _route_fields() -> frozenset[str]:
+    """Every field of a generation body of the gateway's routes."""
+    from lorapool.openai.response_bodies import ResponsesRequest
+
+    kinds = (*BODIES, ResponsesRequest)
+    return frozenset(name for kind in kinds for name in kind.__struct_fields__)
+
+
 REF = "#/components/schemas/{name}"
 
 
 def schema_components() -> dict[str, Any]:
     """The bodies and what they refer to, as OpenAPI component schemas."""
-    _, components = msgspec.json.schema_components(BODIES, ref_template=REF)
+    from lorapool.openai.response_bodies import ResponsesRequest
+
+    _, components = msgspec.json.schema_components((*BODIES, ResponsesRequest), ref_template=REF)
     return components
 
 

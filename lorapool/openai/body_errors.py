@@ -20,7 +20,7 @@ _AT = re.compile(r"(.*?)(?: - at `(key` in `)?\$([^`]*)`)?", re.DOTALL)
 _STEP = re.compile(r"\.([A-Za-z_0-9]+)|\[(\d+)\]|(\[\.\.\.\])")
 _FIELD = re.compile(r"(?:unknown|missing required) field `([^`]*)`")
 _VALUE = "[...]"  # a step to any value of an object
-_INERT = {"best_of", "suffix"}  # accepted when null only
+_INERT = {"best_of", "suffix", "audio", "web_search_options"}  # accepted when null only
 
 
 def invalid(message: str, body: Any, kind: type) -> APIError:

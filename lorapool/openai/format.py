@@ -16,6 +16,7 @@ from typing import Any
 from lorapool.lifecycle.chunk import Chunk
 from lorapool.openai.echo import Echo
 from lorapool.openai.errors import failed_request
+from lorapool.openai.legacy import legacy_delta
 from lorapool.openai.logprobs import (
     chat_logprobs,
     completion_logprobs,
@@ -141,7 +142,9 @@ class Shape:
         if self.tools is not None:
             content, calls = self.tools.reply(text)
             message["content"] = content
-            if calls:
+            if calls and self.tools.legacy:
+                message["function_call"] = {"name": calls[0].name, "arguments": calls[0].arguments}
+            elif calls:
                 message["tool_calls"] = [c.to_openai() for c in calls]
             choice["finish_reason"] = self.tools.finish_reason(finish_reason, calls)
         choice["message"] = message
@@ -207,7 +210,10 @@ class Shape:
         delta: dict[str, Any] = {}
         if content:
             delta["content"] = content
-        if calls:
+        if calls and self.tools.legacy:
+            if (call := legacy_delta(calls)) is not None:
+                delta["function_call"] = call
+        elif calls:
             delta["tool_calls"] = calls
         return delta
 

@@ -18,6 +18,7 @@ from msgspec import UNSET
 from lorapool.egress import EgressRefused, split_url
 from lorapool.lifecycle.submit import check_on_finish
 from lorapool.openai.bodies import (
+    IGNORED,
     Chat,
     ChatJob,
     ChatRequest,
@@ -27,6 +28,7 @@ from lorapool.openai.bodies import (
     parse,
 )
 from lorapool.openai.errors import APIError, bad_request, field_error
+from lorapool.openai.legacy import legacy_functions
 from lorapool.openai.structured import structured_of
 from lorapool.openai.tools import ToolRequest, tools_of
 from lorapool.protocol import FieldError, SamplingParams, short_repr
@@ -53,7 +55,11 @@ SAMPLING = (
     "logit_bias",
     "prompt_logprobs",
 )
-_SAMPLED = attrgetter(*SAMPLING)  # the values of a request's SAMPLING, in one call
+_SAMPLED = attrgetter(*SAMPLING)
+LEGACY_NAMES = {
+    "tools": "functions",
+    "tool_choice": "function_call",
+}  # the values of a request's SAMPLING, in one call
 
 
 @dataclass
@@ -70,6 +76,7 @@ class Parsed:
     tools: ToolRequest | None = None
     priority: str = "interactive"  # the pool's stream (``stream_of``)
     echo: bool = False  # completions: the prompt before each choice's text
+    ignored: list[str] = field(default_factory=list)  # parameters accepted and dropped
 
 
 def _parsed(request: CompletionRequest | ChatRequest, prompts: list[Any], params) -> Parsed:
@@ -77,7 +84,31 @@ def _parsed(request: CompletionRequest | ChatRequest, prompts: list[Any], params
     metadata = {} if request.user is None else {"user": request.user}
     usage = options is not None and options.include_usage
     return Parsed(request.model, prompts, params, bool(request.stream), usage, metadata,
-                  priority=stream_of(request.priority))  # fmt: skip
+                  priority=stream_of(request.priority), ignored=ignored_of(request))  # fmt: skip
+
+
+_IGNORED = attrgetter(*IGNORED)
+# the reply's header naming the parameters a request gave that were accepted and dropped
+IGNORED_HEADER = "X-Lorapool-Ignored-Params"
+_MAX_SHOWN = 16
+
+
+def ignored_header(names: list[str]) -> dict[str, str]:
+    """``IGNORED_HEADER`` naming ``names`` (none: no header): each escaped to printable
+    ASCII and cut to 64 characters, the first 16 of them."""
+    if not names:
+        return {}
+    shown = [n.encode("unicode_escape").decode("ascii")[:64] for n in names[:_MAX_SHOWN]]
+    more = len(names) - len(shown)
+    return {IGNORED_HEADER: ", ".join(shown) + (f" (and {more} more)" if more > 0 else "")}
+
+
+def ignored_of(request: CompletionRequest | ChatRequest) -> list[str]:
+    """The parameters of ``IGNORED`` that ``request`` gives (not null)."""
+    values = _IGNORED(request)
+    if values.count(None) == len(IGNORED):  # (most requests: at once)
+        return []
+    return [name for name, value in zip(IGNORED, values) if value is not None]
 
 
 def _sampling(request, extra: dict[str, Any], names: dict[str, str]) -> SamplingParams:
@@ -106,10 +137,15 @@ def stream_of(priority: int | None) -> str:
     return "batch" if priority is not None and priority > 0 else "interactive"
 
 
-def parse_completion(body: Any, max_prompts: int) -> Parsed:
+def parse_completion(body: Any, max_prompts: int, drop_unknown: bool = True) -> Parsed:
     """POST /v1/completions: prompt (a string, token ids, or a batch of either);
-    ``body``: the JSON bytes, or their value."""
-    return _completion(parse(body, CompletionRequest), max_prompts)
+    ``body``: the JSON bytes, or their value. ``drop_unknown``: a field no route knows
+    is dropped and named in ``Parsed.ignored`` (else a 400: a batch line's, which has no
+    reply to name it in)."""
+    unknown: list[str] | None = [] if drop_unknown else None
+    parsed = _completion(parse(body, CompletionRequest, unknown), max_prompts)
+    parsed.ignored += unknown or []
+    return parsed
 
 
 def _completion(request: CompletionRequest, max_prompts: int) -> Parsed:
@@ -138,10 +174,21 @@ def _prompts(prompt: str | list, max_prompts: int) -> list[Any]:
     )
 
 
-def parse_chat(body: Any, tool_parser: str = "hermes", max_bytes: int = 1 << 20) -> Parsed:
+def parse_chat(
+    body: Any, tool_parser: str = "hermes", max_bytes: int = 1 << 20, drop_unknown: bool = True
+) -> Parsed:
     """POST /v1/chat/completions: messages (and tools), the template applied by the
-    worker; ``tool_parser``: the family parser of ``tool_choice="auto"`` replies."""
-    return _chat(parse(body, ChatRequest), tool_parser, max_bytes)
+    worker; ``tool_parser``: the family parser of ``tool_choice="auto"`` replies;
+    ``drop_unknown`` as ``parse_completion``'s."""
+    unknown: list[str] | None = [] if drop_unknown else None
+    parsed = _chat(parse(body, ChatRequest, unknown), tool_parser, max_bytes)
+    parsed.ignored += unknown or []
+    return parsed
+
+
+def chat_parsed(request: ChatRequest, tool_parser: str, max_bytes: int) -> Parsed:
+    """A chat body already parsed (``bodies.ChatRequest``: the Responses API's chat)."""
+    return _chat(request, tool_parser, max_bytes)
 
 
 def _chat(request: ChatRequest, tool_parser: str = "hermes", max_bytes: int = 1 << 20) -> Parsed:
@@ -153,7 +200,17 @@ def _chat(request: ChatRequest, tool_parser: str = "hermes", max_bytes: int = 1 
         names.pop("max_tokens")
         if request.max_tokens is None:
             extra["max_tokens"] = None  # OpenAI's chat default: up to the context length
-    tools = tools_of(request, max_bytes, tool_parser)
+    legacy = request.functions is not None
+    request = legacy_functions(request)
+    try:
+        tools = tools_of(request, max_bytes, tool_parser)
+    except APIError as exc:  # named as the request named it
+        if legacy:
+            exc.param = LEGACY_NAMES.get(exc.param, exc.param)
+            exc.message = exc.message.replace("tool_choice", "function_call")
+        raise
+    if tools is not None:
+        tools.legacy = legacy
     if tools is not None and tools.constraint is not None:
         extra["structured_outputs"] = tools.constraint
     params = _sampling(request, extra, names)
@@ -183,12 +240,14 @@ def parse_job(body: Any) -> tuple[Parsed, str | None, str | None]:
     kind = _job_kind(body)
     if kind.stream is not UNSET:
         raise bad_request("a job streams through GET /v1/jobs/{id}/events", "stream")
+    unknown: list[str] = []
     if kind.messages is not UNSET:
-        request = parse(body, ChatJob)
+        request = parse(body, ChatJob, unknown)
         parsed = _chat(request)
     else:
-        request = parse(body, CompletionJob)
+        request = parse(body, CompletionJob, unknown)
         parsed = _completion(request, 1)
+    parsed.ignored += unknown
     if len(parsed.prompts) != 1:
         raise bad_request("a job has one prompt", "prompt")
     return parsed, request.request_id, _webhook(request.on_finish)

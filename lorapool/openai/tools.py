@@ -31,6 +31,7 @@ class ToolRequest:
     parallel: bool = True
     parser: str = "hermes"
     constraint: StructuredOutputsParams | None = field(default=None, repr=False)
+    legacy: bool = False  # asked as ``functions``: the reply's ``function_call``
 
     def reply(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """(content, calls) of one choice's whole text."""
@@ -45,7 +46,7 @@ class ToolRequest:
     def finish_reason(self, reason: str | None, calls: list[ToolCall]) -> str | None:
         """OpenAI's: ``tool_calls`` when the model chose to call, ``stop`` for a named one."""
         if calls and reason == "stop" and self.mode != "named":
-            return "tool_calls"
+            return "function_call" if self.legacy else "tool_calls"
         return reason
 
 

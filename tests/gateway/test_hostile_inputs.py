@@ -35,8 +35,9 @@ COMPLETION_CASES = [
     ({"model": 3}, "model"),
     ({"model": "ad\x00qv"}, "model"),
     ({"model": ""}, "model"),
-    ({"frobnicate": 1}, "frobnicate"),
+    ({"top_logprobs": 1}, "top_logprobs"),  # a chat's: refused, not dropped
     ({"suffix": "x"}, "suffix"),
+    ({"modalities": ["audio"]}, "modalities"),
 ]
 CHAT_CASES = [
     ({"messages": "hi"}, "messages"),

@@ -125,6 +125,9 @@ def test_openapi_describes_every_endpoint(gateway):
         "/v1/jobs",
         "/v1/jobs/{job_id}",
         "/v1/jobs/{job_id}/events",
+        "/v1/models/{model_id}",
+        "/v1/responses",
+        "/v1/responses/{response_id}",
     ):
         assert path in paths
     assert httpx.get(f"{gateway}/docs").status_code == 200
@@ -134,6 +137,7 @@ def test_openapi_describes_every_endpoint(gateway):
         ("/v1/completions", ["CompletionRequest"]),
         ("/v1/chat/completions", ["ChatRequest"]),
         ("/v1/jobs", ["CompletionJob", "ChatJob"]),
+        ("/v1/responses", ["ResponsesRequest"]),
     ):
         body = paths[path]["post"]["requestBody"]["content"]["application/json"]["schema"]
         refs = [{"$ref": f"#/components/schemas/{model}"} for model in models]

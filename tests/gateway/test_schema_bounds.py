@@ -11,9 +11,11 @@ import pytest
 
 from lorapool.lifecycle.submit import MAX_ON_FINISH
 from lorapool.lifecycle.wire import MAX_REQUEST_ID
-from lorapool.openai.bodies import MAX_USER, schema_components
+from lorapool.openai.bodies import MAX_USER, parse, schema_components
 from lorapool.openai.errors import APIError
 from lorapool.openai.params import parse_chat, parse_completion, parse_job
+from lorapool.openai.response_bodies import ResponsesRequest
+from lorapool.openai.responses import to_parsed
 from lorapool.protocol import PENALTY_MAX
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "logprobs": True}
@@ -22,6 +24,10 @@ PARSERS = {
     "ChatRequest": (parse_chat, CHAT),
     "CompletionJob": (parse_job, {"model": "m", "prompt": "hi"}),
     "ChatJob": (parse_job, CHAT),
+    "ResponsesRequest": (
+        lambda b: to_parsed(parse(b, ResponsesRequest), [], "hermes", 1 << 20),
+        {"model": "m", "input": "hi"},
+    ),
 }
 SCHEMAS = schema_components()
 
@@ -102,3 +108,5 @@ def test_the_cases_cover_the_bounds_written_elsewhere():
     assert shown[("CompletionRequest", "seed", "maximum")] == 2**63 - 1  # vLLM's int64
     assert ("ChatRequest", "top_logprobs", "minimum") in shown
     assert ("CompletionRequest", "top_p", "exclusiveMinimum") in shown
+    assert shown[("ResponsesRequest", "user", "maxLength")] == MAX_USER
+    assert ("ResponsesRequest", "max_output_tokens", "minimum") in shown

@@ -6,6 +6,7 @@ tenant's job id (404): the answer reveals nothing of the job."""
 from __future__ import annotations
 
 import httpx
+import orjson
 import pytest
 from gateway_procs import serve, stop
 
@@ -172,3 +173,31 @@ def test_a_token_rate_counts_what_a_request_may_generate(secure, api_keys):
     assert call(secure, "POST", "/v1/jobs", {**JOB, "max_tokens": 1}, thrifty).status_code == 202
     unbounded = call(secure, "POST", "/v1/chat/completions", CHAT, thrifty)
     assert unbounded.status_code == 400 and unbounded.json()["error"]["param"] == "max_tokens"
+
+
+def test_models_retrieve_is_scoped_as_the_list(secure, api_keys):
+    card = call(secure, "GET", "/v1/models/ad-a", key=api_keys["globex"])
+    assert card.status_code == 200 and card.json()["root"] == "ad-a"  # its name, no path
+    hidden = call(secure, "GET", "/v1/models/ad-b", key=api_keys["globex"])
+    assert hidden.status_code == 404 and hidden.json()["error"]["code"] == "model_not_found"
+    assert call(secure, "GET", "/v1/models/ad-b", key=api_keys["auditor"]).status_code == 200
+    assert call(secure, "GET", "/v1/models/ad-a").status_code == 401
+
+
+def test_a_stored_response_is_its_tenants_alone(secure, api_keys, conn, prefix):
+    """A response stored for acme (as the gateway stores one) is acme's: another tenant
+    gets 404 for it, and cannot continue it."""
+    response = {"id": "resp_abc", "object": "response", "output": []}
+    record = {"response": response, "conversation": [{"role": "user", "content": "x"}]}
+    conn.set(Keys(prefix).response("acme~resp_abc"), orjson.dumps(record), ex=60)
+    path = "/v1/responses/resp_abc"
+    assert call(secure, "GET", path, key=api_keys["acme"]).json() == response
+    assert call(secure, "GET", path, key=api_keys["globex"]).status_code == 404
+    assert call(secure, "DELETE", path, key=api_keys["globex"]).status_code == 404
+    assert call(secure, "GET", path).status_code == 401
+    assert call(secure, "GET", path, key=api_keys["auditor"]).status_code == 403
+    go_on = {"model": "ad-a", "input": "y", "previous_response_id": "resp_abc"}
+    refused = call(secure, "POST", "/v1/responses", go_on, api_keys["globex"])
+    assert refused.status_code == 404 and refused.json()["error"]["param"] == "previous_response_id"
+    assert call(secure, "DELETE", path, key=api_keys["acme"]).json()["deleted"] is True
+    assert not conn.exists(Keys(prefix).response("acme~resp_abc"))

@@ -1,0 +1,106 @@
+"""OpenAI's Responses API: ``POST /v1/responses`` (streamed or not), ``GET`` and
+``DELETE /v1/responses/{id}``. A response is one chat job (``openai_api.submit_jobs``),
+its reply shaped by ``lorapool.openai.responses``; stored ones live in Redis
+(``responses_store``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Request
+
+from lorapool.gateway.auth import Principal, require
+from lorapool.gateway.body import read_body
+from lorapool.gateway.edge import RIDES_OUTAGES
+from lorapool.gateway.json import JSON
+from lorapool.gateway.openai_api import (
+    chat_events,
+    held_stream,
+    pool_of,
+    submit_jobs,
+    warned,
+    watching,
+)
+from lorapool.gateway.pool import disconnected
+from lorapool.gateway.responses_store import ResponseStore
+from lorapool.gateway.streams import sse
+from lorapool.openai.bodies import openapi_body, parse
+from lorapool.openai.response_bodies import ResponsesRequest
+from lorapool.openai.response_events import ResponseEvents
+from lorapool.openai.responses import ResponseShape, replied, to_parsed
+
+logger = logging.getLogger(__name__)
+router = APIRouter(prefix="/v1", tags=["OpenAI-compatible"])
+Submitter = Annotated[Principal, Depends(require("submit"))]
+
+
+@router.post(
+    "/responses",
+    summary="A response (OpenAI's Responses API), run as a chat job",
+    openapi_extra=openapi_body(ResponsesRequest),
+)
+async def create_response(request: Request, caller: Submitter):
+    pool = pool_of(request)
+    unknown: list[str] = []
+    body = parse(await read_body(request, pool.config.body_limit), ResponsesRequest, unknown)
+    store = ResponseStore(pool.producer.redis, pool.producer.keys, caller)
+    previous = []
+    if body.previous_response_id is not None:
+        record = await store.load(body.previous_response_id, "previous_response_id")
+        previous = record["conversation"]
+    parser, max_bytes = await pool.tool_parser(), pool.config.max_prompt_bytes
+    parsed, conversation = to_parsed(body, previous, parser, max_bytes)
+    parsed.ignored += unknown
+    handles, chat, hold = await submit_jobs(request, parsed, "chat", caller)
+    shape = ResponseShape(body, chat.id.removeprefix("chatcmpl-"), body.store is not False)
+    saving = store if shape.store else None
+    headers = warned(parsed, request)
+    if hold is None:
+        setattr(request.state, RIDES_OUTAGES, True)  # Pool.results rides out a Redis outage
+        outputs = await pool.results(handles, disconnected(request), caller)
+        response = shape.of_chat(chat.response(outputs))
+        if saving is not None:
+            await saving.save(response, replied(conversation, response))
+        return JSON(response, headers=headers)
+    chunks = chat_events(chat, handles, True, *watching(pool, handles, caller))
+    return held_stream(hold, _events(ResponseEvents(shape), chunks, saving, conversation), headers)
+
+
+async def _events(
+    events: ResponseEvents, chunks: AsyncIterator[dict], store, conversation
+) -> AsyncIterator[bytes]:
+    """The response's SSE events (``event:`` its type) of the chat job's chunks; the
+    response stored once complete, before its last events are sent."""
+    for event in events.start():
+        yield sse(event, event["type"])
+    async with aclosing(chunks):
+        async for chunk in chunks:
+            if "error" in chunk:
+                for event in events.failed(chunk["error"]):
+                    yield sse(event, event["type"])
+                return
+            for event in events.feed(chunk):
+                yield sse(event, event["type"])
+    last = events.finish()
+    if store is not None:  # before the last event: a client gone after it finds it stored
+        await store.save(events.response, replied(conversation, events.response))
+    for event in last:
+        yield sse(event, event["type"])
+
+
+@router.get("/responses/{response_id}", summary="A stored response")
+async def get_response(response_id: str, request: Request, caller: Submitter) -> JSON:
+    pool = pool_of(request)
+    record = await ResponseStore(pool.producer.redis, pool.producer.keys, caller).load(response_id)
+    return JSON(record["response"])
+
+
+@router.delete("/responses/{response_id}", summary="Delete a stored response")
+async def delete_response(response_id: str, request: Request, caller: Submitter) -> JSON:
+    pool = pool_of(request)
+    await ResponseStore(pool.producer.redis, pool.producer.keys, caller).delete(response_id)
+    return JSON({"id": response_id, "object": "response", "deleted": True})
