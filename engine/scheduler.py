@@ -49,6 +49,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from lorapool.engine.block_manager import BlockManager
+from lorapool.engine.fair_share import Ledger
 from lorapool.engine.sequence import Sequence, SequenceStatus
 
 
@@ -58,11 +59,18 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_loras: int | None = None  # None: adapters unlimited (LoRA disabled)
     starvation_steps: int = 8
+    fair_share: bool = True  # False: first come, first served whatever the tenant
+    input_cost: float = 1.0  # a prompt token's charge to its tenant (engine.fair_share)
+    output_cost: float = 2.0  # a generated token's
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "starvation_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        for name in ("input_cost", "output_cost"):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and 0 <= value < float("inf")):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
         if self.max_loras is not None and self.max_loras < 1:
             raise ValueError(f"max_loras must be at least 1, got {self.max_loras}")
 
@@ -72,6 +80,7 @@ class ScheduledSeq:
     seq: Sequence
     start: int  # tokens of seq already in the cache before this step
     num_new_tokens: int
+    charge: float = 0.0  # added to its tenant's counter (Scheduler.refund gives it back)
 
     @property
     def samples(self) -> bool:
@@ -108,8 +117,10 @@ class Scheduler:
         # seq_id -> steps skipped for want of an adapter slot or of free blocks
         self.num_skipped: dict[int, int] = {}
         self.num_preemptions = 0
+        self.ledger = Ledger(config.input_cost, config.output_cost)
 
     def add(self, seq: Sequence) -> None:
+        self.ledger.join(seq.request.tenant)
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
@@ -133,12 +144,12 @@ class Scheduler:
             seq = self.running[i]
             num_new = min(seq.num_uncomputed_tokens, budget)
             if manager.fits_in_place(seq, num_new):  # the common decode step: no blocks
-                scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, num_new))
+                scheduled.append(self._charged(seq, num_new))
                 budget -= num_new
                 i += 1
                 continue
             while not self.block_manager.can_allocate(seq, num_new):
-                victim = self.running[-1]
+                victim = self._victim(i)
                 self._preempt(victim, out)
                 if victim is seq:
                     break
@@ -154,7 +165,7 @@ class Scheduler:
             return
         active = {s.lora_int_id for s in self.running} - {0}
         blocked_new_adapters = False
-        for seq in list(self.waiting):
+        for seq in self._offer_order():
             if budget == 0 or len(self.running) >= self.config.max_num_seqs:
                 break
             if not self._adapter_fits(seq, active, blocked_new_adapters):
@@ -173,6 +184,44 @@ class Scheduler:
             active.add(seq.lora_int_id)
             active.discard(0)
             budget -= num_new
+
+    def _offer_order(self):
+        """The waiting sequences in the order admission offers them slots: first come,
+        first served without fair share; with it, the starving ones first (their bounds
+        above hold as they were), then by tenants' counters (``fair_share.Ledger.order``)."""
+        if not self.config.fair_share:
+            return list(self.waiting)
+        limit = self.config.starvation_steps
+        skipped = self.num_skipped
+        first = [s for s in self.waiting if skipped.get(s.seq_id, 0) >= limit] if skipped else []
+        return self.ledger.order(list(self.waiting), first)
+
+    def _victim(self, i: int) -> Sequence:
+        """Which running sequence to preempt, of those not yet scheduled this step (from
+        ``i``): the newest of the tenant with the greatest counter (fair share), else the
+        newest."""
+        running = self.running
+        if not self.config.fair_share or len(self.ledger.active) < 2:
+            return running[-1]
+        counters = self.ledger.counters
+        best = max(
+            range(i, len(running)), key=lambda j: (counters.get(running[j].request.tenant, 0.0), j)
+        )
+        return running[best]
+
+    def _charged(self, seq: Sequence, num_new: int) -> ScheduledSeq:
+        """The step's chunk of ``seq``, charged to its tenant."""
+        start, request = seq.num_computed_tokens, seq.request
+        cost = self.ledger.cost(request.num_prompt_tokens, start, num_new)
+        return ScheduledSeq(
+            seq, start, num_new, self.ledger.charge(request.tenant, request.weight, cost)
+        )
+
+    def refund(self, item: ScheduledSeq) -> None:
+        """Give back what ``item`` was charged: a speculated token its sequence never
+        used (async scheduling, see the module's docstring)."""
+        self.ledger.refund(item.seq.request.tenant, item.charge)
+        item.charge = 0.0
 
     def _start(self, seq: Sequence, budget: int) -> int | None:
         """Its cached prefix and its first chunk's size; None, holding nothing, if no room."""
@@ -205,7 +254,7 @@ class Scheduler:
 
     def _admit_tokens(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> None:
         out.blocks_to_copy += self.block_manager.allocate(seq, num_new)
-        out.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, num_new))
+        out.scheduled.append(self._charged(seq, num_new))
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
@@ -213,7 +262,10 @@ class Scheduler:
         seq.reset_for_recompute()
         self.num_preemptions += 1
         out.preempted.append(seq)
-        # Back to the head of the queue, ahead of everything that arrived later.
+        self._requeue(seq)
+
+    def _requeue(self, seq: Sequence) -> None:
+        """Back into the queue, ahead of everything that arrived later."""
         position = 0
         while position < len(self.waiting) and self._older(self.waiting[position], seq):
             position += 1
@@ -233,7 +285,16 @@ class Scheduler:
                 self.block_manager.cache_blocks(item.seq, item.start, end)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
-        """``child`` starts running beside ``parent``, sharing its blocks."""
+        """``child`` starts running beside ``parent``, sharing its blocks, while fewer
+        than ``max_num_seqs`` run; else it waits, holding no blocks, and is admitted as
+        a preempted sequence is (recomputed from its tokens; with prefix caching its
+        prompt's full blocks are found again)."""
+        self.ledger.join(child.request.tenant)
+        if len(self.running) >= self.config.max_num_seqs:
+            child.num_computed_tokens = 0
+            child.status = SequenceStatus.WAITING
+            self._requeue(child)
+            return
         self.block_manager.fork(parent, child)
         child.num_computed_tokens = parent.num_computed_tokens
         child.status = SequenceStatus.RUNNING
@@ -243,8 +304,10 @@ class Scheduler:
         """Remove ``seq`` (finished or aborted) and free its blocks."""
         if seq in self.running:
             self.running.remove(seq)
+            self.ledger.leave(seq.request.tenant)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+            self.ledger.leave(seq.request.tenant)
         self.num_skipped.pop(seq.seq_id, None)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
