@@ -30,17 +30,41 @@ running sequences drain and free their blocks: it is admitted within S + D
 steps of reaching the head of the queue (it fits in an empty cache: a request
 that cannot was refused at ``add_request``).
 
-Not yet (issue 47 item 4, to design with the fair-share scheduler): async
-scheduling as vLLM's, scheduling and preparing step N+1 while step N runs on the
-device. Step N+1 would be scheduled before N's tokens are known, so: every
-running sequence is assumed to decode one more token (its slot allocated
-ahead; a sequence that step N finishes is dropped from N+1's outputs and its
-extra block freed); N+1's input token ids are filled on the device from N's
-sampled tokens (a gather, no host round trip); stop checks and outputs of N
-run on the host while N+1 runs. What ties it to fair share: a fair-share
-scheduler charges tenants for the tokens scheduled, so the charge for a
-speculated token that a finished sequence never uses must be refunded, and
-preemption decisions made for N+1 must not depend on N's outcome.
+Tenants (``engine.fair_share``): waiting sequences are offered slots in turn to
+the tenant with the least virtual token counter (the weighted service it got since
+it last had work here), the starving ones above first; the cache's victim is the
+heaviest tenant's newest running sequence. Requests without a tenant share one:
+alone, the order is first come, first served as before. Bound: take tenants f and
+g, and a step s at which g gets work while f has some (so g starts at a counter
+no greater than f's), and suppose no sequence of g is skipped for an adapter slot
+or blocks (those keep the bounds above). Then through every step t until g has no
+sequence waiting, f's weighted service over [s, t] exceeds g's by at most
+(max_num_seqs + 1) * L_f, L_f the most one of f's requests costs, weighted: its
+prompt, n samples' tokens, and the prompt again for each sample that forked while
+no slot was free (``tests/engine/test_fair_share.py`` checks it against service
+recomputed from each step's chunks). Why: f is admitted ahead of g only with a
+counter no greater than g's; after f's last such admission f is charged only for
+sequences of requests then running (at most max_num_seqs) and their forks, and
+one more admitted in the step that takes g's last waiting sequence. So a light
+tenant's request waits for the next free sequence slot, whatever a flooding
+tenant has queued. Forked samples respect ``max_num_seqs`` (``fork``).
+
+Not yet (issue 47 item 4): async scheduling as vLLM's, scheduling and preparing
+step N+1 while step N runs on the device. Step N+1 would be scheduled before N's
+tokens are known, so: every running sequence is assumed to decode one more token
+(its slot allocated ahead; a sequence that step N finishes is dropped from N+1's
+outputs and its extra block freed); N+1's input token ids are filled on the
+device from N's sampled tokens (a gather, no host round trip); stop checks and
+outputs of N run on the host while N+1 runs. How it fits the fair share: each
+chunk records its charge (``ScheduledSeq.charge``), so the chunk of a sequence
+that step N finishes is refunded (``Scheduler.refund``) when N+1 drops it;
+admissions for N+1 then read counters that hold up to one speculated token per
+running sequence not yet refunded: the bound above grows by at most
+max_num_seqs * output_cost / w_f. Preemption for N+1 picks its victim from counters
+and blocks known when N+1 is scheduled, never from N's outcome; a sequence N
+finishes frees its blocks only after N+1 is scheduled (its extra block too).
+Forks (n > 1) happen when N's first token is sampled, after N+1 was scheduled:
+the children join at N+2 (running while a slot is free, else waiting).
 """
 
 from __future__ import annotations
