@@ -65,3 +65,15 @@ def test_a_bad_weight_fails_only_its_request(engine):
     with pytest.raises(ValueError, match="priority must be an integer"):
         engine.add_request("p", "hi", SamplingParams(max_tokens=1), priority="high")
     assert not engine.has_unfinished_requests()
+
+
+def test_first_come_first_served_queues_the_light_one_behind_the_flood(model):
+    """The same run with the fair share off (``--no-tenant-fair-share``): what the
+    bound above is measured against."""
+    fcfs = LLMEngine.from_engine_args(
+        EngineArgs(
+            model=model, max_num_seqs=MAX_NUM_SEQS, num_kv_blocks=512, tenant_fair_share=False
+        )
+    )
+    light_steps, _ = run(fcfs, light_tenant="light")
+    assert light_steps > 3 * (FLOOD_TOKENS + 2), light_steps
