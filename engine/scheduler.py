@@ -45,9 +45,14 @@ no slot was free (``tests/engine/test_fair_share.py`` checks it against service
 recomputed from each step's chunks). Why: f is admitted ahead of g only with a
 counter no greater than g's; after f's last such admission f is charged only for
 sequences of requests then running (at most max_num_seqs) and their forks, and
-one more admitted in the step that takes g's last waiting sequence. So a light
-tenant's request waits for the next free sequence slot, whatever a flooding
-tenant has queued. Forked samples respect ``max_num_seqs`` (``fork``).
+one more admitted in the step that takes g's last waiting sequence. And a
+tenant with nothing running does not wait for a slot to free: when every slot is
+taken and its counter is at most that of a tenant running two or more sequences,
+that tenant's newest sequence is preempted for it (``_make_room``: one a step,
+never a tenant's last, so no two tenants preempt each other back and forth). A
+light tenant's request therefore starts at the next step whatever a flooding
+tenant has queued or running, given the blocks it needs. Forked samples respect
+``max_num_seqs`` (``fork``).
 
 Not yet (issue 47 item 4): async scheduling as vLLM's, scheduling and preparing
 step N+1 while step N runs on the device. Step N+1 would be scheduled before N's
@@ -69,7 +74,7 @@ the children join at N+2 (running while a slot is free, else waiting).
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from lorapool.engine.block_manager import BlockManager
@@ -157,10 +162,36 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        if self.config.fair_share and self.waiting:
+            self._make_room(out)
+        made_room = len(out.preempted)
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
-        if not out.preempted:
+        if len(out.preempted) == made_room:  # no preemption for want of blocks
             self._schedule_waiting(out, budget)
         return out
+
+    def _make_room(self, out: SchedulerOutput) -> None:
+        """Every sequence slot is taken and a tenant with nothing running waits with a
+        counter no greater than that of a tenant running two or more sequences: preempt
+        the newest sequence of the greatest such tenant, so that the waiting one is
+        admitted this step. One a step, only for a tenant with nothing running, never a
+        tenant's last running sequence: the preempted tenant keeps running, so it never
+        preempts back (no thrashing), and each preemption is paid for by the waiting
+        tenant's admission.
+        """
+        if len(self.running) < self.config.max_num_seqs:
+            return
+        counters = self.ledger.counters
+        running = Counter(s.request.tenant for s in self.running)
+        idle = [s.request.tenant for s in self.waiting if s.request.tenant not in running]
+        busy = [t for t, count in running.items() if count > 1]
+        if not idle or not busy:
+            return
+        least = min(counters.get(t, 0.0) for t in idle)
+        heaviest = max(busy, key=lambda t: counters.get(t, 0.0))
+        if least <= counters.get(heaviest, 0.0):
+            victim = next(s for s in reversed(self.running) if s.request.tenant == heaviest)
+            self._preempt(victim, out)
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         i, manager, scheduled = 0, self.block_manager, out.scheduled
