@@ -194,12 +194,27 @@ class Scheduler:
             self._preempt(victim, out)
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        charges: dict[str, float] = {}  # decode tokens' charges by tenant
+        decode_cost = self.config.output_cost if self.config.fair_share else 0.0
+        budget = self._running_pass(out, budget, charges, decode_cost)
+        for tenant, amount in charges.items():
+            self.ledger.charge(tenant, 1.0, amount)
+        return budget
+
+    def _running_pass(self, out, budget: int, charges: dict, decode_cost: float) -> int:
+        """The running sequences' chunks; a decode token's charge goes to ``charges``."""
         i, manager, scheduled = 0, self.block_manager, out.scheduled
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_uncomputed_tokens, budget)
             if manager.fits_in_place(seq, num_new):  # the common decode step: no blocks
-                scheduled.append(self._charged(seq, num_new))
+                start, request = seq.num_computed_tokens, seq.request
+                if num_new == 1 and start >= request.num_prompt_tokens and decode_cost:
+                    amount = decode_cost / request.weight  # charged below, in one go
+                    charges[request.tenant] = charges.get(request.tenant, 0.0) + amount
+                    scheduled.append(ScheduledSeq(seq, start, 1, amount))
+                else:
+                    scheduled.append(self._charged(seq, num_new))
                 budget -= num_new
                 i += 1
                 continue
@@ -265,8 +280,10 @@ class Scheduler:
         return running[best]
 
     def _charged(self, seq: Sequence, num_new: int) -> ScheduledSeq:
-        """The step's chunk of ``seq``, charged to its tenant."""
+        """The step's chunk of ``seq``, charged to its tenant (with the fair share on)."""
         start, request = seq.num_computed_tokens, seq.request
+        if not self.config.fair_share:
+            return ScheduledSeq(seq, start, num_new)
         cost = self.ledger.cost(request.num_prompt_tokens, start, num_new)
         return ScheduledSeq(
             seq, start, num_new, self.ledger.charge(request.tenant, request.weight, cost)
