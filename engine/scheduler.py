@@ -174,18 +174,25 @@ class Scheduler:
         """Every sequence slot is taken and a tenant with nothing running waits with a
         counter no greater than that of a tenant running two or more sequences: preempt
         the newest sequence of the greatest such tenant, so that the waiting one is
-        admitted this step. One a step, only for a tenant with nothing running, never a
-        tenant's last running sequence: the preempted tenant keeps running, so it never
-        preempts back (no thrashing), and each preemption is paid for by the waiting
-        tenant's admission.
+        admitted this step. One a step, only for a tenant with nothing running and a
+        sequence not skipped (adapter slot, blocks), never a tenant's last: the
+        preempted tenant keeps running, so it never preempts back (no thrashing).
         """
-        if len(self.running) < self.config.max_num_seqs:
+        if len(self.running) < self.config.max_num_seqs or len(self.ledger.active) < 2:
             return
         counters = self.ledger.counters
         running = Counter(s.request.tenant for s in self.running)
-        idle = [s.request.tenant for s in self.waiting if s.request.tenant not in running]
+        idle = {t for t in self.ledger.active if t not in running}  # all theirs wait
         busy = [t for t, count in running.items() if count > 1]
         if not idle or not busy:
+            return
+        skipped = self.num_skipped  # one skipped (adapter slot, blocks) has its own bound
+        idle = {
+            s.request.tenant
+            for s in self.waiting
+            if s.request.tenant in idle and s.seq_id not in skipped
+        }
+        if not idle:
             return
         least = min(counters.get(t, 0.0) for t in idle)
         heaviest = max(busy, key=lambda t: counters.get(t, 0.0))
@@ -231,8 +238,8 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        if not self.waiting:  # most decode steps: no need to look at the running adapters
-            return
+        if not self.waiting or len(self.running) >= self.config.max_num_seqs or not budget:
+            return  # most decode steps: no need to look at the running adapters
         active = {s.lora_int_id for s in self.running} - {0}
         blocked_new_adapters = False
         for seq in self._offer_order():
