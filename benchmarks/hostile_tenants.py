@@ -189,6 +189,7 @@ def start(args, prefix: str, workdir: str) -> tuple[list, str]:
     port = free_port()
     common = ["--prefix", prefix, "--redis-url", args.redis_url]
     worker = [*lorapool, "worker", "--model", args.model, *common, "--name", "bench-hostile"]
+    worker += args.worker_arg
     gateway = [*lorapool, "serve", "--port", str(port), *common]
     procs = []
     for name, cmd in (("worker", worker), ("gateway", gateway)):
@@ -245,6 +246,12 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=500)
     parser.add_argument("--attacks", default=",".join(ATTACKS))
     parser.add_argument("--json", default=None)
+    parser.add_argument(
+        "--worker-arg",
+        action="append",
+        default=[],
+        help="an option for the worker (repeatable), e.g. --worker-arg=--no-tenant-fair-share",
+    )
     args = parser.parse_args()
     attacks = [a for a in args.attacks.split(",") if a]
     if unknown := set(attacks) - set(ATTACKS):

@@ -52,6 +52,7 @@ class StandInEngine:
         arrival_time=None,
         lora_request=None,
         resume_token_ids=None,
+        **share,
     ):
         if request_id in self.running or any(r.request_id == request_id for r in self.waiting):
             raise ValueError(f"request {request_id} is already running")

@@ -31,6 +31,9 @@ class EngineArgs:
     # steps a waiting request may be skipped (no adapter slot, no free blocks) before
     # nothing behind it is admitted: its wait's bound (engine/scheduler.py)
     starvation_steps: int = 8
+    # tenants' fair shares of this engine (engine/fair_share.py); False: first come,
+    # first served whatever the tenant (requests without one are served so either way)
+    tenant_fair_share: bool = True
     # CUDA graphs for decode steps (vLLM's flag and default): one graph per batch-size
     # bucket of cuda_graph_sizes, on CUDA only (a CPU engine runs eagerly whatever this
     # says). The GPU kit measured them on an H200 at 733426d (benchmarks/RESULTS.md): a

@@ -13,22 +13,22 @@ class EngineStats:
     """The engine's state as a worker and its metrics read it."""
 
     def capacity(self) -> int:
-        """How many new requests to take now: the sequence slots free.
+        """How many new requests to take now: the request slots free (``max_num_seqs``
+        requests at most, whatever their ``n``), none when sequences wait and no block
+        is free or a waiting one starves (the scheduler then admits nothing ahead of
+        it): a request waiting for blocks does not stop the worker from reading others
+        that fit, and what cannot run here soon is left to other workers.
 
-        While sequences wait, the slots neither running nor waiting ones hold, and
-        none when no block is free or a waiting one starves (the scheduler then
-        admits nothing ahead of it): a request waiting for blocks does not stop the
-        worker from reading others that fit, and the read stays bounded by
-        ``max_num_seqs`` (what cannot run here soon is left to other workers).
+        Requests, not sequences: a tenant's request of n=64 samples running here does
+        not close the intake to another tenant's job, which the fair-share scheduler
+        then admits at the next free sequence slot (``engine.fair_share``). The
+        sequences a step runs stay within ``max_num_seqs`` (``Scheduler.fork``).
         """
-        scheduler = self.scheduler
         free = self.args.max_num_seqs - len(self.requests)
-        if not scheduler.waiting:
-            return max(0, free)
-        if self.block_manager.num_free_blocks == 0 or scheduler.starving():
+        scheduler = self.scheduler
+        if scheduler.waiting and (self.block_manager.num_free_blocks == 0 or scheduler.starving()):
             return 0
-        held = len(scheduler.running) + len(scheduler.waiting)
-        return max(0, min(free, self.args.max_num_seqs - held))
+        return max(0, free)
 
     def request_counts(self) -> tuple[int, int]:
         """(running, waiting) sequences."""

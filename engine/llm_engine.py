@@ -34,6 +34,7 @@ from lorapool.engine.block_manager import BlockManager
 from lorapool.engine.config import EngineArgs
 from lorapool.engine.engine_adapters import EngineAdapters
 from lorapool.engine.engine_stats import EngineStats
+from lorapool.engine.fair_share import check_share
 from lorapool.engine.guide import (
     GuideFactory,
     MaskPool,
@@ -80,6 +81,7 @@ class LLMEngine(EngineStats, EngineAdapters):
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 max_loras=args.max_loras if args.enable_lora else None,
                 starvation_steps=args.starvation_steps,
+                fair_share=args.tenant_fair_share,
             ),
             self.block_manager,
         )
@@ -127,22 +129,27 @@ class LLMEngine(EngineStats, EngineAdapters):
         arrival_time: float | None = None,
         lora_request: LoRARequest | None = None,
         resume_token_ids: list[int] | None = None,
+        *,
+        priority: int = 0,
+        tenant: str | None = None,
+        tenant_weight: float | None = None,
         **kwargs: Any,
     ) -> None:
         """Queue a request; raises ValueError naming the problem if it is invalid.
 
         ``resume_token_ids``: tokens this request already generated and streamed
         elsewhere (a failed-over worker); generation continues after them, and
-        seeded sampling continues as if it had never stopped.
-        """
+        seeded sampling continues as if it had never stopped. ``priority`` (vLLM's),
+        ``tenant``, ``tenant_weight``: ``engine.fair_share``."""
         if request_id in self.requests:
             raise ValueError(f"request {request_id} is already running")
+        share = check_share(priority, tenant, tenant_weight)
         request = self.inputs.process(
             request_id, prompt, params, lora_request, arrival_time, resume_token_ids
         )
-        seq = Sequence(
-            next(self._seq_ids), request, 0, request.prompt_token_ids + request.resumed_token_ids
-        )
+        request.priority, request.tenant, request.weight = share
+        tokens = request.prompt_token_ids + request.resumed_token_ids
+        seq = Sequence(next(self._seq_ids), request, 0, tokens)
         seq.guide = self._guide(request)
         request.argmax_only = (
             argmax_only(request.params) and not request.guided and request.params.n == 1

@@ -30,25 +30,55 @@ running sequences drain and free their blocks: it is admitted within S + D
 steps of reaching the head of the queue (it fits in an empty cache: a request
 that cannot was refused at ``add_request``).
 
-Not yet (issue 47 item 4, to design with the fair-share scheduler): async
-scheduling as vLLM's, scheduling and preparing step N+1 while step N runs on the
-device. Step N+1 would be scheduled before N's tokens are known, so: every
-running sequence is assumed to decode one more token (its slot allocated
-ahead; a sequence that step N finishes is dropped from N+1's outputs and its
-extra block freed); N+1's input token ids are filled on the device from N's
-sampled tokens (a gather, no host round trip); stop checks and outputs of N
-run on the host while N+1 runs. What ties it to fair share: a fair-share
-scheduler charges tenants for the tokens scheduled, so the charge for a
-speculated token that a finished sequence never uses must be refunded, and
-preemption decisions made for N+1 must not depend on N's outcome.
+Tenants (``engine.fair_share``): waiting sequences are offered slots in turn to
+the tenant with the least virtual token counter (the weighted service it got since
+it last had work here), the starving ones above first; the cache's victim is the
+heaviest tenant's newest running sequence. Requests without a tenant share one:
+alone, the order is first come, first served as before. Bound: take tenants f and
+g, and a step s at which g gets work while f has some (so g starts at a counter
+no greater than f's), and suppose no sequence of g is skipped for an adapter slot
+or blocks (those keep the bounds above). Then through every step t until g has no
+sequence waiting, f's weighted service over [s, t] exceeds g's by at most
+(max_num_seqs + 1) * L_f, L_f the most one of f's requests costs, weighted: its
+prompt, n samples' tokens, and the prompt again for each sample that forked while
+no slot was free (``tests/engine/test_fair_share.py`` checks it against service
+recomputed from each step's chunks). Why: f is admitted ahead of g only with a
+counter no greater than g's; after f's last such admission f is charged only for
+sequences of requests then running (at most max_num_seqs) and their forks, and
+one more admitted in the step that takes g's last waiting sequence. And a
+tenant with nothing running does not wait for a slot to free: when every slot is
+taken and its counter is at most that of a tenant running two or more sequences,
+that tenant's newest sequence is preempted for it (``_make_room``: one a step,
+never a tenant's last, so no two tenants preempt each other back and forth). A
+light tenant's request therefore starts at the next step whatever a flooding
+tenant has queued or running, given the blocks it needs. Forked samples respect
+``max_num_seqs`` (``fork``).
+
+Not yet (issue 47 item 4): async scheduling as vLLM's, scheduling and preparing
+step N+1 while step N runs on the device. Step N+1 would be scheduled before N's
+tokens are known, so: every running sequence is assumed to decode one more token
+(its slot allocated ahead; a sequence that step N finishes is dropped from N+1's
+outputs and its extra block freed); N+1's input token ids are filled on the
+device from N's sampled tokens (a gather, no host round trip); stop checks and
+outputs of N run on the host while N+1 runs. How it fits the fair share: each
+chunk records its charge (``ScheduledSeq.charge``), so the chunk of a sequence
+that step N finishes is refunded (``Scheduler.refund``) when N+1 drops it;
+admissions for N+1 then read counters that hold up to one speculated token per
+running sequence not yet refunded: the bound above grows by at most
+max_num_seqs * output_cost / w_f. Preemption for N+1 picks its victim from counters
+and blocks known when N+1 is scheduled, never from N's outcome; a sequence N
+finishes frees its blocks only after N+1 is scheduled (its extra block too).
+Forks (n > 1) happen when N's first token is sampled, after N+1 was scheduled:
+the children join at N+2 (running while a slot is free, else waiting).
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from lorapool.engine.block_manager import BlockManager
+from lorapool.engine.fair_share import Ledger
 from lorapool.engine.sequence import Sequence, SequenceStatus
 
 
@@ -58,11 +88,18 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_loras: int | None = None  # None: adapters unlimited (LoRA disabled)
     starvation_steps: int = 8
+    fair_share: bool = True  # False: first come, first served whatever the tenant
+    input_cost: float = 1.0  # a prompt token's charge to its tenant (engine.fair_share)
+    output_cost: float = 2.0  # a generated token's
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "starvation_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        for name in ("input_cost", "output_cost"):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and 0 <= value < float("inf")):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
         if self.max_loras is not None and self.max_loras < 1:
             raise ValueError(f"max_loras must be at least 1, got {self.max_loras}")
 
@@ -72,6 +109,7 @@ class ScheduledSeq:
     seq: Sequence
     start: int  # tokens of seq already in the cache before this step
     num_new_tokens: int
+    charge: float = 0.0  # added to its tenant's counter (Scheduler.refund gives it back)
 
     @property
     def samples(self) -> bool:
@@ -108,8 +146,10 @@ class Scheduler:
         # seq_id -> steps skipped for want of an adapter slot or of free blocks
         self.num_skipped: dict[int, int] = {}
         self.num_preemptions = 0
+        self.ledger = Ledger(config.input_cost, config.output_cost)
 
     def add(self, seq: Sequence) -> None:
+        self.ledger.join(seq.request.tenant)
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
@@ -122,23 +162,71 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        if self.config.fair_share and self.waiting:
+            self._make_room(out)
+        made_room = len(out.preempted)
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
-        if not out.preempted:
+        if len(out.preempted) == made_room:  # no preemption for want of blocks
             self._schedule_waiting(out, budget)
         return out
 
+    def _make_room(self, out: SchedulerOutput) -> None:
+        """Every sequence slot is taken and a tenant with nothing running waits with a
+        counter no greater than that of a tenant running two or more sequences: preempt
+        the newest sequence of the greatest such tenant, so that the waiting one is
+        admitted this step. One a step, only for a tenant with nothing running and a
+        sequence not skipped (adapter slot, blocks), never a tenant's last: the
+        preempted tenant keeps running, so it never preempts back (no thrashing).
+        """
+        if len(self.running) < self.config.max_num_seqs or len(self.ledger.active) < 2:
+            return
+        counters = self.ledger.counters
+        running = Counter(s.request.tenant for s in self.running)
+        idle = {t for t in self.ledger.active if t not in running}  # all theirs wait
+        busy = [t for t, count in running.items() if count > 1]
+        if not idle or not busy:
+            return
+        skipped = self.num_skipped  # one skipped (adapter slot, blocks) has its own bound
+        idle = {
+            s.request.tenant
+            for s in self.waiting
+            if s.request.tenant in idle and s.seq_id not in skipped
+        }
+        if not idle:
+            return
+        least = min(counters.get(t, 0.0) for t in idle)
+        heaviest = max(busy, key=lambda t: counters.get(t, 0.0))
+        if least <= counters.get(heaviest, 0.0):
+            victim = next(s for s in reversed(self.running) if s.request.tenant == heaviest)
+            self._preempt(victim, out)
+
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        charges: dict[str, float] = {}  # decode tokens' charges by tenant
+        decode_cost = self.config.output_cost if self.config.fair_share else 0.0
+        budget = self._running_pass(out, budget, charges, decode_cost)
+        for tenant, amount in charges.items():
+            self.ledger.charge(tenant, 1.0, amount)
+        return budget
+
+    def _running_pass(self, out, budget: int, charges: dict, decode_cost: float) -> int:
+        """The running sequences' chunks; a decode token's charge goes to ``charges``."""
         i, manager, scheduled = 0, self.block_manager, out.scheduled
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_uncomputed_tokens, budget)
             if manager.fits_in_place(seq, num_new):  # the common decode step: no blocks
-                scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, num_new))
+                start, request = seq.num_computed_tokens, seq.request
+                if num_new == 1 and start >= request.num_prompt_tokens and decode_cost:
+                    amount = decode_cost / request.weight  # charged below, in one go
+                    charges[request.tenant] = charges.get(request.tenant, 0.0) + amount
+                    scheduled.append(ScheduledSeq(seq, start, 1, amount))
+                else:
+                    scheduled.append(self._charged(seq, num_new))
                 budget -= num_new
                 i += 1
                 continue
             while not self.block_manager.can_allocate(seq, num_new):
-                victim = self.running[-1]
+                victim = self._victim(i)
                 self._preempt(victim, out)
                 if victim is seq:
                     break
@@ -150,11 +238,11 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        if not self.waiting:  # most decode steps: no need to look at the running adapters
-            return
+        if not self.waiting or len(self.running) >= self.config.max_num_seqs or not budget:
+            return  # most decode steps: no need to look at the running adapters
         active = {s.lora_int_id for s in self.running} - {0}
         blocked_new_adapters = False
-        for seq in list(self.waiting):
+        for seq in self._offer_order():
             if budget == 0 or len(self.running) >= self.config.max_num_seqs:
                 break
             if not self._adapter_fits(seq, active, blocked_new_adapters):
@@ -173,6 +261,46 @@ class Scheduler:
             active.add(seq.lora_int_id)
             active.discard(0)
             budget -= num_new
+
+    def _offer_order(self):
+        """The waiting sequences in the order admission offers them slots: first come,
+        first served without fair share; with it, the starving ones first (their bounds
+        above hold as they were), then by tenants' counters (``fair_share.Ledger.order``)."""
+        if not self.config.fair_share:
+            return list(self.waiting)
+        limit = self.config.starvation_steps
+        skipped = self.num_skipped
+        first = [s for s in self.waiting if skipped.get(s.seq_id, 0) >= limit] if skipped else []
+        return self.ledger.order(list(self.waiting), first)
+
+    def _victim(self, i: int) -> Sequence:
+        """Which running sequence to preempt, of those not yet scheduled this step (from
+        ``i``): the newest of the tenant with the greatest counter (fair share), else the
+        newest."""
+        running = self.running
+        if not self.config.fair_share or len(self.ledger.active) < 2:
+            return running[-1]
+        counters = self.ledger.counters
+        best = max(
+            range(i, len(running)), key=lambda j: (counters.get(running[j].request.tenant, 0.0), j)
+        )
+        return running[best]
+
+    def _charged(self, seq: Sequence, num_new: int) -> ScheduledSeq:
+        """The step's chunk of ``seq``, charged to its tenant (with the fair share on)."""
+        start, request = seq.num_computed_tokens, seq.request
+        if not self.config.fair_share:
+            return ScheduledSeq(seq, start, num_new)
+        cost = self.ledger.cost(request.num_prompt_tokens, start, num_new)
+        return ScheduledSeq(
+            seq, start, num_new, self.ledger.charge(request.tenant, request.weight, cost)
+        )
+
+    def refund(self, item: ScheduledSeq) -> None:
+        """Give back what ``item`` was charged: a speculated token its sequence never
+        used (async scheduling, see the module's docstring)."""
+        self.ledger.refund(item.seq.request.tenant, item.charge)
+        item.charge = 0.0
 
     def _start(self, seq: Sequence, budget: int) -> int | None:
         """Its cached prefix and its first chunk's size; None, holding nothing, if no room."""
@@ -205,7 +333,7 @@ class Scheduler:
 
     def _admit_tokens(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> None:
         out.blocks_to_copy += self.block_manager.allocate(seq, num_new)
-        out.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, num_new))
+        out.scheduled.append(self._charged(seq, num_new))
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
@@ -213,7 +341,10 @@ class Scheduler:
         seq.reset_for_recompute()
         self.num_preemptions += 1
         out.preempted.append(seq)
-        # Back to the head of the queue, ahead of everything that arrived later.
+        self._requeue(seq)
+
+    def _requeue(self, seq: Sequence) -> None:
+        """Back into the queue, ahead of everything that arrived later."""
         position = 0
         while position < len(self.waiting) and self._older(self.waiting[position], seq):
             position += 1
@@ -233,7 +364,16 @@ class Scheduler:
                 self.block_manager.cache_blocks(item.seq, item.start, end)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
-        """``child`` starts running beside ``parent``, sharing its blocks."""
+        """``child`` starts running beside ``parent``, sharing its blocks, while fewer
+        than ``max_num_seqs`` run; else it waits, holding no blocks, and is admitted as
+        a preempted sequence is (recomputed from its tokens; with prefix caching its
+        prompt's full blocks are found again)."""
+        self.ledger.join(child.request.tenant)
+        if len(self.running) >= self.config.max_num_seqs:
+            child.num_computed_tokens = 0
+            child.status = SequenceStatus.WAITING
+            self._requeue(child)
+            return
         self.block_manager.fork(parent, child)
         child.num_computed_tokens = parent.num_computed_tokens
         child.status = SequenceStatus.RUNNING
@@ -243,8 +383,10 @@ class Scheduler:
         """Remove ``seq`` (finished or aborted) and free its blocks."""
         if seq in self.running:
             self.running.remove(seq)
+            self.ledger.leave(seq.request.tenant)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+            self.ledger.leave(seq.request.tenant)
         self.num_skipped.pop(seq.seq_id, None)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED

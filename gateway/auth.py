@@ -32,6 +32,7 @@ class Principal:
     rpm: int | None = None
     tpm: int | None = None
     all_tenants: bool = False  # an auditor of every tenant
+    weight: float | None = None  # its jobs' fair-share weight in workers (None: 1)
 
     def job_id(self, external: str) -> str:
         """The request id of the client's job id ``external``."""
@@ -52,7 +53,16 @@ class Principal:
     def metadata(self) -> dict[str, Any]:
         if self.tenant is None:
             return {}
-        return {"tenant": self.tenant, "key_id": self.key_id}
+        own = {"tenant": self.tenant, "key_id": self.key_id}
+        return own if self.weight is None else {**own, "weight": self.weight}
+
+    def job_metadata(self, given: dict[str, Any]) -> dict[str, Any]:
+        """A job's metadata: what the client gave, then the caller's own, which a
+        tenant cannot set (a ``weight`` it gives is dropped: workers read the tenant's
+        fair-share weight there)."""
+        if self.tenant is not None:
+            given = {k: v for k, v in given.items() if k != "weight"}
+        return {**given, **self.metadata()}
 
 
 OPEN = Principal()  # auth off: one trusted network, no tenants
@@ -89,6 +99,7 @@ def principal(record: KeyRecord, roles: tuple[str, ...] = ()) -> Principal:
         record.rpm,
         record.tpm,
         record.all_tenants,
+        record.weight,
     )
 
 

@@ -74,7 +74,7 @@ async def submit_job(
     await pool.check_rate(caller, 1, parsed.params, request)
     await pool.heavy.check_grammar(parsed)  # compiled after the rate checks, off the loop
     job_id = caller.job_id(request_id or uuid.uuid4().hex)
-    metadata = {**parsed.metadata, **caller.metadata()}
+    metadata = caller.job_metadata(parsed.metadata)
     [handle] = await pool.submit(
         parsed.prompts, parsed.params, lora, [job_id], metadata, parsed.names, on_finish,
         parsed.priority,

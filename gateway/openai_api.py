@@ -170,7 +170,7 @@ async def _submitted(request, parsed: Parsed, kind: str, caller: Principal, lora
     await pool.check_rate(caller, len(parsed.prompts), parsed.params, request)
     await pool.heavy.check_grammar(parsed)  # compiled after the rate checks, off the loop
     ids = [caller.job_id(uuid.uuid4().hex) for _ in parsed.prompts]
-    metadata = {**parsed.metadata, **caller.metadata()}
+    metadata = caller.job_metadata(parsed.metadata)
     handles = await pool.submit(
         parsed.prompts, parsed.params, lora, ids, metadata, parsed.names, None, parsed.priority
     )

@@ -27,6 +27,7 @@ Role = Literal["submit", "audit", "admin"]
 ROLES = get_args(Role)
 Tenant = Annotated[str, Meta(pattern="^[A-Za-z0-9_.-]{1,64}$")]
 PerMinute = Annotated[int, Meta(ge=1)]  # requests or tokens
+Weight = Annotated[float, Meta(gt=0, le=1000)]  # a tenant's fair-share weight in a worker
 _KEY_PATTERN = re.compile(r"lp_([0-9a-f]{16})_[A-Za-z0-9_-]{43}")
 
 
@@ -43,6 +44,7 @@ class KeyRecord(Struct, kw_only=True, frozen=True):
     tpm: PerMinute | None = None
     all_tenants: bool = False  # an audit key that reads every tenant's trail
     created: float = 0.0
+    weight: Weight | None = None  # its jobs' fair-share weight in workers (None: 1)
 
 
 _decode = msgspec.json.Decoder(KeyRecord).decode
@@ -103,6 +105,7 @@ class ApiKeys:
         rpm: int | None = None,
         tpm: int | None = None,
         all_tenants: bool = False,
+        weight: float | None = None,
     ) -> tuple[KeyRecord, str]:
         """Add a key; its record and the key (shown once; only its sha256 is stored).
 
@@ -110,6 +113,8 @@ class ApiKeys:
 
         ``rpm`` / ``tpm``: the tenant's requests and tokens per minute through this key
         (None: unlimited); tokens are what a request may generate (max_tokens x n).
+        ``weight``: the share of a worker its jobs get beside other tenants' (None: 1;
+        ``lorapool.engine.fair_share``).
         """
         check_tenant(tenant)  # its own words: the rule, not a regex
         if adapters is not None:
@@ -127,6 +132,7 @@ class ApiKeys:
                 "all_tenants": all_tenants,
                 "sha256": key_sha256(key),
                 "created": time.time(),
+                "weight": weight,
             }
         )
         if all_tenants and role != "audit":

@@ -32,8 +32,11 @@ class EngineInterface(Protocol):
         arrival_time: float,
         lora_request: LoRARequest | None,
         resume_token_ids: list[int],
+        **share: Any,
     ) -> None:
-        """Queue a request (outputs come as deltas); ValueError names what is wrong."""
+        """Queue a request (outputs come as deltas); ValueError names what is wrong.
+        ``share``: ``tenant`` and ``tenant_weight`` for a job with a tenant only
+        (``worker.prompt.tenant_share``; an engine may ignore them)."""
 
     def step(self) -> list[RequestOutput]:
         """Advance every running request; the outputs of those that advanced."""

@@ -39,7 +39,21 @@ def add_to_engine(state: WorkerState, held: Held) -> None:
         arrival_time=job.arrival_time,
         lora_request=job.lora_request,
         resume_token_ids=resumed_token_ids(held),
+        **tenant_share(job),
     )
+
+
+def tenant_share(job: Job) -> dict[str, Any]:
+    """The tenant whose fair share of the engine a job runs in, and its weight: what
+    the gateway wrote into its metadata from the caller's key record (``tenant``,
+    ``weight``); nothing for a job without a tenant (the default tenant's, as any
+    producer's straight to Redis). A weight that is not a number > 0 fails the job
+    alone (``add_request``'s ValueError)."""
+    metadata = job.metadata or {}
+    tenant = metadata.get("tenant")
+    if tenant is None:
+        return {}
+    return {"tenant": str(tenant), "tenant_weight": metadata.get("weight")}
 
 
 def engine_prompt(job: Job, engine: EngineInterface) -> str | dict[str, Any]:

@@ -35,14 +35,20 @@ def keys():
 @click.option(
     "--all-tenants", is_flag=True, help="an audit key that reads every tenant's audit trail"
 )
+@click.option(
+    "--weight",
+    type=click.FloatRange(min=0, max=1000, min_open=True),
+    default=None,
+    help="the tenant's fair-share weight in workers beside other tenants (default 1)",
+)
 @redis_option
 @prefix_option
 @shards_option
-def keys_add(tenant, role, adapters, rpm, tpm, all_tenants, redis_url, prefix, shards):
+def keys_add(tenant, role, adapters, rpm, tpm, all_tenants, weight, redis_url, prefix, shards):
     """Make a key for TENANT; the key is printed once (only its sha256 is stored)."""
     try:
         store = _api_keys(redis_url, prefix, shards)
-        record, key = store.add(tenant, role, list(adapters) or None, rpm, tpm, all_tenants)
+        record, key = store.add(tenant, role, list(adapters) or None, rpm, tpm, all_tenants, weight)
     except ValueError as exc:
         raise click.ClickException(str(exc)) from None
     click.echo(f"key id {record.id} for tenant {tenant!r}, role {role}:", err=True)

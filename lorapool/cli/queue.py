@@ -78,6 +78,13 @@ def _producer(redis_url, prefix, shards=0):
     "for it) while later ones run; then nothing behind it is admitted until it is: the "
     "bound of its wait (fewer: fairer, more: fuller batches)",
 )
+@click.option(
+    "--tenant-fair-share/--no-tenant-fair-share",
+    default=True,
+    show_default=True,
+    help="admit waiting requests by tenants' fair shares (a virtual token counter per "
+    "tenant, weighted by its key's --weight); off: first come, first served",
+)
 @count_option("--max-n", DEFAULT_MAX_N, "most completions per request")
 @count_option("--max-prompt-bytes", DEFAULT_MAX_PROMPT_BYTES, "larger prompts are refused")
 @count_option(

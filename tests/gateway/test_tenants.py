@@ -10,6 +10,7 @@ import orjson
 import pytest
 from gateway_procs import serve, stop
 
+from lorapool.gateway.auth import OPEN, Principal
 from lorapool.lifecycle.keys import Keys
 from lorapool.lifecycle.wire import decode_job
 from lorapool.producer.api_keys import ApiKeys
@@ -43,6 +44,7 @@ def api_keys(conn, prefix, tmp_path_factory, producer):
         "revoked": store.add("acme", "submit"),
         "slow": store.add("slow", "submit", rpm=2),
         "thrifty": store.add("thrifty", "submit", tpm=5),
+        "heavy": store.add("heavy", "submit", weight=4.0),
     }
     store.revoke(made["revoked"][0].id)
     return {name: key for name, (_, key) in made.items()} | {
@@ -110,6 +112,29 @@ def test_the_job_carries_tenant_and_key_id(secure, api_keys, conn, prefix):
     jobs = [decode_job(fields[b"data"]) for _, fields in entries]
     [job] = [j for j in jobs if j.request_id == f"acme~{job_id}"]
     assert job.metadata == {"tenant": "acme", "key_id": api_keys["acme-id"]}
+
+
+def test_the_job_carries_its_keys_fair_share_weight(secure, api_keys, conn, prefix):
+    """A key's weight (``keys add --weight``) rides in its jobs' metadata, where the
+    worker reads the tenant's fair share of the engine (issue 51 row 4); a key without
+    one adds nothing (the test above)."""
+    job_id = call(secure, "POST", "/v1/jobs", {**JOB, "user": "u"}, api_keys["heavy"]).json()["id"]
+    entries = conn.xrange(f"{prefix}:requests")
+    [job] = [
+        j for j in (decode_job(f[b"data"]) for _, f in entries) if j.request_id == f"heavy~{job_id}"
+    ]
+    assert job.metadata == {
+        "user": "u", "tenant": "heavy", "key_id": api_keys["heavy-id"], "weight": 4.0
+    }  # fmt: skip
+    with pytest.raises(ValueError, match="weight"):
+        ApiKeys(conn, Keys(prefix)).add("bad", "submit", weight=0)
+
+
+def test_a_client_cannot_give_its_job_a_weight():
+    caller = Principal("acme", "submit", "k1")
+    given = {"weight": 1000, "note": "x"}
+    assert caller.job_metadata(given) == {"note": "x", "tenant": "acme", "key_id": "k1"}
+    assert OPEN.job_metadata(given) == given  # no tenants: nothing to share
 
 
 def test_the_same_client_id_in_two_tenants_is_two_jobs(secure, api_keys):
