@@ -13,8 +13,9 @@ import re
 from pathlib import Path
 
 import pytest
+import yaml
 from click.testing import CliRunner
-from deployment import KEDA_REDIS_STREAMS
+from deployment import DEPLOY, KEDA_REDIS_STREAMS
 from helm_chart import example_secrets, render, template
 
 from lorapool.cli.main import cli
@@ -131,15 +132,14 @@ def test_one_autoscaler_at_most(chart):
     assert not of(chart, "HorizontalPodAutoscaler")
     assert "replicas" not in of(chart, "Deployment")["lorapool-worker"]["spec"]  # KEDA's
     (scaled,) = of(chart, "ScaledObject").values()
-    streams = []
     for trigger in scaled["spec"]["triggers"]:
         meta = trigger["metadata"]
         assert trigger["type"] == "redis-streams" and set(meta) <= KEDA_REDIS_STREAMS
-        assert meta["consumerGroup"] == WORKERS_GROUP and meta["lagCount"] == "64"
+        assert meta["consumerGroup"] == WORKERS_GROUP
         assert all(isinstance(v, str) for v in meta.values())
         assert trigger["authenticationRef"]["name"] in of(chart, "TriggerAuthentication")
-        streams.append(meta["stream"])
-    assert streams == list(Keys("lorapool").streams)
+    streams = {t["metadata"]["stream"] for t in scaled["spec"]["triggers"]}
+    assert streams == set(Keys("lorapool").streams)
     hpa = render("autoscaling.mode=hpa")
     assert not of(hpa, "ScaledObject") and set(of(hpa, "HorizontalPodAutoscaler")) == {
         "lorapool-worker"
@@ -149,6 +149,35 @@ def test_one_autoscaler_at_most(chart):
     assert of(plain, "Deployment")["lorapool-worker"]["spec"]["replicas"] == 3
     both = template("autoscaling.mode=keda+hpa", check=False)
     assert both.returncode != 0 and "autoscaling.mode" in both.stderr
+
+
+def manifest(path: str, kind: str) -> dict:
+    """deploy/'s resource of ``kind`` in ``path``."""
+    (found,) = [d for d in yaml.safe_load_all((DEPLOY / path).read_text()) if d["kind"] == kind]
+    return found
+
+
+def test_the_autoscalers_scale_on_the_work_as_deploys_do(chart):
+    """The chart's ScaledObject and HPA are deploy/autoscale's: the same triggers (pending
+    and lag of both job streams), the same scalingModifiers formula, the HPA on
+    lorapool_queue_work; their target follows worker.maxNumSeqs."""
+    keda = manifest("autoscale/keda/autoscale-keda.yaml", "ScaledObject")
+    (scaled,) = of(chart, "ScaledObject").values()
+    assert scaled["spec"] == keda["spec"]
+    auth = manifest("autoscale/keda/autoscale-keda.yaml", "TriggerAuthentication")
+    assert [a["spec"] for a in of(chart, "TriggerAuthentication").values()] == [auth["spec"]]
+    hpa = manifest("autoscale/hpa/autoscale-hpa.yaml", "HorizontalPodAutoscaler")
+    (rendered,) = of(render("autoscaling.mode=hpa"), "HorizontalPodAutoscaler").values()
+    assert rendered["spec"]["metrics"] == hpa["spec"]["metrics"]
+    smaller = of(render("worker.maxNumSeqs=8"), "ScaledObject")["lorapool-worker"]["spec"]
+    assert smaller["advanced"]["scalingModifiers"]["target"] == "8"
+    counts = [m.get("lagCount") or m["pendingEntriesCount"] for m in
+              (t["metadata"] for t in smaller["triggers"])]  # fmt: skip
+    assert counts == ["8"] * 4
+    (rendered,) = of(
+        render("autoscaling.mode=hpa", "worker.maxNumSeqs=8"), "HorizontalPodAutoscaler"
+    ).values()
+    assert rendered["spec"]["metrics"][0]["external"]["target"]["averageValue"] == "8"
 
 
 def test_probes_and_pre_stop(chart):
