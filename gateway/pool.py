@@ -65,7 +65,7 @@ class Pool:
 
     async def ensure_groups(self) -> None:
         """The ``workers`` group of every job stream, made when missing (XGROUP CREATE
-        MKSTREAM, as a worker makes it): KEDA's pending count (deploy/autoscale-keda.yaml)
+        MKSTREAM, as a worker makes it): KEDA's pending count (deploy/autoscale/keda/)
         fails on a stream without it, and a pool scaled to zero has no worker to make it.
         Redis away or refusing: logged; the first worker makes them then."""
         redis = self.producer.redis

@@ -32,7 +32,9 @@ from lorapool.worker.serve import base_model_info
 pytestmark = pytest.mark.integration
 LAYOUTS = ("standalone", "cluster")
 UNKNOWN = "unknown"  # a nil lag: KEDA would read 0
-KEDA_YAML = Path(__file__).resolve().parents[2] / "deploy" / "autoscale-keda.yaml"
+KEDA_YAML = (
+    Path(__file__).resolve().parents[2] / "deploy" / "autoscale" / "keda" / "autoscale-keda.yaml"
+)
 
 
 def keda_lag(conn, stream: str, group: str):
@@ -156,13 +158,13 @@ def test_lag_is_never_unknown_through_aborts_dead_letters_and_a_failover(
     assert seen[-len(streams) :] == [0] * len(streams)
 
 
-# --- KEDA's loop on the ScaledObject of deploy/autoscale-keda.yaml ------------------
+# --- KEDA's loop on the ScaledObject of deploy/autoscale/keda/autoscale-keda.yaml ---------
 
 CAPACITY = 3  # the engines' max_num_seqs: the manifest's targets are one worker's capacity
 
 
 def scaled_object(capacity: int) -> dict:
-    """deploy/autoscale-keda.yaml's ScaledObject with its targets (one worker's
+    """deploy/autoscale/keda/autoscale-keda.yaml's ScaledObject with its targets (one worker's
     --max-num-seqs there) set to the test workers' capacity."""
     (scaled,) = [
         d for d in yaml.safe_load_all(KEDA_YAML.read_text()) if d["kind"] == "ScaledObject"

@@ -2,23 +2,27 @@
 as local processes, without Docker or Kubernetes (tests/support/deployment.py says how a
 container becomes a process).
 
-deploy/ (and the Helm chart deploy/helm/lorapool as `helm template` renders it with
-its default values, the same test run on its resources): every Deployment and Job its
-manifests define, with their commands, arguments,
-environment and mounted Secrets; each role connects with its own Redis user (the rules
-of docs/redis-acl.md, with the passwords of deploy/examples/secrets.example.yaml) on a private
-redis-server; 2 gateway replicas, as gateway.yaml says; the audit roles made by the
-audit-setup Job in a private PostgreSQL database (SQLite and `audit migrate` when no
-PostgreSQL is reachable). The pool starts with no worker, as KEDA leaves it: a job is
-accepted and queued, KEDA's redis-streams rule (computed from the ScaledObject's
-triggers, as the TriggerAuthentication's user) asks for one worker, which starts and
-finishes it. Then a user drives the pool: the official openai client (completions,
-chat, streaming, an adapter) on both replicas, a job's events resumed with
-Last-Event-ID on the other replica, a batch file uploaded to one replica and read back
-from the other (run by the RQ worker), an audit query, /metrics of the exporter, the
-worker and a gateway scraped and parsed, `lorapool audit verify`. A command run with
-another role's user fails with one line. Redis's ACL LOG then holds no refusal of any
-role that ran: every user had enough.
+deploy/ (and the Helm chart deploy/helm/lorapool as `helm template` renders it with its
+default values, the same test run on its resources): every Deployment and Job its
+manifests define, with their commands, arguments, environment and mounted Secrets; each
+role connects with its own Redis user (the rules of docs/redis-acl.md, with the
+passwords of deploy/examples/secrets.example.yaml) on a private redis-server; 2 gateway
+replicas, as gateway.yaml says; the audit roles made by the audit-setup Job in a private
+PostgreSQL database (SQLite and `audit migrate` when no PostgreSQL is reachable). The
+pool starts with no worker, as KEDA leaves it: a job is accepted and queued, KEDA's loop
+(tests/support/keda.py on the ScaledObject the manifests or the chart define: its
+triggers read as the TriggerAuthentication's user, its scalingModifiers, pollingInterval
+and cooldownPeriod on a simulated clock) asks for one worker, which starts and finishes
+it; the worker running a long job alone (pending 1, lag 0) is kept poll after poll past
+the cooldown, and once the job ended the loop scales to zero one cooldown later, not
+before. Then a user drives the pool: the official openai client (completions, chat,
+streaming, an adapter) on both replicas, a job's events resumed with Last-Event-ID on
+the other replica, a batch file uploaded to one replica and read back from the other
+(run by the RQ worker), an audit query, /metrics of the exporter, the worker and a
+gateway (with an audit key, as the chart's ServiceMonitor sends; 401 without one)
+scraped and parsed, `lorapool audit verify`. A command run with another role's user
+fails with one line. Redis's ACL LOG then holds no refusal of any role that ran: every
+user had enough.
 
 compose.yaml's own test: test_compose.py; the pool's helpers: tests/support/deployment_pool.py.
 
@@ -28,6 +32,7 @@ Redis default user. What it costs: about 60-90 s on an idle 2-core machine.
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from pathlib import Path
 
@@ -37,8 +42,8 @@ import pytest
 from deployment import Manifests, Site
 from deployment_pool import (
     SQL_ROLES,
+    Keda,
     Pool,
-    keda_wanted,
     lorapool,
     private_pg,
     ready,
@@ -94,7 +99,7 @@ def test_deploy_runs_as_written(tmp_path, tree, model, audit_key_text, source):
                 site.localize(manifests.secret("lorapool-audit-key", "audit.key", "test"))
             )
             try:
-                _drive_deploy(manifests, site, pool, pg, sql_names, server, admin, tmp_path)
+                _drive_deploy(manifests, site, pool, pg, sql_names, admin, tmp_path)
             except BaseException:
                 pool.stop()
                 pool.dump()
@@ -122,7 +127,7 @@ def deploy_site(manifests, redis_port, pg, sql_names, mounts, tmp_path, audit_ke
     return Site(hosts=hosts, mounts=mounts, workdir=tmp_path, replace=replace)
 
 
-def _drive_deploy(manifests, site, pool, pg, sql_names, server, admin, tmp_path):
+def _drive_deploy(manifests, site, pool, pg, sql_names, admin, tmp_path):
     secrets = {
         k: site.localize(v)
         for k, v in manifests.of("Secret")["lorapool-redis"]["stringData"].items()
@@ -170,27 +175,10 @@ def _drive_deploy(manifests, site, pool, pg, sql_names, server, admin, tmp_path)
         keys[role] = made.stdout.strip()
     auth = {"Authorization": f"Bearer {keys['submit']}"}
 
-    # scale from zero: queued, KEDA's rule says 1, a worker starts, the job finishes
     a, b = (g.url() for g in gateways)
-    job = httpx.post(
-        f"{a}/v1/jobs", headers=auth, json={"model": "ad", "prompt": "hello", "max_tokens": 6}
-    )
-    assert job.status_code == 202, job.text
-    wanted = keda_wanted(manifests, site, server.port)
-    assert wanted == 1
-    (worker,) = pool.start(
-        *manifests.processes("lorapool-worker", site, free_port, replicas=wanted)
-    )
-    job_id = job.json()["id"]
-    wait_until(
-        lambda: (
-            pool.alive(worker)
-            and httpx.get(f"{b}/v1/jobs/{job_id}", headers=auth).json()["status"] == "finished"
-        ),
-        "the queued job finished",
-        180,
-    )
-    assert keda_wanted(manifests, site, server.port) == 0
+    with contextlib.closing(Keda(manifests, site)) as scaler:
+        worker = _scale_from_zero(manifests, site, pool, scaler, a, b, auth)
+        _keda_keeps_a_busy_worker(pool, worker, scaler, a, auth)
 
     _as_a_user(a, b, keys, auth, tmp_path)
     _metrics(pool, exporter, worker, gateways, keys)
@@ -229,6 +217,71 @@ def _drive_deploy(manifests, site, pool, pg, sql_names, server, admin, tmp_path)
         entry for entry in admin.acl_log(count=1000) if entry["username"] != "lorapool-producer"
     ]
     assert refused == [], refused
+
+
+def _scale_from_zero(manifests, site, pool, scaler, a, b, auth):
+    """Queued, KEDA's loop wakes the pool with one worker, which starts and finishes it."""
+    job = httpx.post(
+        f"{a}/v1/jobs", headers=auth, json={"model": "ad", "prompt": "hello", "max_tokens": 6}
+    )
+    assert job.status_code == 202, job.text
+    assert scaler.wanted() == 1
+    wanted = scaler.poll()
+    assert wanted == 1
+    (worker,) = pool.start(
+        *manifests.processes("lorapool-worker", site, free_port, replicas=wanted)
+    )
+    job_id = job.json()["id"]
+    wait_until(
+        lambda: pool.alive(worker) and _status(b, job_id, auth) == "finished",
+        "the queued job finished",
+        180,
+    )
+    assert scaler.wanted() == 0
+    return worker
+
+
+def _keda_keeps_a_busy_worker(pool, worker, scaler, url, auth) -> None:
+    """Steady load a worker keeps up with: at every poll one job runs (pending 1) and
+    none waits (lag 0). The worker is kept, poll after poll past the cooldown (the lag
+    alone read 0 and scaled it to zero); once the load stops KEDA waits one cooldown,
+    then scales to zero."""
+    loop, job_id = scaler.loop, None
+    for _ in range(loop.cooldown // loop.interval + 1):
+        if job_id is None or _status(url, job_id, auth) != "running":
+            job_id = _one_running(pool, worker, url, auth)
+        assert scaler.poll() == 1, f"a busy worker scaled to {loop.replicas} at t={loop.now}s"
+    if _status(url, job_id, auth) == "running":
+        assert httpx.delete(f"{url}/v1/jobs/{job_id}", headers=auth).status_code == 202
+    wait_until(lambda: _status(url, job_id, auth) in ENDED, "the last job ended", 60)
+    busy_until = loop.last_active
+    while scaler.poll() > 0:
+        assert loop.now - busy_until < loop.cooldown
+    assert loop.now - busy_until == loop.cooldown  # zero one cooldown after the load
+
+
+ENDED = ("finished", "failed", "aborted")
+
+
+def _one_running(pool, worker, url, auth) -> str:
+    """A job submitted and seen running (one that ended before it was seen is replaced)."""
+    body = {"model": "ad", "prompt": "count", "max_tokens": 400, "ignore_eos": True}
+    for _ in range(5):
+        submitted = httpx.post(f"{url}/v1/jobs", headers=auth, json=body)
+        assert submitted.status_code == 202, submitted.text
+        job_id = submitted.json()["id"]
+        wait_until(
+            lambda j=job_id: pool.alive(worker) and _status(url, j, auth) in ("running", *ENDED),
+            "the job taken",
+            120,
+        )
+        if _status(url, job_id, auth) == "running":
+            return job_id
+    raise AssertionError("five jobs of 400 tokens each ended before they were seen running")
+
+
+def _status(url: str, job_id: str, auth: dict) -> str:
+    return httpx.get(f"{url}/v1/jobs/{job_id}", headers=auth).json()["status"]
 
 
 def _as_a_user(a: str, b: str, keys: dict, auth: dict, tmp_path: Path) -> None:
@@ -340,5 +393,6 @@ def _metrics(pool, exporter, worker, gateways, keys) -> None:
     assert "lorapool_audit_backlog" in pool_gauges
     worker_metrics = samples(worker.url("--metrics-port"))
     assert any(name.startswith("lorapool_") for name in worker_metrics)
+    assert httpx.get(f"{gateways[1].url()}/metrics", timeout=30).status_code == 401
     gateway_metrics = samples(gateways[1].url(), {"Authorization": f"Bearer {keys['audit']}"})
     assert gateway_metrics["lorapool_workers_live"] == 1

@@ -133,28 +133,44 @@ def lorapool(*args: str, env: dict[str, str], cwd: Path) -> subprocess.Completed
 # --- KEDA -------------------------------------------------------------------
 
 
-def keda_wanted(manifests: Manifests, site: Site, redis_port: int) -> int:
-    """The worker replicas KEDA asks for (``keda.read``: each redis-streams trigger read as
-    its TriggerAuthentication's user, composed by the ScaledObject's scalingModifiers),
-    between minReplicaCount and maxReplicaCount; minReplicaCount while inactive."""
-    (scaled,) = manifests.of("ScaledObject").values()
-    clients = []
+class Keda:
+    """KEDA on the deployment's ScaledObject (``manifests``: deploy/'s or the chart's
+    rendering): each redis-streams trigger read as its TriggerAuthentication's user at
+    the site's Redis, composed by the ScaledObject's scalingModifiers (``keda.read``);
+    ``poll`` advances KEDA's loop (``keda.Loop``: pollingInterval, cooldownPeriod) one
+    interval on a simulated clock."""
 
-    def client_of(trigger: dict) -> redis.Redis:
-        auth = manifests.trigger_auth(trigger["authenticationRef"]["name"], "ScaledObject")
+    def __init__(self, manifests: Manifests, site: Site, replicas: int = 0):
+        (self.scaled,) = manifests.of("ScaledObject").values()
+        self.manifests, self.site = manifests, site
+        self.loop = keda.Loop(self.scaled, replicas)
+        self.clients: dict[tuple, redis.Redis] = {}
+
+    def client_of(self, trigger: dict) -> redis.Redis:
+        auth = self.manifests.trigger_auth(trigger["authenticationRef"]["name"], "ScaledObject")
         address = trigger["metadata"]["address"]
-        host, port = site.localize(f"@{address}").lstrip("@").split(":")
-        client = redis.Redis(host=host, port=int(port), username=auth["username"],
-                             password=site.localize(auth["password"]))  # fmt: skip
-        clients.append(client)
-        return client
+        host, port = self.site.localize(f"@{address}").lstrip("@").split(":")
+        key = (host, port, auth["username"])
+        if key not in self.clients:
+            password = self.site.localize(auth["password"])
+            self.clients[key] = redis.Redis(
+                host=host, port=int(port), username=auth["username"], password=password
+            )
+        return self.clients[key]
 
-    try:
-        reading = keda.read(scaled, client_of)
-    finally:
-        for client in clients:
+    def wanted(self) -> int:
+        """The replicas one reading asks for, between minReplicaCount and
+        maxReplicaCount; minReplicaCount while inactive."""
+        reading = keda.read(self.scaled, self.client_of)
+        spec = self.scaled["spec"]
+        if not reading.active:
+            return spec.get("minReplicaCount", 0)
+        floor = max(1, spec.get("minReplicaCount", 0))
+        return min(max(reading.wanted, floor), spec["maxReplicaCount"])
+
+    def poll(self) -> int:
+        return self.loop.poll(self.client_of)
+
+    def close(self) -> None:
+        for client in self.clients.values():
             client.close()
-    spec = scaled["spec"]
-    if not reading.active:
-        return spec.get("minReplicaCount", 0)
-    return min(max(reading.wanted, 1, spec.get("minReplicaCount", 0)), spec["maxReplicaCount"])

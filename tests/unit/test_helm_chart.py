@@ -13,8 +13,9 @@ import re
 from pathlib import Path
 
 import pytest
+import yaml
 from click.testing import CliRunner
-from deployment import KEDA_REDIS_STREAMS
+from deployment import DEPLOY, KEDA_REDIS_STREAMS
 from helm_chart import example_secrets, render, template
 
 from lorapool.cli.main import cli
@@ -49,11 +50,7 @@ def chart() -> list[dict]:
 
 @pytest.fixture(scope="module")
 def monitored() -> list[dict]:
-    return render(
-        "metrics.serviceMonitor.enabled=true",
-        "metrics.serviceMonitor.gatewayAuth.secretName=lorapool-scrape",
-        "metrics.serviceMonitor.gatewayAuth.key=api-key",
-    )
+    return render("metrics.serviceMonitor.enabled=true")
 
 
 def test_every_core_resource_validates_strictly(chart, monitored):
@@ -103,7 +100,7 @@ def test_every_pod_runs_as_the_images_user_on_a_read_only_root(chart):
             assert own["capabilities"]["drop"] == ["ALL"], name
 
 
-def test_secrets_are_yours_by_reference_with_the_examples_keys(chart):
+def test_secrets_are_yours_by_reference_with_the_examples_keys(chart, monitored):
     keys = {s["metadata"]["name"]: set(s["stringData"]) for s in example_secrets()}
     named = set()
     for name, pod in pods(chart).items():
@@ -119,6 +116,12 @@ def test_secrets_are_yours_by_reference_with_the_examples_keys(chart):
     for auth in of(chart, "TriggerAuthentication").values():
         for ref in auth["spec"]["secretTargetRef"]:
             assert ref["key"] in keys[ref["name"]]
+    for monitor in of(monitored, "ServiceMonitor").values():
+        for endpoint in monitor["spec"]["endpoints"]:
+            if "authorization" in endpoint:
+                ref = endpoint["authorization"]["credentials"]
+                assert ref["key"] in keys[ref["name"]], ref
+                named.add(ref["name"])
     assert named == set(keys)
     renamed = render("secrets.redis=pool-redis")
     envs = [e for p in pods(renamed).values() for c in p["spec"]["containers"] for e in c["env"]]
@@ -131,15 +134,14 @@ def test_one_autoscaler_at_most(chart):
     assert not of(chart, "HorizontalPodAutoscaler")
     assert "replicas" not in of(chart, "Deployment")["lorapool-worker"]["spec"]  # KEDA's
     (scaled,) = of(chart, "ScaledObject").values()
-    streams = []
     for trigger in scaled["spec"]["triggers"]:
         meta = trigger["metadata"]
         assert trigger["type"] == "redis-streams" and set(meta) <= KEDA_REDIS_STREAMS
-        assert meta["consumerGroup"] == WORKERS_GROUP and meta["lagCount"] == "64"
+        assert meta["consumerGroup"] == WORKERS_GROUP
         assert all(isinstance(v, str) for v in meta.values())
         assert trigger["authenticationRef"]["name"] in of(chart, "TriggerAuthentication")
-        streams.append(meta["stream"])
-    assert streams == list(Keys("lorapool").streams)
+    streams = {t["metadata"]["stream"] for t in scaled["spec"]["triggers"]}
+    assert streams == set(Keys("lorapool").streams)
     hpa = render("autoscaling.mode=hpa")
     assert not of(hpa, "ScaledObject") and set(of(hpa, "HorizontalPodAutoscaler")) == {
         "lorapool-worker"
@@ -149,6 +151,35 @@ def test_one_autoscaler_at_most(chart):
     assert of(plain, "Deployment")["lorapool-worker"]["spec"]["replicas"] == 3
     both = template("autoscaling.mode=keda+hpa", check=False)
     assert both.returncode != 0 and "autoscaling.mode" in both.stderr
+
+
+def manifest(path: str, kind: str) -> dict:
+    """deploy/'s resource of ``kind`` in ``path``."""
+    (found,) = [d for d in yaml.safe_load_all((DEPLOY / path).read_text()) if d["kind"] == kind]
+    return found
+
+
+def test_the_autoscalers_scale_on_the_work_as_deploys_do(chart):
+    """The chart's ScaledObject and HPA are deploy/autoscale's: the same triggers (pending
+    and lag of both job streams), the same scalingModifiers formula, the HPA on
+    lorapool_queue_work; their target follows worker.maxNumSeqs."""
+    keda = manifest("autoscale/keda/autoscale-keda.yaml", "ScaledObject")
+    (scaled,) = of(chart, "ScaledObject").values()
+    assert scaled["spec"] == keda["spec"]
+    auth = manifest("autoscale/keda/autoscale-keda.yaml", "TriggerAuthentication")
+    assert [a["spec"] for a in of(chart, "TriggerAuthentication").values()] == [auth["spec"]]
+    hpa = manifest("autoscale/hpa/autoscale-hpa.yaml", "HorizontalPodAutoscaler")
+    (rendered,) = of(render("autoscaling.mode=hpa"), "HorizontalPodAutoscaler").values()
+    assert rendered["spec"]["metrics"] == hpa["spec"]["metrics"]
+    smaller = of(render("worker.maxNumSeqs=8"), "ScaledObject")["lorapool-worker"]["spec"]
+    assert smaller["advanced"]["scalingModifiers"]["target"] == "8"
+    counts = [m.get("lagCount") or m["pendingEntriesCount"] for m in
+              (t["metadata"] for t in smaller["triggers"])]  # fmt: skip
+    assert counts == ["8"] * 4
+    (rendered,) = of(
+        render("autoscaling.mode=hpa", "worker.maxNumSeqs=8"), "HorizontalPodAutoscaler"
+    ).values()
+    assert rendered["spec"]["metrics"][0]["external"]["target"]["averageValue"] == "8"
 
 
 def test_probes_and_pre_stop(chart):
@@ -164,18 +195,41 @@ def test_probes_and_pre_stop(chart):
 
 
 def test_every_metrics_port_is_scraped(chart, monitored):
+    """The worker's and the exporter's /metrics by annotations; the gateway's, which
+    answers only an audit or admin key, by no annotation (a scrape without the key gets
+    401) but by the ServiceMonitor, with the key of the Secret gatewayAuth names."""
     ports = {"lorapool-worker": 9300, "lorapool-exporter": 9400, "lorapool-gateway": 8000}
     for name, port in ports.items():
-        annotations = pods(chart)[name]["metadata"]["annotations"]
-        assert annotations["prometheus.io/scrape"] == "true", name
-        assert annotations["prometheus.io/port"] == str(port), name
+        annotations = pods(chart)[name]["metadata"].get("annotations", {})
+        keyless = name != "lorapool-gateway"
+        assert (annotations.get("prometheus.io/scrape") == "true") == keyless, name
+        if keyless:
+            assert annotations["prometheus.io/port"] == str(port), name
         (container,) = pods(chart)[name]["spec"]["containers"]
         assert port in [p["containerPort"] for p in container["ports"]], name
     (monitor,) = of(monitored, "ServiceMonitor").values()
     served = {p["name"] for s in of(monitored, "Service").values() for p in s["spec"]["ports"]}
     endpoints = {e["port"]: e for e in monitor["spec"]["endpoints"]}
     assert set(endpoints) == served  # the exporter's and the gateway's Services
-    assert endpoints["http"]["authorization"]["credentials"]["name"] == "lorapool-scrape"
+    assert endpoints["http"]["authorization"] == {
+        "type": "Bearer",
+        "credentials": {"name": "lorapool-metrics", "key": "gateway-api-key"},
+    }
+    assert "authorization" not in endpoints["metrics"]
+    renamed = render(
+        "metrics.serviceMonitor.enabled=true",
+        "metrics.serviceMonitor.gatewayAuth.secretName=scrape",
+        "metrics.serviceMonitor.gatewayAuth.key=api-key",
+    )
+    (monitor,) = of(renamed, "ServiceMonitor").values()
+    (gateway,) = [e for e in monitor["spec"]["endpoints"] if e["port"] == "http"]
+    assert gateway["authorization"]["credentials"] == {"name": "scrape", "key": "api-key"}
+    keyless = template(
+        "metrics.serviceMonitor.enabled=true",
+        "metrics.serviceMonitor.gatewayAuth.secretName=",
+        check=False,
+    )
+    assert keyless.returncode != 0 and "gatewayAuth" in keyless.stderr, keyless.stderr
     (pod_monitor,) = of(monitored, "PodMonitor").values()
     assert pod_monitor["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"] == (
         "worker"
