@@ -160,6 +160,11 @@ class Keys:
         '(tokenizer.json), "chat_template", "special", "clean_up_tokenization_spaces"}; '
         "written by each worker that starts.",
     )
+    layout = _meta_key(
+        "layout",
+        "String: the key layout the pool's markers are in; '2' once a worker moved the "
+        "run state of markers of the first layout to their run keys (lifecycle/run_state.py).",
+    )
     lora_resolver = _meta_key(
         "lora-resolver", "String: 'off' while an admin has turned the gateways' LoRA resolver off."
     )
@@ -194,7 +199,19 @@ class Keys:
         "callback",
         "Set once a request's completion callback is in RQ (lorapool/batch/callbacks.py).",
     )
-    job = _request_key("job", "Idempotency marker and status of one job.")
+    job = _request_key(
+        "job",
+        "Hash: one job's submission (SUBMIT's idempotency marker: entry, submitted, "
+        "priority, output_kind, on_finish). Producers may write it: nothing a worker "
+        "writes or audits is read from it but the entry its first chunk checks.",
+    )
+    run = _request_key(
+        "run",
+        "Hash: one job's run, written by workers only (docs/redis-acl.md): the entry a "
+        "worker took it from (``entry``), once it ended its ``status`` (finished, failed), "
+        "final record (``result``) and, for a request a worker ended for its readers, "
+        "when and why (``ended``, ``cause``; lifecycle/unread.py).",
+    )
     out = _request_key("out", "Chunk log (stream) and live channel (pub/sub) of one request.")
     abort = _request_key("abort", "Abort flag of one request, read by whichever worker holds it.")
 
