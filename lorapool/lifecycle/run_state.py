@@ -65,8 +65,8 @@ if m.err or not m[2] or m[4] then return 0 end
 if m[1] ~= 'finished' and m[1] ~= 'failed' then return 0 end
 redis.call('HSET', KEYS[2], 'status', m[1], 'result', m[2])
 if m[3] then redis.call('HSET', KEYS[2], 'entry', m[3]) end
-local ttl = redis.call('PTTL', KEYS[1])
-if ttl > 0 then redis.call('PEXPIRE', KEYS[2], ttl) end
+local ttl = redis.call('TTL', KEYS[1])
+if ttl > 0 then redis.call('EXPIRE', KEYS[2], ttl) end
 return 1
 """
 

@@ -64,12 +64,15 @@ ASK_EVERY_S = 5.0  # a reader asks again for a request at most this often
 # asked), pending to a worker, or still to be read), else 1 (the id pushed) or 2 (the list
 # holds another type than a list: nothing pushed). Read-only but the RPUSH.
 END_UNREAD = """
-local run = redis.pcall('HMGET', ARGV[2], 'status', 'entry')
-if run.err or run[1] then return 0 end
-local m = redis.pcall('HMGET', KEYS[1], 'entry', 'priority')
-if m.err then m = {false, false} end
-local entry = run[2] or m[1]
-local priority = m[2] or ARGV[7]
+local function field(key, name)  -- HGET (readers' users have no HMGET); nil: not a hash
+  local value = redis.pcall('HGET', key, name)
+  if type(value) == 'table' then return nil end
+  return value
+end
+local ran = redis.pcall('HGET', ARGV[2], 'status')
+if type(ran) ~= 'boolean' then return 0 end  -- ended, or not a hash
+local entry = field(ARGV[2], 'entry') or field(KEYS[1], 'entry')
+local priority = field(KEYS[1], 'priority') or ARGV[7]
 if not entry or not string.match(entry, '^%d+%-%d+$') then return 0 end
 if ARGV[6] == '0' then
   if redis.call('EXISTS', ARGV[3]) == 1 then return 0 end  -- a worker wrote for it
@@ -170,7 +173,7 @@ class EndUnread:
         return self._note(request_id, reply)
 
     def _note(self, request_id: str, reply: int) -> int:
-        if reply:
+        if reply == 1:
             self._asked[request_id] = time.monotonic()
         return reply
 
