@@ -197,7 +197,7 @@ class Publisher:
                 raise results
             appended, entries, extra = results
             for (held, chunk, _), result in zip(trip.sent, appended):
-                if result >= NAMED and not chunk.finished:  # the marker names the entry
+                if result >= NAMED and not chunk.finished:  # this entry holds the run
                     held.fenced, result = True, result - NAMED
                 if result == 0 and not chunk.finished:
                     self.state.num_tokens += chunk.num_tokens

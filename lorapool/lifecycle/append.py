@@ -29,19 +29,19 @@ from lorapool.lifecycle.keys import WORKERS_GROUP, Keys
 
 # APPEND's results besides 0 and 1 (abort asked): not the owner, seq already in the log,
 # the log key holds another type than a list (nothing written for the item), and
-# finished with the job's marker holding another type than a hash (left alone: the
-# whole output stays in the log, kept for the result's TTL)
-# the request id is answered (its marker says finished or failed; no marker saying,
-# its log ends in a final chunk) or another entry's
-# (the marker names another entry: a duplicate XADD of a running request): nothing
-# written, the worker acks this entry without output
+# finished with the job's run key holding another type than a hash (an operator's; left
+# alone: the whole output stays in the log, kept for the result's TTL)
+# the request id is answered (its run key says finished or failed; no run key saying,
+# its log ends in a final chunk) or another entry's (the run key names another entry: a
+# duplicate XADD of a running request): nothing written, the worker acks this entry
+# without output
 # the entry is pending to no one (acked already, or removed under the worker by an
 # operator: XTRIM, XDEL, a group destroyed, the stream deleted)
 NOT_OWNER, DUPLICATE, BAD_LOG, ANSWERED, VANISHED, BAD_MARKER = -1, -2, -3, -4, -5, 2
-# A chunk's fence on the job's marker (``Append.fence``): read it (results 0/1), read it
-# and say whether it names this entry (NAMED added to 0/1: a marker SUBMIT made for this
-# entry), or not read it again (the marker named this entry at an append of this run:
-# what could change it since is fenced by the pending list; see the script)
+# A chunk's fence on the job's run key (``Append.fence``): read it (results 0/1), read it
+# and say whether this entry holds the run (NAMED added to 0/1: it claimed it, or had),
+# or not read it again (this entry held the run at an append of this run: what could
+# change it since is fenced by the pending list; see the script)
 READ, ASK, SKIP = 0, 1, 2
 NAMED = 3
 
@@ -84,7 +84,7 @@ def append_call(
 
 
 # KEYS: audit, dead, then per item: its stream, out, abort, job (the submission: only
-#       its entry is read), run (the workers' own: lifecycle/run_state.py)
+#       its TTL is set at the end), run (the workers' own: lifecycle/run_state.py)
 # ARGV: group, consumer, dead stream's MAXLEN (approximate), the log's grace after the
 #       final chunk (s), then per item: its kind (1: final; 2: final of an entry that
 #       vanished, written though it is pending to no one; not final: 0 read the marker,
@@ -100,10 +100,10 @@ def append_call(
 # (finished, the run key not a hash, an operator's: left alone), 0; plus 3 for a chunk
 # of kind 3 or 4 whose run this entry holds.
 # Who ran a request is the run key's (workers' only): the first chunk a run appends
-# claims it (``entry``), if no other entry did and the marker (SUBMIT's; a raw XADD has
-# none) names no other entry; every later chunk of another entry is refused (-4), and so
-# is every chunk once the run key says the request ended. The marker's status and
-# fields besides ``entry`` are never read: a producer may write them (row B of issue 48).
+# claims it (``entry``); every later chunk of another entry is refused (-4), and so is
+# every chunk once the run key says the request ended. The marker (SUBMIT's) is never
+# read: a producer may write any of its fields (rows A and B of issue 48), so of two
+# entries of one id (a raw XADD of it) the one whose chunk comes first runs it.
 # The run key is read for a chunk of kind 4 no more (a worker sends it once an append of
 # this run found its entry there): only a final of this entry (this worker's, or, after
 # a claim, another's: the pending list then refuses this one) or a worker's ending of an
@@ -197,9 +197,7 @@ while a < #ARGV do
       marker, m = false, {false, false}  -- not a hash (an operator's): left alone
     elseif ended(m[1]) or (m[2] and m[2] ~= entry) then
       result = -4
-    elseif not m[2] then  -- no run yet: the submission's entry, if any, must be this one
-      local submitted = redis.pcall('HGET', job, 'entry')
-      if type(submitted) == 'string' and submitted ~= entry then result = -4 end
+    elseif not m[2] then  -- no run yet: this entry's chunk claims it
       claim = marker
     end
     if result == 0 and not m[1] then

@@ -3,8 +3,8 @@
 A job's marker (``Keys.job``) is its submission: SUBMIT writes it (``status`` queued,
 ``entry``, ``submitted``, ``priority``, ``output_kind``, ``on_finish``) and every role
 that submits may write it, so nothing a worker writes, a reader is told or an audit
-record says is taken from it, but the entry a run's first chunk checks (a second entry
-of a request id is refused: ``lifecycle/append.py``). Its run (``Keys.run``) is the
+record says is taken from it (its entry only tells a worker where to look for a job no
+worker took: ``worker/unread_audit.py``). Its run (``Keys.run``) is the
 workers' alone (docs/redis-acl.md: producers, the gateway and the RQ workers may read
 it, never write it): the entry a worker took it from, claimed by the run's first chunk;
 at its end its ``status`` and final record (``result``); for a request a worker ended

@@ -1,13 +1,13 @@
-"""Readers of today read what writers of an earlier version left in Redis.
-
-The job hashes and chunk logs of ``tests/unit/wire_fixtures/<commit>.json`` (written
-by that commit's real worker) are put back into a fresh pool, as an upgrade finds them,
-the first worker of today moves them to today's layout (``lifecycle/run_state.migrate``,
-issue 48: a job's run in a key only workers write), and today's producers read them: ``result()``, ``stream()`` and
-``status()``, sync and asyncio, with the chunk log still there and after it was
-compacted away (the final record alone). They must give what that commit's producer
-gave. ``error_kind``, added to outputs since, reads as None on a request that did not
-fail and as the kind the old text rule gives (``error_kind.read_kind``) on one that did.
+"""Readers of today read what writers of an earlier version left in Redis. The job hashes
+and chunk logs of ``tests/unit/wire_fixtures/<commit>.json`` (written by that commit's
+real worker) are put back into a fresh pool, as an upgrade finds them, the first worker
+of today moves them to today's layout (``lifecycle/run_state.migrate``, issue 48: a
+job's run in a key only workers write), and today's producers read them: ``result()``,
+``stream()`` and ``status()``, sync and asyncio, with the chunk log still there and
+after it was compacted away (the final record alone). They must give what that commit's
+producer gave. ``error_kind``, added to outputs since, reads as None on a request that
+did not fail and as the kind the old text rule gives (``error_kind.read_kind``) on one
+that did.
 """
 
 from __future__ import annotations
