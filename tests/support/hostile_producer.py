@@ -72,6 +72,21 @@ class HostileProducer:
         mapping = {f: self._value(data, rid, f) for f in sorted(fields)}
         self.hostile.hset(self.keys.job(rid), mapping=mapping)
 
+    @rule(data=st.data(), entry=st.sampled_from([None, *ENTRIES]))
+    def hostile_forge_ended(self, data, entry):
+        """Row A of issue 48 as filed: a marker saying a reader ended the request after
+        a partial run, with a forged final record, and its id pushed for the workers."""
+        rid = self._target(data)
+        fields = {"status": "failed", "unread": time.time(), "unread_log": 1}
+        fields |= {"submitted": time.time(), "result": forged_result(rid)}
+        self.hostile.hset(self.keys.job(rid), mapping=fields | ({"entry": entry} if entry else {}))
+        self.hostile.rpush(self.keys.unread_ended, rid)
+
+    @rule(data=st.data())
+    def hostile_mark_finished(self, data):
+        """Row B of issue 48: another tenant's job marked finished."""
+        self.hostile.hset(self.keys.job(self._target(data)), "status", "finished")
+
     @rule(data=st.data(), fields=st.sets(st.sampled_from(FIELDS), min_size=1))
     def hostile_hdel_marker(self, data, fields):
         rid = self._target(data)
