@@ -4,7 +4,7 @@ Two layouts. Unsharded (``shards=0``, the default, one standalone Redis): keys a
 ``<prefix>:<name>``, and per-request keys wrap the request id in a hash tag.
 Sharded (``shards=N``, for a Redis Cluster): a request lives on shard
 ``crc32(request id) % N``, and every key of shard ``s`` (its job streams, dead and
-audit streams, handoff lists, and its requests' job, out and abort keys) carries the
+audit streams, handoff lists, and its requests' job, run, out and abort keys) carries the
 hash tag of the shard, ``{<prefix>:<s>-<k>}`` (``shard_tag``), so that each script of
 the queue touches one slot, and that slot lies in the middle of the s-th N-th of the
 slot space: with N masters holding the contiguous slot ranges ``redis-cli --cluster
