@@ -13,8 +13,10 @@ JobLost: the hostile producer emptied or expired their marker).
 
 from __future__ import annotations
 
+import contextlib
 import time
 
+import redis
 from deployment_pool import acl_rules
 from hypothesis import strategies as st
 from hypothesis.stateful import rule
@@ -30,6 +32,17 @@ FORGED = "FORGED by a producer"
 FIELDS = ("status", "result", "unread", "unread_log", "submitted", "entry", "priority")
 STATUSES = ("queued", "finished", "failed", "running")
 ENTRIES = ("1-1", "0-0", "x", "99999999999999-0", "")
+
+
+@contextlib.contextmanager
+def wrong_type_ok():
+    """A command Redis refuses for the key's type (an operator's SET of it): refused, as it
+    would be for the producer, and nothing written; an ACL refusal is not hidden."""
+    try:
+        yield
+    except redis.ResponseError as exc:
+        if "WRONGTYPE" not in str(exc) or isinstance(exc, redis.exceptions.NoPermissionError):
+            raise
 
 
 def forged_result(rid: str) -> bytes:
@@ -70,7 +83,8 @@ class HostileProducer:
     def hostile_forge_marker(self, data, fields):
         rid = self._target(data)
         mapping = {f: self._value(data, rid, f) for f in sorted(fields)}
-        self.hostile.hset(self.keys.job(rid), mapping=mapping)
+        with wrong_type_ok():
+            self.hostile.hset(self.keys.job(rid), mapping=mapping)
 
     @rule(data=st.data(), entry=st.sampled_from([None, *ENTRIES]))
     def hostile_forge_ended(self, data, entry):
@@ -79,18 +93,22 @@ class HostileProducer:
         rid = self._target(data)
         fields = {"status": "failed", "unread": time.time(), "unread_log": 1}
         fields |= {"submitted": time.time(), "result": forged_result(rid)}
-        self.hostile.hset(self.keys.job(rid), mapping=fields | ({"entry": entry} if entry else {}))
+        with wrong_type_ok():
+            entry_field = {"entry": entry} if entry else {}
+            self.hostile.hset(self.keys.job(rid), mapping=fields | entry_field)
         self.hostile.rpush(self.keys.unread_ended, rid)
 
     @rule(data=st.data())
     def hostile_mark_finished(self, data):
         """Row B of issue 48: another tenant's job marked finished."""
-        self.hostile.hset(self.keys.job(self._target(data)), "status", "finished")
+        with wrong_type_ok():
+            self.hostile.hset(self.keys.job(self._target(data)), "status", "finished")
 
     @rule(data=st.data(), fields=st.sets(st.sampled_from(FIELDS), min_size=1))
     def hostile_hdel_marker(self, data, fields):
         rid = self._target(data)
-        self.hostile.hdel(self.keys.job(rid), *sorted(fields))
+        with wrong_type_ok():
+            self.hostile.hdel(self.keys.job(rid), *sorted(fields))
         self.may_lose.add(rid)  # a marker emptied (deleted): its reader may get JobLost
 
     @rule(data=st.data())
@@ -118,7 +136,8 @@ class HostileProducer:
         """EVALSHA of the submit script, for any id."""
         rid = self._target(data)
         job = build_job({"prompt_token_ids": [9]}, SamplingParams(max_tokens=3), None, rid, None)
-        Submit(self.hostile, self.keys)([job], priority, "")
+        with wrong_type_ok():  # the script's HGET of a marker of another type
+            Submit(self.hostile, self.keys)([job], priority, "")
 
     @rule(data=st.data())
     def hostile_abort(self, data):
