@@ -33,7 +33,7 @@ from typing import Any
 import orjson
 
 from lorapool import signing
-from lorapool.audit_db.schema import ADAPTER_IDENTITY
+from lorapool.audit_db.schema import ADAPTER_HASHES, ADAPTER_IDENTITY
 from lorapool.audit_db.tokens import as_packed
 
 GENESIS = "0" * 64
@@ -80,9 +80,11 @@ def canonical(value: Any) -> bytes:
 
 
 def adapter_fingerprint(adapter: Mapping[str, Any]) -> str:
-    """sha256 of an adapter row's identity fields: one adapter version."""
+    """sha256 of an adapter row's identity fields: one adapter version. Its config
+    sha256 and digest count where it has them (rows stored before 0008 have none)."""
     identity = {k: adapter[k] for k in ADAPTER_IDENTITY}
     identity["target_modules"] = list(identity["target_modules"])
+    identity.update({k: adapter[k] for k in ADAPTER_HASHES if adapter.get(k) is not None})
     return hashlib.sha256(canonical(identity)).hexdigest()
 
 

@@ -25,7 +25,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from sqlalchemy import Connection, select
+from sqlalchemy import Connection, inspect, select
 
 from lorapool.audit_db import checkpoints
 from lorapool.audit_db.chain import GENESIS, adapter_fingerprint
@@ -71,10 +71,17 @@ def keyed_from(conn: Connection) -> int | None:
     return None if value is None else int(value)
 
 
+def adapter_rows(conn: Connection):
+    """Every ``adapters`` row (pk order), with the columns its table has: one not yet
+    migrated to 0008 has no hash columns, and its rows' fingerprints need none."""
+    have = {c["name"] for c in inspect(conn).get_columns("adapters")}
+    columns = [c for c in adapters.c if c.name in have]
+    return conn.execute(select(*columns).order_by(adapters.c.pk)).mappings()
+
+
 def fingerprints(conn: Connection) -> dict[int, str]:
     """adapter pk -> fingerprint, recomputed from each adapter row's identity fields."""
-    rows = conn.execute(select(adapters)).mappings()
-    return {row["pk"]: adapter_fingerprint(row) for row in rows}
+    return {row["pk"]: adapter_fingerprint(row) for row in adapter_rows(conn)}
 
 
 @dataclass

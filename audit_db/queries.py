@@ -61,6 +61,8 @@ _ADAPTER_COLUMNS = [
     adapters.c.alpha.label("adapter_alpha"),
     adapters.c.target_modules.label("adapter_target_modules"),
     adapters.c.base_model.label("adapter_base_model"),
+    adapters.c.config_sha256.label("adapter_config_sha256"),
+    adapters.c.digest.label("adapter_digest"),
 ]
 _HIDDEN = ("adapter_pk", "prev_hash", "period", "prompt_tokens", "output_tokens", "chain_version")
 _ROW_COLUMNS = [c for c in completions.c if c.name not in _HIDDEN] + [

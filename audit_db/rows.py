@@ -16,6 +16,7 @@ from typing import Any
 
 from lorapool.audit_db import tokens
 from lorapool.audit_db.chain import COMPACT_VERSION, adapter_fingerprint, content_digest, row_body
+from lorapool.audit_db.schema import ADAPTER_HASHES
 from lorapool.audit_record import AdapterInfo, AuditRecord, Output, RecordError
 from lorapool.lifecycle.keys import DEFAULT_PREFIX
 
@@ -71,6 +72,9 @@ def _identity(info: AdapterInfo, alpha: str) -> dict[str, Any]:  # hashed once, 
         "target_modules": list(info.target_modules),
         "base_model": info.base_model,
     }
+    # an adapter's hashes (revision 0008) only when its record has them: the row of one
+    # registered before them is the row it always was, into any revision's table
+    row.update({k: getattr(info, k) for k in ADAPTER_HASHES if getattr(info, k) is not None})
     row["fingerprint"] = adapter_fingerprint(row)
     return row
 

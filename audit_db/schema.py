@@ -107,6 +107,9 @@ adapters = Table(
     Column("target_modules", JSONValue(), nullable=False),
     Column("base_model", ExactText(), nullable=True),
     Column("first_seen", Double, nullable=False),
+    # revision 0008; NULL on adapters registered before config hashes (chain.py)
+    Column("config_sha256", ExactText(), nullable=True),
+    Column("digest", ExactText(), nullable=True),
     *_indexes("adapters", "name", "sha256", "adapter_id"),
 )
 
@@ -230,3 +233,6 @@ ADAPTER_IDENTITY = (
     "target_modules",
     "base_model",
 )
+# Identity fields of revision 0008: in an adapter's fingerprint only when not NULL, so
+# that the fingerprints (and so the row hashes) of adapters stored before stay the same.
+ADAPTER_HASHES = ("config_sha256", "digest")

@@ -91,7 +91,11 @@ def _adapter_pks(conn: Connection, rows: list[PreparedRow], known: dict[str, int
     wanted = {fp: a for fp, a in wanted.items() if fp not in known}
     if not wanted:
         return {}
-    _insert(conn, adapters, list(wanted.values()), ["fingerprint"])
+    by_columns: dict[tuple, list] = {}  # rows with and without the 0008 hashes
+    for adapter in wanted.values():
+        by_columns.setdefault(tuple(adapter), []).append(adapter)
+    for group in by_columns.values():
+        _insert(conn, adapters, group, ["fingerprint"])
     found = conn.execute(
         select(adapters.c.fingerprint, adapters.c.pk).where(
             adapters.c.fingerprint.in_(list(wanted))

@@ -23,13 +23,12 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import orjson
-from sqlalchemy import Connection, Engine, select
+from sqlalchemy import Connection, Engine
 
 from lorapool.audit_db import archive_manifest, checkpoints
 from lorapool.audit_db.chain import GENESIS, adapter_fingerprint
 from lorapool.audit_db.checkpoints import Checkpoint, CheckpointError
-from lorapool.audit_db.guard import keyed_from
-from lorapool.audit_db.schema import adapters
+from lorapool.audit_db.guard import adapter_rows, keyed_from
 from lorapool.audit_db.walk import BadRow, Walk, hashes_at, online_range, rows_after
 
 HEAD_VERSION = 1
@@ -133,7 +132,7 @@ class _Facts:
 
 
 def _adapters(conn: Connection, facts: _Facts) -> None:
-    for row in conn.execute(select(adapters).order_by(adapters.c.pk)).mappings():
+    for row in adapter_rows(conn):
         fingerprint = adapter_fingerprint(row)
         facts.fingerprints[row["pk"]] = fingerprint
         if facts.bad_adapter is None and fingerprint != row["fingerprint"]:

@@ -72,8 +72,8 @@ class StandInEngine:
                 self.aborted.append(request)
         self.waiting = deque(r for r in self.waiting if r.request_id not in ids)
 
-    def expect_lora_weights(self, lora_request, sha256):
-        return None
+    def expect_lora(self, lora_request, registered):
+        return None  # loads no adapter files
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.running or self.waiting or self.aborted)

@@ -6,6 +6,9 @@ A mixin of ``LLMEngine``: calls on its LoRA manager, block manager and requests.
 
 from __future__ import annotations
 
+from typing import Any
+
+from lorapool.adapter_config import AdapterIdentity
 from lorapool.engine.lora.manager import LoRAManager, adapter_key
 from lorapool.engine.scheduler import SchedulerOutput
 from lorapool.protocol import LoRARequest
@@ -33,13 +36,16 @@ class EngineAdapters:
         """Load and validate an adapter ahead of its requests; raises AdapterError."""
         return self._loras().add_lora(lora_request)
 
-    def expect_lora_weights(self, lora_request: LoRARequest, sha256: str) -> None:
-        """Load ``lora_request`` only if its weights have this sha256 (e.g. the registry's).
+    def expect_lora(self, lora_request: LoRARequest, registered: Any) -> AdapterIdentity:
+        """Check now that ``lora_request``'s adapter files are ``registered``'s (the
+        registry's record: weights sha256, config sha256, ``adapter_config``), loading
+        it when the CPU cache has room; its identity, which every later load must match.
 
-        A load that finds other weights fails that adapter's requests with an
-        AdapterError saying the weights changed since registration.
+        Raises AdapterError saying what changed since registration (the request fails
+        alone, before it runs); a later load that finds other files fails that
+        adapter's requests with the same message.
         """
-        self._loras().expect(lora_request, sha256)
+        return self._loras().check(lora_request, registered)
 
     def remove_lora(self, lora_id: int) -> bool:
         self.block_manager.forget_adapter(lora_id)  # the id may come back with other weights

@@ -21,7 +21,10 @@ from dataclasses import dataclass
 
 import torch
 
-from lorapool.structured import StructuredOutputsParams, check_grammar
+from lorapool.field_errors import FieldError
+from lorapool.grammar_limits import check_structure
+from lorapool.grammar_sandbox import digest
+from lorapool.structured import StructuredOutputsParams, check_grammar, grammar_of
 
 MAX_CACHED_GRAMMARS = 128
 _BITS = torch.arange(32, dtype=torch.int32)
@@ -55,7 +58,16 @@ class Guide:
 
 
 class GuideFactory:
-    """Compiles constraints for one tokenizer; the LLTokenizer is built on first use."""
+    """Compiles constraints for one tokenizer; the LLTokenizer is built on first use.
+
+    ``sandbox`` (a ``GrammarSandbox``, set by the worker): each new constraint is first
+    counted against its limits and compiled in one of its processes, so that one that
+    crashes llguidance's native code or runs away fails its request alone; what passed
+    is then compiled here. Without one (the offline ``LLM``), the default limits are
+    counted and the grammar is validated in this process. Prototypes are cached by the
+    constraint's hash: a repeated grammar costs once."""
+
+    sandbox = None
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids):
         self.hf_tokenizer = tokenizer
@@ -83,11 +95,10 @@ class GuideFactory:
         problem when it does not compile."""
         from llguidance import LLMatcher
 
-        key = f"{params.kind}\x00{params.spec}\x00{params.disable_any_whitespace}"
-        key += f"\x00{params.whitespace_pattern}\x00{params.disable_additional_properties}"
+        key = digest(params)
         prototype = self._prototypes.get(key)
         if prototype is None:
-            matcher = LLMatcher(self._lltokenizer(), check_grammar(params), log_level=0)
+            matcher = LLMatcher(self._lltokenizer(), self._checked(params), log_level=0)
             if matcher.is_error():
                 raise ValueError(f"structured_outputs.{params.kind}: {matcher.get_error()}")
             prototype = self._prototypes[key] = matcher
@@ -95,6 +106,18 @@ class GuideFactory:
                 self._prototypes.popitem(last=False)
         self._prototypes.move_to_end(key)
         return Guide(prototype.deep_copy())
+
+    def _checked(self, params: StructuredOutputsParams) -> str:
+        """The grammar of ``params`` once it passed the limits and a compile (in the
+        sandbox when there is one); ValueError naming the limit or the problem."""
+        try:
+            if self.sandbox is None:
+                check_structure(params)
+                return check_grammar(params)
+            grammar = self.sandbox.check(params)
+        except FieldError as exc:
+            raise ValueError(str(exc)) from None
+        return grammar or grammar_of(params)  # None: a verdict cached earlier
 
 
 def request_guide(factory: GuideFactory, request) -> Guide | None:

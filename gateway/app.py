@@ -15,6 +15,8 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+from starlette.responses import Response
 
 from lorapool.connection import REDIS_DOWN, refusal
 from lorapool.gateway import (
@@ -31,6 +33,7 @@ from lorapool.gateway import (
 from lorapool.gateway.audit_store import AuditStore
 from lorapool.gateway.config import GatewayConfig
 from lorapool.gateway.edge import Edge
+from lorapool.gateway.holds import Holds
 from lorapool.gateway.http_metrics import HttpMetrics
 from lorapool.gateway.json import error_response
 from lorapool.gateway.pool import Pool
@@ -53,12 +56,15 @@ def create_app(config: GatewayConfig) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         app.state.pool = Pool(config)
+        await app.state.pool.ensure_groups()
         app.state.stopping = asyncio.Event()
         loop = asyncio.get_running_loop()
         app.state.begin_shutdown = lambda: loop.call_soon_threadsafe(app.state.stopping.set)
         app.state.audit = None
         if config.audit_db_url is not None:
-            app.state.audit = AuditStore(config.audit_db_url, config.audit_db_schema)
+            app.state.audit = AuditStore(
+                config.audit_db_url, config.audit_db_schema, config.tenant_audit_internals
+            )
         app.state.redis_watch = app.state.pool.watch
         watching = asyncio.create_task(app.state.redis_watch.run())
         try:
@@ -73,6 +79,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     app = FastAPI(title="lorapool gateway", version="1", lifespan=lifespan)
     app.state.http_metrics = HttpMetrics()
     app.state.request_stats = RequestStats()
+    app.state.holds = Holds(config.max_streams_per_tenant, config.max_streams)
     app.add_middleware(Edge, metrics=app.state.http_metrics)
     app.include_router(health.router)
     app.include_router(openai_api.router)
@@ -134,6 +141,14 @@ def _install_errors(app: FastAPI) -> None:
         return error_response(
             APIError(500, "the gateway failed unexpectedly", code="internal_error")
         )
+
+    @app.exception_handler(ClientDisconnect)
+    async def left(request: Request, exc: ClientDisconnect):
+        # a client gone while its body was read (an upload, a slow body cut): one debug
+        # line, not a traceback; nobody reads the answer
+        logger.debug("%s %s: the client left before its body was read", request.method,
+                     request.url.path)  # fmt: skip
+        return Response(status_code=499)
 
     @app.exception_handler(JobLost)
     async def lost(request: Request, exc: JobLost):

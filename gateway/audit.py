@@ -32,6 +32,7 @@ from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from lorapool.audit_export import FORMATS, MEDIA_TYPES, encode
 from lorapool.gateway.audit_store import MAX_LIMIT, AuditStore, parse_time, to_csv
 from lorapool.gateway.auth import Principal, require
+from lorapool.gateway.holds import holds_of
 from lorapool.gateway.json import JSON
 from lorapool.lifecycle.audit_verification import MODES
 from lorapool.openai.errors import APIError
@@ -121,7 +122,8 @@ async def audit_export(
         raise APIError(400, f"format must be one of {', '.join(FORMATS)}", "format")
     rows = await _store(request).export(caller, filters)
     disposition = f'attachment; filename="audit-export.{format}"'
-    return StreamingResponse(
+    hold = holds_of(request).take(caller.tenant)  # a slow reader holds a cursor and a thread
+    return hold.stream(
         encode(rows, format),
         media_type=MEDIA_TYPES[format],
         headers={"Content-Disposition": disposition},

@@ -2,6 +2,11 @@
 run off the event loop, scoped to the caller's tenant, paged by a keyset cursor or
 streamed whole, as JSON, JSON Lines or CSV (``lorapool.audit_export``).
 
+A tenant's auditor (an ``audit`` key of one tenant) gets its rows without what the
+README keeps from tenants: the adapter's server path, the worker's name and the key ids
+in the request's metadata (``tenant_internals``, ``--tenant-audit-internals``, shows
+them). Admin keys, auditors of every tenant and a gateway without keys see everything.
+
 SQLAlchemy is imported only when the gateway serves the audit routes
 (``--audit-db-url``): the gateway itself needs no database driver.
 """
@@ -23,16 +28,25 @@ from lorapool.openai.errors import APIError, bad_request
 from lorapool.times import epoch_seconds
 
 MAX_LIMIT = 1000
+INTERNAL_COLUMNS = ("adapter_path", "worker")  # a server path, a worker's name
+INTERNAL_METADATA = ("key_id",)  # which of the tenant's keys sent it
 
 
 class AuditStore:
     """One engine on the audit database (a read-only role's URL, in production)."""
 
-    def __init__(self, url: str, schema: str | None = None):
+    def __init__(self, url: str, schema: str | None = None, tenant_internals: bool = False):
         from lorapool.audit_db import DatabaseConfig, create_audit_engine
 
         self.engine = create_audit_engine(DatabaseConfig(url=url, schema=schema))
+        self.tenant_internals = tenant_internals
         self._jobs = None
+
+    def shown(self, caller: Principal):
+        """The function that makes a row what ``caller`` may see of it."""
+        if self.tenant_internals or caller.sees_internals or caller.all_tenants:
+            return _whole
+        return _public
 
     def close(self) -> None:
         if self._jobs is not None:
@@ -58,7 +72,8 @@ class AuditStore:
         everyone = _everyone(caller)
         rid = request_id if everyone else caller.job_id(request_id)
         rows = await asyncio.to_thread(get_request, self.engine, rid)
-        return [r for r in rows if everyone or r["tenant"] == caller.tenant]
+        shown = self.shown(caller)
+        return [shown(r) for r in rows if everyone or r["tenant"] == caller.tenant]
 
     async def page(
         self, caller: Principal, filters: dict[str, Any], limit: int, cursor: str | None
@@ -71,6 +86,7 @@ class AuditStore:
         after = _decode_cursor(cursor) if cursor else None
         with _refusals():
             rows, next_at = await asyncio.to_thread(search_page, self.engine, flt, limit, after)
+        rows = list(map(self.shown(caller), rows))
         return rows, _encode_cursor(next_at) if next_at is not None else None
 
     async def export(self, caller: Principal, filters: dict[str, Any]) -> Iterator[dict[str, Any]]:
@@ -81,7 +97,7 @@ class AuditStore:
         flt = _search_filter(caller, filters)
         with _refusals():  # before the first byte: a 400 can still go out
             await asyncio.to_thread(check_filter, self.engine, flt)
-        return iter_search(self.engine, flt)
+        return map(self.shown(caller), iter_search(self.engine, flt))
 
     async def usage(
         self,
@@ -103,6 +119,19 @@ class AuditStore:
         rows = await asyncio.to_thread(usage, self.engine, by, since, until, exact)
         rows = [dataclasses.asdict(r) for r in rows]
         return [r for r in rows if everyone or r["key"] == caller.tenant]
+
+
+def _whole(row: dict[str, Any]) -> dict[str, Any]:
+    return row
+
+
+def _public(row: dict[str, Any]) -> dict[str, Any]:
+    """``row`` without server paths, worker names and key ids."""
+    row = {k: v for k, v in row.items() if k not in INTERNAL_COLUMNS}
+    metadata = row.get("request_metadata")
+    if isinstance(metadata, dict):
+        row["request_metadata"] = {k: v for k, v in metadata.items() if k not in INTERNAL_METADATA}
+    return row
 
 
 def _search_filter(caller: Principal, filters: dict[str, Any]):

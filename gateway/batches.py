@@ -21,12 +21,12 @@ import asyncio
 import os
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Form, Request, UploadFile
-from fastapi.responses import StreamingResponse
+from fastapi import APIRouter, Depends, Request
 from msgspec import Struct
 
 from lorapool.gateway.auth import Principal, require
 from lorapool.gateway.body import read_struct
+from lorapool.gateway.holds import holds_of
 from lorapool.gateway.json import JSON
 from lorapool.openai.errors import APIError
 
@@ -76,15 +76,42 @@ def _unrestricted(caller: Principal) -> None:
         raise APIError(403, "batches need a key that may use every adapter", code="forbidden")
 
 
-@router.post("/files", summary="Upload a batch input file (OpenAI's Files API)")
-async def create_file(
-    request: Request, caller: Submitter, file: UploadFile, purpose: Annotated[str, Form()]
-) -> JSON:
+UPLOAD_FORM = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "multipart/form-data": {
+                "schema": {
+                    "type": "object",
+                    "required": ["file", "purpose"],
+                    "properties": {
+                        "file": {"type": "string", "format": "binary"},
+                        "purpose": {"type": "string"},
+                    },
+                }
+            }
+        },
+    }
+}
+
+
+@router.post(
+    "/files", summary="Upload a batch input file (OpenAI's Files API)", openapi_extra=UPLOAD_FORM
+)
+async def create_file(request: Request, caller: Submitter) -> JSON:
+    """The form is read here, after the key, its rate and a hold (``gateway/holds.py``):
+    an upload is a long-lived request, and no body is read for a caller refused."""
     _unrestricted(caller)
     await request.app.state.pool.check_rate(caller, 1, None, request)
-    name = file.filename or "input.jsonl"
-    info = await _call(request, "upload", file.file, name, purpose, caller.tenant)
-    return JSON(info)
+    with holds_of(request).holding(caller.tenant):
+        async with request.form(max_files=1, max_fields=8) as form:
+            file, purpose = form.get("file"), form.get("purpose")
+            if not hasattr(file, "file"):
+                raise APIError(400, "file is required: the batch input as a file part", "file")
+            if not isinstance(purpose, str):
+                raise APIError(400, "purpose is required: 'batch'", "purpose")
+            name = file.filename or "input.jsonl"
+            return JSON(await _call(request, "upload", file.file, name, purpose, caller.tenant))
 
 
 @router.get("/files", summary="The caller's files (OpenAI's pagination)")
@@ -111,8 +138,13 @@ async def retrieve_file(request: Request, file_id: str, caller: Submitter) -> JS
 
 @router.get("/files/{file_id}/content", summary="A file's content")
 async def file_content(request: Request, file_id: str, caller: Submitter):
-    lines = await _call(request, "content", file_id, caller.tenant)
-    return StreamingResponse(_iterate(lines), media_type="application/jsonl")
+    hold = holds_of(request).take(caller.tenant)  # a slow reader holds a thread
+    try:
+        lines = await _call(request, "content", file_id, caller.tenant)
+    except BaseException:
+        hold.release()
+        raise
+    return hold.stream(_iterate(lines), media_type="application/jsonl")
 
 
 async def _iterate(lines):

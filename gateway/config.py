@@ -10,6 +10,7 @@ from msgspec import Meta
 from lorapool.bounds import FINITE
 from lorapool.config_fields import check_fields
 from lorapool.egress import EgressPolicy
+from lorapool.grammar_limits import DEFAULT_LIMITS, GrammarLimits
 from lorapool.lifecycle.keys import DEFAULT_PREFIX
 from lorapool.lifecycle.wire import DEFAULT_MAX_N, DEFAULT_MAX_PROMPT_BYTES
 from lorapool.protocol import MAX_STOP
@@ -68,6 +69,15 @@ class GatewayConfig:
     trust_proxy: the gateway stands behind a TLS-terminating proxy whose
     X-Forwarded-Proto/-For/-Host it believes (dashboard cookies are then Secure).
     session_ttl_s: a dashboard session's lifetime (``gateway/dashboard_session.py``).
+    max_streams_per_tenant, max_streams: long-lived requests (job-events streams, OpenAI
+    ``stream: true`` calls, uploads, downloads) one tenant may hold open at once (429 past it),
+    and all of them together (503 past it); 0: no cap (``gateway/holds.py``).
+    tenant_audit_internals: a tenant's auditor sees its rows' adapter paths, worker
+    names and key ids too (by default only admin keys and auditors of every tenant do).
+    grammar_limits: the limits on a structured output's shape, each refused with a 400
+    naming it (``lorapool.grammar_limits``). heavy_workers: grammar compiles (in sandbox
+    processes) and tokenizations that run at once, each kind off the event loop
+    (``gateway/heavy.py``); more wait their turn.
     """
 
     redis_url: str
@@ -97,6 +107,11 @@ class GatewayConfig:
     webhook_allow: tuple[str, ...] = ()
     trust_proxy: bool = False
     session_ttl_s: Annotated[int, Meta(ge=1)] = 3600
+    max_streams_per_tenant: Limit = 64
+    max_streams: Limit = 1024
+    tenant_audit_internals: bool = False
+    grammar_limits: GrammarLimits = DEFAULT_LIMITS
+    heavy_workers: Annotated[int, Meta(ge=1, le=64)] = 2
 
     def __post_init__(self):
         check_fields(self)

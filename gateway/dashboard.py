@@ -5,7 +5,11 @@ With keys, the dashboard takes a key of role ``audit`` or ``admin``: in the
 ``Authorization`` header (a script), or through the page's form, which opens a session
 (``dashboard_session.py``: a signed random token in an HttpOnly, SameSite=Strict cookie
 that expires, never the key; a browser's meta refresh cannot send a header).
-``/metrics`` needs none, as Prometheus scrapes it: it holds counts only.
+``/metrics`` takes the same keys (README: "the pool's gauges on /metrics and the
+dashboard on /dashboard to audit and admin keys"): its series name tenants
+(``lorapool_gateway_rate_limited_total{tenant}``); Prometheus scrapes it with an audit
+key as its bearer token (``authorization.credentials_file``, deploy/README.md).
+``lorapool dashboard`` (no keys: bind it locally) serves it to anyone.
 """
 
 from __future__ import annotations
@@ -122,8 +126,10 @@ async def logout(request: Request) -> Response:
 async def metrics(request: Request) -> Response:
     """``lorapool exporter``'s gauges (queue length, pending, lag, dead letters, live
     workers, audit backlog), read from Redis now; and the gateway's HTTP metrics
-    (``http_metrics.py``)."""
+    (``http_metrics.py``). Needs a key of role audit or admin (or a dashboard session)."""
     from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+    await _caller(request)  # 401 / 403 as on every route
 
     body = await asyncio.to_thread(generate_latest, _registry(request.app))
     return Response(body, media_type=CONTENT_TYPE_LATEST)

@@ -9,6 +9,10 @@ from lorapool.lifecycle.chunk import Chunk
 from lorapool.openai.format import usage
 from lorapool.outputs import RequestOutput
 
+# what a tenant's key sees of a chunk's LoRARequest: never lora_path nor base_model_name
+# (the server's absolute paths)
+TENANT_LORA_FIELDS = ("lora_name", "lora_int_id")
+
 
 def state_name(state: dict[str, Any], output: RequestOutput | None) -> str:
     """queued, running, finished, failed or aborted (every completion ended by abort)."""
@@ -99,10 +103,9 @@ def chunk_event(chunk: Chunk, public_id: str | None = None) -> dict[str, Any]:
         event["lora_request"] = chunk.lora_request.to_dict()
     if public_id is not None:
         event.pop("worker", None)
-        if isinstance(event.get("lora_request"), dict):
-            event["lora_request"] = {
-                k: v for k, v in event["lora_request"].items() if k != "lora_path"
-            }
+        if isinstance(event.get("lora_request"), dict):  # no server path (lora_path,
+            lora = event["lora_request"]  # base_model_name): the adapter's name and id only
+            event["lora_request"] = {k: lora[k] for k in TENANT_LORA_FIELDS if k in lora}
         if event.get("error"):
             event["error"] = event["error"].replace(chunk.request_id, public_id)
     return event

@@ -23,6 +23,7 @@ from fastapi.responses import StreamingResponse
 
 from lorapool.gateway.auth import Principal, require
 from lorapool.gateway.body import read_body
+from lorapool.gateway.holds import holds_of
 from lorapool.gateway.job_format import chunk_event, job_body, state_name
 from lorapool.gateway.json import JSON
 from lorapool.gateway.pool import Pool
@@ -70,6 +71,7 @@ async def submit_job(
     if on_finish is not None:
         await pool.check_webhook(on_finish, caller)
     await pool.check_rate(caller, 1, parsed.params, request)
+    await pool.heavy.check_grammar(parsed)  # compiled after the rate checks, off the loop
     job_id = caller.job_id(request_id or uuid.uuid4().hex)
     metadata = {**parsed.metadata, **caller.metadata()}
     [handle] = await pool.submit(
@@ -154,8 +156,9 @@ async def job_events(
     stopping, max_s = request.app.state.stopping, pool.config.events_max_s
     public = None if caller.sees_internals else job_id
     outage = (pool.watch, pool.config.redis_outage_s)
+    hold = holds_of(request).take(caller.tenant)  # 429/503 past the caps (gateway/holds.py)
     events = until_stopped(_events(handle, after, state, public, outage), stopping, max_s)
-    return StreamingResponse(events, media_type="text/event-stream", headers=NO_BUFFERING)
+    return hold.stream(events, media_type="text/event-stream", headers=NO_BUFFERING)
 
 
 async def _events(

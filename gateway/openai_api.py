@@ -13,11 +13,11 @@ from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import StreamingResponse
 
 from lorapool.gateway.auth import Principal, require
 from lorapool.gateway.body import read_body
 from lorapool.gateway.edge import RIDES_OUTAGES
+from lorapool.gateway.holds import Hold, holds_of
 from lorapool.gateway.json import JSON
 from lorapool.gateway.pool import Pool, disconnected
 from lorapool.gateway.redis_watch import until_outage
@@ -96,10 +96,23 @@ async def chat_completions(request: Request, caller: Submitter):
 
 
 async def _generate(request: Request, parsed: Parsed, kind: str, caller: Principal):
+    """A stream takes its hold (``gateway/holds.py``) before its rate check and job."""
     pool = pool_of(request)
     lora = await pool.resolve_model(parsed.model, caller)
     await pool.check_limits(parsed)
+    hold = holds_of(request).take(caller.tenant) if parsed.stream else None
+    try:
+        return await _submitted(request, parsed, kind, caller, lora, hold)
+    except BaseException:
+        if hold is not None:
+            hold.release()
+        raise
+
+
+async def _submitted(request, parsed: Parsed, kind: str, caller: Principal, lora, hold: Hold):
+    pool = pool_of(request)
     await pool.check_rate(caller, len(parsed.prompts), parsed.params, request)
+    await pool.heavy.check_grammar(parsed)  # compiled after the rate checks, off the loop
     ids = [caller.job_id(uuid.uuid4().hex) for _ in parsed.prompts]
     metadata = {**parsed.metadata, **caller.metadata()}
     handles = await pool.submit(
@@ -116,7 +129,7 @@ async def _generate(request: Request, parsed: Parsed, kind: str, caller: Princip
         return JSON(shape.response(await pool.results(handles, disconnected(request), caller)))
     outage = (pool.watch, pool.config.redis_outage_s)
     events = _stream(shape, handles, parsed.include_usage, pool.untaken(handles, caller), outage)
-    return StreamingResponse(events, media_type="text/event-stream", headers=NO_BUFFERING)
+    return hold.stream(events, media_type="text/event-stream", headers=NO_BUFFERING)
 
 
 async def _echo(pool: Pool, parsed: Parsed) -> Echo | None:

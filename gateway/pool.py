@@ -8,19 +8,24 @@ through here or through a handle it returned.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from typing import Any
 
-from lorapool.connection import connect, connect_async
+from redis.exceptions import ResponseError
+
+from lorapool.connection import REDIS_DOWN, connect, connect_async
 from lorapool.egress import EgressError, EgressPolicy, EgressRefused, check_url, system_resolver
 from lorapool.gateway import resolver
 from lorapool.gateway.auth import OPEN, Principal
 from lorapool.gateway.config import GatewayConfig
 from lorapool.gateway.dashboard_session import Sessions
+from lorapool.gateway.heavy import HeavyWork
 from lorapool.gateway.redis_watch import RedisWatch
 from lorapool.gateway.tokenizer import TokenizerCache
 from lorapool.lifecycle.adapter_record import AdapterRecord, UnknownAdapter
+from lorapool.lifecycle.keys import WORKERS_GROUP
 from lorapool.lifecycle.queue_position import QueuePosition
 from lorapool.openai.errors import APIError, field_error, job_lost, model_not_found
 from lorapool.openai.limits import LimitsCache, check_limits, check_stop_count
@@ -32,6 +37,7 @@ from lorapool.protocol import FieldError, LoRARequest, SamplingParams
 from lorapool.tasks import cancel_and_wait
 from lorapool.tool_calls import parser_for
 
+logger = logging.getLogger(__name__)
 BASE_TTL_S = 5.0  # the base model changes only when the pool is rebuilt
 
 RESOLVE_S = 2.0  # a webhook host's resolution at submit, at most
@@ -53,10 +59,29 @@ class Pool:
         self.rates = RateLimiter(self.producer.redis, self.producer.keys)
         self.watch = RedisWatch(config.redis_url, config.retry_after_s)
         self.sessions = Sessions(self.producer.redis, self.producer.keys, config.session_ttl_s)
+        self.heavy = HeavyWork(config.grammar_limits, config.heavy_workers)
         self._registry: AdapterRegistry | None = None
         self._base: tuple[float, dict[str, Any] | None] = (0.0, None)
 
+    async def ensure_groups(self) -> None:
+        """The ``workers`` group of every job stream, made when missing (XGROUP CREATE
+        MKSTREAM, as a worker makes it): KEDA's pending count (deploy/autoscale-keda.yaml)
+        fails on a stream without it, and a pool scaled to zero has no worker to make it.
+        Redis away or refusing: logged; the first worker makes them then."""
+        redis = self.producer.redis
+        try:
+            views = self.producer.keys.shard_views
+            for stream in (stream for view in views for stream in view.streams):
+                try:
+                    await redis.xgroup_create(stream, WORKERS_GROUP, id="0", mkstream=True)
+                except ResponseError as exc:
+                    if "BUSYGROUP" not in str(exc):
+                        raise
+        except (*REDIS_DOWN, ResponseError) as exc:
+            logger.warning("gateway: could not create the consumer groups (%s)", exc)
+
     async def close(self) -> None:
+        self.heavy.close()
         await self.watch.close()
         await self.producer.aclose()
         if self._registry is not None:

@@ -1,12 +1,12 @@
 """The LoRA resolver: a model name no adapter is registered under, that names an adapter
 directory under one of the gateway's ``--adapter-root``\\ s, is registered (its weights'
-sha256 pinned, as ``lorapool adapters add`` does) and served on first use, as vLLM's
-filesystem resolver does.
+and config's hashes pinned, as ``lorapool adapters add`` does: docs/adapters.md) and
+served on first use, as vLLM's filesystem resolver does.
 
 On whenever the gateway has adapter roots; an ``admin`` key turns it off (and on) for
 every gateway of the pool with ``POST /v1/lora_resolver {"enabled": false}`` (the flag
 ``{p}:lora-resolver``). Two gateways resolving one name at once register it once: the
-registry's ``add`` is a WATCHed transaction, idempotent for the same path and weights.
+registry's ``add`` is a WATCHed transaction, idempotent for the same path and files.
 A name is looked up only as a direct child of a root (no ``.`` or ``..``; symlinks
 leading out of the roots are refused by the registry).
 """

@@ -6,6 +6,10 @@ while the pool's Redis answers, 503 otherwise: vLLM's "the engine answers", for 
 whose engines may be scaled to zero (``/readyz`` says whether workers are live).
 ``/tokenize`` and ``/detokenize`` use the tokenizer the workers publish
 (``tokenizer.py``): 503 ``no_tokenizer`` before any worker of the pool has started.
+Each call counts as one request against its key's rate limit (taken before the body is
+read), a prompt or chat is bounded by ``max_prompt_bytes`` (413, as a job's), and the
+template and the tokenizer run in the gateway's bounded pool (``heavy.py``), never on
+the event loop.
 """
 
 from __future__ import annotations
@@ -83,38 +87,54 @@ async def tokenize(request: Request, caller: Caller) -> JSON:
     tokenizer = await _tokenizer(pool)
     special = body.add_special_tokens
     if body.messages is not None:
-        text = _chat_text(body, tokenizer, pool.config.max_prompt_bytes)
-        ids = tokenizer.encode(text, bool(special))  # the template has them: default off
+        max_bytes = pool.config.max_prompt_bytes
+        text = await pool.heavy.tokens(_chat_text, body, tokenizer, max_bytes)
+        special = bool(special)  # the template has them: default off
     elif body.prompt is not None:
-        ids = tokenizer.encode(body.prompt, special is not False)
+        text, special = body.prompt, special is not False
     else:
         raise bad_request("give a prompt (a string) or messages", "prompt")
+    _check_size(text, pool.config.max_prompt_bytes)
+    ids = await pool.heavy.tokens(tokenizer.encode, text, special)
     limits = await pool.limits.get(pool.view)
+    strs = await pool.heavy.tokens(tokenizer.token_strs, ids) if body.return_token_strs else None
     return JSON(
-        {
-            "count": len(ids),
-            "max_model_len": limits.max_model_len,
-            "tokens": ids,
-            "token_strs": tokenizer.token_strs(ids) if body.return_token_strs else None,
-        }
-    )
+        {"count": len(ids), "max_model_len": limits.max_model_len, "tokens": ids,
+         "token_strs": strs}
+    )  # fmt: skip
+
+
+def _check_size(text: str, max_bytes: int) -> None:
+    """413 for a prompt no job could carry (its UTF-8 past ``max_prompt_bytes``)."""
+    size = len(text) if len(text) * 4 <= max_bytes else len(text.encode("utf-8", "replace"))
+    if size > max_bytes:
+        raise APIError(
+            413,
+            f"the prompt is {size} bytes, over this pool's max_prompt_bytes ({max_bytes})",
+            "prompt",
+            code="prompt_too_large",
+        )
 
 
 @router.post("/detokenize", summary="The text of token ids (vLLM's)")
 async def detokenize(request: Request, caller: Caller) -> JSON:
+    pool = request.app.state.pool
     tokens = (await _body(request, caller, DetokenizeBody)).tokens
-    tokenizer = await _tokenizer(request.app.state.pool)
+    tokenizer = await _tokenizer(pool)
     size = tokenizer.tokenizer.get_vocab_size(with_added_tokens=True)
     outside = [t for t in tokens if t >= size]
     if outside:
         raise bad_request(
             f"tokens {short_repr(outside)} are outside the vocabulary of {size}", "tokens"
         )
-    return JSON({"prompt": tokenizer.decode(tokens)})
+    return JSON({"prompt": await pool.heavy.tokens(tokenizer.decode, tokens)})
 
 
 async def _body(request: Request, caller: Principal, kind: type[T]) -> T:
+    """The body, once the call is taken from its key's requests per minute (before any
+    work: a key over its limit gets its 429 without a byte parsed)."""
     pool = request.app.state.pool
+    await pool.check_rate(caller, 1, None, request)
     body = await read_struct(request, pool.config.body_limit, kind)
     if body.model is not None:
         await pool.resolve_model(body.model, caller)  # 404 for an unknown one

@@ -7,10 +7,16 @@ from a server-side cursor streams bytes out with bounded memory.
 
 CSV is for spreadsheets. A cell whose text starts with ``=``, ``+``, ``-``,
 ``@``, tab or carriage return would be read as a formula by Excel, LibreOffice
-or Google Sheets (CSV injection); such a cell gets a leading ``'``, which those
-programs show as text and do not evaluate (:func:`neutralise`). Numbers are
-written as numbers (``-1.5`` stays ``-1.5``); nested values (token ids, metadata)
-as JSON. JSON and JSON Lines exports are exact, NUL and every code point included.
+or Google Sheets (CSV injection, OWASP's list). A spreadsheet may also split a
+cell where we did not: a locale whose separator is ``;`` reads ``X;=1+1;x`` as
+three cells, the middle one a formula, quoted or not (a quote inside a field is
+no quote to it). So every text cell is quoted, and a ``'`` goes before each of
+those characters that starts the text or follows (after any spaces) a
+separator any locale uses (``,`` ``;`` tab ``|``), a line break or a quote
+(:func:`neutralise`): spreadsheets show a cell starting with ``'`` as text and do
+not evaluate it. Numbers are written as numbers, unquoted (``-1.5`` stays
+``-1.5``); nested values (token ids, metadata) as JSON, neutralised too. JSON
+and JSON Lines exports are exact, NUL and every code point included.
 
 May import: the standard library and orjson.
 """
@@ -19,6 +25,7 @@ from __future__ import annotations
 
 import csv
 import io
+import re
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, is_dataclass
 from typing import Any
@@ -32,12 +39,17 @@ MEDIA_TYPES = {
     "jsonl": "application/x-ndjson",
 }
 FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
+CELL_BREAKS = ',;\t|\r\n"'  # where some spreadsheet may begin a cell: separators, lines, quotes
+_FORMULA_AT = re.compile(
+    "(^|[{}])( *)(?=[{}])".format(re.escape(CELL_BREAKS), re.escape("".join(FORMULA_START)))
+)
 CHUNK_BYTES = 64 * 1024  # encoded output is handed on in pieces of about this size
 
 
 def neutralise(text: str) -> str:
-    """``text`` with a leading ``'`` when a spreadsheet would evaluate it as a formula."""
-    return "'" + text if text.startswith(FORMULA_START) else text
+    """``text`` with a ``'`` before each formula character that a spreadsheet could
+    read at the start of a cell, whatever separator it splits on."""
+    return _FORMULA_AT.sub(r"\1\2'", text)
 
 
 def plain(item: Any) -> dict[str, Any]:
@@ -50,7 +62,7 @@ def csv_cell(value: Any) -> Any:
     if value is None:
         return ""
     if isinstance(value, (list, dict, tuple)):
-        return orjson.dumps(value).decode()
+        return neutralise(orjson.dumps(value).decode())
     if isinstance(value, str):
         return neutralise(value)
     return value
@@ -61,7 +73,8 @@ def _csv_chunks(rows: Iterator[dict[str, Any]]) -> Iterator[bytes]:
     if first is None:
         return
     buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, fieldnames=list(first))  # RFC 4180: CRLF, CR quoted
+    # RFC 4180 (CRLF, quotes doubled); every text cell quoted, numbers bare
+    writer = csv.DictWriter(buffer, fieldnames=list(first), quoting=csv.QUOTE_NONNUMERIC)
     writer.writeheader()
     for row in _chain(first, rows):
         writer.writerow({k: csv_cell(v) for k, v in row.items()})

@@ -22,7 +22,7 @@ import msgspec
 import orjson
 
 from lorapool import signing
-from lorapool.lifecycle.adapter_record import AdapterRecord
+from lorapool.lifecycle.adapter_record import HASHES, AdapterRecord
 
 RECORD_VERSION = 1
 SIGNATURE_DOMAIN = "lorapool audit record v1"
@@ -86,8 +86,16 @@ class AuditRecord(msgspec.Struct, frozen=True, kw_only=True):
     error: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        """The wire dict (``"v": 1`` first; orjson writes its tuples as arrays)."""
-        return msgspec.to_builtins(self)
+        """The wire dict (``"v": 1`` first; orjson writes its tuples as arrays). The
+        adapter's hashes only when known: a record of an adapter registered before them
+        is the bytes it always was."""
+        data = msgspec.to_builtins(self)
+        adapter = data["adapter"]
+        if adapter is not None:
+            for name in HASHES:
+                if name in adapter and adapter[name] is None:
+                    del adapter[name]
+        return data
 
 
 # --- decoding --------------------------------------------------------------------

@@ -17,7 +17,9 @@ its data directory (``<cache>/redis``), no TCP port:
   processes that start at the same moment from starting two servers.
 
 The server stops, saving its data, when the last process that started or joined it
-exits with no other client connected; the next start loads the data again.
+exits (its users: one file per process in ``<cache>/redis/users``, the processes it
+spawned included, through ``$LORAPOOL_EMBEDDED_DIR``; one killed without leaving is
+pruned by the next to leave); the next start loads the data again.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import importlib.util
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -71,6 +74,9 @@ def _bundled(name: str) -> str | None:
     return str(path) if os.access(path, os.X_OK) else None
 
 
+SHARED_ENV = "LORAPOOL_EMBEDDED_DIR"  # the shared server's directory, for child processes
+
+
 def resolve_url() -> str:
     """``$REDIS_URL``, else the URL of the shared embedded server (started if needed).
 
@@ -81,19 +87,86 @@ def resolve_url() -> str:
         return url
     url = start_embedded(cache_dir() / "redis")
     os.environ["REDIS_URL"] = url
+    os.environ[SHARED_ENV] = str(cache_dir() / "redis")  # children join it as users
     return url
+
+
+def join_inherited() -> None:
+    """A process spawned by one that started the shared server (``$REDIS_URL`` its URL,
+    ``$LORAPOOL_EMBEDDED_DIR`` its directory) is one of its users too, so that the
+    server stops when the last of them exits, not when the first one did."""
+    directory, url = os.environ.get(SHARED_ENV), os.environ.get("REDIS_URL")
+    if not directory or not url:
+        return
+    server = EmbeddedServer(Path(directory))
+    if server.url != url:
+        return
+    with _locked(server.directory):
+        if not server.answers():
+            return
+        server.join()
+    atexit.register(server.leave)
 
 
 def start_embedded(directory: Path) -> str:
     """Start (or join) the shared server whose data and socket are in ``directory``;
-    its unix URL. At this process's exit the server stops if no client is left."""
+    its unix URL. This process is one of its users (``directory/users/<pid>``) until
+    it exits: the last user to leave stops it (``EmbeddedServer.leave``)."""
     server = EmbeddedServer(directory)
-    with open(_mkdir(directory) / "start.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+    with _locked(directory):
         if not server.answers():
             server.start()
+            _start_reaper(server.directory)
+        server.join()
     atexit.register(server.leave)
     return server.url
+
+
+REAP_EVERY_S = 1.0
+
+
+def _start_reaper(directory: Path) -> None:
+    """A detached process that stops the server once no user is alive: a user that dies
+    by a signal never runs its ``atexit`` (uvicorn re-raises SIGTERM after its graceful
+    shutdown; SIGKILL), and then nobody else would."""
+    code = "import sys; from lorapool.embedded import reap; reap(sys.argv[1])"
+    subprocess.Popen(
+        [sys.executable, "-c", code, str(directory)],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,  # outlives the process that started it, and its signals
+    )
+
+
+def reap(directory: str) -> None:
+    """Every ``REAP_EVERY_S`` while the server answers: prune the users that died, and
+    stop the server when none is left."""
+    server = EmbeddedServer(Path(directory))
+    while server.answers():
+        with _locked(server.directory):
+            if not server.prune():
+                server.stop()
+                return
+        time.sleep(REAP_EVERY_S)
+
+
+@contextlib.contextmanager
+def _locked(directory: Path):
+    """The directory's start lock: one process at a time starts, joins or leaves."""
+    with open(_mkdir(directory) / "start.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        yield
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    return True
 
 
 def _mkdir(directory: Path) -> Path:
@@ -181,15 +254,34 @@ class EmbeddedServer:
         finally:
             client.close()
 
-    def leave(self) -> None:
-        """Stop the server (saving its data) when no other client is connected."""
-        import redis
+    @property
+    def users(self) -> Path:
+        """One empty file per process using the shared server, named by its pid."""
+        return _mkdir(self.directory / "users")
 
-        client = self._client(2)
-        with contextlib.suppress(redis.RedisError):
-            if len(client.client_list()) <= 1:
-                self._shutdown(client)
-        client.close()
+    def join(self) -> None:
+        """This process uses the server until it leaves (or dies)."""
+        (self.users / str(os.getpid())).touch()
+
+    def leave(self) -> None:
+        """This process stops using the server; the last live user stops it (saving its
+        data). Counted by process, not by connection: a process's own open connections
+        (a worker's threads) and one leaving at the same moment do not keep it running.
+        A user that died without leaving (SIGKILL) is pruned here."""
+        with _locked(self.directory):
+            (self.users / str(os.getpid())).unlink(missing_ok=True)
+            if not self.prune():
+                self.stop()
+
+    def prune(self) -> list[Path]:
+        """The users alive; those that died are removed (the caller holds the lock)."""
+        left = []
+        for user in self.users.iterdir():
+            if user.name.isdigit() and _alive(int(user.name)):
+                left.append(user)
+            else:
+                user.unlink(missing_ok=True)
+        return left
 
     def stop(self) -> None:
         """Stop the server now (saving its data when ``persist``)."""

@@ -7,11 +7,14 @@ trip plus the two ``XINFO GROUPS``:
 - ``lorapool_queue_length``: entries in ``{p}:requests`` (XLEN);
 - ``lorapool_queue_pending``: delivered to a worker, not yet acknowledged;
 - ``lorapool_queue_lag``: the ``workers`` group's lag as Redis reports it, the
-  entries no worker has taken yet: the autoscaling signal. NaN when Redis
+  entries no worker has taken yet. NaN when Redis
   reports it unknown (an undelivered entry was deleted; lorapool never does);
 - ``lorapool_batch_queue_length``, ``_pending``, ``_lag``: the same of the batch
   stream (``{p}:requests:batch``, read by workers only with capacity the
   interactive stream left);
+- ``lorapool_queue_work``: the work in the pool, the autoscaling signal
+  (docs/autoscaling.md): pending plus lag of both job streams, the jobs workers run now
+  and those none has taken yet;
 - ``lorapool_dead_letters``: entries in ``{p}:dead``;
 - ``lorapool_workers_live``: workers whose liveness flag has not expired;
 - ``lorapool_audit_backlog``: audit records not yet committed by a writer
@@ -121,9 +124,15 @@ class PoolCollector:
             _backlog(group_info(r, view.audit, AUDIT_GROUP), length)
             for view, length in zip(views, audit)
         )
-        return {
+        streams = {
             **self._stream("queue", "", [v.requests for v in views], queue),
             **self._stream("batch_queue", "batch ", [v.batch_requests for v in views], batch),
+        }
+        work = sum(streams[f"lorapool_{n}_{c}"][1] for n in ("queue", "batch_queue")
+                   for c in ("pending", "lag"))  # fmt: skip
+        return {
+            **streams,
+            "lorapool_queue_work": ("jobs workers run now or none has taken yet", work),
             "lorapool_dead_letters": ("entries in the dead-letter stream", sum(dead)),
             "lorapool_workers_live": ("workers with a live heartbeat", self._live(names)),
             "lorapool_audit_backlog": ("audit records not yet committed to SQL", backlog),

@@ -5,7 +5,10 @@ Torch-free, and free of the grammar engine at import: a producer builds and send
 constraints without it. ``grammar_of`` turns one into the grammar of llguidance
 (the engine the worker masks tokens with, ``lorapool.engine.guide``), and
 ``check_grammar`` compiles that grammar once to refuse a bad schema, regex or
-grammar with a message naming the problem (the gateway, before it enqueues).
+grammar with a message naming the problem. Callers that take constraints from tenants
+do not call it in their own process: llguidance's native compiler can crash on a deep
+one, so they count it against ``lorapool.grammar_limits`` and compile it in
+``lorapool.grammar_sandbox``.
 
 Exactly one of the kinds is set: ``json`` (a JSON schema, as an object or its text),
 ``regex``, ``choice`` (the completion is one of these strings), ``grammar`` (Lark,

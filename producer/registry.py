@@ -1,14 +1,15 @@
-"""The adapter registry in Redis: name -> id, path, sha256, rank, alpha, targets.
+"""The adapter registry in Redis: name -> id, path, sha256, rank, alpha, targets,
+config sha256 and digest.
 
 ``{p}:adapters`` maps a name to its record (``lifecycle.adapter_record``);
 ``{p}:adapter-ids`` maps an int id to its name, which keeps ids unique. Torch-free:
-the sha256 is taken over the bytes of ``adapter_model.safetensors`` and the rest is
-read from ``adapter_config.json``.
+the sha256 is taken over the bytes of ``adapter_model.safetensors``, the config's over
+the math fields of ``adapter_config.json`` (``lorapool.adapter_config``), the rest is
+read from that config.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ from typing import Any
 import msgspec
 import redis
 
+from lorapool.adapter_config import CONFIG_FILE, changes, identity_of, parse_config
 from lorapool.bounds import AdapterId, explain
 from lorapool.connection import client_for
 from lorapool.identity import ADAPTER_WEIGHTS, adapter_sha256
@@ -33,7 +35,6 @@ from lorapool.lifecycle.keys import Keys
 from lorapool.protocol import LoRARequest, short_repr
 
 WEIGHTS_FILE = ADAPTER_WEIGHTS
-CONFIG_FILE = "adapter_config.json"
 ROOTS_ENV = "LORAPOOL_ADAPTER_ROOTS"  # directories, separated by os.pathsep
 
 
@@ -70,23 +71,29 @@ def check_inside_roots(path: str | Path, roots: list[str]) -> Path:
 
 
 def describe_adapter(path: str | Path) -> dict[str, Any]:
-    """Read an adapter folder: sha256 of its weights, rank, alpha, targets, base model
-    (an ``AdapterRecord``'s fields but its name and id)."""
+    """Read an adapter folder: sha256 of its weights, rank, alpha, targets (PEFT's
+    defaults where the config leaves them out, as the engine's loader reads it), base
+    model, config sha256 and digest (an ``AdapterRecord``'s fields but its name and id)."""
     path = Path(path)
     weights = path / WEIGHTS_FILE
     if not weights.is_file():
         raise ValueError(f"adapter folder {path} has no {WEIGHTS_FILE}")
     config = {}
     if (path / CONFIG_FILE).is_file():
-        config = json.loads((path / CONFIG_FILE).read_text())
-    targets = config.get("target_modules") or []
+        try:
+            config = parse_config((path / CONFIG_FILE).read_bytes())
+        except ValueError as exc:
+            raise ValueError(f"adapter folder {path}: {exc}") from None
+    identity = identity_of(config, adapter_sha256(path))
     return {
         "path": str(path.resolve()),
-        "sha256": adapter_sha256(path),
-        "rank": int(config.get("r", 0)),
-        "alpha": float(config.get("lora_alpha", 0)),
-        "target_modules": sorted(targets) if isinstance(targets, list) else [targets],
+        "sha256": identity.sha256,
+        "rank": identity.rank,
+        "alpha": identity.alpha,
+        "target_modules": list(identity.target_modules),
         "base_model": config.get("base_model_name_or_path"),
+        "config_sha256": identity.config_sha256,
+        "digest": identity.digest,
     }
 
 
@@ -151,8 +158,16 @@ class AdapterRegistry:
         pipe.watch(self.keys.adapters, self.keys.adapter_ids)
         existing = decode_adapter_record(pipe.hget(self.keys.adapters, name))
         if existing is not None:
-            pipe.unwatch()
-            return _same_or_refuse(existing, adapter_id, info)
+            same = _same_or_refuse(existing, adapter_id, info)
+            if same.digest is not None or info.get("digest") is None:
+                pipe.unwatch()
+                return same
+            # a record written before config hashes, of these very files: pinned now
+            record = adapter_record(name, existing.id, info)
+            pipe.multi()
+            pipe.hset(self.keys.adapters, name, encode_adapter_record(record))
+            pipe.execute()
+            return record
         ids = {int(i): n.decode() for i, n in pipe.hgetall(self.keys.adapter_ids).items()}
         new_id = adapter_id if adapter_id is not None else max(ids, default=0) + 1
         if new_id in ids:
@@ -186,4 +201,18 @@ def _same_or_refuse(existing: AdapterRecord, adapter_id: int | None, info: dict)
             f"({existing.path}, sha256 {existing.sha256[:12]}); remove it "
             f"first or register the new version under a new name"
         )
+    if info.get("digest") is not None and existing.digest not in (None, info["digest"]):
+        raise NameRefused(
+            f"adapter {name!r} is already registered with another {CONFIG_FILE} "
+            f"(digest {existing.digest[:12]}, now {info['digest'][:12]}); remove it "
+            f"first or register the new version under a new name"
+        )
+    if existing.digest is None and info.get("digest") is not None:
+        changed = changes(existing, adapter_record(name, existing.id, info))
+        if changed:
+            raise NameRefused(
+                f"adapter {name!r} is already registered with other files: "
+                + "; ".join(changed)
+                + "; remove it first or register the new version under a new name"
+            )
     return existing

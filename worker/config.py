@@ -13,6 +13,7 @@ from msgspec import Meta
 from lorapool import signing
 from lorapool.bounds import Count, NonNegative, ResultTtl
 from lorapool.config_fields import OptionError, Wait, check_fields
+from lorapool.grammar_limits import DEFAULT_LIMITS, GrammarLimits
 from lorapool.lifecycle.keys import DEAD_MAX_LEN, DEFAULT_PREFIX, Keys
 from lorapool.lifecycle.wire import DEFAULT_MAX_N, DEFAULT_MAX_PROMPT_BYTES, JobLimits
 
@@ -77,6 +78,9 @@ class WorkerConfig:
     # series per adapter-labelled metric, `other` included
     metrics_max_adapters: Annotated[int, Meta(ge=2)] = 32
     metrics_vllm_names: bool = True  # kept for old command lines: vLLM's names are always on
+    # a job's grammar or schema: counted against these, then compiled in a sandbox
+    # process before the engine compiles it (``lorapool.grammar_sandbox``)
+    grammar_limits: GrammarLimits = DEFAULT_LIMITS
 
     def __post_init__(self):
         check_fields(self)  # each option against its annotation

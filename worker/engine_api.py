@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+from lorapool.adapter_config import AdapterIdentity
+from lorapool.lifecycle.adapter_record import AdapterRecord
 from lorapool.outputs import RequestOutput
 from lorapool.protocol import LoRARequest, SamplingParams
 
@@ -39,8 +41,12 @@ class EngineInterface(Protocol):
     def abort_request(self, request_id: str | list[str]) -> None:
         """End requests now (each gets a final output with finish_reason 'abort')."""
 
-    def expect_lora_weights(self, lora_request: LoRARequest, sha256: str) -> None:
-        """Load the adapter only if its weights hash to ``sha256``."""
+    def expect_lora(
+        self, lora_request: LoRARequest, registered: AdapterRecord
+    ) -> AdapterIdentity | None:
+        """Load the adapter (if not loaded) only if its files are the registered ones
+        (weights and config hashes); its identity as loaded, which the audit record
+        carries (None: an engine that loads no files). ValueError saying what changed."""
 
     def has_unfinished_requests(self) -> bool: ...
 

@@ -23,8 +23,10 @@ def add_to_engine(state: WorkerState, held: Held) -> None:
     if job.lora_request is not None:
         record = decode_adapter_record(state.redis.hget(state.keys.adapters, job.lora_request.name))
         check_lora(job.lora_request, record)
-        held.adapter = record
-        engine.expect_lora_weights(job.lora_request, record.sha256)
+        held.adapter = record  # as registered, until the engine has loaded it
+        loaded = engine.expect_lora(job.lora_request, record)
+        if loaded is not None:  # what its audit record says: the files that run
+            held.adapter = record.as_loaded(loaded)
     if held.total and job.sampling_params.n > 1:
         raise ValueError(
             f"request {job.request_id}: cannot resume a request with n > 1 "

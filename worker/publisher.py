@@ -11,8 +11,9 @@ the trip before is still on its way). So a token reaches Redis at most
 ``MAX_BEHIND`` steps plus one round trip after its step, and a slow Redis slows
 the engine instead of piling up chunks. A light pool's chunks go every step, and
 a request's first chunk never waits for the rate (time to first token). The round
-trip also reads new entries for the engine's free slots and carries the
-worker's lease renewal and heartbeat (``extra``): while the engine runs, no
+trip also reads new entries for the engine's free slots (registered at once with the
+renewer, ``renewer.py``, which keeps the lease and the heartbeat on a thread of its
+own) and carries the upkeep calls handed to it (``extra``): while the engine runs, no
 Redis call waits on its thread.
 
 The two threads share no state: the worker's thread hands a trip over
@@ -24,9 +25,8 @@ The two threads share no state: the worker's thread hands a trip over
 - The worker's thread takes every finished trip back before it hands the next
   (``flush`` looks again once the sender is idle; ``Sender.hand`` refuses
   otherwise), so no trip's results are applied while a later trip is out.
-- What a trip carries besides (chunk positions, the read plan, the lease's list
-  of entries, the heartbeat record, ``extra``) is built for it and not touched
-  again by the worker's thread. The sender's thread reads, beside them, only
+- What a trip carries besides (chunk positions, the read plan, ``extra``) is built
+  for it and not touched again by the worker's thread. The sender's thread reads, beside them, only
   what is fixed before it starts (the name, config, keys, base model) and the
   pool view of ``Intake``, which the worker's thread changes only with no trip out.
 tests/integration/test_sender_handover.py checks this under stress.
@@ -58,6 +58,7 @@ from lorapool.outputs import RequestOutput
 from lorapool.worker.audit import final_audit
 from lorapool.worker.dead_letter import ack_duplicate, fail_unwritable
 from lorapool.worker.held import Held, Position, make_chunk, merged
+from lorapool.worker.renewer import Unstarted
 from lorapool.worker.sender import Sender
 
 if TYPE_CHECKING:
@@ -98,28 +99,10 @@ class Publisher:
         self.retry: _Trip | None = None  # a trip whose send failed: sent again first
         self.next_trip = 0.0  # monotonic time before which chunks wait (max_chunk_rate)
         self._append = Appender(state.redis)
-        self._step_held: list[Held] = []  # what the engine runs in the current step
-        self._sender = Sender(
-            self._send_trip, state.name, self._keepalive, state.config.lease_s / 3
-        )
+        self._sender = Sender(self._send_trip, state.name)
 
     def close(self) -> None:
         self._sender.close()
-
-    def stepping(self, on: bool) -> None:
-        """Around each engine step: during one that outlasts a third of the lease, the
-        sender renews the lease of what the worker held at its start (``_keepalive``)."""
-        if on:
-            self._step_held = list(self.state.held.values())
-        self._sender.stepping(on)
-
-    def _keepalive(self) -> _Trip | None:
-        """On the sender's thread: a trip that renews the step's entries (applied after
-        the step, as the renewals of ``Worker._upkeep`` are)."""
-        held, lease = self._step_held, self.lease
-        if not held:
-            return None
-        return _Trip([], None, [(lambda: lease.send(held, 0), lambda r: lease.apply(held, *r))])
 
     def publish(self, outputs: list[RequestOutput]) -> None:
         """Queue a step's outputs for the sender (see the module's docstring)."""
@@ -222,6 +205,8 @@ class Publisher:
         items = [item for _, _, item in trip.sent]
         appended = self.append(items) if items else []
         entries = self.intake.read(trip.read, None) if trip.read is not None else []
+        for stream, entry_id, *_ in entries:  # renewed from now on, while the engine steps
+            self.state.leases.add(Unstarted(stream, entry_id.decode()))
         return appended, entries, [call() for call, _ in trip.extra]
 
     def _build(self, held: Held, outs: list[RequestOutput], position: Position) -> tuple:

@@ -6,33 +6,20 @@ per request, and so the fencing of ``lifecycle.append``, is as if sent inline. A
 trip is handed over (``hand``), never shared: what it carries is the sender's
 thread's until the worker's thread takes it back with its results (``take_done``),
 and ``hand`` refuses a trip while one is on its way or a finished one is not yet
-taken back. (What that means for a request's ``Held``: ``publisher.py``.)
-
-While the worker's thread is in an engine step (``stepping``) that lasts ``idle_s``
-with nothing handed over, the sender sends ``idle_trip()`` of its own accord: the
-worker's lease renewal, so that a step longer than the lease (a loaded CPU) does not
-let peers claim every entry it runs. Its results are applied as any trip's.
+taken back. (What that means for a request's ``Held``: ``publisher.py``.) The lease
+and the heartbeat do not ride it: they have a thread of their own (``renewer.py``).
 """
 
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
 
 class Sender:
-    def __init__(
-        self,
-        send: Callable[[Any], Any],
-        name: str,
-        idle_trip: Callable[[], Any] | None = None,
-        idle_s: float | None = None,
-    ):
+    def __init__(self, send: Callable[[Any], Any], name: str):
         self._send = send
-        self._idle_trip, self._idle_s = idle_trip, idle_s if idle_trip is not None else None
-        self._step_since: float | None = None  # the worker's thread is in a step since
         self._cond = threading.Condition()
         self._trip: Any = None  # the trip handed over, until its send is finished
         self._done: list[tuple[Any, Any]] = []  # (trip, results or the exception)
@@ -53,15 +40,6 @@ class Sender:
             self._cond.notify_all()
         if self._thread.ident is None:  # started with the first trip
             self._thread.start()
-
-    def stepping(self, on: bool) -> None:
-        """The worker's thread enters (True) or leaves an engine step. Once it has left,
-        the sender starts no trip of its own: ``idle`` then tells the worker's thread the
-        truth until it hands a trip over."""
-        with self._cond:
-            self._step_since = time.monotonic() if on else None
-        if on and self._idle_trip is not None and self._thread.ident is None:
-            self._thread.start()  # the first step may come before the first trip
 
     def wait(self) -> None:
         """Until the trip on its way is sent (or failed)."""
@@ -92,14 +70,7 @@ class Sender:
                 self._cond.notify_all()
 
     def _next_trip(self) -> Any:
-        """The trip handed over, or one of its own during a long step; None once closed."""
+        """The trip handed over; None once closed."""
         with self._cond:
-            while self._trip is None and not self._closed:
-                self._cond.wait(self._idle_s)
-                since = self._step_since
-                due = since is not None and self._idle_s is not None
-                due = due and time.monotonic() - since >= self._idle_s
-                if due and self._trip is None and not self._closed:
-                    self._trip = self._idle_trip()
-                    self._step_since = time.monotonic()  # the next one idle_s later
+            self._cond.wait_for(lambda: self._trip is not None or self._closed)
             return self._trip

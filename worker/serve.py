@@ -6,6 +6,7 @@ import logging
 
 import redis
 
+from lorapool.grammar_sandbox import GrammarSandbox
 from lorapool.identity import model_identity
 from lorapool.lifecycle.keys import Keys
 from lorapool.startup import until_redis_takes
@@ -31,6 +32,10 @@ def serve(engine_args, config: WorkerConfig, connection: redis.Redis) -> Worker:
     # before loading anything, on the same key (or ModelMismatchError)
     until_redis_takes(lambda: claim_model(connection, keys, base_model), who, "claim the pool")
     engine = LLMEngine.from_engine_args(engine_args)
+    # jobs straight from Redis meet the gateway's checks here: a grammar that would crash
+    # or run away costs a sandbox process and fails its job alone
+    engine.guides.sandbox = GrammarSandbox(config.grammar_limits, 1)
+    engine.guides.sandbox.warm()
     until_redis_takes(
         lambda: publish_tokenizer(connection, keys, engine, base_model),
         who,
@@ -42,4 +47,5 @@ def serve(engine_args, config: WorkerConfig, connection: redis.Redis) -> Worker:
         worker.run()
     finally:
         heap.restore(saved)
+        engine.guides.sandbox.close()
     return worker

@@ -26,6 +26,7 @@ from lorapool.worker.config import WorkerConfig
 from lorapool.worker.engine_api import EngineInterface
 from lorapool.worker.held import Held
 from lorapool.worker.metrics import worker_metrics
+from lorapool.worker.renewer import Leases
 
 logger = logging.getLogger(__name__)
 
@@ -58,12 +59,16 @@ class WorkerState:
         self.streams = tuple(view.stream(p) for p in PRIORITIES for view in views)
         self.view_of = {view.stream(p): view for p in PRIORITIES for view in views}
         self.held: dict[str, Held] = {}  # request id -> what this worker runs of it
+        self.leases = Leases()  # the entries the renewer thread renews (``renewer.py``)
         # engine outputs not yet handed to the sender, per held request
         self.pending: dict[str, list[RequestOutput]] = {}
         self.vanished: list[Held] = []  # entries removed under this worker, to fail
         # upkeep calls for the sender's next round trip: (call on the sender, apply here)
         self.extra: list[tuple[Any, Any]] = []
         self.draining = False
+        # for the renewer: the worker's thread is in an engine step / last looped at
+        self.in_step = False
+        self.loop_at = time.monotonic()
         self.num_tokens = 0  # tokens appended since the last heartbeat
         self.tokens_since: float | None = None  # time.time() of the last heartbeat
         self.metrics = worker_metrics(config, engine, base_model)
@@ -95,27 +100,35 @@ class WorkerState:
     def hold(self, held: Held) -> None:
         """A request is in the engine: its outputs are this worker's to publish."""
         self.held[held.request_id] = held
+        self.leases.add(held)
+
+    def _unhold(self, request_id: str) -> None:
+        """Out of ``held`` and of the renewals (none is sent for it once this returns)."""
+        held = self.held.pop(request_id, None)
+        if held is not None:
+            self.leases.remove(held)
 
     def release(self, request_id: str) -> None:
         """A request ended here (finished or failed with its final chunk)."""
-        self.held.pop(request_id, None)
+        self._unhold(request_id)
 
     def drop(self, request_id: str) -> None:
         """A request this worker no longer owns (another took its entry, or its log says
         it is answered): out of the engine, its unsent outputs discarded."""
-        self.held.pop(request_id, None)
+        self._unhold(request_id)
         self.pending.pop(request_id, None)
         self.engine.abort_request(request_id)
 
     def forget(self, request_id: str) -> None:
         """A request failed here: as ``drop``, for one that may never have got into
         the engine."""
-        self.held.pop(request_id, None)
+        self._unhold(request_id)
         self.pending.pop(request_id, None)
         self.abort_in_engine(request_id)
 
     def release_all(self) -> None:
         """Every held entry handed back to the pool."""
+        self.leases.clear()
         self.held.clear()
 
     def abort_in_engine(self, request_id: str) -> None:

@@ -26,7 +26,6 @@ from lorapool.lifecycle.error_kind import ErrorKind
 from lorapool.lifecycle.heartbeat import Heartbeat
 from lorapool.lifecycle.keys import WORKERS_GROUP
 from lorapool.lifecycle.wire import DATA, decode_job, encode_job
-from lorapool.outputs import RequestOutput
 from lorapool.persistence import persistence_warning
 from lorapool.startup import until_redis_takes
 from lorapool.worker import dead_letter, failover, signals, unread_audit
@@ -39,6 +38,7 @@ from lorapool.worker.lease import Lease
 from lorapool.worker.pool import claim_model, heartbeat_record, send_heartbeat, warn_same_name
 from lorapool.worker.prompt import add_to_engine
 from lorapool.worker.publisher import Publisher
+from lorapool.worker.renewer import Renewer
 from lorapool.worker.state import WorkerState
 
 logger = logging.getLogger(__name__)
@@ -65,7 +65,8 @@ class Worker:
         self.lease = Lease(state)
         self.intake = Intake(state)
         self.publisher = Publisher(state, self.intake, self.lease, self._start_read)
-        self._last = {"renew": 0.0, "claim": 0.0, "heartbeat": 0.0, "unread": 0.0}
+        self.renewer = Renewer(state)  # lease and heartbeat on a thread of their own
+        self._last = {"claim": 0.0, "heartbeat": 0.0, "unread": 0.0}
         self._drain_deadline: float | None = None
         self._away_since: float | None = None  # Redis unreachable since (monotonic)
         self._backoff_s = BACKOFF_S[0]
@@ -168,6 +169,7 @@ class Worker:
 
     def run_once(self) -> None:
         """One iteration: upkeep, admission, one engine step, publishing."""
+        self.renewer.start()  # (once)
         idle = not self.engine.has_unfinished_requests()
         self.publisher.flush(wait=idle)  # all out before admission blocks on an idle engine
         self._upkeep()
@@ -207,6 +209,7 @@ class Worker:
         self.intake.new_read(entries)
         for stream, entry_id, fields, handed in entries:
             self.start(entry_id.decode(), fields, stream=stream, handed=handed)
+            self.state.leases.settle(stream, entry_id.decode())  # renewed on only if held
         return len(entries)
 
     def start(
@@ -263,20 +266,22 @@ class Worker:
         return None
 
     def _step(self) -> None:
-        """One engine step and its chunks; a step that raises fails only its requests."""
-        self.publisher.stepping(True)  # a step past a third of the lease renews it
+        """One engine step and its chunks; a step that raises fails only its requests.
+        However long it takes, the renewer keeps the lease and the heartbeat meanwhile."""
+        self.state.in_step = True
         try:
             outputs, error = self.engine.step(), None
         except Exception as exc:  # noqa: BLE001 - the worker and the other requests go on
             outputs, error = [], exc
             logger.exception("worker %s: engine step failed", self.name)
         finally:
-            self.publisher.stepping(False)
+            self.state.in_step = False
+            self.state.loop_at = time.monotonic()
         if error is not None:
             self._fail_step(f"engine step failed: {reason_of(error)}")
             return
         self.metrics.stepped(outputs, self.held)
-        self._publish(outputs)
+        self.publisher.publish(outputs)
 
     def _fail_step(self, reason: str) -> None:
         """Fail the requests the failed step held (all running ones), freeing their state."""
@@ -298,11 +303,6 @@ class Worker:
                 kind=kind,
             )
 
-    # --- publishing --------------------------------------------------------------
-
-    def _publish(self, outputs: list[RequestOutput]) -> None:
-        self.publisher.publish(outputs)
-
     # --- upkeep ------------------------------------------------------------------
 
     def _due(self, what: str, every: float) -> bool:
@@ -313,37 +313,31 @@ class Worker:
         return True
 
     def _upkeep(self) -> None:
-        """Lease renewal, claims, audit records of requests readers ended unread,
-        heartbeat. While the engine runs, renewal and heartbeat
-        ride a round trip of the sender (``extra``), handed to it at once when it is
-        free: no Redis call of theirs waits on the engine's thread, nor for its step."""
+        """The renewer's results (entries lost, vanished or asked to abort; the pool's
+        live workers), claims, audit records of requests readers ended unread, the
+        heartbeat record for the renewer. No Redis call of the lease or the heartbeat
+        waits on this thread, nor for an engine step (``renewer.py``)."""
+        self.state.loop_at = time.monotonic()
+        self._apply_renewals()
         if self.state.vanished:
             dead_letter.fail_all_vanished(self.state, self.publisher)
-        busy = self.engine.has_unfinished_requests()
-        # held first: an idle loop must not spend the slot, or a job read after a quiet
-        # spell would wait up to a third of the lease for its first abort-flag read
-        if self.held and self._due("renew", self.config.lease_s / 3):
-            held = list(self.held.values())
-            if busy:
-                call = lambda: self.lease.send(held, 0)  # noqa: E731
-                self.state.extra.append((call, lambda result: self.lease.apply(held, *result)))
-            else:
-                self.lease.apply(held, *self.lease.send(held, 0))
         if not self.draining and self._due("claim", self.config.lease_s / 2):
             failover.claim(self.state, self.publisher, self.start)
         if self._due("unread", unread_audit.EVERY_S):  # requests readers asked to end
             unread_audit.record_ended(self.state)
         if self._due("heartbeat", self.config.heartbeat_s):
-            if busy:
-                record = heartbeat_record(self.state)
-                call = lambda: self._send_heartbeat(record)  # noqa: E731
-                self.state.extra.append((call, self._apply_heartbeat))
+            record = heartbeat_record(self.state)
+            self.renewer.beat(record)
+            if not self.engine.has_unfinished_requests():
+                self._apply_heartbeat(self._send_heartbeat(record))
+
+    def _apply_renewals(self) -> None:
+        for kind, *result in self.renewer.take():
+            if kind == "lease":
+                entries, (lost, flags, vanished) = result
+                self.lease.apply(entries, lost, flags, vanished)
             else:
-                self.heartbeat()
-        if busy and self.state.extra:
-            # out now if the sender is free, while the engine steps: a renewal that
-            # waited for a long step (a loaded CPU) could come after the lease
-            self.publisher.flush(wait=False)
+                self._apply_heartbeat(result[0])
 
     def renew(self, idle_ms: int = 0) -> None:
         """Renew the lease of every held entry; drop those lost; abort those asked to."""
@@ -377,13 +371,16 @@ class Worker:
 
     def hand_back(self) -> None:
         """Mark every held entry long idle so that another worker claims it at once
-        (after the chunks of its last steps are in its log)."""
+        (after the chunks of its last steps are in its log); the renewer renews none
+        of them after that."""
         self.publisher.flush(wait=True)
+        self.state.leases.clear()
         self.renew(idle_ms=self.config.lease_ms * 10)
         self.state.release_all()
 
     def teardown(self) -> None:
         signals.restore(self._saved_signals)
+        self.renewer.close()
         try:
             if self.held:
                 self.hand_back()

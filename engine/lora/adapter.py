@@ -8,20 +8,27 @@ the adapter and the reason.
 
 from __future__ import annotations
 
-import json
+import hashlib
 import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
+from safetensors import SafetensorError
+from safetensors.torch import load as load_safetensors
 
+from lorapool.adapter_config import (
+    CONFIG_FILE,
+    AdapterIdentity,
+    identity_of,
+    parse_config,
+    refusal,
+)
 from lorapool.engine.models.llama import PACKED_MODULES
 from lorapool.identity import ADAPTER_WEIGHTS, adapter_sha256
 from lorapool.protocol import LoRARequest
 
-CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = ADAPTER_WEIGHTS
 PICKLE_FILES = ("adapter_model.bin", "adapter_model.pt", "adapter_model.pth")
 
@@ -43,15 +50,6 @@ TARGETS = {name: _target(block, name) for block, names in _PROJECTIONS.items() f
 _KEY = re.compile(
     r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$"
 )
-# Config keys whose non-default value changes the maths in ways we do not run.
-_UNSUPPORTED = {
-    "use_dora": "DoRA",
-    "modules_to_save": "modules_to_save",
-    "rank_pattern": "rank_pattern",
-    "alpha_pattern": "alpha_pattern",
-    "layer_replication": "layer_replication",
-    "use_qalora": "QALoRA",
-}
 
 
 class AdapterError(ValueError):
@@ -68,16 +66,21 @@ class AdapterError(ValueError):
 
 @dataclass
 class LoRAAdapter:
-    """A validated adapter in CPU memory, scaling not yet applied."""
+    """A validated adapter in CPU memory, scaling not yet applied; ``identity`` is that
+    of the bytes it was parsed from (config and weights, each read once)."""
 
     lora_request: LoRARequest
     path: str  # resolved
     rank: int
     lora_alpha: float
     use_rslora: bool
-    sha256: str
+    identity: AdapterIdentity
     # (layer, PEFT module name) -> (A [r, in], B [out, r]), float32 on the CPU
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(repr=False)
+
+    @property
+    def sha256(self) -> str:
+        return self.identity.sha256
 
     @property
     def scaling(self) -> float:
@@ -111,23 +114,34 @@ def load_adapter(
     max_rank: int,
     adapter_roots: list[str] | None = None,
 ) -> LoRAAdapter:
-    """Read, validate and return the adapter at ``lora_request.lora_path``."""
+    """Read, validate and return the adapter at ``lora_request.lora_path``.
+
+    Each file is read once and its hash taken over the bytes parsed, so the identity
+    is that of what runs, whatever is written to the folder meanwhile."""
     path = resolve_path(lora_request, adapter_roots or [])
     config = _read_config(lora_request, path)
     rank = _check_config(lora_request, config, max_rank)
-    weights_file = path / WEIGHTS_FILE
-    sha256 = adapter_sha256(path)
-    weights = _read_weights(lora_request, weights_file)
+    raw = _read_bytes(lora_request, path / WEIGHTS_FILE)
+    identity = identity_of(config, hashlib.sha256(raw).hexdigest())
+    weights = _read_weights(lora_request, raw)
     pairs = _pair_weights(lora_request, weights, model, rank)
+    _check_layers(lora_request, config, pairs)
     return LoRAAdapter(
         lora_request,
         str(path),
         rank,
-        float(config.get("lora_alpha", 8)),
+        identity.alpha,
         bool(config.get("use_rslora", False)),
-        sha256,
+        identity,
         pairs,
     )
+
+
+def read_identity(lora_request: LoRARequest, adapter_roots: list[str]) -> AdapterIdentity:
+    """The identity of the adapter's files as they are now, without loading it."""
+    path = resolve_path(lora_request, adapter_roots)
+    config = _read_config(lora_request, path)
+    return identity_of(config, adapter_sha256(path))
 
 
 def resolve_path(lora_request: LoRARequest, adapter_roots: list[str]) -> Path:
@@ -156,31 +170,31 @@ def resolve_path(lora_request: LoRARequest, adapter_roots: list[str]) -> Path:
     return path
 
 
+def _read_bytes(lora_request: LoRARequest, file: Path) -> bytes:
+    try:
+        return file.read_bytes()
+    except OSError as e:
+        raise AdapterError(lora_request, f"cannot read {file.name}: {e}") from None
+
+
 def _read_config(lora_request: LoRARequest, path: Path) -> dict:
     file = path / CONFIG_FILE
     if not file.is_file():
         raise AdapterError(lora_request, f"missing {CONFIG_FILE} in {path}")
     try:
-        config = json.loads(file.read_text())
-    except (ValueError, UnicodeDecodeError) as e:
-        raise AdapterError(lora_request, f"{CONFIG_FILE} is not valid JSON: {e}") from None
-    if not isinstance(config, dict):
-        raise AdapterError(lora_request, f"{CONFIG_FILE} is not a JSON object")
-    return config
+        return parse_config(_read_bytes(lora_request, file))
+    except ValueError as e:
+        raise AdapterError(lora_request, str(e)) from None
 
 
 def _check_config(lora_request: LoRARequest, config: dict, max_rank: int) -> int:
-    peft_type = str(config.get("peft_type", "")).upper()
-    if peft_type != "LORA":
-        raise AdapterError(
-            lora_request, f"PEFT type {config.get('peft_type')!r} is not supported, only LORA"
-        )
-    for key, what in _UNSUPPORTED.items():
-        if config.get(key):
-            raise AdapterError(lora_request, f"{what} ({key}={config[key]!r}) is not supported")
-    if config.get("bias", "none") != "none":
-        raise AdapterError(lora_request, f"bias={config['bias']!r} is not supported")
+    reason = refusal(config)
+    if reason is not None:
+        raise AdapterError(lora_request, reason)
     _check_targets(lora_request, config.get("target_modules"))
+    alpha = config.get("lora_alpha", 8)
+    if not isinstance(alpha, int | float) or isinstance(alpha, bool) or not math.isfinite(alpha):
+        raise AdapterError(lora_request, f"lora_alpha={alpha!r} must be a finite number")
     rank = config.get("r")
     if not isinstance(rank, int) or rank < 1:
         raise AdapterError(lora_request, f"rank r={rank!r} must be a positive int")
@@ -199,12 +213,27 @@ def _check_targets(lora_request: LoRARequest, targets) -> None:
         )
 
 
-def _read_weights(lora_request: LoRARequest, file: Path) -> dict[str, torch.Tensor]:
+def _read_weights(lora_request: LoRARequest, raw: bytes) -> dict[str, torch.Tensor]:
     try:
-        with safe_open(file, framework="pt", device="cpu") as f:
-            return {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
+        return load_safetensors(raw)
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-        raise AdapterError(lora_request, f"corrupt safetensors file {file.name}: {e}") from None
+        raise AdapterError(lora_request, f"corrupt safetensors file {WEIGHTS_FILE}: {e}") from None
+
+
+def _check_layers(lora_request: LoRARequest, config: dict, pairs: dict) -> None:
+    """PEFT puts LoRA only on ``target_modules`` of ``layers_to_transform``: weights for
+    any other module would not run there, so they are refused here, not run."""
+    targets = config["target_modules"]
+    targets = {targets} if isinstance(targets, str) else set(targets)
+    layers = config.get("layers_to_transform")
+    layers = [layers] if isinstance(layers, int) else layers
+    for layer, name in sorted(pairs):
+        if name not in targets or (layers is not None and layer not in layers):
+            raise AdapterError(
+                lora_request,
+                f"weights for layer {layer} {name}, which the config does not target "
+                f"(target_modules={config['target_modules']!r}, layers_to_transform={layers!r})",
+            )
 
 
 def _pair_weights(lora_request, weights, model: ModelShapes, rank: int):

@@ -11,9 +11,11 @@
   and no unpinned adapter can make room: a step of at most ``max_loras``
   adapters (the scheduler's limit) therefore always gets its slots.
 
-The registry remembers each adapter id's path and weights hash for the life
-of the engine (until ``remove_lora``): an id reused with another path or with
-other weights is refused.
+The registry remembers each adapter id's path and identity (weights and config
+hashes, ``adapter_config.AdapterIdentity``) for the life of the engine (until
+``remove_lora``): an id reused with another path, other weights or another config
+is refused, and so is a load whose files differ from what ``expect`` was told (the
+pool's registry record).
 """
 
 from __future__ import annotations
@@ -21,9 +23,11 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 
+from lorapool.adapter_config import AdapterIdentity, changes
 from lorapool.engine.config import EngineArgs
 from lorapool.engine.lora.adapter import (
     TARGETS,
@@ -31,6 +35,7 @@ from lorapool.engine.lora.adapter import (
     LoRAAdapter,
     ModelShapes,
     load_adapter,
+    read_identity,
     resolve_path,
 )
 from lorapool.engine.lora.layers import LoRALayer, LoRAStep, stage
@@ -62,8 +67,8 @@ class LoRAManager:
         self.pin = device.type == "cuda"
         self.staged: dict[int, dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]] = {}
         self.cpu: OrderedDict[int, LoRAAdapter] = OrderedDict()
-        self.registry: dict[int, tuple[str, str]] = {}  # id -> (resolved path, sha256)
-        self.expected: dict[int, str] = {}  # id -> sha256 its weights must have (the pool's)
+        self.registry: dict[int, tuple[str, AdapterIdentity]] = {}  # id -> (resolved path, …)
+        self.expected: dict[int, Any] = {}  # id -> the identity it must have (the pool's)
         self.raw_paths: dict[int, str] = {}  # id -> the lora_path it was loaded from
         self.slots: list[int | None] = [None] * self.max_loras
         self.slot_lru: OrderedDict[int, None] = OrderedDict()  # ids in slots, oldest first
@@ -170,46 +175,63 @@ class LoRAManager:
     def _load(self, request: LoRARequest) -> LoRAAdapter:
         adapter = load_adapter(request, self.shapes, self.max_rank, self.adapter_roots)
         expected = self.expected.get(request.lora_int_id)
-        if expected is not None and expected != adapter.sha256:
-            raise AdapterError(
-                request,
-                f"weights changed since registration (registered sha256 {expected[:12]}…, "
-                f"the file now has {adapter.sha256[:12]}…); register the new weights "
-                "under a new name",
-            )
+        _refuse_changes(request, changes(expected, adapter.identity) if expected else [])
         known = self.registry.get(request.lora_int_id)
         if known is not None and known[0] != adapter.path:
             raise AdapterError(
                 request,
                 f"adapter id {request.lora_int_id} is already registered with path {known[0]}",
             )
-        if known is not None and known[1] != adapter.sha256:
-            raise AdapterError(
-                request,
-                f"weights changed since adapter id "
-                f"{request.lora_int_id} was registered (sha256 "
-                f"{known[1][:12]}…, now {adapter.sha256[:12]}…)",
-            )
-        self.registry[request.lora_int_id] = (adapter.path, adapter.sha256)
+        if known is not None and known[1] != adapter.identity:
+            since = f"adapter id {request.lora_int_id} was loaded"
+            raise AdapterError(request, "; ".join(changes(known[1], adapter.identity, since)))
+        self.registry[request.lora_int_id] = (adapter.path, adapter.identity)
         self.raw_paths[request.lora_int_id] = request.lora_path
         self.cpu[request.lora_int_id] = adapter
         self._trim_cpu()
         return adapter
 
-    def expect(self, request: LoRARequest, sha256: str) -> None:
-        """Refuse to load ``request``'s adapter unless its weights have this sha256.
+    def expect(self, request: LoRARequest, registered: Any) -> None:
+        """Refuse to load ``request``'s adapter unless its files are ``registered``'s
+        (an ``AdapterIdentity`` or a registry record: weights sha256, and config sha256
+        or, for a record written before config hashes, rank, alpha and targets).
 
-        Raises AdapterError at once when it is already loaded with other weights
-        (its id was registered again with new ones: ``remove_lora`` it first).
+        Raises AdapterError at once when it is already loaded otherwise (its id was
+        registered again with new files: ``remove_lora`` it first).
         """
         loaded = self.registry.get(request.lora_int_id)
-        if loaded is not None and loaded[1] != sha256:
+        changed = changes(registered, loaded[1], "registration") if loaded is not None else []
+        if changed:
             raise AdapterError(
                 request,
-                f"adapter id {request.lora_int_id} is loaded with other weights (sha256 "
-                f"{loaded[1][:12]}…) than the registered {sha256[:12]}…",
+                f"adapter id {request.lora_int_id} is loaded with other files than the "
+                "registered ones: " + "; ".join(changed),
             )
-        self.expected[request.lora_int_id] = sha256
+        self.expected[request.lora_int_id] = registered
+
+    def check(self, request: LoRARequest, registered: Any) -> AdapterIdentity:
+        """``expect`` ``registered`` and check the adapter's files now; their identity.
+
+        Loaded into the CPU cache when that evicts no other adapter (or already there);
+        else its files are read and hashed, not kept, and its later load must have
+        exactly this identity. Raises AdapterError naming what changed.
+        """
+        self.expect(request, registered)
+        lora_id = request.lora_int_id
+        if lora_id in self.cpu or len(self.cpu) < self.max_cpu_loras:
+            self.add_lora(request)
+            return self.registry[lora_id][1]
+        if lora_id in self.registry:  # loaded before: a reload must match that
+            return self.registry[lora_id][1]
+        identity = read_identity(request, self.adapter_roots)
+        _refuse_changes(request, changes(registered, identity))
+        self.expected[lora_id] = identity
+        return identity
+
+    def identity(self, lora_id: int) -> AdapterIdentity | None:
+        """The identity of adapter ``lora_id`` as loaded (None: not loaded yet)."""
+        known = self.registry.get(lora_id)
+        return known[1] if known is not None else None
 
     def _check_same_path(self, request: LoRARequest) -> None:
         known = self.registry[request.lora_int_id][0]
@@ -278,6 +300,13 @@ class LoRAManager:
             if lora_id in self.cpu:  # kept while the adapter is
                 self.staged[lora_id] = staged
         return staged
+
+
+def _refuse_changes(request: LoRARequest, changed: list[str]) -> None:
+    if changed:
+        raise AdapterError(
+            request, "; ".join(changed) + "; register the new version under a new name"
+        )
 
 
 def _attach_layers(model, args: EngineArgs, device, dtype, step: LoRAStep):

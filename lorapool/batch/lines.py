@@ -20,6 +20,7 @@ from lorapool.openai.errors import APIError, field_error
 from lorapool.openai.limits import check_stop_count
 from lorapool.openai.nesting import check_nesting
 from lorapool.openai.params import Parsed, parse_chat, parse_completion
+from lorapool.openai.structured import grammar_error
 from lorapool.protocol import FieldError, short_repr
 
 ENDPOINTS = {"/v1/completions": "completion", "/v1/chat/completions": "chat"}
@@ -119,6 +120,20 @@ def _parse_body(body: Any, kind: str) -> Parsed:
     if parsed.stream:
         raise LineError("a batch line cannot stream", "body.stream")
     return parsed
+
+
+def check_line_grammar(line: BatchLine, sandbox) -> None:
+    """The line's structured output compiled in ``sandbox`` (a ``GrammarSandbox``, its
+    limits first), as the gateway compiles a request's: LineError naming the limit or
+    the problem, and a crash or a runaway costs a sandbox process, not the validator."""
+    constraint = line.parsed.params.structured_outputs
+    if constraint is None:
+        return
+    try:
+        sandbox.check(constraint)
+    except FieldError as exc:
+        message, param = grammar_error(exc, line.parsed)
+        raise LineError(message, f"body.{param}") from None
 
 
 def _check_job(line: BatchLine, batch_id: str, limits: JobLimits) -> None:

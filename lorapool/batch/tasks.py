@@ -23,9 +23,10 @@ from rq.serializers import JSONSerializer
 
 from lorapool.batch.collector import Collector
 from lorapool.batch.files import DEFAULT_RETENTION_S, FileStore
-from lorapool.batch.lines import check_file, read_lines
+from lorapool.batch.lines import check_file, check_line_grammar, read_lines
 from lorapool.batch.pacing import Pacer
 from lorapool.batch.state import BatchState, Status
+from lorapool.grammar_sandbox import GrammarSandbox
 from lorapool.lifecycle.keys import DEFAULT_PREFIX, Keys
 from lorapool.producer import Producer
 from lorapool.protocol import LoRARequest
@@ -105,15 +106,19 @@ def validate_batch(batch_id: str, raw: dict[str, Any]) -> str:
     producer = Producer(connection, config.prefix, shards=config.shards)
     lines = files.lines(batch["input_file_id"])
     pacer = Pacer(connection, config.keys, state.owner(batch_id))
-    report = check_file(
-        lines,
-        batch_id,
-        models.__contains__,
-        producer.limits,
-        pacer.check,
-        batch["endpoint"],
-        config.max_stop,
-    )
+    grammars = GrammarSandbox()  # a line whose grammar crashes its compiler fails alone
+    try:
+        report = check_file(
+            lines,
+            batch_id,
+            models.__contains__,
+            producer.limits,
+            _line_checks(pacer, grammars),
+            batch["endpoint"],
+            config.max_stop,
+        )
+    finally:
+        grammars.close()
     if report.num_errors:
         errors = [{"code": "invalid_request", **e} for e in report.errors]
         state.set(batch_id, errors=errors, total=report.total)
@@ -125,6 +130,14 @@ def validate_batch(batch_id: str, raw: dict[str, Any]) -> str:
         return "cancelled"
     enqueue_step(connection, config, "enqueue_lines", batch_id)
     return "in_progress"
+
+
+def _line_checks(pacer: Pacer, grammars: GrammarSandbox):
+    def check(line) -> None:
+        pacer.check(line)
+        check_line_grammar(line, grammars)
+
+    return check
 
 
 def _settle_cancel(state: BatchState, batch_id: str) -> bool:

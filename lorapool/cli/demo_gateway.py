@@ -65,6 +65,24 @@ def show_gateway(url: str, prefix: str, console: Console, adapter: str = "poet")
         _job(base, adapter, console)
     finally:  # never left running (a gateway that did not stop in 30 s outlived the demo)
         stop_children([proc], timeout_s=30)
+    port = base.rsplit(":", 1)[1]
+    console.print(
+        "(the demo's gateway stopped with the demo: to send these curl commands yourself, "
+        f"start a worker and a gateway on the pool: `lorapool worker --prefix {prefix} ...` "
+        f"and `lorapool serve --no-auth --port {port} --prefix {prefix}`; a gateway with "
+        "keys also takes -H 'Authorization: Bearer $KEY')"
+    )
+
+
+def curl_commands(base: str, body: dict, key: str) -> tuple[str, str]:
+    """The POST of a job and the GET of its result as a shell runs them (the job id of
+    the GET: ``$JOB``, from the POST's answer)."""
+    data = orjson.dumps(body).decode()
+    post = (
+        f"curl -s -X POST {base}/v1/jobs -H 'Content-Type: application/json' "
+        f"-H 'Idempotency-Key: {key}' -d '{data}'"
+    )
+    return post, f"curl -s {base}/v1/jobs/$JOB"
 
 
 def _openai_chat(base: str, adapter: str, console: Console) -> None:
@@ -89,14 +107,12 @@ def _job(base: str, adapter: str, console: Console) -> None:
     # one key per run: the audit table outlives a run, and the same key (the same
     # request id) in the next run would meet the first run's row as a conflict
     key = f"demo-{uuid.uuid4().hex[:8]}"
-    console.print(
-        f"[bold]curl[/] -X POST {base}/v1/jobs -H 'Idempotency-Key: {key}' "
-        f'-d \'{{"model": "{adapter}", "prompt": "The sea at night", "max_tokens": 16}}\''
-    )
+    post, get = curl_commands(base, body, key)
+    console.print(post, markup=False, highlight=False, soft_wrap=True)
     status, submitted = _call("POST", f"{base}/v1/jobs", body, **{"Idempotency-Key": key})
     job_id = submitted["id"]
     console.print(f"  {status} Location: /v1/jobs/{job_id}")
-    console.print(f"[bold]curl[/] {base}/v1/jobs/{job_id}")
+    console.print(get.replace("$JOB", job_id), markup=False, highlight=False, soft_wrap=True)
     deadline = time.monotonic() + 300
     job = _call("GET", f"{base}/v1/jobs/{job_id}")[1]
     while job["status"] in ("queued", "running") and time.monotonic() < deadline:

@@ -124,6 +124,9 @@ def setup_error(exc: Exception) -> str | None:
 @click.group(cls=LazyGroup)
 def cli():
     """lorapool: many LoRA adapters over one base LLM, behind a Redis queue."""
+    from lorapool.embedded import join_inherited
+
+    join_inherited()  # a child of the process that started the shared embedded Redis
 
 
 def main():

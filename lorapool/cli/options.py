@@ -132,3 +132,25 @@ def host_option(flag: str = "--host", old: str | None = None, help: str = "addre
         return command
 
     return decorate
+
+
+def _grammar_limits(ctx, param, value):
+    from lorapool.grammar_limits import GrammarLimits
+
+    try:
+        return GrammarLimits.parse(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), ctx=ctx, param=param) from None
+
+
+grammar_limit_option = click.option(
+    "--grammar-limit",
+    "grammar_limits",
+    multiple=True,
+    callback=_grammar_limits,
+    metavar="NAME=VALUE",
+    help="a limit on structured outputs' grammars and schemas, refused with a 400 naming "
+    "it: max_grammar_rules (512), max_grammar_depth (64), max_schema_refs (256), "
+    "max_ref_depth (32), max_schema_depth (64), max_enum_values (1024), max_regex_chars "
+    "(4096), compile_timeout_s (10), compile_memory_mb (2048) (repeatable)",
+)

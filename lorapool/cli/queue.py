@@ -12,6 +12,7 @@ import click
 from lorapool.cli.options import (
     config_from,
     count_option,
+    grammar_limit_option,
     host_option,
     prefix_option,
     redis_option,
@@ -156,6 +157,7 @@ def _producer(redis_url, prefix, shards=0):
     envvar="LORAPOOL_AUDIT_INSECURE",
     help="run without an audit key: audit records go out unsigned",
 )
+@grammar_limit_option
 @redis_option
 @prefix_option
 @shards_option
@@ -215,20 +217,33 @@ def _audit_key(insecure: bool) -> dict:
 @click.option("--seed", type=int, default=None)
 @click.option("--request-id", default=None)
 @click.option("--timeout", default=300.0, show_default=True)
+@click.option(
+    "--chat/--raw",
+    default=None,
+    help="send PROMPT as a user message under the model's chat template (the default for "
+    "a chat model: one whose workers published a chat template), or as raw text",
+)
 @redis_option
 @prefix_option
 @shards_option
 def submit(
-    prompt, adapter, max_tokens, temperature, seed, request_id, timeout, redis_url, prefix, shards
-):
-    """Submit PROMPT and stream the completion to the terminal."""
+    prompt, adapter, max_tokens, temperature, seed, request_id, timeout, chat, redis_url, prefix,
+    shards,
+):  # fmt: skip
+    """Submit PROMPT and stream the completion to the terminal. A chat model gets it as
+    one user message under its chat template (as /v1/chat/completions does); --raw
+    sends the text as it is."""
     from lorapool.protocol import SamplingParams
 
     params = SamplingParams(
         max_tokens=max_tokens, temperature=temperature, seed=seed, output_kind="delta"
     )
+    producer = _producer(redis_url, prefix, shards)
+    if chat is None:
+        chat = _chat_model(producer)
+    body = {"messages": [{"role": "user", "content": prompt}]} if chat else prompt
     try:
-        job = _producer(redis_url, prefix, shards).submit(prompt, params, adapter, request_id)
+        job = producer.submit(body, params, adapter, request_id)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     click.echo(f"[{job.request_id}]", err=True)
@@ -244,6 +259,19 @@ def submit(
             f"{'; error: ' + final.error if final.error else ''}]",
             err=True,
         )
+
+
+def _chat_model(producer) -> bool:
+    """Whether the pool's model has a chat template (its workers publish their
+    tokenizer); unknown before a worker has started: raw, saying so."""
+    import orjson
+
+    raw = producer.redis.hget(producer.keys.tokenizer, "record")
+    if raw is None:
+        click.echo("[no worker has published the model's tokenizer yet: sent as raw text; "
+                   "--chat applies its chat template]", err=True)  # fmt: skip
+        return False
+    return bool(orjson.loads(raw).get("chat_template"))
 
 
 @click.command()
@@ -310,7 +338,8 @@ def adapters():
 @prefix_option
 @shards_option
 def adapters_add(name, path, adapter_id, adapter_roots, redis_url, prefix, shards):
-    """Register adapter NAME from the folder PATH (sha256 of its safetensors weights)."""
+    """Register adapter NAME from the folder PATH (its weights' and config's hashes; again
+    with the same folder pins the config of a record registered before config hashes)."""
     from lorapool.producer.registry import AdapterRegistry
 
     try:
@@ -321,7 +350,7 @@ def adapters_add(name, path, adapter_id, adapter_roots, redis_url, prefix, shard
         raise click.ClickException(str(exc)) from None
     click.echo(
         f"{record.name}: id {record.id}, rank {record.rank}, "
-        f"sha256 {record.sha256[:16]}…, {record.path}"
+        f"sha256 {record.sha256[:16]}…, digest {record.digest[:16]}…, {record.path}"
     )
 
 
@@ -330,9 +359,13 @@ def adapters_add(name, path, adapter_id, adapter_roots, redis_url, prefix, shard
 @prefix_option
 @shards_option
 def adapters_list(redis_url, prefix, shards):
-    """List registered adapters."""
+    """List registered adapters (digest: of weights and config; '-': registered before
+    config hashes, `adapters add` it again to pin its config)."""
     for r in _producer(redis_url, prefix, shards).registry.list():
-        click.echo(f"{r.id:>4}  {r.name:<24} rank {r.rank:<4} {r.sha256[:16]}  {r.path}")
+        digest = (r.digest or "-")[:16]
+        click.echo(
+            f"{r.id:>4}  {r.name:<24} rank {r.rank:<4} {r.sha256[:16]}  {digest:<16}  {r.path}"
+        )
 
 
 @adapters.command("remove")

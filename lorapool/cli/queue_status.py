@@ -11,8 +11,11 @@ from lorapool.lifecycle.keys import WORKERS_GROUP
 
 
 def worker_table(producer) -> Table:
+    """One row a live worker: ``adapters`` those of the requests it runs, ``loaded``
+    those in its engine's device slots (LRU: they stay loaded while idle)."""
     table = Table(title="workers")
-    for column in ("name", "device", "adapters", "running", "waiting", "tokens/s", "seen"):
+    for column in ("name", "device", "adapters", "loaded", "running", "waiting", "tokens/s",
+                   "seen"):  # fmt: skip
         table.add_column(column)
     now = time.time()
     for w in live_workers(producer.redis, producer.keys):
@@ -20,12 +23,21 @@ def worker_table(producer) -> Table:
             w.name,
             w.device or "?",
             ", ".join(w.adapters) or "-",
+            ", ".join(w.loaded) or "-",
             str(w.running or 0),
             str(w.waiting or 0),
             f"{w.tokens_per_s or 0:.1f}",
-            f"{now - (w.updated or now):.1f}s ago",
+            seen(now, w.updated),
         )
     return table
+
+
+def seen(now: float, updated: float | None) -> str:
+    """How long ago a heartbeat was written; a clock a little ahead (another host's)
+    reads as just now, never as a negative age."""
+    if updated is None:
+        return "?"
+    return f"{max(0.0, now - updated):.1f}s ago"
 
 
 def live_workers(r, keys) -> list[Heartbeat]:

@@ -7,6 +7,7 @@ import click
 from lorapool.cli.options import (
     config_from,
     count_option,
+    grammar_limit_option,
     host_option,
     optional_option,
     prefix_option,
@@ -124,6 +125,58 @@ from lorapool.protocol import MAX_STOP
     3600,
 )
 @click.option(
+    "--body-timeout",
+    "body_timeout_s",
+    envvar="LORAPOOL_BODY_TIMEOUT",
+    type=click.FloatRange(0.5, 3600),
+    default=20.0,
+    show_default=True,
+    help="seconds a request's body has after its headers, plus one for every "
+    "--body-min-rate bytes received (then 408 and closed: a body sent a byte at a time)",
+)
+@click.option(
+    "--body-min-rate",
+    envvar="LORAPOOL_BODY_MIN_RATE",
+    type=click.IntRange(1),
+    default=500,
+    show_default=True,
+    help="bytes a second that extend --body-timeout (Apache mod_reqtimeout's MinRate)",
+)
+@click.option(
+    "--max-connections",
+    envvar="LORAPOOL_MAX_CONNECTIONS",
+    type=click.IntRange(0),
+    default=4096,
+    show_default=True,
+    help="connections the gateway holds open in all (past it: 503 and closed; 0: no cap)",
+)
+@click.option(
+    "--max-streams-per-tenant",
+    envvar="LORAPOOL_MAX_STREAMS_PER_TENANT",
+    type=click.IntRange(0),
+    default=64,
+    show_default=True,
+    help="job-events streams, streamed completions, uploads and downloads one tenant may "
+    "hold open "
+    "(past it: 429 too_many_streams; 0: no cap)",
+)
+@click.option(
+    "--max-streams",
+    envvar="LORAPOOL_MAX_STREAMS",
+    type=click.IntRange(0),
+    default=1024,
+    show_default=True,
+    help="those of every tenant together on this gateway (past it: 503 too_many_streams; "
+    "0: no cap)",
+)
+@click.option(
+    "--tenant-audit-internals",
+    envvar="LORAPOOL_TENANT_AUDIT_INTERNALS",
+    is_flag=True,
+    help="a tenant's audit key sees its rows' adapter paths, worker names and key ids "
+    "(by default only admin keys and --all-tenants auditors do)",
+)
+@click.option(
     "--max-connections-per-client",
     "max_per_client",
     type=click.IntRange(0),
@@ -151,6 +204,14 @@ from lorapool.protocol import MAX_STOP
     show_default=True,
     help="seconds a dashboard login lasts (the session cookie expires with it)",
 )
+@grammar_limit_option
+@count_option(
+    "--heavy-workers",
+    2,
+    "grammar compiles (sandbox processes) and large tokenizations run at once, off the "
+    "event loop; more wait",
+    least=1,
+)
 @webhook_allow_option
 @click.option("--log-level", default="info", show_default=True)
 @redis_option
@@ -166,6 +227,9 @@ def serve(
     adapter_roots,
     webhook_allow,
     header_timeout_s,
+    body_timeout_s,
+    body_min_rate,
+    max_connections,
     max_per_client,
     ssl_certfile,
     ssl_keyfile,
@@ -175,7 +239,20 @@ def serve(
 ):
     """Serve the pool over HTTP: /v1/completions, /v1/chat/completions, /v1/models,
     /v1/jobs (asynchronous jobs and their events), /healthz, /readyz; OpenAPI docs at
-    /docs."""
+    /docs.
+
+    \b
+    Environment it reads:
+      REDIS_URL               --redis-url (unset: the shared embedded Redis)
+      LORAPOOL_CACHE_DIR      where that embedded Redis lives (~/.cache/lorapool)
+      LORAPOOL_SHARDS         --shards
+      LORAPOOL_WEBHOOK_ALLOW  --webhook-allow
+      LORAPOOL_AUDIT_KEY      the audit key POST /v1/audit/verify checks with,
+      LORAPOOL_AUDIT_KEY_FILE   or a file holding it (no key: verify answers 503)
+      LORAPOOL_ADAPTER_ROOTS  adapter roots without --adapter-root (os.pathsep)
+      LORAPOOL_BATCH_QUEUE    the RQ queue batches go to (lorapool-batch)
+      LORAPOOL_EGRESS_RESOLVE host=address pins for webhook hosts (comma-separated)
+    """
     from lorapool.embedded import resolve_url
     from lorapool.gateway import GatewayConfig, create_app
     from lorapool.gateway.server import run
@@ -195,4 +272,9 @@ def serve(
         raise click.UsageError("--ssl-certfile and --ssl-keyfile go together")
     tls = (ssl_certfile, ssl_keyfile) if ssl_certfile else None
     app = create_app(config)
-    run(app, host, port, log_level, header_timeout_s, max_per_client, config.trust_proxy, tls)
+    guards = {
+        "header_timeout_s": header_timeout_s, "body_timeout_s": body_timeout_s,
+        "body_min_rate": body_min_rate, "max_per_client": max_per_client,
+        "max_connections": max_connections,
+    }  # fmt: skip
+    run(app, host, port, log_level, guards, config.trust_proxy, tls)

@@ -11,13 +11,14 @@ so both read it here (the worker never imports the producer).
 from __future__ import annotations
 
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import msgspec
 import orjson
 
+from lorapool.adapter_config import AdapterIdentity
 from lorapool.protocol import LoRARequest
 
 NAME_PATTERN = re.compile(r"[A-Za-z0-9._-]{1,128}")  # what the registry accepts as a name
@@ -27,7 +28,12 @@ NAME_PATTERN = re.compile(r"[A-Za-z0-9._-]{1,128}")  # what the registry accepts
 class AdapterRecord:
     """The full identity of one adapter version: ``sha256`` of its weights file
     (``identity.adapter_sha256``), ``rank``, ``alpha``, ``target_modules`` and
-    ``base_model`` from its ``adapter_config.json``, ``path`` resolved."""
+    ``base_model`` from its ``adapter_config.json``, ``path`` resolved; ``config_sha256``
+    of the config's math fields and ``digest`` of both files (``adapter_config``).
+
+    A record written before config hashes has neither (None, left out of its JSON, so
+    that it reads and writes back byte for byte): a worker then checks the config's
+    rank, alpha and targets, and records the hashes of what it loaded."""
 
     name: str
     id: int
@@ -37,10 +43,32 @@ class AdapterRecord:
     alpha: float
     target_modules: tuple[str, ...]
     base_model: str | None = field(default=None, kw_only=True)
+    config_sha256: str | None = field(default=None, kw_only=True)
+    digest: str | None = field(default=None, kw_only=True)
 
     def to_dict(self) -> dict[str, Any]:
-        """As JSON has it (the registry's, the admin API's, the audit record's ``adapter``)."""
-        return {**asdict(self), "target_modules": list(self.target_modules)}
+        """As JSON has it (the registry's, the admin API's, the audit record's ``adapter``);
+        the hashes only when known."""
+        data = {**asdict(self), "target_modules": list(self.target_modules)}
+        for name in HASHES:
+            if data[name] is None:
+                del data[name]
+        return data
+
+    def as_loaded(self, loaded: AdapterIdentity) -> AdapterRecord:
+        """This record with what a worker loaded for it: hashes, rank, alpha, targets."""
+        return replace(
+            self,
+            sha256=loaded.sha256,
+            rank=loaded.rank,
+            alpha=loaded.alpha,
+            target_modules=loaded.target_modules,
+            config_sha256=loaded.config_sha256,
+            digest=loaded.digest,
+        )
+
+
+HASHES = ("config_sha256", "digest")  # fields a record written before them lacks
 
 
 def adapter_record(name: str, adapter_id: int, info: dict[str, Any]) -> AdapterRecord:

@@ -118,8 +118,9 @@ def _completion(request: CompletionRequest, max_prompts: int) -> Parsed:
     extra = {} if logprobs is None else {"logprobs": logprobs}
     if request.echo and logprobs is not None:  # the prompt's tokens get logprobs too
         extra["prompt_logprobs"] = logprobs if asked is None else max(logprobs, asked)
-    parsed = _parsed(request, prompts, _sampling(request, extra, {}))
-    parsed.echo = bool(request.echo)
+    names: dict[str, str] = {}
+    parsed = _parsed(request, prompts, _sampling(request, extra, names))
+    parsed.echo, parsed.names = bool(request.echo), names
     return parsed
 
 

@@ -1,9 +1,11 @@
 """A request's structured output, from OpenAI's ``response_format`` or vLLM's
 ``guided_*`` / ``structured_outputs`` parameters, checked before anything is queued.
 
-One way per request: two of them is a 400 naming both. The constraint is compiled
-once here (llguidance, no tokenizer needed), so an invalid schema, regex or grammar
-gets a 400 naming the parameter and the problem rather than a failed job.
+One way per request: two of them is a 400 naming both. Only the shape is read here:
+compiling the constraint (to refuse an invalid schema, regex or grammar with a 400
+naming the parameter and the problem) is each door's next step, after the caller's
+rate checks, in a sandbox process off the event loop (``lorapool.grammar_sandbox``;
+``grammar_error`` words its refusal).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Any
 from lorapool.openai.bodies import JsonObjectFormat, JsonSchemaFormat, TextFormat
 from lorapool.openai.errors import bad_request
 from lorapool.protocol import FieldError
-from lorapool.structured import StructuredOutputsParams, check_grammar
+from lorapool.structured import StructuredOutputsParams
 
 GUIDED = {
     "guided_json": "json",
@@ -42,7 +44,6 @@ def structured_of(request) -> tuple[StructuredOutputsParams | None, str | None]:
     name = given[0]
     try:
         params = _params(name, getattr(request, name), request.guided_whitespace_pattern)
-        check_grammar(params)
     except FieldError as exc:
         message = str(exc).removeprefix("sampling_params.structured_outputs")
         raise bad_request(f"{name}: {message.lstrip('.: ')}", name) from None
@@ -68,3 +69,13 @@ def _response_format(value: JsonObjectFormat | JsonSchemaFormat) -> StructuredOu
     spec = value.json_schema
     strict = bool(spec.strict)
     return StructuredOutputsParams(json=spec.schema, disable_additional_properties=strict)
+
+
+def grammar_error(exc: FieldError, parsed) -> tuple[str, str]:
+    """(message, parameter) of a 400 for ``parsed``'s constraint that the sandbox refused
+    (``exc``): the parameter it came from, ``tools`` for a tool call's."""
+    name = parsed.names.get("structured_outputs")
+    if name is None:
+        return f"tools: a function's parameters do not compile: {exc}", "tools"
+    message = str(exc).removeprefix("sampling_params.structured_outputs")
+    return f"{name}: {message.lstrip('.: ')}", name

@@ -17,7 +17,7 @@ from lorapool.messages import check_tools
 from lorapool.openai.bodies import NamedToolChoice, ToolChoice
 from lorapool.openai.errors import bad_request
 from lorapool.protocol import FieldError
-from lorapool.structured import StructuredOutputsParams, check_grammar
+from lorapool.structured import StructuredOutputsParams
 from lorapool.tool_calls import ToolCall, parse_tool_calls, required_schema, scan_required
 
 
@@ -84,10 +84,8 @@ def _constraint(request: ToolRequest) -> StructuredOutputsParams | None:
         schema = required_schema(request.tools, request.parallel)
     else:
         return None
-    params = StructuredOutputsParams(json=schema)
     try:
-        check_grammar(params)
+        return StructuredOutputsParams(json=schema)
     except FieldError as exc:
         message = f"tools: a function's parameters do not compile: {exc}"
         raise bad_request(message, "tools") from None
-    return params

@@ -152,6 +152,38 @@ def test_non_lora_peft_type(model, base, good, tmp_path):
 
 
 @pytest.mark.parametrize(
+    "changes, what",
+    [
+        ({"future_feature": {"on": True}}, "config field future_feature="),
+        ({"lora_bias": True}, "lora_bias"),
+        ({"target_modules": ["q_proj", "v_proj"]}, "weights for layer 0 down_proj, which the"),
+        ({"layers_to_transform": [1]}, "weights for layer 0 down_proj, which the"),
+        ({"lora_alpha": "16"}, "lora_alpha='16' must be a finite number"),
+    ],
+    ids=["unknown_field", "lora_bias", "untargeted_module", "untransformed_layer", "alpha"],
+)
+def test_a_config_field_is_never_silently_ignored(model, base, good, tmp_path, changes, what):
+    """PEFT would run these otherwise (or not at all): refused, not run our way."""
+    path = copy(good, tmp_path)
+    edit_config(path, **changes)
+    rejects(model, base, path, what)
+
+
+def test_a_reload_with_another_config_is_refused(model, base, good, tmp_path):
+    path = copy(good, tmp_path)
+    m = manager(model, base, max_cpu_loras=2)
+    m.add_lora(LoRARequest("sql", 1, str(path)))
+    loaded = m.identity(1)
+    m.add_lora(LoRARequest("b", 2, str(good)))
+    m.add_lora(LoRARequest("c", 3, str(copy(good, tmp_path, "c"))))  # 1 leaves the CPU cache
+    edit_config(path, lora_alpha=1600)
+    errors = m.activate([LoRARequest("sql", 1, str(path))])
+    said = str(errors[1, str(path)])
+    assert "adapter_config.json changed since adapter id 1 was loaded" in said
+    assert "lora_alpha 16.0 -> 1600.0" in said and m.identity(1) == loaded
+
+
+@pytest.mark.parametrize(
     "layer, a_columns, what",
     [
         (0, 65, "do not fit the base model"),  # A's columns are not the hidden size 64

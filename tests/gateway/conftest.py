@@ -78,3 +78,14 @@ def llm(model):
     from lorapool import LLM
 
     return LLM(model, enable_lora=True, max_loras=2, max_lora_rank=8, max_num_seqs=8)
+
+
+@pytest.fixture(scope="module")
+def scraper(conn, prefix) -> dict:
+    """The headers Prometheus scrapes a gateway's /metrics with: an audit key's (the
+    route answers only audit and admin keys)."""
+    from lorapool.lifecycle.keys import Keys
+    from lorapool.producer.api_keys import ApiKeys
+
+    _, key = ApiKeys(conn, Keys(prefix)).add("ops", "audit", all_tenants=True)
+    return {"Authorization": f"Bearer {key}"}

@@ -164,10 +164,17 @@ def test_dashboard_needs_an_audit_or_admin_key(secure, api_keys):
     assert page.status_code == 200 and 'id="queue-length"' in page.text
 
 
-def test_metrics_has_the_pool_gauges(secure, conn, prefix):
+def test_metrics_needs_an_audit_or_admin_key_and_has_the_pool_gauges(
+    secure, conn, prefix, api_keys
+):
+    """The README's promise: /metrics to audit and admin keys (its series name tenants)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    body = httpx.get(f"{secure}/metrics").text
+    assert httpx.get(f"{secure}/metrics").status_code == 401
+    submitter = {"Authorization": f"Bearer {api_keys['submit']}"}
+    assert httpx.get(f"{secure}/metrics", headers=submitter).status_code == 403
+    auditor = {"Authorization": f"Bearer {api_keys['audit']}"}
+    body = httpx.get(f"{secure}/metrics", headers=auditor).text
     gauges = {f.name: f for f in text_string_to_metric_families(body)}
     assert gauges["lorapool_workers_live"].samples[0].value == 2
     assert gauges["lorapool_queue_length"].type == "gauge"

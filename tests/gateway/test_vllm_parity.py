@@ -164,17 +164,17 @@ def secure(redis_url, prefix, conn, worker, tmp_path_factory):
     stop(proc)
 
 
-def test_gateway_http_metrics_by_route_status_and_tenant(secure, base_name):
+def test_gateway_http_metrics_by_route_status_and_tenant(secure, base_name, scraper):
     url, key = secure
     auth = {"Authorization": f"Bearer {key}"}
-    _, before = vllm_checks.scrape(f"{url}/metrics")
+    _, before = vllm_checks.scrape(f"{url}/metrics", scraper)
     body = {"model": base_name, "prompt": "Hi", "max_tokens": 2}
     assert httpx.post(f"{url}/v1/completions", json=body, headers=auth, timeout=60).is_success
     for _ in range(2):
         assert httpx.post(f"{url}/v1/completions", json=body, headers=auth).status_code == 429
     assert httpx.get(f"{url}/v1/jobs/nope", headers=auth).status_code == 404
     assert httpx.get(f"{url}/no/such/path/{'x' * 40}").status_code == 404
-    text, after = vllm_checks.scrape(f"{url}/metrics")
+    text, after = vllm_checks.scrape(f"{url}/metrics", scraper)
     assert "_created" not in text
 
     def delta(name, suffix, **labels):
@@ -192,7 +192,9 @@ def test_gateway_http_metrics_by_route_status_and_tenant(secure, base_name):
     assert not any("x" * 40 in h for h in handlers)  # raw paths never become labels
 
 
-def test_every_grafana_query_names_an_exported_metric(secure, metrics_port, base_name, client):
+def test_every_grafana_query_names_an_exported_metric(
+    secure, metrics_port, base_name, client, scraper
+):
     """deploy/grafana/lorapool.json against what a worker and a gateway export after
     some traffic (every labelled series has a sample then)."""
     import json
@@ -205,8 +207,9 @@ def test_every_grafana_query_names_an_exported_metric(secure, metrics_port, base
     client.completions.create(model="ad-qv", prompt="Hello", max_tokens=3)  # an adapter loads
     url, _ = secure
     exported = set()
-    for source in (f"http://127.0.0.1:{metrics_port}/metrics", f"{url}/metrics"):
-        _, families = vllm_checks.scrape(source)
+    for source, headers in ((f"http://127.0.0.1:{metrics_port}/metrics", None),
+                            (f"{url}/metrics", scraper)):  # fmt: skip
+        _, families = vllm_checks.scrape(source, headers)
         exported |= {s.name for f in families.values() for s in f.samples}
         # a gauge family with no series now (no adapter running) is still exported
         exported |= {f.name for f in families.values() if f.type == "gauge"}

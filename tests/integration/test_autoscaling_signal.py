@@ -16,8 +16,11 @@ stream: one trigger per shard (deploy/README.md), each checked here on its own.
 import math
 import time
 from collections import Counter
+from pathlib import Path
 
+import keda
 import pytest
+import yaml
 from pool_layout import length
 
 from lorapool.connection import ensure_group
@@ -29,6 +32,7 @@ from lorapool.worker.serve import base_model_info
 pytestmark = pytest.mark.integration
 LAYOUTS = ("standalone", "cluster")
 UNKNOWN = "unknown"  # a nil lag: KEDA would read 0
+KEDA_YAML = Path(__file__).resolve().parents[2] / "deploy" / "autoscale-keda.yaml"
 
 
 def keda_lag(conn, stream: str, group: str):
@@ -150,3 +154,75 @@ def test_lag_is_never_unknown_through_aborts_dead_letters_and_a_failover(
     assert handles[0].result(timeout=5).outputs[0].finish_reason == "abort"
     assert UNKNOWN not in seen, f"lag unknown at {seen.count(UNKNOWN)} of {len(seen)} reads"
     assert seen[-len(streams) :] == [0] * len(streams)
+
+
+# --- KEDA's loop on the ScaledObject of deploy/autoscale-keda.yaml ------------------
+
+CAPACITY = 3  # the engines' max_num_seqs: the manifest's targets are one worker's capacity
+
+
+def scaled_object(capacity: int) -> dict:
+    """deploy/autoscale-keda.yaml's ScaledObject with its targets (one worker's
+    --max-num-seqs there) set to the test workers' capacity."""
+    (scaled,) = [
+        d for d in yaml.safe_load_all(KEDA_YAML.read_text()) if d["kind"] == "ScaledObject"
+    ]
+    for trigger in scaled["spec"]["triggers"]:
+        meta = trigger["metadata"]
+        for key in ("lagCount", "pendingEntriesCount", "streamLength"):
+            if key in meta:
+                meta[key] = str(capacity)
+    modifiers = scaled["spec"].get("advanced", {}).get("scalingModifiers")
+    if modifiers:
+        modifiers["target"] = str(capacity)
+    return scaled
+
+
+def test_keda_holds_busy_workers_under_steady_load_and_scales_to_zero_only_when_idle(
+    engines, conn, keys, producer, model
+):
+    """Two workers kept busy (2 x CAPACITY jobs in the pool at every poll, each taken at
+    once: the lag is about 0) must stay two, poll after poll past the cooldown; once the
+    last job ended KEDA waits the cooldown, then scales to zero."""
+    workers = [_worker(e, conn, keys, model, n) for e, n in zip(engines, "ab")]
+    loop = keda.Loop(scaled_object(CAPACITY))
+
+    def streams_of(stream: str) -> list[str]:  # one trigger per shard: summed
+        batch = stream.endswith(":batch")
+        return [v.batch_requests if batch else v.requests for v in keys.shard_views]
+
+    def poll() -> int:
+        return loop.poll(lambda trigger: conn, streams_of)
+
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    running: list = []
+
+    def top_up() -> None:
+        running[:] = [h for h in running if h.status() not in ("finished", "failed")]
+        while len(running) < 2 * CAPACITY:
+            running.append(producer.submit(f"job {len(running)}", params))
+
+    top_up()
+    assert poll() == 2  # from zero: queued work wakes the pool
+    for _ in range(2 * loop.cooldown // loop.interval):  # steady load, twice the cooldown
+        for _ in range(3):
+            for worker in workers:
+                worker.run_once()
+        for worker in workers:  # no final chunk (and its ack) lands between top_up and poll
+            worker.publisher.flush(wait=True)
+        top_up()
+        assert poll() == 2, f"busy workers scaled to {loop.replicas} at t={loop.now}s"
+    deadline = time.monotonic() + 60
+    while True:  # the load stops: the last jobs run to their end
+        assert time.monotonic() < deadline
+        for worker in workers:
+            worker.run_once()
+        running[:] = [h for h in running if h.status() not in ("finished", "failed")]
+        if not running:
+            break
+        assert poll() >= 1
+    idle_polls = 0
+    while poll() > 0:
+        idle_polls += 1
+        assert idle_polls < loop.cooldown // loop.interval
+    assert idle_polls == loop.cooldown // loop.interval - 1  # zero after the cooldown, not before

@@ -63,3 +63,58 @@ def test_data_survive_a_restart_and_a_long_directory(tmp_path):
         assert redis.Redis.from_url(second.url).get("kept") == b"yes"
     finally:
         second.stop()
+
+
+def test_the_shared_server_stops_when_its_last_user_stops(tmp_path):
+    """Two gateways that found no REDIS_URL share one embedded server; a third gets its
+    URL from the first (as the demo's children do). SIGTERM to the first two at once:
+    the server runs on for the third; SIGTERM to the third: the server stops. (It used
+    to count connections: the two saw each other, and their own pools, and neither
+    stopped it; the third never counted; it outlived them all with PPID 1.)"""
+    import os
+    import signal
+    import time
+
+    from gateway_procs import free_port, lorapool_cmd, stop, wait_answering
+
+    try:
+        server_executable()
+    except RuntimeError as exc:
+        pytest.skip(str(exc))
+    env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "LORAPOOL_EMBEDDED_DIR")}
+    env["LORAPOOL_CACHE_DIR"] = str(tmp_path / "cache")
+    directory = tmp_path / "cache" / "redis"
+
+    def gateway(extra: dict) -> subprocess.Popen:
+        port = free_port()
+        cmd = lorapool_cmd("serve", "--no-auth", "--port", str(port))
+        proc = subprocess.Popen(cmd, env={**env, **extra}, cwd=tmp_path)
+        wait_answering(proc, f"http://127.0.0.1:{port}/healthz", "lorapool serve")
+        return proc
+
+    def server_alive() -> bool:
+        return EmbeddedServer(directory).answers()
+
+    first = gateway({})
+    procs = [first]
+    try:
+        pid = int((directory / "redis.pid").read_text())
+        procs.append(gateway({}))
+        url = EmbeddedServer(directory).url
+        procs.append(gateway({"REDIS_URL": url, "LORAPOOL_EMBEDDED_DIR": str(directory)}))
+        for proc in procs[:2]:  # at the same moment
+            proc.send_signal(signal.SIGTERM)
+        for proc in procs[:2]:
+            proc.wait(30)
+        assert server_alive(), "the server stopped under its third user"
+        stop(procs[2])
+        deadline = time.monotonic() + 15
+        while server_alive():
+            assert time.monotonic() < deadline, f"the server (pid {pid}) outlived its users"
+            time.sleep(0.1)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                stop(proc)
+        if server_alive():
+            EmbeddedServer(directory).stop()

@@ -27,6 +27,7 @@ GAUGES = [
     "lorapool_batch_queue_length",
     "lorapool_batch_queue_pending",
     "lorapool_batch_queue_lag",
+    "lorapool_queue_work",
     "lorapool_dead_letters",
     "lorapool_workers_live",
     "lorapool_audit_backlog",
@@ -113,6 +114,8 @@ def test_gauges_equal_what_redis_reports(exporter, conn, producer):
     got = scrape(exporter)
     assert got["lorapool_queue_lag"] == total(conn, keys, "requests", WORKERS_GROUP, "lag") == 3
     assert got["lorapool_queue_pending"] == pending(conn, keys, "requests") == 2
+    # the autoscaling signal: taken (pending) and not taken (lag), both streams
+    assert got["lorapool_queue_work"] == 3 + 2 + 3 + 1
     assert got["lorapool_dead_letters"] == length(conn, keys, "dead") == 1
     assert got["lorapool_workers_live"] == 1 and got["lorapool_redis_up"] == 1
     backlog = total(conn, keys, "audit", AUDIT_GROUP, "lag")

@@ -215,3 +215,57 @@ def _shutdown(r) -> None:
 def resolve_in(cache_dir) -> str:
     """The unix URL of the embedded server of ``cache_dir``."""
     return EmbeddedServer(cache_dir / "redis").url
+
+
+def test_cli_status_shows_the_loaded_adapters_and_never_a_negative_age(conn, pool_url, keys):
+    """A worker's row names the adapters in its device slots (its record's ``loaded``),
+    not only those of the requests it runs; a record written by a clock a little ahead
+    (another host's) reads "0.0s ago", never a negative age ("-0.0s ago", "-4.7s ago")."""
+    from lorapool.lifecycle.heartbeat import Heartbeat
+    from lorapool.worker.pool import send_heartbeat
+
+    ahead = time.time() + 5  # another host's clock, 5 s ahead
+    record = Heartbeat(name="w-seen", consumer="w-seen#1", device="cpu", updated=ahead,
+                       adapters=["sql"], loaded=["sql", "chat-v2"])  # fmt: skip
+    send_heartbeat(conn, keys, record, 30)
+    pool = ["--redis-url", pool_url, "--prefix", keys.prefix, "--shards", str(keys.shards)]
+    result = CliRunner().invoke(cli, ["status", *pool], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    row = next(line for line in result.output.splitlines() if "w-seen" in line)
+    assert "chat-v2" in row and "sql" in row
+    assert "0.0s ago" in row and "-" not in row.split("chat-v2")[1]
+
+
+def test_cli_submit_applies_the_chat_template_of_a_chat_model_unless_raw(conn, pool_url, keys):
+    """``lorapool submit`` sends a chat model's prompt as one user message (the worker
+    applies the model's chat template, as /v1/chat/completions does); ``--raw`` the text;
+    before any worker published the tokenizer: raw, saying so. The oracle: the job
+    entries in the stream."""
+    import orjson
+
+    pool = ["--redis-url", pool_url, "--prefix", keys.prefix, "--shards", str(keys.shards)]
+
+    def submitted(rid: str, *flags: str) -> tuple[dict, str]:
+        args = ["submit", "Hi there", "--request-id", rid, "--timeout", "0.1", *flags, *pool]
+        output = CliRunner().invoke(cli, args).output
+        stream = keys.for_request(rid).requests
+        (job,) = [
+            orjson.loads(f[b"data"]) for _, f in conn.xrange(stream) if rid.encode() in f[b"data"]
+        ]
+        return job, output
+
+    job, said = submitted("chat-none")
+    assert job.get("prompt") == "Hi there" and not job.get("messages")
+    assert "raw text" in said
+    record = {
+        "tokenizer": "{}",
+        "chat_template": "{% for m in messages %}{{ m.content }}{% endfor %}",
+    }
+    conn.hset(keys.tokenizer, mapping={"sha256": "x", "record": orjson.dumps(record)})
+    job, _ = submitted("chat-yes")
+    assert job["messages"] == [{"role": "user", "content": "Hi there"}] and not job.get("prompt")
+    job, _ = submitted("chat-raw", "--raw")
+    assert job.get("prompt") == "Hi there" and not job.get("messages")
+    conn.hset(keys.tokenizer, mapping={"record": orjson.dumps({**record, "chat_template": None})})
+    job, _ = submitted("base-model")  # a model without a chat template: raw
+    assert job.get("prompt") == "Hi there" and not job.get("messages")

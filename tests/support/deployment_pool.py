@@ -5,7 +5,6 @@ database, the processes of one deployment, and KEDA's scaling rule as KEDA compu
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import re
 import subprocess
@@ -14,6 +13,7 @@ import uuid
 from pathlib import Path
 
 import httpx
+import keda
 import redis
 from deployment import Manifests, Site
 from gateway_procs import wait_until
@@ -134,30 +134,27 @@ def lorapool(*args: str, env: dict[str, str], cwd: Path) -> subprocess.Completed
 
 
 def keda_wanted(manifests: Manifests, site: Site, redis_port: int) -> int:
-    """The worker replicas KEDA's redis-streams scaler (lag mode) asks for, computed from
-    the ScaledObject's triggers as its TriggerAuthentication's user: per trigger, the
-    group's lag (XLEN before the group exists; 0 without the stream), active above
-    activationLagCount, wanting ceil(lag / lagCount); KEDA takes the largest."""
+    """The worker replicas KEDA asks for (``keda.read``: each redis-streams trigger read as
+    its TriggerAuthentication's user, composed by the ScaledObject's scalingModifiers),
+    between minReplicaCount and maxReplicaCount; minReplicaCount while inactive."""
     (scaled,) = manifests.of("ScaledObject").values()
-    wanted = scaled["spec"].get("minReplicaCount", 0)
-    for trigger in scaled["spec"]["triggers"]:
-        meta = trigger["metadata"]
+    clients = []
+
+    def client_of(trigger: dict) -> redis.Redis:
         auth = manifests.trigger_auth(trigger["authenticationRef"]["name"], "ScaledObject")
-        host, port = site.localize(f"@{meta['address']}").lstrip("@").split(":")
+        address = trigger["metadata"]["address"]
+        host, port = site.localize(f"@{address}").lstrip("@").split(":")
         client = redis.Redis(host=host, port=int(port), username=auth["username"],
                              password=site.localize(auth["password"]))  # fmt: skip
-        assert int(client.info("server")["redis_version"].split(".")[0]) >= 7
-        lag = _lag(client, meta["stream"], meta["consumerGroup"])
-        client.close()
-        if lag > int(meta.get("activationLagCount", "0")):
-            wanted = max(wanted, math.ceil(lag / int(meta["lagCount"])))
-    return min(wanted, scaled["spec"]["maxReplicaCount"])
+        clients.append(client)
+        return client
 
-
-def _lag(client: redis.Redis, stream: str, group: str) -> int:
-    if not client.exists(stream):
-        return 0
-    for info in client.xinfo_groups(stream):
-        if info["name"].decode() == group:
-            return info["lag"] or 0
-    return client.xlen(stream)
+    try:
+        reading = keda.read(scaled, client_of)
+    finally:
+        for client in clients:
+            client.close()
+    spec = scaled["spec"]
+    if not reading.active:
+        return spec.get("minReplicaCount", 0)
+    return min(max(reading.wanted, 1, spec.get("minReplicaCount", 0)), spec["maxReplicaCount"])

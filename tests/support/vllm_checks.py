@@ -33,10 +33,12 @@ def tokenize_matches_transformers(gateway: str, model: str, name: str) -> None:
     assert back == {"prompt": hf.decode(want)}
 
 
-def scrape(url: str) -> tuple[str, dict]:
+def scrape(url: str, headers: dict | None = None) -> tuple[str, dict]:
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = httpx.get(url, timeout=30).text
+    got = httpx.get(url, headers=headers or {}, timeout=30)
+    assert got.status_code == 200, (url, got.status_code, got.text[:200])
+    text = got.text
     return text, {f.name: f for f in text_string_to_metric_families(text)}
 
 

@@ -1,8 +1,10 @@
 """The exports' one encoder (``lorapool.audit_export``): CSV read back by Python's csv
-module, JSON and JSON Lines by orjson; formula cells neutralised, nothing else changed."""
+module, JSON and JSON Lines by orjson; formula cells neutralised for a reader splitting
+on any separator, nothing else changed."""
 
 import csv
 import io
+import re
 
 import orjson
 import pytest
@@ -19,6 +21,12 @@ HOSTILE = [
     "\t=1+1",
     "\r=1+1",
     "=cmd|' /C calc'!A0",
+    "X;=1+1;x",  # issue 51 row 9: a ;-separated locale reads the middle cell as a formula
+    "a,@SUM(1)",
+    "a\t+1",
+    "a|-1",
+    'x" =1',
+    "line\n=1+1",
 ]
 cells = st.one_of(
     st.none(),
@@ -34,10 +42,33 @@ def _read_csv(data: bytes) -> list[dict[str, str]]:
     return list(csv.DictReader(io.StringIO(data.decode(), newline="")))
 
 
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _no_cell_starts_a_formula(data: bytes) -> None:
+    """Whatever a spreadsheet splits the file on (a separator of any locale, a line
+    break, a quote it does not honour), no piece it could read as a cell starts with
+    a formula character, numbers apart."""
+    for piece in re.split('[,;\t|\r\n"]', data.decode()):
+        text = piece.lstrip(" ")
+        assert not text.startswith(FORMULA_START) or _is_number(text), (piece, data)
+
+
+def _only_quotes_added(cell: str, value: str) -> None:
+    assert cell.replace("'", "") == value.replace("'", ""), (cell, value)
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.fixed_dictionaries({"a": cells, "b": cells, "text": st.text()}), max_size=8))
 def test_csv_cells_read_back_as_written_or_neutralised(rows):
-    parsed = _read_csv(encode_all(rows, "csv"))
+    data = encode_all(rows, "csv")
+    _no_cell_starts_a_formula(data)
+    parsed = _read_csv(data)
     assert len(parsed) == len(rows)
     for row, back in zip(rows, parsed):
         for key, value in row.items():
@@ -46,18 +77,30 @@ def test_csv_cells_read_back_as_written_or_neutralised(rows):
             if value is None:
                 assert cell == ""
             elif isinstance(value, str):
-                formula = value.startswith(FORMULA_START)
-                assert cell == ("'" + value if formula else value)
+                _only_quotes_added(cell, value)
+                if not value.startswith(FORMULA_START) and not re.search('[-,;\t|\r\n"=+@]', value):
+                    assert cell == value  # plain text untouched
             elif isinstance(value, list):
-                assert orjson.loads(cell) == value
+                assert orjson.loads(cell.replace("'", "")) == value
             else:
                 assert float(cell) == value  # numbers stay numbers, -1.5 included
 
 
 @pytest.mark.parametrize("hostile", HOSTILE)
 def test_every_formula_prefix_is_neutralised(hostile):
-    [row] = _read_csv(encode_all([{"prompt": hostile, "logprob": -1.5}], "csv"))
-    assert row == {"prompt": "'" + hostile, "logprob": "-1.5"}
+    data = encode_all([{"prompt": hostile, "logprob": -1.5}], "csv")
+    _no_cell_starts_a_formula(data)
+    [row] = _read_csv(data)
+    _only_quotes_added(row["prompt"], hostile)
+    assert row["logprob"] == "-1.5"
+
+
+def test_every_text_cell_is_quoted_and_numbers_are_not():
+    data = encode_all([{"prompt": "X;=1+1;x", "n": 3, "logprob": -1.5, "none": None}], "csv")
+    assert data.splitlines()[1] == b'"X;\'=1+1;x",3,-1.5,""'
+    for sep in ";\t|":  # a locale's reader: the quoted cell whole, or split with no formula
+        [row] = list(csv.reader(io.StringIO(data.decode().splitlines()[1]), delimiter=sep))
+        assert not [cell for cell in row if cell.lstrip(' "').startswith("=")], row
 
 
 @settings(max_examples=100, deadline=None)

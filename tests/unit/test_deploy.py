@@ -108,29 +108,40 @@ def _containers_of(deployment: dict) -> list[dict]:
     return deployment["spec"]["template"]["spec"]["containers"]
 
 
-def test_keda_scales_the_worker_on_the_groups_lag_by_its_batch_capacity():
+def test_keda_scales_the_worker_on_the_work_in_the_pool_by_its_batch_capacity():
+    """Pending plus lag of both job streams (triggers in pending and in lag mode, one
+    pair per stream), composed by scalingModifiers, over one worker's capacity: lag
+    alone wanted no worker for a pool that keeps up (issue 49)."""
     (scaled,) = by_kind("ScaledObject")
     assert scaled["apiVersion"] == "keda.sh/v1alpha1"
     spec = scaled["spec"]
     assert spec["scaleTargetRef"]["name"] == _worker_deployment()["metadata"]["name"]
     prefix = options(worker()).get("--prefix", DEFAULT_PREFIX)
-    streams = []
-    for trigger in spec["triggers"]:  # one per job stream, interactive and batch
+    capacity = options(worker())["--max-num-seqs"]
+    modes = {}
+    for trigger in spec["triggers"]:
         meta = trigger["metadata"]
         assert trigger["type"] == "redis-streams" and set(meta) <= KEDA_REDIS_STREAMS
         assert meta["consumerGroup"] == WORKERS_GROUP
-        assert meta["lagCount"] == options(worker())["--max-num-seqs"]  # strings, for KEDA
-        assert all(isinstance(v, str) for v in meta.values())
-        assert int(meta["activationLagCount"]) >= 0
-        streams.append(meta["stream"])
-    assert streams == list(Keys(prefix).streams)
+        assert all(isinstance(v, str) for v in meta.values())  # strings, for KEDA
+        mode = "lag" if "lagCount" in meta else "pending"
+        assert meta["lagCount" if mode == "lag" else "pendingEntriesCount"] == capacity
+        modes[trigger["name"]] = (meta["stream"], mode)
+    streams = list(Keys(prefix).streams)
+    assert sorted(set(modes.values())) == sorted(
+        (s, m) for s in streams for m in ("lag", "pending")
+    )
+    modifiers = spec["advanced"]["scalingModifiers"]
+    assert set(modifiers["formula"].replace("+", " ").split()) == set(modes)  # their sum
+    assert modifiers["target"] == capacity and modifiers["activationTarget"] == "0"
+    assert modifiers.get("metricType", "AverageValue") == "AverageValue"
 
 
-def test_the_hpa_reads_the_exporters_lag_gauge():
+def test_the_hpa_reads_the_exporters_work_gauge():
     (hpa,) = by_kind("HorizontalPodAutoscaler")
     assert hpa["spec"]["scaleTargetRef"]["name"] == _worker_deployment()["metadata"]["name"]
     (metric,) = hpa["spec"]["metrics"]
-    assert metric["external"]["metric"]["name"] == "lorapool_queue_lag"
+    assert metric["external"]["metric"]["name"] == "lorapool_queue_work"
     assert metric["external"]["target"]["averageValue"] == options(worker())["--max-num-seqs"]
 
 

@@ -101,8 +101,10 @@ def test_every_kind_compiles():
 
 def test_a_batch_line_carries_its_constraint_and_tools_into_its_job():
     """Batch lines go through the gateway's own parser: a line's response_format, guided_*
-    and tools reach the job as they do over HTTP; a bad schema names the line's field."""
-    from lorapool.batch.lines import LineError, parse_line
+    and tools reach the job as they do over HTTP; a bad schema names the line's field
+    (compiled by the validator's sandbox, as the gateway compiles a request's)."""
+    from lorapool.batch.lines import LineError, check_line_grammar, parse_line
+    from lorapool.grammar_sandbox import GrammarSandbox
     from lorapool.lifecycle.wire import JobLimits
 
     body = {"model": "m", "prompt": "x", "guided_json": SCHEMA}
@@ -122,6 +124,11 @@ def test_a_batch_line_carries_its_constraint_and_tools_into_its_job():
     assert line.parsed.prompts[0]["tools"] == [tool]
     bad = {**body, "guided_json": {"type": "nope"}}
     record = {"custom_id": "c", "method": "POST", "url": "/v1/completions", "body": bad}
-    with pytest.raises(LineError) as info:
-        parse_line(3, orjson.dumps(record), "batch_1", JobLimits())
+    line = parse_line(3, orjson.dumps(record), "batch_1", JobLimits())
+    sandbox = GrammarSandbox()
+    try:
+        with pytest.raises(LineError) as info:
+            check_line_grammar(line, sandbox)
+    finally:
+        sandbox.close()
     assert info.value.field == "body.guided_json" and "nope" in str(info.value)

@@ -1,0 +1,301 @@
+"""One tenant against the others: a light tenant's latency alone, then while a hostile
+tenant does the worst of issue 51's rows 1-5, over a real ``lorapool serve`` and a real
+``lorapool worker`` (SmolLM2 on this machine's device), each tenant with its own key.
+
+The light tenant sends one chat completion of ``max_tokens=1`` at a time, every
+``--pause`` seconds. The hostile tenant, in the attacked phase, runs each of
+``--attacks`` in a loop at once:
+
+- ``ref_chain``: a json_schema whose ``$ref`` chain has 3,000 ``$defs`` (row 1; it
+  crashed llguidance inside the gateway);
+- ``lark_chain``: a Lark grammar chain of 3,000 rules in ``guided_grammar`` (row 1);
+- ``gbnf``: a GBNF grammar of 1,000 rules (row 2: compiled on the event loop, then
+  again in the worker);
+- ``tokenize``: ``/tokenize`` with a 6 MB prompt, 4 at once (row 3);
+- ``n64``: completions of ``n=64, max_tokens=30``, 2 in flight (row 4);
+- ``streams``: ``--streams`` job-event streams held open (row 5).
+
+Reported: the light tenant's p50/p99 latency alone and attacked, their ratios (target
+<= 2), its failed calls, the hostile tenant's answers by status, and whether the
+gateway and the worker were still up at the end. Phases alternate ``--rounds`` times
+(alone, attacked, ...) so a noisy machine hits both alike.
+
+    lorapool bench hostile_tenants [--seconds 40] [--rounds 2] [--attacks n64,gbnf]
+                                   [--json out.json]
+
+Redis: ``--redis-url``, else ``$REDIS_URL``, else 127.0.0.1:6379/0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections import Counter
+
+ATTACKS = ("ref_chain", "lark_chain", "gbnf", "tokenize", "n64", "streams")
+AUDIT_KEY = "bench-hostile-tenants-audit-key-0123456789"
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+
+
+def _ref_chain(depth: int = 3000) -> dict:
+    defs = {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(depth)}
+    defs[f"d{depth}"] = {"type": "string"}
+    return {"$defs": defs, "$ref": "#/$defs/d0"}
+
+
+def _lark_chain(rules: int = 3000) -> str:
+    lines = [f"r{i}: r{i + 1}" for i in range(rules)]
+    return "start: r0\n" + "\n".join(lines) + f'\nr{rules}: "x"\n'
+
+
+def _gbnf(rules: int = 1000) -> str:
+    lines = [f'r{i} ::= "a" r{i + 1} | "b"' for i in range(rules)]
+    return "root ::= r0\n" + "\n".join(lines) + f'\nr{rules} ::= "z"\n'
+
+
+class Hostile:
+    """The hostile tenant's loops; ``answers`` counts each attack's replies by status."""
+
+    def __init__(self, url: str, headers: dict, model: str, streams: int):
+        self.url, self.headers, self.model, self.streams = url, headers, model, streams
+        self.answers: Counter = Counter()
+
+    async def _post(self, http, kind: str, path: str, body: dict, timeout=120.0) -> None:
+        try:
+            reply = await http.post(
+                self.url + path, json=body, headers=self.headers, timeout=timeout
+            )
+            self.answers[f"{kind} {reply.status_code}"] += 1
+        except Exception as error:  # noqa: BLE001 - counted: a dead gateway is the finding
+            self.answers[f"{kind} {type(error).__name__}"] += 1
+            await asyncio.sleep(0.5)
+
+    def _chat(self, **extra) -> dict:
+        messages = [{"role": "user", "content": "Write a word."}]
+        return {"model": self.model, "messages": messages, "max_tokens": 1, **extra}
+
+    async def run(self, kind: str, http, end: float) -> None:
+        if kind == "streams":
+            return await self._hold_streams(http, end)
+        width = {"tokenize": 4, "n64": 2}.get(kind, 1)
+        await asyncio.gather(*(self._loop(kind, http, end) for _ in range(width)))
+
+    async def _loop(self, kind: str, http, end: float) -> None:
+        big = "word " * (6 * 1024 * 1024 // 5)
+        while time.monotonic() < end:
+            if kind == "ref_chain":
+                schema = {"name": "deep", "schema": _ref_chain()}
+                body = self._chat(response_format={"type": "json_schema", "json_schema": schema})
+                await self._post(http, kind, "/v1/chat/completions", body)
+            elif kind == "lark_chain":
+                await self._post(
+                    http, kind, "/v1/chat/completions", self._chat(guided_grammar=_lark_chain())
+                )
+            elif kind == "gbnf":
+                await self._post(
+                    http, kind, "/v1/chat/completions", self._chat(guided_grammar=_gbnf())
+                )
+            elif kind == "tokenize":
+                await self._post(http, kind, "/tokenize", {"model": self.model, "prompt": big})
+            elif kind == "n64":
+                body = {"model": self.model, "prompt": "Once upon a time", "n": 64}
+                body |= {"max_tokens": 30, "ignore_eos": True}
+                await self._post(http, kind, "/v1/completions", body, timeout=600.0)
+
+    async def _hold_streams(self, http, end: float) -> None:
+        job = {"model": self.model, "prompt": "held", "max_tokens": 1}
+        reply = await http.post(self.url + "/v1/jobs", json=job, headers=self.headers, timeout=30)
+        if reply.status_code != 202:
+            self.answers[f"streams submit {reply.status_code}"] += 1
+            return
+        events = f"{self.url}/v1/jobs/{reply.json()['id']}/events"
+
+        async def hold():
+            try:
+                async with http.stream("GET", events, headers=self.headers, timeout=None) as s:
+                    self.answers[f"streams {s.status_code}"] += 1
+                    async for _ in s.aiter_raw():
+                        if time.monotonic() > end:
+                            return
+            except Exception as error:  # noqa: BLE001
+                self.answers[f"streams {type(error).__name__}"] += 1
+
+        tasks = [asyncio.create_task(hold()) for _ in range(self.streams)]
+        await asyncio.sleep(max(0.0, end - time.monotonic()))
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def light_client(url: str, headers: dict, model: str, end: float, pause: float) -> dict:
+    import httpx
+
+    latencies, failures = [], Counter()
+    body = {"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
+    async with httpx.AsyncClient() as http:
+        while time.monotonic() < end:
+            start = time.monotonic()
+            try:
+                reply = await http.post(
+                    url + "/v1/chat/completions", json=body, headers=headers, timeout=300
+                )
+                if reply.status_code == 200:
+                    latencies.append(time.monotonic() - start)
+                else:
+                    failures[str(reply.status_code)] += 1
+            except Exception as error:  # noqa: BLE001
+                failures[type(error).__name__] += 1
+            await asyncio.sleep(pause)
+    return {"latencies": latencies, "failures": dict(failures)}
+
+
+async def phase(args, url: str, keys: dict, model: str, attacks: list[str]) -> dict:
+    import httpx
+
+    end = time.monotonic() + args.seconds
+    hostile = Hostile(url, keys["heavy"], model, args.streams)
+    limits = httpx.Limits(max_connections=args.streams + 64, max_keepalive_connections=64)
+    async with httpx.AsyncClient(limits=limits) as http:
+        attacking = [asyncio.create_task(hostile.run(kind, http, end)) for kind in attacks]
+        light = await light_client(url, keys["light"], model, end, args.pause)
+        if attacking:  # each loop ends at ``end``; one call may still be on its way
+            _, pending = await asyncio.wait(attacking, timeout=60)
+            for task in pending:
+                task.cancel()
+    return {**light, "hostile": dict(hostile.answers)}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start(args, prefix: str, workdir: str) -> tuple[list, str]:
+    env = os.environ | {"LORAPOOL_AUDIT_KEY": AUDIT_KEY}
+    lorapool = [sys.executable, "-c", "from lorapool.cli.main import main; main()"]
+    port = free_port()
+    common = ["--prefix", prefix, "--redis-url", args.redis_url]
+    worker = [*lorapool, "worker", "--model", args.model, *common, "--name", "bench-hostile"]
+    gateway = [*lorapool, "serve", "--port", str(port), *common]
+    procs = []
+    for name, cmd in (("worker", worker), ("gateway", gateway)):
+        with open(os.path.join(workdir, f"{name}.log"), "wb") as log:
+            procs.append(
+                subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=workdir)
+            )
+    return procs, f"http://127.0.0.1:{port}"
+
+
+def wait_ready(url: str, procs: list, headers: dict, timeout: float = 300.0) -> str:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(p.poll() is not None for p in procs):
+            raise SystemExit("the worker or the gateway exited while starting (see their logs)")
+        try:
+            models = httpx.get(url + "/v1/models", headers=headers, timeout=5).json()["data"]
+            if models:
+                return models[0]["id"]
+        except Exception:  # noqa: BLE001 - not up yet
+            pass
+        time.sleep(1)
+    raise SystemExit("the pool did not come up")
+
+
+def summary(rounds: list[dict]) -> dict:
+    alone = [x for r in rounds for x in r["alone"]["latencies"]]
+    attacked = [x for r in rounds for x in r["attacked"]["latencies"]]
+    out = {"alone_n": len(alone), "attacked_n": len(attacked)}
+    for name, values in (("alone", alone), ("attacked", attacked)):
+        out[f"{name}_p50_s"] = round(percentile(values, 0.5), 3)
+        out[f"{name}_p99_s"] = round(percentile(values, 0.99), 3)
+    for q in ("p50", "p99"):
+        out[f"ratio_{q}"] = round(out[f"attacked_{q}_s"] / out[f"alone_{q}_s"], 2)
+    out["light_failures"] = Counter()
+    out["hostile_answers"] = Counter()
+    for r in rounds:
+        out["light_failures"].update(r["attacked"]["failures"])
+        out["hostile_answers"].update(r["attacked"]["hostile"])
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
+    )
+    parser.add_argument("--model", default=None, help="model directory (default: SmolLM2)")
+    parser.add_argument("--seconds", type=float, default=40.0)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--pause", type=float, default=0.5)
+    parser.add_argument("--streams", type=int, default=500)
+    parser.add_argument("--attacks", default=",".join(ATTACKS))
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    attacks = [a for a in args.attacks.split(",") if a]
+    if unknown := set(attacks) - set(ATTACKS):
+        parser.error(f"unknown attacks {sorted(unknown)}; have {', '.join(ATTACKS)}")
+    if args.model is None:
+        from lorapool.settings import smollm2_dir
+
+        args.model = str(smollm2_dir())
+
+    import redis
+
+    from lorapool.lifecycle.keys import Keys
+    from lorapool.producer.api_keys import ApiKeys
+
+    prefix = f"bench-hostile-{uuid.uuid4().hex[:8]}"
+    conn = redis.Redis.from_url(args.redis_url)
+    store = ApiKeys(conn, Keys(prefix))
+    keys = {t: {"Authorization": f"Bearer {store.add(t, 'submit')[1]}"} for t in ("light", "heavy")}
+    workdir = tempfile.mkdtemp(prefix="bench-hostile-")
+    procs, url = start(args, prefix, workdir)
+    try:
+        model = wait_ready(url, procs, keys["light"])
+        rounds = []
+        for k in range(args.rounds):
+            alone = asyncio.run(phase(args, url, keys, model, []))
+            attacked = asyncio.run(phase(args, url, keys, model, attacks))
+            rounds.append({"alone": alone, "attacked": attacked})
+            print(f"round {k + 1}: alone {len(alone['latencies'])} calls, attacked "
+                  f"{len(attacked['latencies'])}", file=sys.stderr)  # fmt: skip
+        result = summary(rounds)
+        result["up_at_end"] = {
+            "worker": procs[0].poll() is None,
+            "gateway": procs[1].poll() is None,
+        }
+        result |= {"attacks": attacks, "seconds": args.seconds, "rounds": args.rounds}
+        result["logs"] = workdir
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        for key in conn.scan_iter(match=f"{prefix}:*", count=1000):
+            conn.delete(key)
+    print(json.dumps(result, indent=2, default=dict))
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump(result, out, indent=2, default=dict)
+
+
+if __name__ == "__main__":
+    main()
