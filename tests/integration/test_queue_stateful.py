@@ -376,6 +376,9 @@ def test_queue_integrity_stateful(server):
             except JobLost:
                 assert rid in self.may_lose, f"{rid}: JobLost, nothing removed it"
                 return
+            except TimeoutError:  # lost, and a marker the hostile producer wrote hides it
+                assert rid in self.may_lose and rid in getattr(self, "touched", ()), rid
+                return
             assert output.finished
 
     at_length = settings.default.max_examples >= 1000  # --hypothesis-profile=long

@@ -62,7 +62,9 @@ class HostileProducer:
     def _target(self, data) -> str:
         """An honest job's id, an id not yet submitted (the next ones), or its own."""
         future = [f"r{self.count + k}" for k in range(3)]
-        return data.draw(st.sampled_from(sorted(self.submitted) + future + ["hostile-own"]))
+        rid = data.draw(st.sampled_from(sorted(self.submitted) + future + ["hostile-own"]))
+        self.touched = getattr(self, "touched", set()) | {rid}
+        return rid
 
     def _value(self, data, rid: str, field: str):
         if field == "status":
