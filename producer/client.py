@@ -16,6 +16,7 @@ from lorapool.lifecycle.chunk import decode_chunk
 from lorapool.lifecycle.chunk_log import Cursor, OutputAssembler
 from lorapool.lifecycle.keys import DEFAULT_PREFIX, Keys
 from lorapool.lifecycle.listener import Listener
+from lorapool.lifecycle.run_state import job_status
 from lorapool.lifecycle.submit import Submit, build_job, check_on_finish
 from lorapool.lifecycle.wire import DEFAULT_MAX_N, DEFAULT_MAX_PROMPT_BYTES, JobLimits
 from lorapool.outputs import RequestOutput
@@ -139,7 +140,7 @@ class JobHandle:
         (``lifecycle.orphaned``); the log read that follows gives the final chunk."""
         producer, rid = self.producer, self.request_id
         try:
-            ended = orphaned.end(producer.redis, producer._end_unread, producer.keys, rid)
+            ended = orphaned.end(producer._end_unread, rid)
             if ended:
                 orphaned.log_ended(rid, ended)
         except connection.REDIS_TRANSIENT:
@@ -173,8 +174,14 @@ class JobHandle:
         self.producer.abort(self.request_id)
 
     def status(self) -> str | None:
-        raw = self.producer.redis.hget(self.producer.keys.job(self.request_id), "status")
-        return None if raw is None else raw.decode()
+        """queued, finished or failed (``JobStatus``); None for an unknown id. Ended
+        only by what a worker wrote (the run key), never by the marker's fields."""
+        keys, rid = self.producer.keys, self.request_id
+        with self.producer.redis.pipeline(transaction=False) as pipe:
+            pipe.hget(keys.run(rid), "status")
+            pipe.exists(keys.job(rid))
+            ran, submitted = pipe.execute()
+        return job_status(ran, submitted)
 
 
 class Producer:

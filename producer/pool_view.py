@@ -15,6 +15,7 @@ from lorapool.lifecycle.adapter_record import AdapterRecord, decode_adapter_reco
 from lorapool.lifecycle.chunk_log import RESULT_FIELD
 from lorapool.lifecycle.heartbeat import Heartbeat, decode_heartbeats
 from lorapool.lifecycle.keys import WORKERS_GROUP
+from lorapool.lifecycle.run_state import job_status
 from lorapool.producer.aio import AsyncProducer
 from lorapool.producer.api_keys import KeyRecord, authenticate, decode_key_record
 
@@ -67,13 +68,15 @@ class PoolView:
         (``started``), whether its final record is in (``final``) and its chunk log is
         still there (``log``: not yet compacted); None for an unknown id."""
         async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.hmget(self.keys.job(request_id), "status", RESULT_FIELD)
+            pipe.hmget(self.keys.run(request_id), "status", RESULT_FIELD)
             pipe.exists(self.keys.out(request_id))
-            (status, result), log = await pipe.execute()
+            pipe.exists(self.keys.job(request_id))
+            (ran, result), log, submitted = await pipe.execute()
+        status = job_status(ran, submitted)
         if status is None:
             return None
         return {
-            "status": status.decode(),
+            "status": status,
             "started": bool(log or result),
             "final": bool(result),
             "log": bool(log),

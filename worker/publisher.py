@@ -180,7 +180,7 @@ class Publisher:
                 raise results
             appended, entries, extra = results
             for (held, chunk, _), result in zip(trip.sent, appended):
-                if result >= NAMED and not chunk.finished:  # the marker names the entry
+                if result >= NAMED and not chunk.finished:  # this entry holds the run
                     held.fenced, result = True, result - NAMED
                 if result == 0 and not chunk.finished:
                     self.state.num_tokens += chunk.num_tokens
@@ -262,16 +262,16 @@ class Publisher:
             return
         if result == ANSWERED:
             state.drop(rid)
-            why = "its marker says it finished, or names another entry"
+            why = "its run ended, or another entry runs it (or its submission names one)"
             ack_duplicate(state, self, rid, held.entry_id, held.stream, why)
             return
         if result == BAD_MARKER:
             logger.warning(
-                "worker %s: %s finished, its job marker %s holds another type than a "
+                "worker %s: %s finished, its run key %s holds another type than a "
                 "hash (left alone; the output stays in the chunk log for its TTL)",
                 state.name,
                 rid,
-                state.keys_of(held.stream).job(rid),
+                state.keys_of(held.stream).run(rid),
             )
         if result == VANISHED:  # acked (a final sent again) or removed: upkeep tells
             state.vanished.append(held)

@@ -20,6 +20,7 @@ import redis
 
 from lorapool import signing
 from lorapool.connection import REDIS_DOWN, ensure_group, out_of_memory
+from lorapool.lifecycle import run_state
 from lorapool.lifecycle.chunk import Chunk
 from lorapool.lifecycle.error_kind import ErrorKind
 from lorapool.lifecycle.heartbeat import Heartbeat
@@ -186,10 +187,11 @@ class Worker:
             self.stopped = True
 
     def ensure_group(self) -> None:
-        """Create the ``workers`` consumer group (and the stream) of each job stream
-        unless it exists."""
+        """Each job stream's ``workers`` group unless it exists; markers of the first
+        layout moved once (``lifecycle.run_state``)."""
         for stream in self.streams:
             ensure_group(self.redis, stream, WORKERS_GROUP)
+        run_state.migrate(self.redis, self.keys)
 
     # --- admission -------------------------------------------------------------
 
@@ -321,7 +323,7 @@ class Worker:
             dead_letter.fail_all_vanished(self.state, self.publisher)
         if not self.draining and self._due("claim", self.config.lease_s / 2):
             failover.claim(self.state, self.publisher, self.start)
-        if self._due("unread", self.config.lease_s / 2):  # requests readers ended unread
+        if self._due("unread", unread_audit.EVERY_S):  # requests readers asked to end
             unread_audit.record_ended(self.state)
         if self._due("heartbeat", self.config.heartbeat_s):
             record = heartbeat_record(self.state)

@@ -29,19 +29,19 @@ from lorapool.lifecycle.keys import WORKERS_GROUP, Keys
 
 # APPEND's results besides 0 and 1 (abort asked): not the owner, seq already in the log,
 # the log key holds another type than a list (nothing written for the item), and
-# finished with the job's marker holding another type than a hash (left alone: the
-# whole output stays in the log, kept for the result's TTL)
-# the request id is answered (its marker says finished or failed; no marker saying,
-# its log ends in a final chunk) or another entry's
-# (the marker names another entry: a duplicate XADD of a running request): nothing
-# written, the worker acks this entry without output
+# finished with the job's run key holding another type than a hash (an operator's; left
+# alone: the whole output stays in the log, kept for the result's TTL)
+# the request id is answered (its run key says finished or failed; no run key saying,
+# its log ends in a final chunk) or another entry's (the run key names another entry: a
+# duplicate XADD of a running request): nothing written, the worker acks this entry
+# without output
 # the entry is pending to no one (acked already, or removed under the worker by an
 # operator: XTRIM, XDEL, a group destroyed, the stream deleted)
 NOT_OWNER, DUPLICATE, BAD_LOG, ANSWERED, VANISHED, BAD_MARKER = -1, -2, -3, -4, -5, 2
-# A chunk's fence on the job's marker (``Append.fence``): read it (results 0/1), read it
-# and say whether it names this entry (NAMED added to 0/1: a marker SUBMIT made for this
-# entry), or not read it again (the marker named this entry at an append of this run:
-# what could change it since is fenced by the pending list; see the script)
+# A chunk's fence on the job's run key (``Append.fence``): read it (results 0/1), read it
+# and say whether this entry holds the run (NAMED added to 0/1: it claimed it, or had),
+# or not read it again (this entry held the run at an append of this run: what could
+# change it since is fenced by the pending list; see the script)
 READ, ASK, SKIP = 0, 1, 2
 NAMED = 3
 
@@ -74,7 +74,8 @@ def append_call(
     args: list = [WORKERS_GROUP, consumer, dead_max_len, log_grace_s]
     for item in items:
         rid = item.request_id
-        call_keys += [item.stream or keys.requests, keys.out(rid), keys.abort(rid), keys.job(rid)]
+        stream = item.stream or keys.requests
+        call_keys += [stream, keys.out(rid), keys.abort(rid), keys.job(rid), keys.run(rid)]
         flag = (2 if item.vanished else 1) if item.final else (0, 3, 4)[item.fence]
         args += [flag, item.entry_id, item.seq, item.chunk]
         if item.final:  # most items are not: 8 values a chunk instead of 13
@@ -82,7 +83,8 @@ def append_call(
     return {"keys": call_keys, "args": args}
 
 
-# KEYS: audit, dead, then per item: its stream, out, abort, job
+# KEYS: audit, dead, then per item: its stream, out, abort, job (the submission: only
+#       its TTL is set at the end), run (the workers' own: lifecycle/run_state.py)
 # ARGV: group, consumer, dead stream's MAXLEN (approximate), the log's grace after the
 #       final chunk (s), then per item: its kind (1: final; 2: final of an entry that
 #       vanished, written though it is pending to no one; not final: 0 read the marker,
@@ -95,20 +97,20 @@ def append_call(
 # not a list: nothing written), -4 (a chunk for a request id whose marker says it
 # finished, or names another entry, or, no marker saying, whose log ends in a final
 # chunk: nothing written), else 1 if abort is asked, 2
-# (finished, the job's marker not a hash: left alone), 0; plus 3 for a chunk of kind 3
-# or 4 whose marker names this entry.
-# The marker is read for a chunk of kind 4 no more (a worker sends it once an append of
-# this run found the marker naming its entry): its entry field is SUBMIT's, never
-# rewritten; a second entry of the id is refused at its first chunk; and its status
-# turns final only by a final of this entry (this worker's, or, after a claim, another's:
-# the pending list then refuses this one) or a reader's END_UNREAD (only for an entry
-# pending to no one, with no log or one a killed worker left unchanged since the reader
-# read it: lifecycle/orphaned.py). So one HMGET a run, not one a chunk.
-# At most one run per request id: a chunk is taken only for the entry the marker names
-# (SUBMIT writes it; a raw XADD has none) and never after the request's final record,
-# so a duplicate entry cannot add a second final chunk or a second audit record. Where
-# no marker says how the request stands (a raw XADD's, one an operator deleted, a key
-# of another type) the log's last chunk does: one that is final refuses the item (-4),
+# (finished, the run key not a hash, an operator's: left alone), 0; plus 3 for a chunk
+# of kind 3 or 4 whose run this entry holds.
+# Who ran a request is the run key's (workers' only): the first chunk a run appends
+# claims it (``entry``); every later chunk of another entry is refused (-4), and so is
+# every chunk once the run key says the request ended. The marker (SUBMIT's) is never
+# read: a producer may write any of its fields (rows A and B of issue 48), so of two
+# entries of one id (a raw XADD of it) the one whose chunk comes first runs it.
+# The run key is read for a chunk of kind 4 no more (a worker sends it once an append of
+# this run found its entry there): only a final of this entry (this worker's, or, after
+# a claim, another's: the pending list then refuses this one) or a worker's ending of an
+# entry pending to no one (worker/unread_audit.py) ends it. So one HMGET a run, not one
+# a chunk. So a duplicate entry cannot add a second final chunk or a second audit
+# record. Where no run key says how the request stands (a job of the first layout, or
+# one an operator deleted) the log's last chunk does: one that is final refuses the item (-4),
 # and so does no log at all for the error final of an entry pending to no one (a worker
 # woken past its lease cannot tell an operator's removal from another worker's finish
 # when the marker and the log were deleted since: it must not audit the id again).
@@ -166,12 +168,13 @@ end
 
 local results, finished = {}, {}
 local a, k = 4, 2  -- the ARGV and KEYS read so far
+local function ended(s) return s == 'finished' or s == 'failed' end
 while a < #ARGV do
   local kind, entry, seq = ARGV[a + 1], ARGV[a + 2], tonumber(ARGV[a + 3])
   local final, vanished = kind == '1' or kind == '2', kind == '2'
   local named = kind == '4'
   local chunk, stream, out, abort = ARGV[a + 4], KEYS[k + 1], KEYS[k + 2], KEYS[k + 3]
-  local job = KEYS[k + 4]
+  local job, run = KEYS[k + 4], KEYS[k + 5]
   local audit, ttl, dead, reason, record = '', 0, '', '', ''
   if final then
     audit, ttl, dead, reason = ARGV[a + 5], ARGV[a + 6], ARGV[a + 7], ARGV[a + 8]
@@ -180,8 +183,8 @@ while a < #ARGV do
   else
     a = a + 4
   end
-  k = k + 4
-  local result, added, marker = 0, 1, true
+  k = k + 5
+  local result, added, marker, claim = 0, 1, true, false
   local p = redis.pcall('XPENDING', stream, ARGV[1], entry, entry, 1)
   if p.err then p = {} end  -- the stream or its group is gone
   if #p > 0 and p[1][2] ~= ARGV[2] then
@@ -189,13 +192,15 @@ while a < #ARGV do
   elseif #p == 0 and not vanished then
     result = -5
   elseif seq >= 0 and not named then
-    local m = redis.pcall('HMGET', job, 'status', 'entry')
+    local m = redis.pcall('HMGET', run, 'status', 'entry')
     if m.err then
-      marker = false  -- not a hash: left alone
-    elseif m[1] == 'finished' or m[1] == 'failed' or (m[2] and m[2] ~= entry) then
+      marker, m = false, {false, false}  -- not a hash (an operator's): left alone
+    elseif ended(m[1]) or (m[2] and m[2] ~= entry) then
       result = -4
+    elseif not m[2] then  -- no run yet: this entry's chunk claims it
+      claim = marker
     end
-    if result == 0 and (not marker or not m[1]) then
+    if result == 0 and not m[1] then
       if ends_final(out) then
         result = -4  -- no marker says so, but the log has its final chunk: answered
       elseif vanished and redis.call('EXISTS', out) == 0 then
@@ -204,12 +209,13 @@ while a < #ARGV do
         result = -4
       end
     end
-    named = kind == '3' and marker and m[2] == entry
+    named = kind == '3' and marker and (m[2] == entry or claim)
   end
   if result == 0 and seq >= 0 then
     added = add_chunk(out, seq, chunk)
     if type(added) == 'table' then return added end  -- an error reply: the whole call
     if added == 0 then result = -2 elseif added == -3 then result = -3 end
+    if result == 0 and claim and not final then redis.call('HSET', run, 'entry', entry) end
   end
   if result == 0 then
     if seq >= 0 then
@@ -225,14 +231,15 @@ while a < #ARGV do
                    'data', dead)
       end
       if seq >= 0 then
-        -- compaction: the whole output in the job's hash; the log only for a grace,
+        -- compaction: the whole output in the run key; the log only for a grace,
         -- for readers following it
         if marker then
           redis.call('EXPIRE', out, math.min(tonumber(ttl), tonumber(ARGV[4])))
-          redis.call('HSET', job, 'status', dead ~= '' and 'failed' or 'finished',
-                     'result', record)
-          redis.call('EXPIRE', job, ttl)
-        else  -- not the pool's marker: the log is the only record, for the whole TTL
+          redis.call('HSET', run, 'status', dead ~= '' and 'failed' or 'finished',
+                     'result', record, 'entry', entry)
+          redis.call('EXPIRE', run, ttl)
+          redis.call('EXPIRE', job, ttl)  -- the submission goes with it (any type)
+        else  -- not a run key: the log is the only record, for the whole TTL
           redis.call('EXPIRE', out, ttl)
           result = 2
         end

@@ -24,7 +24,7 @@ from lorapool.lifecycle.chunk import Chunk, Delta, decode_chunk, encode_chunk
 from lorapool.outputs import CompletionOutput, RequestOutput, logprobs_from_wire
 from lorapool.protocol import RequestOutputKind
 
-RESULT_FIELD = "result"  # the job hash's field holding the compacted output
+RESULT_FIELD = "result"  # the run key's field holding the compacted output
 MAX_RECORD_BYTES = 256 << 20  # a compressed record inflates to at most this
 
 

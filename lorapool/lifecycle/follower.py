@@ -136,9 +136,8 @@ class Follower:
                     ended = await self._end_unread(cursor.request_id)
                 else:
                     ended = still.due(cursor.seq) and await self._end_orphaned(cursor)
-                if ended:
-                    for chunk in await self._fill(cursor):  # the final error record
-                        yield chunk
+                if ended:  # asked the workers: their final record comes within a second
+                    quiet = self.poll_s
 
     async def _end_unread(self, request_id: str) -> bool:
         """Whether this call ended ``request_id`` because its queue entry was removed
@@ -151,7 +150,7 @@ class Follower:
         rid = cursor.request_id
         return await self._ended(
             rid,
-            lambda: orphaned.end_async(self.redis, self.unread, self.keys, rid),
+            lambda: orphaned.end_async(self.unread, rid),
             orphaned.log_ended,
         )
 

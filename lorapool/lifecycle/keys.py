@@ -4,7 +4,7 @@ Two layouts. Unsharded (``shards=0``, the default, one standalone Redis): keys a
 ``<prefix>:<name>``, and per-request keys wrap the request id in a hash tag.
 Sharded (``shards=N``, for a Redis Cluster): a request lives on shard
 ``crc32(request id) % N``, and every key of shard ``s`` (its job streams, dead and
-audit streams, handoff lists, and its requests' job, out and abort keys) carries the
+audit streams, handoff lists, and its requests' job, run, out and abort keys) carries the
 hash tag of the shard, ``{<prefix>:<s>-<k>}`` (``shard_tag``), so that each script of
 the queue touches one slot, and that slot lies in the middle of the s-th N-th of the
 slot space: with N masters holding the contiguous slot ranges ``redis-cli --cluster
@@ -160,6 +160,11 @@ class Keys:
         '(tokenizer.json), "chat_template", "special", "clean_up_tokenization_spaces"}; '
         "written by each worker that starts.",
     )
+    layout = _meta_key(
+        "layout",
+        "String: the key layout the pool's markers are in; '2' once a worker moved the "
+        "run state of markers of the first layout to their run keys (lifecycle/run_state.py).",
+    )
     lora_resolver = _meta_key(
         "lora-resolver", "String: 'off' while an admin has turned the gateways' LoRA resolver off."
     )
@@ -194,7 +199,19 @@ class Keys:
         "callback",
         "Set once a request's completion callback is in RQ (lorapool/batch/callbacks.py).",
     )
-    job = _request_key("job", "Idempotency marker and status of one job.")
+    job = _request_key(
+        "job",
+        "Hash: one job's submission (SUBMIT's idempotency marker: entry, submitted, "
+        "priority, output_kind, on_finish). Producers may write it: nothing a worker "
+        "writes or audits is read from it but the entry its first chunk checks.",
+    )
+    run = _request_key(
+        "run",
+        "Hash: one job's run, written by workers only (docs/redis-acl.md): the entry a "
+        "worker took it from (``entry``), once it ended its ``status`` (finished, failed), "
+        "final record (``result``) and, for a request a worker ended for its readers, "
+        "when and why (``ended``, ``cause``; lifecycle/unread.py).",
+    )
     response = _request_key(
         "response",
         "String: a stored Responses API response (orjson {response, conversation}) by its "

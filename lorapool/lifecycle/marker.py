@@ -54,13 +54,15 @@ class JobLost(RuntimeError):
 def read_back(pipe, keys: Keys, request_id: str, after: int, count: int | None = None) -> None:
     """Queue on ``pipe`` the reads that place a reader in the request's output, for one
     round trip: the log's chunks after seq ``after`` (at most ``count``), whether the
-    log is still there, the final record and whether the marker is there.
-    ``read_back_result`` reads the replies."""
+    log is still there, the final record (the run key's: only workers write it,
+    ``lifecycle.run_state``; never the marker's, which any producer may write) and
+    whether the marker and the run key are there. ``read_back_result`` reads the
+    replies."""
     end = -1 if count is None else after + count
     pipe.lrange(keys.out(request_id), after + 1, end)
     pipe.exists(keys.out(request_id))
-    pipe.hget(keys.job(request_id), RESULT_FIELD)
-    pipe.exists(keys.job(request_id))
+    pipe.hget(keys.run(request_id), RESULT_FIELD)
+    pipe.exists(keys.job(request_id), keys.run(request_id))
 
 
 def read_back_result(replies: list, request_id: str = "") -> tuple[list, bytes | None]:
@@ -68,13 +70,13 @@ def read_back_result(replies: list, request_id: str = "") -> tuple[list, bytes |
     before). Readers take the log's chunks while they follow on from their cursor and
     the final record's rest when the log is gone (compacted) or holds nothing they can
     take: a log an operator deleted while its request ran is made again without its
-    first chunks, which no reader would ever get. JobLost when the log and the marker
-    are both gone. ``replies``: with ``raise_on_error=False``."""
+    first chunks, which no reader would ever get. JobLost when the log, the marker and
+    the run key are all gone. ``replies``: with ``raise_on_error=False``."""
     entries, exists, result, marker = replies[-4:]
     for reply in (entries, exists, marker):
         if isinstance(reply, Exception):
             raise reply
-    if isinstance(result, Exception):  # a marker of another type (a producer's SET):
+    if isinstance(result, Exception):  # a run key of another type (an operator's SET):
         result = None  # the workers leave it alone and keep the log for the result's TTL
     if not exists and not marker:
         raise JobLost(request_id)

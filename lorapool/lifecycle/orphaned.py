@@ -4,17 +4,17 @@ removed the entry (``XTRIM``, ``XDEL``, the group destroyed and re-created, ``DE
 the stream); another worker's claim then drops the entry from the pending list without
 its request id (``lease.claim_idle``), so no worker will resume it.
 
-Its readers end it, as ``lifecycle.unread`` does for a request no worker read: a reader
-whose request's log holds chunks (taken or not: a log an operator deleted is made again
-without its head) and has had no new chunk for ``QUIET_S`` asks ``END_UNREAD`` (``log``
-'check', nothing written) whether the request is queued, with a log that does not end
-in a final chunk, pending to no worker and not to be read. Only then does it read the
-whole log, build its output so far as one final record (``orphan_record``: finish_reason
-"error", ``REASON``), and ask again with the log's length: the script re-checks all of
-it atomically, and that no chunk came since, before it stores the record in the marker
-(status failed) and pushes the id for the workers' audit record
-(``worker/unread_audit.py``). Every reader then gets one final chunk, after exactly the
-chunks it had, from the record's rest (``marker.read_back_result``).
+Its readers ask the workers to end it, as ``lifecycle.unread`` does for a request no
+worker read: a reader whose request's log holds chunks (taken or not: a log an operator
+deleted is made again without its head) and has had no new chunk for ``QUIET_S`` asks
+``END_UNREAD`` (``log`` 'check'), which pushes the id only if no worker ended the
+request, its log does not end in a final chunk and its entry is pending to no one and
+not to be read. A worker then checks all of it again, reads the whole log, builds the
+output so far as one final record (``orphan_record``: finish_reason "error",
+``REASON``) and stores it in the run key with its audit record, in one atomic call
+that checks the log did not change since it read it (``worker/unread_audit.py``).
+Every reader then gets one final chunk, after exactly the chunks it had, from the
+record's rest (``marker.read_back_result``).
 """
 
 from __future__ import annotations
@@ -81,27 +81,15 @@ class Quiet:
         return now - self.since >= QUIET_S
 
 
-def end(connection, end_unread, keys, request_id: str) -> int:
-    """End ``request_id`` if it was orphaned (sync client): ``END_UNREAD``'s reply (0: left
-    alone). One round trip while it is not orphaned, two more when it is."""
-    if end_unread(request_id, "check") != -1:
-        return 0
-    raws = connection.lrange(keys.out(request_id), 0, -1)
-    record = orphan_record(request_id, raws)
-    if record is None:
-        return 0
-    return end_unread(request_id, len(raws), record)
+def end(end_unread, request_id: str) -> int:
+    """Ask the workers to end ``request_id`` if it was orphaned (sync client):
+    ``END_UNREAD``'s reply (0: left alone). One round trip."""
+    return end_unread(request_id, "check")
 
 
-async def end_async(connection, end_unread, keys, request_id: str) -> int:
+async def end_async(end_unread, request_id: str) -> int:
     """``end`` on a redis.asyncio client."""
-    if await end_unread(request_id, "check") != -1:
-        return 0
-    raws = await connection.lrange(keys.out(request_id), 0, -1)
-    record = orphan_record(request_id, raws)
-    if record is None:
-        return 0
-    return await end_unread(request_id, len(raws), record)
+    return await end_unread(request_id, "check")
 
 
 def log_ended(request_id: str, ended: int) -> None:

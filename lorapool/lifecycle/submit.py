@@ -19,8 +19,13 @@ from lorapool.protocol import FieldError, LoRARequest, SamplingParams
 # Enqueue a job only if its request id is new: the marker and the entry together.
 # The same call sent again (redis-py retries one whose reply was lost) finds its own
 # marker ('submitted' is this call's clock reading) and returns its entry.
-# KEYS: job marker, the stream of the job's priority. ARGV: payload, output kind, now,
-# priority, on_finish ('' none: see ``check_on_finish``).
+# A request id whose run key exists (only workers write it: lifecycle/run_state.py) is
+# taken too, marker or not: a run ended (or a worker ended it for its readers) is never
+# run again under its id while its result lives.
+# KEYS: job marker, the stream of the job's priority.
+# ARGV: payload, output kind, now, priority, on_finish ('' none: see ``check_on_finish``),
+# its run key (only read: in ARGV, for Redis checks a script's declared keys as read and
+# written, and a producer may only read it; it is in the marker's slot).
 SUBMIT_SCRIPT = """
 if redis.call('EXISTS', KEYS[1]) == 1 then
   if redis.call('HGET', KEYS[1], 'submitted') == ARGV[3] then
@@ -28,6 +33,7 @@ if redis.call('EXISTS', KEYS[1]) == 1 then
   end
   return false
 end
+if redis.call('EXISTS', ARGV[6]) == 1 then return false end
 local entry = redis.call('XADD', KEYS[2], '*', 'data', ARGV[1])
 redis.call('HSET', KEYS[1], 'status', 'queued', 'entry', entry,
            'output_kind', ARGV[2], 'submitted', ARGV[3], 'priority', ARGV[4])
@@ -48,6 +54,7 @@ def submit_call(keys: Keys, job: Job, priority: str, on_finish: str) -> dict[str
             time.time(),
             priority,
             on_finish,
+            keys.run(rid),
         ],
     }
 

@@ -1,28 +1,24 @@
 """A queued job whose entry an operator removed before any worker read it (``XTRIM``,
 ``XDEL``, a consumer group destroyed and re-created at ``$``, ``DEL`` of the stream):
-no worker will ever run it, so its readers end it (issue 31 Build 2).
+no worker will ever run it, so its readers ask the workers to end it (issues 31 and 48).
 
 A reader that has had nothing from a request yet asks ``END_UNREAD`` on each quiet
-poll of its log. The script ends the request only if, at that instant, its marker still
-says ``queued``, it has no chunk log (no worker wrote for it), no worker holds its entry
-(not in the group's pending list) and no worker can read it (the entry is gone from its
-stream, or the group delivered past it). Then it stores a final error record in the
-marker and marks it ``failed``, as a compacted run does: every reader of the request
-(this one at once, the others at their next poll) gets one final chunk with
-``finish_reason`` "error" naming the cause. A worker that took the entry after all (a
-group re-created at ``0``) finds the marker answered and writes nothing.
+poll of its log (at most once per ``ASK_EVERY_S``). The script writes nothing but the
+request's id on its shard's ``unread-ended`` list, and only if, at that instant, no
+worker ended the request (its run key, ``lifecycle/run_state.py``), it has no chunk log
+(no worker wrote for it), no worker holds its entry (in no job stream's pending list)
+and no worker can read it (the entry is gone from its stream, or the group delivered
+past it). A worker's upkeep takes the ids from there (every second), checks each again
+on what only workers write, and ends it itself (``worker/unread_audit.py``): a final
+error record in the run key, which every reader of the request gets at its next poll
+as one final chunk with ``finish_reason`` "error" naming the cause, and the signed audit
+record, both in one atomic call. Readers may not write the run key nor the audit
+stream (docs/redis-acl.md): what ends a request and what the trail says of it are the
+workers'. With no worker alive, a reader waits for its final record as for any queued
+job (its ``timeout``), asking again now and then.
 
-Its audit record (finish_reason "error", the same error) is a worker's to write: the
-audit trail holds what workers sign with their key, which readers do not hold, and the
-producer and gateway roles may not write the audit stream (docs/redis-acl.md). So the
-script also flags the marker (``unread``: when it ended it) and pushes the request id
-on its shard's ``unread-ended`` list, the one key of the workers' that readers may
-write (push only); a worker's upkeep takes the ids from there, checks each again and
-writes one signed record each (``worker/unread_audit.py``). A request ends once: the
-script re-checks all of the above atomically, and a second call finds it failed.
-
-The same script ends a request a killed worker had begun whose entry is gone, given
-the log as its reader read it (``lifecycle/orphaned.py``).
+The same script asks for a request a killed worker had begun whose entry is gone
+(``lifecycle/orphaned.py``).
 """
 
 from __future__ import annotations
@@ -30,7 +26,7 @@ from __future__ import annotations
 import logging
 import time
 
-from lorapool.connection import register_script
+from lorapool.connection import is_async_client, register_script
 from lorapool.lifecycle.chunk import Chunk, Delta
 from lorapool.lifecycle.chunk_log import encode_result
 from lorapool.lifecycle.error_kind import ErrorKind
@@ -38,8 +34,8 @@ from lorapool.lifecycle.keys import PRIORITIES, WORKERS_GROUP, Keys
 from lorapool.outputs import RequestMetrics
 
 logger = logging.getLogger(__name__)
-# What END_UNREAD found (the marker's ``unread_cause``), as the audit record and the
-# worker's log line say it
+# What a worker found when it ended a request (its run key's ``cause``), as the audit
+# record and the worker's log line say it
 CAUSES = {
     "entry": "its entry was gone from its job stream (XTRIM or XDEL)",
     "stream": "its job stream no longer existed (DEL of the stream)",
@@ -49,91 +45,74 @@ CAUSES = {
         "(XGROUP SETID, or the group destroyed and re-created at $)"
     ),
 }
-RESULT_TTL_S = 24 * 3600  # the ended marker's TTL: the workers' default --result-ttl
 REASON = (
     "its queue entry was removed before any worker read it (an operator's XTRIM, XDEL, "
     "XGROUP DESTROY/SETID or DEL of the job stream; see README, operator commands): it "
     "was never run; submit it again"
 )
 
+ASK_EVERY_S = 5.0  # a reader asks again for a request at most this often
 # KEYS: the job's marker, then its shard's job streams (``Keys.streams``).
-# ARGV: group, the final record, its TTL (s), the job's chunk log (only read), the
-# shard's ended list (``Keys.unread_ended``, only pushed to), the request id, the time,
-# the log it must have ('0': none; n: n chunks, the last not final, ``lifecycle.orphaned``;
-# 'check': any such log, and nothing written: -1 where it would end it), then the
-# priorities in the streams' order (a marker without one: the first). The log
-# and the list are named here, not in KEYS, for Redis checks a script's declared keys as
-# read and written, and readers' ACL users may only read logs and only push to the list;
-# both are in the marker's slot.
-# Returns 0 (left alone: not queued, not a hash, a log exists (or not the one asked),
-# pending to a worker, or still to be read), else 1 (ended: the marker failed with the
-# record, the id pushed)
-# or 2 (ended, but the list holds another type than a list: no audit record).
-# Read-only until every check has passed; RPUSH, HSET and EXPIRE then. The marker keeps
-# what was found (``unread_cause``, one of ``CAUSES``) for the audit record, and for a
-# run stopped partway its log's length (``unread_log``).
+# ARGV: group, its run key (only read), its chunk log (only read), the shard's ended list
+# (``Keys.unread_ended``, only pushed to), the request id, the log it must have ('0':
+# none; 'check': one not ending in a final chunk, ``lifecycle.orphaned``), then the
+# priorities in the streams' order (a marker without one: the first). The run key, the
+# log and the list are named here, not in KEYS, for Redis checks a script's declared keys
+# as read and written, and readers' ACL users may only read the first two and only push
+# to the list; all are in the marker's slot.
+# Returns 0 (left alone: ended by a worker, no entry known, a log exists (or not the one
+# asked), pending to a worker, or still to be read), else 1 (the id pushed) or 2 (the list
+# holds another type than a list: nothing pushed). Read-only but the RPUSH.
 END_UNREAD = """
-local status = redis.pcall('HGET', KEYS[1], 'status')
-if type(status) ~= 'string' or status ~= 'queued' then return 0 end
-local entry = redis.call('HGET', KEYS[1], 'entry')
-local priority = redis.call('HGET', KEYS[1], 'priority') or ARGV[9]
+local function field(key, name)  -- HGET (readers' users have no HMGET); nil: not a hash
+  local value = redis.pcall('HGET', key, name)
+  if type(value) == 'table' then return nil end
+  return value
+end
+local ran = redis.pcall('HGET', ARGV[2], 'status')
+if type(ran) ~= 'boolean' then return 0 end  -- ended, or not a hash
+local entry = field(ARGV[2], 'entry') or field(KEYS[1], 'entry')
+local priority = field(KEYS[1], 'priority') or ARGV[7]
 if not entry or not string.match(entry, '^%d+%-%d+$') then return 0 end
-local expect = ARGV[8]
-if expect == '0' then
-  if redis.call('EXISTS', ARGV[4]) == 1 then return 0 end  -- a worker wrote for it
-else  -- a run stopped partway: a log of ARGV[8] chunks (any: 'check') not ending final
-  local last = redis.pcall('LRANGE', ARGV[4], -1, -1)
+if ARGV[6] == '0' then
+  if redis.call('EXISTS', ARGV[3]) == 1 then return 0 end  -- a worker wrote for it
+else  -- a run stopped partway: a log not ending in a final chunk
+  local last = redis.pcall('LRANGE', ARGV[3], -1, -1)
   if last.err or #last == 0 then return 0 end
   local ok, record = pcall(cjson.decode, last[1])
   if ok and type(record) == 'table' and record['f'] == 1 then return 0 end
-  if expect ~= 'check' then  -- no chunk since the reader read it (LRANGE: its ACL's)
-    local n = tonumber(expect)
-    if #redis.call('LRANGE', ARGV[4], n, n) > 0 then return 0 end
-    if #redis.call('LRANGE', ARGV[4], n - 1, n - 1) == 0 then return 0 end
-  end
+end
+for i = 2, #KEYS do  -- pending in any job stream: held
+  local p = redis.pcall('XPENDING', KEYS[i], ARGV[1], entry, entry, 1)
+  if p.err == nil and #p > 0 then return 0 end
+  -- no group is no holder; any other refusal (an ACL without XPENDING) tells nothing
+  if p.err ~= nil and not string.find(p.err, 'NOGROUP', 1, true)
+     and not string.find(p.err, 'WRONGTYPE', 1, true) then return 0 end
 end
 local stream = KEYS[2]
-for i = 9, #ARGV do
-  if ARGV[i] == priority then stream = KEYS[i - 7] end
+for i = 7, #ARGV do
+  if ARGV[i] == priority then stream = KEYS[i - 5] end
 end
--- a stream key of another type (an operator's SET): the queue and the entry are gone
 local found = redis.pcall('XRANGE', stream, entry, entry)
-local cause = 'stream-type'  -- what was found, for the workers' audit record
-if found.err == nil then
-  cause = 'group'
-  if #found == 0 then cause = redis.call('EXISTS', stream) == 1 and 'entry' or 'stream' end
-  local p = redis.pcall('XPENDING', stream, ARGV[1], entry, entry, 1)
-  if p.err == nil and #p > 0 then return 0 end  -- a worker holds it
-  -- no group is no holder; any other refusal (an ACL without XPENDING) tells nothing
-  if p.err ~= nil and not string.find(p.err, 'NOGROUP', 1, true) then return 0 end
-  if #found > 0 then
-    local delivered = nil
-    for _, fields in ipairs(redis.call('XINFO', 'GROUPS', stream)) do
-      local info = {}
-      for j = 1, #fields, 2 do info[fields[j]] = fields[j + 1] end
-      if info['name'] == ARGV[1] then delivered = info['last-delivered-id'] end
-    end
-    -- no group: workers make it again reading from the start, so it will be read
-    if not delivered then return 0 end
-    local ems, eseq = string.match(entry, '^(%d+)%-(%d+)$')
-    local dms, dseq = string.match(delivered, '^(%d+)%-(%d+)$')
-    ems, eseq, dms, dseq = tonumber(ems), tonumber(eseq), tonumber(dms), tonumber(dseq)
-    if ems > dms or (ems == dms and eseq > dseq) then return 0 end  -- still to be read
+if found.err == nil and #found > 0 then
+  local delivered = nil
+  for _, fields in ipairs(redis.call('XINFO', 'GROUPS', stream)) do
+    local info = {}
+    for j = 1, #fields, 2 do info[fields[j]] = fields[j + 1] end
+    if info['name'] == ARGV[1] then delivered = info['last-delivered-id'] end
   end
+  -- no group: workers make it again reading from the start, so it will be read
+  if not delivered then return 0 end
+  local ems, eseq = string.match(entry, '^(%d+)%-(%d+)$')
+  local dms, dseq = string.match(delivered, '^(%d+)%-(%d+)$')
+  ems, eseq, dms, dseq = tonumber(ems), tonumber(eseq), tonumber(dms), tonumber(dseq)
+  if ems > dms or (ems == dms and eseq > dseq) then return 0 end  -- still to be read
 end
-if expect == 'check' then return -1 end
--- the push first: a user whose ACL refuses it (rules older than the doc's) writes
--- nothing; a list key of another type (a producer's SET) loses the audit record only
-local pushed = redis.pcall('RPUSH', ARGV[5], ARGV[6])
+local pushed = redis.pcall('RPUSH', ARGV[4], ARGV[5])
 if type(pushed) == 'table' and pushed.err then
   if not string.find(pushed.err, 'WRONGTYPE', 1, true) then return redis.error_reply(pushed.err) end
-  pushed = nil
+  return 2
 end
-redis.call('HSET', KEYS[1], 'status', 'failed', 'result', ARGV[2], 'unread', ARGV[7],
-           'unread_cause', cause)
-if expect ~= '0' then redis.call('HSET', KEYS[1], 'unread_log', expect) end
-redis.call('EXPIRE', KEYS[1], ARGV[3])
-if pushed == nil then return 2 end
 return 1
 """
 
@@ -155,30 +134,55 @@ def unread_record(request_id: str, reason: str) -> bytes:
 
 
 class EndUnread:
-    """``end(request_id)``: ``END_UNREAD`` for one request (awaitable on a redis.asyncio
-    client): 1 when this call ended it (logged as a warning by the caller), else 0."""
+    """``end(request_id, log)``: ``END_UNREAD`` for one request (awaitable on a
+    redis.asyncio client): 1 when this call asked the workers to end it (logged by the
+    caller), 2 when it could not (the list holds another type), else 0. A request asked
+    for in the last ``ASK_EVERY_S`` is not asked again (0, no call): with no worker
+    alive, the list grows by one id per waiting reader every few seconds, not per poll.
+    """
 
     def __init__(self, connection, keys: Keys):
         self.keys = keys
         self._script = register_script(connection, END_UNREAD)
+        self._asked: dict[str, float] = {}
+        self._async = is_async_client(connection)
 
-    def __call__(self, request_id: str, log: int | str = 0, record: bytes | None = None):
-        """``log``/``record``: a run stopped partway (``lifecycle.orphaned``)."""
+    def __call__(self, request_id: str, log: str = "0"):
+        """``log``: '0' for a request with no log, 'check' for one a run began
+        (``lifecycle.orphaned``)."""
+        now = time.monotonic()
+        if now - self._asked.get(request_id, -ASK_EVERY_S) < ASK_EVERY_S:
+            return _zero() if self._async else 0
+        if len(self._asked) > 10_000:
+            self._asked = {r: t for r, t in self._asked.items() if now - t < ASK_EVERY_S}
         keys = self.keys.for_request(request_id)
-        return self._script(
+        reply = self._script(
             keys=[keys.job(request_id), *keys.streams],
             args=[
                 WORKERS_GROUP,
-                record or (b"" if log == "check" else unread_record(request_id, REASON)),
-                RESULT_TTL_S,
+                keys.run(request_id),
                 keys.out(request_id),
                 keys.unread_ended,
                 request_id,
-                time.time(),
                 log,
                 *PRIORITIES,
             ],
         )
+        if self._async:
+            return self._asked_async(request_id, reply)
+        return self._note(request_id, reply)
+
+    def _note(self, request_id: str, reply: int) -> int:
+        if reply == 1:
+            self._asked[request_id] = time.monotonic()
+        return reply
+
+    async def _asked_async(self, request_id: str, reply) -> int:
+        return self._note(request_id, await reply)
+
+
+async def _zero() -> int:
+    return 0
 
 
 _refusals = [0]  # how many refusals this process has had (the first is a warning)
@@ -199,12 +203,14 @@ def log_refused(request_id: str, exc: Exception) -> None:
 
 
 def log_ended(request_id: str, ended: int = 1, reason: str = REASON) -> None:
-    """The log line of a request a reader ended (``EndUnread`` returned ``ended``: 1, or
-    2 when its id could not be pushed for the workers' audit record) for ``reason``."""
-    logger.warning("request %s ended: %s", request_id, reason)
+    """The log line of a reader that asked the workers to end a request (``EndUnread``
+    returned ``ended``: 1, or 2 when its id could not be pushed) for ``reason``."""
     if ended == 2:
         logger.error(
-            "request %s: no audit record will be written for it: the pool's unread-ended "
-            "key holds another type than a list (delete it; docs/redis-acl.md)",
+            "request %s: %s, but the pool's unread-ended key holds another type than a "
+            "list: no worker can end it (delete the key; docs/redis-acl.md)",
             request_id,
+            reason,
         )
+        return
+    logger.warning("request %s: %s; asked the workers to end it", request_id, reason)

@@ -69,16 +69,16 @@ def test_no_chunk_after_a_final_one_when_no_marker_says(conn, keys):
     assert append(
         conn, keys, "w", Append("r", entry, 0, b'{"s":0,"c":[],"f":1}', True, **final)
     ) == [0]
-    conn.delete(keys.job("r"))  # compaction wrote it; an operator deletes it
+    conn.delete(keys.run("r"))  # compaction wrote it; an operator deletes it
     twin = conn.xadd(keys.requests, {"data": "{}"}).decode()  # a raw duplicate entry
     conn.xreadgroup(WORKERS_GROUP, "w", {keys.requests: ">"})
     assert append(conn, keys, "w", Append("r", twin, 1, b'{"s":1,"c":[]}', False)) == [ANSWERED]
     vanished = Append("r", entry, 1, b'{"s":1,"c":[],"f":1}', True, **final, vanished=True)
     assert append(conn, keys, "w", vanished) == [ANSWERED]  # its entry acked: pending to no one
-    conn.set(keys.job("r"), "not a hash")
+    conn.set(keys.run("r"), "not a hash")
     assert append(conn, keys, "w", Append("r", twin, 1, b'{"s":1,"c":[]}', False)) == [ANSWERED]
     assert conn.llen(keys.out("r")) == 1 and conn.xlen(keys.audit) == 1
-    conn.delete(keys.job("r"), keys.out("r"))  # nothing says it ran: no error final either
+    conn.delete(keys.run("r"), keys.out("r"))  # nothing says it ran: no error final either
     assert append(conn, keys, "w", vanished._replace(seq=0)) == [ANSWERED]
     assert conn.exists(keys.out("r")) == 0 and conn.xlen(keys.audit) == 1
 
@@ -104,22 +104,22 @@ def test_a_refused_write_fails_the_call_instead_of_passing_for_a_duplicate(priva
 
 def test_a_key_of_another_type_is_the_items_result_and_nothing_is_written(private_redis):
     """A log key that is not a list: BAD_LOG for that item alone, nothing written for
-    it (no ack, no audit record), the other items of the call go through. A job marker
-    that is not a hash (a producer may SET job keys): the request finishes, the marker
-    is left alone (BAD_MARKER), the log kept for the result's TTL."""
+    it (no ack, no audit record), the other items of the call go through. A run key
+    that is not a hash (an operator's SET; only workers may write it): the request
+    finishes, the key is left alone (BAD_MARKER), the log kept for the result's TTL."""
     conn, keys = redis.Redis.from_url(private_redis.url), Keys("t")
     entry = owned_entry(conn, keys, "w")
     second = conn.xadd(keys.requests, {"data": "{}"}).decode()
     conn.xreadgroup(WORKERS_GROUP, "w", {keys.requests: ">"})
     conn.set(keys.out("s"), "not a list")
-    conn.set(keys.job("r"), "not a hash")
+    conn.set(keys.run("r"), "not a hash")
     final = dict(audit=b"a", ttl_s=600, result=b"whole")
     items = [
         Append("s", entry, 0, b"c0", True, **final),
         Append("r", second, 0, b"c0", True, **final),
     ]
     assert append(conn, keys, "w", *items) == [BAD_LOG, BAD_MARKER]
-    assert conn.get(keys.out("s")) == b"not a list" and conn.get(keys.job("r")) == b"not a hash"
+    assert conn.get(keys.out("s")) == b"not a list" and conn.get(keys.run("r")) == b"not a hash"
     assert conn.lrange(keys.out("r"), 0, -1) == [b"c0"]
     assert 60 < conn.ttl(keys.out("r")) <= 600  # the only record: kept for the TTL
     pending = conn.xpending_range(keys.requests, WORKERS_GROUP, "-", "+", 10)

@@ -134,13 +134,13 @@ def test_a_finished_request_reads_without_subscribing(conn, keys, producer):
     channels_before = _channels(conn)
     chunks = list(JobHandle(producer, rid).chunks(timeout=5))
     assert [c.seq for c in chunks] == [0, 1, 2] and _channels(conn) == channels_before
-    # compacted: the log gone, the record in the job's hash: a reader from the start
+    # compacted: the log gone, the record in the run key: a reader from the start
     # gets the whole output as one chunk; one from midway cannot tell where the rest
     # begins (its offsets unknown) and says so
     out = Delta(text=" t0 t1 t2", token_ids=[0, 1, 2])
     conn.delete(keys.out(rid))
     conn.hset(
-        keys.job(rid),
+        keys.run(rid),
         "result",
         encode_result(Chunk(request_id=rid, seq=2, outputs=[out], finished=True)),
     )

@@ -19,6 +19,7 @@ import redis
 from pool_layout import length
 from redis_cluster import private_redis
 from standin import load
+from worker_loop import looping
 
 from lorapool.audit_db import AuditWriter, DatabaseConfig, WriterConfig, create_audit_engine
 from lorapool.audit_db.database import migrate
@@ -179,6 +180,10 @@ def test_the_other_roles_are_refused_what_is_not_theirs(server):
             keda.xrange(shard.requests)
         with pytest.raises(denied):
             clients["rq-worker"].xadd(shard.audit, {"data": b"{}"})
+        for role in ("gateway", "rq-worker"):  # a job's run is the workers' (issue 48)
+            assert clients[role].hget(shard.run("x"), "status") is None
+            with pytest.raises(denied):
+                clients[role].hset(shard.run("x"), "status", "finished")
         with pytest.raises(denied):  # the operator administers the pool, not the server
             clients["operator"].config_set("appendonly", "no")
         with pytest.raises(denied):
@@ -241,17 +246,21 @@ def test_tenant_security_runs_with_each_roles_user(server):
 
 def test_a_reader_ends_an_unread_request_with_its_roles_user(server, tmp_path):
     """A producer's, a gateway's and an RQ worker's handles (sync, and the async
-    follower) end a request whose queue entry an operator removed before any worker read
-    it (issue 31 Build 2): the check, the marker's final record and the push of its id
-    for the workers are within each role's rights; a worker, as its user, writes the
-    requests' audit records and the audit writer, as its user, stores one row each.
-    Readers may push ids for the workers but not read them."""
+    follower) get the end of a request whose queue entry an operator removed before any
+    worker read it (issue 31 Build 2): the check and the push of its id for the workers
+    are within each role's rights; a worker, as its user, ends the requests and writes
+    their audit records (issue 48), and the audit writer, as its user, stores one row
+    each. Readers may push ids for the workers but not read them, nor write the run."""
     from lorapool.lifecycle.unread import REASON
     from lorapool.worker import unread_audit
 
     admin = connect(server.url)
     params = SamplingParams(max_tokens=2)
     roles = ("producer", "gateway", "rq-worker")
+    config = WorkerConfig(shards=server.shards, name="w")
+    engine = load().StandInEngine(8, 0.001)
+    worker = Worker(engine, connect(url(server, "worker")), config, {"name": "m", "sha256": "0"})
+    worker.ensure_group()
     try:
         for role in roles:
             producer = Producer(url(server, role), shards=server.shards)
@@ -267,18 +276,16 @@ def test_a_reader_ends_an_unread_request_with_its_roles_user(server, tmp_path):
 
             for rid in (handle.request_id, following.request_id):
                 admin.xtrim(producer.keys.for_request(rid).requests, maxlen=0, approximate=False)
-            assert handle.result(timeout=30).error == REASON
-            assert asyncio.run(follow(following.request_id)).error == REASON
+            with looping(worker):  # the reader asks, a live worker ends it
+                assert handle.result(timeout=30).error == REASON
+                assert asyncio.run(follow(following.request_id)).error == REASON
             with pytest.raises(redis.exceptions.NoPermissionError):
                 producer.redis.lrange(
                     producer.keys.for_request(handle.request_id).unread_ended, 0, -1
                 )
-        config = WorkerConfig(shards=server.shards, name="w")
-        engine = load().StandInEngine(8, 0.001)
-        worker = Worker(
-            engine, connect(url(server, "worker")), config, {"name": "m", "sha256": "0"}
-        )
-        assert unread_audit.record_ended(worker.state) == 2 * len(roles)
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                producer.redis.hset(producer.keys.run(handle.request_id), "status", "queued")
+        assert unread_audit.record_ended(worker.state) == 0  # all ended already
         audit_db = create_audit_engine(DatabaseConfig(url=f"sqlite:///{tmp_path / 'audit.db'}"))
         migrate(audit_db)
         writer_conn = connect(url(server, "audit-writer"))
@@ -332,12 +339,11 @@ def test_a_reader_with_older_rules_writes_nothing_and_waits(server, layout):
 def test_a_reader_ends_a_run_stopped_partway_with_its_roles_user(server):
     """A run a killed worker began, whose entry an operator deleted and another worker's
     claim dropped (issue 31 Build 2, ``lifecycle/orphaned.py``): a producer's and an RQ
-    worker's handles and the gateway's follower end it with their roles' users (the log
-    read by LRANGE only), and a worker, as its user, writes the audit records and lets
-    the logs expire."""
+    worker's handles and the gateway's follower get its end with their roles' users (the
+    log read by LRANGE only), and a worker, as its user, ends the runs, writes the audit
+    records and lets the logs expire."""
     from lorapool.lifecycle.keys import WORKERS_GROUP
     from lorapool.lifecycle.orphaned import REASON
-    from lorapool.worker import unread_audit
 
     def worker(name: str) -> Worker:
         config = WorkerConfig(shards=server.shards, name=name, lease_s=1.0)
@@ -374,11 +380,13 @@ def test_a_reader_ends_a_run_stopped_partway_with_its_roles_user(server):
             finally:
                 await reader.aclose()
 
-        for role in ("producer", "rq-worker"):
-            output = producers[role].handle(f"ran-{role}").result(timeout=30)
-            assert output.error == REASON and output.outputs[0].token_ids
-        assert asyncio.run(follow("ran-gateway")).error == REASON
-        assert unread_audit.record_ended(survivor.state) == len(roles)
+        with looping(survivor):
+            for role in ("producer", "rq-worker"):
+                output = producers[role].handle(f"ran-{role}").result(timeout=30)
+                assert output.error == REASON and output.outputs[0].token_ids
+            assert asyncio.run(follow("ran-gateway")).error == REASON
+        audits = {view.audit for view in keys.values()}  # each stream once
+        assert sum(admin.xlen(audit) for audit in audits) == len(roles)
         for role in roles:
             assert 0 < admin.ttl(keys[role].out(f"ran-{role}")) <= survivor.config.log_grace_s
     finally:

@@ -1,8 +1,8 @@
 """Issue 31 Builds 2 and 3 for a request whose queue entry an operator removed before
-any worker read it: its reader ends it (tests/integration/test_unread_removed.py), and
-then a worker's upkeep writes its one audit record, finish_reason "error" naming the
-cause, with a log line; two workers racing for it, or its id pushed again, still make
-one record and one row.
+any worker read it: its reader asks the workers to end it (issue 48;
+tests/integration/test_unread_removed.py), and a worker's upkeep ends it and writes its
+one audit record, finish_reason "error" naming the cause, no output, with a log line;
+two workers racing for it, or its id pushed again, still make one record and one row.
 
 Real Redis (both layouts), the producers' own readers, real ``Worker`` loops around
 the stand-in engine, and the real audit writer into SQLite or PostgreSQL.
@@ -17,12 +17,14 @@ import time
 import orjson
 import pytest
 from standin import load
+from worker_loop import looping
 
 from lorapool.audit_db import AuditWriter, WriterConfig
 from lorapool.audit_db.queries import get_request
 from lorapool.audit_record import parse_record
+from lorapool.lifecycle import unread
 from lorapool.lifecycle.keys import WORKERS_GROUP
-from lorapool.lifecycle.unread import CAUSES, REASON
+from lorapool.lifecycle.unread import CAUSES, REASON, EndUnread
 from lorapool.protocol import SamplingParams
 from lorapool.worker import Worker, WorkerConfig, unread_audit
 
@@ -42,16 +44,24 @@ def make_worker(conn, keys, name: str = "w") -> Worker:
     return worker
 
 
-def ended_unread(producer, conn, keys, rids: list[str]) -> None:
-    """Submit ``rids``, XTRIM their streams to nothing, and read each to its end."""
+def asked(producer, conn, keys, rids: list[str], reply: int = 1) -> list:
+    """Submit ``rids``, XTRIM their streams to nothing, and ask, as their readers do,
+    the workers to end each (``reply``: what each ask answers); their handles."""
     handles = [producer.submit("hello", PARAMS, request_id=rid) for rid in rids]
     for view in keys.shard_views:
         conn.xtrim(view.requests, maxlen=0, approximate=False)
+    ask = EndUnread(conn, keys)
+    assert [ask(rid) for rid in rids] == [reply] * len(rids)
+    return handles
+
+
+def assert_ended(handles) -> None:
+    """Each reader gets the workers' end, within seconds."""
     started = time.monotonic()
     for handle in handles:
         output = handle.result(timeout=30)
         assert output.error == REASON and [o.finish_reason for o in output.outputs] == ["error"]
-    assert time.monotonic() - started < 6 * len(rids)
+    assert time.monotonic() - started < 6 * len(handles)
 
 
 def audit_records(conn, keys) -> dict[str, list]:
@@ -78,7 +88,7 @@ def test_an_xtrimmed_job_gets_one_error_audit_row_and_a_log_line(
 ):
     worker = make_worker(conn, keys)
     try:
-        ended_unread(producer, conn, keys, ["trimmed"])
+        handles = asked(producer, conn, keys, ["trimmed"])
         assert listed(conn, keys) == 1
         with caplog.at_level(logging.ERROR, logger="lorapool.worker.unread_audit"):
             for _ in range(3):  # the loop's upkeep, as ``lorapool worker`` runs it
@@ -93,10 +103,11 @@ def test_an_xtrimmed_job_gets_one_error_audit_row_and_a_log_line(
         assert [(o.index, o.finish_reason, o.token_ids) for o in record.outputs] == [
             (0, "error", ())
         ]
-        submitted = float(conn.hget(keys.job("trimmed"), "submitted"))
-        assert record.metrics.arrival_time == submitted <= record.metrics.finished_time
+        # never run: no worker saw it arrive, so its times are when a worker ended it
+        assert record.metrics.arrival_time == record.metrics.finished_time
         assert listed(conn, keys) == 0
-        assert conn.hget(keys.job("trimmed"), "unread") is None  # recorded: flag taken
+        assert conn.hget(keys.run("trimmed"), "status") == b"failed"
+        assert_ended(handles)
         assert write_rows(conn, keys, audit_target) == 1
         rows = get_request(audit_target.engine, "trimmed")
         assert [(r["finish_reason"], r["error"]) for r in rows] == [("error", TRIMMED)]
@@ -107,7 +118,7 @@ def test_an_xtrimmed_job_gets_one_error_audit_row_and_a_log_line(
 
 def test_two_workers_racing_write_one_record_each(conn, keys, producer, audit_target):
     rids = [f"race-{i}" for i in range(12)]
-    ended_unread(producer, conn, keys, rids)
+    handles = asked(producer, conn, keys, rids)
     workers = [make_worker(conn, keys, name) for name in ("w1", "w2")]
     try:
         start, counts = threading.Barrier(2), {}
@@ -125,6 +136,7 @@ def test_two_workers_racing_write_one_record_each(conn, keys, producer, audit_ta
         records = audit_records(conn, keys)
         assert sorted(records) == sorted(rids)
         assert {len(r) for r in records.values()} == {1}
+        assert_ended(handles)
         # the same ids pushed again (a re-run, or anyone with a producer's rights):
         # taken off the list, no second record
         for rid in rids[:3]:
@@ -180,7 +192,7 @@ def test_the_record_reads_back_as_the_audit_writer_reads_it(conn, keys, producer
     """What RECORD_UNREAD stored is the signed record ``unread_record`` built."""
     worker = make_worker(conn, keys)
     try:
-        ended_unread(producer, conn, keys, ["plain"])
+        asked(producer, conn, keys, ["plain"])
         assert unread_audit.record_ended(worker.state) == 1
         (_, fields), *_ = conn.xrange(keys.for_request("plain").audit)
         data = orjson.loads(fields[b"data"])
@@ -194,28 +206,28 @@ def test_the_record_reads_back_as_the_audit_writer_reads_it(conn, keys, producer
 
 
 def test_a_list_of_another_type_costs_the_record_only(conn, keys, producer, caplog):
-    """``unread-ended`` SET to a string (a producer may write it): the reader still ends
-    the request, saying no audit record will follow; the worker's loop logs it and goes
-    on (not as if Redis were away). Once an operator deletes the key, the next one is
-    recorded."""
+    """``unread-ended`` SET to a string (a producer may write it): the reader's ask fails,
+    saying no worker can end it; the worker's loop logs it and goes on (not as if Redis
+    were away). Once an operator deletes the key, the reader's next ask ends it and it
+    is recorded."""
     worker = make_worker(conn, keys)
     try:
         for view in keys.shard_views:
             conn.set(view.unread_ended, "x")
         with caplog.at_level(logging.WARNING):
-            ended_unread(producer, conn, keys, ["lost-record"])
+            (handle,) = asked(producer, conn, keys, ["recorded"], reply=2)
+            unread.log_ended("recorded", 2)
             for _ in range(3):
                 worker.run_guarded()
         assert not worker.stopped and worker._away_since is None
         said = [r.getMessage() for r in caplog.records]
-        assert any("lost-record: no audit record" in line for line in said), said
+        assert any("recorded: " in line and "no worker can end it" in line for line in said)
         assert any("holds another type than a list" in line for line in said), said
         assert audit_records(conn, keys) == {}
         for view in keys.shard_views:
             conn.delete(view.unread_ended)
-        ended_unread(producer, conn, keys, ["recorded"])
-        worker._last["unread"] = 0.0
-        worker.run_guarded()
+        with looping(worker):
+            assert_ended([handle])
         assert list(audit_records(conn, keys)) == ["recorded"]
     finally:
         worker.teardown()

@@ -1,10 +1,11 @@
 """Issue 31 Build 2, the started half: a worker wrote some chunks of a request and was
 killed; an operator then removed the request's entry (XDEL, XTRIM), and another worker's
 claim dropped it from the pending list (XAUTOCLAIM gives no request id for a deleted
-entry). No worker will resume it, so its readers end it (``lifecycle/orphaned.py``):
+entry). No worker will resume it, so its readers ask the workers to end it
+(``lifecycle/orphaned.py``; issue 48: a worker ends it, on what only workers write):
 every reader (``JobHandle``, ``AsyncJobHandle`` and so the gateway's follower) gets,
 within seconds, one final chunk after exactly the chunks it had, with finish_reason
-"error" saying it ran partially; a worker then writes exactly one signed audit record
+"error" saying it ran partially; the worker writes exactly one signed audit record
 holding the tokens the log held.
 
 Real Redis (both layouts), real ``Worker`` loops around the stand-in engine; the killed
@@ -20,14 +21,16 @@ import time
 import pytest
 from pool_layout import async_result
 from standin import load
+from worker_loop import looping
 
 from lorapool.audit_record import parse_record
+from lorapool.connection import register_script
 from lorapool.lifecycle import orphaned
 from lorapool.lifecycle.chunk_log import log_chunks
 from lorapool.lifecycle.keys import WORKERS_GROUP
 from lorapool.lifecycle.unread import EndUnread
 from lorapool.protocol import SamplingParams
-from lorapool.worker import Worker, WorkerConfig
+from lorapool.worker import Worker, WorkerConfig, unread_audit
 
 pytestmark = pytest.mark.integration
 LAYOUTS = ("standalone", "cluster")
@@ -109,7 +112,8 @@ def test_a_killed_run_whose_entry_was_removed_ends_once(conn, keys, producer, po
         length = kill_partway(conn, keys, rid)
         drop_by_claim(conn, keys, rid, survivor)
         started = time.monotonic()
-        reader.join(orphaned.QUIET_S + 10)
+        with looping(survivor):
+            reader.join(orphaned.QUIET_S + 10)
         assert not reader.is_alive()
         assert time.monotonic() - started < orphaned.QUIET_S + 6
         logged = log_chunks(conn, keys, rid)
@@ -120,7 +124,7 @@ def test_a_killed_run_whose_entry_was_removed_ends_once(conn, keys, producer, po
         assert final.error_kind == "removed"
         assert [o.finish_reason for o in final.outputs] == ["error"]
         assert [o.token_ids for o in final.outputs] == [[]]  # nothing it had not
-        assert conn.hget(view.job(rid), "status") == b"failed"
+        assert conn.hget(view.run(rid), "status") == b"failed"
         assert EndUnread(conn, keys)(rid, "check") == 0  # ended once
         # a reader that comes later, and the follower (AsyncJobHandle, the gateway's)
         tokens = [t for c in logged for o in c.outputs for t in o.token_ids]
@@ -157,7 +161,8 @@ def test_an_async_reader_following_it_gets_the_end(conn, keys, producer, pool_ur
             await asyncio.sleep(0.5)  # it follows, quiet
             await asyncio.to_thread(drop_by_claim, conn, keys, rid, survivor)
             started = time.monotonic()
-            output = await result
+            with looping(survivor):
+                output = await result
             return output, time.monotonic() - started
 
         output, waited = asyncio.run(main())
@@ -179,13 +184,20 @@ def test_a_log_that_changed_since_it_was_read_is_left_alone(conn, keys, producer
         length = kill_partway(conn, keys, rid)
         # pending to the killed worker (kill_partway); then dropped by a claim
         drop_by_claim(conn, keys, rid, worker)
-        end = EndUnread(conn, keys)
-        record = orphaned.orphan_record(rid, conn.lrange(view.out(rid), 0, -1))
-        # a chunk came since the reader read the log: the count refuses it
-        assert end(rid, length - 1, record) == 0 and end(rid, length + 1, record) == 0
-        assert conn.hget(view.job(rid), "status") == b"queued"
-        assert end(rid, length, record) == 1  # gone and held by none: ended
-        assert end(rid, length, record) == 0
+        assert EndUnread(conn, keys)(rid, "check") == 1  # a reader asks
+        script = register_script(conn, unread_audit.END_RUNS)
+        (found,), _ = unread_audit._call(worker.state, script, view, "check", [[rid]])
+        assert found == [rid.encode(), b"entry", length]
+        final, record = unread_audit._records(worker.state, view, rid, "entry", length)
+        # a chunk came (or went) since the worker read the log: the count refuses it
+        for wrong in (length - 1, length + 1):
+            ending = [[rid, "entry", wrong, final, record]]
+            assert unread_audit._call(worker.state, script, view, "end", ending)[0] == []
+        assert conn.hget(view.run(rid), "status") is None and not audit_records(conn, keys)
+        ending = [[rid, "entry", length, final, record]]
+        assert unread_audit._call(worker.state, script, view, "end", ending)[0] == [rid.encode()]
+        assert unread_audit._call(worker.state, script, view, "end", ending)[0] == []
+        assert len(audit_records(conn, keys)) == 1
     finally:
         worker.teardown()
 
@@ -203,7 +215,8 @@ def test_a_log_made_again_without_its_head_ends_with_what_it_holds(conn, keys, p
         logged = log_chunks(conn, keys, rid)
         assert logged[0].seq >= 5
         started = time.monotonic()
-        output = handle.result(timeout=30)
+        with looping(survivor):
+            output = handle.result(timeout=30)
         assert time.monotonic() - started < orphaned.QUIET_S + 4
         assert output.finished and SAYS in output.error
         tokens = [t for c in logged for o in c.outputs for t in o.token_ids]

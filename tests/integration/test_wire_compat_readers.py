@@ -1,12 +1,13 @@
-"""Readers of today read what writers of an earlier version left in Redis.
-
-The job hashes and chunk logs of ``tests/unit/wire_fixtures/<commit>.json`` (written
-by that commit's real worker) are put back into a fresh pool, as a rolling upgrade
-finds them, and today's producers read them: ``result()``, ``stream()`` and
-``status()``, sync and asyncio, with the chunk log still there and after it was
-compacted away (the final record alone). They must give what that commit's producer
-gave. ``error_kind``, added to outputs since, reads as None on a request that did not
-fail and as the kind the old text rule gives (``error_kind.read_kind``) on one that did.
+"""Readers of today read what writers of an earlier version left in Redis. The job hashes
+and chunk logs of ``tests/unit/wire_fixtures/<commit>.json`` (written by that commit's
+real worker) are put back into a fresh pool, as an upgrade finds them, the first worker
+of today moves them to today's layout (``lifecycle/run_state.migrate``, issue 48: a
+job's run in a key only workers write), and today's producers read them: ``result()``,
+``stream()`` and ``status()``, sync and asyncio, with the chunk log still there and
+after it was compacted away (the final record alone). They must give what that commit's
+producer gave. ``error_kind``, added to outputs since, reads as None on a request that
+did not fail and as the kind the old text rule gives (``error_kind.read_kind``) on one
+that did.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 import orjson
 import pytest
 
+from lorapool.lifecycle import run_state
 from lorapool.lifecycle.error_kind import ErrorKind
 from lorapool.producer import AsyncProducer
 
@@ -59,6 +61,8 @@ def test_producers_read_old_outputs(conn, keys, producer, pool_url, shards, path
     requests = fixture["requests"]
     for rid, request in requests.items():
         put_back(conn, keys, rid, request, with_log)
+    assert run_state.migrate(conn, keys) == len(requests)  # what a worker does at start
+    assert run_state.migrate(conn, keys) == 0  # once a pool
     for rid, request in requests.items():
         handle = producer.handle(rid)
         assert handle.status() == request["status"], rid
