@@ -45,7 +45,7 @@ PARTS = {
 TINY_BOXES = {
     "device": 10,
     "kernels": 25,
-    "sweep": 30,
+    "sweep": 90,
     "engine": 45,
     "throughput": 45,
     "big": 25,

@@ -173,7 +173,7 @@ def guarded_env(tmp_path: Path, extra_path: str | None = None) -> dict:
     return env
 
 
-def run_kit(tmp_path: Path, env: dict, *args: str, timeout: float = 240):
+def run_kit(tmp_path: Path, env: dict, *args: str, timeout: float = 420):
     out = tmp_path / "report"
     cmd = [sys.executable, str(KIT), "--device", "cpu", "--tiny", "--out", str(out), *args]
     proc = subprocess.run(
