@@ -22,6 +22,7 @@ import time
 import httpx
 import pytest
 from gateway_procs import serve, start_pool_worker, stop
+from hostile_grammars import gbnf, lark_chain, ref_chain
 
 from lorapool.lifecycle.keys import Keys
 from lorapool.producer.api_keys import ApiKeys
@@ -30,22 +31,6 @@ from lorapool.structured import StructuredOutputsParams
 
 pytestmark = pytest.mark.integration
 LOOSE = ("--grammar-limit", "max_grammar_rules=100000")  # lets the crashing grammar compile
-
-
-def lark_chain(n: int) -> str:
-    return "start: r0\n" + "".join(f"r{i}: r{i + 1}\n" for i in range(n)) + f'r{n}: "x"\n'
-
-
-def gbnf(n: int) -> str:
-    return (
-        "root ::= r0\n" + "".join(f'r{i} ::= r{i + 1} "a"\n' for i in range(n)) + f'r{n} ::= "x"\n'
-    )
-
-
-def ref_chain(n: int) -> dict:
-    defs = {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(n)}
-    defs[f"d{n}"] = {"type": "string"}
-    return {"$defs": defs, "$ref": "#/$defs/d0"}
 
 
 @pytest.fixture(scope="module")

@@ -12,27 +12,12 @@ import subprocess
 import sys
 
 import pytest
+from hostile_grammars import gbnf, lark_chain, ref_chain
 
 from lorapool.field_errors import FieldError
 from lorapool.grammar_limits import GrammarLimits, check_structure
 from lorapool.grammar_sandbox import GrammarSandbox
 from lorapool.structured import StructuredOutputsParams as P
-
-
-def lark_chain(n: int) -> str:
-    return "start: r0\n" + "".join(f"r{i}: r{i + 1}\n" for i in range(n)) + f'r{n}: "x"\n'
-
-
-def gbnf(n: int) -> str:
-    return (
-        "root ::= r0\n" + "".join(f'r{i} ::= r{i + 1} "a"\n' for i in range(n)) + f'r{n} ::= "x"\n'
-    )
-
-
-def ref_chain(n: int) -> dict:
-    defs = {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(n)}
-    defs[f"d{n}"] = {"type": "string"}
-    return {"$defs": defs, "$ref": "#/$defs/d0"}
 
 
 def nested(depth: int) -> dict:
