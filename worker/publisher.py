@@ -205,9 +205,17 @@ class Publisher:
         items = [item for _, _, item in trip.sent]
         appended = self.append(items) if items else []
         entries = self.intake.read(trip.read, None) if trip.read is not None else []
-        for stream, entry_id, *_ in entries:  # renewed from now on, while the engine steps
-            self.state.leases.add(Unstarted(stream, entry_id.decode()))
-        return appended, entries, [call() for call, _ in trip.extra]
+        unstarted = [Unstarted(stream, entry_id.decode()) for stream, entry_id, *_ in entries]
+        for entry in unstarted:  # renewed from now on, while the engine steps
+            self.state.leases.add(entry)
+        try:
+            return appended, entries, [call() for call, _ in trip.extra]
+        except BaseException:
+            # the trip fails, and what it read with it (``_collect``): those entries are
+            # claimed after the lease, so they must not be renewed (they were, for ever)
+            for entry in unstarted:
+                self.state.leases.remove(entry)
+            raise
 
     def _build(self, held: Held, outs: list[RequestOutput], position: Position) -> tuple:
         chunk = make_chunk(held, merged(outs), self.state.name, position)

@@ -206,10 +206,13 @@ class Worker:
         return self._start_read(self.intake.read(self.intake.plan(count), self.config.block_ms))
 
     def _start_read(self, entries: list) -> int:
-        self.intake.new_read(entries)
-        for stream, entry_id, fields, handed in entries:
-            self.start(entry_id.decode(), fields, stream=stream, handed=handed)
-            self.state.leases.settle(stream, entry_id.decode())  # renewed on only if held
+        try:
+            self.intake.new_read(entries)
+            for stream, entry_id, fields, handed in entries:
+                self.start(entry_id.decode(), fields, stream=stream, handed=handed)
+        finally:  # renewed on only if held; Redis away mid-way: not started, claimed later
+            for stream, entry_id, *_ in entries:
+                self.state.leases.settle(stream, entry_id.decode())
         return len(entries)
 
     def start(
