@@ -343,7 +343,7 @@ def test_queue_integrity_stateful(server):
                 # entries an XTRIM took unread as waiting, for ever)
                 if not busy and group and group["pending"] == 0 and not self._unread():
                     return
-                assert time.monotonic() < deadline, f"not settled: {group}"
+                assert time.monotonic() < deadline, f"not settled: {group}, {busy=}"
 
         def _check(self):
             with looping(self.workers[0]):  # readers ask, a live worker ends (issue 48)
