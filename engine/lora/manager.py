@@ -69,6 +69,7 @@ class LoRAManager:
         self.cpu: OrderedDict[int, LoRAAdapter] = OrderedDict()
         self.registry: dict[int, tuple[str, AdapterIdentity]] = {}  # id -> (resolved path, …)
         self.expected: dict[int, Any] = {}  # id -> the identity it must have (the pool's)
+        self.checked: dict[int, Any] = {}  # id -> the identity ``check`` read, not loaded
         self.raw_paths: dict[int, str] = {}  # id -> the lora_path it was loaded from
         self.slots: list[int | None] = [None] * self.max_loras
         self.slot_lru: OrderedDict[int, None] = OrderedDict()  # ids in slots, oldest first
@@ -94,6 +95,7 @@ class LoRAManager:
         self.staged.pop(lora_id, None)
         self.registry.pop(lora_id, None)
         self.raw_paths.pop(lora_id, None)
+        self.checked.pop(lora_id, None)
         return known
 
     def pin_lora(self, lora_id: int) -> bool:
@@ -223,7 +225,9 @@ class LoRAManager:
             return self.registry[lora_id][1]
         if lora_id in self.registry:  # loaded before: a reload must match that
             return self.registry[lora_id][1]
-        identity = read_identity(request, self.adapter_roots)
+        identity = self.checked.get(lora_id)
+        if identity is None:  # read once per adapter: its load must match it anyway
+            identity = self.checked[lora_id] = read_identity(request, self.adapter_roots)
         _refuse_changes(request, changes(registered, identity))
         self.expected[lora_id] = identity
         return identity

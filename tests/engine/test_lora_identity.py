@@ -67,3 +67,21 @@ def test_a_full_cache_refuses_changed_files_at_once(base, folders, tmp_path):
     with pytest.raises(AdapterError, match=r"lora_alpha 16\.0 -> 1600\.0"):
         m.check(LoRARequest("third", 3, str(path)), old)
     assert m.list_loras() == {1, 2}
+
+
+def test_a_full_cache_reads_an_unloaded_adapters_files_once(base, folders, tmp_path, monkeypatch):
+    """Requests for an adapter the full cache cannot take yet read its files once, not
+    once each: the identity read is held to at its load anyway."""
+    from lorapool.engine.lora import manager as manager_module
+
+    m = full_manager(base, folders)
+    path = shutil.copytree(folders[2], tmp_path / "third")
+    registered, reads = files_identity(path), []
+    real = manager_module.read_identity
+    monkeypatch.setattr(manager_module, "read_identity", lambda *a: reads.append(a) or real(*a))
+    request = LoRARequest("third", 3, str(path))
+    for _ in range(5):
+        assert m.check(request, registered) == registered
+    assert len(reads) == 1
+    edit_alpha(path, 1600)  # still refused at its load
+    assert "lora_alpha 16.0 -> 1600.0" in str(m.activate([request])[3, str(path)])
