@@ -2,7 +2,7 @@
 
 Torch-free (SQLAlchemy, redis, orjson only). The pieces:
 
-- ``lorapool.audit_record`` (torch-free, shared with the worker, re-exported here):
+- ``lorapool.records.audit`` (torch-free, shared with the worker, re-exported here):
   the ``{p}:audit`` record (sign, check the signature, parse, validate, build from
   a finished RequestOutput); the key is ``lorapool.signing``'s;
 - :mod:`.schema`: the tables; :mod:`.chain`: the keyed hash chain of rows (compact
@@ -70,7 +70,7 @@ _RECORD = {
 def __getattr__(name: str):
     """The package's names, each imported from its module on first use."""
     if name in _RECORD:
-        return getattr(import_module("lorapool.audit_record"), name)
+        return getattr(import_module("lorapool.records.audit"), name)
     if name in _LAZY:
         return getattr(import_module(f"lorapool.audit_db.{_LAZY[name]}"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,7 +1,7 @@
 """The writer's decoder of ``{p}:audit`` entries: what ``parse_record`` answers, for
 a fraction of its cost.
 
-``lorapool.audit_record.record_from_dict`` validates a record field by field in
+``lorapool.records.audit.record_from_dict`` validates a record field by field in
 Python: ~30 µs of the writer's ~150 µs of CPU a row (RESULTS.md, helper 53). Here
 msgspec builds the same frozen dataclasses from the decoded JSON, checking every
 field against its annotation in C (bools are not integers, finish reasons are the
@@ -20,7 +20,7 @@ from typing import Any
 
 import msgspec
 
-from lorapool.audit_record import (
+from lorapool.records.audit import (
     RECORD_VERSION,
     AuditRecord,
     decode_signed,

@@ -17,8 +17,8 @@ from typing import Any
 from lorapool.audit_db import tokens
 from lorapool.audit_db.chain import COMPACT_VERSION, adapter_fingerprint, content_digest, row_body
 from lorapool.audit_db.schema import ADAPTER_HASHES
-from lorapool.audit_record import AdapterInfo, AuditRecord, Output, RecordError
 from lorapool.lifecycle.keys import DEFAULT_PREFIX
+from lorapool.records.audit import AdapterInfo, AuditRecord, Output, RecordError
 
 
 @dataclass(frozen=True)

@@ -51,8 +51,8 @@ from lorapool.audit_db.guard import (
 )
 from lorapool.audit_db.rows import PreparedRow, prepare
 from lorapool.audit_db.schema import adapters, completions, conflicts
-from lorapool.audit_record import AuditRecord
 from lorapool.lifecycle.keys import DEFAULT_PREFIX
+from lorapool.records.audit import AuditRecord
 
 
 class ChainError(RuntimeError):

@@ -1,7 +1,7 @@
 """The audit writer: ``{p}:audit`` (consumer group ``audit``) into the audit tables.
 
 Each batch is authenticated (every record must carry a worker's signature made with the
-audit key for this pool, see ``lorapool.audit_record.sign_record``), parsed, stored in one
+audit key for this pool, see ``lorapool.records.audit.sign_record``), parsed, stored in one
 transaction (see store.py) and acked only after the commit. While the database is unreachable the
 writer retries the same batch with exponential backoff, acks nothing and says so in its
 log. An unsigned, wrongly signed or malformed record is moved to ``{p}:dead``
@@ -31,10 +31,10 @@ from lorapool.audit_db.guard import ChainGuard
 from lorapool.audit_db.writer_batch import Item, NextBatch
 from lorapool.audit_db.writer_config import WriterConfig, WriterStats
 from lorapool.audit_db.writer_retry import REJECTED, RETRYABLE, Retrying, SchemaNotReady, Stopped
-from lorapool.audit_record import AuditRecord, RecordError
 from lorapool.connection import ensure_group
-from lorapool.lifecycle.dead_letter import AUDIT, DeadLetter
 from lorapool.lifecycle.keys import AUDIT_GROUP, Keys
+from lorapool.records.audit import AuditRecord, RecordError
+from lorapool.records.dead_letter import AUDIT, DeadLetter
 
 log = logging.getLogger(__name__)
 

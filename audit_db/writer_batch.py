@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 
 from lorapool.audit_db import chaining, store
 from lorapool.audit_db.guard import ChainGuard
-from lorapool.audit_record import AuditRecord
 from lorapool.lifecycle.keys import Keys
+from lorapool.records.audit import AuditRecord
 
 # entries of the next batch parsed a call of ``NextBatch.work``
 PARSE_SLICE = 50

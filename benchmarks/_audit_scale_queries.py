@@ -223,7 +223,7 @@ def bytes_per_row(args, config: DatabaseConfig, sample: int = 20_000) -> dict:
     from lorapool.audit_db.guard import ChainGuard
     from lorapool.audit_db.rows import prepare
     from lorapool.audit_db.store import append
-    from lorapool.audit_record import parse_record
+    from lorapool.records.audit import parse_record
 
     size, rows = _table_bytes(create_audit_engine(config))
     found = {"table": {"bytes": size, "rows": rows, "bytes_per_row": round(size / max(rows, 1))}}

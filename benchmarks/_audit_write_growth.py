@@ -24,7 +24,7 @@ from audit_scale import KEY, make_record  # noqa: E402
 from lorapool.audit_db import DatabaseConfig, create_audit_engine, migrate, store  # noqa: E402
 from lorapool.audit_db.guard import ChainGuard  # noqa: E402
 from lorapool.audit_db.rows import prepare  # noqa: E402
-from lorapool.audit_record import parse_record  # noqa: E402
+from lorapool.records.audit import parse_record  # noqa: E402
 
 URL = os.environ.get("LORAPOOL_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 

@@ -23,7 +23,7 @@ def command_calls(conn, command: str) -> int:
 
 def chunk_log_bytes(conn, keys) -> tuple[int, int]:
     """(bytes, tokens) of the chunk logs: MEMORY USAGE summed, tokens counted."""
-    from lorapool.lifecycle.chunk import decode_chunk
+    from lorapool.records.chunk import decode_chunk
 
     total_bytes = total_tokens = 0
     for key in keys:
@@ -36,8 +36,9 @@ def finished_bytes(conn, keys, ids) -> tuple[int, int, int]:
     """Of finished requests: (MEMORY USAGE of their job hashes, their final records'
     bytes as a reader gets them (the compact chunk's JSON), those records' bytes as
     stored (compressed))."""
-    from lorapool.lifecycle.chunk import encode_chunk
-    from lorapool.lifecycle.chunk_log import RESULT_FIELD, decode_result
+    from lorapool.lifecycle.chunk_log import decode_result
+    from lorapool.records.chunk import encode_chunk
+    from lorapool.records.marker import RESULT_FIELD
 
     memory = sum(conn.memory_usage(keys.job(rid), samples=0) or 0 for rid in ids)
     stored = [conn.hget(keys.job(rid), RESULT_FIELD) or b"" for rid in ids]

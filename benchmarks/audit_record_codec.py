@@ -4,11 +4,11 @@ Per record, best of ``--repeat`` passes over 2,000 varied signed records
 (``tests/support/audit_fixtures.random_records``): ``parse_record`` (decode, check
 the signature, validate), the audit writer's ``audit_db.decoder.parse``, and the
 worker's ``record_from_output`` + signed bytes of a finished 2-completion request.
-With ``--base DIR`` (``lorapool/audit_record.py`` and ``audit_db/decoder.py`` of an
+With ``--base DIR`` (``lorapool/records/audit.py`` and ``audit_db/decoder.py`` of an
 earlier build, ``git show REV:PATH``, put in DIR) the same operations of that build
 run too, alternated with this build's in one process, so both meet the same load:
 
-    mkdir /tmp/base && git show 7b272de:lorapool/audit_record.py > /tmp/base/audit_record.py
+    mkdir /tmp/base && git show 7b272de:lorapool/records/audit.py > /tmp/base/audit_record.py
     git show 7b272de:audit_db/decoder.py > /tmp/base/decoder.py
     python benchmarks/audit_record_codec.py --base /tmp/base [--rounds 6]
 """
@@ -28,8 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "suppo
 
 from audit_fixtures import random_records  # noqa: E402
 
-from lorapool import CompletionOutput, RequestMetrics, RequestOutput, audit_record  # noqa: E402
+from lorapool import CompletionOutput, RequestMetrics, RequestOutput  # noqa: E402
 from lorapool.audit_db import decoder  # noqa: E402
+from lorapool.records import audit as audit_record  # noqa: E402
 
 KEY, POOL = b"k" * 40, "pool"
 BASE_MODEL = {"name": "smol", "sha256": "cd" * 32}
@@ -95,7 +96,7 @@ def main() -> None:
         base_decoder = _load(
             "base_decoder",
             args.base / "decoder.py",
-            ("from lorapool.audit_record import", "from base_audit_record import"),
+            ("from lorapool.records.audit import", "from base_audit_record import"),
         )
         builds["base"] = operations(base, base_decoder)
     times: dict = {}

@@ -48,8 +48,8 @@ from lorapool.audit_db import (  # noqa: E402  # noqa: E402
     store,  # noqa: E402
 )
 from lorapool.audit_db.writer_config import own_the_collector  # noqa: E402
-from lorapool.audit_record import sign_record  # noqa: E402
 from lorapool.lifecycle.keys import Keys  # noqa: E402
+from lorapool.records.audit import sign_record  # noqa: E402
 from lorapool.signing import key_from_env  # noqa: E402
 
 KEY = key_from_env() or b"lorapool-benchmark-audit-key-0123456789"

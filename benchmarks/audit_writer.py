@@ -35,8 +35,8 @@ from lorapool.audit_db import (
     verify_chain,
 )
 from lorapool.audit_db.writer_config import own_the_collector
-from lorapool.audit_record import sign_record
 from lorapool.lifecycle.keys import Keys
+from lorapool.records.audit import sign_record
 from lorapool.signing import key_from_env
 
 # Records are signed as a worker signs them (the writer checks every signature):

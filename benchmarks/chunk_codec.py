@@ -6,7 +6,7 @@ final record (``Held.keep``); the reader's side: the bytes to a chunk
 (``decode_chunk``) and a cumulative output (``OutputAssembler.feed``). Once per
 request: the final chunk (metrics, adapter) and its compacted record. And a middle
 chunk's encode and decode alone. Runs on this
-build and on a build before ``lifecycle.chunk`` (it imports either), so a before and
+build and on a build before ``records.chunk`` (it imports either), so a before and
 after come from the same script:
 
     python benchmarks/chunk_codec.py [--rounds 7] [--number 20000]
@@ -25,9 +25,9 @@ from lorapool.protocol import LoRARequest, SamplingParams
 from lorapool.worker.held import Held, make_chunk
 
 try:
-    from lorapool.lifecycle.chunk import decode_chunk, encode_chunk
-except ImportError:  # the build before lifecycle.chunk
-    from lorapool.lifecycle.wire import decode_chunk, encode_chunk
+    from lorapool.records.chunk import decode_chunk, encode_chunk
+except ImportError:  # the build before records.chunk
+    from lorapool.records.job import decode_chunk, encode_chunk
 
 LORA = LoRARequest("sql-lora", 7, "/adapters/sql-lora")
 PARAMS = SamplingParams(temperature=0.7, max_tokens=128, seed=42)

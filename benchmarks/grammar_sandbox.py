@@ -16,8 +16,8 @@ import time
 
 from lorapool.grammar_limits import check_structure
 from lorapool.grammar_sandbox import GrammarSandbox
-from lorapool.structured import StructuredOutputsParams as P
-from lorapool.structured import check_grammar, grammar_of
+from lorapool.records.structured import StructuredOutputsParams as P
+from lorapool.records.structured import check_grammar, grammar_of
 
 SMOLLM2 = "/root/.cache/lorapool/models/SmolLM2-135M-Instruct"
 

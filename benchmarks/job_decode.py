@@ -14,8 +14,8 @@ import json
 import timeit
 
 from lorapool.lifecycle.submit import build_job
-from lorapool.lifecycle.wire import JobLimits, decode_job, encode_job
 from lorapool.protocol import LoRARequest, SamplingParams
+from lorapool.records.job import JobLimits, decode_job, encode_job
 
 
 def payloads() -> dict[str, bytes]:

@@ -1,6 +1,6 @@
-"""A chat job's messages check, ``lorapool.messages.check_messages``, against base
+"""A chat job's messages check, ``lorapool.records.messages.check_messages``, against base
 builds', in one process (issue 36): each base module's source comes from ``git show
-<rev>:lorapool/messages.py`` and is loaded beside today's, so all meet the same
+<rev>:lorapool/records/messages.py`` and is loaded beside today's, so all meet the same
 interpreter, caches and load. A 4-message chat (system, user, an assistant tool call,
 a tool reply); each build's best of ``--number`` calls x ``--rounds``, the builds
 alternated ``--alternations`` times:
@@ -19,7 +19,7 @@ import timeit
 import types
 from pathlib import Path
 
-from lorapool import messages as head
+from lorapool.records import messages as head
 
 SYSTEM = "You are a careful assistant that answers in one short paragraph."
 USER = "Where is order 42, and when will it arrive? I ordered it on Monday."
@@ -40,15 +40,15 @@ MAX_BYTES = 1 << 20
 
 
 def load_base(rev: str) -> types.ModuleType:
-    """``lorapool/messages.py`` of ``rev``, as a module of its own."""
+    """``lorapool/records/messages.py`` of ``rev``, as a module of its own."""
     root = Path(__file__).resolve().parent.parent
     source = subprocess.run(
-        ["git", "show", f"{rev}:lorapool/messages.py"],
+        ["git", "show", f"{rev}:lorapool/records/messages.py"],
         cwd=root, check=True, capture_output=True, text=True,
     ).stdout  # fmt: skip
     module = types.ModuleType(f"base_messages_{rev}")
     sys.modules[module.__name__] = module  # where msgspec resolves its Structs' annotations
-    exec(compile(source, f"{rev}:lorapool/messages.py", "exec"), module.__dict__)  # noqa: S102
+    exec(compile(source, f"{rev}:lorapool/records/messages.py", "exec"), module.__dict__)  # noqa: S102
     return module
 
 

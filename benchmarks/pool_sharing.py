@@ -128,7 +128,7 @@ def wait_for(condition, timeout: float, what: str) -> None:
 def served_by(conn, keys, label: str) -> Counter:
     import orjson
 
-    from lorapool.lifecycle.wire import DATA
+    from lorapool.records.job import DATA
 
     records = (orjson.loads(f[DATA.encode()]) for _, f in conn.xrange(keys.audit))
     return Counter(r["worker"] for r in records if r["request_id"].startswith(label))

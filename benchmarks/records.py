@@ -3,9 +3,9 @@
 The candidates for "one typed definition per record", each encoding and decoding the
 same records to the same compact JSON (checked before timing):
 
-- ``baseline``: today's code (``lifecycle.chunk``'s ``Chunk``, a msgspec Struct since
+- ``baseline``: today's code (``records.chunk``'s ``Chunk``, a msgspec Struct since
   issue 36's helper 64; before it, a dataclass with dict completions, a compact dict
-  built by hand, orjson; ``lifecycle.wire``'s ``decode_job`` with its hand checks);
+  built by hand, orjson; ``records.job``'s ``decode_job`` with its hand checks);
 - ``msgspec``: ``msgspec.Struct`` definitions with the compact names as field names
   (``omit_defaults``), a typed completion delta, bounds as ``Meta`` constraints;
 - ``pydantic``: pydantic v2 ``BaseModel`` definitions with aliases and ``Field``
@@ -52,9 +52,9 @@ try:
 except ImportError as exc:  # msgspec: a dependency once the records use it (phase 2)
     raise SystemExit(f"benchmarks/records.py needs msgspec and pydantic: {exc}") from None
 
-from lorapool.lifecycle import wire
-from lorapool.lifecycle.chunk import Chunk, Delta, decode_chunk, encode_chunk
 from lorapool.outputs import CompletionOutput
+from lorapool.records import job as wire
+from lorapool.records.chunk import Chunk, Delta, decode_chunk, encode_chunk
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from records_cases import FINAL, JOB, JOB_BYTES, LORA, METRICS, MIDDLE  # noqa: E402
@@ -73,7 +73,7 @@ from records_pydantic import (  # noqa: E402
     pydantic_job_encode,
 )
 
-# --- baseline: today's lifecycle.chunk (a msgspec Struct since issue 36's helper 64) ---
+# --- baseline: today's records.chunk (a msgspec Struct since issue 36's helper 64) ---
 
 
 def baseline_encode(c: CompletionOutput, final: bool) -> bytes:

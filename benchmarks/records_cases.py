@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from lorapool.lifecycle import wire
 from lorapool.outputs import CompletionOutput, RequestMetrics
 from lorapool.protocol import LoRARequest, SamplingParams
+from lorapool.records import job as wire
 
 LORA = LoRARequest("sql-lora", 7, "/adapters/sql-lora")
 MIDDLE = CompletionOutput(0, " the", [1820], None, None)

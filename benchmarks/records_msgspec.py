@@ -11,8 +11,8 @@ import msgspec
 import orjson
 from records_cases import LORA, METRICS
 
-from lorapool.lifecycle import wire
 from lorapool.outputs import CompletionOutput
+from lorapool.records import job as wire
 
 
 class FinishReason(str, enum.Enum):

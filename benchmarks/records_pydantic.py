@@ -11,8 +11,8 @@ import pydantic
 from pydantic import BaseModel, ConfigDict, Field
 from records_cases import LORA, METRICS
 
-from lorapool.lifecycle import wire
 from lorapool.outputs import CompletionOutput
+from lorapool.records import job as wire
 
 
 class PDelta(BaseModel):

@@ -21,10 +21,10 @@ from dataclasses import dataclass
 
 import torch
 
-from lorapool.field_errors import FieldError
 from lorapool.grammar_limits import check_structure
 from lorapool.grammar_sandbox import digest
-from lorapool.structured import StructuredOutputsParams, check_grammar, grammar_of
+from lorapool.records.errors import FieldError
+from lorapool.records.structured import StructuredOutputsParams, check_grammar, grammar_of
 
 MAX_CACHED_GRAMMARS = 128
 _BITS = torch.arange(32, dtype=torch.int32)

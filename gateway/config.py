@@ -7,13 +7,13 @@ from typing import Annotated
 
 from msgspec import Meta
 
-from lorapool.bounds import FINITE
 from lorapool.config_fields import check_fields
 from lorapool.egress import EgressPolicy
 from lorapool.grammar_limits import DEFAULT_LIMITS, GrammarLimits
 from lorapool.lifecycle.keys import DEFAULT_PREFIX
-from lorapool.lifecycle.wire import DEFAULT_MAX_N, DEFAULT_MAX_PROMPT_BYTES
 from lorapool.protocol import MAX_STOP
+from lorapool.records.bounds import FINITE
+from lorapool.records.job import DEFAULT_MAX_N, DEFAULT_MAX_PROMPT_BYTES
 from lorapool.tool_calls import PARSERS
 
 # A request body may hold a whole prompt (max_prompt_bytes) JSON-escaped: up to 6

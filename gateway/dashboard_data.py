@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lorapool.gateway.auth import Principal
-from lorapool.lifecycle.dead_letter import decode_dead_letter
-from lorapool.lifecycle.heartbeat import decode_heartbeats
 from lorapool.lifecycle.keys import AUDIT_GROUP, WORKERS_GROUP
 from lorapool.pool_metrics import lag_of
+from lorapool.records.dead_letter import decode_dead_letter
+from lorapool.records.heartbeat import decode_heartbeats
 
 logger = logging.getLogger(__name__)
 SAMPLE_EVERY_S = 2.0

@@ -19,7 +19,7 @@ from fastapi import APIRouter, Query, Request
 from lorapool.connection import REDIS_DOWN
 from lorapool.gateway.json import JSON
 from lorapool.gateway.redis_watch import READY_DEADLINE_S
-from lorapool.lifecycle.heartbeat import Heartbeat
+from lorapool.records.heartbeat import Heartbeat
 
 router = APIRouter(tags=["operations"])
 AUDIT_DB_TIMEOUT_S = 5.0

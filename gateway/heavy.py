@@ -17,11 +17,11 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from lorapool.field_errors import FieldError
 from lorapool.grammar_limits import GrammarLimits
 from lorapool.grammar_sandbox import GrammarSandbox
 from lorapool.openai.errors import bad_request
 from lorapool.openai.structured import grammar_error
+from lorapool.records.errors import FieldError
 
 
 class HeavyWork:

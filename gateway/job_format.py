@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from lorapool.lifecycle.adapter_record import AdapterRecord
-from lorapool.lifecycle.chunk import Chunk
 from lorapool.openai.format import usage
 from lorapool.outputs import RequestOutput
+from lorapool.records.adapter import AdapterRecord
+from lorapool.records.chunk import Chunk
+from lorapool.records.marker import JobStatus
 
 # what a tenant's key sees of a chunk's LoRARequest: never lora_path nor base_model_name
 # (the server's absolute paths)
@@ -15,14 +16,15 @@ TENANT_LORA_FIELDS = ("lora_name", "lora_int_id")
 
 
 def state_name(state: dict[str, Any], output: RequestOutput | None) -> str:
-    """queued, running, finished, failed or aborted (every completion ended by abort)."""
+    """A ``JobStatus`` (queued, finished, failed) or what the job API says beside them:
+    running (started, not ended) or aborted (every completion ended by abort)."""
     if output is None:
-        return "running" if state["started"] else "queued"
-    if output.error or state["status"] == "failed":
-        return "failed"
+        return "running" if state["started"] else JobStatus.QUEUED.value
+    if output.error or state["status"] == JobStatus.FAILED:
+        return JobStatus.FAILED.value
     if output.outputs and all(c.finish_reason == "abort" for c in output.outputs):
         return "aborted"
-    return "finished"
+    return JobStatus.FINISHED.value
 
 
 def adapter_identity(

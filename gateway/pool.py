@@ -24,7 +24,6 @@ from lorapool.gateway.dashboard_session import Sessions
 from lorapool.gateway.heavy import HeavyWork
 from lorapool.gateway.redis_watch import RedisWatch
 from lorapool.gateway.tokenizer import TokenizerCache
-from lorapool.lifecycle.adapter_record import AdapterRecord, UnknownAdapter
 from lorapool.lifecycle.keys import WORKERS_GROUP
 from lorapool.lifecycle.queue_position import QueuePosition
 from lorapool.openai.errors import APIError, field_error, job_lost, model_not_found
@@ -34,6 +33,7 @@ from lorapool.producer.pool_view import PoolView
 from lorapool.producer.rate_limits import RateLimiter
 from lorapool.producer.registry import NAME_PATTERN, AdapterRegistry
 from lorapool.protocol import FieldError, LoRARequest, SamplingParams
+from lorapool.records.adapter import AdapterRecord, UnknownAdapter
 from lorapool.tasks import cancel_and_wait
 from lorapool.tool_calls import parser_for
 

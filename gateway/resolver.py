@@ -23,9 +23,9 @@ from msgspec import Struct
 from lorapool.gateway.auth import Principal, require
 from lorapool.gateway.body import read_struct
 from lorapool.gateway.json import JSON
-from lorapool.lifecycle.adapter_record import AdapterRecord
 from lorapool.openai.errors import APIError
 from lorapool.producer.registry import WEIGHTS_FILE
+from lorapool.records.adapter import AdapterRecord
 
 router = APIRouter(prefix="/v1", tags=["adapter administration"])
 Admin = Annotated[Principal, Depends(require("admin"))]

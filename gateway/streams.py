@@ -10,8 +10,8 @@ from typing import Any
 import anyio
 import orjson
 
-from lorapool.lifecycle.chunk import Chunk
 from lorapool.producer import AsyncJobHandle
+from lorapool.records.chunk import Chunk
 from lorapool.tasks import cancel_and_wait
 
 DONE = b"data: [DONE]\n\n"

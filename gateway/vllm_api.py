@@ -21,16 +21,16 @@ from typing import Annotated, Any, TypeVar
 import msgspec
 from fastapi import APIRouter, Depends, Request, Response
 
-from lorapool.bounds import TokenId
 from lorapool.connection import REDIS_DOWN
 from lorapool.gateway.auth import Principal, require
 from lorapool.gateway.body import read_struct
 from lorapool.gateway.json import JSON
 from lorapool.gateway.tokenizer import PoolTokenizer
-from lorapool.messages import check_messages, check_tools
 from lorapool.openai.errors import APIError, bad_request
 from lorapool.openai.params import chat_messages
 from lorapool.protocol import FieldError, short_repr
+from lorapool.records.bounds import TokenId
+from lorapool.records.messages import check_messages, check_tools
 
 router = APIRouter(tags=["vLLM"])
 T = TypeVar("T", bound=msgspec.Struct)

@@ -17,7 +17,7 @@ from importlib import import_module
 
 from lorapool.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from lorapool.protocol import LoRARequest, RequestOutputKind, SamplingParams
-from lorapool.structured import GuidedDecodingParams, StructuredOutputsParams
+from lorapool.records.structured import GuidedDecodingParams, StructuredOutputsParams
 
 _LAZY = {
     "LLM": "lorapool.engine.llm",

@@ -1,7 +1,7 @@
 """A config dataclass checked against its own annotations.
 
 A field's type and bounds are written once, on the field, as the constraint types of
-``lorapool.bounds`` are (``max_n: NonNegative = 8``); :func:`check_fields`, called from
+``lorapool.records.bounds`` are (``max_n: NonNegative = 8``); :func:`check_fields`, called from
 ``__post_init__``, checks every value against them with msgspec (strict: a bool is no
 integer, a string no number) and raises ValueError naming the field and its value,
 its bound worded by ``bounds.explain`` ("max_n must be an integer >= 0, got -1"; an
@@ -19,7 +19,7 @@ from typing import Annotated, Any, Union, get_args, get_origin, get_type_hints
 import msgspec
 from msgspec import Meta
 
-from lorapool.bounds import FINITE, explain, meta_of
+from lorapool.records.bounds import FINITE, explain, meta_of
 
 # A wait or a period in seconds: finite, above 0. (Its description keeps it an object of
 # its own: typing caches Annotated by equal arguments, and Meta(gt=0) equals Meta(gt=0.0)

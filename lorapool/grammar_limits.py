@@ -20,7 +20,7 @@ import re
 from dataclasses import dataclass, fields
 from typing import Any
 
-from lorapool.field_errors import FieldError
+from lorapool.records.errors import FieldError
 
 WHERE = "structured_outputs"
 MAX_DEPTH = 256  # the most a depth limit may be set to

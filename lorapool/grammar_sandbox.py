@@ -27,8 +27,8 @@ from collections import OrderedDict
 
 import orjson
 
-from lorapool.field_errors import FieldError
 from lorapool.grammar_limits import DEFAULT_LIMITS, GrammarLimits, check_structure
+from lorapool.records.errors import FieldError
 
 MAX_VERDICTS = 1024  # cached verdicts (a digest and a message each)
 # a child's start (an interpreter, llguidance imported): not counted in a compile's time;
@@ -187,7 +187,7 @@ def _serve(memory_mb: int) -> None:
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     import llguidance  # noqa: F401 - loaded before "ready": a compile's time is its own
 
-    from lorapool.structured import StructuredOutputsParams, check_grammar
+    from lorapool.records.structured import StructuredOutputsParams, check_grammar
 
     sys.stdout.buffer.write(b"ready\n")
     sys.stdout.buffer.flush()

@@ -12,26 +12,26 @@ import redis.asyncio as aioredis
 
 from lorapool.connection import connect_async
 from lorapool.lifecycle import marker
-from lorapool.lifecycle.adapter_record import (
+from lorapool.lifecycle.chunk_log import OutputAssembler
+from lorapool.lifecycle.follower import Follower
+from lorapool.lifecycle.keys import DEFAULT_PREFIX, Keys
+from lorapool.lifecycle.submit import Submit, build_job, check_on_finish
+from lorapool.outputs import RequestOutput
+from lorapool.producer.client import _deadline
+from lorapool.producer.job import distinct, per_prompt
+from lorapool.protocol import LoRARequest, RequestOutputKind, SamplingParams
+from lorapool.records.adapter import (
     AdapterRecord,
     check_lora,
     decode_adapter_record,
     lora_from_record,
     requested_name,
 )
-from lorapool.lifecycle.chunk_log import OutputAssembler
-from lorapool.lifecycle.follower import Follower
-from lorapool.lifecycle.keys import DEFAULT_PREFIX, Keys
-from lorapool.lifecycle.submit import Submit, build_job, check_on_finish
-from lorapool.lifecycle.wire import (
+from lorapool.records.job import (
     DEFAULT_MAX_N,
     DEFAULT_MAX_PROMPT_BYTES,
     JobLimits,
 )
-from lorapool.outputs import RequestOutput
-from lorapool.producer.client import _deadline
-from lorapool.producer.job import distinct, per_prompt
-from lorapool.protocol import LoRARequest, RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -11,18 +11,18 @@ import redis
 
 from lorapool import connection
 from lorapool.lifecycle import marker, orphaned, unread
-from lorapool.lifecycle.adapter_record import AdapterRecord
-from lorapool.lifecycle.chunk import decode_chunk
 from lorapool.lifecycle.chunk_log import Cursor, OutputAssembler
 from lorapool.lifecycle.keys import DEFAULT_PREFIX, Keys
 from lorapool.lifecycle.listener import Listener
-from lorapool.lifecycle.run_state import job_status
 from lorapool.lifecycle.submit import Submit, build_job, check_on_finish
-from lorapool.lifecycle.wire import DEFAULT_MAX_N, DEFAULT_MAX_PROMPT_BYTES, JobLimits
 from lorapool.outputs import RequestOutput
 from lorapool.producer.job import distinct, per_prompt
 from lorapool.producer.registry import AdapterRegistry
 from lorapool.protocol import LoRARequest, RequestOutputKind, SamplingParams
+from lorapool.records.adapter import AdapterRecord
+from lorapool.records.chunk import decode_chunk
+from lorapool.records.job import DEFAULT_MAX_N, DEFAULT_MAX_PROMPT_BYTES, JobLimits
+from lorapool.records.marker import job_status
 
 logger = logging.getLogger(__name__)
 _WAIT_S = 1.0  # quiet this long, a handle reads the log again

@@ -11,13 +11,12 @@ from typing import Any
 
 import orjson
 
-from lorapool.lifecycle.adapter_record import AdapterRecord, decode_adapter_record
-from lorapool.lifecycle.chunk_log import RESULT_FIELD
-from lorapool.lifecycle.heartbeat import Heartbeat, decode_heartbeats
 from lorapool.lifecycle.keys import WORKERS_GROUP
-from lorapool.lifecycle.run_state import job_status
 from lorapool.producer.aio import AsyncProducer
 from lorapool.producer.api_keys import KeyRecord, authenticate, decode_key_record
+from lorapool.records.adapter import AdapterRecord, decode_adapter_record
+from lorapool.records.heartbeat import Heartbeat, decode_heartbeats
+from lorapool.records.marker import RESULT_FIELD, job_status
 
 
 class PoolView:

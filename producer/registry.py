@@ -1,7 +1,7 @@
 """The adapter registry in Redis: name -> id, path, sha256, rank, alpha, targets,
 config sha256 and digest.
 
-``{p}:adapters`` maps a name to its record (``lifecycle.adapter_record``);
+``{p}:adapters`` maps a name to its record (``records.adapter``);
 ``{p}:adapter-ids`` maps an int id to its name, which keeps ids unique. Torch-free:
 the sha256 is taken over the bytes of ``adapter_model.safetensors``, the config's over
 the math fields of ``adapter_config.json`` (``lorapool.adapter_config``), the rest is
@@ -18,10 +18,11 @@ import msgspec
 import redis
 
 from lorapool.adapter_config import CONFIG_FILE, changes, identity_of, parse_config
-from lorapool.bounds import AdapterId, explain
 from lorapool.connection import client_for
 from lorapool.identity import ADAPTER_WEIGHTS, adapter_sha256
-from lorapool.lifecycle.adapter_record import (  # the worker reads the records too
+from lorapool.lifecycle.keys import Keys
+from lorapool.protocol import LoRARequest, short_repr
+from lorapool.records.adapter import (  # the worker reads the records too
     NAME_PATTERN,
     AdapterRecord,
     adapter_record,
@@ -31,8 +32,7 @@ from lorapool.lifecycle.adapter_record import (  # the worker reads the records 
     lora_from_record,
     requested_name,
 )
-from lorapool.lifecycle.keys import Keys
-from lorapool.protocol import LoRARequest, short_repr
+from lorapool.records.bounds import AdapterId, explain
 
 WEIGHTS_FILE = ADAPTER_WEIGHTS
 ROOTS_ENV = "LORAPOOL_ADAPTER_ROOTS"  # directories, separated by os.pathsep
@@ -140,7 +140,7 @@ class AdapterRegistry:
         path = check_inside_roots(path, self.roots)
         info = info if info is not None else describe_adapter(path)
         if adapter_id is not None:
-            try:  # the bound lora_request.lora_int_id has (lorapool.bounds)
+            try:  # the bound lora_request.lora_int_id has (lorapool.records.bounds)
                 msgspec.convert(adapter_id, AdapterId, strict=True)
             except msgspec.ValidationError:
                 raise ValueError(

@@ -1,7 +1,7 @@
 """The queue worker: drives one engine from the ``workers`` consumer group.
 
-May import: the engine, redis, orjson, ``lorapool.audit_record`` (to build audit records)
-and the lifecycle (an adapter's registry record: ``lifecycle.adapter_record``); never
+May import: the engine, redis, orjson, ``lorapool.records.audit`` (to build audit records)
+and the lifecycle (an adapter's registry record: ``records.adapter``); never
 the producer, SQLAlchemy sessions or the CLI.
 """
 

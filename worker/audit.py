@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from lorapool.audit_record import AuditRecord, encode_audit_record, record_from_output
-from lorapool.lifecycle.chunk import Chunk
+from lorapool.records.audit import AuditRecord, encode_audit_record, record_from_output
+from lorapool.records.chunk import Chunk
 from lorapool.worker.held import Held
 
 if TYPE_CHECKING:

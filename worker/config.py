@@ -11,11 +11,11 @@ from typing import Annotated
 from msgspec import Meta
 
 from lorapool import signing
-from lorapool.bounds import Count, NonNegative, ResultTtl
 from lorapool.config_fields import OptionError, Wait, check_fields
 from lorapool.grammar_limits import DEFAULT_LIMITS, GrammarLimits
 from lorapool.lifecycle.keys import DEAD_MAX_LEN, DEFAULT_PREFIX, Keys
-from lorapool.lifecycle.wire import DEFAULT_MAX_N, DEFAULT_MAX_PROMPT_BYTES, JobLimits
+from lorapool.records.bounds import Count, NonNegative, ResultTtl
+from lorapool.records.job import DEFAULT_MAX_N, DEFAULT_MAX_PROMPT_BYTES, JobLimits
 
 # Redis spends ~11 µs on a chunk (the APPEND script's work per item, whatever its
 # tokens): 3,000 chunks/s a worker is a third of a Redis core for 10 workers, so one

@@ -18,12 +18,12 @@ import redis
 
 from lorapool.connection import REDIS_DOWN
 from lorapool.lifecycle import append
-from lorapool.lifecycle.adapter_record import UnknownAdapter, decode_adapter_record
 from lorapool.lifecycle.append import dead_payload
-from lorapool.lifecycle.chunk import decode_chunk
-from lorapool.lifecycle.error_kind import ErrorKind
-from lorapool.lifecycle.wire import MAX_METADATA_BYTES, MAX_REQUEST_ID, Job, JobLimits, encode_job
 from lorapool.protocol import FieldError, LoRARequest, SamplingParams, is_int
+from lorapool.records.adapter import UnknownAdapter, decode_adapter_record
+from lorapool.records.chunk import decode_chunk
+from lorapool.records.error_kind import ErrorKind
+from lorapool.records.job import MAX_METADATA_BYTES, MAX_REQUEST_ID, Job, JobLimits, encode_job
 from lorapool.worker.audit import final_audit
 from lorapool.worker.held import Held, error_chunk
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from lorapool.adapter_config import AdapterIdentity
-from lorapool.lifecycle.adapter_record import AdapterRecord
 from lorapool.outputs import RequestOutput
 from lorapool.protocol import LoRARequest, SamplingParams
+from lorapool.records.adapter import AdapterRecord
 
 
 class EngineInterface(Protocol):

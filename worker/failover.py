@@ -6,9 +6,9 @@ import logging
 from typing import TYPE_CHECKING
 
 from lorapool.lifecycle import lease
-from lorapool.lifecycle.chunk import Chunk
-from lorapool.lifecycle.error_kind import ErrorKind
-from lorapool.lifecycle.wire import DATA
+from lorapool.records.chunk import Chunk
+from lorapool.records.error_kind import ErrorKind
+from lorapool.records.job import DATA
 from lorapool.worker import dead_letter
 
 if TYPE_CHECKING:

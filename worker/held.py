@@ -9,13 +9,13 @@ from typing import NamedTuple
 import msgspec
 from msgspec.structs import replace
 
-from lorapool.lifecycle.accumulator import Accumulator
-from lorapool.lifecycle.adapter_record import AdapterRecord
-from lorapool.lifecycle.chunk import Chunk, Delta
-from lorapool.lifecycle.error_kind import ErrorKind
-from lorapool.lifecycle.wire import Job
 from lorapool.outputs import RequestMetrics, RequestOutput, logprobs_to_wire
 from lorapool.protocol import RequestOutputKind, SamplingParams
+from lorapool.records.accumulator import Accumulator
+from lorapool.records.adapter import AdapterRecord
+from lorapool.records.chunk import Chunk, Delta
+from lorapool.records.error_kind import ErrorKind
+from lorapool.records.job import Job
 
 
 class Position(NamedTuple):

@@ -44,9 +44,9 @@ import zlib
 from collections import Counter
 from typing import TYPE_CHECKING
 
-from lorapool.lifecycle.heartbeat import Heartbeat, consumer_of
 from lorapool.lifecycle.intake import Handoff, Read
 from lorapool.lifecycle.keys import WORKERS_GROUP
+from lorapool.records.heartbeat import Heartbeat, consumer_of
 from lorapool.worker.pool import loaded_adapters
 
 if TYPE_CHECKING:

@@ -9,13 +9,13 @@ import orjson
 import redis
 
 from lorapool.connection import REDIS_DOWN
-from lorapool.lifecycle.heartbeat import (
+from lorapool.lifecycle.keys import Keys
+from lorapool.records.heartbeat import (
     Heartbeat,
     consumer_of,
     decode_heartbeats,
     encode_heartbeat,
 )
-from lorapool.lifecycle.keys import Keys
 
 if TYPE_CHECKING:
     from lorapool.worker.engine_api import EngineInterface

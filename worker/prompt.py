@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from lorapool.lifecycle.adapter_record import check_lora, decode_adapter_record
-from lorapool.lifecycle.wire import Job
+from lorapool.records.adapter import check_lora, decode_adapter_record
+from lorapool.records.job import Job
 from lorapool.tool_calls import plain_chat, renders_tools, template_chat
 from lorapool.worker.held import Held, engine_params, resumed_token_ids
 

@@ -52,9 +52,9 @@ from lorapool.lifecycle.append import (
     Append,
     Appender,
 )
-from lorapool.lifecycle.chunk import Chunk, encode_chunk
 from lorapool.lifecycle.chunk_log import encode_result
 from lorapool.outputs import RequestOutput
+from lorapool.records.chunk import Chunk, encode_chunk
 from lorapool.worker.audit import final_audit
 from lorapool.worker.dead_letter import ack_duplicate, fail_unwritable
 from lorapool.worker.held import Held, Position, make_chunk, merged

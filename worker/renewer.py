@@ -33,7 +33,7 @@ import msgspec
 import redis
 
 from lorapool.connection import REDIS_DOWN
-from lorapool.lifecycle.heartbeat import Heartbeat
+from lorapool.records.heartbeat import Heartbeat
 from lorapool.worker.lease import Lease
 from lorapool.worker.pool import send_heartbeat
 

@@ -31,12 +31,12 @@ from typing import TYPE_CHECKING
 
 import redis
 
-from lorapool.audit_record import AuditRecord, BaseModelInfo, Metrics, Output, encode_audit_record
 from lorapool.connection import register_script
 from lorapool.lifecycle import orphaned
 from lorapool.lifecycle.chunk_log import decode_result
 from lorapool.lifecycle.keys import PRIORITIES, WORKERS_GROUP, Keys
 from lorapool.lifecycle.unread import CAUSES, REASON, unread_record
+from lorapool.records.audit import AuditRecord, BaseModelInfo, Metrics, Output, encode_audit_record
 
 if TYPE_CHECKING:
     from lorapool.worker.state import WorkerState

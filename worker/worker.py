@@ -21,12 +21,12 @@ import redis
 from lorapool import signing
 from lorapool.connection import REDIS_DOWN, ensure_group, out_of_memory
 from lorapool.lifecycle import run_state
-from lorapool.lifecycle.chunk import Chunk
-from lorapool.lifecycle.error_kind import ErrorKind
-from lorapool.lifecycle.heartbeat import Heartbeat
 from lorapool.lifecycle.keys import WORKERS_GROUP
-from lorapool.lifecycle.wire import DATA, decode_job, encode_job
 from lorapool.persistence import persistence_warning
+from lorapool.records.chunk import Chunk
+from lorapool.records.error_kind import ErrorKind
+from lorapool.records.heartbeat import Heartbeat
+from lorapool.records.job import DATA, decode_job, encode_job
 from lorapool.startup import until_redis_takes
 from lorapool.worker import dead_letter, failover, signals, unread_audit
 from lorapool.worker.config import WorkerConfig

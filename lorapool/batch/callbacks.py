@@ -35,11 +35,11 @@ from rq import Queue
 from rq.exceptions import DuplicateJobError
 from rq.serializers import JSONSerializer
 
-from lorapool.audit_record import AuditRecord
 from lorapool.batch.deliveries import DEFAULT_QUEUE, Lanes, WebhookConfig, delivery_id
 from lorapool.lifecycle.keys import Keys
 from lorapool.lifecycle.submit import check_on_finish
 from lorapool.protocol import FieldError
+from lorapool.records.audit import AuditRecord
 
 ON_FINISH = "on_finish"
 MARKER_TTL_S = 7 * 24 * 3600

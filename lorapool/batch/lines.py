@@ -14,7 +14,6 @@ import msgspec
 from msgspec import Meta, Struct
 
 from lorapool.lifecycle.submit import build_job
-from lorapool.lifecycle.wire import JobLimits
 from lorapool.openai.body_errors import invalid
 from lorapool.openai.errors import APIError, field_error
 from lorapool.openai.limits import check_stop_count
@@ -22,6 +21,7 @@ from lorapool.openai.nesting import check_nesting
 from lorapool.openai.params import Parsed, parse_chat, parse_completion
 from lorapool.openai.structured import grammar_error
 from lorapool.protocol import FieldError, short_repr
+from lorapool.records.job import JobLimits
 
 ENDPOINTS = {"/v1/completions": "completion", "/v1/chat/completions": "chat"}
 Endpoint = Literal[tuple(ENDPOINTS)]  # the urls a line may name

@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.table import Table
 
 from lorapool.cli.demo_gateway import show_gateway
-from lorapool.lifecycle.heartbeat import decode_heartbeats
+from lorapool.records.heartbeat import decode_heartbeats
 
 PREFIX = "lorapool-demo"
 # the demo's workers: names under which rendezvous hashing gives its three adapters homes

@@ -19,7 +19,7 @@ from lorapool.cli.options import (
     shards_option,
 )
 from lorapool.lifecycle.keys import DEAD_MAX_LEN
-from lorapool.lifecycle.wire import DEFAULT_MAX_N, DEFAULT_MAX_PROMPT_BYTES
+from lorapool.records.job import DEFAULT_MAX_N, DEFAULT_MAX_PROMPT_BYTES
 
 
 def _producer(redis_url, prefix, shards=0):

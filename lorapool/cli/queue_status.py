@@ -6,8 +6,8 @@ import time
 
 from rich.table import Table
 
-from lorapool.lifecycle.heartbeat import Heartbeat, decode_heartbeats
 from lorapool.lifecycle.keys import WORKERS_GROUP
+from lorapool.records.heartbeat import Heartbeat, decode_heartbeats
 
 
 def worker_table(producer) -> Table:

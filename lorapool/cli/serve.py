@@ -17,8 +17,8 @@ from lorapool.cli.options import (
     shards_option,
     webhook_allow_option,
 )
-from lorapool.lifecycle.wire import DEFAULT_MAX_N, DEFAULT_MAX_PROMPT_BYTES
 from lorapool.protocol import MAX_STOP
+from lorapool.records.job import DEFAULT_MAX_N, DEFAULT_MAX_PROMPT_BYTES
 
 
 @click.command()

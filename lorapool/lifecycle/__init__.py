@@ -1,16 +1,10 @@
 """A request's life on Redis, in one place: what producers, workers, the gateway, the
-audit writer and every reader of streams share.
+audit writer and every reader of streams do to Redis with the records of
+``lorapool.records`` (the job, chunk, marker and run, dead letter, heartbeat, adapter
+record: their fields and encodings live there, not here).
 
 - ``keys``: every Redis key name, both layouts (one standalone Redis; shards on a Redis
   Cluster);
-- ``wire``: the records on the queue (jobs);
-- ``chunk``: a chunk of a request's log and its per-completion ``Delta``, typed, with
-  its encode and decode;
-- ``error_kind``: what failed a request, carried in its final chunk, read by readers;
-- ``dead_letter``: an entry given up on (``{p}:dead``), as both its writers write it;
-- ``heartbeat``: a worker's record in ``{p}:workers``, as its peers, the gateway and
-  ``lorapool status`` read it;
-- ``adapter_record``: an adapter's registry record as producers and workers read it;
 - each Lua script of a request's life with its one typed wrapper, which writes the
   script's KEYS/ARGV out once: ``submit`` (SUBMIT, and the job it enqueues), ``intake``
   (READ, HANDOFF), ``append`` (APPEND: fenced chunks, and at the end the final record,
@@ -22,16 +16,15 @@ audit writer and every reader of streams share.
   assembler of outputs), ``follower`` (many requests followed on one asyncio
   connection: live channel, gaps filled from the log) and ``listener`` (one request's
   live channel on a sync client, for a single ``JobHandle``);
-- ``accumulator``: a request's output kept from its chunks, O(a chunk) each: what the
-  worker compacts a finished log into, and what readers' cumulative outputs come from.
+- ``run_state``: the move of the first layout's markers to run keys;
+- ``rate_limits``: a tenant's request and token windows, as the gateway counts them.
 
-The worker's policy (when to renew, claim, hand off, dead-letter) stays in
-``lorapool.worker``; what each of those does to Redis is here.
+Which room a change belongs in: a new field or status is ``records``; a new key, Lua
+script or reader is here; the worker's policy (when to renew, claim, hand off,
+dead-letter) stays in ``lorapool.worker``; what each of those does to Redis is here.
 
-Torch-free. May import: the standard library, orjson, msgspec (the typed records:
-``chunk``, ``dead_letter``, ``adapter_record``, ``heartbeat``) and lorapool's torch-free
-data types (``protocol``, ``outputs``, ``messages``); redis-py only in the modules that talk to
-Redis (never ``keys`` and ``wire``, which a producer's data types need alone). Never
-torch, SQLAlchemy, the CLI, or the packages that use it (worker, producer, gateway,
-audit_db).
+Torch-free. May import: the standard library, orjson, msgspec, ``lorapool.records`` and
+lorapool's torch-free root modules; redis-py only in the modules that talk to Redis
+(never ``keys``, which a producer's data types need alone). Never torch, SQLAlchemy, the
+CLI, or the packages that use it (worker, producer, gateway, audit_db).
 """

@@ -225,7 +225,7 @@ while a < #ARGV do
       redis.pcall('XACK', stream, ARGV[1], entry)  -- an error: the group is gone
       finished[stream] = true
       if audit ~= '' then redis.call('XADD', KEYS[1], '*', 'data', audit) end
-      if dead ~= '' then  -- the fields of a lifecycle.dead_letter.DeadLetter
+      if dead ~= '' then  -- the fields of a records.dead_letter.DeadLetter
         redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', 'source', 'worker',
                    'stream', stream, 'entry', entry, 'worker', ARGV[2], 'reason', reason,
                    'data', dead)

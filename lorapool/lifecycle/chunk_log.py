@@ -19,12 +19,11 @@ from collections.abc import Iterator
 
 import msgspec
 
-from lorapool.lifecycle.accumulator import Accumulator, Completion
-from lorapool.lifecycle.chunk import Chunk, Delta, decode_chunk, encode_chunk
 from lorapool.outputs import CompletionOutput, RequestOutput, logprobs_from_wire
 from lorapool.protocol import RequestOutputKind
+from lorapool.records.accumulator import Accumulator, Completion
+from lorapool.records.chunk import Chunk, Delta, decode_chunk, encode_chunk
 
-RESULT_FIELD = "result"  # the run key's field holding the compacted output
 MAX_RECORD_BYTES = 256 << 20  # a compressed record inflates to at most this
 
 

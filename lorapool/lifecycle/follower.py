@@ -26,10 +26,10 @@ import redis
 
 from lorapool.connection import REDIS_TRANSIENT as TRANSIENT
 from lorapool.lifecycle import orphaned, unread
-from lorapool.lifecycle.chunk import Chunk, decode_chunk
 from lorapool.lifecycle.chunk_log import Cursor
 from lorapool.lifecycle.keys import Keys
 from lorapool.lifecycle.marker import read_back, read_back_result
+from lorapool.records.chunk import Chunk, decode_chunk
 from lorapool.tasks import cancel_and_wait
 
 logger = logging.getLogger(__name__)

@@ -11,9 +11,9 @@ from __future__ import annotations
 import orjson
 
 from lorapool.connection import register_script
-from lorapool.lifecycle.chunk import Chunk, decode_chunk
 from lorapool.lifecycle.keys import WORKERS_GROUP, Keys
-from lorapool.lifecycle.wire import DATA
+from lorapool.records.chunk import Chunk, decode_chunk
+from lorapool.records.job import DATA
 
 _DATA = DATA.encode()
 

@@ -8,8 +8,8 @@ what the client returns: awaitable on an asyncio client.
 from __future__ import annotations
 
 from lorapool.connection import register_script
-from lorapool.lifecycle.chunk_log import RESULT_FIELD
 from lorapool.lifecycle.keys import Keys
+from lorapool.records.marker import RESULT_FIELD
 
 ABORT_TTL_S = 24 * 3600  # an abort flag outlives any request it can stop
 # an abort for an id with no marker (unknown, or finished and expired): kept only

@@ -25,11 +25,11 @@ import time
 from msgspec.structs import replace
 
 from lorapool.lifecycle import unread
-from lorapool.lifecycle.accumulator import Accumulator
-from lorapool.lifecycle.chunk import decode_chunk
 from lorapool.lifecycle.chunk_log import encode_result
-from lorapool.lifecycle.error_kind import ErrorKind
 from lorapool.outputs import RequestMetrics
+from lorapool.records.accumulator import Accumulator
+from lorapool.records.chunk import decode_chunk
+from lorapool.records.error_kind import ErrorKind
 
 logger = logging.getLogger(__name__)
 QUIET_S = 3.0  # no new chunk this long: a reader asks whether its request was orphaned

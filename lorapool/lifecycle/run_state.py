@@ -10,8 +10,9 @@ it, never write it): the entry a worker took it from, claimed by the run's first
 at its end its ``status`` and final record (``result``); for a request a worker ended
 for its readers (``lifecycle/unread.py``), when (``ended``) and why (``cause``).
 
-``JobStatus`` is the statuses' one home: the Lua scripts' literals are checked against
-it (tests/unit/test_job_status.py).
+The two hashes' fields and ``JobStatus`` are typed in ``records.marker``; this module
+is what is done to Redis with them (the layout's move). The Lua scripts' literals are
+checked against that record (tests/unit/test_job_status.py).
 
 The first layout kept the run in the marker. A pool moves once (``migrate``, the first
 worker of this version to start): the status and final record of each finished marker
@@ -24,34 +25,12 @@ layout does (``worker/unread_audit.py``).
 from __future__ import annotations
 
 import logging
-from enum import Enum
 
 from lorapool.connection import register_script
 from lorapool.lifecycle.keys import Keys
 
 logger = logging.getLogger(__name__)
 LAYOUT = "2"
-
-
-class JobStatus(str, Enum):
-    """A job's status as readers see it: ``queued`` from its submission until its run
-    ends, then ``finished`` or ``failed`` (a named error, the run's own or a worker's
-    for a request that could not run)."""
-
-    QUEUED = "queued"
-    FINISHED = "finished"
-    FAILED = "failed"
-
-
-ENDED = (JobStatus.FINISHED.value, JobStatus.FAILED.value)
-
-
-def job_status(ran: bytes | None, submitted: int) -> str | None:
-    """A job's status from its run key's ``status`` (``ran``) and whether its marker
-    exists: the run's when it ended, else queued while submitted; None: unknown id."""
-    if ran is not None and ran.decode("utf-8", "replace") in ENDED:
-        return ran.decode()
-    return JobStatus.QUEUED.value if submitted or ran is not None else None
 
 
 # KEYS: a marker of the first layout, its run key. ARGV: none.

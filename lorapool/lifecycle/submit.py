@@ -13,8 +13,8 @@ from urllib.parse import urlsplit
 
 from lorapool.connection import is_async_client, register_script, run_scripts, run_scripts_async
 from lorapool.lifecycle.keys import Keys
-from lorapool.lifecycle.wire import Job, JobLimits, encode_job, job_from_dict
 from lorapool.protocol import FieldError, LoRARequest, SamplingParams
+from lorapool.records.job import Job, JobLimits, encode_job, job_from_dict
 
 # Enqueue a job only if its request id is new: the marker and the entry together.
 # The same call sent again (redis-py retries one whose reply was lost) finds its own

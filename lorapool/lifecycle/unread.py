@@ -27,11 +27,11 @@ import logging
 import time
 
 from lorapool.connection import is_async_client, register_script
-from lorapool.lifecycle.chunk import Chunk, Delta
 from lorapool.lifecycle.chunk_log import encode_result
-from lorapool.lifecycle.error_kind import ErrorKind
 from lorapool.lifecycle.keys import PRIORITIES, WORKERS_GROUP, Keys
 from lorapool.outputs import RequestMetrics
+from lorapool.records.chunk import Chunk, Delta
+from lorapool.records.error_kind import ErrorKind
 
 logger = logging.getLogger(__name__)
 # What a worker found when it ended a request (its run key's ``cause``), as the audit

@@ -18,7 +18,12 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta, Struct
 
-from lorapool.bounds import (
+from lorapool.lifecycle.submit import MAX_ON_FINISH
+from lorapool.openai.body_errors import invalid
+from lorapool.openai.errors import APIError, bad_request
+from lorapool.openai.nesting import check_nesting
+from lorapool.protocol import short_repr
+from lorapool.records.bounds import (
     INT64_MAX,
     MAX_LOGIT_BIAS,
     MAX_MESSAGES,
@@ -38,13 +43,8 @@ from lorapool.bounds import (
     TopK,
     TopP,
 )
-from lorapool.lifecycle.submit import MAX_ON_FINISH
-from lorapool.openai.body_errors import invalid
-from lorapool.openai.errors import APIError, bad_request
-from lorapool.openai.nesting import check_nesting
-from lorapool.protocol import short_repr
 
-# The bounds are the job boundary's own (``lorapool.bounds``, which ``SamplingParams``
+# The bounds are the job boundary's own (``lorapool.records.bounds``, which ``SamplingParams``
 # checks); these two are the OpenAI routes' alone.
 MAX_USER = 256
 INT64_MIN = -INT64_MAX - 1
@@ -185,7 +185,7 @@ class LegacyCall(Struct, kw_only=True):
 
 
 class Message(Struct, kw_only=True, forbid_unknown_fields=True):
-    """One chat message (its fields as ``lorapool.messages`` checks them)."""
+    """One chat message (its fields as ``lorapool.records.messages`` checks them)."""
 
     role: RoleText
     content: (

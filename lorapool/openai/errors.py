@@ -10,8 +10,8 @@ from __future__ import annotations
 import re
 from http import HTTPStatus
 
-from lorapool.lifecycle.error_kind import ErrorKind
 from lorapool.protocol import SamplingParams
+from lorapool.records.error_kind import ErrorKind
 
 _TYPES = {
     400: "invalid_request_error",

@@ -13,7 +13,6 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from lorapool.lifecycle.chunk import Chunk
 from lorapool.openai.echo import Echo
 from lorapool.openai.errors import failed_request
 from lorapool.openai.legacy import legacy_delta
@@ -26,6 +25,7 @@ from lorapool.openai.logprobs import (
 from lorapool.openai.tool_stream import ToolStream
 from lorapool.openai.tools import ToolRequest
 from lorapool.outputs import RequestOutput
+from lorapool.records.chunk import Chunk
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached: int | None = None) -> dict:

@@ -24,8 +24,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from lorapool.lifecycle.heartbeat import Heartbeat
 from lorapool.openai.errors import APIError, bad_request
+from lorapool.records.heartbeat import Heartbeat
 
 REFRESH_S = 5.0
 

@@ -14,9 +14,9 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta, Struct
 
-from lorapool.bounds import Count, Temperature, TopP
 from lorapool.openai.bodies import IGNORED_DOC, MAX_USER, JsonObjectFormat, NameText, TextFormat
 from lorapool.openai.errors import bad_request
+from lorapool.records.bounds import Count, Temperature, TopP
 
 
 class InputText(Struct, tag="input_text", tag_field="type"):

@@ -16,7 +16,7 @@ from typing import Any
 from lorapool.openai.bodies import JsonObjectFormat, JsonSchemaFormat, TextFormat
 from lorapool.openai.errors import bad_request
 from lorapool.protocol import FieldError
-from lorapool.structured import StructuredOutputsParams
+from lorapool.records.structured import StructuredOutputsParams
 
 GUIDED = {
     "guided_json": "json",

@@ -13,11 +13,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from lorapool.messages import check_tools
 from lorapool.openai.bodies import NamedToolChoice, ToolChoice
 from lorapool.openai.errors import bad_request
 from lorapool.protocol import FieldError
-from lorapool.structured import StructuredOutputsParams
+from lorapool.records.messages import check_tools
+from lorapool.records.structured import StructuredOutputsParams
 from lorapool.tool_calls import ToolCall, parse_tool_calls, required_schema, scan_required
 
 

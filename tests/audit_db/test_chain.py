@@ -12,7 +12,7 @@ from lorapool.audit_db.chain import (
 )
 from lorapool.audit_db.rows import adapter_row, prepare
 from lorapool.audit_db.tokens import fits, packed, unpacked
-from lorapool.audit_record import RecordError, record_from_dict
+from lorapool.records.audit import RecordError, record_from_dict
 
 pytest_plugins = ["audit_fixtures"]
 

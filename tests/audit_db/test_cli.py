@@ -13,8 +13,8 @@ from sqlalchemy import text
 from lorapool import signing
 from lorapool.audit_db import DatabaseConfig, append_records, create_audit_engine, head_revision
 from lorapool.audit_db.queries import percentile
-from lorapool.audit_record import record_from_dict
 from lorapool.cli.audit import audit, parse_time
+from lorapool.records.audit import record_from_dict
 
 pytest_plugins = ["audit_fixtures"]
 

@@ -6,7 +6,7 @@ import orjson
 import pytest
 
 from lorapool import CompletionOutput, RequestMetrics, RequestOutput
-from lorapool.audit_record import (
+from lorapool.records.audit import (
     RecordError,
     encode_audit_record,
     parse_record,

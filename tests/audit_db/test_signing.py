@@ -5,7 +5,7 @@ import copy
 import pytest
 
 from lorapool import signing
-from lorapool.audit_record import RecordError, check_signature, parse_record, sign_record
+from lorapool.records.audit import RecordError, check_signature, parse_record, sign_record
 
 pytest_plugins = ["audit_fixtures"]
 KEY = b"k" * 40

@@ -20,8 +20,8 @@ from gateway_procs import start_pool_worker, stop
 
 from lorapool import SamplingParams
 from lorapool.batch import BatchConfig, BatchService
-from lorapool.lifecycle.adapter_record import lora_from_record
 from lorapool.producer import Producer
+from lorapool.records.adapter import lora_from_record
 
 ADAPTERS = {
     "ad-qv": ("q_proj", "v_proj"),

@@ -12,7 +12,7 @@ import orjson
 import pytest
 
 from lorapool.batch import BatchError
-from lorapool.lifecycle.wire import DATA
+from lorapool.records.job import DATA
 
 pytestmark = pytest.mark.usefixtures("worker")
 OWNER = {"tenant": "acme", "key_id": "k-acme"}

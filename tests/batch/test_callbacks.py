@@ -15,10 +15,10 @@ import pytest
 from lorapool import SamplingParams
 from lorapool.audit_db import AuditWriter, DatabaseConfig, WriterConfig, create_audit_engine
 from lorapool.audit_db.database import migrate
-from lorapool.audit_record import parse_record
 from lorapool.batch.callbacks import Callbacks, job_id
 from lorapool.lifecycle.keys import Keys
 from lorapool.producer import Producer
+from lorapool.records.audit import parse_record
 
 pytestmark = pytest.mark.usefixtures("worker")
 TARGET = """

@@ -16,8 +16,8 @@ from lorapool.engine.config import EngineArgs
 from lorapool.engine.loader import load_model
 from lorapool.engine.lora.adapter import AdapterError
 from lorapool.engine.lora.manager import LoRAManager
-from lorapool.lifecycle.adapter_record import AdapterRecord
 from lorapool.protocol import LoRARequest
+from lorapool.records.adapter import AdapterRecord
 
 
 @pytest.fixture(scope="module")

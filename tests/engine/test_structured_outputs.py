@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lorapool import EngineArgs, LLMEngine, SamplingParams
-from lorapool.structured import StructuredOutputsParams as S
+from lorapool.records.structured import StructuredOutputsParams as S
 
 PET = {
     "type": "object",

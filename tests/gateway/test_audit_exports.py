@@ -16,8 +16,8 @@ from gateway_procs import serve, stop
 from sqlalchemy import text
 
 from lorapool.audit_db import append_records
-from lorapool.audit_record import record_from_dict
 from lorapool.lifecycle.keys import Keys
+from lorapool.records.audit import record_from_dict
 
 pytest_plugins = ["audit_fixtures"]
 pytestmark = pytest.mark.integration

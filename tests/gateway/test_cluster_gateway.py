@@ -15,10 +15,10 @@ import pytest
 from gateway_procs import serve, start_worker, stop, wait_until
 
 from lorapool.connection import connect
-from lorapool.lifecycle.adapter_record import lora_from_record
 from lorapool.lifecycle.keys import Keys
 from lorapool.producer import Producer
 from lorapool.protocol import SamplingParams
+from lorapool.records.adapter import lora_from_record
 
 pytestmark = pytest.mark.integration
 SHARDS = "3"

@@ -22,9 +22,9 @@ from lorapool.audit_db import (
     create_audit_engine,
     migrate,
 )
-from lorapool.lifecycle.heartbeat import decode_heartbeats
 from lorapool.lifecycle.keys import Keys
 from lorapool.producer.api_keys import ApiKeys
+from lorapool.records.heartbeat import decode_heartbeats
 
 pytestmark = pytest.mark.integration
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")

@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 from json_strategies import json_values
 
 from lorapool.lifecycle.submit import build_job
-from lorapool.lifecycle.wire import JobLimits, decode_job, encode_job, job_from_dict
 from lorapool.protocol import FieldError
+from lorapool.records.job import JobLimits, decode_job, encode_job, job_from_dict
 
 CHAT = [{"role": "user", "content": "hi \x00 there"}]
 

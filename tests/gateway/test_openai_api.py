@@ -14,8 +14,8 @@ import openai
 import pytest
 import redis
 
-from lorapool.lifecycle.adapter_record import lora_from_record
 from lorapool.protocol import SamplingParams
+from lorapool.records.adapter import lora_from_record
 
 pytestmark = pytest.mark.integration
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -227,7 +227,7 @@ def test_a_client_that_leaves_a_waiting_request_aborts_its_job(
 ):
     import signal
 
-    from lorapool.lifecycle.wire import decode_job
+    from lorapool.records.job import decode_job
 
     body = {"model": "ad-qv", "prompt": PROMPT, "max_tokens": 480, "ignore_eos": True, "n": 8}
     # the worker is held (SIGSTOP) until the gateway has asked for the abort: on an idle

@@ -15,8 +15,8 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from lorapool.lifecycle.adapter_record import lora_from_record
 from lorapool.protocol import SamplingParams
+from lorapool.records.adapter import lora_from_record
 
 pytestmark = pytest.mark.integration
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)

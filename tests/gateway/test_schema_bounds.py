@@ -10,13 +10,13 @@ import jsonschema
 import pytest
 
 from lorapool.lifecycle.submit import MAX_ON_FINISH
-from lorapool.lifecycle.wire import MAX_REQUEST_ID
 from lorapool.openai.bodies import MAX_USER, parse, schema_components
 from lorapool.openai.errors import APIError
 from lorapool.openai.params import parse_chat, parse_completion, parse_job
 from lorapool.openai.response_bodies import ResponsesRequest
 from lorapool.openai.responses import to_parsed
 from lorapool.protocol import PENALTY_MAX
+from lorapool.records.job import MAX_REQUEST_ID
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "logprobs": True}
 PARSERS = {

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from lorapool.lifecycle.adapter_record import lora_from_record
 from lorapool.protocol import SamplingParams
+from lorapool.records.adapter import lora_from_record
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)

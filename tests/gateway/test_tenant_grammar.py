@@ -27,7 +27,7 @@ from hostile_grammars import gbnf, lark_chain, ref_chain
 from lorapool.lifecycle.keys import Keys
 from lorapool.producer.api_keys import ApiKeys
 from lorapool.protocol import SamplingParams
-from lorapool.structured import StructuredOutputsParams
+from lorapool.records.structured import StructuredOutputsParams
 
 pytestmark = pytest.mark.integration
 LOOSE = ("--grammar-limit", "max_grammar_rules=100000")  # lets the crashing grammar compile

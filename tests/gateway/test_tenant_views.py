@@ -24,11 +24,11 @@ from audit_fixtures import KEY, make_adapter, make_record
 from gateway_procs import free_port, lorapool_cmd, stop, wait_answering
 
 from lorapool.audit_db import append_records
-from lorapool.audit_record import record_from_dict
 from lorapool.lifecycle.keys import Keys
 from lorapool.producer import Producer
 from lorapool.producer.api_keys import ApiKeys
 from lorapool.protocol import SamplingParams
+from lorapool.records.audit import record_from_dict
 
 pytest_plugins = ["audit_fixtures"]
 pytestmark = pytest.mark.integration

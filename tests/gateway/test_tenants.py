@@ -12,8 +12,8 @@ from gateway_procs import serve, stop
 
 from lorapool.gateway.auth import OPEN, Principal
 from lorapool.lifecycle.keys import Keys
-from lorapool.lifecycle.wire import decode_job
 from lorapool.producer.api_keys import ApiKeys
+from lorapool.records.job import decode_job
 
 pytestmark = pytest.mark.integration
 JOB = {"model": "ad-a", "prompt": "hello", "max_tokens": 2}

@@ -346,8 +346,8 @@ def test_the_lora_resolver_registers_and_serves_on_first_use(resolving, producer
     from concurrent.futures import ThreadPoolExecutor
 
     from lorapool.identity import adapter_sha256
-    from lorapool.lifecycle.adapter_record import lora_from_record
     from lorapool.protocol import SamplingParams
+    from lorapool.records.adapter import lora_from_record
 
     urls, root, admin, submit = resolving
     auth = {"Authorization": f"Bearer {submit}"}

@@ -21,8 +21,8 @@ from audit_fixtures import KEY
 from lorapool.adapter_config import identity_of
 from lorapool.audit_db import AuditWriter, WriterConfig, verify_chain
 from lorapool.audit_db.queries import get_request
-from lorapool.lifecycle.dead_letter import decode_dead_letter
 from lorapool.protocol import SamplingParams
+from lorapool.records.dead_letter import decode_dead_letter
 from lorapool.worker import Worker, WorkerConfig
 from lorapool.worker.serve import base_model_info
 

@@ -17,8 +17,8 @@ from pool_layout import entries, length
 from pool_layout import pending as pending_total
 from standin import BENCH
 
-from lorapool.lifecycle.wire import DATA
 from lorapool.protocol import SamplingParams
+from lorapool.records.job import DATA
 from lorapool.worker import Worker, WorkerConfig
 from lorapool.worker.intake import AFFINITY_SLACK
 

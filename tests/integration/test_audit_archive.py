@@ -19,8 +19,8 @@ from lorapool.audit_db.archive_manifest import Manifest
 from lorapool.audit_db.rows import prepare
 from lorapool.audit_db.store import append
 from lorapool.audit_db.usage import usage
-from lorapool.audit_record import record_from_dict
 from lorapool.cli.audit import audit
+from lorapool.records.audit import record_from_dict
 
 pytest_plugins = ["audit_fixtures"]
 pytestmark = pytest.mark.integration

@@ -10,7 +10,7 @@ from sqlalchemy.exc import DBAPIError
 from lorapool.audit_db import append_records, verify_chain
 from lorapool.audit_db.chain import logical, row_hash
 from lorapool.audit_db.schema import completions
-from lorapool.audit_record import record_from_dict
+from lorapool.records.audit import record_from_dict
 
 pytest_plugins = ["audit_fixtures"]
 pytestmark = pytest.mark.integration

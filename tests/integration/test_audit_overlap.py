@@ -19,8 +19,8 @@ from lorapool.audit_db.guard import ChainGuard
 from lorapool.audit_db.rows import prepare
 from lorapool.audit_db.schema import usage_daily
 from lorapool.audit_db.store import append
-from lorapool.audit_record import record_from_dict
-from lorapool.lifecycle.dead_letter import decode_dead_letter
+from lorapool.records.audit import record_from_dict
+from lorapool.records.dead_letter import decode_dead_letter
 
 pytest_plugins = ["audit_fixtures"]
 pytestmark = [

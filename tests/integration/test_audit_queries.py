@@ -6,7 +6,7 @@ import statistics
 import pytest
 
 from lorapool.audit_db import SearchFilter, append_records, get_request, search, usage
-from lorapool.audit_record import record_from_dict
+from lorapool.records.audit import record_from_dict
 
 pytest_plugins = ["audit_fixtures"]
 pytestmark = pytest.mark.integration

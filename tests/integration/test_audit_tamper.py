@@ -27,9 +27,9 @@ from lorapool.audit_db import (
 )
 from lorapool.audit_db.chain import GENESIS, link, row_body
 from lorapool.audit_db.schema import adapters, completions
-from lorapool.audit_record import record_from_dict
 from lorapool.cli.audit import audit
 from lorapool.cli.audit_writer import audit_writer
+from lorapool.records.audit import record_from_dict
 
 pytest_plugins = ["audit_fixtures"]
 pytestmark = pytest.mark.integration

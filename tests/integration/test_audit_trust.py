@@ -22,9 +22,9 @@ from lorapool.audit_db import (
     search,
     verify_chain,
 )
-from lorapool.audit_record import record_from_dict, sign_record
 from lorapool.cli.audit import audit
 from lorapool.lifecycle.keys import Keys
+from lorapool.records.audit import record_from_dict, sign_record
 
 pytest_plugins = ["audit_fixtures"]
 pytestmark = pytest.mark.integration

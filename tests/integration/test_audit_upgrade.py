@@ -31,7 +31,7 @@ from lorapool.audit_db import (
 from lorapool.audit_db.chain import GENESIS, row_hash
 from lorapool.audit_db.rows import prepare
 from lorapool.audit_db.usage import usage
-from lorapool.audit_record import record_from_dict
+from lorapool.records.audit import record_from_dict
 
 pytest_plugins = ["audit_fixtures"]
 pytestmark = pytest.mark.integration

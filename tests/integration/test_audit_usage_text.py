@@ -17,7 +17,7 @@ from lorapool.audit_db import text_search as ts
 from lorapool.audit_db.queries import TextSearchRefused
 from lorapool.audit_db.store import refresh_rollup
 from lorapool.audit_db.usage import usage
-from lorapool.audit_record import record_from_dict
+from lorapool.records.audit import record_from_dict
 
 pytest_plugins = ["audit_fixtures"]
 pytestmark = pytest.mark.integration

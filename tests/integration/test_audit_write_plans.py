@@ -20,7 +20,7 @@ from sqlalchemy import create_engine, event, text
 from lorapool.audit_db import DatabaseConfig, create_audit_engine, migrate
 from lorapool.audit_db.guard import ChainGuard
 from lorapool.audit_db.store import append, prepare
-from lorapool.audit_record import record_from_dict
+from lorapool.records.audit import record_from_dict
 
 pytestmark = pytest.mark.integration
 BATCH = 200

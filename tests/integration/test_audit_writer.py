@@ -24,7 +24,7 @@ from lorapool.audit_db import (
     migrate,
     verify_chain,
 )
-from lorapool.lifecycle.dead_letter import decode_dead_letter
+from lorapool.records.dead_letter import decode_dead_letter
 
 pytest_plugins = ["audit_fixtures"]
 pytestmark = pytest.mark.integration
@@ -100,7 +100,7 @@ def test_a_read_whose_reply_was_lost_is_read_again(audit_target, audit_redis):
     from audit_fixtures import make_record
 
     from lorapool import signing
-    from lorapool.audit_record import sign_record
+    from lorapool.records.audit import sign_record
 
     # three requests of one shard: a transaction stays on one stream (one cluster slot)
     one_shard = [i for i in range(100) if audit_redis.keys.shard_of(f"req-{i}") == 0][:3]
@@ -191,7 +191,7 @@ def test_a_rolled_back_first_write_leaves_no_keyed_start_or_partition_behind(aud
     from lorapool.audit_db.guard import ChainGuard
     from lorapool.audit_db.rows import prepare
     from lorapool.audit_db.store import append
-    from lorapool.audit_record import record_from_dict
+    from lorapool.records.audit import record_from_dict
 
     at = 2_000_000_000.0  # 2033-05: no partition made by the migrations
     bad = make_record(1)

@@ -31,11 +31,11 @@ from redis_cluster import private_redis
 from standin import load
 
 from lorapool.audit_db.queries import get_request, list_conflicts
-from lorapool.lifecycle.chunk import Chunk, Delta
 from lorapool.lifecycle.chunk_log import encode_result
 from lorapool.lifecycle.keys import Keys
 from lorapool.producer import Producer
 from lorapool.protocol import SamplingParams
+from lorapool.records.chunk import Chunk, Delta
 
 pytestmark = pytest.mark.integration
 pytest_plugins = ["audit_fixtures"]

@@ -17,11 +17,11 @@ import orjson
 import pool_layout
 import pytest
 
-from lorapool.audit_record import record_from_dict
 from lorapool.identity import adapter_sha256, model_identity, weights_sha256
 from lorapool.lifecycle.keys import Keys
 from lorapool.producer.registry import describe_adapter
 from lorapool.protocol import SamplingParams
+from lorapool.records.audit import record_from_dict
 from lorapool.worker import ModelMismatchError, Worker, WorkerConfig
 
 pytestmark = pytest.mark.integration

@@ -17,8 +17,8 @@ from pool_layout import entries, length, pending
 from standin import BENCH, load
 
 from lorapool.cli.queue_status import live_workers
-from lorapool.lifecycle.wire import DATA
 from lorapool.protocol import SamplingParams
+from lorapool.records.job import DATA
 from lorapool.worker import Worker, WorkerConfig
 
 pytestmark = pytest.mark.integration

@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 from standin import load
 
-from lorapool.lifecycle.chunk import Chunk, Delta, encode_chunk
 from lorapool.lifecycle.chunk_log import LogCompacted, encode_result
 from lorapool.producer.client import JobHandle
 from lorapool.protocol import SamplingParams
+from lorapool.records.chunk import Chunk, Delta, encode_chunk
 
 pytestmark = pytest.mark.integration
 LAYOUTS = ("standalone", "cluster")

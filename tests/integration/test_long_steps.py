@@ -18,9 +18,9 @@ import pytest
 from standin import load
 
 from lorapool.lifecycle.chunk_log import log_chunks
-from lorapool.lifecycle.heartbeat import decode_heartbeat
 from lorapool.lifecycle.lease import claim_idle
 from lorapool.protocol import SamplingParams
+from lorapool.records.heartbeat import decode_heartbeat
 from lorapool.worker import Worker, WorkerConfig
 
 pytestmark = pytest.mark.integration

@@ -26,15 +26,15 @@ from job_changes import changed
 from json_strategies import json_values as any_json
 from pool_layout import entries, ids_on_shard, length, pending
 
-from lorapool.audit_record import record_from_dict
 from lorapool.connection import connect
-from lorapool.lifecycle.chunk import encode_chunk
 from lorapool.lifecycle.chunk_log import log_chunks
-from lorapool.lifecycle.dead_letter import decode_dead_letter
 from lorapool.lifecycle.keys import Keys
-from lorapool.lifecycle.wire import job_from_dict
 from lorapool.producer import Producer
 from lorapool.protocol import SamplingParams
+from lorapool.records.audit import record_from_dict
+from lorapool.records.chunk import encode_chunk
+from lorapool.records.dead_letter import decode_dead_letter
+from lorapool.records.job import job_from_dict
 from lorapool.worker import Worker, WorkerConfig
 from lorapool.worker.serve import base_model_info
 

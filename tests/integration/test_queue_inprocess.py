@@ -6,9 +6,9 @@ import orjson
 import pytest
 from pool_layout import entries, length, pending
 
-from lorapool.audit_record import record_from_dict
 from lorapool.producer import AsyncProducer
 from lorapool.protocol import LoRARequest, SamplingParams
+from lorapool.records.audit import record_from_dict
 from lorapool.worker import Worker, WorkerConfig
 from lorapool.worker.serve import base_model_info
 

@@ -15,13 +15,13 @@ import orjson
 import pytest
 from standin import load
 
-from lorapool.audit_record import record_from_dict
 from lorapool.lifecycle.chunk_log import log_chunks
 from lorapool.lifecycle.keys import WORKERS_GROUP
 from lorapool.lifecycle.submit import build_job
-from lorapool.lifecycle.wire import encode_job
 from lorapool.producer import Producer
 from lorapool.protocol import LoRARequest, SamplingParams
+from lorapool.records.audit import record_from_dict
+from lorapool.records.job import encode_job
 from lorapool.worker import Worker, WorkerConfig
 
 pytestmark = pytest.mark.integration

@@ -16,11 +16,11 @@ import redis
 from click.testing import CliRunner
 from pool_layout import entries, ids_on_shard, pending
 
-from lorapool.audit_record import record_from_dict
 from lorapool.cli.main import cli
 from lorapool.embedded import EmbeddedServer
 from lorapool.lifecycle.keys import WORKERS_GROUP
 from lorapool.protocol import SamplingParams
+from lorapool.records.audit import record_from_dict
 from lorapool.worker import Worker, WorkerConfig
 from lorapool.worker.serve import base_model_info
 
@@ -221,7 +221,7 @@ def test_cli_status_shows_the_loaded_adapters_and_never_a_negative_age(conn, poo
     """A worker's row names the adapters in its device slots (its record's ``loaded``),
     not only those of the requests it runs; a record written by a clock a little ahead
     (another host's) reads "0.0s ago", never a negative age ("-0.0s ago", "-4.7s ago")."""
-    from lorapool.lifecycle.heartbeat import Heartbeat
+    from lorapool.records.heartbeat import Heartbeat
     from lorapool.worker.pool import send_heartbeat
 
     ahead = time.time() + 5  # another host's clock, 5 s ahead

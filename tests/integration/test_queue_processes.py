@@ -17,10 +17,10 @@ import pytest
 from gateway_procs import lorapool_cmd
 from pool_layout import entries, length, pending
 
-from lorapool.lifecycle.adapter_record import lora_from_record
 from lorapool.lifecycle.chunk_log import log_chunks
 from lorapool.lifecycle.keys import WORKERS_GROUP
 from lorapool.protocol import SamplingParams
+from lorapool.records.adapter import lora_from_record
 from lorapool.worker import Worker, WorkerConfig
 from lorapool.worker.serve import base_model_info
 

@@ -65,10 +65,10 @@ from lorapool.lifecycle import orphaned
 from lorapool.lifecycle.chunk_log import log_chunks
 from lorapool.lifecycle.keys import WORKERS_GROUP, Keys
 from lorapool.lifecycle.submit import build_job
-from lorapool.lifecycle.wire import encode_job
 from lorapool.producer import JobLost, Producer
 from lorapool.producer.client import JobHandle
 from lorapool.protocol import SamplingParams
+from lorapool.records.job import encode_job
 from lorapool.worker import Worker, WorkerConfig
 
 pytestmark = pytest.mark.integration

@@ -37,11 +37,11 @@ from sqlalchemy import create_engine, text
 
 from lorapool.cli.queue_status import live_workers
 from lorapool.connection import connect
-from lorapool.lifecycle.chunk import decode_chunk
 from lorapool.lifecycle.chunk_log import log_chunks
 from lorapool.lifecycle.keys import Keys
 from lorapool.producer import Producer
 from lorapool.protocol import SamplingParams
+from lorapool.records.chunk import decode_chunk
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 PARAMS = SamplingParams(temperature=0.0, max_tokens=96, ignore_eos=True)

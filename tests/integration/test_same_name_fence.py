@@ -33,10 +33,10 @@ from lorapool.audit_db.queries import get_request
 from lorapool.cli.queue_status import live_workers
 from lorapool.connection import connect
 from lorapool.lifecycle.chunk_log import log_chunks
-from lorapool.lifecycle.heartbeat import Heartbeat, encode_heartbeat
 from lorapool.lifecycle.keys import Keys
 from lorapool.producer import Producer
 from lorapool.protocol import SamplingParams
+from lorapool.records.heartbeat import Heartbeat, encode_heartbeat
 from lorapool.worker.pool import same_name_alive
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

@@ -97,8 +97,8 @@ def test_a_lone_surrogate_is_refused_naming_its_field_and_nothing_is_enqueued(
 
 
 def test_an_adapter_name_no_adapter_can_have_is_unknown_without_a_look_up(conn, keys, producer):
-    from lorapool.lifecycle.adapter_record import UnknownAdapter
     from lorapool.protocol import LoRARequest
+    from lorapool.records.adapter import UnknownAdapter
 
     for name in ("a" + SURROGATE, "a b", "x" * 129):
         with pytest.raises(UnknownAdapter) as refused:
@@ -110,9 +110,9 @@ def test_an_adapter_name_no_adapter_can_have_is_unknown_without_a_look_up(conn, 
 def test_the_async_producer_refuses_them_the_same_way(pool_url, conn, keys):
     import asyncio
 
-    from lorapool.lifecycle.adapter_record import UnknownAdapter
     from lorapool.producer import AsyncProducer
     from lorapool.protocol import LoRARequest, SamplingParams
+    from lorapool.records.adapter import UnknownAdapter
 
     async def submit():
         producer = AsyncProducer(pool_url, prefix=keys.prefix, shards=keys.shards)
@@ -149,8 +149,8 @@ def test_a_stop_string_or_role_submits_or_is_refused_as_utf8_decides(stop, role)
     """Python's own UTF-8 encoder is the oracle: what it cannot encode is a FieldError
     naming the field; anything else encodes and decodes back to the same job."""
     from lorapool.lifecycle.submit import build_job
-    from lorapool.lifecycle.wire import decode_job, encode_job
     from lorapool.protocol import SamplingParams
+    from lorapool.records.job import decode_job, encode_job
 
     def encodes(text):
         try:

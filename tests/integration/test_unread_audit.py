@@ -21,11 +21,11 @@ from worker_loop import looping
 
 from lorapool.audit_db import AuditWriter, WriterConfig
 from lorapool.audit_db.queries import get_request
-from lorapool.audit_record import parse_record
 from lorapool.lifecycle import unread
 from lorapool.lifecycle.keys import WORKERS_GROUP
 from lorapool.lifecycle.unread import CAUSES, REASON, EndUnread
 from lorapool.protocol import SamplingParams
+from lorapool.records.audit import parse_record
 from lorapool.worker import Worker, WorkerConfig, unread_audit
 
 pytestmark = pytest.mark.integration

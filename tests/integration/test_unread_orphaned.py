@@ -23,13 +23,13 @@ from pool_layout import async_result
 from standin import load
 from worker_loop import looping
 
-from lorapool.audit_record import parse_record
 from lorapool.connection import register_script
 from lorapool.lifecycle import orphaned
 from lorapool.lifecycle.chunk_log import log_chunks
 from lorapool.lifecycle.keys import WORKERS_GROUP
 from lorapool.lifecycle.unread import EndUnread
 from lorapool.protocol import SamplingParams
+from lorapool.records.audit import parse_record
 from lorapool.worker import Worker, WorkerConfig, unread_audit
 
 pytestmark = pytest.mark.integration

@@ -20,11 +20,11 @@ import pytest
 from standin import load
 from worker_loop import looping
 
-from lorapool.audit_record import parse_record
 from lorapool.lifecycle.keys import WORKERS_GROUP
 from lorapool.lifecycle.unread import CAUSES, EndUnread
 from lorapool.producer import AsyncProducer
 from lorapool.protocol import SamplingParams
+from lorapool.records.audit import parse_record
 from lorapool.worker import Worker, WorkerConfig
 
 pytestmark = pytest.mark.integration

@@ -20,8 +20,8 @@ import orjson
 import pytest
 
 from lorapool.lifecycle import run_state
-from lorapool.lifecycle.error_kind import ErrorKind
 from lorapool.producer import AsyncProducer
+from lorapool.records.error_kind import ErrorKind
 
 pytestmark = pytest.mark.integration
 LAYOUTS = ("standalone", "cluster")

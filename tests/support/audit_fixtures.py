@@ -27,8 +27,8 @@ from sqlalchemy import Engine, create_engine, text
 
 from lorapool import signing
 from lorapool.audit_db import DatabaseConfig, create_audit_engine, migrate
-from lorapool.audit_record import sign_record
 from lorapool.lifecycle.keys import Keys
+from lorapool.records.audit import sign_record
 
 BASE_MODEL = {"name": "SmolLM2-135M-Instruct", "sha256": "b" * 64}
 KEY = signing.key_from_env()  # the test audit key tests/conftest.py sets

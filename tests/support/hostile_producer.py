@@ -21,12 +21,12 @@ from deployment_pool import acl_rules
 from hypothesis import strategies as st
 from hypothesis.stateful import rule
 
-from lorapool.audit_record import parse_record
-from lorapool.lifecycle.chunk import Chunk, Delta
 from lorapool.lifecycle.chunk_log import encode_result
 from lorapool.lifecycle.submit import Submit, build_job
-from lorapool.lifecycle.wire import encode_job
 from lorapool.protocol import SamplingParams
+from lorapool.records.audit import parse_record
+from lorapool.records.chunk import Chunk, Delta
+from lorapool.records.job import encode_job
 
 FORGED = "FORGED by a producer"
 FIELDS = ("status", "result", "unread", "unread_log", "submitted", "entry", "priority")

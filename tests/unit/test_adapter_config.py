@@ -17,7 +17,7 @@ from lorapool.adapter_config import (
     parse_config,
     refusal,
 )
-from lorapool.lifecycle.adapter_record import AdapterRecord, encode_adapter_record
+from lorapool.records.adapter import AdapterRecord, encode_adapter_record
 
 BASE = {"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"]}
 WEIGHTS = hashlib.sha256(b"weights").hexdigest()

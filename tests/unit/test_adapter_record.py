@@ -1,19 +1,19 @@
-"""An adapter's identity is one record (``lifecycle.adapter_record.AdapterRecord``): the
+"""An adapter's identity is one record (``records.adapter.AdapterRecord``): the
 registry's, read typed by every reader, and the ``adapter`` of its audit records."""
 
 from __future__ import annotations
 
 import pytest
 
-from lorapool.audit_record import AdapterInfo, record_from_dict
-from lorapool.lifecycle.adapter_record import (
+from lorapool.protocol import LoRARequest
+from lorapool.records.adapter import (
     AdapterRecord,
     adapter_record,
     check_lora,
     decode_adapter_record,
     encode_adapter_record,
 )
-from lorapool.protocol import LoRARequest
+from lorapool.records.audit import AdapterInfo, record_from_dict
 
 # ``{p}:adapters``'s value as main at 89a94dd wrote it (AdapterRegistry.add: orjson of
 # {"name", "id", **describe_adapter(path)})

@@ -6,9 +6,9 @@ alike."""
 import orjson
 import pytest
 
-from lorapool.bounds import MAX_STOP, MAX_STOP_CHARS
 from lorapool.openai.errors import APIError
 from lorapool.openai.params import parse_chat, parse_completion, parse_job
+from lorapool.records.bounds import MAX_STOP, MAX_STOP_CHARS
 
 COMPLETION = {"model": "m", "prompt": "hi"}
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}

@@ -1,4 +1,4 @@
-"""lorapool.bounds: each alias is enforced by msgspec as it says, and ``explain`` and
+"""lorapool.records.bounds: each alias is enforced by msgspec as it says, and ``explain`` and
 ``bounds_of`` read the same numbers (the oracle: msgspec's own decoding)."""
 
 import math
@@ -6,7 +6,7 @@ import math
 import msgspec
 import pytest
 
-from lorapool import bounds
+from lorapool.records import bounds
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""Chunks and a final record as main wrote them just before ``lifecycle.chunk`` (the
+"""Chunks and a final record as main wrote them just before ``records.chunk`` (the
 compact dict writer of ``801da01``; bytes captured from its ``make_chunk``,
 ``encode_chunk`` and ``encode_result``): two completions at their own offsets, logprobs
 of the prompt and the tokens, stop reasons of both types, an error with its kind. What
@@ -12,11 +12,11 @@ import zlib
 
 import orjson
 
-from lorapool.lifecycle.chunk import decode_chunk, encode_chunk
 from lorapool.lifecycle.chunk_log import decode_result, encode_result
 from lorapool.lifecycle.submit import build_job
 from lorapool.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from lorapool.protocol import LoRARequest, SamplingParams
+from lorapool.records.chunk import decode_chunk, encode_chunk
 from lorapool.worker.held import Held, make_chunk
 
 CHUNKS = [

@@ -10,8 +10,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lorapool.lifecycle.accumulator import Accumulator
-from lorapool.lifecycle.chunk import Chunk, Delta, encode_chunk
 from lorapool.lifecycle.chunk_log import (
     Cursor,
     LogCompacted,
@@ -19,6 +17,8 @@ from lorapool.lifecycle.chunk_log import (
     decode_result,
     encode_result,
 )
+from lorapool.records.accumulator import Accumulator
+from lorapool.records.chunk import Chunk, Delta, encode_chunk
 
 _PROMPT = {"prompt": "p", "prompt_token_ids": [7]}
 piece = st.tuples(st.text(max_size=4), st.lists(st.integers(0, 50_000), max_size=3))

@@ -1,11 +1,11 @@
-"""A dead letter is one record (``lifecycle.dead_letter.DeadLetter``) whoever wrote it:
+"""A dead letter is one record (``records.dead_letter.DeadLetter``) whoever wrote it:
 the letters both writers wrote before it read as it, and what it writes reads back."""
 
 from __future__ import annotations
 
 import pytest
 
-from lorapool.lifecycle.dead_letter import DeadLetter, decode_dead_letter
+from lorapool.records.dead_letter import DeadLetter, decode_dead_letter
 
 # The fields as main at 89a94dd wrote them (what XRANGE gives back): APPEND's (a worker's)
 # and the audit writer's.

@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import pytest
 
-from lorapool.lifecycle.accumulator import Accumulator
-from lorapool.lifecycle.adapter_record import UnknownAdapter, check_lora
-from lorapool.lifecycle.chunk import Chunk, Delta, decode_chunk, encode_chunk
 from lorapool.lifecycle.chunk_log import OutputAssembler, decode_result, encode_result
-from lorapool.lifecycle.error_kind import ErrorKind
-from lorapool.lifecycle.wire import job_from_dict
 from lorapool.openai.errors import APIError, failed_request
 from lorapool.openai.format import check_failed
 from lorapool.protocol import FieldError, LoRARequest
+from lorapool.records.accumulator import Accumulator
+from lorapool.records.adapter import UnknownAdapter, check_lora
+from lorapool.records.chunk import Chunk, Delta, decode_chunk, encode_chunk
+from lorapool.records.error_kind import ErrorKind
+from lorapool.records.job import job_from_dict
 
 # Final chunks as main at 89a94dd wrote them (``encode_chunk``), before kinds: an engine
 # step that raised, and a request the engine refused.

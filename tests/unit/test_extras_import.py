@@ -73,7 +73,7 @@ BASE = [
     "lorapool.identity",
     "lorapool.signing",
     "lorapool.settings",
-    "lorapool.audit_record",
+    "lorapool.records.audit",
     "lorapool.embedded",
     "lorapool.egress",
     "lorapool.producer",

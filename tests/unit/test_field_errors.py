@@ -7,9 +7,9 @@ import orjson
 import pytest
 from job_changes import changed
 
-from lorapool.lifecycle.wire import decode_job, job_from_dict
 from lorapool.openai.errors import field_error
 from lorapool.protocol import FieldError, SamplingParams
+from lorapool.records.job import decode_job, job_from_dict
 
 JOB = {"v": 1, "request_id": "r9", "prompt": "hi", "sampling_params": {"max_tokens": 4}}
 

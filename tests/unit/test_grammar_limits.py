@@ -14,10 +14,10 @@ import sys
 import pytest
 from hostile_grammars import gbnf, lark_chain, ref_chain
 
-from lorapool.field_errors import FieldError
 from lorapool.grammar_limits import GrammarLimits, check_structure
 from lorapool.grammar_sandbox import GrammarSandbox
-from lorapool.structured import StructuredOutputsParams as P
+from lorapool.records.errors import FieldError
+from lorapool.records.structured import StructuredOutputsParams as P
 
 
 def nested(depth: int) -> dict:
@@ -92,7 +92,8 @@ def test_limits_parse_from_the_command_line_and_name_what_is_wrong():
 
 def _crashes_llguidance(grammar: str) -> bool:
     code = (
-        "import sys; from lorapool.structured import StructuredOutputsParams, check_grammar; "
+        "import sys; from lorapool.records.structured import StructuredOutputsParams, "
+        "check_grammar; "
         "check_grammar(StructuredOutputsParams(grammar=sys.stdin.read()))"
     )
     run = subprocess.run([sys.executable, "-c", code], input=grammar.encode(), capture_output=True)

@@ -1,17 +1,17 @@
-"""A worker's heartbeat is one record (``lifecycle.heartbeat.Heartbeat``): what the worker
+"""A worker's heartbeat is one record (``records.heartbeat.Heartbeat``): what the worker
 writes, its peers, the gateway and ``lorapool status`` read; older records still read."""
 
 from __future__ import annotations
 
 import orjson
 
-from lorapool.lifecycle.heartbeat import (
+from lorapool.openai.limits import pool_limits
+from lorapool.records.heartbeat import (
     Heartbeat,
     consumer_of,
     decode_heartbeats,
     encode_heartbeat,
 )
-from lorapool.openai.limits import pool_limits
 
 # ``{p}:workers``'s value as main at 89a94dd wrote it (an engine that says its bounds)
 OLD = (

@@ -3,7 +3,7 @@
 Each check imports the modules in a fresh interpreter and reads ``sys.modules``:
 a producer must import without torch, the audit trail never imports torch, the
 scheduler and block manager are plain Python, the torch-free data types of
-``lorapool/`` (``protocol``, ``lifecycle.wire``, ``lifecycle.keys``, ...) need only the
+``lorapool/`` (``protocol``, ``records.job``, ``lifecycle.keys``, ...) need only the
 standard library, orjson and msgspec, the request's life on Redis needs no torch, the worker
 needs no SQLAlchemy and the kernels no engine.
 """
@@ -63,9 +63,9 @@ def test_the_data_types_need_only_the_standard_library_orjson_and_msgspec():
         "egress",
     )
     modules = [m for m in submodules("lorapool", skip=clients) if m.count(".") <= 1]
-    modules += ["lorapool.lifecycle", "lorapool.lifecycle.wire", "lorapool.lifecycle.keys"]
-    assert {"lorapool.protocol", "lorapool.identity"} <= set(modules)
-    # msgspec (and what it loads): the typed records (lifecycle.adapter_record, ...)
+    modules += ["lorapool.lifecycle", "lorapool.lifecycle.keys"] + submodules("lorapool.records")
+    assert {"lorapool.protocol", "lorapool.records.job", "lorapool.identity"} <= set(modules)
+    # msgspec (and what it loads): the typed records (records.adapter, ...)
     allowed = {"lorapool", "orjson", "_distutils_hack"} | imported(["msgspec"])
     extra = imported(modules) - allowed
     assert not {m for m in extra if not m.startswith("_")}, extra
@@ -188,6 +188,7 @@ PACKAGES = [
     "lorapool",
     "lorapool.cli",
     "lorapool.lifecycle",
+    "lorapool.records",
     "lorapool.batch",
     "lorapool.openai",
     "lorapool.engine",

@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lorapool import messages
-from lorapool.field_errors import FieldError, check
-from lorapool.messages import check_messages
+from lorapool.records import messages
+from lorapool.records.errors import FieldError, check
+from lorapool.records.messages import check_messages
 
 NO_LIMIT = 1 << 20
 CALL = {"id": "call_1", "type": "function", "function": {"name": "find", "arguments": "{}"}}

@@ -7,9 +7,9 @@ import math
 import orjson
 import pytest
 
-from lorapool.lifecycle.wire import decode_job, encode_job, job_from_dict
 from lorapool.protocol import FieldError, SamplingParams
-from lorapool.structured import MAX_CONSTRAINT_BYTES, StructuredOutputsParams, check_grammar
+from lorapool.records.job import decode_job, encode_job, job_from_dict
+from lorapool.records.structured import MAX_CONSTRAINT_BYTES, StructuredOutputsParams, check_grammar
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 
@@ -105,7 +105,7 @@ def test_a_batch_line_carries_its_constraint_and_tools_into_its_job():
     (compiled by the validator's sandbox, as the gateway compiles a request's)."""
     from lorapool.batch.lines import LineError, check_line_grammar, parse_line
     from lorapool.grammar_sandbox import GrammarSandbox
-    from lorapool.lifecycle.wire import JobLimits
+    from lorapool.records.job import JobLimits
 
     body = {"model": "m", "prompt": "x", "guided_json": SCHEMA}
     record = {"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": body}

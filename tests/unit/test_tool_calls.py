@@ -175,7 +175,7 @@ def test_a_template_with_tools_renders_them_as_transformers_does(tiny_tokenizer_
     apply_chat_template(tools=...) on a template that has a place for them."""
     from transformers import AutoTokenizer
 
-    from lorapool.lifecycle.wire import job_from_dict
+    from lorapool.records.job import job_from_dict
     from lorapool.worker.prompt import engine_prompt
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_tokenizer_path)

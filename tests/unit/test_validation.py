@@ -19,8 +19,8 @@ from job_changes import changed
 from json_strategies import json_values as any_json
 
 from lorapool.lifecycle.submit import build_job
-from lorapool.lifecycle.wire import JobLimits, decode_job, encode_job, job_from_dict
 from lorapool.protocol import FieldError, LoRARequest, SamplingParams
+from lorapool.records.job import JobLimits, decode_job, encode_job, job_from_dict
 
 VALID = {
     "v": 1,

@@ -3,11 +3,11 @@
 import orjson
 import pytest
 
-from lorapool.lifecycle.chunk import Chunk, Delta, decode_chunk, encode_chunk
 from lorapool.lifecycle.chunk_log import OutputAssembler
 from lorapool.lifecycle.submit import build_job
-from lorapool.lifecycle.wire import decode_job, encode_job
 from lorapool.protocol import LoRARequest, SamplingParams
+from lorapool.records.chunk import Chunk, Delta, decode_chunk, encode_chunk
+from lorapool.records.job import decode_job, encode_job
 
 
 def _chunk(seq, tokens, text, finished=False):

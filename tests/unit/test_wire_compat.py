@@ -19,13 +19,13 @@ from pathlib import Path
 import orjson
 import pytest
 
-from lorapool.audit_record import RecordError, parse_record
-from lorapool.lifecycle.chunk import decode_chunk, encode_chunk
 from lorapool.lifecycle.chunk_log import decode_result
-from lorapool.lifecycle.dead_letter import decode_dead_letter
-from lorapool.lifecycle.heartbeat import decode_heartbeat
-from lorapool.lifecycle.wire import decode_job
 from lorapool.outputs import RequestMetrics
+from lorapool.records.audit import RecordError, parse_record
+from lorapool.records.chunk import decode_chunk, encode_chunk
+from lorapool.records.dead_letter import decode_dead_letter
+from lorapool.records.heartbeat import decode_heartbeat
+from lorapool.records.job import decode_job
 
 FIXTURES = sorted((Path(__file__).parent / "wire_fixtures").glob("*.json"))
 
@@ -73,7 +73,7 @@ def read_chunk(chunk) -> dict:
 def same_chunk(chunk, want: dict) -> bool:
     """``chunk`` read as ``want`` says; a fixture made before error kinds has none in its
     meaning: today's reader gives one exactly when there is an error (the old text
-    rule's, ``lifecycle.error_kind.read_kind``)."""
+    rule's, ``records.error_kind.read_kind``)."""
     got = read_chunk(chunk)
     if "error_kind" not in want["output"]:
         kind = got["output"].pop("error_kind")
@@ -134,7 +134,7 @@ WHOLE_METRICS = RequestMetrics(arrival_time=0).to_dict()
 
 
 def test_what_today_writes_again_is_what_was_written(fixture):
-    """Since ``lifecycle.chunk`` (msgspec Structs, no dict stage), a chunk or final record
+    """Since ``records.chunk`` (msgspec Structs, no dict stage), a chunk or final record
     read and written again is the same bytes as the one read (``"f":1`` included, which
     APPEND's Lua looks for): the readers before it read what this writer writes (a pool
     mixing versions during a rolling upgrade)."""
@@ -174,7 +174,7 @@ def test_audit_records_verify_and_decode_as_they_did(fixture):
 
 
 def test_dead_letters_of_both_writers_read_as_one_shape(fixture):
-    # before lifecycle.dead_letter, the worker's (APPEND: data, reason, entry, worker) and
+    # before records.dead_letter, the worker's (APPEND: data, reason, entry, worker) and
     # the audit writer's (source, stream, id, reason, data); since, both DeadLetter's
     letters = [
         (d, decode_dead_letter({k.encode(): raw(v) for k, v in d.items()}))
@@ -190,17 +190,17 @@ def test_dead_letters_of_both_writers_read_as_one_shape(fixture):
 
 
 def test_registry_heartbeat_and_model_records_read_as_they_did(fixture):
-    from lorapool.lifecycle.adapter_record import decode_adapter_record as decode_adapter
+    from lorapool.records.adapter import decode_adapter_record as decode_adapter
 
     for name, value in fixture["adapters"].items():
-        record = decode_adapter(raw(value))  # every field typed (lifecycle.adapter_record)
+        record = decode_adapter(raw(value))  # every field typed (records.adapter)
         assert record.name == name and fixture["adapter_ids"][str(record.id)] == name
         assert record.to_dict() == orjson.loads(raw(value))  # all of it, as written
     for name, value in fixture["workers"].items():
         heartbeat = orjson.loads(raw(value))
         assert heartbeat["name"] == name
         assert {"running", "waiting", "loaded", "draining", "updated"} <= set(heartbeat)
-        typed = decode_heartbeat(raw(value)).to_dict()  # lifecycle.heartbeat, every field
+        typed = decode_heartbeat(raw(value)).to_dict()  # records.heartbeat, every field
         assert {k: typed[k] for k in heartbeat} == heartbeat
     model = orjson.loads(raw(fixture["model"]))
     assert set(model) == {"name", "sha256"}

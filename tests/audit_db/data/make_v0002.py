@@ -21,7 +21,7 @@ from audit_fixtures import make_adapter, make_record  # noqa: E402
 from lorapool import signing  # noqa: E402
 from lorapool.audit_db import DatabaseConfig, create_audit_engine, migrate  # noqa: E402
 from lorapool.audit_db.store import append, prepare  # noqa: E402
-from lorapool.audit_record import record_from_dict  # noqa: E402
+from lorapool.records.audit import record_from_dict  # noqa: E402
 
 
 def records() -> list[dict]:

@@ -208,7 +208,7 @@ def run_audit_writer(conn, root: Path) -> None:
 def collect_jobs(conn) -> list[dict]:
     """The job stream's entries (before a worker takes them: it trims what it ends)."""
     from lorapool.lifecycle.keys import Keys
-    from lorapool.lifecycle.wire import decode_job
+    from lorapool.records.job import decode_job
 
     jobs = []
     for _, fields in conn.xrange(Keys(PREFIX).requests):
@@ -225,8 +225,8 @@ def collect_jobs(conn) -> list[dict]:
 
 def collect_audit(conn) -> list[dict]:
     """The audit stream's entries (before the writer stores and deletes them)."""
-    from lorapool.audit_record import parse_record
     from lorapool.lifecycle.keys import Keys
+    from lorapool.records.audit import parse_record
 
     audits = []
     for _, fields in conn.xrange(Keys(PREFIX).audit):
@@ -241,10 +241,11 @@ def collect_audit(conn) -> list[dict]:
 
 def collect(conn, requests: dict[str, str]) -> dict:
     """Everything the run left in Redis, raw, with this commit's meaning of it."""
-    from lorapool.lifecycle.chunk import decode_chunk
-    from lorapool.lifecycle.chunk_log import RESULT_FIELD, decode_result
+    from lorapool.lifecycle.chunk_log import decode_result
     from lorapool.lifecycle.keys import Keys
     from lorapool.producer import Producer
+    from lorapool.records.chunk import decode_chunk
+    from lorapool.records.marker import RESULT_FIELD
 
     keys, producer = Keys(PREFIX), Producer(conn, PREFIX)
     out = {}

@@ -26,7 +26,7 @@ from typing import Annotated, Any
 
 import msgspec
 
-from lorapool.field_errors import FieldError, invalid
+from lorapool.records.errors import FieldError, invalid
 
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
 MAX_CONSTRAINT_BYTES = 256 << 10  # a schema, regex, grammar or the choices, encoded

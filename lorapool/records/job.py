@@ -1,7 +1,7 @@
 """Jobs on the queue ``{p}:requests``: JSON in a stream entry's field ``data``, with
-``"v": 1``. (Chunks, on ``{p}:out:<id>``, are ``lifecycle.chunk``'s.)
+``"v": 1``. (Chunks, on ``{p}:out:<id>``, are ``records.chunk``'s.)
 
-``Job`` is a msgspec Struct whose field types carry their bounds (``lorapool.bounds``;
+``Job`` is a msgspec Struct whose field types carry their bounds (``lorapool.records.bounds``;
 its ``SamplingParams`` and ``LoRARequest`` are Structs too): decoding (bytes from Redis,
 ``decode_job``) and a producer's check (a dict, ``job_from_dict``) are msgspec's typed
 decoding, then the few checks no one field's type says (``_check``: one prompt within
@@ -20,11 +20,11 @@ from typing import Any
 import msgspec
 import orjson
 
-from lorapool.bounds import MAX_REQUEST_ID, RequestId, ResultTtl, Seconds, TokenIds
-from lorapool.field_errors import invalid
-from lorapool.messages import check_json_size, check_messages, check_tools, utf8_size
-from lorapool.outputs import wire_head
-from lorapool.protocol import (
+from lorapool.records.bounds import MAX_REQUEST_ID, RequestId, ResultTtl, Seconds, TokenIds
+from lorapool.records.errors import invalid
+from lorapool.records.messages import check_json_size, check_messages, check_tools, utf8_size
+from lorapool.records.outputs import wire_head
+from lorapool.records.params import (
     WIRE_VERSION,
     FieldError,
     LoRARequest,
@@ -40,7 +40,7 @@ DATA = "data"  # the stream entry field holding the record
 
 class Job(msgspec.Struct, forbid_unknown_fields=True):
     """One generation job as producers enqueue it. Each field's bound is its type
-    (``lorapool.bounds``); ``decode_job``/``job_from_dict`` have msgspec check them and
+    (``lorapool.records.bounds``); ``decode_job``/``job_from_dict`` have msgspec check them and
     then check what no one field says (``_check``)."""
 
     request_id: RequestId
@@ -52,7 +52,7 @@ class Job(msgspec.Struct, forbid_unknown_fields=True):
     arrival_time: Seconds | None = msgspec.field(default_factory=time.time)  # None: now
     result_ttl_s: ResultTtl | None = None  # None: the worker's --result-ttl
     # a chat: [{"role", "content"}, ...]; the worker applies the model's chat template
-    # (their shapes: ``lorapool.messages``)
+    # (their shapes: ``lorapool.records.messages``)
     messages: Any = None
     tools: Any = None  # a chat's tools, for its chat template
     version: Any = msgspec.field(default=WIRE_VERSION, name="v")

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import msgspec
 
-from lorapool.lifecycle.chunk import Chunk, Delta
-from lorapool.outputs import CompletionOutput
+from lorapool.records.chunk import Chunk, Delta
+from lorapool.records.outputs import CompletionOutput
 
 
 class Completion:

@@ -1,7 +1,7 @@
 """The bound of every field a request carries, written once, as msgspec constraint types.
 
 Each alias below is ``Annotated[<type>, msgspec.Meta(...)]``: msgspec enforces it when
-it decodes a record typed with it (a job from Redis: ``lifecycle.wire``), and
+it decodes a record typed with it (a job from Redis: ``records.job``), and
 ``SamplingParams``, ``LoRARequest`` and the job check Python-built values against the
 same alias (``protocol``); the OpenAI request models and the gateway's OpenAPI schema
 read their bounds from here too (``bounds_of`` gives a type's as keyword arguments).
@@ -36,7 +36,7 @@ MAX_STOP_TOTAL_CHARS = 8192  # characters in all of them together (a cross-field
 MAX_LORA_NAME = 1024
 MAX_REQUEST_ID = 256
 MAX_RESULT_TTL_S = 366 * 24 * 3600
-# a chat's messages (``lorapool.messages``)
+# a chat's messages (``lorapool.records.messages``)
 MAX_MESSAGES = 4096
 MAX_ROLE = 64
 MAX_NAME = 256  # a message's name, a tool call's id, a function's name

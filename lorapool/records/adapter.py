@@ -19,7 +19,7 @@ import msgspec
 import orjson
 
 from lorapool.adapter_config import AdapterIdentity
-from lorapool.protocol import LoRARequest
+from lorapool.records.params import LoRARequest
 
 NAME_PATTERN = re.compile(r"[A-Za-z0-9._-]{1,128}")  # what the registry accepts as a name
 

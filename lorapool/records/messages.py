@@ -22,8 +22,15 @@ from typing import Annotated, Any, Generic, TypeVar
 import msgspec
 import orjson
 
-from lorapool.bounds import MAX_MESSAGES, MAX_TOOL_CALLS, MAX_TOOLS, Role, ShortName, bounds_of
-from lorapool.field_errors import FieldError, check, invalid
+from lorapool.records.bounds import (
+    MAX_MESSAGES,
+    MAX_TOOL_CALLS,
+    MAX_TOOLS,
+    Role,
+    ShortName,
+    bounds_of,
+)
+from lorapool.records.errors import FieldError, check, invalid
 
 # The types of a message's role and of its names (its own, a tool call's id, a function's
 # name): bounds' Role and ShortName, or their lengths alone on the fast path (``_Lengths``).

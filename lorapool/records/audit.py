@@ -22,7 +22,7 @@ import msgspec
 import orjson
 
 from lorapool import signing
-from lorapool.lifecycle.adapter_record import HASHES, AdapterRecord
+from lorapool.records.adapter import HASHES, AdapterRecord
 
 RECORD_VERSION = 1
 SIGNATURE_DOMAIN = "lorapool audit record v1"
@@ -40,7 +40,7 @@ class BaseModelInfo(msgspec.Struct, frozen=True):
 
 
 # The full identity of one adapter version: its registry record as it was when the
-# request ran (one definition, ``lifecycle.adapter_record``)
+# request ran (one definition, ``records.adapter``)
 AdapterInfo = AdapterRecord
 
 

@@ -1,7 +1,7 @@
 """FieldError: a field of a request of the wrong type or out of range, named in words and
 by its path (``.field``), and the one translation of msgspec's validation errors into it.
 
-msgspec checks a record's types and bounds (``lorapool.bounds``) in C and says what
+msgspec checks a record's types and bounds (``lorapool.records.bounds``) in C and says what
 failed and where (``Expected `int` >= 1 - at `$.sampling_params.n```); ``invalid``
 turns that into the message every caller has read since the checks were hand-written
 (``sampling_params.n must be an integer >= 1, got 0``), wording the bound from the same
@@ -20,7 +20,7 @@ from typing import Annotated, Any, get_args, get_origin
 
 import msgspec
 
-from lorapool.bounds import explain
+from lorapool.records.bounds import explain
 
 
 class FieldError(ValueError):

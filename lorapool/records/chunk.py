@@ -20,15 +20,15 @@ from __future__ import annotations
 import msgspec
 from msgspec.structs import replace
 
-from lorapool.lifecycle.error_kind import read_kind
-from lorapool.outputs import (
+from lorapool.records.error_kind import read_kind
+from lorapool.records.outputs import (
     CompletionOutput,
     RequestMetrics,
     RequestOutput,
     logprobs_from_wire,
     logprobs_to_wire,
 )
-from lorapool.protocol import LoRARequest
+from lorapool.records.params import LoRARequest
 
 CHUNK_VERSION = 2
 
