@@ -17,7 +17,7 @@ from typing import Any
 from fastapi import Request
 
 from lorapool.openai.errors import APIError
-from lorapool.producer.api_keys import KeyRecord
+from lorapool.records.api_key import KeyRecord
 
 
 @dataclass(frozen=True)

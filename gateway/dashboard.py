@@ -142,7 +142,7 @@ def _registry(app: FastAPI):
         from prometheus_client import CollectorRegistry
 
         from lorapool.connection import connect
-        from lorapool.pool_metrics import PoolCollector
+        from lorapool.lifecycle.pool_metrics import PoolCollector
 
         config = app.state.pool.config
         registry = CollectorRegistry()

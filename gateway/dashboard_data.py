@@ -17,7 +17,7 @@ from typing import Any
 
 from lorapool.gateway.auth import Principal
 from lorapool.lifecycle.keys import AUDIT_GROUP, WORKERS_GROUP
-from lorapool.pool_metrics import lag_of
+from lorapool.lifecycle.pool_metrics import lag_of
 from lorapool.records.dead_letter import decode_dead_letter
 from lorapool.records.heartbeat import decode_heartbeats
 

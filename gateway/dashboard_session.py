@@ -27,7 +27,7 @@ from urllib.parse import urlsplit
 import orjson
 
 from lorapool.openai.errors import APIError
-from lorapool.producer.api_keys import KeyRecord
+from lorapool.records.api_key import KeyRecord
 
 COOKIE = "lorapool_session"
 WRONG_TRIES_PER_MINUTE = 10

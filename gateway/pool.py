@@ -22,15 +22,15 @@ from lorapool.gateway.auth import OPEN, Principal
 from lorapool.gateway.config import GatewayConfig
 from lorapool.gateway.dashboard_session import Sessions
 from lorapool.gateway.heavy import HeavyWork
+from lorapool.gateway.pool_view import PoolView
 from lorapool.gateway.redis_watch import RedisWatch
 from lorapool.gateway.tokenizer import TokenizerCache
 from lorapool.lifecycle.keys import WORKERS_GROUP
 from lorapool.lifecycle.queue_position import QueuePosition
+from lorapool.lifecycle.rate_limits import RateLimiter
 from lorapool.openai.errors import APIError, field_error, job_lost, model_not_found
 from lorapool.openai.limits import LimitsCache, check_limits, check_stop_count
 from lorapool.producer import AsyncJobHandle, AsyncProducer, JobLost
-from lorapool.producer.pool_view import PoolView
-from lorapool.producer.rate_limits import RateLimiter
 from lorapool.producer.registry import NAME_PATTERN, AdapterRegistry
 from lorapool.protocol import FieldError, LoRARequest, SamplingParams
 from lorapool.records.adapter import AdapterRecord, UnknownAdapter

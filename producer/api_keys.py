@@ -13,75 +13,31 @@ import hmac
 import re
 import secrets
 import time
-from typing import Annotated, Any, Literal, get_args
 
 import msgspec
-from msgspec import Meta, Struct
 
 from lorapool.lifecycle.keys import Keys
-from lorapool.openai.body_errors import invalid
 from lorapool.producer.registry import check_name
-from lorapool.protocol import short_repr
+from lorapool.records.api_key import (
+    KeyRecord,
+    check_tenant,
+    checked_key_record,
+    decode_key_record,
+)
 
-Role = Literal["submit", "audit", "admin"]
-ROLES = get_args(Role)
-Tenant = Annotated[str, Meta(pattern="^[A-Za-z0-9_.-]{1,64}$")]
-PerMinute = Annotated[int, Meta(ge=1)]  # requests or tokens
-Weight = Annotated[float, Meta(gt=0, le=1000)]  # a tenant's fair-share weight in a worker
 _KEY_PATTERN = re.compile(r"lp_([0-9a-f]{16})_[A-Za-z0-9_-]{43}")
-
-
-class KeyRecord(Struct, kw_only=True, frozen=True):
-    """A key's record in ``{p}:api-keys`` (JSON): what the key may do, never the key.
-    Fields a later version adds are ignored by this one (no ``forbid_unknown_fields``)."""
-
-    id: str
-    tenant: Tenant
-    role: Role
-    sha256: str  # of the whole key
-    adapters: list[str] | None = None  # None: all
-    rpm: PerMinute | None = None
-    tpm: PerMinute | None = None
-    all_tenants: bool = False  # an audit key that reads every tenant's trail
-    created: float = 0.0
-    weight: Weight | None = None  # its jobs' fair-share weight in workers (None: 1)
-
-
-_decode = msgspec.json.Decoder(KeyRecord).decode
 
 
 def key_sha256(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
-def check_tenant(tenant: Any) -> str:
-    try:
-        return msgspec.convert(tenant, Tenant)
-    except msgspec.ValidationError:
-        raise ValueError(
-            f"tenant {short_repr(tenant)} is not 1 to 64 letters, digits, '.', '_' and '-'"
-        ) from None
-
-
-def _checked(fields: dict[str, Any]) -> KeyRecord:
-    """``fields`` as a KeyRecord, each against its type; ValueError naming the first
-    that does not fit and its value (worded as a refused request body is)."""
-    try:
-        return msgspec.convert(fields, KeyRecord)
-    except msgspec.ValidationError as exc:
-        raise ValueError(invalid(str(exc), fields, KeyRecord).message) from None
-
-
 def matching_record(key: str, raw: bytes | None) -> KeyRecord | None:
     """The record ``raw`` if ``key`` is the key it was made for, else None."""
     if raw is None:
         return None
-    record = _decode(raw)
+    record = decode_key_record(raw)
     return record if hmac.compare_digest(record.sha256, key_sha256(key)) else None
-
-
-def decode_key_record(raw: bytes | None) -> KeyRecord | None:
-    return None if raw is None else _decode(raw)
 
 
 def key_id_of(key: str) -> str | None:
@@ -121,7 +77,7 @@ class ApiKeys:
             adapters = sorted({check_name(a) for a in adapters})
         key_id = secrets.token_hex(8)
         key = f"lp_{key_id}_{secrets.token_urlsafe(32)}"
-        record = _checked(
+        record = checked_key_record(
             {
                 "id": key_id,
                 "tenant": tenant,
@@ -141,7 +97,7 @@ class ApiKeys:
         return record, key
 
     def list(self) -> list[KeyRecord]:
-        records = [_decode(v) for v in self.redis.hvals(self.keys.api_keys)]
+        records = [decode_key_record(v) for v in self.redis.hvals(self.keys.api_keys)]
         return sorted(records, key=lambda r: (r.tenant, r.created))
 
     def revoke(self, key_id: str) -> bool:

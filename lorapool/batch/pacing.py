@@ -1,5 +1,5 @@
 """A batch's lines count against its owner's limits: each line is taken from the rate
-limits of the key that made the batch (``producer/rate_limits.py``, the same GCRA
+limits of the key that made the batch (``lorapool/lifecycle/rate_limits.py``, the same GCRA
 state its interactive requests use) before it is submitted, one request and its
 ``max_tokens x n`` tokens; past them, submission waits until the limits allow it. So
 a key at its ``--rpm`` gets its batch lines at that rate, and a batch leaves the key's
@@ -18,7 +18,7 @@ import orjson
 
 from lorapool.batch.lines import BatchLine, LineError
 from lorapool.lifecycle.keys import Keys
-from lorapool.producer.rate_limits import RateLimiter
+from lorapool.lifecycle.rate_limits import RateLimiter
 
 logger = logging.getLogger(__name__)
 MAX_WAIT_S = 1.0  # a paced submission looks at the batch's status at least this often

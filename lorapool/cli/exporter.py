@@ -24,7 +24,7 @@ def exporter(redis_url, prefix, shards, port, host):
 
     from lorapool.connection import connect
     from lorapool.lifecycle.keys import Keys
-    from lorapool.pool_metrics import PoolCollector
+    from lorapool.lifecycle.pool_metrics import PoolCollector
 
     if not redis_url:
         raise click.UsageError("the exporter needs Redis: pass --redis-url or set REDIS_URL")

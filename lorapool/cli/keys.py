@@ -106,7 +106,7 @@ def keys_webhook_secret(tenant, rotate, overlap_s, drop_old, redis_url, prefix, 
     secret of jobs submitted without one (--no-auth, Python producers)."""
     from lorapool.batch.webhook_secrets import WebhookSecrets
     from lorapool.producer import Producer
-    from lorapool.producer.api_keys import check_tenant
+    from lorapool.records.api_key import check_tenant
 
     if tenant:
         try:

@@ -240,7 +240,7 @@ class Keys:
 
     def rate(self, tenant: str, what: str) -> str:
         """A tenant's rate state of ``what`` (requests, tokens): its GCRA theoretical
-        arrival time (producer/rate_limits.py)."""
+        arrival time (lorapool/lifecycle/rate_limits.py)."""
         return self._meta(f"rate:{tenant}:{what}")
 
     def session(self, token_sha256: str) -> str:

@@ -55,9 +55,24 @@ def short_repr(value: Any, limit: int = 60) -> str:
     return text if len(text) <= limit else f"{text[:limit]}... ({type(value).__name__})"
 
 
-_AT = re.compile(r" - at (?:`key` in )?`\$([^`]*)`$")
-_STEP = re.compile(r"\.([^.\[]+)|\[(\d+)\]|\[\.\.\.\]")
+_AT = re.compile(r" - at (`key` in )?`\$([^`]*)`$")
+_STEP = re.compile(r"\.([^.\[]+)|\[(\d+)\]|(\[\.\.\.\])")
+ANY_VALUE = "[...]"  # a step to any value of an object (msgspec does not say which)
 _NOTHING = object()
+
+
+def msgspec_path(message: str) -> tuple[str, bool, list[str | int]]:
+    """msgspec's error text, read here only: what failed (``Expected `int` >= 1``),
+    whether at an object's key rather than its value, and where, as steps: a field's
+    name, a list's index, or ``ANY_VALUE``. ``$.a.b[3]`` is ``["a", "b", 3]``."""
+    at = _AT.search(message)
+    if at is None:
+        return message, False, []
+    steps = [
+        name or (int(index) if index else ANY_VALUE)
+        for name, index, _ in _STEP.findall(at.group(2))
+    ]
+    return message[: at.start()], at.group(1) is not None, steps
 
 
 def invalid(exc: msgspec.ValidationError, value: Any, tp: Any, root: str = "") -> FieldError:
@@ -66,24 +81,21 @@ def invalid(exc: msgspec.ValidationError, value: Any, tp: Any, root: str = "") -
     record's own name ahead of every path (``"sampling_params"``)."""
     if isinstance(exc.__cause__, FieldError):  # raised by a record's own check
         return exc.__cause__
-    text = str(exc)
-    at = _AT.search(text)
-    text = text[: at.start()] if at else text
-    where, key = root, " - at `key` in " in str(exc)
-    for match in _STEP.finditer(at.group(1) if at else ""):
-        name, index = match.group(1), match.group(2)
-        if name is None and index is None:  # a dict's value: "[...]"; the first bad one
+    text, key, steps = msgspec_path(str(exc))
+    where = root
+    for step in steps:
+        if step == ANY_VALUE:  # a dict's value: the first bad one
             args = get_args(_unannotated(_arm(tp, dict)))
             tp = args[1] if args else Any
             bad = _first_bad(value.items() if isinstance(value, dict) else (), tp, 1)
             key_of = "..." if bad is _NOTHING else bad[0]
             value, where = (_NOTHING if bad is _NOTHING else bad[1]), f"{where}[{key_of}]"
-        elif index is not None:
-            value, tp = _step(value, tp, int(index))
-            where = f"{where}[{index}]"
+        elif isinstance(step, int):
+            value, tp = _step(value, tp, step)
+            where = f"{where}[{step}]"
         else:
-            value, tp = _step(value, tp, name)
-            where = f"{where}.{name}" if where else name
+            value, tp = _step(value, tp, step)
+            where = f"{where}.{step}" if where else step
     if key:
         args = get_args(_unannotated(_arm(tp, dict)))
         tp = args[0] if args else Any
@@ -110,6 +122,9 @@ def _sentence(text: str, where: str, value: Any, tp: Any, key: bool) -> str:
     if text.startswith("Object missing required field "):
         return f"{where or 'the job'} needs {text.split('`')[1]}"
     if text.startswith("Invalid enum value"):
+        literal = next((a for a in _arms(tp) if get_origin(a) is typing.Literal), None)
+        if literal is not None:
+            return f"{subject} must be one of {', '.join(map(repr, get_args(literal)))}{got}"
         enum_type = _arm(tp, enum.Enum)
         return f"{subject} must be one of {', '.join(e.value for e in enum_type)}{got}"
     if key:

@@ -24,7 +24,7 @@ from receivers import Receiver
 from lorapool import SamplingParams
 from lorapool.batch.webhook_secrets import WebhookSecrets
 from lorapool.lifecycle.keys import Keys
-from lorapool.pool_metrics import PoolCollector
+from lorapool.lifecycle.pool_metrics import PoolCollector
 from lorapool.producer import Producer
 
 pytestmark = pytest.mark.usefixtures("worker")

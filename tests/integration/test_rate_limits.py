@@ -12,7 +12,7 @@ import pytest
 
 from lorapool.connection import connect
 from lorapool.lifecycle.keys import Keys
-from lorapool.producer.rate_limits import RateLimiter, duration
+from lorapool.lifecycle.rate_limits import RateLimiter, duration
 
 pytestmark = pytest.mark.integration
 

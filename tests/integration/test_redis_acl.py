@@ -27,7 +27,7 @@ from lorapool.cli.queue_status import live_workers
 from lorapool.connection import connect, connect_async
 from lorapool.identity import model_identity
 from lorapool.lifecycle.keys import Keys
-from lorapool.pool_metrics import PoolCollector
+from lorapool.lifecycle.pool_metrics import PoolCollector
 from lorapool.producer import AsyncProducer, Producer
 from lorapool.protocol import SamplingParams
 from lorapool.worker import Worker, WorkerConfig
@@ -202,8 +202,8 @@ def test_tenant_security_runs_with_each_roles_user(server):
     from lorapool.batch.deliveries import Lanes, WebhookConfig
     from lorapool.batch.pacing import Pacer
     from lorapool.batch.webhook_secrets import WebhookSecrets
+    from lorapool.lifecycle.rate_limits import RateLimiter
     from lorapool.producer.api_keys import ApiKeys
-    from lorapool.producer.rate_limits import RateLimiter
 
     keys = Keys(shards=server.shards)
     operator, gateway, writer, rq = (

@@ -48,8 +48,8 @@ def submodules(package: str, skip: tuple[str, ...] = ()) -> list[str]:
 
 
 def test_the_data_types_need_only_the_standard_library_orjson_and_msgspec():
-    # these talk to Redis (redis-py is theirs; persistence asks it; pool_metrics serves
-    # Prometheus too; batch runs RQ jobs; the lifecycle's Redis side and readers: each
+    # these talk to Redis (redis-py is theirs; persistence asks it; batch runs RQ jobs;
+    # the lifecycle's Redis side and readers, pool_metrics among them: each
     # checked below; startup waits for Redis)
     clients = (
         "cli",
@@ -57,7 +57,6 @@ def test_the_data_types_need_only_the_standard_library_orjson_and_msgspec():
         "connection",
         "startup",
         "persistence",
-        "pool_metrics",
         "batch",
         "lifecycle",
         "egress",

@@ -13,8 +13,9 @@ import orjson
 
 from lorapool.lifecycle.keys import WORKERS_GROUP
 from lorapool.producer.aio import AsyncProducer
-from lorapool.producer.api_keys import KeyRecord, authenticate, decode_key_record
+from lorapool.producer.api_keys import authenticate
 from lorapool.records.adapter import AdapterRecord, decode_adapter_record
+from lorapool.records.api_key import KeyRecord, decode_key_record
 from lorapool.records.heartbeat import Heartbeat, decode_heartbeats
 from lorapool.records.marker import RESULT_FIELD, job_status
 
