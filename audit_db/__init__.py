@@ -19,7 +19,7 @@ Torch-free (SQLAlchemy, redis, orjson only). The pieces:
 - :mod:`.queries`: compliance queries and conflicts;
 - :mod:`.roles`: PostgreSQL roles (owner, insert-only writer, reader).
 
-May import: SQLAlchemy, alembic, redis, orjson, msgspec (decoder.py) and ``lorapool``'s
+May import: SQLAlchemy, alembic, redis, orjson, msgspec and ``lorapool``'s
 torch-free modules; never torch (checked by ``tests/unit/test_import_rules.py``).
 """
 

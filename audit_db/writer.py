@@ -25,7 +25,7 @@ from collections.abc import Callable
 import redis
 from sqlalchemy import Engine
 
-from lorapool.audit_db import chaining, decoder, store
+from lorapool.audit_db import chaining, store
 from lorapool.audit_db.database import is_current, migrate, with_stall_timeout
 from lorapool.audit_db.guard import ChainGuard
 from lorapool.audit_db.writer_batch import Item, NextBatch
@@ -33,7 +33,7 @@ from lorapool.audit_db.writer_config import WriterConfig, WriterStats
 from lorapool.audit_db.writer_retry import REJECTED, RETRYABLE, Retrying, SchemaNotReady, Stopped
 from lorapool.connection import ensure_group
 from lorapool.lifecycle.keys import AUDIT_GROUP, Keys
-from lorapool.records.audit import AuditRecord, RecordError
+from lorapool.records.audit import AuditRecord, RecordError, parse_record
 from lorapool.records.dead_letter import AUDIT, DeadLetter
 
 log = logging.getLogger(__name__)
@@ -267,7 +267,7 @@ class AuditWriter(Retrying):
         pool, key = self.config.prefix, self.config.audit_key
         source = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
         try:
-            record = decoder.parse(payload, key=key, pool=pool)
+            record = parse_record(payload, key=key, pool=pool)
             rows = store.prepare(record, pool, source=source)
             return Item(view, entry_id, payload, rows, record)
         except RecordError as exc:

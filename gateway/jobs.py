@@ -34,6 +34,7 @@ from lorapool.openai.bodies import ChatJob, CompletionJob, openapi_body
 from lorapool.openai.errors import APIError, bad_request, job_lost
 from lorapool.openai.params import parse_job
 from lorapool.producer import JobLost
+from lorapool.records.bounds import is_request_id
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 Submitter = Annotated[Principal, Depends(require("submit"))]
@@ -102,8 +103,7 @@ def _check_request_id(request_id) -> None:
 
 
 async def _state(pool: Pool, job_id: str) -> dict:
-    valid = 0 < len(job_id) <= 256 and not set("{}\x00") & set(job_id)
-    state = await pool.view.job_state(job_id) if valid else None
+    state = await pool.view.job_state(job_id) if is_request_id(job_id) else None
     if state is None:
         raise APIError(404, "no such job", "id", code="job_not_found")
     return state

@@ -21,9 +21,10 @@ from lorapool.lifecycle import append
 from lorapool.lifecycle.append import dead_payload
 from lorapool.protocol import FieldError, LoRARequest, SamplingParams, is_int
 from lorapool.records.adapter import UnknownAdapter, decode_adapter_record
+from lorapool.records.bounds import MAX_REQUEST_ID, REQUEST_ID_FORBIDDEN, is_request_id
 from lorapool.records.chunk import decode_chunk
 from lorapool.records.error_kind import ErrorKind
-from lorapool.records.job import MAX_METADATA_BYTES, MAX_REQUEST_ID, Job, JobLimits, encode_job
+from lorapool.records.job import MAX_METADATA_BYTES, Job, JobLimits, encode_job
 from lorapool.worker.audit import final_audit
 from lorapool.worker.held import Held, error_chunk
 
@@ -240,9 +241,7 @@ def _held_for_garbage(entry_id: str, payload: Any, limits: JobLimits) -> Held | 
             return None
     except (KeyError, TypeError):
         return None
-    if not isinstance(rid, str) or not rid or len(rid) > MAX_REQUEST_ID:
-        return None
-    if any(c in rid for c in "{}\x00"):
+    if not is_request_id(rid):
         return None
     prompt, metadata = data.get("prompt"), data.get("metadata")
     if not isinstance(prompt, str) or len(prompt) > limits.max_prompt_bytes:
@@ -258,7 +257,10 @@ def _held_for_garbage(entry_id: str, payload: Any, limits: JobLimits) -> Held | 
     return Held(entry_id, job)
 
 
-_REQUEST_ID = re.compile(rb'"request_id"\s*:\s*"([^"\\{}\x00]{1,256})"')
+_REQUEST_ID = re.compile(
+    rb'"request_id"\s*:\s*"([^"\\%s]{1,%d})"'
+    % (re.escape(REQUEST_ID_FORBIDDEN.encode()), MAX_REQUEST_ID)
+)
 
 
 def _readable_id(payload: Any) -> str | None:

@@ -23,6 +23,7 @@ import orjson
 
 from lorapool import signing
 from lorapool.records.adapter import HASHES, AdapterRecord
+from lorapool.records.errors import msgspec_path, path_text
 
 RECORD_VERSION = 1
 SIGNATURE_DOMAIN = "lorapool audit record v1"
@@ -107,8 +108,8 @@ _NULL_IS_ABSENT = ("prompt_token_ids", "sampling_params", "metadata")
 def _invalid(exc: msgspec.ValidationError) -> RecordError:
     """msgspec's reason with the field it names first: ``outputs[0].text: Expected
     `str`, got `null```; ``record: ...`` for the record itself."""
-    reason, _, path = str(exc).partition(" - at `$")
-    where = path.removesuffix("`").removeprefix(".") or "record"
+    reason, _, steps = msgspec_path(str(exc))
+    where = path_text(steps) or "record"
     if where.endswith(".finish_reason") and reason.startswith("Invalid enum value"):
         reason += f", not one of {FINISH_REASONS}"
     return RecordError(f"{where}: {reason}")

@@ -71,7 +71,24 @@ Seconds = Annotated[float, Meta(ge=0.0, le=FINITE)]  # arrival_time (Unix time)
 LogitBiases = Annotated[dict[TokenId, LogitBias], Meta(max_length=MAX_LOGIT_BIAS)]
 
 # -- text -------------------------------------------------------------------------------
-RequestId = Annotated[str, Meta(min_length=1, max_length=MAX_REQUEST_ID, pattern="^[^{}\x00]*$")]
+# a request id's rule, here only: 1 to MAX_REQUEST_ID characters, none of these (braces
+# would end a Redis Cluster hash tag in its keys; NUL ends strings in C clients)
+REQUEST_ID_FORBIDDEN = "{}\x00"
+RequestId = Annotated[
+    str, Meta(min_length=1, max_length=MAX_REQUEST_ID, pattern=f"^[^{REQUEST_ID_FORBIDDEN}]*$")
+]
+
+
+def is_request_id(value: Any) -> bool:
+    """Whether ``value`` is a request id that ``RequestId`` accepts (for a check that
+    wants a yes or no, not msgspec's refusal: a URL's job id, a refused job's id)."""
+    return (
+        isinstance(value, str)
+        and 0 < len(value) <= MAX_REQUEST_ID
+        and not any(c in value for c in REQUEST_ID_FORBIDDEN)
+    )
+
+
 LoraName = Annotated[str, Meta(min_length=1, max_length=MAX_LORA_NAME, pattern=_NO_NUL)]
 LoraPath = Annotated[str, Meta(pattern=_NO_NUL)]  # "" when the registry resolves it
 StopString = Annotated[str, Meta(min_length=1, max_length=MAX_STOP_CHARS)]

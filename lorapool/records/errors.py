@@ -75,6 +75,14 @@ def msgspec_path(message: str) -> tuple[str, bool, list[str | int]]:
     return message[: at.start()], at.group(1) is not None, steps
 
 
+def path_text(steps: list[str | int]) -> str:
+    """``msgspec_path``'s steps as a path: ``outputs[0].text``, ``metadata[...]``."""
+    return "".join(
+        f"[{s}]" if isinstance(s, int) else s if s == ANY_VALUE or not i else f".{s}"
+        for i, s in enumerate(steps)
+    )
+
+
 def invalid(exc: msgspec.ValidationError, value: Any, tp: Any, root: str = "") -> FieldError:
     """The FieldError of msgspec's ``exc``, raised checking ``value`` (the record as
     Python objects, or ``_NOTHING`` when unknown) against type ``tp``; ``root``: the

@@ -20,7 +20,7 @@ from typing import Any
 import msgspec
 import orjson
 
-from lorapool.records.bounds import MAX_REQUEST_ID, RequestId, ResultTtl, Seconds, TokenIds
+from lorapool.records.bounds import RequestId, ResultTtl, Seconds, TokenIds, is_request_id
 from lorapool.records.errors import invalid
 from lorapool.records.messages import check_json_size, check_messages, check_tools, utf8_size
 from lorapool.records.outputs import wire_head
@@ -196,13 +196,9 @@ def _refused(exc: msgspec.ValidationError, data: dict[str, Any]) -> FieldError:
 def _for_job(rid: Any, error: FieldError) -> FieldError:
     """``error`` opening ``job <request_id>: ``, unless the id is what it is about or is
     not good enough to print."""
-    if error.field == "request_id" or not _good_id(rid):
+    if error.field == "request_id" or not is_request_id(rid):
         return error
     return FieldError(f"job {rid}: {error}", rid, error.field)
-
-
-def _good_id(rid: Any) -> bool:
-    return isinstance(rid, str) and 0 < len(rid) <= MAX_REQUEST_ID and not _BAD_ID.intersection(rid)
 
 
 def _check_version(version: Any) -> None:
@@ -238,9 +234,6 @@ def _check(job: Job, limits: JobLimits, from_json: bool = False) -> Job:
     if job.arrival_time is None:
         job.arrival_time = time.time()
     return job
-
-
-_BAD_ID = frozenset("{}\x00")
 
 
 def _check_prompt(job: Job, limits: JobLimits, from_json: bool) -> None:

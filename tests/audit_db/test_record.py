@@ -149,39 +149,6 @@ def test_record_from_output_of_a_failed_request():
     assert record.outputs[0].finish_reason == "error"
 
 
-# What the writer's decoder (msgspec first, record_from_dict for what it refuses) must
-# agree with record_from_dict on: the malformed records above, and the lenient corners
-# of the wire (nulls and missing optional fields, ints where floats go, huge ints).
-LENIENT = [
-    _set(["prompt_token_ids"], None),
-    _drop(["prompt_token_ids"]),
-    _set(["prompt_token_ids"], 0),
-    _set(["sampling_params"], None),
-    _drop(["metadata"]),
-    _drop(["prompt"]),
-    _drop(["adapter"]),
-    _drop(["error"]),
-    _set(["adapter", "alpha"], 16),
-    _set(["adapter", "alpha"], -0.0),
-    _drop(["adapter", "base_model"]),
-    _set(["metrics", "arrival_time"], 1_700_000_000),
-    _drop(["metrics", "queue_time"]),
-    _set(["metrics", "first_token_time"], True),
-    _set(["outputs", 0, "token_ids"], [1, True]),
-    _set(["outputs", 0, "token_ids"], [1, 2**40, 2**63]),
-    _set(["outputs", 0, "stop_reason"], "###"),
-    _set(["outputs", 0, "stop_reason"], 2),
-    _set(["outputs", 0, "stop_reason"], False),
-    _drop(["outputs", 0, "cumulative_logprob"]),
-    _set(["outputs"], []),
-    _set(["v"], 1.0),
-    _set(["v"], True),
-    _set(["adapter", "target_modules"], ["q", 1]),
-    _set(["base_model", "extra"], 1),
-    _set(["metadata"], {"tenant": None}),
-]
-
-
 def _outcome(parse, data):
     try:
         return repr(parse(data))  # repr: 16 and 16.0 differ, as the chain's JSON does
@@ -189,22 +156,11 @@ def _outcome(parse, data):
         return f"RecordError: {exc}"
 
 
-@pytest.mark.parametrize("mutate", [m for m, _ in MALFORMED] + LENIENT + [lambda d: None])
-def test_the_writers_decoder_agrees_with_record_from_dict(mutate):
-    from lorapool.audit_db.decoder import record_from_json
-
-    data = copy.deepcopy(_valid())
-    mutate(data)
-    data = orjson.loads(orjson.dumps(data))  # as the writer gets it: decoded JSON
-    assert _outcome(record_from_json, copy.deepcopy(data)) == _outcome(record_from_dict, data)
-
-
 @pytest.mark.parametrize("payload", [b"", b"{", b"[]", b"null", b"\xff", b'{"v": 1}'])
-def test_the_writers_decoder_refuses_garbage_as_parse_record_does(payload):
-    from lorapool.audit_db.decoder import parse
-
-    assert _outcome(parse, payload).startswith("RecordError")
-    assert _outcome(parse, payload) == _outcome(parse_record, payload)
+def test_garbage_is_a_record_error(payload):
+    # (the audit writer parses with ``parse_record`` itself since issue 50: its own
+    # decoder, checked against it here before, is gone)
+    assert _outcome(parse_record, payload).startswith("RecordError")
 
 
 def test_null_where_the_wire_has_an_empty_default_reads_as_left_out():

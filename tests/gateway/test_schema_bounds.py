@@ -16,7 +16,7 @@ from lorapool.openai.params import parse_chat, parse_completion, parse_job
 from lorapool.openai.response_bodies import ResponsesRequest
 from lorapool.openai.responses import to_parsed
 from lorapool.protocol import PENALTY_MAX
-from lorapool.records.job import MAX_REQUEST_ID
+from lorapool.records.bounds import MAX_REQUEST_ID
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "logprobs": True}
 PARSERS = {
