@@ -31,9 +31,10 @@ from audit_fixtures import random_records  # noqa: E402
 
 from lorapool import CompletionOutput, RequestMetrics, RequestOutput  # noqa: E402
 from lorapool.records import audit as audit_record  # noqa: E402
+from lorapool.records.adapter import ModelIdentity  # noqa: E402
 
 KEY, POOL = b"k" * 40, "pool"
-BASE_MODEL = {"name": "smol", "sha256": "cd" * 32}
+BASE_MODEL = ModelIdentity("smol", "cd" * 32)
 ADAPTER = {
     **{"name": "sql-lora", "id": 3, "path": "/adapters/sql/v2", "sha256": "ab" * 32},
     **{"rank": 8, "alpha": 16.0, "target_modules": ["q_proj", "v_proj"], "base_model": "smol"},

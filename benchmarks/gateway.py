@@ -56,7 +56,7 @@ def percentile(values: list[float], q: float) -> float:
 async def _gateway_client(http, url: str, max_tokens: int, end: float, out: dict) -> None:
     import orjson
 
-    body = {"model": BASE_MODEL["name"], "prompt": PROMPT, "max_tokens": max_tokens}
+    body = {"model": BASE_MODEL.name, "prompt": PROMPT, "max_tokens": max_tokens}
     body |= {"stream": True, "ignore_eos": True}
     while time.time() < end:
         start, first = time.time(), None
@@ -127,7 +127,7 @@ async def _hold_streams(url: str, n: int, max_tokens: int) -> dict:
     """``n`` streams opened at once; how many were open together, tokens and seconds."""
     import httpx
 
-    body = {"model": BASE_MODEL["name"], "prompt": PROMPT, "max_tokens": max_tokens}
+    body = {"model": BASE_MODEL.name, "prompt": PROMPT, "max_tokens": max_tokens}
     body |= {"stream": True, "ignore_eos": True}
     state = {"open": 0, "max_open": 0, "tokens": 0, "done": 0}
 

@@ -9,8 +9,10 @@ import time
 import zlib
 from collections import deque
 
+from lorapool.records.adapter import ModelIdentity
+
 VOCAB = 49152
-BASE_MODEL = {"name": "stand-in", "sha256": "0" * 64}
+BASE_MODEL = ModelIdentity("stand-in", "0" * 64)
 AUDIT_KEY = "lorapool-benchmark-audit-key-0123456789"
 
 

@@ -15,6 +15,8 @@ import hashlib
 import json
 from pathlib import Path
 
+from lorapool.records.adapter import ModelIdentity
+
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -61,7 +63,8 @@ def adapter_sha256(path: str | Path) -> str:
     return file_sha256(Path(path) / ADAPTER_WEIGHTS)
 
 
-def model_identity(path: str | Path) -> dict[str, str]:
-    """{"name", "sha256"} of a model directory: what the pool and its audit rows record."""
+def model_identity(path: str | Path) -> ModelIdentity:
+    """The name and weights' sha256 of a model directory: what the pool and its audit
+    rows record."""
     path = Path(path)
-    return {"name": path.name or str(path), "sha256": weights_sha256(path)}
+    return ModelIdentity(path.name or str(path), weights_sha256(path))

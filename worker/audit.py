@@ -24,13 +24,15 @@ def final_audit(state: WorkerState, held: Held, chunk: Chunk) -> bytes:
 
 
 def audit_record(state: WorkerState, held: Held) -> AuditRecord:
-    output = held.output()
+    """Built straight from the request's accumulated chunk (``Held.whole``): the record
+    a finished log is compacted into, no ``RequestOutput`` made for it."""
+    whole = held.whole()
     return record_from_output(
-        output,
+        whole,
         worker=state.name,
         base_model=state.base_model,
         adapter=held.adapter,
         sampling_params=held.job.sampling_params.to_dict(),
         metadata=held.job.metadata,
-        error=output.error,
+        error=whole.error,
     )

@@ -82,12 +82,6 @@ class Held:
         self.seq = chunk.seq + 1
         self.total = chunk.offset + chunk.num_tokens
 
-    def output(self) -> RequestOutput | None:
-        """Everything in the log so far as one cumulative RequestOutput (built on call:
-        once per request, at its end)."""
-        whole = self.whole()
-        return None if whole is None else whole.to_output()
-
     def whole(self) -> Chunk | None:
         """Everything in the log so far as one chunk from offset 0: the record a
         finished request's log is compacted into."""

@@ -32,6 +32,7 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily
 
 from lorapool.outputs import RequestOutput
+from lorapool.records.adapter import ModelIdentity
 from lorapool.worker.vllm_metrics import VllmMetrics, vllm_gauges
 
 if TYPE_CHECKING:
@@ -289,8 +290,8 @@ class NoMetrics:
     def failed(self, held) -> None: ...
 
 
-def worker_metrics(config: WorkerConfig, engine, base_model: dict[str, str]):
+def worker_metrics(config: WorkerConfig, engine, base_model: ModelIdentity):
     """The worker's metrics: recorded only when it serves them (``metrics_port`` set)."""
     if config.metrics_port is None:
         return NoMetrics()
-    return WorkerMetrics(config, engine, base_model.get("name") or "")
+    return WorkerMetrics(config, engine, base_model.name)

@@ -5,11 +5,13 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 import orjson
 import redis
 
 from lorapool.connection import REDIS_DOWN
 from lorapool.lifecycle.keys import Keys
+from lorapool.records.adapter import ModelIdentity
 from lorapool.records.heartbeat import (
     Heartbeat,
     consumer_of,
@@ -28,28 +30,28 @@ class ModelMismatchError(RuntimeError):
     """A worker's base model differs from the one its pool serves."""
 
 
-def claim_model(connection: redis.Redis, keys: Keys, base_model: dict[str, str]) -> None:
+def claim_model(connection: redis.Redis, keys: Keys, base_model: ModelIdentity) -> None:
     """Claim the pool for this base model, or refuse (ModelMismatchError) another one.
 
     The first worker of a pool records its model (``{p}:model``, SET NX); a
     worker whose weights differ would answer the pool's requests with another
     model, so it refuses to start, naming both.
     """
-    mine = orjson.dumps(base_model)
+    mine = msgspec.json.encode(base_model)
     connection.set(keys.model, mine, nx=True)
     pool = orjson.loads(connection.get(keys.model) or mine)
-    if pool.get("sha256") != base_model["sha256"]:
+    if pool.get("sha256") != base_model.sha256:
         raise ModelMismatchError(
             f"pool {keys.prefix!r} serves base model {pool.get('name')!r} "
             f"(sha256 {str(pool.get('sha256'))[:12]}…) and this worker has "
-            f"{base_model['name']!r} (sha256 {base_model['sha256'][:12]}…): start it "
+            f"{base_model.name!r} (sha256 {base_model.sha256[:12]}…): start it "
             f"on another --prefix, or delete {keys.model} once no worker of the old "
             "model runs"
         )
 
 
 def publish_tokenizer(
-    connection: redis.Redis, keys: Keys, engine: EngineInterface, base_model: dict[str, str]
+    connection: redis.Redis, keys: Keys, engine: EngineInterface, base_model: ModelIdentity
 ) -> None:
     """The engine's tokenizer into ``{p}:tokenizer`` for the gateways' /tokenize (which load
     it with ``tokenizers``, no model files, no torch); an engine without a fast tokenizer
@@ -60,7 +62,7 @@ def publish_tokenizer(
         return
     special = {k: v for k, v in tokenizer.special_tokens_map.items() if isinstance(v, str)}
     record = {
-        "sha256": base_model["sha256"],
+        "sha256": base_model.sha256,
         "tokenizer": backend.to_str(),
         "chat_template": tokenizer.chat_template,
         "special": special,
@@ -81,7 +83,7 @@ def heartbeat_record(state: WorkerState) -> Heartbeat:
         name=state.name,
         consumer=state.consumer,
         device=engine.device_name,
-        model=state.base_model.get("name"),
+        model=state.base_model.name,
         updated=state.tokens_since,
         running=running,
         waiting=waiting,

@@ -17,7 +17,7 @@ from lorapool.worker.worker import Worker
 
 
 def base_model_info(model: str) -> dict[str, str]:
-    """{"name", "sha256"} of the model directory (``lorapool.identity.model_identity``)."""
+    """The model directory's ``ModelIdentity`` (``lorapool.identity.model_identity``)."""
     return model_identity(model)
 
 

@@ -22,6 +22,7 @@ import redis
 
 from lorapool.lifecycle.keys import PRIORITIES, Keys
 from lorapool.outputs import RequestOutput
+from lorapool.records.adapter import ModelIdentity
 from lorapool.worker.config import WorkerConfig
 from lorapool.worker.engine_api import EngineInterface
 from lorapool.worker.held import Held
@@ -39,7 +40,7 @@ class WorkerState:
         engine: EngineInterface,
         connection: redis.Redis,
         config: WorkerConfig,
-        base_model: dict[str, str],
+        base_model: ModelIdentity,
     ):
         self.engine = engine
         self.redis = connection

@@ -36,7 +36,7 @@ from lorapool.lifecycle import orphaned
 from lorapool.lifecycle.chunk_log import decode_result
 from lorapool.lifecycle.keys import PRIORITIES, WORKERS_GROUP, Keys
 from lorapool.lifecycle.unread import CAUSES, REASON, unread_record
-from lorapool.records.audit import AuditRecord, BaseModelInfo, Metrics, Output, encode_audit_record
+from lorapool.records.audit import AuditRecord, Metrics, Output, encode_audit_record
 
 if TYPE_CHECKING:
     from lorapool.worker.state import WorkerState
@@ -248,7 +248,7 @@ def audit_record(state: WorkerState, request_id: str, final: bytes, error: str) 
     return AuditRecord(
         request_id=request_id,
         worker=state.name,
-        base_model=BaseModelInfo(state.base_model["name"], state.base_model["sha256"]),
+        base_model=state.base_model,
         metrics=Metrics(
             arrival_time=metrics.arrival_time if metrics else now,
             finished_time=metrics.finished_time if metrics and metrics.finished_time else now,

@@ -23,6 +23,7 @@ from lorapool.connection import REDIS_DOWN, ensure_group, out_of_memory
 from lorapool.lifecycle import run_state
 from lorapool.lifecycle.keys import WORKERS_GROUP
 from lorapool.persistence import persistence_warning
+from lorapool.records.adapter import ModelIdentity
 from lorapool.records.chunk import Chunk
 from lorapool.records.error_kind import ErrorKind
 from lorapool.records.heartbeat import Heartbeat
@@ -46,7 +47,7 @@ BACKOFF_S = (0.1, 5.0)  # first and longest wait between tries while Redis is aw
 
 
 class Worker:
-    """Drives one ``LLMEngine`` from the request stream. ``base_model``: {"name", "sha256"}.
+    """Drives one ``LLMEngine`` from the request stream. ``base_model``: its ``ModelIdentity``.
 
     Refuses to start (AuditKeyError) without an audit key to sign audit records
     with, unless ``config.insecure_no_key``.
@@ -57,7 +58,7 @@ class Worker:
         engine: EngineInterface,
         connection: redis.Redis,
         config: WorkerConfig,
-        base_model: dict[str, str],
+        base_model: ModelIdentity,
     ):
         signing.require_key(config.audit_key, config.insecure_no_key)
         self.state = state = WorkerState(engine, connection, config, base_model)

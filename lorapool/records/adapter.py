@@ -24,6 +24,16 @@ from lorapool.records.params import LoRARequest
 NAME_PATTERN = re.compile(r"[A-Za-z0-9._-]{1,128}")  # what the registry accepts as a name
 
 
+class ModelIdentity(msgspec.Struct, frozen=True):
+    """The base model a pool serves: its directory's name and the hex sha256 of its
+    weights (``lorapool.identity.model_identity``). Workers claim the pool with it
+    (``{p}:model``), name it in their heartbeats and metrics, and sign it into every
+    audit record (``base_model``); its JSON is ``{"name": ..., "sha256": ...}``."""
+
+    name: str
+    sha256: str
+
+
 @dataclass(frozen=True)
 class AdapterRecord:
     """The full identity of one adapter version: ``sha256`` of its weights file

@@ -22,7 +22,7 @@ import msgspec
 import orjson
 
 from lorapool import signing
-from lorapool.records.adapter import HASHES, AdapterRecord
+from lorapool.records.adapter import HASHES, AdapterRecord, ModelIdentity
 from lorapool.records.errors import msgspec_path, path_text
 
 RECORD_VERSION = 1
@@ -33,11 +33,6 @@ FINISH_REASONS = get_args(FinishReason)
 
 class RecordError(ValueError):
     """An audit record that cannot be stored; the message says why."""
-
-
-class BaseModelInfo(msgspec.Struct, frozen=True):
-    name: str
-    sha256: str
 
 
 # The full identity of one adapter version: its registry record as it was when the
@@ -80,7 +75,7 @@ class AuditRecord(msgspec.Struct, frozen=True, kw_only=True):
     sampling_params: dict[str, Any] = msgspec.field(default_factory=dict)
     metadata: dict[str, Any] = msgspec.field(default_factory=dict)
     worker: str
-    base_model: BaseModelInfo
+    base_model: ModelIdentity
     adapter: AdapterInfo | None = None
     metrics: Metrics
     outputs: tuple[Output, ...]
@@ -224,7 +219,7 @@ def record_from_output(
     output: Any,
     *,
     worker: str,
-    base_model: dict[str, str],
+    base_model: ModelIdentity,
     adapter: AdapterInfo | dict[str, Any] | None,
     sampling_params: dict[str, Any] | None = None,
     metadata: dict[str, Any] | None = None,
@@ -232,8 +227,9 @@ def record_from_output(
 ) -> AuditRecord:
     """The audit record of one finished request.
 
-    ``output`` is a finished ``RequestOutput`` (duck-typed: request_id, prompt,
-    prompt_token_ids, outputs, metrics, error). ``base_model`` is
+    ``output`` is a finished request's accumulated chunk (``records.chunk.Chunk``, the
+    worker's: its ``Delta``s) or a ``RequestOutput``, duck-typed: request_id, prompt,
+    prompt_token_ids, outputs, metrics, error. ``base_model`` is
     ``{"name", "sha256"}``; ``adapter`` is None for the base model, else its
     registry record (or that record's dict). No I/O; the values are taken as they
     are (encoded, the record is what the dict before it was, byte for byte).
@@ -250,7 +246,7 @@ def record_from_output(
         sampling_params=dict(sampling_params or {}),
         metadata=dict(metadata or {}),
         worker=worker,
-        base_model=BaseModelInfo(base_model["name"], base_model["sha256"]),
+        base_model=base_model,
         adapter=adapter,
         metrics=_metrics(output.metrics, len(prompt_ids), sum(len(o.token_ids) for o in outputs)),
         outputs=outputs,

@@ -6,6 +6,7 @@ import orjson
 import pytest
 
 from lorapool import CompletionOutput, RequestMetrics, RequestOutput
+from lorapool.records.adapter import ModelIdentity
 from lorapool.records.audit import (
     RecordError,
     encode_audit_record,
@@ -126,7 +127,7 @@ def test_record_from_output_builds_a_valid_record():
     record = record_from_output(
         _finished_output(),
         worker="gpu-0",
-        base_model=BASE_MODEL,
+        base_model=ModelIdentity(**BASE_MODEL),
         adapter=make_adapter(),
         sampling_params={"max_tokens": 8},
         metadata={"tenant": "acme"},
@@ -143,7 +144,9 @@ def test_record_from_output_of_a_failed_request():
 
     unfinished = CompletionOutput(0, "par", [5], None, None, None, None)
     output = _finished_output(error="CUDA out of memory", outputs=[unfinished])
-    record = record_from_output(output, worker="gpu-0", base_model=BASE_MODEL, adapter=None)
+    record = record_from_output(
+        output, worker="gpu-0", base_model=ModelIdentity(**BASE_MODEL), adapter=None
+    )
     assert parse_record(encode_audit_record(record)) == record
     assert record.error == "CUDA out of memory"
     assert record.outputs[0].finish_reason == "error"

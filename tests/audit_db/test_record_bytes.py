@@ -13,6 +13,7 @@ import orjson
 import pytest
 
 from lorapool import CompletionOutput, RequestMetrics, RequestOutput
+from lorapool.records.adapter import ModelIdentity
 from lorapool.records.audit import (
     RecordError,
     encode_audit_record,
@@ -23,7 +24,7 @@ from lorapool.records.audit import (
 FIXTURE = orjson.loads((Path(__file__).parent / "data" / "audit_records_7b272de.json").read_bytes())
 KEY, POOL = FIXTURE["audit_key"].encode(), FIXTURE["pool"]
 RECORDS = {name: base64.b64decode(raw) for name, raw in FIXTURE["records"].items()}
-BASE_MODEL = {"name": "smol", "sha256": "cd" * 32}
+BASE_MODEL = ModelIdentity("smol", "cd" * 32)
 
 
 def finished_output() -> RequestOutput:

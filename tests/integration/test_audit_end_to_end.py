@@ -14,6 +14,7 @@ from adapters import build_adapter
 from lorapool.audit_db import AuditWriter, WriterConfig
 from lorapool.audit_db.queries import get_request
 from lorapool.protocol import SamplingParams
+from lorapool.records.adapter import ModelIdentity
 from lorapool.worker import Worker, WorkerConfig
 from lorapool.worker.serve import base_model_info
 
@@ -116,7 +117,7 @@ def test_a_worker_without_an_audit_key_refuses_to_start(lora_engine, conn, keys,
     monkeypatch.delenv(signing.KEY_ENV)
     config = WorkerConfig(prefix=keys.prefix, shards=keys.shards)
     with pytest.raises(signing.AuditKeyError, match="no audit key"):
-        Worker(lora_engine, conn, config, {"name": "m", "sha256": "0"})
+        Worker(lora_engine, conn, config, ModelIdentity("m", "0"))
     assert not list(conn.scan_iter(match=keys.pattern))  # refused before touching Redis
 
 

@@ -69,7 +69,7 @@ def test_one_identity_everywhere(
     sharded = tiny_model_path("llama", shard=True)
     files = sorted(sharded.glob("*.safetensors"))
     assert len(files) > 1 and weights_sha256(sharded) == _sha(*files)
-    assert model_identity(model)["sha256"] == _sha(f"{model}/model.safetensors")
+    assert model_identity(model).sha256 == _sha(f"{model}/model.safetensors")
     adapter = adapter_dir
     expected = _sha(adapter / "adapter_model.safetensors")
     record = producer.registry.add("ad", adapter)
@@ -84,7 +84,7 @@ def test_one_identity_everywhere(
     ((_, fields),) = pool_layout.entries(conn, keys, "audit")
     audit = record_from_dict(orjson.loads(fields[b"data"]))
     assert audit.adapter.sha256 == expected
-    assert audit.base_model.sha256 == model_identity(model)["sha256"]
+    assert audit.base_model.sha256 == model_identity(model).sha256
 
 
 def test_second_base_model_refuses_to_start(
@@ -96,8 +96,8 @@ def test_second_base_model_refuses_to_start(
     with pytest.raises(ModelMismatchError) as error:
         Worker(lora_engine, conn, first, model_identity(other_model)).run()
     message = str(error.value)
-    assert model_identity(model)["sha256"][:12] in message
-    assert model_identity(other_model)["sha256"][:12] in message
+    assert model_identity(model).sha256[:12] in message
+    assert model_identity(other_model).sha256[:12] in message
     cmd = [sys.executable, "-c", "from lorapool.cli.main import main; main()", "worker"]
     cmd += ["--model", other_model, "--prefix", prefix, "--redis-url", pool_url, "--burst"]
     cmd += ["--shards", str(keys.shards)]
@@ -105,7 +105,7 @@ def test_second_base_model_refuses_to_start(
         cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120, env=os.environ
     )
     assert proc.returncode == 1
-    assert "serves base model" in proc.stderr and model_identity(other_model)["name"] in proc.stderr
+    assert "serves base model" in proc.stderr and model_identity(other_model).name in proc.stderr
     assert conn.hlen(keys.workers) == 0
 
 

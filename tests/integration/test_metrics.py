@@ -213,7 +213,7 @@ def test_vllm_names_beside_ours_and_no_created_series(
     """vLLM's series, labelled model_name, agree with the jobs' own results and with
     lorapool's series of the same run; prometheus-client writes no _created line."""
     producer.registry.add("ad-a", adapter_dirs["ad-a"])
-    base = base_model_info(model)["name"]
+    base = base_model_info(model).name
     with Running(engine, conn, keys, model) as running:
         handles = [producer.submit(f"p {i}", SHORT, lora_request="ad-a") for i in range(3)]
         handles.append(producer.submit("two of them", SamplingParams(n=2, max_tokens=5)))

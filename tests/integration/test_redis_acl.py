@@ -30,6 +30,7 @@ from lorapool.lifecycle.keys import Keys
 from lorapool.lifecycle.pool_metrics import PoolCollector
 from lorapool.producer import AsyncProducer, Producer
 from lorapool.protocol import SamplingParams
+from lorapool.records.adapter import ModelIdentity
 from lorapool.worker import Worker, WorkerConfig
 
 pytestmark = pytest.mark.integration
@@ -259,7 +260,7 @@ def test_a_reader_ends_an_unread_request_with_its_roles_user(server, tmp_path):
     roles = ("producer", "gateway", "rq-worker")
     config = WorkerConfig(shards=server.shards, name="w")
     engine = load().StandInEngine(8, 0.001)
-    worker = Worker(engine, connect(url(server, "worker")), config, {"name": "m", "sha256": "0"})
+    worker = Worker(engine, connect(url(server, "worker")), config, ModelIdentity("m", "0"))
     worker.ensure_group()
     try:
         for role in roles:
@@ -351,7 +352,7 @@ def test_a_reader_ends_a_run_stopped_partway_with_its_roles_user(server):
             load().StandInEngine(8, 0.005),
             connect(url(server, "worker")),
             config,
-            {"name": "m", "sha256": "0"},
+            ModelIdentity("m", "0"),
         )
         made.ensure_group()
         return made

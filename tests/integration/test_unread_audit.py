@@ -198,8 +198,8 @@ def test_the_record_reads_back_as_the_audit_writer_reads_it(conn, keys, producer
         data = orjson.loads(fields[b"data"])
         assert data["v"] == 1 and data["sig"] and data["metadata"] == {}
         assert data["base_model"] == {
-            "name": bench.BASE_MODEL["name"],
-            "sha256": bench.BASE_MODEL["sha256"],
+            "name": bench.BASE_MODEL.name,
+            "sha256": bench.BASE_MODEL.sha256,
         }
     finally:
         worker.teardown()
