@@ -9,6 +9,7 @@ from typing import Any
 
 from lorapool.engine.sequence import Request
 from lorapool.protocol import LoRARequest, SamplingParams
+from lorapool.records.errors import FieldError
 
 
 @dataclass
@@ -66,12 +67,16 @@ class InputProcessor:
         if not token_ids:
             return []
         if params.n != 1:
-            raise ValueError(f"request {request_id}: only n=1 requests can resume, n={params.n}")
+            raise FieldError(
+                f"request {request_id}: only n=1 requests can resume, n={params.n}",
+                field="sampling_params.n",
+            )
         self._check_token_ids(request_id, list(token_ids))
         if len(token_ids) >= max_tokens:
-            raise ValueError(
+            raise FieldError(
                 f"request {request_id}: {len(token_ids)} resumed tokens leave none "
-                f"of max_tokens={max_tokens} to generate"
+                f"of max_tokens={max_tokens} to generate",
+                field="sampling_params.max_tokens",
             )
         return list(token_ids)
 
@@ -80,14 +85,16 @@ class InputProcessor:
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
             if value is not None and value > limit:
-                raise ValueError(
-                    f"request {request_id}: {name}={value} exceeds the limit max_logprobs={limit}"
+                raise FieldError(
+                    f"request {request_id}: {name}={value} exceeds the limit max_logprobs={limit}",
+                    field=f"sampling_params.{name}",
                 )
         bad = [t for t in params.stop_token_ids if not 0 <= t < self.limits.vocab_size]
         if bad:
-            raise ValueError(
+            raise FieldError(
                 f"request {request_id}: stop_token_ids {bad} outside the "
-                f"vocabulary of {self.limits.vocab_size} tokens"
+                f"vocabulary of {self.limits.vocab_size} tokens",
+                field="sampling_params.stop_token_ids",
             )
 
     def _check_lora(self, request_id: str, lora_request: LoRARequest | None) -> None:
@@ -99,9 +106,10 @@ class InputProcessor:
                 f"got {type(lora_request).__name__}"
             )
         if not self.limits.enable_lora:
-            raise ValueError(
+            raise FieldError(
                 f"request {request_id}: adapter {lora_request.name!r} given but "
-                f"the engine was started without enable_lora=True"
+                f"the engine was started without enable_lora=True",
+                field="adapter",
             )
 
     def _tokenize(self, request_id: str, prompt: Any) -> tuple[str | None, list[int]]:
@@ -113,39 +121,43 @@ class InputProcessor:
         elif isinstance(prompt, Mapping) and "prompt" in prompt:
             return self._tokenize(request_id, prompt["prompt"])
         else:
-            raise ValueError(
+            raise FieldError(
                 f"request {request_id}: prompt must be a string or "
-                f"{{'prompt_token_ids': [...]}}, got {type(prompt).__name__}"
+                f"{{'prompt_token_ids': [...]}}, got {type(prompt).__name__}",
+                field="prompt",
             )
         if not token_ids:
-            raise ValueError(f"request {request_id}: the prompt is empty")
+            raise FieldError(f"request {request_id}: the prompt is empty", field="prompt")
         return text, token_ids
 
     def _check_token_ids(self, request_id: str, token_ids: list) -> None:
         vocab = self.limits.vocab_size
         bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
-            raise ValueError(
+            raise FieldError(
                 f"request {request_id}: prompt token ids {bad[:5]} are not in "
-                f"the vocabulary of {vocab} tokens"
+                f"the vocabulary of {vocab} tokens",
+                field="prompt",
             )
 
     def _max_tokens(self, request_id: str, params: SamplingParams, prompt_len: int) -> int:
         max_len = self.limits.max_model_len
         if prompt_len >= max_len:
-            raise ValueError(
+            raise FieldError(
                 f"request {request_id}: the prompt has {prompt_len} tokens; the "
-                f"model's context is {max_len}, which leaves no room to generate"
+                f"model's context is {max_len}, which leaves no room to generate",
+                field="prompt",
             )
         room = max_len - prompt_len
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         needed = prompt_len + max_tokens
         capacity = self.limits.kv_capacity_tokens
         if needed > capacity:
-            raise ValueError(
+            raise FieldError(
                 f"request {request_id}: {prompt_len} prompt tokens + {max_tokens} "
                 f"max_tokens need {needed} KV cache slots; the cache holds only "
-                f"{capacity} (raise kv_cache_memory or lower max_tokens)"
+                f"{capacity} (raise kv_cache_memory or lower max_tokens)",
+                field="prompt",
             )
         n = max(1, params.n)
         # n sequences share the prompt's slots and each needs its own max_tokens: at
@@ -153,10 +165,11 @@ class InputProcessor:
         # 364 blocks was admitted, ran 4.5 min for 6% of its tokens and held the worker)
         together = prompt_len + n * max_tokens
         if n > 1 and together > capacity:
-            raise ValueError(
+            raise FieldError(
                 f"request {request_id}: n={n} sequences of up to {max_tokens} tokens "
                 f"after a {prompt_len}-token prompt need at least {together} KV cache "
                 f"slots together; the cache holds only {capacity} (lower n or max_tokens, "
-                "or raise kv_cache_memory)"
+                "or raise kv_cache_memory)",
+                field="sampling_params.n",
             )
         return max_tokens

@@ -53,11 +53,13 @@ def dead_letter(
     stream: str = "",
     *,
     kind: ErrorKind,
+    field: str | None = None,
 ) -> None:
     """Final error chunk (when the request is known), XACK and ``{p}:dead``, at once,
     counted in the worker's metrics; written with ``publisher``'s APPEND, on the
     worker's thread with no trip out that holds the request. ``stream``: the entry's
-    ('': the interactive one); ``kind``: what failed it, for its readers (``ErrorKind``).
+    ('': the interactive one); ``kind``: what failed it, for its readers (``ErrorKind``);
+    ``field``: the path of the job field a refusal is about (``FieldError.field``).
 
     The dead letter keeps the payload only when no audit record keeps the
     prompt (see ``dead_payload``).
@@ -70,7 +72,7 @@ def dead_letter(
         if held is not None:
             state.release(held.request_id)
             find_adapter(state, held)
-            chunk = error_chunk(held, reason, state.name, kind)
+            chunk = error_chunk(held, reason, state.name, kind, field)
             dead = dead_payload(payload, audited=True)
             held.take(chunk)
             audit = final_audit(state, held, chunk)

@@ -187,8 +187,11 @@ def _metrics(held: Held, out: RequestOutput, before: int) -> RequestMetrics | No
     )
 
 
-def error_chunk(held: Held, error: str, worker: str, kind: ErrorKind) -> Chunk:
-    """A final chunk that fails ``held`` with ``error`` of ``kind`` (carrying its adapter)."""
+def error_chunk(
+    held: Held, error: str, worker: str, kind: ErrorKind, field: str | None = None
+) -> Chunk:
+    """A final chunk that fails ``held`` with ``error`` of ``kind`` (carrying its adapter);
+    ``field``: the path of the job field a refusal is about, when it names one."""
     n = held.job.sampling_params.n
     outputs = [
         Delta(
@@ -202,6 +205,7 @@ def error_chunk(held: Held, error: str, worker: str, kind: ErrorKind) -> Chunk:
     ]
     chunk = _chunk(held, held.seq, held.total, outputs, True, error)
     chunk.worker, chunk.metrics, chunk.error_kind = worker, _error_metrics(held), kind
+    chunk.error_field = field
     if held.seq == 0:
         chunk.prompt, chunk.prompt_token_ids = held.job.prompt, held.job.prompt_token_ids
     return chunk

@@ -12,6 +12,7 @@ from http import HTTPStatus
 
 from lorapool.protocol import SamplingParams
 from lorapool.records.error_kind import ErrorKind
+from lorapool.records.errors import FieldError
 
 _TYPES = {
     400: "invalid_request_error",
@@ -131,16 +132,22 @@ def failed_request(
     request_id: str,
     public_id: str,
     names: dict[str, str] | None = None,
+    path: str | None = None,
 ) -> APIError:
     """The APIError of a request its worker failed, by its ``kind`` (``ErrorKind``): 500
     for an engine fault, else 400 naming the request's parameter (chat's
     ``top_logprobs`` as such), the internal request id replaced by the one the client
-    knows."""
+    knows. ``path``: the refused job field's path its final chunk carries
+    (``RequestOutput.error_field``); without one (a worker of the version before
+    paths, a refusal that names none), the field its message names."""
     message = error.replace(request_id, public_id) if request_id else error
     if kind == ErrorKind.ENGINE:
         return APIError(500, message, code="engine_error")
-    match = _WORKER_FIELDS.search(message)
-    field = match.group(1) if match else None
+    if path is not None:
+        field = "adapter" if path == "adapter" else _named_field(FieldError("", field=path), "")
+    else:
+        match = _WORKER_FIELDS.search(message)
+        field = match.group(1) if match else None
     if field == "adapter":
         return APIError(400, message, "model")
     param = (names or {}).get(field, field)

@@ -112,6 +112,7 @@ class Accumulator:
             worker=last.worker,
             error=last.error,
             error_kind=last.error_kind,
+            error_field=last.error_field,
             prompt=self.prompt,
             prompt_token_ids=self.prompt_token_ids,
             prompt_logprobs=self.prompt_logprobs,

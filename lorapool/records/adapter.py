@@ -107,6 +107,8 @@ def decode_adapter_record(raw: bytes | str | None) -> AdapterRecord | None:
 class UnknownAdapter(ValueError):
     """The registry holds no adapter of the name a request gives (``name``)."""
 
+    field = "adapter"  # what it refuses, as a FieldError's path says it
+
     def __init__(self, name: str):
         super().__init__(
             f"unknown adapter {name!r}: register it with `lorapool adapters add {name} PATH`"

@@ -86,6 +86,9 @@ class Chunk(msgspec.Struct, omit_defaults=True, kw_only=True, gc=False):
     worker: str | None = msgspec.field(default=None, name="w")
     error: str | None = msgspec.field(default=None, name="e")
     error_kind: str | None = msgspec.field(default=None, name="ek")  # an ErrorKind once read
+    # the refused job field's path (``FieldError.field``), when the refusal named one:
+    # readers name the request's parameter from it, never from the message's words
+    error_field: str | None = msgspec.field(default=None, name="ep")
     prompt: str | None = msgspec.field(default=None, name="p")  # first chunk only
     prompt_token_ids: list[int] | None = msgspec.field(default=None, name="pi")  # first only
     prompt_logprobs: list | None = msgspec.field(default=None, name="pl")  # first, when asked
@@ -115,6 +118,7 @@ class Chunk(msgspec.Struct, omit_defaults=True, kw_only=True, gc=False):
             error=self.error,
             error_kind=self.error_kind,
             worker=self.worker,
+            error_field=self.error_field,
         )
 
 

@@ -131,7 +131,15 @@ class RequestMetrics(msgspec.Struct, gc=False):
 
 
 # the request's own fields ``RequestOutput.add`` takes from a later output that has them
-_LATEST = ("metrics", "error", "error_kind", "worker", "num_cached_tokens", "prompt_logprobs")
+_LATEST = (
+    "metrics",
+    "error",
+    "error_kind",
+    "error_field",
+    "worker",
+    "num_cached_tokens",
+    "prompt_logprobs",
+)
 
 
 class RequestOutput:
@@ -167,6 +175,9 @@ class RequestOutput:
         # with an error, what failed it (``records.error_kind.ErrorKind``, a str)
         self.error_kind: str | None = kwargs.pop("error_kind", None)
         self.worker: str | None = kwargs.pop("worker", None)
+        # with a refusal, the path of the job field it is about (``FieldError.field``:
+        # ``"sampling_params.logprobs"``, ``"adapter"``), when the refusal named one
+        self.error_field: str | None = kwargs.pop("error_field", None)
 
     def add(self, next_output: RequestOutput, aggregate: bool) -> None:
         """Merge a later output of the same request into this one.
@@ -200,6 +211,7 @@ class RequestOutput:
             "error": self.error,
             "error_kind": self.error_kind,
             "worker": self.worker,
+            **({"error_field": self.error_field} if self.error_field is not None else {}),
         }
 
     @classmethod
@@ -220,6 +232,7 @@ class RequestOutput:
             error=data.get("error"),
             error_kind=data.get("error_kind"),
             worker=data.get("worker"),
+            error_field=data.get("error_field"),
         )
 
     def __repr__(self) -> str:
