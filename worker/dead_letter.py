@@ -43,6 +43,24 @@ def reason_of(exc: BaseException) -> str:
     return text if plain else f"{type(exc).__name__}: {text}"
 
 
+def refuse(
+    state: WorkerState,
+    publisher: Publisher,
+    entry_id: str,
+    payload: bytes | None,
+    exc: Exception,
+    held: Held | None,
+    stream: str = "",
+) -> None:
+    """``dead_letter`` an entry the pool refused (``exc``: why, a request error), with the
+    path of the job field it is about when ``exc`` names one (``FieldError.field``)."""
+    field = getattr(exc, "field", None)
+    field = field if isinstance(field, str) else None
+    reason = reason_of(exc)
+    kind = ErrorKind.REQUEST
+    dead_letter(state, publisher, entry_id, payload, reason, held, stream, kind=kind, field=field)
+
+
 def dead_letter(
     state: WorkerState,
     publisher: Publisher,

@@ -261,17 +261,8 @@ class Worker:
         except Exception as exc:  # noqa: BLE001 - one bad job must not end the worker
             if held is not None:
                 self.state.abort_in_engine(held.request_id)
-            reason, kind, field = reason_of(exc), ErrorKind.REQUEST, getattr(exc, "field", None)
-            return dead_letter.dead_letter(
-                self.state,
-                self.publisher,
-                entry_id,
-                payload,
-                reason,
-                held,
-                stream,
-                kind=kind,
-                field=field if isinstance(field, str) else None,
+            return dead_letter.refuse(
+                self.state, self.publisher, entry_id, payload, exc, held, stream
             )
         self.state.hold(held)
         self.metrics.admitted(held)
