@@ -190,3 +190,39 @@ def test_only_quiet_unflagged_consumers_without_entries_go(pool):
     assert "slow#alive" in pool.consumers()
     assert "consumers of dead processes deleted from" in pool.log("busy")
     assert "quiet#dead" in pool.log("busy") and "slow#alive" not in pool.log("busy")
+
+
+@pytest.mark.layouts("standalone")
+def test_a_worker_frozen_past_the_bound_serves_on_without_its_consumer(pool):
+    """A live worker frozen (SIGSTOP) with entries, past its liveness flag and the bound:
+    the other claims its entries, then its consumer goes. Woken, it appends nothing for
+    what it lost, exits on nothing, and its next read makes its consumer again, under
+    which it serves new jobs: every job of either round ends with its tokens."""
+    pool.start("a")
+    pool.start("b")
+    pool.wait("two live workers", lambda: len(pool.live()) == 2, 120)
+    frozen = pool.live()["a"]
+    params = SamplingParams(max_tokens=150, ignore_eos=True)
+    handles = []
+
+    def holds() -> bool:
+        handles.extend(pool.producer.submit_many([{"prompt_token_ids": [1]}] * 2, params))
+        return pool.consumers().get(frozen, 0) > 0
+
+    pool.wait("a to hold entries", holds, 60)
+    pool.procs["a"].send_signal(signal.SIGSTOP)
+    pool.wait("a's consumer to go", lambda: frozen not in pool.consumers(), BOUND_S + SLACK_S)
+    pool.procs["a"].send_signal(signal.SIGCONT)
+    pool.wait("a's heartbeat", lambda: frozen in pool.live().values(), 30)
+
+    def serves() -> bool:
+        handles.extend(pool.producer.submit_many([{"prompt_token_ids": [2]}] * 2, params))
+        return pool.consumers().get(frozen, 0) > 0
+
+    pool.wait("a to hold new entries", serves, 60)
+    for handle in handles:
+        result = handle.result(timeout=120)
+        assert _tokens(result) == [bench.token_of(handle.request_id, i) for i in range(150)]
+    pool.check_alive()
+    woken = pool.log("a")  # what it held: taken over, or finished by then (acked)
+    assert "to another worker" in woken or "had finished, or is forgotten" in woken, woken
