@@ -226,3 +226,22 @@ def test_a_worker_frozen_past_the_bound_serves_on_without_its_consumer(pool):
     pool.check_alive()
     woken = pool.log("a")  # what it held: taken over, or finished by then (acked)
     assert "to another worker" in woken or "had finished, or is forgotten" in woken, woken
+
+
+@pytest.mark.layouts("standalone")
+def test_a_worker_without_the_rights_says_so_once_and_serves(pool):
+    """The worker's user of an older docs/redis-acl.md (no +xinfo|consumers, no
+    +xgroup|delconsumer): the worker logs once what it lacks and serves on."""
+    pool.admin.execute_command("ACL", "SETUSER", "lorapool-worker", "-xinfo|consumers")
+    pool.admin.execute_command("ACL", "SETUSER", "lorapool-worker", "-xgroup|delconsumer")
+    pool.start("old")
+    pool.wait("the worker", lambda: len(pool.live()) == 1, 120)
+    stream = pool.keys.requests
+    pool.admin.xgroup_createconsumer(stream, WORKERS_GROUP, "quiet#dead")
+    time.sleep(DEAD_AFTER_LEASES * LEASE_S + 3 * LEASE_S)
+    handle = pool.producer.submit({"prompt_token_ids": [1]}, SamplingParams(max_tokens=4))
+    assert _tokens(handle.result(timeout=60)) == [
+        bench.token_of(handle.request_id, i) for i in range(4)
+    ]
+    assert "quiet#dead" in pool.consumers()
+    assert pool.log("old").count("the consumers of dead processes stay") == 1, pool.log("old")
