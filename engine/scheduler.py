@@ -74,11 +74,11 @@ the children join at N+2 (running while a slot is free, else waiting).
 
 from __future__ import annotations
 
-from collections import Counter, deque
+from collections import deque
 from dataclasses import dataclass, field
 
 from lorapool.engine.block_manager import BlockManager
-from lorapool.engine.fair_share import Ledger
+from lorapool.engine.fair_share import Ledger, room_victim, victim
 from lorapool.engine.sequence import Sequence, SequenceStatus
 
 
@@ -171,34 +171,14 @@ class Scheduler:
         return out
 
     def _make_room(self, out: SchedulerOutput) -> None:
-        """Every sequence slot is taken and a tenant with nothing running waits with a
-        counter no greater than that of a tenant running two or more sequences: preempt
-        the newest sequence of the greatest such tenant, so that the waiting one is
-        admitted this step. One a step, only for a tenant with nothing running and a
-        sequence not skipped (adapter slot, blocks), never a tenant's last: the
-        preempted tenant keeps running, so it never preempts back (no thrashing).
-        """
-        if len(self.running) < self.config.max_num_seqs or len(self.ledger.active) < 2:
-            return
-        counters = self.ledger.counters
-        running = Counter(s.request.tenant for s in self.running)
-        idle = {t for t in self.ledger.active if t not in running}  # all theirs wait
-        busy = [t for t, count in running.items() if count > 1]
-        if not idle or not busy:
-            return
-        skipped = self.num_skipped  # one skipped (adapter slot, blocks) has its own bound
-        idle = {
-            s.request.tenant
-            for s in self.waiting
-            if s.request.tenant in idle and s.seq_id not in skipped
-        }
-        if not idle:
-            return
-        least = min(counters.get(t, 0.0) for t in idle)
-        heaviest = max(busy, key=lambda t: counters.get(t, 0.0))
-        if least <= counters.get(heaviest, 0.0):
-            victim = next(s for s in reversed(self.running) if s.request.tenant == heaviest)
-            self._preempt(victim, out)
+        """A tenant with nothing running waits while every slot is taken: preempt one
+        sequence for it (``fair_share.room_victim`` says which, and when)."""
+        config = self.config
+        seq = room_victim(
+            self.running, self.waiting, self.ledger, self.num_skipped, config.max_num_seqs
+        )
+        if seq is not None:
+            self._preempt(seq, out)
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         charges: dict[str, float] = {}  # decode tokens' charges by tenant
@@ -275,16 +255,10 @@ class Scheduler:
 
     def _victim(self, i: int) -> Sequence:
         """Which running sequence to preempt, of those not yet scheduled this step (from
-        ``i``): the newest of the tenant with the greatest counter (fair share), else the
-        newest."""
-        running = self.running
+        ``i``): the newest, or with the fair share on, ``fair_share.victim``'s."""
         if not self.config.fair_share or len(self.ledger.active) < 2:
-            return running[-1]
-        counters = self.ledger.counters
-        best = max(
-            range(i, len(running)), key=lambda j: (counters.get(running[j].request.tenant, 0.0), j)
-        )
-        return running[best]
+            return self.running[-1]
+        return victim(self.running, i, self.ledger)
 
     def _charged(self, seq: Sequence, num_new: int) -> ScheduledSeq:
         """The step's chunk of ``seq``, charged to its tenant (with the fair share on)."""
