@@ -54,6 +54,16 @@ light tenant's request therefore starts at the next step whatever a flooding
 tenant has queued or running, given the blocks it needs. Forked samples respect
 ``max_num_seqs`` (``fork``).
 
+Prefill under contention (after vLLM's ``long_prefill_token_threshold``, applied per
+tenant): at a step that starts with two or more tenants having work, no tenant's
+chunks take more than C = ``contended_prefill_tokens`` prompt or recompute positions
+(a decode token, one at an output position, is not capped); alone, a tenant has the
+whole budget. Bound: a step that runs a tenant's work carries at most (k - 1) * C
+prefill positions of the other k - 1 tenants with work, beside one decode token per
+running sequence, whatever they queue (``tests/engine/test_fair_share.py`` checks it).
+A sequence held back by its own tenant's cap waits for that tenant's own chunks, C
+positions a step, and is outside the bound above as a skipped one is.
+
 Not yet (issue 47 item 4): async scheduling as vLLM's, scheduling and preparing
 step N+1 while step N runs on the device. Step N+1 would be scheduled before N's
 tokens are known, so: every running sequence is assumed to decode one more token
@@ -75,10 +85,11 @@ the children join at N+2 (running while a slot is free, else waiting).
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from lorapool.engine.block_manager import BlockManager
 from lorapool.engine.fair_share import Ledger, room_victim, victim
+from lorapool.engine.scheduler_output import ScheduledSeq, SchedulerOutput
 from lorapool.engine.sequence import Sequence, SequenceStatus
 
 
@@ -91,6 +102,9 @@ class SchedulerConfig:
     fair_share: bool = True  # False: first come, first served whatever the tenant
     input_cost: float = 1.0  # a prompt token's charge to its tenant (engine.fair_share)
     output_cost: float = 2.0  # a generated token's
+    # while two or more tenants have work, the most prompt or recompute positions one
+    # tenant's chunks take in a step (module docstring); None: no cap
+    contended_prefill_tokens: int | None = 128
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "starvation_steps"):
@@ -100,41 +114,13 @@ class SchedulerConfig:
             value = getattr(self, name)
             if not (isinstance(value, int | float) and 0 <= value < float("inf")):
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+        cap = self.contended_prefill_tokens
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
+            raise ValueError(
+                f"contended_prefill_tokens must be an integer >= 1 or None, got {cap!r}"
+            )
         if self.max_loras is not None and self.max_loras < 1:
             raise ValueError(f"max_loras must be at least 1, got {self.max_loras}")
-
-
-@dataclass(slots=True)
-class ScheduledSeq:
-    seq: Sequence
-    start: int  # tokens of seq already in the cache before this step
-    num_new_tokens: int
-    charge: float = 0.0  # added to its tenant's counter (Scheduler.refund gives it back)
-
-    @property
-    def samples(self) -> bool:
-        """This chunk reaches the end of the sequence's tokens: sample the next one."""
-        return self.start + self.num_new_tokens == self.seq.num_tokens
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledSeq] = field(default_factory=list)
-    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    @property
-    def lora_ids(self) -> set[int]:
-        """Distinct adapters in this step (0, the base model, excluded)."""
-        return {s.seq.lora_int_id for s in self.scheduled} - {0}
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
 
 
 class Scheduler:
@@ -147,6 +133,8 @@ class Scheduler:
         self.num_skipped: dict[int, int] = {}
         self.num_preemptions = 0
         self.ledger = Ledger(config.input_cost, config.output_cost)
+        self._cap: int | None = None  # this step's contended prefill cap, if any
+        self._prefill: dict[str, int] = {}  # prefill positions this step, by tenant
 
     def add(self, seq: Sequence) -> None:
         self.ledger.join(seq.request.tenant)
@@ -162,6 +150,9 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        contended = self.config.fair_share and len(self.ledger.active) > 1
+        self._cap = self.config.contended_prefill_tokens if contended else None
+        self._prefill = {}
         if self.config.fair_share and self.waiting:
             self._make_room(out)
         made_room = len(out.preempted)
@@ -194,6 +185,11 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_uncomputed_tokens, budget)
+            if self._cap is not None:
+                num_new = self._prefill_room(seq, seq.num_computed_tokens, num_new)
+                if num_new <= 0:  # its tenant's prefill cap is spent: next step
+                    i += 1
+                    continue
             if manager.fits_in_place(seq, num_new):  # the common decode step: no blocks
                 start, request = seq.num_computed_tokens, seq.request
                 if num_new == 1 and start >= request.num_prompt_tokens and decode_cost:
@@ -228,7 +224,12 @@ class Scheduler:
             if not self._adapter_fits(seq, active, blocked_new_adapters):
                 blocked_new_adapters |= self._note_skipped(seq)
                 continue
-            num_new = self._start(seq, budget)
+            room = budget
+            if self._cap is not None:
+                room = self._prefill_room(seq, 0, budget)
+                if room <= 0:  # its tenant's prefill cap is spent: its own work, next step
+                    continue
+            num_new = self._start(seq, room)
             if num_new is None:  # no blocks for it yet: later ones that fit may go first
                 if self._note_skipped(seq):  # until it starves: then nothing goes ahead
                     break
@@ -260,9 +261,18 @@ class Scheduler:
             return self.running[-1]
         return victim(self.running, i, self.ledger)
 
+    def _prefill_room(self, seq: Sequence, start: int, num_new: int) -> int:
+        """``num_new`` cut to the prefill positions ``seq``'s tenant may still take this
+        step (the contended cap); a decode token (one, at an output position) is not."""
+        if num_new == 1 and start >= seq.request.num_prompt_tokens:
+            return num_new
+        return min(num_new, self._cap - self._prefill.get(seq.request.tenant, 0))
+
     def _charged(self, seq: Sequence, num_new: int) -> ScheduledSeq:
         """The step's chunk of ``seq``, charged to its tenant (with the fair share on)."""
         start, request = seq.num_computed_tokens, seq.request
+        if self._cap is not None and (num_new > 1 or start < request.num_prompt_tokens):
+            self._prefill[request.tenant] = self._prefill.get(request.tenant, 0) + num_new
         if not self.config.fair_share:
             return ScheduledSeq(seq, start, num_new)
         cost = self.ledger.cost(request.num_prompt_tokens, start, num_new)
