@@ -85,6 +85,12 @@ def _producer(redis_url, prefix, shards=0):
     help="admit waiting requests by tenants' fair shares (a virtual token counter per "
     "tenant, weighted by its key's --weight); off: first come, first served",
 )
+@count_option(
+    "--tenant-prefill-cap",
+    128,  # EngineArgs.tenant_prefill_cap
+    "while two or more tenants have work, the most prompt tokens one tenant's requests "
+    "take in an engine step, so that its long prefills do not stretch the others' steps",
+)
 @count_option("--max-n", DEFAULT_MAX_N, "most completions per request")
 @count_option("--max-prompt-bytes", DEFAULT_MAX_PROMPT_BYTES, "larger prompts are refused")
 @count_option(
