@@ -84,12 +84,12 @@ class StandInEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.running or self.waiting or self.aborted)
 
-    def capacity(self) -> int:
+    def capacity(self, ahead: int = 0) -> int:
         """The engine's rule (``engine/engine_stats.py``) for a KV cache that never runs
         out of blocks and one sequence a request: the slots neither running nor waiting
         requests hold (a request waiting for a slot does not stop the worker from
         reading into the free ones; none starves, as none is ever skipped)."""
-        return max(0, self.max_num_seqs - len(self.running) - len(self.waiting))
+        return max(0, self.max_num_seqs + ahead - len(self.running) - len(self.waiting))
 
     def request_counts(self) -> tuple[int, int]:
         return len(self.running), len(self.waiting)

@@ -13,6 +13,15 @@
   64 jobs take about 32 each, where the first to read used to take all it could
   admit. The live workers are counted at each heartbeat (``alive`` keys). Off
   with ``--no-fair-share`` (``WorkerConfig.fair_share``).
+- **Read-ahead** (``--read-ahead``, 0 by default). A read takes up to that many
+  entries beyond the engine's free slots; they wait in the engine, whose tenants'
+  fair share picks among them (``engine.fair_share``), and are renewed as held ones
+  are. The stream is read in order, so a job behind B entries of others is read once
+  B - max_num_seqs - read_ahead of them have ended (B - max_num_seqs without); the
+  worker holds at most max_num_seqs + read_ahead requests (backpressure). Entries
+  read ahead are not free for a worker that starts meanwhile; and with batch jobs
+  beside interactive ones, entries read ahead can take batch room from interactive
+  jobs that come later: why it is off by default.
 - **Adapter affinity** (no central router). A new entry for an adapter not in
   a device slot here goes to a live peer whose last heartbeat (at most
   ``heartbeat_s`` old) shows that adapter in a device slot, the least loaded of
