@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import random
 import statistics
 import sys
 import time
@@ -68,13 +69,18 @@ def run(args, mode: str, repeat: int = 0) -> dict:
             max_num_batched_tokens=args.max_num_batched_tokens,
             fair_share=mode != "fcfs",
             contended_prefill_tokens=None if mode == "uncapped" else args.cap,
+            contended_window_steps=args.window,
         ),
         BlockManager(args.num_blocks, 16),
     )
     now, generated, cpu_s, flood_done, steps = 0.0, 0, 0.0, 0, 0
 
+    rng = random.Random(repeat)  # the same jobs in every mode of one repeat
+
     def add_flood():
-        sched.add(request("flood", args.prompt, args.flood_tokens, args.n, now).seqs[0])
+        spread = round(args.flood_tokens * args.flood_jitter)
+        tokens = args.flood_tokens + rng.randint(-spread, spread)
+        sched.add(request("flood", args.prompt, tokens, args.n, now).seqs[0])
 
     for _ in range(args.flood_depth if flood else 0):
         add_flood()
@@ -156,6 +162,13 @@ def main() -> None:
     parser.add_argument("--flood-depth", type=int, default=8, help="flood jobs in the engine")
     parser.add_argument("--n", type=int, default=64, help="samples per flood job")
     parser.add_argument("--flood-tokens", type=int, default=30, help="max_tokens per sample")
+    parser.add_argument(
+        "--flood-jitter",
+        type=float,
+        default=0.0,
+        help="each flood job's max_tokens drawn within this share of --flood-tokens either "
+        "side (seeded by the repeat): jobs that do not end in lockstep",
+    )
     parser.add_argument("--seconds", type=float, default=3.0, help="virtual seconds a run")
     parser.add_argument("--light-gap-ms", type=float, default=20.0)
     parser.add_argument("--light-start-ms", type=float, default=50.0)
@@ -172,6 +185,13 @@ def main() -> None:
         type=int,
         default=SchedulerConfig.contended_prefill_tokens,
         help="the fair mode's cap (SchedulerConfig.contended_prefill_tokens)",
+    )
+    parser.add_argument(
+        "--contended-window-steps",
+        dest="window",
+        type=int,
+        default=SchedulerConfig.contended_window_steps,
+        help="SchedulerConfig.contended_window_steps",
     )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", type=Path)

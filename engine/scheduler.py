@@ -55,10 +55,13 @@ tenant has queued or running, given the blocks it needs. Forked samples respect
 ``max_num_seqs`` (``fork``).
 
 Prefill under contention (after vLLM's ``long_prefill_token_threshold``, applied per
-tenant): at a step that starts with two or more tenants having work, no tenant's
-chunks take more than C = ``contended_prefill_tokens`` prompt or recompute positions
-(a decode token, one at an output position, is not capped); alone, a tenant has the
-whole budget. Bound: a step that runs a tenant's work carries at most (k - 1) * C
+tenant): at a step that starts with two or more tenants having work, or within
+W = ``contended_window_steps`` steps of a step that did, no tenant's chunks take more
+than C = ``contended_prefill_tokens`` prompt or recompute positions (a decode token, one
+at an output position, is not capped); a tenant alone for W steps has the whole
+budget. W = 1 by default: a wider window also caps the step in flight when another
+tenant's request comes (scheduled before it came), at a cost in throughput
+(benchmarks/RESULTS.md). Bound: a step that runs a tenant's work carries at most (k - 1) * C
 prefill positions of the other k - 1 tenants with work, beside one decode token per
 running sequence, whatever they queue (``tests/engine/test_fair_share.py`` checks it).
 A sequence held back by its own tenant's cap waits for that tenant's own chunks, C
@@ -105,9 +108,11 @@ class SchedulerConfig:
     # while two or more tenants have work, the most prompt or recompute positions one
     # tenant's chunks take in a step (module docstring); None: no cap
     contended_prefill_tokens: int | None = 128
+    contended_window_steps: int = 1  # steps a tenant counts as contending (1: while it has work)
 
     def __post_init__(self):
-        for name in ("max_num_seqs", "max_num_batched_tokens", "starvation_steps"):
+        names = ("max_num_seqs", "max_num_batched_tokens", "starvation_steps")
+        for name in (*names, "contended_window_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         for name in ("input_cost", "output_cost"):
@@ -135,6 +140,8 @@ class Scheduler:
         self.ledger = Ledger(config.input_cost, config.output_cost)
         self._cap: int | None = None  # this step's contended prefill cap, if any
         self._prefill: dict[str, int] = {}  # prefill positions this step, by tenant
+        self._steps = 0
+        self._seen: dict[str, int] = {}  # tenant -> the last step it had work at
 
     def add(self, seq: Sequence) -> None:
         self.ledger.join(seq.request.tenant)
@@ -150,8 +157,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        contended = self.config.fair_share and len(self.ledger.active) > 1
-        self._cap = self.config.contended_prefill_tokens if contended else None
+        self._cap = self.config.contended_prefill_tokens if self._contended() else None
         self._prefill = {}
         if self.config.fair_share and self.waiting:
             self._make_room(out)
@@ -160,6 +166,20 @@ class Scheduler:
         if len(out.preempted) == made_room:  # no preemption for want of blocks
             self._schedule_waiting(out, budget)
         return out
+
+    def _contended(self) -> bool:
+        """Two or more tenants had work within the last ``contended_window_steps`` steps
+        (this one included)."""
+        if not self.config.fair_share:
+            return False
+        self._steps += 1
+        seen, now = self._seen, self._steps
+        for tenant in self.ledger.active:
+            seen[tenant] = now
+        if len(seen) > len(self.ledger.active):  # forget those past the window
+            oldest = now - self.config.contended_window_steps
+            self._seen = seen = {t: at for t, at in seen.items() if at > oldest}
+        return len(seen) > 1
 
     def _make_room(self, out: SchedulerOutput) -> None:
         """A tenant with nothing running waits while every slot is taken: preempt one

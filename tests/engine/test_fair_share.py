@@ -160,14 +160,16 @@ def check_prefill_cap(trace, cap):
     st.integers(1, 6),
     st.integers(0, 40),
     st.none() | st.integers(1, 16),
+    st.integers(1, 8),
 )
 def test_each_backlogged_tenants_service_is_within_the_bound_of_anothers(
-    specs, weights, max_num_seqs, extra_budget, cap
+    specs, weights, max_num_seqs, extra_budget, cap, window
 ):
     sched = make_scheduler(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_seqs + extra_budget,
         contended_prefill_tokens=cap,
+        contended_window_steps=window,
     )
     arrivals = {}
     for tenant, at, prompt, max_tokens, n in specs:
