@@ -55,13 +55,12 @@ tenant has queued or running, given the blocks it needs. Forked samples respect
 ``max_num_seqs`` (``fork``).
 
 Prefill under contention (after vLLM's ``long_prefill_token_threshold``, applied per
-tenant): at a step that starts with two or more tenants having work, or within
-W = ``contended_window_steps`` steps of a step that did, no tenant's chunks take more
-than C = ``contended_prefill_tokens`` prompt or recompute positions (a decode token, one
-at an output position, is not capped); a tenant alone for W steps has the whole
-budget. W = 1 by default: a wider window also caps the step in flight when another
-tenant's request comes (scheduled before it came), at a cost in throughput
-(benchmarks/RESULTS.md). Bound: a step that runs a tenant's work carries at most (k - 1) * C
+tenant): at a step where two or more tenants had work at its start or at one of the
+W - 1 steps before (W = ``contended_window_steps``), no tenant's chunks take more than
+C = ``contended_prefill_tokens`` prompt or recompute positions (a decode token, one at
+an output position, is not capped); a tenant alone for W steps has the whole budget.
+W = 1 by default: a wider window also caps the step in flight when another tenant's
+request comes (scheduled before it came), at a cost in throughput (benchmarks/RESULTS.md). Bound: a step that runs a tenant's work carries at most (k - 1) * C
 prefill positions of the other k - 1 tenants with work, beside one decode token per
 running sequence, whatever they queue (``tests/engine/test_fair_share.py`` checks it).
 A sequence held back by its own tenant's cap waits for that tenant's own chunks, C

@@ -266,3 +266,24 @@ def test_a_newcomer_starts_at_the_least_active_counter():
     late = make_request("b", 2, 2)
     sched.add(late.seqs[0])
     assert sched.ledger.counters["b"] == sched.ledger.counters["a"] > 0
+
+
+def light_prefill_steps(window):
+    """Tenant "flood" keeps long prompts coming; "light" runs one 1-token request at
+    step 2. Per step from then: the flood's prefill positions."""
+    sched = make_scheduler(
+        max_num_seqs=8,
+        max_num_batched_tokens=256,
+        contended_prefill_tokens=16,
+        contended_window_steps=window,
+    )
+    flood = [make_request("flood", 200, 1, arrival=i) for i in range(12)]
+    trace, _ = simulate(sched, {0: flood, 2: [make_request("light", 4, 1, arrival=100)]})
+    return [prefill.get("flood", 0) for *_, prefill in trace[2:12]]
+
+
+def test_the_cap_holds_for_the_window_after_another_tenant_had_work():
+    # W = 1: capped while "light" has work (its one step), the whole budget after it
+    assert light_prefill_steps(1)[:2] == [16, 256]
+    # W = 4: capped for the 4 steps from the light tenant's last one, then not
+    assert light_prefill_steps(4)[:5] == [16, 16, 16, 16, 256]
