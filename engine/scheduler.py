@@ -60,9 +60,10 @@ W - 1 steps before (W = ``contended_window_steps``), no tenant's chunks take mor
 C = ``contended_prefill_tokens`` prompt or recompute positions (a decode token, one at
 an output position, is not capped); a tenant alone for W steps has the whole budget.
 W = 1 by default: a wider window also caps the step in flight when another tenant's
-request comes (scheduled before it came), at a cost in throughput (benchmarks/RESULTS.md). Bound: a step that runs a tenant's work carries at most (k - 1) * C
-prefill positions of the other k - 1 tenants with work, beside one decode token per
-running sequence, whatever they queue (``tests/engine/test_fair_share.py`` checks it).
+request comes (scheduled before it came), at a cost in throughput (benchmarks/RESULTS.md).
+Bound: a step that runs a tenant's work carries at most (k - 1) * C prefill positions of
+the other k - 1 tenants with work, beside one decode token per running sequence,
+whatever they queue (``tests/engine/test_fair_share.py`` checks it).
 A sequence held back by its own tenant's cap waits for that tenant's own chunks, C
 positions a step, and is outside the bound above as a skipped one is.
 
