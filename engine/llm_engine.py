@@ -55,7 +55,7 @@ from lorapool.engine.sampler import (
     finite_argmax,
     prompt_logprobs,
 )
-from lorapool.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from lorapool.engine.scheduler import Scheduler, SchedulerOutput
 from lorapool.engine.sequence import Request, Sequence, SequenceStatus
 from lorapool.outputs import RequestOutput
 from lorapool.protocol import LoRARequest, SamplingParams
@@ -75,16 +75,7 @@ class LLMEngine(EngineStats, EngineAdapters):
         self.block_manager = BlockManager(
             self.runner.num_blocks, args.block_size, args.enable_prefix_caching
         )
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                max_num_seqs=args.max_num_seqs,
-                max_num_batched_tokens=args.max_num_batched_tokens,
-                max_loras=args.max_loras if args.enable_lora else None,
-                starvation_steps=args.starvation_steps,
-                fair_share=args.tenant_fair_share,
-            ),
-            self.block_manager,
-        )
+        self.scheduler = Scheduler(args.scheduler_config(), self.block_manager)
         self.eos_token_ids = eos_token_ids(args.model, self.runner.hf_config, self.tokenizer)
         self.sampler = Sampler(self.eos_token_ids, seed=args.seed)
         self.inputs = InputProcessor(
