@@ -27,7 +27,7 @@ from lorapool.gateway.openai_api import (
     watching,
 )
 from lorapool.gateway.pool import disconnected
-from lorapool.gateway.responses_background import start_background
+from lorapool.gateway.responses_background import ended, settle_on_read, start_background
 from lorapool.gateway.responses_store import ResponseStore
 from lorapool.gateway.streams import sse
 from lorapool.openai.bodies import openapi_body, parse
@@ -54,7 +54,8 @@ async def create_response(request: Request, caller: Submitter):
     previous = []
     if body.previous_response_id is not None:
         record = await store.load(body.previous_response_id, "previous_response_id")
-        previous = record["conversation"]
+        record = await settle_on_read(request, caller, store, record)
+        previous = ended(record, "previous_response_id")["conversation"]
     parser, max_bytes = await pool.tool_parser(), pool.config.max_prompt_bytes
     parsed, conversation = to_parsed(body, previous, parser, max_bytes)
     parsed.ignored += unknown
@@ -63,7 +64,9 @@ async def create_response(request: Request, caller: Submitter):
     saving = store if shape.store else None
     headers = warned(parsed, request)
     if body.background:
-        return await start_background(request, store, shape, chat, handles, conversation, headers)
+        return await start_background(
+            request, store, shape, chat, handles, conversation, len(previous), headers
+        )
     if hold is None:
         setattr(request.state, RIDES_OUTAGES, True)  # Pool.results rides out a Redis outage
         outputs = await pool.results(handles, disconnected(request), caller)
@@ -100,7 +103,8 @@ async def _events(
 @router.get("/responses/{response_id}", summary="A stored response")
 async def get_response(response_id: str, request: Request, caller: Submitter) -> JSON:
     pool = pool_of(request)
-    record = await ResponseStore(pool.producer.redis, pool.producer.keys, caller).load(response_id)
+    store = ResponseStore(pool.producer.redis, pool.producer.keys, caller)
+    record = await settle_on_read(request, caller, store, await store.load(response_id))
     return JSON(record["response"])
 
 

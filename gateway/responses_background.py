@@ -10,9 +10,10 @@ just completed: the cancel's, or the completion's, whichever came first; never b
 A background job waits in the queue as long as it must (no ``no_worker`` 503: a pool
 scaled to zero starts a worker for it), up to the stored response's life.
 
-The watch lives in the gateway that created the response: a gateway that stops first
-aborts the job and stores the response ``failed`` (``server_error``), so that no
-response stays in progress after no one watches it.
+The watch is only the prompt way: the record keeps the request, so any replica that
+reads a pending response whose job has ended (``settle_on_read``) settles it from the
+job's final record the same way. A gateway that stops, or is killed, while it watches
+leaves its background responses to be settled by the next read.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import asyncio
 import logging
 from typing import Annotated, Any
 
+import msgspec
 from fastapi import APIRouter, Depends, FastAPI, Request
 
 from lorapool.gateway.auth import Principal, require
@@ -30,59 +32,67 @@ from lorapool.gateway.responses_store import RESPONSE_TTL_S, ResponseStore
 from lorapool.lifecycle.chunk_log import OutputAssembler
 from lorapool.lifecycle.marker import JobLost
 from lorapool.lifecycle.response_settle import PENDING
-from lorapool.openai.errors import APIError
-from lorapool.openai.responses import ResponseShape, replied
+from lorapool.openai.errors import APIError, bad_request
+from lorapool.openai.format import Shape, fingerprint
+from lorapool.openai.response_bodies import ResponsesRequest
+from lorapool.openai.responses import ResponseShape, replied, to_parsed
 from lorapool.protocol import RequestOutputKind
 from lorapool.tasks import cancel_and_wait
 
 logger = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1", tags=["OpenAI-compatible"])
 Submitter = Annotated[Principal, Depends(require("submit"))]
-STOPPED = "the gateway watching this response stopped before it ended; its job was aborted"
 
 
 class Watch:
-    """One background response's job, watched to its end."""
+    """One background response: its shapes, its stored record, and its endings."""
 
-    def __init__(self, store: ResponseStore, shape: ResponseShape, chat, handle, record: dict):
-        self.store, self.shape, self.chat, self.handle = store, shape, chat, handle
-        self.record = record  # the stored record, queued
+    def __init__(self, store: ResponseStore, shape: ResponseShape, chat: Shape, record: dict):
+        self.store, self.shape, self.chat = store, shape, chat
+        self.record = record  # the stored record, as it was made (queued)
 
-    async def run(self) -> None:
+    async def run(self, handle) -> None:
+        """Follows the job to its end (the gateway's task)."""
         try:
-            response = self._ended(await self._final())
-        except APIError as exc:
-            response = self._failed(exc.code or _code(exc.status), exc.message)
+            output = await self._final(handle)
         except JobLost as exc:
-            response = self._failed("server_error", str(exc))
+            await self.fail("job_lost", str(exc))
         except (asyncio.TimeoutError, TimeoutError):
-            await self.handle.abort()
-            response = self._failed("server_error", f"no result in {RESPONSE_TTL_S}s")
-        conversation = self.record["conversation"]
-        if response["status"] in ("completed", "incomplete"):
-            conversation = replied(conversation, response)
-        await self._settle(response, conversation)
+            await handle.abort()
+            await self.fail("server_error", f"no result in {RESPONSE_TTL_S}s")
+        else:
+            await self.end(output)
 
-    async def _final(self):
+    async def _final(self, handle):
         """The job's final output; the response in progress from its first chunk on."""
         assembler = OutputAssembler(RequestOutputKind.FINAL_ONLY)
         started = False
-        async for chunk in self.handle.chunks(timeout=RESPONSE_TTL_S):
+        async for chunk in handle.chunks(timeout=RESPONSE_TTL_S):
             if not started:
                 started = True
-                await self._settle({**self.record["response"], "status": "in_progress"})
+                await self.start()
             if (output := assembler.feed(chunk)) is not None:
                 return output
-        raise JobLost(self.handle.request_id)
+        raise JobLost(handle.request_id)
 
-    def _ended(self, output) -> dict[str, Any]:
+    async def start(self) -> bool:
+        return await self._settle({**self.record["response"], "status": "in_progress"})
+
+    async def end(self, output) -> bool:
+        """The response of the job's final output: cancelled when it was aborted,
+        failed when the job failed (the error as a streamed response's)."""
         if output.outputs and all(c.finish_reason == "abort" for c in output.outputs):
-            return {**self.record["response"], "status": "cancelled"}
-        return self.shape.of_chat(self.chat.response([output]))  # APIError: a failed job
+            return await self._settle({**self.record["response"], "status": "cancelled"})
+        try:
+            response = self.shape.of_chat(self.chat.response([output]))
+        except APIError as exc:
+            code = exc.code or ("invalid_prompt" if exc.status == 400 else "server_error")
+            return await self.fail(code, exc.message)
+        return await self._settle(response, replied(self.record["conversation"], response))
 
-    def _failed(self, code: str, message: str) -> dict[str, Any]:
+    async def fail(self, code: str, message: str) -> bool:
         error = {"code": code, "message": message}
-        return self.shape.envelope("failed", [], error=error)
+        return await self._settle(self.shape.envelope("failed", [], error=error))
 
     async def _settle(self, response: dict, conversation: list | None = None) -> bool:
         if conversation is None:
@@ -90,41 +100,26 @@ class Watch:
         return await self.store.settle({**self.record, "response": response,
                                         "conversation": conversation})  # fmt: skip
 
-    async def stopped(self) -> None:
-        """The gateway stops before the job ended: the job aborted, the response failed."""
-        await self.handle.abort()
-        await self._settle(self._failed("server_error", STOPPED))
-
-
-def _code(status: int) -> str:
-    return "invalid_prompt" if status == 400 else "server_error"
-
 
 class BackgroundResponses:
-    """A gateway's watches (``app.state.background_responses``), ended with it."""
+    """A gateway's watches (``app.state.background_responses``), cancelled when it stops
+    (their responses are then settled by whichever replica reads them)."""
 
     def __init__(self):
-        self.watches: dict[asyncio.Task, Watch] = {}
+        self.tasks: set[asyncio.Task] = set()
 
-    def start(self, watch: Watch) -> None:
-        task = asyncio.create_task(watch.run())
-        self.watches[task] = watch
+    def start(self, watch: Watch, handle) -> None:
+        task = asyncio.create_task(watch.run(handle))
+        self.tasks.add(task)
         task.add_done_callback(self._ended)
 
     def _ended(self, task: asyncio.Task) -> None:
-        self.watches.pop(task, None)
+        self.tasks.discard(task)
         if not task.cancelled() and task.exception() is not None:
             logger.error("background response watch failed", exc_info=task.exception())
 
     async def close(self) -> None:
-        """Each watch still running cancelled, its job aborted and its response failed."""
-        watches = dict(self.watches)
-        await cancel_and_wait(*watches)
-        for watch in watches.values():
-            try:
-                await watch.stopped()
-            except Exception:  # Redis away at shutdown: the response expires with its TTL
-                logger.warning("background response %s: not marked failed", watch.shape.id)
+        await cancel_and_wait(*self.tasks)
 
 
 def background_of(app: FastAPI) -> BackgroundResponses:
@@ -134,17 +129,68 @@ def background_of(app: FastAPI) -> BackgroundResponses:
 
 
 async def start_background(
-    request: Request, store: ResponseStore, shape: ResponseShape, chat, handles: list,
-    conversation: list[dict[str, Any]], headers: dict[str, str],
+    request: Request, store: ResponseStore, shape: ResponseShape, chat: Shape, handles: list,
+    conversation: list[dict[str, Any]], num_previous: int, headers: dict[str, str],
 ) -> JSON:  # fmt: skip
-    """The response stored ``queued`` and returned; its job watched from here."""
+    """The response stored ``queued`` and returned; its job watched from here. The
+    record keeps the request and how many messages of ``conversation`` came before it
+    (``previous_response_id``'s), so that another replica can shape the reply."""
     response = shape.envelope("queued", [])
-    jobs = {"jobs": [handle.request_id for handle in handles]}
-    await store.save(response, conversation, background=jobs)
+    jobs, asked = [handle.request_id for handle in handles], msgspec.to_builtins(shape.request)
+    background = {"jobs": jobs, "request": asked, "previous": num_previous}
+    await store.save(response, conversation, background=background)
     record = {"response": response, "conversation": conversation, "input_items": store.items,
-              "background": jobs}  # fmt: skip
-    background_of(request.app).start(Watch(store, shape, chat, handles[0], record))
+              "background": background}  # fmt: skip
+    background_of(request.app).start(Watch(store, shape, chat, record), handles[0])
     return JSON(response, headers=headers)
+
+
+async def _rebuilt(request: Request, caller: Principal, store: ResponseStore, record) -> Watch:
+    """The Watch of a stored background response, its shapes made again from its request
+    (as the gateway that created it made them)."""
+    pool, saved = pool_of(request), record["background"]
+    body = msgspec.convert(saved["request"], ResponsesRequest)
+    previous = record["conversation"][: saved["previous"]]
+    parsed, _ = to_parsed(body, previous, await pool.tool_parser(), pool.config.max_prompt_bytes)
+    public = record["response"]["id"].removeprefix("resp_")
+    params = parsed.params
+    chat = Shape("chat", public, parsed.model, params.n, params.logprobs or 0,
+                 caller.external_id, parsed.names, tools=parsed.tools,
+                 system_fingerprint=fingerprint(await pool.base_model()))  # fmt: skip
+    shape = ResponseShape(body, public, True)
+    shape.created_at = record["response"]["created_at"]
+    return Watch(store, shape, chat, record)
+
+
+async def settle_on_read(
+    request: Request, caller: Principal, store: ResponseStore, record: dict
+) -> dict:
+    """``record``, or, for a background response still pending whose job has begun or
+    ended, the record as that makes it (settled here: its watch may be gone)."""
+    if "background" not in record or record["response"]["status"] not in PENDING:
+        return record
+    pool = pool_of(request)
+    job = record["background"]["jobs"][0]
+    state = await pool.view.job_state(job)
+    pending = state is not None and not state["final"]
+    if pending and (not state["started"] or record["response"]["status"] == "in_progress"):
+        return record  # nothing new: queued, or running and already said so
+    watch = await _rebuilt(request, caller, store, record)
+    if state is None:
+        await watch.fail("job_lost", f"the response's job {job!r} left Redis")
+    elif not state["final"]:
+        await watch.start()
+    else:
+        await watch.end(await (await pool.handle(job)).result(timeout=5.0))
+    return await store.load(record["response"]["id"])
+
+
+def ended(record: dict, param: str) -> dict:
+    """``record``, whose response must have ended to be continued (400 naming ``param``)."""
+    status = record["response"]["status"]
+    if status in PENDING:
+        raise bad_request(f"response {record['response']['id']} is still {status}", param)
+    return record
 
 
 @router.post("/responses/{response_id}/cancel", summary="Cancel a background response")

@@ -5,7 +5,8 @@ One Redis string per response, ``Keys.response(<tenant>~resp_<id>)``: orjson
 ``{"response": the response object, "conversation": the chat's messages with the
 reply, without the instructions, "input_items": the request's input as items (``GET
 /v1/responses/{id}/input_items``)}``, and for a background response ``"background":
-{"jobs": [its job's request id]}`` (its status changes: ``lifecycle/response_settle``).
+{"jobs": [its job's request id], "request": the request, "previous": how many messages
+of the conversation came before it}`` (its status changes: ``lifecycle/response_settle``).
 It expires ``RESPONSE_TTL_S`` after it was made (a day: long enough for an agent's
 turns, short enough that a pool's Redis does not fill with conversations; OpenAI keeps
 30 days). A tenant's id names its own key only, so another tenant's id is a 404.
