@@ -166,6 +166,17 @@ def test_cancel_stops_the_job_and_the_response_stays_cancelled(client, gateway):
     assert client.responses.retrieve(made.id).status == "cancelled"  # its end did not undo it
 
 
+def test_a_job_its_worker_refuses_fails_the_background_response(client):
+    """An input past the model's context: queued at once, then failed with the error a
+    streamed response carries (``invalid_prompt``)."""
+    made = client.responses.create(model="ad-qv", input="the lazy dog sleeps " * 800,
+                                   background=True)  # fmt: skip
+    assert made.status == "queued"
+    failed, _ = _poll(client, made.id)
+    assert failed.status == "failed" and failed.error.code == "invalid_prompt"
+    assert "prompt" in failed.error.message and failed.output == []
+
+
 def test_cancel_refuses_a_response_made_without_background(client):
     made = client.responses.create(model="ad-qv", input=ASK, max_output_tokens=2)
     with pytest.raises(openai.BadRequestError) as caught:
