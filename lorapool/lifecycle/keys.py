@@ -219,7 +219,8 @@ class Keys:
     )
     response = _request_key(
         "response",
-        "String: a stored Responses API response (orjson {response, conversation}) by its "
+        "String: a stored Responses API response (orjson {response, conversation, "
+        "input_items[, background]}) by its "
         "tenant's id; expires (gateway/responses_store.py).",
     )
     out = _request_key("out", "Chunk log (stream) and live channel (pub/sub) of one request.")

@@ -212,8 +212,11 @@ def test_models_retrieve_is_scoped_as_the_list(secure, api_keys):
 def test_a_stored_response_is_its_tenants_alone(secure, api_keys, conn, prefix):
     """A response stored for acme (as the gateway stores one) is acme's: another tenant
     gets 404 for it, and cannot continue it."""
-    response = {"id": "resp_abc", "object": "response", "output": []}
-    record = {"response": response, "conversation": [{"role": "user", "content": "x"}]}
+    response = {"id": "resp_abc", "object": "response", "output": [], "status": "queued"}
+    item = {"type": "message", "id": "msg_1", "role": "user", "status": "completed",
+            "content": [{"type": "input_text", "text": "x"}]}  # fmt: skip
+    record = {"response": response, "conversation": [{"role": "user", "content": "x"}],
+              "input_items": [item], "background": {"jobs": ["acme~gone"]}}  # fmt: skip
     conn.set(Keys(prefix).response("acme~resp_abc"), orjson.dumps(record), ex=60)
     path = "/v1/responses/resp_abc"
     assert call(secure, "GET", path, key=api_keys["acme"]).json() == response
@@ -221,8 +224,15 @@ def test_a_stored_response_is_its_tenants_alone(secure, api_keys, conn, prefix):
     assert call(secure, "DELETE", path, key=api_keys["globex"]).status_code == 404
     assert call(secure, "GET", path).status_code == 401
     assert call(secure, "GET", path, key=api_keys["auditor"]).status_code == 403
+    items = call(secure, "GET", path + "/input_items", key=api_keys["acme"]).json()
+    assert items["data"] == [item]
+    for other in ("/input_items", "/cancel"):
+        method = "POST" if other == "/cancel" else "GET"
+        assert call(secure, method, path + other, key=api_keys["globex"]).status_code == 404
     go_on = {"model": "ad-a", "input": "y", "previous_response_id": "resp_abc"}
     refused = call(secure, "POST", "/v1/responses", go_on, api_keys["globex"])
     assert refused.status_code == 404 and refused.json()["error"]["param"] == "previous_response_id"
+    cancelled = call(secure, "POST", path + "/cancel", key=api_keys["acme"]).json()
+    assert cancelled == {**response, "status": "cancelled"}
     assert call(secure, "DELETE", path, key=api_keys["acme"]).json()["deleted"] is True
     assert not conn.exists(Keys(prefix).response("acme~resp_abc"))
