@@ -41,6 +41,7 @@ class GrammarSandbox:
 
     def __init__(self, limits: GrammarLimits = DEFAULT_LIMITS, size: int = 2):
         self.limits = limits
+        self.size = size
         self._idle: list[_Child] = []
         self._slots = threading.BoundedSemaphore(size)
         self._lock = threading.Lock()
