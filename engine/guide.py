@@ -87,6 +87,7 @@ class GuideFactory:
         self._prototypes: OrderedDict[str, object] = OrderedDict()
         self._compiling: dict[str, Future] = {}  # digest -> its compile in the pool
         self._lock = threading.Lock()  # the step's thread and the pool's share the caches
+        self._building = threading.Lock()  # the LLTokenizer's one build (seconds: its own)
         self._pool: ThreadPoolExecutor | None = None
 
     @property
@@ -95,7 +96,7 @@ class GuideFactory:
         return (self.vocab_size + 31) // 32
 
     def _lltokenizer(self):
-        with self._lock:
+        with self._building:
             if self._tokenizer is None:
                 import llguidance.hf
 
@@ -126,18 +127,13 @@ class GuideFactory:
                 return None
             future = self._compiling.get(key)
             if future is None:
-                if self._pool is None:
-                    size = getattr(self.sandbox, "size", 1)
-                    self._pool = ThreadPoolExecutor(size, thread_name_prefix="lorapool-grammar")
-                future = self._compiling[key] = self._pool.submit(self._compile, key, params)
+                future = self._compiling[key] = self._executor().submit(self._compile, key, params)
             return future
 
     def warm(self) -> None:
         """Build the LLTokenizer in the background (~2 s for SmolLM2's 49,152 tokens),
         so that the first constrained request does not wait for it."""
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="lorapool-grammar")
-        self._pool.submit(self._lltokenizer)
+        self._executor().submit(self._lltokenizer)
 
     def close(self) -> None:
         """Stop the pool (compiles not started are dropped) and the sandbox."""
@@ -146,6 +142,12 @@ class GuideFactory:
             self._pool = None
         if self.sandbox is not None:
             self.sandbox.close()
+
+    def _executor(self) -> ThreadPoolExecutor:
+        if self._pool is None:  # as many threads as the sandbox has processes
+            size = getattr(self.sandbox, "size", 1)
+            self._pool = ThreadPoolExecutor(size, thread_name_prefix="lorapool-grammar")
+        return self._pool
 
     def _cached(self, key: str):
         prototype = self._prototypes.get(key)

@@ -129,3 +129,17 @@ def test_a_request_aborted_while_its_grammar_compiles_ends_once(engine):
     assert not engine.has_unfinished_requests()
     engine.add_request("again", "Hi", params)  # the same grammar: compiled once by now
     assert drain(engine)["again"].error is None
+
+
+def test_the_samples_of_a_request_that_waited_all_follow_its_grammar(engine):
+    """n=3: the forked samples start from the prototype compiled off the step."""
+    choices = ["yes", "no", "maybe"]
+    params = SamplingParams(
+        n=3, temperature=1.0, seed=3, max_tokens=8, structured_outputs=S(choice=choices)
+    )
+    engine.add_request("forks", "Q", params)
+    assert "forks" in engine.grammars.waiting  # waiting for its compile, outside the batch
+    assert engine.request_counts() == (0, 1) and not engine.scheduler.waiting
+    out = drain(engine)["forks"]
+    assert out.error is None and len(out.outputs) == 3
+    assert all(c.text in choices and c.finish_reason == "stop" for c in out.outputs), out
