@@ -25,7 +25,7 @@ import torch
 from lorapool.field_errors import FieldError
 from lorapool.grammar_limits import check_structure
 from lorapool.grammar_sandbox import digest
-from lorapool.structured import StructuredOutputsParams, check_grammar, grammar_of
+from lorapool.structured import StructuredOutputsParams, check_grammar
 
 MAX_CACHED_GRAMMARS = 128
 _BITS = torch.arange(32, dtype=torch.int32)
@@ -178,10 +178,9 @@ class GuideFactory:
             if self.sandbox is None:
                 check_structure(params)
                 return check_grammar(params)
-            grammar = self.sandbox.check(params)
+            return self.sandbox.check(params, grammar=True)  # converted out of process
         except FieldError as exc:
             raise ValueError(str(exc)) from None
-        return grammar or grammar_of(params)  # None: a verdict cached earlier
 
 
 def request_guide(factory: GuideFactory, request) -> Guide | None:
