@@ -72,10 +72,12 @@ class GuideFactory:
     crashes llguidance's native code or runs away fails its request alone; what passed
     is then compiled here, in a pool of as many threads as the sandbox has processes
     (``submit``), never on the step's thread: the thread waits on the sandbox's pipe
-    and llguidance's compile, which hold no GIL (a 500-rule GBNF: ~0.3 s in the sandbox,
-    ~25 ms here). Without a sandbox (the offline ``LLM``), the default limits are
-    counted and the grammar is validated in this process, in ``guide``. Prototypes are
-    cached by the constraint's hash: a repeated grammar costs once."""
+    without the GIL (a 500-rule GBNF: ~0.4 s there, converted and validated), then
+    llguidance compiles it here (20-80 ms, during which a busy Python thread still ran
+    with gaps of at most 25 ms, measured). Without a sandbox (the offline ``LLM``), the
+    default limits are counted and the grammar is validated in this process, in
+    ``guide``. Prototypes are cached by the constraint's hash: a repeated grammar costs
+    once."""
 
     sandbox = None
 
