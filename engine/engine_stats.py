@@ -35,8 +35,8 @@ class EngineStats:
         return max(0, free)
 
     def request_counts(self) -> tuple[int, int]:
-        """(running, waiting) sequences."""
-        return len(self.scheduler.running), len(self.scheduler.waiting)
+        """(running, waiting) sequences; waiting counts those whose grammar compiles."""
+        return len(self.scheduler.running), len(self.scheduler.waiting) + len(self.grammars)
 
     def running_request_ids(self) -> set[str]:
         """The requests in the running batch (those a failed step may have touched)."""

@@ -37,6 +37,7 @@ from lorapool.producer import JobLost
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 Submitter = Annotated[Principal, Depends(require("submit"))]
+Submitting = Annotated[Principal, Depends(require("submit", counted=False))]  # check_rate
 NO_BUFFERING = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -57,7 +58,7 @@ def idempotent_id(key: str) -> str:
 )
 async def submit_job(
     request: Request,
-    caller: Submitter,
+    caller: Submitting,
     idempotency_key: str | None = Header(default=None, max_length=256),
 ) -> JSON:
     pool = _pool(request)

@@ -39,6 +39,7 @@ from lorapool.openai.responses import ResponseShape, replied, to_parsed
 logger = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1", tags=["OpenAI-compatible"])
 Submitter = Annotated[Principal, Depends(require("submit"))]
+Submitting = Annotated[Principal, Depends(require("submit", counted=False))]  # check_rate
 
 
 @router.post(
@@ -46,7 +47,7 @@ Submitter = Annotated[Principal, Depends(require("submit"))]
     summary="A response (OpenAI's Responses API), run as a chat job",
     openapi_extra=openapi_body(ResponsesRequest),
 )
-async def create_response(request: Request, caller: Submitter):
+async def create_response(request: Request, caller: Submitting):
     pool = pool_of(request)
     unknown: list[str] = []
     body = parse(await read_body(request, pool.config.body_limit), ResponsesRequest, unknown)
