@@ -215,9 +215,13 @@ def test_a_stored_response_is_its_tenants_alone(secure, api_keys, conn, prefix):
     response = {"id": "resp_abc", "object": "response", "output": [], "status": "queued"}
     item = {"type": "message", "id": "msg_1", "role": "user", "status": "completed",
             "content": [{"type": "input_text", "text": "x"}]}  # fmt: skip
+    asked = {"model": "ad-a", "input": "x", "background": True}  # as the gateway keeps it
     record = {"response": response, "conversation": [{"role": "user", "content": "x"}],
-              "input_items": [item], "background": {"jobs": ["acme~gone"]}}  # fmt: skip
+              "input_items": [item],
+              "background": {"jobs": ["acme~queued"], "request": asked, "previous": 0}}  # fmt: skip
     conn.set(Keys(prefix).response("acme~resp_abc"), orjson.dumps(record), ex=60)
+    conn.hset(Keys(prefix).job("acme~queued"), "submitted", "1")  # its job, still queued
+    conn.expire(Keys(prefix).job("acme~queued"), 60)
     path = "/v1/responses/resp_abc"
     assert call(secure, "GET", path, key=api_keys["acme"]).json() == response
     assert call(secure, "GET", path, key=api_keys["globex"]).status_code == 404
