@@ -34,10 +34,15 @@ class StandInEngine:
 
     ``timeline``: records per step its start, end, process CPU time and running
     count, and per request the step of its first new token (for latencies).
+
+    A step lasts ``step_s`` plus ``prefill_s`` per prefill position it runs: the
+    prompt (and tokens a resumed request recomputes) of each request it admits, all in
+    that step. The default, 10 µs a position, is a ~1B Llama's on an H200 (derived in
+    benchmarks/tenants.py's docstring from the GPU kit's figures in RESULTS.md).
     """
 
-    def __init__(self, max_num_seqs: int = 256, step_s: float = 0.033):
-        self.max_num_seqs, self.step_s = max_num_seqs, step_s
+    def __init__(self, max_num_seqs: int = 256, step_s: float = 0.033, prefill_s: float = 10e-6):
+        self.max_num_seqs, self.step_s, self.prefill_s = max_num_seqs, step_s, prefill_s
         self.waiting: deque[_Request] = deque()
         self.running: dict[str, _Request] = {}
         self.aborted: list[_Request] = []
@@ -81,12 +86,12 @@ class StandInEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.running or self.waiting or self.aborted)
 
-    def capacity(self) -> int:
+    def capacity(self, ahead: int = 0) -> int:
         """The engine's rule (``engine/engine_stats.py``) for a KV cache that never runs
         out of blocks and one sequence a request: the slots neither running nor waiting
         requests hold (a request waiting for a slot does not stop the worker from
         reading into the free ones; none starves, as none is ever skipped)."""
-        return max(0, self.max_num_seqs - len(self.running) - len(self.waiting))
+        return max(0, self.max_num_seqs + ahead - len(self.running) - len(self.waiting))
 
     def request_counts(self) -> tuple[int, int]:
         return len(self.running), len(self.waiting)
@@ -116,11 +121,12 @@ class StandInEngine:
     def step(self) -> list:
         from lorapool.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
-        start = time.perf_counter()
+        start, prefill = time.perf_counter(), 0
         while self.waiting and len(self.running) < self.max_num_seqs:
             request = self.waiting.popleft()
             self.running[request.request_id] = request
-        time.sleep(self.step_s)  # the GPU's part: the CPU is free meanwhile
+            prefill += request.prompt_len + request.done
+        time.sleep(self.step_s + prefill * self.prefill_s)  # the GPU's part: the CPU is free
         index, now = len(self.steps), time.time()
         outputs = [self._final(r, "abort", now) for r in self.aborted]
         self.aborted = []

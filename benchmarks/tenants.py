@@ -4,17 +4,25 @@
 The scheduler is the engine's own (``engine/scheduler.py``, ``engine/fair_share.py``,
 the block manager), driven as ``LLMEngine.step`` drives it: requests of n samples fork
 at their first token, a sequence ends at its max_tokens. The model's forward is a
-stand-in at a GPU's step rate: a step lasts ``--step-ms`` plus ``--token-us`` per
-batched token (defaults: 3 ms + 10 µs, about what the GPU kit measured for a ~1B
-Llama's decode step on an H200 at batch 64, benchmarks/RESULTS.md), on a virtual
-clock; the scheduler's own CPU time a step (with this driver's bookkeeping) is
-measured and shown apart, as this machine's load would make it noise on the clock.
+stand-in at a GPU's step rate, on a virtual clock: a step lasts ``--step-ms`` plus
+``--token-us`` per decode token plus ``--prefill-us`` per prefill position (prompt or
+recompute). Defaults, for the GPU kit's ~1B Llama on an H200 (benchmarks/RESULTS.md):
+3 ms + 5 µs a decode token is 3.32 ms at batch 64, where the kit measured 3.17-3.30
+ms; 10 µs a prefill position is built from the kit's prefill kernels (LoRA qkv at
+h2048: 155-279 µs per layer for 1,000 tokens; attention: 140-146 µs per layer for
+1,317 tokens) over 16 layers, 4-7 µs, plus the GEMMs' 2.2 GFLOP a token, 2.2-4.4 µs
+at 100-50 % of the H200's ~989 dense bf16 TFLOPS. The scheduler's own CPU time a step
+(with this driver's bookkeeping) is measured and shown apart, as this machine's
+load would make it noise on the clock.
 
-Per mode, fair share on (``fair``) and off (``fcfs``: first come, first served),
-alternated ``--repeats`` times:
+Modes, alternated ``--repeats`` times: ``alone`` (the light tenant, no flood),
+``fcfs`` (first come, first served), ``uncapped`` (fair share, no contended prefill
+cap) and ``fair`` (fair share with ``--contended-prefill-tokens``):
 
-- the light tenant's latency over the run's light jobs (arrival to its token), p50
-  and p99, against its figure alone (the light jobs with no flood);
+- the light tenant's latency (to its token), p50 and p99, against its figure alone,
+  counted two ways: from the first step boundary after its arrival (``seen``: the
+  step it runs in) and from its arrival (``arrival``: the step then in flight too,
+  which was scheduled before it came; alone, the engine is idle and that is 0);
 - throughput: tokens generated (both tenants' samples) per second of the run.
 
     lorapool bench tenants [--flood-depth 8] [--seconds 3] [--repeats 3] [--json out]
@@ -25,6 +33,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import random
 import statistics
 import sys
 import time
@@ -48,31 +57,41 @@ def request(tenant: str, prompt: int, max_tokens: int, n: int, arrival: float) -
     return r
 
 
-def run(args, fair: bool, flood: bool) -> dict:
+def run(args, mode: str, repeat: int = 0) -> dict:
     """One run of ``--seconds`` on the virtual clock, the light tenant sending a job
     ``--light-gap-ms`` after its previous one ended; with ``flood``, the
     flooding tenant keeps ``--flood-depth`` jobs in the engine all along (a new one as
     soon as one ends: back to back)."""
+    flood = mode != "alone"
     sched = Scheduler(
         SchedulerConfig(
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
-            fair_share=fair,
+            fair_share=mode != "fcfs",
+            contended_prefill_tokens=None if mode == "uncapped" else args.cap,
+            contended_window_steps=args.window,
         ),
         BlockManager(args.num_blocks, 16),
     )
     now, generated, cpu_s, flood_done, steps = 0.0, 0, 0.0, 0, 0
 
+    rng = random.Random(repeat)  # the same jobs in every mode of one repeat
+
     def add_flood():
-        sched.add(request("flood", args.prompt, args.flood_tokens, args.n, now).seqs[0])
+        spread = round(args.flood_tokens * args.flood_jitter)
+        tokens = args.flood_tokens + rng.randint(-spread, spread)
+        sched.add(request("flood", args.prompt, tokens, args.n, now).seqs[0])
 
     for _ in range(args.flood_depth if flood else 0):
         add_flood()
-    light_done, latencies = 0, []
-    next_light_at, light = args.light_start_ms / 1000, None
+    light_done, latencies, seen = 0, [], []
+    # each repeat shifts the light tenant's phase against the flood's steps (the clock
+    # is virtual: the same phase would repeat the same run)
+    next_light_at, light = (args.light_start_ms + 1.7 * repeat) / 1000, None
     while now < args.seconds:
         if light is None and now >= next_light_at:
-            light = request("light", args.prompt, 1, 1, now)
+            light = request("light", args.prompt, 1, 1, next_light_at)
+            light_seen = now  # the first step boundary after it came
             sched.add(light.seqs[0])
         if not sched.has_unfinished():
             now = next_light_at
@@ -101,11 +120,18 @@ def run(args, fair: bool, flood: bool) -> dict:
                         ended.append(req)
         spent = time.perf_counter() - start
         cpu_s += spent
-        now += (args.step_ms + args.token_us / 1000 * out.num_batched_tokens) / 1000
+        prefill = sum(
+            i.num_new_tokens
+            for i in out.scheduled
+            if i.num_new_tokens > 1 or i.start < i.seq.num_prompt_tokens
+        )
+        decode = out.num_batched_tokens - prefill
+        now += (args.step_ms + (args.token_us * decode + args.prefill_us * prefill) / 1000) / 1000
         steps += 1
         for req in ended:
             if req.tenant == "light":
                 latencies.append(now - req.arrival_time)
+                seen.append(now - light_seen)
                 light_done += 1
                 light = None
                 next_light_at = now + args.light_gap_ms / 1000
@@ -116,6 +142,8 @@ def run(args, fair: bool, flood: bool) -> dict:
         "light_jobs": light_done,
         "light_p50_ms": 1000 * statistics.median(latencies),
         "light_p99_ms": 1000 * quantile(latencies, 0.99),
+        "seen_p50_ms": 1000 * statistics.median(seen),
+        "seen_p99_ms": 1000 * quantile(seen, 0.99),
         "tokens_per_s": generated / now,
         "flood_jobs_done": flood_done,
         "seconds": now,
@@ -134,6 +162,13 @@ def main() -> None:
     parser.add_argument("--flood-depth", type=int, default=8, help="flood jobs in the engine")
     parser.add_argument("--n", type=int, default=64, help="samples per flood job")
     parser.add_argument("--flood-tokens", type=int, default=30, help="max_tokens per sample")
+    parser.add_argument(
+        "--flood-jitter",
+        type=float,
+        default=0.0,
+        help="each flood job's max_tokens drawn within this share of --flood-tokens either "
+        "side (seeded by the repeat): jobs that do not end in lockstep",
+    )
     parser.add_argument("--seconds", type=float, default=3.0, help="virtual seconds a run")
     parser.add_argument("--light-gap-ms", type=float, default=20.0)
     parser.add_argument("--light-start-ms", type=float, default=50.0)
@@ -142,30 +177,45 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--num-blocks", type=int, default=4096, help="KV blocks of 16 tokens")
     parser.add_argument("--step-ms", type=float, default=3.0)
-    parser.add_argument("--token-us", type=float, default=10.0)
+    parser.add_argument("--token-us", type=float, default=5.0, help="per decode token")
+    parser.add_argument("--prefill-us", type=float, default=10.0, help="per prefill position")
+    parser.add_argument(
+        "--contended-prefill-tokens",
+        dest="cap",
+        type=int,
+        default=SchedulerConfig.contended_prefill_tokens,
+        help="the fair mode's cap (SchedulerConfig.contended_prefill_tokens)",
+    )
+    parser.add_argument(
+        "--contended-window-steps",
+        dest="window",
+        type=int,
+        default=SchedulerConfig.contended_window_steps,
+        help="SchedulerConfig.contended_window_steps",
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    results = {"alone": [], "fcfs": [], "fair": []}
-    for _ in range(args.repeats):  # alternated: alone, fcfs, fair, alone, ...
-        results["alone"].append(run(args, fair=True, flood=False))
-        results["fcfs"].append(run(args, fair=False, flood=True))
-        results["fair"].append(run(args, fair=True, flood=True))
+    results = {"alone": [], "fcfs": [], "uncapped": [], "fair": []}
+    for repeat in range(args.repeats):  # alternated: alone, fcfs, uncapped, fair, alone, ...
+        for mode, runs in results.items():
+            runs.append(run(args, mode, repeat))
     med = {
         mode: {k: statistics.median(r[k] for r in runs) for k in runs[0] if runs[0][k] is not None}
         for mode, runs in results.items()
     }
     alone = med["alone"]
-    print(f"{'mode':<6} {'light p50 ms':>12} {'p99 ms':>8} {'x alone p50/p99':>16} "
-          f"{'tokens/s':>10} {'run s':>7} {'sched us/step':>13} {'preempt':>7}")  # fmt: skip
+    print(f"{'mode':<8} {'seen p50/p99 ms':>15} {'x alone':>11} {'arrival p50/p99 ms':>18} "
+          f"{'x alone':>11} {'tokens/s':>8} {'x fcfs':>6} {'sched us/step':>13} "
+          f"{'preempt':>7}")  # fmt: skip
     for mode, m in med.items():
-        ratio = f"{m['light_p50_ms'] / alone['light_p50_ms']:.2f}/"
-        ratio += f"{m['light_p99_ms'] / alone['light_p99_ms']:.2f}"
-        print(f"{mode:<6} {m['light_p50_ms']:>12.1f} {m['light_p99_ms']:>8.1f} {ratio:>16} "
-              f"{m['tokens_per_s']:>10.0f} {m['seconds']:>7.2f} "
-              f"{m['scheduler_us_per_step']:>13.0f} {m['preemptions']:>7.0f}")  # fmt: skip
-    fair, fcfs = med["fair"], med["fcfs"]
-    print(f"fair/fcfs throughput: {fair['tokens_per_s'] / fcfs['tokens_per_s']:.3f}")
+        row = f"{mode:<8}"
+        for kind, width in (("seen", 15), ("light", 18)):
+            p50, p99 = m[f"{kind}_p50_ms"], m[f"{kind}_p99_ms"]
+            ratio = f"{p50 / alone[f'{kind}_p50_ms']:.2f}/{p99 / alone[f'{kind}_p99_ms']:.2f}"
+            row += f" {f'{p50:.1f}/{p99:.1f}':>{width}} {ratio:>11}"
+        row += f" {m['tokens_per_s']:>8.0f} {m['tokens_per_s'] / med['fcfs']['tokens_per_s']:>6.3f}"
+        print(row + f" {m['scheduler_us_per_step']:>13.0f} {m['preemptions']:>7.0f}")
     if args.json:
         args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)},
                                          "runs": results, "median": med}, indent=1))  # fmt: skip

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from lorapool.engine.scheduler import SchedulerConfig
+
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 
@@ -34,6 +36,9 @@ class EngineArgs:
     # tenants' fair shares of this engine (engine/fair_share.py); False: first come,
     # first served whatever the tenant (requests without one are served so either way)
     tenant_fair_share: bool = True
+    # while two or more tenants have work, the most prompt or recompute positions one
+    # tenant's chunks take in a step (SchedulerConfig.contended_prefill_tokens)
+    tenant_prefill_cap: int | None = 128
     # CUDA graphs for decode steps (vLLM's flag and default): one graph per batch-size
     # bucket of cuda_graph_sizes, on CUDA only (a CPU engine runs eagerly whatever this
     # says). The GPU kit measured them on an H200 at 733426d (benchmarks/RESULTS.md): a
@@ -95,6 +100,17 @@ class EngineArgs:
             self.cuda_graph_sizes = check_graph_sizes(self.cuda_graph_sizes)
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
+
+    def scheduler_config(self) -> SchedulerConfig:
+        """The scheduler's config from these arguments (each checked there)."""
+        return SchedulerConfig(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_loras=self.max_loras if self.enable_lora else None,
+            starvation_steps=self.starvation_steps,
+            fair_share=self.tenant_fair_share,
+            contended_prefill_tokens=self.tenant_prefill_cap,
+        )
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":

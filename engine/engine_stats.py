@@ -12,7 +12,7 @@ from typing import Any
 class EngineStats:
     """The engine's state as a worker and its metrics read it."""
 
-    def capacity(self) -> int:
+    def capacity(self, ahead: int = 0) -> int:
         """How many new requests to take now: the request slots free (``max_num_seqs``
         requests at most, whatever their ``n``), none when sequences wait and no block
         is free or a waiting one starves (the scheduler then admits nothing ahead of
@@ -23,16 +23,20 @@ class EngineStats:
         not close the intake to another tenant's job, which the fair-share scheduler
         then admits at the next free sequence slot (``engine.fair_share``). The
         sequences a step runs stay within ``max_num_seqs`` (``Scheduler.fork``).
+
+        ``ahead``: requests taken beyond the slots, to wait here (the worker's read-ahead,
+        so that the fair share can pick among them): at most ``max_num_seqs + ahead``
+        requests are here after the read.
         """
-        free = self.args.max_num_seqs - len(self.requests)
+        free = self.args.max_num_seqs + ahead - len(self.requests)
         scheduler = self.scheduler
         if scheduler.waiting and (self.block_manager.num_free_blocks == 0 or scheduler.starving()):
             return 0
         return max(0, free)
 
     def request_counts(self) -> tuple[int, int]:
-        """(running, waiting) sequences."""
-        return len(self.scheduler.running), len(self.scheduler.waiting)
+        """(running, waiting) sequences; waiting counts those whose grammar compiles."""
+        return len(self.scheduler.running), len(self.scheduler.waiting) + len(self.grammars)
 
     def running_request_ids(self) -> set[str]:
         """The requests in the running batch (those a failed step may have touched)."""

@@ -107,6 +107,44 @@ class Ledger:
                 del queues[tenant]
 
 
+def room_victim(running: list, waiting, ledger: Ledger, skipped: dict, max_num_seqs: int):
+    """The sequence to preempt so that a tenant with nothing running is admitted this
+    step (``Scheduler._make_room``), or None: every slot is taken, a tenant with
+    nothing running waits (a sequence not skipped for an adapter slot or blocks, which
+    have their own bounds) with a counter no greater than that of a tenant running two
+    or more sequences; the victim is the newest sequence of the greatest such tenant.
+    Never a tenant's last, so the preempted tenant keeps running and never preempts
+    back (no thrashing)."""
+    if len(running) < max_num_seqs or len(ledger.active) < 2:
+        return None
+    counters = ledger.counters
+    counts = Counter(s.request.tenant for s in running)
+    idle = {t for t in ledger.active if t not in counts}  # all theirs wait
+    busy = [t for t, count in counts.items() if count > 1]
+    if not idle or not busy:
+        return None
+    idle = {
+        s.request.tenant for s in waiting if s.request.tenant in idle and s.seq_id not in skipped
+    }
+    if not idle:
+        return None
+    least = min(counters.get(t, 0.0) for t in idle)
+    heaviest = max(busy, key=lambda t: counters.get(t, 0.0))
+    if least > counters.get(heaviest, 0.0):
+        return None
+    return next(s for s in reversed(running) if s.request.tenant == heaviest)
+
+
+def victim(running: list, i: int, ledger: Ledger) -> object:
+    """Which running sequence the cache preempts, of those not yet scheduled this step
+    (from ``i``): the newest of the tenant with the greatest counter."""
+    counters = ledger.counters
+    best = max(
+        range(i, len(running)), key=lambda j: (counters.get(running[j].request.tenant, 0.0), j)
+    )
+    return running[best]
+
+
 def check_share(priority, tenant, weight) -> tuple[int, str, float]:
     """(priority, tenant, weight) of a request, each checked; ValueError naming the one
     that is wrong."""

@@ -35,14 +35,8 @@ from lorapool.engine.config import EngineArgs
 from lorapool.engine.engine_adapters import EngineAdapters
 from lorapool.engine.engine_stats import EngineStats
 from lorapool.engine.fair_share import check_share
-from lorapool.engine.guide import (
-    GuideFactory,
-    MaskPool,
-    advance_guide,
-    allowed,
-    request_guide,
-    start_masks,
-)
+from lorapool.engine.grammar_wait import GrammarWait
+from lorapool.engine.guide import GuideFactory, MaskPool, advance_guide, allowed, start_masks
 from lorapool.engine.input_processor import InputLimits, InputProcessor
 from lorapool.engine.loader import eos_token_ids
 from lorapool.engine.lora.manager import LoRAManager
@@ -55,7 +49,7 @@ from lorapool.engine.sampler import (
     finite_argmax,
     prompt_logprobs,
 )
-from lorapool.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from lorapool.engine.scheduler import Scheduler, SchedulerOutput
 from lorapool.engine.sequence import Request, Sequence, SequenceStatus
 from lorapool.outputs import RequestOutput
 from lorapool.protocol import LoRARequest, SamplingParams
@@ -75,16 +69,7 @@ class LLMEngine(EngineStats, EngineAdapters):
         self.block_manager = BlockManager(
             self.runner.num_blocks, args.block_size, args.enable_prefix_caching
         )
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                max_num_seqs=args.max_num_seqs,
-                max_num_batched_tokens=args.max_num_batched_tokens,
-                max_loras=args.max_loras if args.enable_lora else None,
-                starvation_steps=args.starvation_steps,
-                fair_share=args.tenant_fair_share,
-            ),
-            self.block_manager,
-        )
+        self.scheduler = Scheduler(args.scheduler_config(), self.block_manager)
         self.eos_token_ids = eos_token_ids(args.model, self.runner.hf_config, self.tokenizer)
         self.sampler = Sampler(self.eos_token_ids, seed=args.seed)
         self.inputs = InputProcessor(
@@ -100,6 +85,7 @@ class LLMEngine(EngineStats, EngineAdapters):
         self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
         self.guides = GuideFactory(self.tokenizer, self.runner.model.vocab_size, self.eos_token_ids)
         self.mask_pool = MaskPool(self.guides.words)
+        self.grammars = GrammarWait(self.guides)  # requests whose grammar compiles
         self._num_guided = 0  # live requests with a structured output
         self.num_step_tokens = 0  # tokens the last step ran (prompt and generated)
         self.requests: dict[str, Request] = {}
@@ -150,21 +136,22 @@ class LLMEngine(EngineStats, EngineAdapters):
         request.priority, request.tenant, request.weight = share
         tokens = request.prompt_token_ids + request.resumed_token_ids
         seq = Sequence(next(self._seq_ids), request, 0, tokens)
-        seq.guide = self._guide(request)
+        compiling = self._guide(seq)
         request.argmax_only = (
             argmax_only(request.params) and not request.guided and request.params.n == 1
         )
         request.seqs.append(seq)
         self.outputs.start(seq)
-        self.scheduler.add(seq)
+        if not compiling:  # else scheduled once its grammar compiled (``grammar_wait``)
+            self.scheduler.add(seq)
         self.requests[request_id] = request
 
-    def _guide(self, request: Request):
-        guide = request_guide(self.guides, request)
-        if guide is not None:
+    def _guide(self, seq: Sequence) -> bool:
+        compiling = self.grammars.start(seq)
+        if seq.request.params.structured_outputs is not None:
             self._num_guided += 1
-            request.guided = True
-        return guide
+            seq.request.guided = True
+        return compiling
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         """Stop requests now; each gets a final output with finish_reason 'abort'."""
@@ -185,6 +172,7 @@ class LLMEngine(EngineStats, EngineAdapters):
         request = self.requests.pop(request_id, None)
         if request is not None and request.guided:
             self._num_guided -= 1
+            self.grammars.drop(request_id)
         return request
 
     def _end_request(self, request: Request, reason: str) -> None:
@@ -212,6 +200,7 @@ class LLMEngine(EngineStats, EngineAdapters):
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduled batch; returns the outputs of the requests that advanced."""
+        self.grammars.admit(self.scheduler, self.fail_request)
         outputs, self._pending = self._pending, []
         if not self.scheduler.has_unfinished():
             return outputs
@@ -352,7 +341,7 @@ class LLMEngine(EngineStats, EngineAdapters):
         request = parent.request
         child = Sequence(next(self._seq_ids), request, index, request.prompt_token_ids)
         if parent.guide is not None:  # forks happen before the first token: a fresh state
-            child.guide = self.guides.guide(request.params.structured_outputs)
+            child.guide = parent.guide.restart()
         request.seqs.append(child)
         self.outputs.start(child)
         self.scheduler.fork(parent, child)

@@ -54,6 +54,19 @@ light tenant's request therefore starts at the next step whatever a flooding
 tenant has queued or running, given the blocks it needs. Forked samples respect
 ``max_num_seqs`` (``fork``).
 
+Prefill under contention (after vLLM's ``long_prefill_token_threshold``, applied per
+tenant): at a step where two or more tenants had work at its start or at one of the
+W - 1 steps before (W = ``contended_window_steps``), no tenant's chunks take more than
+C = ``contended_prefill_tokens`` prompt or recompute positions (a decode token, one at
+an output position, is not capped); a tenant alone for W steps has the whole budget.
+W = 1 by default: a wider window also caps the step in flight when another tenant's
+request comes (scheduled before it came), at a cost in throughput (benchmarks/RESULTS.md).
+Bound: a step that runs a tenant's work carries at most (k - 1) * C prefill positions of
+the other k - 1 tenants with work, beside one decode token per running sequence,
+whatever they queue (``tests/engine/test_fair_share.py`` checks it).
+A sequence held back by its own tenant's cap waits for that tenant's own chunks, C
+positions a step, and is outside the bound above as a skipped one is.
+
 Not yet (issue 47 item 4): async scheduling as vLLM's, scheduling and preparing
 step N+1 while step N runs on the device. Step N+1 would be scheduled before N's
 tokens are known, so: every running sequence is assumed to decode one more token
@@ -74,11 +87,12 @@ the children join at N+2 (running while a slot is free, else waiting).
 
 from __future__ import annotations
 
-from collections import Counter, deque
-from dataclasses import dataclass, field
+from collections import deque
+from dataclasses import dataclass
 
 from lorapool.engine.block_manager import BlockManager
-from lorapool.engine.fair_share import Ledger
+from lorapool.engine.fair_share import Ledger, room_victim, victim
+from lorapool.engine.scheduler_output import ScheduledSeq, SchedulerOutput
 from lorapool.engine.sequence import Sequence, SequenceStatus
 
 
@@ -91,50 +105,27 @@ class SchedulerConfig:
     fair_share: bool = True  # False: first come, first served whatever the tenant
     input_cost: float = 1.0  # a prompt token's charge to its tenant (engine.fair_share)
     output_cost: float = 2.0  # a generated token's
+    # while two or more tenants have work, the most prompt or recompute positions one
+    # tenant's chunks take in a step (module docstring); None: no cap
+    contended_prefill_tokens: int | None = 128
+    contended_window_steps: int = 1  # steps a tenant counts as contending (1: while it has work)
 
     def __post_init__(self):
-        for name in ("max_num_seqs", "max_num_batched_tokens", "starvation_steps"):
+        names = ("max_num_seqs", "max_num_batched_tokens", "starvation_steps")
+        for name in (*names, "contended_window_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         for name in ("input_cost", "output_cost"):
             value = getattr(self, name)
             if not (isinstance(value, int | float) and 0 <= value < float("inf")):
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+        cap = self.contended_prefill_tokens
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
+            raise ValueError(
+                f"contended_prefill_tokens must be an integer >= 1 or None, got {cap!r}"
+            )
         if self.max_loras is not None and self.max_loras < 1:
             raise ValueError(f"max_loras must be at least 1, got {self.max_loras}")
-
-
-@dataclass(slots=True)
-class ScheduledSeq:
-    seq: Sequence
-    start: int  # tokens of seq already in the cache before this step
-    num_new_tokens: int
-    charge: float = 0.0  # added to its tenant's counter (Scheduler.refund gives it back)
-
-    @property
-    def samples(self) -> bool:
-        """This chunk reaches the end of the sequence's tokens: sample the next one."""
-        return self.start + self.num_new_tokens == self.seq.num_tokens
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledSeq] = field(default_factory=list)
-    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    @property
-    def lora_ids(self) -> set[int]:
-        """Distinct adapters in this step (0, the base model, excluded)."""
-        return {s.seq.lora_int_id for s in self.scheduled} - {0}
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
 
 
 class Scheduler:
@@ -147,6 +138,10 @@ class Scheduler:
         self.num_skipped: dict[int, int] = {}
         self.num_preemptions = 0
         self.ledger = Ledger(config.input_cost, config.output_cost)
+        self._cap: int | None = None  # this step's contended prefill cap, if any
+        self._prefill: dict[str, int] = {}  # prefill positions this step, by tenant
+        self._steps = 0
+        self._seen: dict[str, int] = {}  # tenant -> the last step it had work at
 
     def add(self, seq: Sequence) -> None:
         self.ledger.join(seq.request.tenant)
@@ -162,6 +157,8 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        self._cap = self.config.contended_prefill_tokens if self._contended() else None
+        self._prefill = {}
         if self.config.fair_share and self.waiting:
             self._make_room(out)
         made_room = len(out.preempted)
@@ -170,35 +167,29 @@ class Scheduler:
             self._schedule_waiting(out, budget)
         return out
 
+    def _contended(self) -> bool:
+        """Two or more tenants had work within the last ``contended_window_steps`` steps
+        (this one included)."""
+        if not self.config.fair_share:
+            return False
+        self._steps += 1
+        seen, now = self._seen, self._steps
+        for tenant in self.ledger.active:
+            seen[tenant] = now
+        if len(seen) > len(self.ledger.active):  # forget those past the window
+            oldest = now - self.config.contended_window_steps
+            self._seen = seen = {t: at for t, at in seen.items() if at > oldest}
+        return len(seen) > 1
+
     def _make_room(self, out: SchedulerOutput) -> None:
-        """Every sequence slot is taken and a tenant with nothing running waits with a
-        counter no greater than that of a tenant running two or more sequences: preempt
-        the newest sequence of the greatest such tenant, so that the waiting one is
-        admitted this step. One a step, only for a tenant with nothing running and a
-        sequence not skipped (adapter slot, blocks), never a tenant's last: the
-        preempted tenant keeps running, so it never preempts back (no thrashing).
-        """
-        if len(self.running) < self.config.max_num_seqs or len(self.ledger.active) < 2:
-            return
-        counters = self.ledger.counters
-        running = Counter(s.request.tenant for s in self.running)
-        idle = {t for t in self.ledger.active if t not in running}  # all theirs wait
-        busy = [t for t, count in running.items() if count > 1]
-        if not idle or not busy:
-            return
-        skipped = self.num_skipped  # one skipped (adapter slot, blocks) has its own bound
-        idle = {
-            s.request.tenant
-            for s in self.waiting
-            if s.request.tenant in idle and s.seq_id not in skipped
-        }
-        if not idle:
-            return
-        least = min(counters.get(t, 0.0) for t in idle)
-        heaviest = max(busy, key=lambda t: counters.get(t, 0.0))
-        if least <= counters.get(heaviest, 0.0):
-            victim = next(s for s in reversed(self.running) if s.request.tenant == heaviest)
-            self._preempt(victim, out)
+        """A tenant with nothing running waits while every slot is taken: preempt one
+        sequence for it (``fair_share.room_victim`` says which, and when)."""
+        config = self.config
+        seq = room_victim(
+            self.running, self.waiting, self.ledger, self.num_skipped, config.max_num_seqs
+        )
+        if seq is not None:
+            self._preempt(seq, out)
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         charges: dict[str, float] = {}  # decode tokens' charges by tenant
@@ -214,6 +205,11 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_uncomputed_tokens, budget)
+            if self._cap is not None:
+                num_new = self._prefill_room(seq, seq.num_computed_tokens, num_new)
+                if num_new <= 0:  # its tenant's prefill cap is spent: next step
+                    i += 1
+                    continue
             if manager.fits_in_place(seq, num_new):  # the common decode step: no blocks
                 start, request = seq.num_computed_tokens, seq.request
                 if num_new == 1 and start >= request.num_prompt_tokens and decode_cost:
@@ -248,7 +244,12 @@ class Scheduler:
             if not self._adapter_fits(seq, active, blocked_new_adapters):
                 blocked_new_adapters |= self._note_skipped(seq)
                 continue
-            num_new = self._start(seq, budget)
+            room = budget
+            if self._cap is not None:
+                room = self._prefill_room(seq, 0, budget)
+                if room <= 0:  # its tenant's prefill cap is spent: its own work, next step
+                    continue
+            num_new = self._start(seq, room)
             if num_new is None:  # no blocks for it yet: later ones that fit may go first
                 if self._note_skipped(seq):  # until it starves: then nothing goes ahead
                     break
@@ -275,20 +276,23 @@ class Scheduler:
 
     def _victim(self, i: int) -> Sequence:
         """Which running sequence to preempt, of those not yet scheduled this step (from
-        ``i``): the newest of the tenant with the greatest counter (fair share), else the
-        newest."""
-        running = self.running
+        ``i``): the newest, or with the fair share on, ``fair_share.victim``'s."""
         if not self.config.fair_share or len(self.ledger.active) < 2:
-            return running[-1]
-        counters = self.ledger.counters
-        best = max(
-            range(i, len(running)), key=lambda j: (counters.get(running[j].request.tenant, 0.0), j)
-        )
-        return running[best]
+            return self.running[-1]
+        return victim(self.running, i, self.ledger)
+
+    def _prefill_room(self, seq: Sequence, start: int, num_new: int) -> int:
+        """``num_new`` cut to the prefill positions ``seq``'s tenant may still take this
+        step (the contended cap); a decode token (one, at an output position) is not."""
+        if num_new == 1 and start >= seq.request.num_prompt_tokens:
+            return num_new
+        return min(num_new, self._cap - self._prefill.get(seq.request.tenant, 0))
 
     def _charged(self, seq: Sequence, num_new: int) -> ScheduledSeq:
         """The step's chunk of ``seq``, charged to its tenant (with the fair share on)."""
         start, request = seq.num_computed_tokens, seq.request
+        if self._cap is not None and (num_new > 1 or start < request.num_prompt_tokens):
+            self._prefill[request.tenant] = self._prefill.get(request.tenant, 0) + num_new
         if not self.config.fair_share:
             return ScheduledSeq(seq, start, num_new)
         cost = self.ledger.cost(request.num_prompt_tokens, start, num_new)

@@ -29,6 +29,8 @@ from lorapool.gateway import (
     openai_api,
     resolver,
     responses_api,
+    responses_background,
+    responses_items,
     vllm_api,
 )
 from lorapool.gateway.audit_store import AuditStore
@@ -73,6 +75,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
                 yield
         finally:
             await cancel_and_wait(watching)
+            await responses_background.background_of(app).close()
             await app.state.pool.close()
             if app.state.audit is not None:
                 app.state.audit.close()
@@ -85,6 +88,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
     app.include_router(health.router)
     app.include_router(openai_api.router)
     app.include_router(responses_api.router)
+    app.include_router(responses_items.router)
+    app.include_router(responses_background.router)
     app.include_router(jobs.router)
     app.include_router(adapters.router)
     app.include_router(audit.router)

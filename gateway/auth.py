@@ -2,6 +2,12 @@
 role; routes declare the role they need. No key or an unknown one → 401, a key
 without the role → 403.
 
+Every authenticated call counts against its key's requests per minute, before any work
+(429 with Retry-After past it): ``require`` takes one request from a key with an rpm at
+the door. Routes that submit work (completions, chat, responses, jobs) take their own
+count instead, once the body says how many prompts and tokens (``counted=False``,
+``Pool.check_rate``). Health, readiness and ``/metrics`` (Prometheus) count nothing.
+
 Tenants never see each other's jobs: a job's request id is the tenant's name, ``~``
 and the id the client sees, so another tenant's id names a job that does not exist
 (404, revealing nothing). The tenant and key id go into the job's metadata, and so
@@ -68,8 +74,10 @@ class Principal:
 OPEN = Principal()  # auth off: one trusted network, no tenants
 
 
-def require(*roles: str) -> Callable:
-    """A dependency: the caller, if its key has one of ``roles`` (any role if none)."""
+def require(*roles: str, counted: bool = True) -> Callable:
+    """A dependency: the caller, if its key has one of ``roles`` (any role if none),
+    its call taken from the key's requests per minute (``counted``: False for a route
+    that takes its own count of what it submits)."""
 
     async def caller(request: Request) -> Principal:
         pool = request.app.state.pool
@@ -77,9 +85,19 @@ def require(*roles: str) -> Callable:
             return OPEN
         record = await _record(request)
         request.state.tenant = record.tenant  # for the HTTP metrics' 429s by tenant
-        return principal(record, roles)
+        found = principal(record, roles)
+        if counted:
+            await count(request, found)
+        return found
 
     return caller
+
+
+async def count(request: Request, caller: Principal) -> None:
+    """Take one call from ``caller``'s requests per minute (nothing without an rpm):
+    429 with Retry-After and the ``x-ratelimit-*`` headers past it."""
+    if caller.rpm is not None:
+        await request.app.state.pool.check_rate(caller, 1, None, request)
 
 
 def principal(record: KeyRecord, roles: tuple[str, ...] = ()) -> Principal:

@@ -99,10 +99,10 @@ UPLOAD_FORM = {
     "/files", summary="Upload a batch input file (OpenAI's Files API)", openapi_extra=UPLOAD_FORM
 )
 async def create_file(request: Request, caller: Submitter) -> JSON:
-    """The form is read here, after the key, its rate and a hold (``gateway/holds.py``):
-    an upload is a long-lived request, and no body is read for a caller refused."""
+    """The form is read here, after the key, its rate (``auth.require``) and a hold
+    (``gateway/holds.py``): an upload is a long-lived request, and no body is read for
+    a caller refused."""
     _unrestricted(caller)
-    await request.app.state.pool.check_rate(caller, 1, None, request)
     with holds_of(request).holding(caller.tenant):
         async with request.form(max_files=1, max_fields=8) as form:
             file, purpose = form.get("file"), form.get("purpose")
@@ -156,7 +156,6 @@ async def _iterate(lines):
 @router.post("/batches", summary="Create a batch over an uploaded file (OpenAI's Batch API)")
 async def create_batch(request: Request, caller: Submitter) -> JSON:
     _unrestricted(caller)
-    await request.app.state.pool.check_rate(caller, 1, None, request)
     body = await read_struct(request, 1 << 20, CreateBatch)
     args = (body.input_file_id, body.endpoint, body.completion_window, body.metadata)
     # its tenant and key id: into every line's job; its lines are paced by the key's limits

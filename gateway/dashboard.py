@@ -22,7 +22,7 @@ from urllib.parse import parse_qs
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 
-from lorapool.gateway.auth import Principal, principal, require, unauthorized
+from lorapool.gateway.auth import Principal, count, principal, require, unauthorized
 from lorapool.gateway.dashboard_data import QueueHistory, sample_forever, snapshot
 from lorapool.gateway.dashboard_page import render
 from lorapool.gateway.dashboard_session import (
@@ -43,18 +43,22 @@ LOGIN = """<!doctype html><html lang="en"><head><meta charset="utf-8">
 </label> <button>Open</button></form></body></html>"""
 
 
-async def _caller(request: Request) -> Principal:
+async def _caller(request: Request, counted: bool = True) -> Principal:
     """The caller by its key in the Authorization header (a script), or by the session
-    its browser holds; APIError 401/403 as on every route."""
+    its browser holds; APIError 401/403 as on every route, 429 past its key's requests
+    per minute when ``counted`` (the page is; Prometheus's scrape of /metrics is not)."""
     pool = request.app.state.pool
     if not pool.config.auth or "authorization" in request.headers:
-        return await require(*ROLES)(request)
+        return await require(*ROLES, counted=counted)(request)
     cookie = request.cookies.get(COOKIE)
     key_id = await pool.sessions.key_id(cookie) if cookie else None
     record = await pool.view.api_key_by_id(key_id) if key_id else None
     if record is None:
         raise unauthorized("log in with an API key of role audit or admin")
-    return principal(record, ROLES)
+    caller = principal(record, ROLES)
+    if counted:
+        await count(request, caller)
+    return caller
 
 
 def _login_page(message: str, status: int, headers: dict | None = None) -> HTMLResponse:
@@ -129,7 +133,7 @@ async def metrics(request: Request) -> Response:
     (``http_metrics.py``). Needs a key of role audit or admin (or a dashboard session)."""
     from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-    await _caller(request)  # 401 / 403 as on every route
+    await _caller(request, counted=False)  # 401 / 403 as on every route; a cheap scrape
 
     body = await asyncio.to_thread(generate_latest, _registry(request.app))
     return Response(body, media_type=CONTENT_TYPE_LATEST)

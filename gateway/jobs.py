@@ -38,6 +38,7 @@ from lorapool.records.bounds import is_request_id
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 Submitter = Annotated[Principal, Depends(require("submit"))]
+Submitting = Annotated[Principal, Depends(require("submit", counted=False))]  # check_rate
 NO_BUFFERING = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -58,7 +59,7 @@ def idempotent_id(key: str) -> str:
 )
 async def submit_job(
     request: Request,
-    caller: Submitter,
+    caller: Submitting,
     idempotency_key: str | None = Header(default=None, max_length=256),
 ) -> JSON:
     pool = _pool(request)

@@ -40,7 +40,7 @@ from lorapool.producer import JobLost
 
 logger = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1", tags=["OpenAI-compatible"])
-Submitter = Annotated[Principal, Depends(require("submit"))]
+Submitter = Annotated[Principal, Depends(require("submit", counted=False))]  # check_rate
 
 
 def pool_of(request: Request) -> Pool:

@@ -1,5 +1,6 @@
-"""OpenAI's Responses API: ``POST /v1/responses`` (streamed or not), ``GET`` and
-``DELETE /v1/responses/{id}``. A response is one chat job (``openai_api.submit_jobs``),
+"""OpenAI's Responses API: ``POST /v1/responses`` (streamed or not; background:
+``responses_background``), ``GET`` and ``DELETE /v1/responses/{id}`` (its input items:
+``responses_items``). A response is one chat job (``openai_api.submit_jobs``),
 its reply shaped by ``lorapool.openai.responses``; stored ones live in Redis
 (``responses_store``).
 """
@@ -26,16 +27,19 @@ from lorapool.gateway.openai_api import (
     watching,
 )
 from lorapool.gateway.pool import disconnected
+from lorapool.gateway.responses_background import ended, settle_on_read, start_background
 from lorapool.gateway.responses_store import ResponseStore
 from lorapool.gateway.streams import sse
 from lorapool.openai.bodies import openapi_body, parse
 from lorapool.openai.response_bodies import ResponsesRequest
 from lorapool.openai.response_events import ResponseEvents
+from lorapool.openai.response_items import input_items
 from lorapool.openai.responses import ResponseShape, replied, to_parsed
 
 logger = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1", tags=["OpenAI-compatible"])
 Submitter = Annotated[Principal, Depends(require("submit"))]
+Submitting = Annotated[Principal, Depends(require("submit", counted=False))]  # check_rate
 
 
 @router.post(
@@ -43,15 +47,16 @@ Submitter = Annotated[Principal, Depends(require("submit"))]
     summary="A response (OpenAI's Responses API), run as a chat job",
     openapi_extra=openapi_body(ResponsesRequest),
 )
-async def create_response(request: Request, caller: Submitter):
+async def create_response(request: Request, caller: Submitting):
     pool = pool_of(request)
     unknown: list[str] = []
     body = parse(await read_body(request, pool.config.body_limit), ResponsesRequest, unknown)
-    store = ResponseStore(pool.producer.redis, pool.producer.keys, caller)
+    store = ResponseStore(pool.producer.redis, pool.producer.keys, caller, input_items(body))
     previous = []
     if body.previous_response_id is not None:
         record = await store.load(body.previous_response_id, "previous_response_id")
-        previous = record["conversation"]
+        record = await settle_on_read(request, caller, store, record)
+        previous = ended(record, "previous_response_id")["conversation"]
     parser, max_bytes = await pool.tool_parser(), pool.config.max_prompt_bytes
     parsed, conversation = to_parsed(body, previous, parser, max_bytes)
     parsed.ignored += unknown
@@ -59,6 +64,10 @@ async def create_response(request: Request, caller: Submitter):
     shape = ResponseShape(body, chat.id.removeprefix("chatcmpl-"), body.store is not False)
     saving = store if shape.store else None
     headers = warned(parsed, request)
+    if body.background:
+        return await start_background(
+            request, store, shape, chat, handles, conversation, len(previous), headers
+        )
     if hold is None:
         setattr(request.state, RIDES_OUTAGES, True)  # Pool.results rides out a Redis outage
         outputs = await pool.results(handles, disconnected(request), caller)
@@ -95,7 +104,8 @@ async def _events(
 @router.get("/responses/{response_id}", summary="A stored response")
 async def get_response(response_id: str, request: Request, caller: Submitter) -> JSON:
     pool = pool_of(request)
-    record = await ResponseStore(pool.producer.redis, pool.producer.keys, caller).load(response_id)
+    store = ResponseStore(pool.producer.redis, pool.producer.keys, caller)
+    record = await settle_on_read(request, caller, store, await store.load(response_id))
     return JSON(record["response"])
 
 

@@ -131,10 +131,9 @@ async def detokenize(request: Request, caller: Caller) -> JSON:
 
 
 async def _body(request: Request, caller: Principal, kind: type[T]) -> T:
-    """The body, once the call is taken from its key's requests per minute (before any
-    work: a key over its limit gets its 429 without a byte parsed)."""
+    """The body (the call was taken from its key's requests per minute before any work,
+    by ``auth.require``: a key over its limit gets its 429 without a byte parsed)."""
     pool = request.app.state.pool
-    await pool.check_rate(caller, 1, None, request)
     body = await read_struct(request, pool.config.body_limit, kind)
     if body.model is not None:
         await pool.resolve_model(body.model, caller)  # 404 for an unknown one

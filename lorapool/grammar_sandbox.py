@@ -41,21 +41,24 @@ class GrammarSandbox:
 
     def __init__(self, limits: GrammarLimits = DEFAULT_LIMITS, size: int = 2):
         self.limits = limits
+        self.size = size
         self._idle: list[_Child] = []
         self._slots = threading.BoundedSemaphore(size)
         self._lock = threading.Lock()
         self._verdicts: OrderedDict[str, str | None] = OrderedDict()
         self.stats = {"compiles": 0, "cached": 0, "crashes": 0, "timeouts": 0}
 
-    def check(self, params) -> str | None:
+    def check(self, params, grammar: bool = False) -> str | None:
         """The grammar of ``params`` (llguidance's text, as ``grammar_of`` makes it) when
-        it was compiled now, None when its verdict was cached; FieldError naming the
-        problem when ``params`` (a StructuredOutputsParams) passes a limit, does not
-        compile, crashes the compiler or runs too long."""
+        it was compiled now, None when its verdict was cached (``grammar``: compiled
+        again for its text rather than None, so that the caller need not convert it
+        in its own process); FieldError naming the problem when ``params`` (a
+        StructuredOutputsParams) passes a limit, does not compile, crashes the compiler
+        or runs too long."""
         check_structure(params, self.limits)
         key = digest(params)
         with self._lock:
-            if key in self._verdicts:
+            if key in self._verdicts and not (grammar and self._verdicts[key] is None):
                 self.stats["cached"] += 1
                 self._verdicts.move_to_end(key)
                 error = self._verdicts[key]

@@ -60,6 +60,9 @@ class WorkerConfig:
     max_chunk_rate: NonNegative = DEFAULT_MAX_CHUNK_RATE
     # a read takes at most this worker's share of the pool's work (``intake.py``)
     fair_share: bool = True
+    # requests a read may take beyond the engine's free slots, to wait in it: a job
+    # behind another tenant's backlog is seen this much sooner (``intake.py``)
+    read_ahead: NonNegative = 0
     # while interactive jobs come (one read in the last interactive_window_s), batch
     # jobs fill at most batch_share of the engine's sequences (``intake.py``)
     batch_share: Share = 0.5

@@ -53,9 +53,9 @@ class EngineInterface(Protocol):
 
     def has_unfinished_requests(self) -> bool: ...
 
-    def capacity(self) -> int:
-        """How many new requests to take now (free sequence slots; 0 while a waiting
-        one starves or no block is free)."""
+    def capacity(self, ahead: int = 0) -> int:
+        """How many new requests to take now (free sequence slots, and ``ahead`` more to
+        wait beyond them; 0 while a waiting one starves or no block is free)."""
 
     def request_counts(self) -> tuple[int, int]:
         """(running, waiting) sequences."""

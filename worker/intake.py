@@ -13,6 +13,15 @@
   64 jobs take about 32 each, where the first to read used to take all it could
   admit. The live workers are counted at each heartbeat (``alive`` keys). Off
   with ``--no-fair-share`` (``WorkerConfig.fair_share``).
+- **Read-ahead** (``--read-ahead``, 0 by default). A read takes up to that many
+  entries beyond the engine's free slots; they wait in the engine, whose tenants'
+  fair share picks among them (``engine.fair_share``), and are renewed as held ones
+  are. The stream is read in order, so a job behind B entries of others is read once
+  B - max_num_seqs - read_ahead of them have ended (B - max_num_seqs without); the
+  worker holds at most max_num_seqs + read_ahead requests (backpressure). Entries
+  read ahead are not free for a worker that starts meanwhile (why it is off by
+  default). Only interactive entries are read ahead: the batch room is counted on the
+  free slots alone.
 - **Adapter affinity** (no central router). A new entry for an adapter not in
   a device slot here goes to a live peer whose last heartbeat (at most
   ``heartbeat_s`` old) shows that adapter in a device slot, the least loaded of
@@ -166,7 +175,8 @@ class Intake:
         not iterate."""
         keys_of = self.state.keys_of
         held = Counter(keys_of(h.stream) for h in self.state.held.values())
-        return count, held, self._batch_room(count)
+        free = max(0, count - self.state.config.read_ahead)  # read-ahead: interactive only
+        return count, held, self._batch_room(free)
 
     def read(
         self, plan: tuple[int, Counter, int], block: int | None

@@ -146,7 +146,7 @@ class Publisher:
         # new entries for the slots the engine has free, read in the same trip
         engine = state.engine
         busy = engine.has_unfinished_requests() and not state.draining
-        free = engine.capacity() if busy else 0
+        free = engine.capacity(state.config.read_ahead) if busy else 0
         read = self.intake.plan(free) if busy and (free or not gated) else None
         if batch or (read and read[0] > 0) or state.extra:
             self._sender.hand(_Trip(batch, read, state.extra))

@@ -11,12 +11,14 @@ again; a hand-back's long idle time is never undone by a renewal after it.
 
 ``Renewer``: every ``lease_s / 3`` the fenced RENEW (``lifecycle.lease``, as the
 consumer ``name#incarnation``) of every entry in ``Leases``; every ``heartbeat_s`` the
-latest heartbeat record the worker's thread built, with its time refreshed. Their
-results (entries lost or vanished, abort flags, the pool's live workers) are applied on
-the worker's thread (``take``). A stopped process (SIGSTOP) stops this thread too: its
-entries return to the pool after the lease. So does a loop that stopped looping outside
-an engine step (stuck, or, in a test, a worker no longer driven) for a lease: the
-renewer covers the loop's steps, not a loop that is gone.
+latest heartbeat record the worker's thread built, with its time refreshed; every
+``lease_s``, when it is its turn, the sweep of dead processes' consumers
+(``consumers.py``). Their results (entries lost or vanished, abort flags, the pool's
+live workers) are applied on the worker's thread (``take``). A stopped process
+(SIGSTOP) stops this thread too: its entries return to the pool after the lease. So
+does a loop that stopped looping outside an engine step (stuck, or, in a test, a worker
+no longer driven) for a lease: the renewer covers the loop's steps, not a loop that is
+gone.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import redis
 
 from lorapool.connection import REDIS_DOWN
 from lorapool.records.heartbeat import Heartbeat
+from lorapool.worker.consumers import ConsumerSweep
 from lorapool.worker.lease import Lease
 from lorapool.worker.pool import send_heartbeat
 
@@ -91,6 +94,7 @@ class Renewer:
         self.state = state
         self.lease = Lease(state)  # its own script handle; redis-py's pool: its own socket
         self.every_s = state.config.lease_s / 3
+        self.consumers = ConsumerSweep(state)  # dead processes' consumers (``consumers.py``)
         self._record: Heartbeat | None = None
         self._results: list[tuple] = []
         self._cond = threading.Condition()
@@ -145,9 +149,15 @@ class Renewer:
         with self._cond:
             self._results.append(("pool", live))
 
+    def sweep(self) -> None:
+        """Dead processes' consumers out of the groups, when it is this worker's turn."""
+        if self.looping():
+            self.consumers.sweep()
+
     def _run(self) -> None:
-        beat_s = self.state.config.heartbeat_s
-        due = {"renew": time.monotonic() + self.every_s, "beat": time.monotonic()}
+        beat_s, lease_s = self.state.config.heartbeat_s, self.state.config.lease_s
+        now = time.monotonic()
+        due = {"renew": now + self.every_s, "beat": now, "sweep": now + lease_s}
         while True:
             with self._cond:
                 wait = max(0.0, min(due.values()) - time.monotonic())
@@ -156,7 +166,8 @@ class Renewer:
                     return
             now = time.monotonic()
             for what, call, every in (("renew", self.renew, self.every_s),
-                                      ("beat", self.send_beat, beat_s)):  # fmt: skip
+                                      ("beat", self.send_beat, beat_s),
+                                      ("sweep", self.sweep, lease_s)):  # fmt: skip
                 if now >= due[what]:
                     due[what] = now + every
                     self._guarded(what, call)

@@ -33,9 +33,11 @@ def serve(engine_args, config: WorkerConfig, connection: redis.Redis) -> Worker:
     until_redis_takes(lambda: claim_model(connection, keys, base_model), who, "claim the pool")
     engine = LLMEngine.from_engine_args(engine_args)
     # jobs straight from Redis meet the gateway's checks here: a grammar that would crash
-    # or run away costs a sandbox process and fails its job alone
+    # or run away costs a sandbox process and fails its job alone; a new grammar compiles
+    # off the step's thread while its request waits (``engine.grammar_wait``)
     engine.guides.sandbox = GrammarSandbox(config.grammar_limits, 1)
     engine.guides.sandbox.warm()
+    engine.guides.warm()
     until_redis_takes(
         lambda: publish_tokenizer(connection, keys, engine, base_model),
         who,
@@ -47,5 +49,5 @@ def serve(engine_args, config: WorkerConfig, connection: redis.Redis) -> Worker:
         worker.run()
     finally:
         heap.restore(saved)
-        engine.guides.sandbox.close()
+        engine.guides.close()
     return worker

@@ -201,7 +201,7 @@ class Worker:
         busy engine's are read by the sender, with its appends (see ``_flush``)."""
         if self.engine.has_unfinished_requests():
             return 0
-        count = self.engine.capacity()
+        count = self.engine.capacity(self.config.read_ahead)
         if count == 0:
             return 0
         return self._start_read(self.intake.read(self.intake.plan(count), self.config.block_ms))

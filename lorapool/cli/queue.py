@@ -85,6 +85,11 @@ def _producer(redis_url, prefix, shards=0):
     help="admit waiting requests by tenants' fair shares (a virtual token counter per "
     "tenant, weighted by its key's --weight); off: first come, first served",
 )
+@count_option(
+    "--tenant-prefill-cap",
+    128,  # EngineArgs.tenant_prefill_cap
+    "while two or more tenants have work, the most prompt tokens one tenant takes a step",
+)
 @count_option("--max-n", DEFAULT_MAX_N, "most completions per request")
 @count_option("--max-prompt-bytes", DEFAULT_MAX_PROMPT_BYTES, "larger prompts are refused")
 @count_option(
@@ -126,6 +131,13 @@ def _producer(redis_url, prefix, shards=0):
     show_default=True,
     help="take at most this worker's share of a burst per read (of the queued and running "
     "jobs over the live workers), so that a burst spreads over the pool",
+)
+@count_option(
+    "--read-ahead",
+    0,  # WorkerConfig.read_ahead
+    "jobs a read may take beyond the engine's free slots, to wait there for the tenants' "
+    "fair share to pick: a job behind another tenant's backlog is seen that much sooner",
+    least=0,
 )
 @click.option(
     "--batch-share",

@@ -44,6 +44,12 @@ NOT_OWNER, DUPLICATE, BAD_LOG, ANSWERED, VANISHED, BAD_MARKER = -1, -2, -3, -4, 
 # change it since is fenced by the pending list; see the script)
 READ, ASK, SKIP = 0, 1, 2
 NAMED = 3
+# A run key a chunk claimed (only its ``entry``, until the run ends) expires this long
+# after the claim: a worker that dies between claim and end, its entry then never run
+# again (trimmed, deleted), leaves it no longer than a finished run's (the default
+# result TTL). No run lasts that long: 128k tokens at 30 ms a step take about an hour.
+# A run that did would lose only the guard against a second entry of its id.
+CLAIMED_TTL_S = 24 * 3600
 
 
 class Append(NamedTuple):
@@ -66,12 +72,17 @@ class Append(NamedTuple):
 
 
 def append_call(
-    keys: Keys, consumer: str, dead_max_len: int, log_grace_s: int, items: list[Append]
+    keys: Keys,
+    consumer: str,
+    dead_max_len: int,
+    log_grace_s: int,
+    items: list[Append],
+    claimed_ttl_s: int = CLAIMED_TTL_S,
 ) -> dict:
     """The keys and args of one APPEND call for ``items`` (any number, one round trip):
     the script's KEYS/ARGV contract (below), written out here only."""
     call_keys = [keys.audit, keys.dead]
-    args: list = [WORKERS_GROUP, consumer, dead_max_len, log_grace_s]
+    args: list = [WORKERS_GROUP, consumer, dead_max_len, log_grace_s, claimed_ttl_s]
     for item in items:
         rid = item.request_id
         stream = item.stream or keys.requests
@@ -86,9 +97,10 @@ def append_call(
 # KEYS: audit, dead, then per item: its stream, out, abort, job (the submission: only
 #       its TTL is set at the end), run (the workers' own: lifecycle/run_state.py)
 # ARGV: group, consumer, dead stream's MAXLEN (approximate), the log's grace after the
-#       final chunk (s), then per item: its kind (1: final; 2: final of an entry that
-#       vanished, written though it is pending to no one; not final: 0 read the marker,
-#       3 read it and add 3 to the result when it names this entry, 4 do not read it),
+#       final chunk (s), the TTL of a run key a chunk claims (s), then per item: its
+#       kind (1: final; 2: final of an entry that vanished, written though it is
+#       pending to no one; not final: 0 read the marker, 3 read it and add 3 to the
+#       result when it names this entry, 4 do not read it),
 #       entry, seq (-1: no chunk), chunk,
 #       and when final: audit ('' none), ttl, dead ('' none), reason, result (the whole
 #       output)
@@ -100,7 +112,8 @@ def append_call(
 # (finished, the run key not a hash, an operator's: left alone), 0; plus 3 for a chunk
 # of kind 3 or 4 whose run this entry holds.
 # Who ran a request is the run key's (workers' only): the first chunk a run appends
-# claims it (``entry``); every later chunk of another entry is refused (-4), and so is
+# claims it (``entry``, the key expiring ``CLAIMED_TTL_S`` later unless the run ends
+# first); every later chunk of another entry is refused (-4), and so is
 # every chunk once the run key says the request ended. The marker (SUBMIT's) is never
 # read: a producer may write any of its fields (rows A and B of issue 48), so of two
 # entries of one id (a raw XADD of it) the one whose chunk comes first runs it.
@@ -167,7 +180,7 @@ local function ends_final(out)
 end
 
 local results, finished = {}, {}
-local a, k = 4, 2  -- the ARGV and KEYS read so far
+local a, k = 5, 2  -- the ARGV and KEYS read so far
 local function ended(s) return s == 'finished' or s == 'failed' end
 while a < #ARGV do
   local kind, entry, seq = ARGV[a + 1], ARGV[a + 2], tonumber(ARGV[a + 3])
@@ -215,7 +228,10 @@ while a < #ARGV do
     added = add_chunk(out, seq, chunk)
     if type(added) == 'table' then return added end  -- an error reply: the whole call
     if added == 0 then result = -2 elseif added == -3 then result = -3 end
-    if result == 0 and claim and not final then redis.call('HSET', run, 'entry', entry) end
+    if result == 0 and claim and not final then
+      redis.call('HSET', run, 'entry', entry)
+      redis.call('EXPIRE', run, ARGV[5])
+    end
   end
   if result == 0 then
     if seq >= 0 then

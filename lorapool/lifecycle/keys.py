@@ -169,6 +169,11 @@ class Keys:
         "lora-resolver", "String: 'off' while an admin has turned the gateways' LoRA resolver off."
     )
     workers = _meta_key("workers", "Hash: worker id -> heartbeat record.")
+    consumer_sweep = _meta_key(
+        "consumer-sweep",
+        "String, expiring: the consumer of the worker whose turn it is to delete the "
+        "consumers dead processes left in the groups (worker/consumers.py).",
+    )
     api_keys = _meta_key(
         "api-keys",
         "Hash: API key id -> its record (tenant, role, sha256 of the key; never the key).",
@@ -214,7 +219,8 @@ class Keys:
     )
     response = _request_key(
         "response",
-        "String: a stored Responses API response (orjson {response, conversation}) by its "
+        "String: a stored Responses API response (orjson {response, conversation, "
+        "input_items[, background]}) by its "
         "tenant's id; expires (gateway/responses_store.py).",
     )
     out = _request_key("out", "Chunk log (stream) and live channel (pub/sub) of one request.")

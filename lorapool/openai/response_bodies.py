@@ -116,8 +116,8 @@ class ResponsesRequest(Struct, kw_only=True, forbid_unknown_fields=True):
     safety_identifier: Annotated[str, Meta(description=IGNORED_DOC)] | None = None
     max_tool_calls: Annotated[int, Meta(description=IGNORED_DOC)] | None = None
     top_logprobs: Annotated[int, Meta(description=IGNORED_DOC)] | None = None
+    background: Annotated[bool, Meta(description="answer at once, queued; poll GET")] | None = None
     # what would change the output and is not served
-    background: Annotated[bool, Meta(description="not supported (true)")] | None = None
     conversation: Annotated[None, Meta(description="not supported")] = None
     prompt: Annotated[None, Meta(description="not supported")] = None
 

@@ -38,8 +38,11 @@ def to_parsed(
 ) -> tuple[Parsed, list[dict[str, Any]]]:
     """(the chat job of ``request`` after the stored conversation ``previous``, the
     conversation with this request's input: what the response stores)."""
-    if request.background:
-        raise bad_request("background responses are not supported", "background")
+    if request.background and request.store is False:
+        raise bad_request("background responses need store: true (the default)", "background")
+    if request.background and request.stream:
+        raise bad_request("a background response is not streamed: create it with stream "
+                          "false, then poll GET /v1/responses/{id}", "stream")  # fmt: skip
     conversation = previous + chat_messages(items_of(request))
     system = [] if request.instructions is None else [
         {"role": "system", "content": request.instructions}]  # fmt: skip
@@ -125,6 +128,7 @@ class ResponseShape:
         choice = r.tool_choice
         return {
             "id": self.id, "object": "response", "created_at": self.created_at,
+            "background": r.background is True,
             "status": status, "error": error, "incomplete_details": incomplete,
             "instructions": r.instructions, "max_output_tokens": r.max_output_tokens,
             "model": r.model, "output": output,

@@ -24,6 +24,22 @@ def test_starvation_steps_reaches_the_scheduler(model, monkeypatch):
     assert done.exit_code == 0 and got["args"].starvation_steps == 8  # the scheduler's
 
 
+def test_tenant_prefill_cap_reaches_the_scheduler(model, monkeypatch):
+    """``--tenant-prefill-cap`` (issue 51 row 4): the scheduler's contended prefill cap."""
+    from lorapool.engine.llm_engine import LLMEngine
+    from lorapool.worker import serve
+
+    got = {}
+    monkeypatch.setattr(serve, "serve", lambda args, config, conn: got.update(args=args))
+    line = ["worker", "--model", model, "--redis-url", "redis://127.0.0.1:1/0"]
+    done = CliRunner().invoke(cli, [*line, "--insecure-no-key", "--tenant-prefill-cap", "64"])
+    assert done.exit_code == 0, done.output
+    engine = LLMEngine.from_engine_args(got["args"])
+    assert engine.scheduler.config.contended_prefill_tokens == 64
+    done = CliRunner().invoke(cli, [*line, "--insecure-no-key", "--tenant-prefill-cap", "0"])
+    assert done.exit_code == 2 and "--tenant-prefill-cap" in done.output
+
+
 @pytest.mark.parametrize("bad", ["0", "-1", "x"])
 def test_starvation_steps_is_refused_below_one(bad):
     line = ["worker", "--model", "m", "--redis-url", "redis://127.0.0.1:1/0"]

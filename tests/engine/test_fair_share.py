@@ -72,9 +72,16 @@ def cost(item):
     return total / item.seq.request.weight
 
 
+def prefill_positions(item):
+    """Positions of a chunk that are not a decode token (one, at an output position)."""
+    decode = item.num_new_tokens == 1 and item.start >= item.seq.num_prompt_tokens
+    return 0 if decode else item.num_new_tokens
+
+
 def simulate(sched, arrivals, max_steps=20_000):
     """arrivals: {step: [requests]}. Per step: (tenants with unfinished work, tenants
-    with a waiting sequence, at the step's start; weighted service per tenant)."""
+    with a waiting sequence, at the step's start; weighted service per tenant; prefill
+    positions per tenant)."""
     pending, added, trace = dict(arrivals), {}, []
     for n in range(max_steps):
         for request in pending.pop(n, []):
@@ -85,11 +92,12 @@ def simulate(sched, arrivals, max_steps=20_000):
         active = {s.request.tenant for s in [*sched.waiting, *sched.running]}
         waiting = {s.request.tenant for s in sched.waiting}
         out = step(sched)
-        service = {}
+        service, prefill = {}, {}
         for item in out.scheduled:
             tenant = item.seq.request.tenant
             service[tenant] = service.get(tenant, 0.0) + cost(item)
-        trace.append((active, waiting, service))
+            prefill[tenant] = prefill.get(tenant, 0) + prefill_positions(item)
+        trace.append((active, waiting, service, prefill))
     raise AssertionError("did not finish")
 
 
@@ -110,12 +118,12 @@ def check_bound(trace, added, max_num_seqs):
         t: (max_num_seqs + 1) * max(request_cost_bound(r) for r in rs) for t, rs in added.items()
     }
     worst = 0.0
-    for s, (active, _, _) in enumerate(trace):
+    for s, (active, *_) in enumerate(trace):
         before = trace[s - 1][0] if s else set()
         for g in active - before:
             for f in active - {g}:
                 excess = 0.0
-                for _, waiting_t, service in trace[s:]:
+                for _, waiting_t, service, _ in trace[s:]:
                     if g not in waiting_t:
                         break
                     excess += service.get(f, 0.0) - service.get(g, 0.0)
@@ -137,18 +145,31 @@ requests_st = st.lists(
 )
 
 
+def check_prefill_cap(trace, cap):
+    """At each step that starts with two or more tenants having work, no tenant's chunks
+    hold more than ``cap`` prefill positions (the scheduler's docstring)."""
+    for active, _, _, prefill in trace:
+        if len(active) > 1 and cap is not None:
+            assert max(prefill.values(), default=0) <= cap, (active, prefill, cap)
+
+
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     requests_st,
     st.lists(st.sampled_from([1.0, 2.0, 3.0]), min_size=3, max_size=3),
     st.integers(1, 6),
     st.integers(0, 40),
+    st.none() | st.integers(1, 16),
+    st.integers(1, 8),
 )
 def test_each_backlogged_tenants_service_is_within_the_bound_of_anothers(
-    specs, weights, max_num_seqs, extra_budget
+    specs, weights, max_num_seqs, extra_budget, cap, window
 ):
     sched = make_scheduler(
-        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_seqs + extra_budget
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_seqs + extra_budget,
+        contended_prefill_tokens=cap,
+        contended_window_steps=window,
     )
     arrivals = {}
     for tenant, at, prompt, max_tokens, n in specs:
@@ -157,6 +178,7 @@ def test_each_backlogged_tenants_service_is_within_the_bound_of_anothers(
         arrivals.setdefault(at, []).append(request)
     trace, added = simulate(sched, arrivals)
     check_bound(trace, added, max_num_seqs)
+    check_prefill_cap(trace, cap)
     assert not sched.ledger.active and not sched.ledger.counters  # forgotten when done
 
 
@@ -167,7 +189,7 @@ def flood_and_light(fair_share):
     flood = [make_request("flood", 6, 8, n=4, arrival=i) for i in range(30)]
     light = make_request("light", 6, 1, arrival=100)
     trace, added = simulate(sched, {0: flood, 5: [light]})
-    first = next(i for i, (_, _, service) in enumerate(trace) if "light" in service)
+    first = next(i for i, (_, _, service, _) in enumerate(trace) if "light" in service)
     return first - 5, trace, added
 
 
@@ -244,3 +266,24 @@ def test_a_newcomer_starts_at_the_least_active_counter():
     late = make_request("b", 2, 2)
     sched.add(late.seqs[0])
     assert sched.ledger.counters["b"] == sched.ledger.counters["a"] > 0
+
+
+def light_prefill_steps(window):
+    """Tenant "flood" keeps long prompts coming; "light" runs one 1-token request at
+    step 2. Per step from then: the flood's prefill positions."""
+    sched = make_scheduler(
+        max_num_seqs=8,
+        max_num_batched_tokens=256,
+        contended_prefill_tokens=16,
+        contended_window_steps=window,
+    )
+    flood = [make_request("flood", 200, 1, arrival=i) for i in range(12)]
+    trace, _ = simulate(sched, {0: flood, 2: [make_request("light", 4, 1, arrival=100)]})
+    return [prefill.get("flood", 0) for *_, prefill in trace[2:12]]
+
+
+def test_the_cap_holds_for_the_window_after_another_tenant_had_work():
+    # W = 1: capped while "light" has work (its one step), the whole budget after it
+    assert light_prefill_steps(1)[:2] == [16, 256]
+    # W = 4: capped for the 4 steps from the light tenant's last one, then not
+    assert light_prefill_steps(4)[:5] == [16, 16, 16, 16, 256]

@@ -49,3 +49,15 @@ def test_the_stand_in_takes_what_the_engine_takes(model):
     engine.step(), stand_in.step()
     compare()
     assert [c for c, _ in seen] == [4, 3, 1, 0, 0, 1, 1]
+
+
+def test_a_stand_in_step_grows_with_the_prefill_it_runs():
+    """A GPU's step grows with its prefill positions: the stand-in's does too (the
+    prompts of the requests it admits, in that step), by ``prefill_s`` each."""
+    stand_in = load().StandInEngine(4, 0.001, prefill_s=20e-6)
+    params = SamplingParams(max_tokens=3)
+    stand_in.add_request("long", {"prompt_token_ids": list(range(2000))}, params)
+    stand_in.step()  # admits it: 1 ms + 2,000 x 20 µs
+    stand_in.step()  # decodes only: 1 ms
+    (s0, e0, *_), (s1, e1, *_) = stand_in.steps
+    assert e0 - s0 >= 0.041 and e1 - s1 < 0.02, (e0 - s0, e1 - s1)

@@ -278,7 +278,7 @@ def test_previous_response_id_continues_the_stored_conversation(client, llm, reg
         ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
         ({"input": [{"type": "image", "url": "x"}]}, "input"),
         ({"input": "x", "tools": [{"type": "web_search"}]}, "tools"),
-        ({"input": "x", "background": True}, "background"),
+        ({"input": "x", "background": True, "store": False}, "background"),
         ({"input": "x", "text": {"format": {"type": "json_schema", "schema": {"type": 3}}}},
          "text"),
     ],

@@ -129,6 +129,8 @@ def test_openapi_describes_every_endpoint(gateway):
         "/v1/models/{model_id}",
         "/v1/responses",
         "/v1/responses/{response_id}",
+        "/v1/responses/{response_id}/input_items",
+        "/v1/responses/{response_id}/cancel",
     ):
         assert path in paths
     assert httpx.get(f"{gateway}/docs").status_code == 200

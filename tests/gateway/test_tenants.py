@@ -212,17 +212,76 @@ def test_models_retrieve_is_scoped_as_the_list(secure, api_keys):
 def test_a_stored_response_is_its_tenants_alone(secure, api_keys, conn, prefix):
     """A response stored for acme (as the gateway stores one) is acme's: another tenant
     gets 404 for it, and cannot continue it."""
-    response = {"id": "resp_abc", "object": "response", "output": []}
-    record = {"response": response, "conversation": [{"role": "user", "content": "x"}]}
+    response = {"id": "resp_abc", "object": "response", "output": [], "status": "queued"}
+    item = {"type": "message", "id": "msg_1", "role": "user", "status": "completed",
+            "content": [{"type": "input_text", "text": "x"}]}  # fmt: skip
+    asked = {"model": "ad-a", "input": "x", "background": True}  # as the gateway keeps it
+    record = {"response": response, "conversation": [{"role": "user", "content": "x"}],
+              "input_items": [item],
+              "background": {"jobs": ["acme~queued"], "request": asked, "previous": 0}}  # fmt: skip
     conn.set(Keys(prefix).response("acme~resp_abc"), orjson.dumps(record), ex=60)
+    conn.hset(Keys(prefix).job("acme~queued"), "submitted", "1")  # its job, still queued
+    conn.expire(Keys(prefix).job("acme~queued"), 60)
     path = "/v1/responses/resp_abc"
     assert call(secure, "GET", path, key=api_keys["acme"]).json() == response
     assert call(secure, "GET", path, key=api_keys["globex"]).status_code == 404
     assert call(secure, "DELETE", path, key=api_keys["globex"]).status_code == 404
     assert call(secure, "GET", path).status_code == 401
     assert call(secure, "GET", path, key=api_keys["auditor"]).status_code == 403
+    items = call(secure, "GET", path + "/input_items", key=api_keys["acme"]).json()
+    assert items["data"] == [item]
+    for other in ("/input_items", "/cancel"):
+        method = "POST" if other == "/cancel" else "GET"
+        assert call(secure, method, path + other, key=api_keys["globex"]).status_code == 404
     go_on = {"model": "ad-a", "input": "y", "previous_response_id": "resp_abc"}
     refused = call(secure, "POST", "/v1/responses", go_on, api_keys["globex"])
     assert refused.status_code == 404 and refused.json()["error"]["param"] == "previous_response_id"
+    cancelled = call(secure, "POST", path + "/cancel", key=api_keys["acme"]).json()
+    assert cancelled == {**response, "status": "cancelled"}
     assert call(secure, "DELETE", path, key=api_keys["acme"]).json()["deleted"] is True
     assert not conn.exists(Keys(prefix).response("acme~resp_abc"))
+
+
+READS = [
+    ("GET", "/v1/models"),
+    ("GET", "/v1/models/ad-a"),
+    ("GET", "/v1/jobs/{id}"),
+    ("DELETE", "/v1/jobs/{id}"),
+    ("GET", "/v1/responses/resp_none"),
+    ("GET", "/v1/files"),
+    ("GET", "/v1/batches"),
+    ("GET", "/v1/batches/batch_none"),
+    ("GET", "/v1/files/file_none"),
+    ("POST", "/v1/batches/batch_none/cancel"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("method", "path"), READS)
+def test_reads_count_against_the_keys_rpm(secure, conn, prefix, method, path):
+    """Every authenticated route counts one request against its key's rpm, before any
+    work: the N+1-th call in a minute is a 429 with Retry-After, whatever its answer
+    would have been (a 404 included); another tenant's key is not touched."""
+    store = ApiKeys(conn, Keys(prefix))
+    tenant = f"reader-{abs(hash((method, path))) % 10**8}"
+    _, key = store.add(tenant, "submit", rpm=3)
+    _, other = store.add(f"{tenant}-other", "submit", rpm=3)
+    answers = [call(secure, method, path, key=key) for _ in range(3)]
+    assert all(a.status_code != 429 for a in answers), [a.text for a in answers]
+    refused = call(secure, method, path, key=key)
+    assert refused.status_code == 429, refused.text
+    assert refused.json()["error"]["code"] == "rate_limit_exceeded"
+    assert 1 <= int(refused.headers["retry-after"]) <= 20  # 3 a minute: one every 20 s
+    assert refused.headers["x-ratelimit-remaining-requests"] == "0"
+    assert call(secure, method, path, key=other).status_code == answers[0].status_code
+    assert call(secure, "POST", "/v1/jobs", JOB, key).status_code == 429  # one budget
+
+
+def test_health_and_metrics_count_nothing(secure, conn, prefix):
+    store = ApiKeys(conn, Keys(prefix))
+    _, auditor = store.add("scraper", "audit", rpm=1)
+    for _ in range(3):
+        assert call(secure, "GET", "/metrics", key=auditor).status_code == 200
+        for path in ("/healthz", "/readyz", "/health", "/version"):  # no key, no count
+            assert call(secure, "GET", path).status_code == 200
+    assert call(secure, "GET", "/v1/models", key=auditor).status_code == 200  # its one
+    assert call(secure, "GET", "/v1/models", key=auditor).status_code == 429

@@ -172,7 +172,7 @@ def test_gateway_http_metrics_by_route_status_and_tenant(secure, base_name, scra
     assert httpx.post(f"{url}/v1/completions", json=body, headers=auth, timeout=60).is_success
     for _ in range(2):
         assert httpx.post(f"{url}/v1/completions", json=body, headers=auth).status_code == 429
-    assert httpx.get(f"{url}/v1/jobs/nope", headers=auth).status_code == 404
+    assert httpx.get(f"{url}/v1/jobs/nope", headers=auth).status_code == 429  # reads count too
     assert httpx.get(f"{url}/no/such/path/{'x' * 40}").status_code == 404
     text, after = vllm_checks.scrape(f"{url}/metrics", scraper)
     assert "_created" not in text
@@ -185,9 +185,9 @@ def test_gateway_http_metrics_by_route_status_and_tenant(secure, base_name, scra
     assert delta("http_requests", "_total", status="200", **route) == 1
     assert delta("http_requests", "_total", status="429", **route) == 2
     assert delta("http_request_duration_seconds", "_count", status="429", **route) == 2
-    assert delta("http_requests", "_total", handler="/v1/jobs/{job_id}", status="404") == 1
+    assert delta("http_requests", "_total", handler="/v1/jobs/{job_id}", status="429") == 1
     assert delta("http_requests", "_total", handler="other", status="404") == 1
-    assert delta("lorapool_gateway_rate_limited", "_total", tenant="slow") == 2
+    assert delta("lorapool_gateway_rate_limited", "_total", tenant="slow") == 3
     handlers = {s.labels["handler"] for s in after["http_requests"].samples}
     assert not any("x" * 40 in h for h in handlers)  # raw paths never become labels
 

@@ -17,6 +17,7 @@ from lorapool.lifecycle.append import (
     ANSWERED,
     BAD_LOG,
     BAD_MARKER,
+    CLAIMED_TTL_S,
     DUPLICATE,
     NOT_OWNER,
     Append,
@@ -40,10 +41,10 @@ def owned_entry(conn, keys: Keys, consumer: str) -> str:
     return entry
 
 
-def append(conn, keys, consumer, *items):
+def append(conn, keys, consumer, *items, **ttl):
     """One APPEND call, as a worker makes it (SPUBLISH and ``#!lua`` on a cluster)."""
     script = register_script(conn, append_script(conn))
-    return script(**append_call(keys, consumer, 100, 60, list(items)))
+    return script(**append_call(keys, consumer, 100, 60, list(items), **ttl))
 
 
 def test_fenced_by_owner_and_by_seq(conn, keys):
@@ -56,6 +57,33 @@ def test_fenced_by_owner_and_by_seq(conn, keys):
     conn.set(keys.abort("r"), 1)
     assert append(conn, keys, "w", chunk._replace(seq=1, chunk=b"c1")) == [1]  # abort asked
     assert conn.lrange(keys.out("r"), 0, -1) == [b"c0", b"c1"]  # at index seq
+
+
+def test_a_claimed_run_key_expires_unless_its_run_ends(conn, keys):
+    """The run key a first chunk claims (``entry`` only) expires ``CLAIMED_TTL_S``
+    later: a worker killed between claim and end, its entry never run again, does not
+    leave it for good. The final sets the job's own TTL. Expired under a live run (one
+    longer than the TTL), the next chunk of the same entry claims it again."""
+    keys = keys.for_request("r")
+    entry = owned_entry(conn, keys, "w")
+    assert append(conn, keys, "w", Append("r", entry, 0, b"c0", False)) == [0]
+    assert conn.hgetall(keys.run("r")) == {b"entry": entry.encode()}
+    assert CLAIMED_TTL_S - 60 < conn.ttl(keys.run("r")) <= CLAIMED_TTL_S
+    final = Append("r", entry, 1, b'{"s":1,"c":[],"f":1}', True, audit=b"a", ttl_s=600)
+    assert append(conn, keys, "w", final._replace(result=b"whole")) == [0]
+    assert 0 < conn.ttl(keys.run("r")) <= 600
+    keys = keys.for_request("q")
+    if not conn.exists(keys.requests):  # "q" on another shard (a cluster)
+        conn.xgroup_create(keys.requests, WORKERS_GROUP, id="0", mkstream=True)
+    entry = conn.xadd(keys.requests, {"data": "{}"}).decode()
+    conn.xreadgroup(WORKERS_GROUP, "w", {keys.requests: ">"})
+    assert append(conn, keys, "w", Append("q", entry, 0, b"c0", False), claimed_ttl_s=1) == [0]
+    deadline = time.monotonic() + 10
+    while conn.exists(keys.run("q")):
+        assert time.monotonic() < deadline, "the claimed run key did not expire"
+        time.sleep(0.1)
+    assert append(conn, keys, "w", Append("q", entry, 1, b"c1", False)) == [0]
+    assert conn.hget(keys.run("q"), "entry") == entry.encode()
 
 
 def test_no_chunk_after_a_final_one_when_no_marker_says(conn, keys):

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import re
-from pathlib import Path
 
 import pytest
 import redis
+from acl_users import acl_rules, role_url, set_users
 from pool_layout import length
 from redis_cluster import private_redis
 from standin import load
@@ -35,35 +35,17 @@ from lorapool.worker import Worker, WorkerConfig
 
 pytestmark = pytest.mark.integration
 LAYOUTS = ("standalone", "cluster")
-DOC = Path(__file__).resolve().parents[2] / "docs" / "redis-acl.md"
-PASSWORD = "test-password-0123"
-
-
-def acl_rules(layout: str) -> dict[str, str]:
-    """role -> its ACL SETUSER line, from the fenced blocks of the doc: ``acl ROLE``
-    (standalone) or ``acl ROLE cluster``."""
-    pattern = r"```acl ([\w-]+)( cluster)?\n(ACL SETUSER [^\n]+)\n```"
-    blocks = re.findall(pattern, DOC.read_text())
-    return {
-        role: line.replace("CHANGE-ME", PASSWORD)
-        for role, cluster, line in blocks
-        if bool(cluster) == (layout == "cluster")
-    }
 
 
 @pytest.fixture
 def server(layout, tmp_path):
     with private_redis(layout, tmp_path / "redis") as server:
-        for node in server.nodes:  # ACL rules are per node
-            admin = node.client()
-            for line in acl_rules(layout).values():
-                admin.execute_command(*line.split())
-            admin.close()
+        set_users(server, layout)
         yield server
 
 
 def url(server, role: str) -> str:
-    return server.url.replace("://", f"://lorapool-{role}:{PASSWORD}@", 1)
+    return role_url(server, role)
 
 
 ROLES = [

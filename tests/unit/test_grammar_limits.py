@@ -18,6 +18,7 @@ from lorapool.grammar_limits import GrammarLimits, check_structure
 from lorapool.grammar_sandbox import GrammarSandbox
 from lorapool.records.errors import FieldError
 from lorapool.records.structured import StructuredOutputsParams as P
+from lorapool.records.structured import grammar_of
 
 
 def nested(depth: int) -> dict:
@@ -121,5 +122,25 @@ def test_a_compile_past_its_time_is_killed_and_named():
             sandbox.check(P(grammar=gbnf(3000)))  # seconds of compile
         assert sandbox.stats["timeouts"] == 1
         sandbox.check(P(regex="a+"))
+    finally:
+        sandbox.close()
+
+
+def test_a_cached_verdict_still_gives_the_grammar_to_a_caller_that_needs_it():
+    """The worker's engine, whose compiled grammar left its cache, gets the grammar's text
+    from the sandbox again (converted there, as llguidance's own converter makes it),
+    never converting a GBNF on its own threads; a refusal stays cached."""
+    params = P(grammar=gbnf(40))
+    sandbox = GrammarSandbox()
+    try:
+        first = sandbox.check(params)
+        assert sandbox.check(params) is None  # the gateway's: the verdict alone
+        assert sandbox.check(params, grammar=True) == first == grammar_of(params)
+        assert sandbox.stats["compiles"] == 2
+        bad = P(grammar="root ::= missing")
+        for _ in range(2):
+            with pytest.raises(FieldError, match="missing"):
+                sandbox.check(bad, grammar=True)
+        assert sandbox.stats["compiles"] == 3
     finally:
         sandbox.close()

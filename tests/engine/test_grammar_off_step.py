@@ -1,0 +1,145 @@
+"""A worker's engine (one with a grammar sandbox, as ``worker.serve`` builds it) compiles
+a new grammar off the step's thread (issue 51 row 2, the worker's door): the request
+waits, holding no sequence slot or KV block, while another tenant's request keeps
+stepping; a constraint that fails to compile or runs past ``compile_timeout_s`` fails
+its request alone, with the sandbox's own words (what the gateway's 400 says).
+
+Measured on the tiny random model: the gaps between another request's consecutive
+tokens while a 500-rule GBNF (inside the limits) compiles, against the compile's time.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from lorapool import EngineArgs, LLMEngine, SamplingParams
+from lorapool.grammar_limits import GrammarLimits
+from lorapool.grammar_sandbox import GrammarSandbox
+from lorapool.records.errors import FieldError
+from lorapool.records.structured import StructuredOutputsParams as S
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "support"))
+from hostile_grammars import gbnf  # noqa: E402
+
+LONG = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_path):
+    engine = LLMEngine.from_engine_args(
+        EngineArgs(model=str(tiny_model_path("llama")), max_num_seqs=8)
+    )
+    engine.guides.sandbox = GrammarSandbox(GrammarLimits(), 1)  # as worker.serve does
+    warm = SamplingParams(max_tokens=3, structured_outputs=S(regex="[ab]+"))
+    engine.add_request("warm", "Hi", warm)  # the tokenizer's conversion, a child started
+    drain(engine)
+    yield engine
+    engine.guides.sandbox.close()
+
+
+def drain(engine) -> dict:
+    finals = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+    return finals
+
+
+def big_grammar(tag: str) -> S:
+    """A 500-rule GBNF (the limit is 512) no earlier test compiled: its verdict is new."""
+    return S(grammar=gbnf(500).replace('"x"', f'"{tag}"'))
+
+
+def start_plain(engine, rid: str) -> list[float]:
+    """Start a long unconstrained request and step it a few tokens; its token times."""
+    engine.add_request(rid, "The other tenant", LONG)
+    times = []
+    while len(times) < 5:
+        for out in engine.step():
+            if out.request_id == rid:
+                times.append(time.perf_counter())
+    return times
+
+
+def test_a_compiling_grammar_does_not_stall_the_others_steps(engine):
+    times = start_plain(engine, "plain")
+    params = SamplingParams(temperature=0.0, max_tokens=4, structured_outputs=big_grammar("q"))
+    added = time.perf_counter()
+    engine.add_request("guided", "Hello", params)  # the worker calls this between steps
+    first = None
+    while first is None:
+        now = None
+        for out in engine.step():
+            now = time.perf_counter()
+            if out.request_id == "plain":
+                times.append(now)
+            elif out.request_id == "guided":
+                first = now
+    compile_s = first - added
+    during = [t for t in times if t >= times[4]]
+    gap = max(b - a for a, b in zip(during, during[1:]))
+    print(f"\ncompile+first token {compile_s:.3f}s; other request's max token gap {gap:.3f}s")
+    assert compile_s > 0.1, "the grammar compiled too fast to tell anything"
+    assert gap < compile_s / 2, (gap, compile_s)  # before: the gap was the compile
+    engine.abort_request("plain")
+    finals = drain(engine)
+    assert finals["guided"].error is None
+    assert finals["guided"].outputs[0].text.startswith("q")
+
+
+def test_a_grammar_that_fails_to_compile_fails_its_request_alone(engine):
+    bad = S(grammar="root ::= missing")
+    with pytest.raises(FieldError) as verdict:  # the gateway's words for it
+        GrammarSandbox(GrammarLimits(), 1).check(bad)
+    start_plain(engine, "other")
+    engine.add_request("bad", "Hi", SamplingParams(max_tokens=4, structured_outputs=bad))
+    assert "bad" not in engine.running_request_ids()
+    engine.abort_request("other")
+    finals = drain(engine)
+    assert finals["bad"].error == f"request bad: {verdict.value}"
+    assert finals["bad"].outputs[0].finish_reason == "error"
+    assert finals["other"].outputs[0].finish_reason == "abort"
+    assert len(finals["other"].outputs[0].token_ids) >= 5
+
+
+def test_a_compile_past_its_time_fails_with_the_limit_named(engine):
+    saved = engine.guides.sandbox
+    engine.guides.sandbox = GrammarSandbox(GrammarLimits(compile_timeout_s=0.01), 1)
+    try:
+        engine.add_request("slow", "Hi", SamplingParams(structured_outputs=big_grammar("t")))
+        finals = drain(engine)
+    finally:
+        engine.guides.sandbox.close()
+        engine.guides.sandbox = saved
+    assert "compile_timeout_s=0.01s" in finals["slow"].error
+    assert finals["slow"].error.startswith("request slow: structured_outputs.grammar: ")
+
+
+def test_a_request_aborted_while_its_grammar_compiles_ends_once(engine):
+    params = SamplingParams(max_tokens=4, structured_outputs=big_grammar("a"))
+    engine.add_request("gone", "Hi", params)
+    engine.abort_request("gone")
+    finals = drain(engine)
+    assert finals["gone"].outputs[0].finish_reason == "abort"
+    assert not engine.has_unfinished_requests()
+    engine.add_request("again", "Hi", params)  # the same grammar: compiled once by now
+    assert drain(engine)["again"].error is None
+
+
+def test_the_samples_of_a_request_that_waited_all_follow_its_grammar(engine):
+    """n=3: the forked samples start from the prototype compiled off the step."""
+    choices = ["yes", "no", "maybe"]
+    params = SamplingParams(
+        n=3, temperature=1.0, seed=3, max_tokens=8, structured_outputs=S(choice=choices)
+    )
+    engine.add_request("forks", "Q", params)
+    assert "forks" in engine.grammars.waiting  # waiting for its compile, outside the batch
+    assert engine.request_counts() == (0, 1) and not engine.scheduler.waiting
+    out = drain(engine)["forks"]
+    assert out.error is None and len(out.outputs) == 3
+    assert all(c.text in choices and c.finish_reason == "stop" for c in out.outputs), out

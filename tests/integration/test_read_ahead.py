@@ -1,0 +1,70 @@
+"""A job behind another tenant's backlog in the stream (issue 51 row 4): a real Worker,
+the tiny model's real engine (its scheduler's tenants' fair share), the real Redis.
+
+Tenant "flood" queues 3 x max_num_seqs jobs; tenant "light" submits one 1-token job
+after them. A worker reads its free slots only (``--read-ahead 0``): the light job is
+read once two engines' worth of flood jobs have ended. With ``--read-ahead`` of
+2 x max_num_seqs it is read when the first flood jobs end, and the fair share runs it
+at once, ahead of the flood jobs waiting. Backpressure holds: the worker never holds
+more than max_num_seqs + read_ahead entries.
+"""
+
+import pytest
+
+from lorapool.engine.config import EngineArgs
+from lorapool.engine.llm_engine import LLMEngine
+from lorapool.protocol import SamplingParams
+from lorapool.worker import Worker, WorkerConfig
+from lorapool.worker.serve import base_model_info
+
+pytestmark = pytest.mark.integration
+MAX_NUM_SEQS, FLOODS = 4, 12
+FLOOD = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.0)
+LIGHT = SamplingParams(max_tokens=1, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def engine(model):
+    args = EngineArgs(model=model, max_num_seqs=MAX_NUM_SEQS, num_kv_blocks=512)
+    return LLMEngine.from_engine_args(args)
+
+
+def floods_done_before_light(engine, conn, keys, producer, model, read_ahead):
+    """(flood jobs that ended before the light one, the most entries the worker held)."""
+    flood = [
+        producer.submit({"prompt_token_ids": [5, 6, 7, i]}, FLOOD, metadata={"tenant": "flood"})
+        for i in range(FLOODS)
+    ]
+    light = producer.submit({"prompt_token_ids": [9, 9]}, LIGHT, metadata={"tenant": "light"})
+    config = WorkerConfig(
+        prefix=keys.prefix, shards=keys.shards, burst=True, read_ahead=read_ahead, lease_s=30
+    )
+    worker = Worker(engine, conn, config, base_model_info(model))
+    worker.ensure_group()
+    most, ended = 0, {}  # request -> the worker's round at which it was seen ended
+    for round_ in range(5000):
+        worker.run_once()
+        most = max(most, len(worker.held))
+        for job in [light, *flood]:
+            if job.request_id not in ended and job.status() in ("finished", "failed"):
+                ended[job.request_id] = round_
+        if len(ended) == FLOODS + 1:
+            break
+    else:
+        raise AssertionError(f"did not finish: {ended}")
+    assert light.result(timeout=1).outputs[0].finish_reason == "length"
+    at = ended[light.request_id]
+    return sum(1 for job in flood if ended[job.request_id] < at), most
+
+
+def test_a_light_job_behind_a_backlog_is_read_when_the_first_flood_jobs_end(
+    engine, conn, keys, producer, model
+):
+    before, most = floods_done_before_light(engine, conn, keys, producer, model, 0)
+    # free slots only: read after 2 x MAX_NUM_SEQS flood jobs ended (then admitted)
+    assert before >= 2 * MAX_NUM_SEQS, before
+    assert most <= MAX_NUM_SEQS
+    ahead = 2 * MAX_NUM_SEQS
+    before, most = floods_done_before_light(engine, conn, keys, producer, model, ahead)
+    assert before <= MAX_NUM_SEQS, before  # read when the first ones end, run at once
+    assert most <= MAX_NUM_SEQS + ahead  # backpressure: bounded
