@@ -45,6 +45,12 @@ class HeavyWork:
         except FieldError as exc:
             raise bad_request(*grammar_error(exc, parsed)) from None
 
+    async def compile(self, constraint) -> None:
+        """``constraint`` compiled in the sandbox, off the loop: FieldError naming the
+        limit or the problem when it does not compile."""
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._grammar, self.sandbox.check, constraint)
+
     async def tokens(self, work: Callable[..., Any], *args: Any) -> Any:
         """``work(*args)`` (tokenizing, decoding, rendering a template) in the bounded
         pool, off the event loop."""
