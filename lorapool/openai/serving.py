@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from lorapool.lifecycle.adapter_record import AdapterRecord, UnknownAdapter
@@ -91,9 +91,10 @@ class Door(Protocol):
 
 @dataclass(frozen=True)
 class ServingConfig:
-    """The door's bounds on what a request may ask (``GatewayConfig``'s)."""
+    """The door's bounds on what a request may ask (``GatewayConfig``'s, whose defaults
+    these are)."""
 
-    max_prompts: int = 1024
+    max_prompts: int = 128
     max_prompt_bytes: int = 1 << 20
     max_stop: int = 4
     tool_call_parser: str = "auto"
@@ -108,7 +109,6 @@ class Submitted:
     handles: list[Any]
     shape: Shape
     hold: Hold | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def parse(kind: str, body: Any, config: ServingConfig, tool_parser: str, drop_unknown=True):
@@ -119,14 +119,27 @@ def parse(kind: str, body: Any, config: ServingConfig, tool_parser: str, drop_un
 
 
 def shape_of(
-    kind: str, parsed: Parsed, public_id: str, public=None, base=None, echo: Echo | None = None
+    kind: str,
+    parsed: Parsed,
+    public_id: str,
+    public=None,
+    base=None,
+    echo: Echo | None = None,
+    named: bool = True,
 ) -> Shape:
     """The Shape of a reply to ``parsed``: ``public_id`` its id (after ``cmpl-``),
-    ``public`` a job's request id -> its client's, ``base`` the base model's record."""
-    params = parsed.params
-    return Shape(kind, public_id, parsed.model, params.n, params.logprobs or 0, public,
-                 parsed.names, tools=parsed.tools, system_fingerprint=fingerprint(base),
-                 echo=echo)  # fmt: skip
+    ``public`` a job's request id -> its client's, ``base`` the base model's record;
+    ``named``: a failed job's error names the request's parameter (chat's
+    ``top_logprobs``), not the job's field (a batch line's error file did not)."""
+    params, names = parsed.params, parsed.names if named else None
+    return Shape(kind, public_id, parsed.model, params.n, params.logprobs or 0, public, names,
+                 tools=parsed.tools, system_fingerprint=fingerprint(base), echo=echo)  # fmt: skip
+
+
+def echo_of(parsed: Parsed, decode: Callable[[list[int]], str] | None = None) -> Echo | None:
+    """Completions' echo of ``parsed`` (None: off); ``decode`` turns a prompt of token
+    ids back into text (None: it is echoed as the worker's prompt text)."""
+    return Echo(decode, parsed.params.logprobs or 0) if parsed.echo else None
 
 
 def answer(shape: Shape, outputs: list[RequestOutput]) -> tuple[dict[str, Any], int]:
@@ -138,9 +151,10 @@ def answer(shape: Shape, outputs: list[RequestOutput]) -> tuple[dict[str, Any], 
 
 
 def submit_error(exc: Exception, request_id: str | None, names) -> APIError:
-    """The APIError of a job the job boundary refused (``PoolAccess.enqueue``'s)."""
+    """The APIError of a job the job boundary refused (``PoolAccess.enqueue``'s, or a
+    batch line's checked job ``request_id``): 400 naming the request's parameter."""
     if isinstance(exc, FieldError):
-        return field_error(exc, exc.request_id or request_id, names)
+        return field_error(exc, request_id or exc.request_id, names)
     if isinstance(exc, UnknownAdapter):  # the adapter left the registry meanwhile
         return model_not_found(exc.name)
     return APIError(400, str(exc))
@@ -173,7 +187,9 @@ class OpenAIServing:
         return lora
 
     async def check_grammar(self, parsed: Parsed) -> None:
-        """400 naming the parameter when the structured output does not compile."""
+        """400 naming the parameter and the limit or problem when the structured output
+        passes a ``GrammarLimits`` limit, does not compile, crashes the compiler or runs
+        past its time (the pool compiles it in its sandbox); nothing when it has none."""
         constraint = parsed.params.structured_outputs
         if constraint is None:
             return
@@ -226,7 +242,7 @@ class OpenAIServing:
         decode = None
         if any(isinstance(p, dict) for p in parsed.prompts):
             decode = await self.pool.decoder()
-        return Echo(decode, parsed.params.logprobs or 0)
+        return echo_of(parsed, decode)
 
     async def reply(self, submitted: Submitted, caller: Caller, gone=None) -> dict[str, Any]:
         """The whole response, once every job has its final output (``gone``: returns
