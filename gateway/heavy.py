@@ -17,11 +17,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from lorapool.field_errors import FieldError
 from lorapool.grammar_limits import GrammarLimits
 from lorapool.grammar_sandbox import GrammarSandbox
-from lorapool.openai.errors import bad_request
-from lorapool.openai.structured import grammar_error
 
 
 class HeavyWork:
@@ -31,19 +28,6 @@ class HeavyWork:
         self.sandbox = GrammarSandbox(limits, workers)
         self._grammar = ThreadPoolExecutor(workers, thread_name_prefix="lorapool-grammar")
         self._tokens = ThreadPoolExecutor(workers, thread_name_prefix="lorapool-tokens")
-
-    async def check_grammar(self, parsed) -> None:
-        """400 naming the parameter and the limit or problem when ``parsed``'s constraint
-        passes a ``GrammarLimits`` limit, does not compile, crashes the compiler or runs
-        past its time; nothing when it has none."""
-        constraint = parsed.params.structured_outputs
-        if constraint is None:
-            return
-        loop = asyncio.get_running_loop()
-        try:
-            await loop.run_in_executor(self._grammar, self.sandbox.check, constraint)
-        except FieldError as exc:
-            raise bad_request(*grammar_error(exc, parsed)) from None
 
     async def compile(self, constraint) -> None:
         """``constraint`` compiled in the sandbox, off the loop: FieldError naming the

@@ -2,7 +2,10 @@
 
 One ``Pool`` per process, made at startup: an ``AsyncProducer`` (submits, handles)
 and a ``PoolView`` (reads) on one connection. Every Redis call of a request goes
-through here or through a handle it returned.
+through here or through a handle it returned. It is pool access only: what OpenAI's
+API makes of a request (parsing, bounds, the job boundary's refusals as the
+request's parameters, reply shapes) is ``lorapool.openai.serving``'s, which reaches
+the pool through ``PoolAccess``, the part of this class it needs.
 """
 
 from __future__ import annotations
@@ -37,7 +40,6 @@ from lorapool.producer.rate_limits import RateLimiter
 from lorapool.producer.registry import NAME_PATTERN, AdapterRegistry
 from lorapool.protocol import LoRARequest, SamplingParams
 from lorapool.tasks import cancel_and_wait
-from lorapool.tool_calls import parser_for
 
 logger = logging.getLogger(__name__)
 BASE_TTL_S = 5.0  # the base model changes only when the pool is rebuilt
@@ -106,13 +108,6 @@ class Pool:
             record = await self.view.base_model()
             self._base = (time.monotonic(), record)
         return record
-
-    async def tool_parser(self) -> str:
-        """The tool-call parser of ``tool_choice="auto"`` replies: the configured one, else
-        the base model's family's (``lorapool.tool_calls.parser_for``)."""
-        if self.config.tool_call_parser != "auto":
-            return self.config.tool_call_parser
-        return parser_for((await self.base_model() or {}).get("name"))
 
     async def resolve_model(self, model: str, caller: Principal = OPEN) -> AdapterRecord | None:
         """The adapter ``model`` names, its registry record as read now, which ``submit``
