@@ -43,6 +43,7 @@ from lorapool.gateway.pool import Pool
 from lorapool.gateway.request_stats import RequestStats
 from lorapool.openai.bodies import schema_components
 from lorapool.openai.errors import APIError, job_lost
+from lorapool.openai.serving import OpenAIServing, ServingConfig
 from lorapool.producer import JobLost
 from lorapool.tasks import cancel_and_wait
 
@@ -59,6 +60,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         app.state.pool = Pool(config)
+        app.state.serving = OpenAIServing(app.state.pool, serving_config(config))
         await app.state.pool.ensure_groups()
         app.state.stopping = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -108,6 +110,13 @@ def create_app(config: GatewayConfig) -> FastAPI:
             expose_headers=["Location", "Retry-After"],
         )
     return app
+
+
+def serving_config(config: GatewayConfig) -> ServingConfig:
+    """The bounds OpenAI's routes hold a request to, from the gateway's options."""
+    return ServingConfig(
+        config.max_prompts, config.max_prompt_bytes, config.max_stop, config.tool_call_parser
+    )
 
 
 def _describe_bodies(app: FastAPI) -> None:

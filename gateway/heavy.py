@@ -19,9 +19,6 @@ from typing import Any
 
 from lorapool.grammar_limits import GrammarLimits
 from lorapool.grammar_sandbox import GrammarSandbox
-from lorapool.openai.errors import bad_request
-from lorapool.openai.structured import grammar_error
-from lorapool.records.errors import FieldError
 
 
 class HeavyWork:
@@ -32,18 +29,11 @@ class HeavyWork:
         self._grammar = ThreadPoolExecutor(workers, thread_name_prefix="lorapool-grammar")
         self._tokens = ThreadPoolExecutor(workers, thread_name_prefix="lorapool-tokens")
 
-    async def check_grammar(self, parsed) -> None:
-        """400 naming the parameter and the limit or problem when ``parsed``'s constraint
-        passes a ``GrammarLimits`` limit, does not compile, crashes the compiler or runs
-        past its time; nothing when it has none."""
-        constraint = parsed.params.structured_outputs
-        if constraint is None:
-            return
+    async def compile(self, constraint) -> None:
+        """``constraint`` compiled in the sandbox, off the loop: FieldError naming the
+        limit or the problem when it does not compile."""
         loop = asyncio.get_running_loop()
-        try:
-            await loop.run_in_executor(self._grammar, self.sandbox.check, constraint)
-        except FieldError as exc:
-            raise bad_request(*grammar_error(exc, parsed)) from None
+        await loop.run_in_executor(self._grammar, self.sandbox.check, constraint)
 
     async def tokens(self, work: Callable[..., Any], *args: Any) -> Any:
         """``work(*args)`` (tokenizing, decoding, rendering a template) in the bounded

@@ -26,7 +26,7 @@ from lorapool.gateway.body import read_body
 from lorapool.gateway.holds import holds_of
 from lorapool.gateway.job_format import chunk_event, job_body, state_name
 from lorapool.gateway.json import JSON
-from lorapool.gateway.openai_api import warned
+from lorapool.gateway.openai_api import serving_of, warned
 from lorapool.gateway.pool import Pool
 from lorapool.gateway.redis_watch import until_outage
 from lorapool.gateway.streams import guarded, sse, until_stopped
@@ -69,18 +69,14 @@ async def submit_job(
             raise bad_request("give either request_id or Idempotency-Key", "request_id")
         request_id = idempotent_id(idempotency_key)
     _check_request_id(request_id)
-    lora = await pool.resolve_model(parsed.model, caller)
-    await pool.check_limits(parsed)
+    serving = serving_of(request)
+    lora = await serving.prepare(parsed, caller)
     if on_finish is not None:
         await pool.check_webhook(on_finish, caller)
     await pool.check_rate(caller, 1, parsed.params, request)
-    await pool.heavy.check_grammar(parsed)  # compiled after the rate checks, off the loop
+    await serving.check_grammar(parsed)  # compiled after the rate checks, off the loop
     job_id = caller.job_id(request_id or uuid.uuid4().hex)
-    metadata = caller.job_metadata(parsed.metadata)
-    [handle] = await pool.submit(
-        parsed.prompts, parsed.params, lora, [job_id], metadata, parsed.names, on_finish,
-        parsed.priority,
-    )  # fmt: skip
+    [handle] = await serving.enqueue(parsed, lora, caller, [job_id], on_finish)
     external = caller.external_id(handle.request_id)
     body = {"id": external, "object": "job", "model": parsed.model}
     body["status"] = "queued" if handle.enqueued else await _status(pool, handle.request_id)

@@ -2,7 +2,10 @@
 
 One ``Pool`` per process, made at startup: an ``AsyncProducer`` (submits, handles)
 and a ``PoolView`` (reads) on one connection. Every Redis call of a request goes
-through here or through a handle it returned.
+through here or through a handle it returned. It is pool access only: what OpenAI's
+API makes of a request (parsing, bounds, the job boundary's refusals as the
+request's parameters, reply shapes) is ``lorapool.openai.serving``'s, which reaches
+the pool through ``PoolAccess``, the part of this class it needs.
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
+from collections.abc import AsyncIterator
 from typing import Any
 
 from redis.exceptions import ResponseError
@@ -23,19 +26,20 @@ from lorapool.gateway.config import GatewayConfig
 from lorapool.gateway.dashboard_session import Sessions
 from lorapool.gateway.heavy import HeavyWork
 from lorapool.gateway.pool_view import PoolView
-from lorapool.gateway.redis_watch import RedisWatch
+from lorapool.gateway.redis_watch import RedisWatch, until_outage
+from lorapool.gateway.streams import merged_chunks, until_taken
 from lorapool.gateway.tokenizer import TokenizerCache
 from lorapool.lifecycle.keys import WORKERS_GROUP
 from lorapool.lifecycle.queue_position import QueuePosition
 from lorapool.lifecycle.rate_limits import RateLimiter
-from lorapool.openai.errors import APIError, field_error, job_lost, model_not_found
-from lorapool.openai.limits import LimitsCache, check_limits, check_stop_count
+from lorapool.openai.errors import APIError, job_lost, model_not_found
+from lorapool.openai.limits import LimitsCache, PoolLimits
 from lorapool.producer import AsyncJobHandle, AsyncProducer, JobLost
 from lorapool.producer.registry import NAME_PATTERN, AdapterRegistry
-from lorapool.protocol import FieldError, LoRARequest, SamplingParams
-from lorapool.records.adapter import AdapterRecord, UnknownAdapter
+from lorapool.protocol import LoRARequest, SamplingParams
+from lorapool.records.adapter import AdapterRecord
+from lorapool.records.chunk import Chunk
 from lorapool.tasks import cancel_and_wait
-from lorapool.tool_calls import parser_for
 
 logger = logging.getLogger(__name__)
 BASE_TTL_S = 5.0  # the base model changes only when the pool is rebuilt
@@ -105,13 +109,6 @@ class Pool:
             self._base = (time.monotonic(), record)
         return record
 
-    async def tool_parser(self) -> str:
-        """The tool-call parser of ``tool_choice="auto"`` replies: the configured one, else
-        the base model's family's (``lorapool.tool_calls.parser_for``)."""
-        if self.config.tool_call_parser != "auto":
-            return self.config.tool_call_parser
-        return parser_for((await self.base_model() or {}).get("name"))
-
     async def resolve_model(self, model: str, caller: Principal = OPEN) -> AdapterRecord | None:
         """The adapter ``model`` names, its registry record as read now, which ``submit``
         enqueues without reading it again (None: the base model), or 404 model_not_found
@@ -132,39 +129,52 @@ class Pool:
             raise model_not_found(model)
         return record
 
-    async def submit(
+    async def pool_limits(self) -> PoolLimits:
+        """The bounds the pool's live workers hold requests to (``openai/limits.py``)."""
+        return await self.limits.get(self.view)
+
+    async def compile_grammar(self, constraint) -> None:
+        """``constraint`` compiled in the grammar sandbox, off the loop (``heavy.py``):
+        FieldError naming the limit or the problem when it does not."""
+        await self.heavy.compile(constraint)
+
+    async def decoder(self):
+        """The pool's tokenizer's ``decode`` (None before a worker published it)."""
+        tokenizer = await self.tokenizers.get(self.producer.redis, self.producer.keys.tokenizer)
+        return None if tokenizer is None else tokenizer.decode
+
+    async def enqueue(
         self,
         prompts: list[Any],
         params: SamplingParams,
         lora: AdapterRecord | LoRARequest | None,
-        request_ids: list[str | None] | None = None,
-        metadata: dict[str, Any] | None = None,
-        names: dict[str, str] | None = None,
-        on_finish: str | None = None,
+        request_ids: list[str],
+        metadata: dict[str, Any] | None,
         priority: str = "interactive",
+        on_finish: str | None = None,
     ) -> list[AsyncJobHandle]:
-        """Enqueue one job per prompt; a FieldError becomes a 400 (or 413) naming the
-        request's parameter; 429 while the backlog is at its bound. ``on_finish``: a
-        webhook URL, POSTed each result once it is stored; ``priority``: the stream."""
+        """One job per prompt, after the backlog check (429 at its bound); the job
+        boundary's FieldError, UnknownAdapter or ValueError as raised."""
         await self.check_backlog()
-        ids = [rid or uuid.uuid4().hex for rid in request_ids or [None] * len(prompts)]
-        try:
-            return await self.producer.submit_many(
-                prompts, params, lora, ids, metadata or None, priority, on_finish
-            )
-        except FieldError as exc:
-            raise field_error(exc, exc.request_id, names) from None
-        except UnknownAdapter as exc:  # the adapter left the registry meanwhile
-            raise model_not_found(exc.name) from None
-        except ValueError as exc:
-            raise APIError(400, str(exc)) from None
+        return await self.producer.submit_many(
+            prompts, params, lora, request_ids, metadata, priority, on_finish
+        )
 
-    async def check_limits(self, parsed) -> None:
-        """400 naming the parameter that passes a bound the pool's workers hold requests
-        to (the context, ``max_logprobs``: ``lorapool/openai/limits.py``) or the gateway's own
-        ``max_stop``."""
-        check_stop_count(parsed, self.config.max_stop)
-        check_limits(parsed, await self.limits.get(self.view))
+    async def chunks(
+        self, handles: list[AsyncJobHandle], caller: Principal = OPEN
+    ) -> AsyncIterator[tuple[int, Chunk]]:
+        """(handle index, chunk) of the jobs as they come (``streams.merged_chunks``);
+        503 ``no_worker`` while no worker has taken them (they are then kept queued),
+        503 ``redis_unavailable`` once Redis has been away ``redis_outage_s``, 503
+        ``job_lost`` once a job's state has left Redis."""
+        kept: set[str] = set()
+        watch = asyncio.ensure_future(_keeping(self.untaken(handles, caller), kept, handles))
+        chunks = until_taken(merged_chunks(handles, kept), watch)
+        try:
+            async for item in until_outage(chunks, self.watch, self.config.redis_outage_s):
+                yield item
+        except JobLost as exc:  # its state left Redis: it will never finish
+            raise job_lost(caller.external_id(exc.request_id)) from None
 
     async def check_backlog(self) -> None:
         """429 with Retry-After while ``max_backlog`` entries wait for a worker: a pool
@@ -339,6 +349,16 @@ def _connect(config: GatewayConfig):
 async def _abort(handles: list[AsyncJobHandle]) -> None:
     for handle in handles:
         await handle.abort()
+
+
+async def _keeping(untaken, kept: set[str], handles: list) -> None:
+    """``untaken``; when it raises (no worker came), the jobs go into ``kept`` first,
+    so that closing their streams leaves them queued."""
+    try:
+        await untaken
+    except APIError:
+        kept.update(h.request_id for h in handles)
+        raise
 
 
 async def disconnected(request, every_s: float = 0.5) -> None:

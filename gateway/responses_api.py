@@ -1,6 +1,6 @@
 """OpenAI's Responses API: ``POST /v1/responses`` (streamed or not; background:
 ``responses_background``), ``GET`` and ``DELETE /v1/responses/{id}`` (its input items:
-``responses_items``). A response is one chat job (``openai_api.submit_jobs``),
+``responses_items``). A response is one chat job (``OpenAIServing.submit``),
 its reply shaped by ``lorapool.openai.responses``; stored ones live in Redis
 (``responses_store``).
 """
@@ -18,14 +18,7 @@ from lorapool.gateway.auth import Principal, require
 from lorapool.gateway.body import read_body
 from lorapool.gateway.edge import RIDES_OUTAGES
 from lorapool.gateway.json import JSON
-from lorapool.gateway.openai_api import (
-    chat_events,
-    held_stream,
-    pool_of,
-    submit_jobs,
-    warned,
-    watching,
-)
+from lorapool.gateway.openai_api import HTTPDoor, held_stream, pool_of, serving_of, warned
 from lorapool.gateway.pool import disconnected
 from lorapool.gateway.responses_background import ended, settle_on_read, start_background
 from lorapool.gateway.responses_store import ResponseStore
@@ -57,26 +50,29 @@ async def create_response(request: Request, caller: Submitting):
         record = await store.load(body.previous_response_id, "previous_response_id")
         record = await settle_on_read(request, caller, store, record)
         previous = ended(record, "previous_response_id")["conversation"]
-    parser, max_bytes = await pool.tool_parser(), pool.config.max_prompt_bytes
+    serving = serving_of(request)
+    parser, max_bytes = await serving.tool_parser(), pool.config.max_prompt_bytes
     parsed, conversation = to_parsed(body, previous, parser, max_bytes)
     parsed.ignored += unknown
-    handles, chat, hold = await submit_jobs(request, parsed, "chat", caller)
-    shape = ResponseShape(body, chat.id.removeprefix("chatcmpl-"), body.store is not False)
+    submitted = await serving.submit(parsed, "chat", caller, HTTPDoor(request, caller))
+    chat_id = submitted.shape.id.removeprefix("chatcmpl-")
+    shape = ResponseShape(body, chat_id, body.store is not False)
     saving = store if shape.store else None
     headers = warned(parsed, request)
     if body.background:
         return await start_background(
-            request, store, shape, chat, handles, conversation, len(previous), headers
-        )
-    if hold is None:
+            request, store, shape, submitted.shape, submitted.handles, conversation,
+            len(previous), headers,
+        )  # fmt: skip
+    if submitted.hold is None:
         setattr(request.state, RIDES_OUTAGES, True)  # Pool.results rides out a Redis outage
-        outputs = await pool.results(handles, disconnected(request), caller)
-        response = shape.of_chat(chat.response(outputs))
+        response = shape.of_chat(await serving.reply(submitted, caller, disconnected(request)))
         if saving is not None:
             await saving.save(response, replied(conversation, response))
         return JSON(response, headers=headers)
-    chunks = chat_events(chat, handles, True, *watching(pool, handles, caller))
-    return held_stream(hold, _events(ResponseEvents(shape), chunks, saving, conversation), headers)
+    chunks = serving.events(submitted, caller, include_usage=True)
+    events = _events(ResponseEvents(shape), chunks, saving, conversation)
+    return held_stream(submitted.hold, events, headers)
 
 
 async def _events(

@@ -27,7 +27,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 
 from lorapool.gateway.auth import Principal, require
 from lorapool.gateway.json import JSON
-from lorapool.gateway.openai_api import pool_of
+from lorapool.gateway.openai_api import pool_of, serving_of
 from lorapool.gateway.responses_store import RESPONSE_TTL_S, ResponseStore
 from lorapool.lifecycle.chunk_log import OutputAssembler
 from lorapool.lifecycle.marker import JobLost
@@ -151,7 +151,8 @@ async def _rebuilt(request: Request, caller: Principal, store: ResponseStore, re
     pool, saved = pool_of(request), record["background"]
     body = msgspec.convert(saved["request"], ResponsesRequest)
     previous = record["conversation"][: saved["previous"]]
-    parsed, _ = to_parsed(body, previous, await pool.tool_parser(), pool.config.max_prompt_bytes)
+    parser = await serving_of(request).tool_parser()
+    parsed, _ = to_parsed(body, previous, parser, pool.config.max_prompt_bytes)
     public = record["response"]["id"].removeprefix("resp_")
     params = parsed.params
     chat = Shape("chat", public, parsed.model, params.n, params.logprobs or 0,

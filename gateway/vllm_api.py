@@ -96,7 +96,7 @@ async def tokenize(request: Request, caller: Caller) -> JSON:
         raise bad_request("give a prompt (a string) or messages", "prompt")
     _check_size(text, pool.config.max_prompt_bytes)
     ids = await pool.heavy.tokens(tokenizer.encode, text, special)
-    limits = await pool.limits.get(pool.view)
+    limits = await pool.pool_limits()
     strs = await pool.heavy.tokens(tokenizer.token_strs, ids) if body.return_token_strs else None
     return JSON(
         {"count": len(ids), "max_model_len": limits.max_model_len, "tokens": ids,

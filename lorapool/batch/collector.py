@@ -17,9 +17,7 @@ from typing import Any
 from lorapool.batch.files import FileStore, LineWriter
 from lorapool.batch.lines import BatchLine, read_lines
 from lorapool.batch.state import USAGE, BatchState, Status
-from lorapool.openai.echo import Echo
-from lorapool.openai.errors import APIError
-from lorapool.openai.format import Shape
+from lorapool.openai.serving import answer, echo_of, shape_of
 from lorapool.outputs import RequestOutput
 from lorapool.producer import Producer
 
@@ -81,14 +79,8 @@ class Collector:
             message = f"the batch stopped ({code}) before this request finished"
             return self._line(line, None, {"code": code, "message": message}), False
         parsed = line.parsed
-        params = parsed.params
-        top = params.logprobs or 0
-        echo = Echo(None, top) if parsed.echo else None
-        shape = Shape(line.kind, rid, parsed.model, params.n, top, tools=parsed.tools, echo=echo)
-        try:
-            body, status = shape.response([output]), 200
-        except APIError as exc:
-            body, status = exc.body(), exc.status
+        shape = shape_of(line.kind, parsed, rid, echo=echo_of(parsed), named=False)
+        body, status = answer(shape, [output])
         response = {"status_code": status, "request_id": rid, "body": body}
         return self._line(line, response, None), status == 200
 

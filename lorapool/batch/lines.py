@@ -1,8 +1,8 @@
 """One line of a batch input file, checked: OpenAI's ``custom_id``, ``method``, ``url``,
 ``body`` as the Struct ``Line`` (msgspec, worded as the OpenAI bodies' errors are:
-``body_errors``); the body through the gateway's own parser and the job boundary
-(``wire.job_from_dict`` via ``build_job``), so a batch line is refused exactly when
-the same request over HTTP would be."""
+``body_errors``); the body through the gateway's own parser (``openai.serving.parse``)
+and the job boundary (``wire.job_from_dict`` via ``build_job``), so a batch line is
+refused exactly when the same request over HTTP would be."""
 
 from __future__ import annotations
 
@@ -15,10 +15,11 @@ from msgspec import Meta, Struct
 
 from lorapool.lifecycle.submit import build_job
 from lorapool.openai.body_errors import invalid
-from lorapool.openai.errors import APIError, field_error
+from lorapool.openai.errors import APIError
 from lorapool.openai.limits import check_stop_count
 from lorapool.openai.nesting import check_nesting
-from lorapool.openai.params import Parsed, parse_chat, parse_completion
+from lorapool.openai.params import Parsed
+from lorapool.openai.serving import ServingConfig, parse, submit_error
 from lorapool.openai.structured import grammar_error
 from lorapool.protocol import FieldError, short_repr
 from lorapool.records.job import JobLimits
@@ -28,6 +29,7 @@ Endpoint = Literal[tuple(ENDPOINTS)]  # the urls a line may name
 MAX_LINE_BYTES = 1 << 20
 MAX_CUSTOM_ID = 64
 MAX_ERRORS = 1000  # reasons kept for one file; the count goes on
+LINE = ServingConfig(max_prompts=1)  # a line is one job: one prompt
 
 
 class Line(Struct, forbid_unknown_fields=True):
@@ -113,10 +115,7 @@ def _check_stop(line: BatchLine, max_stop: int) -> None:
 def _parse_body(body: Any, kind: str) -> Parsed:
     try:
         # a field no route knows is refused here: a line's reply has no header to name it
-        if kind == "chat":
-            parsed = parse_chat(body, drop_unknown=False)
-        else:
-            parsed = parse_completion(body, 1, drop_unknown=False)
+        parsed = parse(kind, body, LINE, "hermes", drop_unknown=False)
     except APIError as exc:
         raise LineError(exc.message, f"body.{exc.param}" if exc.param else "body") from None
     except UnicodeDecodeError as exc:  # msgspec's for bad UTF-8 in a string
@@ -146,7 +145,7 @@ def _check_job(line: BatchLine, batch_id: str, limits: JobLimits) -> None:
     try:
         build_job(line.parsed.prompts[0], line.parsed.params, None, rid, {}, limits)
     except FieldError as exc:
-        error = field_error(exc, rid, line.parsed.names)
+        error = submit_error(exc, rid, line.parsed.names)
         raise LineError(error.message, f"body.{error.param}" if error.param else "body") from None
 
 

@@ -4,6 +4,8 @@ which parses it and is the gateway's OpenAPI schema of it; ``params``, with the
 ``structured`` outputs and ``tools`` parameters and the ``limits`` checked at the
 door), a job's chunks and outputs to OpenAI's response and stream shapes (``format``,
 ``logprobs``, ``echo``, ``tool_stream``), and errors in OpenAI's shape (``errors``).
+``serving`` strings these together for one request behind a small pool protocol
+(``PoolAccess``), used by the gateway's routes and by batch.
 
 May import: the standard library, orjson, msgspec and lorapool's torch-free modules
 (bounds, protocol, messages, structured, tool_calls, egress, the lifecycle); never torch,

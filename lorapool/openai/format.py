@@ -44,7 +44,10 @@ def check_failed(output: RequestOutput | Chunk, public_id: str, names=None) -> N
     parameter (a prompt too long for the model, a token outside its vocabulary), with
     the job id the client knows (``public_id``)."""
     if output.error:
-        raise failed_request(output.error, output.error_kind, output.request_id, public_id, names)
+        raise failed_request(
+            output.error, output.error_kind, output.request_id, public_id, names,
+            path=output.error_field,
+        )  # fmt: skip
 
 
 def fingerprint(base: dict[str, Any] | None) -> str | None:
