@@ -9,34 +9,35 @@ from click.testing import CliRunner
 from lorapool.cli.main import cli
 
 
-def test_starvation_steps_reaches_the_scheduler(model, monkeypatch):
-    from lorapool.engine.llm_engine import LLMEngine
+def worker_line(model, monkeypatch, *options):
+    """``lorapool worker --model model options`` invoked with serving stubbed out: its
+    result and the EngineArgs it would have served with."""
     from lorapool.worker import serve
 
     got = {}
     monkeypatch.setattr(serve, "serve", lambda args, config, conn: got.update(args=args))
     line = ["worker", "--model", model, "--redis-url", "redis://127.0.0.1:1/0"]
-    done = CliRunner().invoke(cli, [*line, "--insecure-no-key", "--starvation-steps", "3"])
+    return CliRunner().invoke(cli, [*line, "--insecure-no-key", *options]), got.get("args")
+
+
+def test_starvation_steps_reaches_the_scheduler(model, monkeypatch):
+    from lorapool.engine.llm_engine import LLMEngine
+
+    done, args = worker_line(model, monkeypatch, "--starvation-steps", "3")
     assert done.exit_code == 0, done.output
-    engine = LLMEngine.from_engine_args(got["args"])
-    assert engine.scheduler.config.starvation_steps == 3
-    done = CliRunner().invoke(cli, [*line, "--insecure-no-key"])
-    assert done.exit_code == 0 and got["args"].starvation_steps == 8  # the scheduler's
+    assert LLMEngine.from_engine_args(args).scheduler.config.starvation_steps == 3
+    done, args = worker_line(model, monkeypatch)
+    assert done.exit_code == 0 and args.starvation_steps == 8  # the scheduler's
 
 
 def test_tenant_prefill_cap_reaches_the_scheduler(model, monkeypatch):
     """``--tenant-prefill-cap`` (issue 51 row 4): the scheduler's contended prefill cap."""
     from lorapool.engine.llm_engine import LLMEngine
-    from lorapool.worker import serve
 
-    got = {}
-    monkeypatch.setattr(serve, "serve", lambda args, config, conn: got.update(args=args))
-    line = ["worker", "--model", model, "--redis-url", "redis://127.0.0.1:1/0"]
-    done = CliRunner().invoke(cli, [*line, "--insecure-no-key", "--tenant-prefill-cap", "64"])
+    done, args = worker_line(model, monkeypatch, "--tenant-prefill-cap", "64")
     assert done.exit_code == 0, done.output
-    engine = LLMEngine.from_engine_args(got["args"])
-    assert engine.scheduler.config.contended_prefill_tokens == 64
-    done = CliRunner().invoke(cli, [*line, "--insecure-no-key", "--tenant-prefill-cap", "0"])
+    assert LLMEngine.from_engine_args(args).scheduler.config.contended_prefill_tokens == 64
+    done, _ = worker_line(model, monkeypatch, "--tenant-prefill-cap", "0")
     assert done.exit_code == 2 and "--tenant-prefill-cap" in done.output
 
 

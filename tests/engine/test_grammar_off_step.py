@@ -23,6 +23,7 @@ from lorapool.records.errors import FieldError
 from lorapool.records.structured import StructuredOutputsParams as S
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "support"))
+from engine_runs import run_until_finished as drain  # noqa: E402
 from hostile_grammars import gbnf  # noqa: E402
 
 LONG = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
@@ -39,15 +40,6 @@ def engine(tiny_model_path):
     drain(engine)
     yield engine
     engine.guides.sandbox.close()
-
-
-def drain(engine) -> dict:
-    finals = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                finals[out.request_id] = out
-    return finals
 
 
 def big_grammar(tag: str) -> S:
