@@ -14,6 +14,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Any
 
 from redis.exceptions import ResponseError
@@ -170,9 +171,11 @@ class Pool:
         kept: set[str] = set()
         watch = asyncio.ensure_future(_keeping(self.untaken(handles, caller), kept, handles))
         chunks = until_taken(merged_chunks(handles, kept), watch)
-        try:
-            async for item in until_outage(chunks, self.watch, self.config.redis_outage_s):
-                yield item
+        items = until_outage(chunks, self.watch, self.config.redis_outage_s)
+        try:  # closed here when the reader leaves, not by the finalizer some time later
+            async with aclosing(items):
+                async for item in items:
+                    yield item
         except JobLost as exc:  # its state left Redis: it will never finish
             raise job_lost(caller.external_id(exc.request_id)) from None
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -262,14 +263,16 @@ class OpenAIServing:
         if shape.chat:
             for event in shape.role_chunks(range(len(handles) * shape.n), include_usage):
                 yield event
-        try:
-            async for job, chunk in self.pool.chunks(handles, caller):
-                shape.failed(chunk)
-                prompt_tokens += len(chunk.prompt_token_ids or ())
-                completion_tokens += chunk.num_tokens
-                cached += (chunk.metrics and chunk.metrics.num_cached_tokens) or 0
-                for event in shape.delta_chunks(job, chunk, include_usage):
-                    yield event
+        chunks = self.pool.chunks(handles, caller)
+        try:  # closed as the reader leaves: its follower unsubscribes then, not later
+            async with aclosing(chunks):
+                async for job, chunk in chunks:
+                    shape.failed(chunk)
+                    prompt_tokens += len(chunk.prompt_token_ids or ())
+                    completion_tokens += chunk.num_tokens
+                    cached += (chunk.metrics and chunk.metrics.num_cached_tokens) or 0
+                    for event in shape.delta_chunks(job, chunk, include_usage):
+                        yield event
         except APIError as exc:
             yield exc.body()
         else:
