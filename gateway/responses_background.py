@@ -14,12 +14,18 @@ The watch is only the prompt way: the record keeps the request, so any replica t
 reads a pending response whose job has ended (``settle_on_read``) settles it from the
 job's final record the same way. A gateway that stops, or is killed, while it watches
 leaves its background responses to be settled by the next read.
+
+Watches are bounded like held streams (``--max-streams-per-tenant``, ``--max-streams``):
+a response made past either bound is not watched here (one debug line) and settles at
+its first read instead, so one tenant's flood of background responses costs the gateway
+no task, subscription or memory beyond the bound.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections import Counter
 from typing import Annotated, Any
 
 import msgspec
@@ -102,19 +108,35 @@ class Watch:
 
 
 class BackgroundResponses:
-    """A gateway's watches (``app.state.background_responses``), cancelled when it stops
+    """A gateway's watches (``app.state.background_responses``), at most ``per_tenant``
+    of one tenant's and ``total`` in all (None or 0: unbounded), cancelled when it stops
     (their responses are then settled by whichever replica reads them)."""
 
-    def __init__(self):
-        self.tasks: set[asyncio.Task] = set()
+    def __init__(self, per_tenant: int | None = None, total: int | None = None):
+        self.per_tenant, self.total = per_tenant or None, total or None  # 0: no cap, as holds
+        self.tasks: dict[asyncio.Task, str | None] = {}  # each watch's tenant
+        self.by_tenant: Counter = Counter()
 
-    def start(self, watch: Watch, handle) -> None:
+    def start(self, watch: Watch, handle, tenant: str | None) -> bool:
+        """Watch ``handle``'s job for ``watch``'s response; False (left to its first
+        read) past a bound."""
+        over = self.total is not None and len(self.tasks) >= self.total
+        if self.per_tenant is not None and self.by_tenant[tenant] >= self.per_tenant:
+            over = True
+        if over:
+            logger.debug("background response of %s left to its first read: watches full", tenant)
+            return False
         task = asyncio.create_task(watch.run(handle))
-        self.tasks.add(task)
+        self.tasks[task] = tenant
+        self.by_tenant[tenant] += 1
         task.add_done_callback(self._ended)
+        return True
 
     def _ended(self, task: asyncio.Task) -> None:
-        self.tasks.discard(task)
+        tenant = self.tasks.pop(task, None)
+        self.by_tenant[tenant] -= 1
+        if self.by_tenant[tenant] <= 0:
+            del self.by_tenant[tenant]
         if not task.cancelled() and task.exception() is not None:
             logger.error("background response watch failed", exc_info=task.exception())
 
@@ -124,7 +146,10 @@ class BackgroundResponses:
 
 def background_of(app: FastAPI) -> BackgroundResponses:
     if not hasattr(app.state, "background_responses"):
-        app.state.background_responses = BackgroundResponses()
+        config = app.state.pool.config  # the held streams' bounds (``holds.py``)
+        app.state.background_responses = BackgroundResponses(
+            config.max_streams_per_tenant, config.max_streams
+        )
     return app.state.background_responses
 
 
@@ -141,7 +166,9 @@ async def start_background(
     await store.save(response, conversation, background=background)
     record = {"response": response, "conversation": conversation, "input_items": store.items,
               "background": background}  # fmt: skip
-    background_of(request.app).start(Watch(store, shape, chat, record), handles[0])
+    background_of(request.app).start(
+        Watch(store, shape, chat, record), handles[0], store.caller.tenant
+    )
     return JSON(response, headers=headers)
 
 

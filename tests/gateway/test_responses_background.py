@@ -13,9 +13,11 @@ import time
 
 import httpx
 import openai
+import orjson
 import pytest
 from gateway_procs import serve, stop
 
+from lorapool.lifecycle.keys import Keys
 from lorapool.protocol import SamplingParams
 from lorapool.records.adapter import lora_from_record
 
@@ -225,3 +227,39 @@ def test_a_background_response_outlives_the_gateway_that_made_it(
         "incomplete" if want.outputs[0].finish_reason == "length" else "completed"
     )
     assert done.created_at == made.created_at and done.background is True
+
+
+def test_watches_past_the_stream_bound_are_left_to_the_first_read(
+    client, llm, registry, redis_url, prefix, worker, conn, tmp_path
+):
+    """A gateway watches at most ``--max-streams`` background responses (a tenant's flood
+    of them costs it no task past the bound): with a bound of 1, the first response is
+    settled by its watch as its job ends, the second stays queued in Redis until a read
+    (here another gateway's) settles it from its job, with the engine's text."""
+    url, proc = serve(redis_url, prefix, tmp_path, "--max-streams", "1")
+    os.kill(worker.pid, signal.SIGSTOP)
+    try:
+        bounded = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+        watched, unwatched = (
+            bounded.responses.create(**BRIEF, model="ad-mlp", background=True) for _ in range(2)
+        )
+    finally:
+        os.kill(worker.pid, signal.SIGCONT)
+
+    def stored(response_id: str) -> str:
+        return orjson.loads(conn.get(Keys(prefix).response(response_id)))["response"]["status"]
+
+    try:
+        deadline = time.monotonic() + 120
+        while stored(watched.id) in ("queued", "in_progress") and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert stored(watched.id) in ("completed", "incomplete")
+        while _job(url, unwatched.id)["status"] not in ("finished", "failed"):
+            assert time.monotonic() < deadline, _job(url, unwatched.id)
+            time.sleep(0.1)
+        time.sleep(1.0)  # a watch, were there one, would have settled it by now
+        assert stored(unwatched.id) == "queued"
+    finally:
+        stop(proc)
+    done, _ = _poll(client, unwatched.id)
+    assert (done.output_text, done.status) == _engine(llm, registry, "ad-mlp")
