@@ -183,8 +183,9 @@ def main() -> None:
         "--contended-prefill-tokens",
         dest="cap",
         type=int,
-        default=SchedulerConfig.contended_prefill_tokens,
-        help="the fair mode's cap (SchedulerConfig.contended_prefill_tokens)",
+        default=128,
+        help="the fair mode's cap (SchedulerConfig.contended_prefill_tokens; the worker's "
+        "--tenant-prefill-cap, unset by default)",
     )
     parser.add_argument(
         "--contended-window-steps",

@@ -38,7 +38,7 @@ class EngineArgs:
     tenant_fair_share: bool = True
     # while two or more tenants have work, the most prompt or recompute positions one
     # tenant's chunks take in a step (SchedulerConfig.contended_prefill_tokens)
-    tenant_prefill_cap: int | None = 128
+    tenant_prefill_cap: int | None = None  # off: it costs long prompts (RESULTS.md)
     # CUDA graphs for decode steps (vLLM's flag and default): one graph per batch-size
     # bucket of cuda_graph_sizes, on CUDA only (a CPU engine runs eagerly whatever this
     # says). The GPU kit measured them on an H200 at 733426d (benchmarks/RESULTS.md): a

@@ -59,8 +59,11 @@ tenant): at a step where two or more tenants had work at its start or at one of 
 W - 1 steps before (W = ``contended_window_steps``), no tenant's chunks take more than
 C = ``contended_prefill_tokens`` prompt or recompute positions (a decode token, one at
 an output position, is not capped); a tenant alone for W steps has the whole budget.
-W = 1 by default: a wider window also caps the step in flight when another tenant's
-request comes (scheduled before it came), at a cost in throughput (benchmarks/RESULTS.md).
+Off by default (C None): a cap of 128 took a light tenant's p99 from 7.1x to 1.8x of alone
+with 32-token prompts, but with 1,024-token ones its p50 from 1.76x to 3.39x (its own
+prompt is capped too) and throughput from 0.88 to 0.59 of first come, first served. W = 1
+by default: a wider window also caps the step in flight when another tenant's request
+comes, at a cost in throughput (both: benchmarks/RESULTS.md).
 Bound: a step that runs a tenant's work carries at most (k - 1) * C prefill positions of
 the other k - 1 tenants with work, beside one decode token per running sequence,
 whatever they queue (``tests/engine/test_fair_share.py`` checks it).
@@ -107,7 +110,7 @@ class SchedulerConfig:
     output_cost: float = 2.0  # a generated token's
     # while two or more tenants have work, the most prompt or recompute positions one
     # tenant's chunks take in a step (module docstring); None: no cap
-    contended_prefill_tokens: int | None = 128
+    contended_prefill_tokens: int | None = None
     contended_window_steps: int = 1  # steps a tenant counts as contending (1: while it has work)
 
     def __post_init__(self):

@@ -14,6 +14,7 @@ from lorapool.cli.options import (
     count_option,
     grammar_limit_option,
     host_option,
+    optional_option,
     prefix_option,
     redis_option,
     shards_option,
@@ -85,10 +86,10 @@ def _producer(redis_url, prefix, shards=0):
     help="admit waiting requests by tenants' fair shares (a virtual token counter per "
     "tenant, weighted by its key's --weight); off: first come, first served",
 )
-@count_option(
+@optional_option(
     "--tenant-prefill-cap",
-    128,  # EngineArgs.tenant_prefill_cap
-    "while two or more tenants have work, the most prompt tokens one tenant takes a step",
+    click.IntRange(min=1),
+    "most prompt tokens a tenant takes a step while others have work (unset: no cap)",
 )
 @count_option("--max-n", DEFAULT_MAX_N, "most completions per request")
 @count_option("--max-prompt-bytes", DEFAULT_MAX_PROMPT_BYTES, "larger prompts are refused")
