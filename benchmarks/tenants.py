@@ -23,7 +23,11 @@ cap) and ``fair`` (fair share with ``--contended-prefill-tokens``):
   counted two ways: from the first step boundary after its arrival (``seen``: the
   step it runs in) and from its arrival (``arrival``: the step then in flight too,
   which was scheduled before it came; alone, the engine is idle and that is 0);
-- throughput: tokens generated (both tenants' samples) per second of the run.
+- throughput: tokens generated (both tenants' samples) per second of the run. By
+  default the light tenant sends its next job when the last one ended, so a mode that
+  serves it sooner also does more of its work (a prompt for one token each), and
+  generated tokens fall for that alone; ``--light-every-ms`` fixes the work (both
+  tenants' jobs the same in every mode), so throughput compares the same work's time.
 
     lorapool bench tenants [--flood-depth 8] [--seconds 3] [--repeats 3] [--json out]
 """
@@ -58,11 +62,15 @@ def request(tenant: str, prompt: int, max_tokens: int, n: int, arrival: float) -
 
 
 def run(args, mode: str, repeat: int = 0) -> dict:
-    """One run of ``--seconds`` on the virtual clock, the light tenant sending a job
-    ``--light-gap-ms`` after its previous one ended; with ``flood``, the
+    """One run on the virtual clock. By default ``--seconds`` long, the light tenant
+    sending a job ``--light-gap-ms`` after its previous one ended; with ``flood``, the
     flooding tenant keeps ``--flood-depth`` jobs in the engine all along (a new one as
-    soon as one ends: back to back)."""
+    soon as one ends: back to back). With ``--light-every-ms`` the work is fixed: light
+    jobs come at that period until ``--seconds`` whatever the engine does, the flood
+    starts ``--flood-jobs`` in all, and the run lasts until every job ended (its
+    throughput is the same work over the time it took)."""
     flood = mode != "alone"
+    fixed = args.light_every_ms is not None
     sched = Scheduler(
         SchedulerConfig(
             max_num_seqs=args.max_num_seqs,
@@ -73,28 +81,38 @@ def run(args, mode: str, repeat: int = 0) -> dict:
         ),
         BlockManager(args.num_blocks, 16),
     )
-    now, generated, cpu_s, flood_done, steps = 0.0, 0, 0.0, 0, 0
-
+    now, generated, cpu_s, steps = 0.0, 0, 0.0, 0
+    flood_started, flood_done = 0, 0
     rng = random.Random(repeat)  # the same jobs in every mode of one repeat
 
     def add_flood():
+        nonlocal flood_started
+        if fixed and flood_started >= args.flood_jobs:
+            return
         spread = round(args.flood_tokens * args.flood_jitter)
         tokens = args.flood_tokens + rng.randint(-spread, spread)
         sched.add(request("flood", args.prompt, tokens, args.n, now).seqs[0])
+        flood_started += 1
 
     for _ in range(args.flood_depth if flood else 0):
         add_flood()
-    light_done, latencies, seen = 0, [], []
+    latencies, seen, light_seen = [], [], {}
     # each repeat shifts the light tenant's phase against the flood's steps (the clock
     # is virtual: the same phase would repeat the same run)
-    next_light_at, light = (args.light_start_ms + 1.7 * repeat) / 1000, None
-    while now < args.seconds:
-        if light is None and now >= next_light_at:
-            light = request("light", args.prompt, 1, 1, next_light_at)
-            light_seen = now  # the first step boundary after it came
+    first = (args.light_start_ms + 1.7 * repeat) / 1000
+    if fixed:
+        every = args.light_every_ms / 1000
+        arrivals = [first + k * every for k in range(int((args.seconds - first) / every) + 1)]
+    else:
+        arrivals = [first]
+    arrivals.reverse()  # the next one at the end
+    while (now < args.seconds or fixed) and (sched.has_unfinished() or arrivals or not fixed):
+        while arrivals and now >= arrivals[-1]:
+            light = request("light", args.prompt, 1, 1, arrivals.pop())
+            light_seen[light.request_id] = now  # the first step boundary after it came
             sched.add(light.seqs[0])
         if not sched.has_unfinished():
-            now = next_light_at
+            now = arrivals[-1]
             continue
         start = time.perf_counter()
         out = sched.schedule()
@@ -118,8 +136,7 @@ def run(args, mode: str, repeat: int = 0) -> dict:
                     sched.finish(target)
                     if len(req.seqs) == req.params.n and all(s.is_finished for s in req.seqs):
                         ended.append(req)
-        spent = time.perf_counter() - start
-        cpu_s += spent
+        cpu_s += time.perf_counter() - start
         prefill = sum(
             i.num_new_tokens
             for i in out.scheduled
@@ -131,15 +148,14 @@ def run(args, mode: str, repeat: int = 0) -> dict:
         for req in ended:
             if req.tenant == "light":
                 latencies.append(now - req.arrival_time)
-                seen.append(now - light_seen)
-                light_done += 1
-                light = None
-                next_light_at = now + args.light_gap_ms / 1000
+                seen.append(now - light_seen.pop(req.request_id))
+                if not fixed:
+                    arrivals.append(now + args.light_gap_ms / 1000)
             else:
                 flood_done += 1
                 add_flood()
     return {
-        "light_jobs": light_done,
+        "light_jobs": len(latencies),
         "light_p50_ms": 1000 * statistics.median(latencies),
         "light_p99_ms": 1000 * quantile(latencies, 0.99),
         "seen_p50_ms": 1000 * statistics.median(seen),
@@ -172,6 +188,15 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=3.0, help="virtual seconds a run")
     parser.add_argument("--light-gap-ms", type=float, default=20.0)
     parser.add_argument("--light-start-ms", type=float, default=50.0)
+    parser.add_argument(
+        "--light-every-ms",
+        type=float,
+        help="fixed work: a light job every this many ms until --seconds (not after the "
+        "last ended), the flood's --flood-jobs, each run until all ended",
+    )
+    parser.add_argument(
+        "--flood-jobs", type=int, default=40, help="with --light-every-ms: flood jobs in all"
+    )
     parser.add_argument("--prompt", type=int, default=32, help="prompt tokens of every job")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)

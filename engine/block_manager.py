@@ -106,6 +106,24 @@ class BlockManager:
         for block_id in child.block_table:
             self.ref_counts[block_id] += 1
 
+    def share_prompt(self, seq: Sequence) -> int:
+        """Start a sequence holding no blocks (a sample that forked with no slot free, or
+        was preempted) from the full blocks of its prompt that a running sibling holds,
+        computed: the KV is the same, as is the adapter. Returns the tokens shared."""
+        if seq.block_table:
+            return 0
+        size = self.block_size
+        full = min(seq.num_prompt_tokens, seq.num_tokens - 1) // size
+        for sibling in seq.request.seqs:
+            computed = sibling.num_computed_tokens >= full * size > 0
+            if computed and sibling is not seq and len(sibling.block_table) >= full:
+                seq.block_table = sibling.block_table[:full]
+                for block_id in seq.block_table:
+                    self.ref_counts[block_id] += 1
+                seq.num_computed_tokens = full * size
+                return seq.num_computed_tokens
+        return 0
+
     def slot(self, seq: Sequence, position: int) -> int:
         """The flat cache slot of token ``position`` of ``seq``."""
         block = seq.block_table[position // self.block_size]

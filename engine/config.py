@@ -36,9 +36,9 @@ class EngineArgs:
     # tenants' fair shares of this engine (engine/fair_share.py); False: first come,
     # first served whatever the tenant (requests without one are served so either way)
     tenant_fair_share: bool = True
-    # while two or more tenants have work, the most prompt or recompute positions one
-    # tenant's chunks take in a step (SchedulerConfig.contended_prefill_tokens)
-    tenant_prefill_cap: int | None = None  # off: it costs long prompts (RESULTS.md)
+    # while two or more tenants have work, the most prompt or recompute positions the
+    # chunks of each but the least served take in a step (engine.contention)
+    tenant_prefill_cap: int | None = None  # off (RESULTS.md)
     # CUDA graphs for decode steps (vLLM's flag and default): one graph per batch-size
     # bucket of cuda_graph_sizes, on CUDA only (a CPU engine runs eagerly whatever this
     # says). The GPU kit measured them on an H200 at 733426d (benchmarks/RESULTS.md): a

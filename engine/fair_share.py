@@ -107,15 +107,16 @@ class Ledger:
                 del queues[tenant]
 
 
-def room_victim(running: list, waiting, ledger: Ledger, skipped: dict, max_num_seqs: int):
+def room_victim(running: list, waiting, ledger: Ledger, skipped: dict, full: bool):
     """The sequence to preempt so that a tenant with nothing running is admitted this
     step (``Scheduler._make_room``), or None: every slot is taken, a tenant with
     nothing running waits (a sequence not skipped for an adapter slot or blocks, which
     have their own bounds) with a counter no greater than that of a tenant running two
-    or more sequences; the victim is the newest sequence of the greatest such tenant.
+    or more sequences; the victim is the sequence of the greatest such tenant with
+    the fewest tokens computed (the least work lost; of those, the newest).
     Never a tenant's last, so the preempted tenant keeps running and never preempts
     back (no thrashing)."""
-    if len(running) < max_num_seqs or len(ledger.active) < 2:
+    if not full or len(ledger.active) < 2:
         return None
     counters = ledger.counters
     counts = Counter(s.request.tenant for s in running)
@@ -132,7 +133,10 @@ def room_victim(running: list, waiting, ledger: Ledger, skipped: dict, max_num_s
     heaviest = max(busy, key=lambda t: counters.get(t, 0.0))
     if least > counters.get(heaviest, 0.0):
         return None
-    return next(s for s in reversed(running) if s.request.tenant == heaviest)
+    # the one that loses the least work: fewest tokens computed (a request still in its
+    # prompt, whose held fork slots free with it), the newest of those
+    theirs = (s for s in reversed(running) if s.request.tenant == heaviest)
+    return min(theirs, key=lambda s: s.num_computed_tokens)
 
 
 def victim(running: list, i: int, ledger: Ledger) -> object:

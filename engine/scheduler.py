@@ -36,56 +36,35 @@ it last had work here), the starving ones above first; the cache's victim is the
 heaviest tenant's newest running sequence. Requests without a tenant share one:
 alone, the order is first come, first served as before. Bound: take tenants f and
 g, and a step s at which g gets work while f has some (so g starts at a counter
-no greater than f's), and suppose no sequence of g is skipped for an adapter slot
-or blocks (those keep the bounds above). Then through every step t until g has no
+no greater than f's), and suppose no sequence of g is skipped for an adapter slot,
+blocks or its samples' slots (those keep the bounds above). Then through every step t until g has no
 sequence waiting, f's weighted service over [s, t] exceeds g's by at most
 (max_num_seqs + 1) * L_f, L_f the most one of f's requests costs, weighted: its
-prompt, n samples' tokens, and the prompt again for each sample that forked while
-no slot was free (``tests/engine/test_fair_share.py`` checks it against service
+prompt, n samples' tokens, and the prompt again for each sample past max_num_seqs
+(``tests/engine/test_fair_share.py`` checks it against service
 recomputed from each step's chunks). Why: f is admitted ahead of g only with a
 counter no greater than g's; after f's last such admission f is charged only for
 sequences of requests then running (at most max_num_seqs) and their forks, and
 one more admitted in the step that takes g's last waiting sequence. And a
 tenant with nothing running does not wait for a slot to free: when every slot is
 taken and its counter is at most that of a tenant running two or more sequences,
-that tenant's newest sequence is preempted for it (``_make_room``: one a step,
+that tenant's sequence with the least work done is preempted for it (``_make_room``: one a step,
 never a tenant's last, so no two tenants preempt each other back and forth). A
 light tenant's request therefore starts at the next step whatever a flooding
 tenant has queued or running, given the blocks it needs. Forked samples respect
 ``max_num_seqs`` (``fork``).
 
-Prefill under contention (after vLLM's ``long_prefill_token_threshold``, applied per
-tenant): at a step where two or more tenants had work at its start or at one of the
-W - 1 steps before (W = ``contended_window_steps``), no tenant's chunks take more than
-C = ``contended_prefill_tokens`` prompt or recompute positions (a decode token, one at
-an output position, is not capped); a tenant alone for W steps has the whole budget.
-Off by default (C None): a cap of 128 took a light tenant's p99 from 7.1x to 1.8x of alone
-with 32-token prompts, but with 1,024-token ones its p50 from 1.76x to 3.39x (its own
-prompt is capped too) and throughput from 0.88 to 0.59 of first come, first served. W = 1
-by default: a wider window also caps the step in flight when another tenant's request
-comes, at a cost in throughput (both: benchmarks/RESULTS.md).
-Bound: a step that runs a tenant's work carries at most (k - 1) * C prefill positions of
-the other k - 1 tenants with work, beside one decode token per running sequence,
-whatever they queue (``tests/engine/test_fair_share.py`` checks it).
-A sequence held back by its own tenant's cap waits for that tenant's own chunks, C
-positions a step, and is outside the bound above as a skipped one is.
+Samples: a request of n > 1 forks its samples at its first token. It is admitted only
+with slots for all of them (min(n, max_num_seqs), held until it forks: ``slots_held``),
+else skipped as for blocks; without that, forks finding no slot waited and recomputed
+the whole prompt each (an n=64 flood with 1,024-token prompts computed 7x its prompts).
 
-Not yet (issue 47 item 4): async scheduling as vLLM's, scheduling and preparing
-step N+1 while step N runs on the device. Step N+1 would be scheduled before N's
-tokens are known, so: every running sequence is assumed to decode one more token
-(its slot allocated ahead; a sequence that step N finishes is dropped from N+1's
-outputs and its extra block freed); N+1's input token ids are filled on the
-device from N's sampled tokens (a gather, no host round trip); stop checks and
-outputs of N run on the host while N+1 runs. How it fits the fair share: each
-chunk records its charge (``ScheduledSeq.charge``), so the chunk of a sequence
-that step N finishes is refunded (``Scheduler.refund``) when N+1 drops it;
-admissions for N+1 then read counters that hold up to one speculated token per
-running sequence not yet refunded: the bound above grows by at most
-max_num_seqs * output_cost / w_f. Preemption for N+1 picks its victim from counters
-and blocks known when N+1 is scheduled, never from N's outcome; a sequence N
-finishes frees its blocks only after N+1 is scheduled (its extra block too).
-Forks (n > 1) happen when N's first token is sampled, after N+1 was scheduled:
-the children join at N+2 (running while a slot is free, else waiting).
+Prefill under contention (``engine.contention``, off by default): while two or more
+tenants have work, each tenant's chunks but the least one's take at most C prompt or
+recompute positions a step.
+
+Async scheduling (not yet, issue 47 item 4): ``engine.scheduler_output`` says how it
+would fit.
 """
 
 from __future__ import annotations
@@ -94,6 +73,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from lorapool.engine.block_manager import BlockManager
+from lorapool.engine.contention import ContendedCap
 from lorapool.engine.fair_share import Ledger, room_victim, victim
 from lorapool.engine.scheduler_output import ScheduledSeq, SchedulerOutput
 from lorapool.engine.sequence import Sequence, SequenceStatus
@@ -140,15 +120,27 @@ class Scheduler:
         # seq_id -> steps skipped for want of an adapter slot or of free blocks
         self.num_skipped: dict[int, int] = {}
         self.num_preemptions = 0
+        self._unforked = 0  # slots held for running requests' samples yet to fork
+        self._held: dict[int, int] = {}  # the running sequence's seq_id -> those slots
         self.ledger = Ledger(config.input_cost, config.output_cost)
-        self._cap: int | None = None  # this step's contended prefill cap, if any
-        self._prefill: dict[str, int] = {}  # prefill positions this step, by tenant
-        self._steps = 0
-        self._seen: dict[str, int] = {}  # tenant -> the last step it had work at
+        self.cap = ContendedCap(config.contended_prefill_tokens, config.contended_window_steps)
 
     def add(self, seq: Sequence) -> None:
         self.ledger.join(seq.request.tenant)
         self.waiting.append(seq)
+
+    def slots_held(self) -> int:
+        """Sequence slots taken: the running ones, and the n - 1 samples each running
+        request of n not yet forked will fork into at its first token."""
+        return len(self.running) + self._unforked
+
+    def _forks_to_come(self, seq: Sequence) -> int:
+        request = seq.request
+        return min(request.params.n, self.config.max_num_seqs) - 1 if request.needs_fork else 0
+
+    def _release(self, seq: Sequence) -> None:
+        """``seq`` left the running ones, or forked: the slots held for its forks free."""
+        self._unforked -= self._held.pop(seq.seq_id, 0)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -160,8 +152,8 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        self._cap = self.config.contended_prefill_tokens if self._contended() else None
-        self._prefill = {}
+        if self.config.fair_share:
+            self.cap.begin(self.ledger, self.running)
         if self.config.fair_share and self.waiting:
             self._make_room(out)
         made_room = len(out.preempted)
@@ -170,27 +162,12 @@ class Scheduler:
             self._schedule_waiting(out, budget)
         return out
 
-    def _contended(self) -> bool:
-        """Two or more tenants had work within the last ``contended_window_steps`` steps
-        (this one included)."""
-        if not self.config.fair_share:
-            return False
-        self._steps += 1
-        seen, now = self._seen, self._steps
-        for tenant in self.ledger.active:
-            seen[tenant] = now
-        if len(seen) > len(self.ledger.active):  # forget those past the window
-            oldest = now - self.config.contended_window_steps
-            self._seen = seen = {t: at for t, at in seen.items() if at > oldest}
-        return len(seen) > 1
-
     def _make_room(self, out: SchedulerOutput) -> None:
         """A tenant with nothing running waits while every slot is taken: preempt one
         sequence for it (``fair_share.room_victim`` says which, and when)."""
         config = self.config
-        seq = room_victim(
-            self.running, self.waiting, self.ledger, self.num_skipped, config.max_num_seqs
-        )
+        full = self.slots_held() >= config.max_num_seqs
+        seq = room_victim(self.running, self.waiting, self.ledger, self.num_skipped, full)
         if seq is not None:
             self._preempt(seq, out)
 
@@ -208,8 +185,8 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_uncomputed_tokens, budget)
-            if self._cap is not None:
-                num_new = self._prefill_room(seq, seq.num_computed_tokens, num_new)
+            if self.cap.on:
+                num_new = self.cap.room(seq, seq.num_computed_tokens, num_new)
                 if num_new <= 0:  # its tenant's prefill cap is spent: next step
                     i += 1
                     continue
@@ -237,34 +214,65 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        if not self.waiting or len(self.running) >= self.config.max_num_seqs or not budget:
+        limit = self.config.max_num_seqs
+        if not self.waiting or self.slots_held() >= limit or not budget:
             return  # most decode steps: no need to look at the running adapters
         active = {s.lora_int_id for s in self.running} - {0}
         blocked_new_adapters = False
+        starving = None  # (its counter, the tenants running) once one starves this step
         for seq in self._offer_order():
-            if budget == 0 or len(self.running) >= self.config.max_num_seqs:
+            if budget == 0 or self.slots_held() >= limit:
                 break
+            if starving is not None and not self._passes(seq, *starving):
+                continue
             if not self._adapter_fits(seq, active, blocked_new_adapters):
                 blocked_new_adapters |= self._note_skipped(seq)
                 continue
+            forks = self._forks_to_come(seq)
+            if self.slots_held() + 1 + forks > limit:  # no slots for its samples yet
+                if self._note_skipped(seq):  # as for blocks, below
+                    starving = starving or self._starving(seq)
+                    if not starving:
+                        break
+                continue
             room = budget
-            if self._cap is not None:
-                room = self._prefill_room(seq, 0, budget)
+            if self.cap.on:
+                room = self.cap.room(seq, 0, budget)
                 if room <= 0:  # its tenant's prefill cap is spent: its own work, next step
                     continue
             num_new = self._start(seq, room)
             if num_new is None:  # no blocks for it yet: later ones that fit may go first
-                if self._note_skipped(seq):  # until it starves: then nothing goes ahead
-                    break
+                if self._note_skipped(seq):  # until it starves: then only newcomers pass
+                    starving = starving or self._starving(seq)
+                    if not starving:
+                        break
                 continue
             self.waiting.remove(seq)
             self.num_skipped.pop(seq.seq_id, None)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            if forks:
+                self._held[seq.seq_id] = forks
+                self._unforked += forks
             self._admit_tokens(seq, num_new, out)
+            if starving:
+                starving[1].add(seq.request.tenant)
             active.add(seq.lora_int_id)
             active.discard(0)
             budget -= num_new
+
+    def _starving(self, seq: Sequence) -> tuple[float, set[str]] | None:
+        """``seq`` starves: nothing behind it is admitted but a newcomer's sequence (its
+        tenant runs nothing, its counter is no greater than ``seq``'s tenant's: the one
+        ``_make_room`` would preempt for). None when no tenant could pass (stop here)."""
+        busy = {s.request.tenant for s in self.running} | {seq.request.tenant}
+        if not self.config.fair_share or not set(self.ledger.active) - busy:
+            return None
+        return self.ledger.counters.get(seq.request.tenant, 0.0), busy
+
+    def _passes(self, seq: Sequence, counter: float, busy: set[str]) -> bool:
+        tenant = seq.request.tenant
+        return tenant not in busy and self.ledger.counters.get(tenant, 0.0) <= counter
 
     def _offer_order(self):
         """The waiting sequences in the order admission offers them slots: first come,
@@ -284,18 +292,11 @@ class Scheduler:
             return self.running[-1]
         return victim(self.running, i, self.ledger)
 
-    def _prefill_room(self, seq: Sequence, start: int, num_new: int) -> int:
-        """``num_new`` cut to the prefill positions ``seq``'s tenant may still take this
-        step (the contended cap); a decode token (one, at an output position) is not."""
-        if num_new == 1 and start >= seq.request.num_prompt_tokens:
-            return num_new
-        return min(num_new, self._cap - self._prefill.get(seq.request.tenant, 0))
-
     def _charged(self, seq: Sequence, num_new: int) -> ScheduledSeq:
         """The step's chunk of ``seq``, charged to its tenant (with the fair share on)."""
         start, request = seq.num_computed_tokens, seq.request
-        if self._cap is not None and (num_new > 1 or start < request.num_prompt_tokens):
-            self._prefill[request.tenant] = self._prefill.get(request.tenant, 0) + num_new
+        if self.cap.on:
+            self.cap.note(seq, start, num_new)
         if not self.config.fair_share:
             return ScheduledSeq(seq, start, num_new)
         cost = self.ledger.cost(request.num_prompt_tokens, start, num_new)
@@ -314,7 +315,7 @@ class Scheduler:
         manager = self.block_manager
         # prompt logprobs need every prompt position computed: no cache for those
         wants_all = seq.request.params.prompt_logprobs is not None
-        cached = 0 if wants_all else manager.acquire_prefix(seq)
+        cached = 0 if wants_all else manager.acquire_prefix(seq) or manager.share_prompt(seq)
         num_new = min(seq.num_uncomputed_tokens, budget)
         if not manager.can_allocate(seq, num_new):
             manager.free(seq)
@@ -344,6 +345,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
+        self._release(seq)
         self.block_manager.free(seq)
         seq.reset_for_recompute()
         self.num_preemptions += 1
@@ -376,7 +378,8 @@ class Scheduler:
         a preempted sequence is (recomputed from its tokens; with prefix caching its
         prompt's full blocks are found again)."""
         self.ledger.join(child.request.tenant)
-        if len(self.running) >= self.config.max_num_seqs:
+        self._release(parent)  # its first fork: the slots are no longer held, but taken
+        if self.slots_held() >= self.config.max_num_seqs:
             child.num_computed_tokens = 0
             child.status = SequenceStatus.WAITING
             self._requeue(child)
@@ -390,6 +393,7 @@ class Scheduler:
         """Remove ``seq`` (finished or aborted) and free its blocks."""
         if seq in self.running:
             self.running.remove(seq)
+            self._release(seq)
             self.ledger.leave(seq.request.tenant)
         elif seq in self.waiting:
             self.waiting.remove(seq)

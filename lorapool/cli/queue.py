@@ -89,7 +89,7 @@ def _producer(redis_url, prefix, shards=0):
 @optional_option(
     "--tenant-prefill-cap",
     click.IntRange(min=1),
-    "most prompt tokens a tenant takes a step while others have work (unset: no cap)",
+    "most prompt tokens a step of each tenant but the least served while two have work",
 )
 @count_option("--max-n", DEFAULT_MAX_N, "most completions per request")
 @count_option("--max-prompt-bytes", DEFAULT_MAX_PROMPT_BYTES, "larger prompts are refused")
