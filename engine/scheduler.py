@@ -28,7 +28,10 @@ blocking: a request of many samples waiting for room does not hold up small
 ones). Once it has been skipped S times, nothing behind it is admitted, so the
 running sequences drain and free their blocks: it is admitted within S + D
 steps of reaching the head of the queue (it fits in an empty cache: a request
-that cannot was refused at ``add_request``).
+that cannot was refused at ``add_request``). With the fair share on, for the S
+steps after it starts starving, a tenant running nothing, with a counter no greater
+than the starving one's tenant's, still gets a sequence past it (``_make_room``
+would preempt for it anyway); then nothing passes: within 2S + 2D steps.
 
 Tenants (``engine.fair_share``): waiting sequences are offered slots in turn to
 the tenant with the least virtual token counter (the weighted service it got since
@@ -264,10 +267,12 @@ class Scheduler:
     def _starving(self, seq: Sequence) -> tuple[float, set[str]] | None:
         """``seq`` starves: nothing behind it is admitted but a newcomer's sequence (its
         tenant runs nothing, its counter is no greater than ``seq``'s tenant's: the one
-        ``_make_room`` would preempt for). None when no tenant could pass (stop here)."""
+        ``_make_room`` would preempt for), for S steps. None when none may pass (stop)."""
         busy = {s.request.tenant for s in self.running} | {seq.request.tenant}
         if not self.config.fair_share or not set(self.ledger.active) - busy:
             return None
+        if self.num_skipped[seq.seq_id] >= 2 * self.config.starvation_steps:
+            return None  # for S steps only: then nothing passes (the bound above)
         return self.ledger.counters.get(seq.request.tenant, 0.0), busy
 
     def _passes(self, seq: Sequence, counter: float, busy: set[str]) -> bool:

@@ -60,20 +60,25 @@ def test_a_preempted_sample_starts_again_from_its_siblings_prompt():
     assert all(count == 0 for count in sched.block_manager.ref_counts)  # all came back
 
 
-def test_a_newcomer_passes_a_request_starving_for_blocks():
-    """A flood request that cannot get its blocks starves (nothing behind it goes
-    first); a tenant with nothing running and a counter no greater than the flood's
-    still starts its request the step it comes. Before: it waited for the starving
-    request."""
+def test_a_newcomer_passes_a_request_starving_for_blocks_for_s_steps():
+    """A flood request that cannot get its blocks starves after S = 3 skips (nothing
+    behind it goes first); for S more steps a tenant with nothing running and a counter
+    no greater than the flood's still starts its request the step it comes (before:
+    it waited for the starving request); after them nothing passes, so the starving
+    request's bound holds."""
     sched = make_scheduler(
-        num_blocks=14, block_size=4, max_num_seqs=8, max_num_batched_tokens=64, starvation_steps=2
+        num_blocks=14, block_size=4, max_num_seqs=8, max_num_batched_tokens=64, starvation_steps=3
     )
     running = [make_request("flood", 8, 12, arrival=i) for i in range(2)]
     big = make_request("flood", 36, 1, arrival=2)  # 9 blocks: free only when those end
     light = make_request("light", 2, 1, arrival=100)
-    trace, _ = simulate(sched, {0: running, 1: [big], 4: [light]})
-    assert trace[3].waiting == {"flood"}  # the big one starves by then
+    late = make_request("late", 2, 1, arrival=101)
+    trace, _ = simulate(sched, {0: running, 1: [big], 4: [light], 8: [late]})
+    assert trace[4].waiting == {"flood", "light"}  # the big one starves by then
     assert "light" in trace[4].service, [entry.service for entry in trace[3:8]]
+    big_ran = next(i for i, entry in enumerate(trace) if entry.prefill.get("flood", 0) == 36)
+    late_ran = next(i for i, entry in enumerate(trace) if "late" in entry.service)
+    assert 8 < big_ran <= late_ran, (big_ran, late_ran)
 
 
 def light_and_flood_prefill(cap):
