@@ -43,10 +43,10 @@ async def list_models(request: Request, caller: Annotated[Principal, Depends(req
     key, which never sees a server path) and lorapool's ``adapter_id`` and ``sha256``."""
     view = pool_of(request).view
     base = await view.base_model()
-    base_name = base["name"] if base else None
+    base_name = base.name if base else None
     data = []
     if base is not None:
-        data.append(_model_card(base_name, None, base_name, sha256=base.get("sha256")))
+        data.append(_model_card(base_name, None, base_name, sha256=base.sha256))
     for record in await view.adapters():
         if not caller.may_use(record.name):
             continue
@@ -65,9 +65,9 @@ async def retrieve_model(
     ``model_not_found`` for a name that is neither, or an adapter the key may not use."""
     view = pool_of(request).view
     base = await view.base_model()
-    base_name = base["name"] if base else None
+    base_name = base.name if base else None
     if base is not None and model_id == base_name:
-        return JSON(_model_card(base_name, None, base_name, sha256=base.get("sha256")))
+        return JSON(_model_card(base_name, None, base_name, sha256=base.sha256))
     record = await view.adapter(model_id) if caller.may_use(model_id) else None
     if record is None:
         raise model_not_found(model_id)

@@ -38,7 +38,7 @@ from lorapool.openai.limits import LimitsCache, PoolLimits
 from lorapool.producer import AsyncJobHandle, AsyncProducer, JobLost
 from lorapool.producer.registry import NAME_PATTERN, AdapterRegistry
 from lorapool.protocol import LoRARequest, SamplingParams
-from lorapool.records.adapter import AdapterRecord
+from lorapool.records.adapter import AdapterRecord, ModelIdentity
 from lorapool.records.chunk import Chunk
 from lorapool.tasks import cancel_and_wait
 
@@ -66,7 +66,7 @@ class Pool:
         self.sessions = Sessions(self.producer.redis, self.producer.keys, config.session_ttl_s)
         self.heavy = HeavyWork(config.grammar_limits, config.heavy_workers)
         self._registry: AdapterRegistry | None = None
-        self._base: tuple[float, dict[str, Any] | None] = (0.0, None)
+        self._base: tuple[float, ModelIdentity | None] = (0.0, None)
 
     async def ensure_groups(self) -> None:
         """The ``workers`` group of every job stream, made when missing (XGROUP CREATE
@@ -102,8 +102,8 @@ class Pool:
             self._registry = AdapterRegistry(connection, self.producer.keys, roots)
         return self._registry
 
-    async def base_model(self) -> dict[str, Any] | None:
-        """The base model's record ({"name", "sha256"}), read at most every BASE_TTL_S."""
+    async def base_model(self) -> ModelIdentity | None:
+        """The base model's identity, read at most every BASE_TTL_S."""
         taken, record = self._base
         if record is None or time.monotonic() - taken > BASE_TTL_S:
             record = await self.view.base_model()
@@ -117,7 +117,7 @@ class Pool:
         tried under the adapter roots (``resolver.py``). The base model's name is the
         cached one (``base_model``): a Redis read a request less."""
         base = await self.base_model()
-        if base is not None and model == base.get("name"):
+        if base is not None and model == base.name:
             return None
         if not NAME_PATTERN.fullmatch(model):
             if "\x00" in model or len(model) > 1024:

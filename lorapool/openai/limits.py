@@ -63,7 +63,7 @@ class LimitsCache:
         if time.monotonic() - self.read_at >= REFRESH_S:
             base = await view.base_model()
             workers = await view.live_workers()
-            self.limits = pool_limits(workers, base.get("name") if base else None)
+            self.limits = pool_limits(workers, base.name if base else None)
             self.read_at = time.monotonic()
         return self.limits
 

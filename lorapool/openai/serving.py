@@ -28,7 +28,7 @@ from lorapool.openai.params import Parsed, parse_chat, parse_completion
 from lorapool.openai.structured import grammar_error
 from lorapool.outputs import RequestOutput
 from lorapool.protocol import FieldError, LoRARequest, SamplingParams
-from lorapool.records.adapter import AdapterRecord, UnknownAdapter
+from lorapool.records.adapter import AdapterRecord, ModelIdentity, UnknownAdapter
 from lorapool.records.chunk import Chunk
 from lorapool.tool_calls import parser_for
 
@@ -54,7 +54,7 @@ class PoolAccess(Protocol):
     backlog at its bound, a wait past its time, no worker, Redis away), except
     ``enqueue``'s, which are the job boundary's (translated here)."""
 
-    async def base_model(self) -> dict[str, Any] | None: ...
+    async def base_model(self) -> ModelIdentity | None: ...
     async def resolve_model(self, model: str, caller: Any) -> AdapterRecord | None: ...
     async def pool_limits(self) -> PoolLimits: ...
     async def compile_grammar(self, constraint: Any) -> None: ...  # FieldError: refused
@@ -124,12 +124,12 @@ def shape_of(
     parsed: Parsed,
     public_id: str,
     public=None,
-    base=None,
+    base: ModelIdentity | None = None,
     echo: Echo | None = None,
     named: bool = True,
 ) -> Shape:
     """The Shape of a reply to ``parsed``: ``public_id`` its id (after ``cmpl-``),
-    ``public`` a job's request id -> its client's, ``base`` the base model's record;
+    ``public`` a job's request id -> its client's, ``base`` the base model;
     ``named``: a failed job's error names the request's parameter (chat's
     ``top_logprobs``), not the job's field (a batch line's error file did not)."""
     params, names = parsed.params, parsed.names if named else None
@@ -172,7 +172,8 @@ class OpenAIServing:
         the base model's family's (``lorapool.tool_calls.parser_for``)."""
         if self.config.tool_call_parser != "auto":
             return self.config.tool_call_parser
-        return parser_for((await self.pool.base_model() or {}).get("name"))
+        base = await self.pool.base_model()
+        return parser_for(base.name if base else None)
 
     async def parse(self, kind: str, body: Any) -> Parsed:
         parser = await self.tool_parser() if kind == "chat" else "hermes"

@@ -33,6 +33,22 @@ class ModelIdentity(msgspec.Struct, frozen=True):
     name: str
     sha256: str
 
+    def to_dict(self) -> dict[str, str]:
+        """As JSON has it (``{p}:model``, the job API's and the audit record's
+        ``base_model``)."""
+        return {"name": self.name, "sha256": self.sha256}
+
+
+def decode_model_identity(raw: bytes | str | None) -> ModelIdentity | None:
+    """The base model ``{p}:model`` holds (None: no worker has claimed the pool yet);
+    ValueError when it holds no ``ModelIdentity``."""
+    if raw is None:
+        return None
+    try:
+        return msgspec.json.decode(raw, type=ModelIdentity)
+    except msgspec.DecodeError as exc:  # ValidationError too
+        raise ValueError(f"malformed base model record: {exc}") from None
+
 
 @dataclass(frozen=True)
 class AdapterRecord:

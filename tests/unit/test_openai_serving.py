@@ -18,9 +18,10 @@ from lorapool.openai.errors import APIError
 from lorapool.openai.limits import PoolLimits
 from lorapool.openai.serving import OpenAIServing, PoolAccess, ServingConfig
 from lorapool.protocol import FieldError
+from lorapool.records.adapter import ModelIdentity
 from lorapool.records.chunk import Chunk, Delta
 
-BASE = {"name": "base-m", "sha256": "ab" * 32}
+BASE = ModelIdentity("base-m", "ab" * 32)
 CHAT = b'{"model": "base-m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}'
 
 
@@ -42,7 +43,7 @@ class MemoryPool:
 
     async def resolve_model(self, model: str, caller):
         self.log.append("resolve")
-        if model != BASE["name"]:
+        if model != BASE.name:
             raise APIError(404, f"the model {model!r} does not exist", "model")
         return None
 
