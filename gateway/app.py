@@ -115,7 +115,14 @@ def create_app(config: GatewayConfig) -> FastAPI:
 def serving_config(config: GatewayConfig) -> ServingConfig:
     """The bounds OpenAI's routes hold a request to, from the gateway's options."""
     return ServingConfig(
-        config.max_prompts, config.max_prompt_bytes, config.max_stop, config.tool_call_parser
+        config.max_prompts,
+        config.max_prompt_bytes,
+        config.max_stop,
+        config.tool_call_parser,
+        config.max_backlog,
+        config.retry_after_s,
+        config.result_timeout_s,
+        tuple(config.webhook_allow),
     )
 
 

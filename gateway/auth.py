@@ -6,7 +6,7 @@ Every authenticated call counts against its key's requests per minute, before an
 (429 with Retry-After past it): ``require`` takes one request from a key with an rpm at
 the door. Routes that submit work (completions, chat, responses, jobs) take their own
 count instead, once the body says how many prompts and tokens (``counted=False``,
-``Pool.check_rate``). Health, readiness and ``/metrics`` (Prometheus) count nothing.
+``OpenAIServing.check_rate``). Health, readiness and ``/metrics`` (Prometheus) count nothing.
 
 Tenants never see each other's jobs: a job's request id is the tenant's name, ``~``
 and the id the client sees, so another tenant's id names a job that does not exist
@@ -97,7 +97,7 @@ async def count(request: Request, caller: Principal) -> None:
     """Take one call from ``caller``'s requests per minute (nothing without an rpm):
     429 with Retry-After and the ``x-ratelimit-*`` headers past it."""
     if caller.rpm is not None:
-        await request.app.state.pool.check_rate(caller, 1, None, request)
+        request.state.rate_headers = await request.app.state.serving.check_rate(caller, 1, None)
 
 
 def principal(record: KeyRecord, roles: tuple[str, ...] = ()) -> Principal:

@@ -10,7 +10,7 @@
   watch's noticing (``PING_EVERY_S`` + ``PING_TIMEOUT_S``), however many Redis calls it
   makes, each bounded by the socket timeout only as a backstop;
 - adds the ``x-ratelimit-*`` headers a route's rate check left in the request's state
-  (``Pool.check_rate``) to its answer;
+  (``OpenAIServing.check_rate``) to its answer;
 - records the request in the HTTP metrics (``http_metrics.py``) and, for ``/v1/``
   requests, in the dashboard's recent requests (``request_stats.py``).
 

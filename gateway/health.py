@@ -19,6 +19,7 @@ from fastapi import APIRouter, Query, Request
 from lorapool.connection import REDIS_DOWN
 from lorapool.gateway.json import JSON
 from lorapool.gateway.redis_watch import READY_DEADLINE_S
+from lorapool.records.adapter import ModelIdentity
 from lorapool.records.heartbeat import Heartbeat
 
 router = APIRouter(tags=["operations"])
@@ -48,7 +49,7 @@ async def readyz(
     problem = await _audit_db_problem(request.app.state.audit)
     if problem is not None:
         return _not_ready(f"the audit database is unreachable: {problem}")
-    name = base.get("name") if base else None
+    name = base.name if base else None
     serving = [w for w in workers if w.model == name and not w.draining]
     body = {"status": "ready", "model": name, "workers": len(serving)}
     if len(serving) < min_workers:
@@ -57,7 +58,7 @@ async def readyz(
     return JSON(body)
 
 
-async def _pool_state(view) -> tuple[dict | None, list[Heartbeat]]:
+async def _pool_state(view) -> tuple[ModelIdentity | None, list[Heartbeat]]:
     await view.ping()
     return await view.base_model(), await view.live_workers()
 

@@ -6,7 +6,7 @@ from typing import Any
 
 from lorapool.openai.format import usage
 from lorapool.outputs import RequestOutput
-from lorapool.records.adapter import AdapterRecord
+from lorapool.records.adapter import AdapterRecord, ModelIdentity
 from lorapool.records.chunk import Chunk
 from lorapool.records.marker import JobStatus
 
@@ -47,7 +47,7 @@ def job_body(
     status: str,
     output: RequestOutput,
     adapter: AdapterRecord | None,
-    base: dict | None,
+    base: ModelIdentity | None,
     internals: bool = True,
 ) -> dict[str, Any]:
     """GET /v1/jobs/{id} of a final job; without ``internals`` (a tenant's key) no
@@ -72,11 +72,11 @@ def job_body(
         "prompt_token_ids": output.prompt_token_ids,
         "usage": usage(len(output.prompt_token_ids or ()), completion_tokens),
         "adapter": identity,
-        "base_model": base,
+        "base_model": base.to_dict() if base else None,
         "worker": output.worker if internals else None,
         "error": error,
     }
-    model = identity["name"] if identity else (base or {}).get("name")
+    model = identity["name"] if identity else base.name if base else None
     return {"id": job_id, "object": "job", "status": status, "model": model, "result": result}
 
 

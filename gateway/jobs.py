@@ -26,7 +26,7 @@ from lorapool.gateway.body import read_body
 from lorapool.gateway.holds import holds_of
 from lorapool.gateway.job_format import chunk_event, job_body, state_name
 from lorapool.gateway.json import JSON
-from lorapool.gateway.openai_api import serving_of, warned
+from lorapool.gateway.openai_api import HTTPDoor, serving_of, warned
 from lorapool.gateway.pool import Pool
 from lorapool.gateway.redis_watch import until_outage
 from lorapool.gateway.streams import guarded, sse, until_stopped
@@ -72,8 +72,8 @@ async def submit_job(
     serving = serving_of(request)
     lora = await serving.prepare(parsed, caller)
     if on_finish is not None:
-        await pool.check_webhook(on_finish, caller)
-    await pool.check_rate(caller, 1, parsed.params, request)
+        await serving.check_webhook(on_finish, caller)
+    HTTPDoor(request, caller).rated(await serving.check_rate(caller, 1, parsed.params))
     await serving.check_grammar(parsed)  # compiled after the rate checks, off the loop
     job_id = caller.job_id(request_id or uuid.uuid4().hex)
     [handle] = await serving.enqueue(parsed, lora, caller, [job_id], on_finish)

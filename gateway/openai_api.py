@@ -24,7 +24,7 @@ from lorapool.gateway.pool import Pool, disconnected
 from lorapool.gateway.streams import DONE, sse
 from lorapool.openai.bodies import ChatRequest, CompletionRequest, openapi_body
 from lorapool.openai.errors import model_not_found
-from lorapool.openai.params import IGNORED_HEADER, Parsed, ignored_header
+from lorapool.openai.params import Parsed
 from lorapool.openai.serving import OpenAIServing
 
 logger = logging.getLogger(__name__)
@@ -43,10 +43,10 @@ async def list_models(request: Request, caller: Annotated[Principal, Depends(req
     key, which never sees a server path) and lorapool's ``adapter_id`` and ``sha256``."""
     view = pool_of(request).view
     base = await view.base_model()
-    base_name = base["name"] if base else None
+    base_name = base.name if base else None
     data = []
     if base is not None:
-        data.append(_model_card(base_name, None, base_name, sha256=base.get("sha256")))
+        data.append(_model_card(base_name, None, base_name, sha256=base.sha256))
     for record in await view.adapters():
         if not caller.may_use(record.name):
             continue
@@ -65,9 +65,9 @@ async def retrieve_model(
     ``model_not_found`` for a name that is neither, or an adapter the key may not use."""
     view = pool_of(request).view
     base = await view.base_model()
-    base_name = base["name"] if base else None
+    base_name = base.name if base else None
     if base is not None and model_id == base_name:
-        return JSON(_model_card(base_name, None, base_name, sha256=base.get("sha256")))
+        return JSON(_model_card(base_name, None, base_name, sha256=base.sha256))
     record = await view.adapter(model_id) if caller.may_use(model_id) else None
     if record is None:
         raise model_not_found(model_id)
@@ -125,7 +125,7 @@ def serving_of(request: Request) -> OpenAIServing:
 
 class HTTPDoor:
     """An HTTP request's side of its submit (``serving.Door``): a stream's hold on the
-    gateway's open streams (``holds.py``) and its key's rate limits, whose headers go
+    gateway's open streams (``holds.py``), and its key's rate limits' headers, which go
     on the answer (``edge.py``)."""
 
     __slots__ = ("request", "caller")
@@ -136,8 +136,9 @@ class HTTPDoor:
     def hold(self) -> Hold:
         return holds_of(self.request).take(self.caller.tenant)
 
-    async def check_rate(self, requests: int, params) -> None:
-        await pool_of(self.request).check_rate(self.caller, requests, params, self.request)
+    def rated(self, headers: dict[str, str] | None) -> None:
+        if headers is not None:
+            self.request.state.rate_headers = headers
 
 
 def held_stream(hold: Hold, events: AsyncIterator[bytes], headers: dict) -> StreamingResponse:
@@ -147,9 +148,9 @@ def held_stream(hold: Hold, events: AsyncIterator[bytes], headers: dict) -> Stre
 
 def warned(parsed: Parsed, request: Request) -> dict[str, str]:
     """The reply's header naming the parameters accepted and ignored, and their log line."""
-    headers = ignored_header(parsed.ignored)
+    headers = serving_of(request).reply_headers(parsed)
     if headers:
-        logger.warning("%s: ignored parameters %s", request.url.path, headers[IGNORED_HEADER])
+        logger.warning("%s: ignored parameters %s", request.url.path, ", ".join(headers.values()))
     return headers
 
 

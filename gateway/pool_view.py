@@ -9,12 +9,15 @@ from __future__ import annotations
 
 from typing import Any
 
-import orjson
-
 from lorapool.lifecycle.keys import WORKERS_GROUP
 from lorapool.producer.aio import AsyncProducer
 from lorapool.producer.api_keys import authenticate
-from lorapool.records.adapter import AdapterRecord, decode_adapter_record
+from lorapool.records.adapter import (
+    AdapterRecord,
+    ModelIdentity,
+    decode_adapter_record,
+    decode_model_identity,
+)
 from lorapool.records.api_key import KeyRecord, decode_key_record
 from lorapool.records.heartbeat import Heartbeat, decode_heartbeats
 from lorapool.records.marker import RESULT_FIELD, job_status
@@ -31,10 +34,10 @@ class PoolView:
         """True when Redis answers (raises redis's ConnectionError when it does not)."""
         return bool(await self.redis.ping())
 
-    async def base_model(self) -> dict[str, Any] | None:
-        """{"name", "sha256"} of the pool's base model; None before any worker started."""
-        raw = await self.redis.get(self.keys.model)
-        return None if raw is None else orjson.loads(raw)
+    async def base_model(self) -> ModelIdentity | None:
+        """The pool's base model; None before any worker started (ValueError: a
+        malformed record)."""
+        return decode_model_identity(await self.redis.get(self.keys.model))
 
     async def adapters(self) -> list[AdapterRecord]:
         """Every registry record, by adapter id."""

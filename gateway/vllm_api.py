@@ -96,7 +96,7 @@ async def tokenize(request: Request, caller: Caller) -> JSON:
         raise bad_request("give a prompt (a string) or messages", "prompt")
     _check_size(text, pool.config.max_prompt_bytes)
     ids = await pool.heavy.tokens(tokenizer.encode, text, special)
-    limits = await pool.pool_limits()
+    limits = await request.app.state.serving.pool_limits()
     strs = await pool.heavy.tokens(tokenizer.token_strs, ids) if body.return_token_strs else None
     return JSON(
         {"count": len(ids), "max_model_len": limits.max_model_len, "tokens": ids,
@@ -136,7 +136,7 @@ async def _body(request: Request, caller: Principal, kind: type[T]) -> T:
     pool = request.app.state.pool
     body = await read_struct(request, pool.config.body_limit, kind)
     if body.model is not None:
-        await pool.resolve_model(body.model, caller)  # 404 for an unknown one
+        await request.app.state.serving.resolve(body.model, caller)  # 404: an unknown one
     return body
 
 

@@ -59,7 +59,7 @@ def payload(record: AuditRecord) -> dict[str, Any]:
         "num_generated_tokens": sum(o["num_tokens"] for o in outputs),
         "error": record.error,
         "adapter": None if record.adapter is None else record.adapter.to_dict(),
-        "base_model": {"name": record.base_model.name, "sha256": record.base_model.sha256},
+        "base_model": record.base_model.to_dict(),
         "worker": record.worker,
         "metadata": record.metadata,
     }

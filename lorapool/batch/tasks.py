@@ -16,7 +16,6 @@ from dataclasses import asdict, dataclass
 from itertools import islice
 from typing import Any
 
-import orjson
 import redis
 from rq import Queue, Retry, get_current_job
 from rq.serializers import JSONSerializer
@@ -30,6 +29,7 @@ from lorapool.grammar_sandbox import GrammarSandbox
 from lorapool.lifecycle.keys import DEFAULT_PREFIX, Keys
 from lorapool.producer import Producer
 from lorapool.protocol import LoRARequest
+from lorapool.records.adapter import decode_model_identity
 
 logger = logging.getLogger(__name__)
 SUBMIT_LINES = 256  # lines a submit_many sends in one round trip
@@ -86,8 +86,8 @@ def _context(raw: dict[str, Any]) -> tuple[redis.Redis, BatchConfig, BatchState]
 
 def base_model(connection: redis.Redis, keys: Keys) -> str | None:
     """The pool's base model name (None before any worker started)."""
-    raw = connection.get(keys.model)
-    return None if raw is None else orjson.loads(raw).get("name")
+    base = decode_model_identity(connection.get(keys.model))
+    return None if base is None else base.name
 
 
 def known_models(connection: redis.Redis, keys: Keys) -> set[str]:

@@ -1,5 +1,6 @@
 """What clients do to one request after submitting it: ask for its abort, and read
-back its output (the chunk log while it streams, the final record once compacted).
+back its output (the chunk log while it streams, the final record once compacted);
+what a reader may meet instead (``JobLost``, ``NoWorker``).
 
 Each function takes the connection or a pipeline (sync or redis.asyncio) and returns
 what the client returns: awaitable on an asyncio client.
@@ -49,6 +50,15 @@ class JobLost(RuntimeError):
             "passed); it will not finish"
         )
         self.request_id = request_id
+
+
+class NoWorker(RuntimeError):
+    """Requests no worker had taken ``waited_s`` after their submit: they stay queued,
+    for the worker a scale-up brings (their readers stop waiting, not the requests)."""
+
+    def __init__(self, request_ids: list[str], waited_s: float):
+        super().__init__(f"no worker took {', '.join(request_ids)} within {waited_s:g}s")
+        self.request_ids, self.waited_s = request_ids, waited_s
 
 
 def read_back(pipe, keys: Keys, request_id: str, after: int, count: int | None = None) -> None:

@@ -25,6 +25,7 @@ from lorapool.openai.logprobs import (
 from lorapool.openai.tool_stream import ToolStream
 from lorapool.openai.tools import ToolRequest
 from lorapool.outputs import RequestOutput
+from lorapool.records.adapter import ModelIdentity
 from lorapool.records.chunk import Chunk
 
 
@@ -50,10 +51,9 @@ def check_failed(output: RequestOutput | Chunk, public_id: str, names=None) -> N
         )  # fmt: skip
 
 
-def fingerprint(base: dict[str, Any] | None) -> str | None:
+def fingerprint(base: ModelIdentity | None) -> str | None:
     """``fp_`` and the first 12 hex digits of the base model's weights sha256."""
-    sha = (base or {}).get("sha256")
-    return f"fp_{sha[:12]}" if isinstance(sha, str) and sha else None
+    return f"fp_{base.sha256[:12]}" if base is not None and base.sha256 else None
 
 
 class Shape:

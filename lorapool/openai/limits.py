@@ -59,11 +59,12 @@ class LimitsCache:
     def __init__(self):
         self.limits, self.read_at = PoolLimits(), -REFRESH_S
 
-    async def get(self, view) -> PoolLimits:
+    async def get(self, pool) -> PoolLimits:
+        """Of ``pool``'s ``live_workers()`` that serve its ``base_model()``."""
         if time.monotonic() - self.read_at >= REFRESH_S:
-            base = await view.base_model()
-            workers = await view.live_workers()
-            self.limits = pool_limits(workers, base.get("name") if base else None)
+            base = await pool.base_model()
+            workers = await pool.live_workers()
+            self.limits = pool_limits(workers, base.name if base else None)
             self.read_at = time.monotonic()
         return self.limits
 

@@ -265,7 +265,7 @@ def _job_kind(body: Any) -> JobKind:
 def _webhook(value: str | None) -> str | None:
     """A job's ``on_finish`` over HTTP: an http(s) URL only (a dotted function path would
     have the web app's RQ workers run a function an HTTP client named), whose form the
-    egress module accepts; where it points is checked by ``Pool.check_webhook``."""
+    egress module accepts; where it points is checked by ``OpenAIServing.check_webhook``."""
     if value is None:
         return None
     try:

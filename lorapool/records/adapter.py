@@ -33,6 +33,27 @@ class ModelIdentity(msgspec.Struct, frozen=True):
     name: str
     sha256: str
 
+    def to_dict(self) -> dict[str, str]:
+        """As JSON has it (``{p}:model``, the job API's and the audit record's
+        ``base_model``)."""
+        return {"name": self.name, "sha256": self.sha256}
+
+
+def decode_model_identity(raw: bytes | str | None) -> ModelIdentity | None:
+    """The base model ``{p}:model`` holds (None: no worker has claimed the pool yet);
+    ValueError when it holds no ``ModelIdentity``."""
+    return _decode(raw, ModelIdentity, "base model record")
+
+
+def _decode(raw: bytes | str | None, kind: type, what: str):
+    """``raw`` decoded as a ``kind`` (None: nothing there); ValueError naming ``what``."""
+    if raw is None:
+        return None
+    try:
+        return msgspec.json.decode(raw, type=kind)
+    except msgspec.DecodeError as exc:  # ValidationError too
+        raise ValueError(f"malformed {what}: {exc}") from None
+
 
 @dataclass(frozen=True)
 class AdapterRecord:
@@ -96,12 +117,7 @@ def encode_adapter_record(record: AdapterRecord) -> bytes:
 
 def decode_adapter_record(raw: bytes | str | None) -> AdapterRecord | None:
     """The record ``raw`` holds (None: no record); ValueError when it holds none."""
-    if raw is None:
-        return None
-    try:
-        return msgspec.json.decode(raw, type=AdapterRecord)
-    except msgspec.DecodeError as exc:  # ValidationError too
-        raise ValueError(f"malformed adapter record: {exc}") from None
+    return _decode(raw, AdapterRecord, "adapter record")
 
 
 class UnknownAdapter(ValueError):

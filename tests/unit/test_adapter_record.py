@@ -8,9 +8,11 @@ import pytest
 from lorapool.protocol import LoRARequest
 from lorapool.records.adapter import (
     AdapterRecord,
+    ModelIdentity,
     adapter_record,
     check_lora,
     decode_adapter_record,
+    decode_model_identity,
     encode_adapter_record,
 )
 from lorapool.records.audit import AdapterInfo, record_from_dict
@@ -43,6 +45,15 @@ def test_a_record_written_before_reads_typed_and_writes_back_the_same_bytes():
 def test_a_damaged_record_is_a_value_error(raw):
     with pytest.raises(ValueError, match="malformed adapter record"):
         decode_adapter_record(raw)
+
+
+def test_the_base_model_record_reads_typed_or_is_a_value_error():
+    raw = b'{"name":"smol","sha256":"%s"}' % SHA.encode()  # {p}:model, as claim_model writes
+    assert decode_model_identity(raw) == ModelIdentity("smol", SHA)
+    assert decode_model_identity(None) is None  # no worker has claimed the pool yet
+    for damaged in (b"{", b"[]", b'{"name":"smol"}', b'{"name":1,"sha256":"0"}'):
+        with pytest.raises(ValueError, match="malformed base model record"):
+            decode_model_identity(damaged)
 
 
 def test_the_registry_checks_the_fields_it_writes():

@@ -8,6 +8,8 @@ room may name which (issue 50 Build 4; DESIGN.md's layout, each package's docstr
   name no room above them either (the CLI, ``cli/``, is the top floor and names all).
 - ``producer`` is the client SDK: it names no ``openai`` and no ``gateway``.
 - the gateway names no torch (nor the engine, kernels or worker that bring it).
+- the gateway's way into the pool (``pool.py``, ``pool_view.py``) names no ``openai``:
+  it is pool access only; OpenAI's policy and wording are ``openai.serving``'s.
 
 Every import counts, at any depth: a function's lazy import too.
 """
@@ -73,6 +75,12 @@ FACES = {ROOT / "lorapool/__init__.py"}
 def test_a_floor_names_nothing_above_it(what, files, never):
     assert len(files) > 3, f"{what}: no files found"  # the walk really read the folder
     assert wrong_arrows([f for f in files if f not in FACES], never) == []
+
+
+def test_the_gateways_pool_access_holds_no_openai_policy():
+    files = [ROOT / "gateway/pool.py", ROOT / "gateway/pool_view.py"]
+    assert all(f.is_file() for f in files)
+    assert wrong_arrows(files, ("lorapool.openai",)) == []
 
 
 def test_a_wrong_arrow_is_found(tmp_path):

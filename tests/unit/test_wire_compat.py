@@ -16,6 +16,7 @@ import re
 import zlib
 from pathlib import Path
 
+import msgspec
 import orjson
 import pytest
 
@@ -191,6 +192,7 @@ def test_dead_letters_of_both_writers_read_as_one_shape(fixture):
 
 def test_registry_heartbeat_and_model_records_read_as_they_did(fixture):
     from lorapool.records.adapter import decode_adapter_record as decode_adapter
+    from lorapool.records.adapter import decode_model_identity
 
     for name, value in fixture["adapters"].items():
         record = decode_adapter(raw(value))  # every field typed (records.adapter)
@@ -204,3 +206,5 @@ def test_registry_heartbeat_and_model_records_read_as_they_did(fixture):
         assert {k: typed[k] for k in heartbeat} == heartbeat
     model = orjson.loads(raw(fixture["model"]))
     assert set(model) == {"name", "sha256"}
+    typed = decode_model_identity(raw(fixture["model"]))  # what the gateway reads it as
+    assert typed.to_dict() == model and msgspec.json.encode(typed) == raw(fixture["model"])
