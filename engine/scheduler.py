@@ -54,20 +54,14 @@ taken and its counter is at most that of a tenant running two or more sequences,
 that tenant's sequence with the least work done is preempted for it (``_make_room``: one a step,
 never a tenant's last, so no two tenants preempt each other back and forth). A
 light tenant's request therefore starts at the next step whatever a flooding
-tenant has queued or running, given the blocks it needs. Forked samples respect
-``max_num_seqs`` (``fork``).
+tenant has queued or running, given the blocks it needs.
 
-Samples: a request of n > 1 forks its samples at its first token. It is admitted only
-with slots for all of them (min(n, max_num_seqs), held until it forks: ``slots_held``),
-else skipped as for blocks; without that, forks finding no slot waited and recomputed
-the whole prompt each (an n=64 flood with 1,024-token prompts computed 7x its prompts).
+Samples: a request of n > 1 forks at its first token; it is admitted only with slots for
+min(n, max_num_seqs) samples (held until it forks: ``slots_held``), else skipped as for
+blocks, so no fork waits to recompute the prompt; forks respect max_num_seqs (``fork``).
 
-Prefill under contention (``engine.contention``, off by default): while two or more
-tenants have work, each tenant's chunks but the least one's take at most C prompt or
-recompute positions a step.
-
-Async scheduling (not yet, issue 47 item 4): ``engine.scheduler_output`` says how it
-would fit.
+Prefill under contention: ``engine.contention`` (off by default). Async scheduling
+(not yet, issue 47 item 4): ``engine.scheduler_output`` says how it would fit.
 """
 
 from __future__ import annotations
@@ -91,9 +85,7 @@ class SchedulerConfig:
     fair_share: bool = True  # False: first come, first served whatever the tenant
     input_cost: float = 1.0  # a prompt token's charge to its tenant (engine.fair_share)
     output_cost: float = 2.0  # a generated token's
-    # while two or more tenants have work, the most prompt or recompute positions one
-    # tenant's chunks take in a step (module docstring); None: no cap
-    contended_prefill_tokens: int | None = None
+    contended_prefill_tokens: int | None = None  # engine.contention's C; None: no cap
     contended_window_steps: int = 1  # steps a tenant counts as contending (1: while it has work)
 
     def __post_init__(self):
@@ -138,8 +130,8 @@ class Scheduler:
         return len(self.running) + self._unforked
 
     def _forks_to_come(self, seq: Sequence) -> int:
-        request = seq.request
-        return min(request.params.n, self.config.max_num_seqs) - 1 if request.needs_fork else 0
+        n = seq.request.params.n
+        return min(n, self.config.max_num_seqs) - 1 if seq.request.needs_fork else 0
 
     def _release(self, seq: Sequence) -> None:
         """``seq`` left the running ones, or forked: the slots held for its forks free."""
