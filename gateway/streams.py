@@ -7,12 +7,11 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-import anyio
 import orjson
 
 from lorapool.producer import AsyncJobHandle
 from lorapool.records.chunk import Chunk
-from lorapool.tasks import cancel_and_wait
+from lorapool.tasks import cancel_and_wait, finish
 
 DONE = b"data: [DONE]\n\n"
 
@@ -89,12 +88,18 @@ async def _close(items: AsyncIterator, step: asyncio.Future | None) -> None:
     """Close ``items`` once ``step``, a task running its ``__anext__``, has ended: an
     async generator cannot be closed while it runs (``aclose()`` raised "asynchronous
     generator is already running" at every client that left a waiting stream, and the
-    step ran on, holding its job's reads). Shielded: the cancel that brought the
-    caller here (Starlette's, at a disconnect) would cancel each await of it again."""
-    with anyio.CancelScope(shield=True):
-        if step is not None:
-            await cancel_and_wait(step)
-        await items.aclose()
+    step ran on, holding its job's reads). Finished in a task of its own: the cancel
+    that brought the caller here (Starlette's at a disconnect, a pump's
+    ``cancel_and_wait``) comes again every 0.1 s, and an anyio shield does not stop a
+    plain asyncio cancel: a step whose first cancel was lost ran on, its job's channel
+    subscribed for good (CI, ``test_row6_leaving_waiting_openai_streams_is_quiet_too``)."""
+    await finish(_end(items, step))
+
+
+async def _end(items: AsyncIterator, step: asyncio.Future | None) -> None:
+    if step is not None:
+        await cancel_and_wait(step)
+    await items.aclose()
 
 
 async def guarded(
@@ -110,7 +115,7 @@ async def guarded(
             yield chunk
     finally:
         if not finished and handle.request_id not in (kept or ()):
-            await asyncio.shield(handle.abort())
+            await finish(handle.abort())  # the abort sent though the reader is cancelled again
 
 
 async def until_taken(items: AsyncIterator, watch: asyncio.Future) -> AsyncIterator:

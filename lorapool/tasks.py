@@ -29,3 +29,19 @@ async def cancel_and_wait(*tasks: asyncio.Future, every_s: float = RECANCEL_S) -
     for task in tasks:
         if not task.cancelled():
             task.exception()
+
+
+_FINISHING: set[asyncio.Task] = set()  # a task runs to its end only while referenced
+
+
+async def finish(coro) -> None:
+    """Run ``coro`` to its end whatever happens to the caller: in a task of its own,
+    awaited shielded. A cleanup in a ``finally`` needs it when the caller may be
+    cancelled again while it waits (``cancel_and_wait`` re-cancels every 0.1 s, and so
+    does anyio): the cleanup's own ``cancel_and_wait`` of the task it ends was cut short
+    there, and that task, whose first cancel CPython had lost (gh-86296), ran on for
+    good. The caller's cancel still raises here; the cleanup goes on without it."""
+    task = asyncio.ensure_future(coro)
+    _FINISHING.add(task)
+    task.add_done_callback(_FINISHING.discard)
+    await asyncio.shield(task)

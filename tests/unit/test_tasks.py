@@ -176,3 +176,39 @@ def test_a_stream_left_while_it_waits_closes_its_read_once_it_has_ended(stream):
         assert closed == ["read closed"]
 
     asyncio.run(asyncio.wait_for(main(), 5))
+
+
+@pytest.mark.parametrize("stream", ["until_stopped", "until_taken"])
+def test_a_left_stream_ends_its_read_though_the_read_lost_a_cancel_and_its_caller_is_recancelled(
+    stream,
+):
+    """The CI failure of ``test_row6_leaving_waiting_openai_streams_is_quiet_too``: the
+    OpenAI stream's pump (``until_outage``) is ended by ``cancel_and_wait``, which
+    cancels it again every 0.1 s; the stream's close, cancelling its step (whose read
+    had lost the first cancel, gh-86296) and waiting 0.1 s to cancel again, was cut
+    short by the pump's second cancel, and the read ran on for good, its job's channel
+    subscribed. The read must end all the same."""
+    ended = asyncio.Event()
+
+    async def loses_a_cancel():
+        try:
+            await _swallows_one_cancel([])
+            yield "never"
+        finally:
+            ended.set()
+
+    async def pump():
+        watch = asyncio.get_running_loop().create_future()
+        wrap = {"until_stopped": lambda items: until_stopped(items, asyncio.Event()),
+                "until_taken": lambda items: until_taken(items, watch)}[stream]  # fmt: skip
+        async for _ in wrap(loses_a_cancel()):
+            pass
+
+    async def main():
+        task = asyncio.ensure_future(pump())
+        await asyncio.sleep(0.05)
+        await cancel_and_wait(task)  # the reader left
+        assert task.cancelled()
+        assert await _ends_within(ended.wait(), 2), "the stream's read runs on"
+
+    asyncio.run(asyncio.wait_for(main(), 10))
