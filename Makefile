@@ -55,9 +55,14 @@ demo: demo-model
 
 # Triton picks compiled or interpreted once per process: the kernel tests that launch
 # kernels on the CPU run in a second process started with TRITON_INTERPRET=1.
+# The suite runs on TEST_WORKERS processes (pytest-xdist), a test file to a process:
+# the files' module fixtures (a gateway, a worker) start once. `make test TEST_WORKERS=0`
+# runs it in one process.
+TEST_WORKERS ?= 2
+PYTEST_PAR = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 test: model
-	$(BIN)/pytest -q
-	TRITON_INTERPRET=1 $(BIN)/pytest -q tests/kernels -m interpret
+	$(BIN)/pytest -q $(PYTEST_PAR) --durations=20
+	TRITON_INTERPRET=1 $(BIN)/pytest -q $(PYTEST_PAR) tests/kernels -m interpret
 
 lint: install
 	$(BIN)/ruff check .
