@@ -11,7 +11,7 @@ import redis
 
 from lorapool.connection import REDIS_DOWN
 from lorapool.lifecycle.keys import Keys
-from lorapool.records.adapter import ModelIdentity
+from lorapool.records.adapter import ModelIdentity, decode_model_identity
 from lorapool.records.heartbeat import (
     Heartbeat,
     consumer_of,
@@ -37,13 +37,18 @@ def claim_model(connection: redis.Redis, keys: Keys, base_model: ModelIdentity) 
     worker whose weights differ would answer the pool's requests with another
     model, so it refuses to start, naming both.
     """
-    mine = msgspec.json.encode(base_model)
-    connection.set(keys.model, mine, nx=True)
-    pool = orjson.loads(connection.get(keys.model) or mine)
-    if pool.get("sha256") != base_model.sha256:
+    try:
+        connection.set(keys.model, msgspec.json.encode(base_model), nx=True)
+        pool = decode_model_identity(connection.get(keys.model)) or base_model
+    except (ValueError, redis.ResponseError) as exc:  # not what a worker wrote (WRONGTYPE)
         raise ModelMismatchError(
-            f"pool {keys.prefix!r} serves base model {pool.get('name')!r} "
-            f"(sha256 {str(pool.get('sha256'))[:12]}…) and this worker has "
+            f"pool {keys.prefix!r}: {keys.model} holds no base model record ({exc}): "
+            "delete it once no worker of the pool runs"
+        ) from None
+    if pool.sha256 != base_model.sha256:
+        raise ModelMismatchError(
+            f"pool {keys.prefix!r} serves base model {pool.name!r} "
+            f"(sha256 {pool.sha256[:12]}…) and this worker has "
             f"{base_model.name!r} (sha256 {base_model.sha256[:12]}…): start it "
             f"on another --prefix, or delete {keys.model} once no worker of the old "
             "model runs"

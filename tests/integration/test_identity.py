@@ -109,6 +109,27 @@ def test_second_base_model_refuses_to_start(
     assert conn.hlen(keys.workers) == 0
 
 
+@pytest.mark.parametrize(
+    "held", ["not json", '{"name": "smol"}', '{"name": 1, "sha256": []}', "hash"]
+)
+def test_a_pool_model_key_no_worker_wrote_refuses_start_naming_the_key(
+    model, lora_engine, conn, keys, held
+):
+    """A ``{p}:model`` that is not a base model record (an operator's hand, another
+    program, a hash): the worker refuses to start with an error naming the key, and
+    leaves the key as it was, instead of a JSON or WRONGTYPE traceback."""
+    if held == "hash":
+        conn.hset(keys.model, "name", "smol")
+    else:
+        conn.set(keys.model, held)
+    config = WorkerConfig(prefix=keys.prefix, shards=keys.shards, burst=True)
+    with pytest.raises(ModelMismatchError, match="holds no base model record") as error:
+        Worker(lora_engine, conn, config, model_identity(model)).run()
+    assert keys.model in str(error.value) and "delete it" in str(error.value)
+    assert conn.type(keys.model) == (b"hash" if held == "hash" else b"string")
+    assert conn.hlen(keys.workers) == 0
+
+
 @pytest.fixture
 def two_shard_prefix(conn, prefix):
     """``prefix`` for a pool of 2 shards on a standalone Redis: ``prefix`` deletes the
