@@ -24,6 +24,7 @@ import orjson
 from lorapool import signing
 from lorapool.records.adapter import HASHES, AdapterRecord, ModelIdentity
 from lorapool.records.errors import msgspec_path, path_text
+from lorapool.records.outputs import RequestTimes
 
 RECORD_VERSION = 1
 SIGNATURE_DOMAIN = "lorapool audit record v1"
@@ -40,12 +41,10 @@ class RecordError(ValueError):
 AdapterInfo = AdapterRecord
 
 
-class Metrics(msgspec.Struct, frozen=True, kw_only=True):
-    arrival_time: float
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-    last_token_time: float | None = None
-    finished_time: float | None = None
+class Metrics(RequestTimes, frozen=True, kw_only=True):
+    """A request's ``RequestMetrics`` as the signed record has had it since version 1:
+    the same times, then ``queue_time`` and the two token counts, required."""
+
     queue_time: float | None = None
     num_prompt_tokens: int
     num_generated_tokens: int

@@ -97,16 +97,25 @@ def _lora_dict(lora: LoRARequest | None) -> dict[str, Any] | None:
     return None if lora is None else lora.to_dict()
 
 
-class RequestMetrics(msgspec.Struct, gc=False):
-    """Timestamps (``time.time()`` seconds) and token counts of one request: vLLM's
-    fields, and the typed ``m`` of a request's first and final chunk (``records.chunk``;
-    every field written, in this order: the bytes the dict it replaces wrote)."""
+class RequestTimes(msgspec.Struct):
+    """When a request arrived, was first scheduled, gave its first and last token, and
+    finished (``time.time()`` seconds): the fields both metrics records begin with, in
+    this order, written once here."""
 
     arrival_time: float
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
+
+
+class RequestMetrics(RequestTimes, gc=False):
+    """Timestamps and token counts of one request: vLLM's fields, and the typed ``m`` of
+    a request's first and final chunk (``records.chunk``; every field written, in this
+    order: the bytes the dict it replaces wrote). The signed audit record's
+    ``audit.Metrics`` has the same times, its queue time under the name the signed rows
+    have (``queue_time``), and no cached-token count."""
+
     time_in_queue: float | None = None
     num_prompt_tokens: int = 0
     num_generated_tokens: int = 0
