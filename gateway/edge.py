@@ -29,6 +29,7 @@ from starlette.responses import Response
 from lorapool.gateway.http_metrics import OTHER, HttpMetrics
 from lorapool.gateway.json import error_response
 from lorapool.gateway.redis_watch import NEEDS_NO_REDIS, REDIS_DOWN_METRICS, not_ready
+from lorapool.openai.admission import redis_unavailable
 from lorapool.tasks import cancel_and_wait
 
 RIDES_OUTAGES = "rides_redis_outages"  # set in a request's state: not cut off by the edge
@@ -132,4 +133,4 @@ def _gate(path: str, watch):
         return Response(REDIS_DOWN_METRICS, media_type="text/plain")
     if path == "/readyz":
         return not_ready(watch)
-    return error_response(watch.unavailable())
+    return error_response(redis_unavailable(watch.unavailable()))

@@ -30,6 +30,8 @@ from lorapool.gateway.openai_api import HTTPDoor, serving_of, warned
 from lorapool.gateway.pool import Pool
 from lorapool.gateway.redis_watch import until_outage
 from lorapool.gateway.streams import guarded, sse, until_stopped
+from lorapool.lifecycle.marker import RedisAway
+from lorapool.openai.admission import redis_unavailable
 from lorapool.openai.bodies import ChatJob, CompletionJob, openapi_body
 from lorapool.openai.errors import APIError, bad_request, job_lost
 from lorapool.openai.params import parse_job
@@ -182,8 +184,8 @@ async def _events(
     except LookupError as exc:  # compacted before this reader got its place
         message = f"{exc}; GET /v1/jobs/{quote(name, safe='')} has the whole result"
         yield sse({"message": message, "id": name}, "error")
-    except APIError as exc:  # Redis away too long: resume with Last-Event-ID later
-        yield sse({**exc.body()["error"], "id": name}, "error")
+    except RedisAway as exc:  # Redis away too long: resume with Last-Event-ID later
+        yield sse({**redis_unavailable(exc).body()["error"], "id": name}, "error")
     except JobLost:  # its state left Redis: nothing will follow
         yield sse({**job_lost(name).body()["error"], "id": name}, "error")
 

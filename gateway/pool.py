@@ -156,8 +156,8 @@ class Pool:
 
     async def chunks(self, handles: list[AsyncJobHandle]) -> AsyncIterator[tuple[int, Chunk]]:
         """(handle index, chunk) of the jobs as they come (``streams.merged_chunks``);
-        NoWorker while no worker has taken them (they are then kept queued), 503
-        ``redis_unavailable`` once Redis has been away ``redis_outage_s``, JobLost once
+        NoWorker while no worker has taken them (they are then kept queued),
+        RedisAway once Redis has been away ``redis_outage_s``, JobLost once
         a job's state has left Redis."""
         kept: set[str] = set()
         watch = asyncio.ensure_future(_keeping(self.untaken(handles), kept, handles))
@@ -176,10 +176,10 @@ class Pool:
         """The final RequestOutput of each handle; TimeoutError (the jobs aborted) past
         ``timeout_s``, NoWorker (the jobs kept queued) while no worker has taken a job
         after ``queue_timeout_s``, JobLost (the others aborted) once a job's marker and
-        log have left Redis (found at the next poll of its log: within seconds), 503
-        ``redis_unavailable`` once Redis has been away ``redis_outage_s``. ``gone``: an
-        awaitable that returns once the client has left; its jobs are then aborted (no
-        one will read them) and the answer is None."""
+        log have left Redis (found at the next poll of its log: within seconds),
+        RedisAway (the jobs left as they are) once Redis has been away
+        ``redis_outage_s``. ``gone``: an awaitable that returns once the client has left;
+        its jobs are then aborted (no one will read them) and the answer is None."""
         waiting = asyncio.ensure_future(
             asyncio.gather(*(h.result(timeout=timeout_s) for h in handles))
         )

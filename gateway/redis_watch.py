@@ -26,7 +26,7 @@ import time
 from collections.abc import AsyncIterator
 
 from lorapool.connection import REDIS_DOWN, connect_async
-from lorapool.openai.errors import APIError
+from lorapool.lifecycle.marker import RedisAway
 from lorapool.tasks import cancel_and_wait
 
 logger = logging.getLogger(__name__)
@@ -108,15 +108,10 @@ class RedisWatch:
         finally:
             self.forget(future)
 
-    def unavailable(self, seconds: float | None = None) -> APIError:
-        """The 503 of Redis being away (for ``seconds``, when said)."""
-        how_long = "" if seconds is None else f" for {seconds:g}s"
-        return APIError(
-            503,
-            f"the queue (Redis) has not answered{how_long}; retry later",
-            code="redis_unavailable",
-            headers={"Retry-After": str(self.retry_after_s)},
-        )
+    def unavailable(self, seconds: float | None = None) -> RedisAway:
+        """Redis being away (for ``seconds``, when said), as a fact: the HTTP layer
+        answers it with 503 ``redis_unavailable`` (``admission.redis_unavailable``)."""
+        return RedisAway(seconds, self.retry_after_s)
 
     async def close(self) -> None:
         await self.client.aclose()
@@ -125,7 +120,7 @@ class RedisWatch:
 async def until_outage(
     items: AsyncIterator, watch: RedisWatch | None, outage_s: float
 ) -> AsyncIterator:
-    """``items``; raises the 503 ``redis_unavailable`` once Redis has been away
+    """``items``; raises ``RedisAway`` once Redis has been away
     ``outage_s`` in a row while the next item was awaited. ``items`` is then closed in
     the background: what its closing does (an abort) waits for Redis, not the client.
 

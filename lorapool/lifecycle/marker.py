@@ -61,6 +61,17 @@ class NoWorker(RuntimeError):
         self.request_ids, self.waited_s = request_ids, waited_s
 
 
+class RedisAway(RuntimeError):
+    """Redis has not answered for ``seconds`` in a row (None: it is away now), as the
+    gateway's watch found (``gateway.redis_watch``): a wait for jobs ends with it, the
+    jobs left as they are (Redis cannot be told). ``retry_after_s``: when to try again."""
+
+    def __init__(self, seconds: float | None, retry_after_s: int):
+        how_long = "" if seconds is None else f" for {seconds:g}s"
+        super().__init__(f"the queue (Redis) has not answered{how_long}; retry later")
+        self.seconds, self.retry_after_s = seconds, retry_after_s
+
+
 def read_back(pipe, keys: Keys, request_id: str, after: int, count: int | None = None) -> None:
     """Queue on ``pipe`` the reads that place a reader in the request's output, for one
     round trip: the log's chunks after seq ``after`` (at most ``count``), whether the

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 
 from lorapool.egress import EgressError, EgressPolicy, EgressRefused, check_url, system_resolver
-from lorapool.lifecycle.marker import JobLost, NoWorker
+from lorapool.lifecycle.marker import JobLost, NoWorker, RedisAway
 from lorapool.lifecycle.rate_limits import RateState
 from lorapool.openai.errors import APIError, job_lost, model_not_found
 from lorapool.protocol import SamplingParams
@@ -115,7 +115,10 @@ def no_webhook_secret(tenant: str | None) -> APIError:
 
 def wait_error(exc: Exception, caller, retry_after_s: int, timeout_s: float) -> APIError:
     """The reply to a wait for jobs that ended with ``exc`` (the pool's: ``NoWorker``,
-    ``JobLost``, TimeoutError after ``timeout_s``), naming jobs as ``caller`` knows them."""
+    ``JobLost``, ``RedisAway``, TimeoutError after ``timeout_s``), naming jobs as
+    ``caller`` knows them."""
+    if isinstance(exc, RedisAway):
+        return redis_unavailable(exc)
     if isinstance(exc, NoWorker):
         ids = ", ".join(caller.external_id(rid) for rid in exc.request_ids)
         return APIError(
@@ -128,6 +131,12 @@ def wait_error(exc: Exception, caller, retry_after_s: int, timeout_s: float) -> 
     if isinstance(exc, JobLost):
         return job_lost(caller.external_id(exc.request_id))
     return APIError(504, f"no result within {timeout_s:g}s; the request was aborted")
+
+
+def redis_unavailable(exc: RedisAway) -> APIError:
+    """503 ``redis_unavailable``: Redis away (the gateway's watch), with Retry-After."""
+    headers = {"Retry-After": str(exc.retry_after_s)}
+    return APIError(503, str(exc), code="redis_unavailable", headers=headers)
 
 
 def client_gone() -> APIError:

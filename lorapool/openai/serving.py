@@ -22,7 +22,7 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from lorapool.lifecycle.marker import JobLost, NoWorker
+from lorapool.lifecycle.marker import JobLost, NoWorker, RedisAway
 from lorapool.lifecycle.rate_limits import RateState
 from lorapool.openai import admission
 from lorapool.openai.echo import Echo
@@ -63,7 +63,7 @@ class Handle(Protocol):
 class PoolAccess(Protocol):
     """What serving OpenAI's API needs of a pool: facts (None: no such record). Its
     exceptions are the pool's (``enqueue``'s the job boundary's; a wait's ``NoWorker``,
-    ``JobLost``, TimeoutError), translated here; Redis away is the gateway's 503."""
+    ``JobLost``, ``RedisAway``, TimeoutError), translated here (``admission``)."""
 
     async def base_model(self) -> ModelIdentity | None: ...
     async def adapter(self, name: str) -> AdapterRecord | None: ...
@@ -327,7 +327,7 @@ class OpenAIServing:
         once the client has left; its jobs are then aborted)."""
         try:
             outputs = await self.pool.results(submitted.handles, self.config.result_timeout_s, gone)
-        except (NoWorker, JobLost, TimeoutError) as exc:
+        except (NoWorker, JobLost, RedisAway, TimeoutError) as exc:
             raise self.wait_error(exc, caller) from None
         if outputs is None:
             raise admission.client_gone()
@@ -361,7 +361,7 @@ class OpenAIServing:
                         yield event
         except APIError as exc:
             yield exc.body()
-        except (NoWorker, JobLost) as exc:
+        except (NoWorker, JobLost, RedisAway) as exc:
             yield self.wait_error(exc, caller).body()
         else:
             if include_usage:

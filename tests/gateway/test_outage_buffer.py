@@ -13,7 +13,7 @@ import time
 import pytest
 
 from lorapool.gateway.redis_watch import BUFFERED, RedisWatch, until_outage
-from lorapool.openai.errors import APIError
+from lorapool.lifecycle.marker import RedisAway
 from lorapool.tasks import cancel_and_wait
 
 
@@ -63,7 +63,7 @@ def test_the_outage_reaches_a_client_whose_buffer_was_full():
         watching = asyncio.ensure_future(watch.run())  # its pings fail: Redis is away
         start = time.monotonic()
         try:
-            with pytest.raises(APIError) as caught:
+            with pytest.raises(RedisAway) as caught:
                 async for item in stream:
                     taken.append(item)
         finally:
@@ -73,5 +73,5 @@ def test_the_outage_reaches_a_client_whose_buffer_was_full():
 
     taken, error, waited = asyncio.run(run())
     assert taken == list(range(BUFFERED + 10))  # what was read before Redis went away
-    assert error.status == 503 and error.code == "redis_unavailable"
+    assert error.seconds == 0.5 and "has not answered for 0.5s" in str(error)
     assert waited < 5  # the watch's 0.5 s verdict, noticed within its pings

@@ -8,8 +8,10 @@ room may name which (issue 50 Build 4; DESIGN.md's layout, each package's docstr
   name no room above them either (the CLI, ``cli/``, is the top floor and names all).
 - ``producer`` is the client SDK: it names no ``openai`` and no ``gateway``.
 - the gateway names no torch (nor the engine, kernels or worker that bring it).
-- the gateway's way into the pool (``pool.py``, ``pool_view.py``) names no ``openai``:
-  it is pool access only; OpenAI's policy and wording are ``openai.serving``'s.
+- the gateway's way into the pool (``pool.py``, ``pool_view.py``, and what they wait
+  with: ``streams.py``, ``redis_watch.py``) names no ``openai``: it is pool access only,
+  its failures facts (``NoWorker``, ``JobLost``, ``RedisAway``); OpenAI's policy and
+  wording are ``openai.serving``'s and ``openai.admission``'s.
 
 Every import counts, at any depth: a function's lazy import too.
 """
@@ -78,7 +80,9 @@ def test_a_floor_names_nothing_above_it(what, files, never):
 
 
 def test_the_gateways_pool_access_holds_no_openai_policy():
-    files = [ROOT / "gateway/pool.py", ROOT / "gateway/pool_view.py"]
+    files = [
+        ROOT / f"gateway/{name}.py" for name in ("pool", "pool_view", "streams", "redis_watch")
+    ]
     assert all(f.is_file() for f in files)
     assert wrong_arrows(files, ("lorapool.openai",)) == []
 
