@@ -1,7 +1,8 @@
 """The audit record: one finished request, as a worker puts it on ``{p}:audit``.
 
 One typed definition, msgspec Structs: :func:`record_from_output` builds an
-:class:`AuditRecord` from a finished ``RequestOutput``, :func:`encode_audit_record`
+:class:`AuditRecord` from a finished request's accumulated chunk (the worker's; a
+``RequestOutput`` reads the same), :func:`encode_audit_record`
 writes it (``"v": 1`` first, the fields in the order below, plus ``"sig"``, the
 worker's signature, :func:`sign_record`), and decoding it validates it against the
 same annotations (:func:`record_from_dict`). :func:`parse_record` checks the
@@ -228,8 +229,8 @@ def record_from_output(
 
     ``output`` is a finished request's accumulated chunk (``records.chunk.Chunk``, the
     worker's: its ``Delta``s) or a ``RequestOutput``, duck-typed: request_id, prompt,
-    prompt_token_ids, outputs, metrics, error. ``base_model`` is
-    ``{"name", "sha256"}``; ``adapter`` is None for the base model, else its
+    prompt_token_ids, outputs, metrics, error. ``base_model`` is the worker's
+    ``ModelIdentity``; ``adapter`` is None for the base model, else its
     registry record (or that record's dict). No I/O; the values are taken as they
     are (encoded, the record is what the dict before it was, byte for byte).
     """
