@@ -40,7 +40,9 @@ def claim_model(connection: redis.Redis, keys: Keys, base_model: ModelIdentity) 
     try:
         connection.set(keys.model, msgspec.json.encode(base_model), nx=True)
         pool = decode_model_identity(connection.get(keys.model)) or base_model
-    except (ValueError, redis.ResponseError) as exc:  # not what a worker wrote (WRONGTYPE)
+    except (ValueError, redis.ResponseError) as exc:  # not what a worker wrote
+        if isinstance(exc, redis.ResponseError) and not str(exc).startswith("WRONGTYPE"):
+            raise  # Redis refusing the write (OOM, READONLY): the startup's waits have it
         raise ModelMismatchError(
             f"pool {keys.prefix!r}: {keys.model} holds no base model record ({exc}): "
             "delete it once no worker of the pool runs"
