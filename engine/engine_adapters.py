@@ -12,6 +12,7 @@ from lorapool.adapter_config import AdapterIdentity
 from lorapool.engine.lora.manager import LoRAManager, adapter_key
 from lorapool.engine.scheduler import SchedulerOutput
 from lorapool.protocol import LoRARequest
+from lorapool.records.errors import FieldError
 
 
 class EngineAdapters:
@@ -58,6 +59,8 @@ class EngineAdapters:
         return self._loras().list_loras()
 
     def _loras(self) -> LoRAManager:
-        if self.lora_manager is None:
-            raise ValueError("LoRA is not enabled: start the engine with enable_lora=True")
+        if self.lora_manager is None:  # a request naming an adapter is refused for it
+            raise FieldError(
+                "LoRA is not enabled: start the engine with enable_lora=True", field="adapter"
+            )
         return self.lora_manager

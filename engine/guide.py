@@ -185,6 +185,10 @@ class GuideFactory:
             raise ValueError(str(exc)) from None
 
 
+# the job field a refused grammar is about: readers name the request's parameter by it
+STRUCTURED = "sampling_params.structured_outputs"
+
+
 def request_guide(factory: GuideFactory, request) -> Guide | None:
     """A constrained request's grammar state, past its resumed tokens (None: no
     constraint); ValueError naming the request and the problem."""
@@ -194,7 +198,7 @@ def request_guide(factory: GuideFactory, request) -> Guide | None:
     try:
         guide = factory.guide(constraint)
     except ValueError as exc:
-        raise ValueError(f"request {request.request_id}: {exc}") from None
+        raise FieldError(f"request {request.request_id}: {exc}", field=STRUCTURED) from None
     return resume(guide, request)
 
 
@@ -203,9 +207,10 @@ def resume(guide: Guide, request) -> Guide:
     constraint = request.params.structured_outputs
     for token in request.resumed_token_ids:
         if not guide.advance(token):
-            raise ValueError(
+            raise FieldError(
                 f"request {request.request_id}: its resumed tokens do not follow "
-                f"its structured_outputs.{constraint.kind}"
+                f"its structured_outputs.{constraint.kind}",
+                field=STRUCTURED,
             )
     return guide
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from lorapool.records.adapter import check_lora, decode_adapter_record
+from lorapool.records.errors import FieldError
 from lorapool.records.job import Job
 from lorapool.tool_calls import plain_chat, renders_tools, template_chat
 from lorapool.worker.held import Held, engine_params, resumed_token_ids
@@ -28,9 +29,10 @@ def add_to_engine(state: WorkerState, held: Held) -> None:
         if loaded is not None:  # what its audit record says: the files that run
             held.adapter = record.as_loaded(loaded)
     if held.total and job.sampling_params.n > 1:
-        raise ValueError(
+        raise FieldError(
             f"request {job.request_id}: cannot resume a request with n > 1 "
-            f"after {held.total} tokens were streamed"
+            f"after {held.total} tokens were streamed",
+            field="sampling_params.n",
         )
     engine.add_request(
         job.request_id,

@@ -55,6 +55,8 @@ _KEY = re.compile(
 class AdapterError(ValueError):
     """An adapter cannot be used; the message names it and says why."""
 
+    field = "adapter"  # what a request it fails is refused for, as a FieldError's path
+
     def __init__(self, lora_request: LoRARequest, reason: str):
         self.lora_request = lora_request
         self.reason = reason

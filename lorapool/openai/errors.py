@@ -119,13 +119,6 @@ def field_error(
     return APIError(400, message, param)
 
 
-# what a worker's message about one request may be about, first match wins (a whole
-# word: "logprobs" is not "max_logprobs")
-_WORKER_FIELDS = re.compile(
-    r"\b(prompt_logprobs|logprobs|stop_token_ids|max_tokens|seed|n|adapter|prompt)\b"
-)
-
-
 def failed_request(
     error: str,
     kind: str | None,
@@ -138,16 +131,15 @@ def failed_request(
     for an engine fault, else 400 naming the request's parameter (chat's
     ``top_logprobs`` as such), the internal request id replaced by the one the client
     knows. ``path``: the refused job field's path its final chunk carries
-    (``RequestOutput.error_field``); without one (a worker of the version before
-    paths, a refusal that names none), the field its message names."""
+    (``RequestOutput.error_field``): the parameter is found by it alone, never in the
+    message's words (a refusal that names no field, or a worker of the version before
+    paths, has no ``param``)."""
     message = error.replace(request_id, public_id) if request_id else error
     if kind == ErrorKind.ENGINE:
         return APIError(500, message, code="engine_error")
-    if path is not None:
-        field = "adapter" if path == "adapter" else _named_field(FieldError("", field=path), "")
-    else:
-        match = _WORKER_FIELDS.search(message)
-        field = match.group(1) if match else None
+    if path is None:
+        return APIError(400, message)
+    field = "adapter" if path == "adapter" else _named_field(FieldError("", field=path), "")
     if field == "adapter":
         return APIError(400, message, "model")
     param = (names or {}).get(field, field)

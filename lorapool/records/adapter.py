@@ -19,6 +19,7 @@ import msgspec
 import orjson
 
 from lorapool.adapter_config import AdapterIdentity
+from lorapool.records.errors import FieldError
 from lorapool.records.params import LoRARequest
 
 NAME_PATTERN = re.compile(r"[A-Za-z0-9._-]{1,128}")  # what the registry accepts as a name
@@ -149,20 +150,23 @@ def requested_name(requested: LoRARequest | str) -> str:
 def check_lora(requested: LoRARequest | str, record: AdapterRecord | None) -> LoRARequest:
     """The LoRARequest to enqueue for ``requested`` given its registry record (or None).
 
-    Raises UnknownAdapter (a ValueError) when the adapter is unknown, ValueError when
-    its id or path collides.
+    Raises UnknownAdapter (a ValueError) when the adapter is unknown, FieldError (path
+    ``adapter``) when its id or path collides.
     """
     name = requested if isinstance(requested, str) else requested.lora_name
     if record is None:
         raise UnknownAdapter(name)
     if isinstance(requested, LoRARequest):
         if requested.lora_int_id != record.id:
-            raise ValueError(
+            raise FieldError(
                 f"adapter {name!r} has id {record.id} in the registry, "
-                f"not {requested.lora_int_id} (colliding adapter id)"
+                f"not {requested.lora_int_id} (colliding adapter id)",
+                field="adapter",
             )
         if requested.lora_path and str(Path(requested.lora_path).resolve()) != record.path:
-            raise ValueError(
-                f"adapter {name!r} is registered with path {record.path}, not {requested.lora_path}"
+            raise FieldError(
+                f"adapter {name!r} is registered with path {record.path}, "
+                f"not {requested.lora_path}",
+                field="adapter",
             )
     return lora_from_record(record)

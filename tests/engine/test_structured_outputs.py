@@ -132,6 +132,8 @@ def test_an_invalid_constraint_is_refused_at_add_request(engine, constraint, pro
         engine.add_request("bad", "Hi", SamplingParams(structured_outputs=constraint))
     assert "request bad" in str(info.value)
     assert "bad" not in engine.requests
+    # the path a worker's refusal carries: readers name the parameter by it (issue 50)
+    assert info.value.field == "sampling_params.structured_outputs"
 
 
 def test_a_grammar_that_ends_under_min_tokens_still_ends(engine):
@@ -153,8 +155,9 @@ def test_a_resumed_request_continues_its_grammar(engine):
     finals = run(engine, {})
     resumed = finals["r"].outputs[0]
     assert resumed.token_ids == whole.outputs[0].token_ids
-    with pytest.raises(ValueError, match="do not follow"):
+    with pytest.raises(ValueError, match="do not follow") as info:
         engine.add_request("r2", "Resume me", params, resume_token_ids=[5, 6, 7])
+    assert info.value.field == "sampling_params.structured_outputs"
 
 
 def test_preempted_constrained_requests_stay_valid(tiny_model_path):

@@ -145,11 +145,11 @@ def test_bad_input(engine, conn, keys, producer, model, tmp_path):
     assert "600 tokens" in final.error and final.outputs[0].finish_reason == "error"
     refused = no_lora.result(timeout=5)
     assert "enable_lora" in refused.error and refused.lora_request.name == "sql"
-    # each refusal's field, as a path, for readers to name the parameter (issue 50); the
-    # engine's "LoRA is not enabled" and a wire version name none (nor did their words)
+    # each refusal's field, as a path, for readers to name the parameter (issue 50; no
+    # reader reads it in the words); a wire version names none
     paths = [errors["ghost"], errors["badp"], final, refused, errors["v2"]]
     assert [o.error_field for o in paths] == [
-        *("adapter", "sampling_params.temperature", "prompt", None, None)
+        *("adapter", "sampling_params.temperature", "prompt", "adapter", None)
     ]
     reasons = sorted(f[b"reason"].decode() for _, f in entries(conn, keys, "dead"))
     expected = [

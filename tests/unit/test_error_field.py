@@ -96,6 +96,16 @@ def test_the_parameter_comes_from_the_path_not_the_words():
     chat = {"logprobs": "top_logprobs"}
     error = refused(misleading, chat, "sampling_params.logprobs")
     assert error.param == "top_logprobs" and "top_logprobs=9 over max_logprobs" in error.message
-    assert refused(misleading, chat).param == "prompt"  # a chunk with no path: its words
+    assert refused(misleading, chat).param is None  # no path: the words are never read
+    assert (
+        refused(misleading, chat).message
+        == "request c-1: the prompt has logprobs=9 over max_logprobs=5"
+    )
     assert refused("request req-1: no", path="adapter").param == "model"
     assert refused("request req-1: refused").param is None
+    grammar = refused(
+        "request req-1: structured_outputs.json: bad schema",
+        {"structured_outputs": "response_format"},
+        "sampling_params.structured_outputs",
+    )
+    assert grammar.param == "response_format" and "response_format.json: bad" in grammar.message

@@ -104,8 +104,10 @@ def test_failed_request_by_kind():
     for kind in ErrorKind:
         if kind is not ErrorKind.ENGINE:
             error = failed_request("req-1: its adapter did not load", kind, "req-1", "cmpl-9")
-            assert (error.status, error.param) == (400, "model")
+            assert (error.status, error.param) == (400, None)  # no path: no parameter
             assert error.message == "cmpl-9: its adapter did not load"
+            path = failed_request("req-1: x", kind, "req-1", "cmpl-9", path="adapter")
+            assert (path.status, path.param) == (400, "model")
 
 
 def test_the_job_boundary_names_the_job_and_the_registry_the_adapter():
