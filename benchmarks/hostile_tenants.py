@@ -21,7 +21,9 @@ gateway and the worker were still up at the end. Phases alternate ``--rounds`` t
 (alone, attacked, ...) so a noisy machine hits both alike.
 
     lorapool bench hostile_tenants [--seconds 40] [--rounds 2] [--attacks n64,gbnf]
-                                   [--json out.json]
+                                   [--heavy-rpm 600] [--json out.json]
+
+``--heavy-rpm``: the hostile tenant's key carries that rate limit (a plain key has none).
 
 Redis: ``--redis-url``, else ``$REDIS_URL``, else 127.0.0.1:6379/0.
 """
@@ -252,6 +254,12 @@ def main() -> None:
     parser.add_argument("--attacks", default=",".join(ATTACKS))
     parser.add_argument("--json", default=None)
     parser.add_argument(
+        "--heavy-rpm",
+        type=int,
+        default=None,
+        help="the hostile tenant's key's requests a minute (default: none, as a plain key)",
+    )
+    parser.add_argument(
         "--worker-arg",
         action="append",
         default=[],
@@ -274,7 +282,11 @@ def main() -> None:
     prefix = f"bench-hostile-{uuid.uuid4().hex[:8]}"
     conn = redis.Redis.from_url(args.redis_url)
     store = ApiKeys(conn, Keys(prefix))
-    keys = {t: {"Authorization": f"Bearer {store.add(t, 'submit')[1]}"} for t in ("light", "heavy")}
+    limits = {"heavy": {"rpm": args.heavy_rpm} if args.heavy_rpm else {}, "light": {}}
+    keys = {
+        t: {"Authorization": f"Bearer {store.add(t, 'submit', **limits[t])[1]}"}
+        for t in ("light", "heavy")
+    }
     workdir = tempfile.mkdtemp(prefix="bench-hostile-")
     procs, url = start(args, prefix, workdir)
     try:
@@ -295,6 +307,7 @@ def main() -> None:
             "gateway": procs[1].poll() is None,
         }
         result |= {"attacks": attacks, "seconds": args.seconds, "rounds": args.rounds}
+        result["heavy_rpm"] = args.heavy_rpm
         result["logs"] = workdir
     finally:
         for p in procs:
