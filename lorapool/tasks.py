@@ -12,7 +12,9 @@ that never stopped). :func:`cancel_and_wait` cancels again until the task has en
 from __future__ import annotations
 
 import asyncio
+import logging
 
+logger = logging.getLogger(__name__)
 RECANCEL_S = 0.1  # a task still running this long after a cancel is cancelled again
 
 
@@ -43,5 +45,14 @@ async def finish(coro) -> None:
     good. The caller's cancel still raises here; the cleanup goes on without it."""
     task = asyncio.ensure_future(coro)
     _FINISHING.add(task)
-    task.add_done_callback(_FINISHING.discard)
+    task.add_done_callback(_finished)
     await asyncio.shield(task)
+
+
+def _finished(task: asyncio.Task) -> None:
+    """Drops the reference; a failure is retrieved (one debug line), not left for
+    asyncio's "exception was never retrieved" traceback when no caller awaits it any
+    more (a caller that does still gets it raised)."""
+    _FINISHING.discard(task)
+    if not task.cancelled() and (error := task.exception()) is not None:
+        logger.debug("cleanup %r failed: %s", task.get_coro(), error)

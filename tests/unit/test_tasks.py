@@ -212,3 +212,31 @@ def test_a_left_stream_ends_its_read_though_the_read_lost_a_cancel_and_its_calle
         assert await _ends_within(ended.wait(), 2), "the stream's read runs on"
 
     asyncio.run(asyncio.wait_for(main(), 10))
+
+
+def test_a_cleanup_that_fails_after_its_caller_left_logs_no_traceback(caplog):
+    """``finish``'s cleanup fails once its caller was cancelled (an abort while Redis is
+    away): the failure is retrieved, so asyncio logs no "exception was never retrieved"
+    traceback; a caller still waiting gets it raised."""
+    import gc
+
+    from lorapool.tasks import finish
+
+    async def fails_later():
+        await asyncio.sleep(0.05)
+        raise ConnectionError("Redis is away")
+
+    async def main():
+        caller = asyncio.ensure_future(finish(fails_later()))
+        await asyncio.sleep(0.01)
+        await cancel_and_wait(caller)  # the reader left
+        await asyncio.sleep(0.1)  # the cleanup fails meanwhile
+        gc.collect()
+        with pytest.raises(ConnectionError):
+            await finish(fails_later())
+
+    with caplog.at_level("DEBUG"):
+        asyncio.run(main())
+        gc.collect()
+    assert "never retrieved" not in caplog.text
+    assert "Redis is away" in caplog.text  # the debug line
