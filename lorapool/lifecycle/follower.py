@@ -36,6 +36,9 @@ logger = logging.getLogger(__name__)
 MAX_FILLS = 8  # log reads in flight at once (each holds a pooled connection)
 MAX_QUIET_S = 8.0  # a request quiet this long has its log polled no more often
 LISTEN_S = 0.02  # the listener's longest read: a new subscription waits at most this
+# a subscription's confirmation is awaited in slices of this; a slice counts at most this
+# long however long the process stood still in it (a full GC of a big heap: ~1 s measured)
+CONFIRM_SLICE_S = 0.1
 
 
 class _Followed:
@@ -104,12 +107,23 @@ class Follower:
         self.to_subscribe.add(channel)
         if self.task is None or self.task.done():
             self.task = asyncio.get_running_loop().create_task(self._listen())
-        try:  # a confirmation lost to a broken connection: the log polls cover it
-            await asyncio.wait_for(followed.subscribed.wait(), self.poll_s)
-        except asyncio.TimeoutError:
+        if not await self._confirmed(followed):  # a broken connection: the log polls cover it
             logger.warning("follower: no subscribe confirmation for %s", channel.decode())
         if self.error is not None:
             raise self.error
+
+    async def _confirmed(self, followed: _Followed) -> bool:
+        """Whether the subscription was confirmed within ``poll_s`` of the listener's
+        chances to read it: waited in slices, each counted as ``CONFIRM_SLICE_S`` though
+        the process stood still through it (a second of full GC in a big process ran
+        the whole wait out before the listener's read of the reply, already there)."""
+        for _ in range(max(1, round(self.poll_s / CONFIRM_SLICE_S))):
+            try:
+                await asyncio.wait_for(followed.subscribed.wait(), CONFIRM_SLICE_S)
+                return True
+            except asyncio.TimeoutError:
+                continue
+        return False
 
     async def _chunks(self, followed: _Followed) -> AsyncIterator[Chunk]:
         cursor, quiet, still = followed.cursor, self.poll_s, orphaned.Quiet()

@@ -217,3 +217,47 @@ def test_a_cluster_moving_its_slots_does_not_stop_the_follower(pool_url, keys, p
     # 200 steps of 20 ms: after the fault the listener waits a second (poll_s), the
     # reader's log polls fill it, and the rest comes over the channel again
     assert live > 100
+
+
+def test_the_process_standing_still_does_not_run_out_the_subscribe_wait(
+    pool_url, keys, producer, caplog, monkeypatch
+):
+    """The process stands still for longer than the follower waits for a subscribe
+    confirmation, just after the listener sent the subscribe (a full GC of a big heap:
+    ~1 s measured in the test process, every ~20 runs of the test above under load): the
+    confirmation, on the socket when the process resumes, is read, and no warning. (The
+    wait was wall-clock: it ran out in the same turn, warned, and left the reader to the
+    log's polls.)"""
+    from lorapool.lifecycle.follower import Follower
+    from lorapool.producer.aio import AsyncJobHandle
+    from lorapool.worker import Worker, WorkerConfig
+
+    bench = load()
+    producer.submit({"prompt_token_ids": [1, 2]}, SamplingParams(max_tokens=5), request_id="p1")
+    key = bench.AUDIT_KEY.encode()
+    config = WorkerConfig(prefix=keys.prefix, shards=keys.shards, burst=True, audit_key=key)
+    Worker(bench.StandInEngine(8, 0.0), producer.redis, config, bench.BASE_MODEL).run()
+    real, stood = Follower._send_subscriptions, []
+
+    async def stand_still_once(self):
+        sending = bool(self.to_subscribe)
+        await real(self)
+        if sending and not stood:
+            stood.append(self.poll_s)
+            time.sleep(self.poll_s + 0.3)  # blocks the loop, as a collection does
+
+    monkeypatch.setattr(Follower, "_send_subscriptions", stand_still_once)
+
+    async def follow():
+        fresh = AsyncProducer(pool_url, prefix=keys.prefix, shards=keys.shards)
+        try:
+            handle = AsyncJobHandle(fresh, "p1", "delta")
+            return [chunk async for chunk in handle.chunks(timeout=10)]
+        finally:
+            await fresh.aclose()
+
+    chunks = asyncio.run(follow())
+    assert stood == [1.0]
+    assert "no subscribe confirmation" not in caplog.text
+    tokens = [t for c in chunks for o in c.outputs for t in o.token_ids]
+    assert tokens == [bench.token_of("p1", k) for k in range(5)] and chunks[-1].finished
