@@ -327,7 +327,7 @@ def parse(body: bytes | Any, kind: type[Struct], unknown: list[str] | None = Non
             return parse(_known(body, kind, unknown), kind)
         raise invalid(str(exc), body, kind) from None
     except (msgspec.DecodeError, UnicodeDecodeError) as exc:  # the latter: bad UTF-8 in a string
-        raise APIError(400, f"the request body is not valid JSON: {exc}") from None
+        raise not_json(exc) from None
     except RecursionError:  # a value already read, nested past Python's stack
         raise APIError(400, "the request body nests too deep", code="json_too_deep") from None
 
@@ -335,12 +335,19 @@ def parse(body: bytes | Any, kind: type[Struct], unknown: list[str] | None = Non
 _UNKNOWN_TOP = re.compile(r"Object contains unknown field `[^`]*`$")  # no "- at `$...`"
 
 
+def not_json(exc: Exception) -> APIError:
+    return APIError(400, f"the request body is not valid JSON: {exc}")
+
+
 def _known(body: bytes | Any, kind: type[Struct], unknown: list[str]) -> dict[str, Any]:
     """``body``'s object without the fields ``kind`` does not know (named in ``unknown``);
     a 400 for one that another route's body knows (chat's ``top_logprobs`` given to a
     completion would change the output there: it is refused, not dropped)."""
     if isinstance(body, bytes | bytearray | memoryview):
-        body = msgspec.json.decode(body)
+        try:  # the typed decode stopped at the unknown field: the rest may not be JSON
+            body = msgspec.json.decode(body)
+        except (msgspec.DecodeError, UnicodeDecodeError) as exc:
+            raise not_json(exc) from None
     fields = kind.__struct_fields__
     extra = [name for name in body if name not in fields]
     if misplaced := [name for name in extra if name in _route_fields()]:

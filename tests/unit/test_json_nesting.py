@@ -41,3 +41,17 @@ def test_a_deep_body_is_a_400_naming_the_nesting_before_it_is_decoded():
         parse(memoryview(deep), CompletionRequest)
     assert raised.value.status == 400 and raised.value.code == "json_too_deep"
     assert f"deeper than {MAX_JSON_DEPTH} levels" in raised.value.message
+
+
+@pytest.mark.parametrize(
+    "body",
+    [b'{"made_up": 1, "prompt": ', b'{"made_up": 1, "prompt": "x", }', b'{"made_up": "\xff"'],
+)
+def test_a_body_broken_past_an_unknown_field_is_a_400_when_unknown_fields_are_dropped(body):
+    """The typed decode stops at the first unknown field (a ValidationError); the untyped
+    read of the body without it meets the broken JSON after it. That was raised inside
+    the first error's handler, past the parser's own 400 for bad JSON: the routes that
+    drop unknown fields (vLLM's way, chat and completions) answered 500."""
+    with pytest.raises(APIError) as refused:
+        parse(body, CompletionRequest, unknown=[])
+    assert refused.value.status == 400 and "not valid JSON" in refused.value.message
