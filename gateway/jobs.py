@@ -40,7 +40,7 @@ from lorapool.records.bounds import is_request_id
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 Submitter = Annotated[Principal, Depends(require("submit"))]
-Submitting = Annotated[Principal, Depends(require("submit", counted=False))]  # check_rate
+Submitting = Annotated[Principal, Depends(require("submit", submits=True))]  # check_rate
 NO_BUFFERING = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 

@@ -29,7 +29,7 @@ from lorapool.openai.serving import OpenAIServing
 
 logger = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1", tags=["OpenAI-compatible"])
-Submitter = Annotated[Principal, Depends(require("submit", counted=False))]  # check_rate
+Submitter = Annotated[Principal, Depends(require("submit", submits=True))]  # check_rate
 
 
 def pool_of(request: Request) -> Pool:

@@ -122,11 +122,17 @@ class Pool:
         return await self.view.has_webhook_secret(tenant)
 
     async def take_rate(
-        self, tenant: str | None, rpm: int | None, tpm: int | None, requests: int, tokens: int
+        self,
+        tenant: str | None,
+        rpm: int | None,
+        tpm: int | None,
+        requests: int,
+        tokens: int,
+        dry: bool = False,
     ) -> RateState:
         """``requests`` and ``tokens`` taken from ``tenant``'s minute, or not (GCRA:
-        ``lifecycle.rate_limits``)."""
-        return await self.rates.take(tenant, rpm, tpm, requests, tokens)
+        ``lifecycle.rate_limits``; ``dry``: only whether they would be)."""
+        return await self.rates.take(tenant, rpm, tpm, requests, tokens, dry)
 
     async def compile_grammar(self, constraint) -> None:
         """``constraint`` compiled in the grammar sandbox, off the loop (``heavy.py``):

@@ -32,7 +32,7 @@ from lorapool.openai.responses import ResponseShape, replied, to_parsed
 logger = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1", tags=["OpenAI-compatible"])
 Submitter = Annotated[Principal, Depends(require("submit"))]
-Submitting = Annotated[Principal, Depends(require("submit", counted=False))]  # check_rate
+Submitting = Annotated[Principal, Depends(require("submit", submits=True))]  # check_rate
 
 
 @router.post(

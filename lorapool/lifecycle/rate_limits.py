@@ -24,7 +24,8 @@ from lorapool.lifecycle.keys import Keys
 
 PERIOD_S = 60.0
 # KEYS: the tenant's requests and tokens TAT. ARGV: requests limit, requests cost,
-# tokens limit, tokens cost (a limit of 0: none), the period. Returns {taken (1/0),
+# tokens limit, tokens cost (a limit of 0: none), the period, and 1 to only look (a
+# dry run: nothing taken, nothing written). Returns {taken (1/0: would be, dry),
 # wait, requests left, requests reset, tokens left, tokens reset} (seconds as strings:
 # Lua numbers come back as integers).
 GCRA_SCRIPT = """
@@ -50,7 +51,7 @@ for i = 1, 2 do
   local s = state[i]
   if s then
     local tat = s[1]
-    if taken == 1 then
+    if taken == 1 and ARGV[6] ~= '1' then
       tat = s[2]
       redis.call('SET', KEYS[i], string.format('%.6f', tat), 'PX',
                  math.ceil((tat - now) * 1000) + 1000)
@@ -105,10 +106,10 @@ def duration(seconds: float) -> str:
     return f"{int(minutes)}m{text}s" if minutes else f"{text}s"
 
 
-def _args(keys: Keys, tenant: str, rpm, tpm, requests: int, tokens: int) -> dict:
+def _args(keys: Keys, tenant: str, rpm, tpm, requests: int, tokens: int, dry: bool) -> dict:
     return {
         "keys": [keys.rate(tenant, "requests"), keys.rate(tenant, "tokens")],
-        "args": [rpm or 0, requests, tpm or 0, tokens, PERIOD_S],
+        "args": [rpm or 0, requests, tpm or 0, tokens, PERIOD_S, int(dry)],
     }
 
 
@@ -128,10 +129,11 @@ class RateLimiter:
         self.keys = keys
         self._script = register_script(connection, GCRA_SCRIPT)
 
-    def take(self, tenant: str, rpm, tpm, requests: int, tokens: int):
+    def take(self, tenant: str, rpm, tpm, requests: int, tokens: int, dry: bool = False):
         """Take ``requests`` and ``tokens`` from ``tenant``'s limits (None: unlimited)
-        if both allow it: a RateState (awaitable with an asyncio client)."""
-        reply = self._script(**_args(self.keys, tenant, rpm, tpm, requests, tokens))
+        if both allow it: a RateState (awaitable with an asyncio client). ``dry``: only
+        whether they would be taken, and the state as it stands."""
+        reply = self._script(**_args(self.keys, tenant, rpm, tpm, requests, tokens, dry))
         if hasattr(reply, "__await__"):
 
             async def state() -> RateState:

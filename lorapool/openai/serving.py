@@ -71,7 +71,13 @@ class PoolAccess(Protocol):
     async def backlog(self) -> int: ...
     async def has_webhook_secret(self, tenant: str) -> bool: ...
     async def take_rate(
-        self, tenant: str | None, rpm: int | None, tpm: int | None, requests: int, tokens: int
+        self,
+        tenant: str | None,
+        rpm: int | None,
+        tpm: int | None,
+        requests: int,
+        tokens: int,
+        dry: bool = False,
     ) -> RateState: ...
     async def compile_grammar(self, constraint: Any) -> None: ...  # FieldError: refused
     async def decoder(self) -> Callable[[list[int]], str] | None: ...
@@ -245,6 +251,16 @@ class OpenAIServing:
         if not state.taken:
             raise admission.rate_refused(caller, state)
         return state.headers()
+
+    async def check_room(self, caller: Caller) -> None:
+        """429 (``check_rate``'s) when the caller's requests per minute has no room for
+        one request, the least any submit takes: asked before its body is read; takes
+        nothing (``check_rate`` does, from what the body says)."""
+        if caller.rpm is None:
+            return
+        state = await self.pool.take_rate(caller.tenant, caller.rpm, caller.tpm, 1, 0, dry=True)
+        if not state.taken:
+            raise admission.rate_refused(caller, state)
 
     async def check_webhook(self, url: str, caller: Caller) -> None:
         """400 naming ``on_finish`` for a webhook URL that will not be called: an

@@ -45,6 +45,7 @@ def api_keys(conn, prefix, tmp_path_factory, producer):
         "slow": store.add("slow", "submit", rpm=2),
         "thrifty": store.add("thrifty", "submit", tpm=5),
         "heavy": store.add("heavy", "submit", weight=4.0),
+        "door": store.add("door", "submit", rpm=2, tpm=1000),
     }
     store.revoke(made["revoked"][0].id)
     return {name: key for name, (_, key) in made.items()} | {
@@ -188,6 +189,35 @@ def test_a_tenant_over_its_rate_gets_429_and_others_do_not(secure, api_keys):
     assert refused.headers["x-ratelimit-remaining-requests"] == "0"
     assert call(secure, "POST", "/v1/completions", JOB, api_keys["slow"]).status_code == 429
     assert call(secure, "POST", "/v1/jobs", JOB, api_keys["acme"]).status_code == 202
+
+
+SUBMITS = ("/v1/chat/completions", "/v1/completions", "/v1/jobs", "/v1/responses")
+
+
+def test_a_key_with_no_room_in_its_minute_gets_429_before_its_body_is_parsed(secure, api_keys):
+    """Issue 51, limits before work: a submit route counts what its body asks for once
+    it has read it, and looks at the door whether the key's minute has room for one
+    request (any submit's least). A key without room gets its 429 for a body it never
+    parsed (here not even JSON: a 400 once parsed), and the look takes nothing: twelve
+    refused bodies leave both of its two requests a minute to real submits."""
+    door, broken = api_keys["door"], b'{"model": "base", "prompt": '
+    headers = {"Authorization": f"Bearer {door}", "Content-Type": "application/json"}
+
+    def post(path: str) -> httpx.Response:
+        return httpx.post(secure + path, content=broken, headers=headers, timeout=30)
+
+    for path in SUBMITS * 3:
+        refused = post(path)
+        assert refused.status_code == 400, (path, refused.text)
+    for _ in range(2):
+        assert call(secure, "POST", "/v1/jobs", JOB, door).status_code == 202
+    for path in SUBMITS:
+        refused = post(path)
+        assert refused.status_code == 429, (path, refused.text)
+        assert refused.json()["error"]["code"] == "rate_limit_exceeded"
+        assert 1 <= int(refused.headers["retry-after"]) <= 30
+        assert refused.headers["x-ratelimit-remaining-requests"] == "0"
+        assert refused.headers["x-ratelimit-limit-tokens"] == "1000"
 
 
 def test_a_token_rate_counts_what_a_request_may_generate(secure, api_keys):
