@@ -21,9 +21,14 @@ gateway and the worker were still up at the end. Phases alternate ``--rounds`` t
 (alone, attacked, ...) so a noisy machine hits both alike.
 
     lorapool bench hostile_tenants [--seconds 40] [--rounds 2] [--attacks n64,gbnf]
-                                   [--heavy-rpm 600] [--json out.json]
+                                   [--heavy-rpm 600] [--attacker-nice 10]
+                                   [--json out.json]
 
 ``--heavy-rpm``: the hostile tenant's key carries that rate limit (a plain key has none).
+The hostile tenant runs in a process of its own; ``--attacker-nice N`` lowers it in the
+OS's scheduler, to stand for an attacker on another machine when the box is small;
+``--worker-cpus 0 --other-cpus 1`` gives the worker a CPU of its own and the rest the
+others, to stand for the worker's own (GPU) machine.
 
 Redis: ``--redis-url``, else ``$REDIS_URL``, else 127.0.0.1:6379/0.
 """
@@ -32,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import socket
@@ -168,20 +174,62 @@ async def light_client(url: str, headers: dict, model: str, end: float, pause: f
     return {"latencies": latencies, "failures": dict(failures)}
 
 
-async def phase(args, url: str, keys: dict, model: str, attacks: list[str]) -> dict:
+async def attack(url: str, headers: dict, model: str, streams: int, attacks, end: float):
     import httpx
 
-    end = time.monotonic() + args.seconds
-    hostile = Hostile(url, keys["heavy"], model, args.streams)
-    limits = httpx.Limits(max_connections=args.streams + 64, max_keepalive_connections=64)
+    hostile = Hostile(url, headers, model, streams)
+    limits = httpx.Limits(max_connections=streams + 64, max_keepalive_connections=64)
     async with httpx.AsyncClient(limits=limits) as http:
         attacking = [asyncio.create_task(hostile.run(kind, http, end)) for kind in attacks]
+        # each loop ends at ``end``; one call may still be on its way
+        _, pending = await asyncio.wait(attacking, timeout=max(0.0, end - time.monotonic()) + 60)
+        for task in pending:
+            task.cancel()
+    return dict(hostile.answers)
+
+
+def attacker(pipe, url: str, headers: dict, model: str, streams: int, attacks, nice: int):
+    """The hostile tenant's process: another client than the light tenant, as it is in
+    life (sharing one event loop, the light calls' times included the attack's sends).
+    Encodes its bodies, says it is ready, runs the attacks until the end it is sent
+    (CLOCK_MONOTONIC is the machine's), and sends back its answers. ``nice``: lowered in
+    the OS's scheduler, to stand for a client on another machine on a box too small to
+    have one."""
+    if nice:
+        os.nice(nice)
+    Hostile(url, headers, model, streams)  # the bodies' first encoding, before the clock
+    pipe.send("ready")
+    end = pipe.recv()
+    pipe.send(asyncio.run(attack(url, headers, model, streams, attacks, end)))
+
+
+async def phase(args, url: str, keys: dict, model: str, attacks: list[str]) -> dict:
+    if not attacks:
+        end = time.monotonic() + args.seconds
+        return {**await light_client(url, keys["light"], model, end, args.pause), "hostile": {}}
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    mine, theirs = context.Pipe()
+    hostile = (theirs, url, keys["heavy"], model, args.streams, attacks, args.attacker_nice)
+    proc = context.Process(target=attacker, args=hostile, daemon=True)
+    proc.start()
+    try:
+        if not mine.poll(120) or mine.recv() != "ready":
+            raise SystemExit("the attacking process did not start")
+        end = time.monotonic() + args.seconds
+        mine.send(end)
         light = await light_client(url, keys["light"], model, end, args.pause)
-        if attacking:  # each loop ends at ``end``; one call may still be on its way
-            _, pending = await asyncio.wait(attacking, timeout=60)
-            for task in pending:
-                task.cancel()
-    return {**light, "hostile": dict(hostile.answers)}
+        answers = mine.recv() if mine.poll(args.seconds + 120) else {"attacker lost": 1}
+    finally:
+        proc.join(timeout=10)
+        if proc.is_alive():
+            proc.kill()
+    return {**light, "hostile": answers}
+
+
+def _cpus(text: str) -> set[int]:
+    return {int(c) for c in text.split(",") if c}
 
 
 def free_port() -> int:
@@ -200,10 +248,11 @@ def start(args, prefix: str, workdir: str) -> tuple[list, str]:
     gateway = [*lorapool, "serve", "--port", str(port), *common]
     procs = []
     for name, cmd in (("worker", worker), ("gateway", gateway)):
+        cpus = args.worker_cpus if name == "worker" else None  # the gateway: this process's
+        place = functools.partial(os.sched_setaffinity, 0, cpus) if cpus else None
         with open(os.path.join(workdir, f"{name}.log"), "wb") as log:
-            procs.append(
-                subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=workdir)
-            )
+            out = {"stdout": log, "stderr": subprocess.STDOUT}
+            procs.append(subprocess.Popen(cmd, env=env, cwd=workdir, preexec_fn=place, **out))
     return procs, f"http://127.0.0.1:{port}"
 
 
@@ -260,6 +309,24 @@ def main() -> None:
         help="the hostile tenant's key's requests a minute (default: none, as a plain key)",
     )
     parser.add_argument(
+        "--attacker-nice",
+        type=int,
+        default=0,
+        help="the attacking process's niceness: >0 stands for a client on another machine",
+    )
+    parser.add_argument(
+        "--worker-cpus",
+        type=_cpus,
+        default=None,
+        help="CPUs for the worker alone (e.g. 0), to stand for its GPU machine on a small box",
+    )
+    parser.add_argument(
+        "--other-cpus",
+        type=_cpus,
+        default=None,
+        help="CPUs for the gateway, both tenants' clients and this process (e.g. 1)",
+    )
+    parser.add_argument(
         "--worker-arg",
         action="append",
         default=[],
@@ -279,6 +346,8 @@ def main() -> None:
     from lorapool.lifecycle.keys import Keys
     from lorapool.producer.api_keys import ApiKeys
 
+    if args.other_cpus:  # the gateway and the attacking process inherit it
+        os.sched_setaffinity(0, args.other_cpus)
     prefix = f"bench-hostile-{uuid.uuid4().hex[:8]}"
     conn = redis.Redis.from_url(args.redis_url)
     store = ApiKeys(conn, Keys(prefix))
@@ -308,6 +377,9 @@ def main() -> None:
         }
         result |= {"attacks": attacks, "seconds": args.seconds, "rounds": args.rounds}
         result["heavy_rpm"] = args.heavy_rpm
+        result["attacker_nice"] = args.attacker_nice
+        cpus = {"worker": args.worker_cpus, "other": args.other_cpus}
+        result["cpus"] = {k: sorted(v or ()) for k, v in cpus.items()}
         result["logs"] = workdir
     finally:
         for p in procs:
