@@ -143,32 +143,38 @@ def test_a_compacted_log_reads_from_its_record(pool_url, conn, keys):
     assert len(chunks) == 1 and chunks[0].finished and chunks[0].offset == 0
 
 
-def test_a_new_client_follows_before_any_other_command(pool_url, conn, keys, producer, caplog):
+def test_a_new_client_follows_before_any_other_command(pool_url, keys, producer, caplog):
     """A fresh AsyncProducer whose first call is a follow subscribes (confirmed) and
     reads the output: on a cluster the follower's SSUBSCRIBE routes by slots its client
     had not learned yet (redis-py raised SlotNotCoveredError in the listener, and the
     reader fell back to polling the log) until the follower initializes the client."""
+    served_then_followed_fresh(pool_url, keys, producer, "n1")
+    assert "no subscribe confirmation" not in caplog.text
+
+
+def served_then_followed_fresh(pool_url, keys, producer, rid: str) -> None:
+    """``rid`` (5 tokens) served by a stand-in worker, then followed by a fresh
+    AsyncProducer whose first call is the follow: every token, once, to the final."""
     from lorapool.producer.aio import AsyncJobHandle
     from lorapool.worker import Worker, WorkerConfig
 
     bench = load()
-    producer.submit({"prompt_token_ids": [1, 2]}, SamplingParams(max_tokens=5), request_id="n1")
+    producer.submit({"prompt_token_ids": [1, 2]}, SamplingParams(max_tokens=5), request_id=rid)
     key = bench.AUDIT_KEY.encode()
     config = WorkerConfig(prefix=keys.prefix, shards=keys.shards, burst=True, audit_key=key)
-    Worker(bench.StandInEngine(8, 0.0), conn, config, bench.BASE_MODEL).run()
+    Worker(bench.StandInEngine(8, 0.0), producer.redis, config, bench.BASE_MODEL).run()
 
     async def follow():
         fresh = AsyncProducer(pool_url, prefix=keys.prefix, shards=keys.shards)
         try:
-            handle = AsyncJobHandle(fresh, "n1", "delta")
+            handle = AsyncJobHandle(fresh, rid, "delta")
             return [chunk async for chunk in handle.chunks(timeout=10)]
         finally:
             await fresh.aclose()
 
     chunks = asyncio.run(follow())
-    assert "no subscribe confirmation" not in caplog.text
     tokens = [t for c in chunks for o in c.outputs for t in o.token_ids]
-    assert tokens == [bench.token_of("n1", k) for k in range(5)] and chunks[-1].finished
+    assert tokens == [bench.token_of(rid, k) for k in range(5)] and chunks[-1].finished
 
 
 @pytest.mark.layouts("standalone")
@@ -229,14 +235,7 @@ def test_the_process_standing_still_does_not_run_out_the_subscribe_wait(
     wait was wall-clock: it ran out in the same turn, warned, and left the reader to the
     log's polls.)"""
     from lorapool.lifecycle.follower import Follower
-    from lorapool.producer.aio import AsyncJobHandle
-    from lorapool.worker import Worker, WorkerConfig
 
-    bench = load()
-    producer.submit({"prompt_token_ids": [1, 2]}, SamplingParams(max_tokens=5), request_id="p1")
-    key = bench.AUDIT_KEY.encode()
-    config = WorkerConfig(prefix=keys.prefix, shards=keys.shards, burst=True, audit_key=key)
-    Worker(bench.StandInEngine(8, 0.0), producer.redis, config, bench.BASE_MODEL).run()
     real, stood = Follower._send_subscriptions, []
 
     async def stand_still_once(self):
@@ -248,16 +247,6 @@ def test_the_process_standing_still_does_not_run_out_the_subscribe_wait(
 
     monkeypatch.setattr(Follower, "_send_subscriptions", stand_still_once)
 
-    async def follow():
-        fresh = AsyncProducer(pool_url, prefix=keys.prefix, shards=keys.shards)
-        try:
-            handle = AsyncJobHandle(fresh, "p1", "delta")
-            return [chunk async for chunk in handle.chunks(timeout=10)]
-        finally:
-            await fresh.aclose()
-
-    chunks = asyncio.run(follow())
+    served_then_followed_fresh(pool_url, keys, producer, "p1")
     assert stood == [1.0]
     assert "no subscribe confirmation" not in caplog.text
-    tokens = [t for c in chunks for o in c.outputs for t in o.token_ids]
-    assert tokens == [bench.token_of("p1", k) for k in range(5)] and chunks[-1].finished
