@@ -21,6 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import hostile_tenants as hostile  # noqa: E402
+from hostile_attacks import Hostile  # noqa: E402
 
 KINDS = ("tokenize", "ref_chain", "gbnf", "lark_chain")
 
@@ -60,7 +61,7 @@ def main() -> None:
     procs, url = hostile.start(args, prefix, tempfile.mkdtemp(prefix="bench-refusal-"))
     try:
         model = hostile.wait_ready(url, procs, {"Authorization": f"Bearer {keys['plain']}"})
-        bodies = hostile.Hostile(url, {}, model, 1).encoded
+        bodies = Hostile(url, {}, model, 1).encoded
         plain = {"Authorization": f"Bearer {keys['plain']}"}
         deadline = time.monotonic() + 120  # the worker publishes its tokenizer after /v1/models
         while httpx.post(url + "/tokenize", json={"prompt": "a"}, headers=plain).status_code != 200:
