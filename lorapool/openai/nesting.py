@@ -25,10 +25,35 @@ _STEP = {ord("["): 1, ord("{"): 1, ord("]"): -1, ord("}"): -1}
 def depth_over(body: bytes | bytearray, max_depth: int = MAX_JSON_DEPTH) -> bool:
     """Whether the JSON text ``body`` nests deeper than ``max_depth`` (brackets inside
     strings do not count). A body with fewer brackets than that is not scanned."""
-    if body.count(b"[") + body.count(b"{") <= max_depth:
+    if not _more_brackets(body, max_depth):
         return False
-    brackets = _STRING.sub(b"", body).translate(None, _NOT_BRACKET)
+    brackets = _outside_strings(body).translate(None, _NOT_BRACKET)
     return max(accumulate(map(_STEP.__getitem__, brackets)), default=0) > max_depth
+
+
+def _more_brackets(body: bytes | bytearray, limit: int) -> bool:
+    """Whether ``body`` holds more than ``limit`` opening brackets: at most ``limit`` + 1
+    ``find`` calls (memchr), where two ``count`` passes took 3.6 ms on a 6 MB prompt."""
+    seen = 0
+    for opening in (b"{", b"["):
+        at = body.find(opening)
+        while at != -1:
+            seen += 1
+            if seen > limit:
+                return True
+            at = body.find(opening, at + 1)
+    return False
+
+
+def _outside_strings(body: bytes | bytearray) -> bytes | bytearray:
+    """``body`` without its strings. Every backslash of valid JSON is in a string, where
+    each escape is two bytes from the left of a run of backslashes: with the escaped
+    backslashes and then the escaped quotes gone, every quote left opens or closes a
+    string. (A third of the regex's time on a 97 KB schema.) Text that is not JSON may
+    come out otherwise: msgspec refuses it, its recursion caught (``bodies.parse``)."""
+    if b"\\" in body:
+        body = body.replace(b"\\\\", b"").replace(b'\\"', b"")
+    return b"".join(body.split(b'"')[::2])
 
 
 def check_nesting(body: bytes | bytearray | memoryview, what: str = "the request body") -> None:

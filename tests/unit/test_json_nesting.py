@@ -2,8 +2,12 @@
 brackets inside strings do not count, the bound itself passes, one level more is a 400
 before msgspec's recursion is reached."""
 
+import json
+
 import orjson
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from lorapool.openai.bodies import CompletionRequest, parse
 from lorapool.openai.errors import APIError
@@ -30,6 +34,32 @@ def nested(depth: int) -> bytes:
 )
 def test_depth_over(body, over):
     assert depth_over(body) is over
+
+
+def depth(value) -> int:
+    """The oracle: arrays and objects within each other in the decoded value."""
+    if isinstance(value, list):
+        return 1 + max(map(depth, value), default=0)
+    if isinstance(value, dict):
+        return 1 + max(map(depth, value.values()), default=0)
+    return 0
+
+
+# strings made of what the scan has to tell apart: quotes, backslashes, brackets
+TEXT = st.text(st.sampled_from('"\\[]{}a\n\u00e9'), max_size=8)
+VALUES = st.recursive(
+    st.none() | st.integers(-(2**63), 2**63 - 1) | TEXT,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(TEXT, inner, max_size=3),
+    max_leaves=40,
+)
+
+
+@given(VALUES, st.integers(0, 12), st.booleans())
+def test_depth_over_agrees_with_the_decoded_values_depth(value, bound, ascii_only):
+    """Whatever the strings hold (escaped quotes, runs of backslashes, brackets),
+    encoded as orjson or as Python's json (``\\u`` escapes) writes it."""
+    body = json.dumps(value).encode() if ascii_only else orjson.dumps(value)
+    assert depth_over(body, bound) is (depth(value) > bound)
 
 
 def test_a_deep_body_is_a_400_naming_the_nesting_before_it_is_decoded():
