@@ -25,6 +25,7 @@ import re
 from typing import Annotated, Any
 
 import msgspec
+import orjson
 
 from lorapool.records.errors import FieldError, invalid
 
@@ -71,11 +72,15 @@ class StructuredOutputsParams(msgspec.Struct, forbid_unknown_fields=True):
             )
         if kinds[0] == "json":
             self.json = _schema(self.json)
+        if not _surely_within(getattr(self, kinds[0])):
+            self._check_size(kinds[0])
+
+    def _check_size(self, kind: str) -> None:
         size = len(self.spec.encode("utf-8", "surrogatepass"))
         if size > MAX_CONSTRAINT_BYTES:
             raise FieldError(
-                f"{WHERE}.{kinds[0]} is {size} bytes, over the limit of {MAX_CONSTRAINT_BYTES}",
-                field=f"{WHERE}.{kinds[0]}",
+                f"{WHERE}.{kind} is {size} bytes, over the limit of {MAX_CONSTRAINT_BYTES}",
+                field=f"{WHERE}.{kind}",
             )
 
     @property
@@ -194,3 +199,16 @@ def check_grammar(params: StructuredOutputsParams) -> str:
 
 def _clean(message: str) -> str:
     return re.sub(r"\s+", " ", message).strip()[:500]
+
+
+def _surely_within(value: Any) -> bool:
+    """Whether ``value``'s ``spec`` is within ``MAX_CONSTRAINT_BYTES`` without writing it:
+    orjson's compact UTF-8 (a tenth of ``json.dumps``'s time: 1.5 ms on a 97 KB schema,
+    on the gateway's event loop) is at most three times shorter (a space after each
+    separator; ``\\uXXXX`` for two to four bytes of UTF-8; ``1e+16`` for ``1e16``)."""
+    if isinstance(value, str | bool):
+        return False  # a text (or a flag) is measured as it is, at the cost of its encoding
+    try:
+        return 3 * len(orjson.dumps(value)) <= MAX_CONSTRAINT_BYTES
+    except (orjson.JSONEncodeError, TypeError):  # past 64-bit integers, lone surrogates
+        return False

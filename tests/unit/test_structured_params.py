@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import orjson
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from lorapool.protocol import FieldError, SamplingParams
 from lorapool.records.job import decode_job, encode_job, job_from_dict
@@ -132,3 +135,32 @@ def test_a_batch_line_carries_its_constraint_and_tools_into_its_job():
     finally:
         sandbox.close()
     assert info.value.field == "body.guided_json" and "nope" in str(info.value)
+
+
+# what a decoded schema can hold: every kind of JSON value, any text (astral too)
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**63 - 1) | st.floats(allow_nan=False,
+    allow_infinity=False) | st.text(),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(), inner, max_size=4),
+    max_leaves=30,
+)  # fmt: skip
+
+
+@given(st.dictionaries(st.text(), JSON_VALUES, min_size=1, max_size=4))
+def test_a_schemas_spec_is_at_most_three_times_its_compact_encoding(schema):
+    """What lets ``verify`` skip writing a schema within a third of the limit: the spec
+    (``json.dumps``, audited and measured) is never more than 3x orjson's compact UTF-8."""
+    spec = StructuredOutputsParams(json=schema).spec.encode("utf-8", "surrogatepass")
+    assert len(orjson.dumps(schema)) <= len(spec) <= 3 * len(orjson.dumps(schema))
+
+
+@pytest.mark.parametrize("char", ["é", "中", "😀", "\n", "a"])
+def test_a_schema_over_the_limit_as_written_is_refused_whatever_its_compact_size(char):
+    """Escaped, a character takes up to 12 bytes: one count under the limit compact,
+    and over it as the spec is written, is still refused; one a third of it passes."""
+    per = len(json.dumps(char)) - 2
+    over = {"description": char * (MAX_CONSTRAINT_BYTES // per + 1)}
+    with pytest.raises(FieldError, match=f"is {len(json.dumps(over, sort_keys=True))} bytes"):
+        StructuredOutputsParams(json=over)
+    within = {"d": char * (MAX_CONSTRAINT_BYTES // 3 // len(char.encode()) - 20)}
+    assert StructuredOutputsParams(json=within).json == within
