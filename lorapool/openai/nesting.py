@@ -32,8 +32,11 @@ def depth_over(body: bytes | bytearray, max_depth: int = MAX_JSON_DEPTH) -> bool
 
 
 def _more_brackets(body: bytes | bytearray, limit: int) -> bool:
-    """Whether ``body`` holds more than ``limit`` opening brackets: at most ``limit`` + 1
-    ``find`` calls (memchr), where two ``count`` passes took 3.6 ms on a 6 MB prompt."""
+    """Whether ``body`` holds more than ``limit`` opening brackets. Two ``count`` passes
+    for a small body (a 1 KB one with 55 brackets: 1 µs); for a large one at most
+    ``limit`` + 1 ``find`` calls (memchr), where the counts took 3.6 ms on a 6 MB prompt."""
+    if len(body) < 16384:
+        return body.count(b"[") + body.count(b"{") > limit
     seen = 0
     for opening in (b"{", b"["):
         at = body.find(opening)

@@ -54,10 +54,13 @@ VALUES = st.recursive(
 )
 
 
-@given(VALUES, st.integers(0, 12), st.booleans())
-def test_depth_over_agrees_with_the_decoded_values_depth(value, bound, ascii_only):
+@given(VALUES, st.integers(0, 12), st.booleans(), st.sampled_from(["", "x", "["]))
+def test_depth_over_agrees_with_the_decoded_values_depth(value, bound, ascii_only, large):
     """Whatever the strings hold (escaped quotes, runs of backslashes, brackets),
-    encoded as orjson or as Python's json (``\\u`` escapes) writes it."""
+    encoded as orjson or as Python's json (``\\u`` escapes) writes it; ``large``: past
+    16 KiB, where the brackets are counted with ``find`` (in a string or not)."""
+    if large:
+        value = [value, large * 20000]
     body = json.dumps(value).encode() if ascii_only else orjson.dumps(value)
     assert depth_over(body, bound) is (depth(value) > bound)
 
