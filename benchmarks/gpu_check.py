@@ -1,10 +1,11 @@
 """GPU proof kit: the engine, the kernels and the worker proven on a real GPU.
 
-    lorapool bench gpu --part 1 --out DIR   # on a GPU: two calls of at most 8 minutes
+    lorapool bench gpu --part 1 --out DIR   # on a GPU: calls of at most 8 minutes
     lorapool bench gpu --part 2 --out DIR
+    lorapool bench gpu --part 3 --out DIR   # the hostile tenant (issue 51)
     lorapool bench gpu --device cpu --tiny --out DIR   # the CPU dry run (CI), every section
 
-Seven sections, in order, each in a process of its own with a time box, so that
+Eight sections, in order, each in a process of its own with a time box, so that
 an early stop still reports what came before (``benchmarks/gpu/plan.py`` sizes
 them and splits them into ``PARTS``): device (versions, copy bandwidth), kernels
 (Triton against the reference, bandwidth by graph replay), sweep (launch configs
@@ -13,7 +14,8 @@ of the LoRA and attention kernels, old against new, the winners written), engine
 generate, adapters against the base model, the decode step at batch 64 and 256
 against its bytes and GEMM floors with and without CUDA graphs and with each
 engine flag on and off), big (the decode step of an 8B shape), queue (a
-``lorapool worker`` against the engine alone, parity and then speed).
+``lorapool worker`` against the engine alone, parity and then speed), tenants (issue
+51's hostile tenant against a light one through a gateway, the worker on the device).
 
 Writes DIR/report.json (and its copy DIR/<date>-<commit>[-part<N>].json, to commit
 under benchmarks/gpu/reports/), DIR/report.md and DIR/kit.log after every section.
@@ -54,6 +56,7 @@ MODULES = {  # section -> its module in benchmarks/gpu/, imported by that sectio
     "throughput": "throughput",
     "big": "big_model",
     "queue": "queue_check",
+    "tenants": "tenants",
 }
 
 
@@ -71,7 +74,7 @@ def parse(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--part",
         choices=sorted(PARTS),
-        help="one of the two calls the full run is split into (plan.PARTS): its sections",
+        help="one of the calls the full run is split into (plan.PARTS): its sections",
     )
     parser.add_argument("--workdir", default=None, help="models and adapters (default: temp)")
     parser.add_argument("--section", help=argparse.SUPPRESS)

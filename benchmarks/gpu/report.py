@@ -108,7 +108,7 @@ def report_name(meta: dict) -> str:
 
 
 def acceptance(sections: list[dict]) -> dict:
-    """The figures issue 47 accepts the kit by (``acceptance_*`` of every section, and
+    """The figures issues 47 and 51 accept by (``acceptance_*`` of every section, and
     the LoRA kernels' best share of the copy bandwidth at decode shapes), by section."""
     found = {}
     for s in sections:
@@ -132,7 +132,7 @@ def markdown(report: dict) -> str:
     ]
     if report.get("acceptance"):
         lines += [
-            "Acceptance figures (issue 47):",
+            "Acceptance figures (issue 47; `tenants`: issue 51):",
             "",
             "| section | figure | value |",
             "|---|---|---|",

@@ -30,72 +30,11 @@ from importlib import metadata
 from pathlib import Path
 
 import pytest
+from kit_figures import FIGURES, SECTIONS
 
 ROOT = Path(__file__).resolve().parents[2]
 KIT = ROOT / "benchmarks" / "gpu_check.py"
 GUARD = ROOT / "tests" / "support" / "kit_guard"
-SECTIONS = ["device", "kernels", "sweep", "engine", "throughput", "big", "queue"]
-FIGURES = {  # figures each section's report must hold
-    "device": ["torch", "triton", "copy_GBps"],
-    "kernels": [
-        "triton_mode",
-        "max_err_by_dtype",
-        "best_bandwidth_fraction",
-        "kernels_timed_windows",
-    ],
-    "sweep": [
-        "device_key",
-        "cases",
-        "launches",
-        "compile_s",
-        "launches_failed",
-        "sweep_timed_windows",
-        "winners",
-    ],
-    "engine": [
-        "tiny-llama_fp32_exact",
-        "tiny-llama_bf16_agreement",
-        "tiny-llama_lora_exact",
-        "tiny-qwen3_fp32_exact",
-        "tiny-qwen3_lora_exact",
-    ],
-    "throughput": [
-        "ours_over_transformers",
-        "adapters_2_over_base",
-        "adapters_4_over_base",
-        "kv_blocks",
-        "acceptance_tokens_per_s_over_10110",
-        "practical_floor_ms_b4",
-        "practical_floor_ms_b8",
-        "bytes_floor_ms_base_b4",
-        "step_over_bytes_floor_base_b4_eager",
-        "step_over_practical_floor_base_b8_eager",
-        "step_over_practical_floor_lora2_b8_eager",
-        "step_lora4_over_base_b4_eager",
-        "acceptance_step_lora4_over_base",
-        "flag_fused_layer_kernels",
-        "flag_lora_live_work",
-        "flag_enable_prefix_caching_on_over_off_lora2_b8",
-        "throughput_timed_windows",
-    ],
-    "big": [
-        "parameters_B",
-        "practical_floor_ms_b8",
-        "step_over_bytes_floor_lora2_b8_eager",
-        "tokens_per_s_base_b4",
-        "acceptance_8b_step_over_practical_floor",
-        "big_timed_windows",
-    ],
-    "queue": [
-        "server",
-        "results_equal",
-        "worker_over_engine",
-        "engine_tokens_per_s",
-        "served_engine_tokens_per_s",
-        "served_worker_tokens_per_s",
-        "queue_overhead",
-    ],
-}
 
 
 def _load_bundle():
@@ -141,7 +80,7 @@ def allowed_modules() -> set[str]:
     for module, owners in metadata.packages_distributions().items():
         if any(bundle.normalize(owner) in dists for owner in owners):
             modules.add(module)
-    return modules | {"gpu", "gpu_check", "sitecustomize"}
+    return modules | {"gpu", "gpu_check", "hostile_tenants", "hostile_attacks", "sitecustomize"}
 
 
 def server_binary() -> str | None:
@@ -245,7 +184,7 @@ def test_dry_run_measures_the_decode_step_fairly(dry_run):
     assert all(r["old_us"] > 0 and r["new_us"] > 0 for r in sweep)
 
 
-def test_the_two_parts_cover_every_section_within_8_minutes():
+def test_the_parts_cover_every_section_within_8_minutes_each():
     spec = importlib.util.spec_from_file_location("gpu_plan", ROOT / "benchmarks/gpu/plan.py")
     plan = importlib.util.module_from_spec(spec)
     sys.modules["gpu_plan"] = plan  # dataclasses look their module up
@@ -272,6 +211,11 @@ def test_dry_run_checks_what_it_reports(dry_run):
     assert queue["results_equal"] == "24/24"
     assert queue["misroute_logprob_gap_min"] > 0  # a wrong adapter shows in the logprobs
     assert queue["worker_logprob_max_diff"] <= queue["misroute_logprob_gap_min"] / 10
+    tenants = sections["tenants"]["figures"]
+    assert tenants["light_calls"]["alone"] > 0 and tenants["light_calls"]["attacked"] > 0
+    refused = {"ref_chain": 400, "lark_chain": 400, "gbnf": 400, "tokenize": 413}
+    for attack, status in {**refused, "n64": 200, "streams": 200}.items():
+        assert tenants["hostile_answers"].get(f"{attack} {status}", 0) > 0, attack
 
 
 FAULT = """
@@ -327,7 +271,13 @@ def test_a_worker_that_misscales_its_adapters_fails_the_queue_section(tmp_path):
 
 @pytest.mark.parametrize(
     "module, allowed",
-    [("sqlalchemy", False), ("fastapi", False), ("psycopg", False), ("orjson", True)],
+    [
+        ("sqlalchemy", False),
+        ("alembic", False),
+        ("psycopg", False),
+        ("orjson", True),
+        ("fastapi", True),
+    ],  # the bundle carries the gateway's for ``tenants``
 )
 def test_the_guard_refuses_what_the_gpu_machine_lacks(tmp_path, module, allowed):
     env = guarded_env(tmp_path)
@@ -341,14 +291,16 @@ def test_the_guard_refuses_what_the_gpu_machine_lacks(tmp_path, module, allowed)
 
 
 def test_lorapool_needs_nothing_the_gpu_machine_and_the_bundle_lack():
-    """Every requirement of lorapool and of its worker extra (pyproject.toml) is on the
-    GPU machine's list or pinned in the bundle: a dependency added later must be too."""
+    """Every requirement of lorapool and of its worker and gateway extras (pyproject.toml)
+    is on the GPU machine's list or pinned in the bundle: a dependency added later must be
+    too (the gateway's: the ``tenants`` section runs ``lorapool serve`` there)."""
     tomllib = pytest.importorskip("tomllib")
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     listed = (ROOT / "benchmarks/gpu/gpu_machine_packages.txt").read_text().splitlines()
     have = {bundle.normalize(w) for w in " ".join(x.split("#")[0] for x in listed).split()}
     have |= set(bundle.wanted())
-    needed = project["dependencies"] + project["optional-dependencies"]["worker"]
+    extras = project["optional-dependencies"]
+    needed = project["dependencies"] + extras["worker"] + extras["gateway"]
     names = {bundle.normalize(re.split(r"[\s<>=!~;\[(]", r, maxsplit=1)[0]) for r in needed}
     assert names - have == set()
 

@@ -1,0 +1,73 @@
+"""What the GPU kit's CPU dry run must report (``tests/gpu_kit/test_dry_run.py``): its
+sections in order, and the figures each section's report must hold."""
+
+SECTIONS = ["device", "kernels", "sweep", "engine", "throughput", "big", "queue", "tenants"]
+FIGURES = {  # figures each section's report must hold
+    "device": ["torch", "triton", "copy_GBps"],
+    "kernels": [
+        "triton_mode",
+        "max_err_by_dtype",
+        "best_bandwidth_fraction",
+        "kernels_timed_windows",
+    ],
+    "sweep": [
+        "device_key",
+        "cases",
+        "launches",
+        "compile_s",
+        "launches_failed",
+        "sweep_timed_windows",
+        "winners",
+    ],
+    "engine": [
+        "tiny-llama_fp32_exact",
+        "tiny-llama_bf16_agreement",
+        "tiny-llama_lora_exact",
+        "tiny-qwen3_fp32_exact",
+        "tiny-qwen3_lora_exact",
+    ],
+    "throughput": [
+        "ours_over_transformers",
+        "adapters_2_over_base",
+        "adapters_4_over_base",
+        "kv_blocks",
+        "acceptance_tokens_per_s_over_10110",
+        "practical_floor_ms_b4",
+        "practical_floor_ms_b8",
+        "bytes_floor_ms_base_b4",
+        "step_over_bytes_floor_base_b4_eager",
+        "step_over_practical_floor_base_b8_eager",
+        "step_over_practical_floor_lora2_b8_eager",
+        "step_lora4_over_base_b4_eager",
+        "acceptance_step_lora4_over_base",
+        "flag_fused_layer_kernels",
+        "flag_lora_live_work",
+        "flag_enable_prefix_caching_on_over_off_lora2_b8",
+        "throughput_timed_windows",
+    ],
+    "big": [
+        "parameters_B",
+        "practical_floor_ms_b8",
+        "step_over_bytes_floor_lora2_b8_eager",
+        "tokens_per_s_base_b4",
+        "acceptance_8b_step_over_practical_floor",
+        "big_timed_windows",
+    ],
+    "queue": [
+        "server",
+        "results_equal",
+        "worker_over_engine",
+        "engine_tokens_per_s",
+        "served_engine_tokens_per_s",
+        "served_worker_tokens_per_s",
+        "queue_overhead",
+    ],
+    "tenants": [
+        "worker_cpus",
+        "alone_p50_s",
+        "attacked_p50_s",
+        "acceptance_light_ratio_p50",
+        "acceptance_light_ratio_p99",
+        "hostile_answers",
+    ],
+}
