@@ -56,13 +56,14 @@ def _add_chat_template(path: Path) -> None:
     config.write_text(json.dumps(data))
 
 
-def placement(cpus: int) -> tuple[list[int], list[int]] | None:
-    """The worker's CPUs and the others' on a machine of ``cpus``: a quarter (at least
-    two) for the worker, the rest for the gateway and the clients; None under 8."""
-    if cpus < 8:
+def placement(cpus: list[int]) -> tuple[list[int], list[int]] | None:
+    """The worker's CPUs and the others' of ``cpus`` (this process's, as a container
+    numbers them): a quarter (at least two) for the worker, the rest for the gateway and
+    the clients; None under 8."""
+    if len(cpus) < 8:
         return None
-    worker = max(2, cpus // 4)
-    return list(range(worker)), list(range(worker, cpus))
+    worker = max(2, len(cpus) // 4)
+    return cpus[:worker], cpus[worker:]
 
 
 def _bench(ctx, rec, server: Server, path: Path) -> None:
@@ -73,7 +74,7 @@ def _bench(ctx, rec, server: Server, path: Path) -> None:
     cmd += [f"--worker-arg=--device={ctx.device}"]
     if ctx.device != "cuda":
         cmd += [f"--worker-arg=--kv-cache-memory={64 << 20}"]
-    placed = placement(len(os.sched_getaffinity(0)))
+    placed = placement(sorted(os.sched_getaffinity(0)))
     if placed:
         worker, others = placed
         cmd += ["--worker-cpus", ",".join(map(str, worker))]
