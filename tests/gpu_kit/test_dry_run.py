@@ -346,3 +346,12 @@ def test_a_section_cut_short_by_its_time_box_is_no_pass(tmp_path):
     rec.check("a case", False, "err 1.0")
     rec.cut_short("the rest")
     assert rec.finish()["status"] == "fail"  # a wrong result outranks the time box
+
+
+def test_tenants_gives_the_worker_a_quarter_of_the_cpus_this_process_may_use(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from gpu.tenants import placement
+
+    assert placement([0, 1]) is None  # a small box: nothing placed (the dry run's case)
+    assert placement(list(range(16))) == ([0, 1, 2, 3], list(range(4, 16)))
+    assert placement(list(range(32, 41))) == ([32, 33], list(range(34, 41)))
