@@ -204,8 +204,9 @@ def _clean(message: str) -> str:
 def _surely_within(value: Any) -> bool:
     """Whether ``value``'s ``spec`` is within ``MAX_CONSTRAINT_BYTES`` without writing it:
     orjson's compact UTF-8 (a tenth of ``json.dumps``'s time: 1.5 ms on a 97 KB schema,
-    on the gateway's event loop) is at most three times shorter (a space after each
-    separator; ``\\uXXXX`` for two to four bytes of UTF-8; ``1e+16`` for ``1e16``)."""
+    on the gateway's event loop) is at most three times shorter: a space after each
+    separator, ``\\uXXXX`` for two to four bytes of UTF-8, floats as Python writes them
+    (``tests/unit/test_structured_params.py`` checks the factor on any JSON value)."""
     if isinstance(value, str | bool):
         return False  # a text (or a flag) is measured as it is, at the cost of its encoding
     try:
