@@ -203,8 +203,8 @@ def _clean(message: str) -> str:
 
 def _surely_within(value: Any) -> bool:
     """Whether ``value``'s ``spec`` is within ``MAX_CONSTRAINT_BYTES`` without writing it:
-    orjson's compact UTF-8 (a tenth of ``json.dumps``'s time: 1.5 ms on a 97 KB schema,
-    on the gateway's event loop) is at most three times shorter: a space after each
+    orjson's compact UTF-8 (0.08 ms on a 97 KB schema, where ``json.dumps`` took 1.5 ms of
+    the gateway's event loop) is at most three times shorter: a space after each
     separator, ``\\uXXXX`` for two to four bytes of UTF-8, floats as Python writes them
     (``tests/unit/test_structured_params.py`` checks the factor on any JSON value)."""
     if isinstance(value, str | bool):
