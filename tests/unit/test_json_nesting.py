@@ -2,8 +2,10 @@
 brackets inside strings do not count, the bound itself passes, one level more is a 400
 before msgspec's recursion is reached."""
 
+import contextlib
 import json
 
+import msgspec
 import orjson
 import pytest
 from hypothesis import given
@@ -88,3 +90,18 @@ def test_a_body_broken_past_an_unknown_field_is_a_400_when_unknown_fields_are_dr
     with pytest.raises(APIError) as refused:
         parse(body, CompletionRequest, unknown=[])
     assert refused.value.status == 400 and "not valid JSON" in refused.value.message
+
+
+JUNK = st.text(st.sampled_from('"\\\\[]{}a:,1 '), max_size=12).map(str.encode)
+
+
+@given(JUNK, st.integers(0, 3000), JUNK, st.sampled_from([b"[", b'{"a":']))
+def test_text_that_is_not_json_never_reaches_msgspecs_recursion_unflagged(
+    head, depth, tail, opening
+):
+    """What the scan lets through, msgspec refuses without recursing past Python's limit:
+    brackets msgspec would read before the text's first fault are counted as it reads them."""
+    body = head + opening * depth + tail
+    if not depth_over(body):
+        with contextlib.suppress(msgspec.DecodeError):  # refused: a 400, as any non-JSON
+            msgspec.json.decode(body)
