@@ -35,8 +35,9 @@ CHATML = (
 
 def run(ctx, rec) -> None:
     sizes = ctx.sizes
-    path, hf = models.build_model(sizes.models[0], Path(ctx.workdir) / "models", ctx.device)
-    del hf  # built on the device for nothing here: the worker loads its own
+    root = Path(ctx.workdir) / "models"
+    path, hf = models.build_model(sizes.models[0], root, ctx.device, load=False)
+    del hf  # the worker loads its own: a model built now is dropped, one on disk not loaded
     oracle.free()
     _add_chat_template(path)
     binary = find_binary()

@@ -8,7 +8,7 @@ import json
 import msgspec
 import orjson
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from lorapool.openai.bodies import CompletionRequest, parse
@@ -96,6 +96,7 @@ JUNK = st.text(st.sampled_from('"\\\\[]{}a:,1 '), max_size=12).map(str.encode)
 
 
 @given(JUNK, st.integers(0, 3000), JUNK, st.sampled_from([b"[", b'{"a":']))
+@example(b'["a\\\\",', 3000, b"", b"[")  # an escaped backslash ends its string
 def test_text_that_is_not_json_never_reaches_msgspecs_recursion_unflagged(
     head, depth, tail, opening
 ):
