@@ -28,7 +28,8 @@ gateway and the worker were still up at the end. Phases alternate ``--rounds`` t
 The hostile tenant runs in a process of its own; ``--attacker-nice N`` lowers it in the
 OS's scheduler, to stand for an attacker on another machine when the box is small;
 ``--worker-cpus 0 --other-cpus 1`` gives the worker a CPU of its own and the rest the
-others, to stand for the worker's own (GPU) machine.
+others, to stand for the worker's own (GPU) machine; ``--attacker-cpus`` places the
+attacking process apart from the gateway's (on a small box, with the worker).
 
 Redis: ``--redis-url``, else ``$REDIS_URL``, else 127.0.0.1:6379/0.
 """
@@ -94,6 +95,8 @@ async def phase(args, url: str, keys: dict, model: str, attacks: list[str]) -> d
     hostile = (theirs, url, keys["heavy"], model, args.streams, attacks, args.attacker_nice)
     proc = context.Process(target=attacker, args=hostile, daemon=True)
     proc.start()
+    if args.attacker_cpus:
+        os.sched_setaffinity(proc.pid, args.attacker_cpus)
     try:
         if not mine.poll(120) or mine.recv() != "ready":
             raise SystemExit("the attacking process did not start")
@@ -162,6 +165,10 @@ def summary(rounds: list[dict]) -> dict:
         out[f"{name}_p99_s"] = round(percentile(values, 0.99), 3)
     for q in ("p50", "p99"):
         out[f"ratio_{q}"] = round(out[f"attacked_{q}_s"] / out[f"alone_{q}_s"], 2)
+    # in call order, a list a phase: a burst at an attack's start shows as its first calls
+    out["attacked_latencies_ms"] = [
+        [round(x * 1000, 1) for x in r["attacked"]["latencies"]] for r in rounds
+    ]
     out["light_failures"] = Counter()
     out["hostile_answers"] = Counter()
     for r in rounds:
@@ -205,6 +212,13 @@ def main() -> None:
         type=_cpus,
         default=None,
         help="CPUs for the gateway, both tenants' clients and this process (e.g. 1)",
+    )
+    parser.add_argument(
+        "--attacker-cpus",
+        type=_cpus,
+        default=None,
+        help="CPUs for the attacking process (default: --other-cpus'), e.g. 0: it does not "
+        "take the gateway's CPU, as a client on another machine would not",
     )
     parser.add_argument(
         "--worker-arg",
@@ -259,6 +273,7 @@ def main() -> None:
         result["heavy_rpm"] = args.heavy_rpm
         result["attacker_nice"] = args.attacker_nice
         cpus = {"worker": args.worker_cpus, "other": args.other_cpus}
+        cpus["attacker"] = args.attacker_cpus or args.other_cpus
         result["cpus"] = {k: sorted(v or ()) for k, v in cpus.items()}
         result["logs"] = workdir
     finally:

@@ -100,6 +100,9 @@ def _record(rec, result: dict) -> None:
     rec.figure("acceptance_light_ratio_p50", result["ratio_p50"])
     rec.figure("acceptance_light_ratio_p99", result["ratio_p99"])
     rec.figure("light_calls", {"alone": result["alone_n"], "attacked": result["attacked_n"]})
+    # in call order a phase: a burst as an attack starts (500 streams opened at once took
+    # the gateway ~1 s on a 2-core CPU box) shows apart from a steady slowdown
+    rec.figure("attacked_latencies_ms", result["attacked_latencies_ms"])
     answers = result["hostile_answers"]
     rec.figure("hostile_answers", answers)
     failures = result["light_failures"]

@@ -213,6 +213,8 @@ def test_dry_run_checks_what_it_reports(dry_run):
     assert queue["worker_logprob_max_diff"] <= queue["misroute_logprob_gap_min"] / 10
     tenants = sections["tenants"]["figures"]
     assert tenants["light_calls"]["alone"] > 0 and tenants["light_calls"]["attacked"] > 0
+    in_order = tenants["attacked_latencies_ms"]  # a list a round, each call's time
+    assert sum(map(len, in_order)) == tenants["light_calls"]["attacked"]
     refused = {"ref_chain": 400, "lark_chain": 400, "gbnf": 400, "tokenize": 413}
     for attack, status in {**refused, "n64": 200, "streams": 200}.items():
         assert tenants["hostile_answers"].get(f"{attack} {status}", 0) > 0, attack

@@ -68,6 +68,7 @@ FIGURES = {  # figures each section's report must hold
         "attacked_p50_s",
         "acceptance_light_ratio_p50",
         "acceptance_light_ratio_p99",
+        "attacked_latencies_ms",
         "hostile_answers",
     ],
 }
