@@ -217,8 +217,8 @@ def main() -> None:
         "--attacker-cpus",
         type=_cpus,
         default=None,
-        help="CPUs for the attacking process (default: --other-cpus'), e.g. 0: it does not "
-        "take the gateway's CPU, as a client on another machine would not",
+        help="CPUs for the attacking process (default: those of --other-cpus), e.g. 0: it "
+        "does not take the gateway's CPU, as a client on another machine would not",
     )
     parser.add_argument(
         "--worker-arg",

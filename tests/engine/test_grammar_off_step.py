@@ -4,8 +4,9 @@ waits, holding no sequence slot or KV block, while another tenant's request keep
 stepping; a constraint that fails to compile or runs past ``compile_timeout_s`` fails
 its request alone, with the sandbox's own words (what the gateway's 400 says).
 
-Measured on the tiny random model: the gaps between another request's consecutive
-tokens while four 500-rule GBNFs (inside the limits) compile, against the compiles' time.
+Measured on the tiny random model: another request's tokens while four 500-rule GBNFs
+(inside the limits) compile in turn, counted between one guided request's first token and
+the next's.
 """
 
 from __future__ import annotations
