@@ -7,7 +7,8 @@
                                            until the batch ends)
 
 The batch steps run on RQ workers of ``--queue`` started with the JSON serializer:
-``rq worker lorapool-batch --serializer json --with-scheduler``.
+``rq worker lorapool-batch --serializer json --with-scheduler --worker-class
+lorapool.batch.rq_worker.Worker``.
 """
 
 from __future__ import annotations

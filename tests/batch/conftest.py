@@ -82,7 +82,9 @@ def rq_worker(redis_url, config, tmp_path):
     """Start an RQ worker of the batch queue: ``rq_worker()`` -> its process."""
     procs = []
 
-    def start(*extra: str, worker_class: str = "rq.worker.SimpleWorker") -> subprocess.Popen:
+    def start(
+        *extra: str, worker_class: str = "lorapool.batch.rq_worker.SimpleWorker"
+    ) -> subprocess.Popen:
         cmd = [sys.executable, "-c", "from rq.cli import main; main()", "worker", config.queue,
                "--url", redis_url, "--serializer", "json", "--with-scheduler",
                "--worker-class", worker_class, "-q", *extra]  # fmt: skip

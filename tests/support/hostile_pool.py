@@ -64,7 +64,7 @@ def start_deliveries(redis_url, prefix, cwd) -> list:
                 "json",
                 "--with-scheduler",
                 "--worker-class",
-                "rq.worker.SimpleWorker",
+                "lorapool.batch.rq_worker.SimpleWorker",
                 "-q",
             ],
             cwd=cwd,

@@ -208,3 +208,16 @@ def test_the_gateway_mounts_the_adapters_it_registers():
     (deployment,) = [d for d in by_kind("Deployment") if gateway in _containers_of(d)]
     volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
     assert volumes[mount["name"]]["persistentVolumeClaim"]["claimName"] == "lorapool-adapters"
+
+
+def test_every_rq_worker_runs_the_class_that_stops_promptly():
+    """RQ's own classes can wait a minute at shutdown (lorapool/batch/rq_worker.py)."""
+    rq = [c for c in containers() if c["command"][0] == "rq"]
+    assert len(rq) == 2
+    for container in rq:
+        assert options(container)["--worker-class"] == "lorapool.batch.rq_worker.Worker"
+    compose = yaml.safe_load((DEPLOY.parent / "compose.yaml").read_text())["services"]
+    commands = [s["command"] for s in compose.values() if s.get("command", [""])[0] == "rq"]
+    assert len(commands) == 2
+    for command in commands:
+        assert command[command.index("--worker-class") + 1] == "lorapool.batch.rq_worker.Worker"
