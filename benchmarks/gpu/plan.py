@@ -112,6 +112,7 @@ class Sizes:
     big_model: ModelShape | None = None  # the ``big`` section's shape (random, on the device)
     big_adapters: int = 8
     sweep_candidates: int = 5  # per op and shape in the sweep, besides the old launch
+    sweep_batches: tuple[int, ...] | None = None  # the sweep's batches: decode_batches'
     gpu_memory_utilization: float = 0.85
     queue_requests: int = 256
     queue_adapters: int = 8
@@ -141,6 +142,7 @@ TINY = Sizes(
     big_model=TINY_BIG,
     big_adapters=2,
     sweep_candidates=1,
+    sweep_batches=(4,),  # interpreted: both batches 22 s on an idle 2-core box, > 90 s in CI
     queue_requests=24,
     queue_adapters=3,
     queue_tokens=6,

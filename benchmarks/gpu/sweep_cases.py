@@ -35,7 +35,7 @@ def attention_cases(ctx, dtype) -> list[Case]:
     reach = shape.max_position_embeddings  # a graph's block tables reach max_model_len
     context = min(1024, reach // 4)  # each sequence's context in the timed calls
     out = []
-    for tokens in ctx.sizes.decode_batches:
+    for tokens in ctx.sizes.sweep_batches or ctx.sizes.decode_batches:
         spec = dict(
             tokens=tokens,
             heads=shape.num_attention_heads,
@@ -71,7 +71,7 @@ def lora_cases(ctx, dtype, rec) -> list[Case]:
     }
     ops = [op for op in ("lora_shrink", "lora_expand", "lora_linear") if hasattr(lora_ops, op)]
     out, seen = [], set()
-    for tokens in ctx.sizes.decode_batches:
+    for tokens in ctx.sizes.sweep_batches or ctx.sizes.decode_batches:
         for name, (h_in, widths) in projections.items():
             spec = dict(
                 tokens=tokens,
