@@ -190,7 +190,9 @@ def test_the_rq_worker_killed_in_the_collector_a_new_one_finishes(
 
     lines = make_lines(40, list(registry), max_tokens=40)
     batch = service.create(upload(service, lines), "/v1/completions")
-    first = rq_worker("--job-monitoring-interval", "1", worker_class="lorapool.batch.rq_worker.Worker")
+    first = rq_worker(
+        "--job-monitoring-interval", "1", worker_class="lorapool.batch.rq_worker.Worker"
+    )
     deadline = time.monotonic() + 120
     while service.retrieve(batch["id"])["request_counts"]["completed"] < 3:
         assert time.monotonic() < deadline
