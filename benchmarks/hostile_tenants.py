@@ -128,7 +128,7 @@ def start(args, prefix: str, workdir: str) -> tuple[list, str]:
     common = ["--prefix", prefix, "--redis-url", args.redis_url]
     worker = [*lorapool, "worker", "--model", args.model, *common, "--name", "bench-hostile"]
     worker += args.worker_arg
-    gateway = [*lorapool, "serve", "--port", str(port), *common]
+    gateway = [*lorapool, "serve", "--port", str(port), *common, *args.gateway_arg]
     procs = []
     for name, cmd in (("worker", worker), ("gateway", gateway)):
         cpus = args.worker_cpus if name == "worker" else None  # the gateway: this process's
@@ -225,6 +225,12 @@ def main() -> None:
         action="append",
         default=[],
         help="an option for the worker (repeatable), e.g. --worker-arg=--no-tenant-fair-share",
+    )
+    parser.add_argument(
+        "--gateway-arg",
+        action="append",
+        default=[],
+        help="an option for the gateway (repeatable), e.g. --gateway-arg=--turns-per-tenant=0",
     )
     args = parser.parse_args()
     attacks = [a for a in args.attacks.split(",") if a]

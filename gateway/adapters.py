@@ -13,17 +13,17 @@ from __future__ import annotations
 import asyncio
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Request
 from msgspec import Meta, Struct
 
-from lorapool.gateway.auth import Principal, require
+from lorapool.gateway.auth import Principal, needs
 from lorapool.gateway.body import read_struct
 from lorapool.gateway.json import JSON
 from lorapool.openai.errors import APIError, bad_request, model_not_found
 from lorapool.producer.registry import NameRefused
 
 router = APIRouter(prefix="/v1", tags=["adapter administration"])
-Admin = Annotated[Principal, Depends(require("admin"))]
+Admin = Annotated[Principal, needs("admin")]
 
 
 def _enabled(request: Request):

@@ -41,6 +41,7 @@ from lorapool.gateway.http_metrics import HttpMetrics
 from lorapool.gateway.json import error_response
 from lorapool.gateway.pool import Pool
 from lorapool.gateway.request_stats import RequestStats
+from lorapool.gateway.turns import Turns
 from lorapool.openai.bodies import schema_components
 from lorapool.openai.errors import APIError, job_lost
 from lorapool.openai.serving import OpenAIServing, ServingConfig
@@ -86,6 +87,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     app.state.http_metrics = HttpMetrics()
     app.state.request_stats = RequestStats()
     app.state.holds = Holds(config.max_streams_per_tenant, config.max_streams)
+    app.state.turns = Turns(config.turns_per_tenant)
     app.add_middleware(Edge, metrics=app.state.http_metrics)
     app.include_router(health.router)
     app.include_router(openai_api.router)

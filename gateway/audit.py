@@ -31,14 +31,14 @@ from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 
 from lorapool.audit_export import FORMATS, MEDIA_TYPES, encode
 from lorapool.gateway.audit_store import MAX_LIMIT, AuditStore, parse_time, to_csv
-from lorapool.gateway.auth import Principal, require
+from lorapool.gateway.auth import Principal, needs
 from lorapool.gateway.holds import holds_of
 from lorapool.gateway.json import JSON
 from lorapool.lifecycle.audit_verification import MODES
 from lorapool.openai.errors import APIError
 
 router = APIRouter(prefix="/v1/audit", tags=["audit"])
-Auditor = Annotated[Principal, Depends(require("audit"))]
+Auditor = Annotated[Principal, needs("audit")]
 MAX_WAIT_S = 30.0
 
 

@@ -19,12 +19,13 @@ into its audit row.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from fastapi import Request
+from fastapi import Depends, Request
 
+from lorapool.gateway.turns import take_turn
 from lorapool.openai.errors import APIError
 from lorapool.records.api_key import KeyRecord
 
@@ -77,11 +78,33 @@ class Principal:
 OPEN = Principal()  # auth off: one trusted network, no tenants
 
 
+def needs(*roles: str, counted: bool = True, submits: bool = False) -> Any:
+    """A route's caller parameter: ``Annotated[Principal, needs("submit")]``."""
+    return Depends(require(*roles, counted=counted, submits=submits), scope="function")
+
+
 def require(*roles: str, counted: bool = True, submits: bool = False) -> Callable:
-    """A dependency: the caller, if its key has one of ``roles`` (any role if none),
-    its call taken from the key's requests per minute (``counted``: False for a route
-    that counts nothing). ``submits``: the route takes its own count of what it submits
-    once the body is read; here only a 429 when the minute has no room for one."""
+    """A dependency with ``yield`` (``needs``: run at function scope): ``authenticate``'s
+    caller, then its tenant's turn at the gateway's work (``turns.py``), held from before
+    the body is read until the route's function returns (or ``end_turn``)."""
+    check = authenticate(*roles, counted=counted, submits=submits)
+
+    async def caller(request: Request) -> AsyncIterator[Principal]:
+        found = await check(request)
+        turn = await take_turn(request, found.tenant)
+        try:
+            yield found
+        finally:
+            turn.end()
+
+    return caller
+
+
+def authenticate(*roles: str, counted: bool = True, submits: bool = False) -> Callable:
+    """The caller, if its key has one of ``roles`` (any role if none), its call taken
+    from the key's requests per minute (``counted``: False for a route that counts
+    nothing). ``submits``: the route takes its own count of what it submits once the
+    body is read; here only a 429 when the minute has no room for one."""
 
     async def caller(request: Request) -> Principal:
         pool = request.app.state.pool

@@ -21,17 +21,17 @@ import asyncio
 import os
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Request
 from msgspec import Struct
 
-from lorapool.gateway.auth import Principal, require
+from lorapool.gateway.auth import Principal, needs
 from lorapool.gateway.body import read_struct
 from lorapool.gateway.holds import holds_of
 from lorapool.gateway.json import JSON
 from lorapool.openai.errors import APIError
 
 router = APIRouter(prefix="/v1", tags=["batches"])
-Submitter = Annotated[Principal, Depends(require("submit"))]
+Submitter = Annotated[Principal, needs("submit")]
 
 
 class CreateBatch(Struct, kw_only=True, forbid_unknown_fields=True):

@@ -77,7 +77,9 @@ class GatewayConfig:
     grammar_limits: the limits on a structured output's shape, each refused with a 400
     naming it (``lorapool.grammar_limits``). heavy_workers: grammar compiles (in sandbox
     processes) and tokenizations that run at once, each kind off the event loop
-    (``gateway/heavy.py``); more wait their turn.
+    (``gateway/heavy.py``); more wait their turn. turns_per_tenant: requests of one
+    tenant read and prepared at once, until their jobs are submitted; its others wait
+    before their bodies are read (``gateway/turns.py``; 0: no turns).
     """
 
     redis_url: str
@@ -112,6 +114,7 @@ class GatewayConfig:
     tenant_audit_internals: bool = False
     grammar_limits: GrammarLimits = DEFAULT_LIMITS
     heavy_workers: Annotated[int, Meta(ge=1, le=64)] = 2
+    turns_per_tenant: Limit = 2
 
     def __post_init__(self):
         check_fields(self)

@@ -22,7 +22,7 @@ from urllib.parse import parse_qs
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 
-from lorapool.gateway.auth import Principal, count, principal, require, unauthorized
+from lorapool.gateway.auth import Principal, authenticate, count, principal, unauthorized
 from lorapool.gateway.dashboard_data import QueueHistory, sample_forever, snapshot
 from lorapool.gateway.dashboard_page import render
 from lorapool.gateway.dashboard_session import (
@@ -49,7 +49,7 @@ async def _caller(request: Request, counted: bool = True) -> Principal:
     per minute when ``counted`` (the page is; Prometheus's scrape of /metrics is not)."""
     pool = request.app.state.pool
     if not pool.config.auth or "authorization" in request.headers:
-        return await require(*ROLES, counted=counted)(request)
+        return await authenticate(*ROLES, counted=counted)(request)
     cookie = request.cookies.get(COOKIE)
     key_id = await pool.sessions.key_id(cookie) if cookie else None
     record = await pool.view.api_key_by_id(key_id) if key_id else None

@@ -18,10 +18,10 @@ from collections.abc import AsyncIterator
 from typing import Annotated
 from urllib.parse import quote
 
-from fastapi import APIRouter, Depends, Header, Request
+from fastapi import APIRouter, Header, Request
 from fastapi.responses import StreamingResponse
 
-from lorapool.gateway.auth import Principal, require
+from lorapool.gateway.auth import Principal, needs
 from lorapool.gateway.body import read_body
 from lorapool.gateway.holds import holds_of
 from lorapool.gateway.job_format import chunk_event, job_body, state_name
@@ -39,8 +39,8 @@ from lorapool.producer import JobLost
 from lorapool.records.bounds import is_request_id
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
-Submitter = Annotated[Principal, Depends(require("submit"))]
-Submitting = Annotated[Principal, Depends(require("submit", submits=True))]  # check_rate
+Submitter = Annotated[Principal, needs("submit")]
+Submitting = Annotated[Principal, needs("submit", submits=True)]  # check_rate
 NO_BUFFERING = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 

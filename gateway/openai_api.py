@@ -12,16 +12,17 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
-from lorapool.gateway.auth import Principal, require
+from lorapool.gateway.auth import Principal, needs
 from lorapool.gateway.body import read_body
 from lorapool.gateway.edge import RIDES_OUTAGES
 from lorapool.gateway.holds import Hold, holds_of
 from lorapool.gateway.json import JSON
 from lorapool.gateway.pool import Pool, disconnected
 from lorapool.gateway.streams import DONE, sse
+from lorapool.gateway.turns import end_turn
 from lorapool.openai.bodies import ChatRequest, CompletionRequest, openapi_body
 from lorapool.openai.errors import model_not_found
 from lorapool.openai.params import Parsed
@@ -29,7 +30,7 @@ from lorapool.openai.serving import OpenAIServing
 
 logger = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1", tags=["OpenAI-compatible"])
-Submitter = Annotated[Principal, Depends(require("submit", submits=True))]  # check_rate
+Submitter = Annotated[Principal, needs("submit", submits=True)]  # check_rate
 
 
 def pool_of(request: Request) -> Pool:
@@ -37,7 +38,7 @@ def pool_of(request: Request) -> Pool:
 
 
 @router.get("/models", summary="The base model and every registered adapter")
-async def list_models(request: Request, caller: Annotated[Principal, Depends(require())]) -> JSON:
+async def list_models(request: Request, caller: Annotated[Principal, needs()]) -> JSON:
     """OpenAI's model list: the pool's base model, then each adapter with ``parent`` (the
     base model), ``root`` (its path for admin keys, as vLLM's; its name for a tenant's
     key, which never sees a server path) and lorapool's ``adapter_id`` and ``sha256``."""
@@ -59,7 +60,7 @@ async def list_models(request: Request, caller: Annotated[Principal, Depends(req
 
 @router.get("/models/{model_id}", summary="One model: the base model or an adapter")
 async def retrieve_model(
-    model_id: str, request: Request, caller: Annotated[Principal, Depends(require())]
+    model_id: str, request: Request, caller: Annotated[Principal, needs()]
 ) -> JSON:
     """``/v1/models``' card of ``model_id`` (OpenAI's ``models.retrieve``); 404
     ``model_not_found`` for a name that is neither, or an adapter the key may not use."""
@@ -111,6 +112,7 @@ async def _generate(request: Request, kind: str, caller: Principal):
     serving = serving_of(request)
     parsed = await serving.parse(kind, await read_body(request, pool_of(request).config.body_limit))
     submitted = await serving.submit(parsed, kind, caller, HTTPDoor(request, caller))
+    end_turn(request)  # the wait for its tokens takes no turn (turns.py)
     headers = warned(parsed, request)
     if submitted.hold is None:
         setattr(request.state, RIDES_OUTAGES, True)  # Pool.results rides out a Redis outage

@@ -17,10 +17,10 @@ import asyncio
 from pathlib import Path
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Request
 from msgspec import Struct
 
-from lorapool.gateway.auth import Principal, require
+from lorapool.gateway.auth import Principal, needs
 from lorapool.gateway.body import read_struct
 from lorapool.gateway.json import JSON
 from lorapool.openai.errors import APIError
@@ -28,7 +28,7 @@ from lorapool.producer.registry import WEIGHTS_FILE
 from lorapool.records.adapter import AdapterRecord
 
 router = APIRouter(prefix="/v1", tags=["adapter administration"])
-Admin = Annotated[Principal, Depends(require("admin"))]
+Admin = Annotated[Principal, needs("admin")]
 OFF = b"off"
 
 

@@ -12,9 +12,9 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Request
 
-from lorapool.gateway.auth import Principal, require
+from lorapool.gateway.auth import Principal, needs
 from lorapool.gateway.body import read_body
 from lorapool.gateway.edge import RIDES_OUTAGES
 from lorapool.gateway.json import JSON
@@ -23,6 +23,7 @@ from lorapool.gateway.pool import disconnected
 from lorapool.gateway.responses_background import ended, settle_on_read, start_background
 from lorapool.gateway.responses_store import ResponseStore
 from lorapool.gateway.streams import sse
+from lorapool.gateway.turns import end_turn
 from lorapool.openai.bodies import openapi_body, parse
 from lorapool.openai.response_bodies import ResponsesRequest
 from lorapool.openai.response_events import ResponseEvents
@@ -31,8 +32,8 @@ from lorapool.openai.responses import ResponseShape, replied, to_parsed
 
 logger = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1", tags=["OpenAI-compatible"])
-Submitter = Annotated[Principal, Depends(require("submit"))]
-Submitting = Annotated[Principal, Depends(require("submit", submits=True))]  # check_rate
+Submitter = Annotated[Principal, needs("submit")]
+Submitting = Annotated[Principal, needs("submit", submits=True)]  # check_rate
 
 
 @router.post(
@@ -55,6 +56,7 @@ async def create_response(request: Request, caller: Submitting):
     parsed, conversation = to_parsed(body, previous, parser, max_bytes)
     parsed.ignored += unknown
     submitted = await serving.submit(parsed, "chat", caller, HTTPDoor(request, caller))
+    end_turn(request)  # the wait for its tokens takes no turn (turns.py)
     chat_id = submitted.shape.id.removeprefix("chatcmpl-")
     shape = ResponseShape(body, chat_id, body.store is not False)
     saving = store if shape.store else None

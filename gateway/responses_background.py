@@ -29,9 +29,9 @@ from collections import Counter
 from typing import Annotated, Any
 
 import msgspec
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 
-from lorapool.gateway.auth import Principal, require
+from lorapool.gateway.auth import Principal, needs
 from lorapool.gateway.json import JSON
 from lorapool.gateway.openai_api import pool_of, serving_of
 from lorapool.gateway.responses_store import RESPONSE_TTL_S, ResponseStore
@@ -47,7 +47,7 @@ from lorapool.tasks import cancel_and_wait
 
 logger = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1", tags=["OpenAI-compatible"])
-Submitter = Annotated[Principal, Depends(require("submit"))]
+Submitter = Annotated[Principal, needs("submit")]
 
 
 class Watch:

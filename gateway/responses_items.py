@@ -6,16 +6,16 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Request
 
-from lorapool.gateway.auth import Principal, require
+from lorapool.gateway.auth import Principal, needs
 from lorapool.gateway.json import JSON
 from lorapool.gateway.openai_api import pool_of
 from lorapool.gateway.responses_store import ResponseStore
 from lorapool.openai.response_items import page
 
 router = APIRouter(prefix="/v1", tags=["OpenAI-compatible"])
-Submitter = Annotated[Principal, Depends(require("submit"))]
+Submitter = Annotated[Principal, needs("submit")]
 
 
 @router.get("/responses/{response_id}/input_items", summary="A stored response's input items")

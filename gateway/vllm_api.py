@@ -19,10 +19,10 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import Annotated, Any, TypeVar
 
 import msgspec
-from fastapi import APIRouter, Depends, Request, Response
+from fastapi import APIRouter, Request, Response
 
 from lorapool.connection import REDIS_DOWN
-from lorapool.gateway.auth import Principal, require
+from lorapool.gateway.auth import Principal, needs
 from lorapool.gateway.body import read_struct
 from lorapool.gateway.json import JSON
 from lorapool.gateway.tokenizer import PoolTokenizer
@@ -34,7 +34,7 @@ from lorapool.records.messages import check_messages, check_tools
 
 router = APIRouter(tags=["vLLM"])
 T = TypeVar("T", bound=msgspec.Struct)
-Caller = Annotated[Principal, Depends(require())]
+Caller = Annotated[Principal, needs()]
 MAX_TOKENS = 1 << 20  # token ids in one /detokenize
 Tokens = Annotated[list[TokenId], msgspec.Meta(max_length=MAX_TOKENS)]
 

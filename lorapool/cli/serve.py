@@ -212,6 +212,13 @@ from lorapool.records.job import DEFAULT_MAX_N, DEFAULT_MAX_PROMPT_BYTES
     "event loop; more wait",
     least=1,
 )
+@count_option(
+    "--turns-per-tenant",
+    2,
+    "requests of one tenant whose bodies the gateway reads and prepares at once (its "
+    "others wait, in order, before their bodies are read; 0: no turns)",
+    least=0,
+)
 @webhook_allow_option
 @click.option("--log-level", default="info", show_default=True)
 @redis_option

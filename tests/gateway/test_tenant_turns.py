@@ -1,0 +1,126 @@
+"""Turns at the gateway's work, by tenant (``gateway/turns.py``; issue 51's hostile-tenant
+bench: one tenant's flood kept the event loop busy and another's 15 ms call took 8.5x),
+over a real ``lorapool serve`` with keys and ``--turns-per-tenant 1`` (no worker: every
+job stays queued):
+
+- a tenant whose turn is held (a body it sends slowly) waits with its next request,
+  before its body is read, while another tenant is served at once; its request goes in
+  when the turn comes back (the slow body cut at its deadline);
+- a completion waiting for its tokens and an open job-events stream hold no turn: the
+  same tenant's next submit is answered at once.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import threading
+import time
+
+import httpx
+import pytest
+from gateway_procs import free_port, lorapool_cmd, stop, wait_answering
+
+from lorapool.lifecycle.keys import Keys
+from lorapool.producer.api_keys import ApiKeys
+
+pytestmark = pytest.mark.integration
+JOB = {"model": "ad-qv", "prompt": "waits", "max_tokens": 3}
+BODY_TIMEOUT_S = 2.0
+
+
+@pytest.fixture(scope="module")
+def keys(conn, prefix):
+    store = ApiKeys(conn, Keys(prefix))
+    made = {name: store.add(name, "submit") for name in ("acme", "globex")}
+    return {name: {"Authorization": f"Bearer {key}"} for name, (_, key) in made.items()}
+
+
+@pytest.fixture(scope="module")
+def gateway(redis_url, prefix, registry, tmp_path_factory):
+    cwd = tmp_path_factory.mktemp("gateway")
+    port = free_port()
+    cmd = lorapool_cmd(
+        "serve", "--port", str(port), "--prefix", prefix, "--redis-url", redis_url,
+        "--queue-timeout", "120", "--turns-per-tenant", "1",
+    )  # fmt: skip
+    env = {**os.environ, "LORAPOOL_BODY_TIMEOUT": str(BODY_TIMEOUT_S)}
+    with open(cwd / "gateway.log", "wb") as out:
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    wait_answering(proc, f"{url}/healthz", "the gateway")
+    yield url
+    stop(proc)
+
+
+def _hold_turn(url: str, headers: dict) -> socket.socket:
+    """POST /v1/jobs with its headers and one byte of its body: its handler has taken the
+    tenant's turn and reads the body until the deadline cuts it."""
+    port = int(url.rsplit(":", 1)[1])
+    sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+    head = (
+        f"POST /v1/jobs HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Authorization: {headers['Authorization']}\r\nContent-Length: 1000\r\n\r\n"
+    )
+    sock.sendall(head.encode() + b"{")
+    return sock
+
+
+def _timed_post(url: str, headers: dict, out: dict, name: str, start: float) -> None:
+    answer = httpx.post(f"{url}/v1/jobs", json=JOB, headers=headers, timeout=30)
+    out[name] = (time.monotonic() - start, answer.status_code, answer.text)
+
+
+def test_a_tenants_next_request_waits_for_its_turn_while_another_tenant_is_served(gateway, keys):
+    url = gateway
+    for who in ("acme", "globex"):  # warm: each key known to the gateway
+        httpx.post(f"{url}/v1/jobs", json=JOB, headers=keys[who], timeout=30)
+    start = time.monotonic()
+    holder = _hold_turn(url, keys["acme"])
+    time.sleep(0.3)  # its handler has the turn and waits for the body
+    out: dict = {}
+    waiter = threading.Thread(target=_timed_post, args=(url, keys["acme"], out, "acme", start))
+    waiter.start()
+    time.sleep(0.3)
+    _timed_post(url, keys["globex"], out, "globex", start)
+    waiter.join()
+    holder.settimeout(10)
+    cut = holder.recv(4096)
+    holder.close()
+    assert cut.startswith(b"HTTP/1.1 408"), cut[:200]
+    globex_s, globex_status, text = out["globex"]
+    acme_s, acme_status, acme_text = out["acme"]
+    assert globex_status == 202, text
+    assert acme_status == 202, acme_text
+    assert globex_s < BODY_TIMEOUT_S - 0.5, out  # not behind acme's turn
+    assert acme_s > BODY_TIMEOUT_S - 0.2, out  # went in once the slow body was cut
+
+
+def test_a_waiting_completion_and_an_open_stream_hold_no_turn(gateway, keys):
+    url, acme = gateway, keys["acme"]
+    job = httpx.post(f"{url}/v1/jobs", json=JOB, headers=acme, timeout=30).json()
+    done: dict = {}
+
+    def complete():  # waits for tokens no worker will make
+        try:
+            httpx.post(f"{url}/v1/completions", json=JOB, headers=acme, timeout=8)
+        except httpx.TimeoutException:
+            done["timed_out"] = True
+
+    events_url = f"{url}/v1/jobs/{job['id']}/events"
+    with (
+        httpx.Client(timeout=30) as client,
+        client.stream("GET", events_url, headers=acme) as events,
+    ):
+        assert events.status_code == 200
+        waiting = threading.Thread(target=complete)
+        waiting.start()
+        time.sleep(1.0)
+        began = time.monotonic()
+        answer = httpx.post(f"{url}/v1/jobs", json=JOB, headers=acme, timeout=30)
+        took = time.monotonic() - began
+        assert answer.status_code == 202, answer.text
+        assert took < 1.5, took
+        waiting.join()
+    assert done.get("timed_out")  # the completion was still waiting all along

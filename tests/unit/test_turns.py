@@ -1,0 +1,106 @@
+"""``gateway/turns.py``'s turns, against a model of what they promise: per tenant at most
+``per_tenant`` held, none idle while its requests wait (work-conserving), handed out in
+arrival order, a cancelled waiter skipped (and a turn handed to one as it was cancelled
+passed on), nothing left over once every turn has ended; other tenants never wait."""
+
+from __future__ import annotations
+
+import asyncio
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lorapool.gateway.turns import Turns
+
+TENANTS = ("acme", "globex", "initech")
+OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("take"), st.sampled_from(TENANTS)),
+        st.tuples(st.just("end"), st.integers(0, 30)),
+        st.tuples(st.just("cancel"), st.integers(0, 30)),
+        st.tuples(st.just("end_cancel"), st.integers(0, 30)),
+    ),
+    max_size=60,
+)
+
+
+async def _run(per_tenant: int, ops) -> None:
+    turns = Turns(per_tenant)
+    tasks: list[tuple[str, asyncio.Task]] = []  # in arrival order
+    ended: set[int] = set()
+
+    async def settle():
+        for _ in range(5):
+            await asyncio.sleep(0)
+
+    for op, arg in ops:
+        if op == "take":
+            tasks.append((arg, asyncio.ensure_future(turns.take(arg))))
+        else:
+            live = [i for i, (_, t) in enumerate(tasks) if i not in ended and not t.cancelled()]
+            if not live:
+                continue
+            i = live[arg % len(live)]
+            task = tasks[i][1]
+            if op in ("end", "end_cancel") and task.done():
+                task.result().end()
+                task.result().end()  # a second end gives nothing back
+                ended.add(i)
+                if op == "end_cancel":  # the next waiter goes as its turn is handed over
+                    tenant = tasks[i][0]
+                    nxt = [t for n, t in tasks if n == tenant and not t.done()]
+                    if nxt:
+                        nxt[0].cancel()
+            elif op == "cancel" and not task.done():
+                task.cancel()
+        await settle()
+        for tenant in TENANTS:
+            mine = [(i, t) for i, (n, t) in enumerate(tasks) if n == tenant and not t.cancelled()]
+            held = [i for i, t in mine if t.done() and i not in ended]
+            waiting = [i for i, t in mine if not t.done()]
+            assert len(held) <= per_tenant
+            assert not waiting or len(held) == per_tenant  # no turn idle while one waits
+            granted = [i for i, t in mine if t.done()]
+            assert not waiting or max(granted, default=-1) < min(waiting)  # in order
+    for _, task in tasks:
+        if not task.done():
+            task.cancel()
+    await settle()
+    for i, (_, task) in enumerate(tasks):
+        if i not in ended and task.done() and not task.cancelled():
+            task.result().end()
+    assert turns.busy == {} and turns.waiting == {}
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 3), OPS)
+def test_turns_hold_their_promises_under_any_interleaving(per_tenant, ops):
+    asyncio.run(_run(per_tenant, ops))
+
+
+def test_another_tenants_request_never_waits_for_a_flooding_one():
+    async def run():
+        turns = Turns(1)
+        first = await turns.take("acme")
+        flood = [asyncio.ensure_future(turns.take("acme")) for _ in range(100)]
+        await asyncio.sleep(0)
+        other = await asyncio.wait_for(turns.take("globex"), 0.1)
+        assert not any(t.done() for t in flood)
+        other.end()
+        first.end()
+        for task in flood:
+            (await task).end()
+        assert turns.busy == {} and turns.waiting == {}
+
+    asyncio.run(run())
+
+
+def test_no_tenant_or_no_turns_takes_nothing():
+    async def run():
+        for turns, tenant in ((Turns(0), "acme"), (Turns(1), None)):
+            held = [await turns.take(tenant) for _ in range(5)]
+            assert turns.busy == {}
+            for turn in held:
+                turn.end()
+
+    asyncio.run(run())
