@@ -251,8 +251,8 @@ def _keda_keeps_a_busy_worker(pool, worker, scaler, url, auth) -> None:
         if job_id is None or _status(url, job_id, auth) != "running":
             job_id = _one_running(pool, worker, url, auth)
         assert scaler.poll() == 1, f"a busy worker scaled to {loop.replicas} at t={loop.now}s"
-    if _status(url, job_id, auth) == "running":
-        assert httpx.delete(f"{url}/v1/jobs/{job_id}", headers=auth).status_code == 202
+    if _status(url, job_id, auth) == "running":  # 200: it finished in between (CI once)
+        assert httpx.delete(f"{url}/v1/jobs/{job_id}", headers=auth).status_code in (200, 202)
     wait_until(lambda: _status(url, job_id, auth) in ENDED, "the last job ended", 60)
     busy_until = loop.last_active
     while scaler.poll() > 0:
