@@ -114,7 +114,7 @@ class GatewayConfig:
     tenant_audit_internals: bool = False
     grammar_limits: GrammarLimits = DEFAULT_LIMITS
     heavy_workers: Annotated[int, Meta(ge=1, le=64)] = 2
-    turns_per_tenant: Limit = 2
+    turns_per_tenant: Limit = 1
 
     def __post_init__(self):
         check_fields(self)

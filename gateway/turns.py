@@ -7,10 +7,20 @@ once from a process of its own (issue 51: grammars refused at 400, bodies over t
 limit, tokenizations) kept the loop busy, and a light tenant's 15 ms call waited behind
 the queue: 8.5x its alone p50 (benchmarks/RESULTS.md). A turn is taken after the key is
 known and its rate checked, before the body is read: a tenant has ``per_tenant`` of them
-(``--turns-per-tenant``); its requests past that wait, in order, costing the loop
+(``--turns-per-tenant``, 1); its requests past that wait, in order, costing the loop
 nothing, while each other tenant's requests take their own. A turn ends when the request
 has submitted its job (a completion waiting for its tokens holds none), or when the
 route's function returns (a stream's answer holds none; ``require`` in auth.py).
+
+Turns alone left the loop busy: the flooding tenant always has a request waiting, so
+one of its requests is always at work, and each step of the light tenant's call waited
+behind that one's synchronous work (a 6 MB body decoded and refused: ~8 ms): 3.3x. So a
+tenant's next turn is paced while other tenants are active (asked for a turn within
+``ACTIVE_S``): after a turn held d seconds, its next request waits d times the number of
+other active tenants. One that floods alone is not paced; n tenants that all flood each
+hold turns 1/n of the time (the loop stays busy); a flood beside a light tenant holds
+them half the time, and the light tenant's steps mostly find the loop free: 2.1-2.2x
+(benchmarks/RESULTS.md).
 
 A request waiting for its turn keeps its body deadline (``server.py``): a body that fits
 uvicorn's 64 KiB buffer is in before the wait matters, a larger one has had at least
@@ -27,37 +37,76 @@ from collections import deque
 
 from fastapi import Request
 
+ACTIVE_S = 2.0  # a tenant that asked for a turn this recently is active (pacing)
+
 
 class Turns:
-    """The turns of one gateway process (the app's ``state.turns``); 0: none taken."""
+    """The turns of one gateway process (the app's ``state.turns``); 0: none taken.
+    ``pace``: while other tenants are active, a tenant's next turn comes only after a
+    pause as long as its last turn times the others' count."""
 
-    def __init__(self, per_tenant: int):
-        self.per_tenant = per_tenant
+    def __init__(self, per_tenant: int, pace: bool = True):
+        self.per_tenant, self.pace = per_tenant, pace
         self.busy: dict[str, int] = {}
         self.waiting: dict[str, deque[asyncio.Future]] = {}
+        self.seen: dict[str, float] = {}  # tenant -> when it last asked for a turn
+        self.resume_at: dict[str, float] = {}  # tenant -> its pause's end
 
     async def take(self, tenant: str | None) -> Turn:
         """A turn for ``tenant``'s request, once one of its ``per_tenant`` is free (its
         earlier requests first)."""
         if tenant is None or not self.per_tenant:
-            return Turn(None, None)
+            return Turn(None, None, 0.0)
+        loop = asyncio.get_running_loop()
+        self.seen[tenant] = loop.time()
+        wait = self.resume_at.get(tenant, 0.0) - loop.time()
+        if wait > 0:  # paused (``_end``): its next turn not before the pause ends
+            await asyncio.sleep(wait)
         held = self.busy.get(tenant, 0)
         if held < self.per_tenant and not self.waiting.get(tenant):
             self.busy[tenant] = held + 1
-            return Turn(self, tenant)
-        handed = asyncio.get_running_loop().create_future()
+            return Turn(self, tenant, loop.time())
+        handed = loop.create_future()
         self.waiting.setdefault(tenant, deque()).append(handed)
         try:
             await handed  # set when an ending turn is handed over to this request
         except BaseException:
             if handed.done() and not handed.cancelled():
-                self._end(tenant)  # handed over as it was cancelled: pass it on
+                self._pass_on(tenant)  # handed over as it was cancelled: pass it on
             else:
                 self._forget(tenant, handed)
             raise
-        return Turn(self, tenant)
+        return Turn(self, tenant, loop.time())
 
-    def _end(self, tenant: str) -> None:
+    def _end(self, tenant: str, held_s: float) -> None:
+        """A turn held ``held_s`` seconds ends: the tenant's next request has it, waiting
+        or to come, after the pause (``_pause``) when there is one."""
+        pause = self._pause(tenant, held_s)
+        if pause > 0:
+            loop = asyncio.get_running_loop()
+            self.resume_at[tenant] = loop.time() + pause
+            if self.waiting.get(tenant):
+                loop.call_later(pause, self._pass_on, tenant)
+                return
+        self._pass_on(tenant)
+
+    def _pause(self, tenant: str, held_s: float) -> float:
+        """Its turn's time again for each other active tenant: while n tenants are
+        active, one that always has requests waiting holds a turn at most 1/n of the
+        time, and the event loop has room for the others' requests when they come."""
+        if not self.pace:
+            return 0.0
+        now = asyncio.get_running_loop().time()
+        for name, when in list(self.seen.items()):
+            if now - when > ACTIVE_S:
+                del self.seen[name]
+        for name, when in list(self.resume_at.items()):
+            if when <= now:
+                del self.resume_at[name]
+        others = len(self.seen) - (tenant in self.seen)
+        return held_s * others
+
+    def _pass_on(self, tenant: str) -> None:
         queue = self.waiting.get(tenant)
         while queue:
             handed = queue.popleft()
@@ -85,15 +134,15 @@ class Turns:
 class Turn:
     """One request's turn; ``end`` gives it back once, however often it is called."""
 
-    __slots__ = ("_turns", "_tenant")
+    __slots__ = ("_turns", "_tenant", "_since")
 
-    def __init__(self, turns: Turns | None, tenant: str | None):
-        self._turns, self._tenant = turns, tenant
+    def __init__(self, turns: Turns | None, tenant: str | None, since: float):
+        self._turns, self._tenant, self._since = turns, tenant, since
 
     def end(self) -> None:
         turns, self._turns = self._turns, None
         if turns is not None:
-            turns._end(self._tenant)
+            turns._end(self._tenant, asyncio.get_running_loop().time() - self._since)
 
 
 async def take_turn(request: Request, tenant: str | None) -> Turn:

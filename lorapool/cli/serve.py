@@ -214,7 +214,7 @@ from lorapool.records.job import DEFAULT_MAX_N, DEFAULT_MAX_PROMPT_BYTES
 )
 @count_option(
     "--turns-per-tenant",
-    2,
+    1,
     "requests of one tenant whose bodies the gateway reads and prepares at once (its "
     "others wait, in order, before their bodies are read; 0: no turns)",
     least=0,

@@ -25,7 +25,7 @@ OPS = st.lists(
 
 
 async def _run(per_tenant: int, ops) -> None:
-    turns = Turns(per_tenant)
+    turns = Turns(per_tenant, pace=False)
     tasks: list[tuple[str, asyncio.Task]] = []  # in arrival order
     ended: set[int] = set()
 
@@ -102,5 +102,36 @@ def test_no_tenant_or_no_turns_takes_nothing():
             assert turns.busy == {}
             for turn in held:
                 turn.end()
+
+    asyncio.run(run())
+
+
+def test_a_tenant_beside_an_active_one_is_paced_by_its_turns_length():
+    """Its next turn, queued or sent after, waits its last turn's length times the other
+    active tenants' count; alone, or with the others gone quiet, it is not paced."""
+
+    async def held_then_next(turns, queued: bool) -> float:
+        loop = asyncio.get_running_loop()
+        first = await turns.take("acme")
+        nxt = asyncio.ensure_future(turns.take("acme")) if queued else None
+        await asyncio.sleep(0.2)
+        first.end()
+        began = loop.time()
+        turn = await (nxt if queued else turns.take("acme"))
+        turn.end()
+        return loop.time() - began
+
+    async def run():
+        turns = Turns(1)
+        assert await held_then_next(turns, queued=True) < 0.05  # alone
+        for name in ("globex", "initech"):
+            (await turns.take(name)).end()  # two others active
+        assert 0.35 < await held_then_next(turns, queued=True) < 0.8
+        (await turns.take("globex")).end()
+        (await turns.take("initech")).end()
+        assert 0.35 < await held_then_next(turns, queued=False) < 0.8
+        turns.seen = {"acme": asyncio.get_running_loop().time()}  # the others went quiet
+        assert await held_then_next(turns, queued=False) < 0.05
+        assert turns.busy == {} and turns.waiting == {}
 
     asyncio.run(run())
