@@ -78,8 +78,8 @@ class GatewayConfig:
     naming it (``lorapool.grammar_limits``). heavy_workers: grammar compiles (in sandbox
     processes) and tokenizations that run at once, each kind off the event loop
     (``gateway/heavy.py``); more wait their turn. turns_per_tenant: requests of one
-    tenant read and prepared at once, until their jobs are submitted; its others wait
-    before their bodies are read (``gateway/turns.py``; 0: no turns).
+    API key looked up, read and prepared at once, until their jobs are submitted; its
+    others wait before that (``gateway/turns.py``; 0: no turns).
     """
 
     redis_url: str

@@ -1,26 +1,29 @@
-"""Turns at the gateway's request work, by tenant: one tenant's flood waits for its own
-turns, before its bodies are read, and another tenant's call goes in at once.
+"""Turns at the gateway's request work, by API key: one tenant's flood waits for its own
+turns, before its key is looked up and its bodies are read, and another tenant's call
+goes in at once.
 
 The gateway has one event loop. Every request's work on it (reading and parsing its
 body, checking its grammar's shape, submitting) is short, but a tenant sending many at
 once from a process of its own (issue 51: grammars refused at 400, bodies over the
 limit, tokenizations) kept the loop busy, and a light tenant's 15 ms call waited behind
-the queue: 8.5x its alone p50 (benchmarks/RESULTS.md). A turn is taken after the key is
-known and its rate checked, before the body is read: a tenant has ``per_tenant`` of them
-(``--turns-per-tenant``, 1); its requests past that wait, in order, costing the loop
-nothing, while each other tenant's requests take their own. A turn ends when the request
+the queue: 8.5x its alone p50 (benchmarks/RESULTS.md). A turn is taken for the
+request's API key first (its lookup, its rate check and its body come after): a key has
+``per_tenant`` of them (``--turns-per-tenant``, 1); its requests past that wait, in
+order, costing the loop nothing, while each other key's requests take their own (a
+tenant's keys are its own; 500 job-event streams opened at once held the loop 90-140 ms
+when their lookups came before the turn). A turn ends when the request
 has submitted its job (a completion waiting for its tokens holds none), or when the
 route's function returns (a stream's answer holds none; ``require`` in auth.py).
 
 Turns alone left the loop busy: the flooding tenant always has a request waiting, so
 one of its requests is always at work, and each step of the light tenant's call waited
 behind that one's synchronous work (a 6 MB body decoded and refused: ~8 ms): 3.3x. So a
-tenant's next turn is paced while other tenants are active (asked for a turn within
-``ACTIVE_S``): after a turn held d seconds, its next request waits d times the number of
-other active tenants. One that floods alone is not paced; n tenants that all flood each
-hold turns 1/n of the time (the loop stays busy); a flood beside a light tenant holds
-them half the time, and the light tenant's steps mostly find the loop free: 2.1-2.2x
-(benchmarks/RESULTS.md).
+key's next turn is paced while other keys are active (checked within ``ACTIVE_S``; a
+made-up key is never active): after a turn held d seconds, its next request waits d
+times the number of other active keys. One that floods alone is not paced; n that all
+flood each hold turns 1/n of the time (the loop stays busy); a flood beside a light
+tenant holds them half the time, and the light tenant's steps mostly find the loop
+free: 1.8-2.3x (benchmarks/RESULTS.md).
 
 A request waiting for its turn keeps its body deadline (``server.py``): a body that fits
 uvicorn's 64 KiB buffer is in before the wait matters, a larger one has had at least
@@ -37,7 +40,7 @@ from collections import deque
 
 from fastapi import Request
 
-ACTIVE_S = 2.0  # a tenant that asked for a turn this recently is active (pacing)
+ACTIVE_S = 2.0  # a tenant whose key was checked this recently is active (pacing)
 
 
 class Turns:
@@ -49,7 +52,7 @@ class Turns:
         self.per_tenant, self.pace = per_tenant, pace
         self.busy: dict[str, int] = {}
         self.waiting: dict[str, deque[asyncio.Future]] = {}
-        self.seen: dict[str, float] = {}  # tenant -> when it last asked for a turn
+        self.seen: dict[str, float] = {}  # tenant -> when its key was last checked
         self.resume_at: dict[str, float] = {}  # tenant -> its pause's end
 
     async def take(self, tenant: str | None) -> Turn:
@@ -58,7 +61,6 @@ class Turns:
         if tenant is None or not self.per_tenant:
             return Turn(None, None, 0.0)
         loop = asyncio.get_running_loop()
-        self.seen[tenant] = loop.time()
         wait = self.resume_at.get(tenant, 0.0) - loop.time()
         if wait > 0:  # paused (``_end``): its next turn not before the pause ends
             await asyncio.sleep(wait)
@@ -77,6 +79,11 @@ class Turns:
                 self._forget(tenant, handed)
             raise
         return Turn(self, tenant, loop.time())
+
+    def saw(self, tenant: str | None) -> None:
+        """``tenant`` is active: its key is known (a flood of made-up keys is not)."""
+        if tenant is not None and self.per_tenant:
+            self.seen[tenant] = asyncio.get_running_loop().time()
 
     def _end(self, tenant: str, held_s: float) -> None:
         """A turn held ``held_s`` seconds ends: the tenant's next request has it, waiting

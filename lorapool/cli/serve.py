@@ -215,8 +215,8 @@ from lorapool.records.job import DEFAULT_MAX_N, DEFAULT_MAX_PROMPT_BYTES
 @count_option(
     "--turns-per-tenant",
     1,
-    "requests of one tenant whose bodies the gateway reads and prepares at once (its "
-    "others wait, in order, before their bodies are read; 0: no turns)",
+    "requests of one API key the gateway looks up, reads and prepares at once (its "
+    "others wait, in order, before that; paced while other keys are active; 0: none)",
     least=0,
 )
 @webhook_allow_option

@@ -124,11 +124,13 @@ def test_a_tenant_beside_an_active_one_is_paced_by_its_turns_length():
     async def run():
         turns = Turns(1)
         assert await held_then_next(turns, queued=True) < 0.05  # alone
-        for name in ("globex", "initech"):
-            (await turns.take(name)).end()  # two others active
+        for name in ("acme", "globex", "initech"):
+            turns.saw(name)  # their keys checked: two others active
         assert 0.35 < await held_then_next(turns, queued=True) < 0.8
-        (await turns.take("globex")).end()
-        (await turns.take("initech")).end()
+        for name in ("acme", "globex", "initech"):
+            turns.saw(name)
+        for made_up in range(50):  # keys no one has: not active, and no pause from them
+            (await turns.take(f"lp_{made_up}")).end()
         assert 0.35 < await held_then_next(turns, queued=False) < 0.8
         turns.seen = {"acme": asyncio.get_running_loop().time()}  # the others went quiet
         assert await held_then_next(turns, queued=False) < 0.05
