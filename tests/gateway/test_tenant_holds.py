@@ -28,7 +28,7 @@ import time
 import httpx
 import orjson
 import pytest
-from gateway_procs import free_port, lorapool_cmd, stop, wait_answering
+from gateway_procs import free_port, lorapool_cmd, serve_logged, stop, wait_answering
 
 from lorapool.lifecycle.keys import Keys
 from lorapool.producer.api_keys import ApiKeys
@@ -47,23 +47,13 @@ def keys(conn, prefix):
 
 @pytest.fixture(scope="module")
 def gateway(redis_url, prefix, registry, tmp_path_factory):
-    cwd = tmp_path_factory.mktemp("gateway")
-    port = free_port()
-    cmd = lorapool_cmd(
-        "serve", "--port", str(port), "--prefix", prefix, "--redis-url", redis_url,
-        "--queue-timeout", "120",
-    )  # fmt: skip
     env = {
-        **os.environ,
         "LORAPOOL_MAX_STREAMS_PER_TENANT": str(PER_TENANT),
         "LORAPOOL_MAX_STREAMS": str(TOTAL),
         "LORAPOOL_BODY_TIMEOUT": str(BODY_TIMEOUT_S),
     }
-    log = cwd / "gateway.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    wait_answering(proc, f"{url}/healthz", "the gateway")
+    cwd = tmp_path_factory.mktemp("gateway")
+    url, proc, log = serve_logged(redis_url, prefix, cwd, "--queue-timeout", "120", env=env)
     yield url, log
     stop(proc)
 

@@ -12,15 +12,13 @@ job stays queued):
 
 from __future__ import annotations
 
-import os
 import socket
-import subprocess
 import threading
 import time
 
 import httpx
 import pytest
-from gateway_procs import free_port, lorapool_cmd, stop, wait_answering
+from gateway_procs import serve_logged, stop
 
 from lorapool.lifecycle.keys import Keys
 from lorapool.producer.api_keys import ApiKeys
@@ -39,17 +37,11 @@ def keys(conn, prefix):
 
 @pytest.fixture(scope="module")
 def gateway(redis_url, prefix, registry, tmp_path_factory):
-    cwd = tmp_path_factory.mktemp("gateway")
-    port = free_port()
-    cmd = lorapool_cmd(
-        "serve", "--port", str(port), "--prefix", prefix, "--redis-url", redis_url,
+    url, proc, _ = serve_logged(
+        redis_url, prefix, tmp_path_factory.mktemp("gateway"),
         "--queue-timeout", "120", "--turns-per-tenant", "1",
+        env={"LORAPOOL_BODY_TIMEOUT": str(BODY_TIMEOUT_S)},
     )  # fmt: skip
-    env = {**os.environ, "LORAPOOL_BODY_TIMEOUT": str(BODY_TIMEOUT_S)}
-    with open(cwd / "gateway.log", "wb") as out:
-        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    wait_answering(proc, f"{url}/healthz", "the gateway")
     yield url
     stop(proc)
 

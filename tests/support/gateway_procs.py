@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 
 def lorapool_cmd(*args: str) -> list[str]:
@@ -83,6 +84,25 @@ def serve(
     url = f"http://127.0.0.1:{port}"
     wait_answering(proc, f"{url}{path}", "the gateway")
     return url, proc
+
+
+def serve_logged(
+    redis_url: str, prefix: str, cwd, *extra: str, env: dict | None = None
+) -> tuple[str, subprocess.Popen, Path]:
+    """``lorapool serve`` with keys on a free port, its output in ``cwd/gateway.log``, once
+    it answers: (its URL, the process, the log); ``env``: variables added to this one's."""
+    port = free_port()
+    cmd = lorapool_cmd(
+        "serve", "--port", str(port), "--prefix", prefix, "--redis-url", redis_url, *extra
+    )
+    log = Path(cwd) / "gateway.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            cmd, cwd=cwd, env={**os.environ, **(env or {})}, stdout=out, stderr=subprocess.STDOUT
+        )
+    url = f"http://127.0.0.1:{port}"
+    wait_answering(proc, f"{url}/healthz", "the gateway")
+    return url, proc, log
 
 
 def stop(proc: subprocess.Popen) -> None:
