@@ -20,7 +20,8 @@ one of its requests is always at work, and each step of the light tenant's call 
 behind that one's synchronous work (a 6 MB body decoded and refused: ~8 ms): 3.3x. So a
 key's next turn is paced while other keys are active (checked within ``ACTIVE_S``; a
 made-up key is never active): after a turn held d seconds, its next request waits d
-times the number of other active keys. One that floods alone is not paced; n that all
+times the number of other active keys, at most a second (d counts the turn's waits too:
+a body sent slowly, a compile). One that floods alone is not paced; n that all
 flood each hold turns 1/n of the time (the loop stays busy); a flood beside a light
 tenant holds them half the time, and the light tenant's steps mostly find the loop
 free: 1.8-2.3x (benchmarks/RESULTS.md).
@@ -41,6 +42,8 @@ from collections import deque
 from fastapi import Request
 
 ACTIVE_S = 2.0  # a tenant whose key was checked this recently is active (pacing)
+MAX_PAUSE_S = 1.0  # a turn's length counts waits too (a slow body, a compile): capped
+PRUNE_S = 0.5  # how often the active keys are pruned (not at every turn's end)
 
 
 class Turns:
@@ -54,6 +57,7 @@ class Turns:
         self.waiting: dict[str, deque[asyncio.Future]] = {}
         self.seen: dict[str, float] = {}  # tenant -> when its key was last checked
         self.resume_at: dict[str, float] = {}  # tenant -> its pause's end
+        self._pruned = 0.0
 
     async def take(self, tenant: str | None) -> Turn:
         """A turn for ``tenant``'s request, once one of its ``per_tenant`` is free (its
@@ -98,20 +102,19 @@ class Turns:
         self._pass_on(tenant)
 
     def _pause(self, tenant: str, held_s: float) -> float:
-        """Its turn's time again for each other active tenant: while n tenants are
-        active, one that always has requests waiting holds a turn at most 1/n of the
-        time, and the event loop has room for the others' requests when they come."""
+        """Its turn's time again for each other active tenant (at most ``MAX_PAUSE_S``):
+        while n tenants are active, one that always has requests waiting holds a turn at
+        most 1/n of the time, and the event loop has room for the others' requests when
+        they come."""
         if not self.pace:
             return 0.0
         now = asyncio.get_running_loop().time()
-        for name, when in list(self.seen.items()):
-            if now - when > ACTIVE_S:
-                del self.seen[name]
-        for name, when in list(self.resume_at.items()):
-            if when <= now:
-                del self.resume_at[name]
+        if now - self._pruned > PRUNE_S:
+            self._pruned = now
+            self.seen = {name: when for name, when in self.seen.items() if now - when <= ACTIVE_S}
+            self.resume_at = {name: when for name, when in self.resume_at.items() if when > now}
         others = len(self.seen) - (tenant in self.seen)
-        return held_s * others
+        return min(held_s * others, MAX_PAUSE_S)
 
     def _pass_on(self, tenant: str) -> None:
         queue = self.waiting.get(tenant)

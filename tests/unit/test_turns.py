@@ -137,3 +137,23 @@ def test_a_tenant_beside_an_active_one_is_paced_by_its_turns_length():
         assert turns.busy == {} and turns.waiting == {}
 
     asyncio.run(run())
+
+
+def test_a_pause_is_at_most_a_second_whatever_the_turns_length_and_the_others():
+    """A turn's length counts its waits too (a body sent slowly, a compile): a key that
+    held one 30 s beside 100 active keys waits a second, not 50 minutes."""
+
+    async def run():
+        turns = Turns(1)
+        for name in range(100):
+            turns.saw(f"k{name}")
+        turns.saw("acme")
+        first = await turns.take("acme")
+        first._since -= 30.0  # held 30 s
+        first.end()
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        (await turns.take("acme")).end()
+        assert 0.8 < loop.time() - began < 1.5
+
+    asyncio.run(run())
