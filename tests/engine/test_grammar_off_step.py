@@ -86,8 +86,10 @@ def test_a_compiling_grammar_does_not_stall_the_others_steps(engine):
     print(f"\nstep {step:.4f}s; 4 compiles {compile_s:.3f}s; the other's tokens {tokens}")
     assert compile_s > 10 * step, "the grammars compiled too fast to tell anything"
     # Before, a compile held every step: the other request got one token (or none) while
-    # each grammar compiled. Now it steps on (the first two windows: it may end later).
-    assert min(tokens[:2]) >= 5, tokens
+    # each grammar compiled ([1, 0, 0, 0]). Now it steps on while the first compiles, and
+    # while the second does (fewer: the first guided request's mask is in every step from
+    # then on; 3 once on a loaded box; it may also end later).
+    assert tokens[0] >= 5 and tokens[1] >= 1, tokens
     engine.abort_request("plain")
     finals |= drain(engine)
     for rid, tag in guided.items():
