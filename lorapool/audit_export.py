@@ -32,6 +32,8 @@ from typing import Any
 
 import orjson
 
+from lorapool.jsonl import dumps_line
+
 FORMATS = ("csv", "json", "jsonl")
 MEDIA_TYPES = {
     "csv": "text/csv; charset=utf-8",
@@ -93,7 +95,7 @@ def _chain(first: dict[str, Any], rest: Iterator[dict[str, Any]]) -> Iterator[di
 def _lines(rows: Iterator[dict[str, Any]], head: bytes, sep: bytes, tail: bytes, empty: bytes):
     parts, size, opened = [head], len(head), False
     for row in rows:
-        line = orjson.dumps(row)
+        line = dumps_line(row)  # U+2028 and kin escaped: one line for every reader
         parts.append(sep + line if opened else line)
         size += len(line) + len(sep)
         opened = True

@@ -27,6 +27,7 @@ import orjson
 import redis
 
 from lorapool.connection import client_for
+from lorapool.jsonl import dumps_line
 from lorapool.lifecycle.keys import Keys
 
 DEFAULT_RETENTION_S = 30 * 24 * 3600
@@ -165,7 +166,7 @@ class LineWriter:
         self.size, self.count = 0, 0
 
     def write(self, record: dict[str, Any]) -> None:
-        line = orjson.dumps(record) + b"\n"
+        line = dumps_line(record) + b"\n"  # one line for str.splitlines too (jsonl.py)
         self.buffer.append(line)
         self.buffered += len(line)
         self.size, self.count = self.size + len(line), self.count + 1

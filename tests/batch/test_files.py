@@ -98,6 +98,21 @@ def test_a_file_being_written_is_invisible_until_finished(conn, keys):
     assert not conn.exists(keys.file_part(dropped.id))
 
 
+def test_an_output_line_stays_one_line_for_splitlines(conn, keys):
+    """A model's text holding U+0085, U+2028 or U+2029 (valid raw in JSON, a line's end to
+    ``str.splitlines``): ``client.files.content(id).text.splitlines()`` reads one record a
+    line, each the value written (the deploy test once read a batch output line cut
+    there, as JSON that did not parse)."""
+    store = FileStore(conn, keys)
+    writer = store.writer("out.jsonl")
+    records = [{"text": f"a{end}b", "i": i} for i, end in enumerate("\x85\u2028\u2029\n")]
+    for record in records:
+        writer.write(record)
+    info = writer.finish()
+    text = b"".join(line + b"\n" for line in store.lines(info["id"])).decode()
+    assert [orjson.loads(line) for line in text.splitlines()] == records
+
+
 @pytest.mark.parametrize("bad", ["", "file-../../etc/passwd", "file-" + "0" * 31, "../x", None])
 def test_malformed_ids_are_unknown(conn, keys, bad):
     with pytest.raises(KeyError):
