@@ -34,6 +34,7 @@ from lorapool.gateway.audit_store import MAX_LIMIT, AuditStore, parse_time, to_c
 from lorapool.gateway.auth import Principal, needs
 from lorapool.gateway.holds import holds_of
 from lorapool.gateway.json import JSON
+from lorapool.gateway.turns import end_turn
 from lorapool.lifecycle.audit_verification import MODES
 from lorapool.openai.errors import APIError
 
@@ -198,6 +199,7 @@ async def audit_verify(
 ) -> JSON:
     jobs, key = _jobs(request, caller)
     job, created = await asyncio.to_thread(jobs.start, _mode(mode), key)
+    end_turn(request)  # waiting up to 30 s for the job holds no turn of the key's
     deadline = asyncio.get_running_loop().time() + wait
     while not job.done and asyncio.get_running_loop().time() < deadline:
         await asyncio.sleep(0.1)

@@ -28,6 +28,7 @@ from lorapool.gateway.auth import Principal, needs
 from lorapool.gateway.body import read_struct
 from lorapool.gateway.holds import holds_of
 from lorapool.gateway.json import JSON
+from lorapool.gateway.turns import end_turn
 from lorapool.openai.errors import APIError
 
 router = APIRouter(prefix="/v1", tags=["batches"])
@@ -104,6 +105,7 @@ async def create_file(request: Request, caller: Submitter) -> JSON:
     a caller refused."""
     _unrestricted(caller)
     with holds_of(request).holding(caller.tenant):
+        end_turn(request)  # a slow upload, bounded by its hold, keeps the key's turn free
         async with request.form(max_files=1, max_fields=8) as form:
             file, purpose = form.get("file"), form.get("purpose")
             if not hasattr(file, "file"):

@@ -12,8 +12,11 @@ request's API key first (its lookup, its rate check and its body come after): a 
 order, costing the loop nothing, while each other key's requests take their own (a
 tenant's keys are its own; 500 job-event streams opened at once held the loop 90-140 ms
 when their lookups came before the turn). A turn ends when the request
-has submitted its job (a completion waiting for its tokens holds none), or when the
-route's function returns (a stream's answer holds none; ``require`` in auth.py).
+has submitted its job (a completion waiting for its tokens holds none), once an upload
+holds its hold (holds.py bounds a slow body; a web app's one key is not stuck behind
+one user's upload), once an audit verify starts its job (its wait, up to 30 s, holds
+none), or when the route's function returns (a stream's answer holds none; ``require``
+in auth.py).
 
 Turns alone left the loop busy: the flooding tenant always has a request waiting, so
 one of its requests is always at work, and each step of the light tenant's call waited

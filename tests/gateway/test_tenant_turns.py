@@ -7,7 +7,9 @@ job stays queued):
   before its body is read, while another tenant is served at once; its request goes in
   when the turn comes back (the slow body cut at its deadline);
 - a completion waiting for its tokens and an open job-events stream hold no turn: the
-  same tenant's next submit is answered at once.
+  same tenant's next submit is answered at once;
+- nor does a file upload whose body comes slowly (bounded by its hold, holds.py): a web
+  app's one key is not stuck behind one of its users' uploads.
 """
 
 from __future__ import annotations
@@ -46,16 +48,18 @@ def gateway(redis_url, prefix, registry, tmp_path_factory):
     stop(proc)
 
 
-def _hold_turn(url: str, headers: dict) -> socket.socket:
-    """POST /v1/jobs with its headers and one byte of its body: its handler has taken the
-    tenant's turn and reads the body until the deadline cuts it."""
+def _hold_turn(
+    url: str, headers: dict, path="/v1/jobs", kind="application/json", first=b"{"
+) -> socket.socket:
+    """POST ``path`` with its headers and the first bytes of its body: its handler has
+    taken the tenant's turn and reads the body until the deadline cuts it."""
     port = int(url.rsplit(":", 1)[1])
     sock = socket.create_connection(("127.0.0.1", port), timeout=30)
     head = (
-        f"POST /v1/jobs HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: {kind}\r\n"
         f"Authorization: {headers['Authorization']}\r\nContent-Length: 1000\r\n\r\n"
     )
-    sock.sendall(head.encode() + b"{")
+    sock.sendall(head.encode() + first)
     return sock
 
 
@@ -116,3 +120,24 @@ def test_a_waiting_completion_and_an_open_stream_hold_no_turn(gateway, keys):
         assert took < 1.5, took
         waiting.join()
     assert done.get("timed_out")  # the completion was still waiting all along
+
+
+def test_a_slow_upload_holds_no_turn(gateway, keys):
+    """An upload's body, read under its hold, keeps the key's turn free: the same key's
+    submit is answered at once, not after the upload is cut (``BODY_TIMEOUT_S``)."""
+    url, acme = gateway, keys["acme"]
+    part = (
+        b'--b\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n--b\r\n'
+        b'Content-Disposition: form-data; name="file"; filename="in.jsonl"\r\n\r\n{'
+    )
+    upload = _hold_turn(url, acme, "/v1/files", "multipart/form-data; boundary=b", part)
+    time.sleep(0.5)  # its handler holds its hold and reads the form
+    began = time.monotonic()
+    answer = httpx.post(f"{url}/v1/jobs", json=JOB, headers=acme, timeout=30)
+    took = time.monotonic() - began
+    upload.settimeout(10)
+    cut = upload.recv(4096)
+    upload.close()
+    assert answer.status_code == 202, answer.text
+    assert cut.startswith(b"HTTP/1.1 408"), cut[:200]  # the upload was still being read
+    assert took < BODY_TIMEOUT_S - 1.0, took
