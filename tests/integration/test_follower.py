@@ -250,3 +250,50 @@ def test_the_process_standing_still_does_not_run_out_the_subscribe_wait(
     served_then_followed_fresh(pool_url, keys, producer, "p1")
     assert stood == [1.0]
     assert "no subscribe confirmation" not in caplog.text
+
+
+def test_an_idle_follower_waits_without_reading_and_wakes_for_the_next(
+    pool_url, keys, producer, caplog, monkeypatch
+):
+    """Once nothing is followed, the listener sleeps until the next follow asks for a
+    subscription: no reads in between, and that subscription goes out at once. (It read
+    for 20 ms and slept 20 ms in turn: a light tenant's call, one every 0.1 s, waited
+    ~30 ms of its 45 for its subscription; benchmarks/RESULTS.md.) Both follows read
+    every token, their subscriptions confirmed."""
+    from lorapool.lifecycle.follower import Follower
+    from lorapool.producer.aio import AsyncJobHandle
+    from lorapool.worker import Worker, WorkerConfig
+
+    bench = load()
+    for rid in ("w1", "w2"):
+        producer.submit({"prompt_token_ids": [1, 2]}, SamplingParams(max_tokens=5), request_id=rid)
+    key = bench.AUDIT_KEY.encode()
+    config = WorkerConfig(prefix=keys.prefix, shards=keys.shards, burst=True, audit_key=key)
+    Worker(bench.StandInEngine(8, 0.0), producer.redis, config, bench.BASE_MODEL).run()
+    real, rounds = Follower._send_subscriptions, []
+
+    async def counted(self):
+        rounds.append(time.monotonic())
+        await real(self)
+
+    monkeypatch.setattr(Follower, "_send_subscriptions", counted)
+
+    async def follow_twice():
+        fresh = AsyncProducer(pool_url, prefix=keys.prefix, shards=keys.shards)
+        try:
+            first = [c async for c in AsyncJobHandle(fresh, "w1", "delta").chunks(timeout=10)]
+            await asyncio.sleep(0.3)  # its unsubscribe sent and confirmed: nothing followed
+            quiet_from = time.monotonic()
+            await asyncio.sleep(0.4)
+            idle_rounds = [t for t in rounds if t >= quiet_from]
+            second = [c async for c in AsyncJobHandle(fresh, "w2", "delta").chunks(timeout=10)]
+            return first, second, idle_rounds
+        finally:
+            await fresh.aclose()
+
+    first, second, idle_rounds = asyncio.run(follow_twice())
+    assert idle_rounds == []  # the old listener went round every 40 ms: 10 here
+    for rid, chunks in (("w1", first), ("w2", second)):
+        tokens = [t for c in chunks for o in c.outputs for t in o.token_ids]
+        assert tokens == [bench.token_of(rid, k) for k in range(5)] and chunks[-1].finished
+    assert "no subscribe confirmation" not in caplog.text
