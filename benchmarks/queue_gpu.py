@@ -76,8 +76,9 @@ def run_inprocess(sequences: int, step_s: float, jobs) -> dict[str, float]:
 
 def serve_worker(args) -> None:
     """Run the real Worker around the stand-in until SIGTERM; write its stats."""
+    from lorapool import heap
     from lorapool.connection import connect
-    from lorapool.worker import Worker, WorkerConfig, heap
+    from lorapool.worker import Worker, WorkerConfig
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     engine = StandInEngine(args.sequences, args.step_ms / 1000)

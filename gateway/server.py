@@ -31,6 +31,8 @@ import uvicorn
 from fastapi import FastAPI
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from lorapool import heap
+
 GRACE_S = 5  # open OpenAI streams get this long to finish after SIGTERM
 HEADER_TIMEOUT_S = 10.0
 BODY_TIMEOUT_S = 20.0  # Apache mod_reqtimeout's default body=20,MinRate=500
@@ -43,6 +45,20 @@ class GatewayServer(uvicorn.Server):
     """On SIGTERM or SIGINT, first end every job-events stream cleanly (an EventSource
     reconnects, with Last-Event-ID, to another gateway), then uvicorn's own shutdown:
     no new connections, open requests get ``GRACE_S`` seconds."""
+
+    async def startup(self, sockets=None) -> None:
+        """uvicorn's startup (the app's lifespan, the sockets), then what is alive frozen
+        out of the collector's full collections (``lorapool/heap.py``)."""
+        await super().startup(sockets=sockets)
+        if self.started:
+            self._collector = heap.quiet()
+
+    async def shutdown(self, sockets=None) -> None:
+        await super().shutdown(sockets=sockets)
+        saved = getattr(self, "_collector", None)
+        if saved is not None:
+            self._collector = None
+            heap.restore(saved)
 
     def handle_exit(self, sig, frame) -> None:
         begin = getattr(self.config.app.state, "begin_shutdown", None)

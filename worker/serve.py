@@ -6,11 +6,11 @@ import logging
 
 import redis
 
+from lorapool import heap
 from lorapool.grammar_sandbox import GrammarSandbox
 from lorapool.identity import model_identity
 from lorapool.lifecycle.keys import Keys
 from lorapool.startup import until_redis_takes
-from lorapool.worker import heap
 from lorapool.worker.config import WorkerConfig
 from lorapool.worker.pool import claim_model, publish_tokenizer
 from lorapool.worker.worker import Worker

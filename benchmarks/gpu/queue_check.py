@@ -19,7 +19,7 @@ warmed up on the whole workload at 2 tokens) is reported against the engine alon
 Then the worker's speed, fairly (issue 47): a second worker runs the workload as
 it serves in production (the engine's default dtype, bf16 on CUDA; CUDA graphs;
 no logprobs), and the engine alone runs it under the same settings (the
-worker's CPU threads, its heap settings (``worker.heap.quiet``), DELTA outputs,
+worker's CPU threads, its heap settings (``lorapool.heap.quiet``), DELTA outputs,
 the same dtype and graphs), timing each ``step``:
 ``queue_overhead = 1 - sum of the engine's step times / the worker's wall time``
 (submit to the last result), the share of the worker's time spent outside the
@@ -276,8 +276,7 @@ def _speed(ctx, rec, server, path, served) -> None:
 def _engine_as_served(ctx, path, prompts, which, adapters) -> tuple[float, int]:
     """(sum of step seconds, tokens) of the engine alone running the workload as the fast
     worker does: default dtype, graphs, DELTA outputs, no logprobs, the worker's heap."""
-    from lorapool import LoRARequest
-    from lorapool.worker import heap
+    from lorapool import LoRARequest, heap
 
     ids = {name: i + 1 for i, name in enumerate(adapters)}
     loras = [None if w is None else LoRARequest(w, ids[w], str(adapters[w])) for w in which]

@@ -220,13 +220,13 @@ def test_async_producer(engine, conn, keys, model, pool_url):
 
 def test_serve_quiets_the_collector(engine, conn, keys, producer, model, monkeypatch):
     """``serve`` (the ``lorapool worker`` process) runs the worker with the heap frozen
-    and a higher first-generation threshold (``worker/heap.py``), and puts both back
+    and a higher first-generation threshold (``lorapool/heap.py``), and puts both back
     when it stops; results are unchanged."""
     import gc
 
+    from lorapool import heap
     from lorapool.engine.config import EngineArgs
     from lorapool.engine.llm_engine import LLMEngine
-    from lorapool.worker import heap
     from lorapool.worker.serve import serve
 
     expected = reference(engine, PROMPTS[:2], GREEDY)
