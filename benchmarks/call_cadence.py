@@ -20,7 +20,6 @@ import argparse
 import asyncio
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -29,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # as `lorapool bench` runs it too
 
-from hostile_tenants import percentile, start, wait_ready  # noqa: E402
+from hostile_tenants import percentile, start, stop, wait_ready  # noqa: E402
 
 
 async def calls(url: str, headers: dict, model: str, count: int, pause: float) -> list[float]:
@@ -85,15 +84,7 @@ def main() -> None:
                 by_pause[pause] += asyncio.run(calls(url, headers, model, args.calls, pause))
             print(f"round {k + 1} done", file=sys.stderr)
     finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-        for key in conn.scan_iter(match=f"{prefix}:*", count=1000):
-            conn.delete(key)
+        stop(procs, conn, prefix)
     result = {
         "pauses": {
             str(p): {

@@ -140,6 +140,19 @@ def start(args, prefix: str, workdir: str) -> tuple[list, str]:
     return procs, f"http://127.0.0.1:{port}"
 
 
+def stop(procs: list, conn, prefix: str) -> None:
+    """The worker and the gateway stopped (killed past 30 s) and the pool's keys gone."""
+    for p in procs:
+        p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+    for key in conn.scan_iter(match=f"{prefix}:*", count=1000):
+        conn.delete(key)
+
+
 def wait_ready(url: str, procs: list, headers: dict, timeout: float = 300.0) -> str:
     import httpx
 
@@ -284,15 +297,7 @@ def main() -> None:
         result["cpus"] = {k: sorted(v or ()) for k, v in cpus.items()}
         result["logs"] = workdir
     finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-        for key in conn.scan_iter(match=f"{prefix}:*", count=1000):
-            conn.delete(key)
+        stop(procs, conn, prefix)
     print(json.dumps(result, indent=2, default=dict))
     if args.json:
         with open(args.json, "w") as out:
