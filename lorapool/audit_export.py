@@ -16,7 +16,8 @@ separator any locale uses (``,`` ``;`` tab ``|``), a line break or a quote
 (:func:`neutralise`): spreadsheets show a cell starting with ``'`` as text and do
 not evaluate it. Numbers are written as numbers, unquoted (``-1.5`` stays
 ``-1.5``); nested values (token ids, metadata) as JSON, neutralised too. JSON
-and JSON Lines exports are exact, NUL and every code point included.
+and JSON Lines exports are exact, NUL and every code point included (U+0085, U+2028
+and U+2029 as escapes, ``lorapool.jsonl``: one row a line for ``str.splitlines`` too).
 
 May import: the standard library and orjson.
 """
