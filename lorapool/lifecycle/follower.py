@@ -260,9 +260,12 @@ class Follower:
 
     async def _sharded_message(self) -> dict | None:
         """The next message of any node's connection: first any one already read, then
-        a short wait on one node (the nodes in turn). (redis-py's own round robin waits
+        a wait of ``LISTEN_S`` on one node (the nodes in turn; a message on another is
+        read at the next round, within ``LISTEN_S``). (redis-py's own round robin waits
         its timeout on each idle node in turn: with one busy node of three, one message
-        per two timeouts, and the readers fell back to their logs.)"""
+        per two timeouts, and the readers fell back to their logs. A wait of LISTEN_S /
+        nodes polled as many times more often: following 50 quiet requests on three
+        nodes took 6.8-7.3% of a core against 3.8-5.0%, bench follower_idle.)"""
         nodes = [self.redis.get_node(node_name=name) for name in self.pubsub.node_pubsub_mapping]
         nodes = [node for node in nodes if node is not None]
         if not nodes:
@@ -273,8 +276,7 @@ class Follower:
             message = await self.pubsub.get_sharded_message(timeout=0, target_node=node)
             if message is not None:
                 return message
-        wait_s = LISTEN_S / len(nodes)
-        return await self.pubsub.get_sharded_message(timeout=wait_s, target_node=nodes[0])
+        return await self.pubsub.get_sharded_message(timeout=LISTEN_S, target_node=nodes[0])
 
     async def _send_subscriptions(self) -> None:
         if self.to_unsubscribe:
