@@ -7,9 +7,11 @@ that host work on the CPU with a tiny random-weight Llama (2 layers, hidden 64,
 vocab 512, the tests' byte-level BPE tokenizer), so the forward is small, and
 subtracts the forward itself.
 
-Workload: ``--batch`` requests (default 64 and 256) of 32 random prompt tokens,
-all past prefill and decoding, greedy, no logprobs, ``ignore_eos``, DELTA outputs
-(as the worker asks for them, ``worker.held.engine_params``). Per decode step:
+Workload: ``--batch`` sequences (default 64 and 256) of 32 random prompt tokens,
+all past prefill and decoding, greedy (``--temperature`` T: sampled), one a request
+(``--n`` N: batch / N requests of N samples each, forked), no logprobs, ``ignore_eos``,
+DELTA outputs (as the worker asks for them, ``worker.held.engine_params``). Per decode
+step:
 
   wall      the whole ``engine.step()``
   forward   ``ModelRunner.execute``: the forward that a GPU replays as one graph
@@ -81,8 +83,9 @@ def build_model(path: Path) -> str:
     return str(path)
 
 
-def decoding_engine(model: str, batch: int, num_steps: int):
-    """An engine whose ``batch`` requests are all past prefill, outliving the steps to come."""
+def decoding_engine(model: str, batch: int, num_steps: int, temperature: float = 0.0, n: int = 1):
+    """An engine whose ``batch`` sequences (``batch / n`` requests of ``n`` samples) are
+    all past prefill, outliving the steps to come."""
     from lorapool import EngineArgs, LLMEngine, SamplingParams
     from lorapool.protocol import RequestOutputKind
 
@@ -90,13 +93,14 @@ def decoding_engine(model: str, batch: int, num_steps: int):
         EngineArgs(model=model, max_num_seqs=batch, max_num_batched_tokens=batch * PROMPT_LEN)
     )
     params = SamplingParams(
-        temperature=0.0,
+        temperature=temperature,
+        n=n,
         max_tokens=num_steps + 16,
         ignore_eos=True,
         output_kind=RequestOutputKind.DELTA,
     )
     rng = random.Random(0)
-    for i in range(batch):
+    for i in range(batch // n):
         prompt = [rng.randrange(3, VOCAB) for _ in range(PROMPT_LEN)]
         engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
     while engine.scheduler.waiting or any(
@@ -152,8 +156,8 @@ def instrument(engine) -> Phases:
     return phases
 
 
-def measure(model: str, batch: int, num_steps: int) -> dict:
-    engine = decoding_engine(model, batch, num_steps)
+def measure(model: str, batch: int, num_steps: int, temperature: float = 0.0, n: int = 1) -> dict:
+    engine = decoding_engine(model, batch, num_steps, temperature, n)
     phases = instrument(engine)
     steps = []
     for _ in range(num_steps):
@@ -162,7 +166,8 @@ def measure(model: str, batch: int, num_steps: int) -> dict:
         outputs = engine.step()
         wall_cpu = time.thread_time() - start_cpu
         wall = time.perf_counter() - start
-        assert len(outputs) == batch, f"a step advanced {len(outputs)} of {batch} requests"
+        advanced = sum(len(o.outputs) for o in outputs)
+        assert advanced == batch, f"a step advanced {advanced} of {batch} sequences"
         spent = phases.take()
         spent["prepare"] -= spent["plan"]
         spent["wall"] = wall
@@ -182,7 +187,7 @@ def run_once(args) -> dict:
 
     result = {"engine": str(Path(engine.__file__).parent)}
     for batch in args.batch:
-        result[str(batch)] = measure(args.model, batch, args.steps)
+        result[str(batch)] = measure(args.model, batch, args.steps, args.temperature, args.n)
     return result
 
 
@@ -207,7 +212,8 @@ def child(args, side: str, pythonpath: Path | None) -> dict:
     if pythonpath is not None:
         env["PYTHONPATH"] = str(pythonpath)
     cmd = [sys.executable, __file__, "--once", "--model", args.model, "--steps", str(args.steps)]
-    cmd += ["--batch", *map(str, args.batch)]
+    cmd += ["--batch", *map(str, args.batch), "--temperature", str(args.temperature)]
+    cmd += ["--n", str(args.n)]
     out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
     result = json.loads(out.strip().splitlines()[-1])
     print(side, json.dumps(result), file=sys.stderr, flush=True)
@@ -221,6 +227,7 @@ def alternate(args, root: Path) -> dict:
         for side in sides:
             sides[side].append(child(args, side, pkg if side == "base" else None))
     summary = {"base_rev": args.base, "pairs": args.pairs, "steps": args.steps}
+    summary |= {"temperature": args.temperature, "n": args.n}
     for batch in map(str, args.batch):
         row = {}
         for side, runs in sides.items():
@@ -246,6 +253,8 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=3, help="alternated runs per side")
     parser.add_argument("--batch", type=int, nargs="+", default=[64, 256])
     parser.add_argument("--steps", type=int, default=30, help="measured decode steps per run")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (argmax)")
+    parser.add_argument("--n", type=int, default=1, help="samples a request (batch / n requests)")
     parser.add_argument("--model", help="a model directory (default: a tiny Llama, built)")
     parser.add_argument("--json", help="also write the summary here")
     parser.add_argument("--once", action="store_true", help=argparse.SUPPRESS)

@@ -31,6 +31,10 @@ OS's scheduler, to stand for an attacker on another machine when the box is smal
 ``--worker-cpus 0 --other-cpus 1`` gives the worker a CPU of its own and the rest the
 others, to stand for the worker's own (GPU) machine; ``--attacker-cpus`` places the
 attacking process apart from the gateway's (on a small box, with the worker).
+``--paced-forward 3,5,10`` runs the worker's forward as a GPU's sleep (step ms, µs a
+decode token, µs a prefill position; ``benchmarks/_paced_forward.py``): the rest of the
+worker, the scheduler's fair share and the host's part of a step, runs for real, on this
+box's CPU, while a batch's forward costs what it would on the device.
 
 Redis: ``--redis-url``, else ``$REDIS_URL``, else 127.0.0.1:6379/0.
 """
@@ -116,6 +120,13 @@ def _cpus(text: str) -> set[int]:
     return {int(c) for c in text.split(",") if c}
 
 
+def _paced(text: str) -> tuple[str, str, str]:
+    parts = text.split(",")
+    if len(parts) != 3 or any(float(p) < 0 for p in parts):
+        raise argparse.ArgumentTypeError(f"want STEP_MS,TOKEN_US,PREFILL_US, got {text!r}")
+    return tuple(parts)
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -127,7 +138,13 @@ def start(args, prefix: str, workdir: str) -> tuple[list, str]:
     lorapool = [sys.executable, "-c", "from lorapool.cli.main import main; main()"]
     port = free_port()
     common = ["--prefix", prefix, "--redis-url", args.redis_url]
-    worker = [*lorapool, "worker", "--model", args.model, *common, "--name", "bench-hostile"]
+    runner = lorapool
+    if args.paced_forward:  # the engine's forward a GPU's sleep (benchmarks/_paced_forward.py)
+        step, token, prefill = args.paced_forward
+        paced = str(Path(__file__).resolve().parent / "_paced_forward.py")
+        runner = [sys.executable, paced, "--step-ms", step, "--token-us", token]
+        runner += ["--prefill-us", prefill, "--"]
+    worker = [*runner, "worker", "--model", args.model, *common, "--name", "bench-hostile"]
     worker += args.worker_arg
     gateway = [*lorapool, "serve", "--port", str(port), *common, *args.gateway_arg]
     procs = []
@@ -241,6 +258,14 @@ def main() -> None:
         help="an option for the worker (repeatable), e.g. --worker-arg=--no-tenant-fair-share",
     )
     parser.add_argument(
+        "--paced-forward",
+        type=_paced,
+        default=None,
+        metavar="STEP_MS,TOKEN_US,PREFILL_US",
+        help="the worker's forward a sleep at a GPU's step rate (benchmarks/_paced_forward.py; "
+        "e.g. 3,5,10 for a ~1B Llama on an H200): the pool's queue speed without a device",
+    )
+    parser.add_argument(
         "--gateway-arg",
         action="append",
         default=[],
@@ -292,6 +317,7 @@ def main() -> None:
         result |= {"attacks": attacks, "seconds": args.seconds, "rounds": args.rounds}
         result["heavy_rpm"] = args.heavy_rpm
         result["attacker_nice"] = args.attacker_nice
+        result["paced_forward"] = args.paced_forward
         cpus = {"worker": args.worker_cpus, "other": args.other_cpus}
         cpus["attacker"] = args.attacker_cpus or args.other_cpus
         result["cpus"] = {k: sorted(v or ()) for k, v in cpus.items()}
