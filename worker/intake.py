@@ -47,20 +47,30 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 import zlib
 from collections import Counter
 from typing import TYPE_CHECKING
 
+import redis
+
+from lorapool.connection import REDIS_DOWN
 from lorapool.lifecycle.intake import Handoff, Read
 from lorapool.lifecycle.keys import WORKERS_GROUP
 from lorapool.records.heartbeat import Heartbeat, consumer_of
 from lorapool.worker.pool import loaded_adapters
+from lorapool.worker.renewer import Unstarted
 
 if TYPE_CHECKING:
     from lorapool.worker.state import WorkerState
 
+logger = logging.getLogger(__name__)
+# a busy engine's entries are read between its steps while that costs at most this
+# share of a step's time (``Intake.between_steps``; at 0.05, the read of a 7 ms step on a
+# 2-core box, ~0.35 ms, was made and skipped by turns: RESULTS.md)
+READ_SHARE = 0.10
 # a peer is handed an entry while its load (requests running and waiting, and handed
 # to it since its heartbeat) is at most this much above this worker's
 AFFINITY_SLACK = 4
@@ -91,6 +101,7 @@ class Intake:
         self._load = 0  # requests running and waiting here, for a read
         self._interactive = {view.requests for view in state.keys.shard_views}
         self._turn = 0  # the shard the next blocking read waits on
+        self._between_s = 0.0  # what a read between steps takes (moving average; 0: none)
         self._read_script = Read(state.redis)
         self._handoff = Handoff(state.redis)
 
@@ -178,15 +189,55 @@ class Intake:
         free = max(0, count - self.state.config.read_ahead)  # read-ahead: interactive only
         return count, held, self._batch_room(free)
 
+    def between_steps(self, step_s: float) -> list[tuple[str, bytes, dict, bool]]:
+        """New entries for a busy engine's free slots, read on the worker's thread after
+        a step (of ``step_s``) and before its chunks go to the sender, so that an entry
+        that came during the step runs in the next one. (The sender's round trip runs
+        during the next step: an entry it reads waits a step more. It reads them still
+        when this read is not made or fails: ``state.read_between``. It never raises:
+        the step's outputs are not queued yet.)
+
+        Made while slots are free, not draining, and the read (one READ a shard, timed
+        here, a moving average) costs at most ``READ_SHARE`` of the step: a step less to
+        the first token for at most 10% more time a step (a GPU's 15-35 ms steps: 1-4%,
+        ``bench busy_gaps``); a short step's engine (a small model, many shards) reads
+        as before, trying again now and then."""
+        state, engine = self.state, self.state.engine
+        state.read_between = False
+        if state.draining or not engine.has_unfinished_requests():
+            return []
+        if self._between_s > READ_SHARE * step_s:
+            self._between_s *= 0.99  # tried again within ~100 such steps: a slow read passes
+            return []
+        count = engine.capacity(state.config.read_ahead)
+        if count == 0:
+            return []
+        start = time.monotonic()
+        try:
+            entries = self.read(self.plan(count), None, one_pass=True)
+            state.read_between = True
+        except (*REDIS_DOWN, redis.ResponseError) as exc:  # the round trip meets it too
+            logger.debug("worker %s: no read between steps (%s)", state.name, exc)
+            entries = []  # any it delivered are claimed after the lease
+        for stream, entry_id, *_ in entries:  # renewed until started, as a trip's are
+            state.leases.add(Unstarted(stream, entry_id.decode()))
+        spent = time.monotonic() - start
+        self._between_s = spent if not self._between_s else 0.8 * self._between_s + 0.2 * spent
+        return entries
+
     def read(
-        self, plan: tuple[int, Counter, int], block: int | None
+        self, plan: tuple[int, Counter, int], block: int | None, one_pass: bool = False
     ) -> list[tuple[str, bytes, dict, bool]]:
         """The entries peers handed to this worker, and up to ``count`` new ones (a
         ``plan``), each (stream, entry id, fields, handed). ``block`` (ms): when there is
         none, wait up to that long for one on any stream (of one shard, in turn), then
-        read the rest at once."""
+        read the rest at once. ``one_pass``: sharded, one READ a shard (each shard's
+        interactive stream before its batch one), not a pass for the interactive streams
+        of every shard and then one for the batch streams: the read between a busy
+        engine's steps, which finds nothing most of the time, costs a round trip a shard,
+        not two."""
         count, held, room = plan
-        entries = self._read(count, held, room)
+        entries = self._read(count, held, room, one_pass)
         if entries or block is None:
             return entries
         views = self.state.keys.shard_views
@@ -218,14 +269,17 @@ class Intake:
         batch = sum(1 for h in held if h.stream and h.stream not in self._interactive)
         return max(0, total - batch)
 
-    def _read(self, count: int, held: Counter, room: int) -> list[tuple[str, bytes, dict, bool]]:
+    def _read(
+        self, count: int, held: Counter, room: int, one_pass: bool = False
+    ) -> list[tuple[str, bytes, dict, bool]]:
         """One READ per shard (the handed entries of each, then new ones while
         ``count`` lasts). Sharded, the interactive streams of every shard come first:
         a first pass with no batch room, then, with ``count`` and room left, a pass
-        for the batch streams (one READ unsharded: the script keeps the order)."""
+        for the batch streams (one READ unsharded: the script keeps the order), unless
+        ``one_pass``."""
         views = self.state.keys.shard_views
         live = self.live_workers if self.state.config.fair_share else 1
-        passes = [room] if len(views) == 1 else [0, room]
+        passes = [room] if len(views) == 1 or one_pass else [0, room]
         read: list[tuple[str, bytes, dict, bool]] = []
         held = Counter(held)  # the plan's own stays as it was
         for i, batch_room in enumerate(passes):

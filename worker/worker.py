@@ -1,8 +1,8 @@
 """The queue worker: one engine, fed from the ``workers`` consumer group.
 
-Loop: periodic upkeep (lease renewal, claiming abandoned entries, heartbeat)
-→ admit what the engine can take now → one engine step → its outputs handed to
-the publisher (``publisher.py``), whose sender thread appends them (fenced; see
+Loop: upkeep (lease renewal, claiming abandoned entries, heartbeat) → admit what the
+engine can take now → one engine step → entries for its free slots (``Intake``) → its
+outputs to the publisher (``publisher.py``), whose sender thread appends them (fenced:
 ``lorapool.lifecycle.append``) in one round trip while the engine runs its next step.
 
 What the helpers work on (the engine, the connection, the config and keys, the held
@@ -197,8 +197,7 @@ class Worker:
     # --- admission -------------------------------------------------------------
 
     def _admit(self) -> int:
-        """Read new entries while the engine is idle (blocking up to ``block_ms``); a
-        busy engine's are read by the sender, with its appends (see ``_flush``)."""
+        """Read new entries while the engine is idle (blocking up to ``block_ms``)."""
         if self.engine.has_unfinished_requests():
             return 0
         count = self.engine.capacity(self.config.read_ahead)
@@ -271,7 +270,7 @@ class Worker:
     def _step(self) -> None:
         """One engine step and its chunks; a step that raises fails only its requests.
         However long it takes, the renewer keeps the lease and the heartbeat meanwhile."""
-        self.state.in_step = True
+        self.state.in_step, start = True, time.monotonic()
         try:
             outputs, error = self.engine.step(), None
         except Exception as exc:  # noqa: BLE001 - the worker and the other requests go on
@@ -284,7 +283,10 @@ class Worker:
             self._fail_step(f"engine step failed: {reason_of(error)}")
             return
         self.metrics.stepped(outputs, self.held)
-        self.publisher.publish(outputs)
+        entries = self.intake.between_steps(self.state.loop_at - start)
+        self.publisher.publish(outputs)  # queued before a start can meet Redis away
+        if entries:
+            self._start_read(entries)  # they run in the next step
 
     def _fail_step(self, reason: str) -> None:
         """Fail the requests the failed step held (all running ones), freeing their state."""
@@ -390,11 +392,8 @@ class Worker:
             self.redis.hdel(self.keys.workers, self.state.consumer)
             self.redis.delete(self.keys.alive(self.state.consumer))
         except (*REDIS_DOWN, redis.ResponseError) as exc:  # its entries return after the lease
-            logger.warning(
-                "worker %s: stopped without saying so, Redis is away or refused (%s)",
-                self.name,
-                exc,
-            )
+            why = "stopped without saying so, Redis is away or refused"
+            logger.warning("worker %s: %s (%s)", self.name, why, exc)
         self.publisher.close()
         self.metrics.close()
         logger.info("worker %s: stopped", self.name)
