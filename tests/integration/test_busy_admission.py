@@ -25,18 +25,22 @@ LAYOUTS = ("standalone", "cluster")
 STEP_S = 0.3
 
 
-def test_a_job_that_comes_during_a_step_runs_in_the_next(conn, keys, producer):
+def _worker(conn, keys, step_s: float):
+    """The benchmark module and a real Worker (burst: it stops once all is done) around
+    its stand-in engine of 8 slots and ``step_s`` steps."""
     bench = load()
-    engine = bench.StandInEngine(8, STEP_S)
     config = WorkerConfig(
-        prefix=keys.prefix,
-        shards=keys.shards,
-        name="busy",
-        burst=True,
+        prefix=keys.prefix, shards=keys.shards, name="busy", burst=True,
         audit_key=bench.AUDIT_KEY.encode(),
-    )
-    worker = Worker(engine, conn, config, bench.BASE_MODEL)
+    )  # fmt: skip
+    worker = Worker(bench.StandInEngine(8, step_s), conn, config, bench.BASE_MODEL)
     worker.ensure_group()
+    return bench, worker
+
+
+def test_a_job_that_comes_during_a_step_runs_in_the_next(conn, keys, producer):
+    bench, worker = _worker(conn, keys, STEP_S)
+    engine = worker.engine
     long = producer.submit(
         {"prompt_token_ids": [1]}, SamplingParams(max_tokens=12, ignore_eos=True)
     )
@@ -71,17 +75,7 @@ def test_redis_away_at_the_read_between_steps_loses_no_output(conn, keys, produc
     the sender: Redis away there (a ConnectionError at the first such read) must cost no
     token of the running job, and the job that came meanwhile is read all the same (by
     the sender's round trip, then between later steps)."""
-    bench = load()
-    engine = bench.StandInEngine(8, STEP_S / 3)
-    config = WorkerConfig(
-        prefix=keys.prefix,
-        shards=keys.shards,
-        name="away",
-        burst=True,
-        audit_key=bench.AUDIT_KEY.encode(),
-    )
-    worker = Worker(engine, conn, config, bench.BASE_MODEL)
-    worker.ensure_group()
+    bench, worker = _worker(conn, keys, STEP_S / 3)
     failed, real_read = [], worker.intake.read
 
     def read(plan, block, one_pass=False):
