@@ -13,10 +13,10 @@ the engine instead of piling up chunks. A light pool's chunks go every step, and
 a request's first chunk never waits for the rate (time to first token). The round
 trip also reads new entries for the engine's free slots (registered at once with the
 renewer, ``renewer.py``, which keeps the lease and the heartbeat on a thread of its
-own), unless the worker's thread read them after the step (``Worker._read_between_steps``:
+own), unless the worker's thread read them after the step (``Intake.between_steps``:
 when that read costs little beside the step, so that they run in the next step), and
 carries the upkeep calls handed to it (``extra``): while the engine runs, no Redis call
-waits on its thread.
+waits on the worker's thread.
 
 The two threads share no state: the worker's thread hands a trip over
 (``Sender.hand``) and takes it back (``Sender.take_done``, in ``_collect``):
@@ -146,7 +146,7 @@ class Publisher:
         if rate and batch:
             self.next_trip = max(self.next_trip, time.monotonic()) + len(batch) / rate
         # new entries for the slots the engine has free, read in the same trip, unless the
-        # worker read them after this step (``Worker._read_between_steps``)
+        # worker read them after this step (``Intake.between_steps``)
         engine = state.engine
         busy = engine.has_unfinished_requests() and not state.draining
         free = engine.capacity(state.config.read_ahead) if busy else 0

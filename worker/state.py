@@ -67,7 +67,7 @@ class WorkerState:
         # upkeep calls for the sender's next round trip: (call on the sender, apply here)
         self.extra: list[tuple[Any, Any]] = []
         self.draining = False
-        # the worker read new entries after the last step (``Worker._read_between_steps``):
+        # the worker read new entries after the last step (``Intake.between_steps``):
         # the sender's round trip reads none then
         self.read_between = False
         # for the renewer: the worker's thread is in an engine step / last looped at
