@@ -122,7 +122,7 @@ def _cpus(text: str) -> set[int]:
 
 def _paced(text: str) -> tuple[str, str, str]:
     parts = text.split(",")
-    if len(parts) != 3 or any(float(p) < 0 for p in parts):
+    if len(parts) != 3 or not all(0 <= float(p) < 1e6 for p in parts):  # NaN fails too
         raise argparse.ArgumentTypeError(f"want STEP_MS,TOKEN_US,PREFILL_US, got {text!r}")
     return tuple(parts)
 

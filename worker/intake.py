@@ -199,8 +199,8 @@ class Intake:
 
         Made while slots are free, not draining, and the read (one READ a shard, timed
         here, a moving average) costs at most ``READ_SHARE`` of the step: a step less to
-        the first token for at most 10% more time a step (a GPU's 15-35 ms steps: 1-4%,
-        ``bench busy_gaps``); a short step's engine (a small model, many shards) reads
+        the first token for at most 10% more time a step (20 ms steps on a 2-core box:
+        1-3.5%, ``bench busy_gaps``); a short step's engine (a small model, many shards) reads
         as before, trying again now and then."""
         state, engine = self.state, self.state.engine
         state.read_between = False
