@@ -11,8 +11,8 @@ Isolation (what one request's data can do to another's output): nothing.
   the Triton kernel (``kernels.attention_ops``).
 - A request whose logits turn non-finite (finite weights that overflow, say)
   ends alone with finish_reason "error" and a message saying so
-  (``_drop_non_finite``); its blocks are freed and the step's other rows are
-  sampled as usual.
+  (``_fail_non_finite``: the greedy path's argmax and the sampler give such a row
+  token -1); its blocks are freed and the step's other rows are sampled as usual.
 
 Tested in tests/engine/test_non_finite_logits.py (the whole cache filled with
 NaN or Inf; an overflowing and a NaN adapter next to clean requests, which equal
@@ -284,48 +284,43 @@ class LLMEngine(EngineStats, EngineAdapters):
         if masks is not None:
             job, mask_of = masks
             ok = allowed(job.result(), logits.shape[1])
+        of_tokens = SamplingRow.of_tokens
         for seq, logit_row in zip(seqs, logit_rows):
-            num = seq.request.params.n if seq.request.needs_fork else 1
+            params = seq.request.params
+            num = params.n if seq.request.needs_fork else 1
             mask = None if seq.guide is None else ok[mask_of[seq.seq_id]]
             for i in range(num):
-                rows.append(
-                    SamplingRow(
-                        seq.request.params,
-                        seq.prompt_token_ids,
-                        seq.output_token_ids,
-                        seq_index=seq.index + i,
-                        allowed=mask,
-                    )
-                )
+                row = of_tokens(params, seq.token_ids, seq.num_prompt_tokens, seq.index + i, mask)
+                rows.append(row)
                 targets.append((seq, i))
                 sample_rows.append(logit_row)
-        rows, targets, sample_rows = self._drop_non_finite(logits, rows, targets, sample_rows)
-        if not rows:
-            return []
-        results = self.sampler(logits[sample_rows], rows)
-        touched, now = {}, time.time()
+        if sample_rows != list(range(logits.shape[0])):  # a decode step samples each row once
+            logits = logits[sample_rows]
+        results = self.sampler(logits, rows)
+        bad = {seq.request.request_id for (seq, _), r in zip(targets, results) if r.token_id < 0}
+        if bad:
+            self._fail_non_finite(bad)
+        outputs, collect, now = [], {}, time.time()
+        append, running_output = self.outputs.append, self.outputs.running_output
         for (seq, i), result in zip(targets, results):
+            request = seq.request
+            if bad and request.request_id in bad:
+                continue
             target = self._fork(seq, i) if i else seq
-            self.outputs.append(target, result.token_id, result.logprob, result.top_logprobs, now)
+            append(target, result.token_id, result.logprob, result.top_logprobs, now)
             if target.guide is not None:
                 advance_guide(target, result.token_id)
-            touched[target.request.request_id] = target.request
-        outputs = [self._collect(request) for request in touched.values()]
-        return [output for output in outputs if output is not None]
-
-    def _drop_non_finite(self, logits, rows, targets, logit_rows):
-        """Fail, alone, each request whose logits hold NaN or Inf; keep the others' rows.
-
-        Such logits come from the request's own data (an adapter whose activations
-        overflow, say); sampling them would emit garbage tokens as if nothing happened.
-        """
-        finite = torch.isfinite(logits[logit_rows]).all(dim=-1).tolist()
-        if all(finite):
-            return rows, targets, logit_rows
-        bad = {seq.request.request_id for (seq, _), ok in zip(targets, finite) if not ok}
-        self._fail_non_finite(bad)
-        keep = [i for i, (seq, _) in enumerate(targets) if seq.request.request_id not in bad]
-        return [rows[i] for i in keep], [targets[i] for i in keep], [logit_rows[i] for i in keep]
+            if request.params.n == 1 and target.finish_reason is None:
+                output = running_output(target)  # a single sequence that goes on
+                if output is not None:
+                    outputs.append(output)
+            else:
+                collect[request.request_id] = request
+        for request in collect.values():
+            output = self._collect(request)
+            if output is not None:
+                outputs.append(output)
+        return outputs
 
     def _fail_non_finite(self, bad: set[str]) -> None:
         for request_id in bad:

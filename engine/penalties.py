@@ -26,7 +26,7 @@ def needs_penalties(row: SamplingRow) -> bool:
         p.repetition_penalty != 1.0
         or p.presence_penalty != 0.0
         or p.frequency_penalty != 0.0
-        or len(row.output_token_ids) < p.min_tokens
+        or row.num_output_tokens < p.min_tokens
     )
 
 
@@ -83,7 +83,7 @@ def _per_row(x: torch.Tensor, values: list[float]) -> torch.Tensor:
 def _repetition(x: torch.Tensor, rows: list[tuple[int, SamplingRow]]) -> None:
     if not rows:
         return
-    tokens = [list(r.prompt_token_ids) + list(r.output_token_ids) for _, r in rows]
+    tokens = [r.token_ids for _, r in rows]
     r_idx, t_idx = _flat_index(x, [i for i, _ in rows], tokens)
     if r_idx.numel() == 0:
         return
@@ -117,7 +117,7 @@ def _min_tokens(x: torch.Tensor, rows: Sequence[SamplingRow], eos_token_ids: Seq
     vocab = x.shape[1]
     active, banned = [], []
     for i, row in enumerate(rows):
-        if len(row.output_token_ids) < row.params.min_tokens:
+        if row.num_output_tokens < row.params.min_tokens:
             ids = {t for t in chain(eos_token_ids, row.params.stop_token_ids) if 0 <= t < vocab}
             active.append(i)
             banned.append(sorted(ids))

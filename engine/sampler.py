@@ -34,15 +34,59 @@ _BLOCK = 256  # the draw first picks a block of this many tokens, then a token i
 _PROMPT_CHUNK = 512  # prompt positions per log_softmax, to bound memory
 
 
-@dataclass
 class SamplingRow:
-    """One sequence to sample a token for, this step."""
+    """One sequence to sample a token for, this step: its params, its tokens (prompt,
+    then those generated before this step), which of the request's n completions it
+    is, and its grammar's allowed tokens ([V] bool, or None).
 
-    params: SamplingParams
-    prompt_token_ids: Sequence[int]
-    output_token_ids: Sequence[int]  # generated so far (before this step)
-    seq_index: int = 0  # which of the request's n completions
-    allowed: torch.Tensor | None = None  # [V] bool: the grammar's allowed tokens (or None)
+    Only penalties read the token lists, so a row made by ``of_tokens`` holds the
+    sequence's own list and copies nothing (a step makes one per running sequence).
+    """
+
+    __slots__ = ("params", "token_ids", "num_prompt_tokens", "seq_index", "allowed")
+
+    def __init__(
+        self,
+        params: SamplingParams,
+        prompt_token_ids: Sequence[int],
+        output_token_ids: Sequence[int],
+        seq_index: int = 0,
+        allowed: torch.Tensor | None = None,
+    ):
+        self.params = params
+        self.token_ids = [*prompt_token_ids, *output_token_ids]
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.seq_index = seq_index
+        self.allowed = allowed
+
+    @classmethod
+    def of_tokens(
+        cls,
+        params: SamplingParams,
+        token_ids: list[int],
+        num_prompt_tokens: int,
+        seq_index: int = 0,
+        allowed: torch.Tensor | None = None,
+    ) -> SamplingRow:
+        """A row over ``token_ids`` (prompt + output, not copied: not to change
+        until the row is sampled)."""
+        row = cls.__new__(cls)
+        row.params, row.token_ids, row.num_prompt_tokens = params, token_ids, num_prompt_tokens
+        row.seq_index, row.allowed = seq_index, allowed
+        return row
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        """Generated so far (before this step)."""
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
 
 
 @dataclass
@@ -53,7 +97,12 @@ class SampleResult:
 
 
 class Sampler:
-    """Samples one token per row of a [S, V] logits tensor; never modifies it."""
+    """Samples one token per row of a [S, V] logits tensor; never modifies it.
+
+    A row whose logits hold NaN or Inf gets token_id -1 and no logprobs: what was
+    drawn from it is garbage. Its check is read back in the same device-to-host copy
+    as the tokens, so a step's sampling waits on the device once.
+    """
 
     def __init__(self, eos_token_ids: Iterable[int], seed: int = 0):
         self.eos_token_ids = sorted(set(eos_token_ids))
@@ -65,25 +114,29 @@ class Sampler:
         if not rows:
             return []
         logits = logits.float()
+        finite = finite_rows(logits)
         raw = _raw_logprobs(logits, rows)
         biased = apply_logit_bias(logits, rows)
         processed = apply_penalties(biased, rows, self.eos_token_ids)
         processed = apply_masks(processed, rows, fallback=logits)
         tokens = self._sample(processed, rows, owned=processed is not logits)
-        return _results(tokens, raw, rows)
+        return _results(tokens, finite, raw, rows)
 
     def _sample(self, x: torch.Tensor, rows: list[SamplingRow], owned: bool) -> torch.Tensor:
         """The token of every row; ``owned``: x may be overwritten."""
         greedy = [i for i, r in enumerate(rows) if r.params.greedy]
         if len(greedy) == len(rows):
             return x.argmax(dim=-1)
+        if not greedy:  # no index tensors: each is a copy to the device that waits on it
+            r = x if owned else x.clone()
+            warp(r, [row.params for row in rows])
+            return draw(r, self._uniforms(rows).to(x.device, non_blocking=True))
         tokens = torch.empty(len(rows), dtype=torch.long, device=x.device)
-        if greedy:
-            idx = torch.tensor(greedy, dtype=torch.long, device=x.device)
-            tokens[idx] = x[idx].argmax(dim=-1)
+        idx = torch.tensor(greedy, dtype=torch.long, device=x.device)
+        tokens[idx] = x[idx].argmax(dim=-1)
         sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
         idx = torch.tensor(sampled, dtype=torch.long, device=x.device)
-        r = x[idx] if greedy else (x if owned else x.clone())
+        r = x[idx]
         warp(r, [rows[i].params for i in sampled])
         tokens[idx] = draw(r, self._uniforms([rows[i] for i in sampled]).to(x.device))
         return tokens
@@ -93,7 +146,7 @@ class Sampler:
         u = 1.0 - torch.rand(len(rows), dtype=torch.float64, generator=self.generator)
         for i, row in enumerate(rows):
             if row.params.seed is not None:
-                u[i] = seeded_uniform(row.params.seed, row.seq_index, len(row.output_token_ids))
+                u[i] = seeded_uniform(row.params.seed, row.seq_index, row.num_output_tokens)
         return u
 
 
@@ -118,8 +171,12 @@ def finite_argmax(logits: torch.Tensor) -> torch.Tensor:
     finite iff sum(row * 0) is (0 * NaN and 0 * Inf are NaN): on the CPU that costs a
     third of ``isfinite(row).all()``, which reduces over bools.
     """
-    finite = logits.mul(0).sum(dim=-1).isfinite()
-    return torch.where(finite, logits.argmax(dim=-1), -1)
+    return torch.where(finite_rows(logits), logits.argmax(dim=-1), -1)
+
+
+def finite_rows(logits: torch.Tensor) -> torch.Tensor:
+    """[S] bool: whether each row of ``logits`` [S, V] is free of NaN and Inf."""
+    return logits.mul(0).sum(dim=-1).isfinite()
 
 
 def seeded_uniform(seed: int, seq_index: int, step: int) -> float:
@@ -173,8 +230,8 @@ def _raw_logprobs(logits: torch.Tensor, rows: list[SamplingRow]):
     return asked, logits[idx].log_softmax(dim=-1)
 
 
-def _results(tokens: torch.Tensor, raw, rows: list[SamplingRow]) -> list[SampleResult]:
-    token_list = tokens.tolist()
+def _results(tokens: torch.Tensor, finite: torch.Tensor, raw, rows) -> list[SampleResult]:
+    token_list = torch.where(finite, tokens, -1).tolist()  # the sampler's one sync
     results = [SampleResult(t, None, None) for t in token_list]
     if raw is None:
         return results
@@ -182,8 +239,9 @@ def _results(tokens: torch.Tensor, raw, rows: list[SamplingRow]) -> list[SampleR
     chosen = tokens[torch.tensor(asked, dtype=torch.long, device=tokens.device)]
     dicts = logprob_dicts(logprobs, chosen, [rows[i].params.logprobs for i in asked])
     for i, d in zip(asked, dicts):
-        results[i].logprob = d[token_list[i]].logprob
-        results[i].top_logprobs = d
+        if token_list[i] >= 0:
+            results[i].logprob = d[token_list[i]].logprob
+            results[i].top_logprobs = d
     return results
 
 

@@ -86,6 +86,38 @@ def test_overflowing_and_nan_adapters_fail_alone(base, adapters):
     assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
 
 
+def test_sampled_rows_of_an_overflowing_adapter_fail_alone(base, adapters):
+    """The sampler's path (temperature, logprobs, n forked): the overflowing request,
+    its n samples included, ends with "error"; seeded clean requests beside it keep
+    their solo tokens and logprobs."""
+    clean, huge, _ = adapters
+    sampled = SamplingParams(temperature=1.0, seed=7, max_tokens=8, ignore_eos=True, logprobs=2)
+    forked = SamplingParams(temperature=1.0, n=3, max_tokens=8, ignore_eos=True)
+
+    def submit(llm, jobs):
+        for rid, prompt, lora, params in jobs:
+            llm.add_request(rid, {"prompt_token_ids": prompt}, params, lora_request=lora)
+        done = {}
+        while llm.has_unfinished_requests():
+            done.update({o.request_id: o for o in llm.step() if o.finished})
+        return done
+
+    jobs = [
+        (f"{i}-{lora}", p, lora, sampled) for i, p in enumerate(PROMPTS) for lora in (None, clean)
+    ]
+    solo = {job[0]: submit(engine(base), [job])[job[0]].outputs[0] for job in jobs}
+    done = submit(engine(base), [*jobs, ("bad", PROMPTS[0], huge, forked)])
+    bad = done["bad"]
+    assert [o.finish_reason for o in bad.outputs] == ["error"] * 3
+    assert "non-finite (NaN or Inf)" in bad.error
+    for rid, *_ in jobs:
+        got = done[rid].outputs[0]
+        assert got.token_ids == solo[rid].token_ids, rid
+        for mine, alone in zip(got.logprobs, solo[rid].logprobs, strict=True):  # batch: ulps
+            assert mine.keys() == alone.keys(), rid
+            assert all(abs(mine[t].logprob - alone[t].logprob) < 1e-4 for t in mine), rid
+
+
 @pytest.mark.parametrize("poison", [float("nan"), float("inf")], ids=["nan", "inf"])
 def test_what_free_cache_blocks_hold_never_reaches_a_request(base, poison):
     """A freed block keeps whatever its last request wrote (NaN, Inf): decode padding
