@@ -18,6 +18,7 @@ resumes it. Other rows take u from the sampler's own generator.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -144,9 +145,13 @@ class Sampler:
     def _uniforms(self, rows: list[SamplingRow]) -> torch.Tensor:
         """One number in (0, 1] per row, float64 on the CPU."""
         u = 1.0 - torch.rand(len(rows), dtype=torch.float64, generator=self.generator)
-        for i, row in enumerate(rows):
-            if row.params.seed is not None:
-                u[i] = seeded_uniform(row.params.seed, row.seq_index, row.num_output_tokens)
+        seeded = [i for i, row in enumerate(rows) if row.params.seed is not None]
+        if seeded:  # one tensor write: one a row cost more than the hashes
+            values = [
+                seeded_uniform(r.params.seed, r.seq_index, r.num_output_tokens)
+                for r in (rows[i] for i in seeded)
+            ]
+            u[seeded] = torch.tensor(values, dtype=torch.float64)
         return u
 
 
@@ -181,10 +186,14 @@ def finite_rows(logits: torch.Tensor) -> torch.Tensor:
 
 def seeded_uniform(seed: int, seq_index: int, step: int) -> float:
     """A number in (0, 1], a pure function of its arguments (splitmix64 mixing)."""
-    h = _mix(seed & _MASK64)
-    h = _mix(h ^ (seq_index & _MASK64))
-    h = _mix(h ^ (step & _MASK64))
+    h = _mix(_seed_prefix(seed, seq_index) ^ (step & _MASK64))
     return ((h >> 11) + 1) / float(1 << 53)
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _seed_prefix(seed: int, seq_index: int) -> int:
+    """The mixing of (seed, seq_index), the same at every step of a sequence."""
+    return _mix(_mix(seed & _MASK64) ^ (seq_index & _MASK64))
 
 
 def _mix(x: int) -> int:
