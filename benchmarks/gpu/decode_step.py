@@ -1,16 +1,18 @@
 """The decode step: timed per batch, adapters and mode, against its two floors.
 
 A decode step here is a step in which all ``batch`` sequences decode (prompts of
-8-16 tokens, ``decode_tokens`` new tokens each, greedy, no early stop). Each
+8-16 tokens, ``decode_tokens`` new tokens each, no early stop), greedy or, with
+``temperature`` > 0, through the sampler (seeded: the tokens repeat run to run). Each
 configuration first runs the identical workload untimed (every shape the timed
 run meets, compiled), then again timed, inside a ``CompileGuard`` window: a
 Triton compile during the timed run fails the section's compile check. Each
 kept step is split into host phases and GPU time (``timeline.StepTimeline``).
 
-Figures, per batch B, adapter label (base, loraN) and mode (graphs, eager):
-``decode_step_ms_<label>_b<B>_<mode>`` (median kept step),
+Figures, per batch B, label (base, loraN; sampled: the base model at temperature 1)
+and mode (graphs, eager): ``decode_step_ms_<label>_b<B>_<mode>`` (median kept step),
 ``step_over_bytes_floor_...`` and ``step_over_practical_floor_...``
-(``floors``), ``step_<label>_over_base_b<B>_<mode>``; and one row of the
+(``floors``), ``step_<label>_over_base_b<B>_<mode>`` and
+``step_sampled_over_greedy_b<B>_<mode>``; and one row of the
 ``step_timeline`` table (mean phases; they add up to the mean step, whose
 ``implied_tokens_per_s`` = B / mean step).
 """
@@ -23,6 +25,11 @@ from dataclasses import dataclass
 from . import floors, models
 from .timeline import StepTimeline
 
+# The sampled runs' requests' seed: their draws repeat run to run. A seeded row costs
+# the sampler a per-row hash on the host (1.1 ms a step at batch 256, 2-core box, 40c327e;
+# 0.01 ms unseeded); None times the unseeded draw instead.
+SAMPLED_SEED = 1234
+
 
 @dataclass
 class StepRun:
@@ -33,20 +40,26 @@ class StepRun:
     timeline: dict
 
 
-def decode_run(engine, ctx, shape, batch: int, loras=None, guard=None, label="") -> StepRun:
+def decode_run(
+    engine, ctx, shape, batch: int, loras=None, guard=None, label="", temperature=0.0
+) -> StepRun:
     """The workload once untimed (warm-up), then timed (in ``guard``'s window)."""
-    _run(engine, ctx, shape, batch, loras, None)
+    _run(engine, ctx, shape, batch, loras, None, temperature)
+    timeline = StepTimeline(engine, ctx.device)
     if guard is None:
-        return _run(engine, ctx, shape, batch, loras, StepTimeline(engine, ctx.device))
+        return _run(engine, ctx, shape, batch, loras, timeline, temperature)
     with guard.window(label):
-        return _run(engine, ctx, shape, batch, loras, StepTimeline(engine, ctx.device))
+        return _run(engine, ctx, shape, batch, loras, timeline, temperature)
 
 
-def _run(engine, ctx, shape, batch, loras, timeline) -> StepRun | None:
+def _run(engine, ctx, shape, batch, loras, timeline, temperature=0.0) -> StepRun | None:
     from lorapool import SamplingParams
 
     sizes = ctx.sizes
-    params = SamplingParams(temperature=0.0, max_tokens=sizes.decode_tokens, ignore_eos=True)
+    seed = SAMPLED_SEED if temperature else None
+    params = SamplingParams(
+        temperature=temperature, seed=seed, max_tokens=sizes.decode_tokens, ignore_eos=True
+    )
     prompts = models.prompts(batch, 16, shape.vocab_size, seed=2)
     for i, prompt in enumerate(prompts):
         lora = loras[i] if loras else None
