@@ -37,7 +37,9 @@ FULL_BOXES = {
 # and off (throughput ~110-130 s: an engine per flag) and a second worker with the
 # production settings (queue ~+50 s). All of it (780 s of boxes) no longer fits one
 # 8-minute call: ``PARTS`` splits it in two calls of at most 8 minutes each (boxes
-# 360 + 30 and 405 + 30 s; expected ~250 and ~300 s).
+# 360 + 30 and 405 + 30 s; expected ~250 and ~300 s). The base model's decode step
+# sampled at temperature 1 (graphs, batch 64 and 256) adds an estimated ~5 s to
+# throughput: 4 runs of 64 steps at ~4-15 ms (0.07 s in the dry run); its box holds it.
 PARTS = {
     "1": ("device", "kernels", "sweep", "queue"),
     "2": ("device", "engine", "throughput", "big"),

@@ -11,7 +11,8 @@ On the first model (the ~1B Llama), in the engine's default dtype (bf16 on CUDA)
 - the decode step (``decode_step``) at each of ``decode_batches`` (64 and
   256), the base model, 8 adapters and (at the first batch) 64, with CUDA
   graphs and eagerly, against its bytes floor and its practical floor
-  (``floors``), split into host phases and GPU time;
+  (``floors``), split into host phases and GPU time; then the base model's step
+  sampled at temperature 1 (graphs where there) against the greedy one;
 - greedy tokens with graphs against eager (``graph_parity``);
 - each engine speed flag (``flags``) on against the old path, the same decode
   steps with graphs, one engine per flag: "flag absent" where EngineArgs lacks it.
@@ -231,7 +232,33 @@ def _decode(ctx, rec, engine, shape, adapters, guard) -> dict:
     if graphs is not None:
         graphs.enabled = True
     _ratios(ctx, rec, runs)
+    _sampled(ctx, rec, engine, shape, runs, practical, guard)
     return runs
+
+
+def _sampled(ctx, rec, engine, shape, greedy: dict, practical: dict, guard) -> None:
+    """The base model's decode step at temperature 1 (seeded), graphs where there: the
+    sampler's path, which OpenAI clients take by default, against the greedy step."""
+    graphs = getattr(engine.runner, "graphs", None)
+    mode = "graphs" if graphs is not None else "eager"
+    for batch in ctx.sizes.decode_batches:
+        key = ("sampled", batch, mode)
+        if ctx.time_left() < 0:
+            rec.cut_short(f"the sampled decode step {key} and what follows")
+            return
+        if graphs is not None:
+            graphs.replays = 0
+        args = (engine, ctx, shape, batch, None, guard, f"decode {key}", 1.0)
+        run = _measured(rec, f"decode step {key}", decode_step.decode_run, *args)
+        if run is None:
+            continue
+        where = {"label": "sampled", "batch": batch, "mode": mode}
+        decode_step.record(ctx, rec, engine, shape, run, where, practical)
+        if ("base", batch, mode) in greedy:
+            ratio = run.step_s / greedy["base", batch, mode].step_s
+            rec.figure(f"step_sampled_over_greedy_b{batch}_{mode}", round(ratio, 3))
+        if graphs is not None:
+            rec.check(f"{key}: CUDA graphs replayed", graphs.replays > 0, str(graphs.replays))
 
 
 def _measured(rec, what: str, fn, *args):
