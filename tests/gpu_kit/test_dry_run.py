@@ -169,6 +169,13 @@ def test_dry_run_measures_the_decode_step_fairly(dry_run):
     assert figures["flag_enable_prefix_caching_tokens_vs_off_base_b8"] == "8/8"
     rows = throughput["tables"]["step_timeline"]
     assert {(r["label"], r["batch"]) for r in rows} >= {("base", 4), ("lora2", 8), ("lora4", 4)}
+    for batch in (4, 8):  # the base model sampled at temperature 1 beside its greedy step
+        for name in ("decode_step_ms_sampled", "step_sampled_over_greedy"):
+            value = figures[f"{name}_b{batch}_eager"]
+            assert isinstance(value, float) and value > 0, (name, batch, value)
+    sampled = [r for r in rows if r["label"] == "sampled"]
+    assert {r["batch"] for r in sampled} == {4, 8}
+    assert all(r["sample_ms"] > 0 for r in sampled), sampled  # it went through the sampler
     for row in rows:  # the phases add up to the step
         parts = sum(row[f"{p}_ms"] for p in ("schedule", "prepare", "execute", "sample"))
         parts += row["output_ms"] + row["other_ms"]
