@@ -112,7 +112,7 @@ def guarded_env(tmp_path: Path, extra_path: str | None = None) -> dict:
     return env
 
 
-def run_kit(tmp_path: Path, env: dict, *args: str, timeout: float = 420):
+def run_kit(tmp_path: Path, env: dict, *args: str, timeout: float = 540):
     out = tmp_path / "report"
     cmd = [sys.executable, str(KIT), "--device", "cpu", "--tiny", "--out", str(out), *args]
     proc = subprocess.run(
@@ -268,7 +268,7 @@ def test_a_worker_that_misscales_its_adapters_fails_the_queue_section(tmp_path):
     fault.mkdir()
     (fault / "sitecustomize.py").write_text((GUARD / "sitecustomize.py").read_text() + MISSCALED)
     env = guarded_env(tmp_path, extra_path=str(fault))
-    proc, report, _ = run_kit(tmp_path, env, "--sections", "device,queue", timeout=120)
+    proc, report, _ = run_kit(tmp_path, env, "--sections", "device,queue", timeout=200)
     assert proc.returncode == 1, proc.stderr[-2000:]
     queue = report["sections"][1]
     assert queue["status"] == "fail", queue
