@@ -18,7 +18,8 @@
   fair share picks among them (``engine.fair_share``), and are renewed as held ones
   are. The stream is read in order, so a job behind B entries of others is read once
   B - max_num_seqs - read_ahead of them have ended (B - max_num_seqs without); the
-  worker holds at most max_num_seqs + read_ahead requests (backpressure). Entries
+  worker reads at most max_num_seqs + read_ahead requests (backpressure; entries that
+  peers hand it come on top, see below). Entries
   read ahead are not free for a worker that starts meanwhile (why it is off by
   default). Only interactive entries are read ahead: the batch room is counted on the
   free slots alone.
