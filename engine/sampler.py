@@ -26,6 +26,7 @@ import torch
 
 from lorapool.engine.guide import apply_masks
 from lorapool.engine.penalties import apply_logit_bias, apply_penalties
+from lorapool.engine.sequence import PromptAndOutput
 from lorapool.engine.warpers import warp
 from lorapool.outputs import Logprob
 from lorapool.protocol import SamplingParams
@@ -35,7 +36,7 @@ _BLOCK = 256  # the draw first picks a block of this many tokens, then a token i
 _PROMPT_CHUNK = 512  # prompt positions per log_softmax, to bound memory
 
 
-class SamplingRow:
+class SamplingRow(PromptAndOutput):
     """One sequence to sample a token for, this step: its params, its tokens (prompt,
     then those generated before this step), which of the request's n completions it
     is, and its grammar's allowed tokens ([V] bool, or None).
@@ -75,19 +76,6 @@ class SamplingRow:
         row.params, row.token_ids, row.num_prompt_tokens = params, token_ids, num_prompt_tokens
         row.seq_index, row.allowed = seq_index, allowed
         return row
-
-    @property
-    def prompt_token_ids(self) -> list[int]:
-        return self.token_ids[: self.num_prompt_tokens]
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        """Generated so far (before this step)."""
-        return self.token_ids[self.num_prompt_tokens :]
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
 
 
 @dataclass

@@ -23,7 +23,28 @@ class SequenceStatus(str, enum.Enum):
     FINISHED = "finished"
 
 
-class Sequence:
+class PromptAndOutput:
+    """A prompt and what was generated after it, as one list: ``token_ids`` holds both,
+    its first ``num_prompt_tokens`` the prompt (``SamplingRow`` shares a sequence's)."""
+
+    __slots__ = ()
+    token_ids: list[int]
+    num_prompt_tokens: int
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+
+class Sequence(PromptAndOutput):
     """One completion of a request: its tokens, KV blocks and finish state."""
 
     def __init__(self, seq_id: int, request: Request, index: int, token_ids: list[int]):
@@ -48,18 +69,6 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
-
-    @property
-    def prompt_token_ids(self) -> list[int]:
-        return self.token_ids[: self.num_prompt_tokens]
 
     @property
     def lora_int_id(self) -> int:
