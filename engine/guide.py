@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lorapool.engine.host_copy import to_device
 from lorapool.grammar_limits import check_structure
 from lorapool.grammar_sandbox import digest
 from lorapool.records.errors import FieldError
@@ -312,8 +313,8 @@ def apply_masks(x: torch.Tensor, rows, fallback: torch.Tensor) -> torch.Tensor:
     if not constrained:
         return x
     x = x.clone() if x is fallback else x
-    idx = torch.tensor(constrained, dtype=torch.long, device=x.device)
-    ok = torch.stack([rows[i].allowed for i in constrained]).to(x.device)
+    idx = to_device(constrained, x.device, torch.long)
+    ok = to_device(torch.stack([rows[i].allowed for i in constrained]), x.device)
     masked = x[idx].masked_fill_(~ok, float("-inf"))
     empty = ~torch.isfinite(masked).any(dim=-1)
     if bool(empty.any()):

@@ -37,6 +37,7 @@ from lorapool.engine.engine_stats import EngineStats
 from lorapool.engine.fair_share import check_share
 from lorapool.engine.grammar_wait import GrammarWait
 from lorapool.engine.guide import GuideFactory, MaskPool, advance_guide, allowed, start_masks
+from lorapool.engine.host_copy import to_device
 from lorapool.engine.input_processor import InputLimits, InputProcessor
 from lorapool.engine.loader import eos_token_ids
 from lorapool.engine.lora.manager import LoRAManager
@@ -295,7 +296,7 @@ class LLMEngine(EngineStats, EngineAdapters):
                 targets.append((seq, i))
                 sample_rows.append(logit_row)
         if sample_rows != list(range(logits.shape[0])):  # a decode step samples each row once
-            logits = logits[sample_rows]
+            logits = logits[to_device(sample_rows, logits.device, torch.long)]
         results = self.sampler(logits, rows)
         bad = {seq.request.request_id for (seq, _), r in zip(targets, results) if r.token_id < 0}
         if bad:

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from lorapool.engine.host_copy import to_device
+
 if TYPE_CHECKING:
     from lorapool.engine.sampler import SamplingRow
 
@@ -59,8 +61,8 @@ def apply_logit_bias(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch
     for i, bias in biased:
         ids = [t for t in bias if t < vocab]
         if ids:
-            values = torch.tensor([bias[t] for t in ids], dtype=x.dtype, device=x.device)
-            x[i, torch.tensor(ids, dtype=torch.long, device=x.device)] += values
+            values = to_device([bias[t] for t in ids], x.device, x.dtype)
+            x[i, to_device(ids, x.device, torch.long)] += values
     return x
 
 
@@ -72,12 +74,17 @@ def _flat_index(x: torch.Tensor, rows: list[int], token_lists: list[Sequence[int
     inside = tok_idx < x.shape[1]  # ids past the logits' vocab cannot be sampled anyway
     if not bool(inside.all()):
         row_idx, tok_idx = row_idx[inside], tok_idx[inside]
-    return row_idx.to(x.device), tok_idx.to(x.device)
+    return to_device(row_idx, x.device), to_device(tok_idx, x.device)
+
+
+def _rows(x: torch.Tensor, rows: list[tuple[int, SamplingRow]]) -> torch.Tensor:
+    """The indices of ``rows`` on x's device."""
+    return to_device([i for i, _ in rows], x.device, torch.long)
 
 
 def _per_row(x: torch.Tensor, values: list[float]) -> torch.Tensor:
     """A [S] tensor holding ``values`` at the given rows (others unused)."""
-    return torch.tensor(values, dtype=x.dtype, device=x.device)
+    return to_device(values, x.device, x.dtype)
 
 
 def _repetition(x: torch.Tensor, rows: list[tuple[int, SamplingRow]]) -> None:
@@ -88,7 +95,7 @@ def _repetition(x: torch.Tensor, rows: list[tuple[int, SamplingRow]]) -> None:
     if r_idx.numel() == 0:
         return
     penalty = torch.ones(x.shape[0], dtype=x.dtype, device=x.device)
-    penalty[[i for i, _ in rows]] = _per_row(x, [r.params.repetition_penalty for _, r in rows])
+    penalty[_rows(x, rows)] = _per_row(x, [r.params.repetition_penalty for _, r in rows])
     # Duplicate (row, token) pairs all write the same value, computed from the original.
     values, pen = x[r_idx, t_idx], penalty[r_idx]
     x[r_idx, t_idx] = torch.where(values > 0, values / pen, values * pen)
@@ -106,7 +113,7 @@ def _subtract(x: torch.Tensor, rows: list[tuple[int, SamplingRow]], name: str) -
     if r_idx.numel() == 0:
         return
     penalty = torch.zeros(x.shape[0], dtype=x.dtype, device=x.device)
-    penalty[[i for i, _ in rows]] = _per_row(x, [getattr(r.params, name) for _, r in rows])
+    penalty[_rows(x, rows)] = _per_row(x, [getattr(r.params, name) for _, r in rows])
     if name == "frequency_penalty":
         x.index_put_((r_idx, t_idx), -penalty[r_idx], accumulate=True)
     else:  # duplicate (row, token) pairs all write the same value

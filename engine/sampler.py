@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from lorapool.engine.guide import apply_masks
+from lorapool.engine.host_copy import to_device
 from lorapool.engine.penalties import apply_logit_bias, apply_penalties
 from lorapool.engine.sequence import PromptAndOutput
 from lorapool.engine.warpers import warp
@@ -119,15 +120,15 @@ class Sampler:
         if not greedy:  # no index tensors: each is a copy to the device that waits on it
             r = x if owned else x.clone()
             warp(r, [row.params for row in rows])
-            return draw(r, self._uniforms(rows).to(x.device, non_blocking=True))
+            return draw(r, to_device(self._uniforms(rows), x.device))
         tokens = torch.empty(len(rows), dtype=torch.long, device=x.device)
-        idx = torch.tensor(greedy, dtype=torch.long, device=x.device)
+        idx = to_device(greedy, x.device, torch.long)
         tokens[idx] = x[idx].argmax(dim=-1)
         sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
-        idx = torch.tensor(sampled, dtype=torch.long, device=x.device)
+        idx = to_device(sampled, x.device, torch.long)
         r = x[idx]
         warp(r, [rows[i].params for i in sampled])
-        tokens[idx] = draw(r, self._uniforms([rows[i] for i in sampled]).to(x.device))
+        tokens[idx] = draw(r, to_device(self._uniforms([rows[i] for i in sampled]), x.device))
         return tokens
 
     def _uniforms(self, rows: list[SamplingRow]) -> torch.Tensor:
@@ -223,7 +224,7 @@ def _raw_logprobs(logits: torch.Tensor, rows: list[SamplingRow]):
         return None
     if len(asked) == len(rows):
         return asked, logits.log_softmax(dim=-1)
-    idx = torch.tensor(asked, dtype=torch.long, device=logits.device)
+    idx = to_device(asked, logits.device, torch.long)
     return asked, logits[idx].log_softmax(dim=-1)
 
 
@@ -233,7 +234,7 @@ def _results(tokens: torch.Tensor, finite: torch.Tensor, raw, rows) -> list[Samp
     if raw is None:
         return results
     asked, logprobs = raw
-    chosen = tokens[torch.tensor(asked, dtype=torch.long, device=tokens.device)]
+    chosen = tokens[to_device(asked, tokens.device, torch.long)]
     dicts = logprob_dicts(logprobs, chosen, [rows[i].params.logprobs for i in asked])
     for i, d in zip(asked, dicts):
         if token_list[i] >= 0:
@@ -275,7 +276,7 @@ def prompt_logprobs(
     num = len(prompt_token_ids) - 1
     if num > logits.shape[0]:
         raise ValueError(f"{logits.shape[0]} logits rows for {num + 1} prompt tokens")
-    targets = torch.tensor(list(prompt_token_ids[1:]), dtype=torch.long, device=logits.device)
+    targets = to_device(list(prompt_token_ids[1:]), logits.device, torch.long)
     for start in range(0, num, _PROMPT_CHUNK):
         end = min(num, start + _PROMPT_CHUNK)
         logprobs = logits[start:end].float().log_softmax(dim=-1)

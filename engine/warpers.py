@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from lorapool.engine.host_copy import to_device
 from lorapool.protocol import SamplingParams
 
 NEG_INF = float("-inf")
@@ -25,7 +26,7 @@ def warp(r: torch.Tensor, params: Sequence[SamplingParams]) -> None:
     vocab = r.shape[1]
     temps = [p.temperature for p in params]
     if any(t != 1.0 for t in temps):
-        r.div_(torch.tensor(temps, dtype=r.dtype, device=r.device).unsqueeze(1))
+        r.div_(to_device(temps, r.device, r.dtype).unsqueeze(1))
     _on_rows(
         r,
         [i for i, p in enumerate(params) if 0 < p.top_k < vocab],
@@ -52,7 +53,7 @@ def _on_rows(
     if len(idx) == r.shape[0]:
         fn(r, idx)
         return
-    rows = torch.tensor(idx, dtype=torch.long, device=r.device)
+    rows = to_device(idx, r.device, torch.long)
     sub = r[rows]
     fn(sub, idx)
     r[rows] = sub
@@ -60,7 +61,7 @@ def _on_rows(
 
 def top_k(r: torch.Tensor, ks: list[int]) -> None:
     """Keep each row's ``k`` largest logits (and ties with the k-th)."""
-    k = torch.tensor(ks, dtype=torch.long, device=r.device).unsqueeze(1)
+    k = to_device(ks, r.device, torch.long).unsqueeze(1)
     largest = r.topk(max(ks), dim=-1).values
     r.masked_fill_(r < largest.gather(1, k - 1), NEG_INF)
 
@@ -74,7 +75,7 @@ def top_p(r: torch.Tensor, ps: list[float]) -> None:
     The nucleus is looked for among the top TOP_P_CANDIDATES tokens first.
     """
     lse = r.logsumexp(dim=-1, keepdim=True)
-    p = torch.tensor(ps, dtype=torch.float64, device=r.device).unsqueeze(1)
+    p = to_device(ps, r.device, torch.float64).unsqueeze(1)
     thresholds = torch.empty(r.shape[0], 1, dtype=r.dtype, device=r.device)
     todo = torch.arange(r.shape[0], device=r.device)
     for num in (*TOP_P_CANDIDATES, r.shape[1]):
@@ -99,6 +100,6 @@ def _nucleus(r: torch.Tensor, lse: torch.Tensor, p: torch.Tensor, num: int):
 
 def min_p(r: torch.Tensor, ms: list[float]) -> None:
     """Remove tokens less likely than ``min_p`` times the most likely one."""
-    log_m = torch.tensor([math.log(m) for m in ms], dtype=r.dtype, device=r.device)
+    log_m = to_device([math.log(m) for m in ms], r.device, r.dtype)
     threshold = r.amax(dim=-1) + log_m
     r.masked_fill_(r < threshold.unsqueeze(1), NEG_INF)

@@ -29,6 +29,8 @@ from .timeline import StepTimeline
 # the sampler a per-row hash on the host (+0.3 ms a step at batch 256 over unseeded rows,
 # 2-core box, 98cded3; +1.1 ms before it); None times the unseeded draw instead.
 SAMPLED_SEED = 1234
+# Device work queued before each copy of ``host_copy_check`` (milliseconds).
+QUEUED_MS = 20
 
 
 @dataclass
@@ -143,3 +145,46 @@ def record(ctx, rec, engine, shape, run: StepRun, where: dict, practical: dict) 
     row = {"model": shape.name, "label": label, "batch": batch, "mode": mode, **run.timeline}
     row["implied_tokens_per_s"] = round(batch / run.mean_step_s, 1)
     rec.row(f"{tag}step_timeline", row)
+
+
+def host_copy_check(ctx, rec) -> None:
+    """``engine.host_copy.to_device`` (the sampler's row indices and per-row values) must
+    not wait for the kernels queued before it, as a pageable copy does: each copied
+    behind ~``QUEUED_MS`` of queued device work (``torch.cuda._sleep``), timed on the
+    host. CUDA only."""
+    import time
+
+    import torch
+
+    from lorapool.engine.host_copy import to_device
+
+    if ctx.device != "cuda":
+        rec.note("host copy check: CUDA only (this run is on the CPU)")
+        return
+    device, values = torch.device("cuda"), list(range(256))
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(10**7)  # calibrates the spin: cycles a millisecond
+    end.record()
+    end.synchronize()
+    cycles_per_ms = 10**7 / max(start.elapsed_time(end), 1e-3)
+    waits = {}
+    for name, copy in (
+        ("pinned", lambda: to_device(values, device, torch.long)),
+        ("pageable", lambda: torch.tensor(values, dtype=torch.long, device=device)),
+    ):
+        copy()  # warm: the caching host allocator's first pinned block is slow to get
+        torch.cuda.synchronize()
+        torch.cuda._sleep(int(QUEUED_MS * cycles_per_ms))
+        began = time.perf_counter()
+        tensor = copy()
+        waits[name] = time.perf_counter() - began
+        torch.cuda.synchronize()
+        rec.check(f"host copy ({name}) holds its values", tensor.tolist() == values)
+        rec.figure(f"host_copy_{name}_waited_ms", round(waits[name] * 1e3, 3))
+    rec.check(
+        "to_device does not wait for queued kernels",
+        waits["pinned"] < 0.2 * QUEUED_MS / 1e3 < waits["pageable"],
+        f"pinned {waits['pinned'] * 1e3:.2f} ms, pageable {waits['pageable'] * 1e3:.2f} ms "
+        f"behind {QUEUED_MS} ms queued",
+    )

@@ -53,6 +53,7 @@ def run(ctx, rec) -> None:
         (sizes.adapter_rank,),
         device,
     )
+    _measured(rec, "host copy check", decode_step.host_copy_check, ctx, rec)
     hf_tps = _transformers(ctx, rec, path, prompts)
     guard = CompileGuard()
     engine = make_engine(ctx, rec, path, len(adapters), flags.old_path(sizes.engine_flags))
