@@ -91,7 +91,10 @@ class Sampler:
 
     A row whose logits hold NaN or Inf gets token_id -1 and no logprobs: what was
     drawn from it is garbage. Its check is read back in the same device-to-host copy
-    as the tokens, so a step's sampling waits on the device once.
+    as the tokens; the host values it needs on the device go there without waiting
+    (``host_copy``), so a step's sampling waits on the device once, unless it reads
+    more back: logprobs, top-p's candidate search (which rows it settled), a grammar
+    row's check for an empty mask.
     """
 
     def __init__(self, eos_token_ids: Iterable[int], seed: int = 0):
@@ -117,7 +120,7 @@ class Sampler:
         greedy = [i for i, r in enumerate(rows) if r.params.greedy]
         if len(greedy) == len(rows):
             return x.argmax(dim=-1)
-        if not greedy:  # no index tensors: each is a copy to the device that waits on it
+        if not greedy:  # every row samples: no index tensors, no gathers
             r = x if owned else x.clone()
             warp(r, [row.params for row in rows])
             return draw(r, to_device(self._uniforms(rows), x.device))
