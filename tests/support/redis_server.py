@@ -30,6 +30,18 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+class PortTaken(RuntimeError):
+    """The server exited at start: its port or cluster bus port was in use."""
+
+
+def _fresh_bus_port(args: tuple[str, ...]) -> tuple[str, ...]:
+    """``args`` with a fresh ``--cluster-port`` value, if it has one."""
+    args = list(args)
+    if "--cluster-port" in args:
+        args[args.index("--cluster-port") + 1] = str(free_port())
+    return tuple(args)
+
+
 class RedisServer:
     shards = 0  # the pool's layout on it: one standalone Redis
 
@@ -41,6 +53,7 @@ class RedisServer:
         self.port = port or free_port()
         self.args = tuple(args)
         self.process: subprocess.Popen | None = None
+        self._pick_again = port is None  # until a first start: its ports were only free then
 
     @property
     def url(self) -> str:
@@ -59,6 +72,23 @@ class RedisServer:
         return redis.Redis(port=self.port, **options)
 
     def start(self, timeout: float = 10.0) -> RedisServer:
+        """Start it (again: on the same port and directory). A first start whose port, or
+        cluster bus port, another socket took since ``free_port`` saw it free (an outgoing
+        connection's ephemeral port, say) tries again on fresh ones."""
+        for attempt in range(5):
+            try:
+                self._start(timeout)
+            except PortTaken:
+                if not self._pick_again or attempt == 4:
+                    raise
+                (self.directory / "redis.log").unlink(missing_ok=True)  # this attempt's
+                self.port, self.args = free_port(), _fresh_bus_port(self.args)
+                continue
+            self._pick_again = False
+            return self
+        raise AssertionError("unreachable")
+
+    def _start(self, timeout: float) -> None:
         cmd = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1"]
         cmd += ["--dir", str(self.directory), "--save", "", "--appendonly", "yes"]
         cmd += ["--appendfsync", "always", "--logfile", "redis.log", *self.args]
@@ -70,11 +100,17 @@ class RedisServer:
                 if client.ping():
                     break
             except (redis.ConnectionError, redis.BusyLoadingError):
+                if self.process.poll() is not None and self._port_taken():
+                    client.close()
+                    raise PortTaken(f"redis-server on {self.port}: a port in use") from None
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"redis-server on {self.port} did not start") from None
                 time.sleep(0.05)
         client.close()
-        return self
+
+    def _port_taken(self) -> bool:
+        log = self.directory / "redis.log"
+        return log.exists() and "Address already in use" in log.read_text(errors="replace")
 
     def pause(self) -> None:
         os.kill(self.process.pid, signal.SIGSTOP)
