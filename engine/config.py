@@ -62,6 +62,11 @@ class EngineArgs:
     # split-K partials added inside the expand, split-K sized by the live tiles. Off (the
     # shrink, zeroing and torch.sum launches as before) until the GPU kit has measured both
     lora_live_work: bool = False
+    # async output processing (engine.async_output; vLLM V0's, on by default there on
+    # CUDA): a step's detokenizing, stop strings and outputs done during the next step's
+    # forward, its outputs returned by the next step() call. Off until the GPU kit has
+    # measured it; on the CPU nothing overlaps
+    async_output_proc: bool = False
 
     def __post_init__(self):
         _positive(

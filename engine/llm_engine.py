@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer
 
+from lorapool.engine.async_output import DeferredOutputs
 from lorapool.engine.block_manager import BlockManager
 from lorapool.engine.config import EngineArgs
 from lorapool.engine.engine_adapters import EngineAdapters
@@ -58,7 +59,7 @@ from lorapool.protocol import LoRARequest, SamplingParams
 logger = logging.getLogger(__name__)
 
 
-class LLMEngine(EngineStats, EngineAdapters):
+class LLMEngine(EngineStats, EngineAdapters, DeferredOutputs):
     """Continuous-batching engine: ``add_request`` any time, ``step`` to advance all."""
 
     def __init__(self, args: EngineArgs):
@@ -92,6 +93,8 @@ class LLMEngine(EngineStats, EngineAdapters):
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
         self._pending: list[RequestOutput] = []
+        self.async_output_proc = args.async_output_proc  # engine.async_output
+        self._deferred = []
         self.lora_manager = (
             LoRAManager(self.runner.model, args, self.runner.device, self.runner.dtype)
             if args.enable_lora
@@ -157,6 +160,7 @@ class LLMEngine(EngineStats, EngineAdapters):
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         """Stop requests now; each gets a final output with finish_reason 'abort'."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        self.flush_deferred()
         for rid in ids:
             request = self._pop(rid)
             if request is not None:
@@ -164,6 +168,7 @@ class LLMEngine(EngineStats, EngineAdapters):
 
     def fail_request(self, request_id: str, error: str) -> None:
         """End a request with finish_reason 'error' and the error text."""
+        self.flush_deferred()
         request = self._pop(request_id)
         if request is not None:
             request.error = error
@@ -204,14 +209,14 @@ class LLMEngine(EngineStats, EngineAdapters):
         self.grammars.admit(self.scheduler, self.fail_request)
         outputs, self._pending = self._pending, []
         if not self.scheduler.has_unfinished():
-            return outputs
+            return outputs + self.run_deferred()
         scheduled = self.scheduler.schedule()
         self.num_step_tokens = scheduled.num_batched_tokens
         if self.lora_manager is not None:
             self._activate_loras(scheduled)
             outputs, self._pending = outputs + self._pending, []
         if scheduled.is_empty:
-            return outputs
+            return outputs + self.run_deferred()
         self._mark_scheduled(scheduled)
         self.runner.copy_blocks(scheduled.blocks_to_copy)
         slot_of = self.lora_manager.slot_of if self.lora_manager is not None else None
@@ -223,8 +228,11 @@ class LLMEngine(EngineStats, EngineAdapters):
         self.scheduler.postprocess(scheduled)
         sampled = _argmax_rows(layout)
         if sampled is not None:  # argmax and finite check queued after the forward
-            tokens = finite_argmax(logits).tolist()  # the step's one device-to-host copy
+            queued = finite_argmax(logits)
+            outputs += self.run_deferred(scheduled)  # async output: while the device runs
+            tokens = queued.tolist()  # the step's one device-to-host copy
             return outputs + self._take_argmax(logits, tokens, layout, sampled)
+        outputs += self.run_deferred(scheduled)
         outputs += self._process_logits(logits, layout, masks)
         return outputs
 
@@ -246,7 +254,7 @@ class LLMEngine(EngineStats, EngineAdapters):
             seq = entry.item.seq
             if len(entry.prompt_rows):
                 self._prompt_logprobs(seq.request, entry, logits)
-            if entry.sample_row is not None:
+            if entry.sample_row is not None and seq.finish_reason is None:  # engine.async_output
                 seqs.append(seq)
                 logit_rows.append(entry.sample_row)
         if not seqs:
@@ -266,6 +274,8 @@ class LLMEngine(EngineStats, EngineAdapters):
         if -1 in tokens:
             bad = {e.item.seq.request.request_id for e, t in zip(entries, tokens) if t < 0}
             self._fail_non_finite(bad)
+        if self.async_output_proc:
+            return self.take_argmax_later(entries, tokens)
         outputs, now = [], time.time()
         append, running_output = self.outputs.append, self.outputs.running_output
         for entry, token in zip(entries, tokens):
@@ -301,6 +311,8 @@ class LLMEngine(EngineStats, EngineAdapters):
         bad = {seq.request.request_id for (seq, _), r in zip(targets, results) if r.token_id < 0}
         if bad:
             self._fail_non_finite(bad)
+        if self.async_output_proc:
+            return self.sample_later(targets, results, bad)
         outputs, collect, now = [], {}, time.time()
         append, running_output = self.outputs.append, self.outputs.running_output
         for (seq, i), result in zip(targets, results):

@@ -56,6 +56,20 @@ class OutputProcessor:
         """Add one sampled token to ``seq`` and decide whether it finished (EOS, stop
         token ids, stop strings, max_tokens, model length); ``now``: the step's
         time.time() (one call a step, not one a token)."""
+        self.detokenize(seq, token_id, self.append_id(seq, token_id, logprob, top_logprobs, now))
+
+    def append_id(
+        self,
+        seq: Sequence,
+        token_id: int,
+        logprob: float | None,
+        top_logprobs: dict[int, Logprob] | None,
+        now: float | None = None,
+    ) -> bool:
+        """``append`` but the text: the token joins ``seq`` and the checks on token ids
+        and counts decide whether it finished (EOS, stop token ids, max_tokens, model
+        length). Returns whether a stop string may end it at this token (min_tokens
+        reached), what ``detokenize`` then needs."""
         token_ids = seq.token_ids
         token_ids.append(token_id)
         if logprob is not None:
@@ -66,19 +80,30 @@ class OutputProcessor:
         params = request.params
         num_output = len(token_ids) - seq.num_prompt_tokens
         can_stop = num_output >= params.min_tokens
-        stop_str = seq.detokenizer.add_token(token_id, can_stop)
         if can_stop and not params.ignore_eos and token_id in self.eos_token_ids:
             self._finish(seq, "stop", None)
         elif can_stop and token_id in params.stop_token_ids:
             self._finish(seq, "stop", token_id)
-        elif stop_str is not None:
-            self._finish(seq, "stop", stop_str)
         elif num_output >= request.max_tokens or len(token_ids) >= self.max_model_len:
             self._finish(seq, "length", None)
         metrics = request.metrics
         metrics.last_token_time = now = time.time() if now is None else now
         if metrics.first_token_time is None:
             metrics.first_token_time = now
+        return can_stop
+
+    def detokenize(self, seq: Sequence, token_id: int, can_stop: bool) -> bool:
+        """The text half of ``append``, for the token ``append_id`` last gave ``seq``
+        (or later, in the order given: async output processing): its text, and whether
+        a stop string ends the sequence there. A stop string comes after EOS and stop
+        token ids but before the length, as vLLM checks them. True when it ended a
+        sequence that had not finished."""
+        stop_str = seq.detokenizer.add_token(token_id, can_stop)
+        if stop_str is None or seq.finish_reason not in (None, "length"):
+            return False
+        ended = seq.finish_reason is None
+        self._finish(seq, "stop", stop_str)
+        return ended
 
     @staticmethod
     def _finish(seq: Sequence, reason: str, stop_reason: int | str | None) -> None:

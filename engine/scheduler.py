@@ -302,8 +302,8 @@ class Scheduler:
         )
 
     def refund(self, item: ScheduledSeq) -> None:
-        """Give back what ``item`` was charged: a speculated token its sequence never
-        used (async scheduling, see the module's docstring)."""
+        """Give back what ``item`` was charged: a token its sequence never used (a stop
+        string known a step late: ``engine.async_output``)."""
         self.ledger.refund(item.seq.request.tenant, item.charge)
         item.charge = 0.0
 

@@ -45,9 +45,15 @@ def adapters(base, tmp_path_factory):
     )
 
 
-def engine(base):
+def engine(base, async_output_proc=False):
     return LLMEngine.from_engine_args(
-        EngineArgs(model=str(base), enable_lora=True, max_loras=2, max_lora_rank=8)
+        EngineArgs(
+            model=str(base),
+            enable_lora=True,
+            max_loras=2,
+            max_lora_rank=8,
+            async_output_proc=async_output_proc,
+        )
     )
 
 
@@ -60,7 +66,8 @@ def run(llm, jobs):
     return done
 
 
-def test_overflowing_and_nan_adapters_fail_alone(base, adapters):
+@pytest.mark.parametrize("later", [False, True], ids=["sync", "async_output"])
+def test_overflowing_and_nan_adapters_fail_alone(base, adapters, later):
     """The issue's acceptance batch: an adapter whose finite weights overflow (it runs and
     fails) and one with NaN weights (refused at load), next to clean requests."""
     clean, huge, nan = adapters
@@ -70,7 +77,7 @@ def test_overflowing_and_nan_adapters_fail_alone(base, adapters):
         for i, p in enumerate(PROMPTS)
         for lora in (None, clean)
     }
-    llm = engine(base)
+    llm = engine(base, later)
     mixed = [(f"{i}-{lora}", p, lora) for i, p in enumerate(PROMPTS) for lora in (None, clean)]
     done = run(llm, [*mixed, ("bad", PROMPTS[0], huge), ("nan", PROMPTS[1], nan)])
     bad = done["bad"]
@@ -86,7 +93,8 @@ def test_overflowing_and_nan_adapters_fail_alone(base, adapters):
     assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
 
 
-def test_sampled_rows_of_an_overflowing_adapter_fail_alone(base, adapters):
+@pytest.mark.parametrize("later", [False, True], ids=["sync", "async_output"])
+def test_sampled_rows_of_an_overflowing_adapter_fail_alone(base, adapters, later):
     """The sampler's path (temperature, logprobs, n forked): the overflowing request,
     its n samples included, ends with "error"; seeded clean requests beside it keep
     their solo tokens and logprobs."""
@@ -106,7 +114,7 @@ def test_sampled_rows_of_an_overflowing_adapter_fail_alone(base, adapters):
         (f"{i}-{lora}", p, lora, sampled) for i, p in enumerate(PROMPTS) for lora in (None, clean)
     ]
     solo = {job[0]: submit(engine(base), [job])[job[0]].outputs[0] for job in jobs}
-    done = submit(engine(base), [*jobs, ("bad", PROMPTS[0], huge, forked)])
+    done = submit(engine(base, later), [*jobs, ("bad", PROMPTS[0], huge, forked)])
     bad = done["bad"]
     assert [o.finish_reason for o in bad.outputs] == ["error"] * 3
     assert "non-finite (NaN or Inf)" in bad.error

@@ -1,0 +1,229 @@
+"""Async output processing (``engine.async_output``): with it on, a step's text and
+outputs are made during the next step, and every request ends as it does without it.
+
+Oracles: transformers' greedy tokens; the synchronous engine (itself checked against
+transformers, PEFT and the sampler's references in the other engine tests) for what
+transformers does not say (stop strings, forks, seeded draws, logprobs, streamed text);
+the tokenizer's own decode for the text of an aborted request; the fair-share ledger
+of the synchronous engine at the same tokens.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import jsonschema
+import pytest
+from engine_runs import assert_matches_transformers, workload
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from lorapool import EngineArgs, LLMEngine, RequestOutputKind, SamplingParams
+from lorapool.records.structured import StructuredOutputsParams
+
+KINDS = [RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY]
+# frequent in the tiny byte-level tokenizer's decodes of a random model: stop strings
+# that end requests mid-way, sometimes on the step's last allowed token
+STOPS = ["a", "e", "o", " ", "t", "in", "er", "!!", "\n"]
+_ids = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def path(tiny_model_path):
+    return tiny_model_path("llama")
+
+
+def make(path, later: bool, **kw) -> LLMEngine:
+    return LLMEngine.from_engine_args(EngineArgs(model=str(path), async_output_proc=later, **kw))
+
+
+@pytest.fixture(scope="module")
+def pair(path):
+    """The synchronous engine and the async-output one, small enough to preempt (28
+    blocks of 16 tokens) and to make forks wait for slots (max_num_seqs 6)."""
+    kw = {"num_kv_blocks": 28, "max_num_seqs": 6, "max_num_batched_tokens": 64}
+    return make(path, False, **kw), make(path, True, **kw)
+
+
+def drive(engine, jobs):
+    """Add job i (prompt, params, step to arrive at) while stepping; every output each
+    request streamed, in order: (finished, error, per completion (index, text, token
+    ids, finish reason, stop reason, logprobs' tokens and ranks)), and apart, the
+    logprob values (a batch of another size moves them by float ulps)."""
+    streamed: dict[str, list] = {}
+    values: dict[str, list] = {}
+    pending, step = sorted(jobs, key=lambda j: j[3]), 0
+    while pending or engine.has_unfinished_requests():
+        while pending and pending[0][3] <= step:
+            rid, prompt, params, _ = pending.pop(0)
+            engine.add_request(rid, {"prompt_token_ids": prompt}, params)
+        for out in engine.step():
+            rid = out.request_id
+            completions = []
+            for c in out.outputs:
+                ranks = [{t: lp.rank for t, lp in d.items()} for d in c.logprobs or []]
+                completions.append(
+                    (c.index, c.text, list(c.token_ids), c.finish_reason, c.stop_reason, ranks)
+                )
+                values.setdefault(rid, []).append(c.cumulative_logprob or 0.0)
+                values[rid] += [lp.logprob for d in c.logprobs or [] for lp in d.values()]
+            streamed.setdefault(rid, []).append((out.finished, out.error, completions))
+        # what finished leaves the scheduler in the step that gave it its last token
+        assert all(seq.finish_reason is None for seq in engine.scheduler.running)
+        step += 1
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert not engine.requests and not engine._deferred
+    return streamed, values
+
+
+def test_greedy_matches_transformers_with_preemption_and_chunked_prefill(path):
+    requests = workload(2, 16, 512, max_out=40)
+    engine = make(path, True, num_kv_blocks=24)
+    assert_matches_transformers(path, engine, requests, every=0)
+    assert engine.scheduler.num_preemptions > 0
+    chunked = make(path, True, max_num_batched_tokens=16, max_num_seqs=16)
+    assert_matches_transformers(path, chunked, requests)
+
+
+@st.composite
+def job(draw):
+    prompt = draw(st.lists(st.integers(3, 511), min_size=1, max_size=60))
+    sampled = draw(st.booleans())
+    max_tokens = draw(st.integers(1, 24))
+    params = SamplingParams(
+        temperature=draw(st.sampled_from([0.7, 1.0, 1.3])) if sampled else 0.0,
+        top_p=draw(st.sampled_from([1.0, 0.9])) if sampled else 1.0,
+        top_k=draw(st.sampled_from([-1, 20])) if sampled else -1,
+        seed=draw(st.integers(0, 2**32)) if sampled else None,
+        n=draw(st.integers(1, 3)) if sampled else 1,
+        max_tokens=max_tokens,
+        min_tokens=draw(st.integers(0, min(3, max_tokens))),
+        stop=draw(st.lists(st.sampled_from(STOPS), max_size=2, unique=True)),
+        stop_token_ids=draw(st.lists(st.integers(3, 511), max_size=3)),
+        include_stop_str_in_output=draw(st.booleans()),
+        logprobs=draw(st.sampled_from([None, 0, 2])),
+        ignore_eos=draw(st.booleans()),
+        output_kind=draw(st.sampled_from(KINDS)),
+    )
+    return prompt, params, draw(st.integers(0, 6))
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(jobs=st.lists(job(), min_size=1, max_size=8))
+def test_every_request_streams_and_ends_as_without_it(pair, jobs):
+    """Mixed requests (greedy and seeded, n forked past max_num_seqs, stop strings and
+    stop token ids, min_tokens, logprobs, every output kind) arriving at different
+    steps, through preemption: each request's outputs, streamed and final, are the
+    synchronous engine's."""
+    run = next(_ids)
+    named = [(f"{run}-{i}", p, params, at) for i, (p, params, at) in enumerate(jobs)]
+    (sync, sync_values), (later, later_values) = (drive(engine, named) for engine in pair)
+    assert later.keys() == sync.keys() == {rid for rid, *_ in named}
+    for rid in sync:
+        assert later[rid] == sync[rid], rid
+        assert later_values.get(rid) == pytest.approx(sync_values.get(rid), abs=1e-4), rid
+
+
+def test_a_stop_string_gives_back_the_token_computed_after_it(path):
+    """A stop string is known one step late: the sequence ran in the next step too. Its
+    tenant's counter is given that chunk back: at the same tokens of a request still
+    running, both tenants' counters equal the synchronous engine's."""
+    stopper = SamplingParams(temperature=0.0, max_tokens=40, stop=STOPS, min_tokens=1)
+    long = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    counters, stopped = [], []
+    for later in (False, True):
+        engine = make(path, later)
+        engine.add_request("long-a", {"prompt_token_ids": [5, 6, 7]}, long, tenant="a")
+        engine.add_request("long-b", {"prompt_token_ids": [9, 8, 7]}, long, tenant="b")
+        for i in range(4):
+            prompt = {"prompt_token_ids": [11 + i, 40, 77]}
+            engine.add_request(f"stop-{i}", prompt, stopper, tenant="a")
+        done = {}
+        seq = engine.requests["long-a"].seqs[0]
+        while seq.num_output_tokens < 30:
+            done.update({o.request_id: o for o in engine.step() if o.finished})
+        counters.append(dict(engine.scheduler.ledger.counters))
+        while engine.has_unfinished_requests():
+            done.update({o.request_id: o for o in engine.step() if o.finished})
+        stopped.append({rid: done[rid].outputs[0].stop_reason for rid in done if "stop" in rid})
+    assert stopped[0] == stopped[1]
+    assert sum(reason in STOPS for reason in stopped[0].values()) >= 2  # ended by text
+    assert counters[1] == pytest.approx(counters[0])
+
+
+@pytest.mark.parametrize("kind", [RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE])
+def test_an_aborted_request_ends_with_all_its_text(path, kind):
+    """An abort between steps makes the outputs still deferred first: the aborted
+    request's last output holds the text of every token it has, as the tokenizer decodes
+    them, and the tokens the synchronous engine has at the same step."""
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, output_kind=kind)
+    got = []
+    for later in (False, True):
+        engine = make(path, later)
+        engine.add_request("x", {"prompt_token_ids": [5, 17, 99]}, params)
+        outs = [o for _ in range(6) for o in engine.step()]
+        engine.abort_request("x")
+        outs += engine.step()
+        assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
+        assert outs[-1].outputs[0].finish_reason == "abort"
+        assert not engine.has_unfinished_requests()
+        ids = [t for o in outs for t in o.outputs[0].token_ids]
+        text = "".join(o.outputs[0].text for o in outs)
+        if kind == RequestOutputKind.CUMULATIVE:
+            ids, text = list(outs[-1].outputs[0].token_ids), outs[-1].outputs[0].text
+        assert text == engine.tokenizer.decode(ids, skip_special_tokens=True)
+        got.append(ids)
+    assert got[0] == got[1] and len(got[0]) == 6  # a token a step, the prefill's first
+
+
+def test_a_stop_string_on_the_last_allowed_token_ends_as_a_stop(path):
+    """The token that reaches max_tokens also completes a stop string: the stop string
+    wins (vLLM's order of checks), though its text is known only after the length."""
+    free = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    sync = make(path, False)
+    sync.add_request("free", {"prompt_token_ids": [5, 17, 99]}, free)
+    (whole,) = drive(sync, [])[0]["free"][-1][2]
+    stop = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, stop=[whole[1]])
+    jobs = [("s", [5, 17, 99], stop, 0)]
+    for later in (False, True):
+        (final,) = drive(make(path, later), jobs)[0]["s"][-1][2]
+        assert final[2] == whole[2] and final[1] == ""
+        assert (final[3], final[4]) == ("stop", whole[1])
+
+
+PET = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 8},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+    },
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
+
+def test_structured_outputs_advance_their_grammar_before_the_next_step(path):
+    """A grammar's state follows each token at once (the next step's mask needs it):
+    constrained requests, greedy and forked, validate and equal the synchronous ones."""
+    constraint = StructuredOutputsParams(json=PET)
+    jobs = [
+        ("g", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=150), 0),
+        ("s", [9, 8], SamplingParams(temperature=1.0, seed=3, n=2, max_tokens=150), 1),
+        ("plain", [4, 4, 4], SamplingParams(temperature=0.0, max_tokens=20, stop=["e"]), 0),
+    ]
+    jobs = [
+        (rid, p, params if rid == "plain" else _guided(params, constraint), at)
+        for rid, p, params, at in jobs
+    ]
+    (sync, _), (later, _) = drive(make(path, False), jobs), drive(make(path, True), jobs)
+    assert later == sync
+    for rid in ("g", "s"):
+        for completion in later[rid][-1][2]:
+            assert completion[3] == "stop"
+            jsonschema.validate(json.loads(completion[1]), PET)
+
+
+def _guided(params: SamplingParams, constraint) -> SamplingParams:
+    params.structured_outputs = constraint
+    return params
