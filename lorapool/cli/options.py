@@ -54,6 +54,13 @@ def seconds_option(flag: str, dest: str, default: float, help: str, least: float
     )
 
 
+def finite_share(param, value: float) -> float:
+    """A share in (0, 1] (``click.FloatRange`` lets NaN pass its comparisons)."""
+    if value != value:
+        raise click.BadParameter("must be a number in (0, 1]", param=param)
+    return value
+
+
 def optional_option(flag: str, type: click.ParamType, help: str):
     """An option that is unset (None) unless given; ``help`` says what unset means."""
     return click.option(flag, type=type, default=None, help=help)

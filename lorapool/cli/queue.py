@@ -12,6 +12,7 @@ import click
 from lorapool.cli.options import (
     config_from,
     count_option,
+    finite_share,
     grammar_limit_option,
     host_option,
     optional_option,
@@ -39,9 +40,7 @@ def _producer(redis_url, prefix, shards=0):
 @click.option("--enable-lora", is_flag=True)
 @click.option("--max-loras", default=1, show_default=True)
 @click.option("--max-lora-rank", default=16, show_default=True)
-@click.option(
-    "--max-cpu-loras", type=int, default=None, help="adapters kept in memory [default: max-loras]"
-)
+@optional_option("--max-cpu-loras", click.INT, "adapters kept in memory [default: max-loras]")
 @click.option(
     "--adapter-root",
     "adapter_roots",
@@ -58,7 +57,7 @@ def _producer(redis_url, prefix, shards=0):
 @click.option(
     "--gpu-memory-utilization",
     type=click.FloatRange(0, 1, min_open=True),
-    callback=lambda ctx, param, value: _finite(param, value),
+    callback=lambda ctx, param, value: finite_share(param, value),
     default=0.9,
     show_default=True,
     help="share of the GPU's memory the engine may hold (as vLLM's); the KV cache gets "
@@ -72,6 +71,12 @@ def _producer(redis_url, prefix, shards=0):
     "steps (3.3x faster decode steps on an H200, benchmarks/RESULTS.md)",
 )
 @click.option("--enable-prefix-caching", is_flag=True)
+@click.option(
+    "--async-output-proc",
+    is_flag=True,
+    help="detokenize and make each step's outputs during the next step's forward (vLLM V0's "
+    "async output processor; outputs come a step later); off until measured on a GPU",
+)
 @count_option(
     "--starvation-steps",
     8,  # SchedulerConfig.starvation_steps
@@ -209,12 +214,6 @@ def worker(name, adapter_roots, drain_timeout, insecure_no_key, redis_url, metri
         serve(args, config, connect(redis_url, retries=LOOP_RETRIES))
     except ModelMismatchError as exc:
         raise click.ClickException(str(exc)) from None
-
-
-def _finite(param, value: float) -> float:
-    if value != value:  # NaN passes FloatRange's comparisons
-        raise click.BadParameter("must be a number in (0, 1]", param=param)
-    return value
 
 
 def _audit_key(insecure: bool) -> dict:

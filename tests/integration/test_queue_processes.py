@@ -107,6 +107,7 @@ Producer(url, prefix=prefix, shards=shards).submit_many(
     lora_request=[names[i % len(names)] for i in ids], request_ids=[f"job-{i}" for i in ids])
 """
 POOL = SamplingParams(temperature=0.0, max_tokens=16)
+ASYNC_OUTPUT = "--async-output-proc"  # engine.async_output: outputs a step late
 
 
 def test_two_workers_two_producers(
@@ -117,7 +118,10 @@ def test_two_workers_two_producers(
     loras = [None if n == "base" else lora_from_record(records[n]) for n in names] * 8
     prompts = [f"prompt number {i} says" for i in range(40)]
     ids = [f"job-{i}" for i in range(40)]
-    workers = [start_worker(pool_url, keys, model, tmp_path) for _ in range(2)]
+    # one worker makes its outputs a step late (async output processing), one at once
+    workers = [
+        start_worker(pool_url, keys, model, tmp_path, *flag) for flag in ((), (ASYNC_OUTPUT,))
+    ]
     _wait_workers(conn, keys, 2)
     pool = [pool_url, keys.prefix, str(keys.shards)]
     procs = [
@@ -191,7 +195,7 @@ def _submit_long(producer, count=8):
 
 def test_kill_9_worker_loses_nothing(engine, conn, pool_url, keys, producer, model, tmp_path):
     prompts, ids = _submit_long(producer)
-    first = start_worker(pool_url, keys, model, tmp_path)
+    first = start_worker(pool_url, keys, model, tmp_path, ASYNC_OUTPUT)
     partial = _wait_partial(conn, producer, ids)
     first.send_signal(signal.SIGKILL)
     first.wait()
@@ -225,7 +229,7 @@ def test_sigstop_past_lease_is_fenced(engine, conn, pool_url, keys, producer, mo
 
 def test_first_sigterm_drains(engine, conn, pool_url, keys, producer, model, tmp_path):
     prompts, ids = _submit_long(producer)
-    worker = start_worker(pool_url, keys, model, tmp_path, "--max-num-seqs", "4")
+    worker = start_worker(pool_url, keys, model, tmp_path, "--max-num-seqs", "4", ASYNC_OUTPUT)
     held = _wait_partial(conn, producer, ids, at_least=4)
     worker.send_signal(signal.SIGTERM)
     assert worker.wait(60) == 0
