@@ -165,8 +165,8 @@ def test_dry_run_measures_the_decode_step_fairly(dry_run):
     figures = throughput["figures"]
     for flag in ("fused_layer_kernels", "lora_live_work"):  # absent here until they land
         assert figures[f"flag_{flag}"] in ("present", "flag absent")
-    assert figures["flag_enable_prefix_caching"] == "present"  # the flag path, run
-    assert figures["flag_enable_prefix_caching_tokens_vs_off_base_b8"] == "8/8"
+    assert figures["flag_async_output_proc"] == "present"  # the flag path, run
+    assert figures["flag_async_output_proc_tokens_vs_off_base_b8"] == "8/8"
     rows = throughput["tables"]["step_timeline"]
     assert {(r["label"], r["batch"]) for r in rows} >= {("base", 4), ("lora2", 8), ("lora4", 4)}
     for batch in (4, 8):  # the base model sampled at temperature 1 beside its greedy step
