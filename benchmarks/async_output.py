@@ -1,0 +1,172 @@
+"""Async output processing (``EngineArgs.async_output_proc``) against the synchronous
+engine, with a stand-in for an asynchronous device: what CPU can show of the overlap.
+
+On a GPU the forward is queued and the host goes on until it reads the step's tokens
+back. Here the model's forward (``ModelRunner._forward``) is replaced by a stand-in
+device: it returns zero logits at once and is busy until ``--step-ms`` plus
+``--token-us`` a token after it was handed the step (or after its previous step, if
+that one was not done); the step's read-back (the greedy path's ``finite_argmax``, the
+sampler's results) waits until then. Everything else (schedule, batch packing,
+sampling's host work, detokenizing, stop checks, RequestOutputs) is the engine's own
+work on this box's CPU. The defaults are ``benchmarks/tenants.py``'s step of a ~1B
+Llama on an H200 (3 ms + 5 us a token).
+
+Workload: ``--batch`` requests of 32 random prompt tokens, all decoding (DELTA
+outputs, ``ignore_eos``), greedy or at ``--temperature``; per run the median wall time
+of ``--steps`` steps, flag off and on alternated (``--pairs``), each run a fresh
+engine in this process.
+
+    python benchmarks/async_output.py --model DIR [--batch 64 256] [--temperature 1.0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from host_step import PROMPT_LEN, VOCAB, build_model  # noqa: E402
+
+
+class StandInDevice:
+    """Busy until ``ready``; a step's forward queues ``step_s + tokens * token_s`` of work."""
+
+    def __init__(self, step_s: float, token_s: float):
+        self.step_s, self.token_s, self.ready = step_s, token_s, 0.0
+        self.busy = 0.0  # seconds of work handed over
+
+    def forward(self, runner, batch):
+        work = self.step_s + batch.num_tokens * self.token_s
+        self.ready = max(time.perf_counter(), self.ready) + work
+        self.busy += work
+        return torch.zeros((batch.logits_indices.numel(), runner.model.vocab_size))
+
+    def wait(self) -> None:
+        left = self.ready - time.perf_counter()
+        if left > 0:
+            time.sleep(left)
+
+    def waits(self, fn):
+        """``fn`` whose call reads the device back: it waits first."""
+
+        def read_back(*args, **kwargs):
+            self.wait()
+            return fn(*args, **kwargs)
+
+        return read_back
+
+    def queued(self, fn):
+        """``fn`` whose result is read back later, by its ``tolist()``: that waits."""
+
+        def queue(*args, **kwargs):
+            return _Queued(fn(*args, **kwargs), self)
+
+        return queue
+
+
+class _Queued:
+    def __init__(self, tensor, device: StandInDevice):
+        self.tensor, self.device = tensor, device
+
+    def tolist(self):
+        self.device.wait()
+        return self.tensor.tolist()
+
+
+def install(device: StandInDevice) -> None:
+    from lorapool.engine import llm_engine, sampler
+    from lorapool.engine.model_runner import ModelRunner
+
+    ModelRunner._forward = lambda runner, batch: device.forward(runner, batch)
+    llm_engine.finite_argmax = device.queued(llm_engine.finite_argmax)  # then .tolist()
+    sampler._results = device.waits(sampler._results)
+
+
+def run(model: str, batch: int, steps: int, temperature: float, later: bool, device) -> dict:
+    from lorapool import EngineArgs, LLMEngine, SamplingParams
+    from lorapool.protocol import RequestOutputKind
+
+    engine = LLMEngine.from_engine_args(
+        EngineArgs(
+            model=model,
+            max_num_seqs=batch,
+            max_num_batched_tokens=batch * PROMPT_LEN,
+            async_output_proc=later,
+        )
+    )
+    params = SamplingParams(
+        temperature=temperature,
+        max_tokens=steps + 40,
+        ignore_eos=True,
+        output_kind=RequestOutputKind.DELTA,
+    )
+    rng = random.Random(0)
+    for i in range(batch):
+        prompt = [rng.randrange(3, VOCAB) for _ in range(PROMPT_LEN)]
+        engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
+    for _ in range(5):  # prefill, then a few decode steps
+        engine.step()
+    walls, outputs = [], 0
+    device.busy = 0.0
+    start = time.perf_counter()
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        outputs += len(engine.step())
+        walls.append(time.perf_counter() - t0)
+    total = time.perf_counter() - start
+    return {
+        "step_ms": round(statistics.median(walls) * 1e3, 3),
+        "device_busy_share": round(device.busy / total, 3),
+        "outputs_per_step": round(outputs / steps, 1),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", help="a model directory (default: a tiny one, built)")
+    parser.add_argument("--batch", type=int, nargs="+", default=[64, 256])
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--pairs", type=int, default=3)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--step-ms", type=float, default=3.0)
+    parser.add_argument("--token-us", type=float, default=5.0)
+    parser.add_argument("--json", help="also write the report here")
+    args = parser.parse_args()
+    model = args.model
+    if model is None:
+        import tempfile
+
+        model = build_model(Path(tempfile.mkdtemp()) / "tiny")
+    torch.set_num_threads(1)  # the host's work on one core, as a GPU worker's Python
+    device = StandInDevice(args.step_ms / 1e3, args.token_us / 1e6)
+    install(device)
+    report = {"args": vars(args), "device": "stand-in", "batches": {}}
+    for batch in args.batch:
+        runs = {"off": [], "on": []}
+        for _ in range(args.pairs):
+            for side in ("off", "on"):
+                got = run(model, batch, args.steps, args.temperature, side == "on", device)
+                runs[side].append(got)
+                print(batch, side, json.dumps(got), flush=True)
+        off = statistics.median(r["step_ms"] for r in runs["off"])
+        on = statistics.median(r["step_ms"] for r in runs["on"])
+        report["batches"][batch] = {
+            "runs": runs,
+            "step_ms_off": off,
+            "step_ms_on": on,
+            "on_over_off": round(on / off, 3),
+        }
+        print(batch, f"step off {off} ms, on {on} ms, on/off {on / off:.3f}", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
