@@ -3,13 +3,13 @@ engine, with a stand-in for an asynchronous device: what CPU can show of the ove
 
 On a GPU the forward is queued and the host goes on until it reads the step's tokens
 back. Here the model's forward (``ModelRunner._forward``) is replaced by a stand-in
-device: it returns zero logits at once and is busy until ``--step-ms`` plus
-``--token-us`` a token after it was handed the step (or after its previous step, if
-that one was not done); the step's read-back (the greedy path's ``finite_argmax``, the
-sampler's results) waits until then. Everything else (schedule, batch packing,
-sampling's host work, detokenizing, stop checks, RequestOutputs) is the engine's own
-work on this box's CPU. The defaults are ``benchmarks/tenants.py``'s step of a ~1B
-Llama on an H200 (3 ms + 5 us a token).
+device (``_paced_forward.QueuedDevice``): it returns zero logits at once and is busy
+for ``--step-ms`` plus ``--token-us`` a token after it was handed the step (or after
+its previous step, if that one was not done); the step's read-back (the greedy path's
+``finite_argmax``, the sampler's results) waits until then. Everything else (schedule,
+batch packing, sampling's host work, detokenizing, stop checks, RequestOutputs) is the
+engine's own work on this box's CPU. The defaults are ``benchmarks/tenants.py``'s step
+of a ~1B Llama on an H200 (3 ms + 5 us a token).
 
 Workload: ``--batch`` requests of 32 random prompt tokens, all decoding (DELTA
 outputs, ``ignore_eos``), greedy or at ``--temperature``; per run the median wall time
@@ -32,61 +32,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _paced_forward import QueuedDevice  # noqa: E402
 from host_step import PROMPT_LEN, VOCAB, build_model  # noqa: E402
-
-
-class StandInDevice:
-    """Busy until ``ready``; a step's forward queues ``step_s + tokens * token_s`` of work."""
-
-    def __init__(self, step_s: float, token_s: float):
-        self.step_s, self.token_s, self.ready = step_s, token_s, 0.0
-        self.busy = 0.0  # seconds of work handed over
-
-    def forward(self, runner, batch):
-        work = self.step_s + batch.num_tokens * self.token_s
-        self.ready = max(time.perf_counter(), self.ready) + work
-        self.busy += work
-        return torch.zeros((batch.logits_indices.numel(), runner.model.vocab_size))
-
-    def wait(self) -> None:
-        left = self.ready - time.perf_counter()
-        if left > 0:
-            time.sleep(left)
-
-    def waits(self, fn):
-        """``fn`` whose call reads the device back: it waits first."""
-
-        def read_back(*args, **kwargs):
-            self.wait()
-            return fn(*args, **kwargs)
-
-        return read_back
-
-    def queued(self, fn):
-        """``fn`` whose result is read back later, by its ``tolist()``: that waits."""
-
-        def queue(*args, **kwargs):
-            return _Queued(fn(*args, **kwargs), self)
-
-        return queue
-
-
-class _Queued:
-    def __init__(self, tensor, device: StandInDevice):
-        self.tensor, self.device = tensor, device
-
-    def tolist(self):
-        self.device.wait()
-        return self.tensor.tolist()
-
-
-def install(device: StandInDevice) -> None:
-    from lorapool.engine import llm_engine, sampler
-    from lorapool.engine.model_runner import ModelRunner
-
-    ModelRunner._forward = lambda runner, batch: device.forward(runner, batch)
-    llm_engine.finite_argmax = device.queued(llm_engine.finite_argmax)  # then .tolist()
-    sampler._results = device.waits(sampler._results)
 
 
 def run(model: str, batch: int, steps: int, temperature: float, later: bool, device) -> dict:
@@ -145,8 +92,8 @@ def main() -> None:
 
         model = build_model(Path(tempfile.mkdtemp()) / "tiny")
     torch.set_num_threads(1)  # the host's work on one core, as a GPU worker's Python
-    device = StandInDevice(args.step_ms / 1e3, args.token_us / 1e6)
-    install(device)
+    device = QueuedDevice(args.step_ms / 1e3, args.token_us / 1e6)  # decode steps only
+    device.install()
     report = {"args": vars(args), "device": "stand-in", "batches": {}}
     for batch in args.batch:
         runs = {"off": [], "on": []}

@@ -34,7 +34,9 @@ attacking process apart from the gateway's (on a small box, with the worker).
 ``--paced-forward 3,5,10`` runs the worker's forward as a GPU's sleep (step ms, µs a
 decode token, µs a prefill position; ``benchmarks/_paced_forward.py``): the rest of the
 worker, the scheduler's fair share and the host's part of a step, runs for real, on this
-box's CPU, while a batch's forward costs what it would on the device.
+box's CPU, while a batch's forward costs what it would on the device; with
+``--queued-device`` the device is one the host queues work on, as a GPU's (the host waits
+only when it reads a step back, ``_paced_forward.QueuedDevice``).
 
 Redis: ``--redis-url``, else ``$REDIS_URL``, else 127.0.0.1:6379/0.
 """
@@ -143,7 +145,7 @@ def start(args, prefix: str, workdir: str) -> tuple[list, str]:
         step, token, prefill = args.paced_forward
         paced = str(Path(__file__).resolve().parent / "_paced_forward.py")
         runner = [sys.executable, paced, "--step-ms", step, "--token-us", token]
-        runner += ["--prefill-us", prefill, "--"]
+        runner += ["--prefill-us", prefill, *(["--queued"] if args.queued_device else []), "--"]
     worker = [*runner, "worker", "--model", args.model, *common, "--name", "bench-hostile"]
     worker += args.worker_arg
     gateway = [*lorapool, "serve", "--port", str(port), *common, *args.gateway_arg]
@@ -266,6 +268,11 @@ def main() -> None:
         "e.g. 3,5,10 for a ~1B Llama on an H200): the pool's queue speed without a device",
     )
     parser.add_argument(
+        "--queued-device",
+        action="store_true",
+        help="with --paced-forward: the host queues the forward and waits at its read-back",
+    )
+    parser.add_argument(
         "--gateway-arg",
         action="append",
         default=[],
@@ -318,6 +325,8 @@ def main() -> None:
         result["heavy_rpm"] = args.heavy_rpm
         result["attacker_nice"] = args.attacker_nice
         result["paced_forward"] = args.paced_forward
+        result["queued_device"] = args.queued_device
+        result["worker_args"] = args.worker_arg
         cpus = {"worker": args.worker_cpus, "other": args.other_cpus}
         cpus["attacker"] = args.attacker_cpus or args.other_cpus
         result["cpus"] = {k: sorted(v or ()) for k, v in cpus.items()}

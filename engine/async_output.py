@@ -9,23 +9,32 @@ sampling in two:
   and grammar states; a sequence that finished leaves the scheduler
   (``OutputProcessor.append_id``);
 - later, during the next step's forward (queued on the device; on a GPU the host
-  does not wait for it): the detokenizer, stop strings and the RequestOutputs
-  (``OutputProcessor.detokenize``, ``DeferredOutputs.run_deferred``).
+  does not wait for it): the detokenizer, stop strings and the RequestOutputs of the
+  tokens of sequences that go on past their first one (``OutputProcessor.detokenize``,
+  ``DeferredOutputs.run_deferred``).
 
-So a step's outputs come from the ``step()`` call after it (``abort_request`` and
-``fail_request`` make the deferred ones first, so that a request's last output holds all
-its text), and the host's output work overlaps the device's forward instead of adding to
-it. The one thing the split changes is a stop string: it is known only after the next
-step was scheduled, so that step computes one more token for a sequence a stop string
-ended; that token is dropped before it joins the sequence, and its charge to the tenant
-is given back (``Scheduler.refund``) before the schedule after it. That one step's
-admissions read the counter with it: the fair share's bound grows by at most
+What a caller waits on is not delayed: a request's first token and its end by token ids
+or length come from the step that sampled them (their outputs made at once, as without
+async output), so the time to first token and a short request's latency do not grow; the
+tokens between come from the ``step()`` call after theirs, and the host's work for them
+overlaps the device's forward instead of adding to it. (Deferring them all, as a first
+version did, made a one-token request beside a flood of n=64 samples wait a whole step
+more: benchmarks/RESULTS.md.) A request of n > 1 defers all its outputs (one output
+covers its n sequences). ``abort_request`` and ``fail_request`` make the deferred
+outputs first, so that a request's last output holds all its text.
+
+The one thing the split changes is a stop string on a deferred token: it is known only
+after the next step was scheduled, so that step computes one more token for the
+sequence it ended; that token is dropped before it joins the sequence, and its charge
+to the tenant is given back (``Scheduler.refund``) before the schedule after it. That
+one step's admissions read the counter with it: the fair share's bound grows by at most
 max_num_seqs * output_cost / w_f (``engine.scheduler_output``). The tokens, texts,
-logprobs and finish reasons of every request are those of the synchronous engine (greedy
-and seeded rows alike; an unseeded row draws from the sampler's generator, which that
-extra row advances). Off by default, until the GPU kit has measured it (``bench gpu``'s
-``flag_async_output_proc_*``); on the CPU, where torch runs each op before returning,
-nothing overlaps (``benchmarks/async_output.py`` stands in for a device).
+logprobs and finish reasons of every request are those of the synchronous engine
+(greedy and seeded rows alike; an unseeded row draws from the sampler's generator,
+which that extra row advances). Off by default, until the GPU kit has measured it
+(``bench gpu``'s ``flag_async_output_proc_*``); on the CPU, where torch runs each op
+before returning, nothing overlaps (``benchmarks/async_output.py`` stands in for a
+device).
 """
 
 from __future__ import annotations
@@ -44,55 +53,59 @@ class DeferredOutputs:
     async_output_proc: bool
     _deferred: list[tuple[Sequence, int, bool]]  # (sequence, token, can_stop) in order
 
-    def defer(self, seq: Sequence, token_id: int, can_stop: bool) -> None:
-        self._deferred.append((seq, token_id, can_stop))
-
     def take_argmax_later(self, entries, tokens: list[int]) -> list[RequestOutput]:
-        """``LLMEngine._take_argmax``'s tokens join their sequences; their outputs wait."""
-        now, appended, deferred = time.time(), [], self._deferred
-        append_id = self.outputs.append_id
+        """``LLMEngine._take_argmax``'s tokens join their sequences; the outputs of those
+        that go on past their first token wait, the others' are made now."""
+        now, at_once = time.time(), []
+        append_id, deferred = self.outputs.append_id, self._deferred
         for entry, token in zip(entries, tokens):
             seq = entry.item.seq
-            if token >= 0 and seq.finish_reason is None:  # else a stop string ended it
-                deferred.append((seq, token, append_id(seq, token, None, None, now)))
-                if seq.finish_reason is not None:
-                    appended.append(seq)
-        self.end_appended(appended)
-        return []
+            if token < 0 or seq.finish_reason is not None:  # failed, or a stop string ended it
+                continue
+            appended = (seq, token, append_id(seq, token, None, None, now))
+            if seq.finish_reason is None and len(seq.token_ids) - seq.num_prompt_tokens > 1:
+                deferred.append(appended)
+            else:
+                at_once.append(appended)
+        return self.make_outputs(at_once)
 
     def sample_later(self, targets, results, bad: set[str]) -> list[RequestOutput]:
         """``LLMEngine._sample``'s tokens join their sequences (forking them, advancing
-        their grammars); their outputs wait."""
-        now, appended, deferred = time.time(), [], self._deferred
-        append_id = self.outputs.append_id
+        their grammars); the outputs of those that go on past their first token wait, as
+        do all of a request of n > 1 (its output covers its n sequences)."""
+        now, appended, at_once = time.time(), [], []
+        append_id, deferred = self.outputs.append_id, self._deferred
         for (seq, i), result in zip(targets, results):
             if bad and seq.request.request_id in bad:
                 continue
             target = self._fork(seq, i) if i else seq
             token = result.token_id
             can_stop = append_id(target, token, result.logprob, result.top_logprobs, now)
-            deferred.append((target, token, can_stop))
             if target.guide is not None:
                 advance_guide(target, token)
-            if target.finish_reason is not None:
-                appended.append(target)
-        self.end_appended(appended)
-        return []
-
-    def end_appended(self, seqs: list[Sequence]) -> None:
-        """Sequences whose tokens just appended finished them leave the scheduler now,
-        so that the next step is not scheduled with them (their outputs come later)."""
-        for seq in seqs:
-            if seq.finish_reason is not None and not seq.is_finished:
+            if target.request.params.n > 1:
+                deferred.append((target, token, can_stop))
+                if target.finish_reason is not None:
+                    appended.append(target)
+            elif target.finish_reason is None and target.num_output_tokens > 1:
+                deferred.append((target, token, can_stop))
+            else:
+                at_once.append((target, token, can_stop))
+        for seq in appended:  # the next step is not scheduled with them
+            if not seq.is_finished:
                 self.scheduler.finish(seq)
+        return self.make_outputs(at_once)
 
     def run_deferred(self, running: SchedulerOutput | None = None) -> list[RequestOutput]:
-        """Detokenize the tokens deferred so far, check their stop strings and make their
-        requests' outputs. ``running``: the step now on the device; a sequence a stop
-        string ends gets back the charge of its chunk there (its token is dropped)."""
+        """The outputs of the tokens deferred so far. ``running``: the step now on the
+        device; a sequence a stop string ends gets back the charge of its chunk there
+        (its token there is dropped)."""
         entries, self._deferred = self._deferred, []
-        if not entries:
-            return []
+        return self.make_outputs(entries, running) if entries else []
+
+    def make_outputs(self, entries, running: SchedulerOutput | None = None) -> list:
+        """Detokenize ``entries`` (sequence, token, can_stop) in order, check their stop
+        strings and make their requests' outputs (``_collect`` ends the finished ones)."""
         outputs, collect, ended = [], {}, []
         detokenize, running_output = self.outputs.detokenize, self.outputs.running_output
         for seq, token_id, can_stop in entries:

@@ -125,6 +125,27 @@ def test_every_request_streams_and_ends_as_without_it(pair, jobs):
         assert later_values.get(rid) == pytest.approx(sync_values.get(rid), abs=1e-4), rid
 
 
+def test_first_tokens_and_ends_come_at_once_the_rest_a_step_late(path):
+    """What a caller waits on is not delayed: a request's first token and its end (here:
+    max_tokens) come from the step that sampled them, as without async output; the
+    tokens between come from the step after (their text made during its forward)."""
+    delta = RequestOutputKind.DELTA
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, output_kind=delta)
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, output_kind=delta)
+    arrivals = []
+    for later in (False, True):
+        engine = make(path, later)
+        engine.add_request("five", {"prompt_token_ids": [5, 17, 99]}, params)
+        engine.add_request("one", {"prompt_token_ids": [6, 18]}, one)
+        seen, step = [], 0
+        while engine.has_unfinished_requests():
+            seen += [(o.request_id, step, len(o.outputs[0].token_ids)) for o in engine.step()]
+            step += 1
+        arrivals.append(seen)
+    assert arrivals[0] == [("five", 0, 1), ("one", 0, 1)] + [("five", s, 1) for s in (1, 2, 3, 4)]
+    assert sorted(arrivals[1]) == [("five", s, 1) for s in (0, 2, 3, 4, 4)] + [("one", 0, 1)]
+
+
 def test_a_stop_string_gives_back_the_token_computed_after_it(path):
     """A stop string is known one step late: the sequence ran in the next step too. Its
     tenant's counter is given that chunk back: at the same tokens of a request still
