@@ -63,9 +63,10 @@ class EngineArgs:
     # shrink, zeroing and torch.sum launches as before) until the GPU kit has measured both
     lora_live_work: bool = False
     # async output processing (engine.async_output; vLLM V0's, on by default there on
-    # CUDA): a step's detokenizing, stop strings and outputs done during the next step's
-    # forward, its outputs returned by the next step() call. Off until the GPU kit has
-    # measured it; on the CPU nothing overlaps
+    # CUDA): the detokenizing, stop strings and outputs of the tokens past a request's
+    # first done during the next step's forward and returned by the next step() call
+    # (first tokens and ends at once). Off until the GPU kit has measured it; on the CPU
+    # nothing overlaps
     async_output_proc: bool = False
 
     def __post_init__(self):

@@ -74,8 +74,8 @@ def _producer(redis_url, prefix, shards=0):
 @click.option(
     "--async-output-proc",
     is_flag=True,
-    help="detokenize and make each step's outputs during the next step's forward (vLLM V0's "
-    "async output processor; outputs come a step later); off until measured on a GPU",
+    help="detokenize and make a step's outputs during the next step's forward (vLLM V0's "
+    "async output processor; all but first tokens and ends a step later); off by default",
 )
 @count_option(
     "--starvation-steps",
