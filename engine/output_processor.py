@@ -45,18 +45,11 @@ class OutputProcessor:
             decoder = self._decoders[key] = CachedDecode(make_decode(self.tokenizer, params))
         return decoder
 
-    def append(
-        self,
-        seq: Sequence,
-        token_id: int,
-        logprob: float | None,
-        top_logprobs: dict[int, Logprob] | None,
-        now: float | None = None,
-    ) -> None:
+    def append(self, seq: Sequence, token_id: int, *rest) -> None:
         """Add one sampled token to ``seq`` and decide whether it finished (EOS, stop
-        token ids, stop strings, max_tokens, model length); ``now``: the step's
-        time.time() (one call a step, not one a token)."""
-        self.detokenize(seq, token_id, self.append_id(seq, token_id, logprob, top_logprobs, now))
+        token ids, stop strings, max_tokens, model length): ``append_id`` (``rest``: its
+        logprob, top_logprobs and now), then ``detokenize``."""
+        self.detokenize(seq, token_id, self.append_id(seq, token_id, *rest))
 
     def append_id(
         self,
@@ -68,8 +61,9 @@ class OutputProcessor:
     ) -> bool:
         """``append`` but the text: the token joins ``seq`` and the checks on token ids
         and counts decide whether it finished (EOS, stop token ids, max_tokens, model
-        length). Returns whether a stop string may end it at this token (min_tokens
-        reached), what ``detokenize`` then needs."""
+        length); ``now``: the step's time.time() (one call a step, not one a token).
+        Returns whether a stop string may end it at this token (min_tokens reached),
+        what ``detokenize`` then needs."""
         token_ids = seq.token_ids
         token_ids.append(token_id)
         if logprob is not None:
