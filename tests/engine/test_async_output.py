@@ -51,6 +51,9 @@ def drive(engine, jobs):
     request streamed, in order: (finished, error, per completion (index, text, token
     ids, finish reason, stop reason, logprobs' tokens and ranks)), and apart, the
     logprob values (a batch of another size moves them by float ulps)."""
+    engine.abort_request(list(engine.requests))  # a failed example's, while shrinking
+    while engine.has_unfinished_requests():
+        engine.step()
     streamed: dict[str, list] = {}
     values: dict[str, list] = {}
     pending, step = sorted(jobs, key=lambda j: j[3]), 0
