@@ -205,9 +205,7 @@ def test_a_stop_string_on_the_last_allowed_token_ends_as_a_stop(path):
     """The token that reaches max_tokens also completes a stop string: the stop string
     wins (vLLM's order of checks), though its text is known only after the length."""
     free = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    sync = make(path, False)
-    sync.add_request("free", {"prompt_token_ids": [5, 17, 99]}, free)
-    (whole,) = drive(sync, [])[0]["free"][-1][2]
+    (whole,) = drive(make(path, False), [("free", [5, 17, 99], free, 0)])[0]["free"][-1][2]
     stop = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, stop=[whole[1]])
     jobs = [("s", [5, 17, 99], stop, 0)]
     for later in (False, True):
