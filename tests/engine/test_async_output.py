@@ -1,5 +1,6 @@
-"""Async output processing (``engine.async_output``): with it on, a step's text and
-outputs are made during the next step, and every request ends as it does without it.
+"""Async output processing (``engine.async_output``): with it on, the text and outputs
+of a request's tokens between its first and its end are made during the next step, and
+every request streams and ends as it does without it.
 
 Oracles: transformers' greedy tokens; the synchronous engine (itself checked against
 transformers, PEFT and the sampler's references in the other engine tests) for what
