@@ -16,14 +16,29 @@ from lorapool.tasks import cancel_and_wait, finish
 DONE = b"data: [DONE]\n\n"
 
 
+# Characters that JSON leaves raw but that str.splitlines() ends a line at: clients that
+# read a stream with httpx's or requests' iter_lines() would cut a data line there
+# (a model's text holds them now and then). Escaped, they decode to the same string.
+_LINE_ENDS = (
+    (b"\xc2\x85", b"\\u0085"),
+    (b"\xe2\x80\xa8", b"\\u2028"),
+    (b"\xe2\x80\xa9", b"\\u2029"),
+)
+
+
 def sse(data: Any, event: str | None = None, event_id: int | None = None) -> bytes:
-    """One SSE event; ``data`` is JSON-encoded (no raw newlines can reach the frame)."""
+    """One SSE event; ``data`` is JSON-encoded: no raw newline reaches the frame, nor
+    any other character that ``str.splitlines`` takes for a line's end (``_LINE_ENDS``)."""
     head = b""
     if event_id is not None:
         head += b"id: %d\n" % event_id
     if event is not None:
         head += b"event: " + event.encode() + b"\n"
-    return head + b"data: " + orjson.dumps(data) + b"\n\n"
+    body = orjson.dumps(data)
+    if b"\xc2\x85" in body or b"\xe2\x80" in body:  # UTF-8 is self-synchronising
+        for raw, escaped in _LINE_ENDS:
+            body = body.replace(raw, escaped)
+    return head + b"data: " + body + b"\n\n"
 
 
 async def merged_chunks(
