@@ -35,9 +35,10 @@ def sse(data: Any, event: str | None = None, event_id: int | None = None) -> byt
     if event is not None:
         head += b"event: " + event.encode() + b"\n"
     body = orjson.dumps(data)
-    if b"\xc2\x85" in body or b"\xe2\x80" in body:  # UTF-8 is self-synchronising
+    if not body.isascii():  # most events: one fast check (UTF-8 is self-synchronising)
         for raw, escaped in _LINE_ENDS:
-            body = body.replace(raw, escaped)
+            if raw in body:
+                body = body.replace(raw, escaped)
     return head + b"data: " + body + b"\n\n"
 
 
