@@ -63,10 +63,7 @@ class DeferredOutputs:
             if token < 0 or seq.finish_reason is not None:  # failed, or a stop string ended it
                 continue
             appended = (seq, token, append_id(seq, token, None, None, now))
-            if seq.finish_reason is None and len(seq.token_ids) - seq.num_prompt_tokens > 1:
-                deferred.append(appended)
-            else:
-                at_once.append(appended)
+            (deferred if _waits(seq) else at_once).append(appended)
         return self.make_outputs(at_once)
 
     def sample_later(self, targets, results, bad: set[str]) -> list[RequestOutput]:
@@ -83,14 +80,12 @@ class DeferredOutputs:
             can_stop = append_id(target, token, result.logprob, result.top_logprobs, now)
             if target.guide is not None:
                 advance_guide(target, token)
-            if target.request.params.n > 1:
-                deferred.append((target, token, can_stop))
-                if target.finish_reason is not None:
-                    appended.append(target)
-            elif target.finish_reason is None and target.num_output_tokens > 1:
-                deferred.append((target, token, can_stop))
-            else:
+            if not _waits(target):
                 at_once.append((target, token, can_stop))
+                continue
+            deferred.append((target, token, can_stop))
+            if target.finish_reason is not None:  # a sample of n > 1 that ended
+                appended.append(target)
         for seq in appended:  # the next step is not scheduled with them
             if not seq.is_finished:
                 self.scheduler.finish(seq)
@@ -134,3 +129,12 @@ class DeferredOutputs:
         ends by abort or error, so that its last output holds all its text."""
         if self._deferred:
             self._pending += self.run_deferred()
+
+
+def _waits(seq: Sequence) -> bool:
+    """Whether the output of the token ``seq`` just took waits for the next step: a
+    token between its first and its end, or any of a request of n > 1 (one output covers
+    its n sequences). First tokens and ends are made at once (time to first token)."""
+    if seq.request.params.n > 1:
+        return True
+    return seq.finish_reason is None and seq.num_output_tokens > 1
