@@ -68,6 +68,12 @@ class EngineArgs:
     # (first tokens and ends at once). Off until the GPU kit has measured it; on the CPU
     # nothing overlaps
     async_output_proc: bool = False
+    # async scheduling (engine.async_scheduling; vLLM V1's): a step's tokens (greedy, or
+    # drawn without top-p, logprobs or penalties) are read back after the next step is
+    # scheduled, packed and queued, so the host's work overlaps the device's; outputs
+    # come from the step() call after. Off until the GPU kit has measured it; on the CPU
+    # nothing overlaps. Does async_output_proc's work
+    async_scheduling: bool = False
 
     def __post_init__(self):
         _positive(
@@ -104,6 +110,11 @@ class EngineArgs:
             )
         if self.cuda_graph_sizes is not None:
             self.cuda_graph_sizes = check_graph_sizes(self.cuda_graph_sizes)
+        if self.async_scheduling and self.async_output_proc:
+            raise ValueError(
+                "async_scheduling and async_output_proc are exclusive: async scheduling "
+                "makes a step's outputs while the next step runs already"
+            )
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
 

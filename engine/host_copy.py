@@ -31,3 +31,28 @@ def to_device(
     if not cuda:
         return torch.tensor(values, dtype=dtype, device=device)
     return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
+class ReadBack:
+    """A device tensor's copy to the host, started when made: ``tolist`` waits for that
+    copy alone, not for work queued on the device after it (``.tolist()`` on a CUDA
+    tensor copies from pageable memory in stream order, so it would wait for the next
+    step's forward too). On CUDA: a non-blocking copy into pinned memory and an event
+    recorded after it; elsewhere the tensor itself (the CPU ran it already)."""
+
+    __slots__ = ("host", "event")
+
+    def __init__(self, tensor: torch.Tensor):
+        self.event = None
+        if tensor.device.type != "cuda":
+            self.host = tensor
+            return
+        self.host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        self.host.copy_(tensor, non_blocking=True)
+        self.event = torch.cuda.Event()
+        self.event.record()
+
+    def tolist(self) -> list:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host.tolist()

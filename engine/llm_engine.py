@@ -31,6 +31,7 @@ import torch
 from transformers import AutoTokenizer
 
 from lorapool.engine.async_output import DeferredOutputs
+from lorapool.engine.async_scheduling import PipelinedSteps
 from lorapool.engine.block_manager import BlockManager
 from lorapool.engine.config import EngineArgs
 from lorapool.engine.engine_adapters import EngineAdapters
@@ -48,6 +49,8 @@ from lorapool.engine.sampler import (
     Sampler,
     SamplingRow,
     argmax_only,
+    argmax_rows,
+    device_only,
     finite_argmax,
     prompt_logprobs,
 )
@@ -59,7 +62,7 @@ from lorapool.protocol import LoRARequest, SamplingParams
 logger = logging.getLogger(__name__)
 
 
-class LLMEngine(EngineStats, EngineAdapters, DeferredOutputs):
+class LLMEngine(EngineStats, EngineAdapters, DeferredOutputs, PipelinedSteps):
     """Continuous-batching engine: ``add_request`` any time, ``step`` to advance all."""
 
     def __init__(self, args: EngineArgs):
@@ -95,6 +98,7 @@ class LLMEngine(EngineStats, EngineAdapters, DeferredOutputs):
         self._pending: list[RequestOutput] = []
         self.async_output_proc = args.async_output_proc  # engine.async_output
         self._deferred = []
+        self.async_scheduling, self._in_flight = args.async_scheduling, None
         self.lora_manager = (
             LoRAManager(self.runner.model, args, self.runner.device, self.runner.dtype)
             if args.enable_lora
@@ -141,9 +145,9 @@ class LLMEngine(EngineStats, EngineAdapters, DeferredOutputs):
         tokens = request.prompt_token_ids + request.resumed_token_ids
         seq = Sequence(next(self._seq_ids), request, 0, tokens)
         compiling = self._guide(seq)
-        request.argmax_only = (
-            argmax_only(request.params) and not request.guided and request.params.n == 1
-        )
+        alone = not request.guided and request.params.n == 1
+        request.argmax_only = argmax_only(request.params) and alone
+        request.device_only = device_only(request.params) and alone
         request.seqs.append(seq)
         self.outputs.start(seq)
         if not compiling:  # else scheduled once its grammar compiled (``grammar_wait``)
@@ -160,6 +164,7 @@ class LLMEngine(EngineStats, EngineAdapters, DeferredOutputs):
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         """Stop requests now; each gets a final output with finish_reason 'abort'."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        self.flush_in_flight()
         self.flush_deferred()
         for rid in ids:
             request = self._pop(rid)
@@ -168,6 +173,7 @@ class LLMEngine(EngineStats, EngineAdapters, DeferredOutputs):
 
     def fail_request(self, request_id: str, error: str) -> None:
         """End a request with finish_reason 'error' and the error text."""
+        self.flush_in_flight()
         self.flush_deferred()
         request = self._pop(request_id)
         if request is not None:
@@ -209,24 +215,28 @@ class LLMEngine(EngineStats, EngineAdapters, DeferredOutputs):
         self.grammars.admit(self.scheduler, self.fail_request)
         outputs, self._pending = self._pending, []
         if not self.scheduler.has_unfinished():
-            return outputs + self.run_deferred()
+            return outputs + self.land(None) + self.run_deferred()
+        self.hold_places()  # engine.async_scheduling: the step in flight's sequences
         scheduled = self.scheduler.schedule()
         self.num_step_tokens = scheduled.num_batched_tokens
         if self.lora_manager is not None:
             self._activate_loras(scheduled)
             outputs, self._pending = outputs + self._pending, []
         if scheduled.is_empty:
-            return outputs + self.run_deferred()
+            return outputs + self.land(None) + self.run_deferred()
         self._mark_scheduled(scheduled)
         self.runner.copy_blocks(scheduled.blocks_to_copy)
         slot_of = self.lora_manager.slot_of if self.lora_manager is not None else None
         batch, layout = self.runner.prepare(scheduled, self.block_manager, slot_of)
+        self.fill_places(batch, scheduled)
         if self.lora_manager is not None:
             self.lora_manager.set_step_for(scheduled, self.runner.device)
         masks = start_masks(self.mask_pool, layout) if self._num_guided else None
         logits = self.runner.execute(batch)  # the masks are filled meanwhile
+        sampled = argmax_rows(layout)
+        if self.async_scheduling:
+            return outputs + self.pipelined(scheduled, layout, logits, sampled, masks)
         self.scheduler.postprocess(scheduled)
-        sampled = _argmax_rows(layout)
         if sampled is not None:  # argmax and finite check queued after the forward
             queued = finite_argmax(logits)
             outputs += self.run_deferred(scheduled)  # async output: while the device runs
@@ -263,7 +273,7 @@ class LLMEngine(EngineStats, EngineAdapters, DeferredOutputs):
 
     def _take_argmax(self, logits, tokens: list[int], layout, entries: list[LogitsRows]):
         """The greedy fast path: ``tokens`` per logits row, -1 where the row is not
-        finite; ``entries``: the layout's sampling ones (``_argmax_rows``). Each
+        finite; ``entries``: the layout's sampling ones (``argmax_rows``). Each
         sequence is a request of its own (n == 1), so its output is made as soon as
         its token is in."""
         if len(entries) != len(tokens):  # prompt logprobs rows, or entries sampling none
@@ -376,22 +386,3 @@ class LLMEngine(EngineStats, EngineAdapters, DeferredOutputs):
         if output.finished if output is not None else request.is_finished:
             self._pop(request.request_id)
         return output
-
-
-def _argmax_rows(layout: list[LogitsRows]) -> list[LogitsRows] | None:
-    """The entries that sample a token, if there are some and each takes the raw
-    argmax: ``Request.argmax_only`` (greedy; no logprobs, bias, penalties, grammar or
-    fork) with its min_tokens generated. None otherwise."""
-    sampled = []
-    for entry in layout:
-        if entry.sample_row is None:
-            continue
-        seq = entry.item.seq
-        request = seq.request
-        if not request.argmax_only:
-            return None
-        min_tokens = request.params.min_tokens
-        if min_tokens and seq.num_output_tokens < min_tokens:
-            return None
-        sampled.append(entry)
-    return sampled or None

@@ -115,6 +115,13 @@ class Sampler:
         tokens = self._sample(processed, rows, owned=processed is not logits)
         return _results(tokens, finite, raw, rows)
 
+    def on_device(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """[S] int64 on the device: each row's token, -1 where the row is not finite,
+        queued without waiting for the device, nothing read back (async scheduling
+        reads it later). Only for rows that need nothing else: ``device_only``."""
+        logits = logits.float()
+        return torch.where(finite_rows(logits), self._sample(logits, rows, owned=False), -1)
+
     def _sample(self, x: torch.Tensor, rows: list[SamplingRow], owned: bool) -> torch.Tensor:
         """The token of every row; ``owned``: x may be overwritten."""
         greedy = [i for i, r in enumerate(rows) if r.params.greedy]
@@ -145,6 +152,21 @@ class Sampler:
             ]
             u[seeded] = torch.tensor(values, dtype=torch.float64)
         return u
+
+
+def device_only(params: SamplingParams) -> bool:
+    """Whether a row of ``params`` samples with nothing read back before its token is
+    known on the device: no logprobs, logit_bias or penalties (min_tokens, which ends,
+    is checked per row), and top-p off (its nucleus search reads back which rows it
+    settled); temperature, top-k and min-p run on the device."""
+    return argmax_only(params) or (
+        params.logprobs is None
+        and not params.logit_bias
+        and params.repetition_penalty == 1.0
+        and params.presence_penalty == 0.0
+        and params.frequency_penalty == 0.0
+        and params.top_p == 1.0
+    )
 
 
 def argmax_only(params: SamplingParams) -> bool:
@@ -285,3 +307,23 @@ def prompt_logprobs(
         logprobs = logits[start:end].float().log_softmax(dim=-1)
         result.extend(logprob_dicts(logprobs, targets[start:end], [k] * (end - start)))
     return result
+
+
+def argmax_rows(layout: list, kind: str = "argmax_only") -> list | None:
+    """Of a step's ``LogitsRows``: the entries that sample a token, if there are some
+    and each takes the raw argmax: ``Request.argmax_only`` (greedy; no logprobs, bias,
+    penalties, grammar or fork) with its min_tokens generated. None otherwise.
+    ``kind="device_only"``: each samples on the device alone (``Request.device_only``)."""
+    sampled = []
+    for entry in layout:
+        if entry.sample_row is None:
+            continue
+        seq = entry.item.seq
+        request = seq.request
+        if not getattr(request, kind):
+            return None
+        min_tokens = request.params.min_tokens
+        if min_tokens and seq.num_output_tokens < min_tokens:
+            return None
+        sampled.append(entry)
+    return sampled or None

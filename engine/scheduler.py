@@ -61,7 +61,7 @@ min(n, max_num_seqs) samples (held until it forks: ``slots_held``), else skipped
 blocks, so no fork waits to recompute the prompt; forks respect max_num_seqs (``fork``).
 
 Prefill under contention: ``engine.contention`` (off by default). Async scheduling
-(not yet, issue 47 item 4): ``engine.scheduler_output`` says how it would fit.
+(``engine.async_scheduling``, off by default): ``engine.scheduler_output`` says how it fits.
 """
 
 from __future__ import annotations

@@ -1,24 +1,24 @@
 """What one scheduler step decided (``engine.scheduler``): the chunks to run, the blocks
 to copy, the sequences preempted. Plain Python; the model runner reads it.
 
-Async scheduling (issue 47 item 4). Done: async output processing
-(``engine.async_output``, off by default) makes step N's text and outputs while N+1
-runs; its one speculated chunk, that of a sequence a stop string ended, is refunded as
-below. Not yet: scheduling and preparing step N+1 while step N runs on the device. Step
-N+1 would be scheduled before N's tokens are known, so: every running sequence is
-assumed to decode one more token (its slot allocated ahead; a sequence that step N
-finishes is dropped from N+1's outputs and its extra block freed); N+1's input token ids
-are filled on the device from N's sampled tokens (a gather, no host round trip); stop
-checks and outputs of N run on the host while N+1 runs. How it fits the fair share: each
-chunk records its charge (``ScheduledSeq.charge``), so the chunk of a sequence that step
-N finishes is refunded (``Scheduler.refund``) when N+1 drops it; admissions for N+1 then
-read counters that hold up to one speculated token per running sequence not yet
-refunded: the scheduler's fair-share bound grows by at most max_num_seqs * output_cost /
-w_f. Preemption for N+1 picks its victim from counters and blocks known when N+1 is
-scheduled, never from N's outcome; a sequence N finishes frees its blocks only after N+1
-is scheduled (its extra block too). Forks (n > 1) happen when N's first token is
-sampled, after N+1 was scheduled: the children join at N+2 (in the slots held for them
-at admission).
+Async scheduling (issue 47 item 4): ``engine.async_scheduling`` (off by default) schedules
+and packs step N+1 and queues its forward before a greedy step N's tokens are read
+back. Step N+1 is scheduled before N's tokens are known, so: every sequence N samples
+for holds a placeholder token, as if it decoded one more (its slot allocated ahead; a
+sequence that N finishes is dropped from N+1's outputs and its blocks freed when N
+lands); N+1's input ids take N's tokens on the device (a gather, no host round trip);
+stop checks and outputs of N run on the host while N+1 runs. How it fits the fair
+share: each chunk records its charge (``ScheduledSeq.charge``), so the chunk of a
+sequence that step N finishes is refunded (``Scheduler.refund``) when N lands; N+1's
+admissions read counters that hold up to one speculated token per running sequence not
+yet refunded: the scheduler's fair-share bound grows by at most max_num_seqs *
+output_cost / w_f, and such a sequence takes a slot of N+1. Preemption for N+1 picks its
+victim from counters and blocks known when N+1 is scheduled, never from N's outcome.
+Steps that sample, fork (n > 1) or follow a grammar are not left in flight: they land
+the step before them first. Async output processing (``engine.async_output``, off by
+default, exclusive with it) makes step N's text and outputs while N+1 runs in the
+synchronous schedule; its one speculated chunk, that of a sequence a stop string
+ended, is refunded the same way.
 """
 
 from __future__ import annotations

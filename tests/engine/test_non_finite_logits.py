@@ -45,14 +45,21 @@ def adapters(base, tmp_path_factory):
     )
 
 
-def engine(base, async_output_proc=False):
+MODES = pytest.mark.parametrize(
+    "mode",
+    [None, "async_output_proc", "async_scheduling"],
+    ids=["sync", "async_output", "async_sched"],
+)
+
+
+def engine(base, mode=None):
     return LLMEngine.from_engine_args(
         EngineArgs(
             model=str(base),
             enable_lora=True,
             max_loras=2,
             max_lora_rank=8,
-            async_output_proc=async_output_proc,
+            **({mode: True} if mode else {}),
         )
     )
 
@@ -66,8 +73,8 @@ def run(llm, jobs):
     return done
 
 
-@pytest.mark.parametrize("later", [False, True], ids=["sync", "async_output"])
-def test_overflowing_and_nan_adapters_fail_alone(base, adapters, later):
+@MODES
+def test_overflowing_and_nan_adapters_fail_alone(base, adapters, mode):
     """The issue's acceptance batch: an adapter whose finite weights overflow (it runs and
     fails) and one with NaN weights (refused at load), next to clean requests."""
     clean, huge, nan = adapters
@@ -77,7 +84,7 @@ def test_overflowing_and_nan_adapters_fail_alone(base, adapters, later):
         for i, p in enumerate(PROMPTS)
         for lora in (None, clean)
     }
-    llm = engine(base, later)
+    llm = engine(base, mode)
     mixed = [(f"{i}-{lora}", p, lora) for i, p in enumerate(PROMPTS) for lora in (None, clean)]
     done = run(llm, [*mixed, ("bad", PROMPTS[0], huge), ("nan", PROMPTS[1], nan)])
     bad = done["bad"]
@@ -93,8 +100,8 @@ def test_overflowing_and_nan_adapters_fail_alone(base, adapters, later):
     assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
 
 
-@pytest.mark.parametrize("later", [False, True], ids=["sync", "async_output"])
-def test_sampled_rows_of_an_overflowing_adapter_fail_alone(base, adapters, later):
+@MODES
+def test_sampled_rows_of_an_overflowing_adapter_fail_alone(base, adapters, mode):
     """The sampler's path (temperature, logprobs, n forked): the overflowing request,
     its n samples included, ends with "error"; seeded clean requests beside it keep
     their solo tokens and logprobs."""
@@ -114,7 +121,7 @@ def test_sampled_rows_of_an_overflowing_adapter_fail_alone(base, adapters, later
         (f"{i}-{lora}", p, lora, sampled) for i, p in enumerate(PROMPTS) for lora in (None, clean)
     ]
     solo = {job[0]: submit(engine(base), [job])[job[0]].outputs[0] for job in jobs}
-    done = submit(engine(base, later), [*jobs, ("bad", PROMPTS[0], huge, forked)])
+    done = submit(engine(base, mode), [*jobs, ("bad", PROMPTS[0], huge, forked)])
     bad = done["bad"]
     assert [o.finish_reason for o in bad.outputs] == ["error"] * 3
     assert "non-finite (NaN or Inf)" in bad.error

@@ -1,6 +1,8 @@
-"""Async output processing (``engine.async_output``): with it on, the text and outputs
-of a request's tokens between its first and its end are made during the next step, and
-every request streams and ends as it does without it.
+"""Async output processing (``engine.async_output``) and async scheduling
+(``engine.async_scheduling``): with either on, every request streams and ends as it does
+without it. Async output makes the text and outputs of a request's tokens between its
+first and its end during the next step; async scheduling queues the next step before a
+greedy step's tokens are read back, and makes that step's outputs meanwhile.
 
 Oracles: transformers' greedy tokens; the synchronous engine (itself checked against
 transformers, PEFT and the sampler's references in the other engine tests) for what
@@ -35,16 +37,22 @@ def path(tiny_model_path):
     return tiny_model_path("llama")
 
 
-def make(path, later: bool, **kw) -> LLMEngine:
-    return LLMEngine.from_engine_args(EngineArgs(model=str(path), async_output_proc=later, **kw))
+ASYNC = ["async_output_proc", "async_scheduling"]  # EngineArgs' flags
+MODES = pytest.mark.parametrize("mode", ASYNC, ids=["async_output", "async_sched"])
 
 
-@pytest.fixture(scope="module")
-def pair(path):
-    """The synchronous engine and the async-output one, small enough to preempt (28
-    blocks of 16 tokens) and to make forks wait for slots (max_num_seqs 6)."""
+def make(path, mode: str | None, **kw) -> LLMEngine:
+    """An engine with the flag ``mode`` on; None: the synchronous engine."""
+    flags = {mode: True} if mode else {}
+    return LLMEngine.from_engine_args(EngineArgs(model=str(path), **flags, **kw))
+
+
+@pytest.fixture(scope="module", params=ASYNC, ids=["async_output", "async_sched"])
+def pair(path, request):
+    """The synchronous engine and an async one, small enough to preempt (28 blocks of 16
+    tokens) and to make forks wait for slots (max_num_seqs 6)."""
     kw = {"num_kv_blocks": 28, "max_num_seqs": 6, "max_num_batched_tokens": 64}
-    return make(path, False, **kw), make(path, True, **kw)
+    return make(path, None, **kw), make(path, request.param, **kw)
 
 
 def drive(engine, jobs):
@@ -77,16 +85,17 @@ def drive(engine, jobs):
         assert all(seq.finish_reason is None for seq in engine.scheduler.running)
         step += 1
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
-    assert not engine.requests and not engine._deferred
+    assert not engine.requests and not engine._deferred and engine._in_flight is None
     return streamed, values
 
 
-def test_greedy_matches_transformers_with_preemption_and_chunked_prefill(path):
+@MODES
+def test_greedy_matches_transformers_with_preemption_and_chunked_prefill(path, mode):
     requests = workload(2, 16, 512, max_out=40)
-    engine = make(path, True, num_kv_blocks=24)
+    engine = make(path, mode, num_kv_blocks=24)
     assert_matches_transformers(path, engine, requests, every=0)
     assert engine.scheduler.num_preemptions > 0
-    chunked = make(path, True, max_num_batched_tokens=16, max_num_seqs=16)
+    chunked = make(path, mode, max_num_batched_tokens=16, max_num_seqs=16)
     assert_matches_transformers(path, chunked, requests)
 
 
@@ -137,7 +146,7 @@ def test_first_tokens_and_ends_come_at_once_the_rest_a_step_late(path):
     params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, output_kind=delta)
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, output_kind=delta)
     arrivals = []
-    for later in (False, True):
+    for later in (None, "async_output_proc"):
         engine = make(path, later)
         engine.add_request("five", {"prompt_token_ids": [5, 17, 99]}, params)
         engine.add_request("one", {"prompt_token_ids": [6, 18]}, one)
@@ -150,14 +159,15 @@ def test_first_tokens_and_ends_come_at_once_the_rest_a_step_late(path):
     assert sorted(arrivals[1]) == [("five", s, 1) for s in (0, 2, 3, 4, 4)] + [("one", 0, 1)]
 
 
-def test_a_stop_string_gives_back_the_token_computed_after_it(path):
+@MODES
+def test_a_stop_string_gives_back_the_token_computed_after_it(path, mode):
     """A stop string is known one step late: the sequence ran in the next step too. Its
     tenant's counter is given that chunk back: at the same tokens of a request still
     running, both tenants' counters equal the synchronous engine's."""
     stopper = SamplingParams(temperature=0.0, max_tokens=40, stop=STOPS, min_tokens=1)
     long = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     counters, stopped = [], []
-    for later in (False, True):
+    for later in (None, mode):
         engine = make(path, later)
         engine.add_request("long-a", {"prompt_token_ids": [5, 6, 7]}, long, tenant="a")
         engine.add_request("long-b", {"prompt_token_ids": [9, 8, 7]}, long, tenant="b")
@@ -169,6 +179,8 @@ def test_a_stop_string_gives_back_the_token_computed_after_it(path):
         while seq.num_output_tokens < 30:
             done.update({o.request_id: o for o in engine.step() if o.finished})
         counters.append(dict(engine.scheduler.ledger.counters))
+        for entry in engine._in_flight.entries if engine._in_flight else ():
+            counters[-1][entry.item.seq.request.tenant] -= entry.item.charge  # its next
         while engine.has_unfinished_requests():
             done.update({o.request_id: o for o in engine.step() if o.finished})
         stopped.append({rid: done[rid].outputs[0].stop_reason for rid in done if "stop" in rid})
@@ -177,14 +189,15 @@ def test_a_stop_string_gives_back_the_token_computed_after_it(path):
     assert counters[1] == pytest.approx(counters[0])
 
 
+@MODES
 @pytest.mark.parametrize("kind", [RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE])
-def test_an_aborted_request_ends_with_all_its_text(path, kind):
+def test_an_aborted_request_ends_with_all_its_text(path, kind, mode):
     """An abort between steps makes the outputs still deferred first: the aborted
     request's last output holds the text of every token it has, as the tokenizer decodes
     them, and the tokens the synchronous engine has at the same step."""
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, output_kind=kind)
     got = []
-    for later in (False, True):
+    for later in (None, mode):
         engine = make(path, later)
         engine.add_request("x", {"prompt_token_ids": [5, 17, 99]}, params)
         outs = [o for _ in range(6) for o in engine.step()]
@@ -202,14 +215,15 @@ def test_an_aborted_request_ends_with_all_its_text(path, kind):
     assert got[0] == got[1] and len(got[0]) == 6  # a token a step, the prefill's first
 
 
-def test_a_stop_string_on_the_last_allowed_token_ends_as_a_stop(path):
+@MODES
+def test_a_stop_string_on_the_last_allowed_token_ends_as_a_stop(path, mode):
     """The token that reaches max_tokens also completes a stop string: the stop string
     wins (vLLM's order of checks), though its text is known only after the length."""
     free = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    (whole,) = drive(make(path, False), [("free", [5, 17, 99], free, 0)])[0]["free"][-1][2]
+    (whole,) = drive(make(path, None), [("free", [5, 17, 99], free, 0)])[0]["free"][-1][2]
     stop = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, stop=[whole[1]])
     jobs = [("s", [5, 17, 99], stop, 0)]
-    for later in (False, True):
+    for later in (None, mode):
         (final,) = drive(make(path, later), jobs)[0]["s"][-1][2]
         assert final[2] == whole[2] and final[1] == ""
         assert (final[3], final[4]) == ("stop", whole[1])
@@ -226,7 +240,8 @@ PET = {
 }
 
 
-def test_structured_outputs_advance_their_grammar_before_the_next_step(path):
+@MODES
+def test_structured_outputs_advance_their_grammar_before_the_next_step(path, mode):
     """A grammar's state follows each token at once (the next step's mask needs it):
     constrained requests, greedy and forked, validate and equal the synchronous ones."""
     constraint = StructuredOutputsParams(json=PET)
@@ -239,7 +254,7 @@ def test_structured_outputs_advance_their_grammar_before_the_next_step(path):
         (rid, p, params if rid == "plain" else _guided(params, constraint), at)
         for rid, p, params, at in jobs
     ]
-    (sync, _), (later, _) = drive(make(path, False), jobs), drive(make(path, True), jobs)
+    (sync, _), (later, _) = drive(make(path, None), jobs), drive(make(path, mode), jobs)
     assert later == sync
     for rid in ("g", "s"):
         for completion in later[rid][-1][2]:
@@ -250,3 +265,166 @@ def test_structured_outputs_advance_their_grammar_before_the_next_step(path):
 def _guided(params: SamplingParams, constraint) -> SamplingParams:
     params.structured_outputs = constraint
     return params
+
+
+@st.composite
+def device_job(draw):
+    """A request whose steps async scheduling leaves in flight but for its min_tokens:
+    greedy, or drawn on the device (seeded; temperature, top-k, min-p), no logprobs;
+    aborted at a step or not."""
+    prompt = draw(st.lists(st.integers(3, 511), min_size=1, max_size=40))
+    max_tokens = draw(st.integers(1, 20))
+    sampled = draw(st.booleans())
+    params = SamplingParams(
+        temperature=draw(st.sampled_from([0.7, 1.0, 1.3])) if sampled else 0.0,
+        top_k=draw(st.sampled_from([-1, 20])) if sampled else -1,
+        min_p=draw(st.sampled_from([0.0, 0.05])) if sampled else 0.0,
+        seed=draw(st.integers(0, 2**32)) if sampled else None,
+        max_tokens=max_tokens,
+        min_tokens=draw(st.sampled_from([0, 0, 0, min(2, max_tokens)])),
+        stop=draw(st.lists(st.sampled_from(STOPS), max_size=2, unique=True)),
+        stop_token_ids=draw(st.lists(st.integers(3, 511), max_size=3)),
+        include_stop_str_in_output=draw(st.booleans()),
+        ignore_eos=draw(st.booleans()),
+        output_kind=draw(st.sampled_from(KINDS)),
+    )
+    return prompt, params, draw(st.integers(0, 6)), draw(st.none() | st.integers(0, 25))
+
+
+def drive_aborting(engine, jobs):
+    """``drive``'s, for jobs (rid, prompt, params, arrival step, abort step or None):
+    each request's outputs in order, and the step calls that returned them."""
+    streamed: dict[str, list] = {}
+    pending, step = sorted(jobs, key=lambda j: j[3]), 0
+    while pending or engine.has_unfinished_requests():
+        while pending and pending[0][3] <= step:
+            rid, prompt, params, *_ = pending.pop(0)
+            engine.add_request(rid, {"prompt_token_ids": prompt}, params)
+        engine.abort_request([j[0] for j in jobs if j[4] == step and j[0] in engine.requests])
+        for out in engine.step():
+            c = out.outputs[0]
+            got = (out.finished, c.text, list(c.token_ids), c.finish_reason, c.stop_reason)
+            streamed.setdefault(out.request_id, []).append(got)
+        step += 1
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert not engine.requests and engine._in_flight is None
+    return streamed
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(jobs=st.lists(device_job(), min_size=1, max_size=8))
+def test_steps_left_in_flight_stream_and_end_as_without_it(path, jobs):
+    """Greedy and seeded sampled requests (most steps left in flight), some with
+    min_tokens (those steps are not), stop strings and ids, arriving and aborted at
+    different steps: each
+    request streams and ends as in the synchronous engine, whose schedule this one
+    keeps (room for every request: no preemption, no chunking; prefix caching names the
+    blocks a step filled once its tokens are in)."""
+    kw = {"max_num_seqs": 16, "max_num_batched_tokens": 512, "enable_prefix_caching": True}
+    run = next(_ids)
+    named = [(f"{run}-{i}", *job) for i, job in enumerate(jobs)]
+    sync = drive_aborting(make(path, None, **kw), named)
+    assert drive_aborting(make(path, "async_scheduling", **kw), named) == sync
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+def test_the_next_step_is_queued_before_this_ones_tokens_are_read(path, monkeypatch, temperature):
+    """A step's tokens (greedy, or drawn on the device at temperature 1) are read back
+    only after the next step's forward was queued (on a GPU the host packs and queues it
+    while the device runs); its outputs come from the step() call after. The reads and
+    forwards are counted in the engine's own order: forward 0, forward 1, read 0,
+    forward 2, read 1, ..."""
+    from lorapool.engine import async_scheduling
+
+    events, reads = [], itertools.count()
+
+    class Recorded(async_scheduling.ReadBack):
+        __slots__ = ("n",)
+
+        def tolist(self):
+            events.append(("read", self.n))
+            return super().tolist()
+
+    def read_back(tensor):
+        copy = Recorded(tensor)
+        copy.n = next(reads)
+        return copy
+
+    monkeypatch.setattr(async_scheduling, "read_back", read_back)
+    params = SamplingParams(temperature=temperature, seed=5, max_tokens=4, ignore_eos=True)
+    arrivals = []
+    for mode in (None, "async_scheduling"):
+        engine = make(path, mode)
+        execute, forwards = engine.runner.execute, itertools.count()
+
+        def counted(batch, execute=execute, forwards=forwards):
+            events.append(("forward", next(forwards)))
+            return execute(batch)
+
+        engine.runner.execute = counted
+        events.clear()
+        engine.add_request("x", {"prompt_token_ids": [5, 17, 99]}, params)
+        calls = []
+        while engine.has_unfinished_requests():
+            calls.append([len(o.outputs[0].token_ids) for o in engine.step()])
+        arrivals.append((calls, list(events)))
+    (sync_calls, sync_events), (calls, events_seen) = arrivals
+    assert sync_calls == [[1], [2], [3], [4]]
+    assert sync_events == [("forward", i) for i in range(4)]  # no step left in flight
+    assert calls == [[], [1], [2], [3], [4]]  # step 4 computed a token it dropped
+    forwards = [("forward", i) for i in range(5)]
+    reads_seen = [("read", i) for i in range(4)]
+    assert events_seen == [forwards[0]] + [
+        e for i in range(4) for e in (forwards[i + 1], reads_seen[i])
+    ]
+
+
+def test_a_step_that_raises_with_a_step_in_flight_leaves_the_engine_whole(path):
+    """A forward that raises after the placeholders were taken (a device error): the
+    worker aborts the step's requests (``Worker._fail_step``); each ends with the tokens
+    the synchronous engine has after as many steps (no placeholder among them), its
+    blocks free, and the next requests run as in the synchronous engine."""
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    ended = []
+    for mode in (None, "async_scheduling"):
+        engine = make(path, mode)
+        for i in range(3):
+            engine.add_request(f"a{i}", {"prompt_token_ids": [5 + i, 17, 99]}, params)
+        for _ in range(4):
+            engine.step()
+        execute = engine.runner.execute
+
+        def broken(batch):
+            raise RuntimeError("device lost")
+
+        engine.runner.execute = broken
+        with pytest.raises(RuntimeError, match="device lost"):
+            engine.step()
+        engine.runner.execute = execute
+        engine.abort_request(list(engine.requests))
+        outs = engine.step()
+        assert not engine.requests and engine._in_flight is None
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+        ended.append({o.request_id: list(o.outputs[0].token_ids) for o in outs})
+    assert ended[1] == ended[0] and all(len(ids) == 4 for ids in ended[0].values())
+    jobs = [(f"b{i}", [9, i + 3, 40], params, 0) for i in range(3)]
+    assert drive(engine, jobs) == drive(make(path, None), jobs)
+
+
+def test_a_row_computed_after_its_sequence_ended_names_no_block(path):
+    """A request that ends at a step in flight still ran in the step queued after it:
+    that row fills its block's last slot (prompts of 15 tokens, one token each, blocks of
+    16), but its blocks are free by then and nothing names them; the same prompts again
+    find the prompt blocks the synchronous engine names, and end as there."""
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    again = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    prompts = [[3 + i] + list(range(20, 34)) + [7] * i for i in range(3)]  # 15, 16, 17
+    runs = []
+    for mode in (None, "async_scheduling"):
+        engine = make(path, mode, enable_prefix_caching=True, block_size=16)
+        first, _ = drive(engine, [(f"a{i}", p, params, 0) for i, p in enumerate(prompts)])
+        named = sorted(d for d in engine.block_manager.block_hashes if d is not None)
+        second, _ = drive(engine, [(f"b{i}", p, again, 0) for i, p in enumerate(prompts)])
+        runs.append((first, named, second))
+    assert len(runs[0][1]) == 2  # the first blocks of the prompts of 16 and 17 tokens
+    assert runs[1] == runs[0]
