@@ -66,6 +66,11 @@ def optional_option(flag: str, type: click.ParamType, help: str):
     return click.option(flag, type=type, default=None, help=help)
 
 
+def flag_option(flag: str, help: str):
+    """An on/off flag, off unless given."""
+    return click.option(flag, is_flag=True, help=help)
+
+
 def repeated_option(flag: str, dest: str, help: str, **kwargs):
     """An option that may be given several times, collected under ``dest``."""
     return click.option(flag, dest, multiple=True, help=f"{help} (repeatable)", **kwargs)

@@ -13,6 +13,7 @@ from lorapool.cli.options import (
     config_from,
     count_option,
     finite_share,
+    flag_option,
     grammar_limit_option,
     host_option,
     optional_option,
@@ -71,11 +72,15 @@ def _producer(redis_url, prefix, shards=0):
     "steps (3.3x faster decode steps on an H200, benchmarks/RESULTS.md)",
 )
 @click.option("--enable-prefix-caching", is_flag=True)
-@click.option(
+@flag_option(
     "--async-output-proc",
-    is_flag=True,
-    help="detokenize and make a step's outputs during the next step's forward (vLLM V0's "
+    "detokenize and make a step's outputs during the next step's forward (vLLM V0's "
     "async output processor; all but first tokens and ends a step later); off by default",
+)
+@flag_option(
+    "--async-scheduling",
+    "schedule and queue the next step before a step's tokens are read back (vLLM V1's "
+    "async scheduling; outputs a step later; not with --async-output-proc)",
 )
 @count_option(
     "--starvation-steps",
@@ -171,11 +176,7 @@ def _producer(redis_url, prefix, shards=0):
 @click.option("--metrics-port", type=int, default=None, help="serve Prometheus /metrics here")
 @host_option("--metrics-host", old="--metrics-addr", help="address /metrics listens on")
 @count_option("--metrics-max-adapters", 32, "series per adapter-labelled metric ('other' too)")
-@click.option(
-    "--metrics-vllm-names",
-    is_flag=True,
-    help="accepted for old command lines: vLLM's metric names are always exported",
-)
+@flag_option("--metrics-vllm-names", "accepted for old command lines (vLLM's names are always on)")
 @click.option(
     "--insecure-no-key",
     is_flag=True,

@@ -108,6 +108,7 @@ Producer(url, prefix=prefix, shards=shards).submit_many(
 """
 POOL = SamplingParams(temperature=0.0, max_tokens=16)
 ASYNC_OUTPUT = "--async-output-proc"  # engine.async_output: outputs a step late
+ASYNC_SCHEDULING = "--async-scheduling"  # engine.async_scheduling: a step in flight
 
 
 def test_two_workers_two_producers(
@@ -118,9 +119,11 @@ def test_two_workers_two_producers(
     loras = [None if n == "base" else lora_from_record(records[n]) for n in names] * 8
     prompts = [f"prompt number {i} says" for i in range(40)]
     ids = [f"job-{i}" for i in range(40)]
-    # one worker makes its outputs a step late (async output processing), one at once
+    # one worker leaves a step in flight (async scheduling), one makes its outputs a step
+    # late (async output processing); the synchronous engine is the reference's
     workers = [
-        start_worker(pool_url, keys, model, tmp_path, *flag) for flag in ((), (ASYNC_OUTPUT,))
+        start_worker(pool_url, keys, model, tmp_path, flag)
+        for flag in (ASYNC_SCHEDULING, ASYNC_OUTPUT)
     ]
     _wait_workers(conn, keys, 2)
     pool = [pool_url, keys.prefix, str(keys.shards)]
@@ -195,7 +198,7 @@ def _submit_long(producer, count=8):
 
 def test_kill_9_worker_loses_nothing(engine, conn, pool_url, keys, producer, model, tmp_path):
     prompts, ids = _submit_long(producer)
-    first = start_worker(pool_url, keys, model, tmp_path, ASYNC_OUTPUT)
+    first = start_worker(pool_url, keys, model, tmp_path, ASYNC_SCHEDULING)
     partial = _wait_partial(conn, producer, ids)
     first.send_signal(signal.SIGKILL)
     first.wait()
@@ -227,9 +230,10 @@ def test_sigstop_past_lease_is_fenced(engine, conn, pool_url, keys, producer, mo
     assert pending(conn, keys) == 0 and length(conn, keys, "dead") == 0
 
 
-def test_first_sigterm_drains(engine, conn, pool_url, keys, producer, model, tmp_path):
+@pytest.mark.parametrize("flag", [ASYNC_OUTPUT, ASYNC_SCHEDULING])
+def test_first_sigterm_drains(engine, conn, pool_url, keys, producer, model, tmp_path, flag):
     prompts, ids = _submit_long(producer)
-    worker = start_worker(pool_url, keys, model, tmp_path, "--max-num-seqs", "4", ASYNC_OUTPUT)
+    worker = start_worker(pool_url, keys, model, tmp_path, "--max-num-seqs", "4", flag)
     held = _wait_partial(conn, producer, ids, at_least=4)
     worker.send_signal(signal.SIGTERM)
     assert worker.wait(60) == 0
