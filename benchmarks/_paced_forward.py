@@ -66,14 +66,16 @@ class QueuedDevice:
         rows = batch.logits_indices.numel()
         return torch.zeros((rows, runner.model.vocab_size), dtype=torch.float32)
 
-    def wait(self) -> None:
-        left = self.ready - time.perf_counter()
+    def wait(self, until: float | None = None) -> None:
+        """Until the work handed over so far is done (or ``until``, a time of ``ready``)."""
+        left = (self.ready if until is None else until) - time.perf_counter()
         if left > 0:
             time.sleep(left)
 
     def install(self) -> None:
-        """Into this process's engine: its forward, and waits at its read-backs."""
-        from lorapool.engine import llm_engine, sampler
+        """Into this process's engine: its forward, and waits at its read-backs (async
+        scheduling's waits for its own step only: work queued after it runs on)."""
+        from lorapool.engine import async_scheduling, llm_engine, sampler
         from lorapool.engine.model_runner import ModelRunner
 
         ModelRunner._forward = lambda runner, batch: self.forward(runner, batch)
@@ -87,14 +89,17 @@ class QueuedDevice:
             return results(*args, **kwargs)
 
         llm_engine.finite_argmax, sampler._results = queued_argmax, read_results
+        async_scheduling.read_back = lambda tensor: _ReadBack(tensor, self)
 
 
 class _ReadBack:
+    """A step's tokens, read back once the device has done the work handed over so far."""
+
     def __init__(self, tensor, device: QueuedDevice):
-        self.tensor, self.device = tensor, device
+        self.tensor, self.device, self.done = tensor, device, device.ready
 
     def tolist(self):
-        self.device.wait()
+        self.device.wait(self.done)
         return self.tensor.tolist()
 
 

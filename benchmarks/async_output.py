@@ -1,22 +1,25 @@
-"""Async output processing (``EngineArgs.async_output_proc``) against the synchronous
-engine, with a stand-in for an asynchronous device: what CPU can show of the overlap.
+"""Async output processing (``EngineArgs.async_output_proc``) and async scheduling
+(``EngineArgs.async_scheduling``, ``--flags``) against the synchronous engine, with a
+stand-in for an asynchronous device: what CPU can show of the overlap.
 
 On a GPU the forward is queued and the host goes on until it reads the step's tokens
 back. Here the model's forward (``ModelRunner._forward``) is replaced by a stand-in
 device (``_paced_forward.QueuedDevice``): it returns zero logits at once and is busy
 for ``--step-ms`` plus ``--token-us`` a token after it was handed the step (or after
 its previous step, if that one was not done); the step's read-back (the greedy path's
-``finite_argmax``, the sampler's results) waits until then. Everything else (schedule,
+``finite_argmax``, the sampler's results) waits until then (async scheduling's, until
+the end of its own step: the next one is queued before it). Everything else (schedule,
 batch packing, sampling's host work, detokenizing, stop checks, RequestOutputs) is the
 engine's own work on this box's CPU. The defaults are ``benchmarks/tenants.py``'s step
 of a ~1B Llama on an H200 (3 ms + 5 us a token).
 
 Workload: ``--batch`` requests of 32 random prompt tokens, all decoding (DELTA
 outputs, ``ignore_eos``), greedy or at ``--temperature``; per run the median wall time
-of ``--steps`` steps, flag off and on alternated (``--pairs``), each run a fresh
+of ``--steps`` steps, off and each flag on alternated (``--pairs``), each run a fresh
 engine in this process.
 
-    python benchmarks/async_output.py --model DIR [--batch 64 256] [--temperature 1.0]
+    python benchmarks/async_output.py --model DIR [--batch 64 256] [--temperature 1.0] \
+        [--flags async_output_proc async_scheduling]
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from _paced_forward import QueuedDevice  # noqa: E402
 from host_step import PROMPT_LEN, VOCAB, build_model  # noqa: E402
 
 
-def run(model: str, batch: int, steps: int, temperature: float, later: bool, device) -> dict:
+def run(model: str, batch: int, steps: int, temperature: float, flag: str, device) -> dict:
     from lorapool import EngineArgs, LLMEngine, SamplingParams
     from lorapool.protocol import RequestOutputKind
 
@@ -45,7 +48,7 @@ def run(model: str, batch: int, steps: int, temperature: float, later: bool, dev
             model=model,
             max_num_seqs=batch,
             max_num_batched_tokens=batch * PROMPT_LEN,
-            async_output_proc=later,
+            **({flag: True} if flag != "off" else {}),
         )
     )
     params = SamplingParams(
@@ -84,6 +87,13 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--step-ms", type=float, default=3.0)
     parser.add_argument("--token-us", type=float, default=5.0)
+    parser.add_argument(
+        "--flags",
+        nargs="+",
+        default=["async_output_proc"],
+        choices=["async_output_proc", "async_scheduling"],
+        help="EngineArgs flags each run on in turn, against all off",
+    )
     parser.add_argument("--json", help="also write the report here")
     args = parser.parse_args()
     model = args.model
@@ -95,22 +105,20 @@ def main() -> None:
     device = QueuedDevice(args.step_ms / 1e3, args.token_us / 1e6)  # decode steps only
     device.install()
     report = {"args": vars(args), "device": "stand-in", "batches": {}}
+    sides = ["off", *args.flags]
     for batch in args.batch:
-        runs = {"off": [], "on": []}
+        runs = {side: [] for side in sides}
         for _ in range(args.pairs):
-            for side in ("off", "on"):
-                got = run(model, batch, args.steps, args.temperature, side == "on", device)
+            for side in sides:
+                got = run(model, batch, args.steps, args.temperature, side, device)
                 runs[side].append(got)
                 print(batch, side, json.dumps(got), flush=True)
-        off = statistics.median(r["step_ms"] for r in runs["off"])
-        on = statistics.median(r["step_ms"] for r in runs["on"])
-        report["batches"][batch] = {
-            "runs": runs,
-            "step_ms_off": off,
-            "step_ms_on": on,
-            "on_over_off": round(on / off, 3),
-        }
-        print(batch, f"step off {off} ms, on {on} ms, on/off {on / off:.3f}", flush=True)
+        medians = {side: statistics.median(r["step_ms"] for r in runs[side]) for side in sides}
+        report["batches"][batch] = {"runs": runs, "step_ms": medians}
+        for side in args.flags:
+            ratio = round(medians[side] / medians["off"], 3)
+            report["batches"][batch][f"{side}_over_off"] = ratio
+            print(batch, f"step off {medians['off']} ms, {side} {medians[side]} ms: {ratio}")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
 
