@@ -111,7 +111,12 @@ class Sizes:
     graph_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)  # and decode_batches
     # engine speed flags measured on against off in one run (``flags``), in this order
     # (the throughput section's box may cut the last)
-    engine_flags: tuple[str, ...] = ("fused_layer_kernels", "lora_live_work", "async_output_proc")
+    engine_flags: tuple[str, ...] = (
+        "fused_layer_kernels",
+        "lora_live_work",
+        "async_scheduling",
+        "async_output_proc",
+    )
     big_model: ModelShape | None = None  # the ``big`` section's shape (random, on the device)
     big_adapters: int = 8
     sweep_candidates: int = 5  # per op and shape in the sweep, besides the old launch
@@ -141,7 +146,7 @@ TINY = Sizes(
     decode_tokens=6,
     decode_batches=(4, 8),
     graph_sizes=(1, 2, 4, 8),
-    engine_flags=("fused_layer_kernels", "lora_live_work", "async_output_proc"),
+    engine_flags=("fused_layer_kernels", "lora_live_work", "async_scheduling", "async_output_proc"),
     big_model=TINY_BIG,
     big_adapters=2,
     sweep_candidates=1,

@@ -239,7 +239,8 @@ def _decode(ctx, rec, engine, shape, adapters, guard) -> dict:
 
 def _sampled(ctx, rec, engine, shape, greedy: dict, practical: dict, guard) -> None:
     """The base model's decode step at temperature 1 (seeded), graphs where there: the
-    sampler's path, which OpenAI clients take by default, against the greedy step."""
+    sampler's path, which OpenAI clients take by default, against the greedy step. Each
+    run joins ``greedy`` under ("sampled", batch, mode), for the flags to compare with."""
     graphs = getattr(engine.runner, "graphs", None)
     mode = "graphs" if graphs is not None else "eager"
     for batch in ctx.sizes.decode_batches:
@@ -255,6 +256,7 @@ def _sampled(ctx, rec, engine, shape, greedy: dict, practical: dict, guard) -> N
             continue
         where = {"label": "sampled", "batch": batch, "mode": mode}
         decode_step.record(ctx, rec, engine, shape, run, where, practical)
+        greedy[key] = run
         if ("base", batch, mode) in greedy:
             ratio = run.step_s / greedy["base", batch, mode].step_s
             rec.figure(f"step_sampled_over_greedy_b{batch}_{mode}", round(ratio, 3))
@@ -314,8 +316,12 @@ def _parity(ctx, rec, engine, shape, adapters) -> None:
         )
 
 
+SAMPLED_FLAGS = ("async_scheduling",)  # flags whose sampled steps are measured too
+
+
 def _flags(ctx, rec, path, shape, adapters, old: dict, guard) -> None:
-    """Each present flag on, alone, against the old path's decode steps (graphs where there)."""
+    """Each present flag on, alone, against the old path's decode steps (graphs where
+    there); those of ``SAMPLED_FLAGS`` at temperature 1 (seeded) too."""
     names = ctx.sizes.engine_flags
     mode = next(iter(old), (0, 0, "eager"))[2]
     for name, there in flags.present(names).items():
@@ -333,23 +339,19 @@ def _flags(ctx, rec, path, shape, adapters, old: dict, guard) -> None:
         if engine is None:
             continue
         wanted = ("base", f"lora{min(ctx.sizes.adapter_counts)}")
-        for where, loras in configurations(ctx, adapters, (mode,), wanted):
+        runs = [
+            (where, loras, 0.0) for where, loras in configurations(ctx, adapters, (mode,), wanted)
+        ]
+        if name in SAMPLED_FLAGS:
+            sampled = {"label": "sampled", "mode": mode, "adapters": []}
+            runs += [(sampled | {"batch": b}, None, 1.0) for b in ctx.sizes.decode_batches]
+        for where, loras, temperature in runs:
             key = (where["label"], where["batch"], mode)
             if ctx.time_left() < 0:
                 rec.cut_short(f"the {name} decode step {key}")
                 break
-            run = _measured(
-                rec,
-                f"{name} decode step {key}",
-                decode_step.decode_run,
-                engine,
-                ctx,
-                shape,
-                where["batch"],
-                loras,
-                guard,
-                f"{name} {key}",
-            )
+            args = (engine, ctx, shape, where["batch"], loras, guard, f"{name} {key}", temperature)
+            run = _measured(rec, f"{name} decode step {key}", decode_step.decode_run, *args)
             if run is None:
                 continue
             decode_step.record(ctx, rec, engine, shape, run, where | {"tag": tag}, {})

@@ -37,6 +37,7 @@ class StepTimeline:
         self.current: dict[str, float] = {}
         self.events: list = []
         self.steps: list[dict[str, float]] = []
+        self.gpu_events: list = []  # (a kept step's phases, its forwards' events)
 
     def __enter__(self):
         for phase, (path, attr) in _TARGETS.items():
@@ -52,6 +53,7 @@ class StepTimeline:
         return self
 
     def __exit__(self, *exc):
+        self.settle()
         for owner, attr, before in reversed(self.saved):
             if before is None:
                 delattr(owner, attr)  # the class's method shows through again
@@ -87,11 +89,20 @@ class StepTimeline:
             phases = {p: self.current.get(p, 0.0) for p in PHASES}
             phases["other"] = wall - sum(phases.values())
             phases["step"] = wall
-            if self.events:
-                torch.cuda.synchronize()
-                phases["gpu"] = sum(s.elapsed_time(e) / 1000 for s, e in self.events)
+            if self.events:  # read at the end: a sync here would end the step's overlap
+                self.gpu_events.append((phases, self.events))
             self.steps.append(phases)
         return outputs
+
+    def settle(self) -> None:
+        """The kept steps' GPU times, once their events have passed (one sync, after the
+        last step: syncing after each would wait for the step that async scheduling
+        leaves in flight, which the next step's host work overlaps)."""
+        if self.gpu_events:
+            torch.cuda.synchronize()
+        for phases, events in self.gpu_events:
+            phases["gpu"] = sum(s.elapsed_time(e) / 1000 for s, e in events)
+        self.gpu_events = []
 
     def summary(self, skip: int = 2) -> dict[str, float]:
         """Each phase's mean milliseconds over the kept steps (the first ``skip`` dropped):

@@ -165,8 +165,12 @@ def test_dry_run_measures_the_decode_step_fairly(dry_run):
     figures = throughput["figures"]
     for flag in ("fused_layer_kernels", "lora_live_work"):  # absent here until they land
         assert figures[f"flag_{flag}"] in ("present", "flag absent")
-    assert figures["flag_async_output_proc"] == "present"  # the flag path, run
-    assert figures["flag_async_output_proc_tokens_vs_off_base_b8"] == "8/8"
+    for flag in ("async_scheduling", "async_output_proc"):  # the flag path, run
+        assert figures[f"flag_{flag}"] == "present"
+        assert figures[f"flag_{flag}_tokens_vs_off_base_b8"] == "8/8"
+    # seeded draws at temperature 1, left in flight: the tokens of the engine without it
+    assert figures["flag_async_scheduling_tokens_vs_off_sampled_b8"] == "8/8"
+    assert figures["flag_async_scheduling_on_over_off_sampled_b4"] > 0
     rows = throughput["tables"]["step_timeline"]
     assert {(r["label"], r["batch"]) for r in rows} >= {("base", 4), ("lora2", 8), ("lora4", 4)}
     for batch in (4, 8):  # the base model sampled at temperature 1 beside its greedy step

@@ -46,6 +46,7 @@ FIGURES = {  # figures each section's report must hold
         "step_sampled_over_greedy_b8_eager",
         "flag_fused_layer_kernels",
         "flag_lora_live_work",
+        "flag_async_scheduling_on_over_off_lora2_b8",
         "flag_async_output_proc_on_over_off_lora2_b8",
         "throughput_timed_windows",
     ],
