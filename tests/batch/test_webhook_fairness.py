@@ -5,7 +5,8 @@ one delivery in flight, each attempt bounded at 3 s. Tenant B's 20 callbacks are
 from each job's finish (``finished_at`` in the event, the worker's clock) to their
 arrival at B's receiver: once with nothing else going on, once while tenant A's 20
 callbacks hang at A's receiver (retried, so A keeps its slot busy throughout). B's p99
-under A's hang must stay within twice its idle p99. With a single shared queue (no
+under A's hang must stay within twice its idle p99 (or a second past it, well under an
+attempt's 3 s). With a single shared queue (no
 lanes) A's hanging deliveries take every RQ worker for 3 s at a time, and B waits
 seconds."""
 
@@ -84,4 +85,7 @@ def test_a_hanging_receiver_delays_only_its_own_tenant(
         print(f"\nB's callback latency p99: idle {p99(idle):.3f}s, while A hangs "
               f"{p99(busy):.3f}s; A's attempts meanwhile: {a_attempts}")  # fmt: skip
     assert a_attempts <= 1 + math.ceil(max(busy) / 3) + 1  # one slot: A never held two
-    assert p99(busy) <= 2 * p99(idle), (sorted(idle), sorted(busy))
+    # the failure this guards costs B an attempt's 3 s deadline; a loaded 2-core box moves
+    # one delivery of 20 (the p99 here is their max) by a few hundred ms (0.20 s against
+    # an idle 0.09 s once, in a run beside other tests): bounded by a second past idle too
+    assert p99(busy) <= max(2 * p99(idle), p99(idle) + 1.0), (sorted(idle), sorted(busy))
