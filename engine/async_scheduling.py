@@ -4,8 +4,9 @@ this step's tokens are read back.
 vLLM V1's ``async_scheduling``, in one process. With ``EngineArgs.async_scheduling``, a
 step whose every row samples on the device alone is left in flight: greedy rows
 (``Request.argmax_only``) and rows drawn at a temperature with top-k or min-p but no
-top-p, logprobs, logit_bias, penalties, grammar or n > 1 (``Request.device_only``; the
-OpenAI API's defaults, temperature 1 and top_p 1, are such rows). Its tokens are queued
+top-p, logprobs, logit_bias, penalties or grammar, a request of n > 1's samples once
+forked (``Request.device_only``, ``device_rows``; the OpenAI API's defaults,
+temperature 1 and top_p 1, make such rows). Its tokens are queued
 on the device after the forward and their copy to the host started
 (``host_copy.ReadBack``), and ``step()`` returns without waiting for them. The next
 ``step()`` call then:
@@ -28,7 +29,7 @@ that chunk's charge given back to its tenant (``Scheduler.refund``) before the s
 after it; a request's output comes from the ``step()`` call after the one that ran it.
 Tokens, texts, logprobs and finish reasons are the synchronous engine's.
 
-A step with another row (top-p, grammars, n > 1, logprobs, penalties, prompt logprobs,
+A step with another row (top-p, grammars, a fork, logprobs, penalties, prompt logprobs,
 min_tokens not yet met) lands the step in flight before it samples and is not left in
 flight itself: those rows read the tokens before them or read back while sampling.
 A seeded row draws what it draws in the synchronous engine; an unseeded row's number
@@ -43,12 +44,13 @@ a forward later; the GPU kit measures it (``bench gpu``'s
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
 
 from lorapool.engine.host_copy import ReadBack, to_device
-from lorapool.engine.sampler import SamplingRow, argmax_rows, finite_argmax
+from lorapool.engine.sampler import SamplingRow, finite_argmax
 from lorapool.engine.scheduler_output import SchedulerOutput
 from lorapool.engine.sequence import Sequence
 from lorapool.outputs import RequestOutput
@@ -115,7 +117,7 @@ class PipelinedSteps:
         device alone is left in flight (its tokens read back by the next call), the
         step before it landed meanwhile; any other step lands the one in flight first,
         then samples as usual."""
-        drawn = None if sampled is not None else argmax_rows(layout, "device_only")
+        drawn = None if sampled is not None else device_rows(layout)
         if (sampled or drawn) is not None and len(sampled or drawn) == logits.shape[0]:
             if sampled is None:  # temperature, top-k, min-p: drawn on the device
                 sampled, tokens = drawn, self._draw(logits, drawn)
@@ -156,12 +158,7 @@ class PipelinedSteps:
             for seq in flight.held:
                 seq.token_ids.pop()  # its placeholder
             tokens = flight.host.tolist()
-            entries, live = [], []
-            for entry in flight.entries:
-                if entry.item.seq.finish_reason is None:
-                    entries.append(entry)
-                    live.append(tokens[entry.sample_row])
-            outputs = self._take_argmax(None, live, None, entries)
+            outputs = self._land_tokens(flight.entries, tokens)
         if running is not None:
             ended = [item for item in running.scheduled if item.seq.finish_reason is not None]
             for item in ended:
@@ -172,8 +169,57 @@ class PipelinedSteps:
             self.scheduler.postprocess(running)
         return outputs
 
+    def _land_tokens(self, entries: list, tokens: list[int]) -> list[RequestOutput]:
+        """``tokens`` (by ``sample_row``, -1 not finite) join the sequences of
+        ``entries`` that go on; each request's output as ``LLMEngine._sample`` makes it
+        (one for the n sequences of a request of n > 1)."""
+        if -1 in tokens:
+            rows = [e for e in entries if e.item.seq.finish_reason is None]
+            self._fail_non_finite(
+                {e.item.seq.request.request_id for e in rows if tokens[e.sample_row] < 0}
+            )
+        outputs, collect, now = [], {}, time.time()
+        append, running_output = self.outputs.append, self.outputs.running_output
+        for entry in entries:
+            seq = entry.item.seq
+            if seq.finish_reason is not None:  # ended in flight, or failed just now
+                continue
+            append(seq, tokens[entry.sample_row], None, None, now)
+            request = seq.request
+            if request.params.n == 1 and seq.finish_reason is None:
+                output = running_output(seq)  # a single sequence that goes on
+                if output is not None:
+                    outputs.append(output)
+            else:
+                collect[request.request_id] = request
+        for request in collect.values():
+            output = self._collect(request)
+            if output is not None:
+                outputs.append(output)
+        return outputs
+
     def flush_in_flight(self) -> None:
         """Land the step in flight now (its outputs into the next ``step()``'s): before a
         request ends by abort or error, so that its last output holds all its tokens."""
         if self._in_flight is not None:
             self._pending += self.land(None)
+
+
+def device_rows(layout: list) -> list | None:
+    """Of a step's ``LogitsRows``: the entries that sample a token, if there are some
+    and each samples on the device alone: ``Request.device_only`` (no logprobs, bias,
+    penalties, top-p or grammar), not a fork (a request of n > 1's first token), its
+    min_tokens generated. None otherwise."""
+    rows = []
+    for entry in layout:
+        if entry.sample_row is None:
+            continue
+        seq = entry.item.seq
+        request = seq.request
+        if not request.device_only or request.needs_fork:
+            return None
+        min_tokens = request.params.min_tokens
+        if min_tokens and seq.num_output_tokens < min_tokens:
+            return None
+        rows.append(entry)
+    return rows or None

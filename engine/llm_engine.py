@@ -145,9 +145,9 @@ class LLMEngine(EngineStats, EngineAdapters, DeferredOutputs, PipelinedSteps):
         tokens = request.prompt_token_ids + request.resumed_token_ids
         seq = Sequence(next(self._seq_ids), request, 0, tokens)
         compiling = self._guide(seq)
-        alone = not request.guided and request.params.n == 1
-        request.argmax_only = argmax_only(request.params) and alone
-        request.device_only = device_only(request.params) and alone
+        request.device_only = device_only(request.params) and not request.guided
+        one = request.params.n == 1
+        request.argmax_only = argmax_only(request.params) and not request.guided and one
         request.seqs.append(seq)
         self.outputs.start(seq)
         if not compiling:  # else scheduled once its grammar compiled (``grammar_wait``)

@@ -309,18 +309,17 @@ def prompt_logprobs(
     return result
 
 
-def argmax_rows(layout: list, kind: str = "argmax_only") -> list | None:
+def argmax_rows(layout: list) -> list | None:
     """Of a step's ``LogitsRows``: the entries that sample a token, if there are some
     and each takes the raw argmax: ``Request.argmax_only`` (greedy; no logprobs, bias,
-    penalties, grammar or fork) with its min_tokens generated. None otherwise.
-    ``kind="device_only"``: each samples on the device alone (``Request.device_only``)."""
+    penalties, grammar or fork) with its min_tokens generated. None otherwise."""
     sampled = []
     for entry in layout:
         if entry.sample_row is None:
             continue
         seq = entry.item.seq
         request = seq.request
-        if not getattr(request, kind):
+        if not request.argmax_only:
             return None
         min_tokens = request.params.min_tokens
         if min_tokens and seq.num_output_tokens < min_tokens:

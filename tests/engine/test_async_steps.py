@@ -270,8 +270,8 @@ def _guided(params: SamplingParams, constraint) -> SamplingParams:
 @st.composite
 def device_job(draw):
     """A request whose steps async scheduling leaves in flight but for its min_tokens:
-    greedy, or drawn on the device (seeded; temperature, top-k, min-p), no logprobs;
-    aborted at a step or not."""
+    greedy, or drawn on the device (seeded; temperature, top-k, min-p; n samples, left
+    in flight once forked), no logprobs; aborted at a step or not."""
     prompt = draw(st.lists(st.integers(3, 511), min_size=1, max_size=40))
     max_tokens = draw(st.integers(1, 20))
     sampled = draw(st.booleans())
@@ -280,6 +280,7 @@ def device_job(draw):
         top_k=draw(st.sampled_from([-1, 20])) if sampled else -1,
         min_p=draw(st.sampled_from([0.0, 0.05])) if sampled else 0.0,
         seed=draw(st.integers(0, 2**32)) if sampled else None,
+        n=draw(st.sampled_from([1, 1, 3])) if sampled else 1,
         max_tokens=max_tokens,
         min_tokens=draw(st.sampled_from([0, 0, 0, min(2, max_tokens)])),
         stop=draw(st.lists(st.sampled_from(STOPS), max_size=2, unique=True)),
@@ -302,9 +303,11 @@ def drive_aborting(engine, jobs):
             engine.add_request(rid, {"prompt_token_ids": prompt}, params)
         engine.abort_request([j[0] for j in jobs if j[4] == step and j[0] in engine.requests])
         for out in engine.step():
-            c = out.outputs[0]
-            got = (out.finished, c.text, list(c.token_ids), c.finish_reason, c.stop_reason)
-            streamed.setdefault(out.request_id, []).append(got)
+            got = [
+                (c.index, c.text, list(c.token_ids), c.finish_reason, c.stop_reason)
+                for c in out.outputs
+            ]
+            streamed.setdefault(out.request_id, []).append((out.finished, got))
         step += 1
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     assert not engine.requests and engine._in_flight is None
@@ -314,9 +317,9 @@ def drive_aborting(engine, jobs):
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(jobs=st.lists(device_job(), min_size=1, max_size=8))
 def test_steps_left_in_flight_stream_and_end_as_without_it(path, jobs):
-    """Greedy and seeded sampled requests (most steps left in flight), some with
-    min_tokens (those steps are not), stop strings and ids, arriving and aborted at
-    different steps: each
+    """Greedy and seeded sampled requests, n of them forked (most steps left in flight),
+    some with min_tokens (those steps are not), stop strings and ids, arriving and
+    aborted at different steps: each
     request streams and ends as in the synchronous engine, whose schedule this one
     keeps (room for every request: no preemption, no chunking; prefix caching names the
     blocks a step filled once its tokens are in)."""
@@ -327,13 +330,18 @@ def test_steps_left_in_flight_stream_and_end_as_without_it(path, jobs):
     assert drive_aborting(make(path, "async_scheduling", **kw), named) == sync
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
-def test_the_next_step_is_queued_before_this_ones_tokens_are_read(path, monkeypatch, temperature):
-    """A step's tokens (greedy, or drawn on the device at temperature 1) are read back
-    only after the next step's forward was queued (on a GPU the host packs and queues it
-    while the device runs); its outputs come from the step() call after. The reads and
-    forwards are counted in the engine's own order: forward 0, forward 1, read 0,
-    forward 2, read 1, ..."""
+@pytest.mark.parametrize(
+    ("temperature", "n"), [(0.0, 1), (1.0, 1), (1.0, 3)], ids=["greedy", "sampled", "forked"]
+)
+def test_the_next_step_is_queued_before_this_ones_tokens_are_read(
+    path, monkeypatch, temperature, n
+):
+    """A step's tokens (greedy, or drawn on the device at temperature 1, n samples once
+    forked) are read back only after the next step's forward was queued (on a GPU the
+    host packs and queues it while the device runs); its outputs come from the step()
+    call after. The reads and forwards are counted in the engine's own order: forward 0,
+    forward 1, read 0, forward 2, read 1, ... The step that forks n samples (their
+    first tokens) reads back at once, as it must."""
     from lorapool.engine import async_scheduling
 
     events, reads = [], itertools.count()
@@ -351,7 +359,7 @@ def test_the_next_step_is_queued_before_this_ones_tokens_are_read(path, monkeypa
         return copy
 
     monkeypatch.setattr(async_scheduling, "read_back", read_back)
-    params = SamplingParams(temperature=temperature, seed=5, max_tokens=4, ignore_eos=True)
+    params = SamplingParams(temperature=temperature, seed=5, n=n, max_tokens=4, ignore_eos=True)
     arrivals = []
     for mode in (None, "async_scheduling"):
         engine = make(path, mode)
@@ -366,17 +374,23 @@ def test_the_next_step_is_queued_before_this_ones_tokens_are_read(path, monkeypa
         engine.add_request("x", {"prompt_token_ids": [5, 17, 99]}, params)
         calls = []
         while engine.has_unfinished_requests():
-            calls.append([len(o.outputs[0].token_ids) for o in engine.step()])
+            calls.append([[len(c.token_ids) for c in o.outputs] for o in engine.step()])
         arrivals.append((calls, list(events)))
     (sync_calls, sync_events), (calls, events_seen) = arrivals
-    assert sync_calls == [[1], [2], [3], [4]]
+    assert sync_calls == [[[k] * n] for k in (1, 2, 3, 4)]
     assert sync_events == [("forward", i) for i in range(4)]  # no step left in flight
-    assert calls == [[], [1], [2], [3], [4]]  # step 4 computed a token it dropped
     forwards = [("forward", i) for i in range(5)]
     reads_seen = [("read", i) for i in range(4)]
-    assert events_seen == [forwards[0]] + [
-        e for i in range(4) for e in (forwards[i + 1], reads_seen[i])
-    ]
+    if n == 1:
+        assert calls == [[], [[1]], [[2]], [[3]], [[4]]]  # step 4 computed a token it dropped
+        assert events_seen == [forwards[0]] + [
+            e for i in range(4) for e in (forwards[i + 1], reads_seen[i])
+        ]
+    else:  # the first step forks, at once; the others as above
+        assert calls == [[[1] * n], [], [[2] * n], [[3] * n], [[4] * n]]
+        assert events_seen == forwards[:2] + [
+            e for i in range(3) for e in (forwards[i + 2], reads_seen[i])
+        ]
 
 
 def test_a_step_that_raises_with_a_step_in_flight_leaves_the_engine_whole(path):
