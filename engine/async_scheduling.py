@@ -52,7 +52,7 @@ import torch
 from lorapool.engine.host_copy import ReadBack, to_device
 from lorapool.engine.sampler import SamplingRow, finite_argmax
 from lorapool.engine.scheduler_output import SchedulerOutput
-from lorapool.engine.sequence import Sequence
+from lorapool.engine.sequence import Sequence, SequenceStatus
 from lorapool.outputs import RequestOutput
 
 PLACEHOLDER = -1  # a token not yet read back; never reaches the model (``fill_places``)
@@ -80,11 +80,24 @@ class PipelinedSteps:
         flight = self._in_flight
         if flight is None or flight.held:  # held: a step() that raised before it landed
             return
+        limit = self.max_model_len
         for entry in flight.entries:
             seq = entry.item.seq
-            if seq.finish_reason is None:
-                seq.token_ids.append(PLACEHOLDER)
-                flight.held.append(seq)
+            if seq.finish_reason is not None or seq.is_finished:
+                continue
+            if seq.num_tokens + 1 >= limit or seq.num_output_tokens + 1 >= seq.request.max_tokens:
+                self._retire(seq)  # its token in flight is its last, whatever it is
+                continue
+            seq.token_ids.append(PLACEHOLDER)
+            flight.held.append(seq)
+
+    def _retire(self, seq: Sequence) -> None:
+        """``seq`` ends with its token in flight (max_tokens, the model length): it leaves
+        the scheduler now, so the next step has no row for it and its blocks are free
+        for others (the step in flight, queued before, writes them first); it finishes
+        when that token lands (``_collect``; an abort or error before gives its reason)."""
+        self.scheduler.finish(seq)
+        seq.status = SequenceStatus.RUNNING  # for the engine, until the token lands
 
     def fill_places(self, batch, scheduled: SchedulerOutput) -> None:
         """The placeholders among ``batch``'s input ids (packed from ``scheduled``) take

@@ -381,16 +381,17 @@ def test_the_next_step_is_queued_before_this_ones_tokens_are_read(
     assert sync_events == [("forward", i) for i in range(4)]  # no step left in flight
     forwards = [("forward", i) for i in range(5)]
     reads_seen = [("read", i) for i in range(4)]
+    # the last token (max_tokens) is known to be the last before it lands: no step after
     if n == 1:
-        assert calls == [[], [[1]], [[2]], [[3]], [[4]]]  # step 4 computed a token it dropped
+        assert calls == [[], [[1]], [[2]], [[3]], [[4]]]
         assert events_seen == [forwards[0]] + [
-            e for i in range(4) for e in (forwards[i + 1], reads_seen[i])
-        ]
+            e for i in range(3) for e in (forwards[i + 1], reads_seen[i])
+        ] + [reads_seen[3]]
     else:  # the first step forks, at once; the others as above
         assert calls == [[[1] * n], [], [[2] * n], [[3] * n], [[4] * n]]
         assert events_seen == forwards[:2] + [
-            e for i in range(3) for e in (forwards[i + 2], reads_seen[i])
-        ]
+            e for i in range(2) for e in (forwards[i + 2], reads_seen[i])
+        ] + [reads_seen[2]]
 
 
 def test_a_step_that_raises_with_a_step_in_flight_leaves_the_engine_whole(path):
@@ -426,13 +427,17 @@ def test_a_step_that_raises_with_a_step_in_flight_leaves_the_engine_whole(path):
 
 
 def test_a_row_computed_after_its_sequence_ended_names_no_block(path):
-    """A request that ends at a step in flight still ran in the step queued after it:
-    that row fills its block's last slot (prompts of 15 tokens, one token each, blocks of
-    16), but its blocks are free by then and nothing names them; the same prompts again
-    find the prompt blocks the synchronous engine names, and end as there."""
-    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-    again = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    """A request that a stop token ends at a step in flight (not known before its token
+    lands, unlike max_tokens) still ran in the step queued after it: that row fills its
+    block's last slot (prompts of 15 tokens whose first token stops them, blocks of 16),
+    but its blocks are free by then and nothing names them; the same prompts again find
+    the prompt blocks the synchronous engine names, and end as there."""
     prompts = [[3 + i] + list(range(20, 34)) + [7] * i for i in range(3)]  # 15, 16, 17
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    first_tokens = drive(make(path, None), [(f"t{i}", p, one, 0) for i, p in enumerate(prompts)])
+    stops = sorted({out[-1][2][0][2][0] for out in first_tokens[0].values()})
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, stop_token_ids=stops)
+    again = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     runs = []
     for mode in (None, "async_scheduling"):
         engine = make(path, mode, enable_prefix_caching=True, block_size=16)
@@ -440,5 +445,6 @@ def test_a_row_computed_after_its_sequence_ended_names_no_block(path):
         named = sorted(d for d in engine.block_manager.block_hashes if d is not None)
         second, _ = drive(engine, [(f"b{i}", p, again, 0) for i, p in enumerate(prompts)])
         runs.append((first, named, second))
+    assert {out[-1][2][0][3] for out in runs[0][0].values()} == {"stop"}
     assert len(runs[0][1]) == 2  # the first blocks of the prompts of 16 and 17 tokens
     assert runs[1] == runs[0]

@@ -101,6 +101,28 @@ def test_overflowing_and_nan_adapters_fail_alone(base, adapters, mode):
 
 
 @MODES
+@pytest.mark.parametrize("max_tokens", [1, 2])
+def test_a_last_token_that_overflows_fails_its_request(base, adapters, mode, max_tokens):
+    """The overflowing adapter's first token is non-finite; with max_tokens 1 it is also
+    the last, which async scheduling knows before it lands (the sequence leaves the
+    scheduler then): the request ends with "error" all the same, as with max_tokens 2;
+    the clean request beside it ends by length."""
+    clean, huge, _ = adapters
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    llm = engine(base, mode)
+    for rid, lora in (("bad", huge), ("ok", clean)):
+        llm.add_request(rid, {"prompt_token_ids": PROMPTS[0]}, params, lora_request=lora)
+    done = {}
+    while llm.has_unfinished_requests():
+        done.update({o.request_id: o for o in llm.step() if o.finished})
+    assert done["bad"].outputs[0].finish_reason == "error"
+    assert "non-finite (NaN or Inf)" in done["bad"].error
+    assert done["ok"].outputs[0].finish_reason == "length"
+    assert len(done["ok"].outputs[0].token_ids) == max_tokens
+    assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
+
+
+@MODES
 def test_sampled_rows_of_an_overflowing_adapter_fail_alone(base, adapters, mode):
     """The sampler's path (temperature, logprobs, n forked): the overflowing request,
     its n samples included, ends with "error"; seeded clean requests beside it keep
