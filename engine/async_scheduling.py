@@ -5,7 +5,7 @@ vLLM V1's ``async_scheduling``, in one process. With ``EngineArgs.async_scheduli
 step whose every row samples on the device alone is left in flight: greedy rows
 (``Request.argmax_only``) and rows drawn at a temperature with top-k or min-p but no
 top-p, logprobs, logit_bias, penalties or grammar, a request of n > 1's samples once
-forked (``Request.device_only``, ``device_rows``; the OpenAI API's defaults,
+forked (``Request.device_only``, ``sampler.argmax_rows``; the OpenAI API's defaults,
 temperature 1 and top_p 1, make such rows). Its tokens are queued
 on the device after the forward and their copy to the host started
 (``host_copy.ReadBack``), and ``step()`` returns without waiting for them. The next
@@ -50,7 +50,7 @@ from dataclasses import dataclass
 import torch
 
 from lorapool.engine.host_copy import ReadBack, to_device
-from lorapool.engine.sampler import SamplingRow, finite_argmax
+from lorapool.engine.sampler import SamplingRow, argmax_rows, finite_argmax
 from lorapool.engine.scheduler_output import SchedulerOutput
 from lorapool.engine.sequence import Sequence, SequenceStatus
 from lorapool.outputs import RequestOutput
@@ -130,7 +130,7 @@ class PipelinedSteps:
         device alone is left in flight (its tokens read back by the next call), the
         step before it landed meanwhile; any other step lands the one in flight first,
         then samples as usual."""
-        drawn = None if sampled is not None else device_rows(layout)
+        drawn = None if sampled is not None else argmax_rows(layout, drawn=True)
         if (sampled or drawn) is not None and len(sampled or drawn) == logits.shape[0]:
             if sampled is None:  # temperature, top-k, min-p: drawn on the device
                 sampled, tokens = drawn, self._draw(logits, drawn)
@@ -191,48 +191,16 @@ class PipelinedSteps:
             self._fail_non_finite(
                 {e.item.seq.request.request_id for e in rows if tokens[e.sample_row] < 0}
             )
-        outputs, collect, now = [], {}, time.time()
-        append, running_output = self.outputs.append, self.outputs.running_output
+        appended, append, now = [], self.outputs.append, time.time()
         for entry in entries:
             seq = entry.item.seq
-            if seq.finish_reason is not None:  # ended in flight, or failed just now
-                continue
-            append(seq, tokens[entry.sample_row], None, None, now)
-            request = seq.request
-            if request.params.n == 1 and seq.finish_reason is None:
-                output = running_output(seq)  # a single sequence that goes on
-                if output is not None:
-                    outputs.append(output)
-            else:
-                collect[request.request_id] = request
-        for request in collect.values():
-            output = self._collect(request)
-            if output is not None:
-                outputs.append(output)
-        return outputs
+            if seq.finish_reason is None:  # else ended in flight, or failed just now
+                append(seq, tokens[entry.sample_row], None, None, now)
+                appended.append(seq)
+        return self._outputs_after(appended)
 
     def flush_in_flight(self) -> None:
         """Land the step in flight now (its outputs into the next ``step()``'s): before a
         request ends by abort or error, so that its last output holds all its tokens."""
         if self._in_flight is not None:
             self._pending += self.land(None)
-
-
-def device_rows(layout: list) -> list | None:
-    """Of a step's ``LogitsRows``: the entries that sample a token, if there are some
-    and each samples on the device alone: ``Request.device_only`` (no logprobs, bias,
-    penalties, top-p or grammar), not a fork (a request of n > 1's first token), its
-    min_tokens generated. None otherwise."""
-    rows = []
-    for entry in layout:
-        if entry.sample_row is None:
-            continue
-        seq = entry.item.seq
-        request = seq.request
-        if not request.device_only or request.needs_fork:
-            return None
-        min_tokens = request.params.min_tokens
-        if min_tokens and seq.num_output_tokens < min_tokens:
-            return None
-        rows.append(entry)
-    return rows or None

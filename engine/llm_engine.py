@@ -323,18 +323,25 @@ class LLMEngine(EngineStats, EngineAdapters, DeferredOutputs, PipelinedSteps):
             self._fail_non_finite(bad)
         if self.async_output_proc:
             return self.sample_later(targets, results, bad)
-        outputs, collect, now = [], {}, time.time()
-        append, running_output = self.outputs.append, self.outputs.running_output
+        appended, append, now = [], self.outputs.append, time.time()
         for (seq, i), result in zip(targets, results):
-            request = seq.request
-            if bad and request.request_id in bad:
+            if bad and seq.request.request_id in bad:
                 continue
             target = self._fork(seq, i) if i else seq
             append(target, result.token_id, result.logprob, result.top_logprobs, now)
             if target.guide is not None:
                 advance_guide(target, result.token_id)
-            if request.params.n == 1 and target.finish_reason is None:
-                output = running_output(target)  # a single sequence that goes on
+            appended.append(target)
+        return self._outputs_after(appended)
+
+    def _outputs_after(self, seqs: list[Sequence]) -> list[RequestOutput]:
+        """The outputs of the requests whose sequences ``seqs`` just took a token: a
+        single sequence that goes on makes its own; the others one per request."""
+        outputs, collect, running_output = [], {}, self.outputs.running_output
+        for seq in seqs:
+            request = seq.request
+            if request.params.n == 1 and seq.finish_reason is None:
+                output = running_output(seq)
                 if output is not None:
                     outputs.append(output)
             else:

@@ -309,17 +309,19 @@ def prompt_logprobs(
     return result
 
 
-def argmax_rows(layout: list) -> list | None:
+def argmax_rows(layout: list, drawn: bool = False) -> list | None:
     """Of a step's ``LogitsRows``: the entries that sample a token, if there are some
     and each takes the raw argmax: ``Request.argmax_only`` (greedy; no logprobs, bias,
-    penalties, grammar or fork) with its min_tokens generated. None otherwise."""
+    penalties, grammar or fork) with its min_tokens generated. None otherwise.
+    ``drawn``: or is drawn on the device alone (``Request.device_only``: no logprobs,
+    bias, penalties, top-p or grammar), not a fork (a request of n > 1's first token)."""
     sampled = []
     for entry in layout:
         if entry.sample_row is None:
             continue
         seq = entry.item.seq
         request = seq.request
-        if not request.argmax_only:
+        if not (request.device_only and not request.needs_fork if drawn else request.argmax_only):
             return None
         min_tokens = request.params.min_tokens
         if min_tokens and seq.num_output_tokens < min_tokens:
