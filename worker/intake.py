@@ -196,7 +196,8 @@ class Intake:
         that came during the step runs in the next one. (The sender's round trip runs
         during the next step: an entry it reads waits a step more. It reads them still
         when this read is not made or fails: ``state.read_between``. It never raises:
-        the step's outputs are not queued yet.)
+        the step's outputs are not queued yet. A trip still on its way with a read
+        keeps its count of the free slots: ``state.reading``.)
 
         Made while slots are free, not draining, and the read (one READ a shard, timed
         here, a moving average) costs at most ``READ_SHARE`` of the step: a step less to
@@ -210,8 +211,8 @@ class Intake:
         if self._between_s > READ_SHARE * step_s:
             self._between_s *= 0.99  # tried again within ~100 such steps: a slow read passes
             return []
-        count = engine.capacity(state.config.read_ahead)
-        if count == 0:
+        count = engine.capacity(state.config.read_ahead) - state.reading  # the trip's own
+        if count <= 0:
             return []
         start = time.monotonic()
         try:

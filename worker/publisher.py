@@ -155,6 +155,7 @@ class Publisher:
             read = None
         if batch or (read and read[0] > 0) or state.extra:
             self._sender.hand(_Trip(batch, read, state.extra))
+            state.reading = read[0] if read else 0
             state.extra = []
         if wait:
             self._sender.wait()
@@ -179,6 +180,7 @@ class Publisher:
     def _collect(self) -> None:
         """Results of finished sends, applied; a send's failure raised (trip kept)."""
         for trip, results in self._sender.take_done():
+            self.state.reading = 0
             if isinstance(results, BaseException):
                 trip.read = None  # entries a lost read delivered are claimed after the lease
                 self.retry = trip

@@ -86,10 +86,10 @@ def test_a_compiling_grammar_does_not_stall_the_others_steps(engine):
     print(f"\nstep {step:.4f}s; 4 compiles {compile_s:.3f}s; the other's tokens {tokens}")
     assert compile_s > 10 * step, "the grammars compiled too fast to tell anything"
     # Before, a compile held every step: the other request got one token (or none) while
-    # each grammar compiled ([1, 0, 0, 0]). Now it steps on while the first compiles, and
-    # while the second does (fewer: the first guided request's mask is in every step from
-    # then on; 3 once on a loaded box; it may also end later).
-    assert tokens[0] >= 5 and tokens[1] >= 1, tokens
+    # each grammar compiled ([1, 0, 0, 0]: 4 at most in all). Now it steps on while the
+    # first compiles and while the others do (fewer a window once the first guided
+    # request's mask is in every step; a loaded CI box gave [4, 2, 2, 42], others 5+ first).
+    assert tokens[0] >= 2 and tokens[1] >= 1 and sum(tokens) >= 8, tokens
     engine.abort_request("plain")
     finals |= drain(engine)
     for rid, tag in guided.items():
