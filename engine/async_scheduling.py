@@ -3,9 +3,10 @@ this step's tokens are read back.
 
 vLLM V1's ``async_scheduling``, in one process. With ``EngineArgs.async_scheduling``, a
 step whose every row samples on the device alone is left in flight: greedy rows
-(``Request.argmax_only``) and rows drawn at a temperature with top-k or min-p but no
-top-p, logprobs, logit_bias, penalties or grammar, a request of n > 1's samples once
-forked (``Request.device_only``, ``sampler.argmax_rows``; the OpenAI API's defaults,
+(``Request.argmax_only``) and rows drawn at a temperature with top-k, top-p (each
+row sorted whole: ``warpers.top_p``'s ``sync_free``) or min-p but no logprobs,
+logit_bias, penalties or grammar, a request of n > 1's samples once forked
+(``Request.device_only``, ``sampler.argmax_rows``; the OpenAI API's defaults,
 temperature 1 and top_p 1, make such rows). Its tokens are queued
 on the device after the forward and their copy to the host started
 (``host_copy.ReadBack``), and ``step()`` returns without waiting for them. The next
@@ -29,7 +30,7 @@ that chunk's charge given back to its tenant (``Scheduler.refund``) before the s
 after it; a request's output comes from the ``step()`` call after the one that ran it.
 Tokens, texts, logprobs and finish reasons are the synchronous engine's.
 
-A step with another row (top-p, grammars, a fork, logprobs, penalties, prompt logprobs,
+A step with another row (grammars, a fork, logprobs, penalties, prompt logprobs,
 min_tokens not yet met) lands the step in flight before it samples and is not left in
 flight itself: those rows read the tokens before them or read back while sampling.
 A seeded row draws what it draws in the synchronous engine; an unseeded row's number

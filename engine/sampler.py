@@ -120,16 +120,20 @@ class Sampler:
         queued without waiting for the device, nothing read back (async scheduling
         reads it later). Only for rows that need nothing else: ``device_only``."""
         logits = logits.float()
-        return torch.where(finite_rows(logits), self._sample(logits, rows, owned=False), -1)
+        tokens = self._sample(logits, rows, owned=False, sync_free=True)
+        return torch.where(finite_rows(logits), tokens, -1)
 
-    def _sample(self, x: torch.Tensor, rows: list[SamplingRow], owned: bool) -> torch.Tensor:
-        """The token of every row; ``owned``: x may be overwritten."""
+    def _sample(
+        self, x: torch.Tensor, rows: list[SamplingRow], owned: bool, sync_free: bool = False
+    ) -> torch.Tensor:
+        """The token of every row; ``owned``: x may be overwritten; ``sync_free``: nothing
+        read back from the device (``warp``'s)."""
         greedy = [i for i, r in enumerate(rows) if r.params.greedy]
         if len(greedy) == len(rows):
             return x.argmax(dim=-1)
         if not greedy:  # every row samples: no index tensors, no gathers
             r = x if owned else x.clone()
-            warp(r, [row.params for row in rows])
+            warp(r, [row.params for row in rows], sync_free)
             return draw(r, to_device(self._uniforms(rows), x.device))
         tokens = torch.empty(len(rows), dtype=torch.long, device=x.device)
         idx = to_device(greedy, x.device, torch.long)
@@ -137,7 +141,7 @@ class Sampler:
         sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
         idx = to_device(sampled, x.device, torch.long)
         r = x[idx]
-        warp(r, [rows[i].params for i in sampled])
+        warp(r, [rows[i].params for i in sampled], sync_free)
         tokens[idx] = draw(r, to_device(self._uniforms([rows[i] for i in sampled]), x.device))
         return tokens
 
@@ -157,15 +161,14 @@ class Sampler:
 def device_only(params: SamplingParams) -> bool:
     """Whether a row of ``params`` samples with nothing read back before its token is
     known on the device: no logprobs, logit_bias or penalties (min_tokens, which ends,
-    is checked per row), and top-p off (its nucleus search reads back which rows it
-    settled); temperature, top-k and min-p run on the device."""
+    is checked per row); temperature, top-k, top-p (``Sampler.on_device``: sorted whole,
+    ``warpers.top_p``) and min-p run on the device."""
     return argmax_only(params) or (
         params.logprobs is None
         and not params.logit_bias
         and params.repetition_penalty == 1.0
         and params.presence_penalty == 0.0
         and params.frequency_penalty == 0.0
-        and params.top_p == 1.0
     )
 
 

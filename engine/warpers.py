@@ -21,8 +21,9 @@ NEG_INF = float("-inf")
 TOP_P_CANDIDATES = (256, 4096)
 
 
-def warp(r: torch.Tensor, params: Sequence[SamplingParams]) -> None:
-    """Apply temperature, top-k, top-p and min-p of ``params[i]`` to ``r[i]``."""
+def warp(r: torch.Tensor, params: Sequence[SamplingParams], sync_free: bool = False) -> None:
+    """Apply temperature, top-k, top-p and min-p of ``params[i]`` to ``r[i]``.
+    ``sync_free``: nothing read back from the device (``top_p``'s)."""
     vocab = r.shape[1]
     temps = [p.temperature for p in params]
     if any(t != 1.0 for t in temps):
@@ -35,7 +36,7 @@ def warp(r: torch.Tensor, params: Sequence[SamplingParams]) -> None:
     _on_rows(
         r,
         [i for i, p in enumerate(params) if p.top_p < 1.0],
-        lambda sub, idx: top_p(sub, [params[i].top_p for i in idx]),
+        lambda sub, idx: top_p(sub, [params[i].top_p for i in idx], sync_free),
     )
     _on_rows(
         r,
@@ -66,16 +67,23 @@ def top_k(r: torch.Tensor, ks: list[int]) -> None:
     r.masked_fill_(r < largest.gather(1, k - 1), NEG_INF)
 
 
-def top_p(r: torch.Tensor, ps: list[float]) -> None:
+def top_p(r: torch.Tensor, ps: list[float], sync_free: bool = False) -> None:
     """Keep the smallest set of most likely tokens whose probability reaches ``p``.
 
     As transformers' TopPLogitsWarper: a token is removed when the tokens no
     more likely than it hold at most 1 - p, i.e. it is kept when the tokens
     strictly more likely than it hold less than p. At least one token is kept.
-    The nucleus is looked for among the top TOP_P_CANDIDATES tokens first.
+    The nucleus is looked for among the top TOP_P_CANDIDATES tokens first: which
+    rows it settled is read back (the host waits for the device). ``sync_free``: every
+    row sorted whole at once, nothing read back (as vLLM's sampler does), for a step
+    that async scheduling leaves in flight; the same tokens kept.
     """
     lse = r.logsumexp(dim=-1, keepdim=True)
     p = to_device(ps, r.device, torch.float64).unsqueeze(1)
+    if sync_free:
+        threshold, _ = _nucleus(r, lse, p, r.shape[1])
+        r.masked_fill_(r < threshold, NEG_INF)
+        return
     thresholds = torch.empty(r.shape[0], 1, dtype=r.dtype, device=r.device)
     todo = torch.arange(r.shape[0], device=r.device)
     for num in (*TOP_P_CANDIDATES, r.shape[1]):

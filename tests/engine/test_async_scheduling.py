@@ -25,14 +25,15 @@ def path(tiny_model_path):
 @st.composite
 def device_job(draw):
     """A request whose steps async scheduling leaves in flight but for its min_tokens:
-    greedy, or drawn on the device (seeded; temperature, top-k, min-p; n samples, left
-    in flight once forked), no logprobs; aborted at a step or not."""
+    greedy, or drawn on the device (seeded; temperature, top-k, top-p, min-p; n samples,
+    left in flight once forked), no logprobs; aborted at a step or not."""
     prompt = draw(st.lists(st.integers(3, 511), min_size=1, max_size=40))
     max_tokens = draw(st.integers(1, 20))
     sampled = draw(st.booleans())
     params = SamplingParams(
         temperature=draw(st.sampled_from([0.7, 1.0, 1.3])) if sampled else 0.0,
         top_k=draw(st.sampled_from([-1, 20])) if sampled else -1,
+        top_p=draw(st.sampled_from([1.0, 0.9, 0.5])) if sampled else 1.0,
         min_p=draw(st.sampled_from([0.0, 0.05])) if sampled else 0.0,
         seed=draw(st.integers(0, 2**32)) if sampled else None,
         n=draw(st.sampled_from([1, 1, 3])) if sampled else 1,
@@ -86,17 +87,19 @@ def test_steps_left_in_flight_stream_and_end_as_without_it(path, jobs):
 
 
 @pytest.mark.parametrize(
-    ("temperature", "n"), [(0.0, 1), (1.0, 1), (1.0, 3)], ids=["greedy", "sampled", "forked"]
+    ("temperature", "top_p", "n"),
+    [(0.0, 1.0, 1), (1.0, 1.0, 1), (1.0, 0.9, 1), (1.0, 1.0, 3)],
+    ids=["greedy", "sampled", "top-p", "forked"],
 )
 def test_the_next_step_is_queued_before_this_ones_tokens_are_read(
-    path, monkeypatch, temperature, n
+    path, monkeypatch, temperature, top_p, n
 ):
-    """A step's tokens (greedy, or drawn on the device at temperature 1, n samples once
-    forked) are read back only after the next step's forward was queued (on a GPU the
-    host packs and queues it while the device runs); its outputs come from the step()
-    call after. The reads and forwards are counted in the engine's own order: forward 0,
-    forward 1, read 0, forward 2, read 1, ... The step that forks n samples (their
-    first tokens) reads back at once, as it must."""
+    """A step's tokens (greedy, or drawn on the device at temperature 1, with top-p or
+    not, n samples once forked) are read back only after the next step's forward was
+    queued (on a GPU the host packs and queues it while the device runs); its outputs
+    come from the step() call after. The reads and forwards are counted in the engine's
+    own order: forward 0, forward 1, read 0, forward 2, read 1, ... The step that forks
+    n samples (their first tokens) reads back at once, as it must."""
     from lorapool.engine import async_scheduling
 
     events, reads = [], itertools.count()
@@ -114,7 +117,9 @@ def test_the_next_step_is_queued_before_this_ones_tokens_are_read(
         return copy
 
     monkeypatch.setattr(async_scheduling, "read_back", read_back)
-    params = SamplingParams(temperature=temperature, seed=5, n=n, max_tokens=4, ignore_eos=True)
+    params = SamplingParams(
+        temperature=temperature, top_p=top_p, seed=5, n=n, max_tokens=4, ignore_eos=True
+    )
     arrivals = []
     for mode in (None, "async_scheduling"):
         engine = make(path, mode)

@@ -62,12 +62,13 @@ WARP_CASES = [
 ]
 
 
+@pytest.mark.parametrize("sync_free", [False, True], ids=["staged", "sync-free"])
 @pytest.mark.parametrize("vocab", [1000, 10_000])
-def test_warpers_match_transformers(vocab):
+def test_warpers_match_transformers(vocab, sync_free):
     params = [SamplingParams(**case) for case in WARP_CASES]
     x = logits_for(len(params), vocab)
     ours = x.clone()
-    warp(ours, params)  # all rows at once, each with its own parameters
+    warp(ours, params, sync_free)  # all rows at once, each with its own parameters
     for i, p in enumerate(params):
         expected = hf_warp(x[i : i + 1], p)[0]
         kept = torch.isfinite(expected)

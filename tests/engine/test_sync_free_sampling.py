@@ -1,0 +1,94 @@
+"""What a step that async scheduling leaves in flight samples with: ``Sampler.on_device``
+reads nothing back from the device (on a GPU the host would wait for the step's forward
+there, ending the overlap), and keeps the tokens the synchronous sampler draws. Top-p's
+staged nucleus search reads back which rows it settled; its ``sync_free`` form sorts
+each row whole and keeps the same tokens. Reads are counted by a dispatch mode on the
+CPU (``support/host_reads.py``); the oracle for the kept tokens is the staged search,
+itself checked against transformers' TopPLogitsWarper (test_sampler.py)."""
+
+from __future__ import annotations
+
+import torch
+from host_reads import HostReads
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lorapool.engine.sampler import Sampler, SamplingRow
+from lorapool.engine.warpers import NEG_INF, TOP_P_CANDIDATES, top_p, warp
+from lorapool.protocol import SamplingParams
+
+
+@st.composite
+def logit_rows(draw):
+    """Rows of logits past the candidate stages (5,000 tokens) or not (300): peaked,
+    flat (the nucleus past 4,096 candidates), with ties at the threshold, with -inf."""
+    vocab = draw(st.sampled_from([300, TOP_P_CANDIDATES[-1] + 904]))
+    num_rows = draw(st.integers(1, 5))
+    seed = draw(st.integers(0, 2**31))
+    g = torch.Generator().manual_seed(seed)
+    scales = torch.tensor(draw(st.lists(st.sampled_from([0.01, 1.0, 8.0]), min_size=num_rows,
+                                        max_size=num_rows))).unsqueeze(1)  # fmt: skip
+    r = torch.randn(num_rows, vocab, generator=g) * scales
+    if draw(st.booleans()):  # ties: values rounded to a coarse grid
+        r = (r * 4).round() / 4
+    if draw(st.booleans()):  # tokens removed before (top-k, a grammar)
+        r[torch.rand(num_rows, vocab, generator=g) < 0.5] = NEG_INF
+        r[:, 0] = 1.0
+    ps = draw(st.lists(st.sampled_from([0.01, 0.5, 0.9, 0.95, 0.999]), min_size=num_rows,
+                       max_size=num_rows))  # fmt: skip
+    return r, ps
+
+
+@settings(max_examples=60, deadline=None)
+@given(case=logit_rows())
+def test_sync_free_top_p_keeps_the_staged_searchs_tokens_and_reads_nothing(case):
+    r, ps = case
+    staged, whole = r.clone(), r.clone()
+    with HostReads() as reads:
+        top_p(staged, ps)
+    assert reads.ops  # the staged search does read back (what the detector must see)
+    with HostReads() as reads:
+        top_p(whole, ps, sync_free=True)
+    assert reads.ops == []
+    assert torch.equal(staged, whole)
+
+
+def _rows(vocab: int) -> list[SamplingRow]:
+    """A step of device-drawn rows: greedy, temperature alone, top-k, top-p, min-p, and
+    all of them, seeded, as OpenAI clients send them."""
+    cases = [
+        dict(temperature=0.0),
+        dict(temperature=1.0, seed=1),
+        dict(temperature=0.7, top_k=20, seed=2),
+        dict(temperature=1.0, top_p=0.9, seed=3),
+        dict(temperature=1.3, top_p=0.5, seed=4),
+        dict(temperature=0.8, min_p=0.05, seed=5),
+        dict(temperature=0.9, top_k=50, top_p=0.95, min_p=0.02, seed=6),
+    ]
+    return [SamplingRow(SamplingParams(**c), [5, 6, 7], list(range(i))) for i, c in
+            enumerate(cases)]  # fmt: skip
+
+
+def test_a_step_drawn_on_the_device_reads_nothing_back_and_draws_the_same_tokens():
+    vocab = TOP_P_CANDIDATES[-1] + 904
+    for seed in range(5):
+        logits = torch.randn(7, vocab, generator=torch.Generator().manual_seed(seed)) * 3
+        rows = _rows(vocab)
+        want = [r.token_id for r in Sampler([2])(logits, rows)]
+        with HostReads() as reads:
+            tokens = Sampler([2]).on_device(logits, rows)
+        assert reads.ops == []
+        assert tokens.tolist() == want
+
+
+def test_warp_reads_back_only_for_top_p_when_not_sync_free():
+    """The other warpers never read back; the staged top-p does, the sync-free one not."""
+    params = [SamplingParams(temperature=0.7, top_k=20, min_p=0.05)] * 2
+    for p, sync_free, reads_back in [
+        (params, False, False),
+        ([SamplingParams(top_p=0.9)] * 2, False, True),
+        ([SamplingParams(top_p=0.9)] * 2, True, False),
+    ]:
+        with HostReads() as reads:
+            warp(torch.randn(2, 500), p, sync_free)
+        assert bool(reads.ops) == reads_back, (p, sync_free, reads.ops)
