@@ -4,8 +4,9 @@ this step's tokens are read back.
 vLLM V1's ``async_scheduling``, in one process. With ``EngineArgs.async_scheduling``, a
 step whose every row samples on the device alone is left in flight: greedy rows
 (``Request.argmax_only``) and rows drawn at a temperature with top-k, top-p (each
-row sorted whole: ``warpers.top_p``'s ``sync_free``) or min-p but no logprobs,
-logit_bias, penalties or grammar, a request of n > 1's samples once forked
+row sorted whole: ``warpers.top_p``'s ``sync_free``) or min-p, with logprobs or not
+(copied back with the tokens: ``logprobs.StepLogprobs``), but no logit_bias,
+penalties or grammar, a request of n > 1's samples once forked
 (``Request.device_only``, ``sampler.argmax_rows``; the OpenAI API's defaults,
 temperature 1 and top_p 1, make such rows). Its tokens are queued
 on the device after the forward and their copy to the host started
@@ -30,7 +31,7 @@ that chunk's charge given back to its tenant (``Scheduler.refund``) before the s
 after it; a request's output comes from the ``step()`` call after the one that ran it.
 Tokens, texts, logprobs and finish reasons are the synchronous engine's.
 
-A step with another row (grammars, a fork, logprobs, penalties, prompt logprobs,
+A step with another row (grammars, a fork, penalties, prompt logprobs,
 min_tokens not yet met) lands the step in flight before it samples and is not left in
 flight itself: those rows read the tokens before them or read back while sampling.
 A seeded row draws what it draws in the synchronous engine; an unseeded row's number
@@ -51,6 +52,7 @@ from dataclasses import dataclass
 import torch
 
 from lorapool.engine.host_copy import ReadBack, to_device
+from lorapool.engine.logprobs import StepLogprobs
 from lorapool.engine.sampler import SamplingRow, argmax_rows, finite_argmax
 from lorapool.engine.scheduler_output import SchedulerOutput
 from lorapool.engine.sequence import Sequence, SequenceStatus
@@ -65,9 +67,10 @@ class InFlight:
     """A step queued on the device whose tokens are not read yet."""
 
     entries: list  # its sampling LogitsRows (``sample_row``: their row in ``tokens``)
-    tokens: torch.Tensor  # [rows] int64 on the device: each row's argmax, -1 not finite
+    tokens: torch.Tensor  # [rows] int64 on the device: each row's token, -1 not finite
     host: ReadBack  # their copy to the host
     held: list[Sequence]  # the sequences given a placeholder for it (``hold_places``)
+    logprobs: StepLogprobs | None = None  # of the rows that asked, copied back too
 
 
 class PipelinedSteps:
@@ -133,14 +136,15 @@ class PipelinedSteps:
         then samples as usual."""
         drawn = None if sampled is not None else argmax_rows(layout, drawn=True)
         if (sampled or drawn) is not None and len(sampled or drawn) == logits.shape[0]:
-            if sampled is None:  # temperature, top-k, min-p: drawn on the device
-                sampled, tokens = drawn, self._draw(logits, drawn)
+            logprobs = None
+            if sampled is None:  # temperature, top-k, top-p, min-p, logprobs: on the device
+                sampled, (tokens, logprobs) = drawn, self._draw(logits, drawn)
             else:
                 tokens = finite_argmax(logits)
             host = read_back(tokens)
             outputs = self.land(scheduled)  # while the device runs ``scheduled``
             if any(entry.item.seq.finish_reason is None for entry in sampled):
-                self._in_flight = InFlight(sampled, tokens, host, [])
+                self._in_flight = InFlight(sampled, tokens, host, [], logprobs)
             return outputs
         outputs = self.land(scheduled)
         if sampled is not None:  # greedy, with prompt logprobs' rows
@@ -149,12 +153,13 @@ class PipelinedSteps:
             return outputs + self._take_argmax(logits, tokens, layout, live)
         return outputs + self._process_logits(logits, layout, masks)
 
-    def _draw(self, logits: torch.Tensor, entries: list) -> torch.Tensor:
+    def _draw(self, logits: torch.Tensor, entries: list) -> tuple:
         """The tokens of ``entries`` (``Request.device_only``, a row each, in order),
-        drawn on the device. A seeded row's number comes from its tokens so far, its
-        placeholder included: as in the synchronous engine, where the token in flight
-        has joined it; an unseeded row's from the sampler's generator, which a row of a
-        sequence that the step in flight ends also advances."""
+        drawn on the device, and the logprobs of those that asked. A seeded row's number
+        comes from its tokens so far, its placeholder included: as in the synchronous
+        engine, where the token in flight has joined it; an unseeded row's from the
+        sampler's generator, which a row of a sequence that the step in flight ends also
+        advances."""
         of_tokens = SamplingRow.of_tokens
         rows = [
             of_tokens(seq.request.params, seq.token_ids, seq.num_prompt_tokens, seq.index)
@@ -172,7 +177,7 @@ class PipelinedSteps:
             for seq in flight.held:
                 seq.token_ids.pop()  # its placeholder
             tokens = flight.host.tolist()
-            outputs = self._land_tokens(flight.entries, tokens)
+            outputs = self._land_tokens(flight.entries, tokens, flight.logprobs)
         if running is not None:
             ended = [item for item in running.scheduled if item.seq.finish_reason is not None]
             for item in ended:
@@ -183,20 +188,25 @@ class PipelinedSteps:
             self.scheduler.postprocess(running)
         return outputs
 
-    def _land_tokens(self, entries: list, tokens: list[int]) -> list[RequestOutput]:
+    def _land_tokens(
+        self, entries: list, tokens: list[int], logprobs: StepLogprobs | None = None
+    ) -> list[RequestOutput]:
         """``tokens`` (by ``sample_row``, -1 not finite) join the sequences of
-        ``entries`` that go on; each request's output as ``LLMEngine._sample`` makes it
-        (one for the n sequences of a request of n > 1)."""
+        ``entries`` that go on, with their ``logprobs`` where asked; each request's
+        output as ``LLMEngine._sample`` makes it (one for the n sequences of a request of
+        n > 1)."""
         if -1 in tokens:
             rows = [e for e in entries if e.item.seq.finish_reason is None]
             self._fail_non_finite(
                 {e.item.seq.request.request_id for e in rows if tokens[e.sample_row] < 0}
             )
+        asked = logprobs.results(tokens) if logprobs is not None else {}
         appended, append, now = [], self.outputs.append, time.time()
         for entry in entries:
             seq = entry.item.seq
             if seq.finish_reason is None:  # else ended in flight, or failed just now
-                append(seq, tokens[entry.sample_row], None, None, now)
+                row = entry.sample_row
+                append(seq, tokens[row], *asked.get(row, (None, None)), now)
                 appended.append(seq)
         return self._outputs_after(appended)
 

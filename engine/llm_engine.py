@@ -42,6 +42,7 @@ from lorapool.engine.guide import GuideFactory, MaskPool, advance_guide, allowed
 from lorapool.engine.host_copy import to_device
 from lorapool.engine.input_processor import InputLimits, InputProcessor
 from lorapool.engine.loader import eos_token_ids
+from lorapool.engine.logprobs import prompt_logprobs
 from lorapool.engine.lora.manager import LoRAManager
 from lorapool.engine.model_runner import LogitsRows, ModelRunner
 from lorapool.engine.output_processor import OutputProcessor
@@ -52,7 +53,6 @@ from lorapool.engine.sampler import (
     argmax_rows,
     device_only,
     finite_argmax,
-    prompt_logprobs,
 )
 from lorapool.engine.scheduler import Scheduler, SchedulerOutput
 from lorapool.engine.sequence import Request, Sequence, SequenceStatus

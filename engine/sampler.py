@@ -26,6 +26,7 @@ import torch
 
 from lorapool.engine.guide import apply_masks
 from lorapool.engine.host_copy import to_device
+from lorapool.engine.logprobs import StepLogprobs, raw_logprobs
 from lorapool.engine.penalties import apply_logit_bias, apply_penalties
 from lorapool.engine.sequence import PromptAndOutput
 from lorapool.engine.warpers import warp
@@ -34,7 +35,6 @@ from lorapool.protocol import SamplingParams
 
 _MASK64 = (1 << 64) - 1
 _BLOCK = 256  # the draw first picks a block of this many tokens, then a token in it
-_PROMPT_CHUNK = 512  # prompt positions per log_softmax, to bound memory
 
 
 class SamplingRow(PromptAndOutput):
@@ -93,8 +93,8 @@ class Sampler:
     drawn from it is garbage. Its check is read back in the same device-to-host copy
     as the tokens; the host values it needs on the device go there without waiting
     (``host_copy``), so a step's sampling waits on the device once, unless it reads
-    more back: logprobs, top-p's candidate search (which rows it settled), a grammar
-    row's check for an empty mask.
+    more back: logprobs (two copies), top-p's candidate search (which rows it settled),
+    a grammar row's check for an empty mask.
     """
 
     def __init__(self, eos_token_ids: Iterable[int], seed: int = 0):
@@ -108,20 +108,25 @@ class Sampler:
             return []
         logits = logits.float()
         finite = finite_rows(logits)
-        raw = _raw_logprobs(logits, rows)
+        raw = raw_logprobs(logits, rows)
         biased = apply_logit_bias(logits, rows)
         processed = apply_penalties(biased, rows, self.eos_token_ids)
         processed = apply_masks(processed, rows, fallback=logits)
         tokens = self._sample(processed, rows, owned=processed is not logits)
         return _results(tokens, finite, raw, rows)
 
-    def on_device(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    def on_device(
+        self, logits: torch.Tensor, rows: list[SamplingRow]
+    ) -> tuple[torch.Tensor, StepLogprobs | None]:
         """[S] int64 on the device: each row's token, -1 where the row is not finite,
         queued without waiting for the device, nothing read back (async scheduling
-        reads it later). Only for rows that need nothing else: ``device_only``."""
+        reads it later); and the logprobs of the rows that asked, their copy to the host
+        started. Only for rows that need nothing else: ``device_only``."""
         logits = logits.float()
+        raw = raw_logprobs(logits, rows)
         tokens = self._sample(logits, rows, owned=False, sync_free=True)
-        return torch.where(finite_rows(logits), tokens, -1)
+        found = StepLogprobs(raw, tokens, rows, copy=True) if raw is not None else None
+        return torch.where(finite_rows(logits), tokens, -1), found
 
     def _sample(
         self, x: torch.Tensor, rows: list[SamplingRow], owned: bool, sync_free: bool = False
@@ -160,12 +165,11 @@ class Sampler:
 
 def device_only(params: SamplingParams) -> bool:
     """Whether a row of ``params`` samples with nothing read back before its token is
-    known on the device: no logprobs, logit_bias or penalties (min_tokens, which ends,
-    is checked per row); temperature, top-k, top-p (``Sampler.on_device``: sorted whole,
-    ``warpers.top_p``) and min-p run on the device."""
+    known on the device: no logit_bias or penalties (min_tokens, which ends, is checked
+    per row); temperature, top-k, top-p (``Sampler.on_device``: sorted whole,
+    ``warpers.top_p``), min-p and logprobs (copied back with the tokens) run on it."""
     return argmax_only(params) or (
-        params.logprobs is None
-        and not params.logit_bias
+        not params.logit_bias
         and params.repetition_penalty == 1.0
         and params.presence_penalty == 0.0
         and params.frequency_penalty == 0.0
@@ -245,79 +249,23 @@ def draw(r: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return (block * _BLOCK + token).squeeze(1)
 
 
-def _raw_logprobs(logits: torch.Tensor, rows: list[SamplingRow]):
-    """(row indices, their log_softmax) for the rows that asked for logprobs."""
-    asked = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
-    if not asked:
-        return None
-    if len(asked) == len(rows):
-        return asked, logits.log_softmax(dim=-1)
-    idx = to_device(asked, logits.device, torch.long)
-    return asked, logits[idx].log_softmax(dim=-1)
-
-
-def _results(tokens: torch.Tensor, finite: torch.Tensor, raw, rows) -> list[SampleResult]:
+def _results(
+    tokens: torch.Tensor, finite: torch.Tensor, raw, rows: list[SamplingRow]
+) -> list[SampleResult]:
     token_list = torch.where(finite, tokens, -1).tolist()  # the sampler's one sync
     results = [SampleResult(t, None, None) for t in token_list]
-    if raw is None:
-        return results
-    asked, logprobs = raw
-    chosen = tokens[to_device(asked, tokens.device, torch.long)]
-    dicts = logprob_dicts(logprobs, chosen, [rows[i].params.logprobs for i in asked])
-    for i, d in zip(asked, dicts):
-        if token_list[i] >= 0:
-            results[i].logprob = d[token_list[i]].logprob
-            results[i].top_logprobs = d
+    if raw is not None:  # two more: the logprobs' ids and values
+        for i, (logprob, top) in StepLogprobs(raw, tokens, rows).results(token_list).items():
+            results[i].logprob, results[i].top_logprobs = logprob, top
     return results
-
-
-def logprob_dicts(
-    logprobs: torch.Tensor, chosen: torch.Tensor, ks: list[int]
-) -> list[dict[int, Logprob]]:
-    """Per row of ``logprobs`` [R, V]: the chosen token first, then the top ``ks[i]``.
-
-    Ranks are 1-based; the chosen token's rank counts the tokens at least as
-    likely as it (vLLM's convention).
-    """
-    chosen = chosen.unsqueeze(1)
-    chosen_lp = logprobs.gather(1, chosen)
-    ranks = (logprobs >= chosen_lp).sum(dim=-1).tolist()
-    top_k = max(ks)
-    top_values, top_ids = logprobs.topk(top_k, dim=-1) if top_k else (None, None)
-    dicts = []
-    for i, (token, lp) in enumerate(zip(chosen.flatten().tolist(), chosen_lp.flatten().tolist())):
-        d = {token: Logprob(lp, ranks[i])}
-        if ks[i]:
-            ids, values = top_ids[i, : ks[i]].tolist(), top_values[i, : ks[i]].tolist()
-            for rank, (tid, value) in enumerate(zip(ids, values), start=1):
-                d.setdefault(tid, Logprob(value, rank))
-        dicts.append(d)
-    return dicts
-
-
-def prompt_logprobs(
-    logits: torch.Tensor, prompt_token_ids: Sequence[int], k: int
-) -> list[dict[int, Logprob] | None]:
-    """Logprobs of the prompt: None for its first token, then per position the
-    actual prompt token and the top ``k``. ``logits`` [P, V]: row i predicts token i+1."""
-    result: list[dict[int, Logprob] | None] = [None]
-    num = len(prompt_token_ids) - 1
-    if num > logits.shape[0]:
-        raise ValueError(f"{logits.shape[0]} logits rows for {num + 1} prompt tokens")
-    targets = to_device(list(prompt_token_ids[1:]), logits.device, torch.long)
-    for start in range(0, num, _PROMPT_CHUNK):
-        end = min(num, start + _PROMPT_CHUNK)
-        logprobs = logits[start:end].float().log_softmax(dim=-1)
-        result.extend(logprob_dicts(logprobs, targets[start:end], [k] * (end - start)))
-    return result
 
 
 def argmax_rows(layout: list, drawn: bool = False) -> list | None:
     """Of a step's ``LogitsRows``: the entries that sample a token, if there are some
     and each takes the raw argmax: ``Request.argmax_only`` (greedy; no logprobs, bias,
     penalties, grammar or fork) with its min_tokens generated. None otherwise.
-    ``drawn``: or is drawn on the device alone (``Request.device_only``: no logprobs,
-    bias, penalties, top-p or grammar), not a fork (a request of n > 1's first token)."""
+    ``drawn``: or is drawn on the device alone (``Request.device_only``: no logit_bias,
+    penalties or grammar), not a fork (a request of n > 1's first token)."""
     sampled = []
     for entry in layout:
         if entry.sample_row is None:

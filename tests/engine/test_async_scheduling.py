@@ -26,7 +26,7 @@ def path(tiny_model_path):
 def device_job(draw):
     """A request whose steps async scheduling leaves in flight but for its min_tokens:
     greedy, or drawn on the device (seeded; temperature, top-k, top-p, min-p; n samples,
-    left in flight once forked), no logprobs; aborted at a step or not."""
+    left in flight once forked), with logprobs or not; aborted at a step or not."""
     prompt = draw(st.lists(st.integers(3, 511), min_size=1, max_size=40))
     max_tokens = draw(st.integers(1, 20))
     sampled = draw(st.booleans())
@@ -44,14 +44,17 @@ def device_job(draw):
         include_stop_str_in_output=draw(st.booleans()),
         ignore_eos=draw(st.booleans()),
         output_kind=draw(st.sampled_from(KINDS)),
+        logprobs=draw(st.sampled_from([None, None, 0, 3])),
     )
     return prompt, params, draw(st.integers(0, 6)), draw(st.none() | st.integers(0, 25))
 
 
 def drive_aborting(engine, jobs):
     """``drive``'s, for jobs (rid, prompt, params, arrival step, abort step or None):
-    each request's outputs in order, and the step calls that returned them."""
+    each request's outputs in order (logprobs: their tokens and ranks), and apart, the
+    logprob values (a batch of another size moves them by float ulps)."""
     streamed: dict[str, list] = {}
+    values: dict[str, list] = {}
     pending, step = sorted(jobs, key=lambda j: j[3]), 0
     while pending or engine.has_unfinished_requests():
         while pending and pending[0][3] <= step:
@@ -59,44 +62,52 @@ def drive_aborting(engine, jobs):
             engine.add_request(rid, {"prompt_token_ids": prompt}, params)
         engine.abort_request([j[0] for j in jobs if j[4] == step and j[0] in engine.requests])
         for out in engine.step():
-            got = [
-                (c.index, c.text, list(c.token_ids), c.finish_reason, c.stop_reason)
-                for c in out.outputs
-            ]
+            got = []
+            for c in out.outputs:
+                ranks = [{t: lp.rank for t, lp in d.items()} for d in c.logprobs or []]
+                got.append((c.index, c.text, list(c.token_ids), c.finish_reason, c.stop_reason))
+                got.append(ranks)
+                values.setdefault(out.request_id, []).extend(
+                    lp.logprob for d in c.logprobs or [] for lp in d.values()
+                )
             streamed.setdefault(out.request_id, []).append((out.finished, got))
         step += 1
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     assert not engine.requests and engine._in_flight is None
-    return streamed
+    return streamed, values
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(jobs=st.lists(device_job(), min_size=1, max_size=8))
 def test_steps_left_in_flight_stream_and_end_as_without_it(path, jobs):
     """Greedy and seeded sampled requests, n of them forked (most steps left in flight),
-    some with min_tokens (those steps are not), stop strings and ids, arriving and
-    aborted at different steps: each
-    request streams and ends as in the synchronous engine, whose schedule this one
-    keeps (room for every request: no preemption, no chunking; prefix caching names the
-    blocks a step filled once its tokens are in)."""
+    with logprobs or not, some with min_tokens (those steps are not), stop strings and
+    ids, arriving and aborted at different steps: each request streams and ends as in
+    the synchronous engine, whose schedule this one keeps (room for every request: no
+    preemption, no chunking; prefix caching names the blocks a step filled once its
+    tokens are in)."""
     kw = {"max_num_seqs": 16, "max_num_batched_tokens": 512, "enable_prefix_caching": True}
     run = next(run_ids)
     named = [(f"{run}-{i}", *job) for i, job in enumerate(jobs)]
-    sync = drive_aborting(make(path, None, **kw), named)
-    assert drive_aborting(make(path, "async_scheduling", **kw), named) == sync
+    sync, sync_values = drive_aborting(make(path, None, **kw), named)
+    later, later_values = drive_aborting(make(path, "async_scheduling", **kw), named)
+    assert later == sync
+    for rid, got in sync_values.items():
+        assert later_values[rid] == pytest.approx(got, abs=1e-4), rid
 
 
 @pytest.mark.parametrize(
-    ("temperature", "top_p", "n"),
-    [(0.0, 1.0, 1), (1.0, 1.0, 1), (1.0, 0.9, 1), (1.0, 1.0, 3)],
-    ids=["greedy", "sampled", "top-p", "forked"],
-)
+    ("temperature", "top_p", "logprobs", "n"),
+    [(0.0, 1.0, None, 1), (1.0, 1.0, None, 1), (1.0, 0.9, None, 1), (0.0, 1.0, 2, 1),
+     (1.0, 1.0, None, 3)],
+    ids=["greedy", "sampled", "top-p", "logprobs", "forked"],
+)  # fmt: skip
 def test_the_next_step_is_queued_before_this_ones_tokens_are_read(
-    path, monkeypatch, temperature, top_p, n
+    path, monkeypatch, temperature, top_p, logprobs, n
 ):
     """A step's tokens (greedy, or drawn on the device at temperature 1, with top-p or
-    not, n samples once forked) are read back only after the next step's forward was
-    queued (on a GPU the host packs and queues it while the device runs); its outputs
+    logprobs or not, n samples once forked) are read back only after the next step's
+    forward was queued (on a GPU the host packs and queues it while the device runs); its outputs
     come from the step() call after. The reads and forwards are counted in the engine's
     own order: forward 0, forward 1, read 0, forward 2, read 1, ... The step that forks
     n samples (their first tokens) reads back at once, as it must."""
@@ -118,7 +129,13 @@ def test_the_next_step_is_queued_before_this_ones_tokens_are_read(
 
     monkeypatch.setattr(async_scheduling, "read_back", read_back)
     params = SamplingParams(
-        temperature=temperature, top_p=top_p, seed=5, n=n, max_tokens=4, ignore_eos=True
+        temperature=temperature,
+        top_p=top_p,
+        logprobs=logprobs,
+        seed=5,
+        n=n,
+        max_tokens=4,
+        ignore_eos=True,
     )
     arrivals = []
     for mode in (None, "async_scheduling"):

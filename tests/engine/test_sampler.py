@@ -13,14 +13,9 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from lorapool.engine.logprobs import prompt_logprobs
 from lorapool.engine.penalties import apply_penalties
-from lorapool.engine.sampler import (
-    Sampler,
-    SamplingRow,
-    draw,
-    prompt_logprobs,
-    seeded_uniform,
-)
+from lorapool.engine.sampler import Sampler, SamplingRow, draw, seeded_uniform
 from lorapool.engine.warpers import warp
 from lorapool.protocol import SamplingParams
 
@@ -286,6 +281,23 @@ def test_min_tokens_masks_eos_and_stop_token_ids(temperature):
     assert tokens[0] == 12  # EOS and the stop token are banned until 3 tokens
     assert tokens[1] == EOS  # min_tokens reached
     assert tokens[2] == 12  # vLLM bans EOS even with ignore_eos
+
+
+def test_a_non_finite_row_asking_logprobs_fails_alone():
+    """Its draw is garbage (past the vocabulary where it is padded to the draw's blocks):
+    token -1, no logprobs, and the rows beside it keep theirs (before: the gather of its
+    logprob raised, failing the whole step; on a GPU a device-side assert)."""
+    rows = [row(temperature=0.7, seed=s, logprobs=2) for s in range(6)]
+    x = logits_for(len(rows), 1000)
+    alone = [Sampler([EOS])(x[i : i + 1], [r])[0] for i, r in enumerate(rows)]
+    x[1:4, 7] = float("nan")
+    x[4, 9] = float("inf")
+    results = Sampler([EOS])(x, rows)
+    assert [r.token_id for r in results[1:5]] == [-1] * 4
+    assert all(r.logprob is None and r.top_logprobs is None for r in results[1:5])
+    for i in (0, 5):
+        assert results[i].token_id == alone[i].token_id
+        assert results[i].top_logprobs.keys() == alone[i].top_logprobs.keys()
 
 
 def test_draw_never_picks_a_removed_token():

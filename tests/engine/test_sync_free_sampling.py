@@ -59,26 +59,35 @@ def _rows(vocab: int) -> list[SamplingRow]:
     cases = [
         dict(temperature=0.0),
         dict(temperature=1.0, seed=1),
-        dict(temperature=0.7, top_k=20, seed=2),
+        dict(temperature=0.7, top_k=20, seed=2, logprobs=0),
         dict(temperature=1.0, top_p=0.9, seed=3),
-        dict(temperature=1.3, top_p=0.5, seed=4),
+        dict(temperature=1.3, top_p=0.5, seed=4, logprobs=5),
         dict(temperature=0.8, min_p=0.05, seed=5),
         dict(temperature=0.9, top_k=50, top_p=0.95, min_p=0.02, seed=6),
+        dict(temperature=0.0, logprobs=2),
     ]
     return [SamplingRow(SamplingParams(**c), [5, 6, 7], list(range(i))) for i, c in
             enumerate(cases)]  # fmt: skip
 
 
 def test_a_step_drawn_on_the_device_reads_nothing_back_and_draws_the_same_tokens():
+    """Tokens, and the logprobs of the rows that asked (copied back apart, read when the
+    step lands), as the synchronous sampler gives them."""
     vocab = TOP_P_CANDIDATES[-1] + 904
     for seed in range(5):
-        logits = torch.randn(7, vocab, generator=torch.Generator().manual_seed(seed)) * 3
         rows = _rows(vocab)
-        want = [r.token_id for r in Sampler([2])(logits, rows)]
+        logits = torch.randn(len(rows), vocab, generator=torch.Generator().manual_seed(seed))
+        logits *= 3
+        if seed == 4:
+            logits[2, 7] = float("nan")  # a row that is not finite: -1, no logprobs
+        want = [(r.token_id, r.logprob, r.top_logprobs) for r in Sampler([2])(logits, rows)]
         with HostReads() as reads:
-            tokens = Sampler([2]).on_device(logits, rows)
+            tokens, logprobs = Sampler([2]).on_device(logits, rows)
         assert reads.ops == []
-        assert tokens.tolist() == want
+        got = tokens.tolist()
+        asked = logprobs.results(got)
+        assert [(t, *asked.get(i, (None, None))) for i, t in enumerate(got)] == want
+        assert sorted(asked) == [i for i, (t, lp, _) in enumerate(want) if lp is not None]
 
 
 def test_warp_reads_back_only_for_top_p_when_not_sync_free():
