@@ -14,12 +14,13 @@ engine's own work on this box's CPU. The defaults are ``benchmarks/tenants.py``'
 of a ~1B Llama on an H200 (3 ms + 5 us a token).
 
 Workload: ``--batch`` requests of 32 random prompt tokens, all decoding (DELTA
-outputs, ``ignore_eos``), greedy or at ``--temperature``; per run the median wall time
+outputs, ``ignore_eos``), greedy or at ``--temperature`` (with ``--top-p``, and
+``--logprobs`` asked or not); per run the median wall time
 of ``--steps`` steps, off and each flag on alternated (``--pairs``), each run a fresh
 engine in this process.
 
     python benchmarks/async_output.py --model DIR [--batch 64 256] [--temperature 1.0] \
-        [--flags async_output_proc async_scheduling]
+        [--top-p 0.95] [--logprobs 2] [--flags async_output_proc async_scheduling]
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from _paced_forward import QueuedDevice  # noqa: E402
 from host_step import PROMPT_LEN, VOCAB, build_model  # noqa: E402
 
 
-def run(model: str, batch: int, steps: int, temperature: float, flag: str, device) -> dict:
+def run(model: str, batch: int, steps: int, sampling: dict, flag: str, device) -> dict:
     from lorapool import EngineArgs, LLMEngine, SamplingParams
     from lorapool.protocol import RequestOutputKind
 
@@ -52,7 +53,7 @@ def run(model: str, batch: int, steps: int, temperature: float, flag: str, devic
         )
     )
     params = SamplingParams(
-        temperature=temperature,
+        **sampling,
         max_tokens=steps + 40,
         ignore_eos=True,
         output_kind=RequestOutputKind.DELTA,
@@ -85,6 +86,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--pairs", type=int, default=3)
     parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--logprobs", type=int, default=None)
     parser.add_argument("--step-ms", type=float, default=3.0)
     parser.add_argument("--token-us", type=float, default=5.0)
     parser.add_argument(
@@ -106,11 +109,12 @@ def main() -> None:
     device.install()
     report = {"args": vars(args), "device": "stand-in", "batches": {}}
     sides = ["off", *args.flags]
+    sampling = {"temperature": args.temperature, "top_p": args.top_p, "logprobs": args.logprobs}
     for batch in args.batch:
         runs = {side: [] for side in sides}
         for _ in range(args.pairs):
             for side in sides:
-                got = run(model, batch, args.steps, args.temperature, side, device)
+                got = run(model, batch, args.steps, sampling, side, device)
                 runs[side].append(got)
                 print(batch, side, json.dumps(got), flush=True)
         medians = {side: statistics.median(r["step_ms"] for r in runs[side]) for side in sides}

@@ -43,24 +43,29 @@ class StepRun:
 
 
 def decode_run(
-    engine, ctx, shape, batch: int, loras=None, guard=None, label="", temperature=0.0
+    engine, ctx, shape, batch: int, loras=None, guard=None, label="", temperature=0.0, top_p=1.0
 ) -> StepRun:
     """The workload once untimed (warm-up), then timed (in ``guard``'s window)."""
-    _run(engine, ctx, shape, batch, loras, None, temperature)
+    sampling = (temperature, top_p)
+    _run(engine, ctx, shape, batch, loras, None, *sampling)
     timeline = StepTimeline(engine, ctx.device)
     if guard is None:
-        return _run(engine, ctx, shape, batch, loras, timeline, temperature)
+        return _run(engine, ctx, shape, batch, loras, timeline, *sampling)
     with guard.window(label):
-        return _run(engine, ctx, shape, batch, loras, timeline, temperature)
+        return _run(engine, ctx, shape, batch, loras, timeline, *sampling)
 
 
-def _run(engine, ctx, shape, batch, loras, timeline, temperature=0.0) -> StepRun | None:
+def _run(engine, ctx, shape, batch, loras, timeline, temperature=0.0, top_p=1.0) -> StepRun | None:
     from lorapool import SamplingParams
 
     sizes = ctx.sizes
     seed = SAMPLED_SEED if temperature else None
     params = SamplingParams(
-        temperature=temperature, seed=seed, max_tokens=sizes.decode_tokens, ignore_eos=True
+        temperature=temperature,
+        top_p=top_p,
+        seed=seed,
+        max_tokens=sizes.decode_tokens,
+        ignore_eos=True,
     )
     prompts = models.prompts(batch, 16, shape.vocab_size, seed=2)
     for i, prompt in enumerate(prompts):

@@ -40,6 +40,7 @@ FULL_BOXES = {
 # 360 + 30 and 405 + 30 s; expected ~250 and ~300 s). The base model's decode step
 # sampled at temperature 1 (graphs, batch 64 and 256) adds an estimated ~5 s to
 # throughput: 4 runs of 64 steps at ~4-15 ms (0.07 s in the dry run); its box holds it.
+# With top_p 0.95 too ("nucleus"), for the base engine and async scheduling's: ~5 s more.
 PARTS = {
     "1": ("device", "kernels", "sweep", "queue"),
     "2": ("device", "engine", "throughput", "big"),

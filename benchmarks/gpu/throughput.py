@@ -12,7 +12,8 @@ On the first model (the ~1B Llama), in the engine's default dtype (bf16 on CUDA)
   256), the base model, 8 adapters and (at the first batch) 64, with CUDA
   graphs and eagerly, against its bytes floor and its practical floor
   (``floors``), split into host phases and GPU time; then the base model's step
-  sampled at temperature 1 (graphs where there) against the greedy one;
+  sampled at temperature 1, with and without top-p (graphs where there), against the
+  greedy one;
 - greedy tokens with graphs against eager (``graph_parity``);
 - each engine speed flag (``flags``) on against the old path, the same decode
   steps with graphs, one engine per flag: "flag absent" where EngineArgs lacks it.
@@ -237,31 +238,40 @@ def _decode(ctx, rec, engine, shape, adapters, guard) -> dict:
     return runs
 
 
+# the sampled decode steps (seeded, temperature 1), by label: top_p. "sampled": the
+# OpenAI API's defaults; "nucleus": top_p 0.95, whose synchronous search reads back
+# which rows it settled (async scheduling sorts each row whole instead)
+SAMPLINGS = {"sampled": 1.0, "nucleus": 0.95}
+
+
 def _sampled(ctx, rec, engine, shape, greedy: dict, practical: dict, guard) -> None:
-    """The base model's decode step at temperature 1 (seeded), graphs where there: the
-    sampler's path, which OpenAI clients take by default, against the greedy step. Each
-    run joins ``greedy`` under ("sampled", batch, mode), for the flags to compare with."""
+    """The base model's decode step at temperature 1 (seeded), with and without top-p
+    (``SAMPLINGS``), graphs where there: the sampler's path, which OpenAI clients take
+    by default, against the greedy step. Each run joins ``greedy`` under (label, batch,
+    mode), for the flags to compare with."""
     graphs = getattr(engine.runner, "graphs", None)
     mode = "graphs" if graphs is not None else "eager"
-    for batch in ctx.sizes.decode_batches:
-        key = ("sampled", batch, mode)
-        if ctx.time_left() < 0:
-            rec.cut_short(f"the sampled decode step {key} and what follows")
-            return
-        if graphs is not None:
-            graphs.replays = 0
-        args = (engine, ctx, shape, batch, None, guard, f"decode {key}", 1.0)
-        run = _measured(rec, f"decode step {key}", decode_step.decode_run, *args)
-        if run is None:
-            continue
-        where = {"label": "sampled", "batch": batch, "mode": mode}
-        decode_step.record(ctx, rec, engine, shape, run, where, practical)
-        greedy[key] = run
-        if ("base", batch, mode) in greedy:
-            ratio = run.step_s / greedy["base", batch, mode].step_s
-            rec.figure(f"step_sampled_over_greedy_b{batch}_{mode}", round(ratio, 3))
-        if graphs is not None:
-            rec.check(f"{key}: CUDA graphs replayed", graphs.replays > 0, str(graphs.replays))
+    for label, top_p in SAMPLINGS.items():
+        for batch in ctx.sizes.decode_batches:
+            key = (label, batch, mode)
+            if ctx.time_left() < 0:
+                rec.cut_short(f"the {label} decode step {key} and what follows")
+                return
+            if graphs is not None:
+                graphs.replays = 0
+            args = (engine, ctx, shape, batch, None, guard, f"decode {key}", 1.0, top_p)
+            run = _measured(rec, f"decode step {key}", decode_step.decode_run, *args)
+            if run is None:
+                continue
+            where = {"label": label, "batch": batch, "mode": mode}
+            decode_step.record(ctx, rec, engine, shape, run, where, practical)
+            greedy[key] = run
+            if ("base", batch, mode) in greedy:
+                ratio = run.step_s / greedy["base", batch, mode].step_s
+                rec.figure(f"step_{label}_over_greedy_b{batch}_{mode}", round(ratio, 3))
+            if graphs is not None:
+                replays = str(graphs.replays)
+                rec.check(f"{key}: CUDA graphs replayed", graphs.replays > 0, replays)
 
 
 def _measured(rec, what: str, fn, *args):
@@ -321,7 +331,7 @@ SAMPLED_FLAGS = ("async_scheduling",)  # flags whose sampled steps are measured 
 
 def _flags(ctx, rec, path, shape, adapters, old: dict, guard) -> None:
     """Each present flag on, alone, against the old path's decode steps (graphs where
-    there); those of ``SAMPLED_FLAGS`` at temperature 1 (seeded) too."""
+    there); those of ``SAMPLED_FLAGS`` at temperature 1 (seeded, ``SAMPLINGS``) too."""
     names = ctx.sizes.engine_flags
     mode = next(iter(old), (0, 0, "eager"))[2]
     for name, there in flags.present(names).items():
@@ -340,17 +350,21 @@ def _flags(ctx, rec, path, shape, adapters, old: dict, guard) -> None:
             continue
         wanted = ("base", f"lora{min(ctx.sizes.adapter_counts)}")
         runs = [
-            (where, loras, 0.0) for where, loras in configurations(ctx, adapters, (mode,), wanted)
+            (where, loras, (0.0, 1.0))
+            for where, loras in configurations(ctx, adapters, (mode,), wanted)
         ]
         if name in SAMPLED_FLAGS:
-            sampled = {"label": "sampled", "mode": mode, "adapters": []}
-            runs += [(sampled | {"batch": b}, None, 1.0) for b in ctx.sizes.decode_batches]
-        for where, loras, temperature in runs:
+            for label, top_p in SAMPLINGS.items():
+                sampled = {"label": label, "mode": mode, "adapters": []}
+                runs += [
+                    (sampled | {"batch": b}, None, (1.0, top_p)) for b in ctx.sizes.decode_batches
+                ]
+        for where, loras, sampling in runs:
             key = (where["label"], where["batch"], mode)
             if ctx.time_left() < 0:
                 rec.cut_short(f"the {name} decode step {key}")
                 break
-            args = (engine, ctx, shape, where["batch"], loras, guard, f"{name} {key}", temperature)
+            args = (engine, ctx, shape, where["batch"], loras, guard, f"{name} {key}", *sampling)
             run = _measured(rec, f"{name} decode step {key}", decode_step.decode_run, *args)
             if run is None:
                 continue

@@ -168,17 +168,22 @@ def test_dry_run_measures_the_decode_step_fairly(dry_run):
     for flag in ("async_scheduling", "async_output_proc"):  # the flag path, run
         assert figures[f"flag_{flag}"] == "present"
         assert figures[f"flag_{flag}_tokens_vs_off_base_b8"] == "8/8"
-    # seeded draws at temperature 1, left in flight: the tokens of the engine without it
-    assert figures["flag_async_scheduling_tokens_vs_off_sampled_b8"] == "8/8"
-    assert figures["flag_async_scheduling_on_over_off_sampled_b4"] > 0
+    # seeded draws at temperature 1, with top-p or not, left in flight: the tokens of
+    # the engine without it (whose top-p reads back which rows its search settled)
+    for label in ("sampled", "nucleus"):
+        assert figures[f"flag_async_scheduling_tokens_vs_off_{label}_b8"] == "8/8"
+        assert figures[f"flag_async_scheduling_on_over_off_{label}_b4"] > 0
     rows = throughput["tables"]["step_timeline"]
     assert {(r["label"], r["batch"]) for r in rows} >= {("base", 4), ("lora2", 8), ("lora4", 4)}
     for batch in (4, 8):  # the base model sampled at temperature 1 beside its greedy step
-        for name in ("decode_step_ms_sampled", "step_sampled_over_greedy"):
-            value = figures[f"{name}_b{batch}_eager"]
-            assert isinstance(value, float) and value > 0, (name, batch, value)
-    sampled = [r for r in rows if r["label"] == "sampled"]
-    assert {r["batch"] for r in sampled} == {4, 8}
+        for label in ("sampled", "nucleus"):
+            for name in (f"decode_step_ms_{label}", f"step_{label}_over_greedy"):
+                value = figures[f"{name}_b{batch}_eager"]
+                assert isinstance(value, float) and value > 0, (name, batch, value)
+    sampled = [r for r in rows if r["label"] in ("sampled", "nucleus")]
+    assert {(r["label"], r["batch"]) for r in sampled} == {
+        (label, b) for label in ("sampled", "nucleus") for b in (4, 8)
+    }
     assert all(r["sample_ms"] > 0 for r in sampled), sampled  # it went through the sampler
     for row in rows:  # the phases add up to the step
         parts = sum(row[f"{p}_ms"] for p in ("schedule", "prepare", "execute", "sample"))
