@@ -2,13 +2,13 @@
 this step's tokens are read back.
 
 vLLM V1's ``async_scheduling``, in one process. With ``EngineArgs.async_scheduling``, a
-step whose every row samples on the device alone is left in flight: greedy rows
-(``Request.argmax_only``) and rows drawn at a temperature with top-k, top-p (each
-row sorted whole: ``warpers.top_p``'s ``sync_free``) or min-p, with logprobs or not
-(copied back with the tokens: ``logprobs.StepLogprobs``), but no logit_bias,
-penalties or grammar, a request of n > 1's samples once forked
-(``Request.device_only``, ``sampler.argmax_rows``; the OpenAI API's defaults,
-temperature 1 and top_p 1, make such rows). Its tokens are queued
+step whose every row samples on the device alone is left in flight: every row but a
+grammar's (its mask needs the token before) and a request of n > 1's first (it forks
+its samples): greedy or drawn at a temperature with top-k, top-p (each row sorted
+whole: ``warpers.top_p``'s ``sync_free``) or min-p, with logprobs (copied back with
+the tokens: ``logprobs.StepLogprobs``), logit_bias, penalties (the token in flight
+counted from the device: ``penalties.apply_penalties``'s ``pending``) and min_tokens or
+not (``Request.device_only``, ``sampler.argmax_rows``). Its tokens are queued
 on the device after the forward and their copy to the host started
 (``host_copy.ReadBack``), and ``step()`` returns without waiting for them. The next
 ``step()`` call then:
@@ -31,9 +31,9 @@ that chunk's charge given back to its tenant (``Scheduler.refund``) before the s
 after it; a request's output comes from the ``step()`` call after the one that ran it.
 Tokens, texts, logprobs and finish reasons are the synchronous engine's.
 
-A step with another row (grammars, a fork, penalties, prompt logprobs,
-min_tokens not yet met) lands the step in flight before it samples and is not left in
-flight itself: those rows read the tokens before them or read back while sampling.
+A step with another row (a grammar's, a fork, prompt logprobs) lands the step in
+flight before it samples and is not left in flight itself: those rows read the tokens
+before them or read back while sampling.
 A seeded row draws what it draws in the synchronous engine; an unseeded row's number
 comes from the sampler's generator, which the row of a sequence that the step in flight
 ends also advances (the distribution is the same, the draws move).
@@ -53,12 +53,12 @@ import torch
 
 from lorapool.engine.host_copy import ReadBack, to_device
 from lorapool.engine.logprobs import StepLogprobs
+from lorapool.engine.penalties import needs_token_lists
 from lorapool.engine.sampler import SamplingRow, argmax_rows, finite_argmax
 from lorapool.engine.scheduler_output import SchedulerOutput
-from lorapool.engine.sequence import Sequence, SequenceStatus
+from lorapool.engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
 from lorapool.outputs import RequestOutput
 
-PLACEHOLDER = -1  # a token not yet read back; never reaches the model (``fill_places``)
 read_back = ReadBack  # benchmarks' stand-in device replaces it (_paced_forward.py)
 
 
@@ -161,11 +161,24 @@ class PipelinedSteps:
         sampler's generator, which a row of a sequence that the step in flight ends also
         advances."""
         of_tokens = SamplingRow.of_tokens
+        seqs = [entry.item.seq for entry in entries]
         rows = [
             of_tokens(seq.request.params, seq.token_ids, seq.num_prompt_tokens, seq.index)
-            for seq in (entry.item.seq for entry in entries)
+            for seq in seqs
         ]
-        return self.sampler.on_device(logits, rows)
+        return self.sampler.on_device(logits, rows, self._pending_tokens(seqs, rows))
+
+    def _pending_tokens(self, seqs: list[Sequence], rows: list) -> torch.Tensor | None:
+        """[S] on the device: the token in flight of each of ``seqs`` that holds a
+        placeholder (their penalties count it), for a step with penalties; else None."""
+        flight = self._in_flight
+        if flight is None or not flight.held or not any(map(needs_token_lists, rows)):
+            return None
+        source = {entry.item.seq.seq_id: entry.sample_row for entry in flight.entries}
+        held = [
+            source.get(seq.seq_id, 0) if seq.token_ids[-1] == PLACEHOLDER else 0 for seq in seqs
+        ]
+        return flight.tokens.index_select(0, to_device(held, flight.tokens.device, torch.long))
 
     def land(self, running: SchedulerOutput | None) -> list[RequestOutput]:
         """The step in flight's tokens join their sequences (in place of their

@@ -69,7 +69,7 @@ class EngineArgs:
     # nothing overlaps
     async_output_proc: bool = False
     # async scheduling (engine.async_scheduling; vLLM V1's): a step's tokens (greedy, or
-    # drawn without logit_bias or penalties) are read back after the next step is
+    # drawn; not a grammar's or a fork's) are read back after the next step is
     # scheduled, packed and queued, so the host's work overlaps the device's; outputs
     # come from the step() call after. Off until the GPU kit has measured it; on the CPU
     # nothing overlaps. Does async_output_proc's work

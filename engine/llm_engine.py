@@ -51,7 +51,6 @@ from lorapool.engine.sampler import (
     SamplingRow,
     argmax_only,
     argmax_rows,
-    device_only,
     finite_argmax,
 )
 from lorapool.engine.scheduler import Scheduler, SchedulerOutput
@@ -145,7 +144,7 @@ class LLMEngine(EngineStats, EngineAdapters, DeferredOutputs, PipelinedSteps):
         tokens = request.prompt_token_ids + request.resumed_token_ids
         seq = Sequence(next(self._seq_ids), request, 0, tokens)
         compiling = self._guide(seq)
-        request.device_only = device_only(request.params) and not request.guided
+        request.device_only = not request.guided  # ``Sampler.on_device``
         one = request.params.n == 1
         request.argmax_only = argmax_only(request.params) and not request.guided and one
         request.seqs.append(seq)

@@ -6,6 +6,10 @@ Semantics (vLLM's, which match transformers' and OpenAI's):
   frequency  (OpenAI, over output tokens):            l -= f * count(token)
   presence   (OpenAI, over output tokens):            l -= p * [token occurred]
   min_tokens: while len(output) < min_tokens, EOS and stop_token_ids -> -inf
+
+Everything is built from host values (the rows' token lists, their parameters) and
+queued on the device: nothing is read back. Under async scheduling a row's last token
+may not be read back yet (``PLACEHOLDER``): ``pending`` holds it on the device.
 """
 
 from __future__ import annotations
@@ -17,35 +21,42 @@ from typing import TYPE_CHECKING
 import torch
 
 from lorapool.engine.host_copy import to_device
+from lorapool.engine.sequence import PLACEHOLDER
 
 if TYPE_CHECKING:
     from lorapool.engine.sampler import SamplingRow
 
 
-def needs_penalties(row: SamplingRow) -> bool:
+def needs_token_lists(row: SamplingRow) -> bool:
+    """Whether ``row``'s penalties read its tokens (repetition, frequency, presence)."""
     p = row.params
-    return (
-        p.repetition_penalty != 1.0
-        or p.presence_penalty != 0.0
-        or p.frequency_penalty != 0.0
-        or row.num_output_tokens < p.min_tokens
-    )
+    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+
+def needs_penalties(row: SamplingRow) -> bool:
+    return needs_token_lists(row) or row.num_output_tokens < row.params.min_tokens
 
 
 def apply_penalties(
-    logits: torch.Tensor, rows: Sequence[SamplingRow], eos_token_ids: Sequence[int]
+    logits: torch.Tensor,
+    rows: Sequence[SamplingRow],
+    eos_token_ids: Sequence[int],
+    pending: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Return ``logits`` [S, V] with every row's penalties applied.
 
     The input is never modified: a copy is made when some row has a penalty,
-    otherwise ``logits`` itself is returned.
+    otherwise ``logits`` itself is returned. ``pending`` [S] (on the device): row i's
+    token where its list holds ``PLACEHOLDER`` (its last).
     """
     if not any(needs_penalties(row) for row in rows):
         return logits
     x = logits.clone()
-    _repetition(x, [(i, r) for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0])
+    repeat = [(i, r) for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0]
+    _repetition(x, repeat, pending)
     for name in ("frequency_penalty", "presence_penalty"):
-        _subtract(x, [(i, r) for i, r in enumerate(rows) if getattr(r.params, name) != 0.0], name)
+        chosen = [(i, r) for i, r in enumerate(rows) if getattr(r.params, name) != 0.0]
+        _subtract(x, chosen, name, pending)
     _min_tokens(x, rows, eos_token_ids)
     return x
 
@@ -66,15 +77,26 @@ def apply_logit_bias(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch
     return x
 
 
-def _flat_index(x: torch.Tensor, rows: list[int], token_lists: list[Sequence[int]]):
-    """(row index, token id) pairs of every token of every listed row, as tensors."""
+def _flat_index(
+    x: torch.Tensor,
+    rows: list[int],
+    token_lists: list[Sequence[int]],
+    pending: torch.Tensor | None = None,
+):
+    """(row index, token id) pairs of every token of every listed row, as tensors on
+    x's device; a ``PLACEHOLDER`` takes its row's ``pending`` token there."""
     counts = torch.tensor([len(t) for t in token_lists], dtype=torch.long)
     row_idx = torch.repeat_interleave(torch.tensor(rows, dtype=torch.long), counts)
     tok_idx = torch.tensor(list(chain.from_iterable(token_lists)), dtype=torch.long)
     inside = tok_idx < x.shape[1]  # ids past the logits' vocab cannot be sampled anyway
-    if not bool(inside.all()):
+    if not bool(inside.all()):  # host tensors: no read from the device
         row_idx, tok_idx = row_idx[inside], tok_idx[inside]
-    return to_device(row_idx, x.device), to_device(tok_idx, x.device)
+    held = tok_idx == PLACEHOLDER
+    row_idx, tok_idx = to_device(row_idx, x.device), to_device(tok_idx, x.device)
+    if pending is not None and bool(held.any()):  # -1: not finite (the request fails)
+        filled = pending.index_select(0, row_idx).clamp(min=0, max=x.shape[1] - 1)
+        tok_idx = torch.where(to_device(held, x.device), filled, tok_idx)
+    return row_idx, tok_idx
 
 
 def _rows(x: torch.Tensor, rows: list[tuple[int, SamplingRow]]) -> torch.Tensor:
@@ -87,11 +109,11 @@ def _per_row(x: torch.Tensor, values: list[float]) -> torch.Tensor:
     return to_device(values, x.device, x.dtype)
 
 
-def _repetition(x: torch.Tensor, rows: list[tuple[int, SamplingRow]]) -> None:
+def _repetition(x: torch.Tensor, rows: list[tuple[int, SamplingRow]], pending=None) -> None:
     if not rows:
         return
     tokens = [r.token_ids for _, r in rows]
-    r_idx, t_idx = _flat_index(x, [i for i, _ in rows], tokens)
+    r_idx, t_idx = _flat_index(x, [i for i, _ in rows], tokens, pending)
     if r_idx.numel() == 0:
         return
     penalty = torch.ones(x.shape[0], dtype=x.dtype, device=x.device)
@@ -101,7 +123,9 @@ def _repetition(x: torch.Tensor, rows: list[tuple[int, SamplingRow]]) -> None:
     x[r_idx, t_idx] = torch.where(values > 0, values / pen, values * pen)
 
 
-def _subtract(x: torch.Tensor, rows: list[tuple[int, SamplingRow]], name: str) -> None:
+def _subtract(
+    x: torch.Tensor, rows: list[tuple[int, SamplingRow]], name: str, pending=None
+) -> None:
     """Lower each generated token's logit by the row's ``name`` penalty.
 
     frequency_penalty: once per occurrence (``index_put_`` with accumulate: a
@@ -109,7 +133,8 @@ def _subtract(x: torch.Tensor, rows: list[tuple[int, SamplingRow]], name: str) -
     """
     if not rows:
         return
-    r_idx, t_idx = _flat_index(x, [i for i, _ in rows], [r.output_token_ids for _, r in rows])
+    outputs = [r.output_token_ids for _, r in rows]
+    r_idx, t_idx = _flat_index(x, [i for i, _ in rows], outputs, pending)
     if r_idx.numel() == 0:
         return
     penalty = torch.zeros(x.shape[0], dtype=x.dtype, device=x.device)

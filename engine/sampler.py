@@ -109,22 +109,28 @@ class Sampler:
         logits = logits.float()
         finite = finite_rows(logits)
         raw = raw_logprobs(logits, rows)
-        biased = apply_logit_bias(logits, rows)
-        processed = apply_penalties(biased, rows, self.eos_token_ids)
-        processed = apply_masks(processed, rows, fallback=logits)
+        processed = apply_masks(self._processed(logits, rows), rows, fallback=logits)
         tokens = self._sample(processed, rows, owned=processed is not logits)
         return _results(tokens, finite, raw, rows)
 
+    def _processed(self, logits, rows, pending: torch.Tensor | None = None) -> torch.Tensor:
+        """``logits`` with each row's logit_bias, then its penalties (a copy if any)."""
+        biased = apply_logit_bias(logits, rows)
+        return apply_penalties(biased, rows, self.eos_token_ids, pending)
+
     def on_device(
-        self, logits: torch.Tensor, rows: list[SamplingRow]
+        self, logits: torch.Tensor, rows: list[SamplingRow], pending: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, StepLogprobs | None]:
         """[S] int64 on the device: each row's token, -1 where the row is not finite,
         queued without waiting for the device, nothing read back (async scheduling
         reads it later); and the logprobs of the rows that asked, their copy to the host
-        started. Only for rows that need nothing else: ``device_only``."""
+        started. For rows without a grammar (its mask needs the token before). A row's
+        last token may be one not read back yet (``PLACEHOLDER``): ``pending`` [S] holds
+        it on the device, for the penalties."""
         logits = logits.float()
         raw = raw_logprobs(logits, rows)
-        tokens = self._sample(logits, rows, owned=False, sync_free=True)
+        processed = self._processed(logits, rows, pending)
+        tokens = self._sample(processed, rows, owned=processed is not logits, sync_free=True)
         found = StepLogprobs(raw, tokens, rows, copy=True) if raw is not None else None
         return torch.where(finite_rows(logits), tokens, -1), found
 
@@ -161,19 +167,6 @@ class Sampler:
             ]
             u[seeded] = torch.tensor(values, dtype=torch.float64)
         return u
-
-
-def device_only(params: SamplingParams) -> bool:
-    """Whether a row of ``params`` samples with nothing read back before its token is
-    known on the device: no logit_bias or penalties (min_tokens, which ends, is checked
-    per row); temperature, top-k, top-p (``Sampler.on_device``: sorted whole,
-    ``warpers.top_p``), min-p and logprobs (copied back with the tokens) run on it."""
-    return argmax_only(params) or (
-        not params.logit_bias
-        and params.repetition_penalty == 1.0
-        and params.presence_penalty == 0.0
-        and params.frequency_penalty == 0.0
-    )
 
 
 def argmax_only(params: SamplingParams) -> bool:
@@ -264,8 +257,8 @@ def argmax_rows(layout: list, drawn: bool = False) -> list | None:
     """Of a step's ``LogitsRows``: the entries that sample a token, if there are some
     and each takes the raw argmax: ``Request.argmax_only`` (greedy; no logprobs, bias,
     penalties, grammar or fork) with its min_tokens generated. None otherwise.
-    ``drawn``: or is drawn on the device alone (``Request.device_only``: no logit_bias,
-    penalties or grammar), not a fork (a request of n > 1's first token)."""
+    ``drawn``: or is drawn on the device alone (``Request.device_only``: no grammar;
+    min_tokens masked there too), not a fork (a request of n > 1's first token)."""
     sampled = []
     for entry in layout:
         if entry.sample_row is None:
@@ -275,7 +268,7 @@ def argmax_rows(layout: list, drawn: bool = False) -> list | None:
         if not (request.device_only and not request.needs_fork if drawn else request.argmax_only):
             return None
         min_tokens = request.params.min_tokens
-        if min_tokens and seq.num_output_tokens < min_tokens:
+        if not drawn and min_tokens and seq.num_output_tokens < min_tokens:
             return None
         sampled.append(entry)
     return sampled or None

@@ -16,6 +16,11 @@ from typing import Any
 from lorapool.outputs import RequestMetrics
 from lorapool.protocol import LoRARequest, SamplingParams
 
+# a token not yet read back (async scheduling's step in flight holds it on the device):
+# never reaches the model or the sampler as such (``async_scheduling.fill_places``,
+# ``penalties.apply_penalties``'s ``pending``)
+PLACEHOLDER = -1
+
 
 class SequenceStatus(str, enum.Enum):
     WAITING = "waiting"
@@ -119,9 +124,7 @@ class Request:
     resumed_token_ids: list[int] = field(default_factory=list)  # generated elsewhere, streamed
     guided: bool = False  # has a structured output (its sequences carry a Guide)
     argmax_only: bool = False  # takes the raw argmax: sampler.argmax_only, n == 1, no grammar
-    device_only: bool = (
-        False  # samples on the device alone: sampler.device_only, n == 1, no grammar
-    )
+    device_only: bool = False  # samples on the device alone, nothing read back: no grammar
     tenant: str = ""  # whose share of the engine it runs in ("": the default tenant)
     weight: float = 1.0  # the tenant's weight (engine.fair_share)
     priority: int = 0  # vLLM's: lower first, among its tenant's requests

@@ -24,9 +24,10 @@ def path(tiny_model_path):
 
 @st.composite
 def device_job(draw):
-    """A request whose steps async scheduling leaves in flight but for its min_tokens:
+    """A request whose steps async scheduling leaves in flight (all but a fork's):
     greedy, or drawn on the device (seeded; temperature, top-k, top-p, min-p; n samples,
-    left in flight once forked), with logprobs or not; aborted at a step or not."""
+    left in flight once forked), with logprobs, penalties (counting the token in flight),
+    logit_bias, min_tokens or not; aborted at a step or not."""
     prompt = draw(st.lists(st.integers(3, 511), min_size=1, max_size=40))
     max_tokens = draw(st.integers(1, 20))
     sampled = draw(st.booleans())
@@ -45,6 +46,10 @@ def device_job(draw):
         ignore_eos=draw(st.booleans()),
         output_kind=draw(st.sampled_from(KINDS)),
         logprobs=draw(st.sampled_from([None, None, 0, 3])),
+        repetition_penalty=draw(st.sampled_from([1.0, 1.0, 1.3])),
+        frequency_penalty=draw(st.sampled_from([0.0, 0.0, 1.5])),
+        presence_penalty=draw(st.sampled_from([0.0, 0.0, -1.0, 2.0])),
+        logit_bias=draw(st.sampled_from([None, {7: 4.0, 100: -50.0}])),
     )
     return prompt, params, draw(st.integers(0, 6)), draw(st.none() | st.integers(0, 25))
 
@@ -81,8 +86,8 @@ def drive_aborting(engine, jobs):
 @given(jobs=st.lists(device_job(), min_size=1, max_size=8))
 def test_steps_left_in_flight_stream_and_end_as_without_it(path, jobs):
     """Greedy and seeded sampled requests, n of them forked (most steps left in flight),
-    with logprobs or not, some with min_tokens (those steps are not), stop strings and
-    ids, arriving and aborted at different steps: each request streams and ends as in
+    with logprobs, penalties, logit_bias and min_tokens or not, stop strings and ids,
+    arriving and aborted at different steps: each request streams and ends as in
     the synchronous engine, whose schedule this one keeps (room for every request: no
     preemption, no chunking; prefix caching names the blocks a step filled once its
     tokens are in)."""
@@ -99,18 +104,19 @@ def test_steps_left_in_flight_stream_and_end_as_without_it(path, jobs):
 @pytest.mark.parametrize(
     ("temperature", "top_p", "logprobs", "n"),
     [(0.0, 1.0, None, 1), (1.0, 1.0, None, 1), (1.0, 0.9, None, 1), (0.0, 1.0, 2, 1),
-     (1.0, 1.0, None, 3)],
-    ids=["greedy", "sampled", "top-p", "logprobs", "forked"],
+     (0.0, 1.0, "penalties", 1), (1.0, 1.0, None, 3)],
+    ids=["greedy", "sampled", "top-p", "logprobs", "penalties", "forked"],
 )  # fmt: skip
 def test_the_next_step_is_queued_before_this_ones_tokens_are_read(
     path, monkeypatch, temperature, top_p, logprobs, n
 ):
-    """A step's tokens (greedy, or drawn on the device at temperature 1, with top-p or
-    logprobs or not, n samples once forked) are read back only after the next step's
-    forward was queued (on a GPU the host packs and queues it while the device runs); its outputs
-    come from the step() call after. The reads and forwards are counted in the engine's
-    own order: forward 0, forward 1, read 0, forward 2, read 1, ... The step that forks
-    n samples (their first tokens) reads back at once, as it must."""
+    """A step's tokens (greedy, or drawn on the device at temperature 1, with top-p,
+    logprobs or penalties and min_tokens or not, n samples once forked) are read back
+    only after the next step's forward was queued (on a GPU the host packs and queues it
+    while the device runs); its outputs come from the step() call after. The reads and
+    forwards are counted in the engine's own order: forward 0, forward 1, read 0,
+    forward 2, read 1, ... The step that forks n samples (their first tokens) reads
+    back at once, as it must."""
     from lorapool.engine import async_scheduling
 
     events, reads = [], itertools.count()
@@ -128,10 +134,12 @@ def test_the_next_step_is_queued_before_this_ones_tokens_are_read(
         return copy
 
     monkeypatch.setattr(async_scheduling, "read_back", read_back)
+    penalties = {"frequency_penalty": 1.0, "min_tokens": 3} if logprobs == "penalties" else {}
     params = SamplingParams(
+        **penalties,
         temperature=temperature,
         top_p=top_p,
-        logprobs=logprobs,
+        logprobs=None if penalties else logprobs,
         seed=5,
         n=n,
         max_tokens=4,
@@ -225,3 +233,32 @@ def test_a_row_computed_after_its_sequence_ended_names_no_block(path):
     assert {out[-1][2][0][3] for out in runs[0][0].values()} == {"stop"}
     assert len(runs[0][1]) == 2  # the first blocks of the prompts of 16 and 17 tokens
     assert runs[1] == runs[0]
+
+
+def test_penalties_count_the_token_in_flight(path):
+    """Greedy requests whose penalties decide their tokens (a random model repeats
+    itself): the token a step left in flight is penalized in the next step as it is in
+    the synchronous engine, where it was read back before; these steps are left in
+    flight all the same."""
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, **penalty)
+        for penalty in (
+            {"repetition_penalty": 3.0},
+            {"frequency_penalty": 2.0},
+            {"presence_penalty": 2.0, "min_tokens": 20},
+        )
+    ]
+    runs = []
+    for mode in (None, "async_scheduling"):
+        engine = make(path, mode)
+        for i, p in enumerate(params):
+            for j, prompt in enumerate(([5, 17, 99], [40, 41], [7, 7, 7, 7])):
+                engine.add_request(f"{i}-{j}", {"prompt_token_ids": prompt}, p)
+        done, steps = {}, 0
+        while engine.has_unfinished_requests():
+            done.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+            steps += engine._in_flight is not None
+        runs.append((done, steps))
+    (sync, _), (later, in_flight) = runs
+    assert later == sync
+    assert in_flight >= 20

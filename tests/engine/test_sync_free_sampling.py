@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lorapool.engine.sampler import Sampler, SamplingRow
+from lorapool.engine.sequence import PLACEHOLDER
 from lorapool.engine.warpers import NEG_INF, TOP_P_CANDIDATES, top_p, warp
 from lorapool.protocol import SamplingParams
 
@@ -44,10 +45,10 @@ def logit_rows(draw):
 def test_sync_free_top_p_keeps_the_staged_searchs_tokens_and_reads_nothing(case):
     r, ps = case
     staged, whole = r.clone(), r.clone()
-    with HostReads() as reads:
+    with HostReads(staged) as reads:
         top_p(staged, ps)
     assert reads.ops  # the staged search does read back (what the detector must see)
-    with HostReads() as reads:
+    with HostReads(whole) as reads:
         top_p(whole, ps, sync_free=True)
     assert reads.ops == []
     assert torch.equal(staged, whole)
@@ -81,7 +82,7 @@ def test_a_step_drawn_on_the_device_reads_nothing_back_and_draws_the_same_tokens
         if seed == 4:
             logits[2, 7] = float("nan")  # a row that is not finite: -1, no logprobs
         want = [(r.token_id, r.logprob, r.top_logprobs) for r in Sampler([2])(logits, rows)]
-        with HostReads() as reads:
+        with HostReads(logits) as reads:
             tokens, logprobs = Sampler([2]).on_device(logits, rows)
         assert reads.ops == []
         got = tokens.tolist()
@@ -98,6 +99,42 @@ def test_warp_reads_back_only_for_top_p_when_not_sync_free():
         ([SamplingParams(top_p=0.9)] * 2, False, True),
         ([SamplingParams(top_p=0.9)] * 2, True, False),
     ]:
-        with HostReads() as reads:
-            warp(torch.randn(2, 500), p, sync_free)
+        x = torch.randn(2, 500)
+        with HostReads(x) as reads:
+            warp(x, p, sync_free)
         assert bool(reads.ops) == reads_back, (p, sync_free, reads.ops)
+
+
+def test_penalties_count_the_token_in_flight_and_read_nothing_back():
+    """Rows with repetition, frequency and presence penalties, logit_bias and min_tokens,
+    whose last token is not read back yet (``PLACEHOLDER``; ``pending`` holds it on the
+    device): the tokens and logprobs the synchronous sampler draws from the same rows
+    with that token in place. Each row's token in flight is made its best logit, so
+    that a penalty that missed it would change the row's token."""
+    cases = [
+        dict(temperature=0.0, repetition_penalty=1.5),
+        dict(temperature=1.0, seed=1, frequency_penalty=2.0),
+        dict(temperature=0.8, seed=2, presence_penalty=2.0, logprobs=1),
+        dict(temperature=0.0, logit_bias={5: 30.0}, frequency_penalty=1.0),
+        dict(temperature=1.0, seed=4, min_tokens=9, repetition_penalty=1.2),
+        dict(temperature=0.0, presence_penalty=1.0, logprobs=2),
+    ]
+    g = torch.Generator().manual_seed(0)
+    for _ in range(5):
+        logits = torch.randn(len(cases), 1000, generator=g) * 3
+        outs = [torch.randint(3, 1000, (k,), generator=g).tolist() for k in range(2, 8)]
+        for i, out in enumerate(outs):
+            logits[i, out[-1]] = logits[i].max() + 1.0
+        known = [SamplingRow(SamplingParams(**c), [5, 6, 7], o) for c, o in zip(cases, outs)]
+        want = [(r.token_id, r.logprob, r.top_logprobs) for r in Sampler([2])(logits, known)]
+        held = [
+            SamplingRow(SamplingParams(**c), [5, 6, 7], [*o[:-1], PLACEHOLDER])
+            for c, o in zip(cases, outs)
+        ]
+        pending = torch.tensor([o[-1] for o in outs])
+        with HostReads(logits, pending) as reads:
+            tokens, logprobs = Sampler([2]).on_device(logits, held, pending)
+        assert reads.ops == []
+        got = tokens.tolist()
+        asked = logprobs.results(got)
+        assert [(t, *asked.get(i, (None, None))) for i, t in enumerate(got)] == want
