@@ -14,13 +14,14 @@ engine's own work on this box's CPU. The defaults are ``benchmarks/tenants.py``'
 of a ~1B Llama on an H200 (3 ms + 5 us a token).
 
 Workload: ``--batch`` requests of 32 random prompt tokens, all decoding (DELTA
-outputs, ``ignore_eos``), greedy or at ``--temperature`` (with ``--top-p``, and
-``--logprobs`` asked or not); per run the median wall time
+outputs, ``ignore_eos``), greedy or at ``--temperature`` (with ``--top-p``,
+``--frequency-penalty``, and ``--logprobs`` asked or not); per run the median wall time
 of ``--steps`` steps, off and each flag on alternated (``--pairs``), each run a fresh
 engine in this process.
 
     python benchmarks/async_output.py --model DIR [--batch 64 256] [--temperature 1.0] \
-        [--top-p 0.95] [--logprobs 2] [--flags async_output_proc async_scheduling]
+        [--top-p 0.95] [--frequency-penalty 0.5] [--logprobs 2] \
+        [--flags async_output_proc async_scheduling]
 """
 
 from __future__ import annotations
@@ -88,6 +89,7 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--logprobs", type=int, default=None)
+    parser.add_argument("--frequency-penalty", type=float, default=0.0)
     parser.add_argument("--step-ms", type=float, default=3.0)
     parser.add_argument("--token-us", type=float, default=5.0)
     parser.add_argument(
@@ -110,6 +112,7 @@ def main() -> None:
     report = {"args": vars(args), "device": "stand-in", "batches": {}}
     sides = ["off", *args.flags]
     sampling = {"temperature": args.temperature, "top_p": args.top_p, "logprobs": args.logprobs}
+    sampling["frequency_penalty"] = args.frequency_penalty
     for batch in args.batch:
         runs = {side: [] for side in sides}
         for _ in range(args.pairs):
