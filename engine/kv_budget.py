@@ -12,6 +12,8 @@ GPU kit, ``lorapool bench gpu``, which reports the memory used after sizing).
 
 from __future__ import annotations
 
+from lorapool.engine.warpers import TOP_P_SORT_BYTES
+
 SLACK_BYTES = 256 << 20  # the allocator's fragmentation, cuBLAS workspaces, graphs' pool
 
 
@@ -22,13 +24,15 @@ def activation_reserve(args, max_num_batched_tokens: int, max_num_seqs: int, ite
     normed hidden states, the packed q/k/v, the attention output, gate/up and the
     activated product (in the model's dtype), twice for temporaries that overlap.
     Per sampled row: the logits in the model's dtype and two float32 copies
-    (the float logits and the sampler's probabilities).
+    (the float logits and the sampler's probabilities); and the sync-free top-p's
+    workspace (``warpers.TOP_P_SORT_BYTES``: rows sorted whole, a chunk at a time).
     """
     qkv = (args.num_heads + 2 * args.num_kv_heads) * args.head_dim
     per_token = (4 * args.hidden_size + qkv + args.num_heads * args.head_dim) * itemsize
     per_token += 3 * args.intermediate_size * itemsize
     per_row = args.vocab_size * (itemsize + 8)
-    return 2 * max_num_batched_tokens * per_token + max_num_seqs * per_row + SLACK_BYTES
+    rows = max_num_seqs * per_row + TOP_P_SORT_BYTES
+    return 2 * max_num_batched_tokens * per_token + rows + SLACK_BYTES
 
 
 def kv_cache_budget(free: int, total: int, utilization: float, reserve: int) -> int:

@@ -19,6 +19,12 @@ NEG_INF = float("-inf")
 # Top-p looks for its nucleus among this many most likely tokens, then this
 # many, and sorts the whole row only when they hold less than p of the mass.
 TOP_P_CANDIDATES = (256, 4096)
+# The sync-free top-p sorts rows whole, a chunk of rows at a time so that its workspace
+# (per token: the sorted values and their indices, 12 bytes; the probabilities, their
+# running sum and the mass before each, float64: 24) stays under this many bytes; the
+# engine's activation reserve holds it (``kv_budget.activation_reserve``).
+TOP_P_SORT_BYTES = 64 << 20
+SORT_BYTES_PER_TOKEN = 36
 
 
 def warp(r: torch.Tensor, params: Sequence[SamplingParams], sync_free: bool = False) -> None:
@@ -75,14 +81,19 @@ def top_p(r: torch.Tensor, ps: list[float], sync_free: bool = False) -> None:
     strictly more likely than it hold less than p. At least one token is kept.
     The nucleus is looked for among the top TOP_P_CANDIDATES tokens first: which
     rows it settled is read back (the host waits for the device). ``sync_free``: every
-    row sorted whole at once, nothing read back (as vLLM's sampler does), for a step
-    that async scheduling leaves in flight; the same tokens kept.
+    row sorted whole, nothing read back (as vLLM's sampler does), for a step that async
+    scheduling leaves in flight; the same tokens kept. Its rows are sorted
+    ``TOP_P_SORT_BYTES`` at a time (a 128k vocabulary: 14 rows).
     """
     lse = r.logsumexp(dim=-1, keepdim=True)
     p = to_device(ps, r.device, torch.float64).unsqueeze(1)
     if sync_free:
-        threshold, _ = _nucleus(r, lse, p, r.shape[1])
-        r.masked_fill_(r < threshold, NEG_INF)
+        vocab = r.shape[1]
+        step = max(1, TOP_P_SORT_BYTES // (SORT_BYTES_PER_TOKEN * vocab))
+        for start in range(0, r.shape[0], step):
+            part, end = r[start : start + step], start + step  # a view: filled in place
+            threshold, _ = _nucleus(part, lse[start:end], p[start:end], vocab)
+            part.masked_fill_(part < threshold, NEG_INF)
         return
     thresholds = torch.empty(r.shape[0], 1, dtype=r.dtype, device=r.device)
     todo = torch.arange(r.shape[0], device=r.device)

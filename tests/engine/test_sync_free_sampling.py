@@ -8,11 +8,16 @@ itself checked against transformers' TopPLogitsWarper (test_sampler.py)."""
 
 from __future__ import annotations
 
+from unittest.mock import patch
+
 import torch
 from host_reads import HostReads
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
+from lorapool.engine import warpers
 from lorapool.engine.sampler import Sampler, SamplingRow
 from lorapool.engine.sequence import PLACEHOLDER
 from lorapool.engine.warpers import NEG_INF, TOP_P_CANDIDATES, top_p, warp
@@ -41,17 +46,50 @@ def logit_rows(draw):
 
 
 @settings(max_examples=60, deadline=None)
-@given(case=logit_rows())
-def test_sync_free_top_p_keeps_the_staged_searchs_tokens_and_reads_nothing(case):
+@given(case=logit_rows(), chunk=st.integers(1, 6))
+def test_sync_free_top_p_keeps_the_staged_searchs_tokens_and_reads_nothing(case, chunk):
+    """Its rows sorted ``chunk`` at a time (``TOP_P_SORT_BYTES``)."""
     r, ps = case
     staged, whole = r.clone(), r.clone()
     with HostReads(staged) as reads:
         top_p(staged, ps)
     assert reads.ops  # the staged search does read back (what the detector must see)
-    with HostReads(whole) as reads:
+    workspace = chunk * warpers.SORT_BYTES_PER_TOKEN * r.shape[1]
+    with patch.object(warpers, "TOP_P_SORT_BYTES", workspace), HostReads(whole) as reads:
         top_p(whole, ps, sync_free=True)
     assert reads.ops == []
     assert torch.equal(staged, whole)
+
+
+class _Largest(TorchDispatchMode):
+    """The largest tensor an op made (in-place ops' outputs are their inputs: left out)."""
+
+    def __init__(self):
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not func._schema.name.endswith("_"):
+            made = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+            self.bytes = max([self.bytes, *(t.numel() * t.element_size() for t in made)])
+        return out
+
+
+def test_the_sync_free_sort_holds_a_chunk_of_rows_at_a_time():
+    """Its workspace is bounded (the engine's activation reserve holds
+    ``TOP_P_SORT_BYTES``): 64 rows of 5,000 tokens, 4 rows a chunk, make no tensor larger
+    than 4 rows of float64; the staged search's last stage sorts every row it left."""
+    r = torch.randn(64, 5000) * 0.01  # flat: the nucleus past 4,096 candidates
+    ps = [0.999] * 64
+    workspace = 4 * warpers.SORT_BYTES_PER_TOKEN * 5000
+    whole, staged = r.clone(), r.clone()
+    with patch.object(warpers, "TOP_P_SORT_BYTES", workspace), _Largest() as largest:
+        top_p(whole, ps, sync_free=True)
+    assert largest.bytes <= 4 * 5000 * 8
+    with _Largest() as largest:
+        top_p(staged, ps)
+    assert largest.bytes >= 64 * 5000 * 8
 
 
 def _rows(vocab: int) -> list[SamplingRow]:
