@@ -80,31 +80,45 @@ def top_p(r: torch.Tensor, ps: list[float], sync_free: bool = False) -> None:
     more likely than it hold at most 1 - p, i.e. it is kept when the tokens
     strictly more likely than it hold less than p. At least one token is kept.
     The nucleus is looked for among the top TOP_P_CANDIDATES tokens first: which
-    rows it settled is read back (the host waits for the device). ``sync_free``: every
-    row sorted whole, nothing read back (as vLLM's sampler does), for a step that async
-    scheduling leaves in flight; the same tokens kept. Its rows are sorted
-    ``TOP_P_SORT_BYTES`` at a time (a 128k vocabulary: 14 rows).
+    rows it settled is read back (the host waits for the device), and the rows it did
+    not settle are sorted whole. ``sync_free``: every row sorted whole, nothing read
+    back (as vLLM's sampler does), for a step that async scheduling leaves in flight;
+    the same tokens kept. Rows sorted whole are sorted ``TOP_P_SORT_BYTES`` at a time
+    (a 128k vocabulary: 14 rows), so that no batch of flat rows (a high temperature and
+    top_p near 1) takes more memory than the engine reserved.
     """
     lse = r.logsumexp(dim=-1, keepdim=True)
     p = to_device(ps, r.device, torch.float64).unsqueeze(1)
     if sync_free:
-        vocab = r.shape[1]
-        step = max(1, TOP_P_SORT_BYTES // (SORT_BYTES_PER_TOKEN * vocab))
-        for start in range(0, r.shape[0], step):
-            part, end = r[start : start + step], start + step  # a view: filled in place
-            threshold, _ = _nucleus(part, lse[start:end], p[start:end], vocab)
-            part.masked_fill_(part < threshold, NEG_INF)
+        r.masked_fill_(r < _sorted_whole(r, lse, p), NEG_INF)
         return
     thresholds = torch.empty(r.shape[0], 1, dtype=r.dtype, device=r.device)
     todo = torch.arange(r.shape[0], device=r.device)
-    for num in (*TOP_P_CANDIDATES, r.shape[1]):
+    for num in TOP_P_CANDIDATES:
+        if num >= r.shape[1]:
+            break
         rows = r if len(todo) == r.shape[0] else r[todo]
-        found, done = _nucleus(rows, lse[todo], p[todo], min(num, r.shape[1]))
+        found, done = _nucleus(rows, lse[todo], p[todo], num)
         thresholds[todo[done]] = found[done]
         todo = todo[~done]
         if len(todo) == 0:
             break
+    if len(todo):
+        thresholds[todo] = _sorted_whole(r, lse, p, None if len(todo) == r.shape[0] else todo)
     r.masked_fill_(r < thresholds, NEG_INF)
+
+
+def _sorted_whole(r, lse, p, idx: torch.Tensor | None = None) -> torch.Tensor:
+    """The least logit of each row's nucleus (of the rows ``idx``: all if None), the
+    rows sorted whole ``TOP_P_SORT_BYTES`` at a time."""
+    vocab = r.shape[1]
+    count = r.shape[0] if idx is None else len(idx)
+    step = max(1, TOP_P_SORT_BYTES // (SORT_BYTES_PER_TOKEN * vocab))
+    found = []
+    for start in range(0, count, step):
+        at = slice(start, start + step) if idx is None else idx[start : start + step]
+        found.append(_nucleus(r[at], lse[at], p[at], vocab)[0])
+    return found[0] if len(found) == 1 else torch.cat(found)
 
 
 def _nucleus(r: torch.Tensor, lse: torch.Tensor, p: torch.Tensor, num: int):

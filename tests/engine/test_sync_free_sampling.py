@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from unittest.mock import patch
 
+import pytest
 import torch
 from host_reads import HostReads
 from hypothesis import given, settings
@@ -76,20 +77,26 @@ class _Largest(TorchDispatchMode):
         return out
 
 
-def test_the_sync_free_sort_holds_a_chunk_of_rows_at_a_time():
-    """Its workspace is bounded (the engine's activation reserve holds
-    ``TOP_P_SORT_BYTES``): 64 rows of 5,000 tokens, 4 rows a chunk, make no tensor larger
-    than 4 rows of float64; the staged search's last stage sorts every row it left."""
-    r = torch.randn(64, 5000) * 0.01  # flat: the nucleus past 4,096 candidates
-    ps = [0.999] * 64
-    workspace = 4 * warpers.SORT_BYTES_PER_TOKEN * 5000
-    whole, staged = r.clone(), r.clone()
+@pytest.mark.parametrize("sync_free", [False, True], ids=["staged", "sync-free"])
+def test_rows_sorted_whole_are_sorted_a_chunk_at_a_time(sync_free):
+    """The workspace of rows sorted whole is bounded (the engine's activation reserve
+    holds ``TOP_P_SORT_BYTES``), whoever sends flat rows (a high temperature, top_p near
+    1: the staged search's last stage sorts them all): 64 rows of 20,000 tokens, 4 rows
+    a chunk, make no tensor larger than 4 rows of float64 (the staged search's 4,096
+    candidates of each row aside), and keep the same tokens."""
+    vocab = 20_000
+    r = torch.randn(64, vocab) * 0.01  # flat: the nucleus past 4,096 candidates
+    ps = [0.999] * 60 + [0.2] * 4  # some settled among the candidates
+    want = r.clone()
+    top_p(want, ps)  # one chunk: the whole batch
+    workspace = 4 * warpers.SORT_BYTES_PER_TOKEN * vocab
+    got = r.clone()
     with patch.object(warpers, "TOP_P_SORT_BYTES", workspace), _Largest() as largest:
-        top_p(whole, ps, sync_free=True)
-    assert largest.bytes <= 4 * 5000 * 8
-    with _Largest() as largest:
-        top_p(staged, ps)
-    assert largest.bytes >= 64 * 5000 * 8
+        top_p(got, ps, sync_free)
+    candidates = 0 if sync_free else 64 * TOP_P_CANDIDATES[-1] * 8
+    mask = 64 * vocab  # what is removed: a bool a token, for all rows at once
+    assert largest.bytes <= max(4 * vocab * 8, candidates, mask) < 64 * vocab * 8
+    assert torch.equal(got, want)
 
 
 def _rows(vocab: int) -> list[SamplingRow]:
