@@ -154,8 +154,8 @@ class Publisher:
         if state.read_between:
             read = None
         if batch or (read and read[0] > 0) or state.extra:
+            state.reading = read[0] if read else 0  # before the sender may lower it
             self._sender.hand(_Trip(batch, read, state.extra))
-            state.reading = read[0] if read else 0
             state.extra = []
         if wait:
             self._sender.wait()
@@ -212,6 +212,8 @@ class Publisher:
         items = [item for _, _, item in trip.sent]
         appended = self.append(items) if items else []
         entries = self.intake.read(trip.read, None) if trip.read is not None else []
+        if trip.read is not None:  # those it brings, no longer the slots it planned for
+            self.state.reading = len(entries)
         unstarted = [Unstarted(stream, entry_id.decode()) for stream, entry_id, *_ in entries]
         for entry in unstarted:  # renewed from now on, while the engine steps
             self.state.leases.add(entry)

@@ -70,8 +70,9 @@ class WorkerState:
         # the worker read new entries after the last step (``Intake.between_steps``):
         # the sender's round trip reads none then
         self.read_between = False
-        # new entries the round trip on its way may read (its plan's count): not in the
-        # engine yet, but their slots are taken (a read between steps leaves them out)
+        # new entries the round trip may read (its plan's count while on its way; once it
+        # read, set by the sender's thread, those it read) until they are started: not in
+        # the engine yet, but their slots are taken (a read between steps leaves them out)
         self.reading = 0
         # for the renewer: the worker's thread is in an engine step / last looped at
         self.in_step = False

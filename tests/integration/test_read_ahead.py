@@ -19,7 +19,7 @@ import pytest
 from lorapool.engine.config import EngineArgs
 from lorapool.engine.llm_engine import LLMEngine
 from lorapool.protocol import SamplingParams
-from lorapool.worker import Worker, WorkerConfig
+from lorapool.worker import Worker, WorkerConfig, intake
 from lorapool.worker.serve import base_model_info
 
 pytestmark = pytest.mark.integration
@@ -107,3 +107,33 @@ def test_a_read_on_its_way_counts_against_the_read_between_steps(
     worker.teardown()
     assert all(job.result(timeout=1).outputs[0].finish_reason == "length" for job in jobs)
     assert most <= MAX_NUM_SEQS + ahead, most  # (entries held: also those whose finals wait)
+
+
+def test_reads_between_steps_come_back_once_the_trip_has_read(
+    engine, conn, keys, producer, model, monkeypatch
+):
+    """A read between steps the worker skipped (too dear once) leaves the read to the
+    round trip; once that trip has read (nothing here), the worker reads between steps
+    again: the slots a trip may fill are left out only while it may still fill them
+    (they were left out until the trip's results were taken back, after the next read
+    between steps, which was then skipped again, and again: for good)."""
+    monkeypatch.setattr(intake, "READ_SHARE", 1e9)  # no read too dear but the forced one
+    long = SamplingParams(max_tokens=40, ignore_eos=True)
+    jobs = [producer.submit({"prompt_token_ids": [5, i]}, long) for i in range(2)]
+    config = WorkerConfig(prefix=keys.prefix, shards=keys.shards, burst=True, read_ahead=4)
+    worker = Worker(engine, conn, config, base_model_info(model))
+    worker.ensure_group()
+    worker.run_once()  # both read while idle, and stepped
+    worker.intake._between_s = 1e9  # the next read between steps: too dear
+    worker.run_once()
+    assert not worker.state.read_between
+    worker.intake._between_s = 0.0  # cheap again
+    read_between = []
+    for _ in range(10):
+        worker.run_once()
+        read_between.append(worker.state.read_between)
+    while not worker.stopped:
+        worker.run_once()
+    worker.teardown()
+    assert all(job.result(timeout=1).outputs[0].finish_reason == "length" for job in jobs)
+    assert sum(read_between) >= 5, read_between
